@@ -1,0 +1,477 @@
+"""The one interface every layer above talks to: :class:`CommunicationBackend`.
+
+Public methods validate their arguments, call the engine (the ``_``-prefixed methods a concrete
+backend implements) and record what this rank sent and received in :attr:`CommunicationBackend.stats`.
+Validation and byte accounting live here, once, so every engine reports the same numbers for the
+same call.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dtlab.backends.stats import CommStats
+
+__all__ = ["CommunicationBackend", "ReduceOp", "Work", "CompletedWork"]
+
+SUPPORTED_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.int8,
+    torch.bool,
+)
+
+
+class ReduceOp(enum.Enum):
+    """Reduction applied by ``all_reduce``, ``reduce`` and ``reduce_scatter``."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    PRODUCT = "product"
+
+
+class Work(ABC):
+    """Handle of a non-blocking operation; ``wait()`` completes it (for ``irecv``: returns the source)."""
+
+    @abstractmethod
+    def wait(self) -> int | None: ...
+
+    def is_completed(self) -> bool:
+        return False
+
+
+class CompletedWork(Work):
+    """A handle for an operation that already finished."""
+
+    def __init__(self, result: int | None = None) -> None:
+        self._result = result
+
+    def wait(self) -> int | None:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CommunicationBackend(ABC):
+    """Collectives, point-to-point and object exchange among ``world_size`` ranks.
+
+    Vocabulary and in-place contracts follow ``torch.distributed``. Byte counters follow the ring
+    convention (see ``docs/backends.md``): with ``P`` ranks and ``n`` bytes, ``all_reduce`` sends and
+    receives ``2(P-1)/P * n``; ``reduce_scatter`` and ``all_gather`` ``(P-1)/P`` of the full buffer;
+    ``broadcast``/``reduce`` run along a chain starting (ending) at the root; point-to-point counts
+    the message.
+    """
+
+    def __init__(self, rank: int, world_size: int, stats_parent: CommStats | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self._rank = rank
+        self._world_size = world_size
+        self._stats = CommStats(parent=stats_parent)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where this rank's tensors live (``cpu`` or ``cuda:i``)."""
+
+    @property
+    def stats(self) -> CommStats:
+        """Per kind of operation: calls, bytes sent and bytes received by this rank."""
+        return self._stats
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        return f"{self.name}(rank={self.rank}, world_size={self.world_size})"
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        """Reduce ``tensor`` over all ranks, in place, on every rank."""
+        self._check_tensor(tensor, "all_reduce")
+        self._check_op(tensor, op, "all_reduce")
+        t0 = time.perf_counter()
+        self._all_reduce(tensor, op)
+        dt = time.perf_counter() - t0
+        p, n = self.world_size, _nbytes(tensor)
+        moved = 2 * (p - 1) * n // p
+        self._stats.record("all_reduce", moved, moved, dt)
+
+    # ------------------------------------------------------------------ non-blocking collectives
+    def iall_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
+        """Non-blocking ``all_reduce``; ``tensor`` holds the result once ``wait()`` returns.
+
+        Engines that cannot overlap (in-memory) complete it before returning. Bytes are counted at
+        the call; ``stats`` seconds measure the call, not the wait.
+        """
+        self._check_tensor(tensor, "iall_reduce")
+        self._check_op(tensor, op, "iall_reduce")
+        t0 = time.perf_counter()
+        work = self._iall_reduce(tensor, op)
+        dt = time.perf_counter() - t0
+        p, n = self.world_size, _nbytes(tensor)
+        moved = 2 * (p - 1) * n // p
+        self._stats.record("all_reduce", moved, moved, dt)
+        return work
+
+    def ireduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
+        """Non-blocking ``reduce_scatter`` (same contract); complete it with ``wait()``."""
+        self._check_reduce_scatter(output, input, op)
+        t0 = time.perf_counter()
+        work = self._ireduce_scatter(output, input, op)
+        dt = time.perf_counter() - t0
+        moved = (self.world_size - 1) * _nbytes(output)
+        self._stats.record("reduce_scatter", moved, moved, dt)
+        return work
+
+    def iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """Non-blocking ``all_gather`` (same contract); complete it with ``wait()``."""
+        self._check_all_gather(output, input)
+        t0 = time.perf_counter()
+        work = self._iall_gather(output, input)
+        dt = time.perf_counter() - t0
+        moved = (self.world_size - 1) * _nbytes(input)
+        self._stats.record("all_gather", moved, moved, dt)
+        return work
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM) -> None:
+        """Reduce ``tensor`` over all ranks into rank ``dst``'s tensor; others keep theirs."""
+        self._check_tensor(tensor, "reduce")
+        self._check_root(dst, "reduce", "dst")
+        self._check_op(tensor, op, "reduce")
+        t0 = time.perf_counter()
+        self._reduce(tensor, dst, op)
+        dt = time.perf_counter() - t0
+        # chain (dst+1) -> (dst+2) -> ... -> dst: everyone but dst sends, everyone but the start receives
+        p, n = self.world_size, _nbytes(tensor)
+        start = (dst + 1) % p
+        sent = n if (p > 1 and self.rank != dst) else 0
+        received = n if (p > 1 and self.rank != start) else 0
+        self._stats.record("reduce", sent, received, dt)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
+        self._check_tensor(tensor, "broadcast")
+        self._check_root(src, "broadcast", "src")
+        t0 = time.perf_counter()
+        self._broadcast(tensor, src)
+        dt = time.perf_counter() - t0
+        # chain src -> src+1 -> ... -> src-1: everyone but the last sends, everyone but src receives
+        p, n = self.world_size, _nbytes(tensor)
+        last = (src - 1) % p
+        sent = n if (p > 1 and self.rank != last) else 0
+        received = n if (p > 1 and self.rank != src) else 0
+        self._stats.record("broadcast", sent, received, dt)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        """``input`` holds ``world_size * output.numel()`` elements; rank r gets the reduced r-th chunk."""
+        self._check_reduce_scatter(output, input, op)
+        t0 = time.perf_counter()
+        self._reduce_scatter(output, input, op)
+        dt = time.perf_counter() - t0
+        moved = (self.world_size - 1) * _nbytes(output)
+        self._stats.record("reduce_scatter", moved, moved, dt)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output`` receives ``world_size * input.numel()`` elements: every rank's input in rank order."""
+        self._check_all_gather(output, input)
+        t0 = time.perf_counter()
+        self._all_gather(output, input)
+        dt = time.perf_counter() - t0
+        moved = (self.world_size - 1) * _nbytes(input)
+        self._stats.record("all_gather", moved, moved, dt)
+
+    def all_gather_v(self, input: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Variable-sized all-gather: each rank contributes ``input.numel()`` elements (may differ).
+
+        Returns the flat concatenation of every rank's input in rank order and the per-rank counts.
+        All ranks must pass the same dtype.
+        """
+        self._check_tensor(input, "all_gather_v", "input")
+        t0 = time.perf_counter()
+        output, counts = self._all_gather_v(input.reshape(-1))
+        dt = time.perf_counter() - t0
+        # ring: rank r forwards every chunk but its successor's and receives every chunk but its own;
+        # plus the exchange of the counts (one int64 per rank)
+        p, es = self.world_size, input.element_size()
+        total = sum(counts)
+        sent = (total - counts[(self.rank + 1) % p]) * es + 8 * (p - 1)
+        received = (total - counts[self.rank]) * es + 8 * (p - 1)
+        self._stats.record("all_gather_v", sent, received, dt)
+        return output, counts
+
+    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+        """``inputs[j]`` goes to rank j; ``outputs[i]`` receives what rank i sent to this rank."""
+        p = self.world_size
+        if len(outputs) != p or len(inputs) != p:
+            raise ValueError(
+                f"all_to_all needs world_size={p} output and input tensors, got "
+                f"{len(outputs)} outputs and {len(inputs)} inputs"
+            )
+        dtypes = {t.dtype for t in list(outputs) + list(inputs)}
+        if len(dtypes) > 1:
+            raise ValueError(f"all_to_all: all tensors must share one dtype, got {sorted(map(str, dtypes))}")
+        for i, t in enumerate(inputs):
+            self._check_tensor(t, "all_to_all", f"inputs[{i}]")
+        for i, t in enumerate(outputs):
+            self._check_tensor(t, "all_to_all", f"outputs[{i}]")
+        t0 = time.perf_counter()
+        self._all_to_all(list(outputs), list(inputs))
+        dt = time.perf_counter() - t0
+        me = self.rank
+        sent = sum(_nbytes(t) for j, t in enumerate(inputs) if j != me)
+        received = sum(_nbytes(t) for i, t in enumerate(outputs) if i != me)
+        self._stats.record("all_to_all", sent, received, dt)
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches the barrier."""
+        t0 = time.perf_counter()
+        self._barrier()
+        dt = time.perf_counter() - t0
+        self._stats.record("barrier", 0, 0, dt)
+
+    # ------------------------------------------------------------------ point-to-point
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send ``tensor`` to ``dst``; messages between a pair with one tag arrive in order."""
+        self._check_tensor(tensor, "send")
+        self._check_peer(dst, "send", "dst")
+        t0 = time.perf_counter()
+        self._send(tensor, dst, tag)
+        dt = time.perf_counter() - t0
+        self._stats.record("send", _nbytes(tensor), 0, dt)
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
+        """Receive into ``tensor`` from ``src`` (``None``: any rank); returns the source rank."""
+        self._check_tensor(tensor, "recv")
+        if src is not None:
+            self._check_peer(src, "recv", "src")
+        t0 = time.perf_counter()
+        source = self._recv(tensor, src, tag)
+        dt = time.perf_counter() - t0
+        self._stats.record("recv", 0, _nbytes(tensor), dt)
+        return source
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        """Non-blocking send; do not modify ``tensor`` until the handle's ``wait()`` returns."""
+        self._check_tensor(tensor, "isend")
+        self._check_peer(dst, "isend", "dst")
+        t0 = time.perf_counter()
+        work = self._isend(tensor, dst, tag)
+        dt = time.perf_counter() - t0
+        self._stats.record("send", _nbytes(tensor), 0, dt)
+        return work
+
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
+        """Non-blocking receive; ``wait()`` returns the source rank once ``tensor`` is filled."""
+        self._check_tensor(tensor, "irecv")
+        if src is not None:
+            self._check_peer(src, "irecv", "src")
+        t0 = time.perf_counter()
+        work = self._irecv(tensor, src, tag)
+        dt = time.perf_counter() - t0
+        self._stats.record("recv", 0, _nbytes(tensor), dt)
+        return work
+
+    # ------------------------------------------------------------------ objects
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Return rank ``src``'s ``obj`` on every rank (pickled; only exchange trusted objects)."""
+        self._check_root(src, "broadcast_object", "src")
+        t0 = time.perf_counter()
+        result, nbytes = self._broadcast_object(obj, src)
+        dt = time.perf_counter() - t0
+        p = self.world_size
+        sent = nbytes if (p > 1 and self.rank != (src - 1) % p) else 0
+        received = nbytes if (p > 1 and self.rank != src) else 0
+        self._stats.record("broadcast_object", sent, received, dt)
+        return result
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every rank's ``obj`` in rank order."""
+        t0 = time.perf_counter()
+        result, sizes = self._all_gather_object(obj)
+        dt = time.perf_counter() - t0
+        p, total = self.world_size, sum(sizes)
+        sent = total - sizes[(self.rank + 1) % p] + 8 * (p - 1)
+        received = total - sizes[self.rank] + 8 * (p - 1)
+        self._stats.record("all_gather_object", sent, received, dt)
+        return result
+
+    # ------------------------------------------------------------------ groups
+    def new_group(self, ranks: Sequence[int]) -> CommunicationBackend | None:
+        """Called by every rank; members get a backend with ranks renumbered in the given order."""
+        members = [int(r) for r in ranks]
+        if not members:
+            raise ValueError("new_group: ranks must not be empty")
+        if len(set(members)) != len(members):
+            raise ValueError(f"new_group: ranks must be distinct, got {members}")
+        bad = [r for r in members if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"new_group: ranks {bad} are outside [0, {self.world_size}) of this backend")
+        return self._new_group(members)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release engine resources (optional)."""
+
+    # ------------------------------------------------------------------ engine hooks
+    @abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None: ...
+
+    @abstractmethod
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None: ...
+
+    @abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
+
+    @abstractmethod
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None: ...
+
+    @abstractmethod
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _all_gather_v(self, input: torch.Tensor) -> tuple[torch.Tensor, list[int]]: ...
+
+    @abstractmethod
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def _barrier(self) -> None: ...
+
+    @abstractmethod
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None: ...
+
+    @abstractmethod
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int: ...
+
+    @abstractmethod
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work: ...
+
+    @abstractmethod
+    def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work: ...
+
+    @abstractmethod
+    def _new_group(self, ranks: list[int]) -> CommunicationBackend | None: ...
+
+    def _iall_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        self._all_reduce(tensor, op)
+        return CompletedWork()
+
+    def _ireduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+        self._reduce_scatter(output, input, op)
+        return CompletedWork()
+
+    def _iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        self._all_gather(output, input)
+        return CompletedWork()
+
+    def _broadcast_object(self, obj: Any, src: int) -> tuple[Any, int]:
+        """Default: pickle to a byte tensor, broadcast its size then its bytes."""
+        payload = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self._broadcast(size, src)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == src:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self._broadcast(buf, src)
+        result = obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
+        return result, int(size.item())
+
+    def _all_gather_object(self, obj: Any) -> tuple[list[Any], list[int]]:
+        """Default: pickle to a byte tensor and use the variable-sized all-gather."""
+        payload = pickle.dumps(obj)
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        flat, counts = self._all_gather_v(buf)
+        data = flat.cpu().numpy().tobytes()
+        out: list[Any] = []
+        offset = 0
+        for c in counts:
+            out.append(pickle.loads(data[offset : offset + c]))
+            offset += c
+        return out, counts
+
+    # ------------------------------------------------------------------ validation
+    def _check_tensor(self, t: object, op: str, name: str = "tensor") -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{op}: {name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (call .contiguous() first)")
+
+    def _check_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
+        self._check_tensor(output, "reduce_scatter", "output")
+        self._check_tensor(input, "reduce_scatter", "input")
+        self._check_same_dtype(output, input, "reduce_scatter")
+        if input.numel() != self.world_size * output.numel():
+            raise ValueError(
+                f"reduce_scatter: input has {input.numel()} elements but needs world_size * "
+                f"output.numel() = {self.world_size} * {output.numel()} = "
+                f"{self.world_size * output.numel()}; pad the input to a multiple of the world size"
+            )
+        self._check_op(output, op, "reduce_scatter")
+
+    def _check_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._check_tensor(output, "all_gather", "output")
+        self._check_tensor(input, "all_gather", "input")
+        self._check_same_dtype(output, input, "all_gather")
+        if output.numel() != self.world_size * input.numel():
+            raise ValueError(
+                f"all_gather: output has {output.numel()} elements but needs world_size * "
+                f"input.numel() = {self.world_size} * {input.numel()} = "
+                f"{self.world_size * input.numel()}"
+            )
+
+    def _check_same_dtype(self, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+        if a.dtype != b.dtype:
+            raise TypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}")
+
+    def _check_root(self, root: int, op: str, name: str) -> None:
+        if not isinstance(root, int) or not 0 <= root < self.world_size:
+            raise ValueError(f"{op}: {name}={root} is out of range [0, {self.world_size})")
+
+    def _check_peer(self, peer: int, op: str, name: str) -> None:
+        self._check_root(peer, op, name)
+        if peer == self.rank:
+            raise ValueError(f"{op}: {name}={peer} is this rank itself; send to another rank")
+
+    def _check_op(self, t: torch.Tensor, op: ReduceOp, where: str) -> None:
+        if not isinstance(op, ReduceOp):
+            raise TypeError(f"{where}: op must be a dtlab.backends.ReduceOp, got {op!r}")
+        if op is ReduceOp.AVG and not (t.is_floating_point()):
+            raise TypeError(
+                f"{where}: ReduceOp.AVG needs a floating-point tensor, got {t.dtype}; "
+                "use SUM and divide, or cast to float"
+            )

@@ -1,0 +1,48 @@
+"""Every error dtlab raises on purpose derives from :class:`DtlabError`."""
+
+from __future__ import annotations
+
+
+class DtlabError(Exception):
+    """Base class of all dtlab errors."""
+
+
+class RankFailedError(DtlabError):
+    """A rank of a world raised; ``rank`` names it and ``__cause__`` holds the original exception."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class WorldAbortedError(DtlabError):
+    """Raised on the ranks that were waiting when another rank failed and aborted the world."""
+
+
+class CollectiveTimeoutError(DtlabError, TimeoutError):
+    """A collective or point-to-point wait was not completed within the timeout."""
+
+    def __init__(self, message: str, missing_ranks: tuple[int, ...] = (), operation: str = "") -> None:
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+        self.operation = operation
+
+
+class CollectiveMismatchError(DtlabError):
+    """Ranks called different collectives (kind, shape, dtype, reduce op or root) at the same point."""
+
+
+class BackendInitError(DtlabError):
+    """A backend could not be started (missing launcher variables, engine not installed, no GPU)."""
+
+
+class CheckpointError(DtlabError):
+    """A checkpoint is missing, truncated, corrupted or does not fit the model it is loaded into."""
+
+
+class ConfigError(DtlabError, ValueError):
+    """A configuration value is invalid; the message names the field, the value and what is allowed."""
+
+
+class StrategyError(DtlabError, ValueError):
+    """A model or optimizer strategy was used in a way it does not support."""

@@ -1,0 +1,64 @@
+"""What every optimizer strategy offers (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from dtlab.models.base import ModelStrategy, ShardedState
+
+__all__ = ["OptimizerStrategy"]
+
+
+class OptimizerStrategy(ABC):
+    """Wraps a model strategy and any ``torch.optim`` class: ``ZeRO1Optimizer(model, AdamW, lr=...)``.
+
+    It owns which rank holds which optimizer state, ``step()``, ``zero_grad()``, reshardable state,
+    the global gradient norm (correct under sharded gradients) and consensus helpers.
+    """
+
+    strategy_name: ClassVar[str] = "base"
+    #: model strategy names this optimizer strategy accepts; a mismatch is an error at construction
+    compatible_models: ClassVar[tuple[str, ...]] = ()
+
+    model: ModelStrategy
+
+    @property
+    @abstractmethod
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The local torch optimizer (over this rank's shard); LR schedulers attach to it."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @abstractmethod
+    def step(self) -> None: ...
+
+    @abstractmethod
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    @abstractmethod
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over all ranks' (synchronized) gradients; returns that norm."""
+
+    @abstractmethod
+    def grads_are_finite(self) -> bool:
+        """True on every rank iff every rank's synchronized gradients are finite (a consensus)."""
+
+    @abstractmethod
+    def sharded_state_dict(self) -> ShardedState: ...
+
+    @abstractmethod
+    def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None: ...
+
+    def agree(self, flag: bool) -> bool:
+        """Consensus: True on every rank iff ``flag`` is True on every rank (early stopping etc.)."""
+        t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=self.model.backend.device)
+        from dtlab.backends.base import ReduceOp
+
+        self.model.backend.all_reduce(t, ReduceOp.MAX)
+        return int(t.item()) == 0
