@@ -1,0 +1,108 @@
+"""Reading checkpoints: every file's size and SHA-256 checked against ``meta.json`` before use."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+
+from dtlab.checkpoint.files import FORMAT_VERSION, LATEST, META, shard_name
+from dtlab.errors import CheckpointError
+from dtlab.models.base import ShardedState
+
+__all__ = ["LoadedCheckpoint", "read_checkpoint", "resolve_checkpoint"]
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    meta: dict[str, Any]
+    model: list[ShardedState]
+    optim: list[ShardedState] | None
+    #: per saved rank: RNG states and other per-rank tensors
+    rank_states: list[dict[str, torch.Tensor]]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.meta["world_size"])
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step directory (holding ``meta.json``) or a checkpoint root (its ``latest`` pointer)."""
+    p = Path(path)
+    if (p / META).is_file():
+        return p
+    pointer = p / LATEST
+    if pointer.is_file():
+        target = p / pointer.read_text().strip()
+        if not (target / META).is_file():
+            raise CheckpointError(
+                f"{pointer} names {target.name!r}, which has no {META}; the checkpoint is gone"
+            )
+        return target
+    if not p.exists():
+        raise CheckpointError(f"checkpoint path {str(p)!r} does not exist")
+    raise CheckpointError(
+        f"{str(p)!r} is neither a step directory (no {META}) nor a checkpoint root (no {LATEST})"
+    )
+
+
+def _read_meta(step_dir: Path) -> dict[str, Any]:
+    path = step_dir / META
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is corrupted (not valid JSON: {exc})") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: unsupported checkpoint format {meta.get('format_version')!r}")
+    return meta
+
+
+def _read_tensors(step_dir: Path, name: str, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    import hashlib
+
+    path = step_dir / name
+    if not path.is_file():
+        raise CheckpointError(f"shard file {path} is missing")
+    data = path.read_bytes()
+    if len(data) != int(info["bytes"]):
+        raise CheckpointError(
+            f"shard file {path} is truncated or extended: {len(data)} bytes, expected {info['bytes']}"
+        )
+    if hashlib.sha256(data).hexdigest() != info["sha256"]:
+        raise CheckpointError(f"shard file {path} is corrupted: its SHA-256 differs from the one in {META}")
+    try:
+        return st_load(data)
+    except SafetensorError as exc:  # pragma: no cover - the checksum catches this first
+        raise CheckpointError(f"shard file {path} is not a valid safetensors file: {exc}") from None
+
+
+def read_checkpoint(path: str | Path, with_optimizer: bool = True) -> LoadedCheckpoint:
+    """Read and verify every rank's shards (tensors on CPU)."""
+    step_dir = resolve_checkpoint(path)
+    meta = _read_meta(step_dir)
+    files: dict[str, Any] = meta["files"]
+    model, optim, states = [], [], []
+    for entry in meta["ranks"]:
+        r = int(entry["rank"])
+        model.append(
+            ShardedState(
+                _read_tensors(step_dir, shard_name("model", r), files[shard_name("model", r)]), entry["model"]
+            )
+        )
+        if with_optimizer and entry.get("optim") is not None:
+            name = shard_name("optim", r)
+            optim.append(ShardedState(_read_tensors(step_dir, name, files[name]), entry["optim"]))
+        states.append(_read_tensors(step_dir, shard_name("state", r), files[shard_name("state", r)]))
+    return LoadedCheckpoint(step_dir, meta, model, optim if optim else None, states)

@@ -1,0 +1,324 @@
+"""``TrainConfig``: every setting of ``dtlab train``, validated before any work starts.
+
+Load with :func:`load_config` from YAML or TOML plus ``key=value`` overrides (values parsed as YAML
+scalars: ``2`` is an int, ``1e-3`` a float, ``true`` a bool, ``[1, 2]`` a list). Every invalid value
+is one :class:`~dtlab.errors.ConfigError` naming the field by its dotted path (``compression.density``),
+the value and what is allowed. Checks that need the world size (global batch divisibility) run in
+:func:`check_world_size` as soon as the backend is known, still before any training work.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dtlab.errors import ConfigError
+
+__all__ = [
+    "MODEL_STRATEGIES",
+    "OPTIMIZER_STRATEGIES",
+    "BackendConfig",
+    "CheckpointConfig",
+    "CompressionConfig",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "StrategyConfig",
+    "TrainConfig",
+    "TrainingConfig",
+    "apply_overrides",
+    "check_world_size",
+    "load_config",
+]
+
+MODEL_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+OPTIMIZER_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+#: which optimizer strategies fit which model strategy (mirrors each class's ``compatible_models``)
+COMPATIBLE: dict[str, tuple[str, ...]] = {
+    "ddp": ("ddp",),
+    "zero1": ("zero1",),
+    "zero2": ("zero2",),
+    "zero3": ("zero3", "fsdp"),
+}
+DEFAULT_OPTIMIZER_STRATEGY = {
+    "ddp": "ddp",
+    "zero1": "zero1",
+    "zero2": "zero2",
+    "zero3": "zero3",
+    "fsdp": "zero3",
+}
+COMPRESSORS = ("none", "dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class BackendConfig(_Section):
+    #: ``auto``: a launcher's environment (torchrun, mpiexec) picks gloo/nccl/mpi; none -> in-memory
+    name: Literal["auto", "inmemory", "mpi", "gloo", "nccl"] = "auto"
+    #: ranks of the in-memory world (threads); under a launcher the launcher decides
+    world_size: int = Field(default=4, ge=1, le=64)
+    #: seconds any collective may wait before it fails naming the missing ranks
+    timeout: float = Field(default=120.0, gt=0)
+
+
+class StrategyConfig(_Section):
+    model: Literal["ddp", "zero1", "zero2", "zero3", "fsdp"] = "ddp"
+    #: optimizer strategy; ``None`` picks the one that fits ``strategy.model``
+    optimizer: Literal["ddp", "zero1", "zero2", "zero3"] | None = None
+    #: DDP gradient bucket size in MiB
+    bucket_mb: float = Field(default=25.0, gt=0)
+
+    @property
+    def optimizer_name(self) -> str:
+        return self.optimizer or DEFAULT_OPTIMIZER_STRATEGY[self.model]
+
+    @model_validator(mode="after")
+    def _fits(self) -> StrategyConfig:
+        opt = self.optimizer_name
+        if self.model not in COMPATIBLE[opt]:
+            fitting = [o for o, models in COMPATIBLE.items() if self.model in models]
+            raise ValueError(
+                f"strategy.optimizer={opt!r} does not fit strategy.model={self.model!r}; "
+                f"for {self.model!r} use strategy.optimizer in {fitting} (or leave it unset)"
+            )
+        return self
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: float = Field(default=3e-3, gt=0)
+    weight_decay: float = Field(default=0.01, ge=0)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    betas: tuple[float, float] = (0.9, 0.99)
+    #: learning-rate schedule after warm-up: cosine to ``min_lr_ratio * lr``, step decay, or constant
+    schedule: Literal["cosine", "step", "constant"] = "cosine"
+    warmup_steps: int = Field(default=10, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    step_size: int = Field(default=100, ge=1)
+    gamma: float = Field(default=0.5, gt=0, le=1)
+    #: clip gradients by their global norm over all ranks' shards; ``None`` disables clipping
+    clip_grad_norm: float | None = Field(default=1.0, gt=0)
+
+
+class CompressionConfig(_Section):
+    algorithm: Literal["none", "dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk"] = "none"
+    #: fraction of gradient values each step sends, in (0, 1]
+    density: float = 0.01
+    tau: int = Field(default=64, ge=1)
+    tau_prime: int = Field(default=32, ge=1)
+    warmup_steps: int = Field(default=10, ge=0)
+
+    @field_validator("density")
+    @classmethod
+    def _density(cls, v: float) -> float:
+        if math.isnan(v) or not 0.0 < v <= 1.0:
+            raise ValueError("allowed range is (0, 1], e.g. 0.01 sends 1% of the gradient values")
+        return v
+
+
+class ModelConfig(_Section):
+    #: ``transformer_lm``: byte-level causal transformer; ``digits_cnn``: small CNN for 8x8 digits
+    name: Literal["transformer_lm", "digits_cnn"] = "transformer_lm"
+    d_model: int = Field(default=128, ge=8)
+    n_layers: int = Field(default=2, ge=1)
+    n_heads: int = Field(default=4, ge=1)
+    seq_len: int = Field(default=64, ge=2)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                "pick model.n_heads dividing model.d_model"
+            )
+        return self
+
+
+class DataConfig(_Section):
+    #: ``stdlib``: the Python standard library's own source files; ``digits``: scikit-learn's digits
+    dataset: Literal["stdlib", "digits"] = "stdlib"
+    #: bytes of the stdlib corpus to read (a deterministic subset of files, sorted by path)
+    max_bytes: int = Field(default=1_000_000, ge=10_000)
+    global_batch_size: int = Field(default=32, ge=1)
+    accumulation_steps: int = Field(default=1, ge=1)
+    #: fraction of the data held out for evaluation
+    eval_fraction: float = Field(default=0.05, gt=0, lt=1)
+    shuffle: bool = True
+
+
+class TrainingConfig(_Section):
+    steps: int = Field(default=150, ge=1)
+    seed: int = 0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    #: evaluate every N steps (and after the last); 0 disables evaluation
+    eval_every: int = Field(default=50, ge=0)
+    eval_batches: int = Field(default=4, ge=1)
+    #: stop when the eval loss has not improved by ``early_stopping_min_delta`` for N evaluations; 0: off
+    early_stopping_patience: int = Field(default=0, ge=0)
+    early_stopping_min_delta: float = Field(default=0.0, ge=0)
+    #: stop with an error after this many consecutive steps with a non-finite loss or gradient
+    max_nonfinite_steps: int = Field(default=5, ge=1)
+
+
+class CheckpointConfig(_Section):
+    #: directory holding one sub-directory per saved step; ``None`` disables checkpoints
+    dir: str | None = None
+    #: save every N steps (and after the last step); 0: only at the end
+    every: int = Field(default=0, ge=0)
+    keep_last: int = Field(default=2, ge=1)
+    #: resume from ``latest`` in ``checkpoint.dir``, or from an explicit step directory
+    resume: bool | str = False
+
+
+class LoggingConfig(_Section):
+    #: directory for ``metrics.jsonl`` and ``profile.json``; ``None``: nothing written
+    run_dir: str | None = "runs/default"
+    log_every: int = Field(default=10, ge=1)
+    progress: bool = True
+
+
+class TrainConfig(_Section):
+    backend: BackendConfig = BackendConfig()
+    strategy: StrategyConfig = StrategyConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    compression: CompressionConfig = CompressionConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainingConfig = TrainingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _cross(self) -> TrainConfig:
+        if (self.model.name == "digits_cnn") != (self.data.dataset == "digits"):
+            raise ValueError(
+                f"model.name={self.model.name!r} does not fit data.dataset={self.data.dataset!r}; "
+                "use transformer_lm with stdlib or digits_cnn with digits"
+            )
+        if self.backend.name == "inmemory":
+            check_world_size(self, self.backend.world_size)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def check_world_size(config: TrainConfig, world_size: int) -> None:
+    """Global batch must split evenly into ``world_size`` ranks x ``accumulation_steps`` micro-batches."""
+    g, a = config.data.global_batch_size, config.data.accumulation_steps
+    if g % (world_size * a):
+        ok = world_size * a
+        raise ConfigError(
+            f"data.global_batch_size={g} is not divisible by world size x data.accumulation_steps = "
+            f"{world_size} x {a} = {ok}; use a multiple of {ok} (e.g. {max(ok, g - g % ok)})"
+        )
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    model: Any = TrainConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            break
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        path = ".".join(str(p) for p in loc)
+        msg = e["msg"].removeprefix("Value error, ")
+        value = e.get("input")
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(_fields_at(loc[:-1]))
+            lines.append(f"{path}: unknown field (value {value!r}); allowed here: {allowed}")
+        elif e["type"] == "model_type" or isinstance(value, dict):
+            lines.append(msg)  # a cross-field check: its message names the fields
+        else:
+            lines.append(f"{path}={value!r} is not allowed: {msg}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"override key {dotted!r} is malformed; use section.field=value")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {p!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` strings (values parsed as YAML scalars) to a nested dict, in order."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} has no '='; write e.g. --set compression.density=0.01")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value {raw!r} is not a YAML scalar ({exc})") from None
+        if raw.strip().lower() in ("null", "none", "~"):
+            value = None
+        _set_path(tree, key.strip(), value)
+    return tree
+
+
+def _read_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    text = p.read_text()
+    if p.suffix == ".toml":
+        import importlib
+
+        try:
+            tomllib = importlib.import_module("tomllib")
+        except ModuleNotFoundError:  # Python 3.10
+            tomllib = importlib.import_module("tomli")
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    elif p.suffix in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    else:
+        raise ConfigError(f"config file {str(p)!r}: use a .yaml, .yml or .toml file")
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}"
+        )
+    return data
+
+
+def from_dict(tree: dict[str, Any]) -> TrainConfig:
+    """Validate a nested dict; any problem is one :class:`ConfigError` naming every bad field."""
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """The embedded default, a YAML/TOML file on top of it, then ``key=value`` overrides."""
+    tree: dict[str, Any] = _read_file(path) if path is not None else {}
+    return from_dict(apply_overrides(tree, list(overrides or [])))

@@ -1,0 +1,144 @@
+"""Checkpoint files: atomic save, keep-last-N, checksums, SIGKILL while saving, consolidation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.checkpoint import consolidate, full_tensors_from_shards, read_checkpoint, save_checkpoint
+from dtlab.errors import CheckpointError
+from dtlab.models.base import ShardedState
+from dtlab.testing import run_world
+
+FULL = {"w": torch.arange(10, dtype=torch.float32).reshape(2, 5), "b": torch.tensor([7.0, 8.0, 9.0])}
+
+
+def _shard(full: dict[str, torch.Tensor], rank: int, world: int, scale: float = 1.0) -> ShardedState:
+    """Flat slices in the format shared by the strategies (metadata['entries'])."""
+    tensors, entries = {}, {}
+    for k, v in full.items():
+        n = v.numel()
+        per = -(-n // world)
+        s, e = min(n, rank * per), min(n, (rank + 1) * per)
+        tensors[k] = v.reshape(-1)[s:e] * scale
+        entries[k] = {"shape": list(v.shape), "dtype": "float32", "start": s, "end": e}
+    return ShardedState(tensors, {"strategy": "test", "world_size": world, "rank": rank, "entries": entries})
+
+
+def _save(backend: CommunicationBackend, root: str, steps: list[int], keep_last: int) -> str:
+    out = ""
+    for step in steps:
+        shard = _shard(FULL, backend.rank, backend.world_size, scale=float(step))
+        rng = {"torch_cpu": torch.get_rng_state()}
+        out = str(
+            save_checkpoint(root, step, backend, shard, None, rng, {"trainer": {"step": step}}, keep_last)
+        )
+    return out
+
+
+def test_save_load_keep_last_and_consolidate(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    paths = run_world(2, _save, str(root), [1, 2, 3], 2)
+    assert paths[0] == paths[1] == str(root / "step_00000003")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    assert (root / "latest").read_text().strip() == "step_00000003"
+    ck = read_checkpoint(root)
+    assert ck.step == 3 and ck.world_size == 2 and len(ck.model) == 2 and ck.optim is None
+    full = full_tensors_from_shards(ck.model)
+    for k, v in FULL.items():
+        torch.testing.assert_close(full[k], v * 3, rtol=0, atol=0)
+    meta = json.loads((root / "step_00000003" / "meta.json").read_text())
+    assert set(meta["files"]) == {
+        f"{kind}_rank{r:05d}.safetensors" for kind in ("model", "state") for r in range(2)
+    }
+    assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in meta["files"].values())
+    out = consolidate(root / "step_00000002", tmp_path / "full.safetensors")
+    loaded = load_file(str(out))
+    for k, v in FULL.items():
+        torch.testing.assert_close(loaded[k], v * 2, rtol=0, atol=0)
+
+
+def test_missing_truncated_and_corrupted_shards_name_the_file(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run_world(2, _save, str(root), [5], 1)
+    step = root / "step_00000005"
+    shard = step / "model_rank00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model_rank00001\.safetensors is truncated"):
+        read_checkpoint(root)
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match=r"model_rank00001\.safetensors is corrupted"):
+        read_checkpoint(root)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=r"model_rank00001\.safetensors is missing"):
+        read_checkpoint(root)
+    (step / "meta.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"meta\.json is corrupted"):
+        read_checkpoint(step)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_checkpoint(tmp_path / "nowhere")
+
+
+WRITER = """
+import sys, torch
+torch.set_num_threads(1)
+from dtlab.checkpoint import save_checkpoint
+from dtlab.models.base import ShardedState
+from dtlab.testing import run_world
+
+def body(backend, root):
+    big = torch.randn(1 << 20)  # 4 MiB per rank per file: a save takes a while
+    step = 0
+    while True:
+        step += 1
+        entries = {"big": {"shape": [big.numel() * 2], "dtype": "float32",
+                           "start": backend.rank * big.numel(), "end": (backend.rank + 1) * big.numel()}}
+        shard = ShardedState({"big": big + step}, {"rank": backend.rank, "entries": entries})
+        save_checkpoint(root, step, backend, shard, None, {"x": torch.zeros(1)}, {"trainer": {}}, keep_last=2)
+        if backend.rank == 0:
+            print(step, flush=True)
+
+run_world(2, body, sys.argv[1], timeout=60)
+"""
+
+
+def test_sigkill_while_saving_leaves_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    for delay in (0.0, 0.05, 0.13):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(root)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        try:
+            deadline = time.monotonic() + 60
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # the first checkpoint is complete
+            assert line.strip(), "writer produced no checkpoint"
+            assert time.monotonic() < deadline
+            time.sleep(delay)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        ck = read_checkpoint(root)  # checksums verified: the latest is complete
+        full = full_tensors_from_shards(ck.model)["big"]
+        assert full.numel() == 2 << 20
+        assert ck.step >= 1
+        shutil_dirs = [p for p in root.iterdir() if p.name.startswith("step_")]
+        assert all((p / "meta.json").is_file() for p in shutil_dirs)
