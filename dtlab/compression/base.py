@@ -1,0 +1,153 @@
+"""What every gradient compressor offers, and the per-buffer state the reducer keeps for it.
+
+A compressor is a small frozen configuration (``OkTopk(density=0.01)``) plus two exchange methods
+that every rank of a data-parallel group calls with the same buffer:
+
+- :meth:`Compressor.all_reduce` turns this rank's accumulated gradient ``acc`` (gradient plus error-
+  feedback residual, flat float32) into the *average* over ranks of what the ranks sent;
+- :meth:`Compressor.reduce_scatter` does the same for this rank's equal shard only.
+
+Both return an :class:`Exchange`: the averaged result, what this rank *contributed* to it (the error-
+feedback mechanism keeps ``acc - contributed`` as the residual), how many elements were selected and
+how long the selection took. The mutable per-buffer state (thresholds, region boundaries, step
+counters) lives in a dict the reducer owns, never in the compressor object, so one compressor object
+can serve many buffers, reducers and in-memory ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.errors import ConfigError, DtlabError
+
+__all__ = ["Compressor", "Exchange", "NonFiniteGradientError", "SparseCompressor"]
+
+#: indices travel as int32 next to float32 values; buffers must stay below this many elements
+MAX_NUMEL = 2**31 - 1
+
+
+class NonFiniteGradientError(DtlabError):
+    """A gradient handed to a compressed reducer holds NaN or Inf values (on the ranks named)."""
+
+    def __init__(self, message: str, key: str, counts: list[int]) -> None:
+        super().__init__(message)
+        self.key = key
+        self.counts = counts
+
+
+@dataclass
+class Exchange:
+    """Outcome of one compressed exchange on one rank.
+
+    ``result``: the average over ranks (full buffer for all-reduce, this rank's shard for
+    reduce-scatter). ``contributed``: the dense, full-length tensor of what this rank put into the
+    sum (``None``: all of ``acc``). ``local_selected``: elements this rank selected to send;
+    ``global_selected``: elements of the synchronized result (``None`` where a rank cannot know it
+    without extra communication). ``select_seconds``: time spent choosing what to send.
+    """
+
+    result: torch.Tensor
+    contributed: torch.Tensor | None
+    local_selected: int
+    global_selected: int | None
+    select_seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compressor(ABC):
+    """Base of every compressor; subclasses are frozen dataclasses configured by keyword."""
+
+    #: short name used in benchmarks, statistics and errors
+    name: ClassVar[str] = "base"
+    #: dense all-reduce iterations before compression starts (per buffer)
+    warmup_steps: int = 0
+    #: keep what was not sent and add it to the next gradient (error feedback)
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(
+                f"{type(self).__name__}: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}"
+            )
+
+    def validate_numel(self, numel: int, key: str) -> None:
+        """Raise a clear error when a buffer of ``numel`` elements cannot be compressed."""
+        if numel > MAX_NUMEL:
+            raise ConfigError(
+                f"{self.name}: buffer {key!r} has {numel} elements; compressed buffers must stay below "
+                f"2**31 (indices travel as int32); use smaller buckets"
+            )
+
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+        """Fresh mutable state for one buffer (thresholds, boundaries, counters)."""
+        return {}
+
+    @abstractmethod
+    def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
+        """Average ``acc`` (flat float32) over ranks in compressed form."""
+
+    def reduce_scatter(
+        self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend
+    ) -> Exchange:
+        """Average of chunk ``rank`` of ``acc`` (``acc.numel()`` divisible by the world size).
+
+        Default: the compressed all-reduce, keeping this rank's chunk. Algorithms with a sparse
+        reduce-scatter phase (Ok-Topk, TopkDSA) override it and skip their gather phase.
+        """
+        ex = self.all_reduce(state, acc, backend)
+        n = acc.numel() // backend.world_size
+        ex.result = ex.result[backend.rank * n : (backend.rank + 1) * n]
+        return ex
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{type(self).__name__}({fields})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseCompressor(Compressor):
+    """A compressor that keeps about ``k = density * numel`` elements of every buffer."""
+
+    density: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        d = self.density
+        if isinstance(d, bool) or not isinstance(d, int | float) or not math.isfinite(d) or not 0 < d <= 1:
+            raise ConfigError(
+                f"{type(self).__name__}: density must be in (0, 1] (the fraction of gradient elements "
+                f"sent, e.g. 0.01), got {d!r}"
+            )
+
+    def k(self, numel: int) -> int:
+        return int(self.density * numel)
+
+    def validate_numel(self, numel: int, key: str) -> None:
+        super().validate_numel(numel, key)
+        if self.k(numel) < 1:
+            need = 1.0 / numel
+            raise ConfigError(
+                f"{self.name}: density={self.density} x {numel} elements of buffer {key!r} rounds to "
+                f"k=0 elements; use density >= {need:.3g} or send buffers this small dense "
+                f"(raise dense_below above {numel})"
+            )
+
+
+def dense_exchange(acc: torch.Tensor, backend: CommunicationBackend, shard: bool) -> Exchange:
+    """Uncompressed average of ``acc`` (used for warm-up iterations and skip rules)."""
+    p = backend.world_size
+    if shard:
+        out = torch.empty(acc.numel() // p, dtype=acc.dtype, device=acc.device)
+        backend.reduce_scatter(out, acc, ReduceOp.SUM)
+    else:
+        out = acc.clone()
+        backend.all_reduce(out, ReduceOp.SUM)
+    out.div_(p)
+    return Exchange(out, None, acc.numel(), acc.numel())

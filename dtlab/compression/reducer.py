@@ -1,0 +1,192 @@
+"""``CompressedReducer``: a :class:`GradientReducer` that sends gradients through a compressor.
+
+It is what :class:`~dtlab.optimizers.compression.GradientCompressionOptimizer` plugs into a model
+strategy and what :class:`~dtlab.compression.GradientSynchronizer` uses on its own. Per call:
+
+1. ``acc = grad + residual`` (error feedback), checked for NaN/Inf on every rank (one all-reduce of
+   ``P`` int32 counts, so every rank takes the same decision: raise, or with ``nonfinite="skip"``
+   return NaN gradients so a NaN guard skips the step; the residual is left untouched either way);
+2. dense exchange during the compressor's ``warmup_steps``, else the compressor's exchange;
+3. ``residual = acc - contributed``; the average is written back in the gradient's dtype;
+4. bytes (from ``backend.stats`` deltas), selection and times are added to this step's statistics.
+
+``Dense`` and buffers below ``dense_below`` elements use the plain dense reducer unchanged (bit-exact,
+overlapped where the engine overlaps). Compressed exchanges complete inside the call (the returned
+``Work`` is already complete).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
+from dtlab.compression.base import Compressor, Exchange, NonFiniteGradientError, dense_exchange
+from dtlab.compression.dense import Dense
+from dtlab.compression.error_feedback import ErrorFeedback
+from dtlab.compression.stats import StepStatistics
+from dtlab.errors import ConfigError
+from dtlab.models.reducer import DenseReducer, GradientReducer
+
+__all__ = ["CompressedReducer"]
+
+NonFinitePolicy = Literal["raise", "skip"]
+
+
+class CompressedReducer(GradientReducer):
+    """Average gradients over ``backend`` through ``compressor`` with error feedback and statistics."""
+
+    def __init__(
+        self,
+        backend: CommunicationBackend,
+        compressor: Compressor,
+        *,
+        dense_below: int = 1024,
+        nonfinite: NonFinitePolicy = "raise",
+    ) -> None:
+        super().__init__(backend)
+        if not isinstance(compressor, Compressor):
+            raise TypeError(
+                f"compressor must be a dtlab.compression compressor such as OkTopk(density=0.01), "
+                f"got {type(compressor).__name__}"
+            )
+        if isinstance(dense_below, bool) or not isinstance(dense_below, int) or dense_below < 0:
+            raise ConfigError(f"dense_below must be an integer >= 0 (elements), got {dense_below!r}")
+        if nonfinite not in ("raise", "skip"):
+            raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        self.compressor = compressor
+        self.dense_below = dense_below
+        self.nonfinite = nonfinite
+        self.error_feedback = ErrorFeedback()
+        self._dense = DenseReducer(backend)
+        self._states: dict[str, dict[str, Any]] = {}
+        self._steps: dict[str, int] = {}
+        self._stats = StepStatistics(compressor.name)
+
+    # ------------------------------------------------------------------ GradientReducer
+    def all_reduce(self, key: str, grad: torch.Tensor) -> Work:
+        self._check(key, grad, None)
+        return self._run(key, grad, None)
+
+    def reduce_scatter(self, key: str, grad: torch.Tensor, shard: torch.Tensor) -> Work:
+        self._check(key, grad, shard)
+        return self._run(key, grad, shard)
+
+    def start_step(self) -> None:
+        self._stats = StepStatistics(self.compressor.name)
+
+    def step_statistics(self) -> dict[str, Any]:
+        return self._stats.as_dict()
+
+    def iteration(self, key: str) -> int:
+        """How many times buffer ``key`` has been reduced (warm-up included)."""
+        return self._steps.get(key, 0)
+
+    # ------------------------------------------------------------------ internals
+    def _check(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None) -> None:
+        if not isinstance(grad, torch.Tensor) or not grad.is_floating_point():
+            what = grad.dtype if isinstance(grad, torch.Tensor) else type(grad).__name__
+            raise TypeError(
+                f"compressed reducer: gradient {key!r} must be a floating-point tensor, got {what}"
+            )
+        if grad.numel() == 0:
+            raise ValueError(
+                f"compressed reducer: gradient {key!r} is empty (0 elements); pass only non-empty buffers"
+            )
+        if not grad.is_contiguous():
+            raise ValueError(f"compressed reducer: gradient {key!r} must be contiguous")
+        p = self.backend.world_size
+        if shard is not None and grad.numel() != p * shard.numel():
+            raise ValueError(
+                f"compressed reducer: reduce_scatter of {key!r} needs grad.numel() == world_size * "
+                f"shard.numel(), got {grad.numel()} != {p} * {shard.numel()}"
+            )
+
+    def _dense_bytes(self, grad: torch.Tensor, shard: torch.Tensor | None) -> int:
+        p, n = self.backend.world_size, grad.numel() * grad.element_size()
+        return (p - 1) * n // p if shard is not None else 2 * (p - 1) * n // p
+
+    def _run(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None) -> Work:
+        stats, t0 = self.backend.stats, time.perf_counter()
+        sent0, recv0 = stats.bytes_sent, stats.bytes_received
+        n = grad.numel()
+        if isinstance(self.compressor, Dense) or n < self.dense_below:
+            work = (
+                self._dense.all_reduce(key, grad)
+                if shard is None
+                else self._dense.reduce_scatter(key, grad, shard)
+            )
+            self._record(n, None, grad, shard, sent0, recv0, t0, dense=True)
+            return work
+        self.compressor.validate_numel(n, key)
+        acc = self.error_feedback.accumulate(key, grad)
+        if not self._finite(key, acc):
+            (grad if shard is None else shard).fill_(float("nan"))
+            return CompletedWork()
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = self.compressor.new_state(key, n)
+        step = self._steps.get(key, 0)
+        warm = step < self.compressor.warmup_steps
+        if warm:
+            ex = dense_exchange(acc, self.backend, shard is not None)
+        elif shard is None:
+            ex = self.compressor.all_reduce(state, acc, self.backend)
+        else:
+            ex = self.compressor.reduce_scatter(state, acc, self.backend)
+        if self.compressor.error_feedback:
+            self.error_feedback.update(key, acc, ex.contributed)
+        self._steps[key] = step + 1
+        out = grad.view(-1) if shard is None else shard.view(-1)
+        out.copy_(ex.result)
+        self._record(n, ex, grad, shard, sent0, recv0, t0, dense=warm)
+        return CompletedWork()
+
+    def _finite(self, key: str, acc: torch.Tensor) -> bool:
+        p, me = self.backend.world_size, self.backend.rank
+        bad = int((~torch.isfinite(acc)).sum())
+        counts = torch.zeros(p, dtype=torch.int32, device=self.backend.device)
+        counts[me] = bad
+        if p > 1:
+            self.backend.all_reduce(counts, ReduceOp.SUM)
+        per_rank = [int(c) for c in counts.cpu().tolist()]
+        if sum(per_rank) == 0:
+            return True
+        where = ", ".join(f"rank {r}: {c}" for r, c in enumerate(per_rank) if c)
+        self._stats.nonfinite_values += sum(per_rank)
+        self._stats.nonfinite_keys.append(key)
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"gradient {key!r} holds non-finite values (NaN/Inf) ({where}); nothing was sent and "
+                f"the error-feedback residual was left unchanged. Lower the learning rate or enable "
+                f"loss scaling, or pass nonfinite='skip' to hand NaN gradients to a NaN guard",
+                key,
+                per_rank,
+            )
+        return False
+
+    def _record(
+        self,
+        n: int,
+        ex: Exchange | None,
+        grad: torch.Tensor,
+        shard: torch.Tensor | None,
+        sent0: int,
+        recv0: int,
+        t0: float,
+        dense: bool,
+    ) -> None:
+        stats = self.backend.stats
+        self._stats.add(
+            numel=n,
+            local_selected=n if ex is None else ex.local_selected,
+            global_selected=n if ex is None else ex.global_selected,
+            bytes_sent=stats.bytes_sent - sent0,
+            bytes_received=stats.bytes_received - recv0,
+            dense_bytes=self._dense_bytes(grad, shard),
+            select_seconds=0.0 if ex is None else ex.select_seconds,
+            total_seconds=time.perf_counter() - t0,
+            dense=dense,
+        )

@@ -1,0 +1,204 @@
+"""Sparse building blocks shared by the sparse all-reduce algorithms.
+
+Entries travel as interleaved ``(int32 index, float32 value bits)`` pairs in one int32 tensor, so one
+message carries both and every engine (MPI, gloo, NCCL, in-memory) moves a plain int32 buffer.
+Collectives here use only the :class:`CommunicationBackend` interface: ``all_gather`` of counts,
+point-to-point ``isend``/``irecv`` for the split-and-reduce and the balancing step, fixed-size
+``all_gather`` and ``all_gather_v`` for the gather phases, ``all_reduce`` of small histograms.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
+
+__all__ = [
+    "all_gather_counts",
+    "balanced_all_gather",
+    "distributed_kth_largest",
+    "exchange_p2p",
+    "local_topk",
+    "pack",
+    "select_by_threshold",
+    "split_and_reduce",
+    "unpack",
+]
+
+#: point-to-point tag of compression messages (distinct from pipeline/strategy tags)
+TAG = 7301
+#: peers exchanged with concurrently in the split-and-reduce (the reference code's throttle)
+THROTTLE = 4
+
+
+def pack(idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """Interleave int indices and float32 values into one int32 tensor of ``2 * len`` elements."""
+    out = torch.empty((idx.numel(), 2), dtype=torch.int32, device=vals.device)
+    out[:, 0] = idx
+    out[:, 1] = vals.to(torch.float32).view(torch.int32)
+    return out.view(-1)
+
+
+def unpack(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack`: (int64 indices, float32 values)."""
+    pairs = buf.view(-1, 2)
+    return pairs[:, 0].to(torch.int64), pairs[:, 1].contiguous().view(torch.float32)
+
+
+def local_topk(acc: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+    """Sorted indices of the ``k`` largest magnitudes (zeros never selected) and the k-th magnitude."""
+    mags = acc.abs()
+    k = min(k, acc.numel())
+    vals, idx = torch.topk(mags, k, sorted=False)
+    keep = vals > 0
+    if not bool(keep.all()):
+        idx, vals = idx[keep], vals[keep]
+    thr = float(vals.min()) if vals.numel() else 0.0
+    return torch.sort(idx).values, thr
+
+
+def select_by_threshold(acc: torch.Tensor, thr: float) -> torch.Tensor:
+    """Sorted indices with ``|acc| >= thr`` (and nonzero)."""
+    mags = acc.abs()
+    mask = mags >= thr if thr > 0 else mags > 0
+    return torch.nonzero(mask).view(-1)
+
+
+def all_gather_counts(backend: CommunicationBackend, counts: list[int]) -> torch.Tensor:
+    """Every rank's vector of counts: returns a ``(P, len(counts))`` int64 matrix (row = rank)."""
+    p = backend.world_size
+    mine = torch.tensor(counts, dtype=torch.int64, device=backend.device)
+    out = torch.empty(p * len(counts), dtype=torch.int64, device=backend.device)
+    backend.all_gather(out, mine)
+    return out.view(p, len(counts)).cpu()
+
+
+def exchange_p2p(
+    backend: CommunicationBackend, sends: list[torch.Tensor | None], recv_sizes: list[int]
+) -> list[torch.Tensor | None]:
+    """Send ``sends[j]`` to rank j and receive ``recv_sizes[i]`` int32 elements from rank i.
+
+    Rounds follow the reference code: in round s a rank sends to ``rank + s`` and receives from
+    ``rank - s``; at most :data:`THROTTLE` rounds are in flight. Empty messages are not sent (both
+    sides know the sizes). ``sends[rank]`` is returned as the own entry.
+    """
+    p, me = backend.world_size, backend.rank
+    received: list[torch.Tensor | None] = [None] * p
+    received[me] = sends[me]
+    for first in range(1, p, THROTTLE):
+        works: list[Work] = []
+        for s in range(first, min(first + THROTTLE, p)):
+            src = (me - s) % p
+            if recv_sizes[src] > 0:
+                buf = torch.empty(recv_sizes[src], dtype=torch.int32, device=backend.device)
+                received[src] = buf
+                works.append(backend.irecv(buf, src, TAG))
+        for s in range(first, min(first + THROTTLE, p)):
+            dst = (me + s) % p
+            msg = sends[dst]
+            if msg is not None and msg.numel() > 0:
+                works.append(backend.isend(msg, dst, TAG))
+        for w in works:
+            w.wait()
+    return received
+
+
+def split_and_reduce(
+    backend: CommunicationBackend, acc: torch.Tensor, idx: torch.Tensor, bounds: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse reduce-scatter: send each selected entry to the owner of its region and sum there.
+
+    ``idx`` are sorted global indices this rank selected; region ``j`` is ``[bounds[j], bounds[j+1])``.
+    Returns the owner's reduced entries as (sorted region-local indices, float32 sums); an index
+    appears when any rank sent it.
+    """
+    p, me = backend.world_size, backend.rank
+    edges = torch.tensor(bounds, dtype=torch.int64, device=idx.device)
+    cuts = torch.searchsorted(idx, edges).tolist()
+    sizes = [cuts[j + 1] - cuts[j] for j in range(p)]
+    matrix = all_gather_counts(backend, sizes) if p > 1 else torch.tensor([sizes])
+    sends: list[torch.Tensor | None] = []
+    for j in range(p):
+        part = idx[cuts[j] : cuts[j + 1]]
+        sends.append(pack(part - bounds[j], acc[part]))
+    recv_sizes = [2 * int(matrix[i, me]) for i in range(p)]
+    received = exchange_p2p(backend, sends, recv_sizes)
+    pieces = [unpack(t) for t in received if t is not None and t.numel() > 0]
+    if not pieces:
+        empty = torch.empty(0, dtype=torch.int64, device=acc.device)
+        return empty, torch.empty(0, dtype=torch.float32, device=acc.device)
+    all_idx = torch.cat([i for i, _ in pieces])
+    all_vals = torch.cat([v for _, v in pieces])
+    uniq, inverse = torch.unique(all_idx, sorted=True, return_inverse=True)
+    sums = torch.zeros(uniq.numel(), dtype=torch.float32, device=acc.device)
+    sums.index_add_(0, inverse, all_vals)
+    return uniq, sums
+
+
+def balanced_all_gather(
+    backend: CommunicationBackend, idx: torch.Tensor, vals: torch.Tensor, counts: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather every rank's entries (in rank order) after balancing them to ``ceil(T/P)`` per rank.
+
+    The concatenation of all ranks' entries (``T`` in all) is cut into ``P`` equal blocks; each rank
+    first sends the parts of its entries that fall into other ranks' blocks (point-to-point), then a
+    fixed-size ``all_gather`` of the equal blocks completes the exchange, so no rank's share of the
+    gather exceeds ``ceil(T/P)`` entries however unevenly the selection fell on the regions.
+    ``counts``: every rank's number of entries when already known (saves the count exchange).
+    """
+    p, me = backend.world_size, backend.rank
+    if counts is None:
+        counts = all_gather_counts(backend, [idx.numel()]).view(-1).tolist() if p > 1 else [idx.numel()]
+    total = sum(counts)
+    if total == 0:
+        return idx[:0], vals[:0]
+    if p == 1:
+        return idx, vals
+    block = -(-total // p)
+    starts = [sum(counts[:r]) for r in range(p)]
+    mine = pack(idx, vals)
+    sends: list[torch.Tensor | None] = []
+    recv_sizes: list[int] = []
+    my_lo, my_hi = min(me * block, total), min((me + 1) * block, total)
+    for q in range(p):
+        lo, hi = max(starts[me], q * block), min(starts[me] + counts[me], (q + 1) * block)
+        sends.append(mine[2 * (lo - starts[me]) : 2 * (hi - starts[me])] if hi > lo else None)
+        rlo, rhi = max(starts[q], my_lo), min(starts[q] + counts[q], my_hi)
+        recv_sizes.append(2 * max(0, rhi - rlo))
+    received = exchange_p2p(backend, sends, recv_sizes)
+    block_buf = torch.zeros(2 * block, dtype=torch.int32, device=vals.device)
+    filled = [t for t in received if t is not None]
+    if filled:
+        cat = torch.cat(filled)
+        block_buf[: cat.numel()] = cat
+    out = torch.empty(2 * block * p, dtype=torch.int32, device=vals.device)
+    backend.all_gather(out, block_buf)
+    return unpack(out[: 2 * total])
+
+
+def distributed_kth_largest(backend: CommunicationBackend, mags: torch.Tensor, k: int) -> float:
+    """Exact k-th largest positive value among every rank's ``mags`` (disjoint sets), by radix select.
+
+    Four rounds, each an ``all_reduce`` of a 256-bin histogram of one byte of the float32 bit
+    pattern (non-negative floats order like their int32 bits). With fewer than ``k`` positive values
+    in all, returns the smallest one; with none, 0.0.
+    """
+    bits = mags[mags > 0].to(torch.float32).contiguous().view(torch.int32)
+    total = torch.tensor([bits.numel()], dtype=torch.int64, device=backend.device)
+    backend.all_reduce(total, ReduceOp.SUM)
+    n_total = int(total.item())
+    if n_total == 0:
+        return 0.0
+    need = min(k, n_total)
+    prefix = 0
+    cand = bits
+    for shift in (24, 16, 8, 0):
+        digits = (cand >> shift) & 0xFF
+        hist = torch.bincount(digits.to(torch.int64), minlength=256).to(torch.int64)
+        backend.all_reduce(hist, ReduceOp.SUM)
+        above = torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0]).tolist()  # count >= digit
+        d = max(i for i in range(256) if above[i] >= need)
+        need -= above[d] - int(hist[d])
+        prefix |= d << shift
+        cand = cand[digits == d]
+    return float(torch.tensor([prefix], dtype=torch.int32).view(torch.float32).item())

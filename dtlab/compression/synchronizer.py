@@ -1,0 +1,97 @@
+"""``GradientSynchronizer``: compressed gradient averaging for a user's own training loop.
+
+::
+
+    sync = GradientSynchronizer(OkTopk(density=0.01), backend)
+    loss.backward()
+    grads = sync.sync({n: p.grad for n, p in model.named_parameters()})
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
+    opt.step()
+
+All gradients are flattened into one float32 buffer (as the Ok-Topk reference code merges them), so
+``k = density * total elements`` and the selection is global over the model. Returns averaged
+gradients (sum / P), shaped and typed like the inputs. ``statistics`` holds the last call's figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.compression.base import Compressor
+from dtlab.compression.reducer import CompressedReducer, NonFinitePolicy
+from dtlab.errors import CollectiveMismatchError
+
+__all__ = ["GradientSynchronizer"]
+
+KEY = "gradients"
+
+
+class GradientSynchronizer:
+    """Average named gradients over ``backend`` through ``compressor`` (error feedback included)."""
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        backend: CommunicationBackend,
+        *,
+        dense_below: int = 1024,
+        nonfinite: NonFinitePolicy = "raise",
+    ) -> None:
+        self.backend = backend
+        self.reducer = CompressedReducer(backend, compressor, dense_below=dense_below, nonfinite=nonfinite)
+        self.statistics: dict[str, Any] = {}
+        self._layout: list[tuple[str, torch.Size, torch.dtype]] | None = None
+
+    @property
+    def compressor(self) -> Compressor:
+        return self.reducer.compressor
+
+    def _validate(self, named_grads: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Size, torch.dtype]]:
+        if not isinstance(named_grads, Mapping) or len(named_grads) == 0:
+            raise ValueError(
+                "GradientSynchronizer.sync needs a non-empty mapping name -> gradient tensor, got "
+                f"{type(named_grads).__name__} {named_grads!r:.60}"
+            )
+        layout = []
+        for name, g in named_grads.items():
+            if not isinstance(g, torch.Tensor):
+                raise TypeError(
+                    f"gradient {name!r} must be a torch.Tensor, got {type(g).__name__} (None: no grad yet?)"
+                )
+            if not g.is_floating_point():
+                raise TypeError(f"gradient {name!r} must be floating point, got {g.dtype}")
+            if g.numel() == 0:
+                raise ValueError(f"gradient {name!r} is empty (0 elements); leave it out of named_grads")
+            layout.append((name, g.shape, g.dtype))
+        if layout != self._layout:
+            signature = [(n, tuple(s), str(d)) for n, s, d in layout]
+            every = self.backend.all_gather_object(signature)
+            differing = [r for r, s in enumerate(every) if s != signature]
+            if differing:
+                raise CollectiveMismatchError(
+                    f"GradientSynchronizer.sync: rank {self.backend.rank} passes gradients "
+                    f"{signature[:4]}... but rank(s) {differing} pass different names/shapes/dtypes; "
+                    "every rank must pass the same gradients in the same order"
+                )
+            self._layout = layout
+        return layout
+
+    def sync(self, named_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Return ``{name: averaged gradient}`` for every input (new tensors; inputs are not modified)."""
+        layout = self._validate(named_grads)
+        flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in named_grads.values()])
+        self.reducer.start_step()
+        self.reducer.all_reduce(KEY, flat).wait()
+        self.statistics = self.reducer.step_statistics()
+        out: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, shape, dtype in layout:
+            n = shape.numel()
+            out[name] = flat[offset : offset + n].view(shape).to(dtype)
+            offset += n
+        return out

@@ -1,0 +1,50 @@
+"""``TopkA``: every rank's exact local top-k, exchanged by an all-gather and summed (``TopK`` alias).
+
+Per rank: ``k`` index-value pairs in, ``(P-1) k`` pairs sent and received (ring all-gather). The
+result holds up to ``P k`` nonzeros: the average over ranks of every rank's local top-k.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.compression.base import Exchange, SparseCompressor
+from dtlab.compression.sparse import local_topk, pack, unpack
+
+__all__ = ["TopK", "TopkA"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopkA(SparseCompressor):
+    """All-gather of local top-k (``k = density * numel``) and a sum of everything gathered."""
+
+    name: ClassVar[str] = "topka"
+
+    def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
+        p, n, k = backend.world_size, acc.numel(), self.k(acc.numel())
+        t0 = time.perf_counter()
+        idx, _ = local_topk(acc, k)
+        # a fixed k per rank keeps the gather fixed-size; zeros (never selected) are padded as
+        # index 0 with value 0.0, which adds nothing
+        buf = torch.zeros(2 * k, dtype=torch.int32, device=acc.device)
+        buf[: 2 * idx.numel()] = pack(idx, acc[idx])
+        select_s = time.perf_counter() - t0
+        out = torch.empty(2 * k * p, dtype=torch.int32, device=acc.device)
+        backend.all_gather(out, buf)
+        all_idx, all_vals = unpack(out)
+        result = torch.zeros(n, dtype=torch.float32, device=acc.device)
+        result.index_add_(0, all_idx, all_vals)
+        result.div_(p)
+        contributed = torch.zeros_like(acc)
+        contributed[idx] = acc[idx]
+        selected = int(torch.unique(all_idx[all_vals != 0]).numel())
+        return Exchange(result, contributed, idx.numel(), selected, select_s)
+
+
+#: the top-k compressor of the dense-shaped path is the TopkA exchange
+TopK = TopkA
