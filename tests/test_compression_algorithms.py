@@ -180,7 +180,7 @@ def test_measured_bytes_within_the_formulas() -> None:
     k, pairs = int(n * density), 8  # bytes per index-value pair
     flag = 2 * (P - 1) * 4 * P // P  # the non-finite check: P int32 all-reduced
     # Ok-Topk: < 6k(P-1)/P pairs + metadata (count exchanges, boundary all-reduce, 4 histograms)
-    meta = 4 * 256 * 8 * 2 + 16 * P * P + flag
+    meta = 4 * 256 * 4 * 2 * (P - 1) // P + 16 * P * P + flag
     sent = run_world(P, _bytes_run, OkTopk(density=density, warmup_steps=0, tau=4), n, 12)
     bound = 6 * k * (P - 1) / P * pairs + meta
     for r in range(P):

@@ -29,6 +29,8 @@ __all__ = [
 TAG = 7301
 #: peers exchanged with concurrently in the split-and-reduce (the reference code's throttle)
 THROTTLE = 4
+#: the global k-th largest is found by gathering candidates below this many, by radix select above
+GATHER_BELOW = 1024
 
 
 def pack(idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
@@ -177,26 +179,30 @@ def balanced_all_gather(
 
 
 def distributed_kth_largest(backend: CommunicationBackend, mags: torch.Tensor, k: int) -> float:
-    """Exact k-th largest positive value among every rank's ``mags`` (disjoint sets), by radix select.
+    """Exact k-th largest positive value among every rank's ``mags`` (disjoint sets).
 
-    Four rounds, each an ``all_reduce`` of a 256-bin histogram of one byte of the float32 bit
-    pattern (non-negative floats order like their int32 bits). With fewer than ``k`` positive values
-    in all, returns the smallest one; with none, 0.0.
+    Few candidates in all (<= :data:`GATHER_BELOW`): their magnitudes are all-gathered and every rank
+    selects the same value locally. Otherwise a radix select: four rounds, each an ``all_reduce`` of a
+    256-bin int32 histogram of one byte of the float32 bit pattern (non-negative floats order like
+    their int32 bits). With fewer than ``k`` positive values in all, returns the smallest; with none, 0.
     """
-    bits = mags[mags > 0].to(torch.float32).contiguous().view(torch.int32)
-    total = torch.tensor([bits.numel()], dtype=torch.int64, device=backend.device)
-    backend.all_reduce(total, ReduceOp.SUM)
-    n_total = int(total.item())
-    if n_total == 0:
+    pos = mags[mags > 0].to(torch.float32).contiguous()
+    p = backend.world_size
+    total = int(all_gather_counts(backend, [pos.numel()]).sum()) if p > 1 else pos.numel()
+    if total == 0:
         return 0.0
-    need = min(k, n_total)
+    need = min(k, total)
+    if total <= GATHER_BELOW:
+        every = backend.all_gather_v(pos)[0] if p > 1 else pos
+        return float(torch.topk(every, need, sorted=False).values.min())
     prefix = 0
-    cand = bits
+    cand = pos.view(torch.int32)
     for shift in (24, 16, 8, 0):
         digits = (cand >> shift) & 0xFF
-        hist = torch.bincount(digits.to(torch.int64), minlength=256).to(torch.int64)
-        backend.all_reduce(hist, ReduceOp.SUM)
-        above = torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0]).tolist()  # count >= digit
+        hist = torch.bincount(digits.to(torch.int64), minlength=256).to(torch.int32)
+        if p > 1:
+            backend.all_reduce(hist, ReduceOp.SUM)
+        above = torch.flip(torch.cumsum(torch.flip(hist.to(torch.int64), [0]), 0), [0]).tolist()
         d = max(i for i in range(256) if above[i] >= need)
         need -= above[d] - int(hist[d])
         prefix |= d << shift
