@@ -55,6 +55,21 @@ class OptimizerStrategy(ABC):
     @abstractmethod
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None: ...
 
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer state this rank holds, counted from the state's tensors."""
+        total = 0
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    total += v.numel() * v.element_size()
+        return total
+
+    def memory_report(self) -> dict[str, int]:
+        """The model's memory report with ``optimizer_state`` filled in."""
+        report = dict(self.model.memory_report())
+        report["optimizer_state"] = self.state_bytes()
+        return report
+
     def agree(self, flag: bool) -> bool:
         """Consensus: True on every rank iff ``flag`` is True on every rank (early stopping etc.)."""
         t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=self.model.backend.device)

@@ -1,0 +1,240 @@
+"""What DDP, ZeRO-1/2/3 and FSDP share: input checks, the reducer, ``no_sync``, the end-of-backward
+flush, buffer broadcast and the memory report."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models.base import ModelStrategy
+from dtlab.models.flat import FlatUnit
+from dtlab.models.reducer import DenseReducer, GradientReducer
+
+if TYPE_CHECKING:
+    from dtlab.optimizers.base import OptimizerStrategy
+
+__all__ = ["DataParallelModel", "tensor_bytes", "unique_storage_bytes"]
+
+
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _check_module(
+    module: nn.Module, backend: CommunicationBackend, who: str
+) -> list[tuple[str, nn.Parameter]]:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{who} wraps a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(backend, CommunicationBackend):
+        raise TypeError(f"{who} needs a dtlab CommunicationBackend, got {type(backend).__name__}")
+    named = list(module.named_parameters())
+    if not named:
+        raise StrategyError(
+            f"{who}: the module {type(module).__name__} has no parameters, so there is nothing to train "
+            "or synchronize; wrap a module that has parameters"
+        )
+    devices: dict[str, list[str]] = {}
+    for n, p in named:
+        devices.setdefault(str(p.device), []).append(n)
+    if len(devices) > 1:
+        listing = "; ".join(f"{d}: {names[:3]}" for d, names in devices.items())
+        raise StrategyError(
+            f"{who}: parameters are on mixed devices ({listing}); move the whole module to one device "
+            f"with module.to({str(backend.device)!r}) before wrapping it"
+        )
+    device = named[0][1].device
+    if device.type != backend.device.type:
+        raise StrategyError(
+            f"{who}: parameters are on {device} but the backend {backend.name} works on {backend.device}; "
+            f"call module.to({str(backend.device)!r}) before wrapping it"
+        )
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise StrategyError(
+            f"{who}: every parameter of {type(module).__name__} has requires_grad=False; there are no "
+            "gradients to synchronize (unfreeze some parameters or do not wrap the module)"
+        )
+    return trainable
+
+
+class DataParallelModel(ModelStrategy):
+    """Base of the five data-parallel model strategies (see DDPModel and friends for the options)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        backend: CommunicationBackend,
+        *,
+        reduce_dtype: torch.dtype | None = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__(module, backend)
+        self._trainable = _check_module(module, backend, type(self).__name__)
+        if reduce_dtype is not None and not (
+            isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"reduce_dtype must be a floating-point torch.dtype or None, got {reduce_dtype!r}"
+            )
+        self._reducer: GradientReducer = DenseReducer(backend, reduce_dtype)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self._name_of = {id(p): n for n, p in self._trainable}
+        self._sync = True
+        self._in_backward = False
+        self._grads_synced = False
+        self._optimizer_ref: OptimizerStrategy | None = None
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self._hook_handles: list[Any] = []
+
+    # ------------------------------------------------------------------ reducer
+    @property
+    def gradient_reducer(self) -> GradientReducer:
+        return self._reducer
+
+    @gradient_reducer.setter
+    def gradient_reducer(self, reducer: GradientReducer) -> None:
+        if not isinstance(reducer, GradientReducer):
+            raise TypeError(f"gradient_reducer must be a GradientReducer, got {type(reducer).__name__}")
+        if reducer.backend.world_size != self.dp_backend.world_size:
+            raise ValueError(
+                f"the reducer works on {reducer.backend.world_size} ranks but this model's data-parallel "
+                f"group has {self.dp_backend.world_size}; build the reducer on model.dp_backend"
+            )
+        self._reducer = reducer
+
+    # ------------------------------------------------------------------ shared pieces
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        if self.backend.world_size == 1:
+            return
+        with torch.no_grad():
+            for t in tensors:
+                if t.numel() == 0:
+                    continue
+                if t.is_contiguous():
+                    self.backend.broadcast(t, 0)
+                else:
+                    tmp = t.contiguous()
+                    self.backend.broadcast(tmp, 0)
+                    t.copy_(tmp)
+
+    def _sync_buffers(self) -> None:
+        if self.broadcast_buffers and self.backend.world_size > 1:
+            self._broadcast_from_rank0([b for b in self.module.buffers() if b is not None])
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside the block accumulate gradients locally; the first one after it syncs."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def _begin_backward(self) -> None:
+        """First gradient hook of a backward pass: queue the end-of-backward flush once."""
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self._reducer.start_step()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_guarded)
+
+    def _end_backward_guarded(self) -> None:
+        try:
+            self._end_backward()
+        finally:
+            self._in_backward = False
+
+    def _end_backward(self) -> None:
+        raise NotImplementedError
+
+    def _unused_error(self, missing: list[str]) -> StrategyError:
+        return StrategyError(
+            f"{type(self).__name__} on rank {self.backend.rank}: parameters received no gradient in this "
+            f"backward pass: {missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all). "
+            "Every rank must reduce the same gradients or the job hangs; make them take part in the "
+            "loss, freeze them (requires_grad=False) or pass find_unused_parameters=True to reduce "
+            "zeros for them"
+        )
+
+    def _on_hook(self, fn: Callable[[nn.Parameter], None]) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            fn(p)  # type: ignore[arg-type]
+
+        return hook
+
+    def _register_grad_hooks(self, fn: Callable[[nn.Parameter], None]) -> None:
+        for _, p in self._trainable:
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_hook(fn)))
+
+    # ------------------------------------------------------------------ optimizer protocol
+    def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of every parameter with ``requires_grad``, in registration order."""
+        return list(self._trainable)
+
+    def attach_optimizer(self, optimizer: OptimizerStrategy) -> None:
+        """Called by the optimizer strategy; one optimizer strategy per model."""
+        if self._optimizer_ref is not None and self._optimizer_ref is not optimizer:
+            raise StrategyError(
+                f"{type(self).__name__} already has an optimizer strategy "
+                f"({type(self._optimizer_ref).__name__}); build one optimizer strategy per model"
+            )
+        self._optimizer_ref = optimizer
+
+    def check_grads_ready(self, who: str) -> None:
+        if not self._grads_synced:
+            raise StrategyError(
+                f"{who}.step() found no synchronized gradients: call loss.backward() outside no_sync() "
+                "(after the forward of this model) before step(), and zero_grad() after it"
+            )
+
+    def shard_units(self) -> list[FlatUnit]:
+        """The flat units whose shard this rank's optimizer steps (sharded optimizers only)."""
+        raise StrategyError(f"{type(self).__name__} does not shard its parameters")
+
+    def shard_param(self, unit: FlatUnit) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
+        raise NotImplementedError
+
+    def after_optimizer_step(self) -> None:
+        """Bring the parameters up to date after the optimizer changed its shards."""
+        self._grads_synced = False
+
+    def zero_grad_buffers(self) -> None:
+        raise NotImplementedError
+
+    def scale_grads_(self, factor: float) -> None:
+        raise NotImplementedError
+
+    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        """Gradient tensors for the global norm and whether they are replicated (True) or a partition
+        of the global gradient across ranks (False: sum over ranks)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ memory
+    def _optimizer_bytes(self) -> int:
+        opt = self._optimizer_ref
+        return 0 if opt is None else opt.state_bytes()
+
+    def _buffer_bytes(self) -> int:
+        return sum(tensor_bytes(b) for b in self.module.buffers())

@@ -1,0 +1,383 @@
+"""What ZeRO-3 and FSDP share: parameters sharded at rest, gathered on demand, gradients reduce-scattered.
+
+Each :class:`~dtlab.models.flat.FlatUnit` (one per parameter for ZeRO-3, one per wrapped module for
+FSDP) keeps only this rank's shard between uses. A *group* of units is gathered (all-gather into a
+fresh flat buffer the parameters become views of) by its module's forward pre-hook, the next group
+in forward order is prefetched with a non-blocking all-gather, and the group is freed by the forward
+hook when ``reshard_after_forward``. For backward, a hook on the module's outputs gathers the group
+again before its gradients are computed and prefetches the group before it; saved-tensor hooks
+replace every saved tensor that aliases a gathered buffer by a reference, so freeing really releases
+the memory and a missing gather is done on demand instead of reading freed storage. When all of a
+unit's gradients have been accumulated, they are copied into a padded flat buffer, released, and
+reduce-scattered into the unit's gradient shard; the unit is freed. A callback queued on the autograd
+engine waits for every reduction before ``loss.backward()`` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.errors import CheckpointError
+from dtlab.models._common import DataParallelModel, tensor_bytes
+from dtlab.models.base import ShardedState
+from dtlab.models.flat import FlatUnit
+from dtlab.models.state import ShardIndex, add_slice, even_range, new_state
+
+__all__ = ["ShardedModel", "UnitPlan"]
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One flat unit to build: its key, its parameters and whether it stays gathered."""
+
+    key: str
+    params: list[tuple[str, nn.Parameter]]
+    persistent: bool = False
+
+
+@dataclass
+class _Unit:
+    unit: FlatUnit
+    shard: torch.Tensor
+    grad_shard: torch.Tensor
+    persistent: bool
+    index: int
+    flat: torch.Tensor | None = None
+    work: Work | None = None
+    ready: set[int] = field(default_factory=set)
+    reduced: bool = False
+
+
+@dataclass(frozen=True)
+class _SavedRef:
+    unit: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class ShardedModel(DataParallelModel):
+    """Base of ZeRO3Model and FSDPModel; subclasses provide ``_plan()``."""
+
+    strategy_name: ClassVar[str] = "sharded"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        backend: CommunicationBackend,
+        *,
+        reshard_after_forward: bool = True,
+        prefetch: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__(
+            module,
+            backend,
+            reduce_dtype=reduce_dtype,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+        )
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.prefetch = bool(prefetch)
+        p, r = backend.world_size, backend.rank
+        self._units: list[_Unit] = []
+        self._groups: list[list[_Unit]] = []
+        self._group_modules: list[nn.Module] = []
+        self._group_names: list[str] = []
+        self._gathered_bytes = 0
+        self._peak = 0
+        self._last_peak = 0
+        for gname, gmodule, plans in self._plan():
+            members = []
+            for plan in plans:
+                unit = FlatUnit(plan.key, plan.params, p, r)
+                flat = unit.new_flat()
+                unit.copy_params_into(flat)
+                self._broadcast_from_rank0([flat])
+                lo, hi = unit.shard_bounds()
+                st = _Unit(
+                    unit=unit,
+                    shard=flat[lo:hi].clone(),
+                    grad_shard=torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device),
+                    persistent=plan.persistent,
+                    index=len(self._units),
+                )
+                if plan.persistent:
+                    st.flat = flat
+                    unit.bind(flat)
+                    self._gathered_bytes += tensor_bytes(flat)
+                else:
+                    unit.unbind()
+                self._units.append(st)
+                members.append(st)
+            if members:
+                self._groups.append(members)
+                self._group_modules.append(gmodule)
+                self._group_names.append(gname)
+        self._peak = self._last_peak = self._gathered_bytes
+        self._broadcast_from_rank0([q.data for _, q in self._frozen])
+        self._broadcast_from_rank0(list(self.module.buffers()))
+        self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
+        self._ptr: dict[int, _Unit] = {}
+        self._order: list[int] = []
+        self._order_done = False
+        self._pending: list[tuple[_Unit, Work, torch.Tensor]] = []
+        for gi, gmod in enumerate(self._group_modules):
+            self._hook_handles.append(gmod.register_forward_pre_hook(self._make_pre_forward(gi)))
+            self._hook_handles.append(gmod.register_forward_hook(self._make_post_forward(gi)))
+        self._register_grad_hooks(self._on_grad)
+
+    def _plan(self) -> list[tuple[str, nn.Module, list[UnitPlan]]]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ gather / free
+    def _gather(self, st: _Unit, wait: bool = True) -> None:
+        if st.flat is None:
+            flat = st.unit.new_flat(zero=False)
+            st.work = self.backend.iall_gather(flat, st.shard)
+            st.flat = flat
+            st.unit.bind(flat)
+            self._ptr[flat.untyped_storage().data_ptr()] = st
+            self._gathered_bytes += tensor_bytes(flat)
+            self._peak = max(self._peak, self._gathered_bytes)
+        if wait and st.work is not None:
+            st.work.wait()
+            st.work = None
+
+    def _free(self, st: _Unit) -> None:
+        if st.persistent or st.flat is None:
+            return
+        if st.work is not None:
+            st.work.wait()
+            st.work = None
+        self._ptr.pop(st.flat.untyped_storage().data_ptr(), None)
+        self._gathered_bytes -= tensor_bytes(st.flat)
+        st.unit.unbind()
+        st.flat = None
+
+    def _gather_group(self, gi: int, wait: bool = True) -> None:
+        for st in self._groups[gi]:
+            self._gather(st, wait)
+
+    def _neighbour(self, gi: int, step: int) -> int | None:
+        if not self.prefetch or gi not in self._order:
+            return None
+        pos = self._order.index(gi) + step
+        return self._order[pos] if 0 <= pos < len(self._order) else None
+
+    # ------------------------------------------------------------------ hooks
+    def _make_pre_forward(self, gi: int) -> Any:
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            if not self._order_done and gi not in self._order:
+                self._order.append(gi)
+            self._gather_group(gi)
+            nxt = self._neighbour(gi, +1)
+            if nxt is not None and self._order_done:
+                self._gather_group(nxt, wait=False)
+
+        return pre_forward
+
+    def _make_post_forward(self, gi: int) -> Any:
+        def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._make_pre_backward(gi))
+            if self.reshard_after_forward:
+                for st in self._groups[gi]:
+                    self._free(st)
+
+        return post_forward
+
+    def _make_pre_backward(self, gi: int) -> Any:
+        def pre_backward(grad: torch.Tensor) -> None:
+            self._begin_backward()
+            self._gather_group(gi)
+            prev = self._neighbour(gi, -1)
+            if prev is not None and self.reshard_after_forward:
+                self._gather_group(prev, wait=False)
+
+        return pre_backward
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.numel() == 0:
+            return t
+        st = self._ptr.get(t.untyped_storage().data_ptr())
+        if st is None or st.persistent or st.flat is None or t.dtype != st.flat.dtype:
+            return t
+        return _SavedRef(st.index, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
+
+    def _unpack(self, obj: Any) -> torch.Tensor:
+        if isinstance(obj, _SavedRef):
+            st = self._units[obj.unit]
+            self._gather(st)  # normally gathered already by the pre-backward hook
+            flat = st.flat
+            if flat is None:
+                raise RuntimeError(f"unit {st.unit.key} could not be gathered")  # unreachable
+            return flat.as_strided(obj.size, obj.stride, obj.offset)
+        return obj
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            out = self.module(*args, **kwargs)
+        self._order_done = True
+        return out
+
+    # ------------------------------------------------------------------ gradients
+    def _on_grad(self, param: nn.Parameter) -> None:
+        self._begin_backward()
+        st = self._unit_of[id(param)]
+        st.ready.add(id(param))
+        if len(st.ready) < len(st.unit.params):
+            return
+        if self._sync and not self.find_unused_parameters:
+            self._reduce(st)  # with find_unused_parameters every unit is reduced at the end, in unit order
+        self._free(st)
+
+    def _reduce(self, st: _Unit) -> None:
+        unit = st.unit
+        gflat = unit.new_flat(zero=False)
+        unit.grads_into(gflat)
+        for q in unit.params:
+            q.grad = None
+        out = torch.empty_like(st.grad_shard)
+        self._pending.append((st, self._reducer.reduce_scatter(unit.key, gflat, out), out))
+        st.reduced = True
+
+    def _end_backward(self) -> None:
+        try:
+            if self._sync:
+                missing = [
+                    self._name_of[id(q)]
+                    for st in self._units
+                    for q in st.unit.params
+                    if id(q) not in st.ready
+                ]
+                if missing and not self.find_unused_parameters:
+                    raise self._unused_error(missing)
+                for st in self._units:  # deferred (find_unused) or incomplete: fixed unit order
+                    if not st.reduced:
+                        self._reduce(st)
+                for st, work, out in self._pending:
+                    work.wait()
+                    st.grad_shard.add_(out)
+                self._grads_synced = True
+        finally:
+            self._pending = []
+            for st in self._units:
+                st.ready.clear()
+                st.reduced = False
+                self._free(st)
+
+    # ------------------------------------------------------------------ optimizer protocol
+    def shard_units(self) -> list[FlatUnit]:
+        return [st.unit for st in self._units]
+
+    def _state(self, unit: FlatUnit) -> _Unit:
+        for st in self._units:
+            if st.unit is unit:
+                return st
+        raise ValueError(f"unit {unit.key} does not belong to this model")
+
+    def shard_param(self, unit: FlatUnit) -> torch.Tensor:
+        return self._state(unit).shard
+
+    def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
+        return self._state(unit).grad_shard
+
+    def after_optimizer_step(self) -> None:
+        super().after_optimizer_step()
+        for st in self._units:
+            if st.flat is not None:  # persistent units (and any still gathered) take the new values
+                if st.work is not None:
+                    st.work.wait()
+                    st.work = None
+                self.backend.all_gather(st.flat, st.shard)
+        self._last_peak, self._peak = self._peak, self._gathered_bytes
+
+    def zero_grad_buffers(self) -> None:
+        for st in self._units:
+            st.grad_shard.zero_()
+            for q in st.unit.params:
+                q.grad = None
+        self._grads_synced = False
+
+    def scale_grads_(self, factor: float) -> None:
+        for st in self._units:
+            st.grad_shard.mul_(factor)
+
+    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        return [st.grad_shard for st in self._units], False
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        was = [st.flat is not None for st in self._units]
+        for st in self._units:
+            self._gather(st)
+        out = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        for st, keep in zip(self._units, was, strict=True):
+            if not keep:
+                self._free(st)
+        return out
+
+    def _other_state(self) -> dict[str, torch.Tensor]:
+        """Buffers and frozen parameters (kept whole on every rank), keyed like ``state_dict()``."""
+        sharded = {id(q) for st in self._units for q in st.unit.params}
+        return {k: t for k, t in self.module.state_dict(keep_vars=True).items() if id(t) not in sharded}
+
+    def sharded_state_dict(self) -> ShardedState:
+        p, r = self.backend.world_size, self.backend.rank
+        state = new_state(self.strategy_name, p, r)
+        for st in self._units:
+            for slot, a, b, so in st.unit.shard_slots():
+                add_slice(state, slot.name, slot.shape, st.unit.dtype, a, b, st.shard[so : so + b - a])
+        for key, t in self._other_state().items():
+            s, e = even_range(t.numel(), p, r)
+            add_slice(state, key, t.shape, t.dtype, s, e, t.detach().reshape(-1)[s:e])
+        return state
+
+    def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
+        index = ShardIndex(shards)
+        with torch.no_grad():
+            for st in self._units:
+                buf = torch.zeros_like(st.shard)
+                for slot, a, b, so in st.unit.shard_slots():
+                    if slot.name in index and index.shape(slot.name) != list(slot.shape):
+                        raise CheckpointError(
+                            f"{slot.name!r} has shape {index.shape(slot.name)} in the checkpoint but "
+                            f"{list(slot.shape)} in the model"
+                        )
+                    buf[so : so + b - a].copy_(index.read(slot.name, a, b))
+                st.shard.copy_(buf)
+                if st.flat is not None:
+                    self.backend.all_gather(st.flat, st.shard)
+            for key, t in self._other_state().items():
+                full = index.full(key)
+                if tuple(full.shape) != tuple(t.shape):
+                    raise CheckpointError(
+                        f"{key!r}: checkpoint shape {tuple(full.shape)}, model {tuple(t.shape)}"
+                    )
+                t.data.copy_(full.to(device=t.device, dtype=t.dtype))
+
+    def memory_report(self) -> dict[str, int]:
+        held = sum(tensor_bytes(st.shard) + tensor_bytes(st.flat) for st in self._units)
+        held += sum(tensor_bytes(q) for _, q in self._frozen)
+        grads = sum(tensor_bytes(st.grad_shard) for st in self._units)
+        grads += sum(tensor_bytes(q.grad) for _, q in self._trainable)
+        return {
+            "parameters": held,
+            "gradients": grads,
+            "optimizer_state": self._optimizer_bytes(),
+            "buffers": self._buffer_bytes(),
+            "peak_gathered_parameters": self._last_peak,
+        }

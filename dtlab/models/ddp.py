@@ -1,0 +1,270 @@
+"""DDP: replicated parameters, gradients averaged with bucketed all-reduce during backward.
+
+Parameters are laid in flat buckets (``bucket_cap_mb``, in reverse registration order, as gradients
+tend to arrive) and each ``param.grad`` is a view into its bucket's gradient buffer, so autograd
+accumulates straight into the buffer the reducer sends. A per-parameter hook
+(``register_post_accumulate_grad_hook``) counts ready gradients; a full bucket is launched with the
+reducer's non-blocking all-reduce while the rest of backward runs (buckets launch in index order on
+every rank, as the engines require); a callback queued on the autograd engine waits for all of them
+before ``loss.backward()`` returns. ZeRO-1 uses this model unchanged; ZeRO-2 reduce-scatters instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.models._common import DataParallelModel, tensor_bytes, unique_storage_bytes
+from dtlab.models.base import ShardedState
+from dtlab.models.flat import FlatUnit
+from dtlab.models.state import ShardIndex, add_slice, even_range, new_state
+
+__all__ = ["DDPModel"]
+
+
+class DDPModel(DataParallelModel):
+    """Data parallelism with replicated parameters, gradients and optimizer state.
+
+    Args:
+        module: the model; every rank must build it with the same structure (values come from rank 0).
+        backend: the data-parallel group.
+        bucket_cap_mb: gradient bucket size in MiB (default 25, like torch DDP).
+        reduce_dtype: dtype gradients travel and are summed in (e.g. ``torch.float32`` for bf16 params).
+        find_unused_parameters: reduce zeros for parameters that got no gradient instead of raising.
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks every forward.
+    """
+
+    strategy_name: ClassVar[str] = "ddp"
+    _keep_full_grads: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        backend: CommunicationBackend,
+        *,
+        bucket_cap_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__(
+            module,
+            backend,
+            reduce_dtype=reduce_dtype,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+        )
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        cap = int(bucket_cap_mb * 1024 * 1024)
+        p, r = backend.world_size, backend.rank
+        self._units: list[FlatUnit] = []
+        groups: list[list[tuple[str, nn.Parameter]]] = []
+        current: list[tuple[str, nn.Parameter]] = []
+        size = 0
+        for name, param in reversed(self._trainable):
+            nbytes = tensor_bytes(param)
+            if current and (size + nbytes > cap or current[0][1].dtype != param.dtype):
+                groups.append(current)
+                current, size = [], 0
+            current.append((name, param))
+            size += nbytes
+        groups.append(current)
+        self._data: list[torch.Tensor] = []
+        for i, group in enumerate(groups):
+            unit = FlatUnit(f"bucket{i}", group, p, r)
+            flat = unit.new_flat()
+            unit.copy_params_into(flat)
+            self._broadcast_from_rank0([flat])
+            unit.bind(flat)
+            self._units.append(unit)
+            self._data.append(flat)
+        self._broadcast_from_rank0([q.data for _, q in self._frozen])
+        self._broadcast_from_rank0(list(self.module.buffers()))
+        self._slot_of = {id(q): (i, j) for i, u in enumerate(self._units) for j, q in enumerate(u.params)}
+        self._grad_bufs: list[torch.Tensor | None] = [None] * len(self._units)
+        if self._keep_full_grads:
+            for i, u in enumerate(self._units):
+                self._grad_bufs[i] = self._point_grads(i, u.new_flat())
+        self._ready: list[set[int]] = [set() for _ in self._units]
+        self._next_launch = 0
+        self._works: list[tuple[int, Work, Any]] = []
+        self._register_grad_hooks(self._on_grad)
+
+    # ------------------------------------------------------------------ forward / backward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers()
+        return self.module(*args, **kwargs)
+
+    def _point_grads(self, i: int, buf: torch.Tensor) -> torch.Tensor:
+        for s, q in zip(self._units[i].slots, self._units[i].params, strict=True):
+            q.grad = buf[s.offset : s.offset + s.numel].view(s.shape)
+        return buf
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        self._begin_backward()
+        i = self._slot_of[id(param)][0]
+        self._store_grad(i, param)
+        if not self._sync:
+            return
+        ready = self._ready[i]
+        ready.add(id(param))
+        if len(ready) == len(self._units[i].params):
+            self._launch_ready()
+
+    def _store_grad(self, i: int, param: nn.Parameter) -> None:
+        """Keep ``param.grad`` a view of bucket ``i`` (autograd may have replaced it)."""
+        buf = self._grad_bufs[i]
+        if buf is None:
+            buf = self._grad_bufs[i] = self._point_grads(i, self._units[i].new_flat())
+        s = self._units[i].slots[self._slot_of[id(param)][1]]
+        view = buf[s.offset : s.offset + s.numel]
+        grad = param.grad
+        if grad is None or grad.data_ptr() != view.data_ptr():
+            if grad is not None:
+                view.copy_(grad.reshape(-1))
+            param.grad = view.view(s.shape)
+
+    def _launch_ready(self) -> None:
+        units = self._units
+        while self._next_launch < len(units) and len(self._ready[self._next_launch]) == len(
+            units[self._next_launch].params
+        ):
+            i = self._next_launch
+            self._works.append((i, *self._launch(i)))
+            self._next_launch += 1
+
+    def _launch(self, i: int) -> tuple[Work, Any]:
+        buf = self._grad_bufs[i]
+        if buf is None:
+            raise RuntimeError(f"bucket {i} has no gradient buffer")  # unreachable by construction
+        return self._reducer.all_reduce(self._units[i].key, buf), None
+
+    def _complete(self, i: int, extra: Any) -> None:
+        """Called after bucket ``i``'s reduction finished (ZeRO-2 keeps its shard here)."""
+
+    def _end_backward(self) -> None:
+        if not self._sync:
+            return
+        missing = [
+            self._name_of[id(q)]
+            for i, u in enumerate(self._units)
+            for q in u.params
+            if id(q) not in self._ready[i]
+        ]
+        try:
+            if missing:
+                if not self.find_unused_parameters:
+                    raise self._unused_error(missing)
+                for i, u in enumerate(self._units):
+                    for q in u.params:
+                        if id(q) not in self._ready[i]:
+                            self._store_grad(i, q)
+                            self._ready[i].add(id(q))
+                self._launch_ready()
+            for i, work, extra in self._works:
+                work.wait()
+                self._complete(i, extra)
+            self._grads_synced = True
+        finally:
+            self._works = []
+            self._ready = [set() for _ in self._units]
+            self._next_launch = 0
+
+    # ------------------------------------------------------------------ optimizer protocol
+    def shard_units(self) -> list[FlatUnit]:
+        return list(self._units)
+
+    def shard_param(self, unit: FlatUnit) -> torch.Tensor:
+        lo, hi = unit.shard_bounds()
+        return self._data[self._units.index(unit)][lo:hi]
+
+    def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
+        buf = self._grad_bufs[self._units.index(unit)]
+        lo, hi = unit.shard_bounds()
+        if buf is None:
+            return torch.zeros(hi - lo, dtype=unit.dtype, device=unit.device)
+        return buf[lo:hi]
+
+    def gather_updated_shards(self) -> None:
+        """After a sharded optimizer step: every rank's updated shard to every rank (all-gather)."""
+        for unit, flat in zip(self._units, self._data, strict=True):
+            lo, hi = unit.shard_bounds()
+            self.backend.all_gather(flat, flat[lo:hi].clone())
+
+    def zero_grad_buffers(self) -> None:
+        for buf in self._grad_bufs:
+            if buf is not None:
+                buf.zero_()
+        for u, buf in zip(self._units, self._grad_bufs, strict=True):
+            if buf is not None:
+                for s, q in zip(u.slots, u.params, strict=True):
+                    if q.grad is None or q.grad.data_ptr() != buf[s.offset :].data_ptr():
+                        q.grad = buf[s.offset : s.offset + s.numel].view(s.shape)
+        self._grads_synced = False
+
+    def scale_grads_(self, factor: float) -> None:
+        for buf in self._grad_bufs:
+            if buf is not None:
+                buf.mul_(factor)
+
+    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        return [b for b in self._grad_bufs if b is not None], True
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def sharded_state_dict(self) -> ShardedState:
+        p, r = self.backend.world_size, self.backend.rank
+        state = new_state(self.strategy_name, p, r)
+        for key, t in self.module.state_dict().items():
+            s, e = even_range(t.numel(), p, r)
+            add_slice(state, key, t.shape, t.dtype, s, e, t.reshape(-1)[s:e])
+        return state
+
+    def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
+        index = ShardIndex(shards)
+        load_full_state(self.module, index)
+
+    def memory_report(self) -> dict[str, int]:
+        params = unique_storage_bytes([q for q in self.module.parameters()])
+        return {
+            "parameters": params,
+            "gradients": self._grad_bytes(),
+            "optimizer_state": self._optimizer_bytes(),
+            "buffers": self._buffer_bytes(),
+            "peak_gathered_parameters": params,
+        }
+
+    def _grad_bytes(self) -> int:
+        return sum(tensor_bytes(b) for b in self._grad_bufs)
+
+
+def load_full_state(module: nn.Module, index: ShardIndex) -> None:
+    """Copy every parameter and buffer of ``module`` from the checkpoint index (whole tensors)."""
+    from dtlab.errors import CheckpointError
+
+    seen: set[int] = set()
+    with torch.no_grad():
+        for key, t in module.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue  # a tied alias of a tensor already loaded
+            if key not in index:
+                raise CheckpointError(
+                    f"the checkpoint has no entry for {key!r} of {type(module).__name__}; it was saved "
+                    f"from another model (strategies in it: {sorted(index.strategies)})"
+                )
+            full = index.full(key)
+            if tuple(full.shape) != tuple(t.shape):
+                raise CheckpointError(
+                    f"{key!r} has shape {tuple(full.shape)} in the checkpoint but {tuple(t.shape)} in the "
+                    "model"
+                )
+            t.data.copy_(full.to(device=t.device, dtype=t.dtype))
+            seen.add(id(t))

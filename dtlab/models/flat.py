@@ -1,0 +1,107 @@
+"""Flat, padded parameter buffers: the layout DDP buckets, ZeRO shards and FSDP units share.
+
+A :class:`FlatUnit` lays some parameters end to end in one flat buffer of ``padded`` elements (a
+multiple of the world size ``P``); rank ``r`` owns elements ``[r*c, (r+1)*c)`` with ``c = padded/P``.
+The parameters become views into the buffer (``bind``), so the module computes on it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dtlab.errors import StrategyError
+
+__all__ = ["FlatUnit", "Slot"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lies in its unit's flat buffer."""
+
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+class FlatUnit:
+    """Parameters laid end to end in one flat buffer padded to a multiple of ``world_size``."""
+
+    def __init__(
+        self, key: str, named_params: list[tuple[str, nn.Parameter]], world_size: int, rank: int
+    ) -> None:
+        if not named_params:
+            raise ValueError(f"FlatUnit {key!r} needs at least one parameter")
+        dtypes = {p.dtype for _, p in named_params}
+        if len(dtypes) > 1:
+            listing = ", ".join(f"{n}: {p.dtype}" for n, p in named_params)
+            raise StrategyError(
+                f"unit {key!r} mixes parameter dtypes ({listing}); one flat buffer needs one dtype: "
+                "cast the module (module.to(dtype)) or put the differently typed parameters in their own unit"
+            )
+        self.key = key
+        self.params = [p for _, p in named_params]
+        self.dtype = named_params[0][1].dtype
+        self.device = named_params[0][1].device
+        self.world_size, self.rank = world_size, rank
+        slots, offset = [], 0
+        for name, p in named_params:
+            slots.append(Slot(name, p.shape, offset, p.numel()))
+            offset += p.numel()
+        self.slots: list[Slot] = slots
+        self.numel = offset
+        self.shard_numel = max(1, -(-offset // world_size))
+        self.padded = self.shard_numel * world_size
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def shard_bounds(self, rank: int | None = None) -> tuple[int, int]:
+        r = self.rank if rank is None else rank
+        return r * self.shard_numel, (r + 1) * self.shard_numel
+
+    def shard_slots(self, rank: int | None = None) -> list[tuple[Slot, int, int, int]]:
+        """``(slot, start, end, shard_offset)``: elements ``[start, end)`` of the slot's parameter lie
+        at ``shard_offset`` of rank ``rank``'s shard."""
+        lo, hi = self.shard_bounds(rank)
+        out = []
+        for s in self.slots:
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                out.append((s, a - s.offset, b - s.offset, a - lo))
+        return out
+
+    def new_flat(self, zero: bool = True) -> torch.Tensor:
+        make = torch.zeros if zero else torch.empty
+        return make(self.padded, dtype=self.dtype, device=self.device)
+
+    def copy_params_into(self, flat: torch.Tensor) -> None:
+        """Write the parameters' current values into ``flat`` (padding left as it is)."""
+        with torch.no_grad():
+            for s, p in zip(self.slots, self.params, strict=True):
+                flat[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view into ``flat``."""
+        for s, p in zip(self.slots, self.params, strict=True):
+            p.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+
+    def unbind(self) -> None:
+        """Drop the parameters' storage: each becomes an empty tensor until the next ``bind``."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+
+    def grads_into(self, flat: torch.Tensor) -> None:
+        """Copy (``None`` -> zeros) every parameter's ``.grad`` into ``flat``; padding zeroed."""
+        for s, p in zip(self.slots, self.params, strict=True):
+            view = flat[s.offset : s.offset + s.numel]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+        flat[self.numel :].zero_()

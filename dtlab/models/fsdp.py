@@ -1,0 +1,156 @@
+"""FSDP: parameters sharded per wrapped unit, one flat parameter per unit (FSDP1's FlatParameter).
+
+A wrap policy picks the unit modules (:class:`ModuleClassPolicy`, :class:`SizePolicy`, like FSDP2's
+per-module ``fully_shard``); the root module is always a unit and takes the parameters no inner unit
+claims. Each unit's trainable parameters are one flat buffer padded to a multiple of ``P``; this rank
+keeps ``1/P``. A unit is gathered (one all-gather) before its forward, the next unit prefetched, and
+freed after its forward when ``reshard_after_forward`` (else kept until the end of backward); it is
+gathered again before its backward, its gradients reduce-scattered as one flat buffer, then freed.
+Frozen parameters are kept whole on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models._sharded import ShardedModel, UnitPlan
+
+__all__ = ["FSDPModel", "ModuleClassPolicy", "SizePolicy", "WrapPolicy"]
+
+
+@dataclass(frozen=True)
+class ModuleClassPolicy:
+    """Wrap every module that is an instance of one of ``classes`` (e.g. the transformer block)."""
+
+    classes: tuple[type[nn.Module], ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.classes, tuple) or not self.classes:
+            raise ValueError(f"ModuleClassPolicy.classes must be a non-empty tuple, got {self.classes!r}")
+        bad = [c for c in self.classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
+            raise TypeError(f"ModuleClassPolicy.classes must be nn.Module subclasses, got {bad}")
+
+    def should_wrap(self, module: nn.Module, unwrapped_params: int) -> bool:
+        return isinstance(module, self.classes)
+
+
+@dataclass(frozen=True)
+class SizePolicy:
+    """Wrap a module once its parameters not already in an inner unit reach ``min_num_params``."""
+
+    min_num_params: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_num_params, int) or self.min_num_params < 1:
+            raise ValueError(f"SizePolicy.min_num_params must be an int >= 1, got {self.min_num_params!r}")
+
+    def should_wrap(self, module: nn.Module, unwrapped_params: int) -> bool:
+        return unwrapped_params >= self.min_num_params
+
+
+WrapPolicy = ModuleClassPolicy | SizePolicy
+
+
+class FSDPModel(ShardedModel):
+    """Fully sharded data parallelism with flat parameters per wrapped unit.
+
+    Args:
+        module, backend: as for DDPModel.
+        wrap_policy: which submodules become units (``None``: the whole module is one unit).
+        reshard_after_forward: free each unit after its forward (ZeRO-3-like, least memory) or keep
+            it gathered until its backward (ZeRO-2-like, one all-gather fewer per step).
+        prefetch: all-gather the next unit while the current one computes.
+        reduce_dtype, find_unused_parameters, broadcast_buffers: as for DDPModel.
+    """
+
+    strategy_name: ClassVar[str] = "fsdp"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        backend: CommunicationBackend,
+        *,
+        wrap_policy: WrapPolicy | None = None,
+        reshard_after_forward: bool = True,
+        prefetch: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        if wrap_policy is not None and not isinstance(wrap_policy, ModuleClassPolicy | SizePolicy):
+            raise TypeError(
+                "wrap_policy must be a ModuleClassPolicy, a SizePolicy or None, got "
+                f"{type(wrap_policy).__name__}"
+            )
+        self.wrap_policy = wrap_policy
+        super().__init__(
+            module,
+            backend,
+            reshard_after_forward=reshard_after_forward,
+            prefetch=prefetch,
+            reduce_dtype=reduce_dtype,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+        )
+
+    def _unit_modules(self) -> set[int]:
+        wrapped: set[int] = set()
+        trainable = {id(p) for _, p in self._trainable}
+
+        def visit(mod: nn.Module) -> int:
+            """Post-order: returns the trainable parameters under ``mod`` not in an inner unit."""
+            count = sum(p.numel() for p in mod.parameters(recurse=False) if id(p) in trainable)
+            for child in mod.children():
+                count += visit(child)
+            if (
+                self.wrap_policy is not None
+                and mod is not self.module
+                and self.wrap_policy.should_wrap(mod, count)
+            ):
+                wrapped.add(id(mod))
+                return 0
+            return count
+
+        visit(self.module)
+        wrapped.add(id(self.module))
+        return wrapped
+
+    def _plan(self) -> list[tuple[str, nn.Module, list[UnitPlan]]]:
+        names = {id(p): n for n, p in self._trainable}
+        units = self._unit_modules()
+        owner: dict[int, str] = {}
+        plan = []
+
+        def collect(mod: nn.Module, into: list[tuple[str, nn.Parameter]], unit_name: str) -> None:
+            for p in mod.parameters(recurse=False):
+                if id(p) not in names:
+                    continue
+                if id(p) in owner:
+                    if owner[id(p)] != unit_name:
+                        raise StrategyError(
+                            f"FSDPModel: parameter {names[id(p)]!r} is shared by units {owner[id(p)]!r} and "
+                            f"{unit_name!r}; a tied parameter must live in one unit: change the wrap policy "
+                            "so one unit contains both users"
+                        )
+                    continue
+                owner[id(p)] = unit_name
+                into.append((names[id(p)], p))
+            for child in mod.children():
+                if id(child) not in units:
+                    collect(child, into, unit_name)
+
+        for mname, mod in self.module.named_modules():
+            if id(mod) not in units:
+                continue
+            uname = mname or "<root>"
+            params: list[tuple[str, nn.Parameter]] = []
+            collect(mod, params, uname)
+            plan.append((uname, mod, [UnitPlan(uname, params)] if params else []))
+        return plan

@@ -1,0 +1,77 @@
+"""ZeRO-2: parameters replicated; gradients reduce-scattered so each rank keeps only its shard.
+
+Buckets are DDP's flat buffers padded to a multiple of ``P``. During a synchronized backward each
+gradient is copied into its bucket's transient buffer and released at once (``param.grad = None``);
+a full bucket is reduce-scattered (non-blocking) into this rank's persistent gradient shard, and the
+transient buffer is dropped when that completes. Inside ``no_sync()`` gradients accumulate in
+``param.grad`` as usual (full size: accumulation costs full gradient memory until the next sync).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import Work
+from dtlab.models._common import tensor_bytes
+from dtlab.models.ddp import DDPModel
+from dtlab.models.flat import FlatUnit
+
+__all__ = ["ZeRO2Model"]
+
+
+class ZeRO2Model(DDPModel):
+    """Reduce-scattered gradients, replicated parameters; same options as DDPModel."""
+
+    strategy_name: ClassVar[str] = "zero2"
+    _keep_full_grads: ClassVar[bool] = False
+
+    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        self._grad_shards = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device) for u in self._units]
+
+    def _store_grad(self, i: int, param: nn.Parameter) -> None:
+        if not self._sync:
+            return  # accumulate in param.grad until the synchronized backward
+        buf = self._grad_bufs[i]
+        if buf is None:
+            buf = self._grad_bufs[i] = self._units[i].new_flat()
+        s = self._units[i].slots[self._slot_of[id(param)][1]]
+        if param.grad is not None:
+            buf[s.offset : s.offset + s.numel].copy_(param.grad.reshape(-1))
+            param.grad = None
+
+    def _launch(self, i: int) -> tuple[Work, Any]:
+        buf = self._grad_bufs[i]
+        if buf is None:
+            buf = self._grad_bufs[i] = self._units[i].new_flat()
+        out = torch.empty_like(self._grad_shards[i])
+        return self._reducer.reduce_scatter(self._units[i].key, buf, out), out
+
+    def _complete(self, i: int, extra: Any) -> None:
+        self._grad_shards[i].add_(extra)
+        self._grad_bufs[i] = None
+
+    def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
+        return self._grad_shards[self._units.index(unit)]
+
+    def zero_grad_buffers(self) -> None:
+        for g in self._grad_shards:
+            g.zero_()
+        for _, q in self._trainable:
+            q.grad = None
+        self._grads_synced = False
+
+    def scale_grads_(self, factor: float) -> None:
+        for g in self._grad_shards:
+            g.mul_(factor)
+
+    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        return list(self._grad_shards), False
+
+    def _grad_bytes(self) -> int:
+        held = sum(tensor_bytes(g) for g in self._grad_shards)
+        held += sum(tensor_bytes(b) for b in self._grad_bufs)
+        return held + sum(tensor_bytes(q.grad) for _, q in self._trainable)

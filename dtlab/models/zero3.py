@@ -1,0 +1,96 @@
+"""ZeRO-3: every parameter sharded on its own, gathered on demand around the module that uses it.
+
+Each trainable parameter is one flat unit (padded to a multiple of ``P``); this rank keeps
+``1/P`` of it. The parameters a module owns directly are gathered by its forward pre-hook and freed
+after its forward, gathered again before its backward and freed once their gradients are reduced
+(see :mod:`dtlab.models._sharded`). Parameters with at most ``persistence_threshold`` elements, and
+parameters shared by several modules (tied weights), stay gathered: they are still updated as
+shards (reduce-scatter, step, all-gather after the step). Modules whose forward reads their
+children's parameters directly (``nn.MultiheadAttention`` reads ``out_proj.weight``) are gathered as
+a whole: list such classes in ``leaf_modules``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.models._sharded import ShardedModel, UnitPlan
+
+__all__ = ["ZeRO3Model"]
+
+
+class ZeRO3Model(ShardedModel):
+    """Per-parameter sharding (DeepSpeed ZeRO stage 3).
+
+    Args:
+        module, backend: as for DDPModel.
+        persistence_threshold: parameters with at most this many elements are kept whole
+            (default 100_000, DeepSpeed's ``stage3_param_persistence_threshold``); 0 shards everything.
+        leaf_modules: module classes gathered as one piece with their children.
+        prefetch: all-gather the next module's parameters while the current one computes.
+        reduce_dtype, find_unused_parameters, broadcast_buffers: as for DDPModel.
+    """
+
+    strategy_name: ClassVar[str] = "zero3"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        backend: CommunicationBackend,
+        *,
+        persistence_threshold: int = 100_000,
+        leaf_modules: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,),
+        prefetch: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
+            raise ValueError(f"persistence_threshold must be an int >= 0, got {persistence_threshold!r}")
+        bad = [c for c in leaf_modules if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
+            raise TypeError(f"leaf_modules must be nn.Module subclasses, got {bad}")
+        self.persistence_threshold = persistence_threshold
+        self.leaf_modules = tuple(leaf_modules)
+        super().__init__(
+            module,
+            backend,
+            reshard_after_forward=True,
+            prefetch=prefetch,
+            reduce_dtype=reduce_dtype,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+        )
+
+    def _plan(self) -> list[tuple[str, nn.Module, list[UnitPlan]]]:
+        names = {id(p): n for n, p in self._trainable}
+        users: dict[int, int] = {}
+        inside_leaf: set[int] = set()
+        owned: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
+        for mname, mod in self.module.named_modules():
+            if id(mod) in inside_leaf:
+                continue
+            if isinstance(mod, self.leaf_modules):
+                inside_leaf.update(id(m) for m in mod.modules())
+                params = list(mod.parameters())
+            else:
+                params = list(mod.parameters(recurse=False))
+            params = [p for p in params if id(p) in names]
+            for p in params:
+                users[id(p)] = users.get(id(p), 0) + 1
+            owned.append((mname or "<root>", mod, params))
+        plan, done = [], set()
+        for mname, mod, params in owned:
+            units = []
+            for p in params:
+                if id(p) in done:
+                    continue
+                done.add(id(p))
+                keep = p.numel() <= self.persistence_threshold or users[id(p)] > 1
+                units.append(UnitPlan(names[id(p)], [(names[id(p)], p)], persistent=keep))
+            plan.append((mname, mod, units))
+        return plan

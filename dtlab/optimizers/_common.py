@@ -1,0 +1,225 @@
+"""What the DDP and ZeRO optimizer strategies share: construction checks, the global gradient norm,
+the finite-gradient consensus and the reshardable optimizer-state format (see dtlab.models.state)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from dtlab.backends.base import ReduceOp
+from dtlab.errors import StrategyError
+from dtlab.models._common import DataParallelModel
+from dtlab.models.base import ModelStrategy, ShardedState
+from dtlab.models.state import ShardIndex, add_scalar, add_slice, dtype_from_str, new_state
+from dtlab.optimizers.base import OptimizerStrategy
+
+__all__ = ["DataParallelOptimizer", "Piece"]
+
+#: which optimizer strategy fits which model strategy (for error messages and the registry)
+PAIRS = {
+    "ddp": "DDPOptimizer",
+    "zero1": "ZeRO1Optimizer",
+    "zero2": "ZeRO2Optimizer",
+    "zero3": "ZeRO3Optimizer",
+    "fsdp": "ZeRO3Optimizer",
+}
+MODELS = {
+    "ddp": "DDPModel",
+    "zero1": "ZeRO1Model",
+    "zero2": "ZeRO2Model",
+    "zero3": "ZeRO3Model",
+    "fsdp": "FSDPModel",
+}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, end)`` of parameter ``name`` lie at ``offset`` of an optimizer tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    offset: int
+
+
+class DataParallelOptimizer(OptimizerStrategy):
+    """Base of DDPOptimizer and the ZeRO optimizers: one local torch optimizer over ``_tensors``."""
+
+    strategy_name: ClassVar[str] = "dp"
+
+    def __init__(
+        self, model: ModelStrategy, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> None:
+        me = type(self).__name__
+        if not isinstance(model, DataParallelModel):
+            raise StrategyError(
+                f"{me} drives a dtlab data-parallel model strategy ({', '.join(MODELS.values())}), got "
+                f"{type(model).__name__}; wrap the module first, e.g. {me}({self._model_hint()}(module, "
+                "backend), torch.optim.AdamW, lr=...)"
+            )
+        if model.strategy_name not in self.compatible_models:
+            fix = PAIRS.get(model.strategy_name, "the matching optimizer strategy")
+            raise StrategyError(
+                f"{me} cannot drive a {type(model).__name__} (strategy {model.strategy_name!r}); it works "
+                f"with {', '.join(MODELS[m] for m in self.compatible_models)}. Use {fix} with "
+                f"{type(model).__name__}, or wrap the module in {self._model_hint()} to use {me}"
+            )
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise TypeError(
+                f"{me} takes a torch.optim.Optimizer class (e.g. torch.optim.AdamW) and its keyword "
+                f"arguments, got {optimizer_cls!r}"
+            )
+        if "params" in kwargs:
+            raise TypeError(f"{me} picks the parameters itself from the model; do not pass params=")
+        self.model = model
+        self._tensors, self._pieces, self._names = self._build()
+        self._opt = optimizer_cls(self._tensors, **kwargs)
+        model.attach_optimizer(self)
+
+    def _model_hint(self) -> str:
+        return MODELS[self.compatible_models[0]] if self.compatible_models else "DDPModel"
+
+    def _build(self) -> tuple[list[torch.Tensor], list[list[Piece]], list[list[str]]]:
+        """The tensors the torch optimizer steps, the parameter pieces each holds (saved by this
+        rank) and the parameter names each touches (for scalar state such as ``step``)."""
+        raise NotImplementedError
+
+    @property
+    def dp_model(self) -> DataParallelModel:
+        model = self.model
+        if not isinstance(model, DataParallelModel):
+            raise StrategyError("the model is not a data-parallel model strategy")  # checked at construction
+        return model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._opt
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the synchronized gradients (bucket buffers and shards keep their memory)."""
+        self.dp_model.zero_grad_buffers()
+
+    # ------------------------------------------------------------------ norms and consensus
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        if not (isinstance(max_norm, int | float) and max_norm > 0):
+            raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+        norm_type = float(norm_type)
+        if not (norm_type > 0):
+            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+        model = self.dp_model
+        tensors, replicated = model.norm_grad_tensors()
+        device = model.backend.device
+        if math.isinf(norm_type):
+            local = max((t.detach().abs().max().double() for t in tensors if t.numel()), default=None)
+            total = torch.zeros(1, dtype=torch.float64, device=device) if local is None else local.reshape(1)
+            if not replicated:
+                model.dp_backend.all_reduce(total, ReduceOp.MAX)
+            norm = total[0]
+        else:
+            acc = torch.zeros(1, dtype=torch.float64, device=device)
+            for t in tensors:
+                if t.numel():
+                    acc += t.detach().double().abs().pow(norm_type).sum()
+            if not replicated:
+                model.dp_backend.all_reduce(acc, ReduceOp.SUM)
+            norm = acc[0].pow(1.0 / norm_type)
+        coef = float(max_norm) / (float(norm) + 1e-6)
+        if coef < 1.0:
+            model.scale_grads_(coef)
+        return norm.float()
+
+    def grads_are_finite(self) -> bool:
+        tensors, _ = self.dp_model.norm_grad_tensors()
+        local = all(bool(torch.isfinite(t).all()) for t in tensors)
+        return self.agree(local)
+
+    # ------------------------------------------------------------------ state
+    def sharded_state_dict(self) -> ShardedState:
+        backend = self.dp_model.backend
+        state = new_state(self.strategy_name, backend.world_size, backend.rank)
+        keys: set[str] = set()
+        for t, pieces, names in zip(self._tensors, self._pieces, self._names, strict=True):
+            for sk, v in self._opt.state.get(t, {}).items():
+                keys.add(sk)
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    if v.shape != t.shape:
+                        raise StrategyError(
+                            f"{type(self).__name__}: optimizer state {sk!r} has shape {tuple(v.shape)}, not "
+                            f"the parameter's {tuple(t.shape)}; only element-wise optimizer state "
+                            "(SGD, Adam, AdamW, RMSprop, ...) can be sharded and resharded"
+                        )
+                    flat = v.reshape(-1)
+                    for pc in pieces:
+                        add_slice(
+                            state,
+                            f"{pc.name}.{sk}",
+                            pc.shape,
+                            v.dtype,
+                            pc.start,
+                            pc.end,
+                            flat[pc.offset : pc.offset + pc.end - pc.start],
+                        )
+                else:
+                    for name in names:
+                        add_scalar(state, f"{name}.{sk}", v)
+        state.metadata["state_keys"] = sorted(keys)
+        state.metadata["param_groups"] = [_jsonable(g) for g in self._opt.param_groups]
+        return state
+
+    def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
+        index = ShardIndex(shards)
+        keys = index.extra.get("state_keys", [])
+        for t, pieces, names in zip(self._tensors, self._needed_pieces(), self._names, strict=True):
+            st: dict[str, Any] = {}
+            for sk in keys:
+                tensor_keys = [f"{pc.name}.{sk}" for pc in pieces]
+                if tensor_keys and all(k in index for k in tensor_keys):
+                    buf = torch.zeros(t.numel(), dtype=dtype_from_str(index.meta[tensor_keys[0]][1]))
+                    for pc in pieces:
+                        buf[pc.offset : pc.offset + pc.end - pc.start] = index.read(
+                            f"{pc.name}.{sk}", pc.start, pc.end
+                        )
+                    st[sk] = buf.reshape(t.shape).to(t.device)
+                    continue
+                scalar = next(
+                    (index.scalars[f"{n}.{sk}"] for n in names if f"{n}.{sk}" in index.scalars), None
+                )
+                if scalar is not None:
+                    st[sk] = (
+                        torch.tensor(scalar["value"], dtype=dtype_from_str(scalar["dtype"]))
+                        if scalar["dtype"] is not None
+                        else scalar["value"]
+                    )
+                elif any(f"{n}.{sk}" in index for n in names):
+                    st[sk] = torch.zeros_like(t)  # this tensor holds only padding of that state
+            if st:
+                self._opt.state[t] = st
+        saved = index.extra.get("param_groups")
+        if saved and len(saved) == len(self._opt.param_groups):
+            for group, values in zip(self._opt.param_groups, saved, strict=True):
+                for k, v in values.items():
+                    if k in group and k != "params":
+                        group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+    def _needed_pieces(self) -> list[list[Piece]]:
+        """The pieces each optimizer tensor must be filled with on load (default: what it saves)."""
+        return self._pieces
+
+
+def _jsonable(group: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor):
+            v = v.item() if v.numel() == 1 else None
+        if isinstance(v, tuple):
+            v = list(v)
+        if v is None or isinstance(v, bool | int | float | str | list):
+            out[k] = v
+    return out

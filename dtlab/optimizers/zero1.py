@@ -1,0 +1,25 @@
+"""ZeRO1Optimizer: optimizer state sharded over the data-parallel group.
+
+ZeRO-1: the model keeps whole parameters, so the updated shards are all-gathered after the step.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from dtlab.models.ddp import DDPModel
+from dtlab.optimizers._sharded import ShardedOptimizer
+
+__all__ = ["ZeRO1Optimizer"]
+
+
+class ZeRO1Optimizer(ShardedOptimizer):
+    """``ZeRO1Optimizer(model, torch.optim.AdamW, lr=...)``: this rank steps ``1/P`` of every parameter."""
+
+    strategy_name: ClassVar[str] = "zero1"
+    compatible_models: ClassVar[tuple[str, ...]] = ("zero1",)
+
+    def _publish(self) -> None:
+        model = self.dp_model
+        if isinstance(model, DDPModel):
+            model.gather_updated_shards()
