@@ -4,12 +4,16 @@ It is a test instrument, not a mock: ranks really exchange data through shared m
 turns what real engines turn into hangs into errors. A rank that fails aborts the world; a collective
 that not every rank reaches times out naming the missing ranks (at once when a missing rank has
 already returned); ranks that call different collectives get a :class:`CollectiveMismatchError`
-naming every rank's call. Reductions run in rank order, so results are bitwise identical on every rank
-and independent of thread timing.
+naming every rank's call.
 
-Large tensors are reduced in place of copies: every rank deposits a reference, reduces its own
-``1/P`` chunk of the result, and a second rendezvous keeps inputs alive until every rank has read them.
-Small tensors (<= 64 KiB) are cloned and reduced by each rank with a single rendezvous.
+How a collective runs: every rank deposits its call and its tensors (by reference, no copy) in a slot
+of the world; the last rank to arrive (the *leader*) checks that all calls match, does the whole
+operation once, in rank order, directly on every rank's tensors (they are all parked inside the
+call, so nobody touches them), then wakes the others. That is the minimal data movement of the
+operation (``all_reduce``: ``P-1`` in-place adds and ``P-1`` copies), one rendezvous, and results that
+are bitwise identical on every rank and independent of thread timing. Waiting ranks block on a lock
+of their own that only their slot's leader (or an abort) releases, so a collective wakes exactly the
+threads it concerns.
 """
 
 from __future__ import annotations
@@ -18,61 +22,72 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from dtlab.backends._inmemory_ops import (
+    lead_all_gather,
+    lead_all_gather_v,
+    lead_all_reduce,
+    lead_all_to_all,
+    lead_broadcast,
+    lead_reduce,
+    lead_reduce_scatter,
+)
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError, WorldAbortedError
 
 __all__ = ["InMemoryBackend", "InMemoryWorld"]
 
-SMALL_BYTES = 64 * 1024
+_Lock = Any  # threading.Lock instances (the type is private in typeshed)
+_POLL_S = 0.5  # longest sleep between re-checks of abort / exited peers (they also wake waiters)
 
 
-def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: ReduceOp) -> None:
-    """``out = parts[0] (op) parts[1] (op) ...`` in rank order; ``out`` may not alias a part."""
-    if op in (ReduceOp.SUM, ReduceOp.AVG):
-        if len(parts) == 1:
-            out.copy_(parts[0])
-        else:
-            torch.add(parts[0], parts[1], out=out)
-        for p in parts[2:]:
-            out.add_(p)
-        if op is ReduceOp.AVG:
-            out.div_(len(parts))
-        return
-    fn = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.PRODUCT: torch.mul}[op]
-    out.copy_(parts[0])
-    for p in parts[1:]:
-        fn(out, p, out=out)
+_FIELDS = {
+    "all_reduce": ("shape", "dtype", "op"),
+    "reduce": ("shape", "dtype", "op", "dst"),
+    "broadcast": ("shape", "dtype", "src"),
+    "reduce_scatter": ("output_numel", "dtype", "op"),
+    "all_gather": ("input_numel", "dtype"),
+    "all_gather_v": ("dtype",),
+    "all_to_all": ("dtype",),
+    "broadcast_object": ("src",),
+    "new_group": ("ranks",),
+}
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _describe(call: tuple[Any, ...] | None) -> str:
+    """``("all_reduce", shape, dtype, op)`` -> ``all_reduce(shape=(4,), dtype=torch.float32, op=SUM)``."""
+    if call is None:
+        return "nothing (not arrived)"
+    names = _FIELDS.get(call[0], ())
+    values = [
+        v.name if isinstance(v, ReduceOp) else tuple(v) if isinstance(v, torch.Size) else v for v in call[1:]
+    ]
+    return f"{call[0]}(" + ", ".join(f"{n}={v}" for n, v in zip(names, values, strict=False)) + ")"
 
 
-@dataclass
 class _Slot:
-    size: int
-    calls: list[str | None] = field(default_factory=list)
-    payloads: list[Any] = field(default_factory=list)
-    arrived: int = 0
-    left: int = 0
-    done: int = 0
-    shared: Any = None
+    """One collective call of one group: what every rank called and deposited."""
 
-    def __post_init__(self) -> None:
-        self.calls = [None] * self.size
-        self.payloads = [None] * self.size
+    __slots__ = ("arrived", "calls", "complete", "error", "payloads", "result", "waiters")
+
+    def __init__(self, size: int) -> None:
+        self.calls: list[tuple[Any, ...] | None] = [None] * size
+        self.payloads: list[Any] = [None] * size
+        self.arrived = 0
+        self.complete = False
+        self.error: str | None = None
+        self.result: Any = None
+        self.waiters: list[_Lock] = []
 
 
-@dataclass
 class _Message:
-    src: int
-    tag: int
-    tensor: torch.Tensor
+    __slots__ = ("src", "tag", "tensor")
+
+    def __init__(self, src: int, tag: int, tensor: torch.Tensor) -> None:
+        self.src, self.tag, self.tensor = src, tag, tensor
 
 
 class InMemoryWorld:
@@ -86,9 +101,11 @@ class InMemoryWorld:
         self.world_size = world_size
         self.timeout = float(timeout)
         self.device = torch.device(device)
-        self.cond = threading.Condition()
+        self.mutex = threading.Lock()
         self.slots: dict[tuple[Any, ...], _Slot] = {}
         self.mailboxes: dict[tuple[Any, ...], list[_Message]] = {}
+        self.mail_waiters: dict[tuple[Any, ...], list[_Lock]] = {}
+        self.waiting: set[_Lock] = set()  # every lock a thread is blocked on right now
         self.failure: tuple[int, BaseException] | None = None
         self.exited: set[int] = set()
 
@@ -97,15 +114,29 @@ class InMemoryWorld:
 
     def abort(self, rank: int, exc: BaseException) -> None:
         """Record the first failure and release every waiting rank."""
-        with self.cond:
+        with self.mutex:
             if self.failure is None:
                 self.failure = (rank, exc)
-            self.cond.notify_all()
+            self._wake_everyone()
 
     def mark_exited(self, rank: int) -> None:
-        with self.cond:
+        """``rank`` returned: ranks waiting for it can never complete, so wake them to find out."""
+        with self.mutex:
             self.exited.add(rank)
-            self.cond.notify_all()
+            self._wake_everyone()
+
+    # the two below run with ``mutex`` held
+    def _wake(self, waiters: list[_Lock]) -> None:
+        for lk in waiters:
+            if lk in self.waiting:
+                self.waiting.discard(lk)
+                lk.release()
+        waiters.clear()
+
+    def _wake_everyone(self) -> None:
+        for lk in self.waiting:
+            lk.release()
+        self.waiting.clear()
 
 
 class _RecvWork(Work):
@@ -159,206 +190,196 @@ class InMemoryBackend(CommunicationBackend):
         return self._global[self.rank]
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, ready: Callable[[], bool], what: str, missing: Callable[[], list[int]]) -> None:
-        """Wait (holding ``world.cond``) until ``ready()``; raise on abort, exit of a peer, timeout."""
+    def _wait(
+        self,
+        waiters: list[_Lock],
+        ready: Callable[[], bool],
+        describe: Callable[[], str],
+        missing: Callable[[], list[int]],
+        need_all: bool = True,
+        since: float | None = None,
+    ) -> None:
+        """Holding ``world.mutex``, block until ``ready()``; raise on abort, an exited peer, timeout.
+
+        ``missing()`` names the ranks waited for: the timeout applies while it names any; once nobody
+        is missing the wait is for a leader already at work, which always finishes (or aborts the
+        world). A collective (``need_all``) can never complete once one missing rank has exited; a
+        receive from any source only once all of them have.
+        """
         w = self._world
-        deadline = time.monotonic() + w.timeout
+        deadline = (time.monotonic() if since is None else since) + w.timeout
         while not ready():
             if w.failure is not None:
                 rank, exc = w.failure
                 raise WorldAbortedError(
-                    f"rank {self.global_rank}: {what} aborted because rank {rank} failed: "
+                    f"rank {self.global_rank}: {describe()} aborted because rank {rank} failed: "
                     f"{type(exc).__name__}: {exc}"
                 )
-            gone = [r for r in missing() if self._global[r] in w.exited]
-            if gone:
+            lacking = missing()
+            gone = [r for r in lacking if self._global[r] in w.exited]
+            if gone and (need_all or len(gone) == len(lacking)):
                 raise CollectiveTimeoutError(
-                    f"rank {self.global_rank}: {what} can never complete: rank(s) {gone} of this "
+                    f"rank {self.global_rank}: {describe()} can never complete: rank(s) {gone} of this "
                     f"group already returned without reaching it",
                     tuple(gone),
-                    what,
+                    describe(),
                 )
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                lacking = missing()
+            if lacking and remaining <= 0:
                 raise CollectiveTimeoutError(
-                    f"rank {self.global_rank}: {what} timed out after {w.timeout:g}s waiting for "
+                    f"rank {self.global_rank}: {describe()} timed out after {w.timeout:g}s waiting for "
                     f"rank(s) {lacking} of this group (world ranks "
                     f"{[self._global[r] for r in lacking]}); did every rank call it?",
                     tuple(lacking),
-                    what,
+                    describe(),
                 )
-            w.cond.wait(min(remaining, 0.5))
+            lk = threading.Lock()
+            lk.acquire()
+            waiters.append(lk)
+            w.waiting.add(lk)
+            w.mutex.release()
+            try:
+                lk.acquire(True, min(remaining, _POLL_S) if lacking else _POLL_S)
+            finally:
+                w.mutex.acquire()
+                w.waiting.discard(lk)
+                if lk in waiters:
+                    waiters.remove(lk)
 
-    def _rendezvous(self, call: str, payload: Any) -> tuple[_Slot, int]:
-        """Deposit this rank's call and payload; return the slot once every rank has arrived."""
+    def _collective(
+        self, call: tuple[Any, ...], payload: Any, leader: Callable[[list[Any]], Any] | None = None
+    ) -> _Slot:
+        """Deposit this rank's call and payload; the last rank to arrive checks the calls match and
+        runs ``leader(payloads)`` once for everyone. Returns the completed slot."""
         seq = self._seq
         self._seq += 1
-        key = (self._key, seq)
         p, me, w = self.world_size, self.rank, self._world
-        with w.cond:
+        if p == 1:  # nothing to wait for or to mismatch with
+            solo = _Slot(1)
+            solo.calls[0], solo.payloads[0] = call, payload
+            if leader is not None:
+                solo.result = leader(solo.payloads)
+            return solo
+        key = (self._key, seq)
+        arrived = time.monotonic()
+        with w.mutex:
             slot = w.slots.get(key)
             if slot is None:
                 slot = w.slots[key] = _Slot(p)
             slot.calls[me] = call
             slot.payloads[me] = payload
             slot.arrived += 1
-            if slot.arrived == p:
-                w.cond.notify_all()
-            else:
-                self._wait(
-                    lambda: slot.arrived == p,
-                    f"{call} (collective #{seq})",
-                    lambda: [r for r in range(p) if slot.calls[r] is None],
-                )
-            slot.left += 1
-            if slot.left == p:
+            lead = slot.arrived == p
+            if lead:
                 del w.slots[key]
-        if len(set(slot.calls)) > 1:
-            listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(slot.calls))
-            raise CollectiveMismatchError(
-                f"ranks called different collectives at collective #{seq} of group "
-                f"{list(self._global)}: {listing}"
-            )
-        return slot, seq
-
-    def _finish(self, slot: _Slot, call: str, seq: int) -> None:
-        """Second rendezvous: no rank leaves (and reuses its inputs) until every rank has read them."""
-        p, w = self.world_size, self._world
-        with w.cond:
-            slot.done += 1
-            if slot.done == p:
-                w.cond.notify_all()
             else:
-                self._wait(lambda: slot.done == p, f"{call} (collective #{seq}, completion)", lambda: [])
-
-    def _share(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Small tensors are cloned (one rendezvous); large ones shared by reference (two)."""
-        if _nbytes(t) <= SMALL_BYTES:
-            return t.clone(), False
-        return t, True
+                lk = threading.Lock()
+                lk.acquire()
+                slot.waiters.append(lk)
+                w.waiting.add(lk)
+        if not lead and not (lk.acquire(True, min(_POLL_S, w.timeout)) and slot.complete):
+            # not woken by the leader within the poll interval, or woken by an abort / exited peer
+            with w.mutex:
+                w.waiting.discard(lk)
+                if lk in slot.waiters:
+                    slot.waiters.remove(lk)
+                self._wait(
+                    slot.waiters,
+                    lambda: slot.complete,
+                    lambda: f"{_describe(call)} (collective #{seq})",
+                    lambda: [r for r in range(p) if slot.calls[r] is None],
+                    since=arrived,
+                )
+        if lead:
+            failed: BaseException | None = None
+            try:
+                if any(c != call for c in slot.calls):
+                    listing = "; ".join(f"rank {r}: {_describe(c)}" for r, c in enumerate(slot.calls))
+                    slot.error = (
+                        f"ranks called different collectives at collective #{seq} of group "
+                        f"{list(self._global)}: {listing}"
+                    )
+                elif leader is not None:
+                    slot.result = leader(slot.payloads)
+            except CollectiveMismatchError as exc:
+                slot.error = str(exc)
+            except BaseException as exc:  # the others must not wait for a leader that failed
+                failed = exc
+                slot.error = (
+                    f"the leader of {_describe(call)} (rank {me}) failed: {type(exc).__name__}: {exc}"
+                )
+            finally:
+                with w.mutex:
+                    slot.complete = True
+                    w._wake(slot.waiters)
+            if failed is not None:
+                raise failed
+        if slot.error is not None:
+            raise CollectiveMismatchError(slot.error)
+        return slot
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
-        payload, by_ref = self._share(tensor)
-        call = f"all_reduce(shape={tuple(tensor.shape)}, dtype={tensor.dtype}, op={op.name})"
-        slot, seq = self._rendezvous(call, payload)
-        parts = [t.reshape(-1) for t in slot.payloads]
-        if not by_ref:
-            _reduce_into(tensor.view(-1), parts, op)
-            return
-        with self._world.cond:
-            if slot.shared is None:
-                slot.shared = torch.empty_like(parts[0])
-        result: torch.Tensor = slot.shared
-        n, p, me = result.numel(), self.world_size, self.rank
-        lo, hi = n * me // p, n * (me + 1) // p
-        _reduce_into(result[lo:hi], [t[lo:hi] for t in parts], op)
-        self._finish(slot, "all_reduce", seq)
-        tensor.view(-1).copy_(result)
+        call = ("all_reduce", tensor.shape, tensor.dtype, op)
+        self._collective(call, tensor, lambda ts: lead_all_reduce(ts, op))
 
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
-        payload, by_ref = self._share(tensor)
-        call = f"reduce(shape={tuple(tensor.shape)}, dtype={tensor.dtype}, op={op.name}, dst={dst})"
-        slot, seq = self._rendezvous(call, payload)
-        if self.rank == dst:
-            out = torch.empty_like(tensor).view(-1)
-            _reduce_into(out, [t.reshape(-1) for t in slot.payloads], op)
-            tensor.view(-1).copy_(out)
-        if by_ref:
-            self._finish(slot, "reduce", seq)
+        call = ("reduce", tensor.shape, tensor.dtype, op, dst)
+        self._collective(call, tensor, lambda ts: lead_reduce(ts, dst, op))
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        payload, by_ref = self._share(tensor) if self.rank == src else (None, _nbytes(tensor) > SMALL_BYTES)
-        call = f"broadcast(shape={tuple(tensor.shape)}, dtype={tensor.dtype}, src={src})"
-        slot, seq = self._rendezvous(call, payload)
-        if self.rank != src:
-            tensor.copy_(slot.payloads[src])
-        if by_ref:
-            self._finish(slot, "broadcast", seq)
+        call = ("broadcast", tensor.shape, tensor.dtype, src)
+        self._collective(call, tensor, lambda ts: lead_broadcast(ts, src))
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
-        payload, by_ref = self._share(input)
-        call = f"reduce_scatter(output_numel={output.numel()}, dtype={output.dtype}, op={op.name})"
-        slot, seq = self._rendezvous(call, payload)
-        n, me = output.numel(), self.rank
-        out = output.view(-1)
-        parts = [t.reshape(-1)[me * n : (me + 1) * n] for t in slot.payloads]
-        if by_ref:
-            tmp = torch.empty_like(out)  # output may alias this rank's input chunk
-            _reduce_into(tmp, parts, op)
-            self._finish(slot, "reduce_scatter", seq)
-            out.copy_(tmp)
-        else:
-            _reduce_into(out, parts, op)
+        call = ("reduce_scatter", output.numel(), output.dtype, op)
+        self._collective(call, (output, input), lambda pairs: lead_reduce_scatter(pairs, op))
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        payload, by_ref = self._share(input)
-        call = f"all_gather(input_numel={input.numel()}, dtype={input.dtype})"
-        slot, seq = self._rendezvous(call, payload)
-        n = input.numel()
-        out = output.view(-1)
-        if by_ref:
-            own = input.reshape(-1).clone()  # output may alias input
-            for r, t in enumerate(slot.payloads):
-                if r != self.rank:
-                    out[r * n : (r + 1) * n].copy_(t.reshape(-1))
-            self._finish(slot, "all_gather", seq)
-            out[self.rank * n : (self.rank + 1) * n].copy_(own)
-        else:
-            torch.cat([t.reshape(-1) for t in slot.payloads], out=out)
+        call = ("all_gather", input.numel(), input.dtype)
+        self._collective(call, (output, input), lead_all_gather)
 
     def _all_gather_v(self, input: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        slot, _ = self._rendezvous(f"all_gather_v(dtype={input.dtype})", input.clone())
-        parts = slot.payloads
-        return torch.cat(parts), [int(t.numel()) for t in parts]
+        slot = self._collective(("all_gather_v", input.dtype), input, lead_all_gather_v)
+        outputs, counts = slot.result
+        return outputs[self.rank], list(counts)
 
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
-        slot, seq = self._rendezvous(f"all_to_all(dtype={inputs[0].dtype})", inputs)
-        me = self.rank
-        errors = [
-            f"rank {j} sends {slot.payloads[j][me].numel()} elements but outputs[{j}] has "
-            f"{outputs[j].numel()}"
-            for j in range(self.world_size)
-            if slot.payloads[j][me].numel() != outputs[j].numel()
-        ]
-        if errors:
-            raise CollectiveMismatchError(f"all_to_all on rank {me}: " + "; ".join(errors))
-        received = [slot.payloads[j][me].reshape(outputs[j].shape).clone() for j in range(self.world_size)]
-        self._finish(slot, "all_to_all", seq)
-        for out, t in zip(outputs, received, strict=True):
-            out.copy_(t)
+        self._collective(("all_to_all", inputs[0].dtype), (outputs, inputs), lead_all_to_all)
 
     def _barrier(self) -> None:
-        self._rendezvous("barrier()", None)
+        self._collective(("barrier",), None)
 
     # ------------------------------------------------------------------ point-to-point
-    def _mailbox(self, dst: int) -> list[_Message]:
-        return self._world.mailboxes.setdefault((self._key, dst), [])
-
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         w = self._world
-        with w.cond:
-            self._mailbox(dst).append(_Message(self.rank, tag, tensor.detach().clone()))
-            w.cond.notify_all()
+        msg = _Message(self.rank, tag, tensor.detach().clone())
+        with w.mutex:
+            w.mailboxes.setdefault((self._key, dst), []).append(msg)
+            waiters = w.mail_waiters.get((self._key, dst))
+            if waiters:
+                w._wake(waiters)
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         w = self._world
-        box = self._mailbox(self.rank)
-        found: list[int] = []
+        box_key = (self._key, self.rank)
+        found: list[_Message] = []
 
         def ready() -> bool:
-            for i, m in enumerate(box):
-                if m.tag == tag and (src is None or m.src == src):
-                    found.append(i)
-                    return True
+            box = w.mailboxes.get(box_key)
+            if box:
+                for i, m in enumerate(box):
+                    if m.tag == tag and (src is None or m.src == src):
+                        found.append(box.pop(i))
+                        return True
             return False
 
         peers = [src] if src is not None else [r for r in range(self.world_size) if r != self.rank]
         what = f"recv(src={'any' if src is None else src}, tag={tag})"
-        with w.cond:
-            self._wait(ready, what, lambda: peers if all(self._global[r] in w.exited for r in peers) else [])
-            msg = box.pop(found[0])
+        with w.mutex:
+            waiters = w.mail_waiters.setdefault(box_key, [])
+            self._wait(waiters, ready, lambda: what, lambda: peers, need_all=False)
+        msg = found[0]
         if msg.tensor.dtype != tensor.dtype or msg.tensor.numel() != tensor.numel():
             raise CollectiveMismatchError(
                 f"rank {self.rank}: {what} got a message from rank {msg.src} of shape "
@@ -380,17 +401,18 @@ class InMemoryBackend(CommunicationBackend):
     # ------------------------------------------------------------------ objects and groups
     def _broadcast_object(self, obj: Any, src: int) -> tuple[Any, int]:
         payload = pickle.dumps(obj) if self.rank == src else None
-        slot, _ = self._rendezvous(f"broadcast_object(src={src})", payload)
+        slot = self._collective(("broadcast_object", src), payload)
         data: bytes = slot.payloads[src]
         return (obj if self.rank == src else pickle.loads(data)), len(data)
 
     def _all_gather_object(self, obj: Any) -> tuple[list[Any], list[int]]:
-        slot, _ = self._rendezvous("all_gather_object()", pickle.dumps(obj))
+        slot = self._collective(("all_gather_object",), pickle.dumps(obj))
         datas: list[bytes] = slot.payloads
         return [pickle.loads(d) for d in datas], [len(d) for d in datas]
 
     def _new_group(self, ranks: list[int]) -> CommunicationBackend | None:
-        _, seq = self._rendezvous(f"new_group(ranks={ranks})", None)
+        seq = self._seq
+        self._collective(("new_group", tuple(ranks)), None)
         if self.rank not in ranks:
             return None
         return InMemoryBackend(

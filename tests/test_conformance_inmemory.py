@@ -1,0 +1,196 @@
+"""The conformance suite (dtlab.testing.conformance) on the in-memory backend, world sizes 1 to 8,
+plus property-based cases drawn by hypothesis and a check that the suite catches broken engines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dtlab.backends import InMemoryBackend, ReduceOp
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import RankFailedError
+from dtlab.testing import run_world
+from dtlab.testing.conformance import (
+    CHECK_NAMES,
+    Case,
+    ConformanceCases,
+    ConformanceFailure,
+    SizesCase,
+    check_all_gather,
+    check_all_gather_v,
+    check_all_reduce,
+    check_all_to_all,
+    check_broadcast,
+    check_nonblocking,
+    check_reduce,
+    check_reduce_scatter,
+    default_cases,
+    run_conformance,
+)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
+FLOATS = DTYPES[:4]
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_every_check_passes_on_the_inmemory_backend(world_size: int) -> None:
+    results = run_world(world_size, run_conformance, timeout=30)
+    assert all(r == results[0] for r in results), "every rank must report the same outcome"
+    assert set(results[0]) == set(CHECK_NAMES)
+    failed = {name: text for name, text in results[0].items() if text is not None}
+    assert not failed, failed
+
+
+def test_default_cases_cover_every_dtype_with_every_applicable_op() -> None:
+    cases = default_cases()
+    covered = {(c.dtype, c.op) for c in cases.collectives}
+    for dtype in DTYPES:
+        for op in ReduceOp:
+            if op is ReduceOp.AVG and dtype not in FLOATS:
+                continue
+            assert (dtype, op) in covered, (dtype, op)
+    assert all(0 in s.counts for s in cases.sizes), "every sizes case has a rank with no elements"
+    assert default_cases(3) == default_cases(3) and default_cases(3) != default_cases(4)
+
+
+@st.composite
+def collective_cases(draw: Any) -> Case:
+    dtype = draw(st.sampled_from(DTYPES))
+    ops = list(ReduceOp) if dtype in FLOATS else [o for o in ReduceOp if o is not ReduceOp.AVG]
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=0, max_size=3)))
+    return Case(
+        shape, dtype, draw(st.sampled_from(ops)), draw(st.integers(0, 7)), draw(st.integers(0, 2**20))
+    )
+
+
+def _run_cases(b: CommunicationBackend, cases: list[Case]) -> list[str]:
+    failures = []
+    for case in cases:
+        for check in (
+            check_all_reduce,
+            check_reduce,
+            check_broadcast,
+            check_reduce_scatter,
+            check_all_gather,
+            check_nonblocking,
+        ):
+            try:
+                check(b, case)
+            except ConformanceFailure as exc:
+                failures.append(str(exc))
+    return failures
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world_size=st.integers(1, 8), cases=st.lists(collective_cases(), min_size=1, max_size=4))
+def test_random_collective_cases_match_the_direct_computation(world_size: int, cases: list[Case]) -> None:
+    results = run_world(world_size, _run_cases, cases, timeout=30)
+    assert results == [[]] * world_size, results
+
+
+def _run_sizes(b: CommunicationBackend, cases: list[SizesCase]) -> list[str]:
+    failures = []
+    for case in cases:
+        for check in (check_all_gather_v, check_all_to_all):
+            try:
+                check(b, case)
+            except ConformanceFailure as exc:
+                failures.append(str(exc))
+    return failures
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    world_size=st.integers(1, 8),
+    cases=st.lists(
+        st.builds(
+            SizesCase,
+            counts=st.lists(st.integers(0, 6), min_size=1, max_size=5).map(tuple),
+            dtype=st.sampled_from(DTYPES),
+            seed=st.integers(0, 2**20),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+)
+def test_random_variable_sizes_match_the_direct_computation(world_size: int, cases: list[SizesCase]) -> None:
+    results = run_world(world_size, _run_sizes, cases, timeout=30)
+    assert results == [[]] * world_size, results
+
+
+# ------------------------------------------------------------------ the suite can fail
+class _OffByOneAllReduce(InMemoryBackend):
+    """all_reduce adds 1 to the result on the last rank only."""
+
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        super()._all_reduce(tensor, op)
+        if self.rank == self.world_size - 1:
+            tensor.add_(1)
+
+
+class _SwappedGather(InMemoryBackend):
+    """all_gather returns the ranks' blocks in reverse order."""
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        super()._all_gather(output, input)
+        n = input.numel()
+        blocks = output.view(-1).split(n)
+        output.view(-1).copy_(torch.cat(list(reversed(blocks))))
+
+
+class _LeakyBarrier(InMemoryBackend):
+    """barrier returns at once."""
+
+    def _barrier(self) -> None:
+        return None
+
+
+class _LastInFirstOut(InMemoryBackend):
+    """Receives the newest matching message first."""
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
+        w = self._world
+        box = w.mailboxes.get((self._key, self.rank), [])
+        with w.mutex:
+            box.reverse()
+        try:
+            return super()._recv(tensor, src, tag)
+        finally:
+            with w.mutex:
+                box.reverse()
+
+
+def _with(cls: type[InMemoryBackend], names: list[str]) -> Any:
+    def fn(b: InMemoryBackend) -> dict[str, str | None]:
+        broken = cls(b._world, b.rank)
+        cases = ConformanceCases(default_cases().collectives[:6], default_cases().sizes[:1])
+        return run_conformance(broken, cases, only=names)
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("cls", "check", "expect"),
+    [
+        (_OffByOneAllReduce, "all_reduce", "all_reduce on rank 2"),
+        (_SwappedGather, "all_gather", "all_gather(shape="),
+        (_LeakyBarrier, "barrier", "left the barrier"),
+        (_LastInFirstOut, "send_recv_order", "message #0 from rank"),
+    ],
+)
+def test_the_suite_reports_a_broken_engine(cls: type[InMemoryBackend], check: str, expect: str) -> None:
+    results = run_world(3, _with(cls, [check]), timeout=10)
+    text = results[0][check]
+    assert text is not None and expect in text, text
+    assert all(r == results[0] for r in results)
+
+
+def test_run_conformance_rejects_unknown_check_names() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_world(1, lambda b: run_conformance(b, only=["nope"]))
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "unknown checks ['nope']" in str(info.value.__cause__)
