@@ -118,10 +118,17 @@ def _world(backend: CommunicationBackend, kind: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
-def test_every_algorithm_composes_with_the_strategy(kind: str) -> None:
-    results = run_world(P, _world, kind, timeout=120)
-    ref = _reference()
+KINDS = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+
+
+def engines_world(backend: CommunicationBackend) -> dict[str, dict[str, Any]]:
+    """Every strategy x every algorithm in one spawned world (module level: processes import it)."""
+    torch.set_num_threads(1)
+    return {kind: _world(backend, kind) for kind in KINDS}
+
+
+def _check(results: list[dict[str, Any]], kind: str, ref: dict[str, torch.Tensor]) -> None:
+    p = len(results)
     plain = results[0]["plain"]
     for name, t in ref.items():
         torch.testing.assert_close(plain[name], t, rtol=1e-5, atol=1e-6)
@@ -129,20 +136,39 @@ def test_every_algorithm_composes_with_the_strategy(kind: str) -> None:
     for name in plain:  # Dense through the compression path: bit for bit the uncompressed strategy
         assert torch.equal(dense_params[name], plain[name]), name
     assert dense_stats[-1]["algorithm"] == "dense" and dense_stats[-1]["density"] == 1.0
-    semantics = "all-reduce" if kind in ("ddp", "zero1") else "reduce-scatter"
     for comp in LOSSLESS + LOSSY:
         params, stats = results[0][comp.describe()]
-        for r in range(1, P):  # identical on every rank
+        for r in range(1, p):  # identical on every rank
             other = results[r][comp.describe()][0]
-            assert all(torch.equal(other[n], params[n]) for n in params), (comp.name, r)
+            assert all(torch.equal(other[n], params[n]) for n in params), (kind, comp.name, r)
         assert all(torch.isfinite(t).all() for t in params.values()), comp.name
         last = stats[-1]
         assert last["algorithm"] == comp.name and last["calls"] >= 1, (comp.name, last)
         assert not any(isinstance(v, float) and math.isnan(v) for v in last.values()), last
         if comp in LOSSLESS:  # density 1: exactly dense, so single-process parity
             for name, t in ref.items():
-                torch.testing.assert_close(params[name], t, rtol=1e-5, atol=1e-6, msg=f"{comp.name} {name}")
+                torch.testing.assert_close(
+                    params[name], t, rtol=1e-5, atol=1e-6, msg=f"{kind} {comp.name} {name}"
+                )
         else:
             assert any(not torch.equal(params[n], plain[n]) for n in params), f"{comp.name} did not compress"
             smaller = last["bytes_sent"] < last["dense_bytes"]
-            assert smaller or comp.name == "qsgd", (comp.name, semantics, last)
+            assert smaller or comp.name == "qsgd", (kind, comp.name, last)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_algorithm_composes_with_the_strategy(kind: str) -> None:
+    _check(run_world(P, _world, kind, timeout=120), kind, _reference())
+
+
+@pytest.mark.parametrize("engine", ["gloo", "mpi"])
+def test_every_algorithm_and_strategy_on_real_engines(engine: str) -> None:
+    """ONE spawned 2-process world per engine runs all strategies x all algorithms."""
+    from dtlab.testing import spawn_world
+
+    if engine == "mpi":
+        pytest.importorskip("mpi4py")
+    results = spawn_world(2, engines_world, backend=engine, timeout=240)
+    ref = _reference()
+    for kind in KINDS:
+        _check([r[kind] for r in results], kind, ref)
