@@ -72,8 +72,14 @@ class StrategyConfig(_Section):
     model: Literal["ddp", "zero1", "zero2", "zero3", "fsdp"] = "ddp"
     #: optimizer strategy; ``None`` picks the one that fits ``strategy.model``
     optimizer: Literal["ddp", "zero1", "zero2", "zero3"] | None = None
-    #: DDP gradient bucket size in MiB
+    #: gradient bucket size in MiB (DDP, ZeRO-1, ZeRO-2)
     bucket_mb: float = Field(default=25.0, gt=0)
+    #: ZeRO-3 keeps parameters with at most this many elements whole on every rank (DeepSpeed's default)
+    persistence_threshold: int = Field(default=100_000, ge=0)
+    #: FSDP frees each unit after its forward (least memory) or keeps it until its backward
+    reshard_after_forward: bool = True
+    #: ZeRO-3/FSDP: all-gather the next unit while the current one computes
+    prefetch: bool = True
 
     @property
     def optimizer_name(self) -> str:
@@ -93,7 +99,7 @@ class StrategyConfig(_Section):
 
 class OptimizerConfig(_Section):
     name: Literal["adamw", "adam", "sgd"] = "adamw"
-    lr: float = Field(default=3e-3, gt=0)
+    lr: float = Field(default=4e-3, gt=0)
     weight_decay: float = Field(default=0.01, ge=0)
     momentum: float = Field(default=0.9, ge=0, lt=1)
     betas: tuple[float, float] = (0.9, 0.99)
@@ -111,8 +117,11 @@ class CompressionConfig(_Section):
     algorithm: Literal["none", "dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk"] = "none"
     #: fraction of gradient values each step sends, in (0, 1]
     density: float = 0.01
-    tau: int = Field(default=64, ge=1)
-    tau_prime: int = Field(default=32, ge=1)
+    #: Ok-Topk: re-evaluate the local and global thresholds every ``tau`` steps
+    tau: int = Field(default=32, ge=1)
+    #: Ok-Topk: rebalance the region boundaries every ``tau_prime`` steps
+    tau_prime: int = Field(default=64, ge=1)
+    #: dense steps before compression starts (short default for short runs)
     warmup_steps: int = Field(default=10, ge=0)
 
     @field_validator("density")
@@ -155,7 +164,7 @@ class DataConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    steps: int = Field(default=150, ge=1)
+    steps: int = Field(default=200, ge=1)
     seed: int = 0
     precision: Literal["fp32", "bf16"] = "fp32"
     #: evaluate every N steps (and after the last); 0 disables evaluation
@@ -181,7 +190,7 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     #: directory for ``metrics.jsonl`` and ``profile.json``; ``None``: nothing written
     run_dir: str | None = "runs/default"
-    log_every: int = Field(default=10, ge=1)
+    log_every: int = Field(default=20, ge=1)
     progress: bool = True
 
 

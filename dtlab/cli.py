@@ -1,0 +1,111 @@
+"""The ``dtlab`` command line: ``train``, ``bench``, ``consolidate`` and ``config``.
+
+``dtlab train`` with no arguments trains the embedded default (a byte-level transformer language model
+on the Python standard library's source, 4 in-memory ranks). Configuration errors and other dtlab
+errors print one message and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="YAML or TOML file (sections as in docs/configuration.md)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one field, e.g. --set strategy.model=fsdp --set train.steps=50 (repeatable)",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dtlab", description="Distributed training strategies for PyTorch.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train (no arguments: the embedded default on 4 in-memory ranks)")
+    _add_config_args(t)
+    t.add_argument("--quiet", action="store_true", help="no progress bar and no metric lines")
+    c = sub.add_parser("config", help="print the resolved configuration as YAML and exit")
+    _add_config_args(c)
+    b = sub.add_parser("bench", help="run the strategy and compression benchmarks; write a table and plots")
+    b.add_argument("--out", default="runs/bench", help="directory for the table, raw results and PNG plots")
+    b.add_argument("--only", choices=["strategies", "compression"], help="run one of the two benchmarks")
+    b.add_argument("--full", action="store_true", help="the benchmarks' own default sizes (slow)")
+    b.add_argument("--timeout", type=float, default=900.0, help="seconds each benchmark may run")
+    k = sub.add_parser("consolidate", help="write a checkpoint's full model as one safetensors file")
+    k.add_argument("checkpoint", help="a checkpoint root (uses 'latest') or one step directory")
+    k.add_argument("-o", "--output", required=True, help="output .safetensors file")
+    return p
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dtlab.config import load_config
+    from dtlab.trainers import run_training
+    from dtlab.trainers.progress import summary_table
+
+    config = load_config(args.config, args.overrides)
+    if args.quiet:
+        config = config.model_copy(update={"logging": config.logging.model_copy(update={"progress": False})})
+    results = run_training(config)
+    main = results[0]
+    if main.rank == 0:  # under a launcher every process gets its own rank; rank 0 prints
+        print(summary_table(main.summary, title="dtlab train: summary"))
+        print()
+        from dtlab.trainers.profiler import Profiler
+
+        print(Profiler.table_from_summary(main.profile))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from dtlab.config import load_config
+
+    print(yaml.safe_dump(load_config(args.config, args.overrides).to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from dtlab.checkpoint import consolidate
+
+    out = consolidate(args.checkpoint, args.output)
+    print(f"wrote {out}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from dtlab.trainers.bench import run_bench
+
+    return run_bench(args.out, only=args.only, full=args.full, timeout=args.timeout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dtlab.errors import DtlabError, RankFailedError
+
+    args = _parser().parse_args(argv)
+    handler = {"train": _train, "config": _config, "consolidate": _consolidate, "bench": _bench}[args.command]
+    try:
+        return handler(args)
+    except RankFailedError as exc:
+        cause = exc.__cause__
+        msg = f"{type(cause).__name__}: {cause}" if isinstance(cause, DtlabError) else str(exc)
+        print(f"dtlab {args.command}: error on rank {exc.rank}: {msg}", file=sys.stderr)
+        return 2 if isinstance(cause, DtlabError) else 1
+    except DtlabError as exc:
+        print(f"dtlab {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dtlab {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

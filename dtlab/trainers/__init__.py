@@ -1,0 +1,21 @@
+"""The trainer: any (model strategy, optimizer strategy) pair, with checkpoints, metrics and a profile."""
+
+from dtlab.trainers.guard import EarlyStopping, NonFiniteError, NonFiniteGuard
+from dtlab.trainers.launch import run_training
+from dtlab.trainers.metrics import MetricsCollector
+from dtlab.trainers.profiler import Profiler
+from dtlab.trainers.tasks import Task, build_task
+from dtlab.trainers.trainer import Trainer, TrainResult
+
+__all__ = [
+    "EarlyStopping",
+    "MetricsCollector",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "Profiler",
+    "Task",
+    "TrainResult",
+    "Trainer",
+    "build_task",
+    "run_training",
+]

@@ -1,0 +1,74 @@
+"""Build the (model strategy, optimizer strategy) pair a config asks for, with real dtlab strategies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.config import TrainConfig
+from dtlab.models.base import ModelStrategy
+from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.trainers.tasks import Task
+
+__all__ = ["build_model_strategy", "build_optimizer_strategy", "torch_optimizer"]
+
+
+def torch_optimizer(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    o = config.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD, {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay}
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return cls, {"lr": o.lr, "betas": tuple(o.betas), "weight_decay": o.weight_decay}
+
+
+def build_model_strategy(config: TrainConfig, backend: CommunicationBackend, task: Task) -> ModelStrategy:
+    from dtlab.models import get_model_strategy
+
+    with task.init_lock, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.train.seed)  # every rank builds the same initial model
+        module = task.build_model().to(backend.device)
+    name = config.strategy.model
+    cls = get_model_strategy(name)
+    kwargs: dict[str, Any] = {}
+    s = config.strategy
+    if name in ("ddp", "zero1", "zero2"):
+        kwargs["bucket_cap_mb"] = s.bucket_mb
+    if name == "zero3":
+        kwargs.update(persistence_threshold=s.persistence_threshold, prefetch=s.prefetch)
+    if name == "fsdp":
+        from dtlab.models.fsdp import ModuleClassPolicy
+
+        kwargs.update(reshard_after_forward=s.reshard_after_forward, prefetch=s.prefetch)
+        if task.fsdp_unit_classes:
+            kwargs["wrap_policy"] = ModuleClassPolicy(task.fsdp_unit_classes)
+    return cls(module, backend, **kwargs)
+
+
+def build_optimizer_strategy(config: TrainConfig, model: ModelStrategy) -> OptimizerStrategy:
+    from dtlab.optimizers import get_optimizer_strategy
+
+    torch_cls, kwargs = torch_optimizer(config)
+    opt: OptimizerStrategy = get_optimizer_strategy(config.strategy.optimizer_name)(
+        model, torch_cls, **kwargs
+    )
+    c = config.compression
+    if c.algorithm == "none":
+        return opt
+    import dataclasses
+
+    from dtlab.compression import ALGORITHMS
+    from dtlab.optimizers.compression import GradientCompressionOptimizer
+
+    comp_cls = ALGORITHMS[c.algorithm]
+    wanted: dict[str, Any] = {
+        "density": c.density,
+        "tau": c.tau,
+        "tau_prime": c.tau_prime,
+        "warmup_steps": c.warmup_steps,
+    }
+    fields = {f.name for f in dataclasses.fields(comp_cls)} if dataclasses.is_dataclass(comp_cls) else set()
+    compressor = comp_cls(**{k: v for k, v in wanted.items() if k in fields})
+    # "skip": non-finite gradients come back as NaN so the trainer's guard skips the step on every rank
+    return GradientCompressionOptimizer(opt, compressor=compressor, nonfinite="skip")

@@ -1,0 +1,72 @@
+"""Step guards: skip steps with non-finite loss or gradients, and early stopping. Both decide on
+values every rank agrees on, so every rank takes the same branch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtlab.errors import DtlabError
+
+__all__ = ["EarlyStopping", "NonFiniteError", "NonFiniteGuard"]
+
+
+class NonFiniteError(DtlabError):
+    """Too many consecutive steps had a non-finite loss or gradient on some rank."""
+
+
+@dataclass
+class NonFiniteGuard:
+    max_in_row: int
+    skipped: int = 0
+    in_row: int = 0
+    skipped_steps: list[int] = field(default_factory=list)
+
+    def update(self, finite: bool, step: int) -> None:
+        """Record the agreed verdict of ``step``; raises after ``max_in_row`` skipped steps in a row."""
+        if finite:
+            self.in_row = 0
+            return
+        self.skipped += 1
+        self.in_row += 1
+        self.skipped_steps.append(step)
+        if self.in_row >= self.max_in_row:
+            raise NonFiniteError(
+                f"{self.in_row} consecutive steps (up to step {step}) had a non-finite loss or gradient on "
+                f"some rank (train.max_nonfinite_steps={self.max_in_row}); lower optimizer.lr, enable "
+                "optimizer.clip_grad_norm, or check the data"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped": self.skipped, "in_row": self.in_row, "skipped_steps": list(self.skipped_steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped, self.in_row = int(state["skipped"]), int(state["in_row"])
+        self.skipped_steps = [int(s) for s in state["skipped_steps"]]
+
+
+@dataclass
+class EarlyStopping:
+    """Stop when the eval loss has not improved by ``min_delta`` for ``patience`` evaluations."""
+
+    patience: int
+    min_delta: float = 0.0
+    best: float | None = None
+    bad_evals: int = 0
+
+    def update(self, eval_loss: float) -> bool:
+        """Local verdict (the trainer turns it into a consensus with ``agree``)."""
+        if self.patience <= 0:
+            return False
+        if self.best is None or eval_loss < self.best - self.min_delta:
+            self.best, self.bad_evals = eval_loss, 0
+        else:
+            self.bad_evals += 1
+        return self.bad_evals >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = None if state["best"] is None else float(state["best"])
+        self.bad_evals = int(state["bad_evals"])

@@ -1,0 +1,65 @@
+"""Start a training run on the backend the config names: threads of an in-memory world, or this
+process's rank under a launcher (torchrun -> gloo/nccl, mpiexec -> mpi) via ``init_backend``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.config import TrainConfig, check_world_size
+from dtlab.trainers.tasks import Task, build_task
+from dtlab.trainers.trainer import SchedulerFactory, Trainer, TrainResult
+
+__all__ = ["launcher_detected", "resolve_backend_name", "run_training"]
+
+_LAUNCHER_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def launcher_detected(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return any(v in env for v in _LAUNCHER_VARS)
+
+
+def resolve_backend_name(config: TrainConfig, env: Mapping[str, str] | None = None) -> str:
+    """``auto`` becomes ``inmemory`` when no launcher started this process."""
+    name = config.backend.name
+    if name == "auto" and not launcher_detected(env):
+        return "inmemory"
+    return name
+
+
+def _rank_main(
+    backend: CommunicationBackend, config: TrainConfig, task: Task, scheduler_factory: SchedulerFactory | None
+) -> TrainResult:
+    return Trainer(config, backend, task=task, scheduler_factory=scheduler_factory).fit()
+
+
+def run_training(
+    config: TrainConfig, task: Task | None = None, scheduler_factory: SchedulerFactory | None = None
+) -> list[TrainResult]:
+    """Train; returns every rank's result (in-memory) or this process's (under a launcher)."""
+    name = resolve_backend_name(config)
+    if name == "inmemory":
+        from dtlab.testing import run_world
+
+        ws = config.backend.world_size
+        check_world_size(config, ws)
+        task = task or build_task(config)  # read once, shared read-only by the rank threads
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ws))
+        try:
+            return run_world(ws, _rank_main, config, task, scheduler_factory, timeout=config.backend.timeout)
+        finally:
+            torch.set_num_threads(threads)
+    from dtlab.backends import init_backend
+
+    backend = init_backend(name, timeout=config.backend.timeout)
+    try:
+        check_world_size(config, backend.world_size)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // backend.world_size))
+        return [_rank_main(backend, config, task or build_task(config), scheduler_factory)]
+    finally:
+        backend.close()

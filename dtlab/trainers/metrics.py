@@ -1,0 +1,66 @@
+"""``MetricsCollector``: one JSON object per line per logged step; never a NaN or infinity.
+
+A value that is not a finite number (no sample yet, a skipped step) is left out of its record, so
+every number in the file is real. ``json.dumps(..., allow_nan=False)`` enforces it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["MetricsCollector", "clean"]
+
+
+def clean(value: Any) -> Any:
+    """Drop non-finite floats and ``None`` (recursively); tensors and numpy scalars become numbers."""
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, bool) or value is None or isinstance(value, str | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        out = {str(k): clean(v) for k, v in value.items()}
+        return {k: v for k, v in out.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [clean(v) for v in value]
+    return str(value)
+
+
+class MetricsCollector:
+    """Writes records to ``path`` (JSON Lines) when ``enabled`` (rank 0); keeps them in ``records``."""
+
+    def __init__(
+        self, path: str | Path | None, enabled: bool = True, keep: bool = True, append: bool = False
+    ) -> None:
+        self.path = Path(path) if path is not None else None
+        self.enabled = enabled
+        self.keep = keep
+        self.records: list[dict[str, Any]] = []
+        self._file: IO[str] | None = None
+        if self.path is not None and enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> dict[str, Any]:
+        rec = clean(record)
+        if self.keep:
+            self.records.append(rec)
+        if self._file is not None:
+            self._file.write(json.dumps(rec, allow_nan=False) + "\n")
+            self._file.flush()
+        return rec
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsCollector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,116 @@
+"""What the trainer logs each N steps and prints at the end (numbers only; never NaN)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dtlab.trainers.trainer import Trainer, TrainResult
+
+__all__ = ["format_record", "memory_report", "step_record", "summary_rows"]
+
+
+def memory_report(trainer: Trainer) -> dict[str, int]:
+    """Bytes this rank holds (parameters, gradients, optimizer state, ...), from the strategies."""
+    report = dict(trainer.model.memory_report())
+    opt_report = getattr(trainer.optimizer, "memory_report", None)
+    if callable(opt_report):
+        report.update({k: v for k, v in opt_report().items() if v})
+    return {k: int(v) for k, v in report.items()}
+
+
+def _numbers(stats: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def step_record(
+    trainer: Trainer, window: dict[str, float], loss: float | None, norm: float | None
+) -> dict[str, Any]:
+    """Collective (all ranks call it at the same steps): gathers bytes and memory of every rank."""
+    b = trainer.backend
+    now = time.perf_counter()
+    steps = max(1.0, window["steps"])
+    dt = (now - window["t"]) / steps
+    comm = (b.stats.seconds - window["comm"]) / steps
+    mine = {"bytes_sent": b.stats.bytes_sent, "memory": memory_report(trainer)}
+    everyone = b.all_gather_object(mine)
+    g = trainer.config.data.global_batch_size
+    rec: dict[str, Any] = {
+        "step": trainer.step,
+        "loss": loss,
+        "lr": float(trainer.scheduler.get_last_lr()[0]),
+        "grad_norm": norm,
+        "step_time_s": dt,
+        "samples_per_s": g / dt if dt > 0 else None,
+        "tokens_per_s": g * trainer.task.tokens_per_sample / dt if dt > 0 else None,
+        "compute_s": max(0.0, dt - comm),
+        "comm_s": comm,
+        "bytes_sent_per_rank": [e["bytes_sent"] for e in everyone],
+        "memory_per_rank": [e["memory"] for e in everyone],
+        "skipped_steps": trainer.guard.skipped,
+    }
+    if trainer.config.compression.algorithm != "none":
+        # the compression optimizer keeps the statistics of the step it just applied
+        stats = (
+            getattr(trainer.optimizer, "statistics", None) or trainer.model.gradient_reducer.step_statistics()
+        )
+        rec["compression"] = _numbers(stats)
+    return rec
+
+
+def summary_rows(trainer: Trainer, result: TrainResult, seconds: float, sent0: int) -> dict[str, Any]:
+    c = trainer.config
+    steps_run = result.final_step - result.start_step
+    samples = steps_run * c.data.global_batch_size
+    prof = result.profile
+    mem = memory_report(trainer)
+    rows: dict[str, Any] = {
+        "task": trainer.task.name,
+        "strategy": f"{c.strategy.model} model / {c.strategy.optimizer_name} optimizer"
+        + (
+            ""
+            if c.compression.algorithm == "none"
+            else f" / {c.compression.algorithm} @ {c.compression.density}"
+        ),
+        "backend": f"{trainer.backend.name} x {trainer.backend.world_size}",
+        "steps": f"{result.start_step} -> {result.final_step}"
+        + (" (stopped early)" if result.stopped_early else ""),
+        "loss first -> last": (
+            f"{result.losses[0][1]:.4f} -> {result.losses[-1][1]:.4f}" if result.losses else "no step applied"
+        ),
+        "eval loss (last)": result.evals[-1][1]["eval_loss"] if result.evals else None,
+        "eval accuracy (last)": result.evals[-1][1].get("eval_accuracy") if result.evals else None,
+        "skipped non-finite steps": len(result.skipped_steps),
+        "wall time s": seconds,
+        "samples/s": samples / seconds if seconds > 0 else None,
+        "tokens/s": samples * trainer.task.tokens_per_sample / seconds if seconds > 0 else None,
+        "comm share of step time": prof["comm_seconds"] / prof["wall_seconds"]
+        if prof["wall_seconds"]
+        else None,
+        "bytes sent (rank 0) MB": (trainer.backend.stats.bytes_sent - sent0) / 1e6,
+        "memory (rank 0) MB": sum(mem.values()) / 1e6,
+        "checkpoint": result.checkpoint,
+    }
+    return rows
+
+
+def format_record(rec: dict[str, Any]) -> str:
+    """One console line for a logged record."""
+    parts = [f"step {rec['step']:>5}"]
+    if "loss" in rec:
+        parts.append(f"loss {rec['loss']:.4f}")
+    parts.append(f"lr {rec.get('lr', 0.0):.2e}")
+    if "tokens_per_s" in rec:
+        parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
+    if rec.get("step_time_s"):
+        parts.append(f"comm {100 * rec.get('comm_s', 0.0) / rec['step_time_s']:.0f}%")
+    sent = rec.get("bytes_sent_per_rank")
+    if sent:
+        parts.append(f"sent {max(sent) / 1e6:.1f} MB/rank")
+    comp = rec.get("compression", {})
+    if "density" in comp:
+        parts.append(f"density {comp['density']:.4f}")
+    if rec.get("skipped_steps"):
+        parts.append(f"skipped {rec['skipped_steps']}")
+    return " | ".join(parts)

@@ -1,0 +1,302 @@
+"""``Trainer``: runs any (model strategy, optimizer strategy) pair on one rank of a world.
+
+Per step: this rank's micro-batches (``no_sync`` on all but the last, so gradients travel once), a
+consensus on finite losses before the synchronising backward and on finite gradients after it (every
+rank skips together), clipping by the global norm, the optimizer step, the LR schedule. Evaluation
+every N steps, early stopping agreed by all ranks, atomic sharded checkpoints, metrics and a profile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.checkpoint import read_checkpoint, resolve_checkpoint, save_checkpoint
+from dtlab.config import TrainConfig, check_world_size
+from dtlab.data import DistributedSampler
+from dtlab.errors import CheckpointError
+from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
+from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
+from dtlab.trainers.metrics import MetricsCollector
+from dtlab.trainers.profiler import Profiler
+from dtlab.trainers.progress import ProgressBar
+from dtlab.trainers.report import format_record, step_record, summary_rows
+from dtlab.trainers.schedule import build_scheduler
+from dtlab.trainers.state import capture_rng, restore_rng
+from dtlab.trainers.tasks import Task, build_task
+
+__all__ = ["TrainResult", "Trainer"]
+
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass
+class TrainResult:
+    #: (step, loss averaged over all ranks) of every step that was applied (skipped steps are absent)
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    #: (step, {"eval_loss": ..., "eval_accuracy": ... for classification}) of every evaluation
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    final_step: int = 0
+    rank: int = 0
+    start_step: int = 0
+    stopped_early: bool = False
+    checkpoint: str | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+    profile: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainConfig,
+        backend: CommunicationBackend,
+        task: Task | None = None,
+        scheduler_factory: SchedulerFactory | None = None,
+    ) -> None:
+        check_world_size(config, backend.world_size)
+        self.config, self.backend = config, backend
+        self.is_main = backend.rank == 0
+        self.task = task or build_task(config)
+        self.model = build_model_strategy(config, backend, self.task)
+        self.optimizer = build_optimizer_strategy(config, self.model)
+        local_opt = self.optimizer.optimizer
+        self.scheduler = (
+            scheduler_factory(local_opt)
+            if scheduler_factory
+            else build_scheduler(local_opt, config.optimizer, config.train.steps)
+        )
+        d = config.data
+        self.sampler = DistributedSampler(
+            len(self.task.train_data),
+            d.global_batch_size,
+            backend.world_size,
+            backend.rank,
+            d.accumulation_steps,
+            seed=config.train.seed,
+            shuffle=d.shuffle,
+        )
+        self.guard = NonFiniteGuard(config.train.max_nonfinite_steps)
+        self.early = EarlyStopping(
+            config.train.early_stopping_patience, config.train.early_stopping_min_delta
+        )
+        self.profiler = Profiler(backend.stats)
+        self.step = 0
+        self.start_step = 0
+        self.autocast_dtype = torch.bfloat16 if config.train.precision == "bf16" else None
+        if config.checkpoint.resume:
+            self._resume()
+        run_dir = config.logging.run_dir
+        self.metrics = MetricsCollector(
+            Path(run_dir) / "metrics.jsonl" if run_dir else None,
+            enabled=self.is_main,
+            append=self.start_step > 0,  # a resumed run continues its file; a fresh run starts a new one
+        )
+
+    # ------------------------------------------------------------------ one step
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.backend.device.type, dtype=self.autocast_dtype)
+
+    def _forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x, y = self.task.train_data.batch(idx)
+        x, y = x.to(self.backend.device), y.to(self.backend.device)
+        with self._autocast():
+            return self.task.loss_fn(self.model(x), y)
+
+    def train_step(self) -> tuple[bool, float | None, float | None]:
+        """One optimizer step; returns (applied, mean loss over ranks, global gradient norm)."""
+        accum = self.config.data.accumulation_steps
+        with self.profiler.phase("data"):
+            micro = self.sampler.next_micro_batches()
+        self.optimizer.zero_grad(set_to_none=True)
+        local_loss = 0.0
+        with self.profiler.phase("forward_backward"):
+            for idx in micro[:-1]:
+                with self.model.no_sync():
+                    loss = self._forward(idx) / accum
+                    local_loss += float(loss.detach())
+                    if math.isfinite(local_loss):
+                        loss.backward()
+            loss = self._forward(micro[-1]) / accum
+            local_loss += float(loss.detach())
+            # consensus before the synchronising backward: every rank runs it, or none does
+            finite = self.optimizer.agree(math.isfinite(local_loss))
+            if finite:
+                loss.backward()
+                finite = self.optimizer.grads_are_finite()
+        self.guard.update(finite, self.step + 1)  # steps are counted from 1, like TrainResult.losses
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            return False, None, None
+        with self.profiler.phase("optimizer"):
+            norm = None
+            if self.config.optimizer.clip_grad_norm is not None:
+                norm = float(self.optimizer.clip_grad_norm_(self.config.optimizer.clip_grad_norm))
+            self.optimizer.step()
+            self.scheduler.step()
+            mean = torch.tensor([local_loss], dtype=torch.float64, device=self.backend.device)
+            self.backend.all_reduce(mean, ReduceOp.SUM)
+        return True, float(mean.item()) / self.backend.world_size, norm
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss (and accuracy for classification) over held-out data, the same on every rank.
+
+        Every rank runs the same number of equal batches (sharded strategies gather in forward)."""
+        data, p = self.task.eval_data, self.backend.world_size
+        local = max(1, min(self.config.data.global_batch_size // p, len(data) // p))
+        batches = max(1, min(self.config.train.eval_batches, len(data) // (local * p)))
+        self.model.eval()
+        total = torch.zeros(3, dtype=torch.float64, device=self.backend.device)
+        try:
+            for b in range(batches):
+                start = (b * p + self.backend.rank) * local
+                x, y = data.batch(torch.arange(start, start + local))
+                x, y = x.to(self.backend.device), y.to(self.backend.device)
+                with self._autocast():
+                    out = self.model(x)
+                    loss = self.task.loss_fn(out, y)
+                total[0] += float(loss) * local
+                total[1] += local
+                if self.task.classification:
+                    total[2] += float((out.argmax(-1) == y).sum())
+        finally:
+            self.model.train()
+        self.backend.all_reduce(total, ReduceOp.SUM)
+        result = {"eval_loss": float(total[0] / total[1])}
+        if self.task.classification:
+            result["eval_accuracy"] = float(total[2] / total[1])
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def _trainer_state(self) -> dict[str, Any]:
+        sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        return {
+            "strategy": {
+                "model": self.config.strategy.model,
+                "optimizer": self.config.strategy.optimizer_name,
+            },
+            "config": self.config.to_dict(),
+            "data_position": self.sampler.state_dict(),
+            "trainer": {
+                "step": self.step,
+                "scheduler": sched,
+                "guard": self.guard.state_dict(),
+                "early_stopping": self.early.state_dict(),
+            },
+        }
+
+    def save_checkpoint(self) -> Path:
+        c = self.config.checkpoint
+        if c.dir is None:
+            raise CheckpointError("checkpoint.dir is not set; set it to save checkpoints")
+        with self.profiler.phase("checkpoint"):
+            return save_checkpoint(
+                c.dir,
+                self.step,
+                self.backend,
+                self.model.sharded_state_dict(),
+                self.optimizer.sharded_state_dict(),
+                capture_rng(self.backend.device),
+                self._trainer_state(),
+                keep_last=c.keep_last,
+            )
+
+    def _resume(self) -> None:
+        c = self.config.checkpoint
+        where = c.dir if c.resume is True else c.resume
+        if not where:
+            raise CheckpointError("checkpoint.resume=true needs checkpoint.dir (or give resume a path)")
+        if c.resume is True and not (Path(where) / "latest").exists():
+            return  # nothing saved yet: a fresh start
+        ckpt = read_checkpoint(resolve_checkpoint(where))
+        self.model.load_sharded_state_dict(ckpt.model)
+        if ckpt.optim is not None:
+            self.optimizer.load_sharded_state_dict(ckpt.optim)
+        t = ckpt.meta["trainer"]
+        sched = dict(t["scheduler"])
+        if hasattr(self.scheduler, "lr_lambdas"):
+            sched["lr_lambdas"] = [None] * len(self.scheduler.lr_lambdas)
+        self.scheduler.load_state_dict(sched)
+        for group, lr in zip(
+            self.optimizer.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
+        ):
+            group["lr"] = lr
+        self.sampler.load_state_dict(ckpt.meta["data_position"])
+        self.guard.load_state_dict(t["guard"])
+        self.early.load_state_dict(t["early_stopping"])
+        self.step = self.start_step = int(t["step"])
+        if ckpt.world_size == self.backend.world_size:
+            restore_rng(ckpt.rank_states[self.backend.rank], self.backend.device)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> TrainResult:
+        cfg = self.config
+        result = TrainResult(start_step=self.start_step, rank=self.backend.rank)
+        bar = ProgressBar(cfg.train.steps, enabled=self.is_main and cfg.logging.progress)
+        window: dict[str, float] = {"t": time.perf_counter(), "steps": 0, "comm": self.backend.stats.seconds}
+        sent0 = self.backend.stats.bytes_sent
+        t_start = time.perf_counter()
+        self.model.train()
+        try:
+            while self.step < cfg.train.steps:
+                applied, loss, norm = self.train_step()
+                self.step += 1
+                window["steps"] += 1
+                if applied and loss is not None:
+                    result.losses.append((self.step, loss))
+                stop = False
+                ev = cfg.train.eval_every
+                if ev and (self.step % ev == 0 or self.step == cfg.train.steps):
+                    with self.profiler.phase("eval"):
+                        ev_result = self.evaluate()
+                    result.evals.append((self.step, ev_result))
+                    self.metrics.log({"step": self.step, **ev_result})
+                    stop = self.optimizer.agree(self.early.update(ev_result["eval_loss"]))
+                if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps or stop:
+                    rec = self.metrics.log(step_record(self, window, loss, norm))
+                    if self.is_main and cfg.logging.progress:
+                        bar.print_line(format_record(rec))
+                    window = {"t": time.perf_counter(), "steps": 0, "comm": self.backend.stats.seconds}
+                last = loss if loss is not None else (result.losses[-1][1] if result.losses else None)
+                bar.update(self.step, "" if last is None else f"loss {last:.4f}", force=stop)
+                ck = cfg.checkpoint
+                if ck.dir and (
+                    (ck.every and self.step % ck.every == 0) or self.step == cfg.train.steps or stop
+                ):
+                    result.checkpoint = str(self.save_checkpoint())
+                if stop:
+                    result.stopped_early = True
+                    break
+        finally:
+            bar.close()
+            self.metrics.close()
+        result.final_step = self.step
+        result.skipped_steps = list(self.guard.skipped_steps)
+        result.profile = self.profiler.summary()
+        result.summary = summary_rows(self, result, time.perf_counter() - t_start, sent0)
+        self._write_profile(result)
+        return result
+
+    def _write_profile(self, result: TrainResult) -> None:
+        run_dir = self.config.logging.run_dir
+        if run_dir and self.is_main:
+            import json
+
+            from dtlab.trainers.metrics import clean
+
+            path = Path(run_dir) / "profile.json"
+            path.write_text(
+                json.dumps(clean({"profile": result.profile, "summary": result.summary}), indent=1)
+            )

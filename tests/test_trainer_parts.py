@@ -1,0 +1,110 @@
+"""Trainer building blocks: the distributed sampler, LR schedules, guards, metrics, profiler."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtlab.config import load_config
+from dtlab.data import DistributedSampler, stdlib_lm_dataset
+from dtlab.testing import run_world
+from dtlab.trainers import EarlyStopping, MetricsCollector, NonFiniteError, NonFiniteGuard, Profiler
+from dtlab.trainers.schedule import build_scheduler, lr_factor
+
+
+def test_sampler_shards_cover_the_global_batch_and_resume_mid_epoch() -> None:
+    n, g = 50, 8
+    ranks = [DistributedSampler(n, g, 2, r, accumulation_steps=2, seed=3) for r in range(2)]
+    single = DistributedSampler(n, g, 1, 0, seed=3)
+    seen: list[int] = []
+    for _ in range(14):  # crosses two epoch boundaries (6 steps per epoch)
+        micro = [s.next_micro_batches() for s in ranks]
+        assert all(len(m) == 2 and all(len(x) == 2 for x in m) for m in micro)
+        joined = torch.cat([x for m in micro for x in m])
+        torch.testing.assert_close(joined, single.next_global_batch())  # world-size invariant
+        seen += joined.tolist()
+    assert ranks[0].steps_per_epoch == 6
+    assert len(set(seen[:48])) == 48  # an epoch never repeats a sample
+    assert seen[:48] != seen[48:96]  # epochs are reshuffled
+    state = ranks[0].state_dict()
+    fresh = DistributedSampler(n, g, 2, 0, accumulation_steps=2, seed=3)
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    for _ in range(5):
+        a, b = fresh.next_micro_batches(), ranks[0].next_micro_batches()
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    with pytest.raises(ValueError, match="not divisible"):
+        DistributedSampler(n, 6, 4, 0)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        DistributedSampler(4, 8, 1, 0)
+
+
+def test_stdlib_corpus_is_deterministic_bytes() -> None:
+    a, b = stdlib_lm_dataset(20_000, 32), stdlib_lm_dataset(20_000, 32)
+    assert torch.equal(a.inputs, b.inputs) and a.inputs.shape == (624, 32)
+    assert torch.equal(a.inputs[:, 1:], a.targets[:, :-1])
+    assert int(a.inputs.max()) < 256
+
+
+def test_lr_schedules() -> None:
+    cfg = load_config(overrides=["optimizer.warmup_steps=4", "optimizer.min_lr_ratio=0.1"]).optimizer
+    f = lr_factor(cfg, total_steps=24)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0) and f(14) == pytest.approx(0.55) and f(24) == pytest.approx(0.1)
+    step = lr_factor(cfg.model_copy(update={"schedule": "step", "step_size": 5, "gamma": 0.5}), 24)
+    assert [step(s) for s in (4, 8, 9, 14)] == [1.0, 1.0, 0.5, 0.25]
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.2)
+    sched = build_scheduler(opt, cfg, 24)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.2)
+
+
+def test_nonfinite_guard_and_early_stopping() -> None:
+    g = NonFiniteGuard(max_in_row=3)
+    for step, ok in enumerate([True, False, False, True, False, False]):
+        g.update(ok, step)
+    assert g.skipped == 4 and g.skipped_steps == [1, 2, 4, 5]
+    with pytest.raises(NonFiniteError, match=r"3 consecutive steps .*train.max_nonfinite_steps=3"):
+        g.update(False, 6)
+    e = EarlyStopping(patience=2, min_delta=0.1)
+    assert [e.update(v) for v in (3.0, 2.5, 2.45, 2.5)] == [False, False, False, True]
+    assert not EarlyStopping(patience=0).update(1.0)
+
+
+def test_metrics_never_write_nan(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    with MetricsCollector(path) as m:
+        m.log(
+            {"step": 1, "loss": float("nan"), "lr": 0.1, "x": [1.0, float("inf")], "c": {"d": float("-inf")}}
+        )
+        m.log({"step": 2, "loss": torch.tensor(2.5), "ratio": None})
+    lines = [
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics")) for line in path.open()
+    ]
+    assert lines[0] == {"step": 1, "lr": 0.1, "x": [1.0, None], "c": {}}
+    assert lines[1] == {"step": 2, "loss": 2.5}
+
+
+def _profile(backend) -> dict:  # type: ignore[no-untyped-def]
+    prof = Profiler(backend.stats)
+    with prof.phase("forward_backward"):
+        x = torch.randn(256, 256)
+        for _ in range(5):
+            x = torch.tanh(x @ x)
+        backend.all_reduce(x)
+    return prof.summary()
+
+
+def test_profiler_splits_compute_and_communication() -> None:
+    s = run_world(2, _profile)[0]
+    assert set(s["phases"]) == {"compute/forward_backward", "comm/all_reduce"}
+    assert s["comm_bytes_sent"]["all_reduce"] == 256 * 256 * 4  # 2(P-1)/P * n with P = 2
+    total = s["compute_seconds"] + s["comm_seconds"]
+    assert math.isclose(total, s["wall_seconds"], rel_tol=1e-6)
