@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/venv.sh
-exec .venv/bin/python examples/quickstart.py "$@"
+exec .venv/bin/dtlab train "$@"

@@ -1,0 +1,69 @@
+"""The same `dtlab train` config under real launchers: torchrun (gloo) and mpiexec (MPI), 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+SETS = [
+    "train.steps=6",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_layers=1",
+    "model.seq_len=32",
+    "data.max_bytes=40000",
+    "data.global_batch_size=8",
+    "train.eval_every=3",
+    "logging.log_every=3",
+]
+
+
+def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
+        proc.communicate(timeout=30)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_same_config_under_torchrun_and_mpiexec(tmp_path: Path, launcher: str) -> None:
+    exe = BIN / launcher
+    if not exe.exists() and shutil.which(launcher) is None:
+        pytest.skip(f"{launcher} is not installed")
+    sets = [*SETS, f"logging.run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}"]
+    if launcher == "torchrun":
+        cmd = [str(exe), "--nproc-per-node", "2", "-m", "dtlab", "train"]
+    else:
+        cmd = [str(exe), "-n", "2", sys.executable, "-m", "dtlab", "train"]
+        sets.append("backend.name=mpi")
+    proc = _run(cmd + [a for s in sets for a in ("--set", s)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    backend = "GlooBackend x 2" if launcher == "torchrun" else "MPIBackend x 2"
+    assert proc.stdout.count("dtlab train: summary") == 1 and backend in proc.stdout  # rank 0 prints
+    losses = _losses(tmp_path / "run")
+    assert len(losses) == 2 and all(v == v for v in losses)
+    step = tmp_path / "ck" / "step_00000006"
+    assert sorted(p.name for p in step.iterdir() if p.name.startswith("model_")) == [
+        "model_rank00000.safetensors",
+        "model_rank00001.safetensors",
+    ]
