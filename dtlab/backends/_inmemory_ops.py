@@ -24,6 +24,7 @@ __all__ = [
     "reduce_into",
 ]
 
+SMALL_BYTES = 256 * 1024  # below this, fewer and larger tensor ops beat minimal memory traffic
 _BINARY = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.PRODUCT: torch.mul}
 
 
@@ -56,18 +57,32 @@ def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: ReduceOp) -> N
         out.div_(len(parts))
 
 
-def _storages(ts: list[torch.Tensor]) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in ts if t.numel() > 0}
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
 
 
 def _distinct(ts: list[torch.Tensor]) -> bool:
     """True if no two of these contiguous tensors overlap in memory."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts if t.numel() > 0)
+    spans = sorted(_span(t) for t in ts if t.numel() > 0)
     return all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1))
 
 
+def _overlap(outs: list[torch.Tensor], ins: list[torch.Tensor]) -> bool:
+    """True if some output shares memory with some input (contiguous tensors)."""
+    spans = sorted(
+        [(*_span(t), 0) for t in outs if t.numel() > 0] + [(*_span(t), 1) for t in ins if t.numel() > 0]
+    )
+    reach = [0, 0]  # the furthest end seen so far of an output span and of an input span
+    for start, end, kind in spans:
+        if start < reach[1 - kind]:
+            return True
+        reach[kind] = max(reach[kind], end)
+    return False
+
+
 def _flat(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    return ts if ts[0].dim() == 1 else [t.view(-1) for t in ts]
+    return [t if t.dim() == 1 else t.view(-1) for t in ts]
 
 
 def lead_all_reduce(tensors: list[torch.Tensor], op: ReduceOp) -> None:
@@ -101,24 +116,32 @@ def lead_broadcast(tensors: list[torch.Tensor], src: int) -> None:
 
 
 def lead_reduce_scatter(pairs: list[tuple[torch.Tensor, torch.Tensor]], op: ReduceOp) -> None:
-    outs = [o.view(-1) for o, _ in pairs]
-    ins = [i.reshape(-1) for _, i in pairs]
+    outs = _flat([o for o, _ in pairs])
+    ins = _flat([i for _, i in pairs])
     n = outs[0].numel()
-    if _storages(outs) & _storages(ins):  # some output lives inside an input: read everything first
+    if _overlap(outs, ins):  # some output lives inside an input: read everything first
         results = [torch.empty_like(outs[0]) for _ in outs]
         for r, res in enumerate(results):
             reduce_into(res, [t[r * n : (r + 1) * n] for t in ins], op)
         for out, res in zip(outs, results, strict=True):
             out.copy_(res)
         return
+    if len(ins) > 2 and n * outs[0].element_size() * len(ins) <= SMALL_BYTES:
+        # small: reduce the whole buffers once (P-1 ops) and hand out the shards (P copies) instead
+        # of P reductions of P tiny chunks each; the same rank-order arithmetic per element
+        full = torch.empty_like(ins[0])
+        reduce_into(full, ins, op)
+        for r, out in enumerate(outs):
+            out.copy_(full[r * n : (r + 1) * n])
+        return
     for r, out in enumerate(outs):
         reduce_into(out, [t[r * n : (r + 1) * n] for t in ins], op)
 
 
 def lead_all_gather(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    outs = [o.view(-1) for o, _ in pairs]
-    ins = [i.reshape(-1) for _, i in pairs]
-    if _storages(outs) & _storages(ins):  # an input lives inside an output (in-place all-gather)
+    outs = _flat([o for o, _ in pairs])
+    ins = _flat([i for _, i in pairs])
+    if _overlap(outs, ins):  # an input lives inside an output (in-place all-gather)
         ins = [t.clone() for t in ins]
     for out in outs:
         torch.cat(ins, out=out)
@@ -142,7 +165,7 @@ def lead_all_to_all(payloads: list[tuple[list[torch.Tensor], list[torch.Tensor]]
         raise CollectiveMismatchError("all_to_all sizes do not match: " + "; ".join(errors))
     outs = [t for o, _ in payloads for t in o]
     ins = [t for _, i in payloads for t in i]
-    clone = bool(_storages(outs) & _storages(ins))
+    clone = _overlap(outs, ins)
     sources = [[t.clone() if clone else t for t in i] for _, i in payloads]
     for j in range(p):
         for i in range(p):
