@@ -1,16 +1,25 @@
 """Communication backends: one interface, several engines."""
 
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
+from dtlab.backends.init import detect_launcher, init_backend
 from dtlab.backends.inmemory import InMemoryBackend, InMemoryWorld
+from dtlab.backends.mpi import MPIBackend
 from dtlab.backends.stats import CommStats, OpStats
+from dtlab.backends.torch_dist import GlooBackend, NCCLBackend, TorchDistBackend
 
 __all__ = [
     "CommStats",
     "CommunicationBackend",
     "CompletedWork",
+    "GlooBackend",
     "InMemoryBackend",
     "InMemoryWorld",
+    "MPIBackend",
+    "NCCLBackend",
     "OpStats",
     "ReduceOp",
+    "TorchDistBackend",
     "Work",
+    "detect_launcher",
+    "init_backend",
 ]

@@ -1,0 +1,234 @@
+"""``init_backend``: one call that starts the right backend for however the script was launched.
+
+    backend = init_backend()        # python train.py                      -> in-memory, 1 rank
+                                    # torchrun --nproc-per-node 4 train.py -> nccl (CUDA) or gloo
+                                    # mpiexec -n 4 python train.py         -> mpi
+
+"auto" reads the launcher's environment (:func:`detect_launcher`): torchrun's ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK`` for the CUDA device); an MPI
+launcher's ``PMI_RANK``/``PMI_SIZE`` (MPICH, Intel MPI), ``OMPI_COMM_WORLD_RANK``/``_SIZE`` (Open MPI)
+or ``PMIX_RANK`` (PMIx). A missing or inconsistent variable is one :class:`BackendInitError` listing
+what was found and what is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import BackendInitError
+
+__all__ = ["BACKEND_NAMES", "LaunchInfo", "choose_backend", "detect_launcher", "init_backend"]
+
+BackendName = Literal["auto", "inmemory", "mpi", "gloo", "nccl"]
+BACKEND_NAMES: tuple[str, ...] = ("auto", "inmemory", "mpi", "gloo", "nccl")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# (rank variable, size variable or None, launcher family)
+MPI_VARS = (
+    ("PMI_RANK", "PMI_SIZE", "MPICH/Hydra (PMI)"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI"),
+    ("PMIX_RANK", None, "PMIx"),
+)
+DEFAULT_TIMEOUT = {"inmemory": 60.0, "gloo": 300.0, "nccl": 600.0}
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the environment says about the launch: ``launcher`` is "torchrun", "mpi" or "none"."""
+
+    launcher: Literal["torchrun", "mpi", "none"]
+    rank: int = 0
+    world_size: int | None = 1
+    local_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    found: dict[str, str] = field(default_factory=dict)
+
+
+def _found_text(found: Mapping[str, str]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(found.items())) or "none"
+
+
+def _int(env: Mapping[str, str], name: str, found: Mapping[str, str], need: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise BackendInitError(
+            f"{name}={env[name]!r} is not an integer; found: {_found_text(found)}; needed: {need}"
+        ) from None
+
+
+def _mpi_launch(env: Mapping[str, str], found: dict[str, str]) -> tuple[int, int | None] | None:
+    """(rank, size) from the MPI launcher variables, or None when there are none."""
+    seen: list[tuple[str, int, int | None]] = []
+    for rank_var, size_var, family in MPI_VARS:
+        has_rank, has_size = rank_var in env, size_var is not None and size_var in env
+        if not (has_rank or has_size):
+            continue
+        if size_var is not None and has_rank != has_size:
+            raise BackendInitError(
+                f"incomplete {family} launch variables: found {_found_text(found)}; needed both "
+                f"{rank_var} and {size_var} (start the script with mpiexec/mpirun)"
+            )
+        need = f"{rank_var}{' and ' + size_var if size_var else ''} as integers"
+        rank = _int(env, rank_var, found, need)
+        size = _int(env, size_var, found, need) if size_var is not None else None
+        if rank < 0 or (size is not None and not (size >= 1 and rank < size)):
+            raise BackendInitError(
+                f"inconsistent {family} launch variables {rank_var}={rank}, {size_var}={size}: needed "
+                f"0 <= rank < size; found {_found_text(found)}"
+            )
+        seen.append((family, rank, size))
+    if not seen:
+        return None
+    ranks = {r for _, r, _ in seen}
+    sizes = {s for _, _, s in seen if s is not None}
+    if len(ranks) > 1 or len(sizes) > 1:
+        raise BackendInitError(
+            f"MPI launch variables disagree ({', '.join(f'{f}: rank {r}, size {s}' for f, r, s in seen)}); "
+            f"found {_found_text(found)}; needed one consistent rank and size"
+        )
+    return seen[0][1], (sizes.pop() if sizes else None)
+
+
+def detect_launcher(env: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Read torchrun's or an MPI launcher's variables from ``env`` (default ``os.environ``)."""
+    env = os.environ if env is None else env
+    names = set(TORCHRUN_VARS) | {"LOCAL_RANK"} | {v for r, s, _ in MPI_VARS for v in (r, s) if v}
+    found = {k: env[k] for k in sorted(names) if k in env}
+    mpi = _mpi_launch(env, found)
+    if "RANK" in env or "WORLD_SIZE" in env:
+        missing = [k for k in TORCHRUN_VARS if k not in env]
+        if missing:
+            raise BackendInitError(
+                f"incomplete torchrun launch variables: found {_found_text(found)}; missing "
+                f"{', '.join(missing)}; needed all of {', '.join(TORCHRUN_VARS)} (start with torchrun, "
+                "or unset RANK/WORLD_SIZE to run as one process)"
+            )
+        need = "RANK, WORLD_SIZE, MASTER_PORT as integers"
+        rank, size = _int(env, "RANK", found, need), _int(env, "WORLD_SIZE", found, need)
+        port = _int(env, "MASTER_PORT", found, need)
+        local = _int(env, "LOCAL_RANK", found, "LOCAL_RANK as an integer") if "LOCAL_RANK" in env else None
+        problems = []
+        if size < 1 or not 0 <= rank < size:
+            problems.append(f"0 <= RANK < WORLD_SIZE (got RANK={rank}, WORLD_SIZE={size})")
+        if not 0 < port < 65536:
+            problems.append(f"MASTER_PORT in 1..65535 (got {port})")
+        if local is not None and not 0 <= local < size:
+            problems.append(f"0 <= LOCAL_RANK < WORLD_SIZE (got LOCAL_RANK={local})")
+        if mpi is not None and (mpi[0] != rank or mpi[1] not in (None, size)):
+            problems.append(f"MPI's rank {mpi[0]} and size {mpi[1]} to match RANK and WORLD_SIZE")
+        if problems:
+            raise BackendInitError(
+                f"inconsistent torchrun launch variables: found {_found_text(found)}; needed "
+                + "; ".join(problems)
+            )
+        return LaunchInfo("torchrun", rank, size, local, env["MASTER_ADDR"], port, found)
+    if mpi is not None:
+        return LaunchInfo("mpi", mpi[0], mpi[1], None, env.get("MASTER_ADDR"), None, found)
+    return LaunchInfo("none", found=found)
+
+
+def choose_backend(info: LaunchInfo, cuda_available: bool | None = None) -> str:
+    """The backend "auto" picks: torchrun -> nccl (with CUDA) or gloo; MPI -> mpi; else inmemory."""
+    if info.launcher == "torchrun":
+        cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+        return "nccl" if cuda else "gloo"
+    return "mpi" if info.launcher == "mpi" else "inmemory"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_backend(
+    name: str = "auto",
+    *,
+    timeout: float | None = None,
+    device: str | torch.device | None = None,
+    env: Mapping[str, str] | None = None,
+) -> CommunicationBackend:
+    """Start the backend ``name`` ("auto", "inmemory", "mpi", "gloo", "nccl") for this process.
+
+    ``timeout`` (seconds) bounds every operation (MPI default None: MPI's own blocking behaviour).
+    ``device``: where tensors live (default: ``cuda:LOCAL_RANK`` for nccl, else ``cpu``).
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"init_backend: unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"init_backend: timeout must be > 0 seconds, got {timeout}")
+    info = detect_launcher(env)
+    chosen = choose_backend(info) if name == "auto" else name
+    if chosen == "inmemory":
+        if (info.world_size or 1) > 1:
+            raise BackendInitError(
+                f"init_backend('inmemory') runs one rank, but the launcher started {info.world_size} "
+                f"processes (found {_found_text(info.found)}); use 'auto', 'gloo', 'nccl' or 'mpi'"
+            )
+        from dtlab.backends.inmemory import InMemoryWorld
+
+        return InMemoryWorld(
+            1, timeout=timeout or DEFAULT_TIMEOUT["inmemory"], device=device or "cpu"
+        ).backend(0)
+    if chosen == "mpi":
+        from dtlab.backends.mpi import MPIBackend
+
+        return MPIBackend(timeout=timeout, device=device or "cpu")
+    return _init_torch_dist(chosen, info, timeout or DEFAULT_TIMEOUT[chosen], device, real_env=env is None)
+
+
+def _init_torch_dist(
+    name: str, info: LaunchInfo, timeout: float, device: str | torch.device | None, real_env: bool
+) -> CommunicationBackend:
+    import torch.distributed as dist
+
+    from dtlab.backends.torch_dist import GlooBackend, NCCLBackend
+
+    cls = NCCLBackend if name == "nccl" else GlooBackend
+    if name == "nccl" and not torch.cuda.is_available():
+        raise BackendInitError(
+            "init_backend('nccl') needs CUDA, but torch.cuda.is_available() is False; use 'gloo' on CPU"
+        )
+    if not dist.is_available():
+        raise BackendInitError(f"init_backend('{name}'): this torch build has no torch.distributed")
+    if info.launcher == "torchrun":
+        rank, size, addr, port = info.rank, info.world_size or 1, info.master_addr, info.master_port
+    elif info.launcher == "mpi" and info.master_addr and info.world_size:
+        if "MASTER_PORT" not in info.found:
+            raise BackendInitError(
+                f"init_backend('{name}') under an MPI launcher needs MASTER_ADDR and MASTER_PORT; "
+                f"found {_found_text(info.found)}"
+            )
+        rank, size, addr, port = info.rank, info.world_size, info.master_addr, int(info.found["MASTER_PORT"])
+    elif info.launcher == "none":
+        rank, size, addr, port = 0, 1, "127.0.0.1", _free_port()
+    else:
+        raise BackendInitError(
+            f"init_backend('{name}') needs torchrun's {', '.join(TORCHRUN_VARS)}; found "
+            f"{_found_text(info.found)} (an MPI launch: use 'mpi', or set MASTER_ADDR/MASTER_PORT)"
+        )
+    if device is None and name == "nccl":
+        local = info.local_rank if info.local_rank is not None else rank % max(torch.cuda.device_count(), 1)
+        device = torch.device("cuda", local)
+    dev = torch.device(device or "cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if dist.is_initialized():
+        if dist.get_backend() != name:
+            raise BackendInitError(
+                f"torch.distributed is already initialized with {dist.get_backend()!r}, not {name!r}"
+            )
+        return cls(device=dev, timeout=timeout)
+    # under torchrun its agent already hosts the store at MASTER_PORT: join it through env://
+    method = "env://" if real_env and info.launcher == "torchrun" else None
+    return cls.start(
+        rank, size, addr or "127.0.0.1", port or 29500, timeout=timeout, device=dev, init_method=method
+    )

@@ -1,0 +1,424 @@
+"""``MPIBackend``: the interface over mpi4py, for ``mpiexec -n N python train.py`` on any MPI.
+
+Tensors travel as buffers without copies: a contiguous CPU tensor is handed to MPI as a numpy view of
+its memory (typed for reductions, raw bytes for movement). What MPI lacks is bridged explicitly:
+
+* ``float16``/``bfloat16`` have no MPI datatype in MPICH: movement operations (gather, broadcast,
+  p2p, all-to-all) send their raw bytes; reductions convert to float32, reduce, and round back once
+  (so a float16 sum is *more* accurate than a float16 ring; results are identical on every rank).
+* ``bool`` maps to ``MPI.C_BOOL``; SUM/MAX reduce with logical or, MIN/PRODUCT with logical and
+  (what ``torch`` does on bool tensors).
+* ``ReduceOp.AVG`` is SUM followed by a division by the group size.
+* CUDA tensors go to MPI directly (``__cuda_array_interface__``) when ``cuda_aware=True`` (an MPI
+  built with CUDA support); otherwise they are staged through host memory, one copy each way.
+
+Timeouts: with ``timeout=None`` (the default) blocking calls are MPI's blocking calls and a dead peer
+is the launcher's business — MPICH's ``mpiexec`` (Hydra) and Open MPI's ``mpirun`` kill the remaining
+processes and exit non-zero. With ``timeout=t`` every operation is started non-blocking and polled;
+one that has not completed after ``t`` seconds raises :class:`CollectiveTimeoutError` naming it.
+The communicator is unusable after that (MPI cannot cancel a collective); end the job with
+``MPI.COMM_WORLD.Abort(1)``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
+from dtlab.errors import BackendInitError, CollectiveMismatchError, CollectiveTimeoutError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["MPIBackend"]
+
+_STAGED_REDUCTION = (torch.float16, torch.bfloat16)
+
+
+def _import_mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise BackendInitError(
+            "MPIBackend needs mpi4py and an MPI library: pip install 'dtlab[mpi]' (or mpi4py mpich)"
+        ) from exc
+    return MPI
+
+
+class _Buffers:
+    """Per-communicator tables from torch dtypes and ReduceOps to MPI datatypes and ops."""
+
+    def __init__(self, mpi: Any) -> None:
+        self.types = {
+            torch.float32: mpi.FLOAT,
+            torch.float64: mpi.DOUBLE,
+            torch.int32: mpi.INT32_T,
+            torch.int64: mpi.INT64_T,
+            torch.uint8: mpi.UINT8_T,
+            torch.int8: mpi.INT8_T,
+            torch.bool: mpi.C_BOOL,
+        }
+        self.ops = {
+            ReduceOp.SUM: mpi.SUM,
+            ReduceOp.AVG: mpi.SUM,
+            ReduceOp.MAX: mpi.MAX,
+            ReduceOp.MIN: mpi.MIN,
+            ReduceOp.PRODUCT: mpi.PROD,
+        }
+        self.bool_ops = {
+            ReduceOp.SUM: mpi.LOR,
+            ReduceOp.MAX: mpi.LOR,
+            ReduceOp.MIN: mpi.LAND,
+            ReduceOp.PRODUCT: mpi.LAND,
+        }
+        self.byte = mpi.BYTE
+
+
+class _MPIWork(Work):
+    """A pending MPI request; ``finish`` (copy back, divide for AVG) runs once after completion."""
+
+    def __init__(
+        self,
+        backend: MPIBackend,
+        request: Any,
+        what: str,
+        keep: tuple[Any, ...] = (),
+        finish: Any = None,
+        status: Any = None,
+    ) -> None:
+        self._backend, self._request, self._what = backend, request, what
+        self._keep, self._finish, self._status = keep, finish, status
+        self._done = False
+        self._result: int | None = None
+
+    def wait(self) -> int | None:
+        if not self._done:
+            self._backend._wait(self._request, self._what, self._status)
+            if self._finish is not None:
+                self._finish()
+            if self._status is not None:
+                self._result = self._backend._check_received(self._status, self._keep[0], self._what)
+            self._done, self._keep = True, ()
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+class MPIBackend(CommunicationBackend):
+    """One rank of an MPI communicator (``MPI.COMM_WORLD`` unless ``comm`` is given).
+
+    ``timeout`` (seconds, or None for MPI's own blocking behaviour) bounds every operation;
+    ``device`` is where this rank's tensors live (``cpu`` or ``cuda:i``); ``cuda_aware`` says the
+    MPI library reads CUDA memory itself (otherwise CUDA tensors are staged through host memory).
+    """
+
+    def __init__(
+        self,
+        comm: MPI.Comm | None = None,
+        *,
+        timeout: float | None = None,
+        device: str | torch.device = "cpu",
+        cuda_aware: bool = False,
+        stats_parent: Any = None,
+    ) -> None:
+        mpi = _import_mpi()
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}")
+        self._mpi = mpi
+        self._comm = comm if comm is not None else mpi.COMM_WORLD
+        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), stats_parent=stats_parent)
+        self._timeout = timeout
+        self._device = torch.device(device)
+        self._cuda_aware = cuda_aware
+        self._tables = _Buffers(mpi)
+        self._tag_ub = int(self._comm.Get_attr(mpi.TAG_UB) or 32767)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def comm(self) -> MPI.Comm:
+        """The underlying mpi4py communicator."""
+        return self._comm
+
+    @property
+    def timeout(self) -> float | None:
+        return self._timeout
+
+    # ------------------------------------------------------------------ buffers
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor MPI reads/writes: ``t`` itself on CPU or CUDA-aware MPI, else a host copy."""
+        if t.device.type == "cpu" or self._cuda_aware:
+            return t
+        return t.detach().cpu()
+
+    @staticmethod
+    def _raw(t: torch.Tensor) -> Any:
+        """Zero-copy byte view of a contiguous tensor (numpy on CPU, CUDA array interface on GPU)."""
+        b = t.detach().reshape(-1).view(torch.uint8)
+        return b.numpy() if b.device.type == "cpu" else b
+
+    def _bytes(self, t: torch.Tensor) -> list[Any]:
+        return [self._raw(t), self._tables.byte]
+
+    def _typed(self, t: torch.Tensor, op: ReduceOp) -> tuple[list[Any], Any]:
+        """``[buffer, MPI datatype]`` and the MPI op for a reduction on ``t``."""
+        flat = t.detach().reshape(-1)
+        arr = flat.numpy() if flat.device.type == "cpu" else flat
+        ops = self._tables.bool_ops if t.dtype is torch.bool else self._tables.ops
+        return [arr, self._tables.types[t.dtype]], ops[op]
+
+    def _reducible(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor MPI reduces: ``t`` itself, or a float32 and/or host copy where MPI needs one."""
+        staged = t.dtype in _STAGED_REDUCTION
+        on_host = t.device.type == "cpu" or self._cuda_aware
+        if not staged and on_host:
+            return t
+        return t.detach().to(
+            device=t.device if on_host else "cpu", dtype=torch.float32 if staged else t.dtype
+        )
+
+    def _wait(self, request: Any, what: str, status: Any = None) -> None:
+        if self._timeout is None:
+            request.Wait(status)
+            return
+        deadline = time.monotonic() + self._timeout
+        pause = 1e-5
+        while not request.Test(status):
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: MPI {what} timed out after {self._timeout:g}s (a peer is dead, "
+                    "hung or did not call it); the communicator is unusable now: end the job with "
+                    "MPI.COMM_WORLD.Abort(1)",
+                    operation=what,
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _run(self, blocking: Any, nonblocking: Any, args: tuple[Any, ...], what: str, **kw: Any) -> None:
+        if self._timeout is None:
+            blocking(*args, **kw)
+        else:
+            self._wait(nonblocking(*args, **kw), what)
+
+    # ------------------------------------------------------------------ reductions
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        work = self._reducible(tensor)
+        spec, mop = self._typed(work, op)
+        c = self._comm
+        self._run(c.Allreduce, c.Iallreduce, (self._mpi.IN_PLACE, spec, mop), "all_reduce")
+        if op is ReduceOp.AVG:
+            work.div_(self.world_size)
+        if work is not tensor:
+            tensor.copy_(work)
+
+    def _iall_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        work = self._reducible(tensor)
+        spec, mop = self._typed(work, op)
+        p = self.world_size
+
+        def finish() -> None:
+            if op is ReduceOp.AVG:
+                work.div_(p)
+            if work is not tensor:
+                tensor.copy_(work)
+
+        req = self._comm.Iallreduce(self._mpi.IN_PLACE, spec, mop)
+        return _MPIWork(self, req, "all_reduce", (work,), finish)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
+        c, mpi = self._comm, self._mpi
+        work = self._reducible(tensor)
+        spec, mop = self._typed(work, op)
+        if self.rank != dst:  # a non-root's tensor is left as it was
+            self._run(c.Reduce, c.Ireduce, (spec, None, mop), "reduce", root=dst)
+            return
+        self._run(c.Reduce, c.Ireduce, (mpi.IN_PLACE, spec, mop), "reduce", root=dst)
+        if op is ReduceOp.AVG:
+            work.div_(self.world_size)
+        if work is not tensor:
+            tensor.copy_(work)
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
+        self._start_reduce_scatter(output, input, op, blocking=True)
+
+    def _ireduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+        return self._start_reduce_scatter(output, input, op, blocking=False)
+
+    def _start_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, blocking: bool
+    ) -> Work:
+        src = self._reducible(input)
+        aliased = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+        out = self._reducible(output)
+        if out is output and aliased:  # MPI forbids overlapping send and receive buffers
+            out = torch.empty_like(output)
+        send, mop = self._typed(src, op)
+        recv, _ = self._typed(out, op)
+        p = self.world_size
+
+        def finish() -> None:
+            if op is ReduceOp.AVG:
+                out.div_(p)
+            if out is not output:
+                output.copy_(out)
+
+        c = self._comm
+        if blocking and self._timeout is None:
+            c.Reduce_scatter_block(send, recv, mop)
+            finish()
+            return CompletedWork()
+        work = _MPIWork(self, c.Ireduce_scatter_block(send, recv, mop), "reduce_scatter", (src, out), finish)
+        if blocking:
+            work.wait()
+        return work
+
+    # ------------------------------------------------------------------ movement
+    def _gather_buffers(self, output: torch.Tensor, input: torch.Tensor) -> tuple[Any, torch.Tensor, Any]:
+        """Send spec (``IN_PLACE`` when input is this rank's chunk of output), receive tensor, finish."""
+        out = self._host(output)
+        n = input.numel() * input.element_size()
+        if out is output and output.data_ptr() + self.rank * n == input.data_ptr():
+            return self._mpi.IN_PLACE, out, None
+        inp = self._host(input)
+        if inp is input and input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+            inp = input.clone()  # input overlaps output elsewhere: MPI forbids aliasing
+        finish = None if out is output else (lambda: output.copy_(out))
+        return self._bytes(inp), out, finish
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        send, out, finish = self._gather_buffers(output, input)
+        c = self._comm
+        self._run(c.Allgather, c.Iallgather, (send, self._bytes(out)), "all_gather")
+        if finish is not None:
+            finish()
+
+    def _iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        send, out, finish = self._gather_buffers(output, input)
+        req = self._comm.Iallgather(send, self._bytes(out))
+        return _MPIWork(self, req, "all_gather", (send, out), finish)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        buf = self._host(tensor)
+        c = self._comm
+        self._run(c.Bcast, c.Ibcast, (self._bytes(buf),), "broadcast", root=src)
+        if buf is not tensor:
+            tensor.copy_(buf)
+
+    def _all_gather_v(self, input: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        c, p, es = self._comm, self.world_size, input.element_size()
+        counts = torch.zeros(p, dtype=torch.int64)
+        mine = torch.tensor([input.numel()], dtype=torch.int64)
+        self._run(c.Allgather, c.Iallgather, (self._bytes(mine), self._bytes(counts)), "all_gather_v(counts)")
+        sizes = [int(x) for x in counts.tolist()]
+        inp = self._host(input)
+        out = torch.empty(sum(sizes), dtype=input.dtype, device=inp.device)
+        nbytes = [s * es for s in sizes]
+        displs = [sum(nbytes[:r]) for r in range(p)]
+        recv = [self._raw(out), (nbytes, displs), self._tables.byte]
+        self._run(c.Allgatherv, c.Iallgatherv, (self._bytes(inp), recv), "all_gather_v")
+        return out.to(input.device), sizes
+
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        c, p, me = self._comm, self.world_size, self.rank
+        es = inputs[0].element_size()
+        send_n = torch.tensor([t.numel() for t in inputs], dtype=torch.int64)
+        sent_to_me = torch.zeros(p, dtype=torch.int64)
+        self._run(
+            c.Alltoall, c.Ialltoall, (self._bytes(send_n), self._bytes(sent_to_me)), "all_to_all(counts)"
+        )
+        errors = [
+            f"rank {j} sends {int(sent_to_me[j])} elements but outputs[{j}] has {outputs[j].numel()}"
+            for j in range(p)
+            if int(sent_to_me[j]) != outputs[j].numel()
+        ]
+        if errors:
+            raise CollectiveMismatchError(f"all_to_all on rank {me}: " + "; ".join(errors))
+        send = torch.cat([self._host(t).reshape(-1) for t in inputs])
+        recv = torch.empty(sum(t.numel() for t in outputs), dtype=send.dtype, device=send.device)
+        scount = [t.numel() * es for t in inputs]
+        rcount = [t.numel() * es for t in outputs]
+        sdis = [sum(scount[:j]) for j in range(p)]
+        rdis = [sum(rcount[:j]) for j in range(p)]
+        byte = self._tables.byte
+        args = ([self._raw(send), (scount, sdis), byte], [self._raw(recv), (rcount, rdis), byte])
+        self._run(c.Alltoallv, c.Ialltoallv, args, "all_to_all")
+        offset = 0
+        for out in outputs:
+            out.view(-1).copy_(recv[offset : offset + out.numel()])
+            offset += out.numel()
+
+    def _barrier(self) -> None:
+        c = self._comm
+        self._run(c.Barrier, c.Ibarrier, (), "barrier")
+
+    # ------------------------------------------------------------------ point-to-point
+    def _check_tag(self, tag: int, what: str) -> None:
+        if not 0 <= tag <= self._tag_ub:
+            raise ValueError(f"{what}: tag={tag} is outside MPI's range [0, {self._tag_ub}]")
+
+    def _check_received(self, status: Any, buf: torch.Tensor, what: str) -> int:
+        got = status.Get_count(self._tables.byte)
+        want = buf.numel() * buf.element_size()
+        source = int(status.Get_source())
+        if got != want:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {what} got {got} bytes from rank {source} but the receive buffer "
+                f"holds {want} bytes ({tuple(buf.shape)} of {buf.dtype})"
+            )
+        return source
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self._check_tag(tag, "send")
+        buf = self._host(tensor)
+        if self._timeout is None:
+            self._comm.Send(self._bytes(buf), dst, tag)
+        else:
+            self._wait(self._comm.Isend(self._bytes(buf), dst, tag), f"send(dst={dst}, tag={tag})")
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
+        return self._irecv(tensor, src, tag).wait() or 0
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        self._check_tag(tag, "isend")
+        buf = self._host(tensor)
+        req = self._comm.Isend(self._bytes(buf), dst, tag)
+        return _MPIWork(self, req, f"isend(dst={dst}, tag={tag})", (buf,))
+
+    def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+        self._check_tag(tag, "recv")
+        mpi = self._mpi
+        buf = self._host(tensor)
+        status = mpi.Status()
+        source = mpi.ANY_SOURCE if src is None else src
+        what = f"recv(src={'any' if src is None else src}, tag={tag})"
+        req = self._comm.Irecv(self._bytes(buf), source, tag)
+        finish = None if buf is tensor else (lambda: tensor.copy_(buf))
+        return _MPIWork(self, req, what, (buf,), finish, status)
+
+    # ------------------------------------------------------------------ groups
+    def _new_group(self, ranks: list[int]) -> CommunicationBackend | None:
+        mpi = self._mpi
+        member = self.rank in ranks
+        color = 0 if member else mpi.UNDEFINED
+        key = ranks.index(self.rank) if member else 0
+        sub = self._comm.Split(color, key)
+        if not member:
+            return None
+        return MPIBackend(
+            sub,
+            timeout=self._timeout,
+            device=self._device,
+            cuda_aware=self._cuda_aware,
+            stats_parent=self.stats,
+        )
+
+    def close(self) -> None:
+        """Free a sub-communicator (``COMM_WORLD`` is left to MPI's finalization)."""
+        if self._comm != self._mpi.COMM_WORLD and self._comm != self._mpi.COMM_NULL:
+            self._comm.Free()

@@ -1,0 +1,403 @@
+"""``GlooBackend`` and ``NCCLBackend``: the interface over ``torch.distributed`` process groups.
+
+One implementation serves both engines; they differ in where tensors live (gloo: CPU, NCCL: CUDA,
+checked before any call reaches the engine) and in what the engine offers (NCCL has no any-source
+receive and ignores tags). ``ReduceOp.AVG`` is SUM followed by a division (gloo has no AVG).
+
+Timeouts: the process group's timeout (``timeout`` seconds, given at start-up) bounds every
+operation. A gloo operation that times out, or whose peer process died (its connection closes),
+raises :class:`CollectiveTimeoutError` naming the operation. NCCL's watchdog aborts the process on a
+timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); torchrun then ends the job with a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, ClassVar, NoReturn, cast
+
+import torch
+import torch.distributed as dist
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
+from dtlab.errors import BackendInitError, CollectiveMismatchError, CollectiveTimeoutError
+
+__all__ = ["GlooBackend", "NCCLBackend", "TorchDistBackend"]
+
+_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.SUM,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+# torch >= 2.12 names the flat-tensor collectives *_single (the *_tensor names are deprecated)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_PEER_LOST = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-d view: gloo's flat collectives need matching 1-d buffers (a 0-d one crashes it)."""
+    return t if t.dim() == 1 else t.view(-1)
+
+
+class _DistWork(Work):
+    def __init__(self, backend: TorchDistBackend, work: Any, what: str, finish: Any = None) -> None:
+        self._backend, self._work, self._what, self._finish = backend, work, what, finish
+        self._done = False
+        self._result: int | None = None
+
+    def wait(self) -> int | None:
+        if not self._done:
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                self._backend._failed(exc, self._what)
+            if self._finish is not None:
+                self._result = self._finish()
+            self._done = True
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+def _create_group(members: list[int], name: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A process group of the global ranks ``members`` (in that order), created by the members only.
+
+    ``dist.new_group`` either needs every process of the job (impossible for a group of a group) or,
+    with ``use_local_synchronization``, names the group by a hash of its ranks, so a second group of
+    the same ranks reuses the first one's store keys and hangs. Here the name is dtlab's own (parent
+    name + counter), unique per creation; it goes through torch's group helper. Should that private
+    helper change, ``dist.new_group(use_local_synchronization=True)`` is used instead (then the same
+    rank list must not be grouped twice).
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    me = dist.get_rank()
+    try:
+        pg, _ = c10d._new_process_group_helper(
+            len(members),
+            members.index(me),
+            members,
+            dist.get_backend(),
+            c10d._get_default_store(),
+            c10d.GroupName(name),
+            timeout=timeout,
+        )
+        c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(members)}
+        return cast(dist.ProcessGroup, pg)
+    except (AttributeError, TypeError):  # pragma: no cover - another torch version
+        group = dist.new_group(members, timeout=timeout, use_local_synchronization=True, sort_ranks=False)
+        return cast(dist.ProcessGroup, group)
+
+
+class TorchDistBackend(CommunicationBackend):
+    """One rank of a ``torch.distributed`` process group (the default group unless ``group`` is given).
+
+    ``torch.distributed`` must be initialized (see :meth:`start` or ``init_backend``). ``timeout`` is
+    the group's operation timeout in seconds (reported in errors; set at start-up).
+    """
+
+    engine: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        timeout: float = 300.0,
+        stats_parent: Any = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise BackendInitError(
+                f"{type(self).__name__} needs an initialized torch.distributed: use "
+                f"dtlab.backends.init_backend('{self.engine}') or {type(self).__name__}.start(...)"
+            )
+        self._group = None if group is dist.group.WORLD else group  # None: the default group
+        super().__init__(dist.get_rank(self._group), dist.get_world_size(self._group), stats_parent)
+        self._device = torch.device(device)
+        self._timeout = float(timeout)
+        self._is_world = self._group is None
+        self._name = "dtlab"
+        self._groups_made = 0
+
+    @classmethod
+    def start(
+        cls,
+        rank: int,
+        world_size: int,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+        *,
+        timeout: float = 300.0,
+        device: str | torch.device | None = None,
+        init_method: str | None = None,
+    ) -> TorchDistBackend:
+        """Initialize ``torch.distributed`` and wrap its default group.
+
+        Rendezvous at ``tcp://master_addr:master_port`` (rank 0 hosts the store) unless
+        ``init_method`` is given (``"env://"`` under torchrun, whose agent already hosts it).
+        """
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        dev = torch.device(device) if device is not None else cls._default_device()
+        kw: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(
+            cls.engine,
+            init_method=init_method or f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+            **kw,
+        )
+        return cls(device=dev, timeout=timeout)
+
+    @classmethod
+    def _default_device(cls) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The underlying ``torch.distributed`` process group (None: the default group)."""
+        return self._group
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    def _failed(self, exc: RuntimeError, what: str) -> NoReturn:
+        """Turn the engine's timeout / lost-peer error into :class:`CollectiveTimeoutError`."""
+        text = str(exc)
+        if any(k in text.lower() for k in _PEER_LOST):
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: {self.engine} {what} did not complete within the {self._timeout:g}s "
+                f"timeout or lost its peer (a peer process is dead, hung or did not call it): {text}",
+                operation=what,
+            ) from exc
+        raise exc
+
+    # ------------------------------------------------------------------ collectives
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        try:
+            dist.all_reduce(tensor, _OPS[op], group=self._group)
+        except RuntimeError as exc:
+            self._failed(exc, "all_reduce")
+        if op is ReduceOp.AVG:
+            tensor.div_(self.world_size)
+
+    def _iall_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        work = dist.all_reduce(tensor, _OPS[op], group=self._group, async_op=True)
+        p = self.world_size
+
+        def finish() -> None:
+            tensor.div_(p)
+
+        return _DistWork(self, work, "all_reduce", finish if op is ReduceOp.AVG else None)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
+        # torch.distributed may overwrite a non-root's tensor with partial results: reduce a copy there
+        buf = tensor if self.rank == dst else tensor.clone()
+        try:
+            dist.reduce(buf, self._global(dst), _OPS[op], group=self._group)
+        except RuntimeError as exc:
+            self._failed(exc, "reduce")
+        if op is ReduceOp.AVG and self.rank == dst:
+            tensor.div_(self.world_size)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        try:
+            dist.broadcast(tensor, self._global(src), group=self._group)
+        except RuntimeError as exc:
+            self._failed(exc, "broadcast")
+
+    def _rs_output(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        aliased = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+        return torch.empty_like(output) if aliased else output
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
+        out = self._rs_output(output, input)
+        try:
+            _reduce_scatter_flat(_flat(out), _flat(input), _OPS[op], group=self._group)
+        except RuntimeError as exc:
+            self._failed(exc, "reduce_scatter")
+        if op is ReduceOp.AVG:
+            out.div_(self.world_size)
+        if out is not output:
+            output.copy_(out)
+
+    def _ireduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+        out = self._rs_output(output, input)
+        work = _reduce_scatter_flat(_flat(out), _flat(input), _OPS[op], group=self._group, async_op=True)
+        p = self.world_size
+
+        def finish() -> None:
+            if op is ReduceOp.AVG:
+                out.div_(p)
+            if out is not output:
+                output.copy_(out)
+
+        return _DistWork(self, work, "reduce_scatter", finish)
+
+    def _ag_input(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """``input`` itself, or a copy when it overlaps ``output`` other than as this rank's chunk."""
+        if output.untyped_storage().data_ptr() != input.untyped_storage().data_ptr():
+            return input
+        in_place = input.data_ptr() == output.data_ptr() + self.rank * input.numel() * input.element_size()
+        return input if in_place else input.clone()
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        try:
+            _all_gather_flat(_flat(output), _flat(self._ag_input(output, input)), group=self._group)
+        except RuntimeError as exc:
+            self._failed(exc, "all_gather")
+
+    def _iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        inp = self._ag_input(output, input)
+        work = _all_gather_flat(_flat(output), _flat(inp), group=self._group, async_op=True)
+        return _DistWork(self, work, "all_gather")
+
+    def _all_gather_v(self, input: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        p, dev = self.world_size, self._device
+        counts = torch.zeros(p, dtype=torch.int64, device=dev)
+        mine = torch.tensor([input.numel()], dtype=torch.int64, device=dev)
+        try:
+            _all_gather_flat(counts, mine, group=self._group)
+            sizes = [int(c) for c in counts.tolist()]
+            most = max(sizes)
+            padded = torch.empty(p * most, dtype=input.dtype, device=dev)  # engines need equal sizes
+            send = torch.zeros(most, dtype=input.dtype, device=dev)
+            send[: input.numel()] = input
+            _all_gather_flat(padded, send, group=self._group)
+        except RuntimeError as exc:
+            self._failed(exc, "all_gather_v")
+        parts = [padded[r * most : r * most + sizes[r]] for r in range(p)]
+        return torch.cat(parts), sizes
+
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        p, me, dev = self.world_size, self.rank, self._device
+        send_n = torch.tensor([t.numel() for t in inputs], dtype=torch.int64, device=dev)
+        sent_to_me = torch.empty(p, dtype=torch.int64, device=dev)
+        try:
+            dist.all_to_all_single(sent_to_me, send_n, group=self._group)
+        except RuntimeError as exc:
+            self._failed(exc, "all_to_all(counts)")
+        got = [int(x) for x in sent_to_me.tolist()]
+        errors = [
+            f"rank {j} sends {got[j]} elements but outputs[{j}] has {outputs[j].numel()}"
+            for j in range(p)
+            if got[j] != outputs[j].numel()
+        ]
+        if errors:
+            raise CollectiveMismatchError(f"all_to_all on rank {me}: " + "; ".join(errors))
+        send = torch.cat([t.reshape(-1) for t in inputs])
+        recv = torch.empty(sum(got), dtype=send.dtype, device=dev)
+        try:
+            dist.all_to_all_single(recv, send, got, [t.numel() for t in inputs], group=self._group)
+        except RuntimeError as exc:
+            self._failed(exc, "all_to_all")
+        offset = 0
+        for out in outputs:
+            out.view(-1).copy_(recv[offset : offset + out.numel()])
+            offset += out.numel()
+
+    def _barrier(self) -> None:
+        try:
+            dist.barrier(group=self._group)
+        except RuntimeError as exc:
+            self._failed(exc, "barrier")
+
+    # ------------------------------------------------------------------ point-to-point
+    def _global(self, rank: int) -> int:
+        return rank if self._group is None else dist.get_global_rank(self._group, rank)
+
+    def _local(self, global_rank: int) -> int:
+        return global_rank if self._group is None else dist.get_group_rank(self._group, global_rank)
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        try:
+            dist.send(tensor, self._global(dst), group=self._group, tag=tag)
+        except RuntimeError as exc:
+            self._failed(exc, f"send(dst={dst}, tag={tag})")
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
+        what = f"recv(src={'any' if src is None else src}, tag={tag})"
+        try:
+            source = dist.recv(tensor, None if src is None else self._global(src), group=self._group, tag=tag)
+        except RuntimeError as exc:
+            self._failed(exc, what)
+        return self._local(source) if src is None else src
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        work = dist.isend(tensor, self._global(dst), group=self._group, tag=tag)
+        return _DistWork(self, work, f"isend(dst={dst}, tag={tag})")
+
+    def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+        work = dist.irecv(tensor, None if src is None else self._global(src), group=self._group, tag=tag)
+        what = f"recv(src={'any' if src is None else src}, tag={tag})"
+        if src is None:
+            return _DistWork(self, work, what, lambda: self._local(cast(Any, work).source_rank()))
+        return _DistWork(self, work, what, lambda: src)
+
+    # ------------------------------------------------------------------ groups
+    def _new_group(self, ranks: list[int]) -> CommunicationBackend | None:
+        self._groups_made += 1
+        name = f"{self._name}.{self._groups_made}"  # same on every member: they call in the same order
+        if self.rank not in ranks:
+            return None
+        members = [self._global(r) for r in ranks]
+        group = _create_group(members, name, datetime.timedelta(seconds=self._timeout))
+        backend = type(self)(group, device=self._device, timeout=self._timeout, stats_parent=self.stats)
+        backend._name = name
+        return backend
+
+    def close(self) -> None:
+        """Destroy this backend's process group (the default group: ``destroy_process_group()``)."""
+        if dist.is_initialized():
+            dist.destroy_process_group(None if self._is_world else self._group)
+
+
+class GlooBackend(TorchDistBackend):
+    """``torch.distributed`` with gloo: CPU tensors, any-source receive, tags; for CPU clusters."""
+
+    engine: ClassVar[str] = "gloo"
+
+
+class NCCLBackend(TorchDistBackend):
+    """``torch.distributed`` with NCCL: CUDA tensors only; no any-source receive; tags are ignored."""
+
+    engine: ClassVar[str] = "nccl"
+
+    @classmethod
+    def _default_device(cls) -> torch.device:
+        if not torch.cuda.is_available():
+            raise BackendInitError("NCCLBackend needs CUDA, but torch.cuda.is_available() is False; use gloo")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _check_tensor(self, t: object, op: str, name: str = "tensor") -> None:
+        super()._check_tensor(t, op, name)
+        if isinstance(t, torch.Tensor) and t.device.type != "cuda":
+            raise ValueError(
+                f"NCCLBackend.{op}: {name} is on {t.device}, but NCCL moves CUDA tensors only; move it "
+                f"with .to(backend.device) ({self.device}) or use GlooBackend/MPIBackend for CPU tensors"
+            )
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
+        if src is None:
+            raise ValueError(self._no_any_source("recv"))
+        return super()._recv(tensor, src, tag)
+
+    def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+        if src is None:
+            raise ValueError(self._no_any_source("irecv"))
+        return super()._irecv(tensor, src, tag)
+
+    def _no_any_source(self, op: str) -> str:
+        return (
+            f"NCCLBackend.{op}: src=None (any source) is not supported by NCCL; pass the source rank, "
+            "or exchange this message over a GlooBackend/MPIBackend"
+        )
