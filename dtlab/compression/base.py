@@ -46,18 +46,44 @@ class NonFiniteGradientError(DtlabError):
 class Exchange:
     """Outcome of one compressed exchange on one rank.
 
-    ``result``: the average over ranks (full buffer for all-reduce, this rank's shard for
-    reduce-scatter). ``contributed``: the dense, full-length tensor of what this rank put into the
-    sum (``None``: all of ``acc``). ``local_selected``: elements this rank selected to send;
+    The average over ranks (the full buffer for all-reduce, this rank's shard for reduce-scatter) is
+    either dense, ``result``, or sparse, ``result_indices``/``result_values`` (zero elsewhere).
+    What this rank put into the sum is either ``sent``, indices at which it contributed its whole
+    accumulated value (and nothing elsewhere), or ``contributed``, a dense full-length tensor; with
+    neither it contributed everything. ``local_selected``: elements this rank selected to send;
     ``global_selected``: elements of the synchronized result (``None`` where a rank cannot know it
     without extra communication). ``select_seconds``: time spent choosing what to send.
     """
 
-    result: torch.Tensor
+    result: torch.Tensor | None
     contributed: torch.Tensor | None
     local_selected: int
     global_selected: int | None
     select_seconds: float = 0.0
+    sent: torch.Tensor | None = None
+    result_indices: torch.Tensor | None = None
+    result_values: torch.Tensor | None = None
+
+    @classmethod
+    def sparse(
+        cls,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        sent: torch.Tensor,
+        local_selected: int,
+        global_selected: int | None,
+        select_seconds: float,
+    ) -> Exchange:
+        return cls(None, None, local_selected, global_selected, select_seconds, sent, indices, values)
+
+    def write(self, out: torch.Tensor) -> None:
+        """Store the average into ``out`` (flat, any floating dtype)."""
+        if self.result is not None:
+            out.copy_(self.result)
+            return
+        out.zero_()
+        if self.result_indices is not None and self.result_values is not None:
+            out[self.result_indices] = self.result_values.to(out.dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,8 +128,13 @@ class Compressor(ABC):
         reduce-scatter phase (Ok-Topk, TopkDSA) override it and skip their gather phase.
         """
         ex = self.all_reduce(state, acc, backend)
-        n = acc.numel() // backend.world_size
-        ex.result = ex.result[backend.rank * n : (backend.rank + 1) * n]
+        n, me = acc.numel() // backend.world_size, backend.rank
+        if ex.result is not None:
+            ex.result = ex.result[me * n : (me + 1) * n]
+        elif ex.result_indices is not None and ex.result_values is not None:
+            keep = (ex.result_indices >= me * n) & (ex.result_indices < (me + 1) * n)
+            ex.result_indices = ex.result_indices[keep] - me * n
+            ex.result_values = ex.result_values[keep]
         return ex
 
     def describe(self) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.sparse import pack, select_by_threshold, unpack
+from dtlab.compression.sparse import pack, select_by_threshold, sum_duplicates, unpack
 
 __all__ = ["GaussianK"]
 
@@ -45,17 +45,11 @@ class GaussianK(SparseCompressor):
         return idx, thr
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
-        p, n = backend.world_size, acc.numel()
+        p = backend.world_size
         t0 = time.perf_counter()
         idx, thr = self.threshold(acc)
         state["threshold"] = thr
         select_s = time.perf_counter() - t0
         flat, _ = backend.all_gather_v(pack(idx, acc[idx]))
-        all_idx, all_vals = unpack(flat)
-        result = torch.zeros(n, dtype=torch.float32, device=acc.device)
-        result.index_add_(0, all_idx, all_vals)
-        result.div_(p)
-        contributed = torch.zeros_like(acc)
-        contributed[idx] = acc[idx]
-        selected = int(torch.unique(all_idx).numel())
-        return Exchange(result, contributed, idx.numel(), selected, select_s)
+        uniq, sums = sum_duplicates(*unpack(flat))
+        return Exchange.sparse(uniq, sums.div_(p), idx, idx.numel(), uniq.numel(), select_s)

@@ -21,7 +21,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.sparse import TAG, local_topk, pack, unpack
+from dtlab.compression.sparse import TAG, local_topk, pack, sum_duplicates, unpack
 
 __all__ = ["GTopk"]
 
@@ -29,10 +29,7 @@ __all__ = ["GTopk"]
 def _merge_topk(
     a_idx: torch.Tensor, a_vals: torch.Tensor, b_idx: torch.Tensor, b_vals: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    all_idx = torch.cat([a_idx, b_idx])
-    uniq, inverse = torch.unique(all_idx, sorted=True, return_inverse=True)
-    sums = torch.zeros(uniq.numel(), dtype=torch.float32, device=a_vals.device)
-    sums.index_add_(0, inverse, torch.cat([a_vals, b_vals]))
+    uniq, sums = sum_duplicates(torch.cat([a_idx, b_idx]), torch.cat([a_vals, b_vals]))
     if uniq.numel() > k:
         keep = torch.sort(torch.topk(sums.abs(), k, sorted=False).indices).values
         uniq, sums = uniq[keep], sums[keep]
@@ -46,7 +43,7 @@ class GTopk(SparseCompressor):
     name: ClassVar[str] = "gtopk"
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
-        p, me, n, k = backend.world_size, backend.rank, acc.numel(), self.k(acc.numel())
+        p, me, k = backend.world_size, backend.rank, self.k(acc.numel())
         dev = acc.device
         t0 = time.perf_counter()
         idx, _ = local_topk(acc, k)
@@ -82,8 +79,4 @@ class GTopk(SparseCompressor):
         vals = acc[sel].contiguous()
         if p > 1:
             backend.all_reduce(vals, ReduceOp.SUM)
-        result = torch.zeros(n, dtype=torch.float32, device=dev)
-        result[sel] = vals / p
-        contributed = torch.zeros_like(acc)
-        contributed[sel] = acc[sel]
-        return Exchange(result, contributed, local, m, select_s)
+        return Exchange.sparse(sel, vals.div_(p), sel, local, m, select_s)

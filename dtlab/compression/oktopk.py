@@ -46,6 +46,7 @@ from dtlab.compression.sparse import (
     all_gather_counts,
     balanced_all_gather,
     distributed_kth_largest,
+    intersect_sorted,
     local_topk,
     select_by_threshold,
     split_and_reduce,
@@ -141,29 +142,17 @@ class OkTopk(SparseCompressor):
         select_s += time.perf_counter() - t1
         gidx, gvals = balanced_all_gather(backend, ridx[keep] + bounds[me], rvals[keep], counts)
         state["t"] += 1
-        result = torch.zeros(n, dtype=torch.float32, device=acc.device)
-        result[gidx] = gvals
-        result.div_(p)
-        involved = torch.zeros(n, dtype=torch.bool, device=acc.device)
-        involved[gidx] = True
-        sent = torch.zeros(n, dtype=torch.bool, device=acc.device)
-        sent[idx] = True
-        contributed = torch.where(involved & sent, acc, torch.zeros((), dtype=acc.dtype, device=acc.device))
-        return Exchange(result, contributed, idx.numel(), gidx.numel(), select_s)
+        involved = intersect_sorted(idx, gidx)  # sent by this rank and globally selected
+        return Exchange.sparse(gidx, gvals.div_(p), involved, idx.numel(), gidx.numel(), select_s)
 
     def reduce_scatter(
         self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend
     ) -> Exchange:
-        p, me, n, k = backend.world_size, backend.rank, acc.numel(), self.k(acc.numel())
+        p, _me, n, k = backend.world_size, backend.rank, acc.numel(), self.k(acc.numel())
         t0 = time.perf_counter()
         idx, _ = self._local(state, acc, k)
         select_s = time.perf_counter() - t0
         bounds = equal_bounds(n, p)
         ridx, rvals = split_and_reduce(backend, acc, idx, bounds)
         state["t"] += 1
-        shard = torch.zeros(bounds[me + 1] - bounds[me], dtype=torch.float32, device=acc.device)
-        shard[ridx] = rvals
-        shard.div_(p)
-        contributed = torch.zeros_like(acc)
-        contributed[idx] = acc[idx]
-        return Exchange(shard, contributed, idx.numel(), None, select_s)
+        return Exchange.sparse(ridx, rvals.div_(p), idx, idx.numel(), None, select_s)

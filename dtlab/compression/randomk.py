@@ -43,9 +43,6 @@ class RandomK(SparseCompressor):
         idx = idx.to(acc.device)
         vals = acc[idx].contiguous()
         select_s = time.perf_counter() - t0
-        contributed = torch.zeros_like(acc)
-        contributed[idx] = vals
-        backend.all_reduce(vals, ReduceOp.SUM)
-        result = torch.zeros(n, dtype=torch.float32, device=acc.device)
-        result[idx] = vals / backend.world_size
-        return Exchange(result, contributed, idx.numel(), idx.numel(), select_s)
+        if backend.world_size > 1:
+            backend.all_reduce(vals, ReduceOp.SUM)
+        return Exchange.sparse(idx, vals.div_(backend.world_size), idx, idx.numel(), idx.numel(), select_s)

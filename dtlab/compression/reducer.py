@@ -123,6 +123,7 @@ class CompressedReducer(GradientReducer):
         self.compressor.validate_numel(n, key)
         acc = self.error_feedback.accumulate(key, grad)
         if not self._finite(key, acc):
+            self.error_feedback.discard(key, acc)
             (grad if shard is None else shard).fill_(float("nan"))
             return CompletedWork()
         state = self._states.get(key)
@@ -136,17 +137,20 @@ class CompressedReducer(GradientReducer):
             ex = self.compressor.all_reduce(state, acc, self.backend)
         else:
             ex = self.compressor.reduce_scatter(state, acc, self.backend)
-        if self.compressor.error_feedback:
-            self.error_feedback.update(key, acc, ex.contributed)
-        self._steps[key] = step + 1
         out = grad.view(-1) if shard is None else shard.view(-1)
-        out.copy_(ex.result)
+        ex.write(out)
+        if self.compressor.error_feedback:
+            self.error_feedback.update(key, acc, ex.contributed, ex.sent)
+        else:
+            self.error_feedback.discard(key, acc)
+        self._steps[key] = step + 1
         self._record(n, ex, grad, shard, sent0, recv0, t0, dense=warm)
         return CompletedWork()
 
     def _finite(self, key: str, acc: torch.Tensor) -> bool:
         p, me = self.backend.world_size, self.backend.rank
-        bad = int((~torch.isfinite(acc)).sum())
+        # a sum is finite unless a value is NaN/Inf (or the sum overflows: then count exactly)
+        bad = 0 if bool(torch.isfinite(acc.sum())) else int((~torch.isfinite(acc)).sum())
         counts = torch.zeros(p, dtype=torch.int32, device=self.backend.device)
         counts[me] = bad
         if p > 1:

@@ -20,8 +20,10 @@ __all__ = [
     "exchange_p2p",
     "local_topk",
     "pack",
+    "intersect_sorted",
     "select_by_threshold",
     "split_and_reduce",
+    "sum_duplicates",
     "unpack",
 ]
 
@@ -61,9 +63,24 @@ def local_topk(acc: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
 
 def select_by_threshold(acc: torch.Tensor, thr: float) -> torch.Tensor:
     """Sorted indices with ``|acc| >= thr`` (and nonzero)."""
-    mags = acc.abs()
-    mask = mags >= thr if thr > 0 else mags > 0
+    mask = (acc >= thr) | (acc <= -thr) if thr > 0 else acc != 0
     return torch.nonzero(mask).view(-1)
+
+
+def sum_duplicates(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique indices and the sums of their values (summed in input order: deterministic)."""
+    uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+    sums = torch.zeros(uniq.numel(), dtype=torch.float32, device=vals.device)
+    sums.index_add_(0, inverse, vals.to(torch.float32))
+    return uniq, sums
+
+
+def intersect_sorted(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elements of sorted ``a`` that also occur in sorted ``b``."""
+    if a.numel() == 0 or b.numel() == 0:
+        return a[:0]
+    pos = torch.searchsorted(b, a).clamp_(max=b.numel() - 1)
+    return a[b[pos] == a]
 
 
 def all_gather_counts(backend: CommunicationBackend, counts: list[int]) -> torch.Tensor:
@@ -129,12 +146,7 @@ def split_and_reduce(
     if not pieces:
         empty = torch.empty(0, dtype=torch.int64, device=acc.device)
         return empty, torch.empty(0, dtype=torch.float32, device=acc.device)
-    all_idx = torch.cat([i for i, _ in pieces])
-    all_vals = torch.cat([v for _, v in pieces])
-    uniq, inverse = torch.unique(all_idx, sorted=True, return_inverse=True)
-    sums = torch.zeros(uniq.numel(), dtype=torch.float32, device=acc.device)
-    sums.index_add_(0, inverse, all_vals)
-    return uniq, sums
+    return sum_duplicates(torch.cat([i for i, _ in pieces]), torch.cat([v for _, v in pieces]))
 
 
 def balanced_all_gather(

@@ -14,7 +14,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.sparse import local_topk, pack, unpack
+from dtlab.compression.sparse import local_topk, pack, sum_duplicates, unpack
 
 __all__ = ["TopK", "TopkA"]
 
@@ -26,7 +26,7 @@ class TopkA(SparseCompressor):
     name: ClassVar[str] = "topka"
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
-        p, n, k = backend.world_size, acc.numel(), self.k(acc.numel())
+        p, k = backend.world_size, self.k(acc.numel())
         t0 = time.perf_counter()
         idx, _ = local_topk(acc, k)
         # a fixed k per rank keeps the gather fixed-size; zeros (never selected) are padded as
@@ -36,14 +36,9 @@ class TopkA(SparseCompressor):
         select_s = time.perf_counter() - t0
         out = torch.empty(2 * k * p, dtype=torch.int32, device=acc.device)
         backend.all_gather(out, buf)
-        all_idx, all_vals = unpack(out)
-        result = torch.zeros(n, dtype=torch.float32, device=acc.device)
-        result.index_add_(0, all_idx, all_vals)
-        result.div_(p)
-        contributed = torch.zeros_like(acc)
-        contributed[idx] = acc[idx]
-        selected = int(torch.unique(all_idx[all_vals != 0]).numel())
-        return Exchange(result, contributed, idx.numel(), selected, select_s)
+        uniq, sums = sum_duplicates(*unpack(out))
+        selected = int(torch.count_nonzero(sums))
+        return Exchange.sparse(uniq, sums.div_(p), idx, idx.numel(), selected, select_s)
 
 
 #: the top-k compressor of the dense-shaped path is the TopkA exchange

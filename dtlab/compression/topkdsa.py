@@ -45,12 +45,9 @@ class TopkDSA(SparseCompressor):
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
         p, me, n = backend.world_size, backend.rank, acc.numel()
         idx, ridx, rvals, bounds, select_s = self._reduce(acc, backend)
-        result = torch.zeros(n, dtype=torch.float32, device=acc.device)
-        counts = (
-            all_gather_counts(backend, [ridx.numel()]).view(-1) if p > 1 else torch.tensor([ridx.numel()])
-        )
-        union = int(counts.sum())
+        union = int(all_gather_counts(backend, [ridx.numel()]).sum()) if p > 1 else ridx.numel()
         if 2 * union >= n:  # dense fallback: the regions as values, padded to equal size
+            result = torch.empty(n, dtype=torch.float32, device=acc.device)
             width = -(-n // p)
             region = torch.zeros(width, dtype=torch.float32, device=acc.device)
             region[ridx] = rvals
@@ -58,24 +55,15 @@ class TopkDSA(SparseCompressor):
             backend.all_gather(out, region)
             for j in range(p):
                 result[bounds[j] : bounds[j + 1]] = out[j * width : j * width + bounds[j + 1] - bounds[j]]
-        else:
-            flat, _ = backend.all_gather_v(pack(ridx + bounds[me], rvals))
-            gidx, gvals = unpack(flat)
-            result[gidx] = gvals
-        result.div_(p)
-        contributed = torch.zeros_like(acc)
-        contributed[idx] = acc[idx]
-        return Exchange(result, contributed, idx.numel(), union, select_s)
+            return Exchange(result.div_(p), None, idx.numel(), union, select_s, sent=idx)
+        flat, _ = backend.all_gather_v(pack(ridx + bounds[me], rvals))
+        gidx, gvals = unpack(flat)
+        return Exchange.sparse(gidx, gvals.div_(p), idx, idx.numel(), union, select_s)
 
     def reduce_scatter(
         self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend
     ) -> Exchange:
         """The regions are the strategy's equal shards: each owner keeps its reduced shard."""
-        p, me = backend.world_size, backend.rank
-        idx, ridx, rvals, bounds, select_s = self._reduce(acc, backend)
-        shard = torch.zeros(bounds[me + 1] - bounds[me], dtype=torch.float32, device=acc.device)
-        shard[ridx] = rvals
-        shard.div_(p)
-        contributed = torch.zeros_like(acc)
-        contributed[idx] = acc[idx]
-        return Exchange(shard, contributed, idx.numel(), None, select_s)
+        p = backend.world_size
+        idx, ridx, rvals, _bounds, select_s = self._reduce(acc, backend)
+        return Exchange.sparse(ridx, rvals.div_(p), idx, idx.numel(), None, select_s)

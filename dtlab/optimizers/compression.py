@@ -90,8 +90,7 @@ class GradientCompressionOptimizer(OptimizerStrategy):
 
     def memory_report(self) -> dict[str, int]:
         report = dict(self.inner.memory_report())
-        residuals = self.reducer.error_feedback.state()
-        report["compression_residuals"] = sum(t.numel() * t.element_size() for t in residuals.values())
+        report["compression_residuals"] = self.reducer.error_feedback.nbytes()
         return report
 
     def __getattr__(self, name: str) -> Any:

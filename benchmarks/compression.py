@@ -1,0 +1,268 @@
+"""Time and per-rank bytes of every compression algorithm against dense, on real engines.
+
+    .venv/bin/python benchmarks/compression.py                      # 25M elements, P=2,4, gloo+mpi,
+                                                                     # plain + 10 Gbit/s + 1 Gbit/s
+    .venv/bin/python benchmarks/compression.py --numel 4000000 --worlds 2 --rates plain --engines gloo
+
+Each configuration runs in ONE spawned world (``dtlab.testing.spawn_world``): every rank pushes a
+``numel``-element float32 gradient through a :class:`~dtlab.compression.CompressedReducer` (error
+feedback, the non-finite check and statistics included: what a user gets), ``iters`` timed
+iterations after warm-up, a barrier before each. Reported: the slowest rank's median seconds per
+iteration and the bytes rank 0 sent (``backend.stats``, measured, next to each algorithm's formula).
+Ok-Topk runs with ``tau=32``: its timed iterations reuse thresholds; the iteration that recomputes
+them (exact top-k + radix select) is timed separately and the amortised time is
+``(recompute + 31 * reuse) / 32``.
+
+Bandwidth limits: the script creates its own network namespace (``ip netns``), shapes its loopback
+with ``tc tbf`` (burst 256kb, one token bucket for all traffic on lo) and re-runs itself inside it;
+the namespace is deleted on exit, also on failure. MPI then runs with
+``MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp MPIR_CVAR_NOLOCAL=1`` so its traffic takes the shaped TCP
+path instead of shared memory. Without root the shaped runs are skipped with a message. The
+machine's own interfaces are never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.compression import (
+    FP16,
+    QSGD,
+    CompressedReducer,
+    Compressor,
+    Dense,
+    GaussianK,
+    GTopk,
+    OkTopk,
+    PowerSGD,
+    RandomK,
+    TopkA,
+    TopkDSA,
+)
+from dtlab.compression.powersgd import matrix_shape
+
+ALGORITHMS = [
+    "dense",
+    "topka",
+    "topkdsa",
+    "gtopk",
+    "gaussiank",
+    "oktopk",
+    "randomk",
+    "qsgd",
+    "powersgd",
+    "fp16",
+]
+TAU = 32
+
+
+def make(name: str, density: float) -> Compressor:
+    sparse: dict[str, Any] = {
+        "topka": TopkA,
+        "topkdsa": TopkDSA,
+        "gtopk": GTopk,
+        "gaussiank": GaussianK,
+        "randomk": RandomK,
+    }
+    if name in sparse:
+        return sparse[name](density=density)  # type: ignore[no-any-return]
+    return {
+        "dense": Dense(),
+        "oktopk": OkTopk(density=density, warmup_steps=0, tau=TAU, tau_prime=2 * TAU),
+        "qsgd": QSGD(),
+        "powersgd": PowerSGD(rank=4, warmup_steps=0),
+        "fp16": FP16(),
+    }[name]
+
+
+def formula(name: str, n: int, p: int, density: float, measured: dict[str, Any]) -> tuple[float, str]:
+    """Bytes a rank sends per iteration by each algorithm's formula (ring convention of the backend)."""
+    k, pair, flag = int(density * n), 8, 2 * (p - 1) * 4 * p // p
+    if name == "dense":
+        return 2 * (p - 1) / p * 4 * n, "2(P-1)/P * 4n"
+    if name == "topka":
+        return (p - 1) * k * pair + flag, "(P-1) k * 8"
+    if name == "topkdsa":
+        u = measured["selected"]
+        return (k + u) * (p - 1) / p * pair + flag, "(k + U)(P-1)/P * 8, U = union"
+    if name == "gtopk":
+        return math.ceil(math.log2(p)) * (k * pair + 8) + (k + 1) * 8 + 2 * (p - 1) / p * 4 * k, (
+            "log2(P)(8k) + 8k bcast + 2(P-1)/P 4k  [max over ranks]"
+        )
+    if name == "gaussiank":
+        return (p - 1) * measured["local_selected"] * pair + flag, "(P-1) k' * 8, k' = local selection"
+    if name == "oktopk":
+        return 6 * k * (p - 1) / p * pair, "bound 6k(P-1)/P * 8"
+    if name == "randomk":
+        return 2 * (p - 1) / p * 4 * k + flag, "2(P-1)/P * 4k"
+    if name == "qsgd":
+        return (p - 1) * (n + 4 * math.ceil(n / 512)) + flag, "(P-1)(n + 4n/512)"
+    if name == "powersgd":
+        rows, cols = matrix_shape(n)
+        return 2 * (p - 1) / p * 4 * 4 * (rows + cols) + flag, "2(P-1)/P * 4r(rows+cols)"
+    return 2 * (p - 1) / p * 2 * n + flag, "2(P-1)/P * 2n"
+
+
+def bench_rank(
+    backend: CommunicationBackend, numel: int, density: float, algorithms: list[str], iters: int
+) -> dict[str, Any]:
+    """One rank of one configuration: every algorithm, timed (module level: spawned processes import it)."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(17 + backend.rank)
+    scale = torch.linspace(0.05, 1.0, numel)
+    grads = [torch.randn(numel, generator=gen) * scale for _ in range(2)]
+    out: dict[str, Any] = {}
+    for name in algorithms:
+        red = CompressedReducer(backend, make(name, density), dense_below=0)
+
+        def once(i: int, red: CompressedReducer = red) -> tuple[float, dict[str, Any]]:
+            buf = grads[i % 2].clone()
+            backend.barrier()
+            red.start_step()
+            t0 = time.perf_counter()
+            red.all_reduce("g", buf).wait()
+            return time.perf_counter() - t0, red.step_statistics()
+
+        first, _ = once(0)  # warm-up (Ok-Topk: the iteration that recomputes thresholds)
+        times, stats = [], []
+        for i in range(iters):
+            dt, st = once(i + 1)
+            times.append(dt)
+            stats.append(st)
+        out[name] = {
+            "seconds": statistics.median(times),
+            "first_seconds": first,
+            "bytes_sent": max(s["bytes_sent"] for s in stats),
+            "bytes_received": max(s["bytes_received"] for s in stats),
+            "selected": stats[-1].get("density", 0.0) * numel,
+            "local_selected": stats[-1].get("local_density", 0.0) * numel,
+            "select_seconds": statistics.median(s["select_seconds"] for s in stats),
+        }
+        del red
+    return out
+
+
+def run_configs(args: argparse.Namespace, rate: str) -> list[dict[str, Any]]:
+    from dtlab.testing import spawn_world
+
+    rows = []
+    for engine in args.engines:
+        for p in args.worlds:
+            t0 = time.time()
+            try:
+                per_rank = spawn_world(
+                    p, bench_rank, args.numel, args.density, args.algorithms, args.iters,
+                    backend=engine, timeout=args.timeout,
+                )  # fmt: skip
+            except Exception as exc:  # report and go on with the other configurations
+                print(f"[{rate}] {engine} P={p}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+                continue
+            for name in args.algorithms:
+                r = {
+                    k: max(pr[name][k] for pr in per_rank) for k in ("seconds", "first_seconds", "bytes_sent")
+                }
+                r0 = per_rank[0][name]
+                if name == "oktopk":
+                    r["amortised_seconds"] = (r["first_seconds"] + (TAU - 1) * r["seconds"]) / TAU
+                f, text = formula(name, args.numel, p, args.density, r0)
+                rows.append(
+                    {"rate": rate, "engine": engine, "P": p, "algorithm": name, **r,
+                     "rank0_bytes_sent": r0["bytes_sent"], "formula_bytes": f, "formula": text,
+                     "selected": r0["selected"], "local_selected": r0["local_selected"],
+                     "select_seconds": r0["select_seconds"]}
+                )  # fmt: skip
+            print(f"[{rate}] {engine} P={p}: done in {time.time() - t0:.0f}s", flush=True)
+    return rows
+
+
+def shaped(args: argparse.Namespace, rate: str) -> list[dict[str, Any]]:
+    """Re-run this script inside a fresh namespace whose loopback is limited to ``rate``."""
+    if os.geteuid() != 0:
+        print(f"[{rate}] skipped: shaping needs root (ip netns + tc); run as root to measure it", flush=True)
+        return []
+    ns = f"dtlab-bench-{os.getpid()}"
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(
+            ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+             "rate", rate, "burst", "256kb", "latency", "50ms"],
+            check=True,
+        )  # fmt: skip
+        env = dict(os.environ, MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp", MPIR_CVAR_NOLOCAL="1")
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--inner", rate, "--inner-out", out]
+        cmd += ["--numel", str(args.numel), "--density", str(args.density), "--iters", str(args.iters)]
+        cmd += ["--timeout", str(args.timeout), "--engines", *args.engines]
+        cmd += ["--worlds", *map(str, args.worlds), "--algorithms", *args.algorithms]
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(Path(out).read_text())  # type: ignore[no-any-return]
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+        Path(out).unlink(missing_ok=True)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| link | engine | P | algorithm | s/iter | vs dense | bytes sent (rank 0) | formula | formula bytes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        dense = next(
+            (d for d in rows if d["algorithm"] == "dense" and (d["rate"], d["engine"], d["P"]) == (r["rate"], r["engine"], r["P"])),
+            None,
+        )  # fmt: skip
+        sec = r.get("amortised_seconds", r["seconds"])
+        speed = f"{dense['seconds'] / sec:.1f}x" if dense else "-"
+        lines.append(
+            f"| {r['rate']} | {r['engine']} | {r['P']} | {r['algorithm']} | {sec:.3f} | {speed} | "
+            f"{r['rank0_bytes_sent'] / 1e6:.2f} MB | {r['formula']} | {r['formula_bytes'] / 1e6:.2f} MB |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--numel", type=int, default=25_000_000)
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--engines", nargs="+", default=["gloo", "mpi"], choices=["gloo", "mpi"])
+    ap.add_argument("--rates", nargs="+", default=["plain", "10gbit", "1gbit"])
+    ap.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", type=Path, default=None, help="also write every row here")
+    ap.add_argument("--inner", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--inner-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.inner is not None:  # inside the shaped namespace
+        Path(args.inner_out).write_text(json.dumps(run_configs(args, args.inner)))
+        return
+    rows: list[dict[str, Any]] = []
+    for rate in args.rates:
+        rows += run_configs(args, rate) if rate == "plain" else shaped(args, rate)
+    print(f"\n{args.numel} elements, density {args.density}, {args.iters} timed iterations\n")
+    print(table(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
