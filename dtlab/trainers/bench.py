@@ -1,0 +1,165 @@
+"""``dtlab bench``: run the strategy and compression benchmarks as subprocesses, then write one
+markdown table and PNG plots from the rows they produce (``--json``).
+
+The benchmarks are ``benchmarks/strategies.py`` and ``benchmarks/compression.py`` of a dtlab source
+checkout. By default they run with small sizes (a few minutes on 2 CPU cores); ``full=True`` uses
+their own defaults. Each runs in its own process group, killed whole on timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dtlab.errors import DtlabError
+
+__all__ = ["BENCHMARKS", "run_bench"]
+
+#: name -> (script, arguments for the quick default run)
+BENCHMARKS: dict[str, tuple[str, list[str]]] = {
+    "strategies": (
+        "strategies.py",
+        ["--engines", "gloo,mpi", "--models", "mlp", "--steps", "2", "--warmup", "1", "--rounds", "2"],
+    ),
+    "compression": (
+        "compression.py",
+        [
+            "--numel",
+            "2000000",
+            "--worlds",
+            "2",
+            "--rates",
+            "plain",
+            "--engines",
+            "gloo",
+            "mpi",
+            "--iters",
+            "3",
+        ],
+    ),
+}
+
+
+def _bench_dir() -> Path:
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    if not root.is_dir():
+        raise DtlabError(
+            f"dtlab bench needs the benchmarks/ directory of a dtlab source checkout (looked in {root}); "
+            "run it from a clone of the repository"
+        )
+    return root
+
+
+def _run(cmd: list[str], log: Path, timeout: float) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the benchmark and every rank it started
+            proc.wait(timeout=30)
+            out.write(f"\n[dtlab bench] killed after {timeout:.0f} s\n")
+            return -9
+
+
+def _plot_strategies(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["engine"], r["model"]) for r in rows})
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(groups))
+    for gi, (engine, model) in enumerate(groups):
+        sel = {r["strategy"]: r for r in rows if (r["engine"], r["model"]) == (engine, model)}
+        xs = [i + gi * width for i in range(len(strategies))]
+        axes[0].bar(
+            xs, [sel[s]["step_ms"] if s in sel else 0 for s in strategies], width, label=f"{engine} {model}"
+        )
+        mem = [sel[s].get("model_state", 0) / 2**20 if s in sel else 0 for s in strategies]
+        axes[1].bar(xs, mem, width, label=f"{engine} {model}")
+    for ax, title in zip(axes, ("step time (ms, median)", "model state per rank (MiB)"), strict=True):
+        ax.set_xticks(
+            [i + width * (len(groups) - 1) / 2 for i in range(len(strategies))], strategies, rotation=30
+        )
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_compression(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["rate"], r["engine"], r["P"]) for r in rows})
+    algos = list(dict.fromkeys(r["algorithm"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(groups))
+    for gi, key in enumerate(groups):
+        sel = {r["algorithm"]: r for r in rows if (r["rate"], r["engine"], r["P"]) == key}
+        xs = [i + gi * width for i in range(len(algos))]
+        secs = [sel[a].get("amortised_seconds", sel[a]["seconds"]) * 1e3 if a in sel else 0 for a in algos]
+        axes[0].bar(xs, secs, width, label=f"{key[0]} {key[1]} P={key[2]}")
+        sent = [sel[a]["rank0_bytes_sent"] / 1e6 if a in sel else 0 for a in algos]
+        axes[1].bar(xs, sent, width, label=f"{key[0]} {key[1]} P={key[2]}")
+    for ax, title in zip(axes, ("ms per iteration", "MB sent by rank 0 per iteration"), strict=True):
+        ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(algos))], algos, rotation=30)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(
+    out_dir: str | Path, only: str | None = None, full: bool = False, timeout: float = 900.0
+) -> int:
+    """Run the benchmarks; write ``bench.md``, ``<name>.json``, ``<name>.log`` and ``<name>.png``."""
+    bench = _bench_dir()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [only] if only else list(BENCHMARKS)
+    report = ["# dtlab bench", ""]
+    failed = []
+    for name in names:
+        script, quick = BENCHMARKS[name]
+        rows_path, log = out / f"{name}.json", out / f"{name}.log"
+        rows_path.unlink(missing_ok=True)
+        cmd = [sys.executable, str(bench / script), *([] if full else quick), "--json", str(rows_path)]
+        print(f"[dtlab bench] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        code = _run(cmd, log, timeout)
+        dt = time.perf_counter() - t0
+        report += [f"## {name}", "", f"Command: `python {' '.join(cmd[1:-2])}` ({dt:.0f} s, exit {code})", ""]
+        if code != 0 or not rows_path.exists():
+            failed.append(name)
+            report += [f"FAILED, see `{log}`:", "", "```", *log.read_text().splitlines()[-15:], "```", ""]
+            continue
+        rows = json.loads(rows_path.read_text())
+        text = log.read_text()
+        table = [line for line in text.splitlines() if line.startswith("|") or line.startswith("- ")]
+        report += [*table, ""]
+        plot = out / f"{name}.png"
+        (_plot_strategies if name == "strategies" else _plot_compression)(rows, plot)
+        report += [f"![{name}]({plot.name})", ""]
+    (out / "bench.md").write_text("\n".join(report))
+    print("\n".join(report))
+    print(f"[dtlab bench] wrote {out / 'bench.md'}", file=sys.stderr)
+    if failed:
+        print(f"[dtlab bench] failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
