@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {args.threads} torch thread(s), best of {args.repeats}")
     print(markdown(rows))
     if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
 
