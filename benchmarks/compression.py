@@ -221,14 +221,14 @@ def shaped(args: argparse.Namespace, rate: str) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| link | engine | P | algorithm | s/iter | vs dense | bytes sent (rank 0) | formula | formula bytes |",
+        "| link | engine | P | algorithm | s/iter | vs dense | sent (rank 0) | formula | formula bytes |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        where = (r["rate"], r["engine"], r["P"])
         dense = next(
-            (d for d in rows if d["algorithm"] == "dense" and (d["rate"], d["engine"], d["P"]) == (r["rate"], r["engine"], r["P"])),
-            None,
-        )  # fmt: skip
+            (d for d in rows if d["algorithm"] == "dense" and (d["rate"], d["engine"], d["P"]) == where), None
+        )
         sec = r.get("amortised_seconds", r["seconds"])
         speed = f"{dense['seconds'] / sec:.1f}x" if dense else "-"
         lines.append(

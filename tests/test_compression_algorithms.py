@@ -277,3 +277,15 @@ def test_nonfinite_gradients_are_reported_and_never_reach_residuals() -> None:
     for r in skipped:  # NaN handed on so a NaN guard skips the step; statistics say why
         assert r["error"] is None and torch.isnan(r["out"]).all() and r["same_residual"]
         assert r["stats"]["nonfinite_values"] == 2 and r["stats"]["nonfinite_keys"] == ["g"]
+
+
+def test_prefiltered_local_topk_is_exact() -> None:
+    from dtlab.compression.sparse import PREFILTER_MIN, local_topk
+
+    g = torch.Generator().manual_seed(3)
+    acc = torch.randn(PREFILTER_MIN + 12345, generator=g) * torch.rand(PREFILTER_MIN + 12345, generator=g)
+    acc[::7] = 0.0
+    for k in (1, 100, 20000):
+        idx, thr = local_topk(acc, k)
+        ref = torch.topk(acc.abs(), k)
+        assert torch.equal(idx, torch.sort(ref.indices).values) and thr == float(ref.values.min())

@@ -18,9 +18,10 @@ One iteration on a buffer of ``n`` elements, ``k = density * n``:
    then one fixed-size all-gather.
 
 Guard (not in the reference code): a reused threshold that selects fewer than ``k/2`` or more than
-``2k`` values is re-evaluated at once instead of at the next periodic re-evaluation; in a steady
-state it never fires, but right after warm-up, when error-feedback residuals start to grow, it keeps
-the selection (and the traffic bound) in range. The first ``warmup_steps`` iterations are dense.
+``2k`` values is re-evaluated at once instead of at the next periodic re-evaluation (the local one
+estimated from a random sample, the global one exactly); in a steady state it never fires, but right
+after warm-up, when error-feedback residuals start to grow, it keeps the selection (and the traffic
+bound) in range. The first ``warmup_steps`` iterations are dense.
 
 Error feedback: a rank's contribution is its
 accumulated value at the indices it sent *and* that were globally selected; everything else stays
@@ -48,6 +49,7 @@ from dtlab.compression.sparse import (
     distributed_kth_largest,
     intersect_sorted,
     local_topk,
+    sampled_threshold,
     select_by_threshold,
     split_and_reduce,
 )
@@ -95,7 +97,8 @@ class OkTopk(SparseCompressor):
         else:
             idx = select_by_threshold(acc, state["local_thr"])
             if not k / 2 <= idx.numel() <= 2 * k:  # guard: the reused threshold went stale
-                idx, state["local_thr"] = local_topk(acc, k)
+                state["local_thr"] = sampled_threshold(acc, k)
+                idx = select_by_threshold(acc, state["local_thr"])
             else:
                 state["local_thr"] = _nudge(state["local_thr"], idx.numel(), k, LOCAL_SCALE, LOCAL_SCALE)
         return idx, recompute
@@ -148,7 +151,7 @@ class OkTopk(SparseCompressor):
     def reduce_scatter(
         self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend
     ) -> Exchange:
-        p, _me, n, k = backend.world_size, backend.rank, acc.numel(), self.k(acc.numel())
+        p, n, k = backend.world_size, acc.numel(), self.k(acc.numel())
         t0 = time.perf_counter()
         idx, _ = self._local(state, acc, k)
         select_s = time.perf_counter() - t0
