@@ -259,6 +259,18 @@ def check_byte_counters(backend: CommunicationBackend) -> None:
     pr.expect(
         (bo.bytes_sent, bo.bytes_received) == want_bo, f"broadcast_object sent/received {bo}, want {want_bo}"
     )
+    group = backend.new_group(list(reversed(range(p))))
+    backend.stats.reset()
+    if group is not None:
+        group.stats.reset()
+        group.all_reduce(torch.ones(n, device=dev))
+        moved = 2 * (p - 1) * nb // p
+        for who, stats in (("the group", group.stats), ("its parent", backend.stats)):
+            s = stats["all_reduce"]
+            pr.expect(
+                (s.calls, s.bytes_sent, s.bytes_received) == (1, moved, moved),
+                f"a group's all_reduce counted by {who} as {s}, want 1 call and {moved} bytes each way",
+            )
     pr.raise_if_any()
 
 

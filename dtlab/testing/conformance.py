@@ -88,7 +88,8 @@ class ConformanceCases:
 
 def default_cases(seed: int = 0) -> ConformanceCases:
     """Every dtype with every applicable op (AVG only on floats), odd shapes, scalar and 3-d tensors,
-    roots spread over ranks; sizes with empty contributions. Deterministic in ``seed``."""
+    roots spread over ranks; sizes in which rank 1 contributes no elements, and an all-empty one.
+    Deterministic in ``seed``."""
     rng = random.Random(seed)
     shapes: list[tuple[int, ...]] = [(1,), (7,), (3, 5), (), (2, 3, 4), (33,)]
     collectives: list[Case] = []
@@ -98,15 +99,17 @@ def default_cases(seed: int = 0) -> ConformanceCases:
             collectives.append(
                 Case(rng.choice(shapes), dtype, op, root=rng.randrange(8), seed=rng.randrange(1 << 30))
             )
-    sizes = tuple(
+    # rank 1 contributes nothing in every case (counts cycle over ranks), and one case is all empty
+    sizes = [
         SizesCase(
-            (*[rng.randrange(0, 6) for _ in range(rng.randrange(1, 5))], 0),
+            (rng.randrange(1, 6), 0, *[rng.randrange(0, 6) for _ in range(rng.randrange(0, 4))]),
             dtype,
             rng.randrange(1 << 30),
         )
         for dtype in ALL_DTYPES
-    )
-    return ConformanceCases(tuple(collectives), sizes)
+    ]
+    sizes.append(SizesCase((0,), torch.float32, 7))
+    return ConformanceCases(tuple(collectives), tuple(sizes))
 
 
 def _inputs(case: Case, p: int, flat_factor: int | None = None) -> list[torch.Tensor]:
