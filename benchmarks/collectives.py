@@ -10,6 +10,11 @@ collective needs, done in one thread on the same buffers: all_reduce ``P-1`` in-
 ``P-1`` copies; reduce_scatter ``P-1`` adds per output shard; all_gather ``P`` chunk copies per
 output. Both are timed in the same run with the same torch thread count; each figure is the best of
 ``--repeats`` runs of ``--iters`` calls (the slowest rank's time per call for the collective).
+
+Other engines plug in through ``benchmarks/_engines.py``: ``run(args) -> list[dict]`` gets the parsed
+arguments (``args.backend``, ``args.ops`` list of names, ``args.sizes`` list of bytes, ``args.ranks``
+list of world sizes, ``args.iters`` (0: choose), ``args.repeats``, ``args.threads``) and returns one
+dict per row; the table shows the keys of the first row as columns (``bytes`` is left out).
 """
 
 from __future__ import annotations
