@@ -118,8 +118,8 @@ def detect_launcher(env: Mapping[str, str] | None = None) -> LaunchInfo:
         problems = []
         if size < 1 or not 0 <= rank < size:
             problems.append(f"0 <= RANK < WORLD_SIZE (got RANK={rank}, WORLD_SIZE={size})")
-        if not 0 < port < 65536:
-            problems.append(f"MASTER_PORT in 1..65535 (got {port})")
+        if not 0 <= port < 65536:  # 0: torchrun --master-port 0, whose agent hosts the store
+            problems.append(f"MASTER_PORT in 0..65535 (got {port})")
         if local is not None and not 0 <= local < size:
             problems.append(f"0 <= LOCAL_RANK < WORLD_SIZE (got LOCAL_RANK={local})")
         if mpi is not None and (mpi[0] != rank or mpi[1] not in (None, size)):

@@ -33,7 +33,7 @@ _OPS = {
 # torch >= 2.12 names the flat-tensor collectives *_single (the *_tensor names are deprecated)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_PEER_LOST = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer")
+_PEER_LOST = ("connection closed", "connection reset", "connection refused", "broken pipe")
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -173,13 +173,18 @@ class TorchDistBackend(CommunicationBackend):
     def _failed(self, exc: RuntimeError, what: str) -> NoReturn:
         """Turn the engine's timeout / lost-peer error into :class:`CollectiveTimeoutError`."""
         text = str(exc)
-        if any(k in text.lower() for k in _PEER_LOST):
-            raise CollectiveTimeoutError(
-                f"rank {self.rank}: {self.engine} {what} did not complete within the {self._timeout:g}s "
-                f"timeout or lost its peer (a peer process is dead, hung or did not call it): {text}",
-                operation=what,
-            ) from exc
-        raise exc
+        low = text.lower()
+        if "timed out" in low or "timeout" in low:
+            why = (
+                f"did not complete within the {self._timeout:g}s timeout (a peer is hung or did not call it)"
+            )
+        elif any(k in low for k in _PEER_LOST):
+            why = "lost its connection to a peer (a peer process died)"
+        else:
+            raise exc
+        raise CollectiveTimeoutError(
+            f"rank {self.rank}: {self.engine} {what} {why}: {text}", operation=what
+        ) from exc
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:

@@ -1,0 +1,131 @@
+"""Dead and hung peers on real engines, and how ``spawn_world`` reports failing, dying and hung ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtlab.backends import CommunicationBackend
+from dtlab.errors import CollectiveTimeoutError, RankFailedError
+from dtlab.testing import spawn_world
+
+OP_TIMEOUT = 3.0
+
+
+def _timed(fn: object) -> tuple[str, str, float, str]:
+    t0 = time.monotonic()
+    try:
+        fn()  # type: ignore[operator]
+    except CollectiveTimeoutError as exc:
+        return ("CollectiveTimeoutError", exc.operation, time.monotonic() - t0, str(exc))
+    except Exception as exc:
+        return (type(exc).__name__, "", time.monotonic() - t0, str(exc))
+    return ("no error", "", time.monotonic() - t0, "")
+
+
+def gloo_dead_and_hung(b: CommunicationBackend) -> dict[str, tuple[str, str, float, str]] | None:
+    """Rank 2 is killed; rank 1 lives but never calls; rank 0 reduces with each of them."""
+    with_dead, with_hung = b.new_group([0, 2]), b.new_group([0, 1])
+    b.barrier()
+    if b.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if b.rank == 1:
+        time.sleep(OP_TIMEOUT + 1.5)
+        return None
+    assert with_dead is not None and with_hung is not None
+    time.sleep(0.3)  # rank 2 is gone by now
+    return {
+        "dead": _timed(lambda: with_dead.all_reduce(torch.ones(4))),
+        "hung": _timed(lambda: with_hung.all_reduce(torch.ones(4))),
+    }
+
+
+def test_gloo_survivors_raise_within_the_timeout() -> None:
+    results = spawn_world(3, gloo_dead_and_hung, backend="gloo", backend_timeout=OP_TIMEOUT, may_die=[2])
+    assert results[1] is None and results[2] is None
+    for case, (kind, op, seconds, text) in results[0].items():
+        assert kind == "CollectiveTimeoutError", (case, kind, text)
+        assert op == "all_reduce" and "all_reduce" in text, (case, text)
+        assert seconds < OP_TIMEOUT + 3, (case, seconds)
+    assert "a peer process died" in results[0]["dead"][3]
+    assert results[0]["hung"][2] >= OP_TIMEOUT - 0.5  # a live peer is waited for, for the timeout
+    assert "timeout" in results[0]["hung"][3]
+
+
+def mpi_hung(b: CommunicationBackend) -> tuple[str, str, float, str] | None:
+    from dtlab.backends import MPIBackend
+
+    timed = MPIBackend(b.comm.Dup(), timeout=2.0)  # type: ignore[attr-defined]
+    if b.rank == 1:
+        time.sleep(3.0)
+        timed.all_reduce(torch.ones(4))  # late: completes rank 0's abandoned operation
+        return None
+    return _timed(lambda: timed.all_reduce(torch.ones(4)))
+
+
+def test_mpi_timeout_names_the_operation() -> None:
+    kind, op, seconds, text = spawn_world(2, mpi_hung, backend="mpi", timeout=60)[0]
+    assert kind == "CollectiveTimeoutError" and op == "all_reduce", text
+    assert 1.9 < seconds < 4, seconds
+    assert "Abort" in text  # tells the user the communicator is gone and how to end the job
+
+
+def dies(b: CommunicationBackend, how: str) -> str:
+    b.barrier()
+    if b.rank == 1:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError("boom from rank 1")
+    b.barrier()
+    return "rank 0 was not stopped"
+
+
+def test_mpi_killed_rank_ends_the_job_with_a_non_zero_exit() -> None:
+    with pytest.raises(RankFailedError) as info:
+        spawn_world(2, dies, "kill", backend="mpi", timeout=60)
+    assert info.value.rank == 1
+    assert "exit code" in str(info.value) and "exit code 0" not in str(info.value)
+
+
+@pytest.mark.parametrize("engine", ["gloo", "mpi"])
+def test_failing_rank_is_named_with_its_traceback(engine: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        spawn_world(2, dies, "raise", backend=engine, timeout=60)
+    assert info.value.rank == 1
+    assert "ValueError: boom from rank 1" in str(info.value) and "Traceback" in str(info.value)
+    assert time.monotonic() - t0 < 30  # rank 0, blocked in a barrier, was killed, not waited for
+
+
+def hangs(b: CommunicationBackend, pid_dir: str) -> None:
+    Path(pid_dir, f"{b.rank}").write_text(str(os.getpid()))
+    if b.rank == 0:
+        time.sleep(60)
+    b.barrier()
+
+
+def test_spawn_world_timeout_kills_every_process(tmp_path: Path) -> None:
+    with pytest.raises(CollectiveTimeoutError) as info:
+        spawn_world(2, hangs, str(tmp_path), backend="gloo", timeout=12)
+    text = str(info.value)
+    assert "did not finish within 12s" in text and "[0, 1]" in text
+    assert "most recent call first" in text  # the hung ranks' Python stacks are part of the report
+    for f in tmp_path.iterdir():
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(f.read_text()), 0)
+
+
+def test_spawn_world_rejects_bad_arguments() -> None:
+    def local(b: CommunicationBackend) -> None: ...
+
+    with pytest.raises(ValueError, match="module-level"):
+        spawn_world(2, local)
+    with pytest.raises(ValueError, match="'gloo' or 'mpi'"):
+        spawn_world(2, dies, backend="nccl")
+    with pytest.raises(ValueError, match="may_die"):
+        spawn_world(2, dies, backend="mpi", may_die=[1])
