@@ -164,7 +164,7 @@ class DataConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    steps: int = Field(default=200, ge=1)
+    steps: int = Field(default=300, ge=1)
     seed: int = 0
     precision: Literal["fp32", "bf16"] = "fp32"
     #: evaluate every N steps (and after the last); 0 disables evaluation

@@ -97,3 +97,13 @@ def test_cli_rejects_bad_density_without_traceback() -> None:
     assert proc.returncode != 0
     assert "compression.density=2" in proc.stderr and "(0, 1]" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_every_field_is_documented() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    for section, field in TrainConfig.model_fields.items():
+        assert f"### `{section}`" in doc, section
+        sub = field.annotation
+        assert sub is not None
+        for name in sub.model_fields:
+            assert f"| `{name}` |" in doc, f"{section}.{name} is missing from docs/configuration.md"

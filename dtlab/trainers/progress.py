@@ -52,7 +52,7 @@ class ProgressBar:
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
     if isinstance(v, list):
         return ", ".join(_fmt(x) for x in v)
     return str(v)

@@ -101,8 +101,10 @@ def format_record(rec: dict[str, Any]) -> str:
     if "loss" in rec:
         parts.append(f"loss {rec['loss']:.4f}")
     parts.append(f"lr {rec.get('lr', 0.0):.2e}")
-    if "tokens_per_s" in rec:
+    if "tokens_per_s" in rec and rec["tokens_per_s"] != rec.get("samples_per_s"):
         parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
+    elif "samples_per_s" in rec:
+        parts.append(f"{rec['samples_per_s']:,.0f} samples/s")
     if rec.get("step_time_s"):
         parts.append(f"comm {100 * rec.get('comm_s', 0.0) / rec['step_time_s']:.0f}%")
     sent = rec.get("bytes_sent_per_rank")
