@@ -260,3 +260,32 @@ def test_run_world_returns_results_in_rank_order_and_passes_arguments() -> None:
     assert run_world(4, fn, 1, scale=10) == [10, 20, 30, 40]
     assert len(seen_threads) == 4
     assert run_world(1, fn, 0, scale=3) == [0]
+
+
+def test_collectives_work_on_parameters_whatever_each_ranks_grad_mode() -> None:
+    """Like torch.distributed, collectives update tensors in place without autograd, in whichever
+    grad mode the rank that happens to lead is running; inference tensors are accepted too."""
+
+    def fn(b: CommunicationBackend) -> list[float]:
+        param = torch.nn.Parameter(torch.full((3,), float(b.rank + 1)))
+        if b.rank == 1:
+            with torch.no_grad():
+                b.all_reduce(param)
+                b.broadcast(param, b.world_size - 1)
+        else:
+            b.all_reduce(param)
+            b.broadcast(param, b.world_size - 1)
+        if b.rank == 0:
+            with torch.inference_mode():
+                t = torch.full((2,), 5.0)
+                b.all_reduce(t, ReduceOp.MAX)
+        else:
+            t = torch.full((2,), float(b.rank))
+            b.all_reduce(t, ReduceOp.MAX)
+        assert param.requires_grad and param.grad_fn is None
+        return param.tolist() + t.tolist()
+
+    for world_size in (1, 3):
+        results = run_world(world_size, fn, timeout=10)
+        total = float(sum(range(1, world_size + 1)))
+        assert results == [[total] * 3 + [5.0] * 2] * world_size, results

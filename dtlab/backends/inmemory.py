@@ -68,6 +68,26 @@ def _describe(call: tuple[Any, ...] | None) -> str:
     return f"{call[0]}(" + ", ".join(f"{n}={v}" for n, v in zip(names, values, strict=False)) + ")"
 
 
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def _leader_mode(payloads: list[Any]) -> torch.no_grad | torch.inference_mode:
+    """The leader works on every rank's tensors, whatever grad mode each rank's thread is in.
+
+    Collectives are not differentiable (like ``torch.distributed``'s): the leader runs without
+    autograd, and in inference mode when some rank passed an inference tensor (which may only be
+    updated in place inside inference mode).
+    """
+    if any(t.is_inference() for t in _tensors(payloads)):
+        return torch.inference_mode()
+    return torch.no_grad()
+
+
 class _Slot:
     """One collective call of one group: what every rank called and deposited."""
 
@@ -258,7 +278,8 @@ class InMemoryBackend(CommunicationBackend):
             solo = _Slot(1)
             solo.calls[0], solo.payloads[0] = call, payload
             if leader is not None:
-                solo.result = leader(solo.payloads)
+                with _leader_mode(solo.payloads):
+                    solo.result = leader(solo.payloads)
             return solo
         key = (self._key, seq)
         arrived = time.monotonic()
@@ -300,7 +321,8 @@ class InMemoryBackend(CommunicationBackend):
                         f"{list(self._global)}: {listing}"
                     )
                 elif leader is not None:
-                    slot.result = leader(slot.payloads)
+                    with _leader_mode(slot.payloads):  # grad mode is per thread: use the permissive one
+                        slot.result = leader(slot.payloads)
             except CollectiveMismatchError as exc:
                 slot.error = str(exc)
             except BaseException as exc:  # the others must not wait for a leader that failed
