@@ -142,3 +142,9 @@ def test_sigkill_while_saving_leaves_previous_checkpoint_loadable(tmp_path: Path
         assert ck.step >= 1
         shutil_dirs = [p for p in root.iterdir() if p.name.startswith("step_")]
         assert all((p / "meta.json").is_file() for p in shutil_dirs)
+
+
+def test_shards_missing_a_range_are_rejected() -> None:
+    shards = [_shard(FULL, 0, 2)]  # rank 1's half is absent
+    with pytest.raises(CheckpointError, match="cover only"):
+        full_tensors_from_shards(shards)
