@@ -408,7 +408,8 @@ class InMemoryBackend(CommunicationBackend):
                 f"{tuple(msg.tensor.shape)} and dtype {msg.tensor.dtype}, but the receive buffer has "
                 f"shape {tuple(tensor.shape)} and dtype {tensor.dtype}"
             )
-        tensor.view(-1).copy_(msg.tensor.reshape(-1))
+        with _leader_mode([tensor]):
+            tensor.view(-1).copy_(msg.tensor.reshape(-1))
         return msg.src
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
