@@ -8,12 +8,16 @@ memory (in-place ``all_gather``/``reduce_scatter``), so that nothing is overwrit
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dtlab.backends.base import ReduceOp
 from dtlab.errors import CollectiveMismatchError
 
 __all__ = [
+    "describe_call",
+    "leader_mode",
     "lead_all_gather",
     "lead_all_gather_v",
     "lead_all_reduce",
@@ -26,6 +30,50 @@ __all__ = [
 
 SMALL_BYTES = 256 * 1024  # below this, fewer and larger tensor ops beat minimal memory traffic
 _BINARY = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.PRODUCT: torch.mul}
+
+
+_FIELDS = {
+    "all_reduce": ("shape", "dtype", "op"),
+    "reduce": ("shape", "dtype", "op", "dst"),
+    "broadcast": ("shape", "dtype", "src"),
+    "reduce_scatter": ("output_numel", "dtype", "op"),
+    "all_gather": ("input_numel", "dtype"),
+    "all_gather_v": ("dtype",),
+    "all_to_all": ("dtype",),
+    "broadcast_object": ("src",),
+    "new_group": ("ranks",),
+}
+
+
+def describe_call(call: tuple[Any, ...] | None) -> str:
+    """``("all_reduce", shape, dtype, op)`` -> ``all_reduce(shape=(4,), dtype=torch.float32, op=SUM)``."""
+    if call is None:
+        return "nothing (not arrived)"
+    names = _FIELDS.get(call[0], ())
+    values = [
+        v.name if isinstance(v, ReduceOp) else tuple(v) if isinstance(v, torch.Size) else v for v in call[1:]
+    ]
+    return f"{call[0]}(" + ", ".join(f"{n}={v}" for n, v in zip(names, values, strict=False)) + ")"
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def leader_mode(payloads: list[Any]) -> torch.no_grad | torch.inference_mode:
+    """The leader works on every rank's tensors, whatever grad mode each rank's thread is in.
+
+    Collectives are not differentiable (like ``torch.distributed``'s): the leader runs without
+    autograd, and in inference mode when some rank passed an inference tensor (which may only be
+    updated in place inside inference mode).
+    """
+    if any(t.is_inference() for t in _tensors(payloads)):
+        return torch.inference_mode()
+    return torch.no_grad()
 
 
 def _accumulate(acc: torch.Tensor, parts: list[torch.Tensor], op: ReduceOp, count: int) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from dtlab.backends._inmemory_ops import (
+    describe_call,
     lead_all_gather,
     lead_all_gather_v,
     lead_all_reduce,
@@ -34,6 +35,7 @@ from dtlab.backends._inmemory_ops import (
     lead_broadcast,
     lead_reduce,
     lead_reduce_scatter,
+    leader_mode,
 )
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError, WorldAbortedError
@@ -42,50 +44,6 @@ __all__ = ["InMemoryBackend", "InMemoryWorld"]
 
 _Lock = Any  # threading.Lock instances (the type is private in typeshed)
 _POLL_S = 0.5  # longest sleep between re-checks of abort / exited peers (they also wake waiters)
-
-
-_FIELDS = {
-    "all_reduce": ("shape", "dtype", "op"),
-    "reduce": ("shape", "dtype", "op", "dst"),
-    "broadcast": ("shape", "dtype", "src"),
-    "reduce_scatter": ("output_numel", "dtype", "op"),
-    "all_gather": ("input_numel", "dtype"),
-    "all_gather_v": ("dtype",),
-    "all_to_all": ("dtype",),
-    "broadcast_object": ("src",),
-    "new_group": ("ranks",),
-}
-
-
-def _describe(call: tuple[Any, ...] | None) -> str:
-    """``("all_reduce", shape, dtype, op)`` -> ``all_reduce(shape=(4,), dtype=torch.float32, op=SUM)``."""
-    if call is None:
-        return "nothing (not arrived)"
-    names = _FIELDS.get(call[0], ())
-    values = [
-        v.name if isinstance(v, ReduceOp) else tuple(v) if isinstance(v, torch.Size) else v for v in call[1:]
-    ]
-    return f"{call[0]}(" + ", ".join(f"{n}={v}" for n, v in zip(names, values, strict=False)) + ")"
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, list | tuple):
-        return [t for item in obj for t in _tensors(item)]
-    return []
-
-
-def _leader_mode(payloads: list[Any]) -> torch.no_grad | torch.inference_mode:
-    """The leader works on every rank's tensors, whatever grad mode each rank's thread is in.
-
-    Collectives are not differentiable (like ``torch.distributed``'s): the leader runs without
-    autograd, and in inference mode when some rank passed an inference tensor (which may only be
-    updated in place inside inference mode).
-    """
-    if any(t.is_inference() for t in _tensors(payloads)):
-        return torch.inference_mode()
-    return torch.no_grad()
 
 
 class _Slot:
@@ -278,7 +236,7 @@ class InMemoryBackend(CommunicationBackend):
             solo = _Slot(1)
             solo.calls[0], solo.payloads[0] = call, payload
             if leader is not None:
-                with _leader_mode(solo.payloads):
+                with leader_mode(solo.payloads):
                     solo.result = leader(solo.payloads)
             return solo
         key = (self._key, seq)
@@ -307,7 +265,7 @@ class InMemoryBackend(CommunicationBackend):
                 self._wait(
                     slot.waiters,
                     lambda: slot.complete,
-                    lambda: f"{_describe(call)} (collective #{seq})",
+                    lambda: f"{describe_call(call)} (collective #{seq})",
                     lambda: [r for r in range(p) if slot.calls[r] is None],
                     since=arrived,
                 )
@@ -315,20 +273,20 @@ class InMemoryBackend(CommunicationBackend):
             failed: BaseException | None = None
             try:
                 if any(c != call for c in slot.calls):
-                    listing = "; ".join(f"rank {r}: {_describe(c)}" for r, c in enumerate(slot.calls))
+                    listing = "; ".join(f"rank {r}: {describe_call(c)}" for r, c in enumerate(slot.calls))
                     slot.error = (
                         f"ranks called different collectives at collective #{seq} of group "
                         f"{list(self._global)}: {listing}"
                     )
                 elif leader is not None:
-                    with _leader_mode(slot.payloads):  # grad mode is per thread: use the permissive one
+                    with leader_mode(slot.payloads):  # grad mode is per thread: use the permissive one
                         slot.result = leader(slot.payloads)
             except CollectiveMismatchError as exc:
                 slot.error = str(exc)
             except BaseException as exc:  # the others must not wait for a leader that failed
                 failed = exc
                 slot.error = (
-                    f"the leader of {_describe(call)} (rank {me}) failed: {type(exc).__name__}: {exc}"
+                    f"the leader of {describe_call(call)} (rank {me}) failed: {type(exc).__name__}: {exc}"
                 )
             finally:
                 with w.mutex:
@@ -408,7 +366,7 @@ class InMemoryBackend(CommunicationBackend):
                 f"{tuple(msg.tensor.shape)} and dtype {msg.tensor.dtype}, but the receive buffer has "
                 f"shape {tuple(tensor.shape)} and dtype {tensor.dtype}"
             )
-        with _leader_mode([tensor]):
+        with leader_mode([tensor]):
             tensor.view(-1).copy_(msg.tensor.reshape(-1))
         return msg.src
 
