@@ -289,3 +289,28 @@ def test_prefiltered_local_topk_is_exact() -> None:
         idx, thr = local_topk(acc, k)
         ref = torch.topk(acc.abs(), k)
         assert torch.equal(idx, torch.sort(ref.indices).values) and thr == float(ref.values.min())
+
+
+def _powersgd(backend: CommunicationBackend) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    out = []
+    for n, warm in ((40, 0), (4000, 2)):  # 40: rank 4 x (6 + 7) >= 40 -> skipped (dense); 4000: warm-up
+        red = CompressedReducer(backend, PowerSGD(rank=4, warmup_steps=warm), dense_below=0)
+        for s in range(3):
+            g = _grad(backend.rank, s, n, seed=5)
+            buf = g.clone()
+            red.start_step()
+            red.all_reduce("g", buf).wait()
+            out.append((g, buf, red.step_statistics()))
+    return out
+
+
+def test_powersgd_skip_rule_and_warmup() -> None:
+    res = run_world(2, _powersgd)
+    for i, (g0, out0, stats) in enumerate(res[0]):
+        mean = (g0 + res[1][i][0]) / 2
+        if i < 5:  # 0-2: the 40-element buffer would not shrink, sent dense; 3-4: warm-up iterations
+            torch.testing.assert_close(out0, mean)
+            assert stats["compression_ratio"] <= 1.0  # dense bytes + the 8-byte non-finite check
+        else:  # compressed: rank-4 factors, far fewer bytes than dense
+            assert not torch.allclose(out0, mean)
+            assert stats["compression_ratio"] > 5

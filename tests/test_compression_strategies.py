@@ -172,3 +172,47 @@ def test_every_algorithm_and_strategy_on_real_engines(engine: str) -> None:
     ref = _reference()
     for kind in KINDS:
         _check([r[kind] for r in results], kind, ref)
+
+
+def _resume(backend: CommunicationBackend) -> dict[str, Any]:
+    def build() -> GradientCompressionOptimizer:
+        return GradientCompressionOptimizer(_build("zero2", backend), TopkA(density=0.1), dense_below=64)
+
+    def step(opt: GradientCompressionOptimizer, s: int) -> None:
+        x, y = _data(s)
+        per = BATCH // backend.world_size
+        sl = slice(backend.rank * per, (backend.rank + 1) * per)
+        opt.zero_grad()
+        opt.model.train_step((x[sl], y[sl]), nn.functional.cross_entropy)
+        opt.step()
+
+    a = build()
+    for s in range(2):
+        step(a, s)
+    model_shards = backend.all_gather_object(a.model.sharded_state_dict())
+    shards = backend.all_gather_object(a.sharded_state_dict())
+    b = build()
+    b.model.load_sharded_state_dict(model_shards)
+    b.load_sharded_state_dict(shards)
+    same_residuals = a.reducer.error_feedback.keys() == b.reducer.error_feedback.keys() and all(
+        torch.equal(a.reducer.error_feedback.residual(k), b.reducer.error_feedback.residual(k))  # type: ignore[arg-type]
+        for k in a.reducer.error_feedback.keys()
+    )
+    step(a, 2)
+    step(b, 2)
+    pa, pb = a.model.full_state_dict(), b.model.full_state_dict()
+    return {
+        "same_residuals": same_residuals,
+        "keys": a.reducer.error_feedback.keys(),
+        "same_params": all(torch.equal(pa[n], pb[n]) for n in pa),
+        "memory": a.memory_report(),
+        "inner": type(a.remove()).__name__,
+        "reducer_back": type(a.model.gradient_reducer).__name__,
+    }
+
+
+def test_checkpoint_resume_keeps_residuals_and_remove_restores_the_reducer() -> None:
+    for r in run_world(2, _resume):
+        assert r["keys"] and r["same_residuals"] and r["same_params"]
+        assert r["memory"]["compression_residuals"] > 0
+        assert r["inner"] == "ZeRO2Optimizer" and r["reducer_back"] == "DenseReducer"
