@@ -140,8 +140,12 @@ def test_sigkill_while_saving_leaves_previous_checkpoint_loadable(tmp_path: Path
         full = full_tensors_from_shards(ck.model)["big"]
         assert full.numel() == 2 << 20
         assert ck.step >= 1
-        shutil_dirs = [p for p in root.iterdir() if p.name.startswith("step_")]
-        assert all((p / "meta.json").is_file() for p in shutil_dirs)
+        step_dirs = [p for p in root.iterdir() if p.name.startswith("step_")]
+        assert all((p / "meta.json").is_file() for p in step_dirs)
+    # the next save removes whatever the killed writers left in .tmp-* directories
+    run_world(2, _save, str(root), [10_000], 2)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
+    assert read_checkpoint(root).step == 10_000
 
 
 def test_shards_missing_a_range_are_rejected() -> None:

@@ -18,12 +18,14 @@ class ProgressBar:
         self._last = 0.0
         self._t0 = time.perf_counter()
         self._shown = False
+        # redraw often on a terminal, rarely into a log file
+        self.interval = 0.2 if getattr(self.stream, "isatty", lambda: False)() else 2.0
 
     def update(self, step: int, info: str = "", force: bool = False) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
-        if not force and now - self._last < 0.2 and step < self.total:
+        if not force and now - self._last < self.interval and step < self.total:
             return
         self._last = now
         frac = min(1.0, step / max(1, self.total))
