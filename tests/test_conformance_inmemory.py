@@ -179,7 +179,7 @@ def _with(cls: type[InMemoryBackend], names: list[str]) -> Any:
         (_OffByOneAllReduce, "all_reduce", "all_reduce on rank 2"),
         (_SwappedGather, "all_gather", "all_gather(shape="),
         (_LeakyBarrier, "barrier", "left the barrier"),
-        (_LastInFirstOut, "send_recv_order", "message #0 from rank"),
+        (_LastInFirstOut, "send_recv_order", "recv(src="),
     ],
 )
 def test_the_suite_reports_a_broken_engine(cls: type[InMemoryBackend], check: str, expect: str) -> None:

@@ -88,8 +88,8 @@ class ConformanceCases:
 
 def default_cases(seed: int = 0) -> ConformanceCases:
     """Every dtype with every applicable op (AVG only on floats), odd shapes, scalar and 3-d tensors,
-    roots spread over ranks; sizes in which rank 1 contributes no elements, and an all-empty one.
-    Deterministic in ``seed``."""
+    roots spread over ranks, two larger tensors; sizes in which rank 1 contributes no elements, and
+    an all-empty one. Deterministic in ``seed``."""
     rng = random.Random(seed)
     shapes: list[tuple[int, ...]] = [(1,), (7,), (3, 5), (), (2, 3, 4), (33,)]
     collectives: list[Case] = []
@@ -99,6 +99,9 @@ def default_cases(seed: int = 0) -> ConformanceCases:
             collectives.append(
                 Case(rng.choice(shapes), dtype, op, root=rng.randrange(8), seed=rng.randrange(1 << 30))
             )
+    # larger messages, where engines switch algorithms (ring, rendezvous protocol)
+    collectives.append(Case((20_001,), torch.float32, ReduceOp.SUM, root=3, seed=rng.randrange(1 << 30)))
+    collectives.append(Case((3, 4_001), torch.bfloat16, ReduceOp.MAX, root=5, seed=rng.randrange(1 << 30)))
     # rank 1 contributes nothing in every case (counts cycle over ranks), and one case is all empty
     sizes = [
         SizesCase(
