@@ -49,7 +49,7 @@ def _no_nan(line: str) -> dict[str, Any]:
 
 def test_cli_default_shortened_trains_and_writes_clean_metrics(tmp_path: Path, capsys: Any) -> None:
     run = tmp_path / "run"
-    sets = ["train.steps=40", "data.max_bytes=200000", "model.d_model=64", "train.eval_every=20"]
+    sets = ["train.steps=30", "data.max_bytes=100000", "model.d_model=48", "train.eval_every=15"]
     sets += ["logging.log_every=10", f"logging.run_dir={run}"]
     code = main(["train", *[a for s in sets for a in ("--set", s)]])
     assert code == 0
@@ -58,14 +58,14 @@ def test_cli_default_shortened_trains_and_writes_clean_metrics(tmp_path: Path, c
     assert "\r[" in out.err and "step    10 | loss" in out.err  # progress bar and metric lines
     records = [_no_nan(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
-    assert [r["step"] for r in steps] == [10, 20, 30, 40]
+    assert [r["step"] for r in steps] == [10, 20, 30]
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, steps  # the loss clearly falls
     first = steps[0]
     assert len(first["bytes_sent_per_rank"]) == 4 and min(first["bytes_sent_per_rank"]) > 0
     assert len(first["memory_per_rank"]) == 4 and first["memory_per_rank"][0]["parameters"] > 0
     for key in ("lr", "tokens_per_s", "samples_per_s", "compute_s", "comm_s", "step_time_s"):
         assert first[key] > 0, key
-    assert [r["step"] for r in records if "eval_loss" in r] == [20, 40]
+    assert [r["step"] for r in records if "eval_loss" in r] == [15, 30]
     profile = json.loads((run / "profile.json").read_text())
     assert profile["profile"]["comm_seconds"] > 0
 
@@ -215,3 +215,32 @@ def test_early_stopping_is_agreed_and_bf16_and_compression_metrics(tmp_path: Pat
     recs = [_no_nan(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert recs and all("compression" in r for r in recs)
     assert 0 < recs[-1]["compression"]["density"] <= 0.5, recs[-1]
+
+
+def test_any_torch_lr_scheduler_and_its_state_is_checkpointed(tmp_path: Path) -> None:
+    def factory(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.StepLR:
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    ck = tmp_path / "ck"
+    cfg = _cfg(tmp_path, "train.steps=4", "logging.log_every=1", "optimizer.lr=0.01", f"checkpoint.dir={ck}")
+    run_training(cfg, scheduler_factory=factory)
+    lrs = [r["lr"] for r in map(_no_nan, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
+    assert lrs == pytest.approx([0.01, 0.005, 0.005, 0.0025])  # the lr after each step
+    resumed = _cfg(tmp_path, "train.steps=6", "logging.log_every=1", "optimizer.lr=0.01",
+                   f"checkpoint.resume={ck}")  # fmt: skip
+    run_training(resumed, scheduler_factory=factory)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [r["lr"] for r in map(_no_nan, lines)][4:] == pytest.approx([0.0025, 0.00125])
+
+
+def test_clipping_uses_the_global_norm_under_every_strategy(tmp_path: Path) -> None:
+    norms = {}
+    for strategy in ("ddp", "zero2", "zero3", "fsdp"):
+        run = tmp_path / strategy
+        cfg = _cfg(tmp_path, f"strategy.model={strategy}", "train.steps=3", "logging.log_every=1",
+                   "optimizer.clip_grad_norm=0.5", f"logging.run_dir={run}")  # fmt: skip
+        run_training(cfg)
+        norms[strategy] = [_no_nan(x)["grad_norm"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert norms["ddp"][0] > 0.5  # clipping is active
+    for strategy in ("zero2", "zero3", "fsdp"):  # sharded gradients: the same global norm as DDP
+        assert norms[strategy] == pytest.approx(norms["ddp"], rel=1e-4), strategy
