@@ -8,6 +8,7 @@ memory (in-place ``all_gather``/``reduce_scatter``), so that nothing is overwrit
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -56,24 +57,30 @@ def describe_call(call: tuple[Any, ...] | None) -> str:
     return f"{call[0]}(" + ", ".join(f"{n}={v}" for n, v in zip(names, values, strict=False)) + ")"
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, list | tuple):
-        return [t for item in obj for t in _tensors(item)]
-    return []
+def _tensors(payloads: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for item in payloads:
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, list | tuple):
+            out.extend(_tensors(item))
+    return out
 
 
-def leader_mode(payloads: list[Any]) -> torch.no_grad | torch.inference_mode:
+def leader_mode(payloads: list[Any]) -> AbstractContextManager[Any]:
     """The leader works on every rank's tensors, whatever grad mode each rank's thread is in.
 
     Collectives are not differentiable (like ``torch.distributed``'s): the leader runs without
-    autograd, and in inference mode when some rank passed an inference tensor (which may only be
-    updated in place inside inference mode).
+    autograd when some tensor requires grad, and in inference mode when some rank passed an inference
+    tensor (which may only be updated in place inside inference mode). Otherwise nothing changes (the
+    common case, and entering ``torch.no_grad()`` costs microseconds).
     """
-    if any(t.is_inference() for t in _tensors(payloads)):
-        return torch.inference_mode()
-    return torch.no_grad()
+    grad = False
+    for t in _tensors(payloads):
+        if t.is_inference():
+            return torch.inference_mode()
+        grad = grad or t.requires_grad
+    return torch.no_grad() if grad and torch.is_grad_enabled() else nullcontext()
 
 
 def _accumulate(acc: torch.Tensor, parts: list[torch.Tensor], op: ReduceOp, count: int) -> None:
