@@ -23,12 +23,16 @@ def torch_optimizer(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], d
     return cls, {"lr": o.lr, "betas": tuple(o.betas), "weight_decay": o.weight_decay}
 
 
-def build_model_strategy(config: TrainConfig, backend: CommunicationBackend, task: Task) -> ModelStrategy:
+def build_model_strategy(
+    config: TrainConfig, backend: CommunicationBackend, task: Task
+) -> tuple[ModelStrategy, int]:
+    """The model strategy over a freshly built module, and the module's parameter count."""
     from dtlab.models import get_model_strategy
 
     with task.init_lock, torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.train.seed)  # every rank builds the same initial model
         module = task.build_model().to(backend.device)
+    n_params = sum(p.numel() for p in module.parameters())
     name = config.strategy.model
     cls = get_model_strategy(name)
     kwargs: dict[str, Any] = {}
@@ -43,7 +47,7 @@ def build_model_strategy(config: TrainConfig, backend: CommunicationBackend, tas
         kwargs.update(reshard_after_forward=s.reshard_after_forward, prefetch=s.prefetch)
         if task.fsdp_unit_classes:
             kwargs["wrap_policy"] = ModuleClassPolicy(task.fsdp_unit_classes)
-    return cls(module, backend, **kwargs)
+    return cls(module, backend, **kwargs), n_params
 
 
 def build_optimizer_strategy(config: TrainConfig, model: ModelStrategy) -> OptimizerStrategy:

@@ -66,7 +66,7 @@ class Trainer:
         self.config, self.backend = config, backend
         self.is_main = backend.rank == 0
         self.task = task or build_task(config)
-        self.model = build_model_strategy(config, backend, self.task)
+        self.model, self.num_parameters = build_model_strategy(config, backend, self.task)
         self.optimizer = build_optimizer_strategy(config, self.model)
         local_opt = self.optimizer.optimizer
         self.scheduler = (
@@ -247,6 +247,8 @@ class Trainer:
         bar = ProgressBar(cfg.train.steps, enabled=self.is_main and cfg.logging.progress)
         window: dict[str, float] = {"t": time.perf_counter(), "steps": 0, "comm": self.backend.stats.seconds}
         sent0 = self.backend.stats.bytes_sent
+        if self.is_main and cfg.logging.progress:
+            bar.print_line(self._header())
         t_start = time.perf_counter()
         self.model.train()
         try:
@@ -288,6 +290,19 @@ class Trainer:
         result.summary = summary_rows(self, result, time.perf_counter() - t_start, sent0)
         self._write_profile(result)
         return result
+
+    def _header(self) -> str:
+        c, t = self.config, self.task
+        what = f"{t.name} ({self.num_parameters:,} parameters)"
+        strategy = f"{c.strategy.model}/{c.strategy.optimizer_name}"
+        if c.compression.algorithm != "none":
+            strategy += f" + {c.compression.algorithm} @ {c.compression.density}"
+        start = f"resumed at step {self.start_step}, " if self.start_step else ""
+        return (
+            f"dtlab train: {what} | {strategy} | {self.backend.name} x {self.backend.world_size} | "
+            f"{start}{c.train.steps} steps x {c.data.global_batch_size} samples "
+            f"({len(t.train_data):,} train / {len(t.eval_data):,} eval)"
+        )
 
     def _write_profile(self, result: TrainResult) -> None:
         run_dir = self.config.logging.run_dir
