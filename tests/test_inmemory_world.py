@@ -289,3 +289,18 @@ def test_collectives_work_on_parameters_whatever_each_ranks_grad_mode() -> None:
         results = run_world(world_size, fn, timeout=10)
         total = float(sum(range(1, world_size + 1)))
         assert results == [[total] * 3 + [5.0] * 2] * world_size, results
+
+
+def test_run_world_does_not_wait_forever_for_a_rank_busy_outside_collectives() -> None:
+    def fn(b: CommunicationBackend) -> None:
+        if b.rank == 1:
+            raise Boom("rank one broke")
+        if b.rank == 2:
+            time.sleep(2.5)  # user code an abort cannot interrupt
+        b.barrier()
+
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank\(s\) \[2\] were still running") as info:
+        run_world(3, fn, timeout=0.3)
+    assert info.value.rank == 1 and isinstance(info.value.__cause__, Boom)
+    assert time.monotonic() - start < 2.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -35,7 +36,9 @@ def run_world(
     point-to-point wait. A rank that raises aborts the world (the others are released at once) and
     this raises :class:`RankFailedError` naming the rank, with the original exception as
     ``__cause__``. A timeout or a mismatch of collectives is raised as such
-    (:class:`CollectiveTimeoutError`, :class:`CollectiveMismatchError`).
+    (:class:`CollectiveTimeoutError`, :class:`CollectiveMismatchError`). After a failure, ranks busy
+    outside any collective (which an abort cannot interrupt) get ``timeout`` more seconds to finish;
+    then this raises anyway and leaves their (daemon) threads behind.
     """
     world = InMemoryWorld(world_size, timeout=timeout, device=device)
     results: list[Any] = [None] * world_size
@@ -59,11 +62,30 @@ def run_world(
         ]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        left_behind = _join(threads, world)
     if world.failure is not None:
         rank, exc = world.failure
         if isinstance(exc, CollectiveTimeoutError | CollectiveMismatchError):
             raise exc
-        raise RankFailedError(rank, f"rank {rank} failed: {type(exc).__name__}: {exc}") from exc
+        note = (
+            f" (rank(s) {left_behind} were still running outside any collective {world.timeout:g}s "
+            "later and were left behind)"
+            if world_size > 1 and left_behind
+            else ""
+        )
+        raise RankFailedError(rank, f"rank {rank} failed: {type(exc).__name__}: {exc}{note}") from exc
     return results
+
+
+def _join(threads: list[threading.Thread], world: InMemoryWorld) -> list[int]:
+    """Wait for every rank; once the world has failed, give the ranks still busy outside collectives
+    (which an abort cannot interrupt) ``world.timeout`` seconds, then return their ranks."""
+    deadline: float | None = None
+    for t in threads:
+        while t.is_alive():
+            t.join(0.05 if deadline is None else max(0.0, deadline - time.monotonic()))
+            if world.failure is not None and deadline is None:
+                deadline = time.monotonic() + world.timeout
+            if deadline is not None and time.monotonic() >= deadline:
+                return [r for r, th in enumerate(threads) if th.is_alive()]
+    return []
