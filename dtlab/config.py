@@ -74,8 +74,9 @@ class StrategyConfig(_Section):
     optimizer: Literal["ddp", "zero1", "zero2", "zero3"] | None = None
     #: gradient bucket size in MiB (DDP, ZeRO-1, ZeRO-2)
     bucket_mb: float = Field(default=25.0, gt=0)
-    #: ZeRO-3 keeps parameters with at most this many elements whole on every rank (DeepSpeed's default)
-    persistence_threshold: int = Field(default=100_000, ge=0)
+    #: ZeRO-3 keeps parameters with at most this many elements whole on every rank; 0 shards every
+    #: parameter (the embedded models are small; DeepSpeed's default for large models is 100000)
+    persistence_threshold: int = Field(default=0, ge=0)
     #: FSDP frees each unit after its forward (least memory) or keeps it until its backward
     reshard_after_forward: bool = True
     #: ZeRO-3/FSDP: all-gather the next unit while the current one computes
@@ -300,7 +301,13 @@ def _read_file(path: str | Path) -> dict[str, Any]:
         try:
             tomllib = importlib.import_module("tomllib")
         except ModuleNotFoundError:  # Python 3.10
-            tomllib = importlib.import_module("tomli")
+            try:
+                tomllib = importlib.import_module("tomli")
+            except ModuleNotFoundError:
+                raise ConfigError(
+                    f"config file {str(p)!r}: reading TOML needs Python 3.11+ or `pip install tomli`; "
+                    "or use a .yaml file"
+                ) from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
