@@ -296,11 +296,11 @@ def test_run_world_does_not_wait_forever_for_a_rank_busy_outside_collectives() -
         if b.rank == 1:
             raise Boom("rank one broke")
         if b.rank == 2:
-            time.sleep(2.5)  # user code an abort cannot interrupt
+            time.sleep(5.0)  # user code an abort cannot interrupt
         b.barrier()
 
     start = time.monotonic()
     with pytest.raises(RankFailedError, match=r"rank\(s\) \[2\] were still running") as info:
         run_world(3, fn, timeout=0.3)
     assert info.value.rank == 1 and isinstance(info.value.__cause__, Boom)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 4.0
