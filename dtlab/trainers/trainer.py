@@ -233,7 +233,10 @@ class Trainer:
             self.optimizer.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
         ):
             group["lr"] = lr
-        self.sampler.load_state_dict(ckpt.meta["data_position"])
+        try:
+            self.sampler.load_state_dict(ckpt.meta["data_position"])
+        except ValueError as exc:
+            raise CheckpointError(f"{ckpt.path}: {exc}") from None
         self.guard.load_state_dict(t["guard"])
         self.early.load_state_dict(t["early_stopping"])
         self.step = self.start_step = int(t["step"])
