@@ -164,6 +164,22 @@ class _LastInFirstOut(InMemoryBackend):
                 box.reverse()
 
 
+class _SharedGroups(InMemoryBackend):
+    """Every group of the same size shares one sequence of slots (no isolation between groups)."""
+
+    def _new_group(self, ranks: list[int]) -> CommunicationBackend | None:
+        self._collective(("new_group", tuple(ranks)), None)
+        if self.rank not in ranks:
+            return None
+        return _SharedGroups(
+            self._world,
+            ranks.index(self.rank),
+            group_key=("shared", len(ranks)),
+            global_ranks=tuple(self._global[r] for r in ranks),
+            parent=self,
+        )
+
+
 def _with(cls: type[InMemoryBackend], names: list[str]) -> Any:
     def fn(b: InMemoryBackend) -> dict[str, str | None]:
         broken = cls(b._world, b.rank)
@@ -176,14 +192,15 @@ def _with(cls: type[InMemoryBackend], names: list[str]) -> Any:
 @pytest.mark.parametrize(
     ("cls", "check", "expect"),
     [
-        (_OffByOneAllReduce, "all_reduce", "all_reduce on rank 2"),
+        (_OffByOneAllReduce, "all_reduce", "all_reduce on rank 3"),
         (_SwappedGather, "all_gather", "all_gather(shape="),
         (_LeakyBarrier, "barrier", "left the barrier"),
         (_LastInFirstOut, "send_recv_order", "recv(src="),
+        (_SharedGroups, "groups", "group ["),
     ],
 )
 def test_the_suite_reports_a_broken_engine(cls: type[InMemoryBackend], check: str, expect: str) -> None:
-    results = run_world(3, _with(cls, [check]), timeout=10)
+    results = run_world(4, _with(cls, [check]), timeout=10)
     text = results[0][check]
     assert text is not None and expect in text, text
     assert all(r == results[0] for r in results)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
+from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.testing._checking import Problems
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
 
 BARRIER_DELAY_S = 0.05
 CLOCK_SLACK_S = 0.002
+GROUP_DELAY_S = 0.05
 
 
 def check_barrier(backend: CommunicationBackend) -> None:
@@ -184,12 +185,21 @@ def check_groups(backend: CommunicationBackend) -> None:
         other = g_odd if me % 2 == 0 else g_even
         pr.expect(mine is not None and other is None, f"rank {me}: own group {mine!r}, other group {other!r}")
         if mine is not None:
-            for k in range(4):  # both groups run these at the same time
-                t = torch.tensor([float(me * (k + 1))], dtype=torch.float64, device=dev)
-                mine.all_reduce(t)
-                want = float(sum(m * (k + 1) for m in members))
+            # the two groups run different collectives (sums vs. maxima of another shape) at the same
+            # time: any crosstalk between them shows as a wrong value or a mismatch
+            odd = me % 2
+            for k in range(4):
+                if k == 0 and len(evens) > 1 and (odd or me == evens[-1]):
+                    # the other even ranks enter round 0 first, the odd group 10 ms later and the last
+                    # even rank 50 ms later: the odd group must finish the round while the evens wait
+                    time.sleep(GROUP_DELAY_S / 5 if odd else GROUP_DELAY_S)
+                t = torch.full((1 + odd,), float(me * (k + 1)), dtype=torch.float64, device=dev)
+                mine.all_reduce(t, ReduceOp.MAX if odd else ReduceOp.SUM)
+                vals = [m * (k + 1) for m in members]
+                want = float(max(vals) if odd else sum(vals))
                 pr.expect(
-                    t.item() == want, f"group {members} all_reduce #{k} gave {t.item()}, expected {want}"
+                    t.tolist() == [want] * (1 + odd),
+                    f"group {members} all_reduce #{k} gave {t.tolist()}, expected {want}",
                 )
                 b = torch.tensor([float(me)], device=dev)
                 mine.broadcast(b, k % len(members))
@@ -197,11 +207,6 @@ def check_groups(backend: CommunicationBackend) -> None:
                 pr.expect(b.item() == root, f"group {members} broadcast from {root} gave {b.item()}")
     backend.barrier()
     pr.raise_if_any()
-
-
-def _wait_all(works: list[Work]) -> None:
-    for w in works:
-        w.wait()
 
 
 def check_byte_counters(backend: CommunicationBackend) -> None:
