@@ -192,7 +192,7 @@ class ShardedModel(DataParallelModel):
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._make_pre_backward(gi))
-            if self.reshard_after_forward:
+            if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward will free it
                 for st in self._groups[gi]:
                     self._free(st)
 
