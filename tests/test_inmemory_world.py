@@ -304,3 +304,23 @@ def test_run_world_does_not_wait_forever_for_a_rank_busy_outside_collectives() -
         run_world(3, fn, timeout=0.3)
     assert info.value.rank == 1 and isinstance(info.value.__cause__, Boom)
     assert time.monotonic() - start < 4.0
+
+
+def test_a_leader_that_fails_mid_collective_fails_its_rank_and_releases_the_others() -> None:
+    from dtlab.backends import InMemoryBackend
+
+    class FailingLeader(InMemoryBackend):
+        def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+            def lead(ts: list[torch.Tensor]) -> None:
+                raise Boom(f"could not reduce {len(ts)} tensors")
+
+            self._collective(("all_reduce", tensor.shape, tensor.dtype, op), tensor, lead)
+
+    def fn(b: InMemoryBackend) -> None:
+        FailingLeader(b._world, b.rank).all_reduce(torch.ones(2))
+
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="could not reduce 3 tensors") as info:
+        run_world(3, fn, timeout=30)
+    assert isinstance(info.value.__cause__, Boom)
+    assert time.monotonic() - start < 5.0

@@ -49,7 +49,7 @@ _POLL_S = 0.5  # longest sleep between re-checks of abort / exited peers (they a
 class _Slot:
     """One collective call of one group: what every rank called and deposited."""
 
-    __slots__ = ("arrived", "calls", "complete", "error", "payloads", "result", "waiters")
+    __slots__ = ("arrived", "calls", "complete", "error", "leader_failed", "payloads", "result", "waiters")
 
     def __init__(self, size: int) -> None:
         self.calls: list[tuple[Any, ...] | None] = [None] * size
@@ -57,6 +57,7 @@ class _Slot:
         self.arrived = 0
         self.complete = False
         self.error: str | None = None
+        self.leader_failed = False
         self.result: Any = None
         self.waiters: list[_Lock] = []
 
@@ -286,15 +287,19 @@ class InMemoryBackend(CommunicationBackend):
             except BaseException as exc:  # the others must not wait for a leader that failed
                 failed = exc
                 slot.error = (
-                    f"the leader of {describe_call(call)} (rank {me}) failed: {type(exc).__name__}: {exc}"
+                    f"rank {self.global_rank}: {describe_call(call)} aborted because the rank doing it "
+                    f"(rank {me} of this group) failed: {type(exc).__name__}: {exc}"
                 )
             finally:
+                slot.leader_failed = failed is not None
                 with w.mutex:
                     slot.complete = True
                     w._wake(slot.waiters)
             if failed is not None:
                 raise failed
         if slot.error is not None:
+            if slot.leader_failed:
+                raise WorldAbortedError(slot.error)  # the leader's own exception names the cause
             raise CollectiveMismatchError(slot.error)
         return slot
 
