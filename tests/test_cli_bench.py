@@ -1,0 +1,42 @@
+"""`dtlab bench` report writing: PNG plots from rows in the benchmarks' JSON format (the benchmarks
+themselves take minutes and are run by hand: `dtlab bench`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dtlab.errors import DtlabError
+from dtlab.trainers import bench
+
+# rows as benchmarks/strategies.py and benchmarks/compression.py write them (values from a real run)
+STRATEGY_ROWS = [
+    {"engine": "gloo", "model": "mlp", "params": 9443328, "strategy": s, "step_ms": ms,
+     "bytes_per_step": b, "grad_bytes": 37773312, "model_state": m, "peak_rss_delta": 1 << 27}
+    for s, ms, b, m in [("ddp", 197.1, 37773312.0, 151093280), ("fsdp", 305.5, 56659968.0, 100728848),
+                        ("torch_ddp", 196.2, None, 113319968)]
+]  # fmt: skip
+COMPRESSION_ROWS = [
+    {"rate": "plain", "engine": "mpi", "P": 2, "algorithm": a, "seconds": sec, "first_seconds": sec,
+     "bytes_sent": b, "rank0_bytes_sent": b, "formula_bytes": b, "formula": "f", "selected": 1.0,
+     "local_selected": 1.0, "select_seconds": 0.0}
+    for a, sec, b in [("dense", 0.013, 8000000), ("oktopk", 0.163, 260000)]
+]  # fmt: skip
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    bench._plot_strategies(STRATEGY_ROWS, tmp_path / "s.png")
+    bench._plot_compression(COMPRESSION_ROWS, tmp_path / "c.png")
+    for name in ("s.png", "c.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_missing_benchmarks_directory_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "a" / "b" / "bench.py"))
+    with pytest.raises(DtlabError, match="source checkout"):
+        bench.run_bench(tmp_path / "out")
