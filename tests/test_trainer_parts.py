@@ -108,3 +108,16 @@ def test_profiler_splits_compute_and_communication() -> None:
     assert s["comm_bytes_sent"]["all_reduce"] == 256 * 256 * 4  # 2(P-1)/P * n with P = 2
     total = s["compute_seconds"] + s["comm_seconds"]
     assert math.isclose(total, s["wall_seconds"], rel_tol=1e-6)
+
+
+def test_auto_backend_is_in_memory_without_a_launcher() -> None:
+    from dtlab.trainers.launch import resolve_backend_name
+
+    cfg = load_config()
+    assert resolve_backend_name(cfg, env={}) == "inmemory"
+    assert (
+        resolve_backend_name(cfg, env={"PMI_RANK": "0", "PMI_SIZE": "2"}) == "auto"
+    )  # init_backend picks mpi
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert resolve_backend_name(cfg, env=torchrun) == "auto"
+    assert resolve_backend_name(load_config(overrides=["backend.name=mpi"]), env={}) == "mpi"

@@ -15,12 +15,12 @@ from dtlab.trainers.trainer import SchedulerFactory, Trainer, TrainResult
 
 __all__ = ["launcher_detected", "resolve_backend_name", "run_training"]
 
-_LAUNCHER_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-
 
 def launcher_detected(env: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return any(v in env for v in _LAUNCHER_VARS)
+    """True when torchrun or an MPI launcher started this process (``init_backend``'s detection)."""
+    from dtlab.backends.init import detect_launcher
+
+    return detect_launcher(env).launcher != "none"
 
 
 def resolve_backend_name(config: TrainConfig, env: Mapping[str, str] | None = None) -> str:
