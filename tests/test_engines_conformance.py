@@ -52,6 +52,33 @@ def _nonblocking_avg(b: CommunicationBackend) -> None:
         torch.testing.assert_close(out.float().cpu(), torch.full((2,), avg))
 
 
+def _small_dtypes(b: CommunicationBackend) -> None:
+    """bool, int8 and uint8 (not in the suite's dtypes): reductions as torch computes them, movement."""
+    p, me = b.world_size, b.rank
+
+    def value(r: int, dtype: torch.dtype) -> torch.Tensor:
+        g = torch.Generator().manual_seed(100 + r)
+        return torch.randint(0, 2 if dtype is torch.bool else 5, (6,), generator=g).to(dtype)
+
+    folds = {ReduceOp.SUM: torch.add, ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}
+    folds[ReduceOp.PRODUCT] = torch.mul
+    for dtype in (torch.bool, torch.int8, torch.uint8):
+        for op, fold in folds.items():
+            t = value(me, dtype).to(b.device)
+            b.all_reduce(t, op)
+            want = value(0, dtype)
+            for r in range(1, p):
+                want = fold(want, value(r, dtype))
+            if not torch.equal(t.cpu(), want):
+                raise AssertionError(
+                    f"all_reduce({dtype}, {op.name}) gave {t.tolist()}, want {want.tolist()}"
+                )
+        out = torch.zeros(6 * p, dtype=dtype, device=b.device)
+        b.all_gather(out, value(me, dtype).to(b.device))
+        if not torch.equal(out.cpu(), torch.cat([value(r, dtype) for r in range(p)])):
+            raise AssertionError(f"all_gather({dtype}) gave {out.tolist()}")
+
+
 def _nested_groups(b: CommunicationBackend) -> None:
     """A group of a group, renumbered in the given order, reduces over its members only."""
     p = b.world_size
@@ -94,6 +121,7 @@ def engine_world(b: CommunicationBackend, engine: str) -> dict[str, str | None]:
     _expect(results, "engine:aliasing", lambda: _aliasing(b))
     _expect(results, "engine:nonblocking_avg", lambda: _nonblocking_avg(b))
     _expect(results, "engine:nested_groups", lambda: _nested_groups(b))
+    _expect(results, "engine:small_dtypes", lambda: _small_dtypes(b))
     if engine == "gloo":
         _expect(results, "engine:nccl_refuses_cpu", lambda: _nccl_refuses_cpu(b))
     if engine == "mpi":  # the same suite again with a timeout: every operation non-blocking and polled

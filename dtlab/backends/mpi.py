@@ -1,7 +1,8 @@
 """``MPIBackend``: the interface over mpi4py, for ``mpiexec -n N python train.py`` on any MPI.
 
-Tensors travel as buffers without copies: a contiguous CPU tensor is handed to MPI as a numpy view of
-its memory (typed for reductions, raw bytes for movement). What MPI lacks is bridged explicitly:
+Tensors travel as buffers without copies: a contiguous CPU tensor is handed to MPI as a buffer over
+its memory (``MPI.buffer.fromaddress``; typed for reductions, raw bytes for movement). What MPI
+lacks is bridged explicitly:
 
 * ``float16``/``bfloat16`` have no MPI datatype in MPICH: movement operations (gather, broadcast,
   p2p, all-to-all) send their raw bytes; reductions convert to float32, reduce, and round back once
@@ -136,6 +137,10 @@ class MPIBackend(CommunicationBackend):
         self._cuda_aware = cuda_aware
         self._tables = _Buffers(mpi)
         self._tag_ub = int(self._comm.Get_attr(mpi.TAG_UB) or 32767)
+        self._fromaddress = mpi.buffer.fromaddress
+        self._in_place = mpi.IN_PLACE
+        # dtypes MPI reduces as they are (bool needs logical ops, fp16/bf16 a float32 copy)
+        self._direct = {d: t for d, t in self._tables.types.items() if d is not torch.bool}
 
     @property
     def device(self) -> torch.device:
@@ -153,30 +158,30 @@ class MPIBackend(CommunicationBackend):
     # ------------------------------------------------------------------ buffers
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor MPI reads/writes: ``t`` itself on CPU or CUDA-aware MPI, else a host copy."""
-        if t.device.type == "cpu" or self._cuda_aware:
+        if t.is_cpu or self._cuda_aware:
             return t
         return t.detach().cpu()
 
-    @staticmethod
-    def _raw(t: torch.Tensor) -> Any:
-        """Zero-copy byte view of a contiguous tensor (numpy on CPU, CUDA array interface on GPU)."""
-        b = t.detach().reshape(-1).view(torch.uint8)
-        return b.numpy() if b.device.type == "cpu" else b
+    def _raw(self, t: torch.Tensor) -> Any:
+        """Zero-copy view of a contiguous tensor's memory: an MPI buffer over its address on CPU
+        (far cheaper per call than ``tensor.numpy()``), the CUDA array interface on GPU."""
+        if t.is_cpu:
+            return self._fromaddress(t.data_ptr(), t.nbytes)
+        return t.detach().reshape(-1).view(torch.uint8)
 
     def _bytes(self, t: torch.Tensor) -> list[Any]:
         return [self._raw(t), self._tables.byte]
 
     def _typed(self, t: torch.Tensor, op: ReduceOp) -> tuple[list[Any], Any]:
         """``[buffer, MPI datatype]`` and the MPI op for a reduction on ``t``."""
-        flat = t.detach().reshape(-1)
-        arr = flat.numpy() if flat.device.type == "cpu" else flat
         ops = self._tables.bool_ops if t.dtype is torch.bool else self._tables.ops
-        return [arr, self._tables.types[t.dtype]], ops[op]
+        mem = self._fromaddress(t.data_ptr(), t.nbytes) if t.is_cpu else t.detach().reshape(-1)
+        return [mem, self._tables.types[t.dtype]], ops[op]
 
     def _reducible(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor MPI reduces: ``t`` itself, or a float32 and/or host copy where MPI needs one."""
         staged = t.dtype in _STAGED_REDUCTION
-        on_host = t.device.type == "cpu" or self._cuda_aware
+        on_host = t.is_cpu or self._cuda_aware
         if not staged and on_host:
             return t
         return t.detach().to(
@@ -208,6 +213,13 @@ class MPIBackend(CommunicationBackend):
 
     # ------------------------------------------------------------------ reductions
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        mtype = self._direct.get(tensor.dtype) if self._timeout is None and tensor.is_cpu else None
+        if mtype is not None:  # the common case, with as little Python as possible
+            buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), mtype]
+            self._comm.Allreduce(self._in_place, buf, self._tables.ops[op])
+            if op is ReduceOp.AVG:
+                tensor.div_(self.world_size)
+            return
         work = self._reducible(tensor)
         spec, mop = self._typed(work, op)
         c = self._comm
@@ -245,6 +257,20 @@ class MPIBackend(CommunicationBackend):
             tensor.copy_(work)
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
+        mtype = self._direct.get(input.dtype) if self._timeout is None and input.is_cpu else None
+        if mtype is not None and output.is_cpu:
+            fa, o, i, on, n = (
+                self._fromaddress,
+                output.data_ptr(),
+                input.data_ptr(),
+                output.nbytes,
+                input.nbytes,
+            )
+            if o + on <= i or i + n <= o:  # no overlap (MPI forbids aliasing send and receive buffers)
+                self._comm.Reduce_scatter_block([fa(i, n), mtype], [fa(o, on), mtype], self._tables.ops[op])
+                if op is ReduceOp.AVG:
+                    output.div_(self.world_size)
+                return
         self._start_reduce_scatter(output, input, op, blocking=True)
 
     def _ireduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
@@ -292,6 +318,18 @@ class MPIBackend(CommunicationBackend):
         return self._bytes(inp), out, finish
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if self._timeout is None and output.is_cpu and input.is_cpu:
+            fa, o, i, on, n = (
+                self._fromaddress,
+                output.data_ptr(),
+                input.data_ptr(),
+                output.nbytes,
+                input.nbytes,
+            )
+            if o + on <= i or i + n <= o or i == o + self.rank * n:
+                send = self._in_place if i == o + self.rank * n else [fa(i, n), self._tables.byte]
+                self._comm.Allgather(send, [fa(o, on), self._tables.byte])
+                return
         send, out, finish = self._gather_buffers(output, input)
         c = self._comm
         self._run(c.Allgather, c.Iallgather, (send, self._bytes(out)), "all_gather")

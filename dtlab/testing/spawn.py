@@ -197,9 +197,10 @@ def _collect(
             return [_read(p) if p.exists() else None for p in done]
         if time.monotonic() > deadline:
             lacking = missing()
-            for pid in _worker_pids(job).values():  # each hung rank prints its Python stack to its log
+            pids = _worker_pids(job)
+            for pid in pids.values():  # each hung rank prints its Python stack to its log
                 os.kill(pid, signal.SIGUSR1)
-            time.sleep(0.5)
+            _wait_for_stacks(job, backend, list(pids), until=time.monotonic() + 3)
             logs = "".join(_log_tail(job, r, 1500) for r in (lacking if backend == "gloo" else [None]))
             raise CollectiveTimeoutError(
                 f"spawn_world: the {backend} world of {world_size} did not finish within {timeout:g}s; ranks "
@@ -208,6 +209,15 @@ def _collect(
                 "spawn_world",
             )
         time.sleep(0.02)
+
+
+def _wait_for_stacks(job: Path, backend: str, ranks: list[int], until: float) -> None:
+    logs = [job / f"log-{r}.txt" for r in ranks] if backend == "gloo" else [job / "log-mpiexec.txt"]
+    while time.monotonic() < until:
+        texts = [p.read_bytes() if p.exists() else b"" for p in logs]
+        if all(t.count(b"most recent call first") >= (len(ranks) if backend == "mpi" else 1) for t in texts):
+            return
+        time.sleep(0.05)
 
 
 def _worker_pids(job: Path) -> dict[int, int]:
