@@ -51,3 +51,25 @@ def test_parity_real_engines(backend: str, references: dict[str, dict[str, torch
         for run, state in by_run.items():
             err = max_rel_error(state, references[run.split("/")[1]])
             assert err <= 1e-5, f"{run} on {backend}, rank {rank}: relative error {err:.2e}"
+
+
+VARIANTS = [
+    ("ddp", {"bucket_cap_mb": 0.0004}),  # ~400-byte buckets: several launched during backward
+    ("zero1", {"bucket_cap_mb": 0.0004}),
+    ("zero2", {"bucket_cap_mb": 0.0004}),
+    ("zero3", {"persistence_threshold": 20}),  # biases kept whole, weights sharded
+    ("zero3", {"prefetch": False}),
+    ("fsdp", {"reshard_after_forward": False}),
+    ("fsdp", {"prefetch": False, "wrap_policy": None}),
+]
+
+
+@pytest.mark.parametrize(("strategy", "options"), VARIANTS, ids=[f"{s}-{sorted(o)[0]}" for s, o in VARIANTS])
+def test_parity_of_options(
+    strategy: str, options: dict, references: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    for opt in OPTIMIZERS:
+        states = run_world(3, train_distributed, strategy, opt, STEPS, 6, timeout=30, **options)
+        ref = train_reference(opt, STEPS, 6)
+        for state in states:
+            assert max_rel_error(state, ref) <= 1e-5, f"{strategy} {options} / {opt}"
