@@ -324,3 +324,19 @@ def test_a_leader_that_fails_mid_collective_fails_its_rank_and_releases_the_othe
         run_world(3, fn, timeout=30)
     assert isinstance(info.value.__cause__, Boom)
     assert time.monotonic() - start < 5.0
+
+
+def test_empty_tensors_pass_through_every_collective() -> None:
+    def fn(b: CommunicationBackend) -> list[int]:
+        p = b.world_size
+        e = torch.empty(0)
+        b.all_reduce(e, ReduceOp.AVG)
+        b.reduce(e, 0)
+        b.broadcast(e, p - 1)
+        b.reduce_scatter(torch.empty(0), torch.empty(0))
+        b.all_gather(torch.empty(0), e)
+        b.all_to_all([torch.empty(0)] * p, [torch.empty(0)] * p)
+        out, counts = b.all_gather_v(e)
+        return [out.numel(), *counts, b.stats.bytes_sent - 8 * (p - 1) * (p > 1)]
+
+    assert run_world(3, fn, timeout=10) == [[0, 0, 0, 0, 0]] * 3
