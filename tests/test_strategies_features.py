@@ -369,3 +369,27 @@ def test_wrap_policies_and_reshard_after_forward() -> None:
     assert cls == ["<root>", "1"]
     assert whole == ["<root>"]
     assert gathers == ["2"]  # reshard_after_forward=False: one gather per unit per step
+
+
+class ReadsChildWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(8, 4)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.pos.weight[: x.shape[0]])  # pos's forward never runs
+
+
+def _external(backend: CommunicationBackend) -> None:
+    model = ZeRO3Model(ReadsChildWeight(), backend, persistence_threshold=0)
+    with pytest.raises(StrategyError, match="outside the forward of the module that owns it"):
+        model(torch.ones(3, 4))
+    ok = ZeRO3Model(ReadsChildWeight(), backend, persistence_threshold=0, leaf_modules=(ReadsChildWeight,))
+    ok(torch.ones(3, 4)).sum().backward()
+    fsdp = FSDPModel(ReadsChildWeight(), backend)
+    fsdp(torch.ones(3, 4)).sum().backward()
+
+
+def test_parameter_read_outside_its_module_is_explained() -> None:
+    run_world(2, _external)

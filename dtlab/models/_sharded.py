@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend, Work
-from dtlab.errors import CheckpointError
+from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models._common import DataParallelModel, tensor_bytes
 from dtlab.models.base import ShardedState
 from dtlab.models.flat import FlatUnit
@@ -228,8 +228,18 @@ class ShardedModel(DataParallelModel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._sync_buffers()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            out = self.module(*args, **kwargs)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                out = self.module(*args, **kwargs)
+        except RuntimeError as exc:
+            freed = [st.unit.key for st in self._units if st.flat is None]
+            raise StrategyError(
+                f"{type(self).__name__}: the wrapped module's forward failed: {exc}\n"
+                f"If an operation received an empty (0-element) tensor, it read a sharded parameter "
+                f"outside the forward of the module that owns it, so it was not gathered (not gathered "
+                f"now: {freed[:5]}). With ZeRO3Model list the owner's parent class in leaf_modules or "
+                "raise persistence_threshold; with FSDPModel put both modules in one unit."
+            ) from exc
         self._order_done = True
         return out
 
