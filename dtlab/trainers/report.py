@@ -113,6 +113,8 @@ def format_record(rec: dict[str, Any]) -> str:
     comp = rec.get("compression", {})
     if "density" in comp:
         parts.append(f"density {comp['density']:.4f}")
+    if "compression_ratio" in comp:
+        parts.append(f"ratio {comp['compression_ratio']:.0f}x")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
     return " | ".join(parts)
