@@ -25,6 +25,7 @@ from dtlab.testing.conformance import (
     check_all_reduce,
     check_all_to_all,
     check_broadcast,
+    check_message_streams,
     check_nonblocking,
     check_reduce,
     check_reduce_scatter,
@@ -122,6 +123,12 @@ def test_random_variable_sizes_match_the_direct_computation(world_size: int, cas
     assert results == [[]] * world_size, results
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world_size=st.integers(2, 6), seed=st.integers(0, 2**20))
+def test_random_message_traffic_arrives_in_order_per_stream(world_size: int, seed: int) -> None:
+    assert run_world(world_size, check_message_streams, seed, timeout=30) == [None] * world_size
+
+
 # ------------------------------------------------------------------ the suite can fail
 class _OffByOneAllReduce(InMemoryBackend):
     """all_reduce adds 1 to the result on the last rank only."""
@@ -197,6 +204,7 @@ def _with(cls: type[InMemoryBackend], names: list[str]) -> Any:
         (_LeakyBarrier, "barrier", "left the barrier"),
         (_LastInFirstOut, "send_recv_order", "recv(src="),
         (_SharedGroups, "groups", "group ["),
+        (_LastInFirstOut, "message_streams", "message #"),
     ],
 )
 def test_the_suite_reports_a_broken_engine(cls: type[InMemoryBackend], check: str, expect: str) -> None:
