@@ -36,16 +36,18 @@ from dtlab.testing._checking import (
 )
 from dtlab.testing._conformance_p2p import (
     check_any_source,
-    check_bad_arguments,
     check_barrier,
+    check_isend_irecv,
+    check_message_streams,
+    check_send_recv_order,
+    check_tags,
+)
+from dtlab.testing._conformance_world import (
+    check_bad_arguments,
     check_byte_counters,
     check_groups,
     check_identical_results,
-    check_isend_irecv,
-    check_message_streams,
     check_objects,
-    check_send_recv_order,
-    check_tags,
 )
 
 __all__ = [
