@@ -8,8 +8,9 @@ Sizes are the full buffer every rank holds: the all-reduced tensor, the reduce-s
 all-gather output (as in nccl-tests). The *memory-traffic bound* is the minimal tensor work the same
 collective needs, done in one thread on the same buffers: all_reduce ``P-1`` in-place adds and
 ``P-1`` copies; reduce_scatter ``P-1`` adds per output shard; all_gather ``P`` chunk copies per
-output. Both are timed in the same run with the same torch thread count; each figure is the best of
-``--repeats`` runs of ``--iters`` calls (the slowest rank's time per call for the collective).
+output. Both are timed in the same run, alternately, with the same torch thread count; each figure
+is the best of ``--repeats`` runs of ``--iters`` calls (for the collective: the slowest rank's time
+per call).
 
 Other engines plug in through ``benchmarks/_engines.py``: ``run(args) -> list[dict]`` gets the parsed
 arguments (``args.backend``, ``args.ops`` list of names, ``args.sizes`` list of bytes, ``args.ranks``
@@ -95,12 +96,12 @@ def _rank_timing(b: CommunicationBackend, op: str, nbytes: int, iters: int, thre
     return (time.perf_counter() - t0) / iters
 
 
-def time_inmemory(op: str, nbytes: int, p: int, iters: int, repeats: int, threads: int) -> float:
-    return min(max(run_world(p, _rank_timing, op, nbytes, iters, threads)) for _ in range(repeats))
+def time_inmemory(op: str, nbytes: int, p: int, iters: int, threads: int) -> float:
+    return max(run_world(p, _rank_timing, op, nbytes, iters, threads))
 
 
-def time_bound(op: str, nbytes: int, p: int, iters: int, repeats: int) -> float:
-    """The same collective's minimal tensor work in this thread, on ``p`` ranks' buffers."""
+def bound_work(op: str, nbytes: int, p: int) -> Callable[[], None]:
+    """The same collective's minimal tensor work, for one thread, on ``p`` ranks' buffers."""
     bufs = [buffers(op, nbytes, p) for _ in range(p)]
     mains = [m for m, _ in bufs]
     others = [o for _, o in bufs if o is not None]
@@ -125,14 +126,15 @@ def time_bound(op: str, nbytes: int, p: int, iters: int, repeats: int) -> float:
             torch.cat(mains, out=out)
 
     fn = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather}[op]
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return best
+    fn()  # first touch of the pages
+    return fn
+
+
+def time_calls(fn: Callable[[], None], iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
 
 
 def run_inmemory(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -142,8 +144,12 @@ def run_inmemory(args: argparse.Namespace) -> list[dict[str, Any]]:
         for p in args.ranks:
             for nbytes in args.sizes:
                 iters = args.iters or default_iters(nbytes)
-                t = time_inmemory(op, nbytes, p, iters, args.repeats, args.threads)
-                bound = time_bound(op, nbytes, p, iters, args.repeats)
+                work = bound_work(op, nbytes, p)
+                t = bound = float("inf")
+                for _ in range(args.repeats):  # alternate, so that both see the same machine load
+                    t = min(t, time_inmemory(op, nbytes, p, iters, args.threads))
+                    bound = min(bound, time_calls(work, iters))
+                del work
                 rows.append(
                     {
                         "backend": "inmemory",
