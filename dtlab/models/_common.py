@@ -154,7 +154,8 @@ class DataParallelModel(ModelStrategy):
         if self._in_backward:
             return
         self._in_backward = True
-        self._reducer.start_step()
+        if self._sync:  # a no_sync() backward reduces nothing: not a step for the reducer
+            self._reducer.start_step()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_guarded)
 
     def _end_backward_guarded(self) -> None:

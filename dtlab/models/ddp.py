@@ -198,14 +198,10 @@ class DDPModel(DataParallelModel):
             self.backend.all_gather(flat, flat[lo:hi].clone())
 
     def zero_grad_buffers(self) -> None:
-        for buf in self._grad_bufs:
+        for i, buf in enumerate(self._grad_bufs):
             if buf is not None:
                 buf.zero_()
-        for u, buf in zip(self._units, self._grad_bufs, strict=True):
-            if buf is not None:
-                for s, q in zip(u.slots, u.params, strict=True):
-                    if q.grad is None or q.grad.data_ptr() != buf[s.offset :].data_ptr():
-                        q.grad = buf[s.offset : s.offset + s.numel].view(s.shape)
+                self._point_grads(i, buf)  # grads stay views of the buckets
         self._grads_synced = False
 
     def scale_grads_(self, factor: float) -> None:
