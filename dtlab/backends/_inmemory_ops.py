@@ -114,20 +114,18 @@ def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: ReduceOp) -> N
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
+    return start, start + t.nbytes
 
 
 def _distinct(ts: list[torch.Tensor]) -> bool:
     """True if no two of these contiguous tensors overlap in memory."""
-    spans = sorted(_span(t) for t in ts if t.numel() > 0)
+    spans = sorted(_span(t) for t in ts if t.nbytes)
     return all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1))
 
 
 def _overlap(outs: list[torch.Tensor], ins: list[torch.Tensor]) -> bool:
     """True if some output shares memory with some input (contiguous tensors)."""
-    spans = sorted(
-        [(*_span(t), 0) for t in outs if t.numel() > 0] + [(*_span(t), 1) for t in ins if t.numel() > 0]
-    )
+    spans = sorted([(*_span(t), 0) for t in outs if t.nbytes] + [(*_span(t), 1) for t in ins if t.nbytes])
     reach = [0, 0]  # the furthest end seen so far of an output span and of an input span
     for start, end, kind in spans:
         if start < reach[1 - kind]:
