@@ -18,78 +18,20 @@ from typing import Any, ClassVar, NoReturn, cast
 import torch
 import torch.distributed as dist
 
+from dtlab.backends._torch_dist_support import (
+    _OPS,
+    _PEER_LOST,
+    _all_gather_flat,
+    _create_group,
+    _direct_calls,
+    _DistWork,
+    _flat,
+    _reduce_scatter_flat,
+)
 from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
 from dtlab.errors import BackendInitError, CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = ["GlooBackend", "NCCLBackend", "TorchDistBackend"]
-
-_OPS = {
-    ReduceOp.SUM: dist.ReduceOp.SUM,
-    ReduceOp.AVG: dist.ReduceOp.SUM,
-    ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.MIN: dist.ReduceOp.MIN,
-    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-}
-# torch >= 2.12 names the flat-tensor collectives *_single (the *_tensor names are deprecated)
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_PEER_LOST = ("connection closed", "connection reset", "connection refused", "broken pipe")
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-d view: gloo's flat collectives need matching 1-d buffers (a 0-d one crashes it)."""
-    return t if t.dim() == 1 else t.view(-1)
-
-
-class _DistWork(Work):
-    def __init__(self, backend: TorchDistBackend, work: Any, what: str, finish: Any = None) -> None:
-        self._backend, self._work, self._what, self._finish = backend, work, what, finish
-        self._done = False
-        self._result: int | None = None
-
-    def wait(self) -> int | None:
-        if not self._done:
-            try:
-                self._work.wait()
-            except RuntimeError as exc:
-                self._backend._failed(exc, self._what)
-            if self._finish is not None:
-                self._result = self._finish()
-            self._done = True
-        return self._result
-
-    def is_completed(self) -> bool:
-        return self._done
-
-
-def _create_group(members: list[int], name: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """A process group of the global ranks ``members`` (in that order), created by the members only.
-
-    ``dist.new_group`` either needs every process of the job (impossible for a group of a group) or,
-    with ``use_local_synchronization``, names the group by a hash of its ranks, so a second group of
-    the same ranks reuses the first one's store keys and hangs. Here the name is dtlab's own (parent
-    name + counter), unique per creation; it goes through torch's group helper. Should that private
-    helper change, ``dist.new_group(use_local_synchronization=True)`` is used instead (then the same
-    rank list must not be grouped twice).
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    me = dist.get_rank()
-    try:
-        pg, _ = c10d._new_process_group_helper(
-            len(members),
-            members.index(me),
-            members,
-            dist.get_backend(),
-            c10d._get_default_store(),
-            c10d.GroupName(name),
-            timeout=timeout,
-        )
-        c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(members)}
-        return cast(dist.ProcessGroup, pg)
-    except (AttributeError, TypeError):  # pragma: no cover - another torch version
-        group = dist.new_group(members, timeout=timeout, use_local_synchronization=True, sort_ranks=False)
-        return cast(dist.ProcessGroup, group)
 
 
 class TorchDistBackend(CommunicationBackend):
@@ -121,6 +63,7 @@ class TorchDistBackend(CommunicationBackend):
         self._is_world = self._group is None
         self._name = "dtlab"
         self._groups_made = 0
+        self._direct = _direct_calls(self._group)
 
     @classmethod
     def start(
@@ -188,8 +131,14 @@ class TorchDistBackend(CommunicationBackend):
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        d = self._direct
         try:
-            dist.all_reduce(tensor, _OPS[op], group=self._group)
+            if d is not None:
+                work = d.all_reduce([tensor], d.ar_opts[op])
+                if work is not None:
+                    work.wait()
+            else:
+                dist.all_reduce(tensor, _OPS[op], group=self._group)
         except RuntimeError as exc:
             self._failed(exc, "all_reduce")
         if op is ReduceOp.AVG:
@@ -226,8 +175,14 @@ class TorchDistBackend(CommunicationBackend):
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         out = self._rs_output(output, input)
+        d = self._direct
         try:
-            _reduce_scatter_flat(_flat(out), _flat(input), _OPS[op], group=self._group)
+            if d is not None:
+                work = d.reduce_scatter(_flat(out), _flat(input), d.rs_opts[op])
+                if work is not None:
+                    work.wait()
+            else:
+                _reduce_scatter_flat(_flat(out), _flat(input), _OPS[op], group=self._group)
         except RuntimeError as exc:
             self._failed(exc, "reduce_scatter")
         if op is ReduceOp.AVG:
@@ -256,8 +211,14 @@ class TorchDistBackend(CommunicationBackend):
         return input if in_place else input.clone()
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        d = self._direct
         try:
-            _all_gather_flat(_flat(output), _flat(self._ag_input(output, input)), group=self._group)
+            if d is not None:
+                work = d.all_gather(_flat(output), _flat(self._ag_input(output, input)), d.ag_opts)
+                if work is not None:
+                    work.wait()
+            else:
+                _all_gather_flat(_flat(output), _flat(self._ag_input(output, input)), group=self._group)
         except RuntimeError as exc:
             self._failed(exc, "all_gather")
 
