@@ -17,7 +17,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.sparse import pack, select_by_threshold, sum_duplicates, unpack
+from dtlab.compression.sparse import Magnitudes, pack, sum_duplicates, unpack
 
 __all__ = ["GaussianK"]
 
@@ -31,23 +31,27 @@ class GaussianK(SparseCompressor):
 
     name: ClassVar[str] = "gaussiank"
 
-    def threshold(self, acc: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+        return {"work": Magnitudes()}
+
+    def threshold(self, acc: torch.Tensor, work: Magnitudes) -> tuple[torch.Tensor, float]:
         k = self.k(acc.numel())
         std, mean = torch.std_mean(acc) if acc.numel() > 1 else (torch.zeros(()), acc.mean())
         z = float(torch.special.ndtri(torch.tensor(1.0 - self.density / 2, dtype=torch.float64)))
         thr = abs(float(mean)) + float(std) * (z if math.isfinite(z) else 0.0)
-        idx = select_by_threshold(acc, thr)
+        mags = work.of(acc)
+        idx = work.above(mags, thr)
         loops = 0
         while idx.numel() < 3 * k // 4 and loops < MAX_ADJUST and thr > 0:
             thr /= LOWER
-            idx = select_by_threshold(acc, thr)
+            idx = work.above(mags, thr)
             loops += 1
         return idx, thr
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
         p = backend.world_size
         t0 = time.perf_counter()
-        idx, thr = self.threshold(acc)
+        idx, thr = self.threshold(acc, state["work"])
         state["threshold"] = thr
         select_s = time.perf_counter() - t0
         flat, _ = backend.all_gather_v(pack(idx, acc[idx]))

@@ -21,7 +21,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.sparse import TAG, local_topk, pack, sum_duplicates, unpack
+from dtlab.compression.sparse import TAG, Magnitudes, local_topk, pack, sum_duplicates, unpack
 
 __all__ = ["GTopk"]
 
@@ -42,11 +42,14 @@ class GTopk(SparseCompressor):
 
     name: ClassVar[str] = "gtopk"
 
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+        return {"work": Magnitudes()}
+
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
         p, me, k = backend.world_size, backend.rank, self.k(acc.numel())
         dev = acc.device
         t0 = time.perf_counter()
-        idx, _ = local_topk(acc, k)
+        idx, _ = local_topk(acc, k, state["work"])
         local = idx.numel()
         select_s = time.perf_counter() - t0
         cur_idx, cur_vals = idx, acc[idx]

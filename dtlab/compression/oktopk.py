@@ -44,11 +44,13 @@ import torch
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.base import Exchange, SparseCompressor
 from dtlab.compression.sparse import (
+    Magnitudes,
     all_gather_counts,
     balanced_all_gather,
     distributed_kth_largest,
     intersect_sorted,
     local_topk,
+    sample_positions,
     sampled_threshold,
     select_by_threshold,
     split_and_reduce,
@@ -88,19 +90,23 @@ class OkTopk(SparseCompressor):
                 raise ConfigError(f"OkTopk: {field} must be an integer >= 1 (iterations), got {v!r}")
 
     def new_state(self, key: str, numel: int) -> dict[str, Any]:
-        return {"t": 0, "local_thr": 0.0, "global_thr": 0.0, "bounds": None}
+        return {"t": 0, "local_thr": 0.0, "global_thr": 0.0, "bounds": None, "work": Magnitudes()}
 
     def _local(self, state: dict[str, Any], acc: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:
         recompute = state["t"] % self.tau == 0
+        work: Magnitudes = state["work"]
         if recompute:
-            idx, state["local_thr"] = local_topk(acc, k)
-        else:
-            idx = select_by_threshold(acc, state["local_thr"])
-            if not k / 2 <= idx.numel() <= 2 * k:  # guard: the reused threshold went stale
-                state["local_thr"] = sampled_threshold(acc, k)
-                idx = select_by_threshold(acc, state["local_thr"])
-            else:
-                state["local_thr"] = _nudge(state["local_thr"], idx.numel(), k, LOCAL_SCALE, LOCAL_SCALE)
+            idx, state["local_thr"] = local_topk(acc, k, work)
+            return idx, recompute
+        mags = work.of(acc)
+        thr = state["local_thr"]
+        # guard: predict the reused threshold's count from a random sample before the full pass
+        sample = mags[sample_positions(acc.numel(), k, state["t"]).to(acc.device)]
+        predicted = int((sample >= thr).sum()) * acc.numel() / sample.numel()
+        if not k / 2 <= predicted <= 2 * k:
+            thr = sampled_threshold(mags, k, seed=state["t"])
+        idx = work.above(mags, thr)
+        state["local_thr"] = _nudge(thr, idx.numel(), k, LOCAL_SCALE, LOCAL_SCALE)
         return idx, recompute
 
     def _repartition(

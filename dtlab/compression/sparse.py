@@ -18,7 +18,9 @@ __all__ = [
     "balanced_all_gather",
     "distributed_kth_largest",
     "exchange_p2p",
+    "Magnitudes",
     "local_topk",
+    "sample_positions",
     "sampled_threshold",
     "pack",
     "intersect_sorted",
@@ -54,46 +56,74 @@ def unpack(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0].to(torch.int64), pairs[:, 1].contiguous().view(torch.float32)
 
 
-def sampled_threshold(acc: torch.Tensor, k: int, oversample: float = 1.0) -> float:
-    """Estimate of the magnitude above which about ``oversample * k`` elements of ``acc`` lie, from
-    a fixed-seed random sample (~1000 expected hits, so the estimate is within a few percent)."""
-    n = acc.numel()
+class Magnitudes:
+    """``|acc|`` of one buffer, computed once per iteration into a reused float32 buffer, and a reused
+    mask: selecting over a large buffer then allocates nothing buffer-sized (fresh allocations of
+    hundreds of MB cost more in page faults than the arithmetic). Keep one per buffer (its state)."""
+
+    def __init__(self) -> None:
+        self._abs: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+
+    def of(self, acc: torch.Tensor) -> torch.Tensor:
+        if self._abs is None or self._abs.numel() != acc.numel() or self._abs.device != acc.device:
+            self._abs = torch.empty(acc.numel(), dtype=torch.float32, device=acc.device)
+            self._mask = torch.empty(acc.numel(), dtype=torch.bool, device=acc.device)
+        return torch.abs(acc.view(-1), out=self._abs)
+
+    def above(self, mags: torch.Tensor, thr: float) -> torch.Tensor:
+        """Sorted indices with ``mags >= thr`` (and nonzero); ``mags`` from :meth:`of`."""
+        mask = self._mask if self._mask is not None and self._mask.numel() == mags.numel() else None
+        if thr > 0:
+            mask = torch.ge(mags, thr, out=mask) if mask is not None else mags >= thr
+        else:
+            mask = torch.gt(mags, 0, out=mask) if mask is not None else mags > 0
+        return torch.nonzero(mask).view(-1)
+
+
+def sample_positions(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random positions (fixed seed) in ``[0, n)``: ~:data:`SAMPLE_HITS` expected among the top k."""
     size = min(n, max(SAMPLE_MIN, int(SAMPLE_HITS * n / max(k, 1))))
-    gen = torch.Generator().manual_seed(n)
-    pick = torch.randint(0, n, (size,), generator=gen).to(acc.device)
-    sample = acc[pick].abs()
-    rank = min(size, max(1, round(oversample * k * size / n)))
+    return torch.randint(0, n, (size,), generator=torch.Generator().manual_seed(n * 1_000_003 + seed))
+
+
+def sampled_threshold(mags: torch.Tensor, k: int, oversample: float = 1.0, seed: int = 0) -> float:
+    """Estimate of the magnitude above which about ``oversample * k`` of the non-negative ``mags`` lie,
+    from a random sample (~1000 expected hits, so the estimate is within a few percent)."""
+    n = mags.numel()
+    sample = mags[sample_positions(n, k, seed).to(mags.device)]
+    rank = min(sample.numel(), max(1, round(oversample * k * sample.numel() / n)))
     return float(torch.topk(sample, rank, sorted=False).values.min())
 
 
-def local_topk(acc: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+def local_topk(acc: torch.Tensor, k: int, work: Magnitudes | None = None) -> tuple[torch.Tensor, float]:
     """Sorted indices of the ``k`` largest magnitudes (zeros never selected) and the k-th magnitude.
 
     Exact. For large buffers a sampled threshold first keeps about ``1.25 k`` candidates and the exact
     top-k runs on those only (a full top-k over all elements when the candidates fall short of k).
     """
-    mags = acc.abs()
+    work = work if work is not None else Magnitudes()
+    mags = work.of(acc)
     n = acc.numel()
     k = min(k, n)
     if n >= PREFILTER_MIN and 8 * k < n:
-        cand = torch.nonzero(mags >= sampled_threshold(acc, k, 1.25)).view(-1)
+        cand = work.above(mags, sampled_threshold(mags, k, 1.25))
         if cand.numel() >= k:
             vals, pos = torch.topk(mags[cand], k, sorted=False)
-            idx = cand[pos]
-            keep = vals > 0
-            if not bool(keep.all()):
-                idx, vals = idx[keep], vals[keep]
-            return torch.sort(idx).values, (float(vals.min()) if vals.numel() else 0.0)
+            return _drop_zeros(cand[pos], vals)
     vals, idx = torch.topk(mags, k, sorted=False)
+    return _drop_zeros(idx, vals)
+
+
+def _drop_zeros(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, float]:
     keep = vals > 0
     if not bool(keep.all()):
         idx, vals = idx[keep], vals[keep]
-    thr = float(vals.min()) if vals.numel() else 0.0
-    return torch.sort(idx).values, thr
+    return torch.sort(idx).values, (float(vals.min()) if vals.numel() else 0.0)
 
 
 def select_by_threshold(acc: torch.Tensor, thr: float) -> torch.Tensor:
-    """Sorted indices with ``|acc| >= thr`` (and nonzero)."""
+    """Sorted indices with ``|acc| >= thr`` (and nonzero); for small tensors (allocates masks)."""
     mask = (acc >= thr) | (acc <= -thr) if thr > 0 else acc != 0
     return torch.nonzero(mask).view(-1)
 

@@ -14,7 +14,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.sparse import local_topk, pack, sum_duplicates, unpack
+from dtlab.compression.sparse import Magnitudes, local_topk, pack, sum_duplicates, unpack
 
 __all__ = ["TopK", "TopkA"]
 
@@ -25,10 +25,13 @@ class TopkA(SparseCompressor):
 
     name: ClassVar[str] = "topka"
 
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+        return {"work": Magnitudes()}
+
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
         p, k = backend.world_size, self.k(acc.numel())
         t0 = time.perf_counter()
-        idx, _ = local_topk(acc, k)
+        idx, _ = local_topk(acc, k, state["work"])
         # a fixed k per rank keeps the gather fixed-size; zeros (never selected) are padded as
         # index 0 with value 0.0, which adds nothing
         buf = torch.zeros(2 * k, dtype=torch.int32, device=acc.device)

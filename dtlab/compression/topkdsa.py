@@ -17,7 +17,14 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.sparse import all_gather_counts, local_topk, pack, split_and_reduce, unpack
+from dtlab.compression.sparse import (
+    Magnitudes,
+    all_gather_counts,
+    local_topk,
+    pack,
+    split_and_reduce,
+    unpack,
+)
 
 __all__ = ["TopkDSA"]
 
@@ -32,11 +39,14 @@ class TopkDSA(SparseCompressor):
 
     name: ClassVar[str] = "topkdsa"
 
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+        return {"work": Magnitudes()}
+
     def _reduce(
-        self, acc: torch.Tensor, backend: CommunicationBackend
+        self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], float]:
         t0 = time.perf_counter()
-        idx, _ = local_topk(acc, self.k(acc.numel()))
+        idx, _ = local_topk(acc, self.k(acc.numel()), state["work"])
         select_s = time.perf_counter() - t0
         bounds = equal_bounds(acc.numel(), backend.world_size)
         ridx, rvals = split_and_reduce(backend, acc, idx, bounds)
@@ -44,7 +54,7 @@ class TopkDSA(SparseCompressor):
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
         p, me, n = backend.world_size, backend.rank, acc.numel()
-        idx, ridx, rvals, bounds, select_s = self._reduce(acc, backend)
+        idx, ridx, rvals, bounds, select_s = self._reduce(state, acc, backend)
         union = int(all_gather_counts(backend, [ridx.numel()]).sum()) if p > 1 else ridx.numel()
         if 2 * union >= n:  # dense fallback: the regions as values, padded to equal size
             result = torch.empty(n, dtype=torch.float32, device=acc.device)
@@ -65,5 +75,5 @@ class TopkDSA(SparseCompressor):
     ) -> Exchange:
         """The regions are the strategy's equal shards: each owner keeps its reduced shard."""
         p = backend.world_size
-        idx, ridx, rvals, _bounds, select_s = self._reduce(acc, backend)
+        idx, ridx, rvals, _bounds, select_s = self._reduce(state, acc, backend)
         return Exchange.sparse(ridx, rvals.div_(p), idx, idx.numel(), None, select_s)
