@@ -98,21 +98,23 @@ def spawn_world(
     if may_die and backend != "gloo":
         raise ValueError(f"spawn_world: may_die={list(may_die)} needs backend='gloo' (mpiexec ends the job)")
     ref = _fn_reference(fn)
+    spec = {"fn": ref, "args": args, "kwargs": kwargs, "backend": backend, "timeout": backend_timeout}
+    spec["world_timeout"] = timeout
+    try:
+        return _spawn_once(world_size, spec, set(may_die))
+    except RankFailedError as exc:
+        if backend != "gloo" or "address already in use" not in str(exc).lower():
+            raise
+    return _spawn_once(world_size, spec, set(may_die))  # the free port was taken before rank 0 bound it
+
+
+def _spawn_once(world_size: int, spec: dict[str, Any], may_die: set[int]) -> list[Any]:
+    backend, timeout = spec["backend"], spec["world_timeout"]
     job = Path(tempfile.mkdtemp(prefix="dtlab-spawn-"))
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with open(job / "job.pkl", "wb") as f:
-            pickle.dump(
-                {
-                    "fn": ref,
-                    "args": args,
-                    "kwargs": kwargs,
-                    "backend": backend,
-                    "timeout": backend_timeout,
-                    "world_timeout": timeout,
-                },
-                f,
-            )
+            pickle.dump(spec, f)
         env = _worker_env()
         if backend == "gloo":
             from dtlab.backends.init import _free_port
@@ -134,7 +136,7 @@ def spawn_world(
             cmd = [find_mpiexec(), "-n", str(world_size), sys.executable, "-c", _WORKER, str(job)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
             log.close()
-        return _collect(job, procs, world_size, backend, timeout, set(may_die))
+        return _collect(job, procs, world_size, backend, timeout, may_die)
     finally:
         _kill_all(job, procs)
         shutil.rmtree(job, ignore_errors=True)
