@@ -85,14 +85,17 @@ class TorchDistBackend(CommunicationBackend):
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         dev = torch.device(device) if device is not None else cls._default_device()
-        kw: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        # no device_id: a bound device makes torch create sub-groups by ncclCommSplit of the default
+        # group, which every process of the job must enter, while dtlab's groups are made by the
+        # members of their parent group only (groups of groups)
         dist.init_process_group(
             cls.engine,
             init_method=init_method or f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
-            **kw,
         )
         return cls(device=dev, timeout=timeout)
 
