@@ -2,6 +2,7 @@
 
 from dtlab.optimizers._common import DataParallelOptimizer
 from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.optimizers.compression import GradientCompressionOptimizer as GradientCompressionOptimizer
 from dtlab.optimizers.ddp import DDPOptimizer
 from dtlab.optimizers.registry import (
     OPTIMIZER_STRATEGIES,
