@@ -325,8 +325,16 @@ class TorchDistBackend(CommunicationBackend):
         return backend
 
     def close(self) -> None:
-        """Destroy this backend's process group (the default group: ``destroy_process_group()``)."""
+        """Destroy this backend's process group (the default group: ``destroy_process_group()``).
+
+        Collective: every rank of the group calls it. A barrier first, so that no rank tears its
+        connections down while a peer still uses them (gloo aborts the process then).
+        """
         if dist.is_initialized():
+            try:
+                dist.barrier(group=self._group)
+            except RuntimeError:  # a peer is gone already: nothing left to wait for
+                pass
             dist.destroy_process_group(None if self._is_world else self._group)
 
 
