@@ -4,14 +4,16 @@ For a ~10M-parameter MLP and a small transformer, on 2 ranks (processes) over Gl
 step time (forward + backward + optimizer step, AdamW), bytes sent per rank per step (dtlab's
 counters; torch's collectives are not counted), model-state memory per rank (parameters + gradients
 + optimizer state + peak gathered parameters, from the tensors) and the peak resident memory each
-configuration added to the process (Linux ``VmHWM``, reset before each configuration). Under Gloo the
-same processes also run torch DDP and torch FSDP2 on the same process group.
+configuration added (Linux ``VmHWM`` over the RSS before building, measured in a fresh 2-process world
+per configuration). Under Gloo the same processes also run torch DDP and torch FSDP2 on the same
+process group. Results: docs/performance.md, "Strategies against torch DDP and FSDP2".
 
 Configurations run interleaved, ``--rounds`` times, and each reports its median step time, so drift
 in the machine's load hits every configuration alike. Run::
 
     .venv/bin/python benchmarks/strategies.py                 # both engines, both models
     .venv/bin/python benchmarks/strategies.py --engines gloo --models mlp --steps 5 --rounds 3
+    .venv/bin/python benchmarks/strategies.py --engines gloo --strategies ddp,torch_ddp --skip-memory
 """
 
 from __future__ import annotations
