@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import yaml
@@ -39,24 +40,18 @@ __all__ = [
 MODEL_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 OPTIMIZER_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 #: which optimizer strategies fit which model strategy (mirrors each class's ``compatible_models``)
-COMPATIBLE: dict[str, tuple[str, ...]] = {
-    "ddp": ("ddp",),
-    "zero1": ("zero1",),
-    "zero2": ("zero2",),
-    "zero3": ("zero3", "fsdp"),
-}
-DEFAULT_OPTIMIZER_STRATEGY = {
-    "ddp": "ddp",
-    "zero1": "zero1",
-    "zero2": "zero2",
-    "zero3": "zero3",
-    "fsdp": "zero3",
-}
+COMPATIBLE: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
+    {"ddp": ("ddp",), "zero1": ("zero1",), "zero2": ("zero2",), "zero3": ("zero3", "fsdp")}
+)
+DEFAULT_OPTIMIZER_STRATEGY: MappingProxyType[str, str] = MappingProxyType(
+    {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "zero3"}
+)
 COMPRESSORS = ("none", "dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: no setting is meaningful at infinity or NaN (an infinite lr or timeout)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class BackendConfig(_Section):
@@ -112,6 +107,13 @@ class OptimizerConfig(_Section):
     gamma: float = Field(default=0.5, gt=0, le=1)
     #: clip gradients by their global norm over all ranks' shards; ``None`` disables clipping
     clip_grad_norm: float | None = Field(default=1.0, gt=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("each beta must lie in [0, 1), e.g. [0.9, 0.99]")
+        return v
 
 
 class CompressionConfig(_Section):
@@ -254,8 +256,14 @@ def _format_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             allowed = ", ".join(_fields_at(loc[:-1]))
             lines.append(f"{path}: unknown field (value {value!r}); allowed here: {allowed}")
-        elif e["type"] == "model_type" or isinstance(value, dict):
-            lines.append(msg)  # a cross-field check: its message names the fields
+        elif e["type"] == "value_error" and isinstance(value, dict):
+            lines.append(msg)  # a section's cross-field check: its message names the fields
+        elif e["type"] in ("model_type", "model_attributes_type"):
+            fields = _fields_at(loc)
+            lines.append(
+                f"{path}={value!r} is not allowed: {path} is a section, not a value; set its fields, "
+                f"e.g. --set {path}.{fields[0]}=...; fields: {', '.join(fields)}"
+            )
         else:
             lines.append(f"{path}={value!r} is not allowed: {msg}")
     return "invalid configuration: " + "; ".join(lines)

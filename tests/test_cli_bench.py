@@ -40,3 +40,53 @@ def test_missing_benchmarks_directory_is_a_clear_error(
     monkeypatch.setattr(bench, "__file__", str(tmp_path / "a" / "b" / "bench.py"))
     with pytest.raises(DtlabError, match="source checkout"):
         bench.run_bench(tmp_path / "out")
+
+
+FAKE_BENCH = """
+import json, sys, time
+args = sys.argv[1:]
+out = args[args.index("--json") + 1]
+mode = {mode!r}
+if mode == "hang":
+    time.sleep(600)
+if mode == "fail":
+    print("fake failure", flush=True)
+    sys.exit(3)
+print("| strategy | step ms |")
+print("| ddp | 1.0 |")
+json.dump({rows!r}, open(out, "w"))
+"""
+
+
+def _fake_benchmarks(root: Path, strategies: str, compression: str) -> Path:
+    root.mkdir()
+    (root / "strategies.py").write_text(FAKE_BENCH.format(mode=strategies, rows=STRATEGY_ROWS))
+    (root / "compression.py").write_text(FAKE_BENCH.format(mode=compression, rows=COMPRESSION_ROWS))
+    return root
+
+
+def test_run_bench_writes_table_rows_and_plots(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    fake = _fake_benchmarks(tmp_path / "benchmarks", "ok", "ok")
+    monkeypatch.setattr(bench, "_bench_dir", lambda: fake)
+    out = tmp_path / "out"
+    assert bench.run_bench(out, timeout=60) == 0
+    report = (out / "bench.md").read_text()
+    assert "## strategies" in report and "## compression" in report
+    assert "| ddp | 1.0 |" in report and "![strategies](strategies.png)" in report
+    assert "--numel 2000000" in report  # the quick sizes were passed on
+    for name in ("strategies", "compression"):
+        assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+        assert (out / f"{name}.json").is_file() and (out / f"{name}.log").is_file()
+
+
+def test_run_bench_reports_a_failed_and_a_hung_benchmark(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake = _fake_benchmarks(tmp_path / "benchmarks", "fail", "hang")
+    monkeypatch.setattr(bench, "_bench_dir", lambda: fake)
+    out = tmp_path / "out"
+    assert bench.run_bench(out, timeout=3) == 1  # the hung one is killed (its process group) after 3 s
+    report = (out / "bench.md").read_text()
+    assert report.count("FAILED") == 2 and "fake failure" in report and "exit 3" in report
+    assert "killed after 3 s" in (out / "compression.log").read_text()

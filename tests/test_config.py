@@ -62,6 +62,11 @@ def test_yaml_and_toml_files_and_overrides(tmp_path: Path) -> None:
         (["model.name=digits_cnn"], ["model.name", "data.dataset"]),
         (["train.steps=many"], ["train.steps", "many"]),
         (["model.bogus=1"], ["model.bogus", "unknown field", "n_heads"]),
+        (["optimizer.betas=[1.5, 0.9]"], ["optimizer.betas", "1.5", "[0, 1)"]),
+        (["optimizer.lr=.inf"], ["optimizer.lr=inf", "finite"]),
+        (["compression.density=.nan"], ["compression.density=nan", "finite"]),
+        (["strategy=fsdp"], ["strategy='fsdp'", "is a section", "strategy.model"]),
+        (["strategy.model.kind=ddp"], ["strategy.model={'kind': 'ddp'}", "'fsdp'"]),
     ],
 )
 def test_invalid_values_name_the_field(overrides: list[str], needles: list[str]) -> None:

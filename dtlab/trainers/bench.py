@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from dtlab.errors import DtlabError
@@ -22,28 +23,30 @@ from dtlab.errors import DtlabError
 __all__ = ["BENCHMARKS", "run_bench"]
 
 #: name -> (script, arguments for the quick default run)
-BENCHMARKS: dict[str, tuple[str, list[str]]] = {
-    "strategies": (
-        "strategies.py",
-        ["--engines", "gloo,mpi", "--models", "mlp", "--steps", "2", "--warmup", "1", "--rounds", "2"],
-    ),
-    "compression": (
-        "compression.py",
-        [
-            "--numel",
-            "2000000",
-            "--worlds",
-            "2",
-            "--rates",
-            "plain",
-            "--engines",
-            "gloo",
-            "mpi",
-            "--iters",
-            "3",
-        ],
-    ),
-}
+BENCHMARKS: MappingProxyType[str, tuple[str, tuple[str, ...]]] = MappingProxyType(
+    {
+        "strategies": (
+            "strategies.py",
+            ("--engines", "gloo,mpi", "--models", "mlp", "--steps", "2", "--warmup", "1", "--rounds", "2"),
+        ),
+        "compression": (
+            "compression.py",
+            (
+                "--numel",
+                "2000000",
+                "--worlds",
+                "2",
+                "--rates",
+                "plain",
+                "--engines",
+                "gloo",
+                "mpi",
+                "--iters",
+                "3",
+            ),
+        ),
+    }
+)
 
 
 def _bench_dir() -> Path:
@@ -139,7 +142,7 @@ def run_bench(
         script, quick = BENCHMARKS[name]
         rows_path, log = out / f"{name}.json", out / f"{name}.log"
         rows_path.unlink(missing_ok=True)
-        cmd = [sys.executable, str(bench / script), *([] if full else quick), "--json", str(rows_path)]
+        cmd = [sys.executable, str(bench / script), *(() if full else quick), "--json", str(rows_path)]
         print(f"[dtlab bench] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         code = _run(cmd, log, timeout)

@@ -13,9 +13,10 @@ from torch import nn
 
 from dtlab.config import TrainConfig
 from dtlab.data import TensorDataset, load_digits_dataset, stdlib_lm_dataset
+from dtlab.errors import ConfigError
 from dtlab.trainers.models import Block, DigitsCNN, TransformerLM
 
-__all__ = ["Task", "build_task", "cross_entropy_loss"]
+__all__ = ["Task", "build_task", "check_task", "cross_entropy_loss"]
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -60,3 +61,26 @@ def build_task(config: TrainConfig) -> Task:
     return Task(
         build_model=DigitsCNN, train_data=train, eval_data=evals, name="digits-cnn", classification=True
     )
+
+
+def check_task(config: TrainConfig, task: Task, world_size: int) -> None:
+    """Checks that need the data's size, run before any model is built: a ``ConfigError`` naming the field.
+
+    The training data must hold one global batch; with evaluation on, the held-out data must give every
+    rank at least one sample (each evaluates an equal share).
+    """
+    d = config.data
+    more = "raise data.max_bytes" if task.name == "stdlib-transformer-lm" else "use more data"
+    n_train, n_eval = len(task.train_data), len(task.eval_data)
+    if n_train < d.global_batch_size:
+        raise ConfigError(
+            f"data.global_batch_size={d.global_batch_size} is larger than the {n_train} training samples "
+            f"of {task.name}; lower data.global_batch_size (a multiple of world size x "
+            f"data.accumulation_steps = {world_size * d.accumulation_steps}) or {more}"
+        )
+    if config.train.eval_every and n_eval < world_size:
+        raise ConfigError(
+            f"data.eval_fraction={d.eval_fraction} holds out {n_eval} samples of {task.name}, fewer than the "
+            f"{world_size} ranks (each evaluates an equal share); raise data.eval_fraction or {more}, "
+            "or set train.eval_every=0"
+        )

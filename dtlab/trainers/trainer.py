@@ -31,7 +31,7 @@ from dtlab.trainers.progress import ProgressBar
 from dtlab.trainers.report import format_record, step_record, summary_rows
 from dtlab.trainers.schedule import build_scheduler
 from dtlab.trainers.state import capture_rng, restore_rng
-from dtlab.trainers.tasks import Task, build_task
+from dtlab.trainers.tasks import Task, build_task, check_task
 
 __all__ = ["TrainResult", "Trainer"]
 
@@ -66,6 +66,7 @@ class Trainer:
         self.config, self.backend = config, backend
         self.is_main = backend.rank == 0
         self.task = task or build_task(config)
+        check_task(config, self.task, backend.world_size)
         self.model, self.num_parameters = build_model_strategy(config, backend, self.task)
         self.optimizer = build_optimizer_strategy(config, self.model)
         local_opt = self.optimizer.optimizer
@@ -261,6 +262,8 @@ class Trainer:
                 window["steps"] += 1
                 if applied and loss is not None:
                     result.losses.append((self.step, loss))
+                elif not applied:
+                    self._log_skipped(bar)
                 stop = False
                 ev = cfg.train.eval_every
                 if ev and (self.step % ev == 0 or self.step == cfg.train.steps):
@@ -293,6 +296,18 @@ class Trainer:
         result.summary = summary_rows(self, result, time.perf_counter() - t_start, sent0)
         self._write_profile(result)
         return result
+
+    def _log_skipped(self, bar: ProgressBar) -> None:
+        """A skipped step gets its own metrics record and console line at once (rank 0)."""
+        g = self.guard
+        self.metrics.log(
+            {"step": self.step, "skipped": "non-finite loss or gradient", "skipped_steps": g.skipped}
+        )
+        if self.is_main and self.config.logging.progress:
+            bar.print_line(
+                f"step {self.step:>5} | skipped on every rank: non-finite loss or gradient on some rank "
+                f"({g.skipped} skipped, {g.in_row} in a row; train.max_nonfinite_steps={g.max_in_row})"
+            )
 
     def _header(self) -> str:
         c, t = self.config, self.task
