@@ -180,3 +180,21 @@ def test_shards_missing_a_range_are_rejected() -> None:
     shards = [_shard(FULL, 0, 2)]  # rank 1's half is absent
     with pytest.raises(CheckpointError, match="cover only"):
         full_tensors_from_shards(shards)
+
+
+def test_meta_json_with_a_wrong_structure_is_a_checkpoint_error(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run_world(2, _save, str(root), [7], 1)
+    meta_path = root / "step_00000007" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for broken, needle in [
+        ([1, 2], "holds a JSON list"),
+        ({**meta, "format_version": 99}, "format 99, but this dtlab reads format 1"),
+        ({k: v for k, v in meta.items() if k != "files"}, "missing ['files']"),
+        ({**meta, "ranks": [{"rank": 0}]}, "KeyError"),  # a rank entry without its shard metadata
+        ({**meta, "files": {}}, "KeyError 'model_rank00000.safetensors'"),
+    ]:
+        meta_path.write_text(json.dumps(broken))
+        with pytest.raises(CheckpointError, match=r"meta\.json") as info:
+            read_checkpoint(root)
+        assert needle in str(info.value), (needle, str(info.value))

@@ -64,8 +64,19 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is corrupted (not valid JSON: {exc})") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: unsupported checkpoint format {meta.get('format_version')!r}")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is corrupted: it holds a JSON {type(meta).__name__}, not an object")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint format {meta.get('format_version')!r}, but this dtlab reads format "
+            f"{FORMAT_VERSION}; load it with the dtlab version that wrote it"
+        )
+    missing = [k for k in ("step", "world_size", "ranks", "files") if k not in meta]
+    if missing or not isinstance(meta["step"], int) or not isinstance(meta["world_size"], int):
+        raise CheckpointError(
+            f"{path} is corrupted: missing {missing} or a non-integer step/world_size; "
+            "resume from another step directory"
+        )
     return meta
 
 
@@ -74,7 +85,9 @@ def _read_tensors(step_dir: Path, name: str, info: dict[str, Any]) -> dict[str, 
 
     path = step_dir / name
     if not path.is_file():
-        raise CheckpointError(f"shard file {path} is missing")
+        raise CheckpointError(
+            f"shard file {path} is missing; the checkpoint is incomplete: resume from another step directory"
+        )
     data = path.read_bytes()
     if len(data) != int(info["bytes"]):
         raise CheckpointError(
@@ -92,17 +105,21 @@ def read_checkpoint(path: str | Path, with_optimizer: bool = True) -> LoadedChec
     """Read and verify every rank's shards (tensors on CPU)."""
     step_dir = resolve_checkpoint(path)
     meta = _read_meta(step_dir)
-    files: dict[str, Any] = meta["files"]
     model, optim, states = [], [], []
-    for entry in meta["ranks"]:
-        r = int(entry["rank"])
-        model.append(
-            ShardedState(
-                _read_tensors(step_dir, shard_name("model", r), files[shard_name("model", r)]), entry["model"]
-            )
-        )
-        if with_optimizer and entry.get("optim") is not None:
-            name = shard_name("optim", r)
-            optim.append(ShardedState(_read_tensors(step_dir, name, files[name]), entry["optim"]))
-        states.append(_read_tensors(step_dir, shard_name("state", r), files[shard_name("state", r)]))
+    try:
+        files: dict[str, Any] = meta["files"]
+        for entry in meta["ranks"]:
+            r = int(entry["rank"])
+            name = shard_name("model", r)
+            model.append(ShardedState(_read_tensors(step_dir, name, files[name]), entry["model"]))
+            if with_optimizer and entry.get("optim") is not None:
+                name = shard_name("optim", r)
+                optim.append(ShardedState(_read_tensors(step_dir, name, files[name]), entry["optim"]))
+            name = shard_name("state", r)
+            states.append(_read_tensors(step_dir, name, files[name]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{step_dir / META} is corrupted: {type(exc).__name__} {exc} while reading its entries; "
+            "resume from another step directory"
+        ) from None
     return LoadedCheckpoint(step_dir, meta, model, optim if optim else None, states)
