@@ -15,7 +15,7 @@ them (exact top-k + radix select) is timed separately and the amortised time is
 
 Bandwidth limits: the script creates its own network namespace (``ip netns``), shapes its loopback
 with ``tc tbf`` (burst 256kb, one token bucket for all traffic on lo) and re-runs itself inside it;
-the namespace is deleted on exit, also on failure. MPI then runs with
+the namespace is deleted on exit, also on failure, Ctrl-C, SIGTERM or SIGHUP. MPI then runs with
 ``MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp MPIR_CVAR_NOLOCAL=1`` so its traffic takes the shaped TCP
 path instead of shared memory. Without root the shaped runs are skipped with a message. The
 machine's own interfaces are never touched.
@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -238,7 +239,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    """SIGTERM/SIGHUP become ``SystemExit``: ``finally`` blocks run and the namespace is deleted (the
+    shell's ``trap ... EXIT``); a running shaped child is killed by ``subprocess.run`` on the way out."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=25_000_000)
     ap.add_argument("--density", type=float, default=0.01)

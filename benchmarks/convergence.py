@@ -221,6 +221,11 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="default: 30 (digits), 3 (lm)")
     ap.add_argument("--warmup", type=int, default=20, help="dense warm-up iterations, every compressor")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/img"))
+    ap.add_argument(
+        "--plot-tag",
+        default="",
+        help="plots go to compression_<task><tag>_loss.png (keep the full runs' plots)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -228,7 +233,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for task in ["digits", "lm"] if args.task == "both" else [args.task]:
         rows += run(task, args)
-        plot(rows, task, args.out_dir / f"compression_{task}_loss.png")
+        plot(rows, task, args.out_dir / f"compression_{task}{args.plot_tag}_loss.png")
     print("\n| task | algorithm | density | final | vs dense | selected density | bytes sent/step (rank 0) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,9 +1,11 @@
-"""GradientCompressionOptimizer composed with DDP, ZeRO-1, ZeRO-2, ZeRO-3 and FSDP on 4 in-memory ranks.
+"""GradientCompressionOptimizer composed with DDP, ZeRO-1 (both gradient_sync modes), ZeRO-2, ZeRO-3
+and FSDP on 4 in-memory ranks, and on Gloo and MPI at 2 ranks.
 
 One world per strategy runs every check: ``Dense`` through the compression path reproduces the
 uncompressed strategy bit for bit; every lossless-at-density-1 algorithm matches plain single-process
 training on the same global batch; every algorithm at density 0.1 trains, keeps ranks identical and
-reports statistics (all-reduce semantics for DDP/ZeRO-1, reduce-scatter for ZeRO-2/3 and FSDP).
+reports statistics (all-reduce semantics for DDP and ZeRO-1 with ``gradient_sync="all_reduce"``,
+reduce-scatter for ZeRO-1's default ``gradient_sync``, ZeRO-2/3 and FSDP).
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ def _build(kind: str, backend: CommunicationBackend) -> Any:
     net = _net()
     if kind == "ddp":
         return DDPOptimizer(DDPModel(net, backend, bucket_cap_mb=0.002), torch.optim.SGD, lr=LR)
-    if kind == "zero1":
+    if kind == "zero1":  # ZeRO-1's default gradient_sync: each rank gets the average of its shard
         return ZeRO1Optimizer(ZeRO1Model(net, backend), torch.optim.SGD, lr=LR)
+    if kind == "zero1_allreduce":
+        return ZeRO1Optimizer(ZeRO1Model(net, backend, gradient_sync="all_reduce"), torch.optim.SGD, lr=LR)
     if kind == "zero2":
         return ZeRO2Optimizer(ZeRO2Model(net, backend), torch.optim.SGD, lr=LR)
     if kind == "zero3":
@@ -118,7 +122,7 @@ def _world(backend: CommunicationBackend, kind: str) -> dict[str, Any]:
     return out
 
 
-KINDS = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+KINDS = ["ddp", "zero1", "zero1_allreduce", "zero2", "zero3", "fsdp"]
 
 
 def engines_world(backend: CommunicationBackend) -> dict[str, dict[str, Any]]:
@@ -144,6 +148,10 @@ def _check(results: list[dict[str, Any]], kind: str, ref: dict[str, torch.Tensor
         assert all(torch.isfinite(t).all() for t in params.values()), comp.name
         last = stats[-1]
         assert last["algorithm"] == comp.name and last["calls"] >= 1, (comp.name, last)
+        # all-reduce semantics for DDP and ZeRO-1(all_reduce), reduce-scatter (no gather phase) for
+        # ZeRO-1 (default gradient_sync), ZeRO-2/3 and FSDP
+        sharded = kind in ("zero1", "zero2", "zero3", "fsdp")
+        assert last["reduce_scatter_calls"] == (last["calls"] if sharded else 0), (kind, comp.name, last)
         assert not any(isinstance(v, float) and math.isnan(v) for v in last.values()), last
         if comp in LOSSLESS:  # density 1: exactly dense, so single-process parity
             for name, t in ref.items():

@@ -17,7 +17,21 @@ import torch
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.base import Exchange, SparseCompressor
 
-__all__ = ["RandomK"]
+__all__ = ["RandomK", "uniform_subset"]
+
+
+def uniform_subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """``k`` distinct indices of ``[0, n)``, sorted, every ``k``-subset equally likely.
+
+    Sparse draws (``4k < n``) avoid an ``n``-sized permutation: the distinct values of ``~1.125 k``
+    uniform draws form a uniform random subset, and a random ``k`` of them stay (never the ``k``
+    smallest, which would starve the end of the buffer). Dense draws, or a short draw, permute.
+    """
+    if 4 * k < n:
+        uniq = torch.unique(torch.randint(0, n, (k + k // 8 + 16,), generator=gen))
+        if uniq.numel() >= k:
+            return torch.sort(uniq[torch.randperm(uniq.numel(), generator=gen)[:k]]).values
+    return torch.sort(torch.randperm(n, generator=gen)[:k]).values
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,12 +49,7 @@ class RandomK(SparseCompressor):
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + state["key_hash"]) * 65_537 + state["t"])
         state["t"] += 1
-        if k == n:
-            idx = torch.arange(n)
-        else:  # sorted k distinct indices without an n-sized permutation
-            draw = torch.randint(0, n, (k + k // 8 + 16,), generator=gen)
-            idx = torch.unique(draw)[:k]
-        idx = idx.to(acc.device)
+        idx = uniform_subset(n, k, gen).to(acc.device)
         vals = acc[idx].contiguous()
         select_s = time.perf_counter() - t0
         if backend.world_size > 1:

@@ -11,8 +11,8 @@ strategy and what :class:`~dtlab.compression.GradientSynchronizer` uses on its o
 4. bytes (from ``backend.stats`` deltas), selection and times are added to this step's statistics.
 
 ``Dense`` and buffers below ``dense_below`` elements use the plain dense reducer unchanged (bit-exact,
-overlapped where the engine overlaps). Compressed exchanges complete inside the call (the returned
-``Work`` is already complete).
+overlapped where the engine overlaps; ``reduce_dtype`` as the strategy's own dense reducer).
+Compressed exchanges complete inside the call (the returned ``Work`` is already complete).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class CompressedReducer(GradientReducer):
         *,
         dense_below: int = 1024,
         nonfinite: NonFinitePolicy = "raise",
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(backend)
         if not isinstance(compressor, Compressor):
@@ -60,7 +61,7 @@ class CompressedReducer(GradientReducer):
         self.dense_below = dense_below
         self.nonfinite = nonfinite
         self.error_feedback = ErrorFeedback()
-        self._dense = DenseReducer(backend)
+        self._dense = DenseReducer(backend, reduce_dtype)
         self._states: dict[str, dict[str, Any]] = {}
         self._steps: dict[str, int] = {}
         self._stats = StepStatistics(compressor.name)
@@ -193,4 +194,5 @@ class CompressedReducer(GradientReducer):
             select_seconds=0.0 if ex is None else ex.select_seconds,
             total_seconds=time.perf_counter() - t0,
             dense=dense,
+            sharded=shard is not None,
         )

@@ -28,6 +28,7 @@ class StepStatistics:
     select_seconds: float = 0.0
     comm_seconds: float = 0.0
     dense_calls: int = 0
+    reduce_scatter_calls: int = 0
     nonfinite_values: int = 0
     nonfinite_keys: list[str] = field(default_factory=list)
 
@@ -43,6 +44,7 @@ class StepStatistics:
         select_seconds: float,
         total_seconds: float,
         dense: bool,
+        sharded: bool = False,
     ) -> None:
         self.calls += 1
         self.numel += numel
@@ -57,6 +59,7 @@ class StepStatistics:
         self.select_seconds += select_seconds
         self.comm_seconds += max(0.0, total_seconds - select_seconds)
         self.dense_calls += int(dense)
+        self.reduce_scatter_calls += int(sharded)
 
     def as_dict(self) -> dict[str, Any]:
         if self.calls == 0 and not self.nonfinite_keys:
@@ -71,6 +74,7 @@ class StepStatistics:
             "select_seconds": self.select_seconds,
             "comm_seconds": self.comm_seconds,
             "dense_calls": self.dense_calls,
+            "reduce_scatter_calls": self.reduce_scatter_calls,
             "nonfinite_values": self.nonfinite_values,
         }
         if self.numel > 0:

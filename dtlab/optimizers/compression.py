@@ -8,8 +8,11 @@
 
 It swaps the model strategy's gradient reducer for a :class:`~dtlab.compression.CompressedReducer`
 on the model's data-parallel group and otherwise delegates everything to the inner optimizer
-strategy: it changes how gradients travel, not what the strategy does. With DDP and ZeRO-1 the
-reducer is used with all-reduce semantics, with ZeRO-2/3 and FSDP with reduce-scatter semantics.
+strategy: it changes how gradients travel, not what the strategy does. With DDP (and ZeRO-1 built
+with ``gradient_sync="all_reduce"``) the reducer is used with all-reduce semantics; with ZeRO-2/3,
+FSDP and ZeRO-1's default ``gradient_sync="reduce_scatter"`` with reduce-scatter semantics (each
+owner receives its shard from the sparse reduce; Ok-Topk's and TopkDSA's gather phase is skipped).
+The dense path (``Dense``, small buffers) keeps the strategy's ``reduce_dtype``.
 ``statistics`` holds the last step's compression figures (density, bytes, ratio, times).
 """
 
@@ -25,7 +28,7 @@ from dtlab.compression.oktopk import OkTopk
 from dtlab.compression.reducer import CompressedReducer, NonFinitePolicy
 from dtlab.errors import StrategyError
 from dtlab.models.base import ShardedState
-from dtlab.models.reducer import GradientReducer
+from dtlab.models.reducer import DenseReducer, GradientReducer
 from dtlab.optimizers.base import OptimizerStrategy
 
 __all__ = ["GradientCompressionOptimizer"]
@@ -60,8 +63,15 @@ class GradientCompressionOptimizer(OptimizerStrategy):
         self.compatible_models = inner.compatible_models  # type: ignore[misc]
         self.compressor = compressor if compressor is not None else OkTopk(density=0.01)
         self._previous: GradientReducer = self.model.gradient_reducer
+        # the dense path (Dense, small buffers, warm-up of the plain reducer) keeps the strategy's
+        # reduce_dtype, so Dense through compression reproduces the strategy exactly
+        reduce_dtype = self._previous.reduce_dtype if isinstance(self._previous, DenseReducer) else None
         self.reducer = CompressedReducer(
-            self.model.dp_backend, self.compressor, dense_below=dense_below, nonfinite=nonfinite
+            self.model.dp_backend,
+            self.compressor,
+            dense_below=dense_below,
+            nonfinite=nonfinite,
+            reduce_dtype=reduce_dtype,
         )
         self.model.gradient_reducer = self.reducer
         self.statistics: dict[str, Any] = {}
