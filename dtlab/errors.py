@@ -15,6 +15,15 @@ class RankFailedError(DtlabError):
         self.rank = rank
 
 
+class ArgumentError(DtlabError, ValueError):
+    """A bad argument value (sizes that do not fit, a root or rank out of range, a world size < 1, a
+    timeout <= 0): raised before any communication, the message names the values and what fits."""
+
+
+class ArgumentTypeError(DtlabError, TypeError):
+    """An argument of the wrong type or dtype (not a tensor, an unsupported dtype, AVG on integers)."""
+
+
 class WorldAbortedError(DtlabError):
     """Raised on the ranks that were waiting when another rank failed and aborted the world."""
 

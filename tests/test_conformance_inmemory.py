@@ -18,20 +18,13 @@ from dtlab.testing.conformance import (
     CHECK_NAMES,
     Case,
     ConformanceCases,
-    ConformanceFailure,
     SizesCase,
-    check_all_gather,
-    check_all_gather_v,
-    check_all_reduce,
-    check_all_to_all,
-    check_broadcast,
     check_message_streams,
-    check_nonblocking,
-    check_reduce,
-    check_reduce_scatter,
     default_cases,
+    run_cases,
     run_conformance,
 )
+from dtlab.testing.strategies import collective_cases, sizes_cases
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
 FLOATS = DTYPES[:4]
@@ -58,69 +51,26 @@ def test_default_cases_cover_every_dtype_with_every_applicable_op() -> None:
     assert default_cases(3) == default_cases(3) and default_cases(3) != default_cases(4)
 
 
-@st.composite
-def collective_cases(draw: Any) -> Case:
-    dtype = draw(st.sampled_from(DTYPES))
-    ops = list(ReduceOp) if dtype in FLOATS else [o for o in ReduceOp if o is not ReduceOp.AVG]
-    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=0, max_size=3)))
-    return Case(
-        shape, dtype, draw(st.sampled_from(ops)), draw(st.integers(0, 7)), draw(st.integers(0, 2**20))
-    )
-
-
-def _run_cases(b: CommunicationBackend, cases: list[Case]) -> list[str]:
-    failures = []
-    for case in cases:
-        for check in (
-            check_all_reduce,
-            check_reduce,
-            check_broadcast,
-            check_reduce_scatter,
-            check_all_gather,
-            check_nonblocking,
-        ):
-            try:
-                check(b, case)
-            except ConformanceFailure as exc:
-                failures.append(str(exc))
-    return failures
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world_size=st.integers(1, 8), cases=st.lists(collective_cases(), min_size=1, max_size=4))
 def test_random_collective_cases_match_the_direct_computation(world_size: int, cases: list[Case]) -> None:
-    results = run_world(world_size, _run_cases, cases, timeout=30)
+    results = run_world(world_size, run_cases, ConformanceCases(tuple(cases), ()), timeout=30)
     assert results == [[]] * world_size, results
-
-
-def _run_sizes(b: CommunicationBackend, cases: list[SizesCase]) -> list[str]:
-    failures = []
-    for case in cases:
-        for check in (check_all_gather_v, check_all_to_all):
-            try:
-                check(b, case)
-            except ConformanceFailure as exc:
-                failures.append(str(exc))
-    return failures
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    world_size=st.integers(1, 8),
-    cases=st.lists(
-        st.builds(
-            SizesCase,
-            counts=st.lists(st.integers(0, 6), min_size=1, max_size=5).map(tuple),
-            dtype=st.sampled_from(DTYPES),
-            seed=st.integers(0, 2**20),
-        ),
-        min_size=1,
-        max_size=3,
-    ),
-)
+@given(world_size=st.integers(1, 8), cases=st.lists(sizes_cases(), min_size=1, max_size=3))
 def test_random_variable_sizes_match_the_direct_computation(world_size: int, cases: list[SizesCase]) -> None:
-    results = run_world(world_size, _run_sizes, cases, timeout=30)
+    results = run_world(world_size, run_cases, ConformanceCases((), tuple(cases)), timeout=30)
     assert results == [[]] * world_size, results
+
+
+def test_run_cases_reports_every_failing_case() -> None:
+    cases = ConformanceCases(default_cases().collectives[:3], ())
+    results = run_world(3, lambda b: run_cases(_OffByOneAllReduce(b._world, b.rank), cases), timeout=10)
+    assert results[0] == results[1] == []  # only the last rank's all_reduce (and iall_reduce) is off
+    kinds = sorted(t.split(" on rank 2: ")[0] for t in results[2])
+    assert kinds == ["all_reduce"] * 3 + ["nonblocking"] * 3, results[2]
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,10 +7,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from dtlab.backends import CommunicationBackend, ReduceOp
 from dtlab.testing import spawn_world
-from dtlab.testing.conformance import run_conformance
+from dtlab.testing.conformance import Case, ConformanceCases, SizesCase, run_cases, run_conformance
+from dtlab.testing.strategies import collective_cases, sizes_cases
 
 
 def _expect(results: dict[str, str | None], name: str, check: Callable[[], None]) -> None:
@@ -143,6 +146,22 @@ def test_conformance_on_engine(engine: str, size: int) -> None:
         failed = {k: v for k, v in results.items() if v is not None}
         assert not failed, f"{engine} x{size}, rank {rank}: {failed}"
         assert len(results) >= 18
+
+
+@pytest.mark.parametrize("engine", ["gloo", "mpi"])
+@settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate])
+@given(
+    collectives=st.lists(collective_cases(max_dim=40), min_size=12, max_size=12),
+    sizes=st.lists(sizes_cases(), min_size=4, max_size=4),
+)
+def test_random_cases_on_engine_at_three_ranks(
+    engine: str, collectives: list[Case], sizes: list[SizesCase]
+) -> None:
+    """Property-based, like the in-memory suite's, with one world of 3 processes per drawn batch (an
+    odd world size, next to the suite's 2 and 4). No shrinking: each try would start a world."""
+    cases = ConformanceCases(tuple(collectives), tuple(sizes))
+    per_rank = spawn_world(3, run_cases, cases, backend=engine, timeout=120)
+    assert per_rank == [[]] * 3, per_rank
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA GPU; this machine has none")

@@ -29,50 +29,69 @@ def _timed(fn: object) -> tuple[str, str, float, str]:
 
 
 def gloo_dead_and_hung(b: CommunicationBackend) -> dict[str, tuple[str, str, float, str]] | None:
-    """Rank 2 is killed; rank 1 lives but never calls; rank 0 reduces with each of them."""
+    """Rank 2 is killed; rank 1 lives but never calls; rank 0 reduces with, and receives from, each."""
     with_dead, with_hung = b.new_group([0, 2]), b.new_group([0, 1])
     b.barrier()
     if b.rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     if b.rank == 1:
-        time.sleep(OP_TIMEOUT + 1.5)
+        time.sleep(2 * OP_TIMEOUT + 2)
         return None
     assert with_dead is not None and with_hung is not None
     time.sleep(0.3)  # rank 2 is gone by now
     return {
         "dead": _timed(lambda: with_dead.all_reduce(torch.ones(4))),
         "hung": _timed(lambda: with_hung.all_reduce(torch.ones(4))),
+        "recv dead": _timed(lambda: b.recv(torch.zeros(4), 2, tag=1)),
+        "send dead": _timed(lambda: b.send(torch.zeros(1 << 18), 2, tag=1)),  # 1 MiB
+        "recv any, hung": _timed(lambda: b.irecv(torch.zeros(4), None, tag=2).wait()),
     }
+
+
+WANT_OP = {
+    "dead": "all_reduce",
+    "hung": "all_reduce",
+    "recv dead": "recv(src=2, tag=1)",
+    "send dead": "send(dst=2, tag=1)",
+    "recv any, hung": "recv(src=any, tag=2)",
+}
 
 
 def test_gloo_survivors_raise_within_the_timeout() -> None:
     results = spawn_world(3, gloo_dead_and_hung, backend="gloo", backend_timeout=OP_TIMEOUT, may_die=[2])
     assert results[1] is None and results[2] is None
+    assert set(results[0]) == set(WANT_OP)
     for case, (kind, op, seconds, text) in results[0].items():
         assert kind == "CollectiveTimeoutError", (case, kind, text)
-        assert op == "all_reduce" and "all_reduce" in text, (case, text)
+        assert op == WANT_OP[case] and WANT_OP[case] in text, (case, text)
         assert seconds < OP_TIMEOUT + 3, (case, seconds)
-    assert "a peer process died" in results[0]["dead"][3]
-    assert results[0]["hung"][2] >= OP_TIMEOUT - 0.5  # a live peer is waited for, for the timeout
-    assert "timeout" in results[0]["hung"][3]
+        if "dead" in case:
+            assert "a peer process died" in text, (case, text)
+        else:  # a live peer is waited for, for the timeout
+            assert seconds >= OP_TIMEOUT - 0.5 and "timeout" in text, (case, seconds, text)
 
 
-def mpi_hung(b: CommunicationBackend) -> tuple[str, str, float, str] | None:
+def mpi_hung(b: CommunicationBackend) -> list[tuple[str, str, float, str]] | None:
     from dtlab.backends import MPIBackend
 
     timed = MPIBackend(b.comm.Dup(), timeout=2.0)  # type: ignore[attr-defined]
     if b.rank == 1:
-        time.sleep(3.0)
-        timed.all_reduce(torch.ones(4))  # late: completes rank 0's abandoned operation
+        time.sleep(5.0)
+        timed.all_reduce(torch.ones(4))  # late: completes rank 0's abandoned operations
+        timed.send(torch.ones(4), 0, tag=7)
         return None
-    return _timed(lambda: timed.all_reduce(torch.ones(4)))
+    return [
+        _timed(lambda: timed.all_reduce(torch.ones(4))),
+        _timed(lambda: timed.recv(torch.zeros(4), 1, tag=7)),
+    ]
 
 
 def test_mpi_timeout_names_the_operation() -> None:
-    kind, op, seconds, text = spawn_world(2, mpi_hung, backend="mpi", timeout=60)[0]
+    (kind, op, seconds, text), recv = spawn_world(2, mpi_hung, backend="mpi", timeout=60)[0]
     assert kind == "CollectiveTimeoutError" and op == "all_reduce", text
     assert 1.9 < seconds < 4, seconds
     assert "Abort" in text  # tells the user the communicator is gone and how to end the job
+    assert recv[:2] == ("CollectiveTimeoutError", "recv(src=1, tag=7)") and 1.9 < recv[2] < 4, recv
 
 
 def dies(b: CommunicationBackend, how: str) -> str:

@@ -62,6 +62,7 @@ def test_mpi_launcher_environments(env: dict[str, str], rank: int, size: int | N
         ({**TORCHRUN, "MASTER_PORT": "http"}, "MASTER_PORT='http' is not an integer"),
         ({**TORCHRUN, "MASTER_PORT": "70000"}, "MASTER_PORT in 0..65535"),
         ({**TORCHRUN, "LOCAL_RANK": "9"}, "LOCAL_RANK"),
+        ({**TORCHRUN, "MASTER_ADDR": " "}, "a non-empty MASTER_ADDR"),
         ({**TORCHRUN, "PMI_RANK": "0", "PMI_SIZE": "4"}, "MPI's rank 0 and size 4 to match"),
         ({"PMI_RANK": "0"}, "needed both PMI_RANK and PMI_SIZE"),
         ({"PMI_RANK": "5", "PMI_SIZE": "4"}, "0 <= rank < size"),

@@ -13,6 +13,7 @@ import torch
 from dtlab.backends import InMemoryWorld, ReduceOp
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import (
+    ArgumentError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     DtlabError,
@@ -239,13 +240,22 @@ def test_in_place_and_aliased_buffers_give_correct_results() -> None:
     assert all(r["shared"].tolist() == [3.0] * 4 for r in results)
 
 
-def test_bad_world_arguments_are_value_errors() -> None:
-    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
-        run_world(0, lambda b: None)
-    with pytest.raises(ValueError, match="world_size must be >= 1, got -2"):
-        InMemoryWorld(-2)
-    with pytest.raises(ValueError, match="timeout must be > 0 seconds, got 0"):
-        run_world(2, lambda b: None, timeout=0)
+def test_bad_world_arguments_are_value_errors_and_dtlab_errors() -> None:
+    calls: list[tuple[Any, str]] = [
+        (lambda: run_world(0, lambda b: None), "world_size must be >= 1, got 0"),
+        (lambda: InMemoryWorld(-2), "world_size must be >= 1, got -2"),
+        (lambda: run_world(2, lambda b: None, timeout=0), "timeout must be > 0 seconds, got 0"),
+        (lambda: InMemoryWorld(3).backend(3), r"rank must be in \[0, 3\), got 3"),
+    ]
+    for call, text in calls:
+        with pytest.raises(ArgumentError, match=text) as info:
+            call()
+        assert isinstance(info.value, ValueError) and isinstance(info.value, DtlabError)
+    with pytest.raises(RankFailedError) as failed:  # inside a rank: the same error is the cause
+        run_world(2, lambda b: b.reduce_scatter(torch.zeros(2), torch.zeros(5)), timeout=5)
+    cause = failed.value.__cause__
+    assert isinstance(cause, ArgumentError) and isinstance(cause, ValueError)
+    assert "input has 5 elements but needs world_size * output.numel() = 2 * 2 = 4" in str(cause)
 
 
 def test_run_world_returns_results_in_rank_order_and_passes_arguments() -> None:

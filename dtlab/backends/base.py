@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dtlab.backends.stats import CommStats
+from dtlab.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["CommunicationBackend", "ReduceOp", "Work", "CompletedWork"]
 
@@ -83,9 +84,9 @@ class CommunicationBackend(ABC):
 
     def __init__(self, rank: int, world_size: int, stats_parent: CommStats | None = None) -> None:
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise ArgumentError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+            raise ArgumentError(f"rank must be in [0, {world_size}), got {rank}")
         self._rank = rank
         self._world_size = world_size
         self._stats = CommStats(parent=stats_parent)
@@ -235,13 +236,15 @@ class CommunicationBackend(ABC):
         """``inputs[j]`` goes to rank j; ``outputs[i]`` receives what rank i sent to this rank."""
         p = self.world_size
         if len(outputs) != p or len(inputs) != p:
-            raise ValueError(
+            raise ArgumentError(
                 f"all_to_all needs world_size={p} output and input tensors, got "
                 f"{len(outputs)} outputs and {len(inputs)} inputs"
             )
         dtypes = {t.dtype for t in list(outputs) + list(inputs)}
         if len(dtypes) > 1:
-            raise ValueError(f"all_to_all: all tensors must share one dtype, got {sorted(map(str, dtypes))}")
+            raise ArgumentError(
+                f"all_to_all: all tensors must share one dtype, got {sorted(map(str, dtypes))}"
+            )
         for i, t in enumerate(inputs):
             self._check_tensor(t, "all_to_all", f"inputs[{i}]")
         for i, t in enumerate(outputs):
@@ -332,12 +335,12 @@ class CommunicationBackend(ABC):
         """Called by every rank; members get a backend with ranks renumbered in the given order."""
         members = [int(r) for r in ranks]
         if not members:
-            raise ValueError("new_group: ranks must not be empty")
+            raise ArgumentError("new_group: ranks must not be empty")
         if len(set(members)) != len(members):
-            raise ValueError(f"new_group: ranks must be distinct, got {members}")
+            raise ArgumentError(f"new_group: ranks must be distinct, got {members}")
         bad = [r for r in members if not 0 <= r < self.world_size]
         if bad:
-            raise ValueError(f"new_group: ranks {bad} are outside [0, {self.world_size}) of this backend")
+            raise ArgumentError(f"new_group: ranks {bad} are outside [0, {self.world_size}) of this backend")
         return self._new_group(members)
 
     def close(self) -> None:  # noqa: B027 - optional hook
@@ -423,20 +426,20 @@ class CommunicationBackend(ABC):
     # ------------------------------------------------------------------ validation
     def _check_tensor(self, t: object, op: str, name: str = "tensor") -> None:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ArgumentTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{op}: {name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
             )
         if not t.is_contiguous():
-            raise ValueError(f"{op}: {name} must be contiguous (call .contiguous() first)")
+            raise ArgumentError(f"{op}: {name} must be contiguous (call .contiguous() first)")
 
     def _check_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         self._check_tensor(output, "reduce_scatter", "output")
         self._check_tensor(input, "reduce_scatter", "input")
         self._check_same_dtype(output, input, "reduce_scatter")
         if input.numel() != self.world_size * output.numel():
-            raise ValueError(
+            raise ArgumentError(
                 f"reduce_scatter: input has {input.numel()} elements but needs world_size * "
                 f"output.numel() = {self.world_size} * {output.numel()} = "
                 f"{self.world_size * output.numel()}; pad the input to a multiple of the world size"
@@ -448,7 +451,7 @@ class CommunicationBackend(ABC):
         self._check_tensor(input, "all_gather", "input")
         self._check_same_dtype(output, input, "all_gather")
         if output.numel() != self.world_size * input.numel():
-            raise ValueError(
+            raise ArgumentError(
                 f"all_gather: output has {output.numel()} elements but needs world_size * "
                 f"input.numel() = {self.world_size} * {input.numel()} = "
                 f"{self.world_size * input.numel()}"
@@ -456,22 +459,22 @@ class CommunicationBackend(ABC):
 
     def _check_same_dtype(self, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
         if a.dtype != b.dtype:
-            raise TypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}")
+            raise ArgumentTypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}")
 
     def _check_root(self, root: int, op: str, name: str) -> None:
         if not isinstance(root, int) or not 0 <= root < self.world_size:
-            raise ValueError(f"{op}: {name}={root} is out of range [0, {self.world_size})")
+            raise ArgumentError(f"{op}: {name}={root} is out of range [0, {self.world_size})")
 
     def _check_peer(self, peer: int, op: str, name: str) -> None:
         self._check_root(peer, op, name)
         if peer == self.rank:
-            raise ValueError(f"{op}: {name}={peer} is this rank itself; send to another rank")
+            raise ArgumentError(f"{op}: {name}={peer} is this rank itself; send to another rank")
 
     def _check_op(self, t: torch.Tensor, op: ReduceOp, where: str) -> None:
         if not isinstance(op, ReduceOp):
-            raise TypeError(f"{where}: op must be a dtlab.backends.ReduceOp, got {op!r}")
+            raise ArgumentTypeError(f"{where}: op must be a dtlab.backends.ReduceOp, got {op!r}")
         if op is ReduceOp.AVG and not (t.is_floating_point()):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{where}: ReduceOp.AVG needs a floating-point tensor, got {t.dtype}; "
                 "use SUM and divide, or cast to float"
             )

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import BackendInitError
+from dtlab.errors import ArgumentError, BackendInitError
 
 __all__ = ["BACKEND_NAMES", "LaunchInfo", "choose_backend", "detect_launcher", "init_backend"]
 
@@ -118,6 +118,8 @@ def detect_launcher(env: Mapping[str, str] | None = None) -> LaunchInfo:
         problems = []
         if size < 1 or not 0 <= rank < size:
             problems.append(f"0 <= RANK < WORLD_SIZE (got RANK={rank}, WORLD_SIZE={size})")
+        if not env["MASTER_ADDR"].strip():
+            problems.append("a non-empty MASTER_ADDR (the host of rank 0)")
         if not 0 <= port < 65536:  # 0: torchrun --master-port 0, whose agent hosts the store
             problems.append(f"MASTER_PORT in 0..65535 (got {port})")
         if local is not None and not 0 <= local < size:
@@ -162,9 +164,11 @@ def init_backend(
     ``device``: where tensors live (default: ``cuda:LOCAL_RANK`` for nccl, else ``cpu``).
     """
     if name not in BACKEND_NAMES:
-        raise ValueError(f"init_backend: unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+        raise ArgumentError(
+            f"init_backend: unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
+        )
     if timeout is not None and timeout <= 0:
-        raise ValueError(f"init_backend: timeout must be > 0 seconds, got {timeout}")
+        raise ArgumentError(f"init_backend: timeout must be > 0 seconds, got {timeout}")
     info = detect_launcher(env)
     chosen = choose_backend(info) if name == "auto" else name
     if chosen == "inmemory":

@@ -38,7 +38,7 @@ from dtlab.backends._inmemory_ops import (
     leader_mode,
 )
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
-from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError, WorldAbortedError
+from dtlab.errors import ArgumentError, CollectiveMismatchError, CollectiveTimeoutError, WorldAbortedError
 
 __all__ = ["InMemoryBackend", "InMemoryWorld"]
 
@@ -74,9 +74,9 @@ class InMemoryWorld:
 
     def __init__(self, world_size: int, timeout: float = 60.0, device: str | torch.device = "cpu") -> None:
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise ArgumentError(f"world_size must be >= 1, got {world_size}")
         if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+            raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
         self.world_size = world_size
         self.timeout = float(timeout)
         self.device = torch.device(device)

@@ -30,7 +30,7 @@ import torch
 
 from dtlab.backends._mpi_support import _STAGED_REDUCTION, _Buffers, _import_mpi, _MPIWork
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
-from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError
+from dtlab.errors import ArgumentError, CollectiveMismatchError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -57,7 +57,7 @@ class MPIBackend(CommunicationBackend):
     ) -> None:
         mpi = _import_mpi()
         if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}")
+            raise ArgumentError(f"timeout must be > 0 seconds or None, got {timeout}")
         self._mpi = mpi
         self._comm = comm if comm is not None else mpi.COMM_WORLD
         super().__init__(self._comm.Get_rank(), self._comm.Get_size(), stats_parent=stats_parent)
@@ -327,7 +327,7 @@ class MPIBackend(CommunicationBackend):
     # ------------------------------------------------------------------ point-to-point
     def _check_tag(self, tag: int, what: str) -> None:
         if not 0 <= tag <= self._tag_ub:
-            raise ValueError(f"{what}: tag={tag} is outside MPI's range [0, {self._tag_ub}]")
+            raise ArgumentError(f"{what}: tag={tag} is outside MPI's range [0, {self._tag_ub}]")
 
     def _check_received(self, status: Any, buf: torch.Tensor, what: str) -> int:
         got = status.Get_count(self._tables.byte)

@@ -29,7 +29,7 @@ from dtlab.backends._torch_dist_support import (
     _reduce_scatter_flat,
 )
 from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
-from dtlab.errors import BackendInitError, CollectiveMismatchError, CollectiveTimeoutError
+from dtlab.errors import ArgumentError, BackendInitError, CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = ["GlooBackend", "NCCLBackend", "TorchDistBackend"]
 
@@ -83,7 +83,7 @@ class TorchDistBackend(CommunicationBackend):
         ``init_method`` is given (``"env://"`` under torchrun, whose agent already hosts it).
         """
         if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+            raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
         dev = torch.device(device) if device is not None else cls._default_device()
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -358,19 +358,19 @@ class NCCLBackend(TorchDistBackend):
     def _check_tensor(self, t: object, op: str, name: str = "tensor") -> None:
         super()._check_tensor(t, op, name)
         if isinstance(t, torch.Tensor) and t.device.type != "cuda":
-            raise ValueError(
+            raise ArgumentError(
                 f"NCCLBackend.{op}: {name} is on {t.device}, but NCCL moves CUDA tensors only; move it "
                 f"with .to(backend.device) ({self.device}) or use GlooBackend/MPIBackend for CPU tensors"
             )
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         if src is None:
-            raise ValueError(self._no_any_source("recv"))
+            raise ArgumentError(self._no_any_source("recv"))
         return super()._recv(tensor, src, tag)
 
     def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
         if src is None:
-            raise ValueError(self._no_any_source("irecv"))
+            raise ArgumentError(self._no_any_source("irecv"))
         return super()._irecv(tensor, src, tag)
 
     def _no_any_source(self, op: str) -> str:

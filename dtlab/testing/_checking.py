@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from dtlab.backends.base import ReduceOp
-from dtlab.errors import DtlabError
+from dtlab.errors import ArgumentError, DtlabError
 
 __all__ = [
     "Case",
@@ -48,11 +48,11 @@ class Case:
 
     def __post_init__(self) -> None:
         if self.dtype not in ALL_DTYPES:
-            raise ValueError(f"Case: dtype {self.dtype} is not one of {ALL_DTYPES}")
+            raise ArgumentError(f"Case: dtype {self.dtype} is not one of {ALL_DTYPES}")
         if any(d < 0 for d in self.shape):
-            raise ValueError(f"Case: shape {self.shape} has a negative dimension")
+            raise ArgumentError(f"Case: shape {self.shape} has a negative dimension")
         if self.op is ReduceOp.AVG and self.dtype in INT_DTYPES:
-            raise ValueError(f"Case: ReduceOp.AVG needs a floating dtype, got {self.dtype}")
+            raise ArgumentError(f"Case: ReduceOp.AVG needs a floating dtype, got {self.dtype}")
 
     @property
     def numel(self) -> int:
@@ -80,9 +80,11 @@ class SizesCase:
 
     def __post_init__(self) -> None:
         if not self.counts or any(c < 0 for c in self.counts):
-            raise ValueError(f"SizesCase: counts must be a non-empty tuple of counts >= 0, got {self.counts}")
+            raise ArgumentError(
+                f"SizesCase: counts must be a non-empty tuple of counts >= 0, got {self.counts}"
+            )
         if self.dtype not in ALL_DTYPES:
-            raise ValueError(f"SizesCase: dtype {self.dtype} is not one of {ALL_DTYPES}")
+            raise ArgumentError(f"SizesCase: dtype {self.dtype} is not one of {ALL_DTYPES}")
 
     def count(self, index: int) -> int:
         return self.counts[index % len(self.counts)]

@@ -9,6 +9,7 @@ import time
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.errors import DtlabError
 from dtlab.testing._checking import Problems
 
 __all__ = [
@@ -167,9 +168,11 @@ def check_byte_counters(backend: CommunicationBackend) -> None:
 
 
 def _expect_error(pr: Problems, what: str, kind: type[Exception], fn: object, *args: object) -> None:
+    """``fn(*args)`` must raise ``kind`` that is also a :class:`DtlabError` (every dtlab error is one)."""
     try:
         fn(*args)  # type: ignore[operator]
-    except kind:
+    except kind as exc:
+        pr.expect(isinstance(exc, DtlabError), f"{what} raised {type(exc).__name__}, not a DtlabError")
         return
     except Exception as exc:
         pr.add(f"{what} raised {type(exc).__name__}: {exc}; expected {kind.__name__}")

@@ -24,6 +24,7 @@ from functools import partial
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.errors import ArgumentError
 from dtlab.testing._checking import (
     ALL_DTYPES,
     FLOAT_DTYPES,
@@ -77,6 +78,7 @@ __all__ = [
     "check_send_recv_order",
     "check_tags",
     "default_cases",
+    "run_cases",
     "run_conformance",
 ]
 
@@ -281,6 +283,28 @@ _PLAIN_CHECKS: tuple[tuple[str, Callable[[CommunicationBackend], None]], ...] = 
 CHECK_NAMES: tuple[str, ...] = tuple(n for n, _ in _CASE_CHECKS + _SIZES_CHECKS + _PLAIN_CHECKS)
 
 
+def run_cases(backend: CommunicationBackend, cases: ConformanceCases) -> list[str]:
+    """Every case check on every case of ``cases``; returns this rank's failures (empty: all passed).
+
+    For drawn case data (``dtlab.testing.strategies``): ``run_world(P, run_cases, cases)`` or
+    ``spawn_world(P, run_cases, cases, backend="mpi")``. Call it on all ranks alike.
+    """
+    failures: list[str] = []
+    for case in cases.collectives:
+        for _, check in _CASE_CHECKS:
+            try:
+                check(backend, case)
+            except ConformanceFailure as exc:
+                failures.append(str(exc))
+    for sizes in cases.sizes:
+        for _, scheck in _SIZES_CHECKS:
+            try:
+                scheck(backend, sizes)
+            except ConformanceFailure as exc:
+                failures.append(str(exc))
+    return failures
+
+
 def run_conformance(
     backend: CommunicationBackend, cases: ConformanceCases | None = None, only: Sequence[str] | None = None
 ) -> dict[str, str | None]:
@@ -293,7 +317,7 @@ def run_conformance(
     wanted = set(CHECK_NAMES if only is None else only)
     unknown = wanted - set(CHECK_NAMES)
     if unknown:
-        raise ValueError(f"run_conformance: unknown checks {sorted(unknown)}; known: {list(CHECK_NAMES)}")
+        raise ArgumentError(f"run_conformance: unknown checks {sorted(unknown)}; known: {list(CHECK_NAMES)}")
     results: dict[str, str | None] = {}
 
     def outcome(runs: list[Callable[[], None]]) -> str | None:

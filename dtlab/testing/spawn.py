@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dtlab.errors import BackendInitError, CollectiveTimeoutError, RankFailedError
+from dtlab.errors import ArgumentError, BackendInitError, CollectiveTimeoutError, RankFailedError
 
 __all__ = ["find_mpiexec", "spawn_world"]
 
@@ -47,7 +47,7 @@ def find_mpiexec() -> str:
 def _fn_reference(fn: Callable[..., Any]) -> tuple[str, str, str | None]:
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if module is None or "<" in qualname:
-        raise ValueError(
+        raise ArgumentError(
             f"spawn_world: fn must be a module-level function that other processes can import, got "
             f"{fn!r} (qualname {qualname!r}); move it to module level"
         )
@@ -90,13 +90,15 @@ def spawn_world(
     the launcher kills the others and exits non-zero, reported as a :class:`RankFailedError`.
     """
     if backend not in ("gloo", "mpi"):
-        raise ValueError(f"spawn_world: backend must be 'gloo' or 'mpi', got {backend!r}")
+        raise ArgumentError(f"spawn_world: backend must be 'gloo' or 'mpi', got {backend!r}")
     if world_size < 1:
-        raise ValueError(f"spawn_world: world_size must be >= 1, got {world_size}")
+        raise ArgumentError(f"spawn_world: world_size must be >= 1, got {world_size}")
     if timeout <= 0:
-        raise ValueError(f"spawn_world: timeout must be > 0 seconds, got {timeout}")
+        raise ArgumentError(f"spawn_world: timeout must be > 0 seconds, got {timeout}")
     if may_die and backend != "gloo":
-        raise ValueError(f"spawn_world: may_die={list(may_die)} needs backend='gloo' (mpiexec ends the job)")
+        raise ArgumentError(
+            f"spawn_world: may_die={list(may_die)} needs backend='gloo' (mpiexec ends the job)"
+        )
     ref = _fn_reference(fn)
     spec = {"fn": ref, "args": args, "kwargs": kwargs, "backend": backend, "timeout": backend_timeout}
     spec["world_timeout"] = timeout
