@@ -56,6 +56,7 @@ def test_parity_real_engines(backend: str, references: dict[str, dict[str, torch
 VARIANTS = [
     ("ddp", {"bucket_cap_mb": 0.0004}),  # ~400-byte buckets: several launched during backward
     ("zero1", {"bucket_cap_mb": 0.0004}),
+    ("zero1", {"gradient_sync": "all_reduce"}),
     ("zero2", {"bucket_cap_mb": 0.0004}),
     ("zero3", {"persistence_threshold": 20}),  # biases kept whole, weights sharded
     ("zero3", {"prefetch": False}),

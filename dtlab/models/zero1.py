@@ -1,22 +1,152 @@
-"""ZeRO-1: parameters and gradients replicated (as DDP), optimizer state sharded.
+"""ZeRO-1: parameters and gradient buffers replicated (as DDP), optimizer state sharded.
 
-The model side is DDP's: bucketed, overlapped all-reduce of the gradients (all-reduce semantics, so
-every rank holds the averaged gradient). :class:`~dtlab.optimizers.ZeRO1Optimizer` then steps only
-this rank's ``1/P`` of every bucket and all-gathers the updated parameters. Communication per step is
-therefore all-reduce + all-gather, ``3(P-1)/P`` of the gradient bytes (ZeRO-2 does the same work for
-``2(P-1)/P`` by reduce-scattering instead); memory saved: ``(P-1)/P`` of the optimizer state.
+The model keeps DDP's persistent, full-size gradient buckets (``param.grad`` are views into them, so
+accumulation inside ``no_sync()`` costs nothing extra) and its bucketed, overlapped launch during
+backward. :class:`~dtlab.optimizers.ZeRO1Optimizer` steps only this rank's ``1/P`` of every bucket and
+all-gathers the updated parameters, so this rank only *needs* the average of its own ``1/P`` of the
+gradient. How the buckets are synchronized is the ``gradient_sync`` option:
+
+- ``"reduce_scatter"`` (default, DeepSpeed's ZeRO-1 traffic): each bucket is reduce-scattered;
+  this rank's slice of the bucket receives the average, the rest of the bucket is zeroed. Per step:
+  reduce-scatter + all-gather of the parameters = ``2(P-1)/P`` of the gradient bytes, as DDP.
+  ``param.grad`` then holds the averaged gradient on this rank's shard only (zeros elsewhere);
+  clipping and the finite check work on the shards (a sum over ranks).
+- ``"all_reduce"``: DDP's all-reduce, so every rank holds the whole averaged gradient (for gradient
+  hooks or inspection of ``param.grad``, or a reducer that only offers all-reduce semantics), at
+  ``3(P-1)/P`` of the gradient bytes per step.
+
+Gradients left in place across synchronized backward passes (no ``zero_grad()`` between them) add up
+as in DDP in both modes: with ``"reduce_scatter"`` the next forward scales this rank's averaged slice
+by ``P`` (its term of the next sum; the other ranks hold zeros there) and the next reduction averages
+``old + new``; a backward not preceded by this model's forward is an error then, not a wrong sum.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.errors import StrategyError
 from dtlab.models.ddp import DDPModel
 
-__all__ = ["ZeRO1Model"]
+__all__ = ["GradientSync", "ZeRO1Model"]
+
+GradientSync = Literal["reduce_scatter", "all_reduce"]
 
 
 class ZeRO1Model(DDPModel):
-    """DDP gradients (all-reduce) for an optimizer whose state is sharded; same options as DDPModel."""
+    """Whole parameters and gradient buffers for an optimizer whose state is sharded.
+
+    Args:
+        module, backend, bucket_cap_mb, reduce_dtype, find_unused_parameters, broadcast_buffers:
+            as for DDPModel.
+        gradient_sync: ``"reduce_scatter"`` (default: each rank receives the average of its shard,
+            ``2(P-1)/P`` per step with the parameter all-gather) or ``"all_reduce"`` (every rank
+            receives the whole average, ``3(P-1)/P`` per step).
+    """
 
     strategy_name: ClassVar[str] = "zero1"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        backend: CommunicationBackend,
+        *,
+        gradient_sync: GradientSync = "reduce_scatter",
+        **kwargs: Any,
+    ) -> None:
+        if gradient_sync not in ("reduce_scatter", "all_reduce"):
+            raise ValueError(
+                f"gradient_sync must be 'reduce_scatter' (each rank gets the average of its shard) or "
+                f"'all_reduce' (every rank gets the whole average), got {gradient_sync!r}"
+            )
+        super().__init__(module, backend, **kwargs)
+        self.gradient_sync: GradientSync = gradient_sync
+        # reduce_scatter mode: "local" (sums of local gradients), "averaged" (this rank's slice holds the
+        # average, the rest zeros) or "rescaled" (the average x P, ready to be accumulated into)
+        self._grad_state: Literal["local", "averaged", "rescaled"] = "local"
+
+    # ------------------------------------------------------------------ reduce-scatter mode
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._grad_state == "averaged" and torch.is_grad_enabled():
+            self._scale_own_slices(float(self.backend.world_size))
+            self._grad_state = "rescaled"
+        return super().forward(*args, **kwargs)
+
+    def _scale_own_slices(self, factor: float) -> None:
+        """Gradients kept across synchronized backwards: this rank's averaged slice x P is its term of
+        the next sum (the other ranks hold zeros there), so the next reduction averages ``old + new``
+        exactly as an all-reduce would; ``/ P`` undoes it when no backward came after the forward."""
+        if factor == 1.0:
+            return
+        for unit, buf in zip(self._units, self._grad_bufs, strict=True):
+            if buf is not None:
+                lo, hi = unit.shard_bounds()
+                buf[lo:hi].mul_(factor)
+
+    def _settle(self) -> None:
+        """A forward ran but no backward: give the optimizer the averaged slice back."""
+        if self._grad_state == "rescaled":
+            self._scale_own_slices(1.0 / self.backend.world_size)
+            self._grad_state = "averaged"
+
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
+            if self._grad_state == "averaged":
+                raise StrategyError(
+                    f"ZeRO1Model on rank {self.backend.rank}: a backward pass started while the gradient "
+                    "buckets hold the last synchronized (reduce-scattered) gradients and this model's "
+                    "forward did not run before it (was the wrapped module called directly?). Call "
+                    "opt.zero_grad() after opt.step(), run the forward through the ZeRO1Model, or pass "
+                    "gradient_sync='all_reduce'"
+                )
+            self._grad_state = "local"
+        super()._begin_backward()
+
+    def _launch(self, i: int) -> tuple[Work, Any]:
+        if self.gradient_sync == "all_reduce":
+            return super()._launch(i)
+        buf = self._grad_bufs[i]
+        if buf is None:
+            raise RuntimeError(f"bucket {i} has no gradient buffer")  # unreachable by construction
+        unit = self._units[i]
+        out = torch.empty(unit.shard_numel, dtype=buf.dtype, device=buf.device)
+        return self._reducer.reduce_scatter(unit.key, buf, out), out
+
+    def _complete(self, i: int, extra: Any) -> None:
+        if self.gradient_sync == "all_reduce":
+            return
+        buf = self._grad_bufs[i]
+        if buf is None:
+            raise RuntimeError(f"bucket {i} has no gradient buffer")  # unreachable by construction
+        lo, hi = self._units[i].shard_bounds()
+        buf[:lo].zero_()
+        buf[hi:].zero_()
+        buf[lo:hi].copy_(extra)
+        self._grad_state = "averaged"
+
+    def zero_grad_buffers(self) -> None:
+        super().zero_grad_buffers()
+        self._grad_state = "local"
+
+    def check_grads_ready(self, who: str) -> None:
+        super().check_grads_ready(who)
+        self._settle()
+
+    def scale_grads_(self, factor: float) -> None:
+        self._settle()
+        super().scale_grads_(factor)
+
+    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        self._settle()
+        if self.gradient_sync == "all_reduce":
+            return super().norm_grad_tensors()
+        shards = []
+        for unit, buf in zip(self._units, self._grad_bufs, strict=True):
+            if buf is not None:
+                lo, hi = unit.shard_bounds()
+                shards.append(buf[lo:hi])
+        return shards, False

@@ -1,0 +1,228 @@
+"""Semantics of the data-parallel strategies beyond parity: every replica starts from rank 0's values and
+``full_state_dict()`` loads into a plain module, DDP launches buckets during backward, ZeRO-1's
+reduce-scattered gradients behave like DDP's all-reduced ones, ZeRO-3's persistence threshold and
+ZeRO-3/FSDP prefetch change what is gathered, and ``reduce_dtype`` sets the dtype on the wire."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_strategies_helpers import STRATEGIES, max_rel_error, optimizer_for, wrap
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import RankFailedError, StrategyError
+from dtlab.models import DDPModel, DenseReducer, FSDPModel, ModuleClassPolicy, ZeRO1Model, ZeRO3Model
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
+from dtlab.testing import run_world
+
+
+def _net(seed: int, width: int = 8) -> nn.Module:
+    """A Linear-BatchNorm-Linear net whose parameters and buffers depend on ``seed``."""
+    module = nn.Sequential(nn.Linear(5, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Linear(width, 3))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*module.parameters(), module[1].running_mean, module[1].running_var]:
+            t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+        module[1].num_batches_tracked.fill_(seed)
+    return module
+
+
+# ---------------------------------------------------------------------------- construction, full state
+def _from_rank0(backend: CommunicationBackend, name: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    model = wrap(name, _net(seed=10 + backend.rank), backend)  # every rank builds different values
+    full = model.full_state_dict()
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.ones(4, 5))
+    return full, out
+
+
+def test_every_replica_starts_from_rank0_and_full_state_loads_into_a_plain_module() -> None:
+    expected = _net(seed=10)
+    expected.eval()
+    with torch.no_grad():
+        expected_out = expected(torch.ones(4, 5))
+    for name in STRATEGIES:
+        for rank, (full, out) in enumerate(run_world(3, _from_rank0, name, timeout=30)):
+            assert list(full) == list(expected.state_dict()), f"{name}: keys differ from state_dict()"
+            plain = _net(seed=99)
+            plain.load_state_dict(full)  # strict: exactly the plain module's keys and shapes
+            for key, value in expected.state_dict().items():
+                assert torch.equal(plain.state_dict()[key], value), f"{name} rank {rank}: {key}"
+            assert int(full["1.num_batches_tracked"]) == 10, f"{name}: buffers come from rank 0"
+            assert torch.equal(out, expected_out), f"{name} rank {rank}: forward not on rank 0's values"
+
+
+# ---------------------------------------------------------------------------- DDP buckets overlap backward
+class _Recorder(DenseReducer):
+    def __init__(self, backend: CommunicationBackend, events: list[str]) -> None:
+        super().__init__(backend)
+        self.events = events
+
+    def all_reduce(self, key: str, grad: torch.Tensor) -> Any:
+        self.events.append(f"launch {key}")
+        return super().all_reduce(key, grad)
+
+
+def _overlap(backend: CommunicationBackend) -> tuple[list[str], int, float, int]:
+    torch.manual_seed(0)
+    module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 16 640 bytes per layer
+    default = DDPModel(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), backend)
+    model = DDPModel(module, backend, bucket_cap_mb=16_640 / 2**20)  # one bucket per layer
+    events: list[str] = []
+    model.gradient_reducer = _Recorder(backend, events)
+
+    # the first layer's backward is the last one autograd runs: mark when it starts
+    def mark(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        output.register_hook(lambda grad: events.append("layer 0 starts"))
+
+    module[0].register_forward_hook(mark)
+    model(torch.randn(2, 64)).sum().backward()
+    return events, len(model.shard_units()), default.bucket_cap_mb, len(default.shard_units())
+
+
+def test_ddp_buckets_are_launched_during_backward() -> None:
+    events, buckets, default_cap, default_buckets = run_world(2, _overlap, timeout=30)[0]
+    assert default_cap == 25.0 and default_buckets == 1  # 25 MiB by default: the 66 KB model is one bucket
+    assert buckets == 4
+    assert events[:3] == ["launch bucket0", "launch bucket1", "launch bucket2"], events
+    assert events[3:] == ["layer 0 starts", "launch bucket3"], events
+
+
+# ---------------------------------------------------------------------------- ZeRO-1 gradient semantics
+def _zero1(backend: CommunicationBackend, mode: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    xs, ys = torch.randn(4, 4, 5, generator=g), torch.randn(4, 4, 3, generator=g)
+    r = backend.rank
+    out: dict[str, Any] = {}
+    for name in ("ddp", mode):
+        module = _net(seed=1)
+        if name == "ddp":
+            model: Any = DDPModel(module, backend, broadcast_buffers=False)
+            opt: Any = DDPOptimizer(model, torch.optim.AdamW, lr=0.05)
+        else:
+            sync = "all_reduce" if mode == "zero1_all_reduce" else "reduce_scatter"
+            model = ZeRO1Model(module, backend, gradient_sync=sync, broadcast_buffers=False)
+            opt = ZeRO1Optimizer(model, torch.optim.AdamW, lr=0.05)
+        norms = []
+        for step in range(2):  # two synchronized backwards per step, no zero_grad between them
+            for micro in range(2):
+                i = 2 * step + micro
+                nn.functional.mse_loss(model(xs[i, 2 * r : 2 * r + 2]), ys[i, 2 * r : 2 * r + 2]).backward()
+            with torch.enable_grad():
+                model(xs[0, :2])  # a forward without backward changes nothing
+            norms.append(float(opt.clip_grad_norm_(1e9)))
+            opt.step()
+            opt.zero_grad()
+        out[name] = (model.full_state_dict(), norms)
+    model.module(xs[0, :2]).sum().backward()
+    if mode == "zero1":  # buckets hold the reduce-scattered gradient: calling the module directly is refused
+        with pytest.raises(StrategyError, match="forward did not run before it"):
+            model.module(xs[0, :2]).sum().backward()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["zero1", "zero1_all_reduce"])
+def test_zero1_gradients_accumulate_like_ddp(mode: str) -> None:
+    for res in run_world(2, _zero1, mode, timeout=30):
+        (ddp, ddp_norms), (zero1, norms) = res["ddp"], res[mode]
+        floats = {k: v for k, v in ddp.items() if v.is_floating_point()}
+        assert max_rel_error({k: zero1[k] for k in floats}, floats) <= 1e-5, mode
+        assert norms == pytest.approx(ddp_norms, rel=1e-5), mode
+
+
+def _zero1_grads(backend: CommunicationBackend) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(backend.rank))
+    grads = []
+    for cls in (DDPModel, ZeRO1Model):
+        model = cls(_net(seed=1), backend)
+        model(x).pow(2).mean().backward()
+        (bucket,) = model.shard_units()  # param.grad are views into the bucket, in slot order
+        grads.append(torch.cat([q.grad.reshape(-1) for q in bucket.params]))
+    lo, hi = bucket.shard_bounds()
+    return grads, [torch.tensor([lo, hi])], backend.rank
+
+
+def test_zero1_keeps_the_average_of_its_own_shard() -> None:
+    for (ddp, zero1), ((lo, hi),), rank in run_world(4, _zero1_grads, timeout=30):
+        assert torch.allclose(zero1[lo:hi], ddp[lo:hi], rtol=1e-6, atol=1e-7), rank
+        assert not zero1[:lo].any() and not zero1[hi:].any(), rank
+
+
+# ---------------------------------------------------------------------------- ZeRO-3 / FSDP options
+def _chain() -> nn.Module:
+    module = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])  # 1 056 fp32 elements per layer
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return module
+
+
+def _sharded_options(backend: CommunicationBackend, name: str, **kw: Any) -> dict[str, Any]:
+    if name == "zero3":
+        model: Any = ZeRO3Model(_chain(), backend, **kw)
+    else:
+        model = FSDPModel(_chain(), backend, wrap_policy=ModuleClassPolicy((nn.Linear,)), **kw)
+    opt = optimizer_for(name, model, "sgd")
+    for _ in range(2):  # the forward order is recorded in the first step; prefetch uses it from then on
+        backend.stats.reset()
+        model(torch.randn(4, 32)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"report": model.memory_report(), "gathers": backend.stats["all_gather"].calls}
+
+
+def test_zero3_persistence_threshold_and_prefetch() -> None:
+    p, layer = 2, 1056 * 4
+    runs = {
+        "zero3 threshold 0": ("zero3", {"persistence_threshold": 0}),
+        "zero3 threshold 32": ("zero3", {"persistence_threshold": 32}),
+        "zero3 no prefetch": ("zero3", {"persistence_threshold": 0, "prefetch": False}),
+        "fsdp": ("fsdp", {}),
+        "fsdp no prefetch": ("fsdp", {"prefetch": False}),
+    }
+    res = {k: run_world(p, _sharded_options, name, timeout=30, **kw)[0] for k, (name, kw) in runs.items()}
+    # threshold 0: every parameter is a shard at rest; 6 units gathered for forward and for backward
+    assert res["zero3 threshold 0"]["report"]["parameters"] == 3 * layer // p
+    assert res["zero3 threshold 0"]["gathers"] == 12
+    # threshold 32: the three biases stay whole (plus their shard for the optimizer) and are all-gathered
+    # once after the step; only the weights are gathered for forward and backward
+    kept = res["zero3 threshold 32"]
+    assert kept["report"]["parameters"] == 3 * layer // p + 3 * 32 * 4
+    assert kept["gathers"] == 3 * 2 + 3
+    # prefetch: the next layer is gathered while the current one computes, so two layers are whole at the
+    # peak; without prefetch one at a time (plus nothing else)
+    assert res["zero3 threshold 0"]["report"]["peak_gathered_parameters"] == 2 * layer
+    assert res["zero3 no prefetch"]["report"]["peak_gathered_parameters"] == layer
+    assert res["fsdp"]["report"]["peak_gathered_parameters"] == 2 * layer
+    assert res["fsdp no prefetch"]["report"]["peak_gathered_parameters"] == layer
+    assert res["fsdp"]["gathers"] == res["fsdp no prefetch"]["gathers"] == 6  # same traffic, earlier
+
+
+# ---------------------------------------------------------------------------- reduce dtype
+def _wire_bytes(backend: CommunicationBackend, name: str, reduce_dtype: Any) -> tuple[int, str]:
+    model = wrap(name, _chain().to(torch.bfloat16), backend, reduce_dtype=reduce_dtype)
+    backend.stats.reset()
+    model(torch.randn(4, 32, dtype=torch.bfloat16)).float().sum().backward()
+    grads = [str(q.grad.dtype) for q in model.module.parameters() if q.grad is not None]
+    return backend.stats.bytes_sent, ",".join(sorted(set(grads)))
+
+
+def test_reduce_dtype_sets_the_dtype_on_the_wire() -> None:
+    p, n = 4, 3 * 1056
+    for name in ("ddp", "zero1", "zero2"):
+        (bf16, _), (fp32, grad_dtype) = (
+            run_world(p, _wire_bytes, name, dt, timeout=30)[0] for dt in (None, torch.float32)
+        )
+        factor = 2 if name == "ddp" else 1  # all-reduce vs reduce-scatter, (P-1)/P of the buffer each
+        assert bf16 == factor * (p - 1) * n * 2 // p, name
+        assert fp32 == 2 * bf16, name
+        if name == "ddp":
+            assert grad_dtype == "torch.bfloat16"  # the parameters' gradients keep the parameters' dtype
+    with pytest.raises(RankFailedError) as info:
+        run_world(1, _wire_bytes, "ddp", torch.int32)
+    assert "reduce_dtype must be a floating-point" in str(info.value.__cause__)
