@@ -1,5 +1,6 @@
-"""Trainer checks that need data or gradients: data too small for the config is a ConfigError before
-any rank starts; a non-finite gradient behind a finite loss on one rank skips the step everywhere."""
+"""Trainer checks that need data, gradients or the scheduler: data too small for the config is a
+ConfigError before any rank starts; a non-finite gradient behind a finite loss on one rank skips the
+step everywhere; scheduler state that JSON cannot hold unchanged is refused before training."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dtlab.checkpoint.files import check_json
 from dtlab.config import load_config
 from dtlab.data import TensorDataset
-from dtlab.errors import ConfigError
+from dtlab.errors import CheckpointError, ConfigError, RankFailedError
 from dtlab.trainers import Task, run_training
 from dtlab.trainers.models import DigitsCNN
 
@@ -108,3 +110,22 @@ def test_data_too_small_for_the_config_is_rejected_before_any_rank_starts(
     # evaluation off: the small held-out set is fine
     if "data.eval_fraction=0.01" in extra:
         run_training(load_config(overrides=_tiny_lm(*extra, "train.eval_every=0", "train.steps=1")))
+
+
+def test_scheduler_state_that_json_would_change_is_refused_before_training(tmp_path: Path) -> None:
+    # MultiStepLR keeps its milestones in a Counter with int keys: JSON would bring them back as
+    # strings and a resumed run would never decay again; refused when the Trainer is built
+    def factory(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.MultiStepLR:
+        return torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4])
+
+    cfg = load_config(overrides=[*_tiny_lm("train.steps=2"), f"checkpoint.dir={tmp_path / 'ck'}"])
+    with pytest.raises(RankFailedError) as info:
+        run_training(cfg, scheduler_factory=factory)
+    assert isinstance(info.value.__cause__, CheckpointError)
+    assert "LR scheduler's state (MultiStepLR)" in str(info.value.__cause__)
+    assert "JSON round trip" in str(info.value.__cause__)
+    assert not (tmp_path / "ck").exists()  # nothing trained, nothing saved
+    # without checkpoints the same scheduler is fine
+    no_ckpt = load_config(overrides=_tiny_lm("train.steps=2"))
+    assert [s for s, _ in run_training(no_ckpt, scheduler_factory=factory)[0].losses] == [1, 2]
+    check_json({"lrs": (0.1, 0.2), "n": {"a": 1}}, "state")  # tuples come back as lists: fine

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LATEST", "META", "durable_write", "fsync_dir", "sha256_file", "shard_name", "step_dir_name"]
+from dtlab.errors import CheckpointError
+
+__all__ = [
+    "LATEST",
+    "META",
+    "check_json",
+    "durable_write",
+    "fsync_dir",
+    "sha256_file",
+    "shard_name",
+    "step_dir_name",
+]
 
 META = "meta.json"
 LATEST = "latest"
@@ -49,3 +62,28 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _as_json_types(obj: Any) -> Any:
+    """``obj`` with tuples as lists: the one change a JSON round trip may make without losing data."""
+    if isinstance(obj, dict):
+        return {k: _as_json_types(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_as_json_types(v) for v in obj]
+    return obj
+
+
+def check_json(obj: Any, what: str) -> None:
+    """``obj`` must survive JSON unchanged: a ``Counter`` with int keys, say, would come back with
+    string keys and resume wrongly, so it is refused at save time rather than misread at load time."""
+    try:
+        text = json.dumps(obj, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{what} is not JSON-serialisable ({exc}); checkpoints store metadata as JSON"
+        ) from None
+    if json.loads(text) != _as_json_types(obj):
+        raise CheckpointError(
+            f"{what} does not survive a JSON round trip unchanged (non-string dict keys?); checkpoints "
+            "store metadata as JSON: keep such state as lists or string-keyed dicts"
+        )

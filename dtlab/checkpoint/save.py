@@ -24,12 +24,12 @@ from dtlab.checkpoint.files import (
     FORMAT_VERSION,
     LATEST,
     META,
+    check_json,
     durable_write,
     fsync_dir,
     shard_name,
     step_dir_name,
 )
-from dtlab.errors import CheckpointError
 from dtlab.models.base import ShardedState
 
 __all__ = ["save_checkpoint"]
@@ -44,15 +44,6 @@ def _write(tmp: Path, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
     data = _to_bytes(tensors)
     durable_write(tmp / name, data)
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-
-
-def _check_json(obj: Any, what: str) -> None:
-    try:
-        json.dumps(obj, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(
-            f"{what} is not JSON-serialisable ({exc}); checkpoints store metadata as JSON"
-        ) from None
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:
@@ -91,10 +82,10 @@ def save_checkpoint(
     name = backend.broadcast_object(name, src=0)
     tmp = root / name
     r = backend.rank
-    _check_json(model_state.metadata, f"rank {r}'s model shard metadata")
+    check_json(model_state.metadata, f"rank {r}'s model shard metadata")
     files = {shard_name("model", r): _write(tmp, shard_name("model", r), model_state.tensors)}
     if optim_state is not None:
-        _check_json(optim_state.metadata, f"rank {r}'s optimizer shard metadata")
+        check_json(optim_state.metadata, f"rank {r}'s optimizer shard metadata")
         files[shard_name("optim", r)] = _write(tmp, shard_name("optim", r), optim_state.tensors)
     files[shard_name("state", r)] = _write(tmp, shard_name("state", r), rank_state)
     mine = {
@@ -114,7 +105,7 @@ def save_checkpoint(
             ranks=[{k: v for k, v in e.items() if k != "files"} for e in everyone],
             files={fname: info for e in everyone for fname, info in e["files"].items()},
         )
-        _check_json(doc, "checkpoint metadata")
+        check_json(doc, "checkpoint metadata")
         durable_write(tmp / META, json.dumps(doc, indent=1, allow_nan=False).encode())
         fsync_dir(tmp)
         if final.exists():  # re-saving a step (e.g. after a resume): move the old one out first

@@ -20,6 +20,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.checkpoint import read_checkpoint, resolve_checkpoint, save_checkpoint
+from dtlab.checkpoint.files import check_json
 from dtlab.config import TrainConfig, check_world_size
 from dtlab.data import DistributedSampler
 from dtlab.errors import CheckpointError
@@ -75,6 +76,8 @@ class Trainer:
             if scheduler_factory
             else build_scheduler(local_opt, config.optimizer, config.train.steps)
         )
+        if config.checkpoint.dir is not None:  # refuse now, not at the first save after hours of training
+            check_json(self._scheduler_state(), f"the LR scheduler's state ({type(self.scheduler).__name__})")
         d = config.data
         self.sampler = DistributedSampler(
             len(self.task.train_data),
@@ -181,8 +184,11 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------ checkpoints
+    def _scheduler_state(self) -> dict[str, Any]:
+        # LambdaLR's lr_lambdas are code (rebuilt from the config), not state
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
     def _trainer_state(self) -> dict[str, Any]:
-        sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
         return {
             "strategy": {
                 "model": self.config.strategy.model,
@@ -192,7 +198,7 @@ class Trainer:
             "data_position": self.sampler.state_dict(),
             "trainer": {
                 "step": self.step,
-                "scheduler": sched,
+                "scheduler": self._scheduler_state(),
                 "guard": self.guard.state_dict(),
                 "early_stopping": self.early.state_dict(),
             },
