@@ -99,14 +99,41 @@ class OptimizerConfig(_Section):
     weight_decay: float = Field(default=0.01, ge=0)
     momentum: float = Field(default=0.9, ge=0, lt=1)
     betas: tuple[float, float] = (0.9, 0.99)
-    #: learning-rate schedule after warm-up: cosine to ``min_lr_ratio * lr``, step decay, or constant
-    schedule: Literal["cosine", "step", "constant"] = "cosine"
+    #: learning-rate schedule after warm-up: cosine to ``min_lr_ratio * lr``, step decay, or constant;
+    #: ``torch``: the ``torch.optim.lr_scheduler`` class ``torch_scheduler`` (no added warm-up)
+    schedule: Literal["cosine", "step", "constant", "torch"] = "cosine"
     warmup_steps: int = Field(default=10, ge=0)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     step_size: int = Field(default=100, ge=1)
     gamma: float = Field(default=0.5, gt=0, le=1)
     #: clip gradients by their global norm over all ranks' shards; ``None`` disables clipping
     clip_grad_norm: float | None = Field(default=1.0, gt=0)
+    #: ``schedule=torch``: a ``torch.optim.lr_scheduler`` class by name, e.g. ``OneCycleLR``
+    torch_scheduler: str | None = None
+    #: ``schedule=torch``: its keyword arguments (``total_steps``/``T_max``/``total_iters``: train.steps)
+    torch_scheduler_args: dict[str, float | int | bool | str | list[float] | list[int]] = Field(
+        default_factory=dict
+    )
+
+    @model_validator(mode="after")
+    def _torch_schedule(self) -> OptimizerConfig:
+        if self.schedule != "torch" and self.torch_scheduler is not None:
+            raise ValueError(
+                f"optimizer.torch_scheduler={self.torch_scheduler!r} needs optimizer.schedule=torch "
+                f"(it is {self.schedule!r})"
+            )
+        if self.schedule == "torch":
+            if self.torch_scheduler is None:
+                raise ValueError(
+                    "optimizer.schedule='torch' needs optimizer.torch_scheduler, e.g. OneCycleLR"
+                )
+            if "warmup_steps" in self.model_fields_set and self.warmup_steps:
+                raise ValueError(
+                    f"optimizer.warmup_steps={self.warmup_steps} does not apply to "
+                    "optimizer.schedule='torch'; use the scheduler's own warm-up (e.g. OneCycleLR's "
+                    "pct_start) and leave optimizer.warmup_steps unset"
+                )
+        return self
 
     @field_validator("betas")
     @classmethod
@@ -217,6 +244,10 @@ class TrainConfig(_Section):
             )
         if self.backend.name == "inmemory":
             check_world_size(self, self.backend.world_size)
+        if self.optimizer.schedule == "torch":
+            from dtlab.trainers.schedule import check_torch_scheduler  # imports torch: only when asked
+
+            check_torch_scheduler(self.optimizer, self.train.steps)
         return self
 
     def to_dict(self) -> dict[str, Any]:

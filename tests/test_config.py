@@ -67,6 +67,35 @@ def test_yaml_and_toml_files_and_overrides(tmp_path: Path) -> None:
         (["compression.density=.nan"], ["compression.density=nan", "finite"]),
         (["strategy=fsdp"], ["strategy='fsdp'", "is a section", "strategy.model"]),
         (["strategy.model.kind=ddp"], ["strategy.model={'kind': 'ddp'}", "'fsdp'"]),
+        (
+            ["optimizer.schedule=torch", "optimizer.torch_scheduler=LambdaLR"],
+            ["optimizer.torch_scheduler='LambdaLR'", "'OneCycleLR'"],
+        ),
+        (
+            ["optimizer.schedule=torch", "optimizer.torch_scheduler=OneCycleLR"],
+            ["optimizer.torch_scheduler_args={}", "max_lr"],
+        ),
+        (
+            [
+                "optimizer.schedule=torch",
+                "optimizer.torch_scheduler=StepLR",
+                "optimizer.torch_scheduler_args={step_size: 2, gama: 0.5}",
+            ],
+            ["optimizer.torch_scheduler_args=", "'gama'", "step_size, gamma"],
+        ),
+        (
+            ["optimizer.torch_scheduler=StepLR"],
+            ["optimizer.torch_scheduler='StepLR'", "optimizer.schedule=torch"],
+        ),
+        (["optimizer.schedule=torch"], ["optimizer.schedule='torch'", "optimizer.torch_scheduler"]),
+        (
+            [
+                "optimizer.schedule=torch",
+                "optimizer.torch_scheduler=CosineAnnealingLR",
+                "optimizer.warmup_steps=5",
+            ],
+            ["optimizer.warmup_steps=5", "pct_start"],
+        ),
     ],
 )
 def test_invalid_values_name_the_field(overrides: list[str], needles: list[str]) -> None:

@@ -129,3 +129,20 @@ def test_scheduler_state_that_json_would_change_is_refused_before_training(tmp_p
     no_ckpt = load_config(overrides=_tiny_lm("train.steps=2"))
     assert [s for s, _ in run_training(no_ckpt, scheduler_factory=factory)[0].losses] == [1, 2]
     check_json({"lrs": (0.1, 0.2), "n": {"a": 1}}, "state")  # tuples come back as lists: fine
+
+
+def test_torch_scheduler_from_the_config_resumes_exactly(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    sets = _tiny_lm(
+        "model.seq_len=32",
+        "data.max_bytes=40000",
+        "data.global_batch_size=8",
+        "train.steps=8",
+        "optimizer.schedule=torch",
+        "optimizer.torch_scheduler=OneCycleLR",
+        "optimizer.torch_scheduler_args={max_lr: 0.01, pct_start: 0.5}",
+    )
+    full = run_training(load_config(overrides=[*sets, f"checkpoint.dir={ck}", "checkpoint.every=4"]))[0]
+    resumed = run_training(load_config(overrides=[*sets, f"checkpoint.resume={ck / 'step_00000004'}"]))[0]
+    assert resumed.start_step == 4 and resumed.losses == full.losses[4:]
+    assert full.losses[-1][1] < full.losses[0][1]

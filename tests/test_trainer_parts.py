@@ -66,6 +66,28 @@ def test_lr_schedules() -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(0.2)
 
 
+def test_torch_scheduler_by_name_from_the_config() -> None:
+    def lrs(sched: torch.optim.lr_scheduler.LRScheduler, opt: torch.optim.Optimizer) -> list[float]:
+        out = []
+        for _ in range(24):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    sets = ["optimizer.schedule=torch", "optimizer.torch_scheduler=OneCycleLR"]
+    cfg = load_config(overrides=[*sets, "optimizer.torch_scheduler_args.max_lr=0.05"]).optimizer
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt, ref_opt = torch.optim.SGD([p], lr=0.1, momentum=0.9), torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    got = lrs(build_scheduler(opt, cfg, total_steps=24), opt)  # total_steps defaults to the run's length
+    want = lrs(torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.05, total_steps=24), ref_opt)
+    assert got == want and max(got) == pytest.approx(0.05, rel=0.01)
+    cos = load_config(overrides=["optimizer.schedule=torch", "optimizer.torch_scheduler=CosineAnnealingLR"])
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = build_scheduler(opt, cos.optimizer, total_steps=10)
+    assert isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR) and sched.T_max == 10
+
+
 def test_nonfinite_guard_and_early_stopping() -> None:
     g = NonFiniteGuard(max_in_row=3)
     for step, ok in enumerate([True, False, False, True, False, False]):

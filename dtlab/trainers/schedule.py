@@ -1,20 +1,33 @@
-"""Learning-rate schedules: linear warm-up, then cosine decay, step decay or constant.
+"""Learning-rate schedules: linear warm-up, then cosine decay, step decay or constant; or any
+``torch.optim.lr_scheduler`` class by name (``optimizer.schedule=torch``).
 
-All are ``torch.optim.lr_scheduler.LambdaLR`` over the optimizer strategy's local optimizer, so their
-state is plain numbers (JSON in checkpoints). Any other ``torch.optim.lr_scheduler`` can be passed to
-the trainer through ``scheduler_factory``.
+The built-in schedules are ``torch.optim.lr_scheduler.LambdaLR`` over the optimizer strategy's local
+optimizer, so their state is plain numbers (JSON in checkpoints). A torch scheduler named in the config
+is built with ``optimizer.torch_scheduler_args``; ``total_steps``, ``T_max`` and ``total_iters`` default
+to ``train.steps``. Any other scheduler object can be passed to the trainer through
+``scheduler_factory``.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from dtlab.config import OptimizerConfig
 
-__all__ = ["build_scheduler", "lr_factor"]
+__all__ = ["build_scheduler", "check_torch_scheduler", "lr_factor", "torch_scheduler_names"]
+
+#: classes that need code or another scheduler (LambdaLR, ...) or a metric (ReduceLROnPlateau)
+_NOT_FROM_CONFIG = frozenset(
+    {"LRScheduler", "_LRScheduler", "LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler",
+     "ReduceLROnPlateau"}
+)  # fmt: skip
+#: arguments that default to the run's length when not given
+_LENGTH_ARGS = ("total_steps", "T_max", "total_iters")
 
 
 def lr_factor(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
@@ -35,7 +48,48 @@ def lr_factor(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def torch_scheduler_names() -> list[str]:
+    """The ``torch.optim.lr_scheduler`` classes ``optimizer.torch_scheduler`` may name."""
+    sched = torch.optim.lr_scheduler
+    return sorted(
+        name
+        for name, obj in vars(sched).items()
+        if inspect.isclass(obj) and issubclass(obj, sched.LRScheduler) and name not in _NOT_FROM_CONFIG
+    )
+
+
+def _torch_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    name = cfg.torch_scheduler
+    allowed = torch_scheduler_names()
+    if name not in allowed:
+        raise ValueError(
+            f"optimizer.torch_scheduler={name!r} is not allowed: use one of {allowed} "
+            "(LambdaLR and the like need code: pass scheduler_factory to the Trainer from Python)"
+        )
+    cls = getattr(torch.optim.lr_scheduler, name)
+    params = [p for p in inspect.signature(cls).parameters if p not in ("self", "optimizer")]
+    kwargs: dict[str, Any] = {k: total_steps for k in _LENGTH_ARGS if k in params}
+    kwargs.update(cfg.torch_scheduler_args)
+    try:
+        scheduler: torch.optim.lr_scheduler.LRScheduler = cls(optimizer, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"optimizer.torch_scheduler_args={dict(cfg.torch_scheduler_args)!r} do not fit {name} ({exc}); "
+            f"its arguments: {', '.join(params)}"
+        ) from None
+    return scheduler
+
+
+def check_torch_scheduler(cfg: OptimizerConfig, total_steps: int) -> None:
+    """Build the configured torch scheduler on a throw-away optimizer: a ``ValueError`` naming the field."""
+    _torch_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr), cfg, total_steps)
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
+) -> torch.optim.lr_scheduler.LRScheduler:
+    if cfg.schedule == "torch":
+        return _torch_scheduler(optimizer, cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, total_steps))
