@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -130,11 +131,14 @@ def _kill_during_second_save(root: Path, delay: float) -> tuple[int, int]:
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    # a writer that hangs without printing would block the read below: a watchdog kills it by PID
+    watchdog = threading.Timer(120, lambda: proc.poll() is None and os.kill(proc.pid, signal.SIGKILL))
+    watchdog.start()
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 60
         lines: list[str] = []
-        for line in proc.stdout:  # bounded: the writer prints every save; the deadline stops a hang
+        for line in proc.stdout:  # bounded: the writer prints every save; deadline + watchdog stop a hang
             lines.append(line)
             if line.split() == ["begin", "2"] or time.monotonic() > deadline:
                 break
@@ -144,6 +148,7 @@ def _kill_during_second_save(root: Path, delay: float) -> tuple[int, int]:
         proc.wait(timeout=30)
         lines += proc.stdout.read().splitlines()  # EOF: the writer is dead
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)

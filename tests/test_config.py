@@ -141,3 +141,12 @@ def test_every_field_is_documented() -> None:
         assert sub is not None
         for name in sub.model_fields:
             assert f"| `{name}` |" in doc, f"{section}.{name} is missing from docs/configuration.md"
+
+
+def test_cli_rejects_an_indivisible_global_batch_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
+    from dtlab.cli import main
+
+    # backend.name=auto without a launcher: 4 in-memory ranks, checked before the corpus is read
+    assert main(["train", "--set", "data.global_batch_size=30", "--set", "logging.run_dir=null"]) == 2
+    err = capsys.readouterr().err
+    assert "data.global_batch_size=30" in err and "4 x 1 = 4" in err and "multiple of 4" in err
