@@ -219,6 +219,7 @@ def test_early_stopping_is_agreed_and_bf16_and_compression_metrics(tmp_path: Pat
     recs = [_no_nan(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert recs and all("compression" in r for r in recs)
     assert 0 < recs[-1]["compression"]["density"] <= 0.5, recs[-1]
+    assert recs[-1]["compression"]["compression_ratio"] > 1, recs[-1]  # fewer bytes than dense
 
 
 def test_any_torch_lr_scheduler_and_its_state_is_checkpointed(tmp_path: Path) -> None:
