@@ -14,6 +14,7 @@ in the machine's load hits every configuration alike. Run::
     .venv/bin/python benchmarks/strategies.py                 # both engines, both models
     .venv/bin/python benchmarks/strategies.py --engines gloo --models mlp --steps 5 --rounds 3
     .venv/bin/python benchmarks/strategies.py --engines gloo --strategies ddp,torch_ddp --skip-memory
+    .venv/bin/python benchmarks/strategies.py --strategies ddp,zero1,zero1_allreduce --skip-memory
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from dtlab.models import FSDPModel, ModuleClassPolicy, get_model_strategy
 from dtlab.optimizers import default_optimizer_strategy
 
 DTLAB = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+#: variants run only when named in --strategies: ZeRO-1 with DDP's all-reduce instead of reduce-scatter
+DTLAB_EXTRA = {"zero1_allreduce": ("zero1", {"gradient_sync": "all_reduce"})}
 TORCH = ("torch_ddp", "torch_fsdp2")
 
 
@@ -147,11 +150,12 @@ class Run:
             self.model = fully_shard(module, mesh=mesh)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         else:
-            kw: dict[str, Any] = {}
+            base, kw = DTLAB_EXTRA.get(strategy, (strategy, {}))
+            kw = dict(kw)
             if strategy == "fsdp":
                 kw["wrap_policy"] = ModuleClassPolicy((unit_cls,))
-            self.model = get_model_strategy(strategy)(module, backend, **kw)
-            self.dist_opt = default_optimizer_strategy(strategy)(self.model, torch.optim.AdamW, lr=1e-4)
+            self.model = get_model_strategy(base)(module, backend, **kw)
+            self.dist_opt = default_optimizer_strategy(base)(self.model, torch.optim.AdamW, lr=1e-4)
             self.opt = self.dist_opt
         self.times: list[float] = []
         self.bytes_per_step = 0.0
@@ -220,6 +224,7 @@ def suite(
     torch.set_num_threads(1)
     strategies = list(DTLAB) + (list(TORCH) if engine == "gloo" else [])
     strategies = [s for s in strategies if only is None or s in only]
+    strategies += [s for s in DTLAB_EXTRA if only is not None and s in only]
     rows = []
     for model in models:
         runs: dict[str, Run] = {}
@@ -242,7 +247,7 @@ def suite(
                     "params": nparams,
                     "strategy": s,
                     "step_ms": float(times[0]) * 1e3,
-                    "bytes_per_step": runs[s].bytes_per_step if s in DTLAB else None,
+                    "bytes_per_step": runs[s].bytes_per_step if s not in TORCH else None,
                     "grad_bytes": 4 * nparams,
                 }
             )
@@ -326,6 +331,10 @@ def main() -> None:
     bad = [m for m in models if m not in ("mlp", "transformer")]
     if bad:
         ap.error(f"unknown models {bad}; choose from mlp, transformer")
+    known = [*DTLAB, *DTLAB_EXTRA, *TORCH]
+    unknown = [s for s in (args.strategies or "").split(",") if s and s not in known]
+    if unknown:
+        ap.error(f"unknown strategies {unknown}; choose from {', '.join(known)}")
     rows: list[dict[str, Any]] = []
     for engine in [e for e in args.engines.split(",") if e]:
         if engine not in ("gloo", "mpi"):
@@ -344,7 +353,7 @@ def main() -> None:
         )
         for row in result[0]:
             if args.skip_memory:
-                row["model_state"] = row["peak_rss_delta"] = 0
+                row["model_state"] = row["peak_rss_delta"] = None
                 rows.append(row)
                 continue
             mem = spawn_world(

@@ -74,6 +74,9 @@ def test_memory_exact_and_bytes_match_cost_model() -> None:
     n = sum(q.numel() for q in _mlp().parameters())  # 4192 fp32 elements
     grad_bytes, es = 4 * n, 4
     ddp = res["ddp"]["report"]
+    for name in STRATEGIES:  # the four keys, plus the buffers DESIGN.md section 2 asks for
+        keys = {"parameters", "gradients", "optimizer_state", "peak_gathered_parameters", "buffers"}
+        assert set(res[name]["report"]) == keys, name
     # DDP holds everything whole (buckets padded to a multiple of P: here no padding is needed)
     assert ddp["parameters"] == ddp["gradients"] == ddp["peak_gathered_parameters"] == grad_bytes
     assert ddp["optimizer_state"] == 2 * grad_bytes + 4 * 4  # exp_avg + exp_avg_sq + a step per param
