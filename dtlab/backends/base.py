@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import enum
 import pickle
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -44,6 +44,14 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     PRODUCT = "product"
 
+    # members are singletons compared by identity; Enum's own hash runs Python code, and engines look
+    # an op up in a table on every call
+    __hash__ = object.__hash__
+
+
+_AVG = ReduceOp.AVG
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+
 
 class Work(ABC):
     """Handle of a non-blocking operation; ``wait()`` completes it (for ``irecv``: returns the source)."""
@@ -69,7 +77,7 @@ class CompletedWork(Work):
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return t.nbytes
 
 
 class CommunicationBackend(ABC):
@@ -90,6 +98,13 @@ class CommunicationBackend(ABC):
         self._rank = rank
         self._world_size = world_size
         self._stats = CommStats(parent=stats_parent)
+        # the hot collectives test the common case in one inline expression and call the checks only
+        # when it fails; an engine that adds checks of its own (NCCL: CUDA tensors only) always gets them
+        cls = type(self)
+        self._inline_checks = all(
+            getattr(cls, name) is getattr(CommunicationBackend, name)
+            for name in ("_check_tensor", "_check_op", "_check_reduce_scatter", "_check_all_gather")
+        )
 
     # ------------------------------------------------------------------ identity
     @property
@@ -120,13 +135,21 @@ class CommunicationBackend(ABC):
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         """Reduce ``tensor`` over all ranks, in place, on every rank."""
-        self._check_tensor(tensor, "all_reduce")
-        self._check_op(tensor, op, "all_reduce")
-        t0 = time.perf_counter()
+        if not (  # the common case in one expression; the checks below name what is wrong
+            self._inline_checks
+            and isinstance(tensor, torch.Tensor)
+            and tensor.dtype in _SUPPORTED
+            and tensor.is_contiguous()
+            and op.__class__ is ReduceOp
+            and (op is not _AVG or tensor.is_floating_point())
+        ):
+            self._check_tensor(tensor, "all_reduce")
+            self._check_op(tensor, op, "all_reduce")
+        t0 = perf_counter()
         self._all_reduce(tensor, op)
-        dt = time.perf_counter() - t0
-        p, n = self.world_size, _nbytes(tensor)
-        moved = 2 * (p - 1) * n // p
+        dt = perf_counter() - t0
+        p = self._world_size
+        moved = 2 * (p - 1) * tensor.nbytes // p
         self._stats.record("all_reduce", moved, moved, dt)
 
     # ------------------------------------------------------------------ non-blocking collectives
@@ -138,9 +161,9 @@ class CommunicationBackend(ABC):
         """
         self._check_tensor(tensor, "iall_reduce")
         self._check_op(tensor, op, "iall_reduce")
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         work = self._iall_reduce(tensor, op)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         p, n = self.world_size, _nbytes(tensor)
         moved = 2 * (p - 1) * n // p
         self._stats.record("all_reduce", moved, moved, dt)
@@ -149,9 +172,9 @@ class CommunicationBackend(ABC):
     def ireduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Non-blocking ``reduce_scatter`` (same contract); complete it with ``wait()``."""
         self._check_reduce_scatter(output, input, op)
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         work = self._ireduce_scatter(output, input, op)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         moved = (self.world_size - 1) * _nbytes(output)
         self._stats.record("reduce_scatter", moved, moved, dt)
         return work
@@ -159,9 +182,9 @@ class CommunicationBackend(ABC):
     def iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """Non-blocking ``all_gather`` (same contract); complete it with ``wait()``."""
         self._check_all_gather(output, input)
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         work = self._iall_gather(output, input)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         moved = (self.world_size - 1) * _nbytes(input)
         self._stats.record("all_gather", moved, moved, dt)
         return work
@@ -171,9 +194,9 @@ class CommunicationBackend(ABC):
         self._check_tensor(tensor, "reduce")
         self._check_root(dst, "reduce", "dst")
         self._check_op(tensor, op, "reduce")
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         self._reduce(tensor, dst, op)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         # chain (dst+1) -> (dst+2) -> ... -> dst: everyone but dst sends, everyone but the start receives
         p, n = self.world_size, _nbytes(tensor)
         start = (dst + 1) % p
@@ -185,9 +208,9 @@ class CommunicationBackend(ABC):
         """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
         self._check_tensor(tensor, "broadcast")
         self._check_root(src, "broadcast", "src")
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         self._broadcast(tensor, src)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         # chain src -> src+1 -> ... -> src-1: everyone but the last sends, everyone but src receives
         p, n = self.world_size, _nbytes(tensor)
         last = (src - 1) % p
@@ -197,20 +220,42 @@ class CommunicationBackend(ABC):
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         """``input`` holds ``world_size * output.numel()`` elements; rank r gets the reduced r-th chunk."""
-        self._check_reduce_scatter(output, input, op)
-        t0 = time.perf_counter()
+        if not (  # the common case in one expression; the checks below name what is wrong
+            self._inline_checks
+            and isinstance(output, torch.Tensor)
+            and isinstance(input, torch.Tensor)
+            and output.dtype is input.dtype
+            and output.dtype in _SUPPORTED
+            and output.is_contiguous()
+            and input.is_contiguous()
+            and input.numel() == self._world_size * output.numel()
+            and op.__class__ is ReduceOp
+            and (op is not _AVG or output.is_floating_point())
+        ):
+            self._check_reduce_scatter(output, input, op)
+        t0 = perf_counter()
         self._reduce_scatter(output, input, op)
-        dt = time.perf_counter() - t0
-        moved = (self.world_size - 1) * _nbytes(output)
+        dt = perf_counter() - t0
+        moved = (self._world_size - 1) * output.nbytes
         self._stats.record("reduce_scatter", moved, moved, dt)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``output`` receives ``world_size * input.numel()`` elements: every rank's input in rank order."""
-        self._check_all_gather(output, input)
-        t0 = time.perf_counter()
+        if not (  # the common case in one expression; the checks below name what is wrong
+            self._inline_checks
+            and isinstance(output, torch.Tensor)
+            and isinstance(input, torch.Tensor)
+            and output.dtype is input.dtype
+            and output.dtype in _SUPPORTED
+            and output.is_contiguous()
+            and input.is_contiguous()
+            and output.numel() == self._world_size * input.numel()
+        ):
+            self._check_all_gather(output, input)
+        t0 = perf_counter()
         self._all_gather(output, input)
-        dt = time.perf_counter() - t0
-        moved = (self.world_size - 1) * _nbytes(input)
+        dt = perf_counter() - t0
+        moved = (self._world_size - 1) * input.nbytes
         self._stats.record("all_gather", moved, moved, dt)
 
     def all_gather_v(self, input: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -220,9 +265,9 @@ class CommunicationBackend(ABC):
         All ranks must pass the same dtype.
         """
         self._check_tensor(input, "all_gather_v", "input")
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         output, counts = self._all_gather_v(input.reshape(-1))
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         # ring: rank r forwards every chunk but its successor's and receives every chunk but its own;
         # plus the exchange of the counts (one int64 per rank)
         p, es = self.world_size, input.element_size()
@@ -249,9 +294,9 @@ class CommunicationBackend(ABC):
             self._check_tensor(t, "all_to_all", f"inputs[{i}]")
         for i, t in enumerate(outputs):
             self._check_tensor(t, "all_to_all", f"outputs[{i}]")
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         self._all_to_all(list(outputs), list(inputs))
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         me = self.rank
         sent = sum(_nbytes(t) for j, t in enumerate(inputs) if j != me)
         received = sum(_nbytes(t) for i, t in enumerate(outputs) if i != me)
@@ -259,9 +304,9 @@ class CommunicationBackend(ABC):
 
     def barrier(self) -> None:
         """Wait until every rank reaches the barrier."""
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         self._barrier()
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         self._stats.record("barrier", 0, 0, dt)
 
     # ------------------------------------------------------------------ point-to-point
@@ -269,9 +314,9 @@ class CommunicationBackend(ABC):
         """Send ``tensor`` to ``dst``; messages between a pair with one tag arrive in order."""
         self._check_tensor(tensor, "send")
         self._check_peer(dst, "send", "dst")
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         self._send(tensor, dst, tag)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         self._stats.record("send", _nbytes(tensor), 0, dt)
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
@@ -279,9 +324,9 @@ class CommunicationBackend(ABC):
         self._check_tensor(tensor, "recv")
         if src is not None:
             self._check_peer(src, "recv", "src")
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         source = self._recv(tensor, src, tag)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         self._stats.record("recv", 0, _nbytes(tensor), dt)
         return source
 
@@ -289,9 +334,9 @@ class CommunicationBackend(ABC):
         """Non-blocking send; do not modify ``tensor`` until the handle's ``wait()`` returns."""
         self._check_tensor(tensor, "isend")
         self._check_peer(dst, "isend", "dst")
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         work = self._isend(tensor, dst, tag)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         self._stats.record("send", _nbytes(tensor), 0, dt)
         return work
 
@@ -300,9 +345,9 @@ class CommunicationBackend(ABC):
         self._check_tensor(tensor, "irecv")
         if src is not None:
             self._check_peer(src, "irecv", "src")
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         work = self._irecv(tensor, src, tag)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         self._stats.record("recv", 0, _nbytes(tensor), dt)
         return work
 
@@ -310,9 +355,9 @@ class CommunicationBackend(ABC):
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Return rank ``src``'s ``obj`` on every rank (pickled; only exchange trusted objects)."""
         self._check_root(src, "broadcast_object", "src")
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         result, nbytes = self._broadcast_object(obj, src)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         p = self.world_size
         sent = nbytes if (p > 1 and self.rank != (src - 1) % p) else 0
         received = nbytes if (p > 1 and self.rank != src) else 0
@@ -321,9 +366,9 @@ class CommunicationBackend(ABC):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Return every rank's ``obj`` in rank order."""
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         result, sizes = self._all_gather_object(obj)
-        dt = time.perf_counter() - t0
+        dt = perf_counter() - t0
         p, total = self.world_size, sum(sizes)
         sent = total - sizes[(self.rank + 1) % p] + 8 * (p - 1)
         received = total - sizes[self.rank] + 8 * (p - 1)
@@ -427,7 +472,7 @@ class CommunicationBackend(ABC):
     def _check_tensor(self, t: object, op: str, name: str = "tensor") -> None:
         if not isinstance(t, torch.Tensor):
             raise ArgumentTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
+        if t.dtype not in _SUPPORTED:
             raise ArgumentTypeError(
                 f"{op}: {name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
             )
@@ -437,8 +482,9 @@ class CommunicationBackend(ABC):
     def _check_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         self._check_tensor(output, "reduce_scatter", "output")
         self._check_tensor(input, "reduce_scatter", "input")
-        self._check_same_dtype(output, input, "reduce_scatter")
-        if input.numel() != self.world_size * output.numel():
+        if output.dtype != input.dtype:
+            self._check_same_dtype(output, input, "reduce_scatter")
+        if input.numel() != self._world_size * output.numel():
             raise ArgumentError(
                 f"reduce_scatter: input has {input.numel()} elements but needs world_size * "
                 f"output.numel() = {self.world_size} * {output.numel()} = "
@@ -449,8 +495,9 @@ class CommunicationBackend(ABC):
     def _check_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self._check_tensor(output, "all_gather", "output")
         self._check_tensor(input, "all_gather", "input")
-        self._check_same_dtype(output, input, "all_gather")
-        if output.numel() != self.world_size * input.numel():
+        if output.dtype != input.dtype:
+            self._check_same_dtype(output, input, "all_gather")
+        if output.numel() != self._world_size * input.numel():
             raise ArgumentError(
                 f"all_gather: output has {output.numel()} elements but needs world_size * "
                 f"input.numel() = {self.world_size} * {input.numel()} = "
@@ -471,9 +518,9 @@ class CommunicationBackend(ABC):
             raise ArgumentError(f"{op}: {name}={peer} is this rank itself; send to another rank")
 
     def _check_op(self, t: torch.Tensor, op: ReduceOp, where: str) -> None:
-        if not isinstance(op, ReduceOp):
+        if op.__class__ is not ReduceOp:
             raise ArgumentTypeError(f"{where}: op must be a dtlab.backends.ReduceOp, got {op!r}")
-        if op is ReduceOp.AVG and not (t.is_floating_point()):
+        if op is _AVG and not t.is_floating_point():
             raise ArgumentTypeError(
                 f"{where}: ReduceOp.AVG needs a floating-point tensor, got {t.dtype}; "
                 "use SUM and divide, or cast to float"

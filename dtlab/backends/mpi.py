@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MPIBackend"]
 
+_AVG = ReduceOp.AVG
+
 
 class MPIBackend(CommunicationBackend):
     """One rank of an MPI communicator (``MPI.COMM_WORLD`` unless ``comm`` is given).
@@ -68,8 +70,12 @@ class MPIBackend(CommunicationBackend):
         self._tag_ub = int(self._comm.Get_attr(mpi.TAG_UB) or 32767)
         self._fromaddress = mpi.buffer.fromaddress
         self._in_place = mpi.IN_PLACE
-        # dtypes MPI reduces as they are (bool needs logical ops, fp16/bf16 a float32 copy)
-        self._direct = {d: t for d, t in self._tables.types.items() if d is not torch.bool}
+        # the direct paths (blocking calls on CPU tensors, as little Python as possible): the dtypes MPI
+        # reduces as they are (bool needs logical ops, fp16/bf16 a float32 copy); none with a timeout
+        self._direct = (
+            {d: t for d, t in self._tables.types.items() if d is not torch.bool} if timeout is None else {}
+        )
+        self._ops = self._tables.ops
 
     @property
     def device(self) -> torch.device:
@@ -142,12 +148,12 @@ class MPIBackend(CommunicationBackend):
 
     # ------------------------------------------------------------------ reductions
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
-        mtype = self._direct.get(tensor.dtype) if self._timeout is None and tensor.is_cpu else None
-        if mtype is not None:  # the common case, with as little Python as possible
+        mtype = self._direct.get(tensor.dtype)
+        if mtype is not None and tensor.is_cpu:  # the common case
             buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), mtype]
-            self._comm.Allreduce(self._in_place, buf, self._tables.ops[op])
-            if op is ReduceOp.AVG:
-                tensor.div_(self.world_size)
+            self._comm.Allreduce(self._in_place, buf, self._ops[op])
+            if op is _AVG:
+                tensor.div_(self._world_size)
             return
         work = self._reducible(tensor)
         spec, mop = self._typed(work, op)
@@ -186,8 +192,8 @@ class MPIBackend(CommunicationBackend):
             tensor.copy_(work)
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
-        mtype = self._direct.get(input.dtype) if self._timeout is None and input.is_cpu else None
-        if mtype is not None and output.is_cpu:
+        mtype = self._direct.get(input.dtype)
+        if mtype is not None and input.is_cpu and output.is_cpu:
             fa, o, i, on, n = (
                 self._fromaddress,
                 output.data_ptr(),
@@ -196,9 +202,9 @@ class MPIBackend(CommunicationBackend):
                 input.nbytes,
             )
             if o + on <= i or i + n <= o:  # no overlap (MPI forbids aliasing send and receive buffers)
-                self._comm.Reduce_scatter_block([fa(i, n), mtype], [fa(o, on), mtype], self._tables.ops[op])
-                if op is ReduceOp.AVG:
-                    output.div_(self.world_size)
+                self._comm.Reduce_scatter_block([fa(i, n), mtype], [fa(o, on), mtype], self._ops[op])
+                if op is _AVG:
+                    output.div_(self._world_size)
                 return
         self._start_reduce_scatter(output, input, op, blocking=True)
 

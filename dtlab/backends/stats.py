@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class OpStats:
     calls: int = 0
     bytes_sent: int = 0
@@ -23,11 +23,14 @@ class CommStats:
         self._lock = threading.Lock()
 
     def record(self, kind: str, sent: int, received: int, seconds: float = 0.0) -> None:
+        """Count one call of ``kind`` (on every call of every operation: kept to a few attribute adds)."""
         with self._lock:
-            s = self._ops.setdefault(kind, OpStats())
+            s = self._ops.get(kind)
+            if s is None:
+                s = self._ops[kind] = OpStats()
             s.calls += 1
-            s.bytes_sent += int(sent)
-            s.bytes_received += int(received)
+            s.bytes_sent += sent
+            s.bytes_received += received
             s.seconds += seconds
         if self._parent is not None:
             self._parent.record(kind, sent, received, seconds)

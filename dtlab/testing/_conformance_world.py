@@ -216,6 +216,21 @@ def check_bad_arguments(backend: CommunicationBackend) -> None:
         ReduceOp.AVG,
     )
     _expect_error(pr, "all_reduce of a list", TypeError, backend.all_reduce, [1.0])
+    _expect_error(pr, "all_reduce with op='sum'", TypeError, backend.all_reduce, f, "sum")
+    strided = torch.zeros(4, 2, device=dev).t()
+    _expect_error(pr, "all_reduce of a non-contiguous tensor", ValueError, backend.all_reduce, strided)
+    cplx = torch.zeros(2, dtype=torch.complex64, device=dev)
+    _expect_error(pr, "all_reduce of complex64", TypeError, backend.all_reduce, cplx)
+    _expect_error(
+        pr,
+        "reduce_scatter from float64 into float32",
+        TypeError,
+        backend.reduce_scatter,
+        f,
+        torch.zeros(3 * p, dtype=torch.float64, device=dev),
+    )
+    gathered = torch.zeros(8 * p, device=dev)
+    _expect_error(pr, "all_gather of a strided input", ValueError, backend.all_gather, gathered, strided)
     _expect_error(
         pr, "all_to_all with too few tensors", ValueError, backend.all_to_all, [f] * (p + 1), [f] * (p + 1)
     )
