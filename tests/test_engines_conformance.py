@@ -118,6 +118,30 @@ def _nccl_refuses_cpu(b: CommunicationBackend) -> None:
             raise AssertionError("NCCLBackend accepted a CPU tensor")
 
 
+def _mpi_cuda_awareness(b: CommunicationBackend) -> None:
+    """MPIBackend asks the library whether it is CUDA-aware; MPICH answers the same through its other
+    query, MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA = 0, &flag). An explicit choice wins."""
+    import ctypes
+
+    from mpi4py import MPI
+
+    from dtlab.backends import MPIBackend
+
+    assert isinstance(b, MPIBackend)
+    lib = ctypes.CDLL(MPI.__file__)
+    if hasattr(lib, "MPIX_GPU_query_support"):  # MPICH
+        flag = ctypes.c_int(-1)
+        if lib.MPIX_GPU_query_support(0, ctypes.byref(flag)) != 0 or b.cuda_aware != bool(flag.value):
+            raise AssertionError(f"cuda_aware={b.cuda_aware}, MPIX_GPU_query_support says {flag.value}")
+    for choice in (True, False):
+        if MPIBackend(b.comm, cuda_aware=choice).cuda_aware is not choice:
+            raise AssertionError(f"MPIBackend(cuda_aware={choice}) was not taken")
+    g = b.new_group(list(range(b.world_size)))
+    if g is None or g.cuda_aware != b.cuda_aware:  # type: ignore[attr-defined]
+        raise AssertionError("a group of an MPIBackend does not keep its cuda_aware")
+    g.close()
+
+
 def engine_world(b: CommunicationBackend, engine: str) -> dict[str, str | None]:
     """Everything one world checks; returns ``{check: None or failure}`` (same keys on every rank)."""
     results = dict(run_conformance(b))
@@ -128,6 +152,7 @@ def engine_world(b: CommunicationBackend, engine: str) -> dict[str, str | None]:
     if engine == "gloo":
         _expect(results, "engine:nccl_refuses_cpu", lambda: _nccl_refuses_cpu(b))
     if engine == "mpi":  # the same suite again with a timeout: every operation non-blocking and polled
+        _expect(results, "engine:mpi_cuda_awareness", lambda: _mpi_cuda_awareness(b))
         from dtlab.backends import MPIBackend
 
         polled = MPIBackend(b.comm.Dup(), timeout=60)  # type: ignore[attr-defined]

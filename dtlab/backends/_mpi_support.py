@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,21 @@ def _import_mpi() -> Any:
             "MPIBackend needs mpi4py and an MPI library: pip install 'dtlab[mpi]' (or mpi4py mpich)"
         ) from exc
     return MPI
+
+
+def query_cuda_support(mpi: Any) -> bool:
+    """Whether the MPI library reads and writes CUDA memory itself, as the library says at run time.
+
+    ``MPIX_Query_cuda_support()`` is Open MPI's extension, also provided by MPICH >= 4; it is looked
+    up in the MPI library that mpi4py loaded. False when the library has no such function (then CUDA
+    tensors are staged through host memory, which works with any MPI).
+    """
+    try:
+        query = ctypes.CDLL(mpi.__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError, TypeError):
+        return False
+    query.restype, query.argtypes = ctypes.c_int, []
+    return bool(query())
 
 
 class _Buffers:

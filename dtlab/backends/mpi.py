@@ -10,8 +10,9 @@ lacks is bridged explicitly:
 * ``bool`` maps to ``MPI.C_BOOL``; SUM/MAX reduce with logical or, MIN/PRODUCT with logical and
   (what ``torch`` does on bool tensors).
 * ``ReduceOp.AVG`` is SUM followed by a division by the group size.
-* CUDA tensors go to MPI directly (``__cuda_array_interface__``) when ``cuda_aware=True`` (an MPI
-  built with CUDA support); otherwise they are staged through host memory, one copy each way.
+* CUDA tensors go to MPI directly (``__cuda_array_interface__``) when the MPI library is CUDA-aware
+  (``cuda_aware=None``, the default, asks it: ``MPIX_Query_cuda_support()``; True/False decide);
+  otherwise they are staged through host memory, one copy each way.
 
 Timeouts: with ``timeout=None`` (the default) blocking calls are MPI's blocking calls and a dead peer
 is the launcher's business — MPICH's ``mpiexec`` (Hydra) and Open MPI's ``mpirun`` kill the remaining
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dtlab.backends._mpi_support import _STAGED_REDUCTION, _Buffers, _import_mpi, _MPIWork
+from dtlab.backends._mpi_support import _STAGED_REDUCTION, _Buffers, _import_mpi, _MPIWork, query_cuda_support
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 from dtlab.errors import ArgumentError, CollectiveMismatchError, CollectiveTimeoutError
 
@@ -45,7 +46,8 @@ class MPIBackend(CommunicationBackend):
 
     ``timeout`` (seconds, or None for MPI's own blocking behaviour) bounds every operation;
     ``device`` is where this rank's tensors live (``cpu`` or ``cuda:i``); ``cuda_aware`` says the
-    MPI library reads CUDA memory itself (otherwise CUDA tensors are staged through host memory).
+    MPI library reads CUDA memory itself (None: ask the library; otherwise CUDA tensors are staged
+    through host memory).
     """
 
     def __init__(
@@ -54,7 +56,7 @@ class MPIBackend(CommunicationBackend):
         *,
         timeout: float | None = None,
         device: str | torch.device = "cpu",
-        cuda_aware: bool = False,
+        cuda_aware: bool | None = None,
         stats_parent: Any = None,
     ) -> None:
         mpi = _import_mpi()
@@ -65,7 +67,7 @@ class MPIBackend(CommunicationBackend):
         super().__init__(self._comm.Get_rank(), self._comm.Get_size(), stats_parent=stats_parent)
         self._timeout = timeout
         self._device = torch.device(device)
-        self._cuda_aware = cuda_aware
+        self._cuda_aware = query_cuda_support(mpi) if cuda_aware is None else bool(cuda_aware)
         self._tables = _Buffers(mpi)
         self._tag_ub = int(self._comm.Get_attr(mpi.TAG_UB) or 32767)
         self._fromaddress = mpi.buffer.fromaddress
@@ -89,6 +91,11 @@ class MPIBackend(CommunicationBackend):
     @property
     def timeout(self) -> float | None:
         return self._timeout
+
+    @property
+    def cuda_aware(self) -> bool:
+        """True when CUDA tensors go to MPI directly, False when they are staged through host memory."""
+        return self._cuda_aware
 
     # ------------------------------------------------------------------ buffers
     def _host(self, t: torch.Tensor) -> torch.Tensor:
