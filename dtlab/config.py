@@ -76,6 +76,10 @@ class StrategyConfig(_Section):
     reshard_after_forward: bool = True
     #: ZeRO-3/FSDP: all-gather the next unit while the current one computes
     prefetch: bool = True
+    #: ZeRO-1: reduce-scatter the gradient buckets (each rank gets the average of its shard,
+    #: 2(P-1)/P per step with the parameter all-gather) or all-reduce them (every rank gets the
+    #: whole average, 3(P-1)/P)
+    gradient_sync: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
 
     @property
     def optimizer_name(self) -> str:

@@ -20,6 +20,7 @@ from dtlab.errors import RankFailedError
 from dtlab.testing import run_world
 from dtlab.trainers import NonFiniteError, Task, Trainer, run_training
 from dtlab.trainers.models import DigitsCNN
+from dtlab.trainers.tasks import build_task
 
 TINY = [
     "backend.name=inmemory",
@@ -249,3 +250,27 @@ def test_clipping_uses_the_global_norm_under_every_strategy(tmp_path: Path) -> N
     assert norms["ddp"][0] > 0.5  # clipping is active
     for strategy in ("zero2", "zero3", "fsdp"):  # sharded gradients: the same global norm as DDP
         assert norms[strategy] == pytest.approx(norms["ddp"], rel=1e-4), strategy
+
+
+def test_zero1_gradient_sync_from_the_config_trains_alike_with_fewer_bytes(tmp_path: Path) -> None:
+    sent, losses = {}, {}
+    for mode in ("reduce_scatter", "all_reduce"):
+        run = tmp_path / mode
+        cfg = _cfg(
+            tmp_path,
+            "strategy.model=zero1",
+            f"strategy.gradient_sync={mode}",
+            "train.steps=4",
+            "logging.log_every=4",
+            f"logging.run_dir={run}",
+        )
+        losses[mode] = run_training(cfg)[0].losses
+        rec = [_no_nan(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        sent[mode] = rec[-1]["bytes_sent_per_rank"][0]
+    for (s1, x1), (s2, x2) in zip(losses["reduce_scatter"], losses["all_reduce"], strict=True):
+        assert s1 == s2 and x1 == pytest.approx(x2, rel=1e-5)
+    # per step: reduce-scatter + all-gather = 2(P-1)/P of the gradient bytes, against all-reduce +
+    # all-gather = 3(P-1)/P; the rest of the traffic (loss, guard) is the same in both runs
+    task = build_task(_cfg(tmp_path))
+    grad_bytes = 4 * sum(p.numel() for p in task.build_model().parameters())
+    assert sent["all_reduce"] - sent["reduce_scatter"] == pytest.approx(4 * 3 / 4 * grad_bytes, rel=0.01)

@@ -39,6 +39,8 @@ def build_model_strategy(
     s = config.strategy
     if name in ("ddp", "zero1", "zero2"):
         kwargs["bucket_cap_mb"] = s.bucket_mb
+    if name == "zero1":
+        kwargs["gradient_sync"] = s.gradient_sync
     if name == "zero3":
         kwargs.update(persistence_threshold=s.persistence_threshold, prefetch=s.prefetch)
     if name == "fsdp":
