@@ -4,6 +4,7 @@ with a GPU. One spawned world per (engine, size) runs every check plus the engin
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from dtlab.backends import CommunicationBackend, ReduceOp
-from dtlab.testing import spawn_world
+from dtlab.testing import run_world, spawn_world
 from dtlab.testing.conformance import Case, ConformanceCases, SizesCase, run_cases, run_conformance
 from dtlab.testing.strategies import collective_cases, sizes_cases
 
@@ -142,9 +143,40 @@ def _mpi_cuda_awareness(b: CommunicationBackend) -> None:
     g.close()
 
 
-def engine_world(b: CommunicationBackend, engine: str) -> dict[str, str | None]:
-    """Everything one world checks; returns ``{check: None or failure}`` (same keys on every rank)."""
-    results = dict(run_conformance(b))
+def counted_workload(b: CommunicationBackend) -> dict[str, dict[str, int]]:
+    """One call of every kind (odd sizes, several dtypes, a group), then this rank's counters."""
+    p, me, dev = b.world_size, b.rank, b.device
+    b.barrier()
+    b.stats.reset()
+    b.all_reduce(torch.ones(10, device=dev))
+    b.iall_reduce(torch.ones(7, dtype=torch.float64, device=dev)).wait()
+    b.reduce_scatter(torch.zeros(3, device=dev), torch.ones(3 * p, device=dev))
+    b.all_gather(
+        torch.zeros(5 * p, dtype=torch.int32, device=dev), torch.ones(5, dtype=torch.int32, device=dev)
+    )
+    b.broadcast(torch.ones(6, dtype=torch.bfloat16, device=dev), p - 1)
+    b.reduce(torch.ones(6, device=dev), 0)
+    b.all_gather_v(torch.ones(2 * me + 1, device=dev))
+    outs = [torch.zeros(i + me + 1, device=dev) for i in range(p)]
+    b.all_to_all(outs, [torch.ones(me + j + 1, device=dev) for j in range(p)])
+    if p > 1:
+        work = b.isend(torch.ones(9, dtype=torch.int64, device=dev), (me + 1) % p, tag=4)
+        b.recv(torch.zeros(9, dtype=torch.int64, device=dev), (me - 1) % p, tag=4)
+        work.wait()
+    b.broadcast_object({"from": list(range(me))}, 0)
+    b.all_gather_object("x" * me)
+    group = b.new_group(list(reversed(range(p))))
+    if group is not None:
+        group.all_reduce(torch.ones(4, device=dev))
+    b.barrier()
+    return b.stats.snapshot()
+
+
+def engine_world(b: CommunicationBackend, engine: str) -> dict[str, Any]:
+    """Everything one world checks: ``{check: None or failure}`` (same keys on every rank), plus the
+    backend's class name and :func:`counted_workload`'s counters."""
+    results: dict[str, Any] = dict(run_conformance(b))
+    results["counters"] = counted_workload(b)
     _expect(results, "engine:aliasing", lambda: _aliasing(b))
     _expect(results, "engine:nonblocking_avg", lambda: _nonblocking_avg(b))
     _expect(results, "engine:nested_groups", lambda: _nested_groups(b))
@@ -166,8 +198,12 @@ def engine_world(b: CommunicationBackend, engine: str) -> dict[str, str | None]:
 def test_conformance_on_engine(engine: str, size: int) -> None:
     per_rank = spawn_world(size, engine_world, engine, backend=engine, timeout=150)
     want = {"gloo": "GlooBackend", "mpi": "MPIBackend"}[engine]
+    in_memory = run_world(size, counted_workload, timeout=30)
     for rank, results in enumerate(per_rank):
         assert results.pop("backend") == want
+        # the same calls give the same counts as on the in-memory backend, kind by kind
+        assert results.pop("counters") == in_memory[rank], (engine, size, rank)
+        assert len(in_memory[rank]) == 12 and in_memory[rank]["all_reduce"]["calls"] == 3, in_memory[rank]
         failed = {k: v for k, v in results.items() if v is not None}
         assert not failed, f"{engine} x{size}, rank {rank}: {failed}"
         assert len(results) >= 18
