@@ -2,13 +2,12 @@
 
 Public methods validate their arguments, call the engine (the ``_``-prefixed methods a concrete
 backend implements) and record what this rank sent and received in :attr:`CommunicationBackend.stats`.
-Validation and byte accounting live here, once, so every engine reports the same numbers for the
-same call.
+Validation (the ``_check_*`` methods, in ``_checks.py``) and byte accounting live here, once, so
+every engine reports the same numbers for the same call.
 """
 
 from __future__ import annotations
 
-import enum
 import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -17,70 +16,19 @@ from typing import Any
 
 import torch
 
+from dtlab.backends._checks import _AVG, _SUPPORTED, ArgumentChecks
 from dtlab.backends.stats import CommStats
-from dtlab.errors import ArgumentError, ArgumentTypeError
+from dtlab.backends.types import SUPPORTED_DTYPES, CompletedWork, ReduceOp, Work
+from dtlab.errors import ArgumentError
 
-__all__ = ["CommunicationBackend", "ReduceOp", "Work", "CompletedWork"]
-
-SUPPORTED_DTYPES = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.int8,
-    torch.bool,
-)
-
-
-class ReduceOp(enum.Enum):
-    """Reduction applied by ``all_reduce``, ``reduce`` and ``reduce_scatter``."""
-
-    SUM = "sum"
-    AVG = "avg"
-    MAX = "max"
-    MIN = "min"
-    PRODUCT = "product"
-
-    # members are singletons compared by identity; Enum's own hash runs Python code, and engines look
-    # an op up in a table on every call
-    __hash__ = object.__hash__
-
-
-_AVG = ReduceOp.AVG
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
-
-
-class Work(ABC):
-    """Handle of a non-blocking operation; ``wait()`` completes it (for ``irecv``: returns the source)."""
-
-    @abstractmethod
-    def wait(self) -> int | None: ...
-
-    def is_completed(self) -> bool:
-        return False
-
-
-class CompletedWork(Work):
-    """A handle for an operation that already finished."""
-
-    def __init__(self, result: int | None = None) -> None:
-        self._result = result
-
-    def wait(self) -> int | None:
-        return self._result
-
-    def is_completed(self) -> bool:
-        return True
+__all__ = ["SUPPORTED_DTYPES", "CommunicationBackend", "CompletedWork", "ReduceOp", "Work"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.nbytes
 
 
-class CommunicationBackend(ABC):
+class CommunicationBackend(ArgumentChecks, ABC):
     """Collectives, point-to-point and object exchange among ``world_size`` ranks.
 
     Vocabulary and in-place contracts follow ``torch.distributed``. Byte counters follow the ring
@@ -388,7 +336,7 @@ class CommunicationBackend(ABC):
             raise ArgumentError(f"new_group: ranks {bad} are outside [0, {self.world_size}) of this backend")
         return self._new_group(members)
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release engine resources (optional)."""
 
     # ------------------------------------------------------------------ engine hooks
@@ -467,61 +415,3 @@ class CommunicationBackend(ABC):
             out.append(pickle.loads(data[offset : offset + c]))
             offset += c
         return out, counts
-
-    # ------------------------------------------------------------------ validation
-    def _check_tensor(self, t: object, op: str, name: str = "tensor") -> None:
-        if not isinstance(t, torch.Tensor):
-            raise ArgumentTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _SUPPORTED:
-            raise ArgumentTypeError(
-                f"{op}: {name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
-            )
-        if not t.is_contiguous():
-            raise ArgumentError(f"{op}: {name} must be contiguous (call .contiguous() first)")
-
-    def _check_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
-        self._check_tensor(output, "reduce_scatter", "output")
-        self._check_tensor(input, "reduce_scatter", "input")
-        if output.dtype != input.dtype:
-            self._check_same_dtype(output, input, "reduce_scatter")
-        if input.numel() != self._world_size * output.numel():
-            raise ArgumentError(
-                f"reduce_scatter: input has {input.numel()} elements but needs world_size * "
-                f"output.numel() = {self.world_size} * {output.numel()} = "
-                f"{self.world_size * output.numel()}; pad the input to a multiple of the world size"
-            )
-        self._check_op(output, op, "reduce_scatter")
-
-    def _check_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._check_tensor(output, "all_gather", "output")
-        self._check_tensor(input, "all_gather", "input")
-        if output.dtype != input.dtype:
-            self._check_same_dtype(output, input, "all_gather")
-        if output.numel() != self._world_size * input.numel():
-            raise ArgumentError(
-                f"all_gather: output has {output.numel()} elements but needs world_size * "
-                f"input.numel() = {self.world_size} * {input.numel()} = "
-                f"{self.world_size * input.numel()}"
-            )
-
-    def _check_same_dtype(self, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
-        if a.dtype != b.dtype:
-            raise ArgumentTypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}")
-
-    def _check_root(self, root: int, op: str, name: str) -> None:
-        if not isinstance(root, int) or not 0 <= root < self.world_size:
-            raise ArgumentError(f"{op}: {name}={root} is out of range [0, {self.world_size})")
-
-    def _check_peer(self, peer: int, op: str, name: str) -> None:
-        self._check_root(peer, op, name)
-        if peer == self.rank:
-            raise ArgumentError(f"{op}: {name}={peer} is this rank itself; send to another rank")
-
-    def _check_op(self, t: torch.Tensor, op: ReduceOp, where: str) -> None:
-        if op.__class__ is not ReduceOp:
-            raise ArgumentTypeError(f"{where}: op must be a dtlab.backends.ReduceOp, got {op!r}")
-        if op is _AVG and not t.is_floating_point():
-            raise ArgumentTypeError(
-                f"{where}: ReduceOp.AVG needs a floating-point tensor, got {t.dtype}; "
-                "use SUM and divide, or cast to float"
-            )

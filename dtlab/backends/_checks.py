@@ -1,0 +1,79 @@
+"""Argument checks of :class:`~dtlab.backends.base.CommunicationBackend`: every public operation
+validates its arguments here before any communication, and raises :class:`ArgumentError` /
+:class:`ArgumentTypeError` naming the values and the fix."""
+
+from __future__ import annotations
+
+import torch
+
+from dtlab.backends.types import SUPPORTED_DTYPES, ReduceOp
+from dtlab.errors import ArgumentError, ArgumentTypeError
+
+__all__ = ["ArgumentChecks"]
+
+_AVG = ReduceOp.AVG
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+
+
+class ArgumentChecks:
+    """The ``_check_*`` methods (a mixin of ``CommunicationBackend``; an engine may extend them)."""
+
+    _rank: int
+    _world_size: int
+
+    def _check_tensor(self, t: object, op: str, name: str = "tensor") -> None:
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _SUPPORTED:
+            raise ArgumentTypeError(
+                f"{op}: {name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+            )
+        if not t.is_contiguous():
+            raise ArgumentError(f"{op}: {name} must be contiguous (call .contiguous() first)")
+
+    def _check_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
+        self._check_tensor(output, "reduce_scatter", "output")
+        self._check_tensor(input, "reduce_scatter", "input")
+        if output.dtype != input.dtype:
+            self._check_same_dtype(output, input, "reduce_scatter")
+        if input.numel() != self._world_size * output.numel():
+            raise ArgumentError(
+                f"reduce_scatter: input has {input.numel()} elements but needs world_size * "
+                f"output.numel() = {self._world_size} * {output.numel()} = "
+                f"{self._world_size * output.numel()}; pad the input to a multiple of the world size"
+            )
+        self._check_op(output, op, "reduce_scatter")
+
+    def _check_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._check_tensor(output, "all_gather", "output")
+        self._check_tensor(input, "all_gather", "input")
+        if output.dtype != input.dtype:
+            self._check_same_dtype(output, input, "all_gather")
+        if output.numel() != self._world_size * input.numel():
+            raise ArgumentError(
+                f"all_gather: output has {output.numel()} elements but needs world_size * "
+                f"input.numel() = {self._world_size} * {input.numel()} = "
+                f"{self._world_size * input.numel()}"
+            )
+
+    def _check_same_dtype(self, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+        if a.dtype != b.dtype:
+            raise ArgumentTypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}")
+
+    def _check_root(self, root: int, op: str, name: str) -> None:
+        if not isinstance(root, int) or not 0 <= root < self._world_size:
+            raise ArgumentError(f"{op}: {name}={root} is out of range [0, {self._world_size})")
+
+    def _check_peer(self, peer: int, op: str, name: str) -> None:
+        self._check_root(peer, op, name)
+        if peer == self._rank:
+            raise ArgumentError(f"{op}: {name}={peer} is this rank itself; send to another rank")
+
+    def _check_op(self, t: torch.Tensor, op: ReduceOp, where: str) -> None:
+        if op.__class__ is not ReduceOp:
+            raise ArgumentTypeError(f"{where}: op must be a dtlab.backends.ReduceOp, got {op!r}")
+        if op is _AVG and not t.is_floating_point():
+            raise ArgumentTypeError(
+                f"{where}: ReduceOp.AVG needs a floating-point tensor, got {t.dtype}; "
+                "use SUM and divide, or cast to float"
+            )

@@ -1,0 +1,60 @@
+"""The vocabulary of the interface: :class:`ReduceOp`, the handles of non-blocking operations
+(:class:`Work`), and the tensor dtypes every backend accepts. Re-exported by :mod:`dtlab.backends.base`."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+
+import torch
+
+__all__ = ["SUPPORTED_DTYPES", "CompletedWork", "ReduceOp", "Work"]
+
+SUPPORTED_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.int8,
+    torch.bool,
+)
+
+
+class ReduceOp(enum.Enum):
+    """Reduction applied by ``all_reduce``, ``reduce`` and ``reduce_scatter``."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    PRODUCT = "product"
+
+    # members are singletons compared by identity; Enum's own hash runs Python code, and engines look
+    # an op up in a table on every call
+    __hash__ = object.__hash__
+
+
+class Work(ABC):
+    """Handle of a non-blocking operation; ``wait()`` completes it (for ``irecv``: returns the source)."""
+
+    @abstractmethod
+    def wait(self) -> int | None: ...
+
+    def is_completed(self) -> bool:
+        return False
+
+
+class CompletedWork(Work):
+    """A handle for an operation that already finished."""
+
+    def __init__(self, result: int | None = None) -> None:
+        self._result = result
+
+    def wait(self) -> int | None:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
