@@ -40,6 +40,7 @@ from dtlab.compression import (
     Dense,
     GaussianK,
     GTopk,
+    NonFiniteGradientError,
     OkTopk,
     PowerSGD,
     RandomK,
@@ -81,7 +82,8 @@ def digits_task() -> dict[str, Any]:
         nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 10),
     )  # fmt: skip
-    return {"net": net, "train": (x[:1437], y[:1437]), "test": (x[1437:], y[1437:]), "batch": 64, "lr": 0.05}
+    train, test = (x[:1437], y[:1437]), (x[1437:], y[1437:])
+    return {"net": net, "train": train, "test": test, "batch": 64, "lr": 0.05, "momentum": 0.9}
 
 
 def lm_task(max_bytes: int = 300_000, seq: int = 64) -> dict[str, Any]:
@@ -98,6 +100,7 @@ def lm_task(max_bytes: int = 300_000, seq: int = 64) -> dict[str, Any]:
         "test": (inputs[cut:], targets[cut:]),
         "batch": 32,
         "lr": 0.5,
+        "momentum": 0.9,
     }
 
 
@@ -122,24 +125,31 @@ def train_rank(
     backend: CommunicationBackend, task: dict[str, Any], name: str, density: float, epochs: int, warmup: int
 ) -> dict[str, Any]:
     net = copy.deepcopy(task["net"])
-    inner = DDPOptimizer(DDPModel(net, backend), torch.optim.SGD, lr=task["lr"], momentum=0.9)
+    inner = DDPOptimizer(DDPModel(net, backend), torch.optim.SGD, lr=task["lr"], momentum=task["momentum"])
     opt = GradientCompressionOptimizer(inner, make(name, density, warmup), dense_below=0)
     loss_fn = lm_loss if isinstance(net, ByteGRU) else nn.functional.cross_entropy
     x, y = task["train"]
     gb, p, r = task["batch"], backend.world_size, backend.rank
     per = gb // p
     losses, densities, sent = [], [], []
+    diverged: int | None = None
     for epoch in range(epochs):
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
         for start in range(0, len(y) - gb + 1, gb):
             idx = order[start + r * per : start + (r + 1) * per]
             opt.zero_grad()
-            losses.append(float(opt.model.train_step((x[idx], y[idx]), loss_fn)))
+            try:
+                losses.append(float(opt.model.train_step((x[idx], y[idx]), loss_fn)))
+            except NonFiniteGradientError:  # every rank raises it at the same step (counts all-reduced)
+                diverged = len(losses)
+                break
             opt.step()
             densities.append(opt.statistics.get("density", opt.statistics.get("local_density", 1.0)))
             sent.append(opt.statistics.get("bytes_sent", 0))
-    out: dict[str, Any] = {"losses": losses, "density": densities, "bytes_sent": sent}
-    if r == 0:
+        if diverged is not None:
+            break
+    out: dict[str, Any] = {"losses": losses, "density": densities, "bytes_sent": sent, "diverged": diverged}
+    if r == 0 and diverged is None:
         tx, ty = task["test"]
         with torch.no_grad():
             logits = net(tx)
@@ -152,6 +162,10 @@ def train_rank(
 
 def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     task = digits_task() if task_name == "digits" else lm_task()
+    if args.lr is not None:
+        task["lr"] = args.lr
+    if args.momentum is not None:
+        task["momentum"] = args.momentum
     epochs = args.epochs if args.epochs is not None else (30 if task_name == "digits" else 3)
     runs = [("dense", 1.0)]
     runs += [(a, d) for d in args.densities for a in [*SPARSE, *SPARSE_EXTRA] if a in args.algorithms]
@@ -165,14 +179,16 @@ def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         row = {
             "task": task_name, "algorithm": name, "density": density, "losses": losses,
             "final": res[0].get("accuracy", res[0].get("perplexity")),
+            "diverged_at": res[0]["diverged"],
             "mean_selected_density": sum(dens) / max(1, len(dens)),
             "mean_bytes_sent": sum(res[0]["bytes_sent"][args.warmup :]) / max(1, len(dens)),
             "seconds": time.time() - t0,
         }  # fmt: skip
         rows.append(row)
         metric = "accuracy %" if task_name == "digits" else "perplexity"
+        final = "diverged" if row["final"] is None else f"{row['final']:.3f}"
         print(
-            f"{task_name} {name:9s} density {density:<5} {metric} {row['final']:.3f}  "
+            f"{task_name} {name:9s} density {density:<5} {metric} {final}  "
             f"(selected {row['mean_selected_density']:.4f}, {row['seconds']:.0f}s)",
             flush=True,
         )
@@ -200,12 +216,18 @@ def plot(rows: list[dict[str, Any]], task: str, path: Path) -> None:
                 for i in range(len(ls))
             ]
             label = r["algorithm"] if r["density"] == 1.0 else f"{r['algorithm']} ({d:.0%})"
+            if r.get("diverged_at") is not None:
+                label += f", diverged at {r['diverged_at']}"
             style = "-" if r["algorithm"] in ("dense", "oktopk") else "--"
             ax.plot(smooth, style, label=label, linewidth=2 if r["algorithm"] in ("dense", "oktopk") else 1)
         ax.set_title(f"{task}: training loss, density {d:.0%} (moving average of 20 steps)")
         ax.set_xlabel("iteration")
         ax.set_ylabel("loss")
         ax.set_yscale("log")
+        # a diverging run would stretch the axis over dozens of decades: cap it at 3x the first loss
+        first = [r["losses"][0] for r in rows if r["task"] == task and r["losses"]]
+        if first:
+            ax.set_ylim(top=3 * max(first))
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -219,6 +241,8 @@ def main() -> None:
     ap.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.02])
     ap.add_argument("--algorithms", nargs="+", default=[*SPARSE, *SPARSE_EXTRA, *OTHERS])
     ap.add_argument("--epochs", type=int, default=None, help="default: 30 (digits), 3 (lm)")
+    ap.add_argument("--lr", type=float, default=None, help="default: 0.05 (digits), 0.5 (lm)")
+    ap.add_argument("--momentum", type=float, default=None, help="SGD momentum; default 0.9")
     ap.add_argument("--warmup", type=int, default=20, help="dense warm-up iterations, every compressor")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/img"))
     ap.add_argument(
@@ -238,12 +262,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         dense = next(d for d in rows if d["task"] == r["task"] and d["algorithm"] == "dense")
-        if r["task"] == "digits":
-            diff = f"{r['final'] - dense['final']:+.2f} points"
+        if r["final"] is None:
+            final, diff = f"diverged (non-finite gradients at iteration {r['diverged_at']})", "-"
+        elif r["task"] == "digits":
+            final, diff = f"{r['final']:.3f}", f"{r['final'] - dense['final']:+.2f} points"
         else:
-            diff = f"{(r['final'] / dense['final'] - 1) * 100:+.2f}%"
+            final, diff = f"{r['final']:.3f}", f"{(r['final'] / dense['final'] - 1) * 100:+.2f}%"
         print(
-            f"| {r['task']} | {r['algorithm']} | {r['density']} | {r['final']:.3f} | {diff} | "
+            f"| {r['task']} | {r['algorithm']} | {r['density']} | {final} | {diff} | "
             f"{r['mean_selected_density']:.4f} | {r['mean_bytes_sent']:.0f} |"
         )
     if args.json is not None:
