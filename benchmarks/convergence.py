@@ -57,7 +57,9 @@ SPARSE_EXTRA = {"randomk": RandomK}
 OTHERS = ["qsgd", "powersgd", "fp16"]
 
 
-def make(name: str, density: float, warmup: int) -> Compressor:
+def make(name: str, density: float, warmup: int, tau: int | None = None) -> Compressor:
+    if name == "oktopk" and tau is not None:
+        return OkTopk(density=density, warmup_steps=warmup, tau=tau, tau_prime=2 * tau)
     if name in SPARSE or name in SPARSE_EXTRA:
         return {**SPARSE, **SPARSE_EXTRA}[name](density=density, warmup_steps=warmup)  # type: ignore[no-any-return]
     return {
@@ -126,7 +128,7 @@ def train_rank(
 ) -> dict[str, Any]:
     net = copy.deepcopy(task["net"])
     inner = DDPOptimizer(DDPModel(net, backend), torch.optim.SGD, lr=task["lr"], momentum=task["momentum"])
-    opt = GradientCompressionOptimizer(inner, make(name, density, warmup), dense_below=0)
+    opt = GradientCompressionOptimizer(inner, make(name, density, warmup, task.get("tau")), dense_below=0)
     loss_fn = lm_loss if isinstance(net, ByteGRU) else nn.functional.cross_entropy
     x, y = task["train"]
     gb, p, r = task["batch"], backend.world_size, backend.rank
@@ -166,6 +168,8 @@ def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         task["lr"] = args.lr
     if args.momentum is not None:
         task["momentum"] = args.momentum
+    if args.tau is not None:
+        task["tau"] = args.tau
     epochs = args.epochs if args.epochs is not None else (30 if task_name == "digits" else 3)
     runs = [("dense", 1.0)]
     runs += [(a, d) for d in args.densities for a in [*SPARSE, *SPARSE_EXTRA] if a in args.algorithms]
@@ -243,6 +247,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="default: 30 (digits), 3 (lm)")
     ap.add_argument("--lr", type=float, default=None, help="default: 0.05 (digits), 0.5 (lm)")
     ap.add_argument("--momentum", type=float, default=None, help="SGD momentum; default 0.9")
+    ap.add_argument("--tau", type=int, default=None, help="Ok-Topk's tau (tau' = 2 tau); default 32")
     ap.add_argument("--warmup", type=int, default=20, help="dense warm-up iterations, every compressor")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/img"))
     ap.add_argument(
