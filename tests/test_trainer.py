@@ -72,8 +72,8 @@ def test_cli_default_shortened_trains_and_writes_clean_metrics(tmp_path: Path, c
 
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:
-    # TopkA with error feedback: its residuals are part of the checkpoint (no warm-up: the compressed
-    # reducer's warm-up counter is not restored; see docs/checkpoints.md)
+    # TopkA with error feedback: its residuals are part of the checkpoint (every compressor, with and
+    # without warm-up: tests/test_compression_resume.py)
     topka = ["compression.algorithm=topka", "compression.density=0.1", "compression.warmup_steps=0"]
     for name, extra in (("ddp", []), ("fsdp", []), ("zero2-topka", topka)):
         ck = tmp_path / name

@@ -84,6 +84,11 @@ class ErrorFeedback:
         self._residuals = {k: v.detach().to(torch.float32).reshape(-1).clone() for k, v in residuals.items()}
         self._spares.clear()
 
+    def forget(self, key: str) -> None:
+        """Drop ``key``'s residual and spare buffer (the buffer starts afresh)."""
+        self._residuals.pop(key, None)
+        self._spares.pop(key, None)
+
     def clear(self) -> None:
         self._residuals.clear()
         self._spares.clear()

@@ -13,11 +13,18 @@ strategy and what :class:`~dtlab.compression.GradientSynchronizer` uses on its o
 ``Dense`` and buffers below ``dense_below`` elements use the plain dense reducer unchanged (bit-exact,
 overlapped where the engine overlaps; ``reduce_dtype`` as the strategy's own dense reducer).
 Compressed exchanges complete inside the call (the returned ``Work`` is already complete).
+
+:meth:`CompressedReducer.state_dict` / :meth:`CompressedReducer.load_state_dict` carry everything that
+affects future steps (per buffer: residual, iteration count, the compressor's state, encoded
+generically by :mod:`dtlab.compression.state_io`), so a resumed run continues exactly. A restored
+buffer whose size turns out different (another bucket layout) starts afresh, with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -26,13 +33,17 @@ from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, W
 from dtlab.compression.base import Compressor, Exchange, NonFiniteGradientError, dense_exchange
 from dtlab.compression.dense import Dense
 from dtlab.compression.error_feedback import ErrorFeedback
+from dtlab.compression.state_io import decode_state, encode_state
 from dtlab.compression.stats import StepStatistics
-from dtlab.errors import ConfigError
+from dtlab.errors import CheckpointError, ConfigError
 from dtlab.models.reducer import DenseReducer, GradientReducer
 
 __all__ = ["CompressedReducer"]
 
 NonFinitePolicy = Literal["raise", "skip"]
+
+#: tensor name prefixes in :meth:`CompressedReducer.state_dict`
+RESIDUAL, STATE = "residual.", "state."
 
 
 class CompressedReducer(GradientReducer):
@@ -64,6 +75,8 @@ class CompressedReducer(GradientReducer):
         self._dense = DenseReducer(backend, reduce_dtype)
         self._states: dict[str, dict[str, Any]] = {}
         self._steps: dict[str, int] = {}
+        self._numels: dict[str, int] = {}  # compressed buffers seen (or restored) and their sizes
+        self._restored: dict[str, dict[str, Any]] = {}  # loaded compressor state, applied on first use
         self._stats = StepStatistics(compressor.name)
 
     # ------------------------------------------------------------------ GradientReducer
@@ -84,6 +97,78 @@ class CompressedReducer(GradientReducer):
     def iteration(self, key: str) -> int:
         """How many times buffer ``key`` has been reduced (warm-up included)."""
         return self._steps.get(key, 0)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's state: tensors (residuals ``residual.<key>``, compressor tensors
+        ``state.<key>/<field>``) and JSON metadata ``{"buffers": {key: {numel, iterations, state}}}``."""
+        tensors: dict[str, torch.Tensor] = {}
+        buffers: dict[str, Any] = {}
+        for key in sorted(self._numels):
+            res = self.error_feedback.residual(key)
+            if res is not None:
+                tensors[RESIDUAL + key] = res.detach().to("cpu", copy=True)
+            state = self._states.get(key, self._restored.get(key, {}))
+            buffers[key] = {
+                "numel": self._numels[key],
+                "iterations": self._steps.get(key, 0),
+                "state": encode_state(state, f"{STATE}{key}/", tensors),
+            }
+        return tensors, {"buffers": buffers}
+
+    def load_state_dict(
+        self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any], compressor_state: bool = True
+    ) -> None:
+        """Restore what :meth:`state_dict` returned (replacing all current state). With
+        ``compressor_state=False`` (another compressor configuration) only residuals and iteration
+        counts come back. Metadata without ``buffers`` (older checkpoints): residuals only."""
+        self.clear_state()
+        device = self.backend.device
+        buffers = metadata.get("buffers", {})
+        if not isinstance(buffers, dict):
+            raise CheckpointError(f"compression state: 'buffers' must be a JSON object, got {buffers!r}")
+        for key, info in buffers.items():
+            try:
+                numel, iterations, doc = int(info["numel"]), int(info["iterations"]), info["state"]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(
+                    f"compression state of buffer {key!r} is malformed ({exc!r}; expected numel, "
+                    f"iterations and state, got {info!r}); resume from another checkpoint"
+                ) from exc
+            self._numels[key], self._steps[key] = numel, iterations
+            if compressor_state:
+                self._restored[key] = decode_state(doc, tensors, device)
+        residuals = {k[len(RESIDUAL) :]: v.to(device) for k, v in tensors.items() if k.startswith(RESIDUAL)}
+        for key, res in residuals.items():
+            self._numels.setdefault(key, res.numel())
+        self.error_feedback.load_state(residuals)
+
+    def clear_state(self) -> None:
+        """Forget every buffer's residual, iteration count and compressor state (a fresh start)."""
+        self.error_feedback.clear()
+        self._states.clear()
+        self._steps.clear()
+        self._numels.clear()
+        self._restored.clear()
+
+    def _check_size(self, key: str, n: int) -> None:
+        expected = self._numels.setdefault(key, n)
+        if expected == n:
+            return
+        if self.backend.rank == 0:
+            logging.getLogger(__name__).warning(
+                "compressed reducer: restored state of buffer %r was for %d elements, the buffer now has "
+                "%d (another bucket layout); its residual, iteration count and compressor state start "
+                "afresh",
+                key,
+                expected,
+                n,
+            )
+        self.error_feedback.forget(key)
+        self._states.pop(key, None)
+        self._steps.pop(key, None)
+        self._restored.pop(key, None)
+        self._numels[key] = n
 
     # ------------------------------------------------------------------ internals
     def _check(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None) -> None:
@@ -122,6 +207,7 @@ class CompressedReducer(GradientReducer):
             self._record(n, None, grad, shard, sent0, recv0, t0, dense=True)
             return work
         self.compressor.validate_numel(n, key)
+        self._check_size(key, n)
         acc = self.error_feedback.accumulate(key, grad)
         if not self._finite(key, acc):
             self.error_feedback.discard(key, acc)
@@ -130,6 +216,7 @@ class CompressedReducer(GradientReducer):
         state = self._states.get(key)
         if state is None:
             state = self._states[key] = self.compressor.new_state(key, n)
+            state.update(self._restored.pop(key, {}))
         step = self._steps.get(key, 0)
         warm = step < self.compressor.warmup_steps
         if warm:

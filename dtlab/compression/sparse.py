@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
+from dtlab.compression.state_io import Workspace
 
 __all__ = [
     "all_gather_counts",
@@ -56,10 +57,11 @@ def unpack(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0].to(torch.int64), pairs[:, 1].contiguous().view(torch.float32)
 
 
-class Magnitudes:
+class Magnitudes(Workspace):
     """``|acc|`` of one buffer, computed once per iteration into a reused float32 buffer, and a reused
     mask: selecting over a large buffer then allocates nothing buffer-sized (fresh allocations of
-    hundreds of MB cost more in page faults than the arithmetic). Keep one per buffer (its state)."""
+    hundreds of MB cost more in page faults than the arithmetic). Keep one per buffer (its state);
+    scratch only, so checkpoints leave it out."""
 
     def __init__(self) -> None:
         self._abs: torch.Tensor | None = None

@@ -18,6 +18,7 @@ The dense path (``Dense``, small buffers) keeps the strategy's ``reduce_dtype``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,8 @@ from dtlab.optimizers.base import OptimizerStrategy
 
 __all__ = ["GradientCompressionOptimizer"]
 
-PREFIX = "compression.residual."
+#: name prefix of the compression tensors in this strategy's shard
+PREFIX = "compression."
 
 
 class GradientCompressionOptimizer(OptimizerStrategy):
@@ -111,21 +113,29 @@ class GradientCompressionOptimizer(OptimizerStrategy):
 
     # ------------------------------------------------------------------ state
     def sharded_state_dict(self) -> ShardedState:
-        """The inner state plus this rank's error-feedback residuals and iteration counts."""
+        """The inner state plus this rank's compression state: error-feedback residuals, iteration
+        counts and the compressor's per-buffer state (tensors ``compression.*``, JSON
+        ``metadata["compression"]``), with the world size and model strategy they belong to."""
         inner = self.inner.sharded_state_dict()
         tensors = dict(inner.tensors)
-        for key, res in self.reducer.error_feedback.state().items():
-            tensors[PREFIX + key] = res
+        own, meta = self.reducer.state_dict()
+        tensors.update({PREFIX + k: v for k, v in own.items()})
+        backend = self.model.dp_backend
         metadata = dict(inner.metadata)
         metadata["compression"] = {
             "compressor": self.compressor.describe(),
-            "iterations": {k: self.reducer.iteration(k) for k in self.reducer.error_feedback.keys()},
+            "world_size": backend.world_size,
+            "rank": backend.rank,
+            "model_strategy": self.model.strategy_name,
+            **meta,
         }
         return ShardedState(tensors, metadata)
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
-        """Load the inner state; residuals come back when the world size is unchanged (they are
-        per-rank), otherwise they restart at zero. Thresholds are re-evaluated at the next step."""
+        """Load the inner state, then this rank's compression state when it was saved at this world
+        size under this model strategy (a resume continues exactly); otherwise the compression state
+        starts afresh (warm-up included) and a warning says why. Under another compressor
+        configuration only residuals and iteration counts are restored."""
         stripped = []
         for s in shards:
             meta = {k: v for k, v in s.metadata.items() if k != "compression"}
@@ -133,14 +143,44 @@ class GradientCompressionOptimizer(OptimizerStrategy):
                 ShardedState({k: v for k, v in s.tensors.items() if not k.startswith(PREFIX)}, meta)
             )
         self.inner.load_sharded_state_dict(stripped)
-        p, me = self.model.dp_backend.world_size, self.model.dp_backend.rank
-        if len(shards) == p:
-            mine = shards[me].tensors
-            self.reducer.error_feedback.load_state(
-                {k[len(PREFIX) :]: v for k, v in mine.items() if k.startswith(PREFIX)}
+        self.reducer.clear_state()
+        saved = [s.metadata.get("compression") for s in shards]
+        if all(c is None for c in saved):
+            return  # written without compression: nothing to restore
+        backend = self.model.dp_backend
+        p, me = backend.world_size, backend.rank
+        log = logging.getLogger(__name__)
+        mine = saved[me] if len(shards) == p else None
+        reason = None
+        if len(shards) != p:
+            reason = f"the checkpoint was written by {len(shards)} ranks, this run has {p}"
+        elif not isinstance(mine, dict):
+            reason = f"rank {me}'s shard holds no compression state"
+        elif mine.get("model_strategy", self.model.strategy_name) != self.model.strategy_name:
+            reason = (
+                f"it was written under model strategy {mine.get('model_strategy')!r}, this run uses "
+                f"{self.model.strategy_name!r} (another bucket layout)"
             )
-        else:
-            self.reducer.error_feedback.clear()
+        if reason is not None or not isinstance(mine, dict):
+            if me == 0:
+                log.warning(
+                    "compression state not restored: %s; error-feedback residuals, compressor state "
+                    "(thresholds, boundaries, factors, counters) and warm-up start afresh (per-rank "
+                    "state is tied to the world size and bucket layout)",
+                    reason,
+                )
+            return
+        same = mine.get("compressor") == self.compressor.describe()
+        if not same and me == 0:
+            log.warning(
+                "compressor state not restored: the checkpoint was written with %s, this run uses %s; "
+                "error-feedback residuals and iteration counts are restored, the compressor's own "
+                "state (thresholds, boundaries, factors) starts afresh",
+                mine.get("compressor"),
+                self.compressor.describe(),
+            )
+        own = {k[len(PREFIX) :]: v for k, v in shards[me].tensors.items() if k.startswith(PREFIX)}
+        self.reducer.load_state_dict(own, mine, compressor_state=same)
 
     def remove(self) -> OptimizerStrategy:
         """Put the model's previous reducer back and return the inner optimizer strategy."""
