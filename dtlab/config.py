@@ -148,8 +148,23 @@ class OptimizerConfig(_Section):
 
 
 class CompressionConfig(_Section):
-    algorithm: Literal["none", "dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk"] = "none"
-    #: fraction of gradient values each step sends, in (0, 1]
+    #: ``none`` (uncompressed); a sparse all-reduce of the Ok-Topk paper (``dense`` is its baseline
+    #: through the compressed path); or a compressor: ``randomk``, ``qsgd``, ``powersgd``, ``fp16``, ``bf16``
+    algorithm: Literal[
+        "none",
+        "dense",
+        "topka",
+        "topkdsa",
+        "gtopk",
+        "gaussiank",
+        "oktopk",
+        "randomk",
+        "qsgd",
+        "powersgd",
+        "fp16",
+        "bf16",
+    ] = "none"
+    #: fraction of gradient values each step sends, in (0, 1] (the sparse algorithms and random-k)
     density: float = 0.01
     #: Ok-Topk: re-evaluate the local and global thresholds every ``tau`` steps
     tau: int = Field(default=32, ge=1)
@@ -157,6 +172,10 @@ class CompressionConfig(_Section):
     tau_prime: int = Field(default=64, ge=1)
     #: dense steps before compression starts (short default for short runs)
     warmup_steps: int = Field(default=10, ge=0)
+    #: PowerSGD: rank of the low-rank approximation
+    rank: int = Field(default=4, ge=1)
+    #: QSGD: quantization levels per sign (127 fits a signed byte)
+    levels: int = Field(default=127, ge=1, le=32767)
 
     @field_validator("density")
     @classmethod

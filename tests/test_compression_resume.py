@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ from dtlab.checkpoint import read_checkpoint, save_checkpoint
 from dtlab.compression import ALGORITHMS, BF16, FP16, QSGD, Compressor, OkTopk, PowerSGD, RandomK, TopkA
 from dtlab.compression.sparse import Magnitudes
 from dtlab.compression.state_io import Workspace, decode_state, encode_state
-from dtlab.config import TrainConfig, load_config
+from dtlab.config import CompressionConfig, TrainConfig, load_config
 from dtlab.errors import CheckpointError
 from dtlab.models import DDPModel, ZeRO2Model
 from dtlab.optimizers import DDPOptimizer, ZeRO2Optimizer
@@ -54,6 +54,12 @@ CASES = [
     ("gaussiank", "ddp", 1),
     ("oktopk", "ddp", 1),
     ("oktopk", "zero2", 1),
+    # the compressors, chosen from the config too (PowerSGD's Q factors, random-k's and QSGD's counters)
+    ("randomk", "ddp", 1),
+    ("qsgd", "zero2", 0),
+    ("powersgd", "ddp", 2),
+    ("fp16", "fsdp", 0),
+    ("bf16", "ddp", 0),
 ]
 
 
@@ -62,7 +68,9 @@ def _cfg(tmp: Path, *extra: str) -> TrainConfig:
 
 
 def test_cases_cover_every_algorithm() -> None:
-    assert {c[0] for c in CASES} == set(ALGORITHMS)
+    assert {c[0] for c in CASES} >= set(ALGORITHMS)
+    allowed = set(get_args(CompressionConfig.model_fields["algorithm"].annotation))
+    assert {c[0] for c in CASES} == allowed - {"none"}  # every compressor the config can name
 
 
 @pytest.mark.parametrize(("algorithm", "strategy", "warmup"), CASES)

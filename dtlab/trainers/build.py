@@ -64,15 +64,26 @@ def build_optimizer_strategy(config: TrainConfig, model: ModelStrategy) -> Optim
         return opt
     import dataclasses
 
-    from dtlab.compression import ALGORITHMS
+    from dtlab.compression import ALGORITHMS, QSGD, Cast, Compressor, PowerSGD, RandomK
     from dtlab.optimizers.compression import GradientCompressionOptimizer
 
-    comp_cls = ALGORITHMS[c.algorithm]
+    compressors: dict[str, type[Compressor]] = {
+        **ALGORITHMS,
+        "randomk": RandomK,
+        "qsgd": QSGD,
+        "powersgd": PowerSGD,
+        "fp16": Cast,
+        "bf16": Cast,
+    }
+    comp_cls = compressors[c.algorithm]
     wanted: dict[str, Any] = {
         "density": c.density,
         "tau": c.tau,
         "tau_prime": c.tau_prime,
         "warmup_steps": c.warmup_steps,
+        "rank": c.rank,
+        "levels": c.levels,
+        "dtype": {"fp16": "float16", "bf16": "bfloat16"}.get(c.algorithm),
     }
     fields = {f.name for f in dataclasses.fields(comp_cls)} if dataclasses.is_dataclass(comp_cls) else set()
     compressor = comp_cls(**{k: v for k, v in wanted.items() if k in fields})
