@@ -293,7 +293,7 @@ def test_prefiltered_local_topk_is_exact() -> None:
 
 def _powersgd(backend: CommunicationBackend) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
     out = []
-    for n, warm in ((40, 0), (4000, 2)):  # 40: rank 4 x (6 + 7) >= 40 -> skipped (dense); 4000: warm-up
+    for n, warm in ((40, 0), (4000, 2)):  # 40: 2 x 4 x (6 + 7) >= 40 -> skipped (dense); 4000: warm-up
         red = CompressedReducer(backend, PowerSGD(rank=4, warmup_steps=warm), dense_below=0)
         for s in range(3):
             g = _grad(backend.rank, s, n, seed=5)

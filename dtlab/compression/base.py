@@ -12,6 +12,10 @@ feedback mechanism keeps ``acc - contributed`` as the residual), how many elemen
 how long the selection took. The mutable per-buffer state (thresholds, region boundaries, step
 counters) lives in a dict the reducer owns, never in the compressor object, so one compressor object
 can serve many buffers, reducers and in-memory ranks.
+
+A buffer may come with its :data:`Layout`, the ``(offset, shape)`` of every parameter packed in it (a
+DDP/ZeRO bucket, a ZeRO-3 parameter, an FSDP unit). Compressors that work per parameter (PowerSGD)
+build their state from it in :meth:`Compressor.new_state_for_layout`; the others ignore it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -27,10 +32,33 @@ import torch
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.errors import ConfigError, DtlabError
 
-__all__ = ["Compressor", "Exchange", "NonFiniteGradientError", "SparseCompressor"]
+__all__ = ["Compressor", "Exchange", "Layout", "NonFiniteGradientError", "SparseCompressor", "check_layout"]
 
 #: indices travel as int32 next to float32 values; buffers must stay below this many elements
 MAX_NUMEL = 2**31 - 1
+
+#: ``(offset, shape)`` of every parameter packed in a flat buffer, in buffer order; elements no
+#: parameter covers (padding) are plain gradient elements too
+Layout = Sequence[tuple[int, tuple[int, ...]]]
+
+
+def check_layout(layout: Layout, numel: int, key: str) -> list[tuple[int, tuple[int, ...]]]:
+    """``layout`` as a list of ``(offset, shape)`` after checking that its parameters lie inside the
+    buffer of ``numel`` elements in ascending, non-overlapping order (a clear error otherwise)."""
+    out: list[tuple[int, tuple[int, ...]]] = []
+    end = 0
+    for i, entry in enumerate(layout):
+        offset, shape = int(entry[0]), tuple(int(d) for d in entry[1])
+        size = math.prod(shape)
+        if offset < end or any(d < 0 for d in shape) or offset + size > numel:
+            raise ConfigError(
+                f"layout of buffer {key!r}: parameter {i} at offset {offset} with shape {shape} "
+                f"({size} elements) must lie in [{end}, {numel}) after the previous parameter; pass the "
+                f"(offset, shape) of the parameters packed in the {numel}-element buffer, in order"
+            )
+        out.append((offset, shape))
+        end = offset + size
+    return out
 
 
 class NonFiniteGradientError(DtlabError):
@@ -114,6 +142,14 @@ class Compressor(ABC):
     def new_state(self, key: str, numel: int) -> dict[str, Any]:
         """Fresh mutable state for one buffer (thresholds, boundaries, counters)."""
         return {}
+
+    def new_state_for_layout(self, key: str, numel: int, layout: Layout | None) -> dict[str, Any]:
+        """Fresh state for a buffer whose parameter :data:`Layout` is known (``None``: unknown).
+
+        Default: the layout is not used (:meth:`new_state`). The state stays a plain dict of tensors,
+        ints, floats and ``None``, so a compressor that uses the layout keeps it as tensors.
+        """
+        return self.new_state(key, numel)
 
     @abstractmethod
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:

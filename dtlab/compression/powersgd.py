@@ -1,15 +1,32 @@
-"""``PowerSGD``: rank-``rank`` approximation by one power iteration per step (Vogels et al., 2019).
+"""``PowerSGD``: rank-``r`` approximation by one power iteration per step (Vogels et al., 2019).
 
-A flat buffer of ``n`` elements is viewed as a ``rows x cols`` matrix ``M`` (``rows = floor(sqrt(n))``,
-zero-padded): reducers see flat buckets, not parameter shapes, so the matrix is a view of the
-bucket, not of a layer. Per step: ``P = M Q`` (``Q`` warm-started from the previous step, initialised
-from a seed shared by all ranks), all-reduce ``P``, orthonormalise it, ``Q = M^T P``, all-reduce ``Q``;
-the average is ``P Q^T / world_size``. A rank's contribution is ``P (M^T P)^T``; with error feedback
-the rest stays in its residual.
+Per parameter, as torch's ``powerSGD_hook``: the buffer's :data:`~dtlab.compression.base.Layout`
+(the ``(offset, shape)`` of the parameters packed in it, given by the model strategy) splits it into
+tensors. Each tensor with ``ndim >= 2`` is a matrix ``M`` of shape ``(shape[0], prod(shape[1:]))``
+(a conv weight ``(out, in, kh, kw)`` becomes ``(out, in*kh*kw)``) with rank ``r = min(rank, rows,
+cols)``; it is compressed when the factors are ``min_compression_rate`` times smaller than the tensor,
+``min_compression_rate * r * (rows + cols) < rows * cols`` (torch's rule; the default 2 also makes the
+factors' all-reduce cheaper than a dense reduce-scatter). Every other element (1-D tensors such as
+biases and norms, skipped matrices, padding) travels dense.
 
-Skip rule: when ``rank * (rows + cols) >= n`` the factors would not be smaller than the buffer and it
-is all-reduced dense. ``warmup_steps`` (default 10) dense iterations come first, as in torch's
-``start_powerSGD_iter``.
+Per step, with ``Q`` warm-started from the previous step (initially random and orthonormal, drawn
+from ``seed`` and the buffer key, so identical on every rank):
+
+1. ``P_i = M_i Q_i`` for every compressed matrix; one all-reduce of all ``P_i`` *and* of the dense
+   elements, batched in one buffer;
+2. each ``P_i`` is orthonormalised (QR); ``Q_i = M_i^T P_i``; one all-reduce of all ``Q_i``;
+3. the average is ``P_i Q_i^T / world_size`` per matrix, the dense sum / ``world_size`` elsewhere.
+
+This rank's contribution is ``P_i (M_i^T P_i)^T`` (the projection of its ``M_i`` on the shared
+basis) plus its dense elements; with error feedback the rest stays in its residual. Without a layout
+(``GradientSynchronizer``, a reducer built by hand) the whole buffer is one ``floor(sqrt(n))``-row
+matrix, zero-padded. ``warmup_steps`` (default 10) dense iterations come first (torch's
+``start_powerSGD_iter``).
+
+Reduce-scatter semantics (ZeRO-1/2/3, FSDP): low-rank factors cannot be split by shard, so the
+factors of every matrix of the buffer are all-reduced and each rank keeps its shard of the
+reconstructed average (a matrix crossing a shard boundary is handled like any other); a buffer with
+no compressed matrix is reduce-scattered dense.
 """
 
 from __future__ import annotations
@@ -23,61 +40,137 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.compression.base import Compressor, Exchange, dense_exchange
+from dtlab.compression.base import Compressor, Exchange, Layout, check_layout, dense_exchange
 from dtlab.errors import ConfigError
 
 __all__ = ["PowerSGD"]
 
 
 def matrix_shape(n: int) -> tuple[int, int]:
+    """The near-square ``rows x cols >= n`` view of a flat buffer without a layout."""
     rows = max(1, math.isqrt(n))
     return rows, -(-n // rows)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PowerSGD(Compressor):
-    """Low-rank compression with warm start, error feedback and a skip rule for small buffers."""
+    """Low-rank compression per parameter with warm start, error feedback and a skip rule."""
 
     name: ClassVar[str] = "powersgd"
     rank: int = 4
     warmup_steps: int = 10
     seed: int = 0
+    #: compress a matrix only when its factors are this many times smaller (torch's default: 2)
+    min_compression_rate: float = 2.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"PowerSGD: rank must be an integer >= 1, got {self.rank!r}")
+        rate = self.min_compression_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 1.0 <= rate < math.inf:
+            raise ConfigError(
+                f"PowerSGD: min_compression_rate must be a finite number >= 1 (1: compress whenever the "
+                f"factors are smaller than the tensor), got {rate!r}"
+            )
 
-    def compresses(self, n: int) -> bool:
-        rows, cols = matrix_shape(n)
-        return self.rank * (rows + cols) < n
+    def compresses(self, rows: int, cols: int) -> bool:
+        """The skip rule: is a ``rows x cols`` matrix sent as rank-``r`` factors?"""
+        r = min(self.rank, rows, cols)
+        return self.min_compression_rate * r * (rows + cols) < rows * cols
 
     def new_state(self, key: str, numel: int) -> dict[str, Any]:
-        return {"q": None, "key_hash": zlib.crc32(key.encode())}
+        return self.new_state_for_layout(key, numel, None)
+
+    def new_state_for_layout(self, key: str, numel: int, layout: Layout | None) -> dict[str, Any]:
+        """``matrices``: int64 ``[m, 4]`` rows ``(offset, numel, rows, cols)`` of the compressed
+        matrices; ``dense``: int64 ``[d, 2]`` rows ``(offset, numel)`` of every other element range;
+        ``q``: the warm-start factors of all matrices, flat (``None`` until the first step)."""
+        if layout is None:
+            rows, cols = matrix_shape(numel)
+            matrices = [(0, numel, rows, cols)] if self.compresses(rows, cols) else []
+        else:
+            matrices = []
+            for offset, shape in check_layout(layout, numel, key):
+                size = math.prod(shape)
+                if len(shape) >= 2 and size > 0 and self.compresses(shape[0], size // shape[0]):
+                    matrices.append((offset, size, shape[0], size // shape[0]))
+        dense, end = [], 0
+        for offset, size, _, _ in matrices:
+            if offset > end:
+                dense.append((end, offset - end))
+            end = offset + size
+        if numel > end:
+            dense.append((end, numel - end))
+        return {
+            "matrices": torch.tensor(matrices, dtype=torch.int64).reshape(-1, 4),
+            "dense": torch.tensor(dense, dtype=torch.int64).reshape(-1, 2),
+            "q": None,
+            "key_hash": zlib.crc32(key.encode()),
+        }
+
+    def _initial_q(self, state: dict[str, Any], shapes: list[tuple[int, int, int]]) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(state["key_hash"]))
+        qs = [torch.linalg.qr(torch.randn(cols, r, generator=gen)).Q.reshape(-1) for _, cols, r in shapes]
+        return torch.cat(qs)
+
+    def reduce_scatter(
+        self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend
+    ) -> Exchange:
+        if state["matrices"].numel() == 0:
+            return dense_exchange(acc, backend, shard=True)
+        return super().reduce_scatter(state, acc, backend)
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
-        n, p = acc.numel(), backend.world_size
-        if not self.compresses(n):
+        mats: list[list[int]] = state["matrices"].tolist()
+        if not mats:
             return dense_exchange(acc, backend, shard=False)
-        rows, cols = matrix_shape(n)
-        r = min(self.rank, rows, cols)
+        dense: list[list[int]] = state["dense"].tolist()
+        p, dev = backend.world_size, acc.device
         t0 = time.perf_counter()
-        m = torch.zeros(rows * cols, dtype=torch.float32, device=acc.device)
-        m[:n] = acc
-        m = m.view(rows, cols)
+        ms, shapes = [], []
+        for offset, size, rows, cols in mats:
+            seg = acc[offset : offset + size]
+            if size < rows * cols:  # no layout: the buffer zero-padded to a near-square matrix
+                seg = torch.cat([seg, seg.new_zeros(rows * cols - size)])
+            ms.append(seg.view(rows, cols))
+            shapes.append((rows, cols, min(self.rank, rows, cols)))
         if state["q"] is None:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + state["key_hash"])
-            state["q"] = torch.randn(cols, r, generator=gen).to(acc.device)
-        pm = (m @ state["q"]).contiguous()
+            state["q"] = self._initial_q(state, shapes).to(dev)
+        qs = _split(state["q"], [(cols, r) for _, cols, r in shapes])
+        n_dense = sum(size for _, size in dense)
+        ps = [m @ q for m, q in zip(ms, qs, strict=True)]
+        first = torch.cat([*(x.reshape(-1) for x in ps), *(acc[o : o + k] for o, k in dense)])
         select_s = time.perf_counter() - t0
-        backend.all_reduce(pm, ReduceOp.SUM)
+        backend.all_reduce(first, ReduceOp.SUM)  # every P and the dense elements, one call
         t1 = time.perf_counter()
-        pm = torch.linalg.qr(pm).Q.contiguous()
-        q_local = (m.t() @ pm).contiguous()
-        contributed = (pm @ q_local.t()).reshape(-1)[:n].clone()
+        n_p = first.numel() - n_dense
+        ps = [torch.linalg.qr(x).Q for x in _split(first[:n_p], [(rows, r) for rows, _, r in shapes])]
+        q_local = torch.cat([(m.t() @ x).reshape(-1) for m, x in zip(ms, ps, strict=True)])
+        contributed = acc.clone()  # dense elements and padding: contributed whole
+        result = torch.empty_like(acc)
+        q_mats = _split(q_local, [(cols, r) for _, cols, r in shapes])
+        for (offset, size, _, _), x, q in zip(mats, ps, q_mats, strict=True):
+            contributed[offset : offset + size] = (x @ q.t()).reshape(-1)[:size]
         select_s += time.perf_counter() - t1
-        q_sum = q_local.clone()
-        backend.all_reduce(q_sum, ReduceOp.SUM)
-        state["q"] = q_sum
-        result = (pm @ q_sum.t()).reshape(-1)[:n].div_(p)
-        return Exchange(result, contributed, r * (rows + cols), None, select_s)
+        backend.all_reduce(q_local, ReduceOp.SUM)  # every Q, one call
+        state["q"] = q_local
+        q_sums = _split(q_local, [(cols, r) for _, cols, r in shapes])
+        for (offset, size, _, _), x, q in zip(mats, ps, q_sums, strict=True):
+            result[offset : offset + size] = (x @ q.t()).reshape(-1)[:size]
+        pos = n_p
+        for offset, size in dense:
+            result[offset : offset + size] = first[pos : pos + size]
+            pos += size
+        result.div_(p)
+        sent = first.numel() + q_local.numel()
+        return Exchange(result, contributed, sent, sent, select_s)
+
+
+def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Consecutive ``rows x cols`` views of ``flat``."""
+    out, pos = [], 0
+    for rows, cols in shapes:
+        out.append(flat[pos : pos + rows * cols].view(rows, cols))
+        pos += rows * cols
+    return out

@@ -13,6 +13,8 @@ strategy and what :class:`~dtlab.compression.GradientSynchronizer` uses on its o
 ``Dense`` and buffers below ``dense_below`` elements use the plain dense reducer unchanged (bit-exact,
 overlapped where the engine overlaps; ``reduce_dtype`` as the strategy's own dense reducer).
 Compressed exchanges complete inside the call (the returned ``Work`` is already complete).
+``layouts`` (optional) maps a buffer key to the ``(offset, shape)`` of the parameters packed in it;
+the compressor's state for that buffer is built from it (PowerSGD compresses per parameter).
 
 :meth:`CompressedReducer.state_dict` / :meth:`CompressedReducer.load_state_dict` carry everything that
 affects future steps (per buffer: residual, iteration count, the compressor's state, encoded
@@ -30,7 +32,7 @@ from typing import Any, Literal
 import torch
 
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
-from dtlab.compression.base import Compressor, Exchange, NonFiniteGradientError, dense_exchange
+from dtlab.compression.base import Compressor, Exchange, Layout, NonFiniteGradientError, dense_exchange
 from dtlab.compression.dense import Dense
 from dtlab.compression.error_feedback import ErrorFeedback
 from dtlab.compression.state_io import decode_state, encode_state
@@ -57,6 +59,7 @@ class CompressedReducer(GradientReducer):
         dense_below: int = 1024,
         nonfinite: NonFinitePolicy = "raise",
         reduce_dtype: torch.dtype | None = None,
+        layouts: Mapping[str, Layout] | None = None,
     ) -> None:
         super().__init__(backend)
         if not isinstance(compressor, Compressor):
@@ -74,6 +77,7 @@ class CompressedReducer(GradientReducer):
         self.error_feedback = ErrorFeedback()
         self._dense = DenseReducer(backend, reduce_dtype)
         self._states: dict[str, dict[str, Any]] = {}
+        self.layouts: dict[str, Layout] = dict(layouts or {})
         self._steps: dict[str, int] = {}
         self._numels: dict[str, int] = {}  # compressed buffers seen (or restored) and their sizes
         self._restored: dict[str, dict[str, Any]] = {}  # loaded compressor state, applied on first use
@@ -215,7 +219,8 @@ class CompressedReducer(GradientReducer):
             return CompletedWork()
         state = self._states.get(key)
         if state is None:
-            state = self._states[key] = self.compressor.new_state(key, n)
+            layout = self.layouts.get(key)
+            state = self._states[key] = self.compressor.new_state_for_layout(key, n, layout)
             state.update(self._restored.pop(key, {}))
         step = self._steps.get(key, 0)
         warm = step < self.compressor.warmup_steps

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from dtlab.compression.base import Compressor
+from dtlab.compression.base import Compressor, Layout
 from dtlab.compression.oktopk import OkTopk
 from dtlab.compression.reducer import CompressedReducer, NonFinitePolicy
 from dtlab.errors import StrategyError
-from dtlab.models.base import ShardedState
+from dtlab.models.base import ModelStrategy, ShardedState
 from dtlab.models.reducer import DenseReducer, GradientReducer
 from dtlab.optimizers.base import OptimizerStrategy
 
@@ -36,6 +36,19 @@ __all__ = ["GradientCompressionOptimizer"]
 
 #: name prefix of the compression tensors in this strategy's shard
 PREFIX = "compression."
+
+
+def bucket_layouts(model: ModelStrategy) -> dict[str, Layout]:
+    """``{buffer key: (offset, shape) of its parameters}`` for every flat buffer the model reduces
+    (DDP/ZeRO-1/ZeRO-2 buckets, ZeRO-3 parameters, FSDP units); empty for a model without them."""
+    shard_units = getattr(model, "shard_units", None)
+    if shard_units is None:
+        return {}
+    try:
+        units = shard_units()
+    except StrategyError:
+        return {}
+    return {u.key: [(s.offset, tuple(s.shape)) for s in u.slots] for u in units}
 
 
 class GradientCompressionOptimizer(OptimizerStrategy):
@@ -74,6 +87,7 @@ class GradientCompressionOptimizer(OptimizerStrategy):
             dense_below=dense_below,
             nonfinite=nonfinite,
             reduce_dtype=reduce_dtype,
+            layouts=bucket_layouts(self.model),
         )
         self.model.gradient_reducer = self.reducer
         self.statistics: dict[str, Any] = {}
