@@ -237,3 +237,29 @@ def test_bad_layouts_and_settings_are_clear_errors() -> None:
         PowerSGD(min_compression_rate=0.5)
     with pytest.raises(ConfigError, match="rank must be"):
         PowerSGD(rank=0)
+
+
+def _sync_world(backend: CommunicationBackend) -> list[dict[str, torch.Tensor]]:
+    from dtlab.compression import GradientSynchronizer
+
+    sync = GradientSynchronizer(PowerSGD(rank=R, warmup_steps=0), backend, dense_below=0)
+    out = []
+    for step in range(3):
+        flat = _low_rank_grad(backend.rank, step)
+        grads = {f"p{i}": flat[o : o + math.prod(s)].view(s).clone() for i, (o, s) in enumerate(LAYOUT)}
+        out.append(sync.sync(grads))
+    assert sync.reducer.layouts["gradients"] == LAYOUT, sync.reducer.layouts
+    return out
+
+
+def test_gradient_synchronizer_passes_each_gradient_shape_to_powersgd() -> None:
+    """With the layout, every exactly-rank-R matrix comes back as the exact average (no residual); a
+    whole-buffer matrix (no layout) would not be low rank and could not."""
+    results = run_world(P, _sync_world, timeout=60)
+    for step in range(3):
+        for i, (o, s) in enumerate(LAYOUT):
+            want = sum(_low_rank_grad(r, step)[o : o + math.prod(s)] for r in range(P)).view(s) / P
+            for rank in range(P):
+                got = results[rank][step][f"p{i}"]
+                assert got.shape == torch.Size(s)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

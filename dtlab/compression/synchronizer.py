@@ -10,8 +10,10 @@
     opt.step()
 
 All gradients are flattened into one float32 buffer (as the Ok-Topk reference code merges them), so
-``k = density * total elements`` and the selection is global over the model. Returns averaged
-gradients (sum / P), shaped and typed like the inputs. ``statistics`` holds the last call's figures.
+``k = density * total elements`` and the selection is global over the model. The buffer's layout
+(each gradient's offset and shape) goes to the compressor, so PowerSGD approximates every matrix on
+its own. Returns averaged gradients (sum / P), shaped and typed like the inputs. ``statistics`` holds
+the last call's figures.
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ class GradientSynchronizer:
                     "every rank must pass the same gradients in the same order"
                 )
             self._layout = layout
+            # parameter shapes in the flat buffer: PowerSGD compresses each matrix on its own
+            offsets, shapes, offset = [], [], 0
+            for _, shape, _ in layout:
+                offsets.append(offset)
+                shapes.append(tuple(shape))
+                offset += shape.numel()
+            self.reducer.layouts[KEY] = list(zip(offsets, shapes, strict=True))
         return layout
 
     def sync(self, named_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
