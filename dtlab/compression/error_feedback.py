@@ -6,6 +6,14 @@ gradient (``acc = grad + residual``); afterwards the residual becomes ``acc - co
 ``P * result + new residuals == gradients + old residuals``: nothing is lost or counted twice.
 Non-finite gradients never reach a residual: the reducer checks ``acc`` before anything is sent and
 leaves the residual as it was.
+
+Momentum correction (Deep Gradient Compression, Lin et al., ICLR 2018), optional: with
+``momentum=m`` a float32 velocity ``u`` per key is kept as well and the gradient is accumulated
+through it, ``u = m * u + grad``, ``acc = residual + u``, so the momentum of what was not sent keeps
+building up locally instead of being applied late by the optimizer. Momentum factor masking: where a
+rank sent its value (``sent`` indices), ``u`` is zeroed too. A dense exchange (warm-up, everything
+sent) and the dense-shaped compressors (``contributed``) leave ``u`` unmasked: that is plain momentum
+SGD, as DGC does for the tensors it does not compress.
 """
 
 from __future__ import annotations
@@ -21,11 +29,22 @@ class ErrorFeedback:
     Two float32 buffers per key, swapped every step: ``accumulate`` writes ``grad + residual`` into
     the spare one, ``update`` turns that buffer into the new residual in place (zeroing what was sent)
     and keeps the old residual as the next spare. No buffer-sized allocation after the first step.
+    With ``momentum`` (momentum correction) the velocities are kept the same way: ``accumulate``
+    writes ``m * u + grad`` into a spare, ``update`` (or ``discard(keep_velocity=True)``) commits it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, momentum: float | None = None) -> None:
+        if momentum is not None and (
+            isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 < momentum < 1
+        ):
+            raise ValueError(
+                f"momentum correction must be a float in (0, 1) such as 0.9 (or None), got {momentum!r}"
+            )
+        self.momentum = None if momentum is None else float(momentum)
         self._residuals: dict[str, torch.Tensor] = {}
         self._spares: dict[str, torch.Tensor] = {}
+        self._velocities: dict[str, torch.Tensor] = {}
+        self._velocity_spares: dict[str, torch.Tensor] = {}
 
     def accumulate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` in a float32 buffer owned by this object (valid until ``update``)."""
@@ -39,12 +58,55 @@ class ErrorFeedback:
             )
         if spare is None or spare.numel() != flat.numel() or spare.device != flat.device:
             spare = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+        src = flat if self.momentum is None else self._next_velocity(key, flat)
         if res is None:
-            spare.copy_(flat)
+            spare.copy_(src)
         else:
-            torch.add(flat, res, out=spare)
+            torch.add(src, res, out=spare)
         self._spares[key] = spare
         return spare
+
+    def _next_velocity(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        """``m * u + grad`` in a spare velocity buffer (committed by ``update``/``discard``)."""
+        assert self.momentum is not None
+        u = self._velocities.get(key)
+        if u is not None and u.numel() != flat.numel():
+            raise ValueError(
+                f"momentum correction: buffer {key!r} changed size from {u.numel()} to {flat.numel()} "
+                "elements; keys must name the same buffer every step"
+            )
+        spare = self._velocity_spares.pop(key, None)
+        if spare is None or spare.numel() != flat.numel() or spare.device != flat.device:
+            spare = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+        if u is None:
+            spare.copy_(flat)
+        else:
+            torch.add(flat, u, alpha=self.momentum, out=spare)
+        self._velocity_spares[key] = spare
+        return spare
+
+    def _commit_velocity(self, key: str, sent: torch.Tensor | None) -> None:
+        if self.momentum is None:
+            return
+        new = self._velocity_spares.pop(key)
+        if sent is not None:
+            new[sent] = 0.0  # momentum factor masking
+        old = self._velocities.pop(key, None)
+        self._velocities[key] = new
+        if old is not None:
+            self._velocity_spares[key] = old
+
+    def momentum_step(self, key: str, grad: torch.Tensor) -> None:
+        """Dense path (no compression, no residual): ``u = m * u + grad``, written into ``grad``
+        (plain momentum SGD). A non-finite result leaves ``u`` unchanged (``grad`` gets it, so the
+        reducer's non-finite handling sees it). No-op without momentum correction."""
+        if self.momentum is None:
+            return
+        flat = grad.detach().reshape(-1)
+        new = self._next_velocity(key, flat)
+        flat.copy_(new)
+        if bool(torch.isfinite(new.sum())):
+            self._commit_velocity(key, None)
 
     def update(
         self, key: str, acc: torch.Tensor, contributed: torch.Tensor | None, sent: torch.Tensor | None = None
@@ -65,11 +127,18 @@ class ErrorFeedback:
         self._residuals[key] = acc
         if old is not None:
             self._spares[key] = old
+        self._commit_velocity(key, sent)
 
-    def discard(self, key: str, acc: torch.Tensor) -> None:
-        """Drop ``acc`` without touching the residual (non-finite input, or no error feedback)."""
+    def discard(self, key: str, acc: torch.Tensor, keep_velocity: bool = False) -> None:
+        """Drop ``acc`` without touching the residual (non-finite input, or no error feedback).
+        ``keep_velocity``: commit the new velocity unmasked (a compressor without error feedback)."""
         if self._spares.get(key) is not acc:
             raise ValueError(f"error feedback: discard({key!r}) needs the buffer accumulate() returned")
+        if self.momentum is not None:
+            if keep_velocity:
+                self._commit_velocity(key, None)
+            else:
+                self._velocity_spares.pop(key, None)
 
     def residual(self, key: str) -> torch.Tensor | None:
         return self._residuals.get(key)
@@ -80,20 +149,40 @@ class ErrorFeedback:
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self._residuals.items()}
 
-    def load_state(self, residuals: dict[str, torch.Tensor]) -> None:
+    def velocity(self, key: str) -> torch.Tensor | None:
+        return self._velocities.get(key)
+
+    def velocities(self) -> dict[str, torch.Tensor]:
+        """Momentum-correction velocities (copies); empty without momentum correction."""
+        return {k: v.clone() for k, v in self._velocities.items()}
+
+    def load_state(
+        self, residuals: dict[str, torch.Tensor], velocities: dict[str, torch.Tensor] | None = None
+    ) -> None:
         self._residuals = {k: v.detach().to(torch.float32).reshape(-1).clone() for k, v in residuals.items()}
         self._spares.clear()
+        self._velocity_spares.clear()
+        self._velocities = {}
+        if self.momentum is not None:
+            self._velocities = {
+                k: v.detach().to(torch.float32).reshape(-1).clone() for k, v in (velocities or {}).items()
+            }
 
     def forget(self, key: str) -> None:
-        """Drop ``key``'s residual and spare buffer (the buffer starts afresh)."""
-        self._residuals.pop(key, None)
-        self._spares.pop(key, None)
+        """Drop ``key``'s residual, velocity and spare buffers (the buffer starts afresh)."""
+        for d in (self._residuals, self._spares, self._velocities, self._velocity_spares):
+            d.pop(key, None)
 
     def clear(self) -> None:
-        self._residuals.clear()
-        self._spares.clear()
+        for d in (self._residuals, self._spares, self._velocities, self._velocity_spares):
+            d.clear()
 
     def nbytes(self) -> int:
-        """Bytes held: residuals and spare buffers."""
-        bufs = [*self._residuals.values(), *self._spares.values()]
+        """Bytes held: residuals, velocities and spare buffers."""
+        bufs = [
+            *self._residuals.values(),
+            *self._spares.values(),
+            *self._velocities.values(),
+            *self._velocity_spares.values(),
+        ]
         return sum(t.numel() * t.element_size() for t in bufs)

@@ -13,6 +13,9 @@ strategy and what :class:`~dtlab.compression.GradientSynchronizer` uses on its o
 ``Dense`` and buffers below ``dense_below`` elements use the plain dense reducer unchanged (bit-exact,
 overlapped where the engine overlaps; ``reduce_dtype`` as the strategy's own dense reducer).
 Compressed exchanges complete inside the call (the returned ``Work`` is already complete).
+``momentum_correction=m`` (optional): DGC momentum correction and momentum factor masking in the
+error feedback (see :mod:`dtlab.compression.error_feedback`); the dense path then sends the velocity
+``u = m * u + grad`` instead of the gradient (plain momentum SGD; the optimizer must have none).
 ``layouts`` (optional) maps a buffer key to the ``(offset, shape)`` of the parameters packed in it;
 the compressor's state for that buffer is built from it (PowerSGD compresses per parameter).
 
@@ -45,7 +48,7 @@ __all__ = ["CompressedReducer"]
 NonFinitePolicy = Literal["raise", "skip"]
 
 #: tensor name prefixes in :meth:`CompressedReducer.state_dict`
-RESIDUAL, STATE = "residual.", "state."
+RESIDUAL, STATE, VELOCITY = "residual.", "state.", "velocity."
 
 
 class CompressedReducer(GradientReducer):
@@ -60,6 +63,7 @@ class CompressedReducer(GradientReducer):
         nonfinite: NonFinitePolicy = "raise",
         reduce_dtype: torch.dtype | None = None,
         layouts: Mapping[str, Layout] | None = None,
+        momentum_correction: float | None = None,
     ) -> None:
         super().__init__(backend)
         if not isinstance(compressor, Compressor):
@@ -74,7 +78,11 @@ class CompressedReducer(GradientReducer):
         self.compressor = compressor
         self.dense_below = dense_below
         self.nonfinite = nonfinite
-        self.error_feedback = ErrorFeedback()
+        try:
+            self.error_feedback = ErrorFeedback(momentum_correction)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        self.momentum_correction = self.error_feedback.momentum
         self._dense = DenseReducer(backend, reduce_dtype)
         self._states: dict[str, dict[str, Any]] = {}
         self.layouts: dict[str, Layout] = dict(layouts or {})
@@ -105,7 +113,8 @@ class CompressedReducer(GradientReducer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's state: tensors (residuals ``residual.<key>``, compressor tensors
-        ``state.<key>/<field>``) and JSON metadata ``{"buffers": {key: {numel, iterations, state}}}``."""
+        ``state.<key>/<field>``, momentum-correction velocities ``velocity.<key>``) and JSON
+        metadata ``{"buffers": {key: {numel, iterations, state}}}``."""
         tensors: dict[str, torch.Tensor] = {}
         buffers: dict[str, Any] = {}
         for key in sorted(self._numels):
@@ -118,6 +127,8 @@ class CompressedReducer(GradientReducer):
                 "iterations": self._steps.get(key, 0),
                 "state": encode_state(state, f"{STATE}{key}/", tensors),
             }
+        for key, u in self.error_feedback.velocities().items():
+            tensors[VELOCITY + key] = u.to("cpu")
         return tensors, {"buffers": buffers}
 
     def load_state_dict(
@@ -125,7 +136,8 @@ class CompressedReducer(GradientReducer):
     ) -> None:
         """Restore what :meth:`state_dict` returned (replacing all current state). With
         ``compressor_state=False`` (another compressor configuration) only residuals and iteration
-        counts come back. Metadata without ``buffers`` (older checkpoints): residuals only."""
+        counts come back. Metadata without ``buffers`` (older checkpoints): residuals only.
+        Velocities are restored under momentum correction (absent ones start at zero)."""
         self.clear_state()
         device = self.backend.device
         buffers = metadata.get("buffers", {})
@@ -145,7 +157,8 @@ class CompressedReducer(GradientReducer):
         residuals = {k[len(RESIDUAL) :]: v.to(device) for k, v in tensors.items() if k.startswith(RESIDUAL)}
         for key, res in residuals.items():
             self._numels.setdefault(key, res.numel())
-        self.error_feedback.load_state(residuals)
+        velocities = {k[len(VELOCITY) :]: v.to(device) for k, v in tensors.items() if k.startswith(VELOCITY)}
+        self.error_feedback.load_state(residuals, velocities)
 
     def clear_state(self) -> None:
         """Forget every buffer's residual, iteration count and compressor state (a fresh start)."""
@@ -203,6 +216,7 @@ class CompressedReducer(GradientReducer):
         sent0, recv0 = stats.bytes_sent, stats.bytes_received
         n = grad.numel()
         if isinstance(self.compressor, Dense) or n < self.dense_below:
+            self.error_feedback.momentum_step(key, grad)
             work = (
                 self._dense.all_reduce(key, grad)
                 if shard is None
@@ -235,7 +249,7 @@ class CompressedReducer(GradientReducer):
         if self.compressor.error_feedback:
             self.error_feedback.update(key, acc, ex.contributed, ex.sent)
         else:
-            self.error_feedback.discard(key, acc)
+            self.error_feedback.discard(key, acc, keep_velocity=True)
         self._steps[key] = step + 1
         self._record(n, ex, grad, shard, sent0, recv0, t0, dense=warm)
         return CompletedWork()

@@ -14,6 +14,13 @@ FSDP and ZeRO-1's default ``gradient_sync="reduce_scatter"`` with reduce-scatter
 owner receives its shard from the sparse reduce; Ok-Topk's and TopkDSA's gather phase is skipped).
 The dense path (``Dense``, small buffers) keeps the strategy's ``reduce_dtype``.
 ``statistics`` holds the last step's compression figures (density, bytes, ratio, times).
+
+``momentum_correction=0.9`` applies Deep Gradient Compression's momentum correction and momentum
+factor masking (Lin et al., ICLR 2018) inside the error feedback: each rank keeps a velocity
+``u = m * u + grad`` and accumulates ``v += u`` (the residual), sends the compressor's selection of
+``v`` and zeroes ``u`` and ``v`` where it sent. The inner optimizer then only applies the averaged
+update: it must be ``torch.optim.SGD`` with ``momentum=0`` (weight decay, if any, is added by SGD to
+the synchronized update). Without compression (dense path, warm-up) this is plain momentum SGD.
 """
 
 from __future__ import annotations
@@ -51,6 +58,25 @@ def bucket_layouts(model: ModelStrategy) -> dict[str, Layout]:
     return {u.key: [(s.offset, tuple(s.shape)) for s in u.slots] for u in units}
 
 
+def check_plain_sgd(optimizer: torch.optim.Optimizer, momentum_correction: float) -> None:
+    """Momentum correction replaces the optimizer's momentum: only SGD without momentum fits."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise StrategyError(
+            f"momentum_correction={momentum_correction} keeps the momentum in the compressed "
+            f"reducer, so the inner optimizer must be torch.optim.SGD with momentum=0, got "
+            f"{type(optimizer).__name__} (which has its own momentum/moments); use "
+            f"DDPOptimizer(model, torch.optim.SGD, lr=..., momentum=0), or drop momentum_correction"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("momentum", 0) != 0 or group.get("nesterov", False):
+            raise StrategyError(
+                f"momentum_correction={momentum_correction} with an SGD that has momentum="
+                f"{group.get('momentum')} (nesterov={group.get('nesterov')}) in param group {i} "
+                f"would apply momentum twice; build the inner SGD with momentum=0 (the reducer "
+                f"applies momentum {momentum_correction})"
+            )
+
+
 class GradientCompressionOptimizer(OptimizerStrategy):
     """Wrap ``inner`` (any optimizer strategy) so its model's gradients travel compressed."""
 
@@ -63,6 +89,7 @@ class GradientCompressionOptimizer(OptimizerStrategy):
         *,
         dense_below: int = 1024,
         nonfinite: NonFinitePolicy = "raise",
+        momentum_correction: float | None = None,
     ) -> None:
         if not isinstance(inner, OptimizerStrategy):
             raise TypeError(
@@ -73,6 +100,8 @@ class GradientCompressionOptimizer(OptimizerStrategy):
             raise StrategyError(
                 "GradientCompressionOptimizer is already applied; wrap the inner strategy once"
             )
+        if momentum_correction is not None:
+            check_plain_sgd(inner.optimizer, momentum_correction)
         self.inner = inner
         self.model = inner.model
         self.compatible_models = inner.compatible_models  # type: ignore[misc]
@@ -88,6 +117,7 @@ class GradientCompressionOptimizer(OptimizerStrategy):
             nonfinite=nonfinite,
             reduce_dtype=reduce_dtype,
             layouts=bucket_layouts(self.model),
+            momentum_correction=momentum_correction,
         )
         self.model.gradient_reducer = self.reducer
         self.statistics: dict[str, Any] = {}
