@@ -123,22 +123,39 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- training
+def lr_at(task: dict[str, Any], it: int, total: int) -> float:
+    """The learning rate of iteration ``it`` of ``total``: constant, or cosine-decayed to 0."""
+    if task.get("schedule", "constant") == "constant":
+        return float(task["lr"])
+    return float(task["lr"]) * 0.5 * (1.0 + math.cos(math.pi * it / total))
+
+
 def train_rank(
     backend: CommunicationBackend, task: dict[str, Any], name: str, density: float, epochs: int, warmup: int
 ) -> dict[str, Any]:
     net = copy.deepcopy(task["net"])
-    inner = DDPOptimizer(DDPModel(net, backend), torch.optim.SGD, lr=task["lr"], momentum=task["momentum"])
-    opt = GradientCompressionOptimizer(inner, make(name, density, warmup, task.get("tau")), dense_below=0)
+    corrected = task.get("momentum_correction", False) and task["momentum"] > 0
+    momentum = 0.0 if corrected else task["momentum"]
+    inner = DDPOptimizer(DDPModel(net, backend), torch.optim.SGD, lr=task["lr"], momentum=momentum)
+    opt = GradientCompressionOptimizer(
+        inner,
+        make(name, density, warmup, task.get("tau")),
+        dense_below=0,
+        momentum_correction=task["momentum"] if corrected else None,
+    )
     loss_fn = lm_loss if isinstance(net, ByteGRU) else nn.functional.cross_entropy
     x, y = task["train"]
     gb, p, r = task["batch"], backend.world_size, backend.rank
     per = gb // p
+    total = epochs * ((len(y) - gb) // gb + 1)
     losses, densities, sent = [], [], []
     diverged: int | None = None
     for epoch in range(epochs):
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
         for start in range(0, len(y) - gb + 1, gb):
             idx = order[start + r * per : start + (r + 1) * per]
+            for group in opt.optimizer.param_groups:
+                group["lr"] = lr_at(task, len(losses), total)
             opt.zero_grad()
             try:
                 losses.append(float(opt.model.train_step((x[idx], y[idx]), loss_fn)))
@@ -170,6 +187,8 @@ def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         task["momentum"] = args.momentum
     if args.tau is not None:
         task["tau"] = args.tau
+    task["schedule"] = args.schedule
+    task["momentum_correction"] = args.momentum_correction
     epochs = args.epochs if args.epochs is not None else (30 if task_name == "digits" else 3)
     runs = [("dense", 1.0)]
     runs += [(a, d) for d in args.densities for a in [*SPARSE, *SPARSE_EXTRA] if a in args.algorithms]
@@ -247,6 +266,18 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="default: 30 (digits), 3 (lm)")
     ap.add_argument("--lr", type=float, default=None, help="default: 0.05 (digits), 0.5 (lm)")
     ap.add_argument("--momentum", type=float, default=None, help="SGD momentum; default 0.9")
+    ap.add_argument(
+        "--schedule",
+        choices=["constant", "cosine"],
+        default="constant",
+        help="learning rate: constant, or cosine decay to 0 over the run (every algorithm alike)",
+    )
+    ap.add_argument(
+        "--momentum-correction",
+        action="store_true",
+        help="momentum in the compressed reducer (DGC momentum correction + factor masking), inner "
+        "SGD without momentum; every algorithm alike (for dense it is plain momentum SGD)",
+    )
     ap.add_argument("--tau", type=int, default=None, help="Ok-Topk's tau (tau' = 2 tau); default 32")
     ap.add_argument("--warmup", type=int, default=20, help="dense warm-up iterations, every compressor")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/img"))
