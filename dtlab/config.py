@@ -174,8 +174,8 @@ class CompressionConfig(_Section):
     warmup_steps: int = Field(default=10, ge=0)
     #: PowerSGD: rank of the low-rank approximation
     rank: int = Field(default=4, ge=1)
-    #: QSGD: quantization levels per sign (127 fits a signed byte)
-    levels: int = Field(default=127, ge=1, le=32767)
+    #: QSGD: quantization levels per sign (int8 codes: at most 127)
+    levels: int = Field(default=127, ge=1, le=127)
 
     @field_validator("density")
     @classmethod
