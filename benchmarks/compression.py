@@ -41,20 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.compression import (
-    FP16,
-    QSGD,
-    CompressedReducer,
-    Compressor,
-    Dense,
-    GaussianK,
-    GTopk,
-    OkTopk,
-    PowerSGD,
-    RandomK,
-    TopkA,
-    TopkDSA,
-)
+from dtlab.compression import CompressedReducer, Compressor, make_compressor
 from dtlab.compression.powersgd import matrix_shape
 
 ALGORITHMS = [
@@ -73,22 +60,8 @@ TAU = 32
 
 
 def make(name: str, density: float) -> Compressor:
-    sparse: dict[str, Any] = {
-        "topka": TopkA,
-        "topkdsa": TopkDSA,
-        "gtopk": GTopk,
-        "gaussiank": GaussianK,
-        "randomk": RandomK,
-    }
-    if name in sparse:
-        return sparse[name](density=density)  # type: ignore[no-any-return]
-    return {
-        "dense": Dense(),
-        "oktopk": OkTopk(density=density, warmup_steps=0, tau=TAU, tau_prime=2 * TAU),
-        "qsgd": QSGD(),
-        "powersgd": PowerSGD(rank=4, warmup_steps=0),
-        "fp16": FP16(),
-    }[name]
+    """No warm-up (every iteration is timed compressed); PowerSGD at rank 4; Ok-Topk with tau = TAU."""
+    return make_compressor(name, density=density, warmup_steps=0, tau=TAU, tau_prime=2 * TAU, rank=4)
 
 
 def formula(name: str, n: int, p: int, density: float, measured: dict[str, Any]) -> tuple[float, str]:

@@ -33,41 +33,21 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.compression import (
-    FP16,
-    QSGD,
-    Compressor,
-    Dense,
-    GaussianK,
-    GTopk,
-    NonFiniteGradientError,
-    OkTopk,
-    PowerSGD,
-    RandomK,
-    TopkA,
-    TopkDSA,
-)
+from dtlab.compression import Compressor, NonFiniteGradientError, make_compressor
 from dtlab.models import DDPModel
 from dtlab.optimizers.compression import GradientCompressionOptimizer
 from dtlab.optimizers.ddp import DDPOptimizer
 from dtlab.testing import run_world
 
-SPARSE = {"topka": TopkA, "topkdsa": TopkDSA, "gtopk": GTopk, "gaussiank": GaussianK, "oktopk": OkTopk}
-SPARSE_EXTRA = {"randomk": RandomK}
+SPARSE = ["topka", "topkdsa", "gtopk", "gaussiank", "oktopk"]
+SPARSE_EXTRA = ["randomk"]
 OTHERS = ["qsgd", "powersgd", "fp16"]
 
 
 def make(name: str, density: float, warmup: int, tau: int | None = None) -> Compressor:
-    if name == "oktopk" and tau is not None:
-        return OkTopk(density=density, warmup_steps=warmup, tau=tau, tau_prime=2 * tau)
-    if name in SPARSE or name in SPARSE_EXTRA:
-        return {**SPARSE, **SPARSE_EXTRA}[name](density=density, warmup_steps=warmup)  # type: ignore[no-any-return]
-    return {
-        "dense": Dense(),
-        "qsgd": QSGD(warmup_steps=warmup),
-        "powersgd": PowerSGD(rank=4, warmup_steps=warmup),
-        "fp16": FP16(warmup_steps=warmup),
-    }[name]
+    """``warmup`` dense iterations for every compressor; PowerSGD at rank 4; Ok-Topk's tau' = 2 tau."""
+    taus = {} if tau is None else {"tau": tau, "tau_prime": 2 * tau}
+    return make_compressor(name, density=density, warmup_steps=warmup, rank=4, **taus)
 
 
 # ---------------------------------------------------------------------------------------------- tasks

@@ -16,7 +16,18 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import read_checkpoint, save_checkpoint
-from dtlab.compression import ALGORITHMS, BF16, FP16, QSGD, Compressor, OkTopk, PowerSGD, RandomK, TopkA
+from dtlab.compression import (
+    ALGORITHMS,
+    BF16,
+    COMPRESSORS,
+    FP16,
+    QSGD,
+    Compressor,
+    OkTopk,
+    PowerSGD,
+    RandomK,
+    TopkA,
+)
 from dtlab.compression.sparse import Magnitudes
 from dtlab.compression.state_io import Workspace, decode_state, encode_state
 from dtlab.config import CompressionConfig, TrainConfig, load_config
@@ -71,6 +82,7 @@ def test_cases_cover_every_algorithm() -> None:
     assert {c[0] for c in CASES} >= set(ALGORITHMS)
     allowed = set(get_args(CompressionConfig.model_fields["algorithm"].annotation))
     assert {c[0] for c in CASES} == allowed - {"none"}  # every compressor the config can name
+    assert allowed - {"none"} == set(COMPRESSORS)  # the config names exactly the registry's compressors
 
 
 @pytest.mark.parametrize(("algorithm", "strategy", "warmup"), CASES)

@@ -34,8 +34,7 @@ class ArgumentChecks:
     def _check_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         self._check_tensor(output, "reduce_scatter", "output")
         self._check_tensor(input, "reduce_scatter", "input")
-        if output.dtype != input.dtype:
-            self._check_same_dtype(output, input, "reduce_scatter")
+        self._check_same_dtype(output, input, "reduce_scatter")
         if input.numel() != self._world_size * output.numel():
             raise ArgumentError(
                 f"reduce_scatter: input has {input.numel()} elements but needs world_size * "
@@ -47,8 +46,7 @@ class ArgumentChecks:
     def _check_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self._check_tensor(output, "all_gather", "output")
         self._check_tensor(input, "all_gather", "input")
-        if output.dtype != input.dtype:
-            self._check_same_dtype(output, input, "all_gather")
+        self._check_same_dtype(output, input, "all_gather")
         if output.numel() != self._world_size * input.numel():
             raise ArgumentError(
                 f"all_gather: output has {output.numel()} elements but needs world_size * "

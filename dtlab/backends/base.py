@@ -24,10 +24,6 @@ from dtlab.errors import ArgumentError
 __all__ = ["SUPPORTED_DTYPES", "CommunicationBackend", "CompletedWork", "ReduceOp", "Work"]
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.nbytes
-
-
 class CommunicationBackend(ArgumentChecks, ABC):
     """Collectives, point-to-point and object exchange among ``world_size`` ranks.
 
@@ -112,7 +108,7 @@ class CommunicationBackend(ArgumentChecks, ABC):
         t0 = perf_counter()
         work = self._iall_reduce(tensor, op)
         dt = perf_counter() - t0
-        p, n = self.world_size, _nbytes(tensor)
+        p, n = self.world_size, tensor.nbytes
         moved = 2 * (p - 1) * n // p
         self._stats.record("all_reduce", moved, moved, dt)
         return work
@@ -123,7 +119,7 @@ class CommunicationBackend(ArgumentChecks, ABC):
         t0 = perf_counter()
         work = self._ireduce_scatter(output, input, op)
         dt = perf_counter() - t0
-        moved = (self.world_size - 1) * _nbytes(output)
+        moved = (self.world_size - 1) * output.nbytes
         self._stats.record("reduce_scatter", moved, moved, dt)
         return work
 
@@ -133,7 +129,7 @@ class CommunicationBackend(ArgumentChecks, ABC):
         t0 = perf_counter()
         work = self._iall_gather(output, input)
         dt = perf_counter() - t0
-        moved = (self.world_size - 1) * _nbytes(input)
+        moved = (self.world_size - 1) * input.nbytes
         self._stats.record("all_gather", moved, moved, dt)
         return work
 
@@ -146,7 +142,7 @@ class CommunicationBackend(ArgumentChecks, ABC):
         self._reduce(tensor, dst, op)
         dt = perf_counter() - t0
         # chain (dst+1) -> (dst+2) -> ... -> dst: everyone but dst sends, everyone but the start receives
-        p, n = self.world_size, _nbytes(tensor)
+        p, n = self.world_size, tensor.nbytes
         start = (dst + 1) % p
         sent = n if (p > 1 and self.rank != dst) else 0
         received = n if (p > 1 and self.rank != start) else 0
@@ -160,7 +156,7 @@ class CommunicationBackend(ArgumentChecks, ABC):
         self._broadcast(tensor, src)
         dt = perf_counter() - t0
         # chain src -> src+1 -> ... -> src-1: everyone but the last sends, everyone but src receives
-        p, n = self.world_size, _nbytes(tensor)
+        p, n = self.world_size, tensor.nbytes
         last = (src - 1) % p
         sent = n if (p > 1 and self.rank != last) else 0
         received = n if (p > 1 and self.rank != src) else 0
@@ -246,8 +242,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
         self._all_to_all(list(outputs), list(inputs))
         dt = perf_counter() - t0
         me = self.rank
-        sent = sum(_nbytes(t) for j, t in enumerate(inputs) if j != me)
-        received = sum(_nbytes(t) for i, t in enumerate(outputs) if i != me)
+        sent = sum(t.nbytes for j, t in enumerate(inputs) if j != me)
+        received = sum(t.nbytes for i, t in enumerate(outputs) if i != me)
         self._stats.record("all_to_all", sent, received, dt)
 
     def barrier(self) -> None:
@@ -265,7 +261,7 @@ class CommunicationBackend(ArgumentChecks, ABC):
         t0 = perf_counter()
         self._send(tensor, dst, tag)
         dt = perf_counter() - t0
-        self._stats.record("send", _nbytes(tensor), 0, dt)
+        self._stats.record("send", tensor.nbytes, 0, dt)
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
         """Receive into ``tensor`` from ``src`` (``None``: any rank); returns the source rank."""
@@ -275,7 +271,7 @@ class CommunicationBackend(ArgumentChecks, ABC):
         t0 = perf_counter()
         source = self._recv(tensor, src, tag)
         dt = perf_counter() - t0
-        self._stats.record("recv", 0, _nbytes(tensor), dt)
+        self._stats.record("recv", 0, tensor.nbytes, dt)
         return source
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
@@ -285,7 +281,7 @@ class CommunicationBackend(ArgumentChecks, ABC):
         t0 = perf_counter()
         work = self._isend(tensor, dst, tag)
         dt = perf_counter() - t0
-        self._stats.record("send", _nbytes(tensor), 0, dt)
+        self._stats.record("send", tensor.nbytes, 0, dt)
         return work
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
@@ -296,7 +292,7 @@ class CommunicationBackend(ArgumentChecks, ABC):
         t0 = perf_counter()
         work = self._irecv(tensor, src, tag)
         dt = perf_counter() - t0
-        self._stats.record("recv", 0, _nbytes(tensor), dt)
+        self._stats.record("recv", 0, tensor.nbytes, dt)
         return work
 
     # ------------------------------------------------------------------ objects

@@ -5,6 +5,11 @@ Use it through :class:`dtlab.optimizers.compression.GradientCompressionOptimizer
 :class:`GradientSynchronizer` (your own loop).
 """
 
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
 from dtlab.compression.base import Compressor, Exchange, NonFiniteGradientError, SparseCompressor
 from dtlab.compression.cast import BF16, FP16, Cast
 from dtlab.compression.dense import Dense
@@ -19,6 +24,7 @@ from dtlab.compression.reducer import CompressedReducer
 from dtlab.compression.synchronizer import GradientSynchronizer
 from dtlab.compression.topka import TopK, TopkA
 from dtlab.compression.topkdsa import TopkDSA
+from dtlab.errors import ConfigError
 
 #: the sparse all-reduce algorithms of the Ok-Topk paper, by name
 ALGORITHMS: dict[str, type[Compressor]] = {
@@ -30,9 +36,34 @@ ALGORITHMS: dict[str, type[Compressor]] = {
     "oktopk": OkTopk,
 }
 
+#: every compressor by name: the algorithms, then (class, fixed keyword arguments) of the others
+COMPRESSORS: Mapping[str, tuple[type[Compressor], Mapping[str, Any]]] = MappingProxyType(
+    {
+        **{name: (cls, {}) for name, cls in ALGORITHMS.items()},
+        "randomk": (RandomK, {}),
+        "qsgd": (QSGD, {}),
+        "powersgd": (PowerSGD, {}),
+        "fp16": (Cast, {"dtype": "float16"}),
+        "bf16": (Cast, {"dtype": "bfloat16"}),
+    }
+)
+
+
+def make_compressor(name: str, **options: Any) -> Compressor:
+    """The compressor ``name`` (a key of :data:`COMPRESSORS`) built from the ``options`` it takes;
+    options it does not have (``tau`` for ``topka``, ``density`` for ``qsgd``) are ignored, so one set
+    of settings can build any of them."""
+    if name not in COMPRESSORS:
+        raise ConfigError(f"unknown compressor {name!r}; choose one of {', '.join(COMPRESSORS)}")
+    cls, fixed = COMPRESSORS[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**fixed, **{k: v for k, v in options.items() if k in fields and k not in fixed})
+
+
 __all__ = [
     "ALGORITHMS",
     "BF16",
+    "COMPRESSORS",
     "FP16",
     "QSGD",
     "Cast",
@@ -52,4 +83,5 @@ __all__ = [
     "TopK",
     "TopkA",
     "TopkDSA",
+    "make_compressor",
 ]

@@ -20,7 +20,16 @@ from __future__ import annotations
 
 import torch
 
+from dtlab.errors import ConfigError
+
 __all__ = ["ErrorFeedback"]
+
+
+def _fit(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``spare`` when it is a float32 buffer of ``like``'s size and device, else a new one."""
+    if spare is None or spare.numel() != like.numel() or spare.device != like.device:
+        return torch.empty(like.numel(), dtype=torch.float32, device=like.device)
+    return spare
 
 
 class ErrorFeedback:
@@ -37,7 +46,7 @@ class ErrorFeedback:
         if momentum is not None and (
             isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 < momentum < 1
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"momentum correction must be a float in (0, 1) such as 0.9 (or None), got {momentum!r}"
             )
         self.momentum = None if momentum is None else float(momentum)
@@ -50,15 +59,14 @@ class ErrorFeedback:
         """``grad + residual`` in a float32 buffer owned by this object (valid until ``update``)."""
         flat = grad.detach().reshape(-1)
         res = self._residuals.get(key)
-        spare = self._spares.pop(key, None)
         if res is not None and res.numel() != flat.numel():
             raise ValueError(
                 f"error feedback: buffer {key!r} changed size from {res.numel()} to {flat.numel()} "
                 "elements; keys must name the same buffer every step"
             )
-        if spare is None or spare.numel() != flat.numel() or spare.device != flat.device:
-            spare = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
-        src = flat if self.momentum is None else self._next_velocity(key, flat)
+        spare = _fit(self._spares.pop(key, None), flat)
+        m = self.momentum
+        src = flat if m is None else self._next_velocity(key, flat, m)
         if res is None:
             spare.copy_(src)
         else:
@@ -66,22 +74,19 @@ class ErrorFeedback:
         self._spares[key] = spare
         return spare
 
-    def _next_velocity(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+    def _next_velocity(self, key: str, flat: torch.Tensor, m: float) -> torch.Tensor:
         """``m * u + grad`` in a spare velocity buffer (committed by ``update``/``discard``)."""
-        assert self.momentum is not None
         u = self._velocities.get(key)
         if u is not None and u.numel() != flat.numel():
             raise ValueError(
                 f"momentum correction: buffer {key!r} changed size from {u.numel()} to {flat.numel()} "
                 "elements; keys must name the same buffer every step"
             )
-        spare = self._velocity_spares.pop(key, None)
-        if spare is None or spare.numel() != flat.numel() or spare.device != flat.device:
-            spare = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+        spare = _fit(self._velocity_spares.pop(key, None), flat)
         if u is None:
             spare.copy_(flat)
         else:
-            torch.add(flat, u, alpha=self.momentum, out=spare)
+            torch.add(flat, u, alpha=m, out=spare)
         self._velocity_spares[key] = spare
         return spare
 
@@ -100,10 +105,11 @@ class ErrorFeedback:
         """Dense path (no compression, no residual): ``u = m * u + grad``, written into ``grad``
         (plain momentum SGD). A non-finite result leaves ``u`` unchanged (``grad`` gets it, so the
         reducer's non-finite handling sees it). No-op without momentum correction."""
-        if self.momentum is None:
+        m = self.momentum
+        if m is None:
             return
         flat = grad.detach().reshape(-1)
-        new = self._next_velocity(key, flat)
+        new = self._next_velocity(key, flat, m)
         flat.copy_(new)
         if bool(torch.isfinite(new.sum())):
             self._commit_velocity(key, None)
@@ -146,9 +152,6 @@ class ErrorFeedback:
     def keys(self) -> list[str]:
         return sorted(self._residuals)
 
-    def state(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self._residuals.items()}
-
     def velocity(self, key: str) -> torch.Tensor | None:
         return self._velocities.get(key)
 
@@ -185,4 +188,4 @@ class ErrorFeedback:
             *self._velocities.values(),
             *self._velocity_spares.values(),
         ]
-        return sum(t.numel() * t.element_size() for t in bufs)
+        return sum(t.nbytes for t in bufs)

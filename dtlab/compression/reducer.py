@@ -78,10 +78,7 @@ class CompressedReducer(GradientReducer):
         self.compressor = compressor
         self.dense_below = dense_below
         self.nonfinite = nonfinite
-        try:
-            self.error_feedback = ErrorFeedback(momentum_correction)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
+        self.error_feedback = ErrorFeedback(momentum_correction)
         self.momentum_correction = self.error_feedback.momentum
         self._dense = DenseReducer(backend, reduce_dtype)
         self._states: dict[str, dict[str, Any]] = {}

@@ -62,30 +62,17 @@ def build_optimizer_strategy(config: TrainConfig, model: ModelStrategy) -> Optim
     c = config.compression
     if c.algorithm == "none":
         return opt
-    import dataclasses
-
-    from dtlab.compression import ALGORITHMS, QSGD, Cast, Compressor, PowerSGD, RandomK
+    from dtlab.compression import make_compressor
     from dtlab.optimizers.compression import GradientCompressionOptimizer
 
-    compressors: dict[str, type[Compressor]] = {
-        **ALGORITHMS,
-        "randomk": RandomK,
-        "qsgd": QSGD,
-        "powersgd": PowerSGD,
-        "fp16": Cast,
-        "bf16": Cast,
-    }
-    comp_cls = compressors[c.algorithm]
-    wanted: dict[str, Any] = {
-        "density": c.density,
-        "tau": c.tau,
-        "tau_prime": c.tau_prime,
-        "warmup_steps": c.warmup_steps,
-        "rank": c.rank,
-        "levels": c.levels,
-        "dtype": {"fp16": "float16", "bf16": "bfloat16"}.get(c.algorithm),
-    }
-    fields = {f.name for f in dataclasses.fields(comp_cls)} if dataclasses.is_dataclass(comp_cls) else set()
-    compressor = comp_cls(**{k: v for k, v in wanted.items() if k in fields})
+    compressor = make_compressor(
+        c.algorithm,
+        density=c.density,
+        tau=c.tau,
+        tau_prime=c.tau_prime,
+        warmup_steps=c.warmup_steps,
+        rank=c.rank,
+        levels=c.levels,
+    )
     # "skip": non-finite gradients come back as NaN so the trainer's guard skips the step on every rank
     return GradientCompressionOptimizer(opt, compressor=compressor, nonfinite="skip")
