@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/convergence.py                 # both tasks, 4 in-memory ranks
     .venv/bin/python benchmarks/convergence.py --task digits --epochs 10
+    .venv/bin/python benchmarks/convergence.py --task lm --seed 1   # another init and data order
 
 Tasks (offline, real data):
 
@@ -14,6 +15,9 @@ Every run is DDP on ``--world`` in-memory ranks (threads) with ``GradientCompres
 (one bucket for the whole model, so ``k = density x all parameters``, as in the Ok-Topk reference
 code), the same initial weights, the same global batches, SGD with momentum, and the same number of
 dense warm-up iterations for every compressor. Loss curves are written as PNG plots.
+
+Per-task defaults (``TASK_DEFAULTS``, each overridable): digits 30 epochs, lr 0.05 constant, 20
+warm-up iterations; lm 16 epochs, lr 1.0 cosine-decayed to 0, 262 warm-up iterations (2 epochs).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ from dtlab.optimizers.compression import GradientCompressionOptimizer
 from dtlab.optimizers.ddp import DDPOptimizer
 from dtlab.testing import run_world
 
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "digits": {"epochs": 30, "lr": 0.05, "schedule": "constant", "warmup": 20},
+    "lm": {"epochs": 16, "lr": 1.0, "schedule": "cosine", "warmup": 262},
+}
 SPARSE = ["topka", "topkdsa", "gtopk", "gaussiank", "oktopk"]
 SPARSE_EXTRA = ["randomk"]
 OTHERS = ["qsgd", "powersgd", "fp16"]
@@ -51,7 +59,7 @@ def make(name: str, density: float, warmup: int, tau: int | None = None) -> Comp
 
 
 # ---------------------------------------------------------------------------------------------- tasks
-def digits_task() -> dict[str, Any]:
+def digits_task(seed: int = 0) -> dict[str, Any]:
     from sklearn.datasets import load_digits
 
     data = load_digits()
@@ -59,29 +67,28 @@ def digits_task() -> dict[str, Any]:
     y = torch.tensor(data.target, dtype=torch.long)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     x, y = x[perm], y[perm]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)  # the initial weights (the train/test split does not depend on it)
     net = nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 10),
     )  # fmt: skip
     train, test = (x[:1437], y[:1437]), (x[1437:], y[1437:])
-    return {"net": net, "train": train, "test": test, "batch": 64, "lr": 0.05, "momentum": 0.9}
+    return {"net": net, "train": train, "test": test, "batch": 64, "momentum": 0.9}
 
 
-def lm_task(max_bytes: int = 300_000, seq: int = 64) -> dict[str, Any]:
+def lm_task(max_bytes: int = 300_000, seq: int = 64, seed: int = 0, hidden: int = 128) -> dict[str, Any]:
     from dtlab.data.corpus import load_stdlib_corpus
 
     data = torch.frombuffer(bytearray(load_stdlib_corpus(max_bytes)), dtype=torch.uint8).long()
     n = (data.numel() - 1) // seq
     inputs, targets = data[: n * seq].view(n, seq), data[1 : n * seq + 1].view(n, seq)
     cut = int(0.9 * n)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return {
-        "net": ByteGRU(),
+        "net": ByteGRU(hidden=hidden),
         "train": (inputs[:cut], targets[:cut]),
         "test": (inputs[cut:], targets[cut:]),
         "batch": 32,
-        "lr": 0.5,
         "momentum": 0.9,
     }
 
@@ -131,7 +138,9 @@ def train_rank(
     losses, densities, sent = [], [], []
     diverged: int | None = None
     for epoch in range(epochs):
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
+        order = torch.randperm(
+            len(y), generator=torch.Generator().manual_seed(epoch + 1_000_003 * task["seed"])
+        )
         for start in range(0, len(y) - gb + 1, gb):
             idx = order[start + r * per : start + (r + 1) * per]
             for group in opt.optimizer.param_groups:
@@ -160,31 +169,39 @@ def train_rank(
 
 
 def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    task = digits_task() if task_name == "digits" else lm_task()
-    if args.lr is not None:
-        task["lr"] = args.lr
+    if task_name == "digits":
+        task = digits_task(args.seed)
+    else:
+        task = lm_task(args.corpus_bytes, seed=args.seed, hidden=args.hidden)
+    task["seed"] = args.seed
+    if args.batch is not None:
+        task["batch"] = args.batch
+    defaults = TASK_DEFAULTS[task_name]
+    task["lr"] = args.lr if args.lr is not None else defaults["lr"]
     if args.momentum is not None:
         task["momentum"] = args.momentum
     if args.tau is not None:
         task["tau"] = args.tau
-    task["schedule"] = args.schedule
+    task["schedule"] = args.schedule if args.schedule is not None else defaults["schedule"]
     task["momentum_correction"] = args.momentum_correction
-    epochs = args.epochs if args.epochs is not None else (30 if task_name == "digits" else 3)
+    epochs = args.epochs if args.epochs is not None else defaults["epochs"]
+    warmup = args.warmup if args.warmup is not None else defaults["warmup"]
     runs = [("dense", 1.0)]
     runs += [(a, d) for d in args.densities for a in [*SPARSE, *SPARSE_EXTRA] if a in args.algorithms]
     runs += [(a, 1.0) for a in OTHERS if a in args.algorithms]
     rows = []
     for name, density in runs:
         t0 = time.time()
-        res = run_world(args.world, train_rank, task, name, density, epochs, args.warmup, timeout=600)
+        res = run_world(args.world, train_rank, task, name, density, epochs, warmup, timeout=3600)
         losses = [sum(r["losses"][i] for r in res) / len(res) for i in range(len(res[0]["losses"]))]
-        dens = res[0]["density"][args.warmup :]
+        dens = res[0]["density"][warmup:]
         row = {
             "task": task_name, "algorithm": name, "density": density, "losses": losses,
             "final": res[0].get("accuracy", res[0].get("perplexity")),
             "diverged_at": res[0]["diverged"],
             "mean_selected_density": sum(dens) / max(1, len(dens)),
-            "mean_bytes_sent": sum(res[0]["bytes_sent"][args.warmup :]) / max(1, len(dens)),
+            "mean_bytes_sent": sum(res[0]["bytes_sent"][warmup:]) / max(1, len(dens)),
+            "total_bytes_sent": sum(res[0]["bytes_sent"]),  # warm-up included
             "seconds": time.time() - t0,
         }  # fmt: skip
         rows.append(row)
@@ -243,14 +260,19 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.02])
     ap.add_argument("--algorithms", nargs="+", default=[*SPARSE, *SPARSE_EXTRA, *OTHERS])
-    ap.add_argument("--epochs", type=int, default=None, help="default: 30 (digits), 3 (lm)")
-    ap.add_argument("--lr", type=float, default=None, help="default: 0.05 (digits), 0.5 (lm)")
+    ap.add_argument("--epochs", type=int, default=None, help="default: 30 (digits), 16 (lm)")
+    ap.add_argument("--seed", type=int, default=0, help="initial weights and data order (0: the docs' runs)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch; default 64 (digits), 32 (lm)")
+    ap.add_argument("--hidden", type=int, default=128, help="lm: GRU hidden size (128: 113k parameters)")
+    ap.add_argument("--corpus-bytes", type=int, default=300_000, help="lm: bytes of stdlib source used")
+    ap.add_argument("--lr", type=float, default=None, help="default: 0.05 (digits), 1.0 (lm)")
     ap.add_argument("--momentum", type=float, default=None, help="SGD momentum; default 0.9")
     ap.add_argument(
         "--schedule",
         choices=["constant", "cosine"],
-        default="constant",
-        help="learning rate: constant, or cosine decay to 0 over the run (every algorithm alike)",
+        default=None,
+        help="learning rate: constant, or cosine decay to 0 over the run (every algorithm alike); "
+        "default: constant (digits), cosine (lm)",
     )
     ap.add_argument(
         "--momentum-correction",
@@ -259,7 +281,12 @@ def main() -> None:
         "SGD without momentum; every algorithm alike (for dense it is plain momentum SGD)",
     )
     ap.add_argument("--tau", type=int, default=None, help="Ok-Topk's tau (tau' = 2 tau); default 32")
-    ap.add_argument("--warmup", type=int, default=20, help="dense warm-up iterations, every compressor")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="dense warm-up iterations, every compressor; default 20 (digits), 262 = 2 epochs (lm)",
+    )
     ap.add_argument("--out-dir", type=Path, default=Path("docs/img"))
     ap.add_argument(
         "--plot-tag",
