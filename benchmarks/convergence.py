@@ -44,18 +44,19 @@ from dtlab.optimizers.ddp import DDPOptimizer
 from dtlab.testing import run_world
 
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "digits": {"epochs": 30, "lr": 0.05, "schedule": "constant", "warmup": 20},
-    "lm": {"epochs": 16, "lr": 1.0, "schedule": "cosine", "warmup": 262},
+    "digits": {"epochs": 30, "lr": 0.05, "schedule": "constant", "warmup": 20, "ramp": 0},
+    "lm": {"epochs": 16, "lr": 1.0, "schedule": "cosine", "warmup": 262, "ramp": 0},
 }
 SPARSE = ["topka", "topkdsa", "gtopk", "gaussiank", "oktopk"]
 SPARSE_EXTRA = ["randomk"]
 OTHERS = ["qsgd", "powersgd", "fp16"]
 
 
-def make(name: str, density: float, warmup: int, tau: int | None = None) -> Compressor:
-    """``warmup`` dense iterations for every compressor; PowerSGD at rank 4; Ok-Topk's tau' = 2 tau."""
+def make(name: str, density: float, warmup: int, tau: int | None = None, ramp: int = 0) -> Compressor:
+    """``warmup`` dense iterations for every compressor, then for the sparse ones ``ramp`` iterations
+    of DGC's density ramp; PowerSGD at rank 4; Ok-Topk's tau' = 2 tau."""
     taus = {} if tau is None else {"tau": tau, "tau_prime": 2 * tau}
-    return make_compressor(name, density=density, warmup_steps=warmup, rank=4, **taus)
+    return make_compressor(name, density=density, warmup_steps=warmup, ramp_steps=ramp, rank=4, **taus)
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -126,7 +127,7 @@ def train_rank(
     inner = DDPOptimizer(DDPModel(net, backend), torch.optim.SGD, lr=task["lr"], momentum=momentum)
     opt = GradientCompressionOptimizer(
         inner,
-        make(name, density, warmup, task.get("tau")),
+        make(name, density, warmup, task.get("tau"), task["ramp"]),
         dense_below=0,
         momentum_correction=task["momentum"] if corrected else None,
     )
@@ -186,6 +187,7 @@ def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     task["momentum_correction"] = args.momentum_correction
     epochs = args.epochs if args.epochs is not None else defaults["epochs"]
     warmup = args.warmup if args.warmup is not None else defaults["warmup"]
+    task["ramp"] = args.ramp if args.ramp is not None else defaults["ramp"]
     runs = [("dense", 1.0)]
     runs += [(a, d) for d in args.densities for a in [*SPARSE, *SPARSE_EXTRA] if a in args.algorithms]
     runs += [(a, 1.0) for a in OTHERS if a in args.algorithms]
@@ -286,6 +288,13 @@ def main() -> None:
         type=int,
         default=None,
         help="dense warm-up iterations, every compressor; default 20 (digits), 262 = 2 epochs (lm)",
+    )
+    ap.add_argument(
+        "--ramp",
+        type=int,
+        default=None,
+        help="sparse compressors: iterations of DGC's density ramp (25%%, 6.25%%, ... down to the "
+        "density) after the dense warm-up (ramp_steps); default 0",
     )
     ap.add_argument("--out-dir", type=Path, default=Path("docs/img"))
     ap.add_argument(

@@ -172,6 +172,9 @@ class CompressionConfig(_Section):
     tau_prime: int = Field(default=64, ge=1)
     #: dense steps before compression starts (short default for short runs)
     warmup_steps: int = Field(default=10, ge=0)
+    #: sparse algorithms and random-k: after the warm-up, steps over which the density falls from 25%
+    #: to ``density`` in 4x stages (Deep Gradient Compression's warm-up training); 0: none
+    ramp_steps: int = Field(default=0, ge=0)
     #: PowerSGD: rank of the low-rank approximation
     rank: int = Field(default=4, ge=1)
     #: QSGD: quantization levels per sign (int8 codes: at most 127)

@@ -214,11 +214,13 @@ def test_early_stopping_is_agreed_and_bf16_and_compression_metrics(tmp_path: Pat
         "compression.algorithm=oktopk",
         "compression.density=0.1",
         "compression.warmup_steps=1",
+        "compression.ramp_steps=2",  # steps 2-3 at 25%, then 10%
         f"logging.run_dir={tmp_path / 'c'}",
     )
     run_training(cfg)
     recs = [_no_nan(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert recs and all("compression" in r for r in recs)
+    assert recs[0]["compression"]["local_density"] > recs[-1]["compression"]["local_density"], recs
     assert 0 < recs[-1]["compression"]["density"] <= 0.5, recs[-1]
     assert recs[-1]["compression"]["compression_ratio"] > 1, recs[-1]  # fewer bytes than dense
 

@@ -173,6 +173,11 @@ class Compressor(ABC):
             ex.result_values = ex.result_values[keep]
         return ex
 
+    def at_step(self, step: int) -> Compressor:
+        """The configuration in force at compressed iteration ``step`` (counted from the first
+        iteration after ``warmup_steps``): ``self``, unless a subclass ramps a parameter."""
+        return self
+
     def describe(self) -> str:
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
         return f"{type(self).__name__}({fields})"
@@ -180,9 +185,17 @@ class Compressor(ABC):
 
 @dataclass(frozen=True, kw_only=True)
 class SparseCompressor(Compressor):
-    """A compressor that keeps about ``k = density * numel`` elements of every buffer."""
+    """A compressor that keeps about ``k = density * numel`` elements of every buffer.
+
+    ``ramp_steps`` (default 0): Deep Gradient Compression's warm-up training. For the first
+    ``ramp_steps`` compressed iterations (after the ``warmup_steps`` dense ones) the density falls
+    exponentially toward ``density`` in equal stages, 4x sparser each: 25%, 6.25%, 1.5625%, ...
+    (stages at or below ``density`` are not used), so error-feedback residuals build up gradually
+    instead of all at once when the dense warm-up ends. See :func:`ramp_densities`.
+    """
 
     density: float = 0.01
+    ramp_steps: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -192,6 +205,23 @@ class SparseCompressor(Compressor):
                 f"{type(self).__name__}: density must be in (0, 1] (the fraction of gradient elements "
                 f"sent, e.g. 0.01), got {d!r}"
             )
+        r = self.ramp_steps
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(
+                f"{type(self).__name__}: ramp_steps must be an integer >= 0 (compressed iterations "
+                f"over which the density falls from 25% to density; 0: no ramp), got {r!r}"
+            )
+
+    def at_step(self, step: int) -> SparseCompressor:
+        """``self`` with the ramp's density at compressed iteration ``step`` while ``step <
+        ramp_steps``; ``self`` afterwards (and without a ramp)."""
+        if step >= self.ramp_steps:
+            return self
+        stages = ramp_densities(self.density)
+        if not stages:
+            return self
+        stage = step * len(stages) // self.ramp_steps
+        return dataclasses.replace(self, density=stages[stage], ramp_steps=0)
 
     def k(self, numel: int) -> int:
         return int(self.density * numel)
@@ -205,6 +235,15 @@ class SparseCompressor(Compressor):
                 f"k=0 elements; use density >= {need:.3g} or send buffers this small dense "
                 f"(raise dense_below above {numel})"
             )
+
+
+def ramp_densities(density: float) -> list[float]:
+    """The ramp's stages above ``density``: 0.25, 0.0625, ... (DGC's 75%, 93.75%, ... sparsity)."""
+    stages, d = [], 0.25
+    while d > density:
+        stages.append(d)
+        d /= 4
+    return stages
 
 
 def dense_exchange(acc: torch.Tensor, backend: CommunicationBackend, shard: bool) -> Exchange:

@@ -234,13 +234,14 @@ class CompressedReducer(GradientReducer):
             state = self._states[key] = self.compressor.new_state_for_layout(key, n, layout)
             state.update(self._restored.pop(key, {}))
         step = self._steps.get(key, 0)
-        warm = step < self.compressor.warmup_steps
+        warmup = self.compressor.warmup_steps
+        warm = step < warmup
         if warm:
             ex = dense_exchange(acc, self.backend, shard is not None)
         elif shard is None:
-            ex = self.compressor.all_reduce(state, acc, self.backend)
+            ex = self.compressor.at_step(step - warmup).all_reduce(state, acc, self.backend)
         else:
-            ex = self.compressor.reduce_scatter(state, acc, self.backend)
+            ex = self.compressor.at_step(step - warmup).reduce_scatter(state, acc, self.backend)
         out = grad.view(-1) if shard is None else shard.view(-1)
         ex.write(out)
         if self.compressor.error_feedback:

@@ -71,6 +71,7 @@ def build_optimizer_strategy(config: TrainConfig, model: ModelStrategy) -> Optim
         tau=c.tau,
         tau_prime=c.tau_prime,
         warmup_steps=c.warmup_steps,
+        ramp_steps=c.ramp_steps,
         rank=c.rank,
         levels=c.levels,
     )
