@@ -175,6 +175,9 @@ class CompressionConfig(_Section):
     #: sparse algorithms and random-k: after the warm-up, steps over which the density falls from 25%
     #: to ``density`` in 4x stages (Deep Gradient Compression's warm-up training); 0: none
     ramp_steps: int = Field(default=0, ge=0)
+    #: DGC momentum correction: ``optimizer.momentum`` is applied in the compressed reducer (before
+    #: selection, with momentum factor masking) instead of by the optimizer; needs ``optimizer.name=sgd``
+    momentum_correction: bool = False
     #: PowerSGD: rank of the low-rank approximation
     rank: int = Field(default=4, ge=1)
     #: QSGD: quantization levels per sign (int8 codes: at most 127)
@@ -267,6 +270,14 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"model.name={self.model.name!r} does not fit data.dataset={self.data.dataset!r}; "
                 "use transformer_lm with stdlib or digits_cnn with digits"
+            )
+        c, o = self.compression, self.optimizer
+        if c.momentum_correction and (c.algorithm == "none" or o.name != "sgd" or o.momentum <= 0):
+            raise ValueError(
+                f"compression.momentum_correction=true moves optimizer.momentum into the compressed "
+                f"reducer: it needs compression.algorithm other than 'none' (got {c.algorithm!r}), "
+                f"optimizer.name=sgd (got {o.name!r}) and optimizer.momentum > 0 (got {o.momentum}); "
+                f"set those or drop momentum_correction"
             )
         if self.backend.name == "inmemory":
             check_world_size(self, self.backend.world_size)

@@ -40,6 +40,11 @@ def test_yaml_and_toml_files_and_overrides(tmp_path: Path) -> None:
         (["compression.density=2"], ["compression.density", "2", "(0, 1]"]),
         (["compression.density=0"], ["compression.density", "0", "(0, 1]"]),
         (["compression.density=-0.5"], ["compression.density", "-0.5", "(0, 1]"]),
+        (
+            ["compression.algorithm=oktopk", "compression.momentum_correction=true"],
+            ["compression.momentum_correction", "optimizer.name=sgd", "'adamw'"],
+        ),
+        (["compression.momentum_correction=true"], ["compression.algorithm", "'none'"]),
         (["compression.ramp_steps=-3"], ["compression.ramp_steps", "-3", "greater than or equal to 0"]),
         (["strategy.model=zero4"], ["strategy.model", "zero4", "'fsdp'"]),
         (["strategy.optimizer=adam"], ["strategy.optimizer", "adam", "'zero3'"]),

@@ -276,3 +276,23 @@ def test_zero1_gradient_sync_from_the_config_trains_alike_with_fewer_bytes(tmp_p
     task = build_task(_cfg(tmp_path))
     grad_bytes = 4 * sum(p.numel() for p in task.build_model().parameters())
     assert sent["all_reduce"] - sent["reduce_scatter"] == pytest.approx(4 * 3 / 4 * grad_bytes, rel=0.01)
+
+
+def test_momentum_correction_from_the_config(tmp_path: Path) -> None:
+    """``compression.momentum_correction=true``: the SGD runs without momentum and the reducer keeps
+    the velocities; with ``dense`` that is plain momentum SGD (same losses up to rounding)."""
+    sgd = ["optimizer.name=sgd", "optimizer.lr=0.05", "optimizer.weight_decay=0",
+           "optimizer.clip_grad_norm=null", "train.steps=5", "compression.warmup_steps=0"]  # fmt: skip
+    plain = run_training(_cfg(tmp_path, *sgd, "compression.algorithm=dense"))
+    corrected = _cfg(tmp_path, *sgd, "compression.algorithm=dense", "compression.momentum_correction=true")
+    moved = run_training(corrected)
+    a, b = [v for _, v in plain[0].losses], [v for _, v in moved[0].losses]
+    assert a == pytest.approx(b, rel=1e-5) and a[0] != a[-1]
+
+    def build(backend: CommunicationBackend) -> tuple[float, float | None]:
+        cfg = _cfg(tmp_path, *sgd, "compression.algorithm=topka", "compression.momentum_correction=true")
+        trainer = Trainer(cfg, backend, build_task(cfg))
+        opt = trainer.optimizer
+        return opt.optimizer.param_groups[0]["momentum"], opt.reducer.error_feedback.momentum
+
+    assert run_world(2, build) == [(0.0, 0.9), (0.0, 0.9)]

@@ -56,10 +56,12 @@ def build_optimizer_strategy(config: TrainConfig, model: ModelStrategy) -> Optim
     from dtlab.optimizers import get_optimizer_strategy
 
     torch_cls, kwargs = torch_optimizer(config)
+    c = config.compression
+    if c.momentum_correction:  # the reducer applies the momentum (checked by the config)
+        kwargs["momentum"] = 0.0
     opt: OptimizerStrategy = get_optimizer_strategy(config.strategy.optimizer_name)(
         model, torch_cls, **kwargs
     )
-    c = config.compression
     if c.algorithm == "none":
         return opt
     from dtlab.compression import make_compressor
@@ -76,4 +78,5 @@ def build_optimizer_strategy(config: TrainConfig, model: ModelStrategy) -> Optim
         levels=c.levels,
     )
     # "skip": non-finite gradients come back as NaN so the trainer's guard skips the step on every rank
-    return GradientCompressionOptimizer(opt, compressor=compressor, nonfinite="skip")
+    mc = config.optimizer.momentum if c.momentum_correction else None
+    return GradientCompressionOptimizer(opt, compressor=compressor, nonfinite="skip", momentum_correction=mc)
