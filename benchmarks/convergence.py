@@ -17,7 +17,8 @@ code), the same initial weights, the same global batches, SGD with momentum, and
 dense warm-up iterations for every compressor. Loss curves are written as PNG plots.
 
 Per-task defaults (``TASK_DEFAULTS``, each overridable): digits 30 epochs, lr 0.05 constant, 20
-warm-up iterations; lm 16 epochs, lr 1.0 cosine-decayed to 0, 262 warm-up iterations (2 epochs).
+warm-up iterations; lm 16 epochs, lr 1.0 cosine-decayed to 0, 262 warm-up iterations (2 epochs),
+momentum 0.9 by DGC's momentum correction (``--no-momentum-correction``: by the SGD optimizer).
 """
 
 from __future__ import annotations
@@ -44,8 +45,22 @@ from dtlab.optimizers.ddp import DDPOptimizer
 from dtlab.testing import run_world
 
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "digits": {"epochs": 30, "lr": 0.05, "schedule": "constant", "warmup": 20, "ramp": 0},
-    "lm": {"epochs": 16, "lr": 1.0, "schedule": "cosine", "warmup": 262, "ramp": 0},
+    "digits": {
+        "epochs": 30,
+        "lr": 0.05,
+        "schedule": "constant",
+        "warmup": 20,
+        "ramp": 0,
+        "momentum_correction": False,
+    },
+    "lm": {
+        "epochs": 16,
+        "lr": 1.0,
+        "schedule": "cosine",
+        "warmup": 262,
+        "ramp": 0,
+        "momentum_correction": True,
+    },
 }
 SPARSE = ["topka", "topkdsa", "gtopk", "gaussiank", "oktopk"]
 SPARSE_EXTRA = ["randomk"]
@@ -184,7 +199,8 @@ def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.tau is not None:
         task["tau"] = args.tau
     task["schedule"] = args.schedule if args.schedule is not None else defaults["schedule"]
-    task["momentum_correction"] = args.momentum_correction
+    mc = args.momentum_correction
+    task["momentum_correction"] = mc if mc is not None else defaults["momentum_correction"]
     epochs = args.epochs if args.epochs is not None else defaults["epochs"]
     warmup = args.warmup if args.warmup is not None else defaults["warmup"]
     task["ramp"] = args.ramp if args.ramp is not None else defaults["ramp"]
@@ -278,9 +294,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--momentum-correction",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="momentum in the compressed reducer (DGC momentum correction + factor masking), inner "
-        "SGD without momentum; every algorithm alike (for dense it is plain momentum SGD)",
+        "SGD without momentum; every algorithm alike (for dense it is plain momentum SGD); "
+        "default: off (digits), on (lm)",
     )
     ap.add_argument("--tau", type=int, default=None, help="Ok-Topk's tau (tau' = 2 tau); default 32")
     ap.add_argument(
