@@ -21,6 +21,9 @@ factor masking (Lin et al., ICLR 2018) inside the error feedback: each rank keep
 ``v`` and zeroes ``u`` and ``v`` where it sent. The inner optimizer then only applies the averaged
 update: it must be ``torch.optim.SGD`` with ``momentum=0`` (weight decay, if any, is added by SGD to
 the synchronized update). Without compression (dense path, warm-up) this is plain momentum SGD.
+It is meant for the sparse algorithms: the dense-shaped compressors (PowerSGD, QSGD, casts) send no
+index set, so their velocity is never masked (measured: PowerSGD +9.2% LM perplexity with it, +1.1%
+with the optimizer's momentum; docs/compression.md).
 """
 
 from __future__ import annotations
