@@ -11,15 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from dtlab.testing import TINY_LM
+
 BIN = Path(sys.executable).parent
 SETS = [
     "train.steps=6",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.seq_len=32",
-    "data.max_bytes=40000",
-    "data.global_batch_size=8",
+    *TINY_LM,
     "train.eval_every=3",
     "logging.log_every=3",
 ]

@@ -35,17 +35,12 @@ from dtlab.errors import CheckpointError
 from dtlab.models import DDPModel, ZeRO2Model
 from dtlab.optimizers import DDPOptimizer, ZeRO2Optimizer
 from dtlab.optimizers.compression import GradientCompressionOptimizer
-from dtlab.testing import run_world
+from dtlab.testing import TINY_LM, run_world
 from dtlab.trainers import run_training
 
 TINY = [
     "backend.name=inmemory",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.seq_len=32",
-    "data.max_bytes=40000",
-    "data.global_batch_size=8",
+    *TINY_LM,
     "optimizer.warmup_steps=2",
     "train.eval_every=0",
     "strategy.persistence_threshold=0",

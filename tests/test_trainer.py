@@ -17,19 +17,14 @@ from dtlab.cli import main
 from dtlab.config import TrainConfig, load_config
 from dtlab.data import TensorDataset
 from dtlab.errors import RankFailedError
-from dtlab.testing import run_world
+from dtlab.testing import TINY_LM, run_world
 from dtlab.trainers import NonFiniteError, Task, Trainer, run_training
 from dtlab.trainers.models import DigitsCNN
 from dtlab.trainers.tasks import build_task
 
 TINY = [
     "backend.name=inmemory",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.seq_len=32",
-    "data.max_bytes=40000",
-    "data.global_batch_size=8",
+    *TINY_LM,
     "optimizer.warmup_steps=2",
     "train.eval_every=0",
     "strategy.persistence_threshold=0",

@@ -13,18 +13,14 @@ import torch
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import full_tensors_from_shards, read_checkpoint
 from dtlab.config import TrainConfig, load_config
-from dtlab.testing import run_world
+from dtlab.testing import TINY_LM, run_world
 from dtlab.trainers import Trainer, build_task, run_training
 from dtlab.trainers.tasks import Task, cross_entropy_loss
 
 TINY = [
     "backend.name=inmemory",
-    "model.d_model=32",
-    "model.n_heads=2",
+    *TINY_LM,
     "model.n_layers=2",
-    "model.seq_len=32",
-    "data.max_bytes=40000",
-    "data.global_batch_size=8",
     "optimizer.warmup_steps=1",
     "train.eval_every=0",
     "logging.progress=false",
