@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import consolidate, full_tensors_from_shards, read_checkpoint, save_checkpoint
+from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models.base import ShardedState
 from dtlab.testing import run_world
 
 FULL = {"w": torch.arange(10, dtype=torch.float32).reshape(2, 5), "b": torch.tensor([7.0, 8.0, 9.0])}
@@ -95,7 +95,7 @@ WRITER = """
 import sys, torch
 torch.set_num_threads(1)
 from dtlab.checkpoint import save_checkpoint
-from dtlab.models.base import ShardedState
+from dtlab.core.state import ShardedState
 from dtlab.testing import run_world
 
 N = 1 << 20  # 4 MiB per rank per save: a save takes 100+ ms (write, fsync, SHA-256)

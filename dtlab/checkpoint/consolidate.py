@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from dtlab.checkpoint.files import durable_write
-from dtlab.models.base import ShardedState
+from dtlab.core.state import ShardedState
 from dtlab.models.state import ShardIndex
 
 __all__ = ["consolidate", "full_tensors_from_shards"]

@@ -12,8 +12,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
 from dtlab.checkpoint.files import FORMAT_VERSION, LATEST, META, shard_name
+from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models.base import ShardedState
 
 __all__ = ["LoadedCheckpoint", "read_checkpoint", "resolve_checkpoint"]
 

@@ -30,7 +30,7 @@ from dtlab.checkpoint.files import (
     shard_name,
     step_dir_name,
 )
-from dtlab.models.base import ShardedState
+from dtlab.core.state import ShardedState
 
 __all__ = ["save_checkpoint"]
 

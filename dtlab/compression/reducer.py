@@ -40,8 +40,8 @@ from dtlab.compression.dense import Dense
 from dtlab.compression.error_feedback import ErrorFeedback
 from dtlab.compression.state_io import decode_state, encode_state
 from dtlab.compression.stats import StepStatistics
+from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import CheckpointError, ConfigError
-from dtlab.models.reducer import DenseReducer, GradientReducer
 
 __all__ = ["CompressedReducer"]
 

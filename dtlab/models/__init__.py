@@ -1,10 +1,11 @@
 """Model strategies: DDP, ZeRO-1/2/3, FSDP (and later pipeline, tensor, hybrid)."""
 
+from dtlab.core.reducer import DenseReducer, GradientReducer
+from dtlab.core.state import ShardedState
 from dtlab.models._common import DataParallelModel
-from dtlab.models.base import ModelStrategy, ShardedState
+from dtlab.models.base import ModelStrategy
 from dtlab.models.ddp import DDPModel
 from dtlab.models.fsdp import FSDPModel, ModuleClassPolicy, SizePolicy, WrapPolicy
-from dtlab.models.reducer import DenseReducer, GradientReducer
 from dtlab.models.registry import MODEL_STRATEGIES, get_model_strategy
 from dtlab.models.state import ShardIndex
 from dtlab.models.zero1 import ZeRO1Model

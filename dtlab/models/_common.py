@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import StrategyError
 from dtlab.models.base import ModelStrategy
 from dtlab.models.flat import FlatUnit
-from dtlab.models.reducer import DenseReducer, GradientReducer
 
 if TYPE_CHECKING:
     from dtlab.optimizers.base import OptimizerStrategy

@@ -24,9 +24,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models._common import DataParallelModel, tensor_bytes
-from dtlab.models.base import ShardedState
 from dtlab.models.flat import FlatUnit
 from dtlab.models.state import ShardIndex, add_slice, even_range, new_state
 

@@ -1,4 +1,4 @@
-"""What every model strategy offers (DESIGN.md section 2).
+"""What every model strategy offers (docs/architecture.md, section "Model strategies").
 
 A model strategy wraps an ``nn.Module``, is itself an ``nn.Module`` (forward works), owns where its
 parameters and gradients live, and sends gradients through its :class:`GradientReducer`.
@@ -9,30 +9,16 @@ from __future__ import annotations
 import contextlib
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.models.reducer import GradientReducer
+from dtlab.core.reducer import GradientReducer
+from dtlab.core.state import ShardedState
 
 __all__ = ["ModelStrategy", "ShardedState"]
-
-
-@dataclass
-class ShardedState:
-    """One rank's piece of a model or optimizer state: tensors plus JSON-serialisable metadata.
-
-    ``metadata`` holds at least ``strategy``, ``world_size`` and ``rank``, and whatever the strategy
-    needs to reshard (shapes, shard offsets). A checkpoint stores one per rank; loading receives the
-    pieces of *every* saved rank, so it works at another world size (and, through full tensors, under
-    another data-parallel strategy).
-    """
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class ModelStrategy(nn.Module):

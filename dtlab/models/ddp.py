@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.core.state import ShardedState
 from dtlab.models._common import DataParallelModel, tensor_bytes, unique_storage_bytes
-from dtlab.models.base import ShardedState
 from dtlab.models.flat import FlatUnit
 from dtlab.models.state import ShardIndex, add_slice, even_range, new_state
 

@@ -1,6 +1,6 @@
 """The checkpoint format every data-parallel strategy shares: flat slices of named full tensors.
 
-A rank's :class:`~dtlab.models.base.ShardedState` holds, for each full tensor it covers, one flat
+A rank's :class:`~dtlab.core.state.ShardedState` holds, for each full tensor it covers, one flat
 slice in ``tensors[key]`` and ``metadata["entries"][key] = {"shape", "dtype", "start", "end"}``: the
 slice is elements ``[start, end)`` of the full tensor flattened. Keys are the module's
 ``state_dict()`` keys; optimizer state uses ``"<param name>.<state key>"`` (``"fc.weight.exp_avg"``)
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models.base import ShardedState
 
 __all__ = ["ShardIndex", "add_slice", "add_scalar", "dtype_from_str", "even_range", "new_state"]
 

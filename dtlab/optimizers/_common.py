@@ -11,9 +11,10 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import ReduceOp
+from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models._common import DataParallelModel
-from dtlab.models.base import ModelStrategy, ShardedState
+from dtlab.models.base import ModelStrategy
 from dtlab.models.state import ShardIndex, add_scalar, add_slice, dtype_from_str, new_state
 from dtlab.optimizers.base import OptimizerStrategy
 

@@ -8,7 +8,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from dtlab.models.base import ModelStrategy, ShardedState
+from dtlab.core.state import ShardedState
+from dtlab.models.base import ModelStrategy
 
 __all__ = ["OptimizerStrategy"]
 

@@ -37,9 +37,10 @@ import torch
 from dtlab.compression.base import Compressor, Layout
 from dtlab.compression.oktopk import OkTopk
 from dtlab.compression.reducer import CompressedReducer, NonFinitePolicy
+from dtlab.core.reducer import DenseReducer, GradientReducer
+from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
-from dtlab.models.base import ModelStrategy, ShardedState
-from dtlab.models.reducer import DenseReducer, GradientReducer
+from dtlab.models.base import ModelStrategy
 from dtlab.optimizers.base import OptimizerStrategy
 
 __all__ = ["GradientCompressionOptimizer"]

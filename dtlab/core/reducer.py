@@ -1,0 +1,96 @@
+"""The gradient reducer: how a model strategy's gradients travel across its data-parallel group.
+
+Every model strategy owns one reducer and sends all gradients through it, with all-reduce semantics
+(DDP, ZeRO-1, the data-parallel group of pipeline/tensor/hybrid) or reduce-scatter semantics
+(ZeRO-2/3, FSDP). Both return the *average* over ranks (sum / P), like torch DDP. The reducer is
+swappable (``model.gradient_reducer = ...``): gradient compression plugs in a compressed reducer
+without touching the strategies.
+
+``key`` names a gradient buffer stably across steps (a bucket index, a parameter or unit name), so a
+stateful reducer (error feedback, Ok-Topk thresholds) can keep per-buffer state.
+
+This module lives in the neutral layer :mod:`dtlab.core` (below both models and compression) so the
+model strategies and the compressed reducer both import it downwards; see docs/architecture.md,
+section "The reducer seam". ``dtlab.models.reducer`` re-exports it for compatibility.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
+
+__all__ = ["DenseReducer", "GradientReducer"]
+
+
+class GradientReducer(ABC):
+    """Averages gradient buffers over a data-parallel group (``backend``)."""
+
+    def __init__(self, backend: CommunicationBackend) -> None:
+        self.backend = backend
+
+    @abstractmethod
+    def all_reduce(self, key: str, grad: torch.Tensor) -> Work:
+        """Replace the flat, contiguous ``grad`` by its average over ranks (complete after ``wait()``)."""
+
+    @abstractmethod
+    def reduce_scatter(self, key: str, grad: torch.Tensor, shard: torch.Tensor) -> Work:
+        """``grad`` is flat with ``P * shard.numel()`` elements; ``shard`` receives the average of
+        chunk ``rank`` (complete after ``wait()``). ``grad``'s content afterwards is unspecified."""
+
+    def step_statistics(self) -> dict[str, Any]:
+        """Statistics of the last step (compressed reducers report density, bytes, ratio, times)."""
+        return {}
+
+    def start_step(self) -> None:  # noqa: B027 - optional hook
+        """Called by the strategy before the first gradient of a step is reduced."""
+
+
+class DenseReducer(GradientReducer):
+    """Uncompressed reduction; ``reduce_dtype`` (e.g. ``torch.float32`` for bf16 parameters) sets the
+    dtype gradients travel and are summed in; results are cast back to the gradient's dtype."""
+
+    def __init__(self, backend: CommunicationBackend, reduce_dtype: torch.dtype | None = None) -> None:
+        super().__init__(backend)
+        self.reduce_dtype = reduce_dtype
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.reduce_dtype is None or t.dtype == self.reduce_dtype else t.to(self.reduce_dtype)
+
+    def all_reduce(self, key: str, grad: torch.Tensor) -> Work:
+        buf = self._cast(grad)
+        work = self.backend.iall_reduce(buf, ReduceOp.SUM)
+        return _Finish(work, lambda: _average_into(grad, buf, self.backend.world_size))
+
+    def reduce_scatter(self, key: str, grad: torch.Tensor, shard: torch.Tensor) -> Work:
+        buf = self._cast(grad)
+        out = self._cast(torch.empty_like(shard)) if buf is not grad else shard
+        work = self.backend.ireduce_scatter(out, buf, ReduceOp.SUM)
+        return _Finish(work, lambda: _average_into(shard, out, self.backend.world_size))
+
+
+def _average_into(dst: torch.Tensor, summed: torch.Tensor, world_size: int) -> None:
+    if summed is dst:
+        dst.div_(world_size)
+    else:
+        dst.copy_(summed.div_(world_size))
+
+
+class _Finish(Work):
+    """Waits for the engine's handle, then runs the finishing step (average, cast back) once."""
+
+    def __init__(self, work: Work, finish: Any) -> None:
+        self._work, self._finish, self._done = work, finish, False
+
+    def wait(self) -> int | None:
+        if not self._done:
+            self._work.wait()
+            self._finish()
+            self._done = True
+        return None
+
+    def is_completed(self) -> bool:
+        return self._done

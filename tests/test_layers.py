@@ -1,0 +1,72 @@
+"""The import rule of docs/architecture.md, section "Layers": every package imports only downwards.
+
+Imports under ``if TYPE_CHECKING:`` are annotations only and are not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "dtlab"
+
+# package -> the dtlab packages it may import at run time (itself included)
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "backends": {"errors"},
+    "core": {"backends", "errors"},
+    "compression": {"core", "backends", "errors"},
+    "models": {"core", "backends", "errors"},
+    "data": {"errors"},
+    "checkpoint": {"models", "core", "backends", "errors"},
+    "optimizers": {"models", "compression", "core", "backends", "errors"},
+    "testing": {"backends", "errors"},
+}
+
+
+def _runtime_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for orelse in child.orelse:
+                    visit(orelse)
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                found.append((child.lineno, child.module))
+            elif isinstance(child, ast.Import):
+                found.extend((child.lineno, alias.name) for alias in child.names)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _files(package: str) -> list[Path]:
+    path = ROOT / package
+    return sorted(path.rglob("*.py")) if path.is_dir() else [ROOT / f"{package}.py"]
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_downwards(package: str) -> None:
+    allowed = ALLOWED[package] | {package}
+    bad = []
+    for file in _files(package):
+        for line, module in _runtime_imports(ast.parse(file.read_text(), str(file))):
+            parts = module.split(".")
+            if parts[0] == "dtlab" and len(parts) > 1 and parts[1] not in allowed:
+                bad.append(f"{file.relative_to(ROOT.parent)}:{line} imports {module}")
+    assert not bad, f"dtlab.{package} may import only {sorted(allowed)}:\n" + "\n".join(bad)
+
+
+def test_backends_never_import_torch_nn() -> None:
+    bad = [
+        f"{file.relative_to(ROOT.parent)}:{line}"
+        for file in _files("backends")
+        for line, module in _runtime_imports(ast.parse(file.read_text()))
+        if module == "torch.nn" or module.startswith("torch.nn.")
+    ]
+    assert not bad, f"backends import torch.nn: {bad}"
