@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from dtlab.config import load_config
     from dtlab.trainers import run_training
-    from dtlab.trainers.progress import summary_table
+    from dtlab.trainers.report import print_tables, profile_table, summary_table
 
     config = load_config(args.config, args.overrides)
     if args.quiet:
@@ -56,11 +56,7 @@ def _train(args: argparse.Namespace) -> int:
     results = run_training(config)
     main = results[0]
     if main.rank == 0:  # under a launcher every process gets its own rank; rank 0 prints
-        print(summary_table(main.summary, title="dtlab train: summary"))
-        print()
-        from dtlab.trainers.profiler import Profiler
-
-        print(Profiler.table_from_summary(main.profile))
+        print_tables(summary_table(main.summary, title="dtlab train: summary"), profile_table(main.profile))
     return 0
 
 

@@ -51,7 +51,8 @@ def test_cli_default_shortened_trains_and_writes_clean_metrics(tmp_path: Path, c
     assert code == 0
     out = capsys.readouterr()
     assert "dtlab train: summary" in out.out and "where step time goes" in out.out
-    assert "\r[" in out.err and "step    10 | loss" in out.err  # progress bar and metric lines
+    assert "progress 30/30 (100%)" in out.err and "step    10 | loss" in out.err  # progress and metrics
+    assert "\x1b" not in out.err + out.out  # captured output is no terminal: plain lines
     records = [_no_nan(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [10, 20, 30]

@@ -1,67 +1,102 @@
-"""A dependency-free progress bar (one ``\\r`` line on stderr, rank 0) and the final summary table."""
+"""The training progress display on rank 0, with ``rich``.
+
+On a terminal: a live bar (steps, loss, elapsed, remaining) with the metric lines printed above it.
+Anywhere else (a pipe, a log file, a notebook's captured output): plain text lines only, never a
+terminal escape code: the metric lines as they come and a progress line at most every
+``plain_interval`` seconds. ``rich`` decides what a terminal is (``isatty``, ``TERM=dumb``,
+``NO_COLOR``/``FORCE_COLOR``, ``TTY_COMPATIBLE``).
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any, TextIO
+from typing import TextIO
 
-__all__ = ["ProgressBar", "summary_table"]
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+__all__ = ["ProgressBar"]
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 class ProgressBar:
+    """``update(step, info)`` after each step, ``print_line(text)`` for a full line, ``close()`` at the end.
+
+    ``initial`` is the step a resumed run starts at; the remaining time counts only the steps run here.
+    """
+
     def __init__(
-        self, total: int, enabled: bool = True, stream: TextIO | None = None, width: int = 24
+        self,
+        total: int,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        initial: int = 0,
+        plain_interval: float = 30.0,
     ) -> None:
-        self.total, self.enabled, self.width = total, enabled, width
-        self.stream = stream or sys.stderr
-        self._last = 0.0
+        self.total, self.enabled, self.initial = total, enabled, initial
+        self.plain_interval = plain_interval
+        self.console = Console(file=stream or sys.stderr, highlight=False, soft_wrap=True)
+        self.live = enabled and self.console.is_terminal
         self._t0 = time.perf_counter()
-        self._shown = False
-        # redraw often on a terminal, rarely into a log file
-        self.interval = 0.2 if getattr(self.stream, "isatty", lambda: False)() else 2.0
+        self._last_plain = self._t0
+        self._last_step = initial
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TextColumn("<"),
+                TimeRemainingColumn(),
+                console=self.console,
+                refresh_per_second=4,
+            )
+            self._task = self._progress.add_task("train", total=total, completed=initial, info="")
+            self._progress.start()
 
     def update(self, step: int, info: str = "", force: bool = False) -> None:
         if not self.enabled:
             return
-        now = time.perf_counter()
-        if not force and now - self._last < self.interval and step < self.total:
+        self._last_step = step
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, completed=step, info=info)
             return
-        self._last = now
-        frac = min(1.0, step / max(1, self.total))
-        filled = int(self.width * frac)
+        now = time.perf_counter()
+        if force or step >= self.total or now - self._last_plain >= self.plain_interval:
+            self._last_plain = now
+            self.console.print(self._plain_line(step, info, now), markup=False)
+
+    def _plain_line(self, step: int, info: str, now: float) -> str:
         elapsed = now - self._t0
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {step}/{self.total} {info} {elapsed:.0f}s<{eta:.0f}s ")
-        self.stream.flush()
-        self._shown = True
+        done = step - self.initial
+        left = (self.total - step) * elapsed / done if done > 0 else None
+        pct = 100.0 * step / max(1, self.total)
+        eta = f", ~{_duration(left)} left" if left is not None and step < self.total else ""
+        what = f" | {info}" if info else ""
+        return f"progress {step}/{self.total} ({pct:.0f}%){what} | {_duration(elapsed)} elapsed{eta}"
 
     def print_line(self, text: str) -> None:
-        """Print a full line above the bar (the bar is redrawn on the next update)."""
+        """Print one full line (above the live bar on a terminal)."""
         if self.enabled:
-            self.stream.write("\r\033[K" if self._shown else "")
-            self.stream.write(text + "\n")
-            self.stream.flush()
-            self._last = 0.0
+            self.console.print(text, markup=False)
 
     def close(self) -> None:
-        if self.enabled and self._shown:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._shown = False
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
-    if isinstance(v, list):
-        return ", ".join(_fmt(x) for x in v)
-    return str(v)
-
-
-def summary_table(rows: dict[str, Any], title: str = "summary") -> str:
-    width = max([len(k) for k in rows] + [len(title)])
-    lines = [title, "-" * (width + 30)]
-    lines += [f"{k:<{width}}  {_fmt(v)}" for k, v in rows.items() if v is not None]
-    return "\n".join(lines)
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 if TYPE_CHECKING:
     from dtlab.trainers.trainer import Trainer, TrainResult
 
-__all__ = ["format_record", "memory_report", "step_record", "summary_rows"]
+__all__ = [
+    "format_record",
+    "memory_report",
+    "print_tables",
+    "profile_table",
+    "step_record",
+    "summary_rows",
+    "summary_table",
+]
 
 
 def memory_report(trainer: Trainer) -> dict[str, int]:
@@ -118,3 +131,40 @@ def format_record(rec: dict[str, Any]) -> str:
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
     return " | ".join(parts)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    if isinstance(v, list):
+        return ", ".join(_fmt(x) for x in v)
+    return str(v)
+
+
+def summary_table(rows: dict[str, Any], title: str = "summary") -> Table:
+    """Two columns (what, value); rows whose value is ``None`` are left out."""
+    table = Table(title=title, title_justify="left", show_header=False, box=box.SIMPLE)
+    table.add_column("what", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for k, v in rows.items():
+        if v is not None:
+            table.add_row(k, _fmt(v))
+    return table
+
+
+def profile_table(profile: dict[str, Any]) -> Table:
+    """Where step time goes (``Profiler.summary()``): each phase's seconds and share, largest first."""
+    table = Table(box=box.SIMPLE_HEAD, show_footer=True)
+    table.add_column("where step time goes", footer="total", no_wrap=True)
+    table.add_column("seconds", justify="right", footer=f"{profile['wall_seconds']:.3f}")
+    table.add_column("share", justify="right", footer="100.0%")
+    for name, row in sorted(profile["phases"].items(), key=lambda kv: -kv[1]["seconds"]):
+        table.add_row(name, f"{row['seconds']:.3f}", f"{100 * row['fraction']:.1f}%")
+    return table
+
+
+def print_tables(*tables: Table, file: TextIO | None = None) -> None:
+    """Print with ``rich``: styled on a terminal, plain text (no escape codes) anywhere else."""
+    console = Console(file=file or sys.stdout, highlight=False)
+    for table in tables:
+        console.print(table)

@@ -254,7 +254,9 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg = self.config
         result = TrainResult(start_step=self.start_step, rank=self.backend.rank)
-        bar = ProgressBar(cfg.train.steps, enabled=self.is_main and cfg.logging.progress)
+        bar = ProgressBar(
+            cfg.train.steps, enabled=self.is_main and cfg.logging.progress, initial=self.start_step
+        )
         window: dict[str, float] = {"t": time.perf_counter(), "steps": 0, "comm": self.backend.stats.seconds}
         sent0 = self.backend.stats.bytes_sent
         if self.is_main and cfg.logging.progress:
