@@ -3,6 +3,7 @@
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 from dtlab.backends.init import detect_launcher, init_backend
 from dtlab.backends.inmemory import InMemoryBackend, InMemoryWorld
+from dtlab.backends.mesh import Mesh
 from dtlab.backends.mpi import MPIBackend
 from dtlab.backends.stats import CommStats, OpStats
 from dtlab.backends.torch_dist import GlooBackend, NCCLBackend, TorchDistBackend
@@ -15,6 +16,7 @@ __all__ = [
     "InMemoryBackend",
     "InMemoryWorld",
     "MPIBackend",
+    "Mesh",
     "NCCLBackend",
     "OpStats",
     "ReduceOp",

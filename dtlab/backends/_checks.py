@@ -75,3 +75,12 @@ class ArgumentChecks:
                 f"{where}: ReduceOp.AVG needs a floating-point tensor, got {t.dtype}; "
                 "use SUM and divide, or cast to float"
             )
+
+    def _check_split(self, color: object, key: object) -> None:
+        if color is not None and (type(color) is not int or not 0 <= color < 2**31):
+            raise ArgumentError(
+                f"split: color={color!r} must be None (not a member) or an int in [0, 2**31) "
+                "(MPI's colors are non-negative C ints)"
+            )
+        if type(key) is not int or not -(2**31) <= key < 2**31:
+            raise ArgumentError(f"split: key={key!r} must be an int in [-2**31, 2**31) (a C int)")

@@ -43,6 +43,7 @@ _FIELDS = {
     "all_to_all": ("dtype",),
     "broadcast_object": ("src",),
     "new_group": ("ranks",),
+    "split": (),
 }
 
 

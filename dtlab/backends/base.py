@@ -21,7 +21,12 @@ from dtlab.backends.stats import CommStats
 from dtlab.backends.types import SUPPORTED_DTYPES, CompletedWork, ReduceOp, Work
 from dtlab.errors import ArgumentError
 
-__all__ = ["SUPPORTED_DTYPES", "CommunicationBackend", "CompletedWork", "ReduceOp", "Work"]
+__all__ = ["SUPPORTED_DTYPES", "CommunicationBackend", "CompletedWork", "ReduceOp", "Work", "split_members"]
+
+
+def split_members(pairs: Sequence[tuple[int | None, int]], color: int) -> list[int]:
+    """The ranks that passed ``color`` in a ``split``, ordered by ``(key, rank)`` (its group ranks)."""
+    return sorted((r for r, (c, _) in enumerate(pairs) if c == color), key=lambda r: (pairs[r][1], r))
 
 
 class CommunicationBackend(ArgumentChecks, ABC):
@@ -332,6 +337,17 @@ class CommunicationBackend(ArgumentChecks, ABC):
             raise ArgumentError(f"new_group: ranks {bad} are outside [0, {self.world_size}) of this backend")
         return self._new_group(members)
 
+    def split(self, color: int | None, key: int = 0) -> CommunicationBackend | None:
+        """MPI ``Comm_Split``: the ranks that pass the same ``color`` form one group, numbered by
+        ``(key, rank)``; ``color=None``: this rank joins no group and gets None.
+
+        Collective: every rank calls it. All groups of one call are made by one exchange of the
+        ``(color, key)`` pairs, however many colors there are. Their byte counters also feed this
+        backend's (as ``new_group``'s do).
+        """
+        self._check_split(color, key)
+        return self._split(color, key)
+
     def close(self) -> None:
         """Release engine resources (optional)."""
 
@@ -374,6 +390,16 @@ class CommunicationBackend(ArgumentChecks, ABC):
 
     @abstractmethod
     def _new_group(self, ranks: list[int]) -> CommunicationBackend | None: ...
+
+    def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
+        """Default: exchange the pairs, then one ``new_group`` per color (engines do better)."""
+        pairs, _ = self._all_gather_object((color, key))
+        mine: CommunicationBackend | None = None
+        for c in sorted({c for c, _ in pairs if c is not None}):
+            group = self._new_group(split_members(pairs, c))
+            if c == color:
+                mine = group
+        return mine
 
     def _iall_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
         self._all_reduce(tensor, op)

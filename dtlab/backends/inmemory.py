@@ -37,7 +37,7 @@ from dtlab.backends._inmemory_ops import (
     lead_reduce_scatter,
     leader_mode,
 )
-from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
+from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work, split_members
 from dtlab.errors import ArgumentError, CollectiveMismatchError, CollectiveTimeoutError, WorldAbortedError
 
 __all__ = ["InMemoryBackend", "InMemoryWorld"]
@@ -138,7 +138,7 @@ class _RecvWork(Work):
 
 
 class InMemoryBackend(CommunicationBackend):
-    """One rank of an :class:`InMemoryWorld` (or of a group made from it by ``new_group``)."""
+    """One rank of an :class:`InMemoryWorld` (or of a group made from it by ``new_group``/``split``)."""
 
     def __init__(
         self,
@@ -406,5 +406,19 @@ class InMemoryBackend(CommunicationBackend):
             ranks.index(self.rank),
             group_key=(*self._key, seq),
             global_ranks=tuple(self._global[r] for r in ranks),
+            parent=self,
+        )
+
+    def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
+        seq = self._seq
+        pairs: list[tuple[int | None, int]] = self._collective(("split",), (color, key)).payloads
+        if color is None:
+            return None
+        members = split_members(pairs, color)
+        return InMemoryBackend(
+            self._world,
+            members.index(self.rank),
+            group_key=(*self._key, seq, f"color {color}"),
+            global_ranks=tuple(self._global[r] for r in members),
             parent=self,
         )

@@ -398,6 +398,18 @@ class MPIBackend(CommunicationBackend):
             stats_parent=self.stats,
         )
 
+    def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
+        sub = self._comm.Split(self._mpi.UNDEFINED if color is None else color, key)
+        if color is None:
+            return None
+        return MPIBackend(
+            sub,
+            timeout=self._timeout,
+            device=self._device,
+            cuda_aware=self._cuda_aware,
+            stats_parent=self.stats,
+        )
+
     def close(self) -> None:
         """Free a sub-communicator (``COMM_WORLD`` is left to MPI's finalization)."""
         if self._comm != self._mpi.COMM_WORLD and self._comm != self._mpi.COMM_NULL:

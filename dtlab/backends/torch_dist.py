@@ -28,7 +28,7 @@ from dtlab.backends._torch_dist_support import (
     _flat,
     _reduce_scatter_flat,
 )
-from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
+from dtlab.backends.base import CommunicationBackend, ReduceOp, Work, split_members
 from dtlab.errors import ArgumentError, BackendInitError, CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = ["GlooBackend", "NCCLBackend", "TorchDistBackend"]
@@ -320,6 +320,22 @@ class TorchDistBackend(CommunicationBackend):
             return None
         members = [self._global(r) for r in ranks]
         group = _create_group(members, name, datetime.timedelta(seconds=self._timeout))
+        backend = type(self)(group, device=self._device, timeout=self._timeout, stats_parent=self.stats)
+        backend._name = name
+        return backend
+
+    def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
+        # one exchange of the pairs; then each rank creates its own color's group with its members
+        # (the group's name, the same on every member, keeps groups of one split apart in the store)
+        pairs, _ = self._all_gather_object((color, key))
+        self._groups_made += 1
+        if color is None:
+            return None
+        members = split_members(pairs, color)
+        name = f"{self._name}.{self._groups_made}c{color}"
+        group = _create_group(
+            [self._global(r) for r in members], name, datetime.timedelta(seconds=self._timeout)
+        )
         backend = type(self)(group, device=self._device, timeout=self._timeout, stats_parent=self.stats)
         backend._name = name
         return backend

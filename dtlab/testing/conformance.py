@@ -35,6 +35,7 @@ from dtlab.testing._checking import (
     case_input,
     expected_reduction,
 )
+from dtlab.testing._conformance_groups import check_mesh, check_split
 from dtlab.testing._conformance_p2p import (
     check_any_source,
     check_barrier,
@@ -70,12 +71,14 @@ __all__ = [
     "check_groups",
     "check_identical_results",
     "check_isend_irecv",
+    "check_mesh",
     "check_message_streams",
     "check_nonblocking",
     "check_objects",
     "check_reduce",
     "check_reduce_scatter",
     "check_send_recv_order",
+    "check_split",
     "check_tags",
     "default_cases",
     "run_cases",
@@ -276,6 +279,8 @@ _PLAIN_CHECKS: tuple[tuple[str, Callable[[CommunicationBackend], None]], ...] = 
     ("isend_irecv", check_isend_irecv),
     ("objects", check_objects),
     ("groups", check_groups),
+    ("split", check_split),
+    ("mesh", check_mesh),
     ("byte_counters", check_byte_counters),
     ("bad_arguments", check_bad_arguments),
     ("identical_results", check_identical_results),
