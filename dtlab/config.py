@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dtlab.core import pairs
 from dtlab.errors import ConfigError
 
 __all__ = [
@@ -37,16 +37,17 @@ __all__ = [
     "load_config",
 ]
 
-MODEL_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-OPTIMIZER_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
-#: which optimizer strategies fit which model strategy (mirrors each class's ``compatible_models``)
-COMPATIBLE: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
-    {"ddp": ("ddp",), "zero1": ("zero1",), "zero2": ("zero2",), "zero3": ("zero3", "fsdp")}
-)
-DEFAULT_OPTIMIZER_STRATEGY: MappingProxyType[str, str] = MappingProxyType(
-    {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "zero3"}
-)
+#: strategy names, from the pairing table (dtlab.core.pairs), in the order messages list them
+MODEL_STRATEGIES = pairs.model_names()
+OPTIMIZER_STRATEGIES = pairs.optimizer_names()
 COMPRESSORS = ("none", "dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk")
+
+
+def _one_of(value: Any, allowed: tuple[str, ...]) -> Any:
+    """A choice from a table that grows (the pairing table) rather than a fixed ``Literal``."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"Input should be one of {', '.join(repr(a) for a in allowed)}")
+    return value
 
 
 class _Section(BaseModel):
@@ -64,9 +65,10 @@ class BackendConfig(_Section):
 
 
 class StrategyConfig(_Section):
-    model: Literal["ddp", "zero1", "zero2", "zero3", "fsdp"] = "ddp"
+    #: model strategy: a name of the pairing table (dtlab.core.pairs), e.g. ``ddp``, ``fsdp``
+    model: str = "ddp"
     #: optimizer strategy; ``None`` picks the one that fits ``strategy.model``
-    optimizer: Literal["ddp", "zero1", "zero2", "zero3"] | None = None
+    optimizer: str | None = None
     #: gradient bucket size in MiB (DDP, ZeRO-1, ZeRO-2)
     bucket_mb: float = Field(default=25.0, gt=0)
     #: ZeRO-3 keeps parameters with at most this many elements whole on every rank; 0 shards every
@@ -81,15 +83,25 @@ class StrategyConfig(_Section):
     #: whole average, 3(P-1)/P)
     gradient_sync: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _known_model(cls, value: Any) -> Any:
+        return _one_of(value, pairs.model_names())
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _known_optimizer(cls, value: Any) -> Any:
+        return value if value is None else _one_of(value, pairs.optimizer_names())
+
     @property
     def optimizer_name(self) -> str:
-        return self.optimizer or DEFAULT_OPTIMIZER_STRATEGY[self.model]
+        return self.optimizer or pairs.default_optimizer(self.model)
 
     @model_validator(mode="after")
     def _fits(self) -> StrategyConfig:
         opt = self.optimizer_name
-        if self.model not in COMPATIBLE[opt]:
-            fitting = [o for o, models in COMPATIBLE.items() if self.model in models]
+        fitting = list(pairs.optimizers_for(self.model))
+        if opt not in fitting:
             raise ValueError(
                 f"strategy.optimizer={opt!r} does not fit strategy.model={self.model!r}; "
                 f"for {self.model!r} use strategy.optimizer in {fitting} (or leave it unset)"
@@ -314,6 +326,19 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+def _is_section(loc: tuple[Any, ...]) -> bool:
+    """Whether ``loc`` names the whole config or one of its sections (not a field)."""
+    model: Any = TrainConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return False
+        model = field.annotation
+    return True
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -324,7 +349,7 @@ def _format_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             allowed = ", ".join(_fields_at(loc[:-1]))
             lines.append(f"{path}: unknown field (value {value!r}); allowed here: {allowed}")
-        elif e["type"] == "value_error" and isinstance(value, dict):
+        elif e["type"] == "value_error" and isinstance(value, dict) and _is_section(loc):
             lines.append(msg)  # a section's cross-field check: its message names the fields
         elif e["type"] in ("model_type", "model_attributes_type"):
             fields = _fields_at(loc)

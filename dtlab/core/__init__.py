@@ -1,14 +1,33 @@
 """The neutral layer: interfaces that both model strategies and compression build on.
 
 It imports only ``torch``, :mod:`dtlab.backends` and :mod:`dtlab.errors`, so everything above
-(compression, models, optimizers, checkpoints) can import it downwards (docs/architecture.md).
+(compression, models, optimizers, checkpoints, the config) can import it downwards
+(docs/architecture.md, section "Layers").
 
 - :mod:`dtlab.core.reducer`: :class:`GradientReducer` (the seam gradients travel through) and
   :class:`DenseReducer` (the uncompressed one);
-- :mod:`dtlab.core.state`: :class:`ShardedState`, one rank's piece of a model or optimizer state.
+- :mod:`dtlab.core.state`: :class:`ShardedState`, one rank's piece of a model or optimizer state;
+- :mod:`dtlab.core.pairs`: which model strategy pairs with which optimizer strategy (no torch, so
+  the config can read it without importing torch).
+
+The names below are imported on first use, so ``import dtlab.core.pairs`` does not import torch.
 """
 
-from dtlab.core.reducer import DenseReducer, GradientReducer
-from dtlab.core.state import ShardedState
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dtlab.core.reducer import DenseReducer, GradientReducer
+    from dtlab.core.state import ShardedState
 
 __all__ = ["DenseReducer", "GradientReducer", "ShardedState"]
+
+_HOME = {"DenseReducer": "reducer", "GradientReducer": "reducer", "ShardedState": "state"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(f"dtlab.core.{_HOME[name]}"), name)
+    raise AttributeError(f"module 'dtlab.core' has no attribute {name!r}")

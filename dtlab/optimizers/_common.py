@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import ReduceOp
+from dtlab.core import pairs
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models._common import DataParallelModel
@@ -19,22 +20,6 @@ from dtlab.models.state import ShardIndex, add_scalar, add_slice, dtype_from_str
 from dtlab.optimizers.base import OptimizerStrategy
 
 __all__ = ["DataParallelOptimizer", "Piece"]
-
-#: which optimizer strategy fits which model strategy (for error messages and the registry)
-PAIRS = {
-    "ddp": "DDPOptimizer",
-    "zero1": "ZeRO1Optimizer",
-    "zero2": "ZeRO2Optimizer",
-    "zero3": "ZeRO3Optimizer",
-    "fsdp": "ZeRO3Optimizer",
-}
-MODELS = {
-    "ddp": "DDPModel",
-    "zero1": "ZeRO1Model",
-    "zero2": "ZeRO2Model",
-    "zero3": "ZeRO3Model",
-    "fsdp": "FSDPModel",
-}
 
 
 @dataclass(frozen=True)
@@ -58,16 +43,21 @@ class DataParallelOptimizer(OptimizerStrategy):
     ) -> None:
         me = type(self).__name__
         if not isinstance(model, DataParallelModel):
+            fitting = ", ".join(map(pairs.model_class_name, self.compatible_models))
             raise StrategyError(
-                f"{me} drives a dtlab data-parallel model strategy ({', '.join(MODELS.values())}), got "
+                f"{me} drives a dtlab model strategy ({fitting}), got "
                 f"{type(model).__name__}; wrap the module first, e.g. {me}({self._model_hint()}(module, "
                 "backend), torch.optim.AdamW, lr=...)"
             )
         if model.strategy_name not in self.compatible_models:
-            fix = PAIRS.get(model.strategy_name, "the matching optimizer strategy")
+            fix = (
+                pairs.optimizer_class_name(pairs.default_optimizer(model.strategy_name))
+                if model.strategy_name in pairs.PAIRINGS
+                else "the matching optimizer strategy"
+            )
             raise StrategyError(
                 f"{me} cannot drive a {type(model).__name__} (strategy {model.strategy_name!r}); it works "
-                f"with {', '.join(MODELS[m] for m in self.compatible_models)}. Use {fix} with "
+                f"with {', '.join(map(pairs.model_class_name, self.compatible_models))}. Use {fix} with "
                 f"{type(model).__name__}, or wrap the module in {self._model_hint()} to use {me}"
             )
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -83,7 +73,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         model.attach_optimizer(self)
 
     def _model_hint(self) -> str:
-        return MODELS[self.compatible_models[0]] if self.compatible_models else "DDPModel"
+        return pairs.model_class_name(self.compatible_models[0]) if self.compatible_models else "DDPModel"
 
     def _build(self) -> tuple[list[torch.Tensor], list[list[Piece]], list[list[str]]]:
         """The tensors the torch optimizer steps, the parameter pieces each holds (saved by this

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import torch
 
+from dtlab.core import pairs
 from dtlab.models.state import even_range
 from dtlab.optimizers._common import DataParallelOptimizer, Piece
 
@@ -20,7 +21,7 @@ class DDPOptimizer(DataParallelOptimizer):
     """
 
     strategy_name: ClassVar[str] = "ddp"
-    compatible_models: ClassVar[tuple[str, ...]] = ("ddp",)
+    compatible_models: ClassVar[tuple[str, ...]] = pairs.models_for("ddp")
 
     def _build(self) -> tuple[list[torch.Tensor], list[list[Piece]], list[list[str]]]:
         backend = self.dp_model.backend

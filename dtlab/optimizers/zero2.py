@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from dtlab.core import pairs
 from dtlab.models.ddp import DDPModel
 from dtlab.optimizers._sharded import ShardedOptimizer
 
@@ -17,7 +18,7 @@ class ZeRO2Optimizer(ShardedOptimizer):
     """``ZeRO2Optimizer(model, torch.optim.AdamW, lr=...)``: this rank steps ``1/P`` of every parameter."""
 
     strategy_name: ClassVar[str] = "zero2"
-    compatible_models: ClassVar[tuple[str, ...]] = ("zero2",)
+    compatible_models: ClassVar[tuple[str, ...]] = pairs.models_for("zero2")
 
     def _publish(self) -> None:
         model = self.dp_model

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from dtlab.core import pairs
 from dtlab.optimizers._sharded import ShardedOptimizer
 
 __all__ = ["ZeRO3Optimizer"]
@@ -17,4 +18,4 @@ class ZeRO3Optimizer(ShardedOptimizer):
     """``ZeRO3Optimizer(model, torch.optim.AdamW, lr=...)``: this rank steps ``1/P`` of every parameter."""
 
     strategy_name: ClassVar[str] = "zero3"
-    compatible_models: ClassVar[tuple[str, ...]] = ("zero3", "fsdp")
+    compatible_models: ClassVar[tuple[str, ...]] = pairs.models_for("zero3")
