@@ -1,0 +1,90 @@
+"""``plot_schedule``: a pipeline schedule's timeline as a PNG (matplotlib, imported when called)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dtlab.errors import ArgumentError
+from dtlab.models._pipeline_schedules import Kind, PipelineSchedule, Timeline, build_schedule, simulate
+
+__all__ = ["plot_schedule"]
+
+_COLOURS = {Kind.F: "#4C72B0", Kind.B: "#55A868", Kind.I: "#55A868", Kind.W: "#DD8452"}
+
+
+def plot_schedule(
+    schedule: str | PipelineSchedule,
+    p: int,
+    m: int,
+    path: str | Path,
+    *,
+    stages_per_rank: int = 1,
+    costs: Mapping[Kind, float] | None = None,
+    measured: Timeline | None = None,
+    title: str | None = None,
+) -> Path:
+    """Write the timeline of ``schedule`` (a name or a built schedule) for ``p`` ranks and ``m``
+    micro-batches to ``path`` (PNG). One row per rank; forwards blue, backwards (or input-gradients)
+    green, weight-gradients orange, each labelled with its micro-batch (and stage when a rank holds
+    several); later chunks are drawn lighter. The planned timeline comes from :func:`simulate` with
+    ``costs`` seconds per kind (default F = 1, B = 2, I = W = 1, divided by the stages per rank, so
+    timelines of one model compare across schedules). With ``measured`` (a timeline
+    recorded by a run) the measured one is drawn below the planned one. Returns the path.
+    """
+    if isinstance(schedule, PipelineSchedule):
+        if (schedule.p, schedule.m) != (p, m):
+            raise ArgumentError(
+                f"plot_schedule: the schedule was built for p={schedule.p}, m={schedule.m}, not p={p}, m={m}"
+            )
+        built = schedule
+    else:
+        built = build_schedule(schedule, p, m, stages_per_rank)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    v = built.v
+    default = {Kind.F: 1.0 / v, Kind.B: 2.0 / v, Kind.I: 1.0 / v, Kind.W: 1.0 / v}
+    planned = simulate(built, {**default, **(costs or {})})
+    panels = [("planned", planned)] + ([("measured", measured)] if measured is not None else [])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.55 * p * len(panels) + 1.3), squeeze=False)
+    for ax, (label, timeline) in zip(axes[:, 0], panels, strict=True):
+        _draw(ax, built, timeline)
+        makespan = timeline.makespan
+        ax.set_title(f"{label}: makespan {makespan:.3g}, idle {100 * timeline.bubble():.1f}%", fontsize=9)
+    name = title or f"{built.name}  p={p}  m={m}" + (f"  v={built.v}" if built.v > 1 else "")
+    fig.suptitle(name, fontsize=11)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _draw(ax: Any, s: PipelineSchedule, timeline: Timeline) -> None:
+    starts = [iv[0][1] for iv in timeline.intervals if iv]
+    t0 = min(starts) if starts else 0.0
+    for r, intervals in enumerate(timeline.intervals):
+        for a, start, end in intervals:
+            chunk = a.stage // s.p
+            alpha = 1.0 - 0.45 * chunk / max(1, s.v - 1) if s.v > 1 else 1.0
+            ax.broken_barh(
+                [(start - t0, end - start)],
+                (r - 0.4, 0.8),
+                facecolors=_COLOURS[a.kind],
+                alpha=alpha,
+                edgecolor="black",
+                linewidth=0.4,
+            )
+            text = f"{a.micro}" if s.v == 1 else f"{a.micro}.{a.stage}"
+            ax.text(
+                start - t0 + (end - start) / 2, r, text, ha="center", va="center", fontsize=6, color="white"
+            )
+    ax.set_yticks(range(s.p))
+    ax.set_yticklabels([f"rank {r}" for r in range(s.p)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
