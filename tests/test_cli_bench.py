@@ -1,16 +1,19 @@
 """`dtlab bench` report writing: PNG plots from rows in the benchmarks' JSON format (the benchmarks
-themselves take minutes and are run by hand: `dtlab bench`)."""
+themselves take minutes and are run by hand: `dtlab bench`; tests/test_installed.py runs them at a
+toy size from an installed wheel)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
 from dtlab.errors import DtlabError
 from dtlab.trainers import bench
 
-# rows as benchmarks/strategies.py and benchmarks/compression.py write them (values from a real run)
+# rows as dtlab.benchmarks.strategies and dtlab.benchmarks.compression write them (values from a real run)
 STRATEGY_ROWS = [
     {"engine": "gloo", "model": "mlp", "params": 9443328, "strategy": s, "step_ms": ms,
      "bytes_per_step": b, "grad_bytes": 37773312, "model_state": m, "peak_rss_delta": 1 << 27}
@@ -34,11 +37,18 @@ def test_plots_are_written(tmp_path: Path) -> None:
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
-def test_missing_benchmarks_directory_is_a_clear_error(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setattr(bench, "__file__", str(tmp_path / "a" / "b" / "bench.py"))
-    with pytest.raises(DtlabError, match="source checkout"):
+def test_benchmarks_run_as_modules_of_the_package_with_the_engines_found() -> None:
+    cmd = bench._command("strategies", ["gloo"], full=False)
+    assert cmd[1:3] == ["-m", "dtlab.benchmarks.strategies"] and cmd[-2:] == ["--engines", "gloo"]
+    cmd = bench._command("compression", ["gloo", "mpi"], full=True)
+    assert cmd[1:] == ["-m", "dtlab.benchmarks.compression", "--engines", "gloo", "mpi"]
+    assert bench.mpi_available() == (importlib.util.find_spec("mpi4py") is not None)  # the dev venv has mpich
+
+
+def test_missing_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    with pytest.raises(DtlabError, match=r"dtlab\[bench\]"):
         bench.run_bench(tmp_path / "out")
 
 
@@ -58,17 +68,19 @@ json.dump({rows!r}, open(out, "w"))
 """
 
 
-def _fake_benchmarks(root: Path, strategies: str, compression: str) -> Path:
+def _fake_benchmarks(monkeypatch: pytest.MonkeyPatch, root: Path, strategies: str, compression: str) -> None:
+    """Modules fake_strategies / fake_compression on PYTHONPATH, run with the real quick arguments."""
     root.mkdir()
-    (root / "strategies.py").write_text(FAKE_BENCH.format(mode=strategies, rows=STRATEGY_ROWS))
-    (root / "compression.py").write_text(FAKE_BENCH.format(mode=compression, rows=COMPRESSION_ROWS))
-    return root
+    (root / "fake_strategies.py").write_text(FAKE_BENCH.format(mode=strategies, rows=STRATEGY_ROWS))
+    (root / "fake_compression.py").write_text(FAKE_BENCH.format(mode=compression, rows=COMPRESSION_ROWS))
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    fake = {name: (f"fake_{name}", quick) for name, (_, quick) in bench.BENCHMARKS.items()}
+    monkeypatch.setattr(bench, "BENCHMARKS", MappingProxyType(fake))
 
 
 def test_run_bench_writes_table_rows_and_plots(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    fake = _fake_benchmarks(tmp_path / "benchmarks", "ok", "ok")
-    monkeypatch.setattr(bench, "_bench_dir", lambda: fake)
+    _fake_benchmarks(monkeypatch, tmp_path / "benchmarks", "ok", "ok")
     out = tmp_path / "out"
     assert bench.run_bench(out, timeout=60) == 0
     report = (out / "bench.md").read_text()
@@ -83,8 +95,7 @@ def test_run_bench_writes_table_rows_and_plots(monkeypatch: pytest.MonkeyPatch, 
 def test_run_bench_reports_a_failed_and_a_hung_benchmark(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    fake = _fake_benchmarks(tmp_path / "benchmarks", "fail", "hang")
-    monkeypatch.setattr(bench, "_bench_dir", lambda: fake)
+    _fake_benchmarks(monkeypatch, tmp_path / "benchmarks", "fail", "hang")
     out = tmp_path / "out"
     assert bench.run_bench(out, timeout=3) == 1  # the hung one is killed (its process group) after 3 s
     report = (out / "bench.md").read_text()

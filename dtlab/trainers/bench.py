@@ -1,13 +1,17 @@
 """``dtlab bench``: run the strategy and compression benchmarks as subprocesses, then write one
 markdown table and PNG plots from the rows they produce (``--json``).
 
-The benchmarks are ``benchmarks/strategies.py`` and ``benchmarks/compression.py`` of a dtlab source
-checkout. By default they run with small sizes (a few minutes on 2 CPU cores); ``full=True`` uses
-their own defaults. Each runs in its own process group, killed whole on timeout.
+The benchmarks ship with the package (``dtlab.benchmarks.strategies`` and
+``dtlab.benchmarks.compression``; ``pip install dtlab[bench]`` adds matplotlib for the plots and
+scikit-learn for the digits task). They run on Gloo, and on MPI too where mpi4py and ``mpiexec`` are
+installed (``pip install dtlab[mpi] mpich``). By default they run with small sizes (a few minutes on 2
+CPU cores); ``full=True`` uses their own defaults. Each runs in its own process group, killed whole on
+timeout.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -20,47 +24,53 @@ from typing import Any
 
 from dtlab.errors import DtlabError
 
-__all__ = ["BENCHMARKS", "run_bench"]
+__all__ = ["BENCHMARKS", "mpi_available", "run_bench"]
 
-#: name -> (script, arguments for the quick default run)
+#: name -> (module, arguments for the quick default run); ``--engines`` is added per machine
 BENCHMARKS: MappingProxyType[str, tuple[str, tuple[str, ...]]] = MappingProxyType(
     {
         "strategies": (
-            "strategies.py",
-            ("--engines", "gloo,mpi", "--models", "mlp", "--steps", "2", "--warmup", "1", "--rounds", "2"),
+            "dtlab.benchmarks.strategies",
+            ("--models", "mlp", "--steps", "2", "--warmup", "1", "--rounds", "2"),
         ),
         "compression": (
-            "compression.py",
-            (
-                "--numel",
-                "2000000",
-                "--worlds",
-                "2",
-                "--rates",
-                "plain",
-                "--engines",
-                "gloo",
-                "mpi",
-                "--iters",
-                "3",
-            ),
+            "dtlab.benchmarks.compression",
+            ("--numel", "2000000", "--worlds", "2", "--rates", "plain", "--iters", "3"),
         ),
     }
 )
 
 
-def _bench_dir() -> Path:
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    if not root.is_dir():
-        raise DtlabError(
-            f"dtlab bench needs the benchmarks/ directory of a dtlab source checkout (looked in {root}); "
-            "run it from a clone of the repository"
-        )
-    return root
+def mpi_available() -> bool:
+    """mpi4py importable and an ``mpiexec`` next to this Python or on ``PATH``."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return False
+    from dtlab.testing.spawn import find_mpiexec
+
+    try:
+        find_mpiexec()
+    except DtlabError:
+        return False
+    return True
+
+
+def _command(name: str, engines: list[str], full: bool) -> list[str]:
+    module, quick = BENCHMARKS[name]
+    # strategies takes "gloo,mpi", compression "gloo mpi"
+    eng = [",".join(engines)] if name == "strategies" else engines
+    return [sys.executable, "-m", module, *(() if full else quick), "--engines", *eng]
+
+
+def _check_plotting() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise DtlabError("dtlab bench draws its plots with matplotlib: pip install 'dtlab[bench]'")
 
 
 def _run(cmd: list[str], log: Path, timeout: float) -> int:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the benchmark imports the same dtlab as this process, installed or from a checkout
+    here = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -132,18 +142,22 @@ def run_bench(
     out_dir: str | Path, only: str | None = None, full: bool = False, timeout: float = 900.0
 ) -> int:
     """Run the benchmarks; write ``bench.md``, ``<name>.json``, ``<name>.log`` and ``<name>.png``."""
-    bench = _bench_dir()
+    _check_plotting()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = [only] if only else list(BENCHMARKS)
+    engines = ["gloo", "mpi"] if mpi_available() else ["gloo"]
     report = ["# dtlab bench", ""]
+    if "mpi" not in engines:
+        note = "MPI skipped: mpi4py or mpiexec is not installed (pip install 'dtlab[mpi]' mpich)"
+        print(f"[dtlab bench] {note}", file=sys.stderr, flush=True)
+        report += [note, ""]
     failed = []
     for name in names:
-        script, quick = BENCHMARKS[name]
         rows_path, log = out / f"{name}.json", out / f"{name}.log"
         rows_path.unlink(missing_ok=True)
-        cmd = [sys.executable, str(bench / script), *(() if full else quick), "--json", str(rows_path)]
-        print(f"[dtlab bench] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        cmd = [*_command(name, engines, full), "--json", str(rows_path)]
+        print(f"[dtlab bench] {name}: python {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         code = _run(cmd, log, timeout)
         dt = time.perf_counter() - t0

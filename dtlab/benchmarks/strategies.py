@@ -11,10 +11,10 @@ process group. Results: docs/performance.md, "Strategies against torch DDP and F
 Configurations run interleaved, ``--rounds`` times, and each reports its median step time, so drift
 in the machine's load hits every configuration alike. Run::
 
-    .venv/bin/python benchmarks/strategies.py                 # both engines, both models
-    .venv/bin/python benchmarks/strategies.py --engines gloo --models mlp --steps 5 --rounds 3
-    .venv/bin/python benchmarks/strategies.py --engines gloo --strategies ddp,torch_ddp --skip-memory
-    .venv/bin/python benchmarks/strategies.py --strategies ddp,zero1,zero1_allreduce --skip-memory
+    python -m dtlab.benchmarks.strategies                 # both engines, both models
+    python -m dtlab.benchmarks.strategies --engines gloo --models mlp --steps 5 --rounds 3
+    python -m dtlab.benchmarks.strategies --engines gloo --strategies ddp,torch_ddp --skip-memory
+    python -m dtlab.benchmarks.strategies --strategies ddp,zero1,zero1_allreduce --skip-memory
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.models import FSDPModel, ModuleClassPolicy, get_model_strategy
@@ -147,11 +145,11 @@ class Run:
             for sub in module.modules():
                 if isinstance(sub, unit_cls):
                     fully_shard(sub, mesh=mesh)
-            self.model = fully_shard(module, mesh=mesh)
+            self.model = cast(nn.Module, fully_shard(module, mesh=mesh))
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         else:
-            base, kw = DTLAB_EXTRA.get(strategy, (strategy, {}))
-            kw = dict(kw)
+            base, extra = DTLAB_EXTRA.get(strategy, (strategy, {}))
+            kw: dict[str, Any] = dict(extra)
             if strategy == "fsdp":
                 kw["wrap_policy"] = ModuleClassPolicy((unit_cls,))
             self.model = get_model_strategy(base)(module, backend, **kw)

@@ -1,8 +1,8 @@
 """Time and per-rank bytes of every compression algorithm against dense, on real engines.
 
-    .venv/bin/python benchmarks/compression.py                      # 25M elements, P=2,4, gloo+mpi,
+    python -m dtlab.benchmarks.compression                      # 25M elements, P=2,4, gloo+mpi,
                                                                      # plain + 10 Gbit/s + 1 Gbit/s
-    .venv/bin/python benchmarks/compression.py --numel 4000000 --worlds 2 --rates plain --engines gloo
+    python -m dtlab.benchmarks.compression --numel 4000000 --worlds 2 --rates plain --engines gloo
 
 Each configuration runs in ONE spawned world (``dtlab.testing.spawn_world``): every rank pushes a
 ``numel``-element float32 gradient through a :class:`~dtlab.compression.CompressedReducer` (error
@@ -37,8 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression import COMPRESSORS, CompressedReducer, Compressor, make_compressor
@@ -171,12 +169,14 @@ def shaped(args: argparse.Namespace, rate: str) -> list[dict[str, Any]]:
         )  # fmt: skip
         env = dict(os.environ, MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp", MPIR_CVAR_NOLOCAL="1")
         env["GLOO_SOCKET_IFNAME"] = "lo"
-        cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--inner", rate, "--inner-out", out]
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dtlab.benchmarks.compression"]
+        cmd += ["--inner", rate, "--inner-out", out]
         cmd += ["--numel", str(args.numel), "--density", str(args.density), "--iters", str(args.iters)]
         cmd += ["--timeout", str(args.timeout), "--engines", *args.engines]
         cmd += ["--worlds", *map(str, args.worlds), "--algorithms", *args.algorithms]
         subprocess.run(cmd, env=env, check=True)
-        return json.loads(Path(out).read_text())  # type: ignore[no-any-return]
+        rows: list[dict[str, Any]] = json.loads(Path(out).read_text())
+        return rows
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
         Path(out).unlink(missing_ok=True)
