@@ -1,6 +1,7 @@
 """Optimizer strategies: DDP, ZeRO-1/2/3 (and gradient compression, async SGD, elastic)."""
 
 from dtlab.optimizers._common import DataParallelOptimizer
+from dtlab.optimizers.async_sgd import AsyncSGDOptimizer
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.optimizers.compression import GradientCompressionOptimizer as GradientCompressionOptimizer
 from dtlab.optimizers.ddp import DDPOptimizer
@@ -14,6 +15,7 @@ from dtlab.optimizers.zero2 import ZeRO2Optimizer
 from dtlab.optimizers.zero3 import ZeRO3Optimizer
 
 __all__ = [
+    "AsyncSGDOptimizer",
     "DDPOptimizer",
     "DataParallelOptimizer",
     "OPTIMIZER_STRATEGIES",

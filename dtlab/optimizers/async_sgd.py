@@ -1,0 +1,352 @@
+"""AsyncSGDOptimizer: parameter servers and workers under bounded staleness (Stale Synchronous Parallel).
+
+The first ``num_servers`` ranks are parameter servers; each owns a balanced shard of the flat
+trainable parameters and the torch optimizer state for it. The other ``W`` ranks are workers with a
+full replica (``opt.module``). A worker's ``step()`` pushes its gradient shards to the servers and
+pulls fresh parameters; its clock is the number of steps it has pushed. Semantics (Ho et al., 2013):
+
+* a worker at clock ``t`` may read (and so compute) only when ``t - slowest <= staleness``, where
+  ``slowest`` is the smallest clock of the workers that have not finished; otherwise it blocks;
+* ``staleness >= 1`` or ``None``: a server applies each pushed gradient on arrival as ``g / W`` (one
+  optimizer step per push), so a read at clock ``t`` sees every update of clocks ``<= t - s - 1``,
+  and maybe more (whatever had arrived);
+* ``staleness=0``: a server sums the gradients of clock ``t`` and applies their mean once, when every
+  worker has pushed clock ``t``; a read at clock ``t + 1`` sees exactly the updates of clocks ``<= t``:
+  synchronous data parallelism on the global batch of all workers (any torch optimizer).
+
+Messages travel point-to-point through the backend (see ``_async_comm``); every receive is bounded
+by the backend's timeout, and a server or worker that dies or hangs is named in the error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.errors import ArgumentError, CollectiveTimeoutError, StrategyError
+from dtlab.models.flat import FlatUnit
+from dtlab.optimizers._async_comm import (
+    FINISH,
+    PUSH,
+    READY,
+    TAG_NOTE,
+    TAG_PARAMS,
+    TAG_PUSH,
+    Note,
+    PushMessage,
+    behind,
+    bounded,
+    peer_lost,
+)
+from dtlab.optimizers._async_server import ShardServer
+
+__all__ = ["AsyncSGDOptimizer"]
+
+
+class AsyncSGDOptimizer:
+    """``AsyncSGDOptimizer(module, backend, torch.optim.SGD, lr=0.1, staleness=2, num_servers=1)``.
+
+    Every rank builds it (a collective: the ranks check they agree on the model and the settings).
+    On a worker (``not opt.is_server``) the constructor waits for the initial parameters from the
+    servers, then: ``loss.backward(); opt.step()`` per batch and ``opt.finish()`` at the end. On a
+    server: ``opt.serve()`` until every worker has finished. Then ``opt.full_state_dict()`` on every rank.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        backend: CommunicationBackend,
+        optimizer_cls: type[torch.optim.Optimizer],
+        *,
+        staleness: int | None = 0,
+        num_servers: int = 1,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        _check_arguments(backend, optimizer_cls, staleness, num_servers, optimizer_kwargs)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise StrategyError("AsyncSGDOptimizer: the module has no trainable parameters")
+        self.module = module
+        self.backend = backend
+        self.staleness = staleness
+        self.num_servers = num_servers
+        self.num_workers = backend.world_size - num_servers
+        self.is_server = backend.rank < num_servers
+        self._unit = FlatUnit("async_sgd", named, num_servers, min(backend.rank, num_servers - 1))
+        self._param_names = [n for n, _ in named]
+        first = {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+        self._aliases = {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
+        c = self._unit.shard_numel
+        self._check_agreement(module)
+        self._bytes0 = _p2p_bytes(backend)
+        self._server: ShardServer | None = None
+        self._finished = False
+        self._clock = 0
+        self.pushes = self.pulls = self.waits = 0
+        self.blocked_s = 0.0
+        self.max_staleness = 0
+        if self.is_server:
+            flat = self._unit.new_flat()
+            self._unit.copy_params_into(flat)
+            shard = flat[backend.rank * c : (backend.rank + 1) * c]
+            self._server = ShardServer(
+                backend, backend.rank, num_servers, shard, optimizer_cls, optimizer_kwargs, staleness
+            )
+            self._unit.unbind()  # a server holds its shard only; the module keeps the layout
+            return
+        self._flat = self._unit.new_flat()
+        self._unit.copy_params_into(self._flat)
+        self._unit.bind(self._flat)  # the replica's parameters are views into the pulled buffer
+        self._flat_grad = self._unit.new_flat()
+        self._messages = [PushMessage(c, self._unit.dtype, backend.device) for _ in range(num_servers)]
+        self._note = Note(self.num_workers, backend.device)
+        self._pull()  # the clock-0 parameters, sent when the servers start serving
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def clock(self) -> int:
+        """A worker's clock: the number of gradients it has pushed (a server: updates applied)."""
+        return self._server.updates if self._server is not None else self._clock
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """A server's torch optimizer over its shard (LR schedules attach to it; see ``serve``)."""
+        if self._server is None:
+            raise StrategyError(
+                f"AsyncSGDOptimizer: rank {self.backend.rank} is a worker; the torch optimizer and its "
+                f"state live on the servers (ranks 0..{self.num_servers - 1})"
+            )
+        return self._server.optimizer
+
+    def _require(self, server: bool, what: str) -> None:
+        if self.is_server != server:
+            role, other = ("a server", "workers") if self.is_server else ("a worker", "servers")
+            raise StrategyError(
+                f"AsyncSGDOptimizer.{what}() is for {other}, but rank {self.backend.rank} is {role} "
+                f"(ranks 0..{self.num_servers - 1} serve: branch on opt.is_server)"
+            )
+
+    # ------------------------------------------------------------------ worker
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the replica's gradients (``step()`` also clears them after pushing)."""
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        """Push this worker's gradients (``None``: zeros) and pull parameters for the next clock."""
+        self._require(False, "step")
+        if self._finished:
+            raise StrategyError(
+                f"AsyncSGDOptimizer: worker rank {self.backend.rank} called step() after finish()"
+            )
+        self._unit.grads_into(self._flat_grad)
+        c = self._unit.shard_numel
+        sends: list[Work] = []
+        for k, msg in enumerate(self._messages):
+            msg.set(PUSH, self._clock)
+            msg.payload.copy_(self._flat_grad[k * c : (k + 1) * c])
+            sends.append(self.backend.isend(msg.buffer, k, TAG_PUSH))
+        self.zero_grad(set_to_none=True)  # these gradients belong to parameters about to be replaced
+        self.pushes += 1
+        self._clock += 1
+        self._pull()
+        for work in sends:  # every server has answered, so it has received them
+            work.wait()
+
+    def finish(self) -> None:
+        """Tell every server this worker is done (it no longer holds the others back)."""
+        self._require(False, "finish")
+        if self._finished:
+            return
+        sends = []
+        for k, msg in enumerate(self._messages):
+            msg.set(FINISH, self._clock)
+            sends.append(self.backend.isend(msg.buffer, k, TAG_PUSH))
+        for work in sends:
+            work.wait()
+        self._finished = True
+
+    def _pull(self) -> None:
+        t0 = perf_counter()
+        c = self._unit.shard_numel
+        for k in range(self.num_servers):
+            held: list[int] | None = None
+            while True:
+                self._recv(self._note.tensor, k, TAG_NOTE, held)
+                if self._note.clock != self._clock:
+                    raise StrategyError(
+                        f"AsyncSGDOptimizer worker rank {self.backend.rank}: server rank {k} answered clock "
+                        f"{self._note.clock}, expected {self._clock} (a rank runs another program?)"
+                    )
+                if self._note.kind == READY:
+                    break
+                self.waits += 1
+                held = behind(self._note.pushed(), self._clock, self.staleness or 0, self.num_servers)
+            self.max_staleness = max(self.max_staleness, self._clock - self._note.slowest)
+            self._recv(self._flat[k * c : (k + 1) * c], k, TAG_PARAMS, None)
+        self.pulls += 1
+        self.blocked_s += perf_counter() - t0
+
+    def _recv(self, tensor: torch.Tensor, server: int, tag: int, held: list[int] | None) -> None:
+        try:
+            self.backend.recv(tensor, server, tag)
+        except CollectiveTimeoutError as exc:
+            me = f"AsyncSGDOptimizer worker rank {self.backend.rank}"
+            if held and not peer_lost(exc):
+                raise CollectiveTimeoutError(
+                    f"{me}: no parameters for clock {self._clock} from server rank {server} within "
+                    f"{bounded(self.backend)}; its last note said the read waits (staleness="
+                    f"{self.staleness}) for worker rank(s) {held}: they are dead or hung, or server rank "
+                    f"{server} is ({exc})",
+                    tuple(held),
+                    "AsyncSGDOptimizer.step",
+                ) from exc
+            raise CollectiveTimeoutError(
+                f"{me}: no answer from server rank {server} within {bounded(self.backend)} "
+                f"(clock {self._clock}): server rank {server} is dead or hung ({exc})",
+                (server,),
+                "AsyncSGDOptimizer.step",
+            ) from exc
+
+    # ------------------------------------------------------------------ server
+    def serve(self, on_update: Callable[[AsyncSGDOptimizer], None] | None = None) -> None:
+        """Apply the workers' pushes and answer their pulls until every worker has finished.
+
+        ``on_update(opt)`` runs after each optimizer step of this server (to step an LR scheduler on
+        ``opt.optimizer`` or save ``opt.state_dict()`` now and then).
+        """
+        self._require(True, "serve")
+        assert self._server is not None
+        hook = None if on_update is None else (lambda: on_update(self))
+        self._server.serve(hook)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """A server: its parameter shard, its optimizer state and clocks; a worker: its role only
+        (its replica is whatever it pulls)."""
+        meta = {
+            "role": "server" if self.is_server else "worker",
+            "rank": self.backend.rank,
+            "num_servers": self.num_servers,
+            "numel": self._unit.numel,
+        }
+        if self._server is None:
+            return {**meta, "clock": self._clock}
+        return {**meta, **self._server.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a server's shard and optimizer state; call it before ``serve()`` (the workers get
+        the restored parameters as their clock-0 read). On a worker: checks the role, nothing else."""
+        role = "server" if self.is_server else "worker"
+        layout = (state.get("role"), state.get("num_servers"), state.get("numel"))
+        if layout != (role, self.num_servers, self._unit.numel):
+            raise StrategyError(
+                f"AsyncSGDOptimizer rank {self.backend.rank} ({role} of {self.num_servers} servers, "
+                f"{self._unit.numel} parameters) cannot load a state saved by a {layout[0]} of "
+                f"{layout[1]} servers with {layout[2]} parameters; load each rank's own saved state"
+            )
+        if self._server is not None:
+            if self._server.served:
+                raise StrategyError(
+                    "AsyncSGDOptimizer.load_state_dict() on a server must come before serve(): the workers "
+                    "read their clock-0 parameters when serving starts"
+                )
+            self._server.load_state_dict(state)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state on every rank (a collective, after ``serve()``/``finish()``):
+        parameters from the servers' shards; buffers and frozen parameters from the first worker."""
+        if not self.is_server and not self._finished:
+            raise StrategyError(
+                f"AsyncSGDOptimizer.full_state_dict(): worker rank {self.backend.rank} must call finish() "
+                "first (the servers serve until every worker has finished)"
+            )
+        c = self._unit.shard_numel
+        flat = self._unit.new_flat()
+        for k in range(self.num_servers):
+            part = flat[k * c : (k + 1) * c]
+            if self._server is not None and k == self.backend.rank:
+                part.copy_(self._server.param.detach())
+            self.backend.broadcast(part, k)
+        params = {s.name: flat[s.offset : s.offset + s.numel].view(s.shape).clone() for s in self._unit.slots}
+        out: dict[str, torch.Tensor] = {}
+        for name, value in self.module.state_dict().items():
+            if self._aliases.get(name) in params:  # a tied parameter is one entry of the flat buffer
+                out[name] = params[self._aliases[name]]
+                continue
+            held = value.detach().clone().contiguous()
+            self.backend.broadcast(held, self.num_servers)
+            out[name] = held
+        return out
+
+    # ------------------------------------------------------------------ statistics
+    def stats(self) -> dict[str, Any]:
+        """Pushes, pulls, waits (pulls held back by the bound), ``blocked_s`` (a worker: time waiting
+        for parameters; a server: time waiting for messages), ``max_staleness`` (the largest lead of
+        a read over the slowest worker), ``updates`` and the point-to-point bytes since construction."""
+        sent, received = _p2p_bytes(self.backend)
+        src = self._server if self._server is not None else self
+        out = {
+            "role": "server" if self.is_server else "worker",
+            "rank": self.backend.rank,
+            "pushes": src.pushes,
+            "pulls": src.pulls,
+            "waits": src.waits,
+            "blocked_s": src.blocked_s,
+            "max_staleness": src.max_staleness,
+            "bytes_sent": sent - self._bytes0[0],
+            "bytes_received": received - self._bytes0[1],
+        }
+        out["updates" if self._server is not None else "clock"] = self.clock
+        return out
+
+    # ------------------------------------------------------------------ construction
+    def _check_agreement(self, module: nn.Module) -> None:
+        buffers = [(n, tuple(v.shape), str(v.dtype)) for n, v in module.state_dict().items()]
+        mine = (self._param_names, self._unit.numel, str(self._unit.dtype), self.num_servers, self.staleness)
+        everyone = self.backend.all_gather_object((mine, buffers))
+        for r, (theirs, their_buffers) in enumerate(everyone):
+            if theirs != mine or their_buffers != buffers:
+                raise StrategyError(
+                    f"AsyncSGDOptimizer: rank {r} built it with (parameters, numel, dtype, num_servers, "
+                    f"staleness) = {theirs[1:]} and {len(theirs[0])} parameters, rank "
+                    f"{self.backend.rank} with {mine[1:]} and {len(mine[0])}; every rank must pass the same "
+                    "model and settings"
+                )
+
+
+def _p2p_bytes(backend: CommunicationBackend) -> tuple[int, int]:
+    return backend.stats["send"].bytes_sent, backend.stats["recv"].bytes_received
+
+
+def _check_arguments(
+    backend: CommunicationBackend,
+    optimizer_cls: type[torch.optim.Optimizer],
+    staleness: int | None,
+    num_servers: int,
+    optimizer_kwargs: dict[str, Any],
+) -> None:
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(
+            "AsyncSGDOptimizer takes a torch.optim.Optimizer class (e.g. torch.optim.SGD) and its keyword "
+            f"arguments, got {optimizer_cls!r}"
+        )
+    if "params" in optimizer_kwargs:
+        raise TypeError("AsyncSGDOptimizer: do not pass params=; each server optimizes its own shard")
+    bad = isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0
+    if staleness is not None and bad:
+        raise ArgumentError(
+            f"AsyncSGDOptimizer: staleness must be an int >= 0 (0: synchronous) or None (fully "
+            f"asynchronous), got {staleness!r}"
+        )
+    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
+        raise ArgumentError(f"AsyncSGDOptimizer: num_servers must be an int >= 1, got {num_servers!r}")
+    if num_servers >= backend.world_size:
+        raise ArgumentError(
+            f"AsyncSGDOptimizer: num_servers={num_servers} leaves no worker in a world of "
+            f"{backend.world_size} ranks; use at most {backend.world_size - 1} servers (or more ranks)"
+        )
