@@ -1,6 +1,6 @@
 """Communication backends: one interface, several engines."""
 
-from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
+from dtlab.backends.base import CommunicationBackend, CompletedWork, P2POp, ReduceOp, Work
 from dtlab.backends.init import detect_launcher, init_backend
 from dtlab.backends.inmemory import InMemoryBackend, InMemoryWorld
 from dtlab.backends.mesh import Mesh
@@ -19,6 +19,7 @@ __all__ = [
     "Mesh",
     "NCCLBackend",
     "OpStats",
+    "P2POp",
     "ReduceOp",
     "TorchDistBackend",
     "Work",

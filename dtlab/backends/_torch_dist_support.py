@@ -53,6 +53,19 @@ class _DistWork(Work):
         return self._done
 
 
+class _BatchWork:
+    """The handles of one coalesced batch, waited together (what ``_DistWork`` wraps for each op)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works, self._done = works, False
+
+    def wait(self) -> None:
+        if not self._done:
+            for w in self._works:
+                w.wait()
+            self._done = True
+
+
 def _create_group(members: list[int], name: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A process group of the global ranks ``members`` (in that order), created by the members only.
 

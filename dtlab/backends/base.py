@@ -18,10 +18,18 @@ import torch
 
 from dtlab.backends._checks import _AVG, _SUPPORTED, ArgumentChecks
 from dtlab.backends.stats import CommStats
-from dtlab.backends.types import SUPPORTED_DTYPES, CompletedWork, ReduceOp, Work
+from dtlab.backends.types import SUPPORTED_DTYPES, CompletedWork, P2POp, ReduceOp, Work
 from dtlab.errors import ArgumentError
 
-__all__ = ["SUPPORTED_DTYPES", "CommunicationBackend", "CompletedWork", "ReduceOp", "Work", "split_members"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "CommunicationBackend",
+    "CompletedWork",
+    "P2POp",
+    "ReduceOp",
+    "Work",
+    "split_members",
+]
 
 
 def split_members(pairs: Sequence[tuple[int | None, int]], color: int) -> list[int]:
@@ -300,6 +308,37 @@ class CommunicationBackend(ArgumentChecks, ABC):
         self._stats.record("recv", 0, tensor.nbytes, dt)
         return work
 
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
+        """Post every send and receive of ``ops`` at once; one handle per op, in order.
+
+        All operations are started before this returns and none is waited for, so the order of the
+        ops in a batch, and which rank posts its batch first, cannot deadlock (as
+        ``torch.distributed.batch_isend_irecv``). Messages between one pair of ranks in one direction
+        are matched in posting order (tags also keep them apart on MPI and gloo; NCCL ignores tags).
+        A receive names its source. Do not touch a tensor until its handle's ``wait()`` returned.
+        Bytes are counted as ``send``/``recv`` calls, one per op.
+        """
+        ops = list(ops)
+        for i, op in enumerate(ops):
+            if not isinstance(op, P2POp) or op.kind not in ("send", "recv"):
+                raise ArgumentError(
+                    f"batch_isend_irecv: ops[{i}] must be a P2POp of kind 'send' or 'recv' "
+                    f"(P2POp.send(t, dst) / P2POp.recv(t, src)), got {op!r}"
+                )
+            self._check_tensor(op.tensor, "batch_isend_irecv", f"ops[{i}].tensor")
+            self._check_peer(op.peer, "batch_isend_irecv", f"ops[{i}].peer")
+        if not ops:
+            return []
+        t0 = perf_counter()
+        works = self._batch_isend_irecv(ops)
+        dt = (perf_counter() - t0) / len(ops)
+        for op in ops:
+            if op.kind == "send":
+                self._stats.record("send", op.tensor.nbytes, 0, dt)
+            else:
+                self._stats.record("recv", 0, op.tensor.nbytes, dt)
+        return works
+
     # ------------------------------------------------------------------ objects
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Return rank ``src``'s ``obj`` on every rank (pickled; only exchange trusted objects)."""
@@ -400,6 +439,18 @@ class CommunicationBackend(ArgumentChecks, ABC):
             if c == color:
                 mine = group
         return mine
+
+    def _batch_isend_irecv(self, ops: list[P2POp]) -> list[Work]:
+        """Default: each op posted non-blocking (engines whose ``_isend``/``_irecv`` never block:
+        in-memory, MPI's ``Isend``/``Irecv``), receives first."""
+        works: list[Work | None] = [None] * len(ops)
+        for i, op in enumerate(ops):
+            if op.kind == "recv":
+                works[i] = self._irecv(op.tensor, op.peer, op.tag)
+        for i, op in enumerate(ops):
+            if op.kind == "send":
+                works[i] = self._isend(op.tensor, op.peer, op.tag)
+        return [w for w in works if w is not None]
 
     def _iall_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
         self._all_reduce(tensor, op)

@@ -22,13 +22,14 @@ from dtlab.backends._torch_dist_support import (
     _OPS,
     _PEER_LOST,
     _all_gather_flat,
+    _BatchWork,
     _create_group,
     _direct_calls,
     _DistWork,
     _flat,
     _reduce_scatter_flat,
 )
-from dtlab.backends.base import CommunicationBackend, ReduceOp, Work, split_members
+from dtlab.backends.base import CommunicationBackend, P2POp, ReduceOp, Work, split_members
 from dtlab.errors import ArgumentError, BackendInitError, CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = ["GlooBackend", "NCCLBackend", "TorchDistBackend"]
@@ -311,6 +312,40 @@ class TorchDistBackend(CommunicationBackend):
         if src is None:
             return _DistWork(self, work, what, lambda: self._local(cast(Any, work).source_rank()))
         return _DistWork(self, work, what, lambda: src)
+
+    def _batch_isend_irecv(self, ops: list[P2POp]) -> list[Work]:
+        """``torch.distributed.batch_isend_irecv``: NCCL coalesces the batch into one group launch
+        (then every op's handle waits for the whole batch), gloo posts each op."""
+        p2p = [
+            dist.P2POp(
+                dist.isend if op.kind == "send" else dist.irecv,
+                op.tensor,
+                self._global(op.peer),
+                self._group,
+                op.tag,
+            )
+            for op in ops
+        ]
+        what = f"batch_isend_irecv({len(ops)} ops)"
+        try:
+            works = dist.batch_isend_irecv(p2p)
+        except RuntimeError as exc:
+            self._failed(exc, what)
+        if len(works) == len(ops):
+            return [
+                _DistWork(
+                    self,
+                    w,
+                    f"{op.kind}({'dst' if op.kind == 'send' else 'src'}={op.peer}, tag={op.tag})",
+                    None if op.kind == "send" else (lambda peer=op.peer: peer),
+                )
+                for w, op in zip(works, ops, strict=True)
+            ]
+        batch = _BatchWork(works)  # coalesced: one handle for the whole batch
+        return [
+            _DistWork(self, batch, what, None if op.kind == "send" else (lambda peer=op.peer: peer))
+            for op in ops
+        ]
 
     # ------------------------------------------------------------------ groups
     def _new_group(self, ranks: list[int]) -> CommunicationBackend | None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "CompletedWork", "ReduceOp", "Work"]
+__all__ = ["SUPPORTED_DTYPES", "CompletedWork", "P2POp", "ReduceOp", "Work"]
 
 SUPPORTED_DTYPES = (
     torch.float16,
@@ -58,3 +60,23 @@ class CompletedWork(Work):
 
     def is_completed(self) -> bool:
         return True
+
+
+@dataclass(frozen=True, eq=False)
+class P2POp:
+    """One point-to-point operation of a batch (:meth:`CommunicationBackend.batch_isend_irecv`):
+    ``kind`` ``"send"`` (``tensor`` to rank ``peer``) or ``"recv"`` (into ``tensor`` from ``peer``),
+    with ``tag``. ``P2POp.send(t, 1)`` and ``P2POp.recv(t, 0)`` build them."""
+
+    kind: Literal["send", "recv"]
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+    @classmethod
+    def send(cls, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2POp:
+        return cls("send", tensor, dst, tag)
+
+    @classmethod
+    def recv(cls, tensor: torch.Tensor, src: int, tag: int = 0) -> P2POp:
+        return cls("recv", tensor, src, tag)

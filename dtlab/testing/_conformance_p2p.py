@@ -8,11 +8,12 @@ import time
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend
+from dtlab.backends.base import CommunicationBackend, P2POp
 from dtlab.testing._checking import Problems
 
 __all__ = [
     "check_any_source",
+    "check_batch_isend_irecv",
     "check_message_streams",
     "check_barrier",
     "check_isend_irecv",
@@ -195,4 +196,69 @@ def check_isend_irecv(backend: CommunicationBackend) -> None:
     )
     pr.expect(from_left.tolist() == [left + 0.5] * 4, f"irecv from rank {left} got {from_left.tolist()}")
     pr.expect(from_right.tolist() == [right + 0.25] * 4, f"irecv from rank {right} got {from_right.tolist()}")
+    pr.raise_if_any()
+
+
+def check_batch_isend_irecv(backend: CommunicationBackend) -> None:
+    """One batch per rank with every receive listed before every send (blocking receives in that
+    order would deadlock on every engine): from and to both neighbours, a small and a 40,000-element
+    message (eager and rendezvous sends), two messages to one peer with one tag (matched in posting
+    order); handles waited in reverse; receives return their source; bytes counted as send/recv."""
+    p, me, dev = backend.world_size, backend.rank, backend.device
+    if p < 2:
+        return
+    pr = Problems("batch_isend_irecv", me)
+    right, left = (me + 1) % p, (me - 1) % p
+    sizes = (3, 40_000)
+    got = [torch.full((n,), -1.0, device=dev) for n in sizes]
+    got_first = torch.zeros(2, dtype=torch.int64, device=dev)
+    got_second = torch.zeros(2, dtype=torch.int64, device=dev)
+    ops = [P2POp.recv(got[0], left, tag=31), P2POp.recv(got[1], right, tag=32)]
+    ops += [P2POp.recv(got_first, left, tag=33), P2POp.recv(got_second, left, tag=33)]
+    ops += [
+        P2POp.send(torch.full((sizes[0],), me + 0.5, device=dev), right, tag=31),
+        P2POp.send(torch.full((sizes[1],), me + 0.25, device=dev), left, tag=32),
+        P2POp.send(torch.tensor([me, 1], dtype=torch.int64, device=dev), right, tag=33),
+        P2POp.send(torch.tensor([me, 2], dtype=torch.int64, device=dev), right, tag=33),
+    ]
+    before = (backend.stats["send"], backend.stats["recv"])
+    try:
+        works = backend.batch_isend_irecv(ops)
+        sources = [w.wait() for w in reversed(works)][::-1]
+    except Exception as exc:  # recorded; the check still reports what it can
+        pr.add(f"batch_isend_irecv raised {type(exc).__name__}: {exc}")
+        pr.raise_if_any()
+        return
+    after = (backend.stats["send"], backend.stats["recv"])
+    pr.expect(len(works) == len(ops), f"{len(works)} handles for {len(ops)} ops")
+    pr.expect(sources[:4] == [left, right, left, left], f"receives returned sources {sources[:4]}")
+    pr.expect(got[0].unique().tolist() == [left + 0.5], f"from rank {left} got {got[0].unique().tolist()}")
+    pr.expect(
+        got[1].unique().tolist() == [right + 0.25], f"from rank {right} got {got[1].unique().tolist()[:4]}"
+    )
+    pr.expect(
+        got_first.tolist() == [left, 1] and got_second.tolist() == [left, 2],
+        f"two messages with one tag arrived as {got_first.tolist()}, {got_second.tolist()} "
+        "(want posting order)",
+    )
+    sent = 4 * (sizes[0] + sizes[1]) + 2 * 16
+    pr.expect(
+        (after[0].calls - before[0].calls, after[0].bytes_sent - before[0].bytes_sent) == (4, sent)
+        and (after[1].calls - before[1].calls, after[1].bytes_received - before[1].bytes_received)
+        == (4, sent),
+        f"counters: {after[0].calls - before[0].calls} sends of {after[0].bytes_sent - before[0].bytes_sent} "
+        f"bytes, {after[1].calls - before[1].calls} receives of "
+        f"{after[1].bytes_received - before[1].bytes_received} bytes; want 4 of {sent} each",
+    )
+    pr.expect(backend.batch_isend_irecv([]) == [], "an empty batch must return no handles")
+    for bad, words in (
+        ([P2POp.send(torch.zeros(1, device=dev), me)], "is this rank itself"),
+        ([("send", torch.zeros(1), right, 0)], "must be a P2POp"),
+    ):
+        try:
+            backend.batch_isend_irecv(bad)  # type: ignore[arg-type]
+            pr.add(f"batch_isend_irecv({bad!r}) did not raise")
+        except ValueError as exc:
+            pr.expect(words in str(exc), f"bad batch raised {exc!r}, expected it to say {words!r}")
+    backend.barrier()
     pr.raise_if_any()

@@ -39,6 +39,7 @@ from dtlab.testing._conformance_groups import check_mesh, check_split
 from dtlab.testing._conformance_p2p import (
     check_any_source,
     check_barrier,
+    check_batch_isend_irecv,
     check_isend_irecv,
     check_message_streams,
     check_send_recv_order,
@@ -66,6 +67,7 @@ __all__ = [
     "check_any_source",
     "check_bad_arguments",
     "check_barrier",
+    "check_batch_isend_irecv",
     "check_broadcast",
     "check_byte_counters",
     "check_groups",
@@ -277,6 +279,7 @@ _PLAIN_CHECKS: tuple[tuple[str, Callable[[CommunicationBackend], None]], ...] = 
     ("message_streams", check_message_streams),
     ("any_source", check_any_source),
     ("isend_irecv", check_isend_irecv),
+    ("batch_isend_irecv", check_batch_isend_irecv),
     ("objects", check_objects),
     ("groups", check_groups),
     ("split", check_split),
