@@ -256,6 +256,9 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(default=2, ge=1)
     #: resume from ``latest`` in ``checkpoint.dir``, or from an explicit step directory
     resume: bool | str = False
+    #: a resume never falls back past a broken ``latest`` or a newest step that does not verify: a
+    #: ``CheckpointError`` instead of a warning and the newest step directory that verifies
+    strict_resume: bool = False
 
 
 class LoggingConfig(_Section):

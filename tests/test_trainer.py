@@ -233,8 +233,9 @@ def test_any_torch_lr_scheduler_and_its_state_is_checkpointed(tmp_path: Path) ->
     resumed = _cfg(tmp_path, "train.steps=6", "logging.log_every=1", "optimizer.lr=0.01",
                    f"checkpoint.resume={ck}")  # fmt: skip
     run_training(resumed, scheduler_factory=factory)
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [r["lr"] for r in map(_no_nan, lines)][4:] == pytest.approx([0.0025, 0.00125])
+    records = list(map(_no_nan, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()))
+    assert records[4] == {"step": 4, "resumed_from": str(ck / "step_00000004")}  # the resume's own record
+    assert [r["lr"] for r in records if "lr" in r][4:] == pytest.approx([0.0025, 0.00125])
 
 
 def test_clipping_uses_the_global_norm_under_every_strategy(tmp_path: Path) -> None:

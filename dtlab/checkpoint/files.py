@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,11 @@ __all__ = [
     "check_json",
     "durable_write",
     "fsync_dir",
+    "list_step_dirs",
     "sha256_file",
     "shard_name",
     "step_dir_name",
+    "step_of",
 ]
 
 META = "meta.json"
@@ -26,8 +29,28 @@ LATEST = "latest"
 FORMAT_VERSION = 1
 
 
+#: a step directory's name: ``step_`` and the step, zero-padded to at least 8 digits
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a step directory's name stands for; ``None`` for any other name."""
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every step directory directly in ``root``, oldest first."""
+    found = []
+    for p in root.iterdir():
+        step = step_of(p.name)
+        if step is not None and p.is_dir():
+            found.append((step, p))
+    return sorted(found)
 
 
 def shard_name(kind: str, rank: int) -> str:

@@ -11,11 +11,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
-from dtlab.checkpoint.files import FORMAT_VERSION, LATEST, META, shard_name
+from dtlab.checkpoint.files import FORMAT_VERSION, LATEST, META, shard_name, step_of
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
 
-__all__ = ["LoadedCheckpoint", "read_checkpoint", "resolve_checkpoint"]
+__all__ = ["LoadedCheckpoint", "read_checkpoint", "read_latest", "resolve_checkpoint"]
 
 
 @dataclass
@@ -36,17 +36,39 @@ class LoadedCheckpoint:
         return int(self.meta["world_size"])
 
 
+def read_latest(root: Path) -> str | None:
+    """The step directory name ``root/latest`` holds; ``None`` when there is no pointer.
+
+    A :class:`CheckpointError` when the pointer cannot be read or names anything but a step directory
+    directly inside ``root`` (an absolute path, ``..``, a path with separators): such a pointer is
+    never followed.
+    """
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    try:
+        text = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{pointer} cannot be read ({exc})") from None
+    if step_of(text) is None:
+        raise CheckpointError(
+            f"{pointer} names {text[:200]!r}, which is not a step directory inside {root} "
+            "(step_NNNNNNNN); refusing to follow it"
+        )
+    return text
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A step directory (holding ``meta.json``) or a checkpoint root (its ``latest`` pointer)."""
     p = Path(path)
     if (p / META).is_file():
         return p
-    pointer = p / LATEST
-    if pointer.is_file():
-        target = p / pointer.read_text().strip()
+    name = read_latest(p)
+    if name is not None:
+        target = p / name
         if not (target / META).is_file():
             raise CheckpointError(
-                f"{pointer} names {target.name!r}, which has no {META}; the checkpoint is gone"
+                f"{p / LATEST} names {target.name!r}, which has no {META}; the checkpoint is gone"
             )
         return target
     if not p.exists():

@@ -1,18 +1,24 @@
 """Atomic, collective save: every rank writes its shards into one temporary directory, rank 0 writes
 ``meta.json``, renames the directory into place and only then moves the ``latest`` pointer.
 
-A process killed at any moment leaves either the previous checkpoint (and a ``.tmp-*`` directory that
+A process killed at any moment leaves either the previous checkpoint (and ``.tmp-*`` leftovers that
 the next save removes) or the new one, never a ``latest`` pointing at something incomplete. The
 directory must be visible to every rank (a shared filesystem when ranks run on several machines).
+
+``owned`` names the step directories the caller may replace and prune (the Trainer passes the ones
+its run wrote and the ones it resumed through): any other step directory is never deleted, and one
+in the way of a new save is renamed to ``superseded-step_NNNNNNNN-<random>`` with a warning.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import uuid
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ from dtlab.checkpoint.files import (
     check_json,
     durable_write,
     fsync_dir,
+    list_step_dirs,
     shard_name,
     step_dir_name,
 )
@@ -46,13 +53,48 @@ def _write(tmp: Path, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-def _prune(root: Path, keep_last: int, keep: str) -> None:
-    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+def _remove(path: Path) -> None:
+    """Rename first (atomic), so no half-deleted directory is ever visible under its own name."""
+    trash = path.parent / f".tmp-old-{path.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_stale(root: Path) -> None:
+    """``.tmp-*`` leftovers of an earlier crash: step directories being written or deleted, and
+    ``latest`` pointers being written (files)."""
+    for stale in root.glob(".tmp-*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            try:
+                stale.unlink()
+            except OSError:
+                pass
+
+
+def _set_aside(final: Path, owned: Collection[str] | None) -> None:
+    """Make room for ``final``: replace it when the caller owns it, else keep it under a new name."""
+    if not final.exists():
+        return
+    if owned is None or final.name in owned:
+        _remove(final)
+        return
+    kept = final.parent / f"superseded-{final.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(final, kept)
+    logging.getLogger(__name__).warning(
+        "%s existed and was not written by this run: moved to %s rather than overwritten; delete it "
+        "when no longer needed",
+        final,
+        kept.name,
+    )
+
+
+def _prune(root: Path, keep_last: int, keep: str, owned: Collection[str] | None) -> None:
+    steps = [p for _, p in list_step_dirs(root) if owned is None or p.name in owned or p.name == keep]
     for old in steps[: max(0, len(steps) - keep_last)]:
-        if old.name != keep:  # rename first (atomic), so no half-deleted step directory is ever visible
-            trash = root / f".tmp-old-{old.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(old, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+        if old.name != keep:
+            _remove(old)
 
 
 def save_checkpoint(
@@ -64,18 +106,20 @@ def save_checkpoint(
     rank_state: dict[str, torch.Tensor],
     meta: dict[str, Any],
     keep_last: int = 2,
+    owned: Collection[str] | None = None,
 ) -> Path:
     """Collective: save this rank's shards; returns the final step directory (on every rank).
 
     ``meta`` (rank 0's is written) holds trainer-level JSON: config, data position, counters.
-    ``rank_state`` holds per-rank tensors such as RNG states.
+    ``rank_state`` holds per-rank tensors such as RNG states. The ``keep_last`` newest step
+    directories among ``owned`` (names; ``None``: every step directory in ``root``) and this one are
+    kept, the older ones among ``owned`` deleted; see the module docstring for ``owned``.
     """
     root = Path(root)
     name = None
     if backend.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        _remove_stale(root)
         tmp = root / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         name = tmp.name
@@ -108,16 +152,13 @@ def save_checkpoint(
         check_json(doc, "checkpoint metadata")
         durable_write(tmp / META, json.dumps(doc, indent=1, allow_nan=False).encode())
         fsync_dir(tmp)
-        if final.exists():  # re-saving a step (e.g. after a resume): move the old one out first
-            trash = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+        _set_aside(final, owned)
         os.rename(tmp, final)
         fsync_dir(root)
         pointer = root / f".tmp-{LATEST}-{uuid.uuid4().hex[:8]}"
         durable_write(pointer, (final.name + "\n").encode())
         os.replace(pointer, root / LATEST)
         fsync_dir(root)
-        _prune(root, keep_last, keep=final.name)
+        _prune(root, keep_last, final.name, owned)
     backend.barrier()
     return final

@@ -9,8 +9,11 @@ every N steps, early stopping agreed by all ranks, atomic sharded checkpoints, m
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +22,8 @@ from typing import Any
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.checkpoint import read_checkpoint, resolve_checkpoint, save_checkpoint
-from dtlab.checkpoint.files import check_json
+from dtlab.checkpoint import save_checkpoint
+from dtlab.checkpoint.files import check_json, step_dir_name
 from dtlab.config import TrainConfig, check_world_size
 from dtlab.data import DistributedSampler
 from dtlab.errors import CheckpointError
@@ -30,8 +33,9 @@ from dtlab.trainers.metrics import MetricsCollector
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.progress import ProgressBar
 from dtlab.trainers.report import format_record, step_record, summary_rows
+from dtlab.trainers.resume import choose_checkpoint, foreign_steps_note, owned_steps, restore
 from dtlab.trainers.schedule import build_scheduler
-from dtlab.trainers.state import capture_rng, restore_rng
+from dtlab.trainers.state import capture_rng
 from dtlab.trainers.tasks import Task, build_task, check_task
 
 __all__ = ["TrainResult", "Trainer"]
@@ -51,6 +55,10 @@ class TrainResult:
     start_step: int = 0
     stopped_early: bool = False
     checkpoint: str | None = None
+    #: the step directory this run resumed from (``None``: a fresh start)
+    resumed_from: str | None = None
+    #: problems met while choosing it (a broken ``latest``, a newest step that did not verify, ...)
+    resume_notes: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     profile: dict[str, Any] = field(default_factory=dict)
 
@@ -96,14 +104,24 @@ class Trainer:
         self.step = 0
         self.start_step = 0
         self.autocast_dtype = torch.bfloat16 if config.train.precision == "bf16" else None
+        self.run_id = uuid.uuid4().hex
+        self.resumed_from: str | None = None
+        self.resume_notes: list[str] = []
+        #: step directories this run may prune or replace: the ones it continues and the ones it wrote
+        self.owned_steps: set[str] = set()
         if config.checkpoint.resume:
             self._resume()
+        if self.is_main and config.checkpoint.dir is not None and not self.owned_steps:
+            note = foreign_steps_note(config, self.owned_steps)
+            if note:
+                self.resume_notes.append(note)
         run_dir = config.logging.run_dir
         self.metrics = MetricsCollector(
             Path(run_dir) / "metrics.jsonl" if run_dir else None,
             enabled=self.is_main,
             append=self.start_step > 0,  # a resumed run continues its file; a fresh run starts a new one
         )
+        self._report_resume()
 
     # ------------------------------------------------------------------ one step
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -190,6 +208,12 @@ class Trainer:
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
+            # which run wrote this step, and from what it resumed: how a resume tells a save interrupted
+            # before ``latest`` moved from another run's step directory (dtlab/checkpoint/resume.py)
+            "run": {
+                "id": self.run_id,
+                "resumed_from": str(Path(self.resumed_from).resolve()) if self.resumed_from else None,
+            },
             "strategy": {
                 "model": self.config.strategy.model,
                 "optimizer": self.config.strategy.optimizer_name,
@@ -209,7 +233,7 @@ class Trainer:
         if c.dir is None:
             raise CheckpointError("checkpoint.dir is not set; set it to save checkpoints")
         with self.profiler.phase("checkpoint"):
-            return save_checkpoint(
+            path = save_checkpoint(
                 c.dir,
                 self.step,
                 self.backend,
@@ -218,42 +242,41 @@ class Trainer:
                 capture_rng(self.backend.device),
                 self._trainer_state(),
                 keep_last=c.keep_last,
+                owned=self.owned_steps,
             )
+        self.owned_steps.add(step_dir_name(self.step))  # this run wrote it: its own to replace or prune
+        return path
 
     def _resume(self) -> None:
-        c = self.config.checkpoint
-        where = c.dir if c.resume is True else c.resume
-        if not where:
-            raise CheckpointError("checkpoint.resume=true needs checkpoint.dir (or give resume a path)")
-        if c.resume is True and not (Path(where) / "latest").exists():
+        chosen = choose_checkpoint(self.config, self.backend)
+        self.resume_notes = chosen.notes
+        if chosen.checkpoint is None:
             return  # nothing saved yet: a fresh start
-        ckpt = read_checkpoint(resolve_checkpoint(where))
-        self.model.load_sharded_state_dict(ckpt.model)
-        if ckpt.optim is not None:
-            self.optimizer.load_sharded_state_dict(ckpt.optim)
-        t = ckpt.meta["trainer"]
-        sched = dict(t["scheduler"])
-        if hasattr(self.scheduler, "lr_lambdas"):
-            sched["lr_lambdas"] = [None] * len(self.scheduler.lr_lambdas)
-        self.scheduler.load_state_dict(sched)
-        for group, lr in zip(
-            self.optimizer.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
-        ):
-            group["lr"] = lr
-        try:
-            self.sampler.load_state_dict(ckpt.meta["data_position"])
-        except ValueError as exc:
-            raise CheckpointError(f"{ckpt.path}: {exc}") from None
-        self.guard.load_state_dict(t["guard"])
-        self.early.load_state_dict(t["early_stopping"])
-        self.step = self.start_step = int(t["step"])
-        if ckpt.world_size == self.backend.world_size:
-            restore_rng(ckpt.rank_states[self.backend.rank], self.backend.device)
+        restore(self, chosen.checkpoint)
+        self.resumed_from = str(chosen.checkpoint.path)
+        self.owned_steps = owned_steps(self.config, chosen.checkpoint)
+
+    def _report_resume(self) -> None:
+        """Rank 0: each note as a warning, a line naming the checkpoint taken, a metrics record."""
+        if not self.is_main or not (self.resumed_from or self.resume_notes):
+            return
+        log = logging.getLogger("dtlab.trainers")
+        for note in self.resume_notes:
+            log.warning("dtlab: %s", note)
+        if self.resumed_from:
+            print(f"dtlab: resumed from {self.resumed_from} (step {self.start_step})", file=sys.stderr)
+        record: dict[str, Any] = {"step": self.start_step, "resumed_from": self.resumed_from}
+        self.metrics.log({**record, "resume_notes": self.resume_notes} if self.resume_notes else record)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
         cfg = self.config
-        result = TrainResult(start_step=self.start_step, rank=self.backend.rank)
+        result = TrainResult(
+            start_step=self.start_step,
+            rank=self.backend.rank,
+            resumed_from=self.resumed_from,
+            resume_notes=list(self.resume_notes),
+        )
         bar = ProgressBar(
             cfg.train.steps, enabled=self.is_main and cfg.logging.progress, initial=self.start_step
         )

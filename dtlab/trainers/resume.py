@@ -1,0 +1,126 @@
+"""Resuming a :class:`~dtlab.trainers.Trainer`: which checkpoint (chosen once, on rank 0, and the same
+on every rank), what is restored from it, and which step directories the run may later prune.
+
+``checkpoint.resume=true`` takes the checkpoint ``dtlab.checkpoint.resume.find_resume_checkpoint``
+chooses in ``checkpoint.dir`` (a fresh start when nothing was saved there); a path takes that step
+directory exactly, or chooses the same way inside a checkpoint root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.checkpoint import read_checkpoint
+from dtlab.checkpoint.files import META, list_step_dirs
+from dtlab.checkpoint.load import LoadedCheckpoint
+from dtlab.checkpoint.resume import find_resume_checkpoint
+from dtlab.config import TrainConfig
+from dtlab.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from dtlab.trainers.trainer import Trainer
+
+__all__ = ["Resumed", "choose_checkpoint", "owned_steps", "restore"]
+
+
+@dataclass
+class Resumed:
+    checkpoint: LoadedCheckpoint | None
+    notes: list[str] = field(default_factory=list)
+
+
+def _choose_on_rank0(config: TrainConfig) -> tuple[LoadedCheckpoint | None, list[str], str | None]:
+    c = config.checkpoint
+    where = Path(str(c.dir if c.resume is True else c.resume))
+    try:
+        if c.resume is not True and (where / META).is_file():
+            return read_checkpoint(where), [], None  # one step directory, exactly: no fallback
+        point = find_resume_checkpoint(where, strict=c.strict_resume)
+        if point.checkpoint is None and c.resume is not True:
+            what = "does not exist" if not where.exists() else "holds no checkpoint"
+            return None, [], f"checkpoint.resume={str(where)!r} {what}"
+        return point.checkpoint, point.notes, None
+    except CheckpointError as exc:
+        return None, [], str(exc)
+
+
+def choose_checkpoint(config: TrainConfig, backend: CommunicationBackend) -> Resumed:
+    """Collective: rank 0 chooses (verifying candidates), every rank reads and verifies the choice."""
+    c = config.checkpoint
+    if not (c.dir if c.resume is True else c.resume):
+        raise CheckpointError("checkpoint.resume=true needs checkpoint.dir (or give resume a path)")
+    mine: LoadedCheckpoint | None = None
+    msg = None
+    if backend.rank == 0:
+        mine, notes, error = _choose_on_rank0(config)
+        msg = (None if mine is None else str(mine.path), notes, error)
+    path, notes, error = backend.broadcast_object(msg, src=0)
+    if error is not None:
+        raise CheckpointError(error)
+    if path is None:
+        return Resumed(None, notes)
+    return Resumed(mine if mine is not None else read_checkpoint(path), notes)
+
+
+def owned_steps(config: TrainConfig, ckpt: LoadedCheckpoint | None) -> set[str]:
+    """Step directories in ``checkpoint.dir`` this run continues (the resumed one and older ones,
+    when it resumed from inside ``checkpoint.dir``): with what it writes, the only ones it may prune
+    or replace. Newer ones and those of a run it did not resume from are never deleted."""
+    root = config.checkpoint.dir
+    if ckpt is None or root is None or not Path(root).is_dir():
+        return set()
+    if ckpt.path.parent.resolve() != Path(root).resolve():
+        return set()
+    return {p.name for s, p in list_step_dirs(Path(root)) if s <= ckpt.step}
+
+
+def foreign_steps_note(config: TrainConfig, owned: set[str]) -> str | None:
+    """A note when ``checkpoint.dir`` holds step directories this run will not own."""
+    root = config.checkpoint.dir
+    if root is None or not Path(root).is_dir():
+        return None
+    others = [p.name for _, p in list_step_dirs(Path(root)) if p.name not in owned]
+    if not others:
+        return None
+    return (
+        f"checkpoint.dir={root!r} holds {len(others)} step director{'y' if len(others) == 1 else 'ies'} "
+        f"this run does not continue ({', '.join(others[-3:])}{', ...' if len(others) > 3 else ''}): "
+        "it keeps them (never pruned; one in the way of a save is renamed superseded-...), and "
+        "'latest' will name this run's checkpoints"
+    )
+
+
+def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> None:
+    """Load everything a checkpoint holds into ``trainer`` (parameters, optimizer, schedule, data
+    position, guard and early-stopping counters, RNG states at the same world size)."""
+    t = ckpt.meta.get("trainer")
+    if not isinstance(t, dict) or "step" not in t:
+        raise CheckpointError(
+            f"{ckpt.path}: {META} holds no trainer state (written by save_checkpoint outside the "
+            "Trainer?); the Trainer resumes only checkpoints it wrote"
+        )
+    from dtlab.trainers.state import restore_rng
+
+    trainer.model.load_sharded_state_dict(ckpt.model)
+    if ckpt.optim is not None:
+        trainer.optimizer.load_sharded_state_dict(ckpt.optim)
+    sched = dict(t["scheduler"])
+    if hasattr(trainer.scheduler, "lr_lambdas"):
+        sched["lr_lambdas"] = [None] * len(trainer.scheduler.lr_lambdas)
+    trainer.scheduler.load_state_dict(sched)
+    for group, lr in zip(
+        trainer.optimizer.optimizer.param_groups, trainer.scheduler.get_last_lr(), strict=True
+    ):
+        group["lr"] = lr
+    try:
+        trainer.sampler.load_state_dict(ckpt.meta["data_position"])
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{ckpt.path}: {exc}") from None
+    trainer.guard.load_state_dict(t["guard"])
+    trainer.early.load_state_dict(t["early_stopping"])
+    trainer.step = trainer.start_step = int(t["step"])
+    if ckpt.world_size == trainer.backend.world_size:
+        restore_rng(ckpt.rank_states[trainer.backend.rank], trainer.backend.device)
