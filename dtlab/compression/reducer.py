@@ -5,7 +5,10 @@ strategy and what :class:`~dtlab.compression.GradientSynchronizer` uses on its o
 
 1. ``acc = grad + residual`` (error feedback), checked for NaN/Inf on every rank (one all-reduce of
    ``P`` int32 counts, so every rank takes the same decision: raise, or with ``nonfinite="skip"``
-   return NaN gradients so a NaN guard skips the step; the residual is left untouched either way);
+   return NaN gradients so a NaN guard skips the step; the residual is left untouched either way).
+   ``backend`` is the model's data-parallel group: the check decides this group's exchange; on a
+   mesh the step-wide decision over every rank is the optimizer's ``grads_are_finite()`` (it spans
+   ``model.world_backend``), which sees the NaN gradients and skips the step everywhere;
 2. dense exchange during the compressor's ``warmup_steps``, else the compressor's exchange;
 3. ``residual = acc - contributed``; the average is written back in the gradient's dtype;
 4. bytes (from ``backend.stats`` deltas), selection and times are added to this step's statistics.

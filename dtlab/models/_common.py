@@ -85,8 +85,9 @@ class DataParallelModel(ModelStrategy):
         reduce_dtype: torch.dtype | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        world: CommunicationBackend | None = None,
     ) -> None:
-        super().__init__(module, backend)
+        super().__init__(module, backend, world=world)
         self._trainable = _check_module(module, backend, type(self).__name__)
         if reduce_dtype is not None and not (
             isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
@@ -123,21 +124,21 @@ class DataParallelModel(ModelStrategy):
 
     # ------------------------------------------------------------------ shared pieces
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        if self.backend.world_size == 1:
+        if self.dp_backend.world_size == 1:
             return
         with torch.no_grad():
             for t in tensors:
                 if t.numel() == 0:
                     continue
                 if t.is_contiguous():
-                    self.backend.broadcast(t, 0)
+                    self.dp_backend.broadcast(t, 0)
                 else:
                     tmp = t.contiguous()
-                    self.backend.broadcast(tmp, 0)
+                    self.dp_backend.broadcast(tmp, 0)
                     t.copy_(tmp)
 
     def _sync_buffers(self) -> None:
-        if self.broadcast_buffers and self.backend.world_size > 1:
+        if self.broadcast_buffers and self.dp_backend.world_size > 1:
             self._broadcast_from_rank0([b for b in self.module.buffers() if b is not None])
 
     @contextlib.contextmanager
@@ -169,7 +170,7 @@ class DataParallelModel(ModelStrategy):
 
     def _unused_error(self, missing: list[str]) -> StrategyError:
         return StrategyError(
-            f"{type(self).__name__} on rank {self.backend.rank}: parameters received no gradient in this "
+            f"{type(self).__name__} on rank {self.dp_backend.rank}: parameters received no gradient in this "
             f"backward pass: {missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all). "
             "Every rank must reduce the same gradients or the job hangs; make them take part in the "
             "loss, freeze them (requires_grad=False) or pass find_unused_parameters=True to reduce "

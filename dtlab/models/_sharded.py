@@ -78,6 +78,7 @@ class ShardedModel(DataParallelModel):
         reduce_dtype: torch.dtype | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        world: CommunicationBackend | None = None,
     ) -> None:
         super().__init__(
             module,
@@ -85,6 +86,7 @@ class ShardedModel(DataParallelModel):
             reduce_dtype=reduce_dtype,
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
+            world=world,
         )
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = bool(prefetch)
@@ -143,7 +145,7 @@ class ShardedModel(DataParallelModel):
     def _gather(self, st: _Unit, wait: bool = True) -> None:
         if st.flat is None:
             flat = st.unit.new_flat(zero=False)
-            st.work = self.backend.iall_gather(flat, st.shard)
+            st.work = self.dp_backend.iall_gather(flat, st.shard)
             st.flat = flat
             st.unit.bind(flat)
             self._ptr[flat.untyped_storage().data_ptr()] = st
@@ -312,7 +314,7 @@ class ShardedModel(DataParallelModel):
                 if st.work is not None:
                     st.work.wait()
                     st.work = None
-                self.backend.all_gather(st.flat, st.shard)
+                self.dp_backend.all_gather(st.flat, st.shard)
         self._last_peak, self._peak = self._peak, self._gathered_bytes
 
     def zero_grad_buffers(self) -> None:
@@ -346,7 +348,7 @@ class ShardedModel(DataParallelModel):
         return {k: t for k, t in self.module.state_dict(keep_vars=True).items() if id(t) not in sharded}
 
     def sharded_state_dict(self) -> ShardedState:
-        p, r = self.backend.world_size, self.backend.rank
+        p, r = self.dp_backend.world_size, self.dp_backend.rank
         state = new_state(self.strategy_name, p, r)
         for st in self._units:
             for slot, a, b, so in st.unit.shard_slots():
@@ -370,7 +372,7 @@ class ShardedModel(DataParallelModel):
                     buf[so : so + b - a].copy_(index.read(slot.name, a, b))
                 st.shard.copy_(buf)
                 if st.flat is not None:
-                    self.backend.all_gather(st.flat, st.shard)
+                    self.dp_backend.all_gather(st.flat, st.shard)
             for key, t in self._other_state().items():
                 full = index.full(key)
                 if tuple(full.shape) != tuple(t.shape):

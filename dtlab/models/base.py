@@ -17,8 +17,32 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.state import ShardedState
+from dtlab.errors import ArgumentError
 
 __all__ = ["ModelStrategy", "ShardedState"]
+
+
+def _check_world(
+    world: CommunicationBackend | None, backend: CommunicationBackend, who: str
+) -> CommunicationBackend | None:
+    if world is None:
+        return None
+    if not isinstance(world, CommunicationBackend):
+        raise TypeError(
+            f"{who}: world must be a dtlab CommunicationBackend or None, got {type(world).__name__}"
+        )
+    if world.world_size < backend.world_size or world.world_size % backend.world_size:
+        raise ArgumentError(
+            f"{who}: world has {world.world_size} ranks but the data-parallel group has "
+            f"{backend.world_size}; world must be the wider group this one lives in (e.g. "
+            "DDPModel(module, mesh['dp'], world=mesh.backend)), its size a multiple of the group's"
+        )
+    if world.device.type != backend.device.type:
+        raise ArgumentError(
+            f"{who}: world works on {world.device} but the data-parallel group on {backend.device}; "
+            "build both on the same engine"
+        )
+    return world
 
 
 class ModelStrategy(nn.Module):
@@ -27,10 +51,15 @@ class ModelStrategy(nn.Module):
     #: short name used in configs, checkpoints and errors ("ddp", "zero1", ...)
     strategy_name: ClassVar[str] = "base"
 
-    def __init__(self, module: nn.Module, backend: CommunicationBackend) -> None:
+    def __init__(
+        self, module: nn.Module, backend: CommunicationBackend, *, world: CommunicationBackend | None = None
+    ) -> None:
         super().__init__()
         self.module = module
+        #: the group the strategy was built on (for a data-parallel strategy: its data-parallel group);
+        #: code outside the strategy asks for :attr:`dp_backend` or :attr:`world_backend` instead
         self.backend = backend
+        self._world = _check_world(world, backend, type(self).__name__)
 
     @property
     @abstractmethod
@@ -43,8 +72,17 @@ class ModelStrategy(nn.Module):
 
     @property
     def dp_backend(self) -> CommunicationBackend:
-        """The data-parallel group gradients are averaged over (the whole backend for pure DP)."""
+        """The data-parallel group: gradients are averaged over it, the data sampler splits the global
+        batch by its rank and size, the trainer averages the loss over it (the whole backend for pure
+        data parallelism)."""
         return self.backend
+
+    @property
+    def world_backend(self) -> CommunicationBackend:
+        """Every rank that must take the same decision: the finite-gradient check, ``agree()``, early
+        stopping and the non-finite guard span it, so all ranks of a mesh skip a step together.
+        The ``world=`` given at construction (on a mesh: ``mesh.backend``), else :attr:`dp_backend`."""
+        return self._world if self._world is not None else self.dp_backend
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

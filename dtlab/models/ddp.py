@@ -50,6 +50,7 @@ class DDPModel(DataParallelModel):
         reduce_dtype: torch.dtype | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        world: CommunicationBackend | None = None,
     ) -> None:
         super().__init__(
             module,
@@ -57,6 +58,7 @@ class DDPModel(DataParallelModel):
             reduce_dtype=reduce_dtype,
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
+            world=world,
         )
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -195,7 +197,7 @@ class DDPModel(DataParallelModel):
         """After a sharded optimizer step: every rank's updated shard to every rank (all-gather)."""
         for unit, flat in zip(self._units, self._data, strict=True):
             lo, hi = unit.shard_bounds()
-            self.backend.all_gather(flat, flat[lo:hi].clone())
+            self.dp_backend.all_gather(flat, flat[lo:hi].clone())
 
     def zero_grad_buffers(self) -> None:
         for i, buf in enumerate(self._grad_bufs):
@@ -217,7 +219,7 @@ class DDPModel(DataParallelModel):
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def sharded_state_dict(self) -> ShardedState:
-        p, r = self.backend.world_size, self.backend.rank
+        p, r = self.dp_backend.world_size, self.dp_backend.rank
         state = new_state(self.strategy_name, p, r)
         for key, t in self.module.state_dict().items():
             s, e = even_range(t.numel(), p, r)

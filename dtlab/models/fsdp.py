@@ -83,6 +83,7 @@ class FSDPModel(ShardedModel):
         reduce_dtype: torch.dtype | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        world: CommunicationBackend | None = None,
     ) -> None:
         if wrap_policy is not None and not isinstance(wrap_policy, ModuleClassPolicy | SizePolicy):
             raise TypeError(
@@ -98,6 +99,7 @@ class FSDPModel(ShardedModel):
             reduce_dtype=reduce_dtype,
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
+            world=world,
         )
 
     def _unit_modules(self) -> set[int]:

@@ -72,7 +72,7 @@ class ZeRO1Model(DDPModel):
     # ------------------------------------------------------------------ reduce-scatter mode
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._grad_state == "averaged" and torch.is_grad_enabled():
-            self._scale_own_slices(float(self.backend.world_size))
+            self._scale_own_slices(float(self.dp_backend.world_size))
             self._grad_state = "rescaled"
         return super().forward(*args, **kwargs)
 
@@ -90,14 +90,14 @@ class ZeRO1Model(DDPModel):
     def _settle(self) -> None:
         """A forward ran but no backward: give the optimizer the averaged slice back."""
         if self._grad_state == "rescaled":
-            self._scale_own_slices(1.0 / self.backend.world_size)
+            self._scale_own_slices(1.0 / self.dp_backend.world_size)
             self._grad_state = "averaged"
 
     def _begin_backward(self) -> None:
         if not self._in_backward:
             if self._grad_state == "averaged":
                 raise StrategyError(
-                    f"ZeRO1Model on rank {self.backend.rank}: a backward pass started while the gradient "
+                    f"ZeRO1Model on rank {self.dp_backend.rank}: a backward pass started while the gradient "
                     "buckets hold the last synchronized (reduce-scattered) gradients and this model's "
                     "forward did not run before it (was the wrapped module called directly?). Call "
                     "opt.zero_grad() after opt.step(), run the forward through the ZeRO1Model, or pass "

@@ -48,6 +48,7 @@ class ZeRO3Model(ShardedModel):
         reduce_dtype: torch.dtype | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        world: CommunicationBackend | None = None,
     ) -> None:
         if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
             raise ValueError(f"persistence_threshold must be an int >= 0, got {persistence_threshold!r}")
@@ -64,6 +65,7 @@ class ZeRO3Model(ShardedModel):
             reduce_dtype=reduce_dtype,
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
+            world=world,
         )
 
     def _plan(self) -> list[tuple[str, nn.Module, list[UnitPlan]]]:

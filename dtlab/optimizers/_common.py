@@ -104,7 +104,7 @@ class DataParallelOptimizer(OptimizerStrategy):
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         model = self.dp_model
         tensors, replicated = model.norm_grad_tensors()
-        device = model.backend.device
+        device = model.dp_backend.device
         if math.isinf(norm_type):
             local = max((t.detach().abs().max().double() for t in tensors if t.numel()), default=None)
             total = torch.zeros(1, dtype=torch.float64, device=device) if local is None else local.reshape(1)
@@ -131,7 +131,7 @@ class DataParallelOptimizer(OptimizerStrategy):
 
     # ------------------------------------------------------------------ state
     def sharded_state_dict(self) -> ShardedState:
-        backend = self.dp_model.backend
+        backend = self.dp_model.dp_backend
         state = new_state(self.strategy_name, backend.world_size, backend.rank)
         keys: set[str] = set()
         for t, pieces, names in zip(self._tensors, self._pieces, self._names, strict=True):

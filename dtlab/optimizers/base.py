@@ -1,4 +1,4 @@
-"""What every optimizer strategy offers (DESIGN.md section 3)."""
+"""What every optimizer strategy offers (docs/architecture.md, section "Optimizer strategies")."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from dtlab.backends.base import ReduceOp
 from dtlab.core.state import ShardedState
 from dtlab.models.base import ModelStrategy
 
@@ -44,11 +45,14 @@ class OptimizerStrategy(ABC):
 
     @abstractmethod
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm over all ranks' (synchronized) gradients; returns that norm."""
+        """Clip by the global norm of the model's (synchronized) gradients; returns that norm. A data-
+        parallel strategy sums shards over ``model.dp_backend`` (each data-parallel group holds one
+        whole model); strategies that split parameters over other axes add those axes."""
 
     @abstractmethod
     def grads_are_finite(self) -> bool:
-        """True on every rank iff every rank's synchronized gradients are finite (a consensus)."""
+        """True on every rank iff every rank's synchronized gradients are finite: a consensus over
+        ``model.world_backend`` (see :meth:`agree`)."""
 
     @abstractmethod
     def sharded_state_dict(self) -> ShardedState: ...
@@ -72,9 +76,11 @@ class OptimizerStrategy(ABC):
         return report
 
     def agree(self, flag: bool) -> bool:
-        """Consensus: True on every rank iff ``flag`` is True on every rank (early stopping etc.)."""
-        t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=self.model.backend.device)
-        from dtlab.backends.base import ReduceOp
+        """Consensus: True on every rank iff ``flag`` is True on every rank (early stopping etc.).
 
-        self.model.backend.all_reduce(t, ReduceOp.MAX)
+        Spans ``model.world_backend`` (every rank of a mesh, not only this data-parallel group), so
+        all ranks take the same branch."""
+        world = self.model.world_backend
+        t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=world.device)
+        world.all_reduce(t, ReduceOp.MAX)
         return int(t.item()) == 0

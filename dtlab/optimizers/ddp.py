@@ -24,7 +24,7 @@ class DDPOptimizer(DataParallelOptimizer):
     compatible_models: ClassVar[tuple[str, ...]] = pairs.models_for("ddp")
 
     def _build(self) -> tuple[list[torch.Tensor], list[list[Piece]], list[list[str]]]:
-        backend = self.dp_model.backend
+        backend = self.dp_model.dp_backend
         tensors: list[torch.Tensor] = []
         pieces: list[list[Piece]] = []
         names: list[list[str]] = []

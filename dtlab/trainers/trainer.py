@@ -45,7 +45,7 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 @dataclass
 class TrainResult:
-    #: (step, loss averaged over all ranks) of every step that was applied (skipped steps are absent)
+    #: (step, loss averaged over the data-parallel group) of every applied step (skipped steps are absent)
     losses: list[tuple[int, float]] = field(default_factory=list)
     #: (step, {"eval_loss": ..., "eval_accuracy": ... for classification}) of every evaluation
     evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
@@ -87,11 +87,14 @@ class Trainer:
         if config.checkpoint.dir is not None:  # refuse now, not at the first save after hours of training
             check_json(self._scheduler_state(), f"the LR scheduler's state ({type(self.scheduler).__name__})")
         d = config.data
+        # data and the loss follow the model's data-parallel group (ranks of one dp group share a
+        # batch's shards); consensus (agree, finite checks) spans model.world_backend
+        self.dp = self.model.dp_backend
         self.sampler = DistributedSampler(
             len(self.task.train_data),
             d.global_batch_size,
-            backend.world_size,
-            backend.rank,
+            self.dp.world_size,
+            self.dp.rank,
             d.accumulation_steps,
             seed=config.train.seed,
             shuffle=d.shuffle,
@@ -136,7 +139,7 @@ class Trainer:
             return self.task.loss_fn(self.model(x), y)
 
     def train_step(self) -> tuple[bool, float | None, float | None]:
-        """One optimizer step; returns (applied, mean loss over ranks, global gradient norm)."""
+        """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm)."""
         accum = self.config.data.accumulation_steps
         with self.profiler.phase("data"):
             micro = self.sampler.next_micro_batches()
@@ -166,9 +169,9 @@ class Trainer:
                 norm = float(self.optimizer.clip_grad_norm_(self.config.optimizer.clip_grad_norm))
             self.optimizer.step()
             self.scheduler.step()
-            mean = torch.tensor([local_loss], dtype=torch.float64, device=self.backend.device)
-            self.backend.all_reduce(mean, ReduceOp.SUM)
-        return True, float(mean.item()) / self.backend.world_size, norm
+            mean = torch.tensor([local_loss], dtype=torch.float64, device=self.dp.device)
+            self.dp.all_reduce(mean, ReduceOp.SUM)
+        return True, float(mean.item()) / self.dp.world_size, norm
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -176,14 +179,14 @@ class Trainer:
         """Mean loss (and accuracy for classification) over held-out data, the same on every rank.
 
         Every rank runs the same number of equal batches (sharded strategies gather in forward)."""
-        data, p = self.task.eval_data, self.backend.world_size
+        data, p = self.task.eval_data, self.dp.world_size
         local = max(1, min(self.config.data.global_batch_size // p, len(data) // p))
         batches = max(1, min(self.config.train.eval_batches, len(data) // (local * p)))
         self.model.eval()
         total = torch.zeros(3, dtype=torch.float64, device=self.backend.device)
         try:
             for b in range(batches):
-                start = (b * p + self.backend.rank) * local
+                start = (b * p + self.dp.rank) * local
                 x, y = data.batch(torch.arange(start, start + local))
                 x, y = x.to(self.backend.device), y.to(self.backend.device)
                 with self._autocast():
@@ -195,7 +198,7 @@ class Trainer:
                     total[2] += float((out.argmax(-1) == y).sum())
         finally:
             self.model.train()
-        self.backend.all_reduce(total, ReduceOp.SUM)
+        self.dp.all_reduce(total, ReduceOp.SUM)
         result = {"eval_loss": float(total[0] / total[1])}
         if self.task.classification:
             result["eval_accuracy"] = float(total[2] / total[1])
