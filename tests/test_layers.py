@@ -6,6 +6,7 @@ Imports under ``if TYPE_CHECKING:`` are annotations only and are not counted.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,16 @@ def test_backends_never_import_torch_nn() -> None:
         if module == "torch.nn" or module.startswith("torch.nn.")
     ]
     assert not bad, f"backends import torch.nn: {bad}"
+
+
+def test_cited_architecture_sections_exist() -> None:
+    """Source files cite docs/architecture.md by section; every cited section is a heading there."""
+    doc = ROOT.parent / "docs" / "architecture.md"
+    headings = {line.lstrip("#").strip() for line in doc.read_text().splitlines() if line.startswith("#")}
+    cited = re.compile(r'architecture\.md,?\s+(?:section\s+)?\(?"([^"]+)"', re.S)
+    missing = []
+    for file in sorted([*ROOT.rglob("*.py"), *(ROOT.parent / "tests").glob("*.py")]):
+        for section in cited.findall(file.read_text()):
+            if section not in headings:
+                missing.append(f"{file.name}: {section!r}")
+    assert not missing, f"sections cited but not in docs/architecture.md: {missing}"

@@ -1,7 +1,7 @@
 """``ShardedState``: one rank's piece of a model or optimizer state.
 
 It lives in the neutral layer :mod:`dtlab.core` because strategies produce it, checkpoints store it
-and compressed reducers add their state to it (docs/architecture.md, section "Layers").
+and compressed reducers add their state to it (docs/architecture.md, section "ShardedState").
 ``dtlab.models.base`` re-exports it for compatibility.
 """
 
