@@ -260,12 +260,26 @@ class CheckpointConfig(_Section):
     #: ``CheckpointError`` instead of a warning and the newest step directory that verifies
     strict_resume: bool = False
 
+    @field_validator("dir", "resume")
+    @classmethod
+    def _not_empty(cls, v: str | bool | None) -> str | bool | None:
+        if v == "":
+            raise ValueError("an empty path; give a directory, or null (dir) / false (resume) to turn it off")
+        return v
+
 
 class LoggingConfig(_Section):
     #: directory for ``metrics.jsonl`` and ``profile.json``; ``None``: nothing written
     run_dir: str | None = "runs/default"
     log_every: int = Field(default=20, ge=1)
     progress: bool = True
+
+    @field_validator("run_dir")
+    @classmethod
+    def _not_empty(cls, v: str | None) -> str | None:
+        if v == "":
+            raise ValueError("an empty path; give a directory, or null for no metrics and no profile")
+        return v
 
 
 class TrainConfig(_Section):

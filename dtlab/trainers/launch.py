@@ -10,6 +10,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, check_world_size
+from dtlab.trainers.preflight import check_paths
 from dtlab.trainers.tasks import Task, build_task, check_task
 from dtlab.trainers.trainer import SchedulerFactory, Trainer, TrainResult
 
@@ -47,6 +48,7 @@ def run_training(
 
         ws = config.backend.world_size
         check_world_size(config, ws)
+        check_paths(config)  # before any rank starts: one ConfigError (the Trainer checks again, per rank)
         task = task or build_task(config)  # read once, shared read-only by the rank threads
         check_task(config, task, ws)  # before any rank starts: one clear error
         threads = torch.get_num_threads()

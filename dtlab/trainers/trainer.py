@@ -30,6 +30,7 @@ from dtlab.errors import CheckpointError
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
 from dtlab.trainers.metrics import MetricsCollector
+from dtlab.trainers.preflight import check_paths_on_every_rank
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.progress import ProgressBar
 from dtlab.trainers.report import format_record, step_record, summary_rows
@@ -72,6 +73,7 @@ class Trainer:
         scheduler_factory: SchedulerFactory | None = None,
     ) -> None:
         check_world_size(config, backend.world_size)
+        check_paths_on_every_rank(config, backend)  # not at the first save, after hours of training
         self.config, self.backend = config, backend
         self.is_main = backend.rank == 0
         self.task = task or build_task(config)
