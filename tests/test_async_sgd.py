@@ -99,11 +99,11 @@ def test_learns_under_bounded_and_unbounded_staleness(staleness: int | None) -> 
     net0 = make_net()
     res = run_world(4, train, net0, staleness, 1, 30, timeout=30, lr=0.05)
     x, y = batches(30)
-    with torch.no_grad():
-        before = float(nn.functional.mse_loss(net0(x.reshape(-1, 5)), y.reshape(-1, 3)))
     net = copy.deepcopy(net0)
     net.load_state_dict(res[0][0])
-    after = float(nn.functional.mse_loss(net(x.reshape(-1, 5)), y.reshape(-1, 3)))
+    with torch.no_grad():
+        before = float(nn.functional.mse_loss(net0(x.reshape(-1, 5)), y.reshape(-1, 3)))
+        after = float(nn.functional.mse_loss(net(x.reshape(-1, 5)), y.reshape(-1, 3)))
     assert after < 0.2 * before, (before, after)
     assert res[0][1]["updates"] == 3 * 30  # one optimizer step per push
     if staleness is not None:

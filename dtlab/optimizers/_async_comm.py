@@ -9,6 +9,8 @@ Three tags tell the message kinds apart; every message has a fixed size known to
   parameters for ``clock`` follow on ``TAG_PARAMS``; ``WAIT``: the worker is held back by the
   staleness bound, and the counts say which workers it waits for (``-1``: finished). A server sends a
   new ``WAIT`` note whenever that set changes, so a waiting worker's last note names who holds it.
+  ``ABORT``: the server heard nothing within its timeout; the counts flag (1) the workers it names as
+  dead or hung, and the server raises after sending it.
 * ``TAG_PARAMS`` (server -> worker): the parameter shard.
 """
 
@@ -19,6 +21,7 @@ import torch
 from dtlab.backends.base import CommunicationBackend
 
 __all__ = [
+    "ABORT",
     "FINISH",
     "PUSH",
     "READY",
@@ -34,7 +37,7 @@ __all__ = [
 
 TAG_PUSH, TAG_NOTE, TAG_PARAMS = 27_001, 27_002, 27_003
 PUSH, FINISH = 1, 2  # kinds of a push message
-READY, WAIT = 1, 2  # kinds of a note
+READY, WAIT, ABORT = 1, 2, 3  # kinds of a note
 _HEADER_BYTES = 16
 _NOTE_FIELDS = 3  # kind, clock, slowest; then one pushed count per worker
 

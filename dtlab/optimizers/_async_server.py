@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from dtlab.backends.base import CommunicationBackend, Work
-from dtlab.errors import CollectiveTimeoutError, StrategyError
+from dtlab.errors import CollectiveTimeoutError, DtlabError, StrategyError
 from dtlab.optimizers._async_comm import (
+    ABORT,
     FINISH,
     PUSH,
     READY,
@@ -167,6 +168,7 @@ class ShardServer:
         except CollectiveTimeoutError as exc:
             silent = [i for i in table.unfinished() if i not in table.waiting] or table.unfinished()
             ranks = [self.num_servers + i for i in silent]
+            self._tell_waiting(table, silent)
             clocks = ", ".join(f"rank {self.num_servers + i} at clock {table.pushed[i]}" for i in silent)
             held = sorted(self.num_servers + i for i in table.waiting)
             raise CollectiveTimeoutError(
@@ -186,6 +188,22 @@ class ShardServer:
                 f"rank {src}, which is not a worker (another program uses this tag?)"
             )
         return src
+
+    def _tell_waiting(self, table: ClockTable, silent: list[int]) -> None:
+        """Before raising, tell every waiting worker which workers this server names (best effort)."""
+        flags = [1 if i in silent else 0 for i in range(self.workers)]
+        sends = []
+        for i, clock in table.waiting.items():
+            note = Note.make(ABORT, clock, -1, flags, self.backend.device)
+            try:  # gloo closes every connection after a timeout: then the workers time out themselves
+                sends.append((self.backend.isend(note, self.num_servers + i, TAG_NOTE), note))
+            except (DtlabError, RuntimeError):
+                continue
+        for work, _ in sends:
+            try:
+                work.wait()
+            except (DtlabError, RuntimeError):
+                continue
 
     def _answer(
         self, table: ClockTable, pending: list[list[tuple[Work, torch.Tensor]]], told: dict[int, list[int]]

@@ -31,6 +31,7 @@ from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import ArgumentError, CollectiveTimeoutError, StrategyError
 from dtlab.models.flat import FlatUnit
 from dtlab.optimizers._async_comm import (
+    ABORT,
     FINISH,
     PUSH,
     READY,
@@ -184,6 +185,15 @@ class AsyncSGDOptimizer:
                     )
                 if self._note.kind == READY:
                     break
+                if self._note.kind == ABORT:
+                    named = [self.num_servers + i for i, flag in enumerate(self._note.pushed()) if flag]
+                    raise CollectiveTimeoutError(
+                        f"AsyncSGDOptimizer worker rank {self.backend.rank}: server rank {k} heard nothing "
+                        f"within {bounded(self.backend)}; it names worker rank(s) {named}, which neither "
+                        "pushed nor finished: they are dead or hung",
+                        tuple(named),
+                        "AsyncSGDOptimizer.step",
+                    )
                 self.waits += 1
                 held = behind(self._note.pushed(), self._clock, self.staleness or 0, self.num_servers)
             self.max_staleness = max(self.max_staleness, self._clock - self._note.slowest)
@@ -192,14 +202,23 @@ class AsyncSGDOptimizer:
         self.blocked_s += perf_counter() - t0
 
     def _recv(self, tensor: torch.Tensor, server: int, tag: int, held: list[int] | None) -> None:
+        t0 = perf_counter()
         try:
             self.backend.recv(tensor, server, tag)
         except CollectiveTimeoutError as exc:
             me = f"AsyncSGDOptimizer worker rank {self.backend.rank}"
-            if held and not peer_lost(exc):
+            timeout = getattr(self.backend, "timeout", None)
+            # a server that timed out waiting for the held-back workers closes its connections (gloo)
+            # about one timeout after its last note; a connection lost well before then: it died
+            died = peer_lost(exc) and isinstance(timeout, int | float) and perf_counter() - t0 < timeout / 2
+            if held and not died:
+                how = (
+                    f"lost the connection to server rank {server}"
+                    if peer_lost(exc)
+                    else f"got nothing from server rank {server} within {bounded(self.backend)}"
+                )
                 raise CollectiveTimeoutError(
-                    f"{me}: no parameters for clock {self._clock} from server rank {server} within "
-                    f"{bounded(self.backend)}; its last note said the read waits (staleness="
+                    f"{me}: {how} while its last note said the clock-{self._clock} read waits (staleness="
                     f"{self.staleness}) for worker rank(s) {held}: they are dead or hung, or server rank "
                     f"{server} is ({exc})",
                     tuple(held),
