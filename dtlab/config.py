@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointConfig",
     "CompressionConfig",
     "DataConfig",
+    "ElasticConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -268,6 +269,16 @@ class CheckpointConfig(_Section):
         return v
 
 
+class ElasticConfig(_Section):
+    #: commit the model and optimizer shards, data position, LR schedule and compression state every
+    #: N steps, with a copy on the ring neighbour, so a lost rank loses nothing committed and at most
+    #: N steps are redone (docs/elastic.md); 0: off
+    commit_every: int = Field(default=0, ge=0)
+    #: where the commits are held: ``None`` in memory; a node-local directory under torchrun elastic
+    #: (its workers restart as new processes), one per node
+    dir: str | None = None
+
+
 class LoggingConfig(_Section):
     #: directory for ``metrics.jsonl`` and ``profile.json``; ``None``: nothing written
     run_dir: str | None = "runs/default"
@@ -291,6 +302,7 @@ class TrainConfig(_Section):
     data: DataConfig = DataConfig()
     train: TrainingConfig = TrainingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    elastic: ElasticConfig = ElasticConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
@@ -307,6 +319,12 @@ class TrainConfig(_Section):
                 f"reducer: it needs compression.algorithm other than 'none' (got {c.algorithm!r}), "
                 f"optimizer.name=sgd (got {o.name!r}) and optimizer.momentum > 0 (got {o.momentum}); "
                 f"set those or drop momentum_correction"
+            )
+        if self.elastic.commit_every and self.backend.name == "mpi":
+            raise ValueError(
+                f"elastic.commit_every={self.elastic.commit_every} does not run on backend.name='mpi': "
+                "after a process dies MPI can only shrink the communicator with ULFM, which MPICH's "
+                "default build lacks; use gloo/nccl under torchrun elastic or the in-memory backend"
             )
         if self.backend.name == "inmemory":
             check_world_size(self, self.backend.world_size)

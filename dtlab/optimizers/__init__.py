@@ -5,6 +5,7 @@ from dtlab.optimizers.async_sgd import AsyncSGDOptimizer
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.optimizers.compression import GradientCompressionOptimizer as GradientCompressionOptimizer
 from dtlab.optimizers.ddp import DDPOptimizer
+from dtlab.optimizers.elastic import ElasticOptimizer
 from dtlab.optimizers.registry import (
     OPTIMIZER_STRATEGIES,
     default_optimizer_strategy,
@@ -18,6 +19,7 @@ __all__ = [
     "AsyncSGDOptimizer",
     "DDPOptimizer",
     "DataParallelOptimizer",
+    "ElasticOptimizer",
     "OPTIMIZER_STRATEGIES",
     "OptimizerStrategy",
     "ZeRO1Optimizer",

@@ -27,7 +27,9 @@ from dtlab.checkpoint.files import check_json, step_dir_name
 from dtlab.config import TrainConfig, check_world_size
 from dtlab.data import DistributedSampler
 from dtlab.errors import CheckpointError
+from dtlab.optimizers.elastic import ElasticMember
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
+from dtlab.trainers.elastic import end_step, report_restore, restore_commit, wrap_elastic
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
 from dtlab.trainers.metrics import MetricsCollector
 from dtlab.trainers.preflight import check_paths_on_every_rank
@@ -71,7 +73,11 @@ class Trainer:
         backend: CommunicationBackend,
         task: Task | None = None,
         scheduler_factory: SchedulerFactory | None = None,
+        member: ElasticMember | None = None,
     ) -> None:
+        """``member``: this rank's place in an elastic job (``dtlab.testing.elastic.run_elastic``
+        passes one); with ``elastic.commit_every`` the optimizer strategy is wrapped in an
+        ElasticOptimizer and the last commit is restored here (docs/elastic.md)."""
         check_world_size(config, backend.world_size)
         check_paths_on_every_rank(config, backend)  # not at the first save, after hours of training
         self.config, self.backend = config, backend
@@ -80,6 +86,9 @@ class Trainer:
         check_task(config, self.task, backend.world_size)
         self.model, self.num_parameters = build_model_strategy(config, backend, self.task)
         self.optimizer = build_optimizer_strategy(config, self.model)
+        self.elastic = wrap_elastic(config, self.optimizer, member)
+        if self.elastic is not None:
+            self.optimizer = self.elastic
         local_opt = self.optimizer.optimizer
         self.scheduler = (
             scheduler_factory(local_opt)
@@ -120,6 +129,7 @@ class Trainer:
             note = foreign_steps_note(config, self.owned_steps)
             if note:
                 self.resume_notes.append(note)
+        restore_commit(self)  # elastic: the last commit, newer than any checkpoint
         run_dir = config.logging.run_dir
         self.metrics = MetricsCollector(
             Path(run_dir) / "metrics.jsonl" if run_dir else None,
@@ -127,6 +137,7 @@ class Trainer:
             append=self.start_step > 0,  # a resumed run continues its file; a fresh run starts a new one
         )
         self._report_resume()
+        report_restore(self)
 
     # ------------------------------------------------------------------ one step
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -320,6 +331,7 @@ class Trainer:
                     (ck.every and self.step % ck.every == 0) or self.step == cfg.train.steps or stop
                 ):
                     result.checkpoint = str(self.save_checkpoint())
+                end_step(self)  # elastic: commit when due; the member may leave the world here
                 if stop:
                     result.stopped_early = True
                     break

@@ -1,0 +1,107 @@
+"""The Trainer's side of elastic training (config section ``elastic``).
+
+``elastic.commit_every=N`` wraps the optimizer strategy in an
+:class:`~dtlab.optimizers.elastic.ElasticOptimizer`; the Trainer restores the last commit at
+construction (:func:`restore_commit`) and reports every step end (:func:`end_step`), so each commit
+holds the step's shards and the trainer-level state (data position, LR schedule, counters) of the same
+step. Where commits are held: the member given to the Trainer (the in-memory engine's), else a
+node-local directory ``elastic.dir`` (required under torchrun, whose workers restart as new
+processes), else this process's memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dtlab.backends.init import detect_launcher
+from dtlab.config import TrainConfig
+from dtlab.errors import CheckpointError, ConfigError
+from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.optimizers.elastic import DiskCommitStore, ElasticMember, ElasticOptimizer, StaticMember
+
+if TYPE_CHECKING:
+    from dtlab.trainers.trainer import Trainer
+
+__all__ = ["end_step", "report_restore", "restore_commit", "wrap_elastic"]
+
+
+def wrap_elastic(
+    config: TrainConfig, optimizer: OptimizerStrategy, member: ElasticMember | None
+) -> ElasticOptimizer | None:
+    """``optimizer`` wrapped for elastic training, or ``None`` when ``elastic.commit_every`` is 0."""
+    e = config.elastic
+    if not e.commit_every:
+        if member is not None:
+            raise ConfigError(
+                "the Trainer was given an elastic member (run_elastic) but elastic.commit_every is 0; "
+                "set elastic.commit_every to the steps between commits, e.g. --set elastic.commit_every=20"
+            )
+        return None
+    if member is None:
+        if e.dir is not None:
+            member = StaticMember(DiskCommitStore(Path(e.dir)))
+        elif detect_launcher().launcher == "torchrun":
+            raise ConfigError(
+                "elastic.commit_every is set under torchrun, whose workers restart as new processes "
+                "after a membership change: the commits must outlive them. Set elastic.dir to a "
+                "node-local directory (e.g. --set elastic.dir=/tmp/dtlab-elastic/<job>), one per node"
+            )
+        else:
+            member = StaticMember()
+    return ElasticOptimizer(optimizer, commit_every=e.commit_every, member=member)
+
+
+def restore_commit(trainer: Trainer) -> bool:
+    """Collective: load the last commit the members hold (parameters, optimizer and compression
+    state, LR schedule, data position, counters); ``False`` when there is none."""
+    opt = trainer.elastic
+    if opt is None:
+        return False
+    commit = opt.restore()
+    if commit is None:
+        return False
+    state = commit.state
+    t = state.get("trainer")
+    if not isinstance(t, dict) or "data_position" not in state:
+        raise CheckpointError(
+            f"the elastic commit of step {commit.key.step} holds no trainer state (made outside the "
+            "Trainer?); the Trainer restores only commits it made"
+        )
+    sched = dict(t["scheduler"])
+    if hasattr(trainer.scheduler, "lr_lambdas"):
+        sched["lr_lambdas"] = [None] * len(trainer.scheduler.lr_lambdas)
+    trainer.scheduler.load_state_dict(sched)
+    for group, lr in zip(opt.optimizer.param_groups, trainer.scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    try:
+        trainer.sampler.load_state_dict(state["data_position"])
+    except ValueError as exc:
+        raise CheckpointError(f"the elastic commit of step {commit.key.step}: {exc}") from None
+    trainer.guard.load_state_dict(t["guard"])
+    trainer.early.load_state_dict(t["early_stopping"])
+    trainer.step = trainer.start_step = int(t["step"])
+    return True
+
+
+def end_step(trainer: Trainer) -> None:
+    """After each step: commit when due (with the trainer-level state of this very step)."""
+    if trainer.elastic is not None:
+        trainer.elastic.end_step(trainer.step, trainer._trainer_state)
+
+
+def report_restore(trainer: Trainer) -> None:
+    """Rank 0, after a restore: a line on stderr and an ``elastic`` metrics record (with the wall
+    time, so a launcher-side measurement can line it up with the moment a rank was lost)."""
+    opt = trainer.elastic
+    if opt is None or opt.recovery is None or not trainer.is_main:
+        return
+    r = opt.recovery
+    print(
+        f"dtlab: elastic: restored the commit of step {r['step']} ({r['from_world_size']} ranks) on "
+        f"{r['world_size']} ranks in {r['seconds']:.2f}s",
+        file=sys.stderr,
+    )
+    trainer.metrics.log({"step": r["step"], "elastic": {**r, "unix_time": time.time()}})
