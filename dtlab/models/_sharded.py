@@ -15,6 +15,7 @@ engine waits for every reduction before ``loss.backward()`` returns.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -133,9 +134,12 @@ class ShardedModel(DataParallelModel):
         self._order: list[int] = []
         self._order_done = False
         self._pending: list[tuple[_Unit, Work, torch.Tensor]] = []
-        for gi, gmod in enumerate(self._group_modules):
-            self._hook_handles.append(gmod.register_forward_pre_hook(self._make_pre_forward(gi)))
-            self._hook_handles.append(gmod.register_forward_hook(self._make_post_forward(gi)))
+        self._unit_hooks: list[Any] = []
+        self._hooks_for_compile = False
+        self._partial_state_ok = False
+        self._hook_handles.append(self.module.register_state_dict_pre_hook(self._refuse_partial_state))
+        self._hook_handles.append(self.module.register_load_state_dict_pre_hook(self._refuse_partial_load))
+        self._install_forward_hooks()
         self._register_grad_hooks(self._on_grad)
 
     def _plan(self) -> list[tuple[str, nn.Module, list[UnitPlan]]]:
@@ -177,6 +181,18 @@ class ShardedModel(DataParallelModel):
         return self._order[pos] if 0 <= pos < len(self._order) else None
 
     # ------------------------------------------------------------------ hooks
+    def _install_forward_hooks(self) -> None:
+        """The gather/free hooks; once ``torch.compile`` is loaded, each runs eagerly (a graph break):
+        they talk to the backend and swap parameter storage, which a compiled graph cannot do."""
+        for handle in self._unit_hooks:
+            handle.remove()
+        self._hooks_for_compile = "torch._dynamo" in sys.modules
+        wrap = torch.compiler.disable if self._hooks_for_compile else (lambda f: f)
+        self._unit_hooks = []
+        for gi, gmod in enumerate(self._group_modules):
+            self._unit_hooks.append(gmod.register_forward_pre_hook(wrap(self._make_pre_forward(gi))))
+            self._unit_hooks.append(gmod.register_forward_hook(wrap(self._make_post_forward(gi))))
+
     def _make_pre_forward(self, gi: int) -> Any:
         def pre_forward(module: nn.Module, args: Any) -> None:
             if not self._order_done and gi not in self._order:
@@ -229,6 +245,8 @@ class ShardedModel(DataParallelModel):
         return obj
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._hooks_for_compile and "torch._dynamo" in sys.modules:  # compiled after wrapping
+            torch.compiler.disable(self._install_forward_hooks)()
         self._sync_buffers()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -332,6 +350,32 @@ class ShardedModel(DataParallelModel):
         return [st.grad_shard for st in self._units], False
 
     # ------------------------------------------------------------------ state
+    def _freed_units(self) -> list[str]:
+        return [st.unit.key for st in self._units if st.flat is None]
+
+    def _refuse_partial_state(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``state_dict()`` of the wrapper or of the wrapped module: the sharded parameters are empty
+        tensors between uses, so refuse instead of returning them."""
+        freed = self._freed_units()
+        if freed and not self._partial_state_ok:
+            raise StrategyError(
+                f"{type(self).__name__}.state_dict(): parameters {freed[:3]}"
+                f"{' ...' if len(freed) > 3 else ''} ({len(freed)} units) are sharded: this rank holds "
+                f"1/{self.backend.world_size} of each, so state_dict() would return empty tensors. Call "
+                "model.full_state_dict() on every rank (collective; whole tensors keyed like the plain "
+                "module's state_dict()) or model.sharded_state_dict() for this rank's shard (what "
+                "dtlab.checkpoint saves and loads under any world size)"
+            )
+
+    def _refuse_partial_load(self, module: nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        freed = self._freed_units()
+        if freed:
+            raise StrategyError(
+                f"{type(self).__name__}.load_state_dict(): parameters {freed[:3]} are sharded (empty "
+                "tensors on this rank between uses); load with model.load_sharded_state_dict(shards) or "
+                "dtlab.checkpoint (any world size, any data-parallel strategy)"
+            )
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         was = [st.flat is not None for st in self._units]
         for st in self._units:
@@ -345,7 +389,12 @@ class ShardedModel(DataParallelModel):
     def _other_state(self) -> dict[str, torch.Tensor]:
         """Buffers and frozen parameters (kept whole on every rank), keyed like ``state_dict()``."""
         sharded = {id(q) for st in self._units for q in st.unit.params}
-        return {k: t for k, t in self.module.state_dict(keep_vars=True).items() if id(t) not in sharded}
+        self._partial_state_ok = True  # the sharded entries are dropped right here
+        try:
+            state = self.module.state_dict(keep_vars=True)
+        finally:
+            self._partial_state_ok = False
+        return {k: t for k, t in state.items() if id(t) not in sharded}
 
     def sharded_state_dict(self) -> ShardedState:
         p, r = self.dp_backend.world_size, self.dp_backend.rank

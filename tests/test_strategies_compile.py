@@ -1,0 +1,88 @@
+"""ZeRO-3/FSDP ``state_dict()`` never hands out empty tensors, and ``torch.compile``d modules train under
+DDP, ZeRO-3 and FSDP (compiled before or after wrapping) to the same parameters as without compiling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models import DDPModel, FSDPModel, ModuleClassPolicy, ZeRO3Model
+from dtlab.optimizers import default_optimizer_strategy
+from dtlab.testing import run_world
+
+
+def _net() -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return net
+
+
+def _state_dict_checks(backend: CommunicationBackend) -> None:
+    plain = _net()
+    for model in (
+        ZeRO3Model(_net(), backend, persistence_threshold=0),
+        FSDPModel(_net(), backend, wrap_policy=ModuleClassPolicy((nn.Linear,))),
+    ):
+        for who in (model, model.module):
+            with pytest.raises(StrategyError, match=r"full_state_dict\(\) on every rank"):
+                who.state_dict()
+        with pytest.raises(StrategyError, match="load_sharded_state_dict"):
+            model.load_state_dict({"module." + k: v for k, v in plain.state_dict().items()})
+        full = model.full_state_dict()  # still works, and the refusal did not leave anything gathered
+        assert all(torch.equal(full[k], v) for k, v in plain.state_dict().items())
+        assert model.memory_report()["parameters"] < sum(t.nbytes for t in full.values())
+        assert model.sharded_state_dict()  # the checkpoint path is untouched
+    # nothing sharded at rest (every parameter under the persistence threshold) or DDP: whole tensors
+    for model in (ZeRO3Model(_net(), backend, persistence_threshold=10**6), DDPModel(_net(), backend)):
+        got = model.state_dict()
+        assert all(torch.equal(got["module." + k], v) for k, v in plain.state_dict().items())
+
+
+def test_sharded_state_dict_is_whole_or_refused() -> None:
+    run_world(2, _state_dict_checks, timeout=60)
+
+
+def _train(backend: CommunicationBackend, strategy: str, compiled: str) -> dict[str, torch.Tensor]:
+    net = _net()
+    if compiled == "module":
+        net = torch.compile(net, backend="aot_eager")  # type: ignore[assignment]
+    if strategy == "ddp":
+        model: Any = DDPModel(net, backend)
+    elif strategy == "zero3":
+        model = ZeRO3Model(net, backend, persistence_threshold=0)
+    else:
+        model = FSDPModel(net, backend, wrap_policy=ModuleClassPolicy((nn.Linear,)))
+    opt = default_optimizer_strategy(strategy)(model, torch.optim.SGD, lr=0.1)
+    run = torch.compile(model, backend="aot_eager") if compiled == "strategy" else model
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + backend.rank)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        nn.functional.mse_loss(run(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k.removeprefix("_orig_mod."): v for k, v in model.full_state_dict().items()}
+
+
+def _compile_checks(backend: CommunicationBackend) -> list[str]:
+    done = []
+    for strategy, compiled in (("ddp", "module"), ("zero3", "module"), ("fsdp", "strategy")):
+        ref, got = _train(backend, strategy, "no"), _train(backend, strategy, compiled)
+        assert got.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-7, msg=f"{strategy} {k}")
+        done.append(f"{strategy}/{compiled}")
+    return done
+
+
+def test_compiled_module_trains_like_eager_under_ddp_zero3_and_fsdp() -> None:
+    pytest.importorskip("torch._dynamo")
+    done = run_world(2, _compile_checks, timeout=240)
+    assert done[0] == ["ddp/module", "zero3/module", "fsdp/strategy"]
