@@ -78,6 +78,7 @@ PAIRINGS: Mapping[str, Pairing] = _table(
     Pairing("zero2", "ZeRO2Model", ("zero2",)),
     Pairing("zero3", "ZeRO3Model", ("zero3",)),
     Pairing("fsdp", "FSDPModel", ("zero3",)),
+    Pairing("tensor", "TensorParallelModel", ("ddp", "zero1")),
 )
 
 

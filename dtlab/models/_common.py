@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import StrategyError
 from dtlab.models.base import ModelStrategy
@@ -230,8 +231,17 @@ class DataParallelModel(ModelStrategy):
 
     def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
         """Gradient tensors for the global norm and whether they are replicated (True) or a partition
-        of the global gradient across ranks (False: sum over ranks)."""
+        of the global gradient across ranks (False: sum over :meth:`grad_norm_group`)."""
         raise NotImplementedError
+
+    def grad_norm_group(self) -> CommunicationBackend:
+        """The ranks whose :meth:`norm_grad_tensors` parts add up to the global norm (the dp group)."""
+        return self.dp_backend
+
+    def placed(self, name: str) -> tuple[Placement, int, int]:
+        """Parameter ``name``'s placement, this rank's coordinate on its axis and the axis size
+        (checkpoints write and read optimizer state through it)."""
+        return Replicate(), 0, 1
 
     # ------------------------------------------------------------------ memory
     def _optimizer_bytes(self) -> int:

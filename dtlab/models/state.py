@@ -7,6 +7,12 @@ slice is elements ``[start, end)`` of the full tensor flattened. Keys are the mo
 and keeps 0-dimensional values (``step``) in ``metadata["scalars"]``. Because every strategy writes
 the same thing, :class:`ShardIndex` rebuilds any range of any tensor from the shards of every saved
 rank, whatever strategy and world size wrote them (DDP <-> ZeRO-1/2/3 <-> FSDP, 4 ranks -> 2).
+
+A parameter sharded on a mesh (:mod:`dtlab.core.placement`) is written as pieces of boxes of the full
+tensor: the entry adds ``"box": {"offsets", "sizes"}`` and ``[start, end)`` is then a flat range of
+that box; ``"key"`` names the tensor when one rank writes several pieces of it (stored as
+``"<key>#<n>"``). :func:`add_placed_slice` and :func:`read_placed` translate a flat range of a rank's
+local shard, so tensor-parallel checkpoints load at another tp size, into DDP or the plain module.
 """
 
 from __future__ import annotations
@@ -16,10 +22,21 @@ from typing import Any
 
 import torch
 
+from dtlab.core.placement import Box, Placement, Replicate, Shard, local_regions
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
 
-__all__ = ["ShardIndex", "add_slice", "add_scalar", "dtype_from_str", "even_range", "new_state"]
+__all__ = [
+    "ShardIndex",
+    "add_placed_slice",
+    "add_scalar",
+    "add_slice",
+    "dtype_from_str",
+    "even_range",
+    "full_shape_of",
+    "new_state",
+    "read_placed",
+]
 
 
 def new_state(strategy: str, world_size: int, rank: int, **extra: Any) -> ShardedState:
@@ -75,6 +92,92 @@ def add_slice(
     }
 
 
+def _add_box_slice(
+    state: ShardedState,
+    key: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    box: Box,
+    start: int,
+    end: int,
+    data: torch.Tensor,
+) -> None:
+    """Record elements ``[start, end)`` of ``box`` of the full tensor ``key`` flattened."""
+    if tuple(box.offsets) == (0,) * len(shape) and tuple(box.sizes) == tuple(int(s) for s in shape):
+        if key not in state.tensors:
+            add_slice(state, key, shape, dtype, start, end, data)
+            return
+    if end <= start:
+        return
+    store, n = key, 0
+    while store in state.tensors:
+        n += 1
+        store = f"{key}#{n}"
+    state.tensors[store] = data.detach().reshape(-1).to(device="cpu", dtype=dtype, copy=True)
+    state.metadata["entries"][store] = {
+        "key": key,
+        "shape": [int(s) for s in shape],
+        "dtype": str(dtype).removeprefix("torch."),
+        "start": int(start),
+        "end": int(end),
+        "box": {"offsets": list(box.offsets), "sizes": list(box.sizes)},
+    }
+
+
+def full_shape_of(local_shape: Sequence[int], placement: Placement, size: int) -> list[int]:
+    """The full tensor's shape from a local shard's shape (``size``: ranks on the placement's axis)."""
+    shape = [int(s) for s in local_shape]
+    if isinstance(placement, Shard):
+        shape[placement.dim] *= size
+    return shape
+
+
+def add_placed_slice(
+    state: ShardedState,
+    key: str,
+    local_shape: Sequence[int],
+    placement: Placement,
+    coord: int,
+    size: int,
+    dtype: torch.dtype,
+    start: int,
+    end: int,
+    data: torch.Tensor,
+) -> None:
+    """Record elements ``[start, end)`` of this rank's local shard of ``key`` (coordinate ``coord`` of
+    ``size`` on the placement's axis) as pieces of the full tensor."""
+    full = full_shape_of(local_shape, placement, size)
+    flat = data.reshape(-1)
+    for box, bs, be, off in local_regions(placement, full, coord, size, start, end):
+        _add_box_slice(state, key, full, dtype, box, bs, be, flat[off - start : off - start + be - bs])
+
+
+def read_placed(
+    index: ShardIndex,
+    key: str,
+    local_shape: Sequence[int],
+    placement: Placement,
+    coord: int,
+    size: int,
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    """Elements ``[start, end)`` of this rank's local shard of ``key``, from whatever the checkpoint holds."""
+    if isinstance(placement, Replicate) or size == 1:
+        return index.read(key, start, end)
+    full = full_shape_of(local_shape, placement, size)
+    if list(index.shape(key)) != full:
+        raise CheckpointError(
+            f"{key!r} has shape {index.shape(key)} in the checkpoint but {full} in the model "
+            f"({placement} over {size} ranks)"
+        )
+    parts = [
+        index.read_box(key, box, bs, be)
+        for box, bs, be, _ in local_regions(placement, full, coord, size, start, end)
+    ]
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+
 def add_scalar(state: ShardedState, key: str, value: torch.Tensor | float | int) -> None:
     """Record a 0-dimensional value (e.g. an optimizer's ``step``) in ``metadata["scalars"]``."""
     if isinstance(value, torch.Tensor):
@@ -98,6 +201,8 @@ class ShardIndex:
         if len(shards) == 0:
             raise CheckpointError("load_sharded_state_dict got an empty list of shards")
         self.pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        self.box_pieces: dict[str, list[tuple[Box, int, int, torch.Tensor]]] = {}
+        self._assembled: dict[str, torch.Tensor] = {}
         self.meta: dict[str, tuple[list[int], str]] = {}
         self.scalars: dict[str, dict[str, Any]] = {}
         self.strategies: set[str] = set()
@@ -114,10 +219,11 @@ class ShardIndex:
                 if key not in ("entries", "scalars", "rank"):
                     self.extra.setdefault(key, value)
             self.scalars.update(md.get("scalars", {}))
-            for key, e in md["entries"].items():
-                if key not in shard.tensors:
-                    raise CheckpointError(f"shard {i} lists entry {key!r} but holds no tensor for it")
-                t = shard.tensors[key].reshape(-1)
+            for store, e in md["entries"].items():
+                if store not in shard.tensors:
+                    raise CheckpointError(f"shard {i} lists entry {store!r} but holds no tensor for it")
+                key = e.get("key", store)
+                t = shard.tensors[store].reshape(-1)
                 if t.numel() != e["end"] - e["start"]:
                     raise CheckpointError(
                         f"shard {i}: {key!r} covers [{e['start']}, {e['end']}) but holds {t.numel()} elements"
@@ -127,7 +233,11 @@ class ShardIndex:
                     raise CheckpointError(
                         f"{key!r} has shape {prev[0]} in one shard and {e['shape']} in another"
                     )
-                self.pieces.setdefault(key, []).append((int(e["start"]), int(e["end"]), t))
+                if "box" in e:
+                    box = Box(tuple(e["box"]["offsets"]), tuple(e["box"]["sizes"]))
+                    self.box_pieces.setdefault(key, []).append((box, int(e["start"]), int(e["end"]), t))
+                else:
+                    self.pieces.setdefault(key, []).append((int(e["start"]), int(e["end"]), t))
 
     def __contains__(self, key: str) -> bool:
         return key in self.meta
@@ -147,9 +257,11 @@ class ShardIndex:
         stop = numel if end is None else end
         if not 0 <= start <= stop <= numel:
             raise CheckpointError(f"range [{start}, {stop}) is outside {key!r} of {numel} elements")
+        if key in self.box_pieces:
+            return self._assemble(key)[start:stop]
         out = torch.empty(stop - start, dtype=dtype_from_str(dtype))
         covered = 0
-        for s, e, t in self.pieces[key]:
+        for s, e, t in self.pieces.get(key, []):
             lo, hi = max(s, start), min(e, stop)
             if lo < hi:
                 out[lo - start : hi - start].copy_(t[lo - s : hi - s])
@@ -163,6 +275,37 @@ class ShardIndex:
 
     def full(self, key: str) -> torch.Tensor:
         return self.read(key).reshape(self.shape(key))
+
+    def read_box(self, key: str, box: Box, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of ``box`` of the full tensor ``key`` flattened."""
+        return self.full(key)[box.slices()].reshape(-1)[start:end]
+
+    def _assemble(self, key: str) -> torch.Tensor:
+        """The whole flat tensor from flat slices and box pieces (kept for the next read)."""
+        if key in self._assembled:
+            return self._assembled[key]
+        shape, dtype = self._require(key)
+        numel = 1
+        for s in shape:
+            numel *= s
+        out = torch.empty(numel, dtype=dtype_from_str(dtype))
+        seen = torch.zeros(numel, dtype=torch.bool)
+        for s, e, t in self.pieces.get(key, []):
+            out[s:e] = t
+            seen[s:e] = True
+        where = torch.arange(numel).view(shape) if shape else torch.arange(numel)
+        for box, s, e, t in self.box_pieces[key]:
+            idx = where[box.slices()].reshape(-1)[s:e]
+            out[idx] = t
+            seen[idx] = True
+        covered = int(seen.sum())
+        if covered < numel:
+            raise CheckpointError(
+                f"the checkpoint's shards cover only {covered} of the {numel} elements of {key!r}; "
+                "pass the shards of every saved rank"
+            )
+        self._assembled[key] = out
+        return out
 
     def _require(self, key: str) -> tuple[list[int], str]:
         if key not in self.meta:

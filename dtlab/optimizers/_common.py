@@ -16,7 +16,14 @@ from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models._common import DataParallelModel
 from dtlab.models.base import ModelStrategy
-from dtlab.models.state import ShardIndex, add_scalar, add_slice, dtype_from_str, new_state
+from dtlab.models.state import (
+    ShardIndex,
+    add_placed_slice,
+    add_scalar,
+    dtype_from_str,
+    new_state,
+    read_placed,
+)
 from dtlab.optimizers.base import OptimizerStrategy
 
 __all__ = ["DataParallelOptimizer", "Piece"]
@@ -109,7 +116,7 @@ class DataParallelOptimizer(OptimizerStrategy):
             local = max((t.detach().abs().max().double() for t in tensors if t.numel()), default=None)
             total = torch.zeros(1, dtype=torch.float64, device=device) if local is None else local.reshape(1)
             if not replicated:
-                model.dp_backend.all_reduce(total, ReduceOp.MAX)
+                model.grad_norm_group().all_reduce(total, ReduceOp.MAX)
             norm = total[0]
         else:
             acc = torch.zeros(1, dtype=torch.float64, device=device)
@@ -117,7 +124,7 @@ class DataParallelOptimizer(OptimizerStrategy):
                 if t.numel():
                     acc += t.detach().double().abs().pow(norm_type).sum()
             if not replicated:
-                model.dp_backend.all_reduce(acc, ReduceOp.SUM)
+                model.grad_norm_group().all_reduce(acc, ReduceOp.SUM)
             norm = acc[0].pow(1.0 / norm_type)
         coef = float(max_norm) / (float(norm) + 1e-6)
         if coef < 1.0:
@@ -146,10 +153,11 @@ class DataParallelOptimizer(OptimizerStrategy):
                         )
                     flat = v.reshape(-1)
                     for pc in pieces:
-                        add_slice(
+                        add_placed_slice(
                             state,
                             f"{pc.name}.{sk}",
                             pc.shape,
+                            *self.dp_model.placed(pc.name),
                             v.dtype,
                             pc.start,
                             pc.end,
@@ -172,8 +180,13 @@ class DataParallelOptimizer(OptimizerStrategy):
                 if tensor_keys and all(k in index for k in tensor_keys):
                     buf = torch.zeros(t.numel(), dtype=dtype_from_str(index.meta[tensor_keys[0]][1]))
                     for pc in pieces:
-                        buf[pc.offset : pc.offset + pc.end - pc.start] = index.read(
-                            f"{pc.name}.{sk}", pc.start, pc.end
+                        buf[pc.offset : pc.offset + pc.end - pc.start] = read_placed(
+                            index,
+                            f"{pc.name}.{sk}",
+                            pc.shape,
+                            *self.dp_model.placed(pc.name),
+                            pc.start,
+                            pc.end,
                         )
                     st[sk] = buf.reshape(t.shape).to(t.device)
                     continue

@@ -1,0 +1,369 @@
+"""Tensor-parallel layers (Megatron-LM's): column- and row-parallel linear layers, a vocabulary-parallel
+embedding and the vocabulary-parallel cross-entropy. Each holds only this rank's shard; the
+communication is in :mod:`dtlab.models._tensor_comm`.
+
+Each layer is built from the plain layer it replaces (``from_linear`` / ``from_embedding``), keeps its
+parameter names (``weight``, ``bias``) so ``state_dict()`` keys do not change, and records every
+parameter's placement (:mod:`dtlab.core.placement`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.core.placement import Replicate, Shard, set_placement
+from dtlab.errors import StrategyError
+from dtlab.models._tensor_comm import (
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_seq,
+    scatter_to_tp,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+]
+
+AXIS = "tp"
+
+
+def _divisible(n: int, p: int, what: str, hint: str) -> None:
+    if n % p:
+        raise StrategyError(f"{what} is {n}, not divisible by tp={p}; {hint}")
+
+
+def _init_uniform(t: torch.Tensor, fan_in: int) -> None:
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        t.uniform_(-bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with the output features split over tp: this rank holds ``out/tp`` rows of A.
+
+    Args:
+        in_features, out_features: the full layer's sizes (``out_features`` divisible by tp x sections).
+        group: the tensor-parallel group.
+        bias: whether the layer has a bias (split like the output features).
+        gather_output: all-gather the output features (a whole ``y`` on every rank); ``False`` leaves
+            ``y`` split along its last dim for a following row-parallel layer.
+        sequence_parallel: the input is this rank's chunk of the sequence (dim -2): all-gather it
+            first (backward: reduce-scatter) instead of the identity/all-reduce pair.
+        sections: the output features are that many fused, equal sections (a qkv projection: 3),
+            each split over tp, so rank r holds part r of every section.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: CommunicationBackend,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        sections: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        p = group.world_size
+        _divisible(
+            out_features,
+            p * sections,
+            f"ColumnParallelLinear: out_features ({sections} section(s) x tp)",
+            f"choose a tp that divides {out_features // max(sections, 1)}",
+        )
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.sections = sections
+        self.placement = Shard(AXIS, 0, sections)
+        self.weight = nn.Parameter(torch.empty(out_features // p, in_features, device=device, dtype=dtype))
+        _init_uniform(self.weight, in_features)
+        set_placement(self.weight, self.placement)
+        if bias:
+            self.bias: nn.Parameter | None = nn.Parameter(
+                torch.empty(out_features // p, device=device, dtype=dtype)
+            )
+            _init_uniform(self.bias, in_features)
+            set_placement(self.bias, self.placement)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: CommunicationBackend, **kwargs: Any
+    ) -> ColumnParallelLinear:
+        """This rank's shard of ``linear`` (its values, its device and dtype)."""
+        w = linear.weight
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            group,
+            bias=linear.bias is not None,
+            device=w.device,
+            dtype=w.dtype,
+            **kwargs,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
+            if linear.bias is not None and layer.bias is not None:
+                layer.bias.copy_(
+                    layer.placement.local_shard(linear.bias.detach(), group.rank, group.world_size)
+                )
+        layer.weight.requires_grad_(w.requires_grad)
+        if layer.bias is not None and linear.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} (local "
+            f"{self.weight.shape[0]}), tp={self.group.world_size}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with the input features split over tp: this rank holds ``in/tp`` columns of A.
+
+    Args:
+        in_features, out_features: the full layer's sizes (``in_features`` divisible by tp).
+        group: the tensor-parallel group.
+        bias: whether the layer has a bias (replicated; added after the reduction).
+        input_is_parallel: the input already arrives split along its last dim (from a
+            column-parallel layer); ``False`` splits a whole input first.
+        sequence_parallel: reduce-scatter the output along the sequence (dim -2) instead of
+            all-reducing it; the bias gradient is then a partial sum that the model all-reduces.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: CommunicationBackend,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        p = group.world_size
+        _divisible(
+            in_features, p, "RowParallelLinear: in_features", f"choose a tp that divides {in_features}"
+        )
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.input_is_parallel, self.sequence_parallel = (
+            group,
+            input_is_parallel,
+            sequence_parallel,
+        )
+        self.placement = Shard(AXIS, 1)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // p, device=device, dtype=dtype))
+        _init_uniform(self.weight, in_features)
+        set_placement(self.weight, self.placement)
+        if bias:
+            self.bias: nn.Parameter | None = nn.Parameter(
+                torch.empty(out_features, device=device, dtype=dtype)
+            )
+            _init_uniform(self.bias, in_features)
+            set_placement(self.bias, Replicate())
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: CommunicationBackend, **kwargs: Any) -> RowParallelLinear:
+        w = linear.weight
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            group,
+            bias=linear.bias is not None,
+            device=w.device,
+            dtype=w.dtype,
+            **kwargs,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
+            if linear.bias is not None and layer.bias is not None:
+                layer.bias.copy_(linear.bias.detach())
+        layer.weight.requires_grad_(w.requires_grad)
+        if layer.bias is not None and linear.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.group)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features="
+            f"{self.out_features}, tp={self.group.world_size}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by rows (the vocabulary) over tp: rank r holds ids ``[r*V/tp, (r+1)*V/tp)``.
+
+    Each rank looks up the ids it holds (zeros for the others) and the partial rows are summed over tp
+    (all-reduce), or reduce-scattered along the sequence with ``sequence_parallel``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        group: CommunicationBackend,
+        *,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        p = group.world_size
+        _divisible(
+            num_embeddings,
+            p,
+            "VocabParallelEmbedding: the vocabulary (num_embeddings)",
+            f"pad the vocabulary to a multiple of {p} or choose a tp that divides {num_embeddings}",
+        )
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.per_rank = num_embeddings // p
+        self.vocab_start = group.rank * self.per_rank
+        self.placement = Shard(AXIS, 0)
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype))
+        with torch.no_grad():
+            nn.init.normal_(self.weight)
+        set_placement(self.weight, self.placement)
+
+    @classmethod
+    def from_embedding(
+        cls, emb: nn.Embedding, group: CommunicationBackend, **kwargs: Any
+    ) -> VocabParallelEmbedding:
+        unsupported = {
+            "padding_idx": emb.padding_idx,
+            "max_norm": emb.max_norm,
+            "scale_grad_by_freq": emb.scale_grad_by_freq or None,
+            "sparse": emb.sparse or None,
+        }
+        bad = {k: v for k, v in unsupported.items() if v is not None}
+        if bad:
+            raise StrategyError(
+                f"VocabParallelEmbedding does not support nn.Embedding options {bad}; build the embedding "
+                "without them to split it over tp"
+            )
+        w = emb.weight
+        layer = cls(emb.num_embeddings, emb.embedding_dim, group, device=w.device, dtype=w.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
+        layer.weight.requires_grad_(w.requires_grad)
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return (
+            reduce_scatter_to_seq(out, self.group)
+            if self.sequence_parallel
+            else reduce_from_tp(out, self.group)
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, ids [{self.vocab_start}, "
+            f"{self.vocab_start + self.per_rank}) on this rank, tp={self.group.world_size}"
+        )
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward: three all-reduces of one scalar per position (max, target logit, sum of exp);
+    backward: none (softmax minus the one-hot of the target, on this rank's classes)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: CommunicationBackend, ignore_index: int
+    ) -> torch.Tensor:
+        per_rank = logits.shape[-1]
+        start = group.rank * per_rank
+        x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()  # bf16/fp16: in fp32
+        m = x.max(dim=-1).values
+        group.all_reduce(m, ReduceOp.MAX)
+        shifted = x - m.unsqueeze(-1)
+        local = targets - start
+        mine = (local >= 0) & (local < per_rank)
+        idx = local.masked_fill(~mine, 0)
+        picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0).contiguous()
+        group.all_reduce(picked, ReduceOp.SUM)
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        group.all_reduce(sum_exp, ReduceOp.SUM)
+        valid = targets != ignore_index
+        loss = (sum_exp.log() - picked).masked_fill(~valid, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), idx, mine & valid, valid, count)
+        ctx.in_dtype = logits.dtype
+        return loss.sum() / count.clamp(min=1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, idx, mine, valid, count = ctx.saved_tensors
+        grad = softmax.clone()  # the saved softmax stays intact for a retained graph
+        rows = grad.view(-1, grad.shape[-1])
+        flat = torch.arange(rows.shape[0], device=grad.device)
+        rows[flat, idx.reshape(-1)] -= mine.reshape(-1).to(grad.dtype)
+        grad.mul_(valid.unsqueeze(-1).to(grad.dtype))
+        grad.mul_(g / count.clamp(min=1))
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, group: CommunicationBackend, *, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean cross entropy of logits split over ``group`` along the class dim (the last), equal to
+    ``F.cross_entropy(full_logits.reshape(-1, V), targets.reshape(-1))``.
+
+    ``logits``: ``(..., V/tp)``, this rank's classes ``[rank*V/tp, (rank+1)*V/tp)``; ``targets``:
+    ``(...)`` class ids in ``[0, V)`` (``ignore_index`` positions are left out of the mean). Costs three
+    all-reduces of one value per position, never the ``(..., V)`` logits.
+    """
+    if targets.shape != logits.shape[:-1]:
+        raise StrategyError(
+            f"vocab_parallel_cross_entropy: targets of shape {tuple(targets.shape)} do not match logits of "
+            f"shape {tuple(logits.shape)} (expected targets of shape {tuple(logits.shape[:-1])})"
+        )
+    vocab = logits.shape[-1] * group.world_size
+    valid = targets[targets != ignore_index]
+    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
+        raise StrategyError(
+            f"vocab_parallel_cross_entropy: target ids span [{int(valid.min())}, {int(valid.max())}] but the "
+            f"vocabulary is {vocab} ({logits.shape[-1]} classes x tp={group.world_size})"
+        )
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index)

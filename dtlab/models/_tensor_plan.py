@@ -1,0 +1,326 @@
+"""Tensor-parallel plans: which submodule becomes which parallel layer.
+
+A plan maps fully qualified module names (``fnmatch`` patterns: ``"blocks.*.mlp.0"``) to a style, a
+string or a style object:
+
+==============  =============================  ===============================================
+string          object                         what it does to the matched module
+==============  =============================  ===============================================
+``"colwise"``   ``ColwiseParallel(...)``       ``nn.Linear`` -> ``ColumnParallelLinear``
+``"rowwise"``   ``RowwiseParallel(...)``       ``nn.Linear`` -> ``RowParallelLinear``
+``"vocab"``     ``VocabParallel(...)``         ``nn.Embedding`` -> ``VocabParallelEmbedding``
+``"heads"``     ``HeadsParallel(...)``         an attention module: its qkv projection split per
+                                               head (q, k and v of the same heads on one rank),
+                                               its output projection row-parallel, its head
+                                               count set to the local count
+``"sequence"``  ``SequenceParallel(...)``      a module in the sequence-parallel region (a norm):
+                                               its replicated parameters' gradients are partial
+                                               sums over tp, all-reduced after backward;
+                                               ``split_output=True`` (position embeddings): its
+                                               output keeps this rank's chunk of the sequence
+==============  =============================  ===============================================
+
+:func:`resolve_plan` checks everything (every pattern matches, types, divisibility by tp) before any
+communication; :func:`apply_plan` then swaps the modules in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models._tensor_comm import scatter_to_sequence
+from dtlab.models._tensor_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+__all__ = [
+    "ColwiseParallel",
+    "HeadsParallel",
+    "Plan",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "Style",
+    "VocabParallel",
+    "apply_plan",
+    "resolve_plan",
+    "transformer_plan",
+]
+
+
+@dataclass(frozen=True)
+class ColwiseParallel:
+    """Output features split over tp (``sections``: fused equal parts, each split)."""
+
+    gather_output: bool = False
+    sequence_parallel: bool = False
+    sections: int = 1
+
+
+@dataclass(frozen=True)
+class RowwiseParallel:
+    """Input features split over tp; the output summed (or reduce-scattered along the sequence)."""
+
+    input_is_parallel: bool = True
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """Embedding rows (the vocabulary) split over tp."""
+
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class HeadsParallel:
+    """An attention module with a fused projection laid out ``(sections, heads, head_dim)``.
+
+    ``qkv``: the name(s) of its input projection(s) (one fused ``nn.Linear`` with ``sections=3``, or
+    three with ``sections=1``); ``out``: its output projection; ``heads``: the attribute holding the
+    head count, set to ``heads // tp`` (the forward must read it, or infer heads with ``-1``).
+    """
+
+    qkv: tuple[str, ...] = ("qkv",)
+    out: str = "proj"
+    heads: str = "n_heads"
+    sections: int = 3
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """A module of the sequence-parallel region (norms, dropout, position embeddings)."""
+
+    split_output: bool = False
+
+
+M = TypeVar("M", bound=nn.Module)
+
+Style = ColwiseParallel | RowwiseParallel | VocabParallel | HeadsParallel | SequenceParallel
+Plan = Mapping[str, "Style | str"]
+
+_ALIASES: dict[str, Style] = {
+    "colwise": ColwiseParallel(),
+    "rowwise": RowwiseParallel(),
+    "vocab": VocabParallel(),
+    "heads": HeadsParallel(),
+    "sequence": SequenceParallel(),
+}
+
+
+def transformer_plan(sequence_parallel: bool = False) -> dict[str, Style]:
+    """The plan for dtlab's built-in ``TransformerLM``: attention heads and MLP split, the token embedding
+    vocabulary-parallel, the head column-parallel (vocabulary-split logits for
+    ``vocab_parallel_cross_entropy``, never gathered), optionally sequence parallel."""
+    sp = bool(sequence_parallel)
+    plan: dict[str, Style] = {
+        "tok": VocabParallel(sequence_parallel=sp),
+        "blocks.*.attn": HeadsParallel(sequence_parallel=sp),
+        "blocks.*.mlp.0": ColwiseParallel(sequence_parallel=sp),
+        "blocks.*.mlp.2": RowwiseParallel(sequence_parallel=sp),
+        "head": ColwiseParallel(sequence_parallel=sp),
+    }
+    if sp:
+        plan["pos"] = SequenceParallel(split_output=True)
+        for norm in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
+            plan[norm] = SequenceParallel()
+    return plan
+
+
+def _style(value: Style | str, pattern: str) -> Style:
+    if isinstance(value, str):
+        if value not in _ALIASES:
+            raise StrategyError(
+                f"tensor-parallel plan entry {pattern!r}: unknown style {value!r}; use one of "
+                f"{sorted(_ALIASES)} or a style object (ColwiseParallel(...), ...)"
+            )
+        return _ALIASES[value]
+    if not isinstance(
+        value, ColwiseParallel | RowwiseParallel | VocabParallel | HeadsParallel | SequenceParallel
+    ):
+        raise StrategyError(
+            f"tensor-parallel plan entry {pattern!r}: a style is a string {sorted(_ALIASES)} or a style "
+            f"object, got {value!r}"
+        )
+    return value
+
+
+def _need(module: nn.Module, kind: type[M], name: str, style: Style) -> M:
+    if not isinstance(module, kind):
+        raise StrategyError(
+            f"tensor-parallel plan: {type(style).__name__} applies to a {kind.__name__}, but module "
+            f"{name!r} is a {type(module).__name__}; fix the pattern that matched it"
+        )
+    return module
+
+
+def _check_split(name: str, what: str, size: int, tp: int, hint: str = "") -> None:
+    if size % tp:
+        raise StrategyError(
+            f"tensor-parallel plan: module {name!r}: {what} is {size}, not divisible by tp={tp}; "
+            f"{hint or f'choose a tp that divides {size}'}"
+        )
+
+
+def _check_one(name: str, module: nn.Module, style: Style, tp: int) -> None:
+    if isinstance(style, ColwiseParallel):
+        lin = _need(module, nn.Linear, name, style)
+        if lin.out_features % style.sections:
+            raise StrategyError(
+                f"tensor-parallel plan: module {name!r}: out_features {lin.out_features} is not "
+                f"{style.sections} equal sections"
+            )
+        _check_split(
+            name, f"out_features / {style.sections} sections", lin.out_features // style.sections, tp
+        )
+    elif isinstance(style, RowwiseParallel):
+        lin = _need(module, nn.Linear, name, style)
+        _check_split(name, "in_features", lin.in_features, tp)
+    elif isinstance(style, VocabParallel):
+        emb = _need(module, nn.Embedding, name, style)
+        _check_split(
+            name,
+            "the vocabulary (num_embeddings)",
+            emb.num_embeddings,
+            tp,
+            f"pad the vocabulary to a multiple of {tp} or choose a tp that divides {emb.num_embeddings}",
+        )
+    elif isinstance(style, HeadsParallel):
+        heads = getattr(module, style.heads, None)
+        if not isinstance(heads, int):
+            raise StrategyError(
+                f"tensor-parallel plan: HeadsParallel needs module {name!r} to hold its head count in "
+                f"an int attribute {style.heads!r} (got {heads!r}); set HeadsParallel(heads=...)"
+            )
+        _check_split(name, "the number of attention heads", heads, tp)
+        for child in (*style.qkv, style.out):
+            if not isinstance(getattr(module, child, None), nn.Linear):
+                raise StrategyError(
+                    f"tensor-parallel plan: HeadsParallel needs {name}.{child} to be an nn.Linear (got "
+                    f"{type(getattr(module, child, None)).__name__}); set HeadsParallel(qkv=..., out=...)"
+                )
+        for child in style.qkv:
+            lin = getattr(module, child)
+            if lin.out_features % (style.sections * heads):
+                raise StrategyError(
+                    f"tensor-parallel plan: {name}.{child} has {lin.out_features} output features, not "
+                    f"{style.sections} sections x {heads} heads; set HeadsParallel(sections=...)"
+                )
+        _check_split(f"{name}.{style.out}", "in_features", getattr(module, style.out).in_features, tp)
+
+
+def resolve_plan(module: nn.Module, plan: Plan, tp: int) -> list[tuple[str, nn.Module, Style]]:
+    """``(name, module, style)`` for every module the plan matches; every check, no communication."""
+    if not isinstance(plan, Mapping) or not plan:
+        raise StrategyError(
+            "TensorParallelModel needs a plan {'fqn-pattern': style} with at least one entry, got "
+            f"{plan!r}; e.g. transformer_plan() for dtlab's TransformerLM"
+        )
+    named = list(module.named_modules())
+    found: dict[str, tuple[nn.Module, Style, str]] = {}
+    for pattern, value in plan.items():
+        style = _style(value, pattern)
+        hits = [(n, m) for n, m in named if n and fnmatchcase(n, pattern)]
+        if not hits:
+            sample = [n for n, _ in named if n][:8]
+            raise StrategyError(
+                f"tensor-parallel plan: pattern {pattern!r} matches no module of {type(module).__name__} "
+                f"(its modules include {sample}); patterns are fnmatch patterns over module names"
+            )
+        for n, m in hits:
+            if n in found:
+                raise StrategyError(
+                    f"tensor-parallel plan: module {n!r} is matched by both {found[n][2]!r} and {pattern!r}"
+                )
+            _check_one(n, m, style, tp)
+            found[n] = (m, style, pattern)
+    names = list(found)
+    for n in names:  # a swapped module may not contain another planned module
+        inner = [o for o in names if o != n and o.startswith(n + ".")]
+        if inner and not isinstance(found[n][1], SequenceParallel):
+            raise StrategyError(
+                f"tensor-parallel plan: {n!r} is swapped as a whole but the plan also names modules inside "
+                f"it: {inner}"
+            )
+    return [(n, m, s) for n, (m, s, _) in found.items()]
+
+
+def _set_child(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def _split_output_hook(group: CommunicationBackend) -> Any:
+    def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return scatter_to_sequence(output, group)
+
+    return hook
+
+
+def apply_plan(
+    root: nn.Module, resolved: list[tuple[str, nn.Module, Style]], group: CommunicationBackend
+) -> list[nn.Parameter]:
+    """Swap the planned modules of ``root`` in place for their parallel versions (this rank's shards).
+    Returns the replicated parameters whose gradients are partial sums over tp (sequence parallel)."""
+    partial: list[nn.Parameter] = []
+    for name, module, style in resolved:
+        if isinstance(style, ColwiseParallel):
+            _set_child(
+                root,
+                name,
+                ColumnParallelLinear.from_linear(
+                    module,  # type: ignore[arg-type]
+                    group,
+                    gather_output=style.gather_output,
+                    sequence_parallel=style.sequence_parallel,
+                    sections=style.sections,
+                ),
+            )
+        elif isinstance(style, RowwiseParallel):
+            row = RowParallelLinear.from_linear(
+                module,  # type: ignore[arg-type]
+                group,
+                input_is_parallel=style.input_is_parallel,
+                sequence_parallel=style.sequence_parallel,
+            )
+            if style.sequence_parallel and row.bias is not None:
+                partial.append(row.bias)
+            _set_child(root, name, row)
+        elif isinstance(style, VocabParallel):
+            _set_child(
+                root,
+                name,
+                VocabParallelEmbedding.from_embedding(
+                    module,  # type: ignore[arg-type]
+                    group,
+                    sequence_parallel=style.sequence_parallel,
+                ),
+            )
+        elif isinstance(style, HeadsParallel):
+            for child in style.qkv:
+                col = ColumnParallelLinear.from_linear(
+                    getattr(module, child),
+                    group,
+                    sections=style.sections,
+                    sequence_parallel=style.sequence_parallel,
+                )
+                setattr(module, child, col)
+            row = RowParallelLinear.from_linear(
+                getattr(module, style.out), group, sequence_parallel=style.sequence_parallel
+            )
+            if style.sequence_parallel and row.bias is not None:
+                partial.append(row.bias)
+            setattr(module, style.out, row)
+            setattr(module, style.heads, getattr(module, style.heads) // group.world_size)
+        elif style.split_output:
+            module.register_forward_hook(_split_output_hook(group))
+        else:
+            partial.extend(p for p in module.parameters(recurse=True) if p.requires_grad)
+    return partial
