@@ -1,4 +1,4 @@
-"""Model strategies: DDP, ZeRO-1/2/3, FSDP (and later pipeline, tensor, hybrid)."""
+"""Model strategies: DDP, ZeRO-1/2/3, FSDP, tensor parallelism (and later pipeline, hybrid)."""
 
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.state import ShardedState
@@ -8,25 +8,49 @@ from dtlab.models.ddp import DDPModel
 from dtlab.models.fsdp import FSDPModel, ModuleClassPolicy, SizePolicy, WrapPolicy
 from dtlab.models.registry import MODEL_STRATEGIES, get_model_strategy
 from dtlab.models.state import ShardIndex
+from dtlab.models.tensor import (
+    ColumnParallelLinear,
+    ColwiseParallel,
+    HeadsParallel,
+    RowParallelLinear,
+    RowwiseParallel,
+    SequenceParallel,
+    TensorParallelModel,
+    VocabParallel,
+    VocabParallelEmbedding,
+    transformer_plan,
+    vocab_parallel_cross_entropy,
+)
 from dtlab.models.zero1 import ZeRO1Model
 from dtlab.models.zero2 import ZeRO2Model
 from dtlab.models.zero3 import ZeRO3Model
 
 __all__ = [
+    "ColumnParallelLinear",
+    "ColwiseParallel",
     "DDPModel",
     "DataParallelModel",
     "DenseReducer",
     "FSDPModel",
     "GradientReducer",
+    "HeadsParallel",
     "MODEL_STRATEGIES",
     "ModelStrategy",
     "ModuleClassPolicy",
+    "RowParallelLinear",
+    "RowwiseParallel",
+    "SequenceParallel",
     "ShardIndex",
     "ShardedState",
     "SizePolicy",
+    "TensorParallelModel",
+    "VocabParallel",
+    "VocabParallelEmbedding",
     "WrapPolicy",
     "ZeRO1Model",
     "ZeRO2Model",
     "ZeRO3Model",
     "get_model_strategy",
+    "transformer_plan",
+    "vocab_parallel_cross_entropy",
 ]

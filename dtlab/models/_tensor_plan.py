@@ -1,7 +1,7 @@
 """Tensor-parallel plans: which submodule becomes which parallel layer.
 
-A plan maps fully qualified module names (``fnmatch`` patterns: ``"blocks.*.mlp.0"``) to a style, a
-string or a style object:
+A plan maps fully qualified module names (``fnmatch`` patterns per dotted part, as torch's
+``parallelize_module``: ``"blocks.*.mlp.0"``) to a style, a string or a style object:
 
 ==============  =============================  ===============================================
 string          object                         what it does to the matched module
@@ -215,6 +215,13 @@ def _check_one(name: str, module: nn.Module, style: Style, tp: int) -> None:
         _check_split(f"{name}.{style.out}", "in_features", getattr(module, style.out).in_features, tp)
 
 
+def _matches(name: str, pattern: str) -> bool:
+    """``fnmatch`` per dotted part, as torch's ``parallelize_module``: ``blocks.*`` is ``blocks.0``,
+    never ``blocks.0.mlp``."""
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatchcase(a, b) for a, b in zip(parts, pats, strict=True))
+
+
 def resolve_plan(module: nn.Module, plan: Plan, tp: int) -> list[tuple[str, nn.Module, Style]]:
     """``(name, module, style)`` for every module the plan matches; every check, no communication."""
     if not isinstance(plan, Mapping) or not plan:
@@ -226,12 +233,12 @@ def resolve_plan(module: nn.Module, plan: Plan, tp: int) -> list[tuple[str, nn.M
     found: dict[str, tuple[nn.Module, Style, str]] = {}
     for pattern, value in plan.items():
         style = _style(value, pattern)
-        hits = [(n, m) for n, m in named if n and fnmatchcase(n, pattern)]
+        hits = [(n, m) for n, m in named if n and _matches(n, pattern)]
         if not hits:
             sample = [n for n, _ in named if n][:8]
             raise StrategyError(
                 f"tensor-parallel plan: pattern {pattern!r} matches no module of {type(module).__name__} "
-                f"(its modules include {sample}); patterns are fnmatch patterns over module names"
+                f"(its modules include {sample}); a pattern is matched part by part (fnmatch between the dots)"
             )
         for n, m in hits:
             if n in found:

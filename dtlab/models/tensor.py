@@ -26,16 +26,46 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 from dtlab.core.placement import Placement, Replicate, Shard, counts_in_norm, placement_of
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
-from dtlab.models._tensor_layers import vocab_parallel_cross_entropy
-from dtlab.models._tensor_plan import Plan, apply_plan, resolve_plan
+from dtlab.models._tensor_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from dtlab.models._tensor_plan import (
+    ColwiseParallel,
+    HeadsParallel,
+    Plan,
+    RowwiseParallel,
+    SequenceParallel,
+    Style,
+    VocabParallel,
+    apply_plan,
+    resolve_plan,
+    transformer_plan,
+)
 from dtlab.models.state import ShardIndex, add_placed_slice, add_slice, even_range, new_state, read_placed
 from dtlab.models.zero1 import GradientSync, ZeRO1Model
 
-__all__ = ["TensorParallelModel"]
+__all__ = [
+    "ColumnParallelLinear",
+    "ColwiseParallel",
+    "HeadsParallel",
+    "Plan",
+    "RowParallelLinear",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "Style",
+    "TensorParallelModel",
+    "VocabParallel",
+    "VocabParallelEmbedding",
+    "transformer_plan",
+    "vocab_parallel_cross_entropy",
+]
 
 _AXES = ("dp", "tp")
 
@@ -87,7 +117,7 @@ class TensorParallelModel(ZeRO1Model):
         module: the plain model; every rank builds it with the same structure (values come from rank 0).
         mesh: a :class:`~dtlab.backends.Mesh` with a ``tp`` axis and optionally a ``dp`` axis.
         plan: ``{"fqn-pattern": style}``; see :mod:`dtlab.models._tensor_plan` and
-            :func:`~dtlab.models.tensor_plan.transformer_plan`. Checked before any communication.
+            :func:`transformer_plan`. Checked before any communication.
         gradient_sync: how gradients are averaged over dp; ``None`` (default) lets the optimizer choose
             (``DDPOptimizer``: all-reduce; ``ZeRO1Optimizer``: reduce-scatter of each rank's shard).
         bucket_cap_mb, reduce_dtype, find_unused_parameters, broadcast_buffers: as for DDPModel.
@@ -146,6 +176,18 @@ class TensorParallelModel(ZeRO1Model):
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+    def _launch(self, i: int) -> tuple[Work, Any]:
+        if self.backend.world_size == 1:  # no dp axis: the local gradient is already the average
+            return CompletedWork(), None
+        return super()._launch(i)
+
+    def _complete(self, i: int, extra: Any) -> None:
+        if self.backend.world_size == 1:
+            if self.gradient_sync == "reduce_scatter":
+                self._grad_state = "averaged"
+            return
+        super()._complete(i, extra)
 
     # ------------------------------------------------------------------ optimizer protocol
     def attach_optimizer(self, optimizer: Any) -> None:

@@ -1,0 +1,144 @@
+"""Each tensor-parallel layer against the plain layer it replaces: output, input gradient and this rank's
+shard of the weight gradient (Megatron's and picotron's layer tests), the vocabulary-parallel
+cross-entropy against ``F.cross_entropy``, and the sequence-parallel collectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.core.placement import Replicate, Shard, placement_of
+from dtlab.errors import RankFailedError, StrategyError
+from dtlab.models import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from dtlab.models._tensor_comm import gather_from_sequence, reduce_scatter_to_seq
+from dtlab.testing import run_world
+
+
+def _filled(module: nn.Module, seed: int) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return module
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def layers_world(backend: CommunicationBackend, sequence_parallel: bool) -> dict[str, float]:
+    p, r = backend.world_size, backend.rank
+    fc1, fc2 = _filled(nn.Linear(8, 24), 0), _filled(nn.Linear(24, 8), 1)
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    ref = fc2(F.gelu(fc1(x)))
+    ref.square().sum().backward()
+    col = ColumnParallelLinear.from_linear(fc1, backend, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear.from_linear(fc2, backend, sequence_parallel=sequence_parallel)
+    xin = x.detach().chunk(p, 1)[r] if sequence_parallel else x.detach()
+    xin = xin.clone().requires_grad_()
+    out = row(F.gelu(col(xin)))
+    out.square().sum().backward()
+    want_out = ref.chunk(p, 1)[r] if sequence_parallel else ref
+    want_gx = x.grad.chunk(p, 1)[r] if sequence_parallel else x.grad  # type: ignore[union-attr]
+    bias_grad = row.bias.grad  # type: ignore[union-attr]
+    if sequence_parallel:  # the model all-reduces these partial sums after backward
+        backend.all_reduce(bias_grad)  # type: ignore[arg-type]
+    errs = {
+        "output": _err(out, want_out.detach()),
+        "input grad": _err(xin.grad, want_gx),  # type: ignore[arg-type]
+        "col weight grad": _err(col.weight.grad, fc1.weight.grad.chunk(p, 0)[r]),  # type: ignore[arg-type, union-attr]
+        "col bias grad": _err(col.bias.grad, fc1.bias.grad.chunk(p, 0)[r]),  # type: ignore[arg-type, union-attr]
+        "row weight grad": _err(row.weight.grad, fc2.weight.grad.chunk(p, 1)[r]),  # type: ignore[arg-type, union-attr]
+        "row bias grad": _err(bias_grad, fc2.bias.grad),  # type: ignore[arg-type]
+    }
+    # gather_output and a whole input into the row-parallel layer
+    col_g = ColumnParallelLinear.from_linear(fc1, backend, gather_output=True)
+    row_w = RowParallelLinear.from_linear(fc2, backend, input_is_parallel=False)
+    errs["gathered"] = _err(row_w(F.gelu(col_g(x.detach()))), ref.detach())
+    # fused qkv: rank r holds part r of each of the three sections
+    qkv = _filled(nn.Linear(8, 24), 3)
+    fused = ColumnParallelLinear.from_linear(qkv, backend, sections=3)
+    want = qkv(x.detach()).view(2, 4, 3, p, -1)[:, :, :, r].reshape(2, 4, -1)
+    errs["fused sections"] = _err(fused(x.detach()), want)
+    assert placement_of(col.weight) == Shard("tp", 0) and placement_of(row.weight) == Shard("tp", 1)
+    assert placement_of(row.bias) == Replicate() and placement_of(fused.weight) == Shard("tp", 0, 3)  # type: ignore[arg-type]
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_linear_layers_match_nn_linear(world: int, sequence_parallel: bool) -> None:
+    for rank, errs in enumerate(run_world(world, layers_world, sequence_parallel)):
+        bad = {k: v for k, v in errs.items() if v > 1e-5}
+        assert not bad, f"tp={world} sp={sequence_parallel} rank {rank}: {bad}"
+
+
+def embedding_and_loss_world(backend: CommunicationBackend) -> dict[str, float]:
+    p, r = backend.world_size, backend.rank
+    gen = torch.Generator().manual_seed(5)
+    emb = _filled(nn.Embedding(16, 6), 4)
+    ids = torch.randint(0, 16, (3, 4), generator=gen)
+    ref = emb(ids)
+    ref.square().sum().backward()
+    par = VocabParallelEmbedding.from_embedding(emb, backend)
+    out = par(ids)
+    out.square().sum().backward()
+    logits = torch.randn(3, 4, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 16, (3, 4), generator=gen)
+    targets[0, 1] = -100
+    want = F.cross_entropy(logits.reshape(-1, 16), targets.reshape(-1))
+    want.backward()
+    mine = logits.detach().chunk(p, -1)[r].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, targets, backend)
+    loss.backward()
+    return {
+        "embedding": _err(out, ref.detach()),
+        "embedding grad": _err(par.weight.grad, emb.weight.grad.chunk(p, 0)[r]),  # type: ignore[arg-type, union-attr]
+        "loss": abs(float(loss) - float(want)) / float(want),
+        "logit grad": _err(mine.grad, logits.grad.chunk(p, -1)[r]),  # type: ignore[arg-type, union-attr]
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_embedding_and_cross_entropy(world: int) -> None:
+    for rank, errs in enumerate(run_world(world, embedding_and_loss_world)):
+        bad = {k: v for k, v in errs.items() if v > 1e-5}
+        assert not bad, f"tp={world} rank {rank}: {bad}"
+
+
+def sequence_world(backend: CommunicationBackend) -> tuple[float, float]:
+    p, r = backend.world_size, backend.rank
+    full = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)
+    mine = full.chunk(p, 1)[r].clone().requires_grad_()
+    gathered = gather_from_sequence(mine, backend)
+    (gathered * (r + 1)).sum().backward()  # grad of a gather = the reduce-scatter of the ranks' grads
+    total = sum(range(1, p + 1))
+    rs = reduce_scatter_to_seq(full.clone(), backend)
+    return _err(gathered, full) + _err(mine.grad, torch.full_like(mine, total)), _err(rs, p * full.chunk(p, 1)[r])  # type: ignore[arg-type]
+
+
+def test_sequence_collectives() -> None:
+    for a, b in run_world(2, sequence_world):
+        assert a == 0.0 and b == 0.0
+
+
+def test_layer_errors() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_world(3, lambda b: VocabParallelEmbedding.from_embedding(nn.Embedding(256, 4), b))
+    assert isinstance(info.value.__cause__, StrategyError)
+    assert "256" in str(info.value) and "tp=3" in str(info.value)
+
+    def bad_targets(b: CommunicationBackend) -> None:
+        vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.tensor([0, 9]), b)
+
+    with pytest.raises(RankFailedError, match=r"\[0, 9\].*vocabulary is 8"):
+        run_world(2, bad_targets)
