@@ -27,8 +27,10 @@ def _train(model: Any, opt: Any, steps: int, dp: int, coord: int, tp_loss: bool)
     x, y = x.chunk(dp)[coord], y.chunk(dp)[coord]
     for _ in range(steps):
         out = model(x)
-        loss = model.cross_entropy(out, y) if tp_loss else torch.nn.functional.cross_entropy(
-            out.reshape(-1, 256), y.reshape(-1)
+        loss = (
+            model.cross_entropy(out, y)
+            if tp_loss
+            else torch.nn.functional.cross_entropy(out.reshape(-1, 256), y.reshape(-1))
         )
         loss.backward()
         opt.step()
@@ -45,7 +47,10 @@ def save_tp4(backend: CommunicationBackend, root: Path) -> None:
 
 
 def resume_tensor(
-    backend: CommunicationBackend, shape: dict[str, int], strategy: str, saved: list[tuple[ShardedState, ShardedState]]
+    backend: CommunicationBackend,
+    shape: dict[str, int],
+    strategy: str,
+    saved: list[tuple[ShardedState, ShardedState]],
 ) -> tuple[dict[str, torch.Tensor], tuple[ShardedState, ShardedState]]:
     cls, kwargs, dtype = OPTIMIZERS[OPT]
     mesh = Mesh(backend, shape)
@@ -98,7 +103,9 @@ def test_tp4_checkpoint_resumes_at_tp2_in_ddp_and_as_the_plain_module(tmp_path: 
         assert max_rel_error(state, ddp[0][0]) == 0.0, f"DDP -> tp2, rank {rank}"
 
 
-def load_only(backend: CommunicationBackend, saved: list[tuple[ShardedState, ShardedState]]) -> dict[str, torch.Tensor]:
+def load_only(
+    backend: CommunicationBackend, saved: list[tuple[ShardedState, ShardedState]]
+) -> dict[str, torch.Tensor]:
     cls, kwargs, dtype = OPTIMIZERS[OPT]
     model = TensorParallelModel(build(None, dtype), Mesh(backend, {"tp": 2}), transformer_plan())
     opt = DDPOptimizer(model, cls, **kwargs)

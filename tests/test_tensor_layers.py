@@ -123,7 +123,9 @@ def sequence_world(backend: CommunicationBackend) -> tuple[float, float]:
     (gathered * (r + 1)).sum().backward()  # grad of a gather = the reduce-scatter of the ranks' grads
     total = sum(range(1, p + 1))
     rs = reduce_scatter_to_seq(full.clone(), backend)
-    return _err(gathered, full) + _err(mine.grad, torch.full_like(mine, total)), _err(rs, p * full.chunk(p, 1)[r])  # type: ignore[arg-type]
+    grad = mine.grad
+    assert grad is not None
+    return _err(gathered, full) + _err(grad, torch.full_like(mine, total)), _err(rs, p * full.chunk(p, 1)[r])
 
 
 def test_sequence_collectives() -> None:

@@ -238,7 +238,7 @@ def resolve_plan(module: nn.Module, plan: Plan, tp: int) -> list[tuple[str, nn.M
             sample = [n for n, _ in named if n][:8]
             raise StrategyError(
                 f"tensor-parallel plan: pattern {pattern!r} matches no module of {type(module).__name__} "
-                f"(its modules include {sample}); a pattern is matched part by part (fnmatch between the dots)"
+                f"(its modules include {sample}); a pattern is matched part by part (fnmatch between dots)"
             )
         for n, m in hits:
             if n in found:

@@ -1,0 +1,247 @@
+"""Tensor parallelism: step time and bytes per rank of dtlab's TensorParallelModel on the built-in
+transformer at tp=2 on Gloo and MPI, and torch's DTensor tensor parallelism (``parallelize_module``
+with ``ColwiseParallel``/``RowwiseParallel``, ``loss_parallel``) on Gloo in the same processes.
+
+    .venv/bin/python benchmarks/tensor.py                       # defaults below, Gloo and MPI
+    .venv/bin/python benchmarks/tensor.py --d-model 512 --layers 4 --batch 8 --seq 128 --steps 20
+
+A step is forward, loss (vocabulary-parallel: the logits stay split), backward and an AdamW step on
+one tp=2 group (no dp axis). Both implementations split the same layers the same way (heads and MLP,
+the token embedding by vocabulary, the head by vocabulary) from the same initial weights, and their
+first-step losses are printed side by side as a check. In the Gloo world the variants alternate in
+blocks of ``--steps`` steps (``--rounds`` rounds, after ``--warmup`` steps each), each step timed as the
+slowest rank's; the table shows the median step. dtlab's bytes per rank per step come from
+``backend.stats``; torch's collectives are counted with a dispatch mode (it has no byte
+counter). dtlab's sequence-parallel variant runs as an extra row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _model(args: dict[str, Any]) -> Any:
+    import torch
+
+    from dtlab.trainers.models import TransformerLM
+
+    gen = torch.Generator().manual_seed(0)
+    net = TransformerLM(args["d_model"], args["layers"], args["heads"], args["seq"])
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return net
+
+
+def _data(args: dict[str, Any]) -> tuple[Any, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    shape = (args["batch"], args["seq"])
+    return torch.randint(0, 256, shape, generator=gen), torch.randint(0, 256, shape, generator=gen)
+
+
+def _dtlab_step(backend: Any, args: dict[str, Any], sp: bool) -> tuple[Callable[[], float], Any]:
+    import torch
+
+    from dtlab.backends import Mesh
+    from dtlab.models import TensorParallelModel, transformer_plan
+    from dtlab.optimizers import DDPOptimizer
+
+    mesh = Mesh(backend, {"tp": backend.world_size})
+    model = TensorParallelModel(_model(args), mesh, plan=transformer_plan(sequence_parallel=sp))
+    opt = DDPOptimizer(model, torch.optim.AdamW, lr=1e-4)
+    x, y = _data(args)
+
+    def step() -> float:
+        loss = model.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    return step, mesh["tp"]
+
+
+def _torch_step(args: dict[str, Any]) -> tuple[Callable[[], float], Callable[[], dict[str, int]]]:
+    """torch's DTensor TP on the same model: qkv rows reordered so a contiguous column split holds
+    q, k and v of the same heads (as dtlab's per-head split), local head count set as dtlab does."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tp = dist.get_world_size()
+    net = _model(args)
+    d = args["d_model"]
+    order = torch.arange(3 * d).view(3, tp, d // tp).transpose(0, 1).reshape(-1)  # [q_r, k_r, v_r] per rank
+    with torch.no_grad():
+        for block in net.blocks:
+            block.attn.qkv.weight.copy_(block.attn.qkv.weight[order])
+            block.attn.qkv.bias.copy_(block.attn.qkv.bias[order])
+            block.attn.n_heads //= tp
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    plan: dict[str, Any] = {
+        "tok": RowwiseParallel(input_layouts=Replicate()),
+        "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(args["layers"]):
+        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel()
+        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.mlp.0"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.2"] = RowwiseParallel()
+    parallelize_module(net, mesh, plan)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=False)
+    x, y = _data(args)
+
+    def step() -> float:
+        logits = net(x)
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+    class _Count(TorchDispatchMode):
+        """Counts the c10d functional collectives DTensor issues (forward and backward)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, a: Any = (), kw: Any = None) -> Any:
+            name = str(func.overloadpacket).split(".")[-1]
+            for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+                if name.startswith(kind):
+                    self.calls[kind] = self.calls.get(kind, 0) + 1
+            return func(*a, **(kw or {}))
+
+    def count() -> dict[str, int]:
+        with _Count() as counter:
+            step()
+        return counter.calls
+
+    return step, count
+
+
+def _timed(backend: Any, step: Callable[[], float]) -> float:
+    import torch
+
+    from dtlab.backends import ReduceOp
+
+    backend.barrier()
+    t0 = time.perf_counter()
+    step()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    backend.all_reduce(dt, ReduceOp.MAX)
+    return float(dt.item())
+
+
+def bench_world(backend: Any, args: dict[str, Any], with_torch: bool) -> dict[str, Any]:
+    """One rank of one engine's world: every variant, alternating blocks; per-step times and bytes."""
+    import torch
+
+    torch.set_num_threads(args["threads"])
+    variants: dict[str, Callable[[], float]] = {}
+    first_loss: dict[str, float] = {}
+    bytes_per_step: dict[str, Any] = {}
+    for name, sp in (("dtlab", False), ("dtlab-sp", True)):
+        step, group = _dtlab_step(backend, args, sp)
+        first_loss[name] = step()
+        group.stats.reset()
+        step()
+        bytes_per_step[name] = {"sent": group.stats.bytes_sent, "ops": group.stats.snapshot()}
+        variants[name] = step
+    if with_torch:
+        tstep, count = _torch_step(args)
+        first_loss["torch"] = tstep()
+        bytes_per_step["torch"] = {"collectives": count()}
+        variants["torch"] = tstep
+    times: dict[str, list[float]] = {n: [] for n in variants}
+    for _ in range(args["warmup"]):
+        for step in variants.values():
+            step()
+    for r in range(args["rounds"]):
+        names = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in names:
+            times[name].extend(_timed(backend, variants[name]) for _ in range(args["steps"]))
+    return {"times": times, "first_loss": first_loss, "bytes": bytes_per_step}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="gloo,mpi")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    parser.add_argument("--rounds", type=int, default=6, help="blocks per variant (alternating order)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    ns = parser.parse_args(argv)
+    args = {k: getattr(ns, k) for k in ("d_model", "layers", "heads", "batch", "seq", "steps", "rounds", "warmup", "threads")}
+
+    from dtlab.testing import spawn_world
+
+    rows, raw = [], {}
+    for engine in ns.engines.split(","):
+        res = spawn_world(ns.tp, bench_world, args, engine == "gloo", backend=engine, timeout=1800)[0]
+        raw[engine] = res
+        for name, ts in res["times"].items():
+            b = res["bytes"][name]
+            rows.append(
+                {
+                    "engine": engine,
+                    "variant": name,
+                    "median_ms": 1e3 * statistics.median(ts),
+                    "min_ms": 1e3 * min(ts),
+                    "first_loss": res["first_loss"][name],
+                    "bytes": b.get("sent"),
+                    "comm": b.get("collectives") or {k: v["calls"] for k, v in b["ops"].items()},
+                }
+            )
+    cfg = ", ".join(f"{k}={v}" for k, v in args.items())
+    print(f"\ntp={ns.tp}; {cfg}\n")
+    print("| engine | implementation | step (median) | step (best) | bytes sent per rank per step | collectives per step | first loss |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = ""
+        ref = next((q for q in rows if q["engine"] == "gloo" and q["variant"] == "torch"), None)
+        if ref is not None and r["variant"] != "torch":
+            ratio = f" ({r['median_ms'] / ref['median_ms']:.2f}x torch)"
+        sent = "not counted" if r["bytes"] is None else f"{r['bytes'] / 2**20:.2f} MiB"
+        comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm"].items()))
+        print(
+            f"| {r['engine']} | {r['variant']} | {r['median_ms']:.1f} ms{ratio} | {r['min_ms']:.1f} ms | {sent} | "
+            f"{comm} | {r['first_loss']:.6f} |"
+        )
+    if ns.json is not None:
+        ns.json.write_text(json.dumps({"args": args, "rows": rows, "raw": raw}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
