@@ -189,7 +189,9 @@ def bench_world(backend: Any, args: dict[str, Any], with_torch: bool) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--engines", default="gloo,mpi")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=256)
@@ -203,7 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     ns = parser.parse_args(argv)
-    args = {k: getattr(ns, k) for k in ("d_model", "layers", "heads", "batch", "seq", "steps", "rounds", "warmup", "threads")}
+    args = {
+        k: getattr(ns, k)
+        for k in ("d_model", "layers", "heads", "batch", "seq", "steps", "rounds", "warmup", "threads")
+    }
 
     from dtlab.testing import spawn_world
 
@@ -226,7 +231,10 @@ def main(argv: list[str] | None = None) -> None:
             )
     cfg = ", ".join(f"{k}={v}" for k, v in args.items())
     print(f"\ntp={ns.tp}; {cfg}\n")
-    print("| engine | implementation | step (median) | step (best) | bytes sent per rank per step | collectives per step | first loss |")
+    print(
+        "| engine | implementation | step (median) | step (best) | sent per rank per step "
+        "| collectives per step | first loss |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = ""
@@ -236,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         sent = "not counted" if r["bytes"] is None else f"{r['bytes'] / 2**20:.2f} MiB"
         comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm"].items()))
         print(
-            f"| {r['engine']} | {r['variant']} | {r['median_ms']:.1f} ms{ratio} | {r['min_ms']:.1f} ms | {sent} | "
-            f"{comm} | {r['first_loss']:.6f} |"
+            f"| {r['engine']} | {r['variant']} | {r['median_ms']:.1f} ms{ratio} | {r['min_ms']:.1f} ms "
+            f"| {sent} | {comm} | {r['first_loss']:.6f} |"
         )
     if ns.json is not None:
         ns.json.write_text(json.dumps({"args": args, "rows": rows, "raw": raw}, indent=1, default=str))

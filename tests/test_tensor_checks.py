@@ -179,3 +179,13 @@ def test_mesh_without_tp_and_wrong_optimizer_pairing() -> None:
 
     with pytest.raises(RankFailedError, match=r"DDPOptimizer cannot step; use ZeRO1Optimizer"):
         run_world(2, rs_with_ddp)
+
+
+def test_trainer_refuses_tensor_until_it_builds_meshes() -> None:
+    from dtlab.config import load_config
+    from dtlab.errors import ConfigError
+    from dtlab.trainers.build import build_model_strategy
+
+    config = load_config(overrides=["strategy.model=tensor"])
+    with pytest.raises(ConfigError, match=r"strategy.model='tensor'.*TensorParallelModel\(module, Mesh"):
+        build_model_strategy(config, None, None)  # type: ignore[arg-type]

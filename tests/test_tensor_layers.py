@@ -103,7 +103,7 @@ def embedding_and_loss_world(backend: CommunicationBackend) -> dict[str, float]:
     return {
         "embedding": _err(out, ref.detach()),
         "embedding grad": _err(par.weight.grad, emb.weight.grad.chunk(p, 0)[r]),  # type: ignore[arg-type, union-attr]
-        "loss": abs(float(loss) - float(want)) / float(want),
+        "loss": abs(loss.item() - want.item()) / want.item(),
         "logit grad": _err(mine.grad, logits.grad.chunk(p, -1)[r]),  # type: ignore[arg-type, union-attr]
     }
 

@@ -141,7 +141,9 @@ class TensorParallelModel(ZeRO1Model):
         resolved = resolve_plan(module, plan, tp.world_size)
         _broadcast_state(module, tp)  # then DDP broadcasts each shard over dp: rank 0's values everywhere
         partial = apply_plan(module, resolved, tp)
-        super().__init__(module, mesh["dp"], gradient_sync=gradient_sync or "all_reduce", **kwargs)
+        super().__init__(
+            module, mesh["dp"], gradient_sync=gradient_sync or "all_reduce", world=mesh.backend, **kwargs
+        )
         self.mesh = mesh
         self.tp_group: CommunicationBackend = tp
         self._span = mesh[_AXES]
@@ -178,12 +180,12 @@ class TensorParallelModel(ZeRO1Model):
                 offset += g.numel()
 
     def _launch(self, i: int) -> tuple[Work, Any]:
-        if self.backend.world_size == 1:  # no dp axis: the local gradient is already the average
+        if self.dp_backend.world_size == 1:  # no dp axis: the local gradient is already the average
             return CompletedWork(), None
         return super()._launch(i)
 
     def _complete(self, i: int, extra: Any) -> None:
-        if self.backend.world_size == 1:
+        if self.dp_backend.world_size == 1:
             if self.gradient_sync == "reduce_scatter":
                 self._grad_state = "averaged"
             return
@@ -264,7 +266,7 @@ class TensorParallelModel(ZeRO1Model):
         """This rank's part: its tp shards split over dp, replicated tensors split over dp x tp."""
         world = self.mesh.backend
         state = new_state(self.strategy_name, world.world_size, world.rank, mesh=dict(self.mesh.shape))
-        dp, tp = self.backend, self.tp_group
+        dp, tp = self.dp_backend, self.tp_group
         span = self._span
         for key, t in self.module.state_dict(keep_vars=True).items():
             placement = placement_of(t)

@@ -8,6 +8,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig
+from dtlab.errors import ConfigError
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.trainers.tasks import Task
@@ -29,6 +30,12 @@ def build_model_strategy(
     """The model strategy over a freshly built module, and the module's parameter count."""
     from dtlab.models import get_model_strategy
 
+    if config.strategy.model == "tensor":
+        raise ConfigError(
+            "strategy.model='tensor': the Trainer does not build meshes and tensor-parallel plans yet; "
+            "build TensorParallelModel(module, Mesh(backend, {'dp': -1, 'tp': 2}), plan=transformer_plan()) "
+            "with DDPOptimizer or ZeRO1Optimizer in your own loop (docs/strategies.md, Tensor parallelism)"
+        )
     with task.init_lock, torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.train.seed)  # every rank builds the same initial model
         module = task.build_model().to(backend.device)
