@@ -97,13 +97,12 @@ def train_tensor(
 
 
 def engine_world(backend: CommunicationBackend) -> dict[str, Any]:
-    """Everything the gloo/MPI test checks, in one 2-process world: parity with and without sequence
-    parallelism for both optimizers."""
-    out: dict[str, Any] = {}
-    for opt in OPTIMIZERS:
-        for sp in (False, True):
-            out[f"{opt}/sp={sp}"] = train_tensor(backend, {"tp": 2}, opt, sequence_parallel=sp)
-    return out
+    """Everything the gloo/MPI test checks, in one 2-process world: parity of SGD-momentum without and
+    AdamW with sequence parallelism (the in-memory tests cover the other combinations)."""
+    return {
+        f"{opt}/sp={sp}": train_tensor(backend, {"tp": 2}, opt, sequence_parallel=sp)
+        for opt, sp in (("sgd", False), ("adamw", True))
+    }
 
 
 def max_rel_error(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
