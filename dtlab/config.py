@@ -10,7 +10,9 @@ the value and what is allowed. Checks that need the world size (global batch div
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import yaml
@@ -51,6 +53,36 @@ def _one_of(value: Any, allowed: tuple[str, ...]) -> Any:
     return value
 
 
+#: (section, old field name) -> new name: the old names are still read, with a FutureWarning
+RENAMED: MappingProxyType[tuple[str, str], str] = MappingProxyType(
+    {
+        ("strategy", "bucket_mb"): "bucket_cap_mb",
+        ("compression", "warmup_steps"): "dense_warmup_steps",
+        ("compression", "rank"): "powersgd_rank",
+    }
+)
+
+
+def _accept_old_names(section: str, values: Any) -> Any:
+    if not isinstance(values, dict):
+        return values
+    out = dict(values)
+    for (sec, old), new in RENAMED.items():
+        if sec != section or old not in out:
+            continue
+        if new in out:
+            raise ValueError(
+                f"{section}.{old} is the old name of {section}.{new}; both are set: keep only {section}.{new}"
+            )
+        out[new] = out.pop(old)
+        warnings.warn(
+            f"{section}.{old} is deprecated: it is now {section}.{new} (the old name still works for now)",
+            FutureWarning,
+            stacklevel=2,
+        )
+    return out
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: no setting is meaningful at infinity or NaN (an infinite lr or timeout)
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
@@ -70,10 +102,12 @@ class StrategyConfig(_Section):
     model: str = "ddp"
     #: optimizer strategy; ``None`` picks the one that fits ``strategy.model``
     optimizer: str | None = None
-    #: gradient bucket size in MiB (DDP, ZeRO-1, ZeRO-2)
-    bucket_mb: float = Field(default=25.0, gt=0)
+    #: gradient bucket size in MiB (DDP, ZeRO-1, ZeRO-2; ``DDPModel(bucket_cap_mb=)``, torch DDP's name;
+    #: formerly ``bucket_mb``)
+    bucket_cap_mb: float = Field(default=25.0, gt=0)
     #: ZeRO-3 keeps parameters with at most this many elements whole on every rank; 0 shards every
-    #: parameter (the embedded models are small; DeepSpeed's default for large models is 100000)
+    #: parameter. Differs on purpose from ``ZeRO3Model(persistence_threshold=100_000)`` (DeepSpeed's
+    #: default, for large models): the embedded models are small, under 100000 nothing would be sharded
     persistence_threshold: int = Field(default=0, ge=0)
     #: FSDP frees each unit after its forward (least memory) or keeps it until its backward
     reshard_after_forward: bool = True
@@ -83,6 +117,11 @@ class StrategyConfig(_Section):
     #: 2(P-1)/P per step with the parameter all-gather) or all-reduce them (every rank gets the
     #: whole average, 3(P-1)/P)
     gradient_sync: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, values: Any) -> Any:
+        return _accept_old_names("strategy", values)
 
     @field_validator("model", mode="before")
     @classmethod
@@ -183,18 +222,26 @@ class CompressionConfig(_Section):
     tau: int = Field(default=32, ge=1)
     #: Ok-Topk: rebalance the region boundaries every ``tau_prime`` steps
     tau_prime: int = Field(default=64, ge=1)
-    #: dense steps before compression starts (short default for short runs)
-    warmup_steps: int = Field(default=10, ge=0)
+    #: dense steps before compression starts (formerly ``compression.warmup_steps``; not the LR warm-up
+    #: ``optimizer.warmup_steps``). Short for short runs: the Python classes default to 128 for
+    #: ``OkTopk`` (the paper's) and 10 for ``PowerSGD``, 0 for the others
+    dense_warmup_steps: int = Field(default=10, ge=0)
     #: sparse algorithms and random-k: after the warm-up, steps over which the density falls from 25%
     #: to ``density`` in 4x stages (Deep Gradient Compression's warm-up training); 0: none
     ramp_steps: int = Field(default=0, ge=0)
     #: DGC momentum correction: ``optimizer.momentum`` is applied in the compressed reducer (before
     #: selection, with momentum factor masking) instead of by the optimizer; needs ``optimizer.name=sgd``
     momentum_correction: bool = False
-    #: PowerSGD: rank of the low-rank approximation
-    rank: int = Field(default=4, ge=1)
+    #: PowerSGD: rank of the low-rank approximation (``PowerSGD(rank=)``; formerly ``compression.rank``,
+    #: which read like a process rank)
+    powersgd_rank: int = Field(default=4, ge=1)
     #: QSGD: quantization levels per sign (int8 codes: at most 127)
     levels: int = Field(default=127, ge=1, le=127)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, values: Any) -> Any:
+        return _accept_old_names("compression", values)
 
     @field_validator("density")
     @classmethod

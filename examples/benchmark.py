@@ -35,7 +35,7 @@ RUNS = {
     "zero3": ["strategy.model=zero3"],
     "fsdp": ["strategy.model=fsdp"],
     "ddp + oktopk 1%": ["strategy.model=ddp", "compression.algorithm=oktopk", "compression.density=0.01",
-                        "compression.warmup_steps=2"],
+                        "compression.dense_warmup_steps=2"],
 }  # fmt: skip
 
 

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> None:
             [
                 "compression.algorithm=oktopk",
                 "compression.density=0.05",
-                "compression.warmup_steps=10",
+                "compression.dense_warmup_steps=10",
                 "logging.run_dir=runs/train_oktopk/oktopk",
                 *argv,
             ]

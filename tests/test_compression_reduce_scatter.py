@@ -122,6 +122,11 @@ def test_sparse_reduce_scatter_is_the_shard_of_the_local_topk_average_and_skips_
                 meta = 8 * P * P + 8 * P  # all-gather of P int64 counts, the non-finite check
                 assert st["bytes_sent"] <= st["local_density"] * N * 8 + meta, (comp.name, step, st)
                 assert "density" not in r["stats"] and r["stats"]["local_density"] > 0
+                # the statistics say which algorithm ran: Ok-Topk's reduced form, after its warm-up
+                assert ("variant" in st) == (comp.name == "oktopk"), st
+            if comp.name == "oktopk":
+                assert "boundary balancing" in res[0][step]["stats"]["variant"]
+        assert "variant" not in res[0][0]["stats"]  # the dense warm-up step is plain dense
 
 
 def test_random_k_reaches_every_element() -> None:

@@ -88,7 +88,7 @@ def test_trainer_resume_is_exact_for_every_algorithm(
         f"strategy.model={strategy}",
         f"train.steps={STEPS}",
         f"compression.algorithm={algorithm}",
-        f"compression.warmup_steps={warmup}",
+        f"compression.dense_warmup_steps={warmup}",
         "compression.tau=4",
         "compression.tau_prime=5",
     ]
@@ -189,7 +189,7 @@ def test_direct_resume_is_exact_for_every_compressor(
 def test_other_world_size_or_strategy_starts_compression_afresh_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    common = ["compression.algorithm=oktopk", "compression.warmup_steps=1", "train.steps=6"]
+    common = ["compression.algorithm=oktopk", "compression.dense_warmup_steps=1", "train.steps=6"]
     ck = tmp_path / "ck"
     run_training(_cfg(tmp_path, *common, f"checkpoint.dir={ck}", "checkpoint.every=3"))
     resume = f"checkpoint.resume={ck / 'step_00000003'}"

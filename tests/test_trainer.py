@@ -70,7 +70,7 @@ def test_cli_default_shortened_trains_and_writes_clean_metrics(tmp_path: Path, c
 def test_resume_continues_exactly(tmp_path: Path) -> None:
     # TopkA with error feedback: its residuals are part of the checkpoint (every compressor, with and
     # without warm-up: tests/test_compression_resume.py)
-    topka = ["compression.algorithm=topka", "compression.density=0.1", "compression.warmup_steps=0"]
+    topka = ["compression.algorithm=topka", "compression.density=0.1", "compression.dense_warmup_steps=0"]
     for name, extra in (("ddp", []), ("fsdp", []), ("zero2-topka", topka)):
         ck = tmp_path / name
         strategy = name.split("-")[0]
@@ -175,7 +175,7 @@ def test_nonfinite_loss_on_one_rank_skips_the_step_everywhere() -> None:
     for extra in (
         ["strategy.model=ddp"],
         ["strategy.model=fsdp"],
-        ["compression.algorithm=oktopk", "compression.density=0.2", "compression.warmup_steps=0"],
+        ["compression.algorithm=oktopk", "compression.density=0.2", "compression.dense_warmup_steps=0"],
     ):
         cfg = load_config(overrides=[*DIGITS, "train.steps=5", *extra])
         results = run_training(cfg, task=_digits_task(10, 12))
@@ -209,7 +209,7 @@ def test_early_stopping_is_agreed_and_bf16_and_compression_metrics(tmp_path: Pat
         "logging.log_every=2",
         "compression.algorithm=oktopk",
         "compression.density=0.1",
-        "compression.warmup_steps=1",
+        "compression.dense_warmup_steps=1",
         "compression.ramp_steps=2",  # steps 2-3 at 25%, then 10%
         f"logging.run_dir={tmp_path / 'c'}",
     )
@@ -279,7 +279,7 @@ def test_momentum_correction_from_the_config(tmp_path: Path) -> None:
     """``compression.momentum_correction=true``: the SGD runs without momentum and the reducer keeps
     the velocities; with ``dense`` that is plain momentum SGD (same losses up to rounding)."""
     sgd = ["optimizer.name=sgd", "optimizer.lr=0.05", "optimizer.weight_decay=0",
-           "optimizer.clip_grad_norm=null", "train.steps=5", "compression.warmup_steps=0"]  # fmt: skip
+           "optimizer.clip_grad_norm=null", "train.steps=5", "compression.dense_warmup_steps=0"]  # fmt: skip
     plain = run_training(_cfg(tmp_path, *sgd, "compression.algorithm=dense"))
     corrected = _cfg(tmp_path, *sgd, "compression.algorithm=dense", "compression.momentum_correction=true")
     moved = run_training(corrected)

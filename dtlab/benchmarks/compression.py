@@ -79,8 +79,22 @@ def formula(name: str, n: int, p: int, density: float, measured: dict[str, Any])
     return 2 * (p - 1) / p * 2 * n + flag, "2(P-1)/P * 2n"
 
 
+def rs_formula(name: str, n: int, p: int, density: float) -> tuple[float | None, str]:
+    """Reduce-scatter semantics: dense and Ok-Topk's reduced form (split-and-reduce only)."""
+    if name == "dense":
+        return (p - 1) / p * 4 * n, "(P-1)/P * 4n"
+    if name == "oktopk":
+        return int(density * n) * 8, "bound k * 8 (split-and-reduce only)"
+    return None, "-"
+
+
 def bench_rank(
-    backend: CommunicationBackend, numel: int, density: float, algorithms: list[str], iters: int
+    backend: CommunicationBackend,
+    numel: int,
+    density: float,
+    algorithms: list[str],
+    iters: int,
+    semantics: str = "all_reduce",
 ) -> dict[str, Any]:
     """One rank of one configuration: every algorithm, timed (module level: spawned processes import it)."""
     torch.set_num_threads(1)
@@ -96,7 +110,10 @@ def bench_rank(
             backend.barrier()
             red.start_step()
             t0 = time.perf_counter()
-            red.all_reduce("g", buf).wait()
+            if semantics == "reduce_scatter":  # numel is a multiple of P (see run_configs)
+                red.reduce_scatter("g", buf, torch.empty(numel // backend.world_size)).wait()
+            else:
+                red.all_reduce("g", buf).wait()
             return time.perf_counter() - t0, red.step_statistics()
 
         first, _ = once(0)  # warm-up (Ok-Topk: the iteration that recomputes thresholds)
@@ -113,41 +130,56 @@ def bench_rank(
             "selected": stats[-1].get("density", 0.0) * numel,
             "local_selected": stats[-1].get("local_density", 0.0) * numel,
             "select_seconds": statistics.median(s["select_seconds"] for s in stats),
+            "variant": stats[-1].get("variant"),
         }
         del red
     return out
 
 
 def run_configs(args: argparse.Namespace, rate: str) -> list[dict[str, Any]]:
-    from dtlab.testing import spawn_world
-
-    rows = []
+    rows: list[dict[str, Any]] = []
     for engine in args.engines:
         for p in args.worlds:
-            t0 = time.time()
-            try:
-                per_rank = spawn_world(
-                    p, bench_rank, args.numel, args.density, args.algorithms, args.iters,
-                    backend=engine, timeout=args.timeout,
-                )  # fmt: skip
-            except Exception as exc:  # report and go on with the other configurations
-                print(f"[{rate}] {engine} P={p}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
-                continue
-            for name in args.algorithms:
-                r = {
-                    k: max(pr[name][k] for pr in per_rank) for k in ("seconds", "first_seconds", "bytes_sent")
-                }
-                r0 = per_rank[0][name]
-                if name == "oktopk":
-                    r["amortised_seconds"] = (r["first_seconds"] + (TAU - 1) * r["seconds"]) / TAU
-                f, text = formula(name, args.numel, p, args.density, r0)
-                rows.append(
-                    {"rate": rate, "engine": engine, "P": p, "algorithm": name, **r,
-                     "rank0_bytes_sent": r0["bytes_sent"], "formula_bytes": f, "formula": text,
-                     "selected": r0["selected"], "local_selected": r0["local_selected"],
-                     "select_seconds": r0["select_seconds"]}
-                )  # fmt: skip
-            print(f"[{rate}] {engine} P={p}: done in {time.time() - t0:.0f}s", flush=True)
+            for semantics in args.semantics:
+                rows += _one_config(args, rate, engine, p, semantics)
+    return rows
+
+
+def _one_config(
+    args: argparse.Namespace, rate: str, engine: str, p: int, semantics: str
+) -> list[dict[str, Any]]:
+    from dtlab.testing import spawn_world
+
+    numel = args.numel - args.numel % p if semantics == "reduce_scatter" else args.numel
+    t0 = time.time()
+    try:
+        per_rank = spawn_world(
+            p, bench_rank, numel, args.density, args.algorithms, args.iters, semantics,
+            backend=engine, timeout=args.timeout,
+        )  # fmt: skip
+    except Exception as exc:  # report and go on with the other configurations
+        print(
+            f"[{rate}] {engine} P={p} {semantics}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True
+        )
+        return []
+    rows = []
+    for name in args.algorithms:
+        r = {k: max(pr[name][k] for pr in per_rank) for k in ("seconds", "first_seconds", "bytes_sent")}
+        r0 = per_rank[0][name]
+        if name == "oktopk":
+            r["amortised_seconds"] = (r["first_seconds"] + (TAU - 1) * r["seconds"]) / TAU
+        f: float | None
+        if semantics == "all_reduce":
+            f, text = formula(name, numel, p, args.density, r0)
+        else:
+            f, text = rs_formula(name, numel, p, args.density)
+        rows.append(
+            {"rate": rate, "engine": engine, "P": p, "semantics": semantics, "algorithm": name, **r,
+             "variant": r0["variant"], "rank0_bytes_sent": r0["bytes_sent"], "formula_bytes": f,
+             "formula": text, "selected": r0["selected"], "local_selected": r0["local_selected"],
+             "select_seconds": r0["select_seconds"]}
+        )  # fmt: skip
+    print(f"[{rate}] {engine} P={p} {semantics}: done in {time.time() - t0:.0f}s", flush=True)
     return rows
 
 
@@ -174,6 +206,7 @@ def shaped(args: argparse.Namespace, rate: str) -> list[dict[str, Any]]:
         cmd += ["--numel", str(args.numel), "--density", str(args.density), "--iters", str(args.iters)]
         cmd += ["--timeout", str(args.timeout), "--engines", *args.engines]
         cmd += ["--worlds", *map(str, args.worlds), "--algorithms", *args.algorithms]
+        cmd += ["--semantics", *args.semantics]
         subprocess.run(cmd, env=env, check=True)
         rows: list[dict[str, Any]] = json.loads(Path(out).read_text())
         return rows
@@ -184,19 +217,35 @@ def shaped(args: argparse.Namespace, rate: str) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| link | engine | P | algorithm | s/iter | vs dense | sent (rank 0) | formula | formula bytes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| link | engine | P | semantics | algorithm | s/iter | vs dense | sent (rank 0) | formula "
+        "| formula bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        where = (r["rate"], r["engine"], r["P"])
+        sem = r.get("semantics", "all_reduce")
+        where = (r["rate"], r["engine"], r["P"], sem)
         dense = next(
-            (d for d in rows if d["algorithm"] == "dense" and (d["rate"], d["engine"], d["P"]) == where), None
+            (
+                d
+                for d in rows
+                if d["algorithm"] == "dense"
+                and (d["rate"], d["engine"], d["P"], d.get("semantics", "all_reduce")) == where
+            ),
+            None,
         )
+        # Ok-Topk under reduce-scatter runs without boundary balancing and global selection: say so
+        algo = (
+            f"{r['algorithm']} (reduced: no balancing, no global phase)"
+            if r.get("variant")
+            else r["algorithm"]
+        )
+        fb = "-" if r["formula_bytes"] is None else f"{r['formula_bytes'] / 1e6:.2f} MB"
         sec = r.get("amortised_seconds", r["seconds"])
         speed = f"{dense['seconds'] / sec:.1f}x" if dense else "-"
         lines.append(
-            f"| {r['rate']} | {r['engine']} | {r['P']} | {r['algorithm']} | {sec:.3f} | {speed} | "
-            f"{r['rank0_bytes_sent'] / 1e6:.2f} MB | {r['formula']} | {r['formula_bytes'] / 1e6:.2f} MB |"
+            f"| {r['rate']} | {r['engine']} | {r['P']} | {sem.replace('_', '-')} | {algo} | {sec:.3f} "
+            f"| {speed} | "
+            f"{r['rank0_bytes_sent'] / 1e6:.2f} MB | {r['formula']} | {fb} |"
         )
     return "\n".join(lines)
 
@@ -218,6 +267,14 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", default=["gloo", "mpi"], choices=["gloo", "mpi"])
     ap.add_argument("--rates", nargs="+", default=["plain", "10gbit", "1gbit"])
     ap.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
+    ap.add_argument(
+        "--semantics",
+        nargs="+",
+        default=["all_reduce"],
+        choices=["all_reduce", "reduce_scatter"],
+        help="all_reduce (DDP, ZeRO-1 with gradient_sync=all_reduce) and/or reduce_scatter (ZeRO-1's "
+        "default, ZeRO-2/3, FSDP: Ok-Topk runs without boundary balancing and global selection)",
+    )
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", type=Path, default=None, help="also write every row here")
     ap.add_argument("--inner", default=None, help=argparse.SUPPRESS)

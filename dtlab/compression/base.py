@@ -120,6 +120,10 @@ class Compressor(ABC):
 
     #: short name used in benchmarks, statistics and errors
     name: ClassVar[str] = "base"
+    #: what this algorithm leaves out under reduce-scatter semantics (ZeRO-1's default, ZeRO-2/3,
+    #: FSDP), reported as ``variant`` in the step statistics; ``None``: the same algorithm as under
+    #: all-reduce semantics
+    reduce_scatter_variant: ClassVar[str | None] = None
     #: dense all-reduce iterations before compression starts (per buffer)
     warmup_steps: int = 0
     #: keep what was not sent and add it to the next gradient (error feedback)

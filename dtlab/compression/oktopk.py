@@ -75,9 +75,17 @@ def _nudge(thr: float, count: int, k: int, lower: float, raise_: float) -> float
 
 @dataclass(frozen=True, kw_only=True)
 class OkTopk(SparseCompressor):
-    """Ok-Topk sparse all-reduce; ``tau``/``tau_prime``: threshold / boundary re-evaluation periods."""
+    """Ok-Topk sparse all-reduce; ``tau``/``tau_prime``: threshold / boundary re-evaluation periods.
+
+    ``warmup_steps`` defaults to 128 dense iterations (the paper's); the config's
+    ``compression.dense_warmup_steps`` defaults to 10, for the short runs of ``dtlab train``.
+    """
 
     name: ClassVar[str] = "oktopk"
+    reduce_scatter_variant: ClassVar[str | None] = (
+        "Ok-Topk without boundary balancing and global selection: the regions are the strategy's equal "
+        "shards and each owner keeps every reduced value of its shard"
+    )
     tau: int = 32
     tau_prime: int = 64
     warmup_steps: int = 128

@@ -1,7 +1,8 @@
 """Per-step statistics of a compressed reducer: density, bytes, compression ratio, time split.
 
 A metric with no sample is absent from the dict, never NaN: ``compression_ratio`` only when this
-rank sent bytes, ``density`` only when every reduced buffer knows its global selection.
+rank sent bytes, ``density`` only when every reduced buffer knows its global selection, ``variant``
+only when an algorithm ran in its reduced form under reduce-scatter semantics (Ok-Topk).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ class StepStatistics:
     """Accumulates the calls of one step; :meth:`as_dict` reports them."""
 
     algorithm: str
+    #: the compressor's ``reduce_scatter_variant``: reported when a compressed reduce-scatter ran
+    reduce_scatter_variant: str | None = None
     calls: int = 0
     numel: int = 0
     local_selected: int = 0
@@ -29,6 +32,7 @@ class StepStatistics:
     comm_seconds: float = 0.0
     dense_calls: int = 0
     reduce_scatter_calls: int = 0
+    compressed_reduce_scatter_calls: int = 0
     nonfinite_values: int = 0
     nonfinite_keys: list[str] = field(default_factory=list)
 
@@ -60,6 +64,7 @@ class StepStatistics:
         self.comm_seconds += max(0.0, total_seconds - select_seconds)
         self.dense_calls += int(dense)
         self.reduce_scatter_calls += int(sharded)
+        self.compressed_reduce_scatter_calls += int(sharded and not dense)
 
     def as_dict(self) -> dict[str, Any]:
         if self.calls == 0 and not self.nonfinite_keys:
@@ -85,4 +90,6 @@ class StepStatistics:
             out["compression_ratio"] = self.dense_bytes / self.bytes_sent
         if self.nonfinite_keys:
             out["nonfinite_keys"] = list(self.nonfinite_keys)
+        if self.reduce_scatter_variant and self.compressed_reduce_scatter_calls:
+            out["variant"] = self.reduce_scatter_variant
         return out

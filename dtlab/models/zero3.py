@@ -30,6 +30,8 @@ class ZeRO3Model(ShardedModel):
         module, backend: as for DDPModel.
         persistence_threshold: parameters with at most this many elements are kept whole
             (default 100_000, DeepSpeed's ``stage3_param_persistence_threshold``); 0 shards everything.
+            The config's ``strategy.persistence_threshold`` defaults to 0 instead: its embedded models
+            are small, and under 100_000 nothing in them would be sharded.
         leaf_modules: module classes gathered as one piece with their children.
         prefetch: all-gather the next module's parameters while the current one computes.
         reduce_dtype, find_unused_parameters, broadcast_buffers: as for DDPModel.

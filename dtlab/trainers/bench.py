@@ -117,17 +117,22 @@ def _plot_compression(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["rate"], r["engine"], r["P"]) for r in rows})
+    def where(r: dict[str, Any]) -> tuple[str, str, int, str]:
+        return r["rate"], r["engine"], r["P"], r.get("semantics", "all_reduce")
+
+    groups = sorted({where(r) for r in rows})
     algos = list(dict.fromkeys(r["algorithm"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(groups))
     for gi, key in enumerate(groups):
-        sel = {r["algorithm"]: r for r in rows if (r["rate"], r["engine"], r["P"]) == key}
+        sel = {r["algorithm"]: r for r in rows if where(r) == key}
         xs = [i + gi * width for i in range(len(algos))]
         secs = [sel[a].get("amortised_seconds", sel[a]["seconds"]) * 1e3 if a in sel else 0 for a in algos]
-        axes[0].bar(xs, secs, width, label=f"{key[0]} {key[1]} P={key[2]}")
+        # reduce-scatter: Ok-Topk's reduced form (no boundary balancing, no global selection)
+        label = f"{key[0]} {key[1]} P={key[2]}" + (" reduce-scatter" if key[3] == "reduce_scatter" else "")
+        axes[0].bar(xs, secs, width, label=label)
         sent = [sel[a]["rank0_bytes_sent"] / 1e6 if a in sel else 0 for a in algos]
-        axes[1].bar(xs, sent, width, label=f"{key[0]} {key[1]} P={key[2]}")
+        axes[1].bar(xs, sent, width, label=label)
     for ax, title in zip(axes, ("ms per iteration", "MB sent by rank 0 per iteration"), strict=True):
         ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(algos))], algos, rotation=30)
         ax.set_yscale("log")

@@ -45,7 +45,7 @@ def build_model_strategy(
     kwargs: dict[str, Any] = {}
     s = config.strategy
     if name in ("ddp", "zero1", "zero2"):
-        kwargs["bucket_cap_mb"] = s.bucket_mb
+        kwargs["bucket_cap_mb"] = s.bucket_cap_mb
     if name == "zero1":
         kwargs["gradient_sync"] = s.gradient_sync
     if name == "zero3":
@@ -79,9 +79,9 @@ def build_optimizer_strategy(config: TrainConfig, model: ModelStrategy) -> Optim
         density=c.density,
         tau=c.tau,
         tau_prime=c.tau_prime,
-        warmup_steps=c.warmup_steps,
+        warmup_steps=c.dense_warmup_steps,
         ramp_steps=c.ramp_steps,
-        rank=c.rank,
+        rank=c.powersgd_rank,
         levels=c.levels,
     )
     # "skip": non-finite gradients come back as NaN so the trainer's guard skips the step on every rank

@@ -69,7 +69,17 @@ def step_record(
             getattr(trainer.optimizer, "statistics", None) or trainer.model.gradient_reducer.step_statistics()
         )
         rec["compression"] = _numbers(stats)
+        if "variant" in stats:  # Ok-Topk under reduce-scatter semantics: say which algorithm ran
+            rec["compression"]["variant"] = stats["variant"]
     return rec
+
+
+def _compression_variant(trainer: Trainer) -> str | None:
+    if trainer.config.compression.algorithm == "none":
+        return None
+    stats = getattr(trainer.optimizer, "statistics", None) or trainer.model.gradient_reducer.step_statistics()
+    variant = stats.get("variant") if isinstance(stats, dict) else None
+    return variant if isinstance(variant, str) else None
 
 
 def summary_rows(trainer: Trainer, result: TrainResult, seconds: float, sent0: int) -> dict[str, Any]:
@@ -86,6 +96,7 @@ def summary_rows(trainer: Trainer, result: TrainResult, seconds: float, sent0: i
             if c.compression.algorithm == "none"
             else f" / {c.compression.algorithm} @ {c.compression.density}"
         ),
+        "compression variant": _compression_variant(trainer),
         "backend": f"{trainer.backend.name} x {trainer.backend.world_size}",
         "steps": f"{result.start_step} -> {result.final_step}"
         + (" (stopped early)" if result.stopped_early else ""),
