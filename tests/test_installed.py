@@ -58,7 +58,12 @@ def test_wheel_installed_elsewhere_runs_the_benchmarks_and_the_digits_example(tm
     assert rows[0]["bytes_sent"] > 10 * rows[1]["bytes_sent"] > 0
 
     shutil.copy(ROOT / "examples" / "train_oktopk.py", user)
-    short = ["train.steps=6", "train.eval_every=6", "optimizer.warmup_steps=1", "compression.dense_warmup_steps=2"]
+    short = [
+        "train.steps=6",
+        "train.eval_every=6",
+        "optimizer.warmup_steps=1",
+        "compression.dense_warmup_steps=2",
+    ]
     out = _run([sys.executable, "train_oktopk.py", *short], user, env)
     dense, oktopk = (line.split() for line in out.splitlines()[1:3])
     assert dense[0] == "dense" and oktopk[0] == "Ok-Topk"
