@@ -79,6 +79,7 @@ PAIRINGS: Mapping[str, Pairing] = _table(
     Pairing("zero3", "ZeRO3Model", ("zero3",)),
     Pairing("fsdp", "FSDPModel", ("zero3",)),
     Pairing("tensor", "TensorParallelModel", ("ddp", "zero1")),
+    Pairing("pipeline", "PipelineParallelModel", ("ddp", "zero1")),
 )
 
 

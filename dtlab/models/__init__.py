@@ -1,4 +1,4 @@
-"""Model strategies: DDP, ZeRO-1/2/3, FSDP, tensor parallelism (and later pipeline, hybrid)."""
+"""Model strategies: DDP, ZeRO-1/2/3, FSDP, tensor and pipeline parallelism (and later hybrid)."""
 
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.state import ShardedState
@@ -6,6 +6,7 @@ from dtlab.models._common import DataParallelModel
 from dtlab.models.base import ModelStrategy
 from dtlab.models.ddp import DDPModel
 from dtlab.models.fsdp import FSDPModel, ModuleClassPolicy, SizePolicy, WrapPolicy
+from dtlab.models.pipeline import PipelineParallelModel, plot_schedule
 from dtlab.models.registry import MODEL_STRATEGIES, get_model_strategy
 from dtlab.models.state import ShardIndex
 from dtlab.models.tensor import (
@@ -37,6 +38,7 @@ __all__ = [
     "MODEL_STRATEGIES",
     "ModelStrategy",
     "ModuleClassPolicy",
+    "PipelineParallelModel",
     "RowParallelLinear",
     "RowwiseParallel",
     "SequenceParallel",
@@ -51,6 +53,7 @@ __all__ = [
     "ZeRO2Model",
     "ZeRO3Model",
     "get_model_strategy",
+    "plot_schedule",
     "transformer_plan",
     "vocab_parallel_cross_entropy",
 ]

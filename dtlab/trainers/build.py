@@ -36,6 +36,14 @@ def build_model_strategy(
             "build TensorParallelModel(module, Mesh(backend, {'dp': -1, 'tp': 2}), plan=transformer_plan()) "
             "with DDPOptimizer or ZeRO1Optimizer in your own loop (docs/strategies.md, Tensor parallelism)"
         )
+    if config.strategy.model == "pipeline":
+        raise ConfigError(
+            "strategy.model='pipeline': the Trainer does not run pipeline schedules yet (it calls the "
+            "model's forward and backward, a pipeline trains through model.train_step); build "
+            "PipelineParallelModel(module, Mesh(backend, {'pp': 2, 'dp': -1}), schedule='1f1b', "
+            "micro_batches=8) with DDPOptimizer or ZeRO1Optimizer in your own loop (docs/strategies.md, "
+            "Pipeline parallelism)"
+        )
     with task.init_lock, torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.train.seed)  # every rank builds the same initial model
         module = task.build_model().to(backend.device)

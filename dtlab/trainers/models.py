@@ -68,13 +68,34 @@ class TransformerLM(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.seq_len:
-            raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len={self.seq_len}")
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        x = _embed(self.tok, self.pos, self.seq_len, idx)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+    def pipeline_blocks(self) -> list[tuple[str, nn.Module]]:
+        """The model as a sequence for pipeline parallelism: token + position embedding, each block,
+        final norm with the head (``PipelineParallelModel`` cuts stages between them)."""
+        blocks = [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)]
+        return [("embed", _Embed(self)), *blocks, ("head", nn.Sequential(self.ln_f, self.head))]
+
+
+class _Embed(nn.Module):
+    """``TransformerLM``'s embedding as a pipeline block (shares the model's ``tok`` and ``pos``)."""
+
+    def __init__(self, lm: TransformerLM) -> None:
+        super().__init__()
+        self.tok, self.pos, self.seq_len = lm.tok, lm.pos, lm.seq_len
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return _embed(self.tok, self.pos, self.seq_len, idx)
+
+
+def _embed(tok: nn.Embedding, pos: nn.Embedding, seq_len: int, idx: torch.Tensor) -> torch.Tensor:
+    t = idx.shape[1]
+    if t > seq_len:
+        raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len={seq_len}")
+    return tok(idx) + pos(torch.arange(t, device=idx.device))
 
 
 class DigitsCNN(nn.Module):

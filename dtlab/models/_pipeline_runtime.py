@@ -1,0 +1,197 @@
+"""Running one rank's share of a pipeline schedule: forwards, backwards, input- and weight-gradients.
+
+The actions of :mod:`dtlab.models._pipeline_schedules` are executed in order; communication actions are
+handed to :class:`~dtlab.models._pipeline_comm.StageLinks`, which posts them as one batch before the
+next compute. The gradient contract: the last stage computes ``loss_fn(output, targets) / m`` for each
+micro-batch and runs backward from it, so the accumulated gradients equal those of the mean loss over
+the whole batch (never scaled after the fact).
+
+Activation memory is counted from the tensors (:class:`ActivationMeter`): for each micro-batch on each
+stage, the storages autograd saves during its forward (parameters and the batch itself excluded), its
+input and its output,
+from the end of its forward until its backward (for zero-bubble: what its ``I`` leaves for ``W`` until
+``W``); a storage held by two micro-batch records (a local hand-over between stages) counts once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import torch
+
+from dtlab.errors import StrategyError
+from dtlab.models._pipeline_comm import StageLinks
+from dtlab.models._pipeline_schedules import Action, Kind, PipelineSchedule
+from dtlab.models._pipeline_split import Stage
+from dtlab.models._pipeline_zb import SplitLinearMode, WeightGradients
+
+__all__ = ["ActivationMeter", "StepResult", "run_schedule"]
+
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+class ActivationMeter:
+    """Bytes of activation storages held per (stage, micro-batch), and the peak of their union."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self.excluded = excluded  # storage data pointers of parameters
+        self.current = self.peak = 0
+        self._held: dict[Key, dict[int, int]] = {}
+        self._refs: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+
+    def _add(self, key: Key, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        ptr, nbytes = st.data_ptr(), st.nbytes()
+        if nbytes and ptr not in self.excluded:
+            self._held.setdefault(key, {})[ptr] = nbytes
+
+    @contextlib.contextmanager
+    def saving(self, key: Key) -> Iterator[None]:
+        """Inside: every tensor autograd saves is recorded for ``key``."""
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            self._add(key, t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def hold(self, key: Key, tensors: Sequence[torch.Tensor]) -> None:
+        """Record ``tensors`` for ``key`` as well, then count everything recorded for it."""
+        for t in tensors:
+            self._add(key, t)
+        for ptr, nbytes in self._held.get(key, {}).items():
+            if self._refs.get(ptr, 0) == 0:
+                self.current += nbytes
+                self._sizes[ptr] = nbytes
+            self._refs[ptr] = self._refs.get(ptr, 0) + 1
+        self.peak = max(self.peak, self.current)
+
+    def release(self, key: Key) -> None:
+        for ptr in self._held.pop(key, {}):
+            self._refs[ptr] -= 1
+            if self._refs[ptr] == 0:
+                del self._refs[ptr]
+                self.current -= self._sizes.pop(ptr)
+
+    def replace(self, key: Key, storages: dict[int, int]) -> None:
+        """After ``I``: ``key`` now holds only ``storages`` (what its ``W`` needs)."""
+        self.release(key)
+        self._held[key] = {p: n for p, n in storages.items() if p not in self.excluded}
+        self.hold(key, [])
+
+
+@dataclass
+class StepResult:
+    """The last stage's summed loss (``sum_i loss_i / m``; None elsewhere), the peak activation bytes
+    and the measured compute intervals ``(action, start, end)`` (``perf_counter`` seconds)."""
+
+    loss: torch.Tensor | None
+    peak_activation_bytes: int
+    timeline: list[tuple[Action, float, float]] = field(default_factory=list)
+
+
+def run_schedule(
+    schedule: PipelineSchedule,
+    rank: int,
+    stages: dict[int, Stage],
+    links: StageLinks | None,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    excluded_storages: set[int],
+) -> StepResult:
+    """Execute ``schedule.actions[rank]`` with this rank's ``stages`` on the micro-batches."""
+    m, last = schedule.m, schedule.num_stages - 1
+    meter = ActivationMeter(excluded_storages)
+    xs: dict[Key, torch.Tensor] = {}  # stage inputs, until their backward
+    ys: dict[Key, torch.Tensor] = {}  # stage outputs (last stage: the scaled loss), until their backward
+    to_send: dict[Key, torch.Tensor] = {}  # input-gradients waiting for their SEND_B
+    local_grads: dict[Key, torch.Tensor] = {}  # output-gradients handed over on this rank (p = 1)
+    deferred: dict[Key, WeightGradients] = {}
+    loss_sum: torch.Tensor | None = None
+    timeline: list[tuple[Action, float, float]] = []
+
+    def outgoing(a: Action) -> torch.Tensor:
+        if a.kind is Kind.SEND_F:
+            return ys[(a.stage, a.micro)].detach()
+        return to_send.pop((a.stage, a.micro))
+
+    for a in schedule.actions[rank]:
+        if not a.kind.is_compute:
+            if links is None:  # unreachable: p = 1 schedules have no messages
+                raise StrategyError(f"pipeline rank {rank} got communication action {a} without a pp group")
+            links.add(a)
+            continue
+        if links is not None:
+            links.flush(outgoing)
+        key = (a.stage, a.micro)
+        t0 = perf_counter()
+        if a.kind is Kind.F:
+            x = _stage_input(schedule, rank, a, inputs, ys, links)
+            store = deferred.setdefault(key, WeightGradients()) if _splits(schedule) else None
+            with meter.saving(key), SplitLinearMode(store) if store is not None else contextlib.nullcontext():
+                y = stages[a.stage](x)
+                if a.stage == last:
+                    loss = loss_fn(y, targets[a.micro])
+                    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                        raise StrategyError(
+                            f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got "
+                            f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+                        )
+                    y = loss.reshape(()) / m
+            meter.hold(key, [x, y])
+            xs[key], ys[key] = x, y
+            if a.stage == last:
+                loss_sum = y.detach() if loss_sum is None else loss_sum + y.detach()
+        elif a.kind in (Kind.B, Kind.I):
+            y, x = ys.pop(key), xs.pop(key)
+            grad = None
+            if a.stage < last:
+                remote = schedule.rank_of(a.stage + 1) != rank
+                grad = links.take(Kind.RECV_B, *key) if remote and links is not None else local_grads.pop(key)
+            if y.requires_grad:
+                torch.autograd.backward(y, grad)
+            if a.stage > 0:
+                g = x.grad if x.grad is not None else torch.zeros_like(x)
+                if schedule.rank_of(a.stage - 1) != rank:
+                    to_send[key] = g
+                else:
+                    local_grads[(a.stage - 1, a.micro)] = g
+            if a.kind is Kind.I:
+                meter.replace(key, deferred[key].held_storages())
+            else:
+                meter.release(key)
+        else:  # W
+            deferred.pop(key).run()
+            meter.release(key)
+        timeline.append((a, t0, perf_counter()))
+    if links is not None:
+        links.flush(outgoing)
+        links.finish()
+    return StepResult(loss_sum, meter.peak, timeline)
+
+
+def _splits(schedule: PipelineSchedule) -> bool:
+    return schedule.name == "zero_bubble"
+
+
+def _stage_input(
+    schedule: PipelineSchedule,
+    rank: int,
+    a: Action,
+    inputs: Sequence[torch.Tensor],
+    ys: dict[Key, torch.Tensor],
+    links: StageLinks | None,
+) -> torch.Tensor:
+    if a.stage == 0:
+        return inputs[a.micro]
+    if schedule.rank_of(a.stage - 1) != rank and links is not None:
+        x = links.take(Kind.RECV_F, a.stage, a.micro)
+    else:
+        x = ys[(a.stage - 1, a.micro)].detach()
+    return x.requires_grad_(x.is_floating_point())

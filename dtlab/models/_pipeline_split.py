@@ -1,0 +1,221 @@
+"""Splitting a module into pipeline stages, deterministically on every rank.
+
+A pipelined module is an ``nn.Sequential`` (its children are the blocks) or any module with a
+``pipeline_blocks()`` method returning its ordered ``(name, block)`` pairs, each block taking one tensor
+and returning one tensor (``TransformerLM`` offers one: embedding, each transformer block, final norm
+with the head). Every parameter and buffer must belong to exactly one block (none silently dropped,
+none shared across blocks). Stage boundaries are block names (``split_points``: where a stage begins,
+torch's ``SplitPoint.BEGINNING``), by default a split balanced by parameter count. Shapes and dtypes
+of the tensors between stages come from a forward on the meta device with the micro-batch's shape,
+computed alike on every rank: nothing is negotiated at run time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from dtlab.errors import StrategyError
+
+__all__ = [
+    "Stage",
+    "TensorSpec",
+    "balanced_split",
+    "local_tree",
+    "module_blocks",
+    "split_blocks",
+    "stage_specs",
+]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor crossing a stage boundary."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class Stage(nn.Module):
+    """Consecutive blocks run one after another (the blocks are the user's own modules)."""
+
+    def __init__(self, index: int, named_blocks: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        self.index = index
+        self.names = [n for n, _ in named_blocks]
+        self.blocks = nn.ModuleList([b for _, b in named_blocks])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def __repr__(self) -> str:
+        return f"Stage({self.index}: {self.names[0]} .. {self.names[-1]})"
+
+
+def module_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The ordered ``(name, block)`` pairs of ``module``, checked to cover every parameter once."""
+    custom = getattr(module, "pipeline_blocks", None)
+    if callable(custom):
+        blocks = [(str(n), b) for n, b in custom()]
+    elif isinstance(module, nn.Sequential):
+        blocks = list(module.named_children())
+    else:
+        raise StrategyError(
+            f"PipelineParallelModel splits an nn.Sequential or a module with a pipeline_blocks() method "
+            f"returning its ordered (name, block) pairs (each block: one tensor in, one tensor out); "
+            f"{type(module).__name__} has neither. Wrap its layers in nn.Sequential or add pipeline_blocks()"
+        )
+    if not blocks:
+        raise StrategyError(f"{type(module).__name__} has no blocks to split into pipeline stages")
+    names = [n for n, _ in blocks]
+    if len(set(names)) != len(names):
+        raise StrategyError(f"pipeline block names must be unique, got {names}")
+    owner: dict[int, str] = {}
+    for name, block in blocks:
+        if not isinstance(block, nn.Module):
+            raise StrategyError(f"pipeline block {name!r} is a {type(block).__name__}, not an nn.Module")
+        for t in list(block.parameters()) + list(block.buffers()):
+            if owner.setdefault(id(t), name) != name:
+                raise StrategyError(
+                    f"a tensor is used by pipeline blocks {owner[id(t)]!r} and {name!r}, which may run on "
+                    "different ranks; tied weights across blocks are not supported (untie them or put "
+                    "both users in one block)"
+                )
+    missing = [
+        n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if id(t) not in owner
+    ]
+    if missing:
+        raise StrategyError(
+            f"{len(missing)} parameters or buffers of {type(module).__name__} belong to no pipeline block "
+            f"and would be dropped: {missing[:6]}{' ...' if len(missing) > 6 else ''}; make "
+            "pipeline_blocks() cover the whole module"
+        )
+    return blocks
+
+
+def _numel(block: nn.Module) -> int:
+    return sum(p.numel() for p in block.parameters())
+
+
+def balanced_split(sizes: Sequence[int], stages: int) -> list[int]:
+    """Start index of each of ``stages`` contiguous, non-empty groups of ``sizes`` minimising the
+    largest group's sum (ties: the latest cut, so a parameterless block such as an activation stays
+    with the layer before it). Deterministic, so every rank computes the same."""
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    inf = float("inf")
+    # best[k][i]: the smallest largest-sum splitting the first i blocks into k groups
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost <= best[k][i]:  # ties: the latest cut, so parameterless blocks stay behind
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def split_blocks(
+    blocks: list[tuple[str, nn.Module]], stages: int, split_points: Sequence[str] | None
+) -> list[Stage]:
+    """``stages`` stages of consecutive blocks, cut where ``split_points`` name a block (or balanced)."""
+    names = [n for n, _ in blocks]
+    if len(blocks) < stages:
+        raise StrategyError(
+            f"the module has {len(blocks)} pipeline blocks ({names}) but the pipeline needs {stages} stages "
+            "(pp size x stages_per_rank); use fewer stages or a module with more blocks"
+        )
+    if split_points is None:
+        starts = balanced_split([_numel(b) for _, b in blocks], stages)
+    else:
+        points = list(split_points)
+        if len(points) != stages - 1:
+            raise StrategyError(
+                f"{stages} pipeline stages need {stages - 1} split points (the block names where stages 1.."
+                f"{stages - 1} begin), got {len(points)}: {points}"
+            )
+        unknown = [p for p in points if p not in names]
+        if unknown:
+            raise StrategyError(f"split points {unknown} name no pipeline block; the blocks are {names}")
+        starts = [0] + [names.index(p) for p in points]
+        if names[0] in points or any(b <= a for a, b in itertools.pairwise(starts)):
+            raise StrategyError(
+                f"split points must name blocks after the first, in order, each once: got {points} for "
+                f"blocks {names}"
+            )
+    ends = [*starts[1:], len(blocks)]
+    return [Stage(i, blocks[a:b]) for i, (a, b) in enumerate(zip(starts, ends, strict=True))]
+
+
+def local_tree(module: nn.Module, keep: set[int]) -> nn.Module:
+    """Empty containers holding exactly the parameters and buffers in ``keep`` (ids) under their
+    names in ``module``: its ``state_dict()`` and ``named_parameters()`` are keyed like the module's."""
+    root = nn.Module()
+
+    def container(path: str) -> nn.Module:
+        node = root
+        for part in path.split(".") if path else []:
+            child = node._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                node.add_module(part, child)
+            node = child
+        return node
+
+    for path, mod in module.named_modules(remove_duplicate=False):
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) in keep:
+                container(path).register_parameter(name, p)
+        for name, b in mod.named_buffers(recurse=False):
+            if id(b) in keep:
+                persistent = name not in getattr(mod, "_non_persistent_buffers_set", set())
+                container(path).register_buffer(name, b, persistent=persistent)
+    return root
+
+
+def stage_specs(stages: Sequence[Stage], sample: TensorSpec) -> list[TensorSpec]:
+    """Output spec of every stage for an input like ``sample``, by a forward on the meta device."""
+    x = torch.empty(sample.shape, dtype=sample.dtype, device="meta")
+    out: list[TensorSpec] = []
+    with torch.no_grad():
+        for stage in stages:
+            state = {n: t.to("meta") for n, t in list(stage.named_parameters()) + list(stage.named_buffers())}
+            try:
+                y = functional_call(stage, state, (x,))
+            except Exception as exc:
+                raise StrategyError(
+                    f"the shape of pipeline stage {stage.index}'s output ({stage.names[0]} .. "
+                    f"{stage.names[-1]}) could not be computed by a forward on the meta device with input "
+                    f"{tuple(x.shape)} {x.dtype}: {type(exc).__name__}: {exc}. Stages must be shape-static "
+                    "(no data-dependent control flow, .item() or host copies)"
+                ) from exc
+            if not isinstance(y, torch.Tensor):
+                raise StrategyError(
+                    f"pipeline stage {stage.index} ({stage.names[-1]}) returns a {type(y).__name__}; every "
+                    "block must return one tensor"
+                )
+            out.append(TensorSpec(tuple(y.shape), y.dtype))
+            x = y
+    return out

@@ -1,0 +1,92 @@
+"""Zero-bubble's backward split: input-gradients now (``I``), weight-gradients later (``W``).
+
+During a zero-bubble stage's forward, every ``F.linear`` whose weight is a trainable leaf runs as
+:class:`_SplitLinear` (a thread-local ``TorchFunctionMode``, so other in-memory ranks are untouched).
+Its backward returns the input-gradient only and keeps ``(input, output-gradient)`` in the
+micro-batch's :class:`WeightGradients`; ``W`` later computes ``grad_out^T @ input`` (and the bias sum)
+into ``param.grad``, the split of the Zero Bubble paper (Qi et al., 2023). Everything that is not a
+linear layer (norms, embeddings) gets its gradient during ``I``, as it costs little.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["SplitLinearMode", "WeightGradients"]
+
+
+class WeightGradients:
+    """The deferred weight-gradient work of one micro-batch on one stage."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def held_storages(self) -> dict[int, int]:
+        """Storages this work holds (data pointer -> bytes): the inputs and output-gradients kept."""
+        out: dict[int, int] = {}
+        for x, g, _, _ in self.pending:
+            for t in (x, g):
+                st = t.untyped_storage()
+                out[st.data_ptr()] = st.nbytes()
+        return out
+
+    def run(self) -> None:
+        """Accumulate every kept weight-gradient into its parameter's ``.grad`` (in place)."""
+        with torch.no_grad():
+            for x, g, weight, bias in self.pending:
+                g2 = g.reshape(-1, g.shape[-1])
+                gw = g2.t().mm(x.reshape(-1, x.shape[-1]).to(g2.dtype))
+                _accumulate(weight, gw)
+                if bias is not None:
+                    _accumulate(bias, g2.sum(0))
+        self.pending.clear()
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad.to(param.dtype).reshape(param.shape).clone()
+    else:
+        param.grad.add_(grad.reshape(param.shape).to(param.grad.dtype))
+
+
+class _SplitLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradients
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store  # the parameters themselves, for W
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        bias = ctx.bias if ctx.bias is not None and ctx.bias.requires_grad else None
+        ctx.store.pending.append((x.detach(), grad_out.detach(), ctx.weight, bias))
+        grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None
+
+
+class SplitLinearMode(TorchFunctionMode):
+    """Inside it, ``F.linear`` with a trainable weight (and a parameter or no bias) defers its
+    weight-gradient to ``store``."""
+
+    def __init__(self, store: WeightGradients) -> None:
+        super().__init__()
+        self.store = store
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            leaf_bias = bias is None or isinstance(bias, torch.nn.Parameter)
+            if isinstance(weight, torch.nn.Parameter) and weight.requires_grad and leaf_bias:
+                return _SplitLinear.apply(x, weight, bias, self.store)
+        return func(*args, **kwargs)
