@@ -188,6 +188,11 @@ def bench_world(backend: Any, args: dict[str, Any], with_torch: bool) -> dict[st
     return {"times": times, "first_loss": first_loss, "bytes": bytes_per_step}
 
 
+def _quartiles(ts: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
+    return q[0], q[2]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -223,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                     "engine": engine,
                     "variant": name,
                     "median_ms": 1e3 * statistics.median(ts),
+                    "iqr_ms": [1e3 * q for q in _quartiles(ts)],
                     "min_ms": 1e3 * min(ts),
                     "first_loss": res["first_loss"][name],
                     "bytes": b.get("sent"),
@@ -232,20 +238,21 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ", ".join(f"{k}={v}" for k, v in args.items())
     print(f"\ntp={ns.tp}; {cfg}\n")
     print(
-        "| engine | implementation | step (median) | step (best) | sent per rank per step "
-        "| collectives per step | first loss |"
+        "| engine | implementation | step, median (IQR) | step, best | ratio to torch (median / best) "
+        "| sent per rank per step | collectives per step | first loss |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
+    ref = next((q for q in rows if q["engine"] == "gloo" and q["variant"] == "torch"), None)
     for r in rows:
-        ratio = ""
-        ref = next((q for q in rows if q["engine"] == "gloo" and q["variant"] == "torch"), None)
-        if ref is not None and r["variant"] != "torch":
-            ratio = f" ({r['median_ms'] / ref['median_ms']:.2f}x torch)"
+        ratio = "-"
+        if ref is not None:
+            ratio = f"{r['median_ms'] / ref['median_ms']:.2f} / {r['min_ms'] / ref['min_ms']:.2f}"
         sent = "not counted" if r["bytes"] is None else f"{r['bytes'] / 2**20:.2f} MiB"
         comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm"].items()))
+        lo, hi = r["iqr_ms"]
         print(
-            f"| {r['engine']} | {r['variant']} | {r['median_ms']:.1f} ms{ratio} | {r['min_ms']:.1f} ms "
-            f"| {sent} | {comm} | {r['first_loss']:.6f} |"
+            f"| {r['engine']} | {r['variant']} | {r['median_ms']:.0f} ms ({lo:.0f}-{hi:.0f}) | "
+            f"{r['min_ms']:.0f} ms | {ratio} | {sent} | {comm} | {r['first_loss']:.6f} |"
         )
     if ns.json is not None:
         ns.json.write_text(json.dumps({"args": args, "rows": rows, "raw": raw}, indent=1, default=str))

@@ -7,6 +7,8 @@ It imports only ``torch``, :mod:`dtlab.backends` and :mod:`dtlab.errors`, so eve
 - :mod:`dtlab.core.reducer`: :class:`GradientReducer` (the seam gradients travel through) and
   :class:`DenseReducer` (the uncompressed one);
 - :mod:`dtlab.core.state`: :class:`ShardedState`, one rank's piece of a model or optimizer state;
+- :mod:`dtlab.core.placement`: :class:`Replicate` / :class:`Shard` and :func:`placement_of`, where
+  each parameter lives on a mesh (read by clipping, finite checks, memory reports, checkpoints);
 - :mod:`dtlab.core.pairs`: which model strategy pairs with which optimizer strategy (no torch, so
   the config can read it without importing torch).
 
@@ -19,12 +21,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dtlab.core.placement import Replicate, Shard, placement_of
     from dtlab.core.reducer import DenseReducer, GradientReducer
     from dtlab.core.state import ShardedState
 
-__all__ = ["DenseReducer", "GradientReducer", "ShardedState"]
+__all__ = ["DenseReducer", "GradientReducer", "Replicate", "Shard", "ShardedState", "placement_of"]
 
-_HOME = {"DenseReducer": "reducer", "GradientReducer": "reducer", "ShardedState": "state"}
+_HOME = {
+    "DenseReducer": "reducer",
+    "GradientReducer": "reducer",
+    "ShardedState": "state",
+    "Replicate": "placement",
+    "Shard": "placement",
+    "placement_of": "placement",
+}
 
 
 def __getattr__(name: str) -> Any:
