@@ -2,7 +2,9 @@
 
 ``dtlab train`` with no arguments trains the embedded default (a byte-level transformer language model
 on the Python standard library's source, 4 in-memory ranks). Configuration errors and other dtlab
-errors print one message and exit with status 2, without a traceback.
+errors print one message and exit with status 2, without a traceback. SIGTERM or SIGINT during
+``dtlab train`` stops every rank after the same step, writes a final checkpoint (``checkpoint.dir``)
+and exits with 143 (SIGTERM) or 130 (SIGINT); a second signal stops at once (``trainers/preemption.py``).
 """
 
 from __future__ import annotations
@@ -48,16 +50,29 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from dtlab.config import load_config
     from dtlab.trainers import run_training
+    from dtlab.trainers.preemption import EXIT_STATUS, StopRequest, stop_on_signals
     from dtlab.trainers.report import print_tables, profile_table, summary_table
 
     config = load_config(args.config, args.overrides)
     if args.quiet:
         config = config.model_copy(update={"logging": config.logging.model_copy(update={"progress": False})})
-    results = run_training(config)
+    with stop_on_signals(StopRequest()) as stop:  # SIGTERM/SIGINT: a clean stop at the next step
+        results = run_training(config, stop=stop)
     main = results[0]
     if main.rank == 0:  # under a launcher every process gets its own rank; rank 0 prints
         print_tables(summary_table(main.summary, title="dtlab train: summary"), profile_table(main.profile))
-    return 0
+    if main.preempted_by is None:
+        return 0
+    status = EXIT_STATUS.get(main.preempted_by, 1)
+    if main.rank == 0:
+        saved = f"checkpoint {main.checkpoint}" if main.checkpoint else "no checkpoint (no checkpoint.dir)"
+        print(
+            f"dtlab train: stopped by {main.preempted_by} after step {main.final_step} of "
+            f"{config.train.steps}; {saved}; exit status {status}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return status
 
 
 def _config(args: argparse.Namespace) -> int:

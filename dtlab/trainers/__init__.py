@@ -3,6 +3,7 @@
 from dtlab.trainers.guard import EarlyStopping, NonFiniteError, NonFiniteGuard
 from dtlab.trainers.launch import run_training
 from dtlab.trainers.metrics import MetricsCollector
+from dtlab.trainers.preemption import StopRequest, stop_on_signals
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.tasks import Task, build_task
 from dtlab.trainers.trainer import Trainer, TrainResult
@@ -13,9 +14,11 @@ __all__ = [
     "NonFiniteError",
     "NonFiniteGuard",
     "Profiler",
+    "StopRequest",
     "Task",
     "TrainResult",
     "Trainer",
     "build_task",
     "run_training",
+    "stop_on_signals",
 ]

@@ -10,6 +10,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, check_world_size
+from dtlab.trainers.preemption import StopRequest
 from dtlab.trainers.preflight import check_paths
 from dtlab.trainers.tasks import Task, build_task, check_task
 from dtlab.trainers.trainer import SchedulerFactory, Trainer, TrainResult
@@ -33,15 +34,25 @@ def resolve_backend_name(config: TrainConfig, env: Mapping[str, str] | None = No
 
 
 def _rank_main(
-    backend: CommunicationBackend, config: TrainConfig, task: Task, scheduler_factory: SchedulerFactory | None
+    backend: CommunicationBackend,
+    config: TrainConfig,
+    task: Task,
+    scheduler_factory: SchedulerFactory | None,
+    stop: StopRequest | None,
 ) -> TrainResult:
-    return Trainer(config, backend, task=task, scheduler_factory=scheduler_factory).fit()
+    return Trainer(config, backend, task=task, scheduler_factory=scheduler_factory, stop=stop).fit()
 
 
 def run_training(
-    config: TrainConfig, task: Task | None = None, scheduler_factory: SchedulerFactory | None = None
+    config: TrainConfig,
+    task: Task | None = None,
+    scheduler_factory: SchedulerFactory | None = None,
+    stop: StopRequest | None = None,
 ) -> list[TrainResult]:
-    """Train; returns every rank's result (in-memory) or this process's (under a launcher)."""
+    """Train; returns every rank's result (in-memory) or this process's (under a launcher).
+
+    ``stop``: once set (``dtlab train`` sets it on SIGTERM/SIGINT, ``trainers/preemption.py``), every
+    rank stops after the same step with a final checkpoint; ``TrainResult.preempted_by`` says why."""
     name = resolve_backend_name(config)
     if name == "inmemory":
         from dtlab.testing import run_world
@@ -54,7 +65,9 @@ def run_training(
         threads = torch.get_num_threads()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ws))
         try:
-            return run_world(ws, _rank_main, config, task, scheduler_factory, timeout=config.backend.timeout)
+            return run_world(
+                ws, _rank_main, config, task, scheduler_factory, stop, timeout=config.backend.timeout
+            )
         finally:
             torch.set_num_threads(threads)
     from dtlab.backends import init_backend
@@ -63,6 +76,6 @@ def run_training(
     try:
         check_world_size(config, backend.world_size)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // backend.world_size))
-        return [_rank_main(backend, config, task or build_task(config), scheduler_factory)]
+        return [_rank_main(backend, config, task or build_task(config), scheduler_factory, stop)]
     finally:
         backend.close()

@@ -8,9 +8,11 @@ directory exactly, or chooses the same way inside a checkpoint root.
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import read_checkpoint
@@ -23,7 +25,7 @@ from dtlab.errors import CheckpointError
 if TYPE_CHECKING:
     from dtlab.trainers.trainer import Trainer
 
-__all__ = ["Resumed", "choose_checkpoint", "owned_steps", "restore"]
+__all__ = ["Resumed", "choose_checkpoint", "foreign_steps_note", "owned_steps", "report_resume", "restore"]
 
 
 @dataclass
@@ -124,3 +126,18 @@ def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> None:
     trainer.step = trainer.start_step = int(t["step"])
     if ckpt.world_size == trainer.backend.world_size:
         restore_rng(ckpt.rank_states[trainer.backend.rank], trainer.backend.device)
+
+
+def report_resume(trainer: Trainer) -> None:
+    """Rank 0: each note as a warning, a line naming the checkpoint taken, a metrics record."""
+    if not trainer.is_main or not (trainer.resumed_from or trainer.resume_notes):
+        return
+    log = logging.getLogger("dtlab.trainers")
+    for note in trainer.resume_notes:
+        log.warning("dtlab: %s", note)
+    if trainer.resumed_from:
+        print(f"dtlab: resumed from {trainer.resumed_from} (step {trainer.start_step})", file=sys.stderr)
+    record: dict[str, Any] = {"step": trainer.start_step, "resumed_from": trainer.resumed_from}
+    if trainer.resume_notes:
+        record["resume_notes"] = trainer.resume_notes
+    trainer.metrics.log(record)

@@ -9,9 +9,7 @@ every N steps, early stopping agreed by all ranks, atomic sharded checkpoints, m
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -32,11 +30,12 @@ from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
 from dtlab.trainers.elastic import end_step, report_restore, restore_commit, wrap_elastic
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
 from dtlab.trainers.metrics import MetricsCollector
+from dtlab.trainers.preemption import StopRequest, preempt
 from dtlab.trainers.preflight import check_paths_on_every_rank
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.progress import ProgressBar
 from dtlab.trainers.report import format_record, step_record, summary_rows
-from dtlab.trainers.resume import choose_checkpoint, foreign_steps_note, owned_steps, restore
+from dtlab.trainers.resume import choose_checkpoint, foreign_steps_note, owned_steps, report_resume, restore
 from dtlab.trainers.schedule import build_scheduler
 from dtlab.trainers.state import capture_rng
 from dtlab.trainers.tasks import Task, build_task, check_task
@@ -58,6 +57,8 @@ class TrainResult:
     start_step: int = 0
     stopped_early: bool = False
     checkpoint: str | None = None
+    #: the signal (``"SIGTERM"``, ``"SIGINT"``) or reason that stopped training before ``train.steps``
+    preempted_by: str | None = None
     #: the step directory this run resumed from (``None``: a fresh start)
     resumed_from: str | None = None
     #: problems met while choosing it (a broken ``latest``, a newest step that did not verify, ...)
@@ -74,13 +75,17 @@ class Trainer:
         task: Task | None = None,
         scheduler_factory: SchedulerFactory | None = None,
         member: ElasticMember | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         """``member``: this rank's place in an elastic job (``dtlab.testing.elastic.run_elastic``
         passes one); with ``elastic.commit_every`` the optimizer strategy is wrapped in an
-        ElasticOptimizer and the last commit is restored here (docs/elastic.md)."""
+        ElasticOptimizer and the last commit is restored here (docs/elastic.md). ``stop``: checked at
+        every step boundary (one all-reduce per step); once set on any rank, every rank stops after the
+        same step with a final checkpoint (see ``trainers/preemption.py``)."""
         check_world_size(config, backend.world_size)
         check_paths_on_every_rank(config, backend)  # not at the first save, after hours of training
         self.config, self.backend = config, backend
+        self.stop = stop
         self.is_main = backend.rank == 0
         self.task = task or build_task(config)
         check_task(config, self.task, backend.world_size)
@@ -136,7 +141,7 @@ class Trainer:
             enabled=self.is_main,
             append=self.start_step > 0,  # a resumed run continues its file; a fresh run starts a new one
         )
-        self._report_resume()
+        report_resume(self)
         report_restore(self)
 
     # ------------------------------------------------------------------ one step
@@ -272,18 +277,6 @@ class Trainer:
         self.resumed_from = str(chosen.checkpoint.path)
         self.owned_steps = owned_steps(self.config, chosen.checkpoint)
 
-    def _report_resume(self) -> None:
-        """Rank 0: each note as a warning, a line naming the checkpoint taken, a metrics record."""
-        if not self.is_main or not (self.resumed_from or self.resume_notes):
-            return
-        log = logging.getLogger("dtlab.trainers")
-        for note in self.resume_notes:
-            log.warning("dtlab: %s", note)
-        if self.resumed_from:
-            print(f"dtlab: resumed from {self.resumed_from} (step {self.start_step})", file=sys.stderr)
-        record: dict[str, Any] = {"step": self.start_step, "resumed_from": self.resumed_from}
-        self.metrics.log({**record, "resume_notes": self.resume_notes} if self.resume_notes else record)
-
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
         cfg = self.config
@@ -334,6 +327,12 @@ class Trainer:
                 end_step(self)  # elastic: commit when due; the member may leave the world here
                 if stop:
                     result.stopped_early = True
+                    break
+                if (
+                    self.stop is not None
+                    and self.step < cfg.train.steps
+                    and preempt(self, self.stop, result, bar)
+                ):
                     break
         finally:
             bar.close()

@@ -1,0 +1,124 @@
+"""Preemption: SIGTERM (what schedulers and torchrun send first) or SIGINT stops training cleanly.
+
+The signal handler only sets a :class:`StopRequest`; every rank's :class:`~dtlab.trainers.Trainer`
+reads it at each step boundary and the ranks agree (one MAX all-reduce of a flag, so one signalled
+rank is enough and all stop after the same step), write a final checkpoint when ``checkpoint.dir``
+is set, and return with ``TrainResult.preempted_by`` naming the signal. ``dtlab train`` then exits
+with ``EXIT_STATUS`` (128 + the signal number, as a shell reports a process the signal ended: 143 for
+SIGTERM, 130 for SIGINT).
+
+Handlers are installed once, in the main thread (in-memory ranks are threads: never per rank). After
+the first signal the previous handlers are back, so a second signal acts at once as it would without
+dtlab: SIGINT raises ``KeyboardInterrupt``, SIGTERM ends the process.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.checkpoint.files import step_dir_name
+
+if TYPE_CHECKING:
+    from dtlab.trainers.progress import ProgressBar
+    from dtlab.trainers.trainer import Trainer, TrainResult
+
+__all__ = ["EXIT_STATUS", "StopRequest", "agreed_stop", "preempt", "stop_on_signals"]
+
+#: exit status of ``dtlab train`` after a clean stop on a signal: 128 + the signal number
+EXIT_STATUS = {"SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}
+
+
+class StopRequest:
+    """A request to stop training at the next step boundary; thread-safe, set once (first reason wins)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self.reason: str | None = None
+
+    def request(self, reason: str) -> None:
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+@contextmanager
+def stop_on_signals(
+    stop: StopRequest, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+) -> Iterator[StopRequest]:
+    """While inside, the first of ``signals`` sets ``stop`` (named after the signal) and puts the
+    previous handlers back; on leaving, the previous handlers are back in any case. Main thread only
+    (Python's rule for signal handlers): elsewhere this installs nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous: dict[signal.Signals, Any] = {s: signal.getsignal(s) for s in signals}
+
+    def restore() -> None:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.request(signal.Signals(signum).name)
+        restore()  # a second signal: the behaviour without dtlab, at once
+
+    for s in signals:
+        signal.signal(s, handler)
+    try:
+        yield stop
+    finally:
+        restore()
+
+
+def agreed_stop(backend: CommunicationBackend, stop: StopRequest) -> str | None:
+    """Collective, at a step boundary: the reason if any rank's ``stop`` is set (then on every rank),
+    else ``None``. One 4-byte MAX all-reduce per call; the reasons travel only once a stop is agreed."""
+    flag = torch.tensor([1 if stop.is_set() else 0], dtype=torch.int32, device=backend.device)
+    backend.all_reduce(flag, ReduceOp.MAX)
+    if not int(flag.item()):
+        return None
+    reasons = backend.all_gather_object(stop.reason)
+    return next((r for r in reasons if r), "stop request")
+
+
+def preempt(trainer: Trainer, stop: StopRequest, result: TrainResult, bar: ProgressBar) -> bool:
+    """Collective, at a step boundary: ``False`` while no rank's ``stop`` is set; else every rank stops
+    here, after a final checkpoint when ``checkpoint.dir`` is set (unless this step was just saved),
+    with ``result.preempted_by``, a ``preempted_by`` metrics record and lines on rank 0's stderr."""
+    reason = agreed_stop(trainer.backend, stop)
+    if reason is None:
+        return False
+    result.preempted_by = reason
+
+    def say(text: str) -> None:  # above the progress bar when it is shown
+        if trainer.is_main and bar.enabled:
+            bar.print_line(text)
+        elif trainer.is_main:
+            print(text, file=sys.stderr, flush=True)
+
+    say(f"dtlab: {reason}: every rank stops after step {trainer.step}")
+    record: dict[str, Any] = {"step": trainer.step, "preempted_by": reason}
+    if trainer.config.checkpoint.dir:
+        if result.checkpoint is None or Path(result.checkpoint).name != step_dir_name(trainer.step):
+            t0 = time.perf_counter()
+            result.checkpoint = str(trainer.save_checkpoint())
+            record["checkpoint_s"] = time.perf_counter() - t0
+        record["checkpoint"] = result.checkpoint
+        say(f"dtlab: checkpoint {result.checkpoint} written")
+    trainer.metrics.log(record)
+    return True
