@@ -225,14 +225,19 @@ class CommunicationBackend(ArgumentChecks, ABC):
         t0 = perf_counter()
         output, counts = self._all_gather_v(input.reshape(-1))
         dt = perf_counter() - t0
-        # ring: rank r forwards every chunk but its successor's and receives every chunk but its own;
-        # plus the exchange of the counts (one int64 per rank)
-        p, es = self.world_size, input.element_size()
-        total = sum(counts)
-        sent = (total - counts[(self.rank + 1) % p]) * es + 8 * (p - 1)
-        received = (total - counts[self.rank]) * es + 8 * (p - 1)
+        sent, received = self._all_gather_v_bytes(counts, input.element_size())
         self._stats.record("all_gather_v", sent, received, dt)
         return output, counts
+
+    def _all_gather_v_bytes(self, counts: list[int], element_size: int) -> tuple[int, int]:
+        """Bytes ``all_gather_v`` moved on this rank: a ring over the real counts (an engine with a
+        variable-sized all-gather); engines that pad every contribution override it."""
+        # rank r forwards every chunk but its successor's and receives every chunk but its own;
+        # plus the exchange of the counts (one int64 per rank)
+        p, total = self.world_size, sum(counts)
+        sent = (total - counts[(self.rank + 1) % p]) * element_size + 8 * (p - 1)
+        received = (total - counts[self.rank]) * element_size + 8 * (p - 1)
+        return sent, received
 
     def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
         """``inputs[j]`` goes to rank j; ``outputs[i]`` receives what rank i sent to this rank."""
@@ -357,9 +362,7 @@ class CommunicationBackend(ArgumentChecks, ABC):
         t0 = perf_counter()
         result, sizes = self._all_gather_object(obj)
         dt = perf_counter() - t0
-        p, total = self.world_size, sum(sizes)
-        sent = total - sizes[(self.rank + 1) % p] + 8 * (p - 1)
-        received = total - sizes[self.rank] + 8 * (p - 1)
+        sent, received = self._all_gather_v_bytes(sizes, 1)  # the pickles travel by all_gather_v
         self._stats.record("all_gather_object", sent, received, dt)
         return result
 

@@ -248,6 +248,11 @@ class TorchDistBackend(CommunicationBackend):
         parts = [padded[r * most : r * most + sizes[r]] for r in range(p)]
         return torch.cat(parts), sizes
 
+    def _all_gather_v_bytes(self, counts: list[int], element_size: int) -> tuple[int, int]:
+        # gloo/NCCL have no variable-sized all-gather: every rank sends max(counts) elements (padded)
+        moved = (self.world_size - 1) * (max(counts) * element_size + 8)
+        return moved, moved
+
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
         p, me, dev = self.world_size, self.rank, self._device
         send_n = torch.tensor([t.numel() for t in inputs], dtype=torch.int64, device=dev)
