@@ -88,7 +88,8 @@ class ActivationMeter:
 @dataclass
 class StepResult:
     """The last stage's summed loss (``sum_i loss_i / m``; None elsewhere), the peak activation bytes
-    and the measured compute intervals ``(action, start, end)`` (``perf_counter`` seconds)."""
+    and the measured compute intervals ``(action, start, end)`` (``perf_counter`` seconds, from the
+    arrival of the action's inputs to its end)."""
 
     loss: torch.Tensor | None
     peak_activation_bytes: int
@@ -130,9 +131,10 @@ def run_schedule(
         if links is not None:
             links.flush(outgoing)
         key = (a.stage, a.micro)
-        t0 = perf_counter()
+        t0 = perf_counter()  # compute intervals start once the inputs have arrived
         if a.kind is Kind.F:
             x = _stage_input(schedule, rank, a, inputs, ys, links)
+            t0 = perf_counter()
             store = deferred.setdefault(key, WeightGradients()) if _splits(schedule) else None
             with meter.saving(key), SplitLinearMode(store) if store is not None else contextlib.nullcontext():
                 y = stages[a.stage](x)
@@ -154,6 +156,7 @@ def run_schedule(
             if a.stage < last:
                 remote = schedule.rank_of(a.stage + 1) != rank
                 grad = links.take(Kind.RECV_B, *key) if remote and links is not None else local_grads.pop(key)
+            t0 = perf_counter()
             if y.requires_grad:
                 torch.autograd.backward(y, grad)
             if a.stage > 0:

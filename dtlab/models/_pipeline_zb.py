@@ -6,17 +6,39 @@ Its backward returns the input-gradient only and keeps ``(input, output-gradient
 micro-batch's :class:`WeightGradients`; ``W`` later computes ``grad_out^T @ input`` (and the bias sum)
 into ``param.grad``, the split of the Zero Bubble paper (Qi et al., 2023). Everything that is not a
 linear layer (norms, embeddings) gets its gradient during ``I``, as it costs little.
+
+A custom autograd function can split its own backward the same way: its forward asks for
+:func:`weight_gradient_queue` (the micro-batch's ``W`` queue under zero-bubble, else None; the mode
+answers it) and its ``backward`` computes the input-gradient and hands its weight-gradient work to
+:func:`defer_weight_gradient`, which runs it at that ``W`` or at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-__all__ = ["SplitLinearMode", "WeightGradients"]
+
+def weight_gradient_queue(anchor: torch.Tensor) -> WeightGradients | None:
+    """Call in a forward (``anchor``: its input): the queue of the micro-batch's zero-bubble ``W`` when
+    a zero-bubble stage is running this forward, else None. Pass it to :func:`defer_weight_gradient`
+    from the matching ``backward`` (autograd runs backward without the forward's context)."""
+    if has_torch_function((anchor,)):
+        return handle_torch_function(weight_gradient_queue, (anchor,), anchor)
+    return None
+
+
+def defer_weight_gradient(work: Callable[[], None], queue: WeightGradients | None) -> None:
+    """In a custom autograd function's ``backward``: run ``work`` (its weight-gradient accumulation)
+    at the micro-batch's ``W`` when ``queue`` (from :func:`weight_gradient_queue`) is one, else now."""
+    if queue is None:
+        work()
+    else:
+        queue.deferred.append(work)
 
 
 class WeightGradients:
@@ -24,6 +46,7 @@ class WeightGradients:
 
     def __init__(self) -> None:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self.deferred: list[Callable[[], None]] = []
 
     def held_storages(self) -> dict[int, int]:
         """Storages this work holds (data pointer -> bytes): the inputs and output-gradients kept."""
@@ -43,7 +66,10 @@ class WeightGradients:
                 _accumulate(weight, gw)
                 if bias is not None:
                     _accumulate(bias, g2.sum(0))
+            for work in self.deferred:
+                work()
         self.pending.clear()
+        self.deferred.clear()
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -72,8 +98,8 @@ class _SplitLinear(torch.autograd.Function):
 
 
 class SplitLinearMode(TorchFunctionMode):
-    """Inside it, ``F.linear`` with a trainable weight (and a parameter or no bias) defers its
-    weight-gradient to ``store``."""
+    """Inside it (a micro-batch's forward), ``F.linear`` with a trainable weight (and a parameter or no
+    bias) defers its weight-gradient to ``store``, and :func:`weight_gradient_queue` returns ``store``."""
 
     def __init__(self, store: WeightGradients) -> None:
         super().__init__()
@@ -83,6 +109,8 @@ class SplitLinearMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func is weight_gradient_queue:
+            return self.store
         if func is F.linear and torch.is_grad_enabled():
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")

@@ -44,6 +44,7 @@ from dtlab.models._pipeline_split import (
     split_blocks,
     stage_specs,
 )
+from dtlab.models._pipeline_zb import defer_weight_gradient, weight_gradient_queue
 from dtlab.models.zero1 import GradientSync, ZeRO1Model
 
 __all__ = [
@@ -55,9 +56,11 @@ __all__ = [
     "Timeline",
     "build_schedule",
     "check_schedule_args",
+    "defer_weight_gradient",
     "dry_run",
     "plot_schedule",
     "simulate",
+    "weight_gradient_queue",
 ]
 
 
