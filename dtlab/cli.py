@@ -1,4 +1,4 @@
-"""The ``dtlab`` command line: ``train``, ``bench``, ``consolidate`` and ``config``.
+"""The ``dtlab`` command line: ``train``, ``bench``, ``advise``, ``consolidate`` and ``config``.
 
 ``dtlab train`` with no arguments trains the embedded default (a byte-level transformer language model
 on the Python standard library's source, 4 in-memory ranks). Configuration errors and other dtlab
@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--only", choices=["strategies", "compression"], help="run one of the two benchmarks")
     b.add_argument("--full", action="store_true", help="the benchmarks' own default sizes (slow)")
     b.add_argument("--timeout", type=float, default=900.0, help="seconds each benchmark may run")
+    from dtlab.advise.command import add_advise_parser
+
+    add_advise_parser(sub)
     k = sub.add_parser("consolidate", help="write a checkpoint's full model as one safetensors file")
     k.add_argument("checkpoint", help="a checkpoint root (uses 'latest') or one step directory")
     k.add_argument("-o", "--output", required=True, help="output .safetensors file")
@@ -98,11 +101,23 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args.out, only=args.only, full=args.full, timeout=args.timeout)
 
 
+def _advise(args: argparse.Namespace) -> int:
+    from dtlab.advise.command import run_advise
+
+    return run_advise(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from dtlab.errors import DtlabError, RankFailedError
 
     args = _parser().parse_args(argv)
-    handler = {"train": _train, "config": _config, "consolidate": _consolidate, "bench": _bench}[args.command]
+    handler = {
+        "train": _train,
+        "config": _config,
+        "consolidate": _consolidate,
+        "bench": _bench,
+        "advise": _advise,
+    }[args.command]
     try:
         return handler(args)
     except RankFailedError as exc:

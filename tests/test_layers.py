@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"models", "core", "backends", "errors"},
     "optimizers": {"models", "compression", "core", "backends", "errors"},
     "testing": {"backends", "errors"},
+    "advise": {"models", "core", "backends", "errors"},
 }
 
 

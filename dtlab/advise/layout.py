@@ -1,0 +1,150 @@
+"""Where a rank's parameters lie: the transformer's tensors after tensor parallelism, a pipeline
+stage's share of them, and the flat padded buffers the data-parallel strategies build from them.
+
+The arithmetic mirrors the strategies exactly (``dtlab/models/flat.py``, ``ddp.py``, ``zero3.py``,
+``fsdp.py``): a flat unit of ``n`` elements over ``P`` ranks keeps ``c = max(1, ceil(n / P))``
+elements per rank and is padded to ``c * P``; DDP/ZeRO-1/2 buckets take the trainable parameters in
+reverse registration order and start a new bucket when the next one would pass ``bucket_mb`` MiB;
+ZeRO-3 makes one unit per parameter; FSDP one unit per block plus the root's (embeddings, final
+norm, head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dtlab.advise.spec import ModelSpec
+
+__all__ = [
+    "Flat",
+    "Tensor",
+    "buckets",
+    "flat",
+    "fsdp_units",
+    "module_groups",
+    "stage_layers",
+    "stage_tensors",
+    "transformer_tensors",
+    "zero3_units",
+]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter as this rank holds it: its name, its local element count, the module that owns
+    it (ZeRO-3 gathers per module), the FSDP unit it belongs to and its layer (-1: embeddings,
+    ``L``: final norm and head)."""
+
+    name: str
+    numel: int
+    module: str
+    unit: str
+    layer: int
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A flat unit over ``ranks``: ``numel`` elements, ``shard`` per rank, ``padded = shard * ranks``."""
+
+    key: str
+    numel: int
+    shard: int
+    padded: int
+    persistent: bool = False
+
+
+def flat(key: str, numel: int, ranks: int, persistent: bool = False) -> Flat:
+    shard = max(1, -(-numel // ranks))
+    return Flat(key, numel, shard, shard * ranks, persistent)
+
+
+def transformer_tensors(spec: ModelSpec, tp: int = 1) -> list[Tensor]:
+    """The parameters of ``TransformerLM`` in registration order, each as one tensor-parallel rank
+    holds it under ``transformer_plan()``: vocabulary-split embedding and head, attention split by
+    heads (qkv column-parallel, output projection row-parallel), MLP column- then row-parallel;
+    norms, the position embedding and row-parallel biases whole."""
+    h, v, s, f = spec.hidden, spec.vocab, spec.seq_len, 4 * spec.hidden
+    out = [
+        Tensor("tok.weight", v // tp * h, "tok", "<root>", -1),
+        Tensor("pos.weight", s * h, "pos", "<root>", -1),
+    ]
+    for i in range(spec.layers):
+        b, u = f"blocks.{i}", f"blocks.{i}"
+        out += [
+            Tensor(f"{b}.ln1.weight", h, f"{b}.ln1", u, i),
+            Tensor(f"{b}.ln1.bias", h, f"{b}.ln1", u, i),
+            Tensor(f"{b}.attn.qkv.weight", 3 * h // tp * h, f"{b}.attn.qkv", u, i),
+            Tensor(f"{b}.attn.qkv.bias", 3 * h // tp, f"{b}.attn.qkv", u, i),
+            Tensor(f"{b}.attn.proj.weight", h * (h // tp), f"{b}.attn.proj", u, i),
+            Tensor(f"{b}.attn.proj.bias", h, f"{b}.attn.proj", u, i),
+            Tensor(f"{b}.ln2.weight", h, f"{b}.ln2", u, i),
+            Tensor(f"{b}.ln2.bias", h, f"{b}.ln2", u, i),
+            Tensor(f"{b}.mlp.0.weight", f // tp * h, f"{b}.mlp.0", u, i),
+            Tensor(f"{b}.mlp.0.bias", f // tp, f"{b}.mlp.0", u, i),
+            Tensor(f"{b}.mlp.2.weight", h * (f // tp), f"{b}.mlp.2", u, i),
+            Tensor(f"{b}.mlp.2.bias", h, f"{b}.mlp.2", u, i),
+        ]
+    out += [
+        Tensor("ln_f.weight", h, "ln_f", "<root>", spec.layers),
+        Tensor("ln_f.bias", h, "ln_f", "<root>", spec.layers),
+        Tensor("head.weight", v // tp * h, "head", "<root>", spec.layers),
+    ]
+    return out
+
+
+def stage_layers(layers: int, stages: int) -> list[range]:
+    """Blocks of each pipeline stage: ``layers / stages`` consecutive blocks each (the first stage also
+    holds the embeddings, the last the final norm and head)."""
+    per = layers // stages
+    return [range(k * per, (k + 1) * per) for k in range(stages)]
+
+
+def stage_tensors(tensors: Sequence[Tensor], blocks: range, layers: int) -> list[Tensor]:
+    """The tensors of the stage holding ``blocks`` (embeddings on the first, head on the last)."""
+    first, last = blocks.start == 0, blocks.stop == layers
+    return [
+        t for t in tensors if t.layer in blocks or (t.layer == -1 and first) or (t.layer == layers and last)
+    ]
+
+
+def buckets(tensors: Sequence[Tensor], ranks: int, bucket_mb: float, dtype_bytes: int) -> list[Flat]:
+    """DDP's (and ZeRO-1/2's) gradient buckets: reverse registration order, a new bucket when the
+    next parameter would pass ``int(bucket_mb * 2**20)`` bytes."""
+    cap = int(bucket_mb * 1024 * 1024)
+    groups: list[int] = []
+    current, size = 0, 0
+    started = False
+    for t in reversed(tensors):
+        nbytes = t.numel * dtype_bytes
+        if started and size + nbytes > cap:
+            groups.append(current)
+            current, size = 0, 0
+        current += t.numel
+        size += nbytes
+        started = True
+    groups.append(current)
+    return [flat(f"bucket{i}", n, ranks) for i, n in enumerate(groups)]
+
+
+def zero3_units(tensors: Sequence[Tensor], ranks: int, persistence_threshold: int) -> list[Flat]:
+    """ZeRO-3: one unit per parameter; at most ``persistence_threshold`` elements stay gathered."""
+    return [flat(t.name, t.numel, ranks, t.numel <= persistence_threshold) for t in tensors]
+
+
+def fsdp_units(tensors: Sequence[Tensor], ranks: int) -> list[Flat]:
+    """FSDP with the block as the wrapped class: the root unit first, then one unit per block."""
+    order: dict[str, int] = {"<root>": 0}
+    for t in tensors:
+        order.setdefault(t.unit, 0)
+        order[t.unit] += t.numel
+    return [flat(k, n, ranks) for k, n in order.items() if n]
+
+
+def module_groups(tensors: Sequence[Tensor], units: Sequence[Flat]) -> list[int]:
+    """ZeRO-3: padded elements gathered per module, in forward order (modules in registration order)."""
+    padded = {u.key: u.padded for u in units if not u.persistent}
+    groups: dict[str, int] = {}
+    for t in tensors:
+        groups[t.module] = groups.get(t.module, 0) + padded.get(t.name, 0)
+    return list(groups.values())

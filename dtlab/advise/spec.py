@@ -1,0 +1,253 @@
+"""What ``dtlab advise`` reasons about: the model, the cluster, the optimizer and one candidate plan.
+
+Small frozen dataclasses, checked at construction: a bad value is one :class:`ArgumentError` naming
+the field, the value and what is allowed. The formulas that use them are in docs/strategies.md,
+section "Choosing a mesh: the cost model".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from dtlab.errors import ArgumentError
+
+__all__ = [
+    "DP_STRATEGIES",
+    "SCHEDULES",
+    "Candidate",
+    "ClusterSpec",
+    "ModelSpec",
+    "OptimizerSpec",
+    "StrategyOptions",
+]
+
+#: the data-parallel strategies a candidate chooses from (dtlab's model strategy names)
+DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+#: pipeline schedules, as dtlab.models.pipeline names them
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+#: the vocabulary of dtlab's embedded byte-level transformer
+BYTE_VOCAB = 256
+
+DpStrategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp"]
+
+
+def _positive(owner: str, **values: int | float) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise ArgumentError(f"{owner}.{name} must be a number > 0, got {v!r}")
+
+
+def _positive_int(owner: str, **values: int) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ArgumentError(f"{owner}.{name} must be an integer >= 1, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A causal transformer shaped like dtlab's ``TransformerLM`` (trainers/models.py): token and
+    position embeddings, ``layers`` pre-norm blocks (attention with a fused qkv projection, an MLP of
+    ``4 * hidden``, two LayerNorms, biases everywhere), a final LayerNorm and an untied head."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int = BYTE_VOCAB
+    seq_len: int = 64
+    #: bytes per element of parameters, gradients, optimizer state and activations (fp32: 4)
+    dtype_bytes: int = 4
+    name: str = "transformer"
+
+    def __post_init__(self) -> None:
+        _positive_int(
+            "ModelSpec",
+            layers=self.layers,
+            hidden=self.hidden,
+            heads=self.heads,
+            vocab=self.vocab,
+            seq_len=self.seq_len,
+            dtype_bytes=self.dtype_bytes,
+        )
+        if self.hidden % self.heads:
+            raise ArgumentError(
+                f"ModelSpec: hidden={self.hidden} is not divisible by heads={self.heads}; pick heads "
+                "dividing hidden"
+            )
+
+    @classmethod
+    def builtin(
+        cls,
+        name: str = "transformer",
+        *,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        seq_len: int = 64,
+    ) -> ModelSpec:
+        """dtlab's embedded model (``model.name=transformer_lm``) with the config's sizes (defaults:
+        those of ``dtlab train``); its vocabulary is the 256 byte values."""
+        if name not in ("transformer", "transformer_lm"):
+            raise ArgumentError(
+                f"unknown built-in model {name!r}; the built-in one is 'transformer' (dtlab's embedded "
+                "TransformerLM); describe any other transformer by its sizes"
+            )
+        return cls(n_layers, d_model, n_heads, BYTE_VOCAB, seq_len, 4, "transformer")
+
+    @classmethod
+    def from_parameters(
+        cls, parameters: int, *, layers: int, heads: int, vocab: int, seq_len: int, dtype_bytes: int = 4
+    ) -> ModelSpec:
+        """The transformer of ``layers`` blocks whose parameter count is nearest ``parameters``: the
+        hidden size solves ``12 L h^2 + (2 V + s + 13 L + 2) h = N``, rounded to a multiple of ``heads``."""
+        _positive_int("ModelSpec", parameters=parameters, layers=layers, heads=heads)
+        a, b = 12 * layers, 2 * vocab + seq_len + 13 * layers + 2
+        root = (-b + math.sqrt(b * b + 4 * a * parameters)) / (2 * a)
+        hidden = max(heads, heads * round(root / heads))
+        return cls(layers, hidden, heads, vocab, seq_len, dtype_bytes, f"transformer~{parameters:.3g}")
+
+    @property
+    def parameters(self) -> int:
+        """Exact parameter count: ``2 V h + s h + L (12 h^2 + 13 h) + 2 h``."""
+        h, v = self.hidden, self.vocab
+        return 2 * v * h + self.seq_len * h + self.layers * (12 * h * h + 13 * h) + 2 * h
+
+    def flops_per_token(self) -> float:
+        """Forward FLOPs per token: ``2 (12 L h^2 + V h)`` for the matrix products plus ``4 L s h`` for
+        attention scores and their weighted sum (PaLM's convention: the full square, not half)."""
+        h = self.hidden
+        return 2.0 * (12 * self.layers * h * h + self.vocab * h) + 4.0 * self.layers * self.seq_len * h
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Devices and links. Bandwidths in Gbit/s (as links are quoted), latencies in microseconds,
+    memory in GiB, compute in TFLOP/s actually reached per device (not the datasheet peak)."""
+
+    ranks: int
+    memory_gib: float = 80.0
+    tflops: float = 100.0
+    bandwidth_gbps: float = 2400.0
+    latency_us: float = 5.0
+    inter_node_bandwidth_gbps: float = 200.0
+    inter_node_latency_us: float = 10.0
+    ranks_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        _positive_int("ClusterSpec", ranks=self.ranks, ranks_per_node=self.ranks_per_node)
+        _positive(
+            "ClusterSpec",
+            memory_gib=self.memory_gib,
+            tflops=self.tflops,
+            bandwidth_gbps=self.bandwidth_gbps,
+            inter_node_bandwidth_gbps=self.inter_node_bandwidth_gbps,
+        )
+        for name in ("latency_us", "inter_node_latency_us"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise ArgumentError(f"ClusterSpec.{name} must be a number >= 0, got {v!r}")
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * 2**30)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The torch optimizer the strategies drive: its state per parameter element and per tensor.
+
+    ``adam``/``adamw``: two moments per element plus ``step``, a 4-byte tensor per optimized tensor;
+    ``sgd``: a momentum buffer per element when ``momentum > 0``, nothing otherwise."""
+
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "adam", "sgd"):
+            raise ArgumentError(f"OptimizerSpec.name must be 'adamw', 'adam' or 'sgd', got {self.name!r}")
+
+    @property
+    def states_per_element(self) -> int:
+        if self.name in ("adam", "adamw"):
+            return 2
+        return 1 if self.momentum > 0 else 0
+
+    @property
+    def bytes_per_tensor(self) -> int:
+        return 4 if self.name in ("adam", "adamw") else 0
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """The strategy settings of ``dtlab train`` (``strategy.*`` in the config, same defaults)."""
+
+    bucket_mb: float = 25.0
+    persistence_threshold: int = 0
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+    gradient_sync: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+
+    def __post_init__(self) -> None:
+        _positive("StrategyOptions", bucket_mb=self.bucket_mb)
+        if self.gradient_sync not in ("reduce_scatter", "all_reduce"):
+            raise ArgumentError(
+                "StrategyOptions.gradient_sync must be 'reduce_scatter' or 'all_reduce', got "
+                f"{self.gradient_sync!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan: the data-parallel strategy over ``dp`` ranks, tensor parallelism over ``tp``, a
+    pipeline of ``pp`` ranks running ``schedule`` over ``micro_batches`` (``stages_per_rank`` chunks per
+    rank for the interleaved schedule), with or without activation checkpointing per block."""
+
+    strategy: DpStrategy
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "none"
+    micro_batches: int = 1
+    stages_per_rank: int = 1
+    checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in DP_STRATEGIES:
+            raise ArgumentError(
+                f"Candidate.strategy must be one of {', '.join(DP_STRATEGIES)}, got {self.strategy!r}"
+            )
+        _positive_int(
+            "Candidate",
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            micro_batches=self.micro_batches,
+            stages_per_rank=self.stages_per_rank,
+        )
+        if self.pp > 1 and self.schedule not in SCHEDULES:
+            raise ArgumentError(
+                f"Candidate with pp={self.pp} needs a schedule in {', '.join(SCHEDULES)}, got "
+                f"{self.schedule!r}"
+            )
+        if self.pp == 1 and (self.schedule != "none" or self.micro_batches != 1):
+            raise ArgumentError(
+                "Candidate without a pipeline (pp=1) takes schedule='none' and micro_batches=1, got "
+                f"schedule={self.schedule!r}, micro_batches={self.micro_batches}"
+            )
+
+    @property
+    def ranks(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def label(self) -> str:
+        parts = [self.strategy, f"dp{self.dp}"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            chunks = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+            parts.append(f"pp{self.pp} {self.schedule} m{self.micro_batches}{chunks}")
+        if self.checkpointing:
+            parts.append("ckpt")
+        return " ".join(parts)

@@ -1,0 +1,168 @@
+"""The cost model of ``dtlab advise`` on its own: the model's layout against the real module, the
+pipeline formulas against dtlab's schedules, placement, the search and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dtlab.advise import (
+    Candidate,
+    ClusterSpec,
+    ModelSpec,
+    advise,
+    candidates,
+    predict,
+    runnable,
+)
+from dtlab.advise.layout import transformer_tensors
+from dtlab.advise.predict import in_flight
+from dtlab.advise.timing import bubble, comm_seconds, inside_node
+from dtlab.cli import main
+from dtlab.errors import ArgumentError
+from dtlab.models.pipeline import Kind, build_schedule, simulate
+from dtlab.trainers.models import TransformerLM
+
+
+@pytest.mark.parametrize(("d", "layers", "heads", "seq"), [(32, 1, 2, 16), (48, 3, 4, 8), (128, 2, 4, 64)])
+def test_layout_is_the_transformer_lm(d: int, layers: int, heads: int, seq: int) -> None:
+    spec = ModelSpec.builtin(d_model=d, n_layers=layers, n_heads=heads, seq_len=seq)
+    real = [(n, p.numel()) for n, p in TransformerLM(d, layers, heads, seq).named_parameters()]
+    assert [(t.name, t.numel) for t in transformer_tensors(spec)] == real
+    assert spec.parameters == sum(n for _, n in real)
+
+
+def test_from_parameters_picks_the_nearest_width() -> None:
+    spec = ModelSpec.from_parameters(1_300_000_000, layers=24, heads=16, vocab=50304, seq_len=2048)
+    assert spec.hidden % 16 == 0
+    assert spec.parameters == pytest.approx(1.3e9, rel=0.02)
+    wider = ModelSpec(24, spec.hidden + 16, 16, 50304, 2048)
+    narrower = ModelSpec(24, spec.hidden - 16, 16, 50304, 2048)
+    assert abs(spec.parameters - 1.3e9) <= min(
+        abs(wider.parameters - 1.3e9), abs(narrower.parameters - 1.3e9)
+    )
+
+
+def test_bad_specs_name_the_field() -> None:
+    with pytest.raises(ArgumentError, match="hidden=30 is not divisible by heads=4"):
+        ModelSpec(2, 30, 4)
+    with pytest.raises(ArgumentError, match=r"ClusterSpec\.ranks"):
+        ClusterSpec(ranks=0)
+    with pytest.raises(ArgumentError, match=r"ClusterSpec\.latency_us"):
+        ClusterSpec(ranks=2, latency_us=-1)
+    with pytest.raises(ArgumentError, match=r"Candidate\.strategy"):
+        Candidate("zero4")  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="needs a schedule"):
+        Candidate("ddp", pp=2)
+    with pytest.raises(ArgumentError, match="unknown built-in model"):
+        ModelSpec.builtin("gpt2")
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 4), (4, 4), (4, 8), (3, 6)])
+def test_pipeline_formulas_are_dtlab_schedules(p: int, m: int) -> None:
+    unit = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0}
+    for name in ("gpipe", "1f1b", "zero_bubble"):
+        s = build_schedule(name, p, m)
+        assert [in_flight(name, p, m, 1, r) for r in range(p)] == [s.in_flight(r) for r in range(p)]
+        assert bubble(name, p, m) == pytest.approx(simulate(s, unit).bubble())
+    if m % p == 0:
+        for v in (2, 3):
+            s = build_schedule("interleaved_1f1b", p, m, v)
+            got = [in_flight("interleaved_1f1b", p, m, v, r) for r in range(p)]
+            assert got == [s.in_flight(r) for r in range(p)]
+            per_chunk = {k: c / v for k, c in unit.items()}
+            assert bubble("interleaved_1f1b", p, m, v) == pytest.approx(simulate(s, per_chunk).bubble())
+
+
+def test_alpha_beta_and_placement() -> None:
+    cluster = ClusterSpec(ranks=16, bandwidth_gbps=800, latency_us=2, inter_node_bandwidth_gbps=100,
+                          inter_node_latency_us=20, ranks_per_node=8)  # fmt: skip
+    ops = {"all_reduce": (3, 10**9), "all_gather": (2, 10**8)}
+    intra = comm_seconds(ops, 4, True, cluster)
+    assert intra == pytest.approx(3 * 6 * 2e-6 + 2 * 3 * 2e-6 + 1.1e9 / 100e9)
+    assert comm_seconds(ops, 4, False, cluster) == pytest.approx(
+        3 * 6 * 20e-6 + 2 * 3 * 20e-6 + 1.1e9 / 12.5e9
+    )
+    assert comm_seconds(ops, 1, True, cluster) == 0.0
+    assert [inside_node(n, cluster) for n in (1, 2, 4, 8, 16, 3)] == [True] * 4 + [False, False]
+    spec = ModelSpec.builtin()
+    p = predict(spec, cluster, Candidate("ddp", dp=4, tp=4), 32)
+    assert p.axes["tp"].inside_node and not p.axes["dp"].inside_node  # dp groups span 16 ranks
+
+
+def test_candidates_cover_every_mesh_once() -> None:
+    seen = list(candidates(8, 16))
+    assert len(seen) == len(set(seen))
+    assert all(c.ranks == 8 for c in seen)
+    meshes = {(c.dp, c.tp, c.pp) for c in seen}
+    assert meshes == {
+        (dp, tp, 8 // (dp * tp)) for dp in (1, 2, 4, 8) for tp in (1, 2, 4, 8) if 8 % (dp * tp) == 0
+    }
+    for c in seen:
+        if c.pp > 1:
+            assert c.micro_batches >= c.pp and (16 // c.dp) % c.micro_batches == 0
+    assert any(c.schedule == "interleaved_1f1b" and c.stages_per_rank == 2 for c in seen)
+
+
+def test_advise_ranks_the_plans_that_fit() -> None:
+    spec = ModelSpec(layers=8, hidden=1024, heads=16, vocab=32000, seq_len=1024)
+    cluster = ClusterSpec(ranks=8, memory_gib=6)
+    result = advise(spec, cluster, 32)
+    assert result.plans and result.considered > len(result.plans)
+    times = [p.step_seconds for p in result.plans]
+    assert times == sorted(times)
+    assert all(p.fits and p.memory.total <= 6 * 2**30 for p in result.plans)
+    everything = [predict(spec, cluster, c, 32) for c in candidates(8, 32)]
+    too_big = [p for p in everything if not p.fits and not any("divisible" in q for q in p.problems)]
+    assert too_big and all(any("GiB" in q for q in p.problems) for p in too_big)
+    only = advise(spec, cluster, 32, runnable_only=True)
+    assert all(p.runnable for p in only.plans) and all(not p.candidate.checkpointing for p in only.plans)
+
+
+def test_divisibility_rules_leave_plans_out() -> None:
+    spec = ModelSpec(layers=3, hidden=96, heads=3, vocab=251, seq_len=32)
+    plans = advise(spec, ClusterSpec(ranks=4), 8).plans
+    assert plans and all(p.candidate.tp == 1 for p in plans)  # 3 heads, vocabulary 251: no tp of 2 or 4
+    assert all(p.candidate.pp in (1,) for p in plans)  # 3 layers over 2 or 4 stages
+    bad = predict(
+        spec, ClusterSpec(ranks=4), Candidate("ddp", dp=1, tp=2, pp=2, schedule="1f1b", micro_batches=1), 8
+    )
+    assert not bad.fits and len(bad.problems) == 4
+
+
+def test_what_dtlab_runs_today() -> None:
+    assert all(runnable(Candidate(s, dp=4)) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp"))  # type: ignore[arg-type]
+    assert not runnable(Candidate("ddp", dp=4, checkpointing=True))
+
+
+def test_checkpointing_trades_memory_for_compute() -> None:
+    spec = ModelSpec(layers=12, hidden=768, heads=12, vocab=50304, seq_len=1024)
+    cluster = ClusterSpec(ranks=4)
+    plain = predict(spec, cluster, Candidate("ddp", dp=4), 32)
+    ckpt = predict(spec, cluster, Candidate("ddp", dp=4, checkpointing=True), 32)
+    assert ckpt.memory.activations < plain.memory.activations / 2
+    assert ckpt.compute_seconds == pytest.approx(plain.compute_seconds * 4 / 3)
+
+
+def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["advise", "--top", "3", "--ranks", "4", "--global-batch", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "dtlab advise" in out and "\x1b[" not in out
+    rows = [line for line in out.splitlines() if line.strip()[:2] in ("1 ", "2 ", "3 ", "4 ")]
+    assert len(rows) == 3
+    assert main(["advise", "--json", "--top", "2", "--layers", "4", "--hidden", "256", "--ranks", "4"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"]["layers"] == 4 and doc["model"]["hidden"] == 256 and len(doc["plans"]) == 2
+    first = doc["plans"][0]
+    assert first["step_seconds"] <= doc["plans"][1]["step_seconds"]
+    assert {"dp", "tp", "pp"} <= set(first["axes"]) and first["memory"]["total"] > 0
+
+
+def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["advise", "--params", "1e9", "--hidden", "512"]) == 2
+    assert "give --params or --hidden, not both" in capsys.readouterr().err
+    assert main(["advise", "--ranks", "0"]) == 2
+    assert "ClusterSpec.ranks must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["advise", "--memory-gb", "0.000001"]) == 1
+    assert "none of the" in capsys.readouterr().err
