@@ -2,28 +2,38 @@
 
     .venv/bin/python benchmarks/advise_accuracy.py            # the embedded transformer, tiny sizes
 
-For every plan of the grid it runs two steps of the embedded transformer (AdamW) on in-memory ranks
-with the strategies ``dtlab train`` builds, and prints, per plan, the predicted and the measured bytes
-of rank 0: parameters, gradients and optimizer state from ``memory_report()``, activations as the
-bytes autograd saved during the second step's forward (``saved_tensors_hooks``, distinct storages,
-parameters left out; not measurable under ZeRO-3/FSDP, whose own hooks replace the saved tensors),
-and the bytes sent per mesh axis during the second step from ``backend.stats``.
+For every plan of the grid it runs two steps of the embedded transformer (AdamW, 2 blocks, width 32,
+16 tokens, global batch 8) on in-memory ranks and prints, per plan, the predicted and the measured
+bytes of rank 0: parameters, gradients and optimizer state from ``memory_report()``, activations as
+the bytes autograd saved during the second step's forward (``saved_tensors_hooks``, distinct
+storages, parameters left out; not measurable under ZeRO-3/FSDP, whose own hooks replace the saved
+tensors), and the bytes sent per mesh axis during the second step, from ``backend.stats``. The
+data-parallel strategies are built as ``dtlab train`` builds them; tensor parallelism with
+``TensorParallelModel(module, mesh, plan=transformer_plan())``.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dtlab.advise import Candidate, ClusterSpec, ModelSpec, predict
+from dtlab.backends import Mesh
 from dtlab.config import load_config
+from dtlab.models import TensorParallelModel, transformer_plan
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
 from dtlab.testing import TINY_LM, run_world
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
+from dtlab.trainers.models import TransformerLM
 from dtlab.trainers.tasks import build_task, cross_entropy_loss
 
 SIZES = ["model.n_layers=2", "model.seq_len=16", "data.global_batch_size=8", "optimizer.name=adamw"]
+SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+TP_SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=4, seq_len=16)
+BATCH = 8
 
 
 class SavedBytes:
@@ -43,36 +53,70 @@ class SavedBytes:
         return sum(self._seen.values())
 
 
-def _data_parallel(backend: Any, config: Any, task: Any) -> dict[str, Any]:
-    model, _ = build_model_strategy(config, backend, task)
-    opt = build_optimizer_strategy(config, model)
-    g = torch.Generator().manual_seed(100 + backend.rank)
-    local = config.data.global_batch_size // backend.world_size
-    hooks = config.strategy.model in ("ddp", "zero1", "zero2")
+def _two_steps(
+    model: Any, opt: Any, loss_fn: Callable[..., torch.Tensor], groups: dict[str, Any], dp: Any, seq: int
+) -> dict[str, Any]:
+    """Two steps on this replica's share of the batch; the second one is measured."""
+    g = torch.Generator().manual_seed(100 + dp.rank)
+    local = BATCH // dp.world_size
+    hooks = getattr(model, "strategy_name", "") not in ("zero3", "fsdp")
     acts = None
     for step in range(2):
-        x = torch.randint(0, 256, (local, config.model.seq_len), generator=g)
-        y = torch.randint(0, 256, (local, config.model.seq_len), generator=g)
+        x = torch.randint(0, 256, (local, seq), generator=g)
+        y = torch.randint(0, 256, (local, seq), generator=g)
         if step == 1:
-            backend.stats.reset()
+            for group in groups.values():
+                group.stats.reset()
         if step == 1 and hooks:
             saved = SavedBytes(model)
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                loss = cross_entropy_loss(model(x), y)
+                loss = loss_fn(model(x), y)
             acts = saved.total
         else:
-            loss = cross_entropy_loss(model(x), y)
+            loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return {"memory": opt.memory_report(), "dp": backend.stats.bytes_sent, "activations": acts}
+    sent = {axis: group.stats.bytes_sent for axis, group in groups.items()}
+    return {"memory": opt.memory_report(), "bytes": sent, "activations": acts}
+
+
+def _data_parallel(backend: Any, config: Any, task: Any) -> dict[str, Any]:
+    model, _ = build_model_strategy(config, backend, task)
+    opt = build_optimizer_strategy(config, model)
+    return _two_steps(model, opt, cross_entropy_loss, {"dp": backend}, backend, config.model.seq_len)
+
+
+def _tensor_parallel(backend: Any, shape: dict[str, int], strategy: str) -> dict[str, Any]:
+    mesh = Mesh(backend, shape)
+    s = TP_SPEC
+    with torch.random.fork_rng(devices=[]):
+        net = TransformerLM(s.hidden, s.layers, s.heads, s.seq_len)
+    model = TensorParallelModel(net, mesh, plan=transformer_plan())
+    opt = (DDPOptimizer if strategy == "ddp" else ZeRO1Optimizer)(model, torch.optim.AdamW, lr=1e-3)
+    groups = {"dp": mesh["dp"], "tp": mesh["tp"]}
+    return _two_steps(model, opt, model.cross_entropy, groups, mesh["dp"], s.seq_len)
 
 
 def _cell(pred: int, got: int | None) -> str:
     if got is None:
         return f"{pred:,} / -"
-    err = 0.0 if pred == got else (pred - got) / got * 100 if got else float("inf")
-    return f"{pred:,} / {got:,} ({err:+.1f}%)"
+    if pred == got:
+        return f"{pred:,} / {got:,}"
+    return f"{pred:,} / {got:,} ({(pred - got) / got * 100:+.1f}%)" if got else f"{pred:,} / 0"
+
+
+def _row(plan: Candidate, spec: ModelSpec, got: dict[str, Any]) -> list[str]:
+    p = predict(spec, ClusterSpec(ranks=plan.ranks), plan, BATCH)
+    mem = got["memory"]
+    return [
+        plan.label,
+        _cell(p.memory.parameters, mem["parameters"]),
+        _cell(p.memory.gradients, mem["gradients"]),
+        _cell(p.memory.optimizer_state, mem["optimizer_state"]),
+        _cell(p.memory.activations, got["activations"]),
+        *(_cell(p.axes[a].bytes_sent, got["bytes"][a]) if a in got["bytes"] else "-" for a in ("dp", "tp")),
+    ]
 
 
 def main() -> None:
@@ -83,25 +127,15 @@ def main() -> None:
             config = load_config(
                 overrides=[*TINY_LM, *SIZES, f"strategy.model={strategy}", f"backend.world_size={world}"]
             )
-            m = config.model
-            spec = ModelSpec.builtin(
-                d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len
-            )
             got = run_world(world, _data_parallel, config, build_task(config))[0]
-            plan = Candidate(strategy, dp=world)  # type: ignore[arg-type]
-            p = predict(spec, ClusterSpec(ranks=world), plan, config.data.global_batch_size)
-            mem = got["memory"]
-            rows.append(
-                [
-                    plan.label,
-                    _cell(p.memory.parameters, mem["parameters"]),
-                    _cell(p.memory.gradients, mem["gradients"]),
-                    _cell(p.memory.optimizer_state, mem["optimizer_state"]),
-                    _cell(p.memory.activations, got["activations"]),
-                    _cell(p.axes["dp"].bytes_sent, got["dp"]),
-                ]
-            )
-    head = ["plan", "parameters", "gradients", "optimizer state", "activations", "dp bytes/step"]
+            rows.append(_row(Candidate(strategy, dp=world), SPEC, got))  # type: ignore[arg-type]
+    for shape in ({"tp": 2}, {"tp": 4}, {"dp": 2, "tp": 2}):
+        for strategy in ("ddp", "zero1"):
+            world = shape.get("dp", 1) * shape["tp"]
+            got = run_world(world, _tensor_parallel, shape, strategy)[0]
+            plan = Candidate(strategy, dp=shape.get("dp", 1), tp=shape["tp"])  # type: ignore[arg-type]
+            rows.append(_row(plan, TP_SPEC, got))
+    head = ["plan", "parameters", "gradients", "optimizer state", "activations", "dp bytes", "tp bytes"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:

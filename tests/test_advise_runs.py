@@ -84,8 +84,14 @@ def _two_steps(backend: Any, config: Any, task: Any, measure_activations: bool) 
 def test_strategy_options_are_dtlab_train_defaults() -> None:
     s = StrategyConfig()
     o = StrategyOptions()
-    assert (o.bucket_mb, o.persistence_threshold, o.reshard_after_forward, o.prefetch, o.gradient_sync) == (
-        s.bucket_mb,
+    assert (
+        o.bucket_cap_mb,
+        o.persistence_threshold,
+        o.reshard_after_forward,
+        o.prefetch,
+        o.gradient_sync,
+    ) == (
+        s.bucket_cap_mb,
         s.persistence_threshold,
         s.reshard_after_forward,
         s.prefetch,
@@ -116,3 +122,70 @@ def test_data_parallel_memory_and_bytes_equal_the_run(strategy: str, world: int)
         if got["activations"] is not None:
             assert got["activations"] == pytest.approx(pred.memory.activations, rel=0.05)
     assert pred.axes["tp"].ops == {} and pred.axes["pp"].ops == {}
+
+
+TP_SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=4, seq_len=16)
+TP_BATCH = 8
+
+
+def _tensor_steps(backend: Any, shape: dict[str, int], strategy: str) -> dict[str, Any]:
+    from dtlab.backends import Mesh
+    from dtlab.models import TensorParallelModel, transformer_plan
+    from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
+    from dtlab.trainers.models import TransformerLM
+
+    mesh = Mesh(backend, shape)
+    s = TP_SPEC
+    with torch.random.fork_rng(devices=[]):  # in-memory ranks share the RNG: values come from rank 0
+        net = TransformerLM(s.hidden, s.layers, s.heads, s.seq_len)
+    model = TensorParallelModel(net, mesh, plan=transformer_plan())
+    opt = (DDPOptimizer if strategy == "ddp" else ZeRO1Optimizer)(model, torch.optim.AdamW, lr=1e-3)
+    dp = mesh["dp"]
+    g = torch.Generator().manual_seed(100 + dp.rank)  # the tp ranks of a replica see the same batch
+    local = TP_BATCH // dp.world_size
+    saved = None
+    for step in range(2):
+        x = torch.randint(0, 256, (local, s.seq_len), generator=g)
+        y = torch.randint(0, 256, (local, s.seq_len), generator=g)
+        if step == 1:
+            for axis in ("dp", "tp"):
+                mesh[axis].stats.reset()
+            saved = SavedBytes(list(model.parameters()))
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                loss = model.cross_entropy(model(x), y)
+        else:
+            loss = model.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "memory": opt.memory_report(),
+        "ops": {
+            axis: {k: (v["calls"], v["bytes_sent"]) for k, v in mesh[axis].stats.snapshot().items()}
+            for axis in ("dp", "tp")
+        },
+        "activations": saved.total if saved else None,
+    }
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+@pytest.mark.parametrize("shape", [{"tp": 2}, {"dp": 2, "tp": 2}, {"tp": 4}])
+def test_tensor_parallel_memory_and_bytes_equal_the_run(shape: dict[str, int], strategy: str) -> None:
+    world = 1
+    for n in shape.values():
+        world *= n
+    measured = run_world(world, _tensor_steps, shape, strategy)
+    plan = Candidate(strategy, dp=shape.get("dp", 1), tp=shape["tp"])  # type: ignore[arg-type]
+    pred = predict(TP_SPEC, ClusterSpec(ranks=world), plan, TP_BATCH)
+    predicted = {
+        "parameters": pred.memory.parameters,
+        "gradients": pred.memory.gradients,
+        "optimizer_state": pred.memory.optimizer_state,
+        "peak_gathered_parameters": pred.peak_gathered_parameters,
+    }
+    for rank, got in enumerate(measured):
+        assert {k: got["memory"][k] for k in MEMORY_KEYS} == predicted, f"rank {rank}"
+        for axis in ("dp", "tp"):
+            moved = {k: v for k, v in got["ops"][axis].items() if v[1]}  # size-1 groups: 0-byte calls
+            assert moved == pred.axes[axis].ops, f"rank {rank} {axis}"
+        assert got["activations"] == pytest.approx(pred.memory.activations, rel=0.05), f"rank {rank}"

@@ -11,8 +11,8 @@ matrix, only one log-sum-exp per head and position), per micro-batch of ``n`` to
 - the first stage keeps the token ids (8 bytes per token, plus a 1-byte mask per token under tensor
   parallelism) and the positions (8 bytes per position);
 - the last stage keeps the final LayerNorm's input, output and statistics (``2 h + 2``), the
-  log-probabilities (``V / tp`` per token), the targets (8 bytes per token; under tensor
-  parallelism two 1-byte masks per token and an 8-byte count), and 4 bytes for the loss's scalar.
+  log-probabilities (``V / tp`` per token) and the targets (8 bytes per token), then 4 bytes for
+  the loss's total weight, or under tensor parallelism two 1-byte masks per token and an 8-byte count.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ def activation_bytes(
     if first:
         total += n * (8 + (1 if tp > 1 else 0)) + 8 * s
     if last:
-        total += n * (2 * h + 2) * e + n * (spec.vocab // tp) * e + n * 8 + 4
-        if tp > 1:
-            total += 2 * n + 8
+        total += n * (2 * h + 2) * e + n * (spec.vocab // tp) * e + n * 8
+        total += 2 * n + 8 if tp > 1 else 4
     return total

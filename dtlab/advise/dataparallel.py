@@ -84,7 +84,7 @@ def data_parallel_cost(
     reduce-scatter per unit and step; the whole stage gathered at the peak)."""
     e = dtype_bytes
     if strategy in ("ddp", "zero1", "zero2"):
-        bks = buckets(tensors, p, options.bucket_mb, e)
+        bks = buckets(tensors, p, options.bucket_cap_mb, e)
         whole = sum(b.padded for b in bks) * e
         shards = sum(b.shard for b in bks) * e
         ops: Ops = {}

@@ -4,7 +4,7 @@ stage's share of them, and the flat padded buffers the data-parallel strategies 
 The arithmetic mirrors the strategies exactly (``dtlab/models/flat.py``, ``ddp.py``, ``zero3.py``,
 ``fsdp.py``): a flat unit of ``n`` elements over ``P`` ranks keeps ``c = max(1, ceil(n / P))``
 elements per rank and is padded to ``c * P``; DDP/ZeRO-1/2 buckets take the trainable parameters in
-reverse registration order and start a new bucket when the next one would pass ``bucket_mb`` MiB;
+reverse registration order and start a new bucket when the next one would pass ``bucket_cap_mb`` MiB;
 ZeRO-3 makes one unit per parameter; FSDP one unit per block plus the root's (embeddings, final
 norm, head).
 """
@@ -108,10 +108,10 @@ def stage_tensors(tensors: Sequence[Tensor], blocks: range, layers: int) -> list
     ]
 
 
-def buckets(tensors: Sequence[Tensor], ranks: int, bucket_mb: float, dtype_bytes: int) -> list[Flat]:
+def buckets(tensors: Sequence[Tensor], ranks: int, bucket_cap_mb: float, dtype_bytes: int) -> list[Flat]:
     """DDP's (and ZeRO-1/2's) gradient buckets: reverse registration order, a new bucket when the
-    next parameter would pass ``int(bucket_mb * 2**20)`` bytes."""
-    cap = int(bucket_mb * 1024 * 1024)
+    next parameter would pass ``int(bucket_cap_mb * 2**20)`` bytes."""
+    cap = int(bucket_cap_mb * 1024 * 1024)
     groups: list[int] = []
     current, size = 0, 0
     started = False

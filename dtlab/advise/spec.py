@@ -182,14 +182,14 @@ class OptimizerSpec:
 class StrategyOptions:
     """The strategy settings of ``dtlab train`` (``strategy.*`` in the config, same defaults)."""
 
-    bucket_mb: float = 25.0
+    bucket_cap_mb: float = 25.0
     persistence_threshold: int = 0
     reshard_after_forward: bool = True
     prefetch: bool = True
     gradient_sync: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
 
     def __post_init__(self) -> None:
-        _positive("StrategyOptions", bucket_mb=self.bucket_mb)
+        _positive("StrategyOptions", bucket_cap_mb=self.bucket_cap_mb)
         if self.gradient_sync not in ("reduce_scatter", "all_reduce"):
             raise ArgumentError(
                 "StrategyOptions.gradient_sync must be 'reduce_scatter' or 'all_reduce', got "
