@@ -219,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
 
     rows, raw = [], {}
     for engine in ns.engines.split(","):
-        res = spawn_world(ns.tp, bench_world, args, engine == "gloo", backend=engine, timeout=1800)[0]
+        res = spawn_world(
+            ns.tp, bench_world, args, engine == "gloo", backend=engine, timeout=1800, check_collectives=False
+        )[0]
         raw[engine] = res
         for name, ts in res["times"].items():
             b = res["bytes"][name]

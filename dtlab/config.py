@@ -95,6 +95,10 @@ class BackendConfig(_Section):
     world_size: int = Field(default=4, ge=1, le=64)
     #: seconds any collective may wait before it fails naming the missing ranks
     timeout: float = Field(default=120.0, gt=0)
+    #: real engines: before each collective the ranks compare the call (kind, shape, dtype, op, root)
+    #: and a mismatch is a CollectiveMismatchError naming each rank's call (false: the environment
+    #: variable DTLAB_CHECK_COLLECTIVES decides; the in-memory world always checks)
+    check_collectives: bool = False
 
 
 class StrategyConfig(_Section):

@@ -104,16 +104,19 @@ SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)
 from dtlab.backends import init_backend
-b = init_backend(timeout=60)
+b = init_backend(timeout=60, check_collectives=True if sys.argv[1:] == ["checked"] else None)
 t = torch.ones(3) * (b.rank + 1)
 b.all_reduce(t)
-print(f"{type(b).__name__} rank={b.rank} size={b.world_size} sum={t[0].item():g}", flush=True)
+line = f"{type(b).__name__} rank={b.rank} size={b.world_size} sum={t[0].item():g}"
+print(line + f" checked={b.check_collectives}", flush=True)
 b.close()
 """
 
 
 def test_one_script_three_launchers(tmp_path: Path) -> None:
-    """The same file under python, torchrun and mpiexec picks in-memory, gloo and MPI by itself."""
+    """The same file under python, torchrun and mpiexec picks in-memory, gloo and MPI by itself; checked
+    mode comes from init_backend's argument (torchrun), the environment (mpiexec) or is off (python
+    with DTLAB_CHECK_COLLECTIVES=0: the in-memory world checks every call anyway)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     bindir = Path(sys.executable).parent
@@ -122,19 +125,34 @@ def test_one_script_three_launchers(tmp_path: Path) -> None:
     }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     env["CUDA_VISIBLE_DEVICES"] = ""  # torchrun on CPU: auto must pick gloo
+    env["DTLAB_CHECK_COLLECTIVES"] = "0"
     runs = {
         "python": [sys.executable, str(script)],
-        "torchrun": [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", "2", str(script)],
+        "torchrun": [
+            str(bindir / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            "checked",
+        ],
         "mpiexec": [str(bindir / "mpiexec"), "-n", "2", sys.executable, str(script)],
     }
     want = {
-        "python": {"InMemoryBackend rank=0 size=1 sum=1"},
-        "torchrun": {"GlooBackend rank=0 size=2 sum=3", "GlooBackend rank=1 size=2 sum=3"},
-        "mpiexec": {"MPIBackend rank=0 size=2 sum=3", "MPIBackend rank=1 size=2 sum=3"},
+        "python": {"InMemoryBackend rank=0 size=1 sum=1 checked=True"},
+        "torchrun": {
+            "GlooBackend rank=0 size=2 sum=3 checked=True",
+            "GlooBackend rank=1 size=2 sum=3 checked=True",
+        },
+        "mpiexec": {
+            "MPIBackend rank=0 size=2 sum=3 checked=True",
+            "MPIBackend rank=1 size=2 sum=3 checked=True",
+        },
     }
     for name, cmd in runs.items():
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+        run_env = {**env, "DTLAB_CHECK_COLLECTIVES": "1"} if name == "mpiexec" else env
+        proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=90)
         lines = set(
-            re.findall(r"\w+Backend rank=\d+ size=\d+ sum=\d+", proc.stdout)
+            re.findall(r"\w+Backend rank=\d+ size=\d+ sum=\d+ checked=\w+", proc.stdout)
         )  # ranks' lines may interleave
         assert proc.returncode == 0 and lines == want[name], (name, proc.stdout[-2000:], proc.stderr[-2000:])

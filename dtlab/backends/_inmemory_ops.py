@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from dtlab.backends.base import ReduceOp
+from dtlab.backends._checked import describe_call
+from dtlab.backends.types import ReduceOp
 from dtlab.errors import CollectiveMismatchError
 
 __all__ = [
@@ -31,31 +32,6 @@ __all__ = [
 
 SMALL_BYTES = 256 * 1024  # below this, fewer and larger tensor ops beat minimal memory traffic
 _BINARY = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.PRODUCT: torch.mul}
-
-
-_FIELDS = {
-    "all_reduce": ("shape", "dtype", "op"),
-    "reduce": ("shape", "dtype", "op", "dst"),
-    "broadcast": ("shape", "dtype", "src"),
-    "reduce_scatter": ("output_numel", "dtype", "op"),
-    "all_gather": ("input_numel", "dtype"),
-    "all_gather_v": ("dtype",),
-    "all_to_all": ("dtype",),
-    "broadcast_object": ("src",),
-    "new_group": ("ranks",),
-    "split": (),
-}
-
-
-def describe_call(call: tuple[Any, ...] | None) -> str:
-    """``("all_reduce", shape, dtype, op)`` -> ``all_reduce(shape=(4,), dtype=torch.float32, op=SUM)``."""
-    if call is None:
-        return "nothing (not arrived)"
-    names = _FIELDS.get(call[0], ())
-    values = [
-        v.name if isinstance(v, ReduceOp) else tuple(v) if isinstance(v, torch.Size) else v for v in call[1:]
-    ]
-    return f"{call[0]}(" + ", ".join(f"{n}={v}" for n, v in zip(names, values, strict=False)) + ")"
 
 
 def _tensors(payloads: Any) -> list[torch.Tensor]:

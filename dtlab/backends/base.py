@@ -8,15 +8,15 @@ every engine reports the same numbers for the same call.
 
 from __future__ import annotations
 
-import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from time import perf_counter
-from typing import Any
 
 import torch
 
+from dtlab.backends._checked import agree, checks_from_env
 from dtlab.backends._checks import _AVG, _SUPPORTED, ArgumentChecks
+from dtlab.backends._objects import ObjectExchange
 from dtlab.backends.stats import CommStats
 from dtlab.backends.types import SUPPORTED_DTYPES, CompletedWork, P2POp, ReduceOp, Work
 from dtlab.errors import ArgumentError
@@ -37,7 +37,7 @@ def split_members(pairs: Sequence[tuple[int | None, int]], color: int) -> list[i
     return sorted((r for r, (c, _) in enumerate(pairs) if c == color), key=lambda r: (pairs[r][1], r))
 
 
-class CommunicationBackend(ArgumentChecks, ABC):
+class CommunicationBackend(ArgumentChecks, ObjectExchange, ABC):
     """Collectives, point-to-point and object exchange among ``world_size`` ranks.
 
     Vocabulary and in-place contracts follow ``torch.distributed``. Byte counters follow the ring
@@ -47,6 +47,9 @@ class CommunicationBackend(ArgumentChecks, ABC):
     the message.
     """
 
+    #: True for an engine that compares every call itself (the in-memory world): checked mode is a no-op
+    _checks_calls_itself: bool = False
+
     def __init__(self, rank: int, world_size: int, stats_parent: CommStats | None = None) -> None:
         if world_size < 1:
             raise ArgumentError(f"world_size must be >= 1, got {world_size}")
@@ -55,6 +58,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
         self._rank = rank
         self._world_size = world_size
         self._stats = CommStats(parent=stats_parent)
+        self._checked = not self._checks_calls_itself and checks_from_env()
+        self._calls_checked = 0
         # the hot collectives test the common case in one inline expression and call the checks only
         # when it fails; an engine that adds checks of its own (NCCL: CUDA tensors only) always gets them
         cls = type(self)
@@ -83,6 +88,17 @@ class CommunicationBackend(ArgumentChecks, ABC):
         return self._stats
 
     @property
+    def check_collectives(self) -> bool:
+        """Checked mode: before each collective the ranks compare what they call (kind, shape, dtype,
+        op, root; one all-gather of 16 ints each) and a difference raises ``CollectiveMismatchError``
+        on every rank. Default: ``DTLAB_CHECK_COLLECTIVES``; groups inherit their parent's setting."""
+        return self._checked or self._checks_calls_itself
+
+    @check_collectives.setter
+    def check_collectives(self, on: bool) -> None:
+        self._checked = bool(on) and not self._checks_calls_itself
+
+    @property
     def name(self) -> str:
         return type(self).__name__
 
@@ -102,6 +118,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
         ):
             self._check_tensor(tensor, "all_reduce")
             self._check_op(tensor, op, "all_reduce")
+        if self._checked:
+            agree(self, ("all_reduce", tensor.shape, tensor.dtype, op))
         t0 = perf_counter()
         self._all_reduce(tensor, op)
         dt = perf_counter() - t0
@@ -118,6 +136,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
         """
         self._check_tensor(tensor, "iall_reduce")
         self._check_op(tensor, op, "iall_reduce")
+        if self._checked:
+            agree(self, ("all_reduce", tensor.shape, tensor.dtype, op))
         t0 = perf_counter()
         work = self._iall_reduce(tensor, op)
         dt = perf_counter() - t0
@@ -129,6 +149,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
     def ireduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Non-blocking ``reduce_scatter`` (same contract); complete it with ``wait()``."""
         self._check_reduce_scatter(output, input, op)
+        if self._checked:
+            agree(self, ("reduce_scatter", output.numel(), output.dtype, op))
         t0 = perf_counter()
         work = self._ireduce_scatter(output, input, op)
         dt = perf_counter() - t0
@@ -139,6 +161,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
     def iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """Non-blocking ``all_gather`` (same contract); complete it with ``wait()``."""
         self._check_all_gather(output, input)
+        if self._checked:
+            agree(self, ("all_gather", input.numel(), input.dtype))
         t0 = perf_counter()
         work = self._iall_gather(output, input)
         dt = perf_counter() - t0
@@ -151,6 +175,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
         self._check_tensor(tensor, "reduce")
         self._check_root(dst, "reduce", "dst")
         self._check_op(tensor, op, "reduce")
+        if self._checked:
+            agree(self, ("reduce", tensor.shape, tensor.dtype, op, dst))
         t0 = perf_counter()
         self._reduce(tensor, dst, op)
         dt = perf_counter() - t0
@@ -165,6 +191,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
         """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
         self._check_tensor(tensor, "broadcast")
         self._check_root(src, "broadcast", "src")
+        if self._checked:
+            agree(self, ("broadcast", tensor.shape, tensor.dtype, src))
         t0 = perf_counter()
         self._broadcast(tensor, src)
         dt = perf_counter() - t0
@@ -190,6 +218,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
             and (op is not _AVG or output.is_floating_point())
         ):
             self._check_reduce_scatter(output, input, op)
+        if self._checked:
+            agree(self, ("reduce_scatter", output.numel(), output.dtype, op))
         t0 = perf_counter()
         self._reduce_scatter(output, input, op)
         dt = perf_counter() - t0
@@ -209,6 +239,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
             and output.numel() == self._world_size * input.numel()
         ):
             self._check_all_gather(output, input)
+        if self._checked:
+            agree(self, ("all_gather", input.numel(), input.dtype))
         t0 = perf_counter()
         self._all_gather(output, input)
         dt = perf_counter() - t0
@@ -222,6 +254,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
         All ranks must pass the same dtype.
         """
         self._check_tensor(input, "all_gather_v", "input")
+        if self._checked:
+            agree(self, ("all_gather_v", input.dtype))
         t0 = perf_counter()
         output, counts = self._all_gather_v(input.reshape(-1))
         dt = perf_counter() - t0
@@ -256,6 +290,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
             self._check_tensor(t, "all_to_all", f"inputs[{i}]")
         for i, t in enumerate(outputs):
             self._check_tensor(t, "all_to_all", f"outputs[{i}]")
+        if self._checked:
+            agree(self, ("all_to_all", inputs[0].dtype))
         t0 = perf_counter()
         self._all_to_all(list(outputs), list(inputs))
         dt = perf_counter() - t0
@@ -266,6 +302,8 @@ class CommunicationBackend(ArgumentChecks, ABC):
 
     def barrier(self) -> None:
         """Wait until every rank reaches the barrier."""
+        if self._checked:
+            agree(self, ("barrier",))
         t0 = perf_counter()
         self._barrier()
         dt = perf_counter() - t0
@@ -344,28 +382,6 @@ class CommunicationBackend(ArgumentChecks, ABC):
                 self._stats.record("recv", 0, op.tensor.nbytes, dt)
         return works
 
-    # ------------------------------------------------------------------ objects
-    def broadcast_object(self, obj: Any, src: int) -> Any:
-        """Return rank ``src``'s ``obj`` on every rank (pickled; only exchange trusted objects)."""
-        self._check_root(src, "broadcast_object", "src")
-        t0 = perf_counter()
-        result, nbytes = self._broadcast_object(obj, src)
-        dt = perf_counter() - t0
-        p = self.world_size
-        sent = nbytes if (p > 1 and self.rank != (src - 1) % p) else 0
-        received = nbytes if (p > 1 and self.rank != src) else 0
-        self._stats.record("broadcast_object", sent, received, dt)
-        return result
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Return every rank's ``obj`` in rank order."""
-        t0 = perf_counter()
-        result, sizes = self._all_gather_object(obj)
-        dt = perf_counter() - t0
-        sent, received = self._all_gather_v_bytes(sizes, 1)  # the pickles travel by all_gather_v
-        self._stats.record("all_gather_object", sent, received, dt)
-        return result
-
     # ------------------------------------------------------------------ groups
     def new_group(self, ranks: Sequence[int]) -> CommunicationBackend | None:
         """Called by every rank; members get a backend with ranks renumbered in the given order."""
@@ -377,7 +393,9 @@ class CommunicationBackend(ArgumentChecks, ABC):
         bad = [r for r in members if not 0 <= r < self.world_size]
         if bad:
             raise ArgumentError(f"new_group: ranks {bad} are outside [0, {self.world_size}) of this backend")
-        return self._new_group(members)
+        if self._checked:
+            agree(self, ("new_group",))
+        return self._inherit(self._new_group(members))
 
     def split(self, color: int | None, key: int = 0) -> CommunicationBackend | None:
         """MPI ``Comm_Split``: the ranks that pass the same ``color`` form one group, numbered by
@@ -388,7 +406,14 @@ class CommunicationBackend(ArgumentChecks, ABC):
         backend's (as ``new_group``'s do).
         """
         self._check_split(color, key)
-        return self._split(color, key)
+        if self._checked:
+            agree(self, ("split",))
+        return self._inherit(self._split(color, key))
+
+    def _inherit(self, group: CommunicationBackend | None) -> CommunicationBackend | None:
+        if group is not None:
+            group.check_collectives = self._checked
+        return group
 
     def close(self) -> None:
         """Release engine resources (optional)."""
@@ -466,28 +491,3 @@ class CommunicationBackend(ArgumentChecks, ABC):
     def _iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         self._all_gather(output, input)
         return CompletedWork()
-
-    def _broadcast_object(self, obj: Any, src: int) -> tuple[Any, int]:
-        """Default: pickle to a byte tensor, broadcast its size then its bytes."""
-        payload = pickle.dumps(obj) if self.rank == src else b""
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        self._broadcast(size, src)
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        if self.rank == src:
-            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self._broadcast(buf, src)
-        result = obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
-        return result, int(size.item())
-
-    def _all_gather_object(self, obj: Any) -> tuple[list[Any], list[int]]:
-        """Default: pickle to a byte tensor and use the variable-sized all-gather."""
-        payload = pickle.dumps(obj)
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-        flat, counts = self._all_gather_v(buf)
-        data = flat.cpu().numpy().tobytes()
-        out: list[Any] = []
-        offset = 0
-        for c in counts:
-            out.append(pickle.loads(data[offset : offset + c]))
-            offset += c
-        return out, counts

@@ -157,12 +157,24 @@ def init_backend(
     timeout: float | None = None,
     device: str | torch.device | None = None,
     env: Mapping[str, str] | None = None,
+    check_collectives: bool | None = None,
 ) -> CommunicationBackend:
     """Start the backend ``name`` ("auto", "inmemory", "mpi", "gloo", "nccl") for this process.
 
     ``timeout`` (seconds) bounds every operation (MPI default None: MPI's own blocking behaviour).
     ``device``: where tensors live (default: ``cuda:LOCAL_RANK`` for nccl, else ``cpu``).
+    ``check_collectives``: checked mode (see ``CommunicationBackend.check_collectives``); None: the
+    environment variable ``DTLAB_CHECK_COLLECTIVES`` decides.
     """
+    backend = _start(name, timeout, device, env)
+    if check_collectives is not None:
+        backend.check_collectives = check_collectives
+    return backend
+
+
+def _start(
+    name: str, timeout: float | None, device: str | torch.device | None, env: Mapping[str, str] | None
+) -> CommunicationBackend:
     if name not in BACKEND_NAMES:
         raise ArgumentError(
             f"init_backend: unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"

@@ -140,6 +140,8 @@ class _RecvWork(Work):
 class InMemoryBackend(CommunicationBackend):
     """One rank of an :class:`InMemoryWorld` (or of a group made from it by ``new_group``/``split``)."""
 
+    _checks_calls_itself = True  # the rendezvous compares every rank's call
+
     def __init__(
         self,
         world: InMemoryWorld,

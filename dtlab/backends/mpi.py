@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtlab.backends._checked import mismatch_hint
 from dtlab.backends._mpi_support import _STAGED_REDUCTION, _Buffers, _import_mpi, _MPIWork, query_cuda_support
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 from dtlab.errors import ArgumentError, CollectiveMismatchError, CollectiveTimeoutError
@@ -140,8 +141,8 @@ class MPIBackend(CommunicationBackend):
             if time.monotonic() > deadline:
                 raise CollectiveTimeoutError(
                     f"rank {self.rank}: MPI {what} timed out after {self._timeout:g}s (a peer is dead, "
-                    "hung or did not call it); the communicator is unusable now: end the job with "
-                    "MPI.COMM_WORLD.Abort(1)",
+                    f"hung or did not call it){mismatch_hint(self._checked)}; the communicator is "
+                    "unusable now: end the job with MPI.COMM_WORLD.Abort(1)",
                     operation=what,
                 )
             time.sleep(pause)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, NoReturn, cast
 import torch
 import torch.distributed as dist
 
+from dtlab.backends._checked import mismatch_hint
 from dtlab.backends._torch_dist_support import (
     _OPS,
     _PEER_LOST,
@@ -130,7 +131,8 @@ class TorchDistBackend(CommunicationBackend):
         else:
             raise exc
         raise CollectiveTimeoutError(
-            f"rank {self.rank}: {self.engine} {what} {why}: {text}", operation=what
+            f"rank {self.rank}: {self.engine} {what} {why}{mismatch_hint(self._checked)}: {text}",
+            operation=what,
         ) from exc
 
     # ------------------------------------------------------------------ collectives

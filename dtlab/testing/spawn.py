@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dtlab.backends._checked import ENV_VAR
 from dtlab.errors import ArgumentError, BackendInitError, CollectiveTimeoutError, RankFailedError
 
 __all__ = ["find_mpiexec", "spawn_world"]
@@ -76,6 +77,7 @@ def spawn_world(
     timeout: float = 120.0,
     backend_timeout: float | None = None,
     may_die: Sequence[int] = (),
+    check_collectives: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(backend, *args, **kwargs)`` on ``world_size`` processes; return results in rank order.
@@ -88,6 +90,10 @@ def spawn_world(
     ``may_die`` (gloo only) lists ranks whose process may end without a result (to test how the
     survivors react to a dead peer); their result is None. Under MPI a dead process ends the job:
     the launcher kills the others and exits non-zero, reported as a :class:`RankFailedError`.
+
+    ``check_collectives`` (default on, as tests want it) runs every backend of the world in checked
+    mode (``DTLAB_CHECK_COLLECTIVES``): ranks compare each collective call before it runs, and a
+    mismatch is a :class:`CollectiveMismatchError` on every rank. Benchmarks turn it off.
     """
     if backend not in ("gloo", "mpi"):
         raise ArgumentError(f"spawn_world: backend must be 'gloo' or 'mpi', got {backend!r}")
@@ -102,6 +108,7 @@ def spawn_world(
     ref = _fn_reference(fn)
     spec = {"fn": ref, "args": args, "kwargs": kwargs, "backend": backend, "timeout": backend_timeout}
     spec["world_timeout"] = timeout
+    spec["check_collectives"] = bool(check_collectives)
     try:
         return _spawn_once(world_size, spec, set(may_die))
     except RankFailedError as exc:
@@ -118,6 +125,7 @@ def _spawn_once(world_size: int, spec: dict[str, Any], may_die: set[int]) -> lis
         with open(job / "job.pkl", "wb") as f:
             pickle.dump(spec, f)
         env = _worker_env()
+        env[ENV_VAR] = "1" if spec["check_collectives"] else "0"
         if backend == "gloo":
             from dtlab.backends.init import _free_port
 

@@ -72,7 +72,10 @@ def run_training(
             torch.set_num_threads(threads)
     from dtlab.backends import init_backend
 
-    backend = init_backend(name, timeout=config.backend.timeout)
+    # check_collectives unset: DTLAB_CHECK_COLLECTIVES decides
+    backend = init_backend(
+        name, timeout=config.backend.timeout, check_collectives=config.backend.check_collectives or None
+    )
     try:
         check_world_size(config, backend.world_size)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // backend.world_size))

@@ -1,0 +1,198 @@
+"""Checked mode of the real engines (``backend.check_collectives``; ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+in spirit): before each collective the ranks all-gather a fixed-size row of ints describing the call
+(kind, shape or element count, dtype, reduce op, root) and compare the rows. A difference raises
+:class:`CollectiveMismatchError` on every rank, naming each rank's call, before any data moves, so
+the ranks stay in step. Without it, MPI returns different tensors on each rank for a 1M vs 1M+7
+``all_reduce``, and gloo aborts one process and reports a lost peer on the others.
+
+On by default under ``dtlab.testing.spawn_world``; for users ``backend.check_collectives = True``,
+the config's ``backend.check_collectives`` or ``DTLAB_CHECK_COLLECTIVES=1``. The in-memory world
+always compares every call in its rendezvous and needs no extra exchange. The exchange is not
+counted in ``backend.stats`` (those count what the operations themselves move).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Protocol
+
+import torch
+
+from dtlab.backends.types import SUPPORTED_DTYPES, ReduceOp
+from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError
+
+
+class _Backend(Protocol):  # what agree() uses of a CommunicationBackend
+    _calls_checked: int
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+
+
+__all__ = [
+    "ENV_VAR",
+    "WIDTH",
+    "agree",
+    "checks_from_env",
+    "decode",
+    "describe_call",
+    "encode",
+    "mismatch_hint",
+]
+
+ENV_VAR = "DTLAB_CHECK_COLLECTIVES"
+WIDTH = 16  # ints per rank and call: 128 bytes
+MAX_DIMS = 10  # a shape with more dimensions keeps the first 9 and the product of the rest
+KINDS = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "reduce_scatter",
+    "all_gather",
+    "all_gather_v",
+    "all_to_all",
+    "barrier",
+    "broadcast_object",
+    "all_gather_object",
+    "new_group",
+    "split",
+)
+# the fields of each kind's call tuple, as the in-memory world builds them and messages name them
+FIELDS = {
+    "all_reduce": ("shape", "dtype", "op"),
+    "reduce": ("shape", "dtype", "op", "dst"),
+    "broadcast": ("shape", "dtype", "src"),
+    "reduce_scatter": ("output_numel", "dtype", "op"),
+    "all_gather": ("input_numel", "dtype"),
+    "all_gather_v": ("dtype",),
+    "all_to_all": ("dtype",),
+    "broadcast_object": ("src",),
+    "new_group": ("ranks",),  # checked mode compares the kind only
+}
+_KIND_ID = {k: i for i, k in enumerate(KINDS)}
+_DTYPE_ID = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
+_OP_ID = {op: i for i, op in enumerate(ReduceOp)}
+_OPS = tuple(ReduceOp)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def checks_from_env() -> bool:
+    """``DTLAB_CHECK_COLLECTIVES``: 1/true/yes/on or 0/false/no/off (unset: off)."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{ENV_VAR}={os.environ[ENV_VAR]!r}: use 1 (check every collective) or 0 (do not)")
+
+
+def describe_call(call: tuple[Any, ...] | None) -> str:
+    """``("all_reduce", shape, dtype, op)`` -> ``all_reduce(shape=(4,), dtype=torch.float32, op=SUM)``."""
+    if call is None:
+        return "nothing (not arrived)"
+    names = FIELDS.get(call[0], ())
+    values = [
+        v.name if isinstance(v, ReduceOp) else tuple(v) if isinstance(v, torch.Size) else v for v in call[1:]
+    ]
+    return f"{call[0]}(" + ", ".join(f"{n}={v}" for n, v in zip(names, values, strict=False)) + ")"
+
+
+def mismatch_hint(checked: bool) -> str:
+    """What an engine's timeout / lost-peer error adds about mismatched calls."""
+    if checked:
+        return " (checked mode: every rank's calls matched up to here)"
+    return (
+        "; ranks that call a collective with different shapes, dtypes, reduce ops or roots fail the "
+        f"same way (gloo aborts a process on a size mismatch): set {ENV_VAR}=1 or "
+        "backend.check_collectives=true to have such a mismatch named"
+    )
+
+
+def encode(call: tuple[Any, ...]) -> list[int]:
+    """A call tuple (``("all_reduce", shape, dtype, op)``, see ``FIELDS``) as ``WIDTH`` ints."""
+    kind = call[0]
+    row = [_KIND_ID[kind]]
+    for name, value in zip(FIELDS.get(kind, ()), call[1:], strict=False):
+        if name == "ranks":
+            break
+        if name == "shape":
+            dims = list(value)
+            if len(dims) > MAX_DIMS:
+                dims = [*dims[: MAX_DIMS - 1], math.prod(dims[MAX_DIMS - 1 :])]
+            row += [len(value), *dims]
+        elif name == "dtype":
+            row.append(_DTYPE_ID.get(value, -1))
+        elif name == "op":
+            row.append(_OP_ID[value])
+        else:
+            row.append(int(value))
+    return row + [0] * (WIDTH - len(row))
+
+
+def decode(row: list[int]) -> tuple[Any, ...]:
+    """The call tuple of an encoded row (a shape of more than ``MAX_DIMS`` dimensions: folded)."""
+    kind = KINDS[row[0]] if 0 <= row[0] < len(KINDS) else f"unknown kind {row[0]}"
+    out: list[Any] = [kind]
+    i = 1
+    for name in FIELDS.get(kind, ()):
+        if name == "ranks":
+            break
+        if name == "shape":
+            ndim = row[i]
+            out.append(tuple(row[i + 1 : i + 1 + min(ndim, MAX_DIMS)]))
+            i += 1 + min(ndim, MAX_DIMS)
+        elif name == "dtype":
+            out.append(SUPPORTED_DTYPES[row[i]] if 0 <= row[i] < len(SUPPORTED_DTYPES) else row[i])
+            i += 1
+        elif name == "op":
+            out.append(_OPS[row[i]])
+            i += 1
+        else:
+            out.append(row[i])
+            i += 1
+    return tuple(out)
+
+
+def agree(backend: _Backend, call: tuple[Any, ...]) -> None:
+    """Compare ``call`` with every rank's (one all-gather of ``WIDTH`` ints); raise if any differs."""
+    p = backend.world_size
+    if p == 1:
+        return
+    backend._calls_checked += 1
+    seq = backend._calls_checked
+    dev = backend.device
+    mine = torch.tensor(encode(call), dtype=torch.int64, device=dev)
+    table = torch.empty(p * WIDTH, dtype=torch.int64, device=dev)
+    try:
+        backend._all_gather(table, mine)
+    except CollectiveTimeoutError as exc:
+        raise CollectiveTimeoutError(
+            f"{exc} (raised while the ranks compared their calls before {describe_call(call)}, checked "
+            f"collective #{seq}: some rank did not reach a collective)",
+            exc.missing_ranks,
+            call[0],
+        ) from exc
+    rows = table.view(p, WIDTH).tolist()
+    first = rows[0]
+    if all(r == first for r in rows):
+        return
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(tuple(row), []).append(r)
+    listing = "; ".join(
+        f"rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}: {describe_call(decode(list(row)))}"
+        for row, who in groups.items()
+    )
+    raise CollectiveMismatchError(
+        f"rank {backend.rank}: ranks called different collectives at checked collective #{seq} of "
+        f"{backend!r}: {listing}; nothing was exchanged (every rank raises this)"
+    )
