@@ -87,9 +87,26 @@ def restore_commit(trainer: Trainer) -> bool:
 
 
 def end_step(trainer: Trainer) -> None:
-    """After each step: commit when due (with the trainer-level state of this very step)."""
-    if trainer.elastic is not None:
-        trainer.elastic.end_step(trainer.step, trainer._trainer_state)
+    """After each step: commit when due (with the trainer-level state of this very step); rank 0
+    logs an ``elastic_commit`` metrics record (seconds, bytes of its commit, bytes held)."""
+    opt = trainer.elastic
+    if opt is None:
+        return
+    count = opt.commit_count
+    try:
+        opt.end_step(trainer.step, trainer._trainer_state)
+    finally:  # a planned membership change commits, then leaves the world by raising
+        if opt.commit_count > count and trainer.is_main:
+            trainer.metrics.log(
+                {
+                    "step": trainer.step,
+                    "elastic_commit": {
+                        "seconds": opt.commit_seconds,
+                        "bytes": opt.commit_bytes,
+                        "held_bytes": opt.member.store.nbytes(),
+                    },
+                }
+            )
 
 
 def report_restore(trainer: Trainer) -> None:
