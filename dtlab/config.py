@@ -311,6 +311,9 @@ class CheckpointConfig(_Section):
     #: a resume never falls back past a broken ``latest`` or a newest step that does not verify: a
     #: ``CheckpointError`` instead of a warning and the newest step directory that verifies
     strict_resume: bool = False
+    #: resume with a fresh optimizer (no saved optimizer state, compression state included): needed to
+    #: change ``optimizer.name`` on resume; parameters, data position and LR schedule are restored
+    reset_optimizer: bool = False
 
     @field_validator("dir", "resume")
     @classmethod

@@ -17,9 +17,12 @@ __all__ = ["build_model_strategy", "build_optimizer_strategy", "torch_optimizer"
 
 
 def torch_optimizer(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The torch optimizer class and the keyword arguments the Trainer builds it with."""
     o = config.optimizer
     if o.name == "sgd":
-        return torch.optim.SGD, {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay}
+        # DGC momentum correction: the compressed reducer applies the momentum (checked by the config)
+        momentum = 0.0 if config.compression.momentum_correction else o.momentum
+        return torch.optim.SGD, {"lr": o.lr, "momentum": momentum, "weight_decay": o.weight_decay}
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
     return cls, {"lr": o.lr, "betas": tuple(o.betas), "weight_decay": o.weight_decay}
 
@@ -72,8 +75,6 @@ def build_optimizer_strategy(config: TrainConfig, model: ModelStrategy) -> Optim
 
     torch_cls, kwargs = torch_optimizer(config)
     c = config.compression
-    if c.momentum_correction:  # the reducer applies the momentum (checked by the config)
-        kwargs["momentum"] = 0.0
     opt: OptimizerStrategy = get_optimizer_strategy(config.strategy.optimizer_name)(
         model, torch_cls, **kwargs
     )

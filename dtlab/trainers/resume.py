@@ -21,11 +21,20 @@ from dtlab.checkpoint.load import LoadedCheckpoint
 from dtlab.checkpoint.resume import find_resume_checkpoint
 from dtlab.config import TrainConfig
 from dtlab.errors import CheckpointError
+from dtlab.trainers.build import torch_optimizer
 
 if TYPE_CHECKING:
     from dtlab.trainers.trainer import Trainer
 
-__all__ = ["Resumed", "choose_checkpoint", "foreign_steps_note", "owned_steps", "report_resume", "restore"]
+__all__ = [
+    "Resumed",
+    "choose_checkpoint",
+    "foreign_steps_note",
+    "optimizer_record",
+    "owned_steps",
+    "report_resume",
+    "restore",
+]
 
 
 @dataclass
@@ -95,9 +104,84 @@ def foreign_steps_note(config: TrainConfig, owned: set[str]) -> str | None:
     )
 
 
-def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> None:
-    """Load everything a checkpoint holds into ``trainer`` (parameters, optimizer, schedule, data
-    position, guard and early-stopping counters, RNG states at the same world size)."""
+def optimizer_record(config: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint records of its optimizer: the torch class and the hyperparameters it was
+    built with (``meta.json``'s ``optimizer``), compared with the config on resume."""
+    cls, kwargs = torch_optimizer(config)
+    return {"class": cls.__name__, "hyperparameters": {k: _plain(v) for k, v in kwargs.items()}}
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple | list) else v
+
+
+def _saved_optimizer(ckpt: LoadedCheckpoint) -> dict[str, Any] | None:
+    rec = ckpt.meta.get("optimizer")
+    if isinstance(rec, dict) and isinstance(rec.get("hyperparameters"), dict):
+        return rec
+    try:  # written before the record existed: rebuild it from the saved config
+        return optimizer_record(TrainConfig.model_validate(ckpt.meta.get("config")))
+    except (ValueError, TypeError, KeyError):  # a config this dtlab no longer reads: nothing to compare
+        return None
+
+
+def _optimizer_notes(config: TrainConfig, ckpt: LoadedCheckpoint) -> tuple[list[str], dict[str, Any]]:
+    """Compare the saved optimizer with the config's: another class is a ``CheckpointError`` unless
+    ``checkpoint.reset_optimizer``; returns notes and the hyperparameters the config changed."""
+    saved, now = _saved_optimizer(ckpt), optimizer_record(config)
+    if config.checkpoint.reset_optimizer:
+        was = f" (the checkpoint's {saved['class']} state is not loaded)" if saved else ""
+        return [f"checkpoint.reset_optimizer=true: the optimizer starts fresh as {now['class']}{was}"], {}
+    if saved is None:
+        return [
+            f"{ckpt.path} does not record its optimizer: its state is loaded as {now['class']} unchecked"
+        ], {}
+    if saved["class"] != now["class"]:
+        raise CheckpointError(
+            f"{ckpt.path} was written with optimizer torch.optim.{saved['class']}, this run asks for "
+            f"torch.optim.{now['class']} (optimizer.name={config.optimizer.name!r}): their states do not "
+            "carry over; resume with the checkpoint's optimizer, or set checkpoint.reset_optimizer=true "
+            "to start the optimizer fresh (parameters, data position and LR schedule are restored)"
+        )
+    old, new = saved["hyperparameters"], now["hyperparameters"]
+    changed = {k: v for k, v in new.items() if _plain(old.get(k)) != v}
+    if not changed:
+        return [], {}
+    listed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in changed.items())
+    return [f"optimizer hyperparameters differ from the checkpoint's, the config's apply: {listed}"], changed
+
+
+def _apply_config_hyperparameters(
+    trainer: Trainer, changed: dict[str, Any], fresh_base: list[float], saved_base: list[float]
+) -> None:
+    """After loading optimizer and scheduler state: the hyperparameters the config changed in every
+    param group (unchanged ones keep the loaded values, which a scheduler may drive, e.g. OneCycleLR's
+    beta1), and the learning rate rescaled by the scheduler's base rate built from this config over
+    the saved one (``lr`` for the built-in schedules; ``max_lr / div_factor`` for OneCycleLR)."""
+    groups = trainer.optimizer.optimizer.param_groups
+    sched = trainer.scheduler
+    for i, (group, last) in enumerate(zip(groups, sched.get_last_lr(), strict=True)):
+        for k, v in changed.items():
+            if k != "lr" and k in group:
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+        new = fresh_base[i] if i < len(fresh_base) else None
+        old = saved_base[i] if i < len(saved_base) else None
+        if new is None or old is None or not old or new == old:
+            group["lr"] = last
+            continue
+        group["lr"] = last * (new / old)
+        if "initial_lr" in group:
+            group["initial_lr"] = new
+    if fresh_base and hasattr(sched, "base_lrs"):
+        sched.base_lrs = list(fresh_base)
+    if hasattr(sched, "_last_lr"):
+        sched._last_lr = [g["lr"] for g in groups]
+
+
+def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
+    """Load everything a checkpoint holds into ``trainer`` (parameters, optimizer unless
+    ``checkpoint.reset_optimizer``, schedule, data position, guard and early-stopping counters, RNG
+    states at the same world size); returns notes on what differs (optimizer hyperparameters)."""
     t = ckpt.meta.get("trainer")
     if not isinstance(t, dict) or "step" not in t:
         raise CheckpointError(
@@ -106,17 +190,17 @@ def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> None:
         )
     from dtlab.trainers.state import restore_rng
 
+    notes, changed = _optimizer_notes(trainer.config, ckpt)  # before anything is loaded: may refuse
     trainer.model.load_sharded_state_dict(ckpt.model)
-    if ckpt.optim is not None:
+    if ckpt.optim is not None and not trainer.config.checkpoint.reset_optimizer:
         trainer.optimizer.load_sharded_state_dict(ckpt.optim)
     sched = dict(t["scheduler"])
     if hasattr(trainer.scheduler, "lr_lambdas"):
         sched["lr_lambdas"] = [None] * len(trainer.scheduler.lr_lambdas)
+    fresh_base = [float(x) for x in getattr(trainer.scheduler, "base_lrs", [])]
     trainer.scheduler.load_state_dict(sched)
-    for group, lr in zip(
-        trainer.optimizer.optimizer.param_groups, trainer.scheduler.get_last_lr(), strict=True
-    ):
-        group["lr"] = lr
+    saved_base = [float(x) for x in sched.get("base_lrs", [])]
+    _apply_config_hyperparameters(trainer, changed, fresh_base, saved_base)
     try:
         trainer.sampler.load_state_dict(ckpt.meta["data_position"])
     except (ValueError, KeyError) as exc:
@@ -126,6 +210,7 @@ def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> None:
     trainer.step = trainer.start_step = int(t["step"])
     if ckpt.world_size == trainer.backend.world_size:
         restore_rng(ckpt.rank_states[trainer.backend.rank], trainer.backend.device)
+    return notes
 
 
 def report_resume(trainer: Trainer) -> None:

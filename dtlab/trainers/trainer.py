@@ -35,7 +35,14 @@ from dtlab.trainers.preflight import check_paths_on_every_rank
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.progress import ProgressBar
 from dtlab.trainers.report import format_record, step_record, summary_rows
-from dtlab.trainers.resume import choose_checkpoint, foreign_steps_note, owned_steps, report_resume, restore
+from dtlab.trainers.resume import (
+    choose_checkpoint,
+    foreign_steps_note,
+    optimizer_record,
+    owned_steps,
+    report_resume,
+    restore,
+)
 from dtlab.trainers.schedule import build_scheduler
 from dtlab.trainers.state import capture_rng
 from dtlab.trainers.tasks import Task, build_task, check_task
@@ -240,6 +247,7 @@ class Trainer:
                 "optimizer": self.config.strategy.optimizer_name,
             },
             "config": self.config.to_dict(),
+            "optimizer": optimizer_record(self.config),
             "data_position": self.sampler.state_dict(),
             "trainer": {
                 "step": self.step,
@@ -273,7 +281,7 @@ class Trainer:
         self.resume_notes = chosen.notes
         if chosen.checkpoint is None:
             return  # nothing saved yet: a fresh start
-        restore(self, chosen.checkpoint)
+        self.resume_notes = self.resume_notes + restore(self, chosen.checkpoint)
         self.resumed_from = str(chosen.checkpoint.path)
         self.owned_steps = owned_steps(self.config, chosen.checkpoint)
 
