@@ -6,10 +6,12 @@ For every plan of the grid it runs two steps of the embedded transformer (AdamW,
 16 tokens, global batch 8) on in-memory ranks and prints, per plan, the predicted and the measured
 bytes of rank 0: parameters, gradients and optimizer state from ``memory_report()``, activations as
 the bytes autograd saved during the second step's forward (``saved_tensors_hooks``, distinct
-storages, parameters left out; not measurable under ZeRO-3/FSDP, whose own hooks replace the saved
-tensors), and the bytes sent per mesh axis during the second step, from ``backend.stats``. The
-data-parallel strategies are built as ``dtlab train`` builds them; tensor parallelism with
-``TensorParallelModel(module, mesh, plan=transformer_plan())``.
+storages, parameters and the batch left out; not measurable under ZeRO-3/FSDP, whose own hooks
+replace the saved tensors), and the bytes sent per mesh axis during the second step, from
+``backend.stats``. The data-parallel strategies are built as ``dtlab train`` builds them; tensor
+parallelism with ``TensorParallelModel(module, mesh, plan=transformer_plan())``; pipelines with
+``PipelineParallelModel(module, mesh, schedule, micro_batches=m)`` (one row per pipeline rank; their
+activations are the model's own ``memory_report()["activations"]``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from dtlab.advise import Candidate, ClusterSpec, ModelSpec, predict
 from dtlab.backends import Mesh
 from dtlab.config import load_config
-from dtlab.models import TensorParallelModel, transformer_plan
+from dtlab.models import PipelineParallelModel, TensorParallelModel, transformer_plan
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
 from dtlab.testing import TINY_LM, run_world
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
@@ -33,14 +35,24 @@ from dtlab.trainers.tasks import build_task, cross_entropy_loss
 SIZES = ["model.n_layers=2", "model.seq_len=16", "data.global_batch_size=8", "optimizer.name=adamw"]
 SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=2, seq_len=16)
 TP_SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=4, seq_len=16)
+PP_SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+PP4_SPEC = ModelSpec.builtin(d_model=32, n_layers=4, n_heads=2, seq_len=16)
 BATCH = 8
+PIPELINES = [
+    (PP_SPEC, Candidate("ddp", pp=2, schedule="1f1b", micro_batches=2)),
+    (PP_SPEC, Candidate("zero1", pp=2, schedule="gpipe", micro_batches=4)),
+    (PP_SPEC, Candidate("ddp", pp=2, schedule="zero_bubble", micro_batches=4)),
+    (PP_SPEC, Candidate("zero1", dp=2, pp=2, schedule="1f1b", micro_batches=2)),
+    (PP4_SPEC, Candidate("ddp", pp=2, schedule="interleaved_1f1b", micro_batches=2, stages_per_rank=2)),
+]
 
 
 class SavedBytes:
-    """Bytes autograd keeps for the backward: distinct storages, the parameters' left out."""
+    """Bytes autograd keeps for the backward: distinct storages; the parameters' and the batch's left
+    out (as the pipeline's own meter does)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
+    def __init__(self, excluded: list[torch.Tensor]) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in excluded if p.numel()}
         self._seen: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +80,7 @@ def _two_steps(
             for group in groups.values():
                 group.stats.reset()
         if step == 1 and hooks:
-            saved = SavedBytes(model)
+            saved = SavedBytes([*model.parameters(), x, y])
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 loss = loss_fn(model(x), y)
             acts = saved.total
@@ -98,6 +110,29 @@ def _tensor_parallel(backend: Any, shape: dict[str, int], strategy: str) -> dict
     return _two_steps(model, opt, model.cross_entropy, groups, mesh["dp"], s.seq_len)
 
 
+def _pipeline(backend: Any, spec: ModelSpec, plan: Candidate) -> dict[str, Any]:
+    mesh = Mesh(backend, {"pp": plan.pp, "dp": plan.dp})
+    with torch.random.fork_rng(devices=[]):
+        net = TransformerLM(spec.hidden, spec.layers, spec.heads, spec.seq_len)
+    model = PipelineParallelModel(
+        net, mesh, plan.schedule, micro_batches=plan.micro_batches, stages_per_rank=plan.stages_per_rank
+    )
+    opt = (DDPOptimizer if plan.strategy == "ddp" else ZeRO1Optimizer)(model, torch.optim.AdamW, lr=1e-3)
+    g = torch.Generator().manual_seed(100 + mesh.coordinate("dp"))
+    for step in range(2):
+        x = torch.randint(0, 256, (BATCH // plan.dp, spec.seq_len), generator=g)
+        y = torch.randint(0, 256, (BATCH // plan.dp, spec.seq_len), generator=g)
+        if step == 1:
+            for axis in ("dp", "pp"):
+                mesh[axis].stats.reset()
+        model.train_step((x, y), cross_entropy_loss)
+        opt.step()
+        opt.zero_grad()
+    memory = opt.memory_report()
+    sent = {axis: mesh[axis].stats.bytes_sent for axis in ("dp", "pp")}
+    return {"memory": memory, "bytes": sent, "activations": memory["activations"]}
+
+
 def _cell(pred: int, got: int | None) -> str:
     if got is None:
         return f"{pred:,} / -"
@@ -106,16 +141,21 @@ def _cell(pred: int, got: int | None) -> str:
     return f"{pred:,} / {got:,} ({(pred - got) / got * 100:+.1f}%)" if got else f"{pred:,} / 0"
 
 
-def _row(plan: Candidate, spec: ModelSpec, got: dict[str, Any]) -> list[str]:
+def _row(plan: Candidate, spec: ModelSpec, got: dict[str, Any], r: int = 0) -> list[str]:
     p = predict(spec, ClusterSpec(ranks=plan.ranks), plan, BATCH)
-    mem = got["memory"]
+    mem, want, ops = got["memory"], p.stage_memory[r], p.stage_ops[r]
     return [
-        plan.label,
-        _cell(p.memory.parameters, mem["parameters"]),
-        _cell(p.memory.gradients, mem["gradients"]),
-        _cell(p.memory.optimizer_state, mem["optimizer_state"]),
-        _cell(p.memory.activations, got["activations"]),
-        *(_cell(p.axes[a].bytes_sent, got["bytes"][a]) if a in got["bytes"] else "-" for a in ("dp", "tp")),
+        plan.label + (f" (pp rank {r})" if plan.pp > 1 else ""),
+        _cell(want.parameters, mem["parameters"]),
+        _cell(want.gradients, mem["gradients"]),
+        _cell(want.optimizer_state, mem["optimizer_state"]),
+        _cell(want.activations, got["activations"]),
+        *(
+            _cell(sum(b for k, (_, b) in ops[a].items() if k != "recv"), got["bytes"][a])
+            if a in got["bytes"]
+            else "-"
+            for a in ("dp", "tp", "pp")
+        ),
     ]
 
 
@@ -135,7 +175,20 @@ def main() -> None:
             got = run_world(world, _tensor_parallel, shape, strategy)[0]
             plan = Candidate(strategy, dp=shape.get("dp", 1), tp=shape["tp"])  # type: ignore[arg-type]
             rows.append(_row(plan, TP_SPEC, got))
-    head = ["plan", "parameters", "gradients", "optimizer state", "activations", "dp bytes", "tp bytes"]
+    for spec, plan in PIPELINES:
+        results = run_world(plan.ranks, _pipeline, spec, plan)
+        for r in range(plan.pp):
+            rows.append(_row(plan, spec, results[r * plan.dp], r))
+    head = [
+        "plan",
+        "parameters",
+        "gradients",
+        "optimizer state",
+        "activations",
+        "dp bytes",
+        "tp bytes",
+        "pp bytes",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:

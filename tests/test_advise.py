@@ -17,7 +17,6 @@ from dtlab.advise import (
     runnable,
 )
 from dtlab.advise.layout import transformer_tensors
-from dtlab.advise.predict import in_flight
 from dtlab.advise.timing import bubble, comm_seconds, inside_node
 from dtlab.cli import main
 from dtlab.errors import ArgumentError
@@ -64,15 +63,27 @@ def test_pipeline_formulas_are_dtlab_schedules(p: int, m: int) -> None:
     unit = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0}
     for name in ("gpipe", "1f1b", "zero_bubble"):
         s = build_schedule(name, p, m)
-        assert [in_flight(name, p, m, 1, r) for r in range(p)] == [s.in_flight(r) for r in range(p)]
         assert bubble(name, p, m) == pytest.approx(simulate(s, unit).bubble())
     if m % p == 0:
         for v in (2, 3):
             s = build_schedule("interleaved_1f1b", p, m, v)
-            got = [in_flight("interleaved_1f1b", p, m, v, r) for r in range(p)]
-            assert got == [s.in_flight(r) for r in range(p)]
             per_chunk = {k: c / v for k, c in unit.items()}
             assert bubble("interleaved_1f1b", p, m, v) == pytest.approx(simulate(s, per_chunk).bubble())
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 6), (4, 4), (4, 8), (3, 6)])
+def test_compute_orders_are_dtlab_schedules(p: int, m: int) -> None:
+    from dtlab.advise.pipeline import _order
+
+    plans = [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1)] + (
+        [("interleaved_1f1b", 2)] if m % p == 0 else []
+    )
+    for name, v in plans:
+        s = build_schedule(name, p, m, v)
+        c = Candidate("ddp", pp=p, schedule=name, micro_batches=m, stages_per_rank=v)
+        for r in range(p):
+            want = [(a.kind.value, a.stage // p, a.micro) for a in s.compute(r)]
+            assert _order(c, r) == want, (name, r)
 
 
 def test_alpha_beta_and_placement() -> None:

@@ -35,11 +35,12 @@ def _spec(config: Any) -> ModelSpec:
 
 
 class SavedBytes:
-    """Bytes autograd keeps for the backward (distinct storages, parameters left out): the measure of
-    activation memory, taken with ``torch.autograd.graph.saved_tensors_hooks``."""
+    """Bytes autograd keeps for the backward (distinct storages; parameters and the batch left out, as
+    the pipeline's own meter does): the measure of activation memory, taken with
+    ``torch.autograd.graph.saved_tensors_hooks``."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in params if p.numel()}
+    def __init__(self, excluded: list[torch.Tensor]) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in excluded if p.numel()}
         self._seen: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -66,7 +67,7 @@ def _two_steps(backend: Any, config: Any, task: Any, measure_activations: bool) 
         if step == 1:
             backend.stats.reset()  # the second step: optimizer state exists, counters hold one step
         if step == 1 and measure_activations:
-            saved = SavedBytes(list(model.parameters()))
+            saved = SavedBytes([*model.parameters(), x, y])
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 loss = cross_entropy_loss(model(x), y)
         else:
@@ -150,7 +151,7 @@ def _tensor_steps(backend: Any, shape: dict[str, int], strategy: str) -> dict[st
         if step == 1:
             for axis in ("dp", "tp"):
                 mesh[axis].stats.reset()
-            saved = SavedBytes(list(model.parameters()))
+            saved = SavedBytes([*model.parameters(), x, y])
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 loss = model.cross_entropy(model(x), y)
         else:
@@ -189,3 +190,74 @@ def test_tensor_parallel_memory_and_bytes_equal_the_run(shape: dict[str, int], s
             moved = {k: v for k, v in got["ops"][axis].items() if v[1]}  # size-1 groups: 0-byte calls
             assert moved == pred.axes[axis].ops, f"rank {rank} {axis}"
         assert got["activations"] == pytest.approx(pred.memory.activations, rel=0.05), f"rank {rank}"
+
+
+def _pipeline_steps(backend: Any, spec: ModelSpec, plan: Candidate) -> dict[str, Any]:
+    from dtlab.backends import Mesh
+    from dtlab.models import PipelineParallelModel
+    from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
+    from dtlab.trainers.models import TransformerLM
+
+    mesh = Mesh(backend, {"pp": plan.pp, "dp": plan.dp})
+    with torch.random.fork_rng(devices=[]):
+        net = TransformerLM(spec.hidden, spec.layers, spec.heads, spec.seq_len)
+    model = PipelineParallelModel(
+        net, mesh, plan.schedule, micro_batches=plan.micro_batches, stages_per_rank=plan.stages_per_rank
+    )
+    opt = (DDPOptimizer if plan.strategy == "ddp" else ZeRO1Optimizer)(model, torch.optim.AdamW, lr=1e-3)
+    g = torch.Generator().manual_seed(100 + mesh.coordinate("dp"))
+    local = TP_BATCH // plan.dp
+    for step in range(2):
+        x = torch.randint(0, 256, (local, spec.seq_len), generator=g)
+        y = torch.randint(0, 256, (local, spec.seq_len), generator=g)
+        if step == 1:
+            for axis in ("dp", "pp"):
+                mesh[axis].stats.reset()
+        model.train_step((x, y), cross_entropy_loss)
+        opt.step()
+        opt.zero_grad()
+    return {
+        "memory": opt.memory_report(),
+        "ops": {
+            axis: {
+                k: (v["calls"], v["bytes_sent"])
+                for k, v in mesh[axis].stats.snapshot().items()
+                if v["bytes_sent"]
+            }
+            for axis in ("dp", "pp")
+        },
+    }
+
+
+PP_SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+PP_PLANS = [
+    (PP_SPEC, Candidate("ddp", pp=2, schedule="1f1b", micro_batches=2)),
+    (PP_SPEC, Candidate("zero1", pp=2, schedule="gpipe", micro_batches=4)),
+    (PP_SPEC, Candidate("ddp", pp=2, schedule="zero_bubble", micro_batches=4)),
+    (PP_SPEC, Candidate("zero1", dp=2, pp=2, schedule="1f1b", micro_batches=2)),
+    (
+        ModelSpec.builtin(d_model=32, n_layers=4, n_heads=2, seq_len=16),
+        Candidate("ddp", pp=2, schedule="interleaved_1f1b", micro_batches=2, stages_per_rank=2),
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "plan"), PP_PLANS, ids=[p.label for _, p in PP_PLANS])
+def test_pipeline_memory_activations_and_bytes_equal_the_run(spec: ModelSpec, plan: Candidate) -> None:
+    measured = run_world(plan.ranks, _pipeline_steps, spec, plan)
+    pred = predict(spec, ClusterSpec(ranks=plan.ranks), plan, TP_BATCH)
+    assert pred.fits, pred.problems
+    for world_rank, got in enumerate(measured):
+        r = world_rank // plan.dp  # the pp coordinate (pp is the outer axis)
+        mem = pred.stage_memory[r]
+        want = {
+            "parameters": mem.parameters,
+            "gradients": mem.gradients,
+            "optimizer_state": mem.optimizer_state,
+            "peak_gathered_parameters": mem.parameters,
+            "activations": mem.activations,
+        }
+        assert {k: got["memory"][k] for k in want} == want, f"rank {world_rank}"
+        ops = pred.stage_ops[r]
+        assert got["ops"]["pp"] == {k: v for k, v in ops["pp"].items() if v[1]}, f"rank {world_rank}"
+        assert got["ops"]["dp"] == ops["dp"], f"rank {world_rank}"

@@ -1,18 +1,19 @@
 """Activation memory: the bytes autograd keeps from the forward for the backward.
 
 Counted tensor by tensor for dtlab's ``TransformerLM`` (fused-attention kernels keep no ``s x s``
-matrix, only one log-sum-exp per head and position), per micro-batch of ``n`` tokens:
+matrix, only one log-sum-exp per head and position), per micro-batch of ``n`` tokens; the batch
+itself (token ids, targets) is not counted:
 
 - a block keeps ``4 h + 4`` values per token whatever ``tp`` is (the two LayerNorms' inputs and
   outputs, their mean and 1/std) and ``(12 h + a) / tp`` split ones (q, k, v, the attention output,
   one log-sum-exp per head, the MLP's ``4 h`` pre- and post-GELU values);
 - with activation checkpointing a block keeps only its input (``h`` per token) and one block at a
   time is recomputed during the backward;
-- the first stage keeps the token ids (8 bytes per token, plus a 1-byte mask per token under tensor
-  parallelism) and the positions (8 bytes per position);
-- the last stage keeps the final LayerNorm's input, output and statistics (``2 h + 2``), the
-  log-probabilities (``V / tp`` per token) and the targets (8 bytes per token), then 4 bytes for
-  the loss's total weight, or under tensor parallelism two 1-byte masks per token and an 8-byte count.
+- the first stage keeps the positions (8 bytes each), under tensor parallelism also the local token
+  ids and a mask (9 bytes per token);
+- the last stage keeps the final LayerNorm's input, output and statistics (``2 h + 2``) and the
+  log-probabilities (``V / tp`` per token), then 4 bytes (the loss's total weight), or under tensor
+  parallelism the local target ids, two masks and a count (10 bytes per token and 8).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def activation_bytes(
     else:
         total = blocks * per_block
     if first:
-        total += n * (8 + (1 if tp > 1 else 0)) + 8 * s
+        total += 8 * s + (9 * n if tp > 1 else 0)
     if last:
-        total += n * (2 * h + 2) * e + n * (spec.vocab // tp) * e + n * 8
-        total += 2 * n + 8 if tp > 1 else 4
+        total += n * (2 * h + 2) * e + n * (spec.vocab // tp) * e
+        total += 10 * n + 8 if tp > 1 else 4
     return total

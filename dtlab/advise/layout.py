@@ -1,5 +1,5 @@
-"""Where a rank's parameters lie: the transformer's tensors after tensor parallelism, a pipeline
-stage's share of them, and the flat padded buffers the data-parallel strategies build from them.
+"""Where a rank's parameters lie: the transformer's tensors after tensor parallelism and the flat
+padded buffers the data-parallel strategies build from them (pipeline stages: ``pipeline.py``).
 
 The arithmetic mirrors the strategies exactly (``dtlab/models/flat.py``, ``ddp.py``, ``zero3.py``,
 ``fsdp.py``): a flat unit of ``n`` elements over ``P`` ranks keeps ``c = max(1, ceil(n / P))``
@@ -23,8 +23,6 @@ __all__ = [
     "flat",
     "fsdp_units",
     "module_groups",
-    "stage_layers",
-    "stage_tensors",
     "transformer_tensors",
     "zero3_units",
 ]
@@ -91,21 +89,6 @@ def transformer_tensors(spec: ModelSpec, tp: int = 1) -> list[Tensor]:
         Tensor("head.weight", v // tp * h, "head", "<root>", spec.layers),
     ]
     return out
-
-
-def stage_layers(layers: int, stages: int) -> list[range]:
-    """Blocks of each pipeline stage: ``layers / stages`` consecutive blocks each (the first stage also
-    holds the embeddings, the last the final norm and head)."""
-    per = layers // stages
-    return [range(k * per, (k + 1) * per) for k in range(stages)]
-
-
-def stage_tensors(tensors: Sequence[Tensor], blocks: range, layers: int) -> list[Tensor]:
-    """The tensors of the stage holding ``blocks`` (embeddings on the first, head on the last)."""
-    first, last = blocks.start == 0, blocks.stop == layers
-    return [
-        t for t in tensors if t.layer in blocks or (t.layer == -1 and first) or (t.layer == layers and last)
-    ]
 
 
 def buckets(tensors: Sequence[Tensor], ranks: int, bucket_cap_mb: float, dtype_bytes: int) -> list[Flat]:

@@ -13,7 +13,8 @@ from typing import Any
 
 from dtlab.advise.activations import activation_bytes
 from dtlab.advise.dataparallel import DataParallelCost, Ops, data_parallel_cost
-from dtlab.advise.layout import stage_layers, stage_tensors, transformer_tensors
+from dtlab.advise.layout import transformer_tensors
+from dtlab.advise.pipeline import StageShape, activation_peak, pipeline_ops, split_stages
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions
 from dtlab.advise.timing import AXIS_EXTENT, bubble, comm_seconds, inside_node
 
@@ -21,8 +22,6 @@ __all__ = [
     "AxisCost",
     "Memory",
     "Prediction",
-    "in_flight",
-    "pipeline_ops",
     "predict",
     "problems",
     "tensor_parallel_ops",
@@ -77,6 +76,8 @@ class Prediction:
     runnable: bool = False
     #: the memory of every pipeline rank, first stage first
     stage_memory: tuple[Memory, ...] = field(default_factory=tuple)
+    #: what every pipeline rank sends per axis (``axes`` holds the rank that sends most)
+    stage_ops: tuple[dict[str, Ops], ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -85,17 +86,6 @@ class Prediction:
         for name, axis in self.axes.items():
             out["axes"][name]["bytes_sent"] = axis.bytes_sent
         return out
-
-
-def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
-    """Micro-batches (per chunk for the interleaved schedule) whose forward ran on ``rank`` and whose
-    backward has not, at the peak (as ``PipelineSchedule.in_flight``): GPipe ``m``; 1F1B and ZB-H1
-    ``min(p - rank, m)``; interleaved ``min(2 (p - rank - 1) + (v - 1) p + 1, v m)``."""
-    if schedule == "gpipe":
-        return m
-    if schedule == "interleaved_1f1b":
-        return min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m)
-    return min(p - rank, m)
 
 
 def tensor_parallel_ops(
@@ -115,20 +105,6 @@ def tensor_parallel_ops(
         calls += 3
         nbytes += 3 * (2 * (tp - 1) * (n * 4) // tp)
     return {"all_reduce": (calls, nbytes)}
-
-
-def pipeline_ops(spec: ModelSpec, sequences: int, c: Candidate, rank: int) -> Ops:
-    """Rank ``rank``'s messages in a step: the output of every stage it holds but the last to the
-    next stage, the input gradient of every stage but the first to the previous one, once per
-    micro-batch, each ``b s h`` values of one micro-batch."""
-    p, v, m = c.pp, c.stages_per_rank, c.micro_batches
-    if p == 1:
-        return {}
-    stages = [k * p + rank for k in range(v)]
-    last = p * v - 1
-    msgs = m * (sum(1 for s in stages if s < last) + sum(1 for s in stages if s > 0))
-    size = sequences * spec.seq_len * spec.hidden * spec.dtype_bytes
-    return {"send": (msgs, msgs * size), "recv": (msgs, msgs * size)}
 
 
 def problems(spec: ModelSpec, c: Candidate, global_batch: int) -> list[str]:
@@ -180,24 +156,24 @@ def predict(
     local = global_batch // c.dp
     micro = local // c.micro_batches
     tensors = transformer_tensors(spec, c.tp)
-    chunks = stage_layers(spec.layers, c.pp * c.stages_per_rank)
+    if c.pp == 1:
+        stages = [StageShape(0, 0, spec.layers + 2, spec.layers)]
+    else:
+        stages = split_stages(spec, tensors, c.pp * c.stages_per_rank)
     stage_mem: list[Memory] = []
     costs: list[DataParallelCost] = []
     tp_ops: list[Ops] = []
     for r in range(c.pp):
-        mine = [chunks[k * c.pp + r] for k in range(c.stages_per_rank)]
-        held = [t for blocks in mine for t in stage_tensors(tensors, blocks, spec.layers)]
+        mine = [stages[k * c.pp + r] for k in range(c.stages_per_rank)]
+        held = [t for t in tensors if any(st.holds(t) for st in mine)]
         cost = data_parallel_cost(c.strategy, held, c.dp, opts, opt, spec.dtype_bytes, keep_gathered=c.pp > 1)
-        acts = 0
+        if c.pp == 1:
+            acts = activation_bytes(spec, micro, spec.layers, tp=c.tp, checkpointing=c.checkpointing)
+        else:
+            acts = activation_peak(spec, c, r, mine, micro)
         ops: Ops = {}
-        for blocks in mine:
-            first, last = blocks.start == 0, blocks.stop == spec.layers
-            n = in_flight(c.schedule, c.pp, c.micro_batches, c.stages_per_rank, r) if c.pp > 1 else 1
-            per = activation_bytes(
-                spec, micro, len(blocks), first=first, last=last, tp=c.tp, checkpointing=c.checkpointing
-            )
-            acts = max(acts, n * per) if c.stages_per_rank > 1 else n * per
-            one = tensor_parallel_ops(spec, micro, len(blocks), first, last, c.tp)
+        for st in mine:
+            one = tensor_parallel_ops(spec, micro, st.blocks, st.first, st.last, c.tp)
             for kind, (calls, nbytes) in one.items():
                 prev = ops.get(kind, (0, 0))
                 ops[kind] = (prev[0] + calls * c.micro_batches, prev[1] + nbytes * c.micro_batches)
@@ -206,13 +182,12 @@ def predict(
         stage_mem.append(_memory(cost, acts))
     worst = max(range(c.pp), key=lambda r: stage_mem[r].total)
     sizes = {"dp": c.dp, "tp": c.tp, "pp": c.pp}
+    stage_ops = tuple(
+        {"dp": costs[r].ops, "tp": tp_ops[r], "pp": pipeline_ops(spec, c, r, micro)} for r in range(c.pp)
+    )
     per_axis: dict[str, Ops] = {
-        "dp": max((k.ops for k in costs), key=lambda o: sum(b for _, b in o.values())),
-        "tp": max(tp_ops, key=lambda o: sum(b for _, b in o.values())),
-        "pp": max(
-            (pipeline_ops(spec, micro, c, r) for r in range(c.pp)),
-            key=lambda o: sum(b for _, b in o.values()),
-        ),
+        axis: max((o[axis] for o in stage_ops), key=lambda o: sum(b for _, b in o.values()))
+        for axis in ("dp", "tp", "pp")
     }
     axes: dict[str, AxisCost] = {}
     for axis, ops in per_axis.items():
@@ -240,4 +215,5 @@ def predict(
         problems=tuple(notes),
         runnable=runnable,
         stage_memory=tuple(stage_mem),
+        stage_ops=stage_ops,
     )

@@ -1,0 +1,144 @@
+"""A pipeline rank's share: its stages (``PipelineParallelModel``'s balanced split), the activations it
+holds at its peak under each schedule, and the messages it sends.
+
+Stages are cut between the model's pipeline blocks (``TransformerLM.pipeline_blocks()``: the
+embedding, each transformer block, the final norm with the head) by dtlab's own
+``balanced_split`` of their parameter counts; stage ``s`` runs on rank ``s % pp``.
+
+Activations per micro-batch and stage, as ``PipelineParallelModel`` counts them (its
+``memory_report()["activations"]``): what autograd saves in the stage's forward (parameters and the
+batch left out), plus the stage's output (``b s h`` values; the last stage's is the 4-byte loss),
+held from the forward until the backward. Under zero-bubble the backward's ``I`` keeps, until its
+``W``, the inputs and output-gradients of the stage's linear layers (``16 h`` values per token per
+block, ``h + V/t`` for the head). The peak is replayed along the rank's compute order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dtlab.advise.activations import activation_bytes
+from dtlab.advise.layout import Tensor
+from dtlab.advise.spec import Candidate, ModelSpec
+from dtlab.models._pipeline_split import balanced_split
+
+__all__ = ["StageShape", "activation_peak", "pipeline_ops", "split_stages"]
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """One stage: its pipeline blocks' range (0: embedding, ``1..L``: blocks, ``L+1``: head)."""
+
+    index: int
+    start: int
+    stop: int
+    layers: int
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.layers + 2
+
+    @property
+    def blocks(self) -> int:
+        """Transformer blocks in the stage."""
+        return min(self.stop, self.layers + 1) - max(self.start, 1)
+
+    def holds(self, t: Tensor) -> bool:
+        return self.start <= t.layer + 1 < self.stop
+
+
+def split_stages(spec: ModelSpec, tensors: Sequence[Tensor], stages: int) -> list[StageShape]:
+    """The stages ``PipelineParallelModel`` cuts by default (balanced by parameters per block)."""
+    sizes = [0] * (spec.layers + 2)
+    for t in tensors:
+        sizes[t.layer + 1] += t.numel
+    starts = balanced_split(sizes, stages)
+    ends = [*starts[1:], spec.layers + 2]
+    return [StageShape(i, a, b, spec.layers) for i, (a, b) in enumerate(zip(starts, ends, strict=True))]
+
+
+def _held(
+    spec: ModelSpec, stage: StageShape, sequences: int, tp: int, checkpointing: bool
+) -> tuple[int, int]:
+    """Bytes one micro-batch keeps on ``stage``: from its forward to its backward, and (zero-bubble)
+    from its ``I`` to its ``W``."""
+    e, n = spec.dtype_bytes, sequences * spec.seq_len
+    full = activation_bytes(
+        spec, sequences, stage.blocks, first=stage.first, last=stage.last, tp=tp, checkpointing=checkpointing
+    )
+    full += 4 if stage.last else n * spec.hidden * e
+    weights = stage.blocks * 16 * n * spec.hidden * e
+    if stage.last:
+        weights += n * (spec.hidden + spec.vocab // tp) * e
+    return full, weights
+
+
+def _order(c: Candidate, rank: int) -> list[tuple[str, int, int]]:
+    """This rank's compute order ``(kind, chunk, micro)``, as ``build_schedule(...).compute(rank)``."""
+    p, m, v, r = c.pp, c.micro_batches, c.stages_per_rank, rank
+    if c.schedule == "gpipe":
+        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    if c.schedule == "interleaved_1f1b":
+        total = m * v
+        warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+
+        def micro(k: int) -> int:
+            return (k // (p * v)) * p + k % p
+
+        fwd = [("F", (k // p) % v, micro(k)) for k in range(total)]
+        bwd = [("B", v - 1 - (k // p) % v, micro(k)) for k in range(total)]
+        ops = fwd[:warm]
+        for j in range(total - warm):
+            ops += [fwd[warm + j], bwd[j]]
+        return ops + bwd[total - warm :]
+    warm = min(p - r, m)
+    ops = [("F", 0, i) for i in range(warm)]
+    zero_bubble, next_w = c.schedule == "zero_bubble", 0
+    for b in range(m):
+        ops.append(("I" if zero_bubble else "B", 0, b))
+        if warm + b < m:
+            ops.append(("F", 0, warm + b))
+        if zero_bubble and b >= r:
+            ops.append(("W", 0, next_w))
+            next_w += 1
+    return ops + [("W", 0, i) for i in range(next_w, m)] if zero_bubble else ops
+
+
+def activation_peak(
+    spec: ModelSpec, c: Candidate, rank: int, chunks: Sequence[StageShape], sequences: int
+) -> int:
+    """The most activation bytes ``rank`` holds at once during a step (its ``chunks``: its stages)."""
+    sizes = [_held(spec, s, sequences, c.tp, c.checkpointing) for s in chunks]
+    if c.schedule in ("gpipe", "1f1b"):  # one chunk, every micro-batch alike: no replay needed
+        n = c.micro_batches if c.schedule == "gpipe" else min(c.pp - rank, c.micro_batches)
+        return n * sizes[0][0]
+    held = peak = 0
+    for kind, chunk, _ in _order(c, rank):
+        full, weights = sizes[chunk]
+        held += {"F": full, "B": -full, "I": weights - full, "W": -weights}[kind]
+        peak = max(peak, held)
+    return peak
+
+
+def pipeline_ops(spec: ModelSpec, c: Candidate, rank: int, sequences: int) -> dict[str, tuple[int, int]]:
+    """What ``rank`` sends over the pp axis in a step: every stage it holds but the last sends its output
+    forward, every one but the first its input-gradient back, once per micro-batch (``b s h`` values
+    each); then the last stage broadcasts the 4-byte loss along the chain that ends on the rank
+    before it."""
+    p, v, m = c.pp, c.stages_per_rank, c.micro_batches
+    if p == 1:
+        return {}
+    stages = [k * p + rank for k in range(v)]
+    last = p * v - 1
+    msgs = m * (sum(1 for s in stages if s < last) + sum(1 for s in stages if s > 0))
+    size = sequences * spec.seq_len * spec.hidden * spec.dtype_bytes
+    root = last % p
+    return {
+        "send": (msgs, msgs * size),
+        "broadcast": (1, 0 if rank == (root - 1) % p else 4),
+    }
