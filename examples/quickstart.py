@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from dtlab.backends import CommunicationBackend, ReduceOp
+from dtlab.core import seeded_init
 from dtlab.testing import run_world
 
 WORLD_SIZE, STEPS, GLOBAL_BATCH = 4, 60, 64
@@ -21,8 +22,10 @@ def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(backend: CommunicationBackend) -> list[float]:
-    torch.manual_seed(0)  # every rank builds the same initial model
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    # every rank builds the same initial model, in every run: in-memory ranks are threads sharing torch's
+    # global RNG, so a plain torch.manual_seed(0) here would race with the other ranks' seeding and drawing
+    with seeded_init(0):
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     x, y = make_data()
     local = GLOBAL_BATCH // backend.world_size

@@ -28,6 +28,7 @@ from torch import nn
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.config import TrainConfig, load_config
+from dtlab.core import seeded_init
 from dtlab.errors import ArgumentError
 from dtlab.models import DDPModel
 from dtlab.testing import TINY_LM, run_world
@@ -156,8 +157,7 @@ def test_trainer_samples_and_averages_over_dp(tmp_path: Path, monkeypatch: pytes
 
     def build_on_mesh(config: TrainConfig, backend: CommunicationBackend, task: Task) -> tuple[Any, int]:
         mesh = Mesh(backend, {"dp": 2, "tp": 2})
-        with task.init_lock, torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.train.seed)  # as build_model_strategy: same initial model
+        with seeded_init(config.train.seed):  # as build_model_strategy: same initial model
             module = task.build_model()
         return DDPModel(module, mesh["dp"], world=backend), sum(p.numel() for p in module.parameters())
 

@@ -10,7 +10,9 @@ It imports only ``torch``, :mod:`dtlab.backends` and :mod:`dtlab.errors`, so eve
 - :mod:`dtlab.core.placement`: :class:`Replicate` / :class:`Shard` and :func:`placement_of`, where
   each parameter lives on a mesh (read by clipping, finite checks, memory reports, checkpoints);
 - :mod:`dtlab.core.pairs`: which model strategy pairs with which optimizer strategy (no torch, so
-  the config can read it without importing torch).
+  the config can read it without importing torch);
+- :mod:`dtlab.core.rng`: :func:`seeded_init`, reproducible model initialisation from torch's global
+  RNG when in-memory ranks (threads) build models at once.
 
 The names below are imported on first use, so ``import dtlab.core.pairs`` does not import torch.
 """
@@ -23,9 +25,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dtlab.core.placement import Replicate, Shard, placement_of
     from dtlab.core.reducer import DenseReducer, GradientReducer
+    from dtlab.core.rng import seeded_init
     from dtlab.core.state import ShardedState
 
-__all__ = ["DenseReducer", "GradientReducer", "Replicate", "Shard", "ShardedState", "placement_of"]
+__all__ = [
+    "DenseReducer",
+    "GradientReducer",
+    "Replicate",
+    "Shard",
+    "ShardedState",
+    "placement_of",
+    "seeded_init",
+]
 
 _HOME = {
     "DenseReducer": "reducer",
@@ -34,6 +45,7 @@ _HOME = {
     "Replicate": "placement",
     "Shard": "placement",
     "placement_of": "placement",
+    "seeded_init": "rng",
 }
 
 

@@ -8,6 +8,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig
+from dtlab.core.rng import seeded_init
 from dtlab.errors import ConfigError
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers.base import OptimizerStrategy
@@ -47,8 +48,7 @@ def build_model_strategy(
             "micro_batches=8) with DDPOptimizer or ZeRO1Optimizer in your own loop (docs/strategies.md, "
             "Pipeline parallelism)"
         )
-    with task.init_lock, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.train.seed)  # every rank builds the same initial model
+    with seeded_init(config.train.seed):  # the same initial model on every rank and in every run
         module = task.build_model().to(backend.device)
     n_params = sum(p.numel() for p in module.parameters())
     name = config.strategy.model

@@ -3,9 +3,8 @@ pass your own :class:`Task` to :class:`~dtlab.trainers.Trainer` to train anythin
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +25,9 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 @dataclass(frozen=True)
 class Task:
-    #: builds the model; the trainer seeds torch before calling it so every rank builds the same one
+    #: builds the model; the trainer calls it inside ``dtlab.core.seeded_init(train.seed)`` (torch's
+    #: global RNG seeded, one build at a time in the process), so every rank builds the same model in
+    #: every run, however and wherever the task was made
     build_model: Callable[[], nn.Module]
     train_data: TensorDataset
     eval_data: TensorDataset
@@ -38,9 +39,6 @@ class Task:
     name: str = "custom"
     #: classification: evaluation also reports accuracy (argmax of the last dimension)
     classification: bool = False
-    #: in-memory ranks are threads sharing torch's global RNG: building the model under this lock
-    #: (with a forked, seeded RNG) makes every rank's initial model the same and reproducible
-    init_lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
 
 def build_task(config: TrainConfig) -> Task:
