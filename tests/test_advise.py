@@ -177,3 +177,13 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ClusterSpec.ranks must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["advise", "--memory-gb", "0.000001"]) == 1
     assert "none of the" in capsys.readouterr().err
+
+
+def test_a_shared_memo_changes_no_prediction() -> None:
+    from dtlab.advise.predict import Memo
+
+    spec = ModelSpec(layers=4, hidden=256, heads=8, vocab=1024, seq_len=128)
+    cluster = ClusterSpec(ranks=8)
+    memo = Memo()
+    for c in candidates(8, 16):
+        assert predict(spec, cluster, c, 16, memo=memo) == predict(spec, cluster, c, 16)

@@ -13,13 +13,14 @@ from typing import Any
 
 from dtlab.advise.activations import activation_bytes
 from dtlab.advise.dataparallel import DataParallelCost, Ops, data_parallel_cost
-from dtlab.advise.layout import transformer_tensors
+from dtlab.advise.layout import Tensor, transformer_tensors
 from dtlab.advise.pipeline import StageShape, activation_peak, pipeline_ops, split_stages
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions
 from dtlab.advise.timing import AXIS_EXTENT, bubble, comm_seconds, inside_node
 
 __all__ = [
     "AxisCost",
+    "Memo",
     "Memory",
     "Prediction",
     "predict",
@@ -135,6 +136,36 @@ def _memory(cost: DataParallelCost, activations: int) -> Memory:
     return Memory(cost.parameters, cost.gradients, cost.optimizer_state, activations, cost.transient)
 
 
+class Memo:
+    """What the plans of one search share (one model, optimizer and options): the tensor-parallel
+    layouts, the pipeline splits, each stage's data-parallel cost and activation peak, so a search
+    computes them once per mesh and stage rather than once per plan."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, list[list[Tensor]]] = {}
+        self.stages: dict[tuple[int, int], list[StageShape]] = {}
+        self.costs: dict[tuple[object, ...], DataParallelCost] = {}
+        self.acts: dict[tuple[object, ...], int] = {}
+
+    def tensors_by_block(self, spec: ModelSpec, tp: int) -> list[list[Tensor]]:
+        """The rank's tensors per pipeline block (0: embedding, ``1..L``: blocks, ``L+1``: head)."""
+        if tp not in self.layers:
+            blocks: list[list[Tensor]] = [[] for _ in range(spec.layers + 2)]
+            for t in transformer_tensors(spec, tp):
+                blocks[t.layer + 1].append(t)
+            self.layers[tp] = blocks
+        return self.layers[tp]
+
+    def split(self, spec: ModelSpec, tp: int, stages: int) -> list[StageShape]:
+        if (tp, stages) not in self.stages:
+            if stages == 1:
+                self.stages[(tp, stages)] = [StageShape(0, 0, spec.layers + 2, spec.layers)]
+            else:
+                flat = [t for block in self.tensors_by_block(spec, tp) for t in block]
+                self.stages[(tp, stages)] = split_stages(spec, flat, stages)
+        return self.stages[(tp, stages)]
+
+
 def predict(
     spec: ModelSpec,
     cluster: ClusterSpec,
@@ -144,33 +175,44 @@ def predict(
     optimizer: OptimizerSpec | None = None,
     options: StrategyOptions | None = None,
     runnable: bool = False,
+    memo: Memo | None = None,
 ) -> Prediction:
-    """Memory, bytes per axis and step time of ``candidate`` (``global_batch`` sequences per step)."""
+    """Memory, bytes per axis and step time of ``candidate`` (``global_batch`` sequences per step).
+    ``memo``: shared by the calls of one search (same ``spec``, ``optimizer`` and ``options``)."""
     c = candidate
     opt = optimizer or OptimizerSpec()
     opts = options or StrategyOptions()
+    memo = memo if memo is not None else Memo()
     bad = problems(spec, c, global_batch)
     if bad:  # sizes that do not split evenly have no meaningful cost
         empty = Memory(0, 0, 0, 0, 0)
         return Prediction(c, empty, 0, {}, 0.0, 0.0, float("inf"), False, tuple(bad), runnable)
     local = global_batch // c.dp
     micro = local // c.micro_batches
-    tensors = transformer_tensors(spec, c.tp)
-    if c.pp == 1:
-        stages = [StageShape(0, 0, spec.layers + 2, spec.layers)]
-    else:
-        stages = split_stages(spec, tensors, c.pp * c.stages_per_rank)
+    blocks = memo.tensors_by_block(spec, c.tp)
+    stages = memo.split(spec, c.tp, c.pp * c.stages_per_rank)
     stage_mem: list[Memory] = []
     costs: list[DataParallelCost] = []
     tp_ops: list[Ops] = []
     for r in range(c.pp):
         mine = [stages[k * c.pp + r] for k in range(c.stages_per_rank)]
-        held = [t for t in tensors if any(st.holds(t) for st in mine)]
-        cost = data_parallel_cost(c.strategy, held, c.dp, opts, opt, spec.dtype_bytes, keep_gathered=c.pp > 1)
-        if c.pp == 1:
-            acts = activation_bytes(spec, micro, spec.layers, tp=c.tp, checkpointing=c.checkpointing)
-        else:
-            acts = activation_peak(spec, c, r, mine, micro)
+        shape = tuple((st.first, st.blocks, st.last) for st in mine)  # what the rank's tensors depend on
+        key: tuple[object, ...] = (c.strategy, c.dp, c.tp, c.pp > 1, shape)
+        if key not in memo.costs:
+            held = [t for st in mine for b in range(st.start, st.stop) for t in blocks[b]]
+            memo.costs[key] = data_parallel_cost(
+                c.strategy, held, c.dp, opts, opt, spec.dtype_bytes, keep_gathered=c.pp > 1
+            )
+        cost = memo.costs[key]
+        akey = (c.schedule, c.pp, c.micro_batches, c.stages_per_rank, c.tp, c.checkpointing, micro, r, shape)
+        if akey not in memo.acts:
+            if c.pp == 1:
+                memo.acts[akey] = activation_bytes(
+                    spec, micro, spec.layers, tp=c.tp, checkpointing=c.checkpointing
+                )
+            else:
+                memo.acts[akey] = activation_peak(spec, c, r, mine, micro)
+        acts = memo.acts[akey]
         ops: Ops = {}
         for st in mine:
             one = tensor_parallel_ops(spec, micro, st.blocks, st.first, st.last, c.tp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from dtlab.advise.predict import Prediction, predict
+from dtlab.advise.predict import Memo, Prediction, predict
 from dtlab.advise.spec import (
     DP_STRATEGIES,
     SCHEDULES,
@@ -111,12 +111,15 @@ def advise(
         )
     out = []
     considered = 0
+    memo = Memo()
     for c in candidates(cluster.ranks, global_batch, strategies=strategies, checkpointing=checkpointing):
         ok = runnable(c)
         if runnable_only and not ok:
             continue
         considered += 1
-        p = predict(spec, cluster, c, global_batch, optimizer=optimizer, options=options, runnable=ok)
+        p = predict(
+            spec, cluster, c, global_batch, optimizer=optimizer, options=options, runnable=ok, memo=memo
+        )
         if p.fits:
             out.append(p)
     out.sort(key=lambda p: (p.step_seconds, p.memory.total, p.candidate.label))
