@@ -24,7 +24,7 @@ from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError, Config
 
 
 class _Backend(Protocol):  # what agree() uses of a CommunicationBackend
-    _calls_checked: int
+    _check_state: CheckState | None
 
     @property
     def rank(self) -> int: ...
@@ -162,37 +162,70 @@ def decode(row: list[int]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+class CheckState:
+    """One backend's checked-mode buffers: the encoded rows of calls seen (bytes, at most
+    ``_CACHE`` of them) and a host buffer for the gathered table, so a check costs a dict look-up, a
+    byte copy, the all-gather and a byte comparison."""
+
+    _CACHE = 256
+
+    def __init__(self, world_size: int, device: torch.device) -> None:
+        self.count = 0
+        self.rows: dict[tuple[Any, ...], bytes] = {}
+        self.mine_buf = bytearray(WIDTH * 8)
+        self.table_buf = bytearray(world_size * WIDTH * 8)
+        self.mine = torch.frombuffer(self.mine_buf, dtype=torch.int64)
+        self.table = torch.frombuffer(self.table_buf, dtype=torch.int64)
+        self.on_device = device.type != "cpu"
+        if self.on_device:  # the engine moves device tensors (NCCL): gather there, copy back
+            self.mine_dev = torch.empty(WIDTH, dtype=torch.int64, device=device)
+            self.table_dev = torch.empty(world_size * WIDTH, dtype=torch.int64, device=device)
+
+    def row(self, call: tuple[Any, ...]) -> bytes:
+        row = self.rows.get(call)
+        if row is None:
+            if len(self.rows) >= self._CACHE:
+                self.rows.clear()
+            row = self.rows[call] = torch.tensor(encode(call), dtype=torch.int64).numpy().tobytes()
+        return row
+
+
 def agree(backend: _Backend, call: tuple[Any, ...]) -> None:
     """Compare ``call`` with every rank's (one all-gather of ``WIDTH`` ints); raise if any differs."""
     p = backend.world_size
     if p == 1:
         return
-    backend._calls_checked += 1
-    seq = backend._calls_checked
-    dev = backend.device
-    mine = torch.tensor(encode(call), dtype=torch.int64, device=dev)
-    table = torch.empty(p * WIDTH, dtype=torch.int64, device=dev)
+    state = backend._check_state
+    if state is None:
+        state = backend._check_state = CheckState(p, backend.device)
+    state.count += 1
+    row = state.row(call)
+    state.mine_buf[:] = row
     try:
-        backend._all_gather(table, mine)
+        if state.on_device:
+            state.mine_dev.copy_(state.mine)
+            backend._all_gather(state.table_dev, state.mine_dev)
+            state.table.copy_(state.table_dev)
+        else:
+            backend._all_gather(state.table, state.mine)
     except CollectiveTimeoutError as exc:
         raise CollectiveTimeoutError(
             f"{exc} (raised while the ranks compared their calls before {describe_call(call)}, checked "
-            f"collective #{seq}: some rank did not reach a collective)",
+            f"collective #{state.count}: some rank did not reach a collective)",
             exc.missing_ranks,
             call[0],
         ) from exc
-    rows = table.view(p, WIDTH).tolist()
-    first = rows[0]
-    if all(r == first for r in rows):
+    if state.table_buf == row * p:
         return
+    rows = state.table.view(p, WIDTH).tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
-    for r, row in enumerate(rows):
-        groups.setdefault(tuple(row), []).append(r)
+    for r, got in enumerate(rows):
+        groups.setdefault(tuple(got), []).append(r)
     listing = "; ".join(
-        f"rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}: {describe_call(decode(list(row)))}"
-        for row, who in groups.items()
+        f"rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}: {describe_call(decode(list(got)))}"
+        for got, who in groups.items()
     )
     raise CollectiveMismatchError(
-        f"rank {backend.rank}: ranks called different collectives at checked collective #{seq} of "
+        f"rank {backend.rank}: ranks called different collectives at checked collective #{state.count} of "
         f"{backend!r}: {listing}; nothing was exchanged (every rank raises this)"
     )

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dtlab.backends._checked import agree
+from dtlab.backends._checked import CheckState, agree
 from dtlab.backends.stats import CommStats
 
 __all__ = ["ObjectExchange"]
@@ -20,7 +20,7 @@ class ObjectExchange:
 
     _stats: CommStats
     _checked: bool
-    _calls_checked: int
+    _check_state: CheckState | None
 
     if TYPE_CHECKING:  # provided by CommunicationBackend
 

@@ -14,8 +14,9 @@ from time import perf_counter
 
 import torch
 
-from dtlab.backends._checked import agree, checks_from_env
+from dtlab.backends._checked import CheckState, agree, checks_from_env
 from dtlab.backends._checks import _AVG, _SUPPORTED, ArgumentChecks
+from dtlab.backends._groups import GroupMaking, split_members
 from dtlab.backends._objects import ObjectExchange
 from dtlab.backends.stats import CommStats
 from dtlab.backends.types import SUPPORTED_DTYPES, CompletedWork, P2POp, ReduceOp, Work
@@ -32,12 +33,7 @@ __all__ = [
 ]
 
 
-def split_members(pairs: Sequence[tuple[int | None, int]], color: int) -> list[int]:
-    """The ranks that passed ``color`` in a ``split``, ordered by ``(key, rank)`` (its group ranks)."""
-    return sorted((r for r, (c, _) in enumerate(pairs) if c == color), key=lambda r: (pairs[r][1], r))
-
-
-class CommunicationBackend(ArgumentChecks, ObjectExchange, ABC):
+class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
     """Collectives, point-to-point and object exchange among ``world_size`` ranks.
 
     Vocabulary and in-place contracts follow ``torch.distributed``. Byte counters follow the ring
@@ -59,7 +55,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, ABC):
         self._world_size = world_size
         self._stats = CommStats(parent=stats_parent)
         self._checked = not self._checks_calls_itself and checks_from_env()
-        self._calls_checked = 0
+        self._check_state: CheckState | None = None  # made at the first checked collective
         # the hot collectives test the common case in one inline expression and call the checks only
         # when it fails; an engine that adds checks of its own (NCCL: CUDA tensors only) always gets them
         cls = type(self)
@@ -382,39 +378,6 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, ABC):
                 self._stats.record("recv", 0, op.tensor.nbytes, dt)
         return works
 
-    # ------------------------------------------------------------------ groups
-    def new_group(self, ranks: Sequence[int]) -> CommunicationBackend | None:
-        """Called by every rank; members get a backend with ranks renumbered in the given order."""
-        members = [int(r) for r in ranks]
-        if not members:
-            raise ArgumentError("new_group: ranks must not be empty")
-        if len(set(members)) != len(members):
-            raise ArgumentError(f"new_group: ranks must be distinct, got {members}")
-        bad = [r for r in members if not 0 <= r < self.world_size]
-        if bad:
-            raise ArgumentError(f"new_group: ranks {bad} are outside [0, {self.world_size}) of this backend")
-        if self._checked:
-            agree(self, ("new_group",))
-        return self._inherit(self._new_group(members))
-
-    def split(self, color: int | None, key: int = 0) -> CommunicationBackend | None:
-        """MPI ``Comm_Split``: the ranks that pass the same ``color`` form one group, numbered by
-        ``(key, rank)``; ``color=None``: this rank joins no group and gets None.
-
-        Collective: every rank calls it. All groups of one call are made by one exchange of the
-        ``(color, key)`` pairs, however many colors there are. Their byte counters also feed this
-        backend's (as ``new_group``'s do).
-        """
-        self._check_split(color, key)
-        if self._checked:
-            agree(self, ("split",))
-        return self._inherit(self._split(color, key))
-
-    def _inherit(self, group: CommunicationBackend | None) -> CommunicationBackend | None:
-        if group is not None:
-            group.check_collectives = self._checked
-        return group
-
     def close(self) -> None:
         """Release engine resources (optional)."""
 
@@ -457,16 +420,6 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, ABC):
 
     @abstractmethod
     def _new_group(self, ranks: list[int]) -> CommunicationBackend | None: ...
-
-    def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
-        """Default: exchange the pairs, then one ``new_group`` per color (engines do better)."""
-        pairs, _ = self._all_gather_object((color, key))
-        mine: CommunicationBackend | None = None
-        for c in sorted({c for c, _ in pairs if c is not None}):
-            group = self._new_group(split_members(pairs, c))
-            if c == color:
-                mine = group
-        return mine
 
     def _batch_isend_irecv(self, ops: list[P2POp]) -> list[Work]:
         """Default: each op posted non-blocking (engines whose ``_isend``/``_irecv`` never block:
