@@ -13,7 +13,10 @@ so that on a shared machine the best block is one that no other process disturbe
 Buffers are float32; ``size`` is the full buffer a rank holds (the all-reduced tensor, the
 reduce-scatter input, the all-gather output). Raw calls: ``comm.Allreduce(MPI.IN_PLACE, a)``,
 ``comm.Reduce_scatter_block(a, b)``, ``comm.Allgather(a, b)`` on numpy views of the same tensors;
-``dist.all_reduce``, ``dist.reduce_scatter_single``, ``dist.all_gather_single``.
+``dist.all_reduce``, ``dist.reduce_scatter_single``, ``dist.all_gather_single``. With ``--checked`` a
+third variant in the same rounds: dtlab's call in checked mode (``backend.check_collectives = True``:
+the ranks compare a 16-int description of each call first), reported as ``checked_us`` and
+``checked/dtlab``.
 """
 
 from __future__ import annotations
@@ -79,9 +82,10 @@ def _slowest(b: Any, seconds: float) -> float:
 
 
 def bench_rank(
-    b: Any, ops: list[str], sizes: list[int], iters: int, repeats: int, threads: int
+    b: Any, ops: list[str], sizes: list[int], iters: int, repeats: int, threads: int, checked: bool = False
 ) -> list[dict]:
-    """Runs on every rank of the world; returns the rows (the same on every rank)."""
+    """Runs on every rank of the world; returns the rows (the same on every rank). ``checked``: also
+    time dtlab's calls in checked mode (``check_collectives``), in the same rounds."""
     import torch
 
     torch.set_num_threads(threads)
@@ -92,8 +96,12 @@ def bench_rank(
             full = torch.rand(n)
             shard = torch.rand(n // p)
             calls = {"dtlab": _dtlab_calls(b, op, full, shard), "raw": _raw_calls(b, op, full, shard)}
+            if checked:
+                calls["checked"] = calls["dtlab"]  # the same call, with b.check_collectives on
             for name in calls:  # warm-up
+                b.check_collectives = name == "checked"
                 calls[name]()
+                b.check_collectives = False
             b.barrier()
             t0 = time.perf_counter()
             for _ in range(3):
@@ -102,16 +110,19 @@ def bench_rank(
             # short blocks (about 200 us) and many of them: the best block is one no other process disturbed
             k = iters or max(1, min(64, int(BLOCK_S / est)))
             rounds = max(repeats, min(MAX_ROUNDS, int(POINT_BUDGET_S / (2 * k * est))))
-            best = {"dtlab": float("inf"), "raw": float("inf")}
+            best = {name: float("inf") for name in calls}
+            names = list(calls)
             for r in range(rounds):
-                order = ("dtlab", "raw") if r % 2 == 0 else ("raw", "dtlab")
+                order = names if r % 2 == 0 else names[::-1]
                 for name in order:
                     fn = calls[name]
                     b.barrier()
+                    b.check_collectives = name == "checked"
                     t0 = time.perf_counter()
                     for _ in range(k):
                         fn()
                     dt = (time.perf_counter() - t0) / k
+                    b.check_collectives = False
                     best[name] = min(best[name], _slowest(b, dt))
             rows.append(
                 {
@@ -125,6 +136,9 @@ def bench_rank(
                     "ratio": round(best["dtlab"] / best["raw"], 3),
                 }
             )
+            if checked:
+                rows[-1]["checked_us"] = round(best["checked"] * 1e6, 1)
+                rows[-1]["checked/dtlab"] = round(best["checked"] / best["dtlab"], 3)
     return rows
 
 
@@ -149,6 +163,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             args.iters,
             args.repeats,
             args.threads,
+            getattr(args, "checked", False),
             backend=args.backend,
             timeout=3600,
             check_collectives=False,  # measured separately: --checked
@@ -176,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=0, help="calls per timing (default: by size)")
     ap.add_argument("--repeats", type=int, default=5, help="at least this many timed blocks per variant")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--checked", action="store_true", help="also time checked mode (check_collectives)")
     args = ap.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
     args.sizes = [_parse_size(s) for s in args.sizes.split(",") if s]

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/collectives.py                      # in-memory, the full grid
     .venv/bin/python benchmarks/collectives.py --ranks 4 --sizes 4KiB,64MiB --ops all_reduce
     .venv/bin/python benchmarks/collectives.py --backend mpi        # MPI/Gloo: benchmarks/_engines.py
+    .venv/bin/python benchmarks/collectives.py --backend gloo --checked   # + checked mode's cost
 
 Sizes are the full buffer every rank holds: the all-reduced tensor, the reduce-scatter input and the
 all-gather output (as in nccl-tests). The *memory-traffic bound* is the minimal tensor work the same
@@ -185,6 +186,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5, help="timings per point; the best is reported")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (per rank thread)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
+    ap.add_argument(
+        "--checked",
+        action="store_true",
+        help="MPI/Gloo: also time checked mode (backend.check_collectives) in the same rounds",
+    )
     args = ap.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in args.ops if o not in OPS]
@@ -195,6 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
     except ValueError as exc:
         ap.error(f"--sizes/--ranks: {exc}")
+    if args.checked and args.backend == "inmemory":
+        ap.error("--checked: the in-memory world compares every call anyway; use --backend mpi or gloo")
     if any(s < 4 for s in args.sizes) or any(r < 1 for r in args.ranks):
         ap.error(f"--sizes must be >= 4 bytes and --ranks >= 1, got {args.sizes} and {args.ranks}")
     return args
