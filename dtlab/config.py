@@ -32,6 +32,7 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "ParallelConfig",
     "StrategyConfig",
     "TrainConfig",
     "TrainingConfig",
@@ -151,6 +152,43 @@ class StrategyConfig(_Section):
                 f"for {self.model!r} use strategy.optimizer in {fitting} (or leave it unset)"
             )
         return self
+
+
+class ParallelConfig(_Section):
+    """Model parallelism: a mesh of ``pp x dp x tp`` ranks (tp innermost). With ``tp`` or ``pp`` above 1
+    the data-parallel ``strategy.model`` runs over each stage's tensor-parallel shards on the dp axis
+    (docs/strategies.md, "How to choose a mesh"). Checked before any rank starts
+    (``dtlab/parallel_config.py``)."""
+
+    #: data-parallel replicas; ``None``: world size / (tp * pp)
+    dp: int | None = Field(default=None, ge=1)
+    #: tensor-parallel ranks (attention heads, MLP, vocabulary split; must divide heads and 256)
+    tp: int = Field(default=1, ge=1)
+    #: pipeline stages (ranks); the transformer's embedding, blocks and head are split among them
+    pp: int = Field(default=1, ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    #: micro-batches per step of each pipeline (``None``: pp); at least pp
+    micro_batches: int | None = Field(default=None, ge=1)
+    #: pipeline stages per rank (``interleaved_1f1b``: at least 2)
+    stages_per_rank: int = Field(default=1, ge=1)
+    #: block names where stages 1.. begin (``embed``, ``blocks.0`` .. ``blocks.N-1``, ``head``);
+    #: ``None``: balanced by parameter count
+    split_points: list[str] | None = None
+    #: tensor parallelism splits norm and dropout regions along the sequence (needs tp > 1)
+    sequence_parallel: bool = False
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether the run needs a mesh (tensor or pipeline parallelism)."""
+        return self.tp > 1 or self.pp > 1
+
+    @property
+    def micro_batch_count(self) -> int:
+        return self.micro_batches if self.micro_batches is not None else self.pp
+
+    def dp_size(self, world_size: int) -> int:
+        """The dp axis on a world of ``world_size`` ranks (``parallel.dp`` or what tp x pp leave)."""
+        return self.dp if self.dp is not None else max(1, world_size // (self.tp * self.pp))
 
 
 class OptimizerConfig(_Section):
@@ -352,6 +390,7 @@ class TrainConfig(_Section):
     strategy: StrategyConfig = StrategyConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     compression: CompressionConfig = CompressionConfig()
+    parallel: ParallelConfig = ParallelConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     train: TrainingConfig = TrainingConfig()
@@ -380,6 +419,9 @@ class TrainConfig(_Section):
                 "after a process dies MPI can only shrink the communicator with ULFM, which MPICH's "
                 "default build lacks; use gloo/nccl under torchrun elastic or the in-memory backend"
             )
+        from dtlab.parallel_config import check_parallel
+
+        check_parallel(self)
         if self.backend.name == "inmemory":
             check_world_size(self, self.backend.world_size)
         if self.optimizer.schedule == "torch":
@@ -393,7 +435,13 @@ class TrainConfig(_Section):
 
 
 def check_world_size(config: TrainConfig, world_size: int) -> None:
-    """Global batch must split evenly into ``world_size`` ranks x ``accumulation_steps`` micro-batches."""
+    """Global batch must split evenly into dp ranks x ``accumulation_steps`` micro-batches (dp is the
+    world size without model parallelism); with ``parallel`` the mesh must fill the world."""
+    if config.parallel.model_parallel or config.parallel.dp is not None:
+        from dtlab.parallel_config import check_mesh_size
+
+        check_mesh_size(config, world_size)
+        return
     g, a = config.data.global_batch_size, config.data.accumulation_steps
     if g % (world_size * a):
         ok = world_size * a

@@ -285,16 +285,6 @@ def test_clipping_and_the_finite_check_span_the_mesh() -> None:
     assert run_world(4, nan_on_one_stage, timeout=60) == [[True, False]] * 4
 
 
-def test_trainer_refuses_pipeline_with_the_fix() -> None:
-    from dtlab.config import load_config
-    from dtlab.errors import ConfigError
-    from dtlab.trainers.build import build_model_strategy
-
-    config = load_config(overrides=["strategy.model=pipeline"])
-    with pytest.raises(ConfigError, match=r"trains through model\.train_step"):
-        build_model_strategy(config, None, None)  # type: ignore[arg-type]
-
-
 def _compressed(b: Any, algorithm: str) -> dict[str, Any]:
     from dtlab.compression import Dense, TopkA
     from dtlab.optimizers import GradientCompressionOptimizer

@@ -181,16 +181,6 @@ def test_mesh_without_tp_and_wrong_optimizer_pairing() -> None:
         run_world(2, rs_with_ddp)
 
 
-def test_trainer_refuses_tensor_until_it_builds_meshes() -> None:
-    from dtlab.config import load_config
-    from dtlab.errors import ConfigError
-    from dtlab.trainers.build import build_model_strategy
-
-    config = load_config(overrides=["strategy.model=tensor"])
-    with pytest.raises(ConfigError, match=r"strategy.model='tensor'.*TensorParallelModel\(module, Mesh"):
-        build_model_strategy(config, None, None)  # type: ignore[arg-type]
-
-
 def compressed_world(backend: CommunicationBackend) -> tuple[dict[str, torch.Tensor], int, int]:
     from dtlab.compression import Dense
     from dtlab.optimizers import GradientCompressionOptimizer

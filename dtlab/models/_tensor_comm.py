@@ -18,6 +18,9 @@ a row-parallel layer's output ``reduce_from_tp``. Sequence parallelism replaces 
 ``gather_from_sequence`` / ``reduce_scatter_to_seq`` around the norm and dropout regions, which then
 hold ``1/tp`` of the sequence: the same bytes (an all-reduce is a reduce-scatter plus an all-gather).
 The sequence is dim ``-2`` (``(batch, seq, hidden)`` activations, ``(seq, hidden)`` position tables).
+
+Tensors on the ``meta`` device carry no data: the collectives then only compute the output's shape
+(how a pipeline finds the shapes between tensor-parallel stages before any rank computes).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def _all_reduce(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     if group.world_size == 1:
         return x
     out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
-    group.all_reduce(out, ReduceOp.SUM)
+    if not out.is_meta:
+        group.all_reduce(out, ReduceOp.SUM)
     return out
 
 
@@ -58,7 +62,8 @@ def _gather(x: torch.Tensor, group: CommunicationBackend, dim: int) -> torch.Ten
     dim = dim % x.dim()
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((p, *moved.shape), dtype=x.dtype, device=x.device)
-    group.all_gather(out.view(-1), moved.view(-1))
+    if not x.is_meta:
+        group.all_gather(out.view(-1), moved.view(-1))
     # (p, n, rest...) -> (p*n, rest...) -> back to dim
     return out.reshape(p * moved.shape[0], *moved.shape[1:]).movedim(0, dim)
 
@@ -91,7 +96,8 @@ def _reduce_scatter(x: torch.Tensor, group: CommunicationBackend, dim: int) -> t
     moved = x.movedim(dim, 0)
     chunks = moved.reshape(p, n // p, *moved.shape[1:]).contiguous()
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
-    group.reduce_scatter(out.view(-1), chunks.view(-1), ReduceOp.SUM)
+    if not x.is_meta:
+        group.reduce_scatter(out.view(-1), chunks.view(-1), ReduceOp.SUM)
     return out.movedim(0, dim)
 
 

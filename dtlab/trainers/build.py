@@ -9,9 +9,9 @@ import torch
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig
 from dtlab.core.rng import seeded_init
-from dtlab.errors import ConfigError
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.trainers.parallel import build_parallel_model, needs_mesh
 from dtlab.trainers.tasks import Task
 
 __all__ = ["build_model_strategy", "build_optimizer_strategy", "torch_optimizer"]
@@ -34,23 +34,11 @@ def build_model_strategy(
     """The model strategy over a freshly built module, and the module's parameter count."""
     from dtlab.models import get_model_strategy
 
-    if config.strategy.model == "tensor":
-        raise ConfigError(
-            "strategy.model='tensor': the Trainer does not build meshes and tensor-parallel plans yet; "
-            "build TensorParallelModel(module, Mesh(backend, {'dp': -1, 'tp': 2}), plan=transformer_plan()) "
-            "with DDPOptimizer or ZeRO1Optimizer in your own loop (docs/strategies.md, Tensor parallelism)"
-        )
-    if config.strategy.model == "pipeline":
-        raise ConfigError(
-            "strategy.model='pipeline': the Trainer does not run pipeline schedules yet (it calls the "
-            "model's forward and backward, a pipeline trains through model.train_step); build "
-            "PipelineParallelModel(module, Mesh(backend, {'pp': 2, 'dp': -1}), schedule='1f1b', "
-            "micro_batches=8) with DDPOptimizer or ZeRO1Optimizer in your own loop (docs/strategies.md, "
-            "Pipeline parallelism)"
-        )
     with seeded_init(config.train.seed):  # the same initial model on every rank and in every run
         module = task.build_model().to(backend.device)
     n_params = sum(p.numel() for p in module.parameters())
+    if needs_mesh(config):
+        return build_parallel_model(config, backend, module), n_params
     name = config.strategy.model
     cls = get_model_strategy(name)
     kwargs: dict[str, Any] = {}

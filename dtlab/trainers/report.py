@@ -82,6 +82,14 @@ def _compression_variant(trainer: Trainer) -> str | None:
     return variant if isinstance(variant, str) else None
 
 
+def _mesh(trainer: Trainer) -> str | None:
+    """``pp 2 x dp 1 x tp 2 (hybrid)`` for a model-parallel run; None otherwise (the row is left out)."""
+    mesh = getattr(trainer.model, "mesh", None)
+    if mesh is None:
+        return None
+    return " x ".join(f"{a} {n}" for a, n in mesh.shape.items()) + f" ({trainer.model.strategy_name})"
+
+
 def summary_rows(trainer: Trainer, result: TrainResult, seconds: float, sent0: int) -> dict[str, Any]:
     c = trainer.config
     steps_run = result.final_step - result.start_step
@@ -97,6 +105,7 @@ def summary_rows(trainer: Trainer, result: TrainResult, seconds: float, sent0: i
             else f" / {c.compression.algorithm} @ {c.compression.density}"
         ),
         "compression variant": _compression_variant(trainer),
+        "mesh": _mesh(trainer),
         "backend": f"{trainer.backend.name} x {trainer.backend.world_size}",
         "steps": f"{result.start_step} -> {result.final_step}"
         + (" (stopped early)" if result.stopped_early else ""),

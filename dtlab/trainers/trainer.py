@@ -1,9 +1,10 @@
 """``Trainer``: runs any (model strategy, optimizer strategy) pair on one rank of a world.
 
-Per step: this rank's micro-batches (``no_sync`` on all but the last, so gradients travel once), a
-consensus on finite losses before the synchronising backward and on finite gradients after it (every
-rank skips together), clipping by the global norm, the optimizer step, the LR schedule. Evaluation
-every N steps, early stopping agreed by all ranks, atomic sharded checkpoints, metrics and a profile.
+Per step: this rank's micro-batches through ``model.train_step`` (``no_sync`` on all but the last, so
+gradients travel once; a pipeline runs its schedule there), a consensus on finite losses and on finite
+gradients (every rank of the mesh skips together), clipping by the global norm, the optimizer step,
+the LR schedule. Evaluation every N steps, early stopping agreed by all ranks, atomic sharded
+checkpoints, metrics and a profile.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
 from dtlab.trainers.elastic import end_step, report_restore, restore_commit, wrap_elastic
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
 from dtlab.trainers.metrics import MetricsCollector
+from dtlab.trainers.parallel import mesh_shape, needs_mesh, parallel_loss
 from dtlab.trainers.preemption import StopRequest, preempt
 from dtlab.trainers.preflight import check_paths_on_every_rank
 from dtlab.trainers.profiler import Profiler
@@ -45,7 +47,7 @@ from dtlab.trainers.resume import (
 )
 from dtlab.trainers.schedule import build_scheduler
 from dtlab.trainers.state import capture_rng
-from dtlab.trainers.tasks import Task, build_task, check_task
+from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss
 
 __all__ = ["TrainResult", "Trainer"]
 
@@ -97,6 +99,8 @@ class Trainer:
         self.task = task or build_task(config)
         check_task(config, self.task, backend.world_size)
         self.model, self.num_parameters = build_model_strategy(config, backend, self.task)
+        #: the task's loss, or a tensor-parallel model's vocabulary-parallel cross entropy
+        self.loss_fn = parallel_loss(self.model, self.task.loss_fn, cross_entropy_loss, config.parallel.tp)
         self.optimizer = build_optimizer_strategy(config, self.model)
         self.elastic = wrap_elastic(config, self.optimizer, member)
         if self.elastic is not None:
@@ -157,15 +161,27 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.backend.device.type, dtype=self.autocast_dtype)
 
-    def _forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def _micro_step(self, idx: torch.Tensor) -> float:
+        """Forward and backward of one micro-batch through ``model.train_step`` (a pipeline runs its
+        schedule there); the loss is divided by the accumulation steps before backward."""
         x, y = self.task.train_data.batch(idx)
         x, y = x.to(self.backend.device), y.to(self.backend.device)
+        accum = self.config.data.accumulation_steps
+        loss_fn = self.loss_fn
+
+        def scaled(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(out, target)
+            return loss / accum if accum > 1 else loss
+
         with self._autocast():
-            return self.task.loss_fn(self.model(x), y)
+            return float(self.model.train_step((x, y), scaled))
 
     def train_step(self) -> tuple[bool, float | None, float | None]:
-        """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm)."""
-        accum = self.config.data.accumulation_steps
+        """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm).
+
+        Every rank runs every backward (a non-finite loss gives non-finite gradients, which the
+        compressed reducer and the strategies pass on without sending them into any state); then one
+        consensus on finite losses and one on finite gradients, over every rank of the mesh."""
         with self.profiler.phase("data"):
             micro = self.sampler.next_micro_batches()
         self.optimizer.zero_grad(set_to_none=True)
@@ -173,16 +189,10 @@ class Trainer:
         with self.profiler.phase("forward_backward"):
             for idx in micro[:-1]:
                 with self.model.no_sync():
-                    loss = self._forward(idx) / accum
-                    local_loss += float(loss.detach())
-                    if math.isfinite(local_loss):
-                        loss.backward()
-            loss = self._forward(micro[-1]) / accum
-            local_loss += float(loss.detach())
-            # consensus before the synchronising backward: every rank runs it, or none does
+                    local_loss += self._micro_step(idx)
+            local_loss += self._micro_step(micro[-1])
             finite = self.optimizer.agree(math.isfinite(local_loss))
             if finite:
-                loss.backward()
                 finite = self.optimizer.grads_are_finite()
         self.guard.update(finite, self.step + 1)  # steps are counted from 1, like TrainResult.losses
         if not finite:
@@ -216,7 +226,7 @@ class Trainer:
                 x, y = x.to(self.backend.device), y.to(self.backend.device)
                 with self._autocast():
                     out = self.model(x)
-                    loss = self.task.loss_fn(out, y)
+                    loss = self.loss_fn(out, y)
                 total[0] += float(loss) * local
                 total[1] += local
                 if self.task.classification:
@@ -368,6 +378,9 @@ class Trainer:
         c, t = self.config, self.task
         what = f"{t.name} ({self.num_parameters:,} parameters)"
         strategy = f"{c.strategy.model}/{c.strategy.optimizer_name}"
+        if needs_mesh(c):
+            shape = mesh_shape(c, self.backend.world_size)
+            strategy += " on " + " x ".join(f"{a}{n}" for a, n in shape.items() if n > 1 or a == "dp")
         if c.compression.algorithm != "none":
             strategy += f" + {c.compression.algorithm} @ {c.compression.density}"
         start = f"resumed at step {self.start_step}, " if self.start_step else ""

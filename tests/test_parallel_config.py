@@ -1,0 +1,76 @@
+"""The config's ``parallel`` section: every invalid setting is one ConfigError naming the field, raised
+while loading the config (in-memory worlds) or by ``check_world_size`` (a launcher's world size),
+before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtlab.config import check_world_size, load_config
+from dtlab.errors import ConfigError
+
+BASE = ["backend.name=inmemory", "backend.world_size=4"]
+
+INVALID = [
+    (["parallel.tp=0"], "parallel.tp=0"),
+    (["parallel.tp=3", "backend.world_size=3"], "parallel.tp=3 does not divide model.n_heads=4"),
+    (
+        ["parallel.tp=6", "backend.world_size=6", "model.n_heads=6", "model.d_model=48"],
+        "parallel.tp=6 does not divide the vocabulary of 256",
+    ),
+    (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"],
+        "model.seq_len=33 is not divisible by 2",
+    ),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
+    (["parallel.pp=4", "model.n_layers=1"], "model.n_layers=1 gives only 3 pipeline blocks"),
+    (["parallel.pp=2", "parallel.micro_batches=1"], "parallel.micro_batches=1 is fewer than parallel.pp=2"),
+    (["parallel.pp=2", "parallel.schedule=interleaved_1f1b"], "parallel.schedule='interleaved_1f1b'"),
+    (["parallel.pp=2", "parallel.split_points=[nope]"], "parallel.split_points=['nope']"),
+    (["parallel.pp=2", "parallel.split_points=[embed]"], "parallel.split_points=['embed']"),
+    (["parallel.pp=2", "data.accumulation_steps=2"], "data.accumulation_steps=2 with parallel.pp=2"),
+    (["parallel.micro_batches=4"], "parallel.micro_batches=4 applies to pipelines"),
+    (["parallel.split_points=[blocks.1]"], "parallel.split_points=['blocks.1'] cuts pipeline stages"),
+    (["parallel.stages_per_rank=2"], "parallel.stages_per_rank=2 applies to pipelines"),
+    (["parallel.dp=3", "parallel.tp=2"], "parallel.dp=3 x parallel.tp=2 x parallel.pp=1 = 6 ranks"),
+    (["parallel.tp=2", "parallel.pp=2", "backend.world_size=6"], "= 4 does not divide the world of 6"),
+    (
+        ["parallel.tp=2", "backend.world_size=8", "data.global_batch_size=6"],
+        "data.global_batch_size=6 is not divisible by the dp axis",
+    ),
+    (
+        ["parallel.pp=2", "parallel.micro_batches=4", "data.global_batch_size=12"],
+        "not divisible into parallel.micro_batches=4",
+    ),
+    (["strategy.model=tensor", "parallel.pp=2"], "strategy.model='tensor' runs on the dp x tp mesh"),
+    (["strategy.model=pipeline", "parallel.tp=2"], "strategy.model='pipeline' runs on the pp x dp mesh"),
+    (
+        ["parallel.tp=2", "model.name=digits_cnn", "data.dataset=digits"],
+        "not model.name='digits_cnn'",
+    ),
+    (["parallel.tp=2", "elastic.commit_every=2"], "elastic.commit_every=2 with parallel.tp=2"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "needle"), INVALID, ids=[" ".join(o) for o, _ in INVALID])
+def test_every_invalid_parallel_setting_is_named(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[*BASE, *overrides])
+    assert needle in str(info.value), str(info.value)
+
+
+def test_the_launchers_world_size_is_checked_against_the_mesh() -> None:
+    config = load_config(overrides=["backend.name=gloo", "parallel.tp=2", "parallel.pp=2"])
+    check_world_size(config, 8)  # dp = 2
+    with pytest.raises(ConfigError, match=r"does not divide the world of 6 ranks"):
+        check_world_size(config, 6)
+    config = load_config(overrides=["backend.name=mpi", "parallel.tp=2", "parallel.dp=2"])
+    with pytest.raises(ConfigError, match=r"parallel.dp=2 x parallel.tp=2 x parallel.pp=1 = 4 ranks"):
+        check_world_size(config, 8)
+
+
+def test_valid_meshes_resolve_dp() -> None:
+    config = load_config(overrides=[*BASE, "backend.world_size=8", "parallel.tp=2", "parallel.pp=2"])
+    assert config.parallel.dp_size(8) == 2 and config.parallel.micro_batch_count == 2
+    config = load_config(overrides=[*BASE, "parallel.pp=2", "parallel.split_points=[blocks.1]"])
+    assert config.parallel.split_points == ["blocks.1"]
