@@ -13,10 +13,18 @@ import math
 import warnings
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from dtlab.core import pairs
 from dtlab.errors import ConfigError
@@ -87,6 +95,18 @@ def _accept_old_names(section: str, values: Any) -> Any:
 class _Section(BaseModel):
     # allow_inf_nan=False: no setting is meaningful at infinity or NaN (an infinite lr or timeout)
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """Strict numbers: pydantic would take ``true`` for 1 (``--set train.steps=true``)."""
+        if isinstance(v, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            types = set(get_args(annotation)) or {annotation}
+            if types & {int, float} and bool not in types:
+                kind = "an integer" if int in types else "a number"
+                raise ValueError(f"a bool is not a number here; give {kind}")
+        return v
 
 
 class BackendConfig(_Section):
@@ -219,6 +239,12 @@ class OptimizerConfig(_Section):
             raise ValueError(
                 f"optimizer.torch_scheduler={self.torch_scheduler!r} needs optimizer.schedule=torch "
                 f"(it is {self.schedule!r})"
+            )
+        if self.schedule != "torch" and self.torch_scheduler_args:
+            raise ValueError(
+                f"optimizer.torch_scheduler_args={dict(self.torch_scheduler_args)!r} would be ignored: "
+                f"they apply to optimizer.schedule=torch only (it is {self.schedule!r}); set "
+                "optimizer.schedule=torch and optimizer.torch_scheduler, or drop them"
             )
         if self.schedule == "torch":
             if self.torch_scheduler is None:
@@ -551,8 +577,12 @@ def _read_file(path: str | Path) -> dict[str, Any]:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
     elif p.suffix in (".yaml", ".yml"):
+        from dtlab.yaml_strict import DuplicateKeyError, load_yaml
+
         try:
-            data = yaml.safe_load(text) or {}
+            data = load_yaml(text) or {}
+        except DuplicateKeyError as exc:
+            raise ConfigError(f"config file {str(p)!r}: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
     else:

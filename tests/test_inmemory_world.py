@@ -244,7 +244,10 @@ def test_bad_world_arguments_are_value_errors_and_dtlab_errors() -> None:
     calls: list[tuple[Any, str]] = [
         (lambda: run_world(0, lambda b: None), "world_size must be >= 1, got 0"),
         (lambda: InMemoryWorld(-2), "world_size must be >= 1, got -2"),
-        (lambda: run_world(2, lambda b: None, timeout=0), "timeout must be > 0 seconds, got 0"),
+        (
+            lambda: run_world(2, lambda b: None, timeout=0),
+            "timeout must be a finite number of seconds > 0, got 0",
+        ),
         (lambda: InMemoryWorld(3).backend(3), r"rank must be in \[0, 3\), got 3"),
     ]
     for call, text in calls:

@@ -25,6 +25,7 @@ from typing import Any
 
 from dtlab.backends._checked import ENV_VAR
 from dtlab.errors import ArgumentError, BackendInitError, CollectiveTimeoutError, RankFailedError
+from dtlab.testing._args import check_timeout, check_world_size
 
 __all__ = ["find_mpiexec", "spawn_world"]
 
@@ -97,10 +98,10 @@ def spawn_world(
     """
     if backend not in ("gloo", "mpi"):
         raise ArgumentError(f"spawn_world: backend must be 'gloo' or 'mpi', got {backend!r}")
-    if world_size < 1:
-        raise ArgumentError(f"spawn_world: world_size must be >= 1, got {world_size}")
-    if timeout <= 0:
-        raise ArgumentError(f"spawn_world: timeout must be > 0 seconds, got {timeout}")
+    check_world_size("spawn_world", world_size)
+    check_timeout("spawn_world", "timeout", timeout)
+    if backend_timeout is not None:
+        check_timeout("spawn_world", "backend_timeout", backend_timeout)
     if may_die and backend != "gloo":
         raise ArgumentError(
             f"spawn_world: may_die={list(may_die)} needs backend='gloo' (mpiexec ends the job)"

@@ -16,6 +16,7 @@ from dtlab.errors import (
     RankFailedError,
     WorldAbortedError,
 )
+from dtlab.testing._args import check_timeout, check_world_size
 
 T = TypeVar("T")
 
@@ -32,14 +33,16 @@ def run_world(
 ) -> list[T]:
     """Run ``fn(backend, *args, **kwargs)`` on ``world_size`` in-memory ranks (one thread each).
 
-    Returns the results in rank order. ``timeout`` (seconds) bounds every collective and
-    point-to-point wait. A rank that raises aborts the world (the others are released at once) and
-    this raises :class:`RankFailedError` naming the rank, with the original exception as
-    ``__cause__``. A timeout or a mismatch of collectives is raised as such
+    Returns the results in rank order. ``world_size`` is an int >= 1; ``timeout`` (finite seconds > 0)
+    bounds every collective and point-to-point wait. A rank that raises aborts the world (the others
+    are released at once) and this raises :class:`RankFailedError` naming the rank, with the
+    original exception as ``__cause__``. A timeout or a mismatch of collectives is raised as such
     (:class:`CollectiveTimeoutError`, :class:`CollectiveMismatchError`). After a failure, ranks busy
     outside any collective (which an abort cannot interrupt) get ``timeout`` more seconds to finish;
     then this raises anyway and leaves their (daemon) threads behind.
     """
+    check_world_size("run_world", world_size)
+    check_timeout("run_world", "timeout", timeout)
     world = InMemoryWorld(world_size, timeout=timeout, device=device)
     results: list[Any] = [None] * world_size
 
