@@ -126,9 +126,6 @@ class ShardServer:
         msg = PushMessage(self.param.numel(), self.param.dtype, self.backend.device)
         pending: list[list[tuple[Work, torch.Tensor]]] = [[] for _ in range(self.workers)]
         told: dict[int, list[int]] = {}  # the last WAIT note's holders, per waiting worker
-        for i in range(self.workers):  # every worker waits for the clock-0 parameters
-            table.waiting[i] = 0
-        self._answer(table, pending, told)
         while table.unfinished():
             src = self._receive(msg, table)
             i = src - self.num_servers

@@ -52,10 +52,11 @@ __all__ = ["AsyncSGDOptimizer"]
 class AsyncSGDOptimizer:
     """``AsyncSGDOptimizer(module, backend, torch.optim.SGD, lr=0.1, staleness=2, num_servers=1)``.
 
-    Every rank builds it (a collective: the ranks check they agree on the model and the settings).
-    On a worker (``not opt.is_server``) the constructor waits for the initial parameters from the
-    servers, then: ``loss.backward(); opt.step()`` per batch and ``opt.finish()`` at the end. On a
-    server: ``opt.serve()`` until every worker has finished. Then ``opt.full_state_dict()`` on every rank.
+    Every rank builds it (a collective: the ranks check they agree on the model and the settings,
+    and every worker gets the servers' parameters as its clock-0 read). Then on a worker
+    (``not opt.is_server``): ``loss.backward(); opt.step()`` per batch and ``opt.finish()`` at the end;
+    on a server: ``opt.serve()`` until every worker has finished. Then ``opt.full_state_dict()`` on
+    every rank.
     """
 
     def __init__(
@@ -84,29 +85,42 @@ class AsyncSGDOptimizer:
         self._aliases = {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
         c = self._unit.shard_numel
         self._check_agreement(module)
-        self._bytes0 = _p2p_bytes(backend)
         self._server: ShardServer | None = None
         self._finished = False
         self._clock = 0
         self.pushes = self.pulls = self.waits = 0
         self.blocked_s = 0.0
         self.max_staleness = 0
+        flat = self._unit.new_flat()
+        self._unit.copy_params_into(flat)
         if self.is_server:
-            flat = self._unit.new_flat()
-            self._unit.copy_params_into(flat)
             shard = flat[backend.rank * c : (backend.rank + 1) * c]
             self._server = ShardServer(
                 backend, backend.rank, num_servers, shard, optimizer_cls, optimizer_kwargs, staleness
             )
             self._unit.unbind()  # a server holds its shard only; the module keeps the layout
-            return
-        self._flat = self._unit.new_flat()
-        self._unit.copy_params_into(self._flat)
-        self._unit.bind(self._flat)  # the replica's parameters are views into the pulled buffer
-        self._flat_grad = self._unit.new_flat()
-        self._messages = [PushMessage(c, self._unit.dtype, backend.device) for _ in range(num_servers)]
-        self._note = Note(self.num_workers, backend.device)
-        self._pull()  # the clock-0 parameters, sent when the servers start serving
+        else:
+            self._flat = flat
+            self._unit.bind(flat)  # the replica's parameters are views into the pulled buffer
+            self._flat_grad = self._unit.new_flat()
+            self._messages = [PushMessage(c, self._unit.dtype, backend.device) for _ in range(num_servers)]
+            self._note = Note(self.num_workers, backend.device)
+        self._share_parameters()  # the clock-0 read
+        self._bytes0 = _p2p_bytes(backend)
+
+    def _share_parameters(self) -> None:
+        """Collective: every worker's replica gets every server's shard (a broadcast per server)."""
+        c = self._unit.shard_numel
+        for k in range(self.num_servers):
+            if self._server is not None:
+                part = (
+                    self._server.param.detach().clone()
+                    if k == self.backend.rank
+                    else torch.empty_like(self._server.param)
+                )
+            else:
+                part = self._flat[k * c : (k + 1) * c]
+            self.backend.broadcast(part, k)
 
     # ------------------------------------------------------------------ roles
     @property
@@ -257,28 +271,35 @@ class AsyncSGDOptimizer:
             return {**meta, "clock": self._clock}
         return {**meta, **self._server.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a server's shard and optimizer state; call it before ``serve()`` (the workers get
-        the restored parameters as their clock-0 read). On a worker: checks the role, nothing else."""
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Collective, on every rank before ``serve()``/``step()``: a server restores its shard and
+        optimizer state from its own ``state_dict()``; a worker passes its own ``state_dict()`` or
+        None. Then every worker reads the restored parameters as its clock-0 read."""
         role = "server" if self.is_server else "worker"
-        layout = (state.get("role"), state.get("num_servers"), state.get("numel"))
-        if layout != (role, self.num_servers, self._unit.numel):
-            raise StrategyError(
-                f"AsyncSGDOptimizer rank {self.backend.rank} ({role} of {self.num_servers} servers, "
-                f"{self._unit.numel} parameters) cannot load a state saved by a {layout[0]} of "
-                f"{layout[1]} servers with {layout[2]} parameters; load each rank's own saved state"
-            )
-        if self._server is not None:
-            if self._server.served:
+        if state is not None or self.is_server:
+            got = state or {}
+            layout = (got.get("role"), got.get("num_servers"), got.get("numel"))
+            if layout != (role, self.num_servers, self._unit.numel):
                 raise StrategyError(
-                    "AsyncSGDOptimizer.load_state_dict() on a server must come before serve(): the workers "
-                    "read their clock-0 parameters when serving starts"
+                    f"AsyncSGDOptimizer rank {self.backend.rank} ({role} of {self.num_servers} servers, "
+                    f"{self._unit.numel} parameters) cannot load a state saved by a {layout[0]} of "
+                    f"{layout[1]} servers with {layout[2]} parameters; load each rank's own saved state"
                 )
+        started = self._server.served if self._server is not None else self.pushes > 0
+        if started:
+            raise StrategyError(
+                f"AsyncSGDOptimizer.load_state_dict() on rank {self.backend.rank} must come before serve() "
+                "and step(): it sets the parameters every worker starts from"
+            )
+        if self._server is not None and state is not None:
             self._server.load_state_dict(state)
+        self._share_parameters()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state on every rank (a collective, after ``serve()``/``finish()``):
-        parameters from the servers' shards; buffers and frozen parameters from the first worker."""
+        parameters from the servers' shards; buffers and frozen parameters from the first worker.
+        It is also loaded into ``opt.module`` on every rank (a server's module holds no parameter
+        values while serving)."""
         if not self.is_server and not self._finished:
             raise StrategyError(
                 f"AsyncSGDOptimizer.full_state_dict(): worker rank {self.backend.rank} must call finish() "
@@ -300,6 +321,11 @@ class AsyncSGDOptimizer:
             held = value.detach().clone().contiguous()
             self.backend.broadcast(held, self.num_servers)
             out[name] = held
+        if self._server is not None:
+            self._unit.bind(flat)  # a server's module gets parameter values again
+        else:
+            self._flat.copy_(flat)
+        self.module.load_state_dict(out)
         return out
 
     # ------------------------------------------------------------------ statistics
