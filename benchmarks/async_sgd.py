@@ -37,6 +37,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core import seeded_init
 from dtlab.data import load_digits_dataset
 from dtlab.models import DDPModel
 from dtlab.optimizers import AsyncSGDOptimizer, DDPOptimizer
@@ -52,8 +53,7 @@ def name_of(variant: str | int | None) -> str:
 
 
 def build(seed: int) -> nn.Module:
-    with torch.random.fork_rng():  # this process's own RNG, restored after
-        torch.manual_seed(seed)
+    with seeded_init(seed):  # the same initial weights on every rank and in every variant
         return DigitsCNN()
 
 
