@@ -319,14 +319,40 @@ class CompressionConfig(_Section):
         return v
 
 
+def _check_reference(value: str | None, field: str) -> str | None:
+    """``pkg.mod:fn`` (the shape only; importing it is checked before any rank starts)."""
+    if value is None:
+        return None
+    mod, sep, fn = value.partition(":")
+    if not sep or not mod or not fn or not all(p.isidentifier() for p in [*mod.split("."), *fn.split(".")]):
+        raise ValueError(f"{field} must look like package.module:function, got {value!r}")
+    return value
+
+
 class ModelConfig(_Section):
     #: ``transformer_lm``: byte-level causal transformer; ``digits_cnn``: small CNN for 8x8 digits
     name: Literal["transformer_lm", "digits_cnn"] = "transformer_lm"
+    #: your own model: ``package.module:function`` called with no arguments, returning an ``nn.Module``
+    #: (replaces ``model.name``)
+    factory: str | None = None
+    #: ``cross_entropy``, ``mse`` or ``package.module:function`` of ``(output, target)`` returning a
+    #: scalar; ``None``: the built-in task's loss (cross entropy)
+    loss: str | None = None
     d_model: int = Field(default=128, ge=8)
     n_layers: int = Field(default=2, ge=1)
     n_heads: int = Field(default=4, ge=1)
     seq_len: int = Field(default=64, ge=2)
     dropout: float = Field(default=0.0, ge=0, lt=1)
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, v: str | None) -> str | None:
+        return _check_reference(v, "model.factory")
+
+    @field_validator("loss")
+    @classmethod
+    def _loss(cls, v: str | None) -> str | None:
+        return v if v in (None, "cross_entropy", "mse") else _check_reference(v, "model.loss")
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
@@ -341,6 +367,14 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     #: ``stdlib``: the Python standard library's own source files; ``digits``: scikit-learn's digits
     dataset: Literal["stdlib", "digits"] = "stdlib"
+    #: your own data: ``package.module:function`` called with no arguments, returning a map-style torch
+    #: ``Dataset`` of ``(input, target)`` pairs (the last ``eval_fraction`` is held out) or a
+    #: ``(train, eval)`` pair of them (replaces ``data.dataset``)
+    factory: str | None = None
+    #: ``DataLoader`` worker processes per rank (0: load in the training thread)
+    num_workers: int = Field(default=0, ge=0)
+    #: ``DataLoader(pin_memory=...)``: page-locked host batches for faster copies to a GPU
+    pin_memory: bool = False
     #: bytes of the stdlib corpus to read (a deterministic subset of files, sorted by path)
     max_bytes: int = Field(default=1_000_000, ge=10_000)
     global_batch_size: int = Field(default=32, ge=1)
@@ -348,6 +382,11 @@ class DataConfig(_Section):
     #: fraction of the data held out for evaluation
     eval_fraction: float = Field(default=0.05, gt=0, lt=1)
     shuffle: bool = True
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, v: str | None) -> str | None:
+        return _check_reference(v, "data.factory")
 
 
 class TrainingConfig(_Section):
@@ -426,7 +465,8 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> TrainConfig:
-        if (self.model.name == "digits_cnn") != (self.data.dataset == "digits"):
+        custom = self.model.factory is not None or self.data.factory is not None
+        if not custom and (self.model.name == "digits_cnn") != (self.data.dataset == "digits"):
             raise ValueError(
                 f"model.name={self.model.name!r} does not fit data.dataset={self.data.dataset!r}; "
                 "use transformer_lm with stdlib or digits_cnn with digits"

@@ -1,28 +1,33 @@
-"""A dataset of (input, target) tensor pairs indexed along the first dimension."""
+"""Datasets of ``(input, target)`` pairs: the in-memory :class:`TensorDataset` and :func:`fetch`, which
+gathers a batch from any map-style torch ``Dataset``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch.utils.data import Dataset, default_collate
 
-__all__ = ["TensorDataset"]
+__all__ = ["TensorDataset", "fetch"]
 
 
-@dataclass(frozen=True)
-class TensorDataset:
-    inputs: torch.Tensor
-    targets: torch.Tensor
+class TensorDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``inputs[i], targets[i]`` for ``i`` along the first dimension (a map-style torch ``Dataset``)."""
 
-    def __post_init__(self) -> None:
-        if self.inputs.shape[0] != self.targets.shape[0]:
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        if inputs.shape[0] != targets.shape[0]:
             raise ValueError(
-                f"inputs hold {self.inputs.shape[0]} samples but targets {self.targets.shape[0]}; "
+                f"inputs hold {inputs.shape[0]} samples but targets {targets.shape[0]}; "
                 "both need one row per sample"
             )
+        self.inputs, self.targets = inputs, targets
 
     def __len__(self) -> int:
         return int(self.inputs.shape[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[index], self.targets[index]
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inputs[indices], self.targets[indices]
@@ -37,3 +42,12 @@ class TensorDataset:
             TensorDataset(self.inputs[:cut], self.targets[:cut]),
             TensorDataset(self.inputs[cut:], self.targets[cut:]),
         )
+
+
+def fetch(dataset: Any, indices: Sequence[int] | torch.Tensor) -> Any:
+    """The batch of ``dataset`` at ``indices``: ``dataset.batch`` where it has one (one indexing per
+    tensor), else ``default_collate`` of the samples (what a ``DataLoader`` does)."""
+    batch = getattr(dataset, "batch", None)
+    if callable(batch):
+        return batch(torch.as_tensor(indices))
+    return default_collate([dataset[int(i)] for i in indices])

@@ -1,100 +1,87 @@
-"""A distributed sampler in the spirit of ``torch.utils.data.DistributedSampler``, resumable mid-epoch.
+"""``DistributedSampler``: a ``torch.utils.data.Sampler``, a drop-in for torch's, resumable mid-epoch.
 
-Each step takes the next ``global_batch_size`` indices of the epoch's permutation (seeded by
-``seed + epoch``, so every rank computes the same one without communicating). Rank ``r`` takes the
-``r``-th contiguous block of ``global_batch_size / world_size`` indices and splits it into
-``accumulation_steps`` micro-batches. The global batch of a step does not depend on the world size,
-so a run resumed at another world size sees the same data. The tail of an epoch shorter than a
-global batch is dropped.
+As torch's: ``DistributedSampler(dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False)``;
+each epoch's order is ``randperm(len(dataset))`` seeded by ``seed + epoch`` (``set_epoch``), the same on
+every rank without communicating; ``drop_last=False`` repeats the first indices so every rank gets as
+many, ``drop_last=True`` drops the tail; rank ``r`` takes every ``num_replicas``-th index from ``r``.
+
+So when each rank batches its indices ``B`` at a time, the ranks' batches of step ``s`` together are
+the order's positions ``[s*G, (s+1)*G)`` with ``G = B * num_replicas``: the samples of a global batch do
+not depend on the world size. :meth:`start_at` resumes an epoch after ``offset`` samples counted over
+all ranks, so a run resumed at another world size continues with the same samples (the consumer
+counts what it used: with DataLoader workers the sampler runs ahead of the training loop).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Iterator, Sized
 
 import torch
+from torch.utils.data import Sampler
 
 __all__ = ["DistributedSampler"]
 
 
-class DistributedSampler:
+class DistributedSampler(Sampler[int]):
     def __init__(
         self,
-        num_samples: int,
-        global_batch_size: int,
-        world_size: int,
-        rank: int,
-        accumulation_steps: int = 1,
-        seed: int = 0,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
         shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
     ) -> None:
-        per_step = world_size * accumulation_steps
-        if global_batch_size % per_step:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not divisible by world_size x "
-                f"accumulation_steps = {world_size} x {accumulation_steps}"
-            )
-        if num_samples < global_batch_size:
-            raise ValueError(
-                f"the dataset has {num_samples} samples, fewer than one global batch of {global_batch_size}; "
-                "lower data.global_batch_size or use more data"
-            )
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} outside [0, {world_size})")
-        self.num_samples = num_samples
-        self.global_batch_size = global_batch_size
-        self.world_size = world_size
-        self.rank = rank
-        self.accumulation_steps = accumulation_steps
-        self.seed = seed
-        self.shuffle = shuffle
+        if num_replicas is None or rank is None:
+            if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+                raise ValueError(
+                    "DistributedSampler: pass num_replicas and rank (e.g. backend.world_size and "
+                    "backend.rank); they default to torch.distributed's only once it is initialized"
+                )
+            num_replicas = torch.distributed.get_world_size() if num_replicas is None else num_replicas
+            rank = torch.distributed.get_rank() if rank is None else rank
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"DistributedSampler: rank={rank} outside [0, num_replicas={num_replicas})")
+        self.dataset_size = len(dataset)
+        self.num_replicas, self.rank = num_replicas, rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        n, p = self.dataset_size, num_replicas
+        #: indices per rank per epoch (torch's rule)
+        self.num_samples = math.ceil((n - p) / p) if drop_last and n % p else math.ceil(n / p)
+        self.total_size = self.num_samples * p
         self.epoch = 0
-        self.offset = 0  # samples of this epoch already consumed
-        self._perm_epoch = -1
-        self._perm = torch.empty(0, dtype=torch.long)
+        self.start = 0  # this rank's first index of the epoch (start_at)
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.num_samples // self.global_batch_size
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order from its beginning."""
+        self.epoch, self.start = int(epoch), 0
 
-    def _permutation(self) -> torch.Tensor:
-        if self._perm_epoch != self.epoch:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + self.epoch)
-                self._perm = torch.randperm(self.num_samples, generator=g)
-            else:
-                self._perm = torch.arange(self.num_samples)
-            self._perm_epoch = self.epoch
-        return self._perm
-
-    def next_global_batch(self) -> torch.Tensor:
-        """Indices of the next global batch (the same on every rank); advances the position."""
-        if self.offset + self.global_batch_size > self.num_samples:
-            self.epoch += 1
-            self.offset = 0
-        idx = self._permutation()[self.offset : self.offset + self.global_batch_size]
-        self.offset += self.global_batch_size
-        return idx
-
-    def next_micro_batches(self) -> list[torch.Tensor]:
-        """This rank's ``accumulation_steps`` micro-batches of the next global batch."""
-        idx = self.next_global_batch()
-        local = self.global_batch_size // self.world_size
-        mine = idx[self.rank * local : (self.rank + 1) * local]
-        return list(mine.chunk(self.accumulation_steps))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "offset": self.offset,
-            "seed": self.seed,
-            "num_samples": self.num_samples,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state["num_samples"]) != self.num_samples:
+    def start_at(self, offset: int) -> None:
+        """Resume the current epoch after its first ``offset`` samples over all ranks (a multiple of
+        ``num_replicas``): this rank skips its first ``offset / num_replicas`` indices."""
+        if offset % self.num_replicas or not 0 <= offset <= self.total_size:
             raise ValueError(
-                f"the saved data position is for {state['num_samples']} samples but this dataset has "
-                f"{self.num_samples}; resume with the same data settings"
+                f"DistributedSampler.start_at({offset}): need a multiple of num_replicas="
+                f"{self.num_replicas} within the epoch's {self.total_size} samples"
             )
-        self.epoch, self.offset, self.seed = int(state["epoch"]), int(state["offset"]), int(state["seed"])
+        self.start = offset // self.num_replicas
+
+    def order(self) -> torch.Tensor:
+        """The epoch's order over all ranks (``total_size`` indices)."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            idx = torch.randperm(self.dataset_size, generator=g)
+        else:
+            idx = torch.arange(self.dataset_size)
+        if self.total_size > idx.numel():  # drop_last=False: repeat from the start, as torch does
+            reps = math.ceil(self.total_size / max(1, idx.numel()))
+            idx = idx.repeat(reps)
+        return idx[: self.total_size]
+
+    def __iter__(self) -> Iterator[int]:
+        mine = self.order()[self.rank : self.total_size : self.num_replicas]
+        return iter(mine[self.start :].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start

@@ -77,7 +77,7 @@ def restore_commit(trainer: Trainer) -> bool:
     for group, lr in zip(opt.optimizer.param_groups, trainer.scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
     try:
-        trainer.sampler.load_state_dict(state["data_position"])
+        trainer.feed.load_state_dict(state["data_position"])
     except ValueError as exc:
         raise CheckpointError(f"the elastic commit of step {commit.key.step}: {exc}") from None
     trainer.guard.load_state_dict(t["guard"])

@@ -4,12 +4,15 @@ process's rank under a launcher (torchrun -> gloo/nccl, mpiexec -> mpi) via ``in
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
+from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, check_world_size
+from dtlab.trainers.custom import task_from_objects
 from dtlab.trainers.preemption import StopRequest
 from dtlab.trainers.preflight import check_paths
 from dtlab.trainers.tasks import Task, build_task, check_task
@@ -48,11 +51,25 @@ def run_training(
     task: Task | None = None,
     scheduler_factory: SchedulerFactory | None = None,
     stop: StopRequest | None = None,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    train_data: Any = None,
+    eval_data: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | str | None = None,
 ) -> list[TrainResult]:
     """Train; returns every rank's result (in-memory) or this process's (under a launcher).
 
+    Your own model and data: ``model`` (an ``nn.Module``, copied for each in-memory rank, or a
+    function building one), ``train_data``/``eval_data`` (map-style torch Datasets of ``(input,
+    target)``; without ``eval_data`` the last ``data.eval_fraction`` is held out) and ``loss_fn``
+    (``"cross_entropy"``, ``"mse"`` or a function), checked before any rank starts.
+
     ``stop``: once set (``dtlab train`` sets it on SIGTERM/SIGINT, ``trainers/preemption.py``), every
     rank stops after the same step with a final checkpoint; ``TrainResult.preempted_by`` says why."""
+    if model is not None or train_data is not None:
+        if task is not None:
+            raise TypeError("run_training: pass either task or model/train_data/eval_data/loss_fn, not both")
+        task = task_from_objects(config, model, train_data, eval_data, loss_fn)
     name = resolve_backend_name(config)
     if name == "inmemory":
         from dtlab.testing import run_world

@@ -202,7 +202,7 @@ def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
     saved_base = [float(x) for x in sched.get("base_lrs", [])]
     _apply_config_hyperparameters(trainer, changed, fresh_base, saved_base)
     try:
-        trainer.sampler.load_state_dict(ckpt.meta["data_position"])
+        trainer.feed.load_state_dict(ckpt.meta["data_position"])
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{ckpt.path}: {exc}") from None
     trainer.guard.load_state_dict(t["guard"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,15 @@ from dtlab.data import TensorDataset, load_digits_dataset, stdlib_lm_dataset
 from dtlab.errors import ConfigError
 from dtlab.trainers.models import Block, DigitsCNN, TransformerLM
 
-__all__ = ["Task", "build_task", "check_task", "cross_entropy_loss"]
+__all__ = [
+    "Task",
+    "build_task",
+    "builtin_data",
+    "builtin_model",
+    "builtin_task",
+    "check_task",
+    "cross_entropy_loss",
+]
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -29,8 +38,9 @@ class Task:
     #: global RNG seeded, one build at a time in the process), so every rank builds the same model in
     #: every run, however and wherever the task was made
     build_model: Callable[[], nn.Module]
-    train_data: TensorDataset
-    eval_data: TensorDataset
+    #: any map-style torch ``Dataset`` of ``(input, target)`` pairs
+    train_data: Any
+    eval_data: Any
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
     #: tokens per sample (for tokens/s); 1 for classification
     tokens_per_sample: int = 1
@@ -41,24 +51,53 @@ class Task:
     classification: bool = False
 
 
-def build_task(config: TrainConfig) -> Task:
-    m, d = config.model, config.data
+def builtin_model(
+    config: TrainConfig,
+) -> tuple[Callable[[], nn.Module], int, tuple[type[nn.Module], ...] | None]:
+    """``model.name``'s builder, its tokens per sample and its FSDP unit classes."""
+    m = config.model
+    if m.name == "transformer_lm":
+        return (
+            lambda: TransformerLM(m.d_model, m.n_layers, m.n_heads, m.seq_len, m.dropout),
+            m.seq_len,
+            (Block,),
+        )
+    return DigitsCNN, 1, None
+
+
+def builtin_data(config: TrainConfig) -> tuple[TensorDataset, TensorDataset]:
+    """``data.dataset``'s training and held-out parts."""
+    d = config.data
     if d.dataset == "stdlib":
-        full = stdlib_lm_dataset(d.max_bytes, m.seq_len)
-        train, evals = full.split(d.eval_fraction)
+        return stdlib_lm_dataset(d.max_bytes, config.model.seq_len).split(d.eval_fraction)
+    return load_digits_dataset().split(d.eval_fraction)
+
+
+def builtin_task(config: TrainConfig) -> Task:
+    """The embedded task of ``model.name`` and ``data.dataset``."""
+    build, tokens, units = builtin_model(config)
+    train, evals = builtin_data(config)
+    if config.data.dataset == "stdlib":
         return Task(
-            build_model=lambda: TransformerLM(m.d_model, m.n_layers, m.n_heads, m.seq_len, m.dropout),
-            train_data=train,
-            eval_data=evals,
-            tokens_per_sample=m.seq_len,
-            fsdp_unit_classes=(Block,),
+            build,
+            train,
+            evals,
+            tokens_per_sample=tokens,
+            fsdp_unit_classes=units,
             name="stdlib-transformer-lm",
         )
-    full = load_digits_dataset()
-    train, evals = full.split(d.eval_fraction)
-    return Task(
-        build_model=DigitsCNN, train_data=train, eval_data=evals, name="digits-cnn", classification=True
-    )
+    return Task(build, train, evals, name="digits-cnn", classification=True)
+
+
+def build_task(config: TrainConfig) -> Task:
+    """The task the config describes: the embedded one, or your own model, data and loss
+    (``model.factory``, ``data.factory``, ``model.loss``; checked here, before any rank starts)."""
+    m = config.model
+    if m.factory is None and config.data.factory is None and m.loss is None:
+        return builtin_task(config)
+    from dtlab.trainers.custom import task_from_config
+
+    return task_from_config(config)
 
 
 def check_task(config: TrainConfig, task: Task, world_size: int) -> None:

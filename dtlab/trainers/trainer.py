@@ -24,11 +24,13 @@ from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.checkpoint import save_checkpoint
 from dtlab.checkpoint.files import check_json, step_dir_name
 from dtlab.config import TrainConfig, check_world_size
-from dtlab.data import DistributedSampler
+from dtlab.data import fetch
 from dtlab.errors import CheckpointError
 from dtlab.optimizers.elastic import ElasticMember
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
+from dtlab.trainers.custom import task_from_objects
 from dtlab.trainers.elastic import end_step, report_restore, restore_commit, wrap_elastic
+from dtlab.trainers.feed import DataFeed
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
 from dtlab.trainers.metrics import MetricsCollector
 from dtlab.trainers.parallel import mesh_shape, needs_mesh, parallel_loss
@@ -85,17 +87,32 @@ class Trainer:
         scheduler_factory: SchedulerFactory | None = None,
         member: ElasticMember | None = None,
         stop: StopRequest | None = None,
+        *,
+        model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
+        train_data: Any = None,
+        eval_data: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | str | None = None,
     ) -> None:
         """``member``: this rank's place in an elastic job (``dtlab.testing.elastic.run_elastic``
         passes one); with ``elastic.commit_every`` the optimizer strategy is wrapped in an
         ElasticOptimizer and the last commit is restored here (docs/elastic.md). ``stop``: checked at
         every step boundary (one all-reduce per step); once set on any rank, every rank stops after the
-        same step with a final checkpoint (see ``trainers/preemption.py``)."""
+        same step with a final checkpoint (see ``trainers/preemption.py``).
+
+        Your own model and data: ``model`` (an ``nn.Module``, copied per rank, or a function building
+        one), ``train_data`` (any map-style torch ``Dataset`` of ``(input, target)``), ``eval_data``
+        (default: the last ``data.eval_fraction`` of ``train_data``) and ``loss_fn`` (a function of
+        ``(output, target)``, or ``"cross_entropy"`` / ``"mse"``; default cross entropy) instead of
+        ``task``."""
         check_world_size(config, backend.world_size)
         check_paths_on_every_rank(config, backend)  # not at the first save, after hours of training
         self.config, self.backend = config, backend
         self.stop = stop
         self.is_main = backend.rank == 0
+        if model is not None or train_data is not None:
+            if task is not None:
+                raise TypeError("Trainer: pass either task or model/train_data/eval_data/loss_fn, not both")
+            task = task_from_objects(config, model, train_data, eval_data, loss_fn)
         self.task = task or build_task(config)
         check_task(config, self.task, backend.world_size)
         self.model, self.num_parameters = build_model_strategy(config, backend, self.task)
@@ -117,14 +134,17 @@ class Trainer:
         # data and the loss follow the model's data-parallel group (ranks of one dp group share a
         # batch's shards); consensus (agree, finite checks) spans model.world_backend
         self.dp = self.model.dp_backend
-        self.sampler = DistributedSampler(
-            len(self.task.train_data),
+        self.feed = DataFeed(
+            self.task.train_data,
             d.global_batch_size,
             self.dp.world_size,
             self.dp.rank,
             d.accumulation_steps,
             seed=config.train.seed,
             shuffle=d.shuffle,
+            device=backend.device,
+            num_workers=d.num_workers,
+            pin_memory=d.pin_memory,
         )
         self.guard = NonFiniteGuard(config.train.max_nonfinite_steps)
         self.early = EarlyStopping(
@@ -161,11 +181,10 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.backend.device.type, dtype=self.autocast_dtype)
 
-    def _micro_step(self, idx: torch.Tensor) -> float:
+    def _micro_step(self, batch: Any) -> float:
         """Forward and backward of one micro-batch through ``model.train_step`` (a pipeline runs its
         schedule there); the loss is divided by the accumulation steps before backward."""
-        x, y = self.task.train_data.batch(idx)
-        x, y = x.to(self.backend.device), y.to(self.backend.device)
+        x, y = batch  # on this rank's device already (DataFeed)
         accum = self.config.data.accumulation_steps
         loss_fn = self.loss_fn
 
@@ -183,13 +202,13 @@ class Trainer:
         compressed reducer and the strategies pass on without sending them into any state); then one
         consensus on finite losses and one on finite gradients, over every rank of the mesh."""
         with self.profiler.phase("data"):
-            micro = self.sampler.next_micro_batches()
+            micro = self.feed.next_micro_batches()
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = 0.0
         with self.profiler.phase("forward_backward"):
-            for idx in micro[:-1]:
+            for batch in micro[:-1]:
                 with self.model.no_sync():
-                    local_loss += self._micro_step(idx)
+                    local_loss += self._micro_step(batch)
             local_loss += self._micro_step(micro[-1])
             finite = self.optimizer.agree(math.isfinite(local_loss))
             if finite:
@@ -222,8 +241,7 @@ class Trainer:
         try:
             for b in range(batches):
                 start = (b * p + self.dp.rank) * local
-                x, y = data.batch(torch.arange(start, start + local))
-                x, y = x.to(self.backend.device), y.to(self.backend.device)
+                x, y = self.feed.to_device(fetch(data, torch.arange(start, start + local)))
                 with self._autocast():
                     out = self.model(x)
                     loss = self.loss_fn(out, y)
@@ -258,7 +276,7 @@ class Trainer:
             },
             "config": self.config.to_dict(),
             "optimizer": optimizer_record(self.config),
-            "data_position": self.sampler.state_dict(),
+            "data_position": self.feed.state_dict(),
             "trainer": {
                 "step": self.step,
                 "scheduler": self._scheduler_state(),

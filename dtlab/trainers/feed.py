@@ -1,0 +1,116 @@
+"""``DataFeed``: the trainer's input pipeline on one rank, a torch ``DataLoader`` over any map-style
+dataset with :class:`dtlab.data.DistributedSampler`, and the data position that checkpoints keep.
+
+Each step takes ``accumulation_steps`` micro-batches of ``global_batch_size / (world_size x
+accumulation_steps)`` samples from this rank's loader (workers and pinned memory as configured). The
+ranks' batches of one step together are always the epoch order's next ``global_batch_size`` samples,
+whatever the world size, so the position ``(epoch, offset)`` — samples of the epoch consumed over all
+ranks — resumes exactly, also at another world size. An epoch ends after its last whole global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader
+
+from dtlab.data import DistributedSampler
+
+__all__ = ["DataFeed"]
+
+
+class DataFeed:
+    def __init__(
+        self,
+        dataset: Any,
+        global_batch_size: int,
+        world_size: int,
+        rank: int,
+        accumulation_steps: int = 1,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        device: torch.device | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        per_step = world_size * accumulation_steps
+        if global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by world_size x "
+                f"accumulation_steps = {world_size} x {accumulation_steps}"
+            )
+        self.num_samples = len(dataset)
+        if self.num_samples < global_batch_size:
+            raise ValueError(
+                f"the dataset has {self.num_samples} samples, fewer than one global batch of "
+                f"{global_batch_size}; lower data.global_batch_size or use more data"
+            )
+        self.global_batch_size, self.accumulation_steps = global_batch_size, accumulation_steps
+        self.seed = seed
+        self.device = device or torch.device("cpu")
+        self.sampler = DistributedSampler(
+            dataset, world_size, rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
+        self.steps_per_epoch = self.sampler.num_samples // (global_batch_size // world_size)
+        self.pin_memory = pin_memory and self.device.type == "cuda"
+        self.loader = DataLoader(
+            dataset,
+            batch_size=global_batch_size // per_step,
+            sampler=self.sampler,
+            drop_last=True,
+            num_workers=num_workers,
+            pin_memory=self.pin_memory,
+            # its own generator: the loader draws a seed per epoch (for workers), and torch's global RNG
+            # is shared by in-memory ranks (threads), one of which may be building its model meanwhile
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self.epoch = 0
+        self.offset = 0  # samples of this epoch consumed over all ranks
+        self._batches: Iterator[Any] | None = None
+
+    def next_micro_batches(self) -> list[Any]:
+        """This rank's micro-batches of the next step, on the device; advances the position."""
+        if self.offset >= self.steps_per_epoch * self.global_batch_size:
+            self.epoch, self.offset, self._batches = self.epoch + 1, 0, None
+        if self._batches is None:
+            self.sampler.set_epoch(self.epoch)
+            self.sampler.start_at(self.offset)
+            self._batches = iter(self.loader)
+        micro = [self.to_device(next(self._batches)) for _ in range(self.accumulation_steps)]
+        self.offset += self.global_batch_size
+        return micro
+
+    def to_device(self, batch: Any) -> Any:
+        """Every tensor of ``batch`` on this rank's device."""
+        return tree_map(
+            lambda t: t.to(self.device, non_blocking=self.pin_memory) if isinstance(t, torch.Tensor) else t,
+            batch,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["num_samples"]) != self.num_samples:
+            raise ValueError(
+                f"the saved data position is for {state['num_samples']} samples but this dataset has "
+                f"{self.num_samples}; resume with the same data settings"
+            )
+        offset = int(state["offset"])
+        if offset % self.global_batch_size:
+            raise ValueError(
+                f"the saved data position (offset {offset}) is not a whole number of global batches of "
+                f"{self.global_batch_size}; resume with the same data.global_batch_size"
+            )
+        self.epoch, self.offset, self.seed = int(state["epoch"]), offset, int(state["seed"])
+        self.sampler.seed = self.seed
+        self._batches = None

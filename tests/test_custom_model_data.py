@@ -1,0 +1,210 @@
+"""Your own model, data and loss: config factories, Python objects, the checks before any rank starts,
+and ``dtlab.data.DistributedSampler`` as a drop-in for torch's sampler."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.cli import main
+from dtlab.config import load_config
+from dtlab.data import DistributedSampler
+from dtlab.errors import ConfigError
+from dtlab.testing import run_world
+from dtlab.trainers import Trainer, build_task, run_training
+from dtlab.trainers.feed import DataFeed
+
+BASE = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false", "logging.run_dir=null"]
+BASE += ["data.global_batch_size=16", "train.eval_every=0", "optimizer.warmup_steps=0"]
+
+
+class Blobs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Points in 4-d labelled by the side of a plane: a map-style Dataset, not dtlab's TensorDataset."""
+
+    def __init__(self, n: int = 256) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = (self.x @ torch.tensor([1.0, -2.0, 0.5, 1.0]) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+USER_MODULE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from torch.utils.data import IterableDataset
+    from test_custom_model_data import Blobs
+
+    def model():
+        return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def data():
+        return Blobs()
+
+    def split():
+        return Blobs(200), Blobs(40)
+
+    def loss(out, target):
+        return nn.functional.cross_entropy(out, target) + 0.0 * out.sum()
+
+    def not_a_model():
+        return [1, 2]
+
+    def broken():
+        raise RuntimeError("disk on fire")
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(4), torch.tensor(0)
+
+    def stream():
+        return Stream()
+
+    def singles():
+        return [torch.zeros(4)] * 8
+
+    def vector_loss(out, target):
+        return nn.functional.cross_entropy(out, target, reduction="none")
+    """
+)
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "dtlab_user_mod.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    return "dtlab_user_mod"
+
+
+def _sets(*pairs: str) -> list[str]:
+    return [a for p in pairs for a in ("--set", p)]
+
+
+def test_cli_trains_your_model_and_data(user_module: str, capsys: Any, tmp_path: Path) -> None:
+    sets = [*BASE, f"model.factory={user_module}:model", f"data.factory={user_module}:data"]
+    sets += [f"model.loss={user_module}:loss", "train.steps=30", "train.eval_every=30"]
+    sets += ["optimizer.lr=0.05", f"logging.run_dir={tmp_path / 'run'}"]
+    assert main(["train", *_sets(*sets)]) == 0
+    out = capsys.readouterr().out
+    assert "model" in out and "eval accuracy" in out  # classification read off the targets
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert evals[-1]["eval_accuracy"] > 0.8, evals
+    # a (train, eval) pair from the factory; the built-in loss by name
+    sets = [*BASE, f"model.factory={user_module}:model", f"data.factory={user_module}:split", "train.steps=2"]
+    task = build_task(load_config(overrides=[*sets, "model.loss=cross_entropy"]))
+    assert (len(task.train_data), len(task.eval_data)) == (200, 40) and task.classification
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["model.factory=no_such_pkg.mod:fn"], r"model.factory='no_such_pkg.mod:fn': cannot import"),
+        (["model.factory={m}:nothing"], r"has no 'nothing'"),
+        (["model.factory={m}:not_a_model", "data.factory={m}:data"], r"returned a list, not a torch.nn"),
+        (["model.factory={m}:broken"], r"failed when called with no arguments: RuntimeError: disk on fire"),
+        (["data.factory={m}:stream"], r"is a Stream: need a map-style torch Dataset"),
+        (["data.factory={m}:singles"], r"\[0\] is a Tensor: each sample must be an \(input, target\) pair"),
+        (
+            ["model.factory={m}:model", "data.factory={m}:data", "model.loss=mse"],
+            r"model.loss='mse' does not fit",
+        ),
+        (
+            ["model.factory={m}:model", "data.factory={m}:data", "model.loss={m}:vector_loss"],
+            r"returned shape \(3,\) float32 .* must return one number",
+        ),
+        (
+            ["model.name=digits_cnn", "data.factory={m}:data"],
+            r"model.name='digits_cnn' does not take the data",
+        ),
+        (["model.factory=not a reference"], r"model.factory must look like package.module:function"),
+    ],
+)
+def test_bad_factories_are_one_clear_error_before_any_rank_starts(
+    user_module: str, sets: list[str], message: str, capsys: Any
+) -> None:
+    overrides = [*BASE, *(s.format(m=user_module) for s in sets)]
+    assert main(["train", *_sets(*overrides)]) == 2  # a ConfigError, before any rank started
+    err = capsys.readouterr().err
+    assert err.startswith("dtlab train: error:") and "rank" not in err.split(":")[1], err
+    with pytest.raises(ConfigError, match=message):
+        build_task(load_config(overrides=overrides))
+
+
+def _python_api(backend: CommunicationBackend) -> float:
+    cfg = load_config(overrides=[*BASE, "train.steps=40", "optimizer.lr=0.3", "train.eval_every=40"])
+    x = torch.linspace(-1, 1, 128)[:, None]
+    data = torch.utils.data.TensorDataset(x, 3 * x - 1)  # torch's own TensorDataset
+    res = Trainer(cfg, backend, model=nn.Linear(1, 1), train_data=data, loss_fn="mse").fit()
+    return res.evals[-1][1]["eval_loss"]
+
+
+def test_python_api_takes_a_module_a_dataset_and_a_loss() -> None:
+    losses = run_world(2, _python_api, timeout=120)
+    assert losses[0] == losses[1] < 0.01, losses  # y = 3x - 1 fitted
+    cfg = load_config(overrides=[*BASE, "train.steps=3"])
+    res = run_training(cfg, model=nn.Sequential(nn.Linear(4, 2)), train_data=Blobs(), loss_fn="cross_entropy")
+    assert len(res) == 2 and res[0].losses == res[1].losses and len(res[0].losses) == 3
+    with pytest.raises(ConfigError, match="loss_fn does not fit"):
+        run_training(cfg, model=nn.Linear(4, 2), train_data=Blobs(), loss_fn="mse")
+
+
+class _Range(Dataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_sampler_is_torchs_distributed_sampler() -> None:
+    for n, p, shuffle, drop_last, epoch in itertools.product(
+        (10, 13, 3), (1, 4), (True, False), (True, False), (0, 2)
+    ):
+        data = _Range(n)
+        ours = DistributedSampler(data, p, p - 1, shuffle=shuffle, seed=5, drop_last=drop_last)
+        theirs = torch.utils.data.DistributedSampler(
+            data, p, p - 1, shuffle=shuffle, seed=5, drop_last=drop_last
+        )
+        ours.set_epoch(epoch)
+        theirs.set_epoch(epoch)
+        assert isinstance(ours, Sampler) and list(ours) == list(theirs) and len(ours) == len(theirs)
+    s = DistributedSampler(_Range(13), 2, 1, seed=1)
+    loader = DataLoader(_Range(13), batch_size=3, sampler=s)
+    whole = [int(i) for b in loader for i in b]
+    s.start_at(4)  # resume after 4 samples of the epoch over both ranks: this rank skips 2
+    assert [int(i) for b in loader for i in b] == whole[2:]
+    with pytest.raises(ValueError, match="multiple of num_replicas=2"):
+        s.start_at(3)
+    with pytest.raises(ValueError, match="pass num_replicas and rank"):
+        DistributedSampler(_Range(4))
+
+
+def test_feed_with_workers_gives_the_same_batches() -> None:
+    data = Blobs(64)
+    plain = DataFeed(data, 8, 2, 1, 2, seed=4)
+    workers = DataFeed(data, 8, 2, 1, 2, seed=4, num_workers=1)
+    for _ in range(10):  # two epochs
+        for (xa, ya), (xb, yb) in zip(plain.next_micro_batches(), workers.next_micro_batches(), strict=True):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert (
+        plain.state_dict() == workers.state_dict() == {"epoch": 1, "offset": 16, "seed": 4, "num_samples": 64}
+    )
