@@ -21,8 +21,11 @@ Times (wall clock, ``time.time()`` of this process and of the workers, one machi
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +36,23 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from dtlab.testing.torchrun_elastic import TorchrunJob, shrink_and_grow  # noqa: E402
+
+_STAMP = re.compile(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) ")
+
+
+def agent_events(log: str, what: str, after: float) -> list[float]:
+    """``time.time()`` of the agent log lines containing ``what`` (torchrun stamps them with the local
+    time of day), from ``after`` on."""
+    day = datetime.datetime.fromtimestamp(after).replace(hour=0, minute=0, second=0, microsecond=0)
+    out = []
+    for line in log.splitlines():
+        m = _STAMP.match(line)
+        if m and what in line:
+            h, mi, s = int(m.group(1)), int(m.group(2)), float(m.group(3))
+            t = (day + datetime.timedelta(hours=h, minutes=mi, seconds=s)).timestamp()
+            if t >= after:
+                out.append(t)
+    return out
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -54,7 +74,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "import sys, time; from dtlab.cli import main; rc = main(sys.argv[1:]); "
         "print(f'dtlab-returned {rc} {time.time():.3f}', file=sys.stderr, flush=True); sys.exit(rc)"
     )
-    worker = ["-c", stamp, "train", "--quiet", *[a for s in sets for a in ("--set", s)]]
+    train = ["train", "--quiet", *[a for s in sets for a in ("--set", s)]]
+    worker = ["--no-python", sys.executable, "-c", stamp, *train]
     load0 = os.getloadavg()[0]
     keep_alive = (args.keep_alive_interval, args.keep_alive_attempts)
     with TorchrunJob(worker, work / "agents", keep_alive=keep_alive) as job:
@@ -66,6 +87,10 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             kill_after=args.kill_after,
             timeout=args.timeout,
         )
+        log_a, log_b = job.log("a"), job.log("b")
+        rdzv_alone = agent_events(log_a, "Rendezvous complete", out["t_kill"])
+        b_up = agent_events(log_b, "Rendezvous'ing worker group", out["t_restart_b"])
+        rdzv_two = agent_events(log_b, "Rendezvous complete", out["t_restart_b"])
         returned = [
             float(line.split()[2])
             for line in job.log("a").splitlines()
@@ -80,7 +105,10 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "load_average_1min": [load0, os.getloadavg()[0]],
         "error_s": min(returned) - out["t_kill"] if returned else None,
         "detect_s": out["t_detect"] - out["t_kill"],
+        "rendezvous_alone_s": rdzv_alone[0] - out["t_kill"] if rdzv_alone else None,
         "recover_s": shrink["unix_time"] - out["t_kill"],
+        "agent_up_s": b_up[0] - out["t_restart_b"] if b_up else None,
+        "rendezvous_two_s": rdzv_two[0] - out["t_restart_b"] if rdzv_two else None,
         "grow_s": grow["unix_time"] - out["t_restart_b"],
         "restore_s": [shrink["seconds"], grow["seconds"]],
         "restored_steps": [shrink["step"], grow["step"]],
@@ -104,13 +132,16 @@ def _s(x: float | None) -> str:
 
 def table(res: dict[str, Any]) -> str:
     rows = [
-        ("time to detect (kill -> the survivor's collective fails, dtlab train returns)", _s(res["error_s"])),
-        ("  the survivor's worker process has exited", f"{res['detect_s']:.2f} s"),
-        ("time to recover (kill -> restored on 1 rank)", f"{res['recover_s']:.2f} s"),
-        ("  of which the restore itself", f"{res['restore_s'][0]:.2f} s"),
-        ("steps redone after the kill", f"{res['redone'][0]} (restored step {res['restored_steps'][0]})"),
-        ("time to grow (agent started -> restored on 2 ranks)", f"{res['grow_s']:.2f} s"),
-        ("steps redone when growing", f"{res['redone'][1]} (restored step {res['restored_steps'][1]})"),
+        ("**time to detect**: kill -> the survivor's collective fails", _s(res["error_s"])),
+        ("kill -> the survivor's worker process has exited", _s(res["detect_s"])),
+        ("kill -> the survivor's agent has re-rendezvoused alone", _s(res["rendezvous_alone_s"])),
+        ("**time to recover**: kill -> restored on 1 rank, training resumes", _s(res["recover_s"])),
+        ("  of which the restore itself (pool, load, re-commit)", _s(res["restore_s"][0])),
+        ("**steps redone** after the kill", f"{res['redone'][0]} (restored step {res['restored_steps'][0]})"),
+        ("agent b started again -> its agent is up and rendezvousing", _s(res["agent_up_s"])),
+        ("agent b started again -> two-agent rendezvous complete", _s(res["rendezvous_two_s"])),
+        ("**time to grow**: agent b started again -> restored on 2 ranks", _s(res["grow_s"])),
+        ("**steps redone** when growing", f"{res['redone'][1]} (restored step {res['restored_steps'][1]})"),
         ("commit (median), one rank's commit", f"{res['commit_s_median']:.3f} s, {res['commit_bytes']} B"),
         ("step time (median)", f"{res['step_time_s_median']:.3f} s"),
         ("rendezvous keep-alive timeout", f"{res['keep_alive_s']} s"),
@@ -129,13 +160,16 @@ def main() -> int:
     p.add_argument("--keep-alive-attempts", type=int, default=8)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds each wait may take")
     p.add_argument("--set", action="append", default=[], help="extra dtlab train override (repeatable)")
-    p.add_argument("--out", default=None, help="directory for elastic.json (default: a temporary one)")
+    p.add_argument("--out", default=None, help="directory for elastic.json and the run's files (work/)")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="dtlab-elastic-") as tmp:
-        res = measure(args, Path(tmp))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.out:  # the agents' logs and the metrics stay in OUT/work
+        work = Path(args.out) / "work"
+        shutil.rmtree(work, ignore_errors=True)
+        res = measure(args, work)
         (Path(args.out) / "elastic.json").write_text(json.dumps(res, indent=1))
+    else:
+        with tempfile.TemporaryDirectory(prefix="dtlab-elastic-") as tmp:
+            res = measure(args, Path(tmp))
     print(table(res))
     ok = res["exit_codes"] == {"a": 0, "b": 0} and res["final_step"] == args.steps
     return 0 if ok else 1

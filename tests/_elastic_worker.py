@@ -1,7 +1,8 @@
 """torchrun worker of tests/test_elastic_torchrun.py: what ``dtlab train --set ...`` runs
-(``run_training``), with each micro-batch's loss taking at least ``argv[1]`` seconds while this worker
-is alone in the world and ``argv[2]`` seconds otherwise, so the two-agent scenario has time to kill an
-agent mid-run and to start it again before the survivor finishes alone, even on a loaded machine."""
+(``run_training`` under SIGTERM/SIGINT handlers), with each micro-batch's loss taking at least
+``argv[1]`` seconds while this worker is alone in the world and ``argv[2]`` seconds otherwise, so the
+two-agent scenario has time to kill an agent mid-run and to start it again before the survivor
+finishes alone, even on a loaded machine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import torch
 
 from dtlab.config import load_config
-from dtlab.trainers import build_task, run_training
+from dtlab.trainers import StopRequest, build_task, run_training, stop_on_signals
 
 
 def main() -> None:
@@ -26,7 +27,8 @@ def main() -> None:
         time.sleep(delay)
         return base.loss_fn(logits, targets)
 
-    run_training(config, task=dataclasses.replace(base, loss_fn=paced))
+    with stop_on_signals(StopRequest()) as stop:  # as dtlab train: SIGTERM stops at a step boundary
+        run_training(config, task=dataclasses.replace(base, loss_fn=paced), stop=stop)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.optimizers.elastic import ElasticOptimizer, MemoryCommitStore, StaticMember
 from dtlab.testing import TINY_LM, run_world, spawn_world
 from dtlab.testing.elastic import InMemoryMember, Join, Kill, run_elastic
-from dtlab.trainers import Task, Trainer, build_task
+from dtlab.trainers import StopRequest, Task, Trainer, build_task
 
 TINY = [
     "backend.name=inmemory",
@@ -247,3 +247,33 @@ def test_trainer_elastic_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(RankFailedError) as info:
         run_world(1, _trainer, on)  # under torchrun the commits must go to disk
     assert "Set elastic.dir to a node-local directory" in str(info.value.__cause__)
+
+
+def _stopped_then_resumed(
+    backend: CommunicationBackend, config: TrainConfig, task: Task, stop: StopRequest | None
+) -> tuple[int, int | None, list[tuple[int, float]]]:
+    trainer = Trainer(config, backend, task=task, stop=stop)
+    start = trainer.start_step
+    result = trainer.fit()
+    return start, result.final_step, result.losses
+
+
+def test_a_stop_commits_to_elastic_dir_and_a_new_process_resumes_there(tmp_path: Path) -> None:
+    """torchrun's SIGTERM before a restart (a node joins): the agreed stop commits to the node-local
+    directory, so the restarted workers, here at another world size, redo nothing."""
+    over = [*TINY, "logging.run_dir=null", "elastic.commit_every=4", f"elastic.dir={tmp_path / 'node'}"]
+    cfg = load_config(overrides=over)
+    task = build_task(cfg)
+    stop = StopRequest()
+    stop.request("SIGTERM")  # already signalled: every rank stops after step 1
+    first = run_world(2, _stopped_then_resumed, cfg, task, stop)
+    assert [r[1] for r in first] == [1, 1]
+    files = sorted(p.name for p in (tmp_path / "node").iterdir())
+    assert files == [f"commit-s00000001-g0000-r0000{r}of00002.safetensors" for r in range(2)]
+    second = run_world(4, _stopped_then_resumed, load_config(overrides=over), task, None)
+    assert [r[0] for r in second] == [1] * 4 and [r[1] for r in second] == [8] * 4
+    reference = run_world(
+        2, _stopped_then_resumed, load_config(overrides=[*TINY, "logging.run_dir=null"]), task, None
+    )
+    for (step, loss), (ref_step, ref) in zip(second[0][2], reference[0][2][1:], strict=True):
+        assert step == ref_step and loss == pytest.approx(ref, rel=1e-5)

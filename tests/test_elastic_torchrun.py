@@ -50,9 +50,12 @@ def test_torchrun_two_agents_shrink_and_grow_back(tmp_path: Path) -> None:
     shrink, grow = out["restores"]
     assert (shrink["from_world_size"], shrink["world_size"]) == (2, 1)
     assert (grow["from_world_size"], grow["world_size"]) == (1, 2)
-    for r, last in zip(out["restores"], out["last_step_before_restore"], strict=True):
-        assert r["step"] % EVERY == 0 and 0 <= last - r["step"] <= EVERY, (r, last)  # at most N redone
+    # the kill loses the steps since the last commit: at most N redone
+    last = out["last_step_before_restore"][0]
+    assert shrink["step"] % EVERY == 0 and 0 <= last - shrink["step"] <= EVERY, (shrink, last)
     assert shrink["step"] >= out["last_step_before_kill"] - EVERY
+    # growing is planned: torchrun's SIGTERM stops every worker after one step, which commits it
+    assert out["last_step_before_restore"][1] == grow["step"]
     losses: dict[int, float] = {}
     for rec in out["records"]:
         if "loss" in rec:

@@ -147,6 +147,10 @@ def ring_exchange(backend: CommunicationBackend, payload: bytes) -> bytes:
     return inp.cpu().numpy().tobytes()
 
 
+def _same_world(a: CommitKey, b: CommitKey) -> bool:
+    return (a.step, a.generation, a.world_size) == (b.step, b.generation, b.world_size)
+
+
 class CommitStore:
     """Where a rank's held commits live: its own and its ring neighbour's, by :class:`CommitKey`."""
 
@@ -159,8 +163,8 @@ class CommitStore:
     def get(self, key: CommitKey) -> bytes:
         raise NotImplementedError
 
-    def keep_only(self, keep: set[CommitKey]) -> None:
-        """Drop every held commit not in ``keep``."""
+    def keep_only(self, world: CommitKey) -> None:
+        """Drop every held commit not made by ``world``'s world (same step, generation, size)."""
         raise NotImplementedError
 
     def nbytes(self) -> int:
@@ -190,9 +194,9 @@ class MemoryCommitStore(CommitStore):
         with self._lock:
             return self._held[key]
 
-    def keep_only(self, keep: set[CommitKey]) -> None:
+    def keep_only(self, world: CommitKey) -> None:
         with self._lock:
-            for k in [k for k in self._held if k not in keep]:
+            for k in [k for k in self._held if not _same_world(k, world)]:
                 del self._held[k]
 
     def nbytes(self) -> int:
@@ -248,9 +252,9 @@ class DiskCommitStore(CommitStore):
             raise CheckpointError(f"{path} holds commit {commit_key(data)}, not {key}")
         return data
 
-    def keep_only(self, keep: set[CommitKey]) -> None:
+    def keep_only(self, world: CommitKey) -> None:
         for key in self.keys():
-            if key not in keep:
+            if not _same_world(key, world):
                 try:
                     (self.directory / self._name(key)).unlink()
                 except FileNotFoundError:

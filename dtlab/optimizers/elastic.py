@@ -206,13 +206,13 @@ class ElasticOptimizer(OptimizerStrategy):
             Commit(key, self.model.sharded_state_dict(), self.inner.sharded_state_dict(), dict(extra or {}))
         )
         store = self.member.store
-        keep = {store.put(own)}
+        store.put(own)
         if backend.world_size > 1:
-            keep.add(store.put(ring_exchange(backend, own)))
+            store.put(ring_exchange(backend, own))
         # every rank holds its own and its neighbour's new commit only once all have returned here
         flag = torch.ones(1, dtype=torch.int32, device=backend.device)
         backend.all_reduce(flag, ReduceOp.SUM)
-        store.keep_only(keep)
+        store.keep_only(key)  # the older commits (a directory shared by several ranks keeps them all)
         self.last_commit = key
         self.commit_count += 1
         self.commit_bytes = len(own)

@@ -25,7 +25,7 @@ from dtlab.optimizers.elastic import DiskCommitStore, ElasticMember, ElasticOpti
 if TYPE_CHECKING:
     from dtlab.trainers.trainer import Trainer
 
-__all__ = ["end_step", "report_restore", "restore_commit", "wrap_elastic"]
+__all__ = ["commit_on_stop", "end_step", "report_restore", "restore_commit", "wrap_elastic"]
 
 
 def wrap_elastic(
@@ -78,7 +78,7 @@ def restore_commit(trainer: Trainer) -> bool:
         group["lr"] = lr
     try:
         trainer.feed.load_state_dict(state["data_position"])
-    except ValueError as exc:
+    except (ValueError, KeyError) as exc:
         raise CheckpointError(f"the elastic commit of step {commit.key.step}: {exc}") from None
     trainer.guard.load_state_dict(t["guard"])
     trainer.early.load_state_dict(t["early_stopping"])
@@ -96,17 +96,26 @@ def end_step(trainer: Trainer) -> None:
     try:
         opt.end_step(trainer.step, trainer._trainer_state)
     finally:  # a planned membership change commits, then leaves the world by raising
-        if opt.commit_count > count and trainer.is_main:
-            trainer.metrics.log(
-                {
-                    "step": trainer.step,
-                    "elastic_commit": {
-                        "seconds": opt.commit_seconds,
-                        "bytes": opt.commit_bytes,
-                        "held_bytes": opt.member.store.nbytes(),
-                    },
-                }
-            )
+        if opt.commit_count > count:
+            _log_commit(trainer, opt)
+
+
+def commit_on_stop(trainer: Trainer) -> None:
+    """Every rank agreed to stop after this step (a signal: torchrun's SIGTERM when a node joins, a
+    scheduler's preemption): commit it unless it was just committed, so the restart redoes nothing."""
+    opt = trainer.elastic
+    if opt is None or (opt.last_commit is not None and opt.last_commit.step == trainer.step):
+        return
+    opt.commit(trainer.step, trainer._trainer_state)
+    _log_commit(trainer, opt)
+
+
+def _log_commit(trainer: Trainer, opt: ElasticOptimizer) -> None:
+    if trainer.is_main:
+        record = {"seconds": opt.commit_seconds, "bytes": opt.commit_bytes}
+        trainer.metrics.log(
+            {"step": trainer.step, "elastic_commit": {**record, "held_bytes": opt.member.store.nbytes()}}
+        )
 
 
 def report_restore(trainer: Trainer) -> None:

@@ -29,7 +29,13 @@ from dtlab.errors import CheckpointError
 from dtlab.optimizers.elastic import ElasticMember
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
 from dtlab.trainers.custom import task_from_objects
-from dtlab.trainers.elastic import end_step, report_restore, restore_commit, wrap_elastic
+from dtlab.trainers.elastic import (
+    commit_on_stop,
+    end_step,
+    report_restore,
+    restore_commit,
+    wrap_elastic,
+)
 from dtlab.trainers.feed import DataFeed
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
 from dtlab.trainers.metrics import MetricsCollector
@@ -369,6 +375,7 @@ class Trainer:
                     and self.step < cfg.train.steps
                     and preempt(self, self.stop, result, bar)
                 ):
+                    commit_on_stop(self)  # elastic: a restart after this stop redoes nothing
                     break
         finally:
             bar.close()
