@@ -138,6 +138,9 @@ class StrategyConfig(_Section):
     reshard_after_forward: bool = True
     #: ZeRO-3/FSDP: all-gather the next unit while the current one computes
     prefetch: bool = True
+    #: recompute activations in backward instead of keeping them (``torch.utils.checkpoint``,
+    #: non-reentrant): per block of the built-in transformer, per FSDP unit (``strategy.model=fsdp``)
+    activation_checkpointing: bool = False
     #: ZeRO-1: reduce-scatter the gradient buckets (each rank gets the average of its shard,
     #: 2(P-1)/P per step with the parameter all-gather) or all-reduce them (every rank gets the
     #: whole average, 3(P-1)/P)
@@ -465,6 +468,19 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> TrainConfig:
+        s = self.strategy
+        if (
+            s.activation_checkpointing
+            and s.model != "fsdp"
+            and (self.model.factory or self.model.name != "transformer_lm")
+        ):
+            raise ValueError(
+                "strategy.activation_checkpointing=true checkpoints each block of the built-in transformer "
+                "(model.name=transformer_lm) or each FSDP unit (strategy.model=fsdp); for "
+                f"{self.model.factory or self.model.name!r} under strategy.model={s.model!r} use "
+                "strategy.model=fsdp, or call dtlab.models.checkpointing.checkpoint_modules(model, "
+                "(YourBlock,)) in your model factory"
+            )
         custom = self.model.factory is not None or self.data.factory is not None
         if not custom and (self.model.name == "digits_cnn") != (self.data.dataset == "digits"):
             raise ValueError(

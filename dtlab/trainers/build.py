@@ -9,6 +9,7 @@ import torch
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig
 from dtlab.core.rng import seeded_init
+from dtlab.errors import ConfigError
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.trainers.parallel import build_parallel_model, needs_mesh
@@ -28,6 +29,23 @@ def torch_optimizer(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], d
     return cls, {"lr": o.lr, "betas": tuple(o.betas), "weight_decay": o.weight_decay}
 
 
+def _checkpoint(module: torch.nn.Module, strategy: str, task: Task) -> None:
+    """Per block of the built-in transformer (the FSDP unit classes), else per FSDP unit (the root)."""
+    from dtlab.models.checkpointing import checkpoint_modules
+
+    if task.fsdp_unit_classes:
+        checkpoint_modules(module, task.fsdp_unit_classes)
+    elif strategy == "fsdp":
+        checkpoint_modules(module)  # your model under FSDP is one unit: checkpoint it whole
+    else:
+        raise ConfigError(
+            f"strategy.activation_checkpointing=true: dtlab knows the blocks of the built-in transformer "
+            f"and the units of FSDP, not the blocks of {task.name!r} under strategy.model={strategy!r}; "
+            "use strategy.model=fsdp, or call dtlab.models.checkpointing.checkpoint_modules(model, "
+            "(YourBlock,)) in your model factory"
+        )
+
+
 def build_model_strategy(
     config: TrainConfig, backend: CommunicationBackend, task: Task
 ) -> tuple[ModelStrategy, int]:
@@ -38,8 +56,15 @@ def build_model_strategy(
         module = task.build_model().to(backend.device)
     n_params = sum(p.numel() for p in module.parameters())
     if needs_mesh(config):
+        if config.strategy.activation_checkpointing:
+            raise ConfigError(
+                f"strategy.activation_checkpointing=true is not supported with strategy.model="
+                f"{config.strategy.model!r} yet (tested with DDP, ZeRO-1/2/3 and FSDP); turn it off"
+            )
         return build_parallel_model(config, backend, module), n_params
     name = config.strategy.model
+    if config.strategy.activation_checkpointing:
+        _checkpoint(module, name, task)
     cls = get_model_strategy(name)
     kwargs: dict[str, Any] = {}
     s = config.strategy

@@ -123,7 +123,7 @@ def _describe(t: Any) -> str:
 def check_fit(task: Task, what_model: str, what_loss: str) -> Task:
     """Build the model once and run the loss on two training samples: one clear error if it does not
     fit. Returns the task with ``classification`` and ``tokens_per_sample`` read off that batch."""
-    with seeded_init(0):  # draws nothing from the ranks' shared RNG stream
+    with seeded_init(0):  # a probe: torch's RNG state is restored afterwards
         model = task.build_model()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{what_model} returned a {type(model).__name__}, not a torch.nn.Module")
