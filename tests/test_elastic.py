@@ -114,9 +114,10 @@ def _net() -> nn.Module:
     return net
 
 
-def _fsdp(backend: CommunicationBackend, member: StaticMember) -> ElasticOptimizer:
+def _fsdp(backend: CommunicationBackend, member: StaticMember, copy_to: int = 1) -> ElasticOptimizer:
     model = FSDPModel(copy.deepcopy(_NET), backend)
-    return ElasticOptimizer(ZeRO3Optimizer(model, torch.optim.AdamW, lr=0.05), commit_every=2, member=member)
+    inner = ZeRO3Optimizer(model, torch.optim.AdamW, lr=0.05)
+    return ElasticOptimizer(inner, commit_every=2, member=member, copy_to=copy_to)
 
 
 _NET = _net()
@@ -131,8 +132,10 @@ def _full_state(opt: ElasticOptimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train_and_commit(backend: CommunicationBackend, stores: list[MemoryCommitStore]) -> Any:
-    opt = _fsdp(backend, StaticMember(stores[backend.rank]))
+def _train_and_commit(
+    backend: CommunicationBackend, stores: list[MemoryCommitStore], copy_to: int = 1
+) -> Any:
+    opt = _fsdp(backend, StaticMember(stores[backend.rank]), copy_to)
     g = torch.Generator().manual_seed(backend.rank)
     for step in range(1, 3):
         x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
@@ -184,6 +187,13 @@ def test_ring_copy_survives_any_single_loss_and_names_what_two_neighbours_lose()
     cause = info.value.__cause__
     assert isinstance(cause, CheckpointError)
     assert "no surviving copy of rank(s) [1]'s shards" in str(cause)
+    # two ranks per node: copy_to=2 puts each copy on the other node, so a whole node may go
+    stores = [MemoryCommitStore() for _ in range(4)]
+    committed = run_world(4, _train_and_commit, stores, 2)[0][0]
+    for state, *_ in run_world(2, _restore, [_copy(stores[2]), _copy(stores[3])]):
+        assert all(torch.equal(state[k], v) for k, v in committed.items())
+    with pytest.raises(RankFailedError, match=r"rank\(s\) \[0, 2\]'s shards"):
+        run_world(2, _restore, [stores[1], stores[3]])  # 0's copy was on rank 2, 2's on rank 0
 
 
 # ---------------------------------------------------------------------------------------- checks

@@ -126,13 +126,13 @@ def decode_commit(data: bytes) -> Commit:
     )
 
 
-def ring_exchange(backend: CommunicationBackend, payload: bytes) -> bytes:
-    """Send ``payload`` to rank ``r + 1`` and return rank ``r - 1``'s (modulo the world size).
+def ring_exchange(backend: CommunicationBackend, payload: bytes, offset: int = 1) -> bytes:
+    """Send ``payload`` to rank ``r + offset`` and return rank ``r - offset``'s (modulo the world size).
 
     Non-blocking sends posted before the receives, so no engine's rendezvous send can deadlock the
     ring; the size travels first, then the bytes."""
     p, r = backend.world_size, backend.rank
-    nxt, prev = (r + 1) % p, (r - 1) % p
+    nxt, prev = (r + offset) % p, (r - offset) % p
     dev = backend.device
     size_out = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
     size_in = torch.zeros(1, dtype=torch.int64, device=dev)

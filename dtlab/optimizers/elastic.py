@@ -11,8 +11,10 @@
 Every ``commit_every`` steps :meth:`end_step` *commits*: each rank encodes its model and optimizer
 shards (whatever the inner strategy's ``sharded_state_dict`` holds, compression state included) and
 the trainer-level state it is given, keeps that copy and sends it to its ring neighbour (rank ``r`` to
-``r + 1``), which keeps it too. Every rank's shards thus live on two ranks, so losing one rank (or
-any set of ranks no two of which are ring neighbours) loses no committed state, even under
+``r + copy_to``, default 1), which keeps it too. Every rank's shards thus live on two ranks, so
+losing one rank (or any set of ranks none of which holds another's copy) loses no committed state;
+with several ranks per node, ``copy_to`` = ranks per node puts every copy on another node, so a
+whole node may be lost. This holds even under
 ZeRO-3/FSDP where no other rank holds those shards (Horovod elastic's ``state.commit()`` keeps only
 replicated state). The previous commit is dropped once every rank holds the new one.
 
@@ -111,7 +113,12 @@ class ElasticOptimizer(OptimizerStrategy):
     strategy_name = "elastic"
 
     def __init__(
-        self, inner: OptimizerStrategy, commit_every: int = 20, *, member: ElasticMember | None = None
+        self,
+        inner: OptimizerStrategy,
+        commit_every: int = 20,
+        *,
+        member: ElasticMember | None = None,
+        copy_to: int = 1,
     ) -> None:
         if not isinstance(inner, OptimizerStrategy):
             raise TypeError(
@@ -125,11 +132,18 @@ class ElasticOptimizer(OptimizerStrategy):
                 f"commit_every must be an integer >= 1 (steps between commits), got {commit_every!r}; "
                 "at most that many steps are redone after a rank is lost"
             )
+        if isinstance(copy_to, bool) or not isinstance(copy_to, int) or copy_to < 1:
+            raise StrategyError(
+                f"copy_to must be an integer >= 1 (rank r's copy goes to rank r + copy_to), got "
+                f"{copy_to!r}; with several ranks per node pass the ranks per node"
+            )
         refuse_mpi(inner.model.backend)
         self.inner = inner
         self.model = inner.model
         self.compatible_models = inner.compatible_models  # type: ignore[misc]
         self.commit_every = commit_every
+        #: rank r's copy goes to rank r + copy_to (1 if the world is not larger than that)
+        self.copy_to = copy_to
         self.member: ElasticMember = member if member is not None else StaticMember()
         #: counts the worlds this job's commits came from (a restore starts the next one)
         self.generation = 0
@@ -207,8 +221,9 @@ class ElasticOptimizer(OptimizerStrategy):
         )
         store = self.member.store
         store.put(own)
-        if backend.world_size > 1:
-            store.put(ring_exchange(backend, own))
+        p = backend.world_size
+        if p > 1:
+            store.put(ring_exchange(backend, own, self.copy_to if self.copy_to < p else 1))
         # every rank holds its own and its neighbour's new commit only once all have returned here
         flag = torch.ones(1, dtype=torch.int32, device=backend.device)
         backend.all_reduce(flag, ReduceOp.SUM)
@@ -286,6 +301,6 @@ def _newest_complete(holders: Mapping[CommitKey, list[int]]) -> CommitKey:
     raise CheckpointError(
         f"elastic: committed state is lost: the commit of step {step} ({ws} ranks, generation {gen}) "
         f"has no surviving copy of rank(s) {lacking}'s shards. Each rank's commit lives on that rank "
-        "and its ring neighbour (rank + 1), so two neighbouring ranks lost together lose it; resume "
-        "from a checkpoint (checkpoint.dir) instead"
+        "and on rank + copy_to (its ring neighbour), so losing both loses it; resume from a "
+        "checkpoint (checkpoint.dir) instead"
     )

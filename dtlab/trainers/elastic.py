@@ -11,6 +11,7 @@ processes), else this process's memory.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,7 +52,9 @@ def wrap_elastic(
             )
         else:
             member = StaticMember()
-    return ElasticOptimizer(optimizer, commit_every=e.commit_every, member=member)
+    # torchrun places LOCAL_WORLD_SIZE consecutive ranks on each node: copies go to the next node
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return ElasticOptimizer(optimizer, commit_every=e.commit_every, member=member, copy_to=max(1, per_node))
 
 
 def restore_commit(trainer: Trainer) -> bool:
