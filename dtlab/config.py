@@ -138,6 +138,8 @@ class StrategyConfig(_Section):
     reshard_after_forward: bool = True
     #: ZeRO-3/FSDP: all-gather the next unit while the current one computes
     prefetch: bool = True
+    #: dtype gradients travel and are summed in (the strategies' ``reduce_dtype``); ``None``: as computed
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     #: recompute activations in backward instead of keeping them (``torch.utils.checkpoint``,
     #: non-reentrant): per block of the built-in transformer, per FSDP unit (``strategy.model=fsdp``)
     activation_checkpointing: bool = False
@@ -395,7 +397,9 @@ class DataConfig(_Section):
 class TrainingConfig(_Section):
     steps: int = Field(default=300, ge=1)
     seed: int = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    #: compute dtype (``torch.autocast``; fp32 master parameters, fp32 outputs for the loss); fp16 adds
+    #: dynamic loss scaling agreed by every rank (an overflow anywhere skips the step and halves the scale)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     #: evaluate every N steps (and after the last); 0 disables evaluation
     eval_every: int = Field(default=50, ge=0)
     eval_batches: int = Field(default=4, ge=1)
@@ -480,6 +484,12 @@ class TrainConfig(_Section):
                 f"{self.model.factory or self.model.name!r} under strategy.model={s.model!r} use "
                 "strategy.model=fsdp, or call dtlab.models.checkpointing.checkpoint_modules(model, "
                 "(YourBlock,)) in your model factory"
+            )
+        if self.train.precision == "fp16" and self.compression.algorithm != "none":
+            raise ValueError(
+                f"train.precision=fp16 with compression.algorithm={self.compression.algorithm!r}: the "
+                "compressors' error-feedback residuals would mix gradients of different loss scales; use "
+                "train.precision=bf16 (no loss scaling) or compression.algorithm=none"
             )
         custom = self.model.factory is not None or self.data.factory is not None
         if not custom and (self.model.name == "digits_cnn") != (self.data.dataset == "digits"):

@@ -68,6 +68,10 @@ def build_model_strategy(
     cls = get_model_strategy(name)
     kwargs: dict[str, Any] = {}
     s = config.strategy
+    if s.reduce_dtype is not None:
+        from dtlab.models.precision import DTYPES
+
+        kwargs["reduce_dtype"] = DTYPES[s.reduce_dtype]
     if name in ("ddp", "zero1", "zero2"):
         kwargs["bucket_cap_mb"] = s.bucket_cap_mb
     if name == "zero1":

@@ -206,6 +206,8 @@ def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{ckpt.path}: {exc}") from None
     trainer.guard.load_state_dict(t["guard"])
+    if trainer.scaler is not None and t.get("loss_scaler"):
+        trainer.scaler.load_state_dict(t["loss_scaler"])
     trainer.early.load_state_dict(t["early_stopping"])
     trainer.step = trainer.start_step = int(t["step"])
     if ckpt.world_size == trainer.backend.world_size:

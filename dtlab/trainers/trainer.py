@@ -25,7 +25,8 @@ from dtlab.checkpoint import save_checkpoint
 from dtlab.checkpoint.files import check_json, step_dir_name
 from dtlab.config import TrainConfig, check_world_size
 from dtlab.data import fetch
-from dtlab.errors import CheckpointError
+from dtlab.errors import CheckpointError, ConfigError
+from dtlab.models.precision import MixedPrecisionPolicy
 from dtlab.optimizers.elastic import ElasticMember
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
 from dtlab.trainers.custom import task_from_objects
@@ -53,6 +54,7 @@ from dtlab.trainers.resume import (
     report_resume,
     restore,
 )
+from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.schedule import build_scheduler
 from dtlab.trainers.state import capture_rng
 from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss
@@ -159,7 +161,16 @@ class Trainer:
         self.profiler = Profiler(backend.stats)
         self.step = 0
         self.start_step = 0
-        self.autocast_dtype = torch.bfloat16 if config.train.precision == "bf16" else None
+        self.precision = MixedPrecisionPolicy.from_names(config.train.precision, config.strategy.reduce_dtype)
+        self.autocast_dtype = self.precision.param_dtype
+        #: fp16: dynamic loss scaling agreed by every rank (trainers/scaler.py)
+        self.scaler = DynamicLossScaler() if config.train.precision == "fp16" else None
+        self.overflow_steps: list[int] = []
+        if self.scaler is not None and not callable(getattr(self.model, "scale_grads_", None)):
+            raise ConfigError(
+                f"train.precision=fp16 needs a model strategy that can unscale its gradients "
+                f"(scale_grads_); {type(self.model).__name__} cannot: use bf16"
+            )
         self.run_id = uuid.uuid4().hex
         self.resumed_from: str | None = None
         self.resume_notes: list[str] = []
@@ -183,23 +194,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.backend.device.type, dtype=self.autocast_dtype)
+        return self.precision.autocast(self.backend.device.type)
 
     def _micro_step(self, batch: Any) -> float:
         """Forward and backward of one micro-batch through ``model.train_step`` (a pipeline runs its
         schedule there); the loss is divided by the accumulation steps before backward."""
         x, y = batch  # on this rank's device already (DataFeed)
         accum = self.config.data.accumulation_steps
-        loss_fn = self.loss_fn
+        loss_fn, cast = self.loss_fn, self.precision.cast_output
+        factor = (self.scaler.scale if self.scaler else 1.0) / accum
 
         def scaled(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            loss = loss_fn(out, target)
-            return loss / accum if accum > 1 else loss
+            loss = loss_fn(cast(out), target)
+            return loss * factor if factor != 1.0 else loss
 
         with self._autocast():
-            return float(self.model.train_step((x, y), scaled))
+            return float(self.model.train_step((x, y), scaled)) / (factor * accum)
 
     def train_step(self) -> tuple[bool, float | None, float | None]:
         """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm).
@@ -217,8 +227,20 @@ class Trainer:
                     local_loss += self._micro_step(batch)
             local_loss += self._micro_step(micro[-1])
             finite = self.optimizer.agree(math.isfinite(local_loss))
+            loss_finite = finite
             if finite:
                 finite = self.optimizer.grads_are_finite()
+        if self.scaler is not None and loss_finite:
+            # fp16: gradients that overflowed on any rank or shard (agreed above) lower the scale on
+            # every rank; the step is skipped everywhere, and not counted as a non-finite loss
+            if not finite:
+                self.scaler.update(overflow=True)
+                self.optimizer.zero_grad(set_to_none=True)
+                self.overflow_steps.append(self.step + 1)
+                return False, None, None
+            unscale: Any = getattr(self.model, "scale_grads_")  # noqa: B009 (checked in __init__)
+            unscale(1.0 / self.scaler.scale)
+            self.scaler.update(overflow=False)
         self.guard.update(finite, self.step + 1)  # steps are counted from 1, like TrainResult.losses
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
@@ -287,6 +309,7 @@ class Trainer:
                 "step": self.step,
                 "scheduler": self._scheduler_state(),
                 "guard": self.guard.state_dict(),
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "early_stopping": self.early.state_dict(),
             },
         }
@@ -390,6 +413,12 @@ class Trainer:
     def _log_skipped(self, bar: ProgressBar) -> None:
         """A skipped step gets its own metrics record and console line at once (rank 0)."""
         g = self.guard
+        if self.scaler is not None and self.overflow_steps and self.overflow_steps[-1] == self.step:
+            text = f"fp16 gradients overflowed on some rank: loss scale lowered to {self.scaler.scale:g}"
+            self.metrics.log({"step": self.step, "skipped": text, "loss_scale": self.scaler.scale})
+            if self.is_main and self.config.logging.progress:
+                bar.print_line(f"step {self.step:>5} | skipped on every rank: {text}")
+            return
         self.metrics.log(
             {"step": self.step, "skipped": "non-finite loss or gradient", "skipped_steps": g.skipped}
         )

@@ -1,0 +1,101 @@
+"""Mixed precision: the policy object, and fp16 dynamic loss scaling agreed by every rank under every
+data-parallel strategy (an overflow on one rank skips the step everywhere and halves the scale)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.config import load_config
+from dtlab.errors import ConfigError
+from dtlab.models.precision import MixedPrecisionPolicy
+from dtlab.testing import run_world
+from dtlab.trainers import Trainer
+
+
+def test_policy_from_the_config_names() -> None:
+    p = MixedPrecisionPolicy.from_names("fp16", "fp32")
+    assert (p.param_dtype, p.reduce_dtype, p.output_dtype) == (torch.float16, torch.float32, torch.float32)
+    assert MixedPrecisionPolicy.from_names("fp32") == MixedPrecisionPolicy()
+    with p.autocast("cpu"):
+        assert nn.functional.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.float16
+    assert p.cast_output(torch.zeros(2, dtype=torch.float16)).dtype == torch.float32
+    with pytest.raises(ConfigError, match="error-feedback residuals would mix"):
+        load_config(overrides=["train.precision=fp16", "compression.algorithm=topka"])
+
+
+class _Spike(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 1e6  # past fp16's range (65504) at the default loss scale
+
+
+class Spiky(nn.Module):
+    """Identity; when ``armed``, its next backward multiplies the gradient by 1e6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and torch.is_grad_enabled():
+            self.armed = False
+            return _Spike.apply(x)  # type: ignore[no-any-return]
+        return x
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 16), Spiky(), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    return torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
+
+
+def _fp16_run(backend: CommunicationBackend, strategy: str) -> dict[str, Any]:
+    sets = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false", "logging.run_dir=null"]
+    sets += ["data.global_batch_size=8", "train.eval_every=0", "train.steps=4", "train.precision=fp16"]
+    sets += [f"strategy.model={strategy}", "strategy.persistence_threshold=0", "strategy.reduce_dtype=fp32"]
+    trainer = Trainer(
+        load_config(overrides=sets), backend, model=_net, train_data=_data(), loss_fn="cross_entropy"
+    )
+    seen: list[int] = []
+    step = trainer.train_step
+
+    def arm_on_rank1_at_step2() -> tuple[bool, float | None, float | None]:
+        seen.append(trainer.step + 1)
+        if backend.rank == 1 and trainer.step + 1 == 2:
+            trainer.model.module[1].armed = True
+        return step()
+
+    trainer.train_step = arm_on_rank1_at_step2  # type: ignore[method-assign]
+    res = trainer.fit()
+    assert trainer.scaler is not None
+    return {
+        "applied": [s for s, _ in res.losses],
+        "overflow": trainer.overflow_steps,
+        "scale": trainer.scaler.scale,
+        "skipped_nonfinite": res.skipped_steps,
+        "params": trainer.model.full_state_dict(),
+    }
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(strategy: str) -> None:
+    r0, r1 = run_world(2, _fp16_run, strategy, timeout=120)
+    for r in (r0, r1):
+        assert r["applied"] == [1, 3, 4] and r["overflow"] == [2], r
+        assert r["scale"] == 2.0**15 and r["skipped_nonfinite"] == []  # not counted as a NaN step
+    for k, v in r0["params"].items():
+        assert torch.equal(v, r1["params"][k]), k  # the ranks still agree
+        assert torch.isfinite(v).all()
