@@ -107,7 +107,12 @@ class TorchrunJob:
         paths = [p or os.getcwd() for p in sys.path]
         self.env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*paths, self.env.get("PYTHONPATH", "")]))
         self.env.update(
-            {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"}
+            {
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                "GLOO_SOCKET_IFNAME": "lo",  # the workers' gloo pairs on the loopback interface only
+                "OMP_NUM_THREADS": "1",
+                "LOGLEVEL": "INFO",
+            }
         )
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             self.env.pop(var, None)
