@@ -218,7 +218,8 @@ def shrink_and_grow(
     ``a`` restarts alone and resumes; then ``b`` is started again and the job grows back to two.
 
     Returns the timeline (``time.time()`` seconds) and what the metrics file says: the restore
-    records, the last step logged before each, the agents' exit codes and every logged record."""
+    records, the last step logged in the world each replaced, the agents' exit codes and every
+    logged record."""
 
     def logged() -> list[dict[str, Any]]:
         return read_metrics(metrics)
@@ -249,11 +250,14 @@ def shrink_and_grow(
     second = wait_for("the restore after the job grows back", lambda: restores(logged())[1:], timeout)[0]
     rc = {name: job.wait(name, timeout) for name in ("a", "b")}
     records = logged()
-    # the steps logged before each restore record: the work that restore rolled back
+    # the last step logged in the world each restore replaced (since the previous restore record):
+    # minus the restored step, the work that restore redoes
     before: list[int] = []
+    since = 0
     for i, r in enumerate(records):
         if "elastic" in r:
-            before.append(last_step(records[:i]))
+            before.append(last_step(records[since:i]))
+            since = i
     return {
         "t_start": t0,
         "t_kill": t_kill,
