@@ -22,8 +22,8 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"core", "backends", "errors"},
     "data": {"errors"},
     "checkpoint": {"models", "core", "backends", "errors"},
-    "optimizers": {"models", "compression", "core", "backends", "errors"},
-    "testing": {"backends", "errors"},
+    "optimizers": {"checkpoint", "models", "compression", "core", "backends", "errors"},
+    "testing": {"optimizers", "backends", "errors"},
     "advise": {"models", "core", "backends", "errors"},
 }
 
