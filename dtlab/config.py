@@ -397,7 +397,7 @@ class DataConfig(_Section):
 class TrainingConfig(_Section):
     steps: int = Field(default=300, ge=1)
     seed: int = 0
-    #: compute dtype (``torch.autocast``; fp32 master parameters, fp32 outputs for the loss); fp16 adds
+    #: compute dtype (``torch.autocast``; fp32 master parameters, outputs as computed); fp16 adds
     #: dynamic loss scaling agreed by every rank (an overflow anywhere skips the step and halves the scale)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     #: evaluate every N steps (and after the last); 0 disables evaluation

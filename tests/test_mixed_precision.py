@@ -19,11 +19,13 @@ from dtlab.trainers import Trainer
 
 def test_policy_from_the_config_names() -> None:
     p = MixedPrecisionPolicy.from_names("fp16", "fp32")
-    assert (p.param_dtype, p.reduce_dtype, p.output_dtype) == (torch.float16, torch.float32, torch.float32)
+    assert (p.param_dtype, p.reduce_dtype, p.output_dtype) == (torch.float16, torch.float32, None)
     assert MixedPrecisionPolicy.from_names("fp32") == MixedPrecisionPolicy()
     with p.autocast("cpu"):
         assert nn.functional.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.float16
-    assert p.cast_output(torch.zeros(2, dtype=torch.float16)).dtype == torch.float32
+    fp32_out = MixedPrecisionPolicy(param_dtype=torch.float16, output_dtype=torch.float32)
+    assert fp32_out.cast_output(torch.zeros(2, dtype=torch.float16)).dtype == torch.float32
+    assert p.cast_output(torch.zeros(2, dtype=torch.float16)).dtype == torch.float16
     with pytest.raises(ConfigError, match="error-feedback residuals would mix"):
         load_config(overrides=["train.precision=fp16", "compression.algorithm=topka"])
 

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +41,7 @@ def peak_allocated(fn: Any) -> int:
         prof.export_chrome_trace(str(path))
         events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "[memory]"]
     start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in events) - start
+    return cast(int, max(e["args"]["Total Allocated"] for e in events) - start)
 
 
 def _rank(backend: CommunicationBackend, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -70,7 +70,7 @@ class TinyGPT(nn.Module):
         h = self.embed(tokens) + self.pos.weight[: tokens.shape[1]]
         for layer in self.layers:
             h = layer(h, src_mask=self.mask, is_causal=True)
-        return self.head(self.norm(h))
+        return cast(torch.Tensor, self.head(self.norm(h)))
 
 
 def build(model: str) -> tuple[nn.Module, type[nn.Module], Any]:

@@ -116,5 +116,5 @@ class SplitLinearMode(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             leaf_bias = bias is None or isinstance(bias, torch.nn.Parameter)
             if isinstance(weight, torch.nn.Parameter) and weight.requires_grad and leaf_bias:
-                return _SplitLinear.apply(x, weight, bias, self.store)
+                return _SplitLinear.apply(x, weight, bias, self.store)  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)

@@ -16,9 +16,9 @@ engine waits for every reduction before ``loss.backward()`` returns.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -32,6 +32,10 @@ from dtlab.models.flat import FlatUnit
 from dtlab.models.state import ShardIndex, add_slice, even_range, new_state
 
 __all__ = ["ShardedModel", "UnitPlan"]
+
+
+def _identity(fn: Any) -> Any:
+    return fn
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,7 @@ class ShardedModel(DataParallelModel):
         for handle in self._unit_hooks:
             handle.remove()
         self._hooks_for_compile = "torch._dynamo" in sys.modules
-        wrap = torch.compiler.disable if self._hooks_for_compile else (lambda f: f)
+        wrap: Callable[[Any], Any] = torch.compiler.disable if self._hooks_for_compile else _identity
         self._unit_hooks = []
         for gi, gmod in enumerate(self._group_modules):
             self._unit_hooks.append(gmod.register_forward_pre_hook(wrap(self._make_pre_forward(gi))))
@@ -242,7 +246,7 @@ class ShardedModel(DataParallelModel):
             if flat is None:
                 raise RuntimeError(f"unit {st.unit.key} could not be gathered")  # unreachable
             return flat.as_strided(obj.size, obj.stride, obj.offset)
-        return obj
+        return cast(torch.Tensor, obj)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self._hooks_for_compile and "torch._dynamo" in sys.modules:  # compiled after wrapping

@@ -179,34 +179,34 @@ class _ScatterToSequence(torch.autograd.Function):
 
 def copy_to_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """Identity forward; backward sums the gradient over ``group`` (a column-parallel input)."""
-    return x if group.world_size == 1 else _CopyToTP.apply(x, group)
+    return x if group.world_size == 1 else _CopyToTP.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def reduce_from_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """Sum over ``group`` forward; identity backward (a row-parallel output)."""
-    return x if group.world_size == 1 else _ReduceFromTP.apply(x, group)
+    return x if group.world_size == 1 else _ReduceFromTP.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def gather_from_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """All-gather along the last dim forward; backward keeps this rank's chunk."""
-    return x if group.world_size == 1 else _GatherFromTP.apply(x, group)
+    return x if group.world_size == 1 else _GatherFromTP.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def scatter_to_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """This rank's chunk of the last dim forward; backward all-gathers."""
-    return x if group.world_size == 1 else _ScatterToTP.apply(x, group)
+    return x if group.world_size == 1 else _ScatterToTP.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def gather_from_sequence(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """All-gather along the sequence (dim -2) forward; backward reduce-scatters it."""
-    return x if group.world_size == 1 else _GatherFromSequence.apply(x, group)
+    return x if group.world_size == 1 else _GatherFromSequence.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def reduce_scatter_to_seq(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """Sum over ``group`` and keep this rank's chunk of the sequence forward; backward all-gathers."""
-    return x if group.world_size == 1 else _ReduceScatterToSequence.apply(x, group)
+    return x if group.world_size == 1 else _ReduceScatterToSequence.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def scatter_to_sequence(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """This rank's chunk of the sequence forward (of a replicated tensor); backward all-gathers."""
-    return x if group.world_size == 1 else _ScatterToSequence.apply(x, group)
+    return x if group.world_size == 1 else _ScatterToSequence.apply(x, group)  # type: ignore[no-untyped-call]

@@ -10,7 +10,7 @@ parameter's placement (:mod:`dtlab.core.placement`).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -366,4 +366,4 @@ def vocab_parallel_cross_entropy(
             f"vocab_parallel_cross_entropy: target ids span [{int(valid.min())}, {int(valid.max())}] but the "
             f"vocabulary is {vocab} ({logits.shape[-1]} classes x tp={group.world_size})"
         )
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index)
+    return cast(torch.Tensor, _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index))  # type: ignore[no-untyped-call]

@@ -14,7 +14,7 @@ device); ``self.module`` holds this rank's parameters under their names in ``mod
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -281,7 +281,7 @@ class PipelineParallelModel(ZeRO1Model):
 
     def grad_norm_group(self) -> CommunicationBackend:
         """The norm's parts add up over every rank of the pp x dp mesh (stages hold different tensors)."""
-        return self._span
+        return cast(CommunicationBackend, self._span)
 
     def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
         """This rank's part of the global norm: its stages' gradients once per dp group (dp rank 0 in

@@ -29,13 +29,12 @@ class MixedPrecisionPolicy:
 
     @classmethod
     def from_names(cls, precision: str, reduce_dtype: str | None = None) -> MixedPrecisionPolicy:
-        """``train.precision`` (fp32, bf16, fp16) and ``strategy.reduce_dtype``: low-precision compute
-        with float32 outputs for the loss; gradients travel in ``reduce_dtype`` (default: as computed)."""
-        low = None if precision == "fp32" else DTYPES[precision]
+        """``train.precision`` (fp32, bf16, fp16) and ``strategy.reduce_dtype``: compute in
+        ``precision`` (the loss sees the output as computed, as under ``torch.autocast``; the built-in
+        losses work in float32); gradients travel in ``reduce_dtype`` (default: as computed)."""
         return cls(
-            param_dtype=low,
+            param_dtype=None if precision == "fp32" else DTYPES[precision],
             reduce_dtype=None if reduce_dtype is None else DTYPES[reduce_dtype],
-            output_dtype=None if low is None else torch.float32,
         )
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager[Any]:

@@ -21,7 +21,7 @@ boxes of the full tensors (loadable at another tp, into DDP or the plain module)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -208,7 +208,7 @@ class TensorParallelModel(ZeRO1Model):
 
     def grad_norm_group(self) -> CommunicationBackend:
         """The group the norm's parts are summed over: every rank of the dp x tp mesh."""
-        return self._span
+        return cast(CommunicationBackend, self._span)
 
     def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
         """The gradient parts this rank counts in the global norm: tp shards on every tp rank,

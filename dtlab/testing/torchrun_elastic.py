@@ -95,7 +95,7 @@ class TorchrunJob:
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.store = dist.TCPStore(
+        self.store = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
         )
         self.port = int(self.store.port)

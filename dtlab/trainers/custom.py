@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,7 @@ def resolve(reference: str, field: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"{field}={reference!r} is a {type(obj).__name__}, not a function")
-    return obj
+    return cast(Callable[..., Any], obj)
 
 
 def _call(fn: Callable[[], Any], reference: str, field: str) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 __all__ = ["MetricsCollector", "clean"]
 
@@ -52,7 +52,7 @@ class MetricsCollector:
         if self._file is not None:
             self._file.write(json.dumps(rec, allow_nan=False) + "\n")
             self._file.flush()
-        return rec
+        return cast(dict[str, Any], rec)
 
     def close(self) -> None:
         if self._file is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,7 +28,7 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        return cast(torch.Tensor, self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class Block(nn.Module):
@@ -42,7 +44,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        return cast(torch.Tensor, x + self.drop(self.mlp(self.ln2(x))))
 
 
 class TransformerLM(nn.Module):
@@ -71,7 +73,7 @@ class TransformerLM(nn.Module):
         x = _embed(self.tok, self.pos, self.seq_len, idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return cast(torch.Tensor, self.head(self.ln_f(x)))
 
     def pipeline_blocks(self) -> list[tuple[str, nn.Module]]:
         """The model as a sequence for pipeline parallelism: token + position embedding, each block,
@@ -95,7 +97,7 @@ def _embed(tok: nn.Embedding, pos: nn.Embedding, seq_len: int, idx: torch.Tensor
     t = idx.shape[1]
     if t > seq_len:
         raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len={seq_len}")
-    return tok(idx) + pos(torch.arange(t, device=idx.device))
+    return cast(torch.Tensor, tok(idx) + pos(torch.arange(t, device=idx.device)))
 
 
 class DigitsCNN(nn.Module):
@@ -113,4 +115,4 @@ class DigitsCNN(nn.Module):
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        return cast(torch.Tensor, self.classifier(self.features(x)))
