@@ -26,7 +26,7 @@ def test_table_matches_the_classes() -> None:
         assert opt is getattr(dtlab.optimizers, class_name)
         assert (opt.__name__, opt.strategy_name) == (class_name, name)
         assert opt.compatible_models == pairs.models_for(name)
-    assert pairs.models_for("zero3") == ("zero3", "fsdp")
+    assert pairs.models_for("zero3") == ("zero3", "fsdp", "hybrid")
     assert pairs.default_optimizer("FSDP") == "zero3"
 
 

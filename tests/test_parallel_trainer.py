@@ -4,13 +4,17 @@ strategies run ``model.train_step``, sample by dp rank and average the loss over
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load_file
 
+from dtlab.cli import main
 from dtlab.config import load_config
 from dtlab.testing import TINY_LM
 from dtlab.trainers import run_training
+from dtlab.trainers.models import TransformerLM
 
 TINY = [
     "backend.name=inmemory",
@@ -46,3 +50,40 @@ def test_tensor_and_pipeline_meshes_train_like_data_parallel() -> None:
         assert losses == pytest.approx(ref, rel=1e-5), name
         assert ev == pytest.approx(ref_eval, rel=1e-5), name
         assert "dp 2" in summary["mesh"], (name, summary["mesh"])
+
+
+def test_dtlab_train_on_a_cube_resumes_at_another_mesh_and_consolidates(tmp_path: Path) -> None:
+    """``dtlab train`` at 2 x 2 x 2 (FSDP on dp, sequence parallel) trains like DDP on the dp split;
+    its step-2 checkpoint resumes at pp=4 under DDP with the uninterrupted step-3 loss, and
+    ``dtlab consolidate`` writes the plain model."""
+    ck = tmp_path / "ck"
+    cube = ["backend.world_size=8", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+    saved = [
+        *cube,
+        "strategy.model=fsdp",
+        "checkpoint.every=2",
+        f"checkpoint.dir={ck}",
+        "checkpoint.keep_last=3",
+    ]
+    losses, _, summary = _run(*saved)
+    assert summary["mesh"] == "pp 2 x dp 2 x tp 2 (hybrid)"
+    ref, _, _ = _run("backend.world_size=2")
+    assert losses == pytest.approx(ref, rel=1e-5)
+    step2 = ck / "step_00000002"
+    resumed = run_training(
+        load_config(
+            overrides=[
+                *TINY,
+                "backend.world_size=4",
+                "parallel.pp=4",
+                "parallel.micro_batches=4",
+                f"checkpoint.resume={step2}",
+            ]
+        )
+    )[0]
+    assert resumed.start_step == 2 and [s for s, _ in resumed.losses] == [3]
+    assert resumed.losses[0][1] == pytest.approx(losses[2], rel=1e-5)
+    out = tmp_path / "plain.safetensors"
+    assert main(["consolidate", str(step2), "-o", str(out)]) == 0
+    net = TransformerLM(d_model=32, n_layers=2, n_heads=2, seq_len=32)
+    net.load_state_dict(load_file(str(out)))  # strict: every tensor of the plain model, whole

@@ -80,6 +80,8 @@ PAIRINGS: Mapping[str, Pairing] = _table(
     Pairing("fsdp", "FSDPModel", ("zero3",)),
     Pairing("tensor", "TensorParallelModel", ("ddp", "zero1")),
     Pairing("pipeline", "PipelineParallelModel", ("ddp", "zero1")),
+    # which one drives a given model follows its data_parallel choice (HybridShardedModel checks it)
+    Pairing("hybrid", "HybridShardedModel", ("ddp", "zero1", "zero2", "zero3")),
 )
 
 

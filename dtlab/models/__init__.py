@@ -1,4 +1,4 @@
-"""Model strategies: DDP, ZeRO-1/2/3, FSDP, tensor and pipeline parallelism (and later hybrid)."""
+"""Model strategies: DDP, ZeRO-1/2/3, FSDP, tensor, pipeline and hybrid (3-D) parallelism."""
 
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.state import ShardedState
@@ -6,6 +6,7 @@ from dtlab.models._common import DataParallelModel
 from dtlab.models.base import ModelStrategy
 from dtlab.models.ddp import DDPModel
 from dtlab.models.fsdp import FSDPModel, ModuleClassPolicy, SizePolicy, WrapPolicy
+from dtlab.models.hybrid import HybridShardedModel
 from dtlab.models.pipeline import PipelineParallelModel, plot_schedule
 from dtlab.models.registry import MODEL_STRATEGIES, get_model_strategy
 from dtlab.models.state import ShardIndex
@@ -35,6 +36,7 @@ __all__ = [
     "FSDPModel",
     "GradientReducer",
     "HeadsParallel",
+    "HybridShardedModel",
     "MODEL_STRATEGIES",
     "ModelStrategy",
     "ModuleClassPolicy",

@@ -12,7 +12,7 @@ from dtlab.core.rng import seeded_init
 from dtlab.errors import ConfigError
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers.base import OptimizerStrategy
-from dtlab.trainers.parallel import build_parallel_model, needs_mesh
+from dtlab.trainers.parallel import build_parallel_model, data_parallel_choice, needs_mesh
 from dtlab.trainers.tasks import Task
 
 __all__ = ["build_model_strategy", "build_optimizer_strategy", "torch_optimizer"]
@@ -61,11 +61,19 @@ def build_model_strategy(
                 f"strategy.activation_checkpointing=true is not supported with strategy.model="
                 f"{config.strategy.model!r} yet (tested with DDP, ZeRO-1/2/3 and FSDP); turn it off"
             )
-        return build_parallel_model(config, backend, module), n_params
+        dp_name = data_parallel_choice(config)
+        return build_parallel_model(
+            config, backend, module, data_parallel_kwargs(config, dp_name, task)
+        ), n_params
     name = config.strategy.model
     if config.strategy.activation_checkpointing:
         _checkpoint(module, name, task)
     cls = get_model_strategy(name)
+    return cls(module, backend, **data_parallel_kwargs(config, name, task)), n_params
+
+
+def data_parallel_kwargs(config: TrainConfig, name: str, task: Task) -> dict[str, Any]:
+    """The options of data-parallel strategy ``name`` from ``config.strategy`` (and the task's FSDP units)."""
     kwargs: dict[str, Any] = {}
     s = config.strategy
     if s.reduce_dtype is not None:
@@ -84,7 +92,7 @@ def build_model_strategy(
         kwargs.update(reshard_after_forward=s.reshard_after_forward, prefetch=s.prefetch)
         if task.fsdp_unit_classes:
             kwargs["wrap_policy"] = ModuleClassPolicy(task.fsdp_unit_classes)
-    return cls(module, backend, **kwargs), n_params
+    return kwargs
 
 
 def build_optimizer_strategy(config: TrainConfig, model: ModelStrategy) -> OptimizerStrategy:

@@ -3,9 +3,10 @@
 With ``parallel.tp`` or ``parallel.pp`` above 1 (or ``strategy.model`` tensor, pipeline or hybrid) every
 rank builds ``Mesh(backend, {"pp": pp, "dp": dp, "tp": tp})`` and wraps the embedded transformer:
 ``tensor`` -> :class:`~dtlab.models.TensorParallelModel` (built-in plan), ``pipeline`` ->
-:class:`~dtlab.models.PipelineParallelModel`, a data-parallel name (ddp, zero1, ...) or ``hybrid`` ->
-the composition of the three over the mesh. The loss of a tensor-parallel model is its vocabulary-parallel
-cross entropy (``model.cross_entropy``): the logits stay split over tp.
+:class:`~dtlab.models.PipelineParallelModel`, a data-parallel name (ddp, zero1, zero2, zero3, fsdp) or
+``hybrid`` -> :class:`~dtlab.models.HybridShardedModel`: pipeline stages, tensor-parallel layers in
+each, that data-parallel strategy over the dp axis. The loss of a tensor-parallel model is its
+vocabulary-parallel cross entropy (``model.cross_entropy``): the logits stay split over tp.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dtlab.errors import ConfigError
 from dtlab.models.base import ModelStrategy
 from dtlab.parallel_config import MESH_STRATEGIES
 
-__all__ = ["build_parallel_model", "mesh_shape", "needs_mesh", "parallel_loss"]
+__all__ = ["build_parallel_model", "data_parallel_choice", "mesh_shape", "needs_mesh", "parallel_loss"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -38,35 +39,48 @@ def mesh_shape(config: TrainConfig, world_size: int) -> dict[str, int]:
     return {"pp": par.pp, "dp": par.dp_size(world_size), "tp": par.tp}
 
 
+def data_parallel_choice(config: TrainConfig) -> str:
+    """The data-parallel strategy on the dp axis: ``strategy.model`` for ddp, zero1, zero2, zero3 and
+    fsdp; for ``strategy.model=hybrid`` the optimizer's (``ddp``, ``zero1``, ``zero2``, ``zero3``); for
+    tensor and pipeline, whose dp axis runs DDP buckets, the optimizer's too (``ddp`` or ``zero1``)."""
+    name = config.strategy.model
+    return name if name in ("ddp", "zero1", "zero2", "zero3", "fsdp") else config.strategy.optimizer_name
+
+
 def build_parallel_model(
-    config: TrainConfig, backend: CommunicationBackend, module: nn.Module
+    config: TrainConfig, backend: CommunicationBackend, module: nn.Module, dp_kwargs: dict[str, Any]
 ) -> ModelStrategy:
-    """The model-parallel strategy over ``module`` (collective: every rank of ``backend`` calls it)."""
+    """The model-parallel strategy over ``module`` (collective: every rank of ``backend`` calls it);
+    ``dp_kwargs``: the data-parallel strategy's options (``trainers/build.py``)."""
     from dtlab.backends import Mesh
-    from dtlab.models import PipelineParallelModel, TensorParallelModel, transformer_plan
+    from dtlab.models import HybridShardedModel, PipelineParallelModel, TensorParallelModel, transformer_plan
 
     par, s = config.parallel, config.strategy
-    name = s.model
     mesh = Mesh(backend, mesh_shape(config, backend.world_size))
     plan = transformer_plan(sequence_parallel=par.sequence_parallel)
     sync: Any = s.gradient_sync if s.optimizer_name == "zero1" else None
-    if name == "tensor" or (name in ("ddp", "zero1") and par.pp == 1):
+    pipeline: dict[str, Any] = {
+        "schedule": par.schedule,
+        "micro_batches": par.micro_batch_count,
+        "split_points": par.split_points,
+        "stages_per_rank": par.stages_per_rank,
+    }
+    if s.model == "tensor":
         return TensorParallelModel(module, mesh, plan=plan, gradient_sync=sync, bucket_cap_mb=s.bucket_cap_mb)
-    if name == "pipeline" or (name in ("ddp", "zero1") and par.tp == 1):
+    if s.model == "pipeline":
         return PipelineParallelModel(
-            module,
-            mesh,
-            par.schedule,
-            micro_batches=par.micro_batch_count,
-            split_points=par.split_points,
-            stages_per_rank=par.stages_per_rank,
-            gradient_sync=sync,
-            bucket_cap_mb=s.bucket_cap_mb,
+            module, mesh, gradient_sync=sync, bucket_cap_mb=s.bucket_cap_mb, **pipeline
         )
-    raise ConfigError(
-        f"strategy.model={name!r} with parallel.tp={par.tp} and parallel.pp={par.pp}: tensor and pipeline "
-        "parallelism together, or with ZeRO-2/3 or FSDP, need the hybrid strategy; use strategy.model=ddp "
-        "or zero1 with one of tp and pp"
+    if par.pp == 1:
+        pipeline = {}  # without a pipeline the steps are not micro-batched (data.accumulation_steps is)
+    choice = data_parallel_choice(config)
+    return HybridShardedModel(
+        module,
+        mesh,
+        data_parallel=choice,
+        tensor_plan=plan if par.tp > 1 else None,
+        **pipeline,
+        **dp_kwargs,
     )
 
 

@@ -1,0 +1,128 @@
+"""Checkpoint state of the hybrid strategy: placed shards in the format every strategy reads.
+
+A rank writes what it holds of its stages: a tensor sharded over tp as boxes of the full tensor (its tp
+shard split once more over dp, or the data-parallel strategy's flat shard of it under ZeRO-3/FSDP); a
+replicated tensor as a flat slice, split over the dp x tp ranks of its stage (or written by tp rank 0
+only, in the flat shard of ZeRO-3/FSDP). Pipeline ranks hold different tensors, so every full tensor is
+covered exactly once and a checkpoint loads under any mesh, any data-parallel strategy, or into the
+plain module (``dtlab/models/state.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.core.placement import Placement, Shard
+from dtlab.core.state import ShardedState
+from dtlab.errors import CheckpointError
+from dtlab.models.flat import FlatUnit
+from dtlab.models.state import ShardIndex, add_placed_slice, add_slice, even_range, read_placed
+
+__all__ = ["FlatShard", "load_placed_state", "write_placed_state"]
+
+
+class FlatShard(Protocol):
+    """What ZeRO-3/FSDP keep per flat unit (``dtlab.models._sharded._Unit``)."""
+
+    unit: FlatUnit
+    shard: torch.Tensor
+    flat: torch.Tensor | None
+
+
+def _tp_coord(placement: Placement, tp: CommunicationBackend) -> tuple[int, int]:
+    return (tp.rank, tp.world_size) if isinstance(placement, Shard) else (0, 1)
+
+
+def write_placed_state(
+    state: ShardedState,
+    whole: Mapping[str, torch.Tensor],
+    flat_units: Iterable[FlatShard],
+    placements: Mapping[str, Placement],
+    dp: CommunicationBackend,
+    tp: CommunicationBackend,
+    span: CommunicationBackend,
+) -> ShardedState:
+    """Add this rank's pieces to ``state``: ``whole`` (tensors this rank holds whole: parameters of
+    DDP/ZeRO-1/2, buffers and frozen parameters) and ``flat_units`` (ZeRO-3/FSDP shards)."""
+    for key, t in whole.items():
+        placement = placements[key]
+        flat = t.detach().reshape(-1)
+        if isinstance(placement, Shard):
+            s, e = even_range(t.numel(), dp.world_size, dp.rank)
+            add_placed_slice(state, key, t.shape, placement, tp.rank, tp.world_size, t.dtype, s, e, flat[s:e])
+        else:
+            s, e = even_range(t.numel(), span.world_size, span.rank)
+            add_slice(state, key, t.shape, t.dtype, s, e, flat[s:e])
+    for st in flat_units:
+        for slot, a, b, so in st.unit.shard_slots():
+            placement = placements[slot.name]
+            if not isinstance(placement, Shard) and tp.rank != 0:
+                continue  # the same values on every tp rank: written once
+            coord, size = _tp_coord(placement, tp)
+            add_placed_slice(
+                state,
+                slot.name,
+                slot.shape,
+                placement,
+                coord,
+                size,
+                st.unit.dtype,
+                a,
+                b,
+                st.shard[so : so + b - a],
+            )
+    return state
+
+
+def load_placed_state(
+    shards: Sequence[ShardedState],
+    whole: Mapping[str, torch.Tensor],
+    flat_units: Iterable[FlatShard],
+    placements: Mapping[str, Placement],
+    tp: CommunicationBackend,
+    dp: CommunicationBackend,
+) -> None:
+    """Fill this rank's tensors from the shards of any saved mesh or strategy (or a plain module's)."""
+    index = ShardIndex(shards)
+    with torch.no_grad():
+        for key, t in whole.items():
+            placement = placements[key]
+            coord, size = _tp_coord(placement, tp)
+            _check_present(index, key, None if isinstance(placement, Shard) else t.shape)
+            data = read_placed(index, key, t.shape, placement, coord, size, 0, t.numel())
+            t.data.copy_(data.view(t.shape).to(device=t.device, dtype=t.dtype))
+        for st in flat_units:
+            buf = torch.zeros_like(st.shard)
+            for slot, a, b, so in st.unit.shard_slots():
+                placement = placements[slot.name]
+                coord, size = _tp_coord(placement, tp)
+                _check_present(index, slot.name, None if isinstance(placement, Shard) else slot.shape)
+                buf[so : so + b - a].copy_(
+                    read_placed(index, slot.name, slot.shape, placement, coord, size, a, b)
+                )
+            st.shard.copy_(buf)
+            if st.flat is not None:
+                dp.all_gather(st.flat, st.shard)
+
+
+def _check_present(index: ShardIndex, key: str, shape: Sequence[int] | None) -> None:
+    if key not in index:
+        raise CheckpointError(
+            f"the checkpoint has no entry for {key!r}; it was saved from another model (strategies in it: "
+            f"{sorted(index.strategies)})"
+        )
+    if shape is not None and index.shape(key) != [int(s) for s in shape]:
+        raise CheckpointError(
+            f"{key!r} has shape {index.shape(key)} in the checkpoint but {list(shape)} in the model"
+        )
+
+
+def placements_of(tensors: Mapping[str, Any]) -> dict[str, Placement]:
+    """``{key: placement}`` of every tensor (``Replicate()`` when none was set)."""
+    from dtlab.core.placement import placement_of
+
+    return {k: placement_of(t) for k, t in tensors.items()}
