@@ -89,10 +89,9 @@ def test_dry_run_finds_a_deadlock_and_names_the_blocked_ranks() -> None:
     s = build_schedule("1f1b", 2, 2)
     # rank 0 waits for the gradient of micro-batch 0 before sending micro-batch 0's activation
     acts = list(s.actions[0])
-    send = acts.index(Action(Kind.SEND_F, 0, 0))
-    recv_b = acts.index(Action(Kind.RECV_B, 0, 0))
-    moved = acts[:send] + acts[send + 1 : recv_b + 2] + [acts[send]] + acts[recv_b + 2 :]
-    bad = dataclasses.replace(s, actions=(tuple(moved), s.actions[1]))
+    acts.remove(Action(Kind.SEND_F, 0, 0))
+    acts.insert(acts.index(Action(Kind.B, 0, 0)) + 1, Action(Kind.SEND_F, 0, 0))
+    bad = dataclasses.replace(s, actions=(tuple(acts), s.actions[1]))
     with pytest.raises(StrategyError, match=r"deadlocks: rank 0 waits at 0B0; rank 1 waits at 1F0"):
         dry_run(bad)
 
@@ -159,7 +158,8 @@ def test_planned_bubble_matches_the_formulas(p: int, m: int) -> None:
 def test_one_f_one_b_order() -> None:
     s = build_schedule("1f1b", 4, 6)
     assert [str(a) for a in s.compute(1)] == ("1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1F5 1B3 1B4 1B5".split())
-    assert [str(a) for a in s.actions[3][:4]] == ["3RECV_F0", "3F0", "3B0", "3SEND_B0"]
+    # each receive is posted one compute ahead of the compute that needs it
+    assert [str(a) for a in s.actions[3][:6]] == ["3RECV_F0", "3F0", "3RECV_F1", "3B0", "3SEND_B0", "3F1"]
 
 
 def test_plot_schedule_writes_png(tmp_path) -> None:

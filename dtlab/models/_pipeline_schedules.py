@@ -6,11 +6,11 @@ virtual-stage layout) is one tuple of :class:`Action` per rank. Compute actions:
 ``B`` (full backward), ``I`` (input-gradient only) and ``W`` (weight-gradient only, after its ``I``).
 Communication actions (added after the compute order is made): ``SEND_F(s, i)`` sends stage ``s``'s
 output for micro-batch ``i`` to stage ``s + 1``, matched by ``RECV_F(s + 1, i)``; ``SEND_B(s, i)``
-sends the gradient of stage ``s``'s input to stage ``s - 1``, matched by ``RECV_B(s - 1, i)``. A
-receive is placed right before the compute that needs it, a send right after the compute that made
-it, so the communication between two computes of a rank is posted as one batch (the sends of the
-last compute and the receive of the next). Neighbouring stages on the same rank (only when ``p = 1``)
-hand tensors over locally, without messages.
+sends the gradient of stage ``s``'s input to stage ``s - 1``, matched by ``RECV_B(s - 1, i)``. A send
+is placed right after the compute that made it; a receive one compute ahead of the compute that needs
+it (so its message can arrive while the rank computes), so the communication between two computes of
+a rank is posted as one batch: the sends of the last compute and the receive of the one after the
+next. Neighbouring stages on the same rank (only when ``p = 1``) hand tensors over locally.
 
 :func:`dry_run` executes the lists symbolically before any compute: sends never block, a receive
 completes once its matching send is posted. It checks that every send has exactly one receive, that
@@ -212,20 +212,33 @@ def _interleaved(p: int, m: int, v: int, r: int) -> list[Action]:
 
 
 def _with_communication(compute: list[Action], p: int, num_stages: int, r: int) -> tuple[Action, ...]:
-    """Receives right before the compute that needs them, sends right after the compute that made them."""
-    out: list[Action] = []
+    """Sends right after the compute that made them; each receive one compute ahead of the compute
+    that needs it (in the batch posted before the previous compute, so the message can arrive while
+    that compute runs), receives in the order the computes consume them."""
     last = num_stages - 1
+    recvs: list[list[Action]] = []
+    sends: list[list[Action]] = []
     for a in compute:
         s, i = a.stage, a.micro
+        rv, sd = [], []
         if a.kind is Kind.F and s > 0 and (s - 1) % p != r:
-            out.append(Action(Kind.RECV_F, s, i))
+            rv.append(Action(Kind.RECV_F, s, i))
         if a.kind in (Kind.B, Kind.I) and s < last and (s + 1) % p != r:
-            out.append(Action(Kind.RECV_B, s, i))
-        out.append(a)
+            rv.append(Action(Kind.RECV_B, s, i))
         if a.kind is Kind.F and s < last and (s + 1) % p != r:
-            out.append(Action(Kind.SEND_F, s, i))
+            sd.append(Action(Kind.SEND_F, s, i))
         if a.kind in (Kind.B, Kind.I) and s > 0 and (s - 1) % p != r:
-            out.append(Action(Kind.SEND_B, s, i))
+            sd.append(Action(Kind.SEND_B, s, i))
+        recvs.append(rv)
+        sends.append(sd)
+    out: list[Action] = []
+    for k, a in enumerate(compute):
+        if k == 0:
+            out += recvs[0]
+        if k + 1 < len(compute):
+            out += recvs[k + 1]  # posted now, waited for at compute k + 1
+        out.append(a)
+        out += sends[k]
     return tuple(out)
 
 
