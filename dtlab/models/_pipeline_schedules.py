@@ -29,7 +29,7 @@ through the chunks in groups of ``p``). Fewer micro-batches than ranks is allowe
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from dtlab.errors import ArgumentError, StrategyError
@@ -347,9 +347,14 @@ def _needs(s: PipelineSchedule, r: int, a: Action) -> tuple[str, int, int] | Non
     return None
 
 
-def simulate(s: PipelineSchedule, costs: Mapping[Kind, float] | None = None) -> Timeline:
-    """Execute the lists symbolically with ``costs`` seconds per compute kind (default 1 each;
-    messages take no time); raise :class:`StrategyError` on a deadlock or a broken order."""
+def simulate(
+    s: PipelineSchedule,
+    costs: Mapping[Kind, float] | None = None,
+    duration: Callable[[int, Action], float] | None = None,
+) -> Timeline:
+    """Execute the lists symbolically with ``costs`` seconds per compute kind (default F = 1, B = 2,
+    I = W = 1) or ``duration(rank, action)`` seconds per action (e.g. measured ones, to replay a run);
+    messages take no time. Raise :class:`StrategyError` on a deadlock or a broken order."""
     _static_checks(s)
     cost = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0, **(costs or {})}
     p = s.p
@@ -400,7 +405,7 @@ def simulate(s: PipelineSchedule, costs: Mapping[Kind, float] | None = None) -> 
                             f"schedule {s.name}: rank {r} runs {a} before stage {src} handed it over"
                         )
                     ready = max(ready, local[0])
-                end = ready + cost[a.kind]
+                end = ready + (cost[a.kind] if duration is None else duration(r, a))
                 timeline.intervals[r].append((a, ready, end))
                 finished[r][(a.kind, a.stage, a.micro)] = end
                 clock[r] = end

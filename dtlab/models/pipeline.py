@@ -21,6 +21,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh
+from dtlab.core.reducer import DenseReducer
 from dtlab.errors import StrategyError
 from dtlab.models._pipeline_comm import StageLinks
 from dtlab.models._pipeline_plot import plot_schedule
@@ -250,6 +251,11 @@ class PipelineParallelModel(ZeRO1Model):
         """Average every bucket over the dp group through the reducer (after the whole schedule)."""
         if self._grad_state == "rescaled":
             self._grad_state = "local"
+        if self.dp_backend.world_size == 1 and type(self._reducer) is DenseReducer:
+            # one replica: the average is the sum, already in the buckets (no 0-byte collectives)
+            self._grad_state = "averaged" if self.gradient_sync == "reduce_scatter" else self._grad_state
+            self._grads_synced = True
+            return
         self._reducer.start_step()
         for i, unit in enumerate(self._units):
             for q in unit.params:
