@@ -219,7 +219,7 @@ def _collect(
             pids = _worker_pids(job)
             for pid in pids.values():  # each hung rank prints its Python stack to its log
                 os.kill(pid, signal.SIGUSR1)
-            _wait_for_stacks(job, backend, list(pids), until=time.monotonic() + 3)
+            _wait_for_stacks(job, backend, list(pids), until=time.monotonic() + 10)  # returns once written
             logs = "".join(_log_tail(job, r, 1500) for r in (lacking if backend == "gloo" else [None]))
             raise CollectiveTimeoutError(
                 f"spawn_world: the {backend} world of {world_size} did not finish within {timeout:g}s; ranks "
