@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(c)
     b = sub.add_parser("bench", help="run the strategy and compression benchmarks; write a table and plots")
     b.add_argument("--out", default="runs/bench", help="directory for the table, raw results and PNG plots")
-    b.add_argument("--only", choices=["strategies", "compression"], help="run one of the two benchmarks")
+    b.add_argument("--only", choices=["strategies", "compression", "mesh"], help="run one of the benchmarks")
     b.add_argument("--full", action="store_true", help="the benchmarks' own default sizes (slow)")
     b.add_argument("--timeout", type=float, default=900.0, help="seconds each benchmark may run")
     from dtlab.advise.command import add_advise_parser

@@ -114,11 +114,11 @@ def _check_pipeline(config: TrainConfig) -> None:
         return
     stages = par.pp * par.stages_per_rank
     blocks = pipeline_block_names(m.n_layers)
-    if len(blocks) < stages:
+    if m.n_layers % stages:
         raise ConfigError(
-            f"parallel.pp={par.pp} x parallel.stages_per_rank={par.stages_per_rank} = {stages} stages, but "
-            f"model.n_layers={m.n_layers} gives only {len(blocks)} pipeline blocks (embedding, "
-            f"{m.n_layers} blocks, head); raise model.n_layers to at least {stages - 2} or use fewer stages"
+            f"parallel.pp={par.pp} x parallel.stages_per_rank={par.stages_per_rank} = {stages} stages do not "
+            f"divide model.n_layers={m.n_layers} (each stage gets the same number of transformer blocks, "
+            f"as dtlab advise plans them); use a number of layers divisible by {stages} or fewer stages"
         )
     mb = par.micro_batch_count
     if mb < par.pp:

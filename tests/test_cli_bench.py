@@ -27,12 +27,21 @@ COMPRESSION_ROWS = [
     for a, sec, b in [("dense", 0.013, 8000000), ("oktopk", 0.163, 260000)]
 ]  # fmt: skip
 
+# rows as dtlab.benchmarks.mesh writes them (the keys the plot reads)
+MESH_ROWS = [
+    {"engine": e, "mesh": m, "strategy": s, "step_ms": ms, "state": st}
+    for e, m, s, ms, st in [("inmemory", "pp1 dp8 tp1", "ddp", 228.0, 3750000),
+                            ("inmemory", "pp2 dp2 tp2", "fsdp", 601.0, 482000),
+                            ("gloo", "pp2 dp1 tp2", "ddp", 90.0, 965000)]
+]  # fmt: skip
+
 
 def test_plots_are_written(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     bench._plot_strategies(STRATEGY_ROWS, tmp_path / "s.png")
     bench._plot_compression(COMPRESSION_ROWS, tmp_path / "c.png")
-    for name in ("s.png", "c.png"):
+    bench._plot_mesh(MESH_ROWS, tmp_path / "m.png")
+    for name in ("s.png", "c.png", "m.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
@@ -42,6 +51,8 @@ def test_benchmarks_run_as_modules_of_the_package_with_the_engines_found() -> No
     assert cmd[1:3] == ["-m", "dtlab.benchmarks.strategies"] and cmd[-2:] == ["--engines", "gloo"]
     cmd = bench._command("compression", ["gloo", "mpi"], full=True)
     assert cmd[1:] == ["-m", "dtlab.benchmarks.compression", "--engines", "gloo", "mpi"]
+    cmd = bench._command("mesh", ["gloo", "mpi"], full=True)
+    assert cmd[1:] == ["-m", "dtlab.benchmarks.mesh", "--engines", "inmemory,gloo,mpi"]
     assert bench.mpi_available() == (importlib.util.find_spec("mpi4py") is not None)  # the dev venv has mpich
 
 
@@ -69,10 +80,12 @@ json.dump({rows!r}, open(out, "w"))
 
 
 def _fake_benchmarks(monkeypatch: pytest.MonkeyPatch, root: Path, strategies: str, compression: str) -> None:
-    """Modules fake_strategies / fake_compression on PYTHONPATH, run with the real quick arguments."""
+    """Modules fake_strategies / fake_compression / fake_mesh on PYTHONPATH, run with the real quick
+    arguments."""
     root.mkdir()
     (root / "fake_strategies.py").write_text(FAKE_BENCH.format(mode=strategies, rows=STRATEGY_ROWS))
     (root / "fake_compression.py").write_text(FAKE_BENCH.format(mode=compression, rows=COMPRESSION_ROWS))
+    (root / "fake_mesh.py").write_text(FAKE_BENCH.format(mode="ok", rows=MESH_ROWS))
     monkeypatch.setenv("PYTHONPATH", str(root))
     fake = {name: (f"fake_{name}", quick) for name, (_, quick) in bench.BENCHMARKS.items()}
     monkeypatch.setattr(bench, "BENCHMARKS", MappingProxyType(fake))
@@ -84,10 +97,10 @@ def test_run_bench_writes_table_rows_and_plots(monkeypatch: pytest.MonkeyPatch, 
     out = tmp_path / "out"
     assert bench.run_bench(out, timeout=60) == 0
     report = (out / "bench.md").read_text()
-    assert "## strategies" in report and "## compression" in report
+    assert "## strategies" in report and "## compression" in report and "## mesh" in report
     assert "| ddp | 1.0 |" in report and "![strategies](strategies.png)" in report
     assert "--numel 2000000" in report  # the quick sizes were passed on
-    for name in ("strategies", "compression"):
+    for name in ("strategies", "compression", "mesh"):
         assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
         assert (out / f"{name}.json").is_file() and (out / f"{name}.log").is_file()
 

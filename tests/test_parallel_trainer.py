@@ -19,7 +19,7 @@ from dtlab.trainers.models import TransformerLM
 TINY = [
     "backend.name=inmemory",
     *TINY_LM,
-    "model.n_layers=2",
+    "model.n_layers=4",
     "data.shuffle=false",
     "optimizer.warmup_steps=1",
     "train.steps=3",
@@ -85,5 +85,5 @@ def test_dtlab_train_on_a_cube_resumes_at_another_mesh_and_consolidates(tmp_path
     assert resumed.losses[0][1] == pytest.approx(losses[2], rel=1e-5)
     out = tmp_path / "plain.safetensors"
     assert main(["consolidate", str(step2), "-o", str(out)]) == 0
-    net = TransformerLM(d_model=32, n_layers=2, n_heads=2, seq_len=32)
+    net = TransformerLM(d_model=32, n_layers=4, n_heads=2, seq_len=32)
     net.load_state_dict(load_file(str(out)))  # strict: every tensor of the plain model, whole

@@ -15,7 +15,8 @@ subclass that composes this class with the chosen strategy's class (``DDPModel``
 strategy, ``GradientCompressionOptimizer`` swaps its dp reducer, and every parameter keeps its placement
 (clipping, finite checks and checkpoints read them). Without a pipeline, gradients are reduced over dp
 during backward as the strategy does alone; with one, ``train_step`` runs the schedule with every
-backward inside ``no_sync()`` and reduces once at the end. See docs/strategies.md, "Hybrid parallelism".
+backward inside ``no_sync()`` and reduces once at the end (ZeRO-3/FSDP: each unit gathered once per
+step and kept for all micro-batches). See docs/strategies.md, "Hybrid parallelism".
 """
 
 from __future__ import annotations
@@ -322,7 +323,7 @@ class HybridShardedModel(DataParallelModel):
         pp, plan = self.pp_group, self.schedule
         links = StageLinks(pp, plan, specs) if pp.world_size > 1 else None
         calls = {s: (lambda x, s=s: self._stage_forward(x, s)) for s in plan.stages_of(pp.rank)}
-        held = self._hold_gathered() if plan.name == "zero_bubble" and isinstance(self, ShardedModel) else []
+        held = self._hold_gathered() if isinstance(self, ShardedModel) else []
         excluded = {t.untyped_storage().data_ptr() for t in [*self.module.parameters(), inputs, targets]}
         try:
             with self.no_sync():
@@ -339,9 +340,9 @@ class HybridShardedModel(DataParallelModel):
         return broadcast_over_pp(loss, (1,), torch.float32, last, pp)[0]
 
     def _hold_gathered(self) -> list[Any]:
-        """ZeRO-3/FSDP under zero-bubble: every unit of this rank's stages stays gathered for the step
-        (the deferred weight gradients arrive after the backward that would release them), as FSDP's
-        ``reshard_after_forward=False`` keeps units until their backward."""
+        """ZeRO-3/FSDP under a pipeline: every unit of this rank's stages is gathered once per step and
+        kept for all its micro-batches (torchtitan runs FSDP under a pipeline so: one all-gather per unit
+        and step instead of two per micro-batch; zero-bubble's deferred weight gradients need it too)."""
         me = cast(ShardedModel, self)
         held = [st for st in me._units if not st.persistent]
         for st in held:

@@ -1,4 +1,4 @@
-"""``dtlab bench``: run the strategy and compression benchmarks as subprocesses, then write one
+"""``dtlab bench``: run the strategy, compression and mesh benchmarks as subprocesses, then write one
 markdown table and PNG plots from the rows they produce (``--json``).
 
 The benchmarks ship with the package (``dtlab.benchmarks.strategies`` and
@@ -37,6 +37,10 @@ BENCHMARKS: MappingProxyType[str, tuple[str, tuple[str, ...]]] = MappingProxyTyp
             "dtlab.benchmarks.compression",
             ("--numel", "2000000", "--worlds", "2", "--rates", "plain", "--iters", "3"),
         ),
+        "mesh": (
+            "dtlab.benchmarks.mesh",
+            ("--strategies", "ddp,zero2,fsdp", "--steps", "2", "--warmup", "1"),
+        ),
     }
 )
 
@@ -56,8 +60,11 @@ def mpi_available() -> bool:
 
 def _command(name: str, engines: list[str], full: bool) -> list[str]:
     module, quick = BENCHMARKS[name]
-    # strategies takes "gloo,mpi", compression "gloo mpi"
-    eng = [",".join(engines)] if name == "strategies" else engines
+    # strategies takes "gloo,mpi", compression "gloo mpi", mesh "inmemory,gloo,mpi" (8 threads, 4 processes)
+    if name == "mesh":
+        eng = [",".join(["inmemory", *engines])]
+    else:
+        eng = [",".join(engines)] if name == "strategies" else engines
     return [sys.executable, "-m", module, *(() if full else quick), "--engines", *eng]
 
 
@@ -143,6 +150,37 @@ def _plot_compression(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _plot_mesh(rows: list[dict[str, Any]], path: Path) -> None:
+    """Step time and state memory per rank for every mesh shape, one bar per strategy, per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    fig, axes = plt.subplots(len(engines), 2, figsize=(13, 4.2 * len(engines)), squeeze=False)
+    width = 0.8 / max(1, len(strategies))
+    for ei, engine in enumerate(engines):
+        mine = [r for r in rows if r["engine"] == engine]
+        meshes = list(dict.fromkeys(r["mesh"] for r in mine))
+        for si, strategy in enumerate(strategies):
+            sel = {r["mesh"]: r for r in mine if r["strategy"] == strategy}
+            xs = [i + si * width for i in range(len(meshes))]
+            axes[ei][0].bar(xs, [sel[m]["step_ms"] if m in sel else 0 for m in meshes], width, label=strategy)
+            mem = [sel[m]["state"] / 2**20 if m in sel else 0 for m in meshes]
+            axes[ei][1].bar(xs, mem, width, label=strategy)
+        for ax, title in zip(axes[ei], ("step time (ms)", "state per rank (MiB)"), strict=True):
+            ax.set_xticks(
+                [i + width * (len(strategies) - 1) / 2 for i in range(len(meshes))], meshes, rotation=30
+            )
+            ax.set_title(f"{engine}: {title}")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run_bench(
     out_dir: str | Path, only: str | None = None, full: bool = False, timeout: float = 900.0
 ) -> int:
@@ -176,7 +214,9 @@ def run_bench(
         table = [line for line in text.splitlines() if line.startswith("|") or line.startswith("- ")]
         report += [*table, ""]
         plot = out / f"{name}.png"
-        (_plot_strategies if name == "strategies" else _plot_compression)(rows, plot)
+        {"strategies": _plot_strategies, "compression": _plot_compression, "mesh": _plot_mesh}[name](
+            rows, plot
+        )
         report += [f"![{name}]({plot.name})", ""]
     (out / "bench.md").write_text("\n".join(report))
     print("\n".join(report))
