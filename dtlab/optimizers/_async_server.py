@@ -224,7 +224,8 @@ class ShardServer:
                 del table.waiting[i]
                 told.pop(i, None)
                 continue
-            assert self.staleness is not None  # may_read is always True without a bound
+            if self.staleness is None:  # may_read is always True without a bound
+                raise StrategyError("a worker was held back although staleness=None sets no bound")
             holders = behind(table.counts(), clock, self.staleness, self.num_servers)
             if told.get(i) != holders:
                 note = Note.make(WAIT, clock, low, table.counts(), device)
@@ -250,7 +251,8 @@ class ShardServer:
         return all(table.pushed[i] > clock for i in table.unfinished())
 
     def _apply_aggregate(self, on_update: Callable[[], None] | None) -> None:
-        assert self._acc is not None
+        if self._acc is None:
+            raise StrategyError("staleness=0 aggregation ran without its accumulator")
         self._grad.copy_(self._acc).div_(self.workers)
         self._acc.zero_()
         self._acc_clock = None

@@ -253,7 +253,8 @@ class AsyncSGDOptimizer:
         ``opt.optimizer`` or save ``opt.state_dict()`` now and then).
         """
         self._require(True, "serve")
-        assert self._server is not None
+        if self._server is None:  # _require(True) guarantees it; a broken invariant is named, not asserted
+            raise StrategyError(f"rank {self.backend.rank}: serve() found no server state")
         hook = None if on_update is None else (lambda: on_update(self))
         self._server.serve(hook)
 

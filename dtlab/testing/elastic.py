@@ -153,7 +153,8 @@ class _Engine:
             except _Stop:
                 return
             world, rank = member.world, backend.rank
-            assert world is not None
+            if world is None:
+                raise DtlabError(f"elastic member {rank} joined no world")
             try:
                 result = self.fn(backend, member, *self.args, **self.kwargs)
             except RankKilledError as exc:
