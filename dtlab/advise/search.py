@@ -27,11 +27,12 @@ _OPTIMIZER_OF = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zer
 def runnable(c: Candidate) -> bool:
     """Whether dtlab has a model strategy for the plan today, from the pairing table: the
     data-parallel strategies alone, ``tensor`` for tp x dp, ``pipeline`` for pp x dp, ``hybrid`` for
-    any mesh. Activation checkpointing is not in dtlab's strategies yet."""
-    if c.checkpointing:
-        return False
+    any mesh. Activation checkpointing (per block) runs under the data-parallel strategies alone, not
+    on a mesh of tp or pp above 1."""
     if c.tp == 1 and c.pp == 1:
         return c.strategy in pairs.PAIRINGS
+    if c.checkpointing:
+        return False
     wanted = _OPTIMIZER_OF[c.strategy]
     models = ["hybrid"]
     if c.pp == 1:
