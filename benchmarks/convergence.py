@@ -6,10 +6,14 @@
 
 Tasks (offline, real data):
 
-* ``digits``: a small CNN on scikit-learn's bundled 8x8 handwritten digits (1437 train / 360 test);
-  reported: final test accuracy.
+* ``digits``: a small CNN on scikit-learn's bundled 8x8 handwritten digits (1257 train / 180
+  validation / 360 test images); reported: final validation and test accuracy.
 * ``lm``: a byte-level GRU language model on the Python standard library's source (dtlab's
-  ``stdlib`` corpus, 90% train / 10% validation); reported: validation perplexity.
+  ``stdlib`` corpus, 80% train / 10% validation / 10% test windows); reported: validation and test
+  perplexity.
+
+Recipes are chosen on the validation split and reported on the test split
+(``benchmarks/convergence_protocol.py`` runs that protocol over 3 seeds).
 
 Every run is DDP on ``--world`` in-memory ranks (threads) with ``GradientCompressionOptimizer``
 (one bucket for the whole model, so ``k = density x all parameters``, as in the Ok-Topk reference
@@ -88,8 +92,8 @@ def digits_task(seed: int = 0) -> dict[str, Any]:
         nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 10),
     )  # fmt: skip
-    train, test = (x[:1437], y[:1437]), (x[1437:], y[1437:])
-    return {"net": net, "train": train, "test": test, "batch": 64, "momentum": 0.9}
+    train, val, test = (x[:1257], y[:1257]), (x[1257:1437], y[1257:1437]), (x[1437:], y[1437:])
+    return {"net": net, "train": train, "val": val, "test": test, "batch": 64, "momentum": 0.9}
 
 
 def lm_task(max_bytes: int = 300_000, seq: int = 64, seed: int = 0, hidden: int = 128) -> dict[str, Any]:
@@ -98,12 +102,13 @@ def lm_task(max_bytes: int = 300_000, seq: int = 64, seed: int = 0, hidden: int 
     data = torch.frombuffer(bytearray(load_stdlib_corpus(max_bytes)), dtype=torch.uint8).long()
     n = (data.numel() - 1) // seq
     inputs, targets = data[: n * seq].view(n, seq), data[1 : n * seq + 1].view(n, seq)
-    cut = int(0.9 * n)
+    cut, test_cut = int(0.8 * n), int(0.9 * n)
     torch.manual_seed(seed)
     return {
         "net": ByteGRU(hidden=hidden),
         "train": (inputs[:cut], targets[:cut]),
-        "test": (inputs[cut:], targets[cut:]),
+        "val": (inputs[cut:test_cut], targets[cut:test_cut]),
+        "test": (inputs[test_cut:], targets[test_cut:]),
         "batch": 32,
         "momentum": 0.9,
     }
@@ -133,6 +138,12 @@ def lr_at(task: dict[str, Any], it: int, total: int) -> float:
     return float(task["lr"]) * 0.5 * (1.0 + math.cos(math.pi * it / total))
 
 
+def iterations_per_epoch(task: dict[str, Any]) -> int:
+    """Global batches per epoch (the last partial batch is dropped)."""
+    n, gb = len(task["train"][1]), int(task["batch"])
+    return (n - gb) // gb + 1
+
+
 def train_rank(
     backend: CommunicationBackend, task: dict[str, Any], name: str, density: float, epochs: int, warmup: int
 ) -> dict[str, Any]:
@@ -150,8 +161,10 @@ def train_rank(
     x, y = task["train"]
     gb, p, r = task["batch"], backend.world_size, backend.rank
     per = gb // p
-    total = epochs * ((len(y) - gb) // gb + 1)
-    losses, densities, sent = [], [], []
+    total = epochs * iterations_per_epoch(task)
+    losses: list[float] = []
+    densities: list[float] = []
+    sent: list[int] = []
     diverged: int | None = None
     for epoch in range(epochs):
         order = torch.randperm(
@@ -174,14 +187,18 @@ def train_rank(
             break
     out: dict[str, Any] = {"losses": losses, "density": densities, "bytes_sent": sent, "diverged": diverged}
     if r == 0 and diverged is None:
-        tx, ty = task["test"]
-        with torch.no_grad():
-            logits = net(tx)
-            if isinstance(net, ByteGRU):
-                out["perplexity"] = math.exp(float(lm_loss(logits, ty)))
-            else:
-                out["accuracy"] = float((logits.argmax(1) == ty).float().mean()) * 100
+        for split in ("val", "test"):
+            out[split] = evaluate(net, *task[split])
     return out
+
+
+def evaluate(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Perplexity (the LM) or accuracy in % (digits) of ``net`` on one split."""
+    with torch.no_grad():
+        logits = net(x)
+    if isinstance(net, ByteGRU):
+        return math.exp(float(lm_loss(logits, y)))
+    return float((logits.argmax(1) == y).float().mean()) * 100
 
 
 def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -203,8 +220,12 @@ def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     task["momentum_correction"] = mc if mc is not None else defaults["momentum_correction"]
     epochs = args.epochs if args.epochs is not None else defaults["epochs"]
     warmup = args.warmup if args.warmup is not None else defaults["warmup"]
+    if getattr(args, "warmup_epochs", None) is not None:
+        warmup = round(args.warmup_epochs * iterations_per_epoch(task))
     task["ramp"] = args.ramp if args.ramp is not None else defaults["ramp"]
-    runs = [("dense", 1.0)]
+    if getattr(args, "ramp_epochs", None) is not None:
+        task["ramp"] = round(args.ramp_epochs * iterations_per_epoch(task))
+    runs = [("dense", 1.0)] if getattr(args, "dense", True) else []
     runs += [(a, d) for d in args.densities for a in [*SPARSE, *SPARSE_EXTRA] if a in args.algorithms]
     runs += [(a, 1.0) for a in OTHERS if a in args.algorithms]
     rows = []
@@ -215,7 +236,11 @@ def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         dens = res[0]["density"][warmup:]
         row = {
             "task": task_name, "algorithm": name, "density": density, "losses": losses,
-            "final": res[0].get("accuracy", res[0].get("perplexity")),
+            "final": res[0].get("test"),
+            "val": res[0].get("val"),
+            "seed": args.seed,
+            "recipe": {k: task[k] for k in ("lr", "schedule", "momentum", "momentum_correction", "ramp")}
+            | {"warmup": warmup, "epochs": epochs, "batch": task["batch"]},
             "diverged_at": res[0]["diverged"],
             "mean_selected_density": sum(dens) / max(1, len(dens)),
             "mean_bytes_sent": sum(res[0]["bytes_sent"][warmup:]) / max(1, len(dens)),
@@ -224,7 +249,7 @@ def run(task_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         }  # fmt: skip
         rows.append(row)
         metric = "accuracy %" if task_name == "digits" else "perplexity"
-        final = "diverged" if row["final"] is None else f"{row['final']:.3f}"
+        final = "diverged" if row["final"] is None else f"val {row['val']:.3f} test {row['final']:.3f}"
         print(
             f"{task_name} {name:9s} density {density:<5} {metric} {final}  "
             f"(selected {row['mean_selected_density']:.4f}, {row['seconds']:.0f}s)",
@@ -314,6 +339,10 @@ def main() -> None:
         help="sparse compressors: iterations of DGC's density ramp (25%%, 6.25%%, ... down to the "
         "density) after the dense warm-up (ramp_steps); default 0",
     )
+    ap.add_argument(
+        "--warmup-epochs", type=float, default=None, help="the warm-up in epochs (overrides --warmup)"
+    )
+    ap.add_argument("--ramp-epochs", type=float, default=None, help="the ramp in epochs (overrides --ramp)")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/img"))
     ap.add_argument(
         "--plot-tag",

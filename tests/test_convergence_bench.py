@@ -27,9 +27,11 @@ def test_convergence_benchmark_runs_at_toy_size(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["algorithm"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"dense", "topka", "oktopk"}
-    steps = 2 * ((281 - 32) // 32 + 1)  # 20000 bytes -> 312 windows of 64, 90% train, global batch 32
+    steps = 2 * ((249 - 32) // 32 + 1)  # 20000 bytes -> 312 windows of 64, 80% train, global batch 32
     for name, row in rows.items():
         assert row["final"] is not None and 1.0 < row["final"] < 300.0, (name, row)
+        assert row["val"] is not None and 1.0 < row["val"] < 300.0, (name, row)
+        assert row["val"] != row["final"]  # two splits, two figures
         # the 3 warm-up steps send the dense gradient (plus a few bytes of metadata), the rest
         # average mean_bytes_sent
         expected = 3 * rows["dense"]["mean_bytes_sent"] + (steps - 3) * row["mean_bytes_sent"]
@@ -38,3 +40,47 @@ def test_convergence_benchmark_runs_at_toy_size(tmp_path: Path) -> None:
     assert 0.02 < rows["oktopk"]["mean_selected_density"] < 0.1
     assert (tmp_path / "compression_lm_loss.png").read_bytes()[:4] == b"\x89PNG"
     assert "| lm | oktopk | 0.05 |" in proc.stdout
+
+
+def _row(alg: str, lr: float, recipe: str, val: float, test: float, sent: int) -> dict[str, object]:
+    return {
+        "algorithm": alg, "density": 1.0 if alg == "dense" else 0.01, "recipe_name": recipe,
+        "recipe": {"lr": lr}, "val": val, "final": test, "total_bytes_sent": sent,
+    }  # fmt: skip
+
+
+def test_protocol_chooses_on_validation_only() -> None:
+    """The learning rate of the best dense validation figure; then the cheapest recipe within 3% on
+    validation; the test figures (``final``) never move the choice."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from convergence_protocol import choose_from, row
+
+    rows = [
+        _row("dense", 0.5, "dense", 2.50, 1.0, 100),
+        _row("dense", 1.0, "dense", 2.40, 9.0, 100),  # the best on validation (worst on test)
+        _row("topka", 1.0, "long", 2.42, 1.0, 30),
+        _row("oktopk", 1.0, "long", 2.45, 1.0, 30),
+        _row("topka", 1.0, "short", 2.44, 9.0, 10),
+        _row("oktopk", 1.0, "short", 2.46, 9.0, 10),  # +2.5 %: within 3 %, fewer bytes
+        _row("topka", 1.0, "cheapest", 2.60, 1.0, 1),  # +8.3 %: out
+        _row("oktopk", 1.0, "cheapest", 2.41, 1.0, 1),
+        _row("topka", 0.5, "short", 2.50, 1.0, 1),  # the other learning rate: not considered
+    ]
+    chosen = choose_from("lm", rows)
+    assert chosen["lr"] == 1.0
+    assert chosen["chosen"]["name"] == "short"
+    assert chosen["chosen"]["worst_val_gap"] == pytest.approx(2.5)
+    # none within the target: the smallest worst gap
+    far = [r for r in rows if r["recipe_name"] in ("dense", "cheapest")]
+    assert choose_from("lm", far)["chosen"]["name"] == "cheapest"
+    # digits: accuracy, higher is better; a diverged run (None) is never within the target
+    digits = [
+        _row("dense", 0.05, "dense", 98.0, 0, 100),
+        _row("topka", 0.05, "a", 97.5, 0, 10),
+        _row("topka", 0.05, "b", None, 0, 1),  # type: ignore[arg-type]
+    ]
+    assert choose_from("digits", digits)["chosen"]["name"] == "a"
+    line = row(
+        "lm", "topka", 0.01, [([_row("topka", 1, "x", 0, 2.5, 10)], _row("dense", 1, "d", 0, 2.0, 100))]
+    )
+    assert line == "| topka | 1% | 2.500 (+25.00%) | +25.00% | +25.00% | 10.0 % |"
