@@ -49,6 +49,8 @@ def test_tp2_x_pp2_under_mpiexec_trains_like_in_memory(tmp_path: Path) -> None:
     assert "pp 2 x dp 1 x tp 2 (hybrid)" in proc.stdout, proc.stdout[-2000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     launched = [r["loss"] for r in records if "loss" in r]
-    config = load_config(overrides=[*SETS, "backend.name=inmemory", "backend.world_size=4", "logging.run_dir=null"])
+    config = load_config(
+        overrides=[*SETS, "backend.name=inmemory", "backend.world_size=4", "logging.run_dir=null"]
+    )
     in_memory = [v for _, v in run_training(config)[0].losses]
     assert launched == pytest.approx(in_memory, rel=1e-5)
