@@ -1,11 +1,13 @@
-"""The same ``dtlab train`` config on a mesh under a launcher: 4 MPI processes (``mpiexec -n 4``) at
-tp2 x pp2 train to the losses of 4 in-memory ranks (the checks of the ``parallel`` section use the
-launcher's world size)."""
+"""The same ``dtlab train`` config on a mesh under real launchers, 4 processes each: tp2 x pp2 under
+``mpiexec -n 4`` (MPI), dp2 x tp2 and dp2 x pp2 under ``torchrun --nproc-per-node 4`` (Gloo). Each
+trains to the losses of 4 in-memory ranks (the ``parallel`` section's checks use the launcher's world
+size)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,31 +28,58 @@ SETS = [
     "train.eval_every=0",
     "logging.progress=false",
     "logging.log_every=1",
-    "parallel.tp=2",
-    "parallel.pp=2",
-    "parallel.sequence_parallel=true",
-    "strategy.model=zero2",
 ]
+MESHES = {
+    "tp2 x pp2": [
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.sequence_parallel=true",
+        "strategy.model=zero2",
+    ],
+    "dp2 x tp2": ["parallel.tp=2", "strategy.model=fsdp"],
+    "dp2 x pp2": ["parallel.pp=2", "strategy.model=zero1"],
+}
+LAUNCHER = {"tp2 x pp2": "mpiexec", "dp2 x tp2": "torchrun", "dp2 x pp2": "torchrun"}
 
 
-@pytest.mark.skipif(not (BIN / "mpiexec").exists(), reason="mpiexec not installed")
-def test_tp2_x_pp2_under_mpiexec_trains_like_in_memory(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    sets = [*SETS, "backend.name=mpi", f"logging.run_dir={run}"]
-    cmd = [str(BIN / "mpiexec"), "-n", "4", sys.executable, "-m", "dtlab", "train"]
-    proc = subprocess.run(
-        cmd + [a for s in sets for a in ("--set", s)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+def _launch(launcher: str, sets: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    if launcher == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--nproc-per-node", "4", "-m", "dtlab", "train"]
+    else:
+        cmd = [str(BIN / "mpiexec"), "-n", "4", sys.executable, "-m", "dtlab", "train"]
+        sets = [*sets, "backend.name=mpi"]
+    cmd += [a for s in sets for a in ("--set", s)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started, by process group
+        proc.communicate(timeout=30)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_mesh_under_a_launcher_trains_like_in_memory(tmp_path: Path, mesh: str) -> None:
+    launcher = LAUNCHER[mesh]
+    if not (BIN / launcher).exists():
+        pytest.skip(f"{launcher} not installed next to {sys.executable}")
+    run = tmp_path / "run"
+    proc = _launch(launcher, [*SETS, *MESHES[mesh], f"logging.run_dir={run}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "pp 2 x dp 1 x tp 2 (hybrid)" in proc.stdout, proc.stdout[-2000:]
+    pp, dp, tp = (2 if f"{axis}2" in mesh else 1 for axis in ("pp", "dp", "tp"))
+    assert f"pp {pp} x dp {dp} x tp {tp}" in proc.stdout, proc.stdout[-2000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     launched = [r["loss"] for r in records if "loss" in r]
-    config = load_config(
-        overrides=[*SETS, "backend.name=inmemory", "backend.world_size=4", "logging.run_dir=null"]
-    )
-    in_memory = [v for _, v in run_training(config)[0].losses]
-    assert launched == pytest.approx(in_memory, rel=1e-5)
+    overrides = [
+        *SETS,
+        *MESHES[mesh],
+        "backend.name=inmemory",
+        "backend.world_size=4",
+        "logging.run_dir=null",
+    ]
+    in_memory = [v for _, v in run_training(load_config(overrides=overrides))[0].losses]
+    assert len(launched) == 2 and launched == pytest.approx(in_memory, rel=1e-5)
