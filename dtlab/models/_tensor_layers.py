@@ -10,7 +10,7 @@ parameter's placement (:mod:`dtlab.core.placement`).
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,38 @@ def _init_uniform(t: torch.Tensor, fan_in: int) -> None:
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
     with torch.no_grad():
         t.uniform_(-bound, bound)
+
+
+_Layer = TypeVar("_Layer", bound=nn.Module)
+
+
+def _from_linear(
+    cls: type[_Layer], linear: nn.Linear, group: CommunicationBackend, *, shard_bias: bool, **kwargs: Any
+) -> _Layer:
+    """A parallel layer holding this rank's shard of ``linear``'s values, on its device and dtype, with
+    its ``requires_grad`` flags; the bias sharded like the weight or kept whole."""
+    w = linear.weight
+    built = cls(
+        linear.in_features,
+        linear.out_features,
+        group,
+        bias=linear.bias is not None,
+        device=w.device,
+        dtype=w.dtype,
+        **kwargs,
+    )
+    layer = cast(Any, built)  # a ColumnParallelLinear or a RowParallelLinear
+    with torch.no_grad():
+        layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
+        if linear.bias is not None and layer.bias is not None:
+            bias = linear.bias.detach()
+            if shard_bias:
+                bias = layer.placement.local_shard(bias, group.rank, group.world_size)
+            layer.bias.copy_(bias)
+    layer.weight.requires_grad_(w.requires_grad)
+    if layer.bias is not None and linear.bias is not None:
+        layer.bias.requires_grad_(linear.bias.requires_grad)
+    return built
 
 
 class ColumnParallelLinear(nn.Module):
@@ -106,26 +138,7 @@ class ColumnParallelLinear(nn.Module):
         cls, linear: nn.Linear, group: CommunicationBackend, **kwargs: Any
     ) -> ColumnParallelLinear:
         """This rank's shard of ``linear`` (its values, its device and dtype)."""
-        w = linear.weight
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            group,
-            bias=linear.bias is not None,
-            device=w.device,
-            dtype=w.dtype,
-            **kwargs,
-        )
-        with torch.no_grad():
-            layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
-            if linear.bias is not None and layer.bias is not None:
-                layer.bias.copy_(
-                    layer.placement.local_shard(linear.bias.detach(), group.rank, group.world_size)
-                )
-        layer.weight.requires_grad_(w.requires_grad)
-        if layer.bias is not None and linear.bias is not None:
-            layer.bias.requires_grad_(linear.bias.requires_grad)
-        return layer
+        return _from_linear(cls, linear, group, shard_bias=True, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
@@ -191,24 +204,8 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: CommunicationBackend, **kwargs: Any) -> RowParallelLinear:
-        w = linear.weight
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            group,
-            bias=linear.bias is not None,
-            device=w.device,
-            dtype=w.dtype,
-            **kwargs,
-        )
-        with torch.no_grad():
-            layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
-            if linear.bias is not None and layer.bias is not None:
-                layer.bias.copy_(linear.bias.detach())
-        layer.weight.requires_grad_(w.requires_grad)
-        if layer.bias is not None and linear.bias is not None:
-            layer.bias.requires_grad_(linear.bias.requires_grad)
-        return layer
+        """This rank's shard of ``linear`` (the bias whole: it is added once, after the reduction)."""
+        return _from_linear(cls, linear, group, shard_bias=False, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -46,7 +46,7 @@ from dtlab.models._pipeline_split import (
     stage_specs,
 )
 from dtlab.models._pipeline_zb import defer_weight_gradient, weight_gradient_queue
-from dtlab.models.zero1 import GradientSync, ZeRO1Model
+from dtlab.models.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 
 __all__ = [
     "SCHEDULES",
@@ -273,17 +273,7 @@ class PipelineParallelModel(ZeRO1Model):
     # ------------------------------------------------------------------ optimizer protocol
     def attach_optimizer(self, optimizer: Any) -> None:
         super().attach_optimizer(optimizer)
-        wants: GradientSync = (
-            "reduce_scatter" if getattr(optimizer, "strategy_name", "") == "zero1" else "all_reduce"
-        )
-        if self._chosen_sync is None:
-            self.gradient_sync = wants
-        elif self._chosen_sync == "reduce_scatter" and wants != "reduce_scatter":
-            raise StrategyError(
-                f"PipelineParallelModel(gradient_sync='reduce_scatter') leaves each rank only its shard of "
-                f"the averaged gradient, which {type(optimizer).__name__} cannot step; use ZeRO1Optimizer "
-                "or gradient_sync='all_reduce' (or leave it unset)"
-            )
+        self.gradient_sync = gradient_sync_for("PipelineParallelModel", self._chosen_sync, optimizer)
 
     def grad_norm_group(self) -> CommunicationBackend:
         """The norm's parts add up over every rank of the pp x dp mesh (stages hold different tensors)."""

@@ -49,7 +49,7 @@ from dtlab.models._tensor_plan import (
     transformer_plan,
 )
 from dtlab.models.state import ShardIndex, add_placed_slice, add_slice, even_range, new_state, read_placed
-from dtlab.models.zero1 import GradientSync, ZeRO1Model
+from dtlab.models.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 
 __all__ = [
     "ColumnParallelLinear",
@@ -194,17 +194,7 @@ class TensorParallelModel(ZeRO1Model):
     # ------------------------------------------------------------------ optimizer protocol
     def attach_optimizer(self, optimizer: Any) -> None:
         super().attach_optimizer(optimizer)
-        wants: GradientSync = (
-            "reduce_scatter" if getattr(optimizer, "strategy_name", "") == "zero1" else "all_reduce"
-        )
-        if self._chosen_sync is None:
-            self.gradient_sync = wants
-        elif self._chosen_sync == "reduce_scatter" and wants != "reduce_scatter":
-            raise StrategyError(
-                f"TensorParallelModel(gradient_sync='reduce_scatter') leaves each rank only its shard of "
-                f"the averaged gradient, which {type(optimizer).__name__} cannot step; use ZeRO1Optimizer "
-                "or gradient_sync='all_reduce' (or leave it unset)"
-            )
+        self.gradient_sync = gradient_sync_for("TensorParallelModel", self._chosen_sync, optimizer)
 
     def grad_norm_group(self) -> CommunicationBackend:
         """The group the norm's parts are summed over: every rank of the dp x tp mesh."""

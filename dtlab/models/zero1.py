@@ -32,9 +32,28 @@ from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import StrategyError
 from dtlab.models.ddp import DDPModel
 
-__all__ = ["GradientSync", "ZeRO1Model"]
+__all__ = ["GradientSync", "ZeRO1Model", "gradient_sync_for"]
 
 GradientSync = Literal["reduce_scatter", "all_reduce"]
+
+
+def gradient_sync_for(model: str, chosen: GradientSync | None, optimizer: Any) -> GradientSync:
+    """How a model strategy with a ZeRO-1 dp axis (tensor, pipeline) reduces its gradients under
+    ``optimizer``: ``chosen`` when the user set it, else reduce-scatter for ``ZeRO1Optimizer`` and
+    all-reduce for the others. A reduce-scatter chosen for an optimizer that steps whole gradients is
+    refused, naming both."""
+    wants: GradientSync = (
+        "reduce_scatter" if getattr(optimizer, "strategy_name", "") == "zero1" else "all_reduce"
+    )
+    if chosen is None:
+        return wants
+    if chosen == "reduce_scatter" and wants != "reduce_scatter":
+        raise StrategyError(
+            f"{model}(gradient_sync='reduce_scatter') leaves each rank only its shard of "
+            f"the averaged gradient, which {type(optimizer).__name__} cannot step; use ZeRO1Optimizer "
+            "or gradient_sync='all_reduce' (or leave it unset)"
+        )
+    return chosen
 
 
 class ZeRO1Model(DDPModel):
