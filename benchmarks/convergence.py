@@ -123,7 +123,8 @@ class ByteGRU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.gru(self.emb(x))
-        return self.out(h)
+        logits: torch.Tensor = self.out(h)
+        return logits
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ How a recipe is chosen (``choose``), from validation figures only: the learning 
 is best (dense is tuned first, as anyone would); then, at that learning rate, among the warm-up
 recipes whose worst sparse gap to dense is within the target (3% perplexity, 1 accuracy point), the
 one that sends the fewest bytes over the whole run; if none is within the target, the smallest worst
-gap. The test split is never read to choose anything.
+gap (ties: the smaller mean gap, then the fewer bytes). The test split is never read to choose
+anything.
 
 Raw results: ``docs/results/convergence/<task>_select_*.json`` and ``<task>_test_seed<N>.json``:
 every run's recipe, validation and test figure, densities, bytes, and the training loss per
@@ -123,11 +124,22 @@ def choose_from(task: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     table = []
     for name in dict.fromkeys(r["recipe_name"] for r in rows if r["algorithm"] != "dense"):
         runs = [r for r in rows if r["recipe_name"] == name and r["recipe"]["lr"] == lr]
-        worst = max(gap(task, r["val"], dense[lr]) for r in runs)
+        gaps = [gap(task, r["val"], dense[lr]) for r in runs]
         total = sum(r["total_bytes_sent"] for r in runs)
-        table.append({"name": name, "worst_val_gap": worst, "bytes": total, "recipe": runs[0]["recipe"]})
+        table.append(
+            {
+                "name": name,
+                "worst_val_gap": max(gaps),
+                "mean_val_gap": sum(gaps) / len(gaps),
+                "bytes": total,
+                "recipe": runs[0]["recipe"],
+            }
+        )
     fits = [t for t in table if t["worst_val_gap"] <= TARGET[task]]
-    best = min(fits, key=lambda t: t["bytes"]) if fits else min(table, key=lambda t: t["worst_val_gap"])
+    if fits:
+        best = min(fits, key=lambda t: t["bytes"])
+    else:  # ties are common on a small validation split (digits: one image is 0.56 points)
+        best = min(table, key=lambda t: (t["worst_val_gap"], t["mean_val_gap"], t["bytes"]))
     return {"lr": lr, "dense_val": dense, "recipes": table, "chosen": best}
 
 
@@ -200,11 +212,16 @@ def report(args: argparse.Namespace) -> None:
             + ", ".join(f"lr {k}: {fmt(task, v)}" for k, v in c["dense_val"].items())
         )
         print(f"chosen learning rate: {c['lr']}\n")
-        print("| recipe | worst validation gap | bytes over the run (rank 0, all selection runs) |")
-        print("|---|---|---|")
+        print(
+            "| recipe | worst validation gap | mean validation gap | bytes over the run (rank 0, all runs) |"
+        )
+        print("|---|---|---|---|")
         for t in c["recipes"]:
             mark = " (chosen)" if t["name"] == c["chosen"]["name"] else ""
-            print(f"| {t['name']}{mark} | {t['worst_val_gap']:+.2f}{unit} | {t['bytes'] / 1e6:.1f} MB |")
+            print(
+                f"| {t['name']}{mark} | {t['worst_val_gap']:+.2f}{unit} worse | "
+                f"{t['mean_val_gap']:+.2f}{unit} worse | {t['bytes'] / 1e6:.1f} MB |"
+            )
         seeds = {int(f.stem.rsplit("seed", 1)[1]): json.loads(f.read_text())
                  for f in sorted(RESULTS.glob(f"{task}_test_seed*.json"))}  # fmt: skip
         if not seeds:

@@ -80,6 +80,13 @@ def test_protocol_chooses_on_validation_only() -> None:
         _row("topka", 0.05, "b", None, 0, 1),  # type: ignore[arg-type]
     ]
     assert choose_from("digits", digits)["chosen"]["name"] == "a"
+    # equal worst gaps: the smaller mean gap wins, then the fewer bytes
+    tied = [
+        _row("dense", 0.05, "dense", 98.0, 0, 100),
+        *(_row(a, 0.05, "c", v, 0, 5) for a, v in (("topka", 96.0), ("oktopk", 96.0))),
+        *(_row(a, 0.05, "d", v, 0, 50) for a, v in (("topka", 96.0), ("oktopk", 99.0))),
+    ]
+    assert choose_from("digits", tied)["chosen"]["name"] == "d"
     line = row(
         "lm", "topka", 0.01, [([_row("topka", 1, "x", 0, 2.5, 10)], _row("dense", 1, "d", 0, 2.0, 100))]
     )
