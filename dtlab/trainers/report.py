@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from dtlab.trainers.metrics import clean
+from dtlab.trainers.parallel import mesh_shape, needs_mesh
+
 if TYPE_CHECKING:
+    from dtlab.trainers.progress import ProgressBar
     from dtlab.trainers.trainer import Trainer, TrainResult
 
 __all__ = [
     "format_record",
+    "header",
+    "log_skipped",
     "memory_report",
     "print_tables",
     "profile_table",
     "step_record",
     "summary_rows",
     "summary_table",
+    "write_profile",
 ]
 
 
@@ -188,3 +197,48 @@ def print_tables(*tables: Table, file: TextIO | None = None) -> None:
     console = Console(file=file or sys.stdout, highlight=False)
     for table in tables:
         console.print(table)
+
+
+def log_skipped(self: Trainer, bar: ProgressBar) -> None:
+    """A skipped step gets its own metrics record and console line at once (rank 0)."""
+    g = self.guard
+    if self.scaler is not None and self.overflow_steps and self.overflow_steps[-1] == self.step:
+        text = f"fp16 gradients overflowed on some rank: loss scale lowered to {self.scaler.scale:g}"
+        self.metrics.log({"step": self.step, "skipped": text, "loss_scale": self.scaler.scale})
+        if self.is_main and self.config.logging.progress:
+            bar.print_line(f"step {self.step:>5} | skipped on every rank: {text}")
+        return
+    self.metrics.log(
+        {"step": self.step, "skipped": "non-finite loss or gradient", "skipped_steps": g.skipped}
+    )
+    if self.is_main and self.config.logging.progress:
+        bar.print_line(
+            f"step {self.step:>5} | skipped on every rank: non-finite loss or gradient on some rank "
+            f"({g.skipped} skipped, {g.in_row} in a row; train.max_nonfinite_steps={g.max_in_row})"
+        )
+
+
+def header(self: Trainer) -> str:
+    """The first console line of a run: the task, the strategies and mesh, the backend, the plan."""
+    c, t = self.config, self.task
+    what = f"{t.name} ({self.num_parameters:,} parameters)"
+    strategy = f"{c.strategy.model}/{c.strategy.optimizer_name}"
+    if needs_mesh(c):
+        shape = mesh_shape(c, self.backend.world_size)
+        strategy += " on " + " x ".join(f"{a}{n}" for a, n in shape.items() if n > 1 or a == "dp")
+    if c.compression.algorithm != "none":
+        strategy += f" + {c.compression.algorithm} @ {c.compression.density}"
+    start = f"resumed at step {self.start_step}, " if self.start_step else ""
+    return (
+        f"dtlab train: {what} | {strategy} | {self.backend.name} x {self.backend.world_size} | "
+        f"{start}{c.train.steps} steps x {c.data.global_batch_size} samples "
+        f"({len(t.train_data):,} train / {len(t.eval_data):,} eval)"
+    )
+
+
+def write_profile(self: Trainer, result: TrainResult) -> None:
+    """``profile.json`` in the run directory (rank 0): the profile and the summary of ``result``."""
+    run_dir = self.config.logging.run_dir
+    if run_dir and self.is_main:
+        path = Path(run_dir) / "profile.json"
+        path.write_text(json.dumps(clean({"profile": result.profile, "summary": result.summary}), indent=1))

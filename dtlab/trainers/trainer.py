@@ -40,12 +40,12 @@ from dtlab.trainers.elastic import (
 from dtlab.trainers.feed import DataFeed
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
 from dtlab.trainers.metrics import MetricsCollector
-from dtlab.trainers.parallel import mesh_shape, needs_mesh, parallel_loss
+from dtlab.trainers.parallel import parallel_loss
 from dtlab.trainers.preemption import StopRequest, preempt
 from dtlab.trainers.preflight import check_paths_on_every_rank
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.progress import ProgressBar
-from dtlab.trainers.report import format_record, step_record, summary_rows
+from dtlab.trainers.report import format_record, header, log_skipped, step_record, summary_rows, write_profile
 from dtlab.trainers.resume import (
     choose_checkpoint,
     foreign_steps_note,
@@ -357,7 +357,7 @@ class Trainer:
         window: dict[str, float] = {"t": time.perf_counter(), "steps": 0, "comm": self.backend.stats.seconds}
         sent0 = self.backend.stats.bytes_sent
         if self.is_main and cfg.logging.progress:
-            bar.print_line(self._header())
+            bar.print_line(header(self))
         t_start = time.perf_counter()
         self.model.train()
         try:
@@ -368,7 +368,7 @@ class Trainer:
                 if applied and loss is not None:
                     result.losses.append((self.step, loss))
                 elif not applied:
-                    self._log_skipped(bar)
+                    log_skipped(self, bar)
                 stop = False
                 ev = cfg.train.eval_every
                 if ev and (self.step % ev == 0 or self.step == cfg.train.steps):
@@ -407,51 +407,5 @@ class Trainer:
         result.skipped_steps = list(self.guard.skipped_steps)
         result.profile = self.profiler.summary()
         result.summary = summary_rows(self, result, time.perf_counter() - t_start, sent0)
-        self._write_profile(result)
+        write_profile(self, result)
         return result
-
-    def _log_skipped(self, bar: ProgressBar) -> None:
-        """A skipped step gets its own metrics record and console line at once (rank 0)."""
-        g = self.guard
-        if self.scaler is not None and self.overflow_steps and self.overflow_steps[-1] == self.step:
-            text = f"fp16 gradients overflowed on some rank: loss scale lowered to {self.scaler.scale:g}"
-            self.metrics.log({"step": self.step, "skipped": text, "loss_scale": self.scaler.scale})
-            if self.is_main and self.config.logging.progress:
-                bar.print_line(f"step {self.step:>5} | skipped on every rank: {text}")
-            return
-        self.metrics.log(
-            {"step": self.step, "skipped": "non-finite loss or gradient", "skipped_steps": g.skipped}
-        )
-        if self.is_main and self.config.logging.progress:
-            bar.print_line(
-                f"step {self.step:>5} | skipped on every rank: non-finite loss or gradient on some rank "
-                f"({g.skipped} skipped, {g.in_row} in a row; train.max_nonfinite_steps={g.max_in_row})"
-            )
-
-    def _header(self) -> str:
-        c, t = self.config, self.task
-        what = f"{t.name} ({self.num_parameters:,} parameters)"
-        strategy = f"{c.strategy.model}/{c.strategy.optimizer_name}"
-        if needs_mesh(c):
-            shape = mesh_shape(c, self.backend.world_size)
-            strategy += " on " + " x ".join(f"{a}{n}" for a, n in shape.items() if n > 1 or a == "dp")
-        if c.compression.algorithm != "none":
-            strategy += f" + {c.compression.algorithm} @ {c.compression.density}"
-        start = f"resumed at step {self.start_step}, " if self.start_step else ""
-        return (
-            f"dtlab train: {what} | {strategy} | {self.backend.name} x {self.backend.world_size} | "
-            f"{start}{c.train.steps} steps x {c.data.global_batch_size} samples "
-            f"({len(t.train_data):,} train / {len(t.eval_data):,} eval)"
-        )
-
-    def _write_profile(self, result: TrainResult) -> None:
-        run_dir = self.config.logging.run_dir
-        if run_dir and self.is_main:
-            import json
-
-            from dtlab.trainers.metrics import clean
-
-            path = Path(run_dir) / "profile.json"
-            path.write_text(
-                json.dumps(clean({"profile": result.profile, "summary": result.summary}), indent=1)
-            )
