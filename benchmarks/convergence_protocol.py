@@ -11,7 +11,8 @@ figures reported on the held-out test split, 3 seeds, raw results written beside
     .venv/bin/python benchmarks/convergence_protocol.py report
 
 How a recipe is chosen (``choose``), from validation figures only: the learning rate whose dense run
-is best (dense is tuned first, as anyone would); then, at that learning rate, among the warm-up
+is best (dense is tuned first, as anyone would; ``--dense-only`` measures just that at a learning
+rate); then, at that learning rate, among the warm-up
 recipes whose worst sparse gap to dense is within the target (3% perplexity, 1 accuracy point), the
 one that sends the fewest bytes over the whole run; if none is within the target, the smallest worst
 gap (ties: the smaller mean gap, then the fewer bytes). The test split is never read to choose
@@ -96,15 +97,18 @@ def gap(task: str, value: float | None, dense: float) -> float:
 def select(args: argparse.Namespace) -> None:
     grid = GRID[args.task]
     for lr in args.lrs or grid["lrs"]:
+        path = RESULTS / f"{args.task}_select_lr{lr}.json"
         rows = slim(run(args.task, namespace(args.task, lr=lr, algorithms=[], world=args.world)), "dense")
+        path.write_text(json.dumps(rows))  # after every run: a stopped selection keeps what it measured
+        if args.dense_only:
+            continue
         for name, warm, ramp, mc in grid["recipes"]:
             ns = namespace(
                 args.task, lr=lr, algorithms=grid["algorithms"], dense=False, world=args.world,
                 warmup_epochs=warm, ramp_epochs=ramp, momentum_correction=mc,
             )  # fmt: skip
             rows += slim(run(args.task, ns), name)
-        path = RESULTS / f"{args.task}_select_lr{lr}.json"
-        path.write_text(json.dumps(rows))
+            path.write_text(json.dumps(rows))
         print(f"wrote {path}", flush=True)
 
 
@@ -122,8 +126,11 @@ def choose_from(task: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     better = min if task == "lm" else max
     lr = better(dense, key=lambda k: dense[k])
     table = []
-    for name in dict.fromkeys(r["recipe_name"] for r in rows if r["algorithm"] != "dense"):
-        runs = [r for r in rows if r["recipe_name"] == name and r["recipe"]["lr"] == lr]
+    at_lr = [r for r in rows if r["recipe"]["lr"] == lr and r["algorithm"] != "dense"]
+    if not at_lr:
+        raise SystemExit(f"{task}: dense is best at lr {lr}; run `select --task {task} --lrs {lr}`")
+    for name in dict.fromkeys(r["recipe_name"] for r in at_lr):
+        runs = [r for r in at_lr if r["recipe_name"] == name]
         gaps = [gap(task, r["val"], dense[lr]) for r in runs]
         total = sum(r["total_bytes_sent"] for r in runs)
         table.append(
@@ -246,6 +253,12 @@ def main() -> None:
     s.add_argument("--task", choices=list(GRID), required=True)
     s.add_argument("--lrs", type=float, nargs="+", default=None, help="a part of the grid's learning rates")
     s.add_argument("--world", type=int, default=4)
+    s.add_argument(
+        "--dense-only",
+        action="store_true",
+        help="only dense at each learning rate: the learning rate is chosen on dense alone, so the "
+        "compressed runs matter only at the chosen one",
+    )
     t = sub.add_parser("test", help="the chosen recipe on the test split, one seed")
     t.add_argument("--task", choices=list(GRID), required=True)
     t.add_argument("--seed", type=int, required=True)
