@@ -92,7 +92,7 @@ def _fp16_run(backend: CommunicationBackend, strategy: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(strategy: str) -> None:
     r0, r1 = run_world(2, _fp16_run, strategy, timeout=120)
     for r in (r0, r1):

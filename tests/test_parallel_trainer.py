@@ -87,3 +87,15 @@ def test_dtlab_train_on_a_cube_resumes_at_another_mesh_and_consolidates(tmp_path
     assert main(["consolidate", str(step2), "-o", str(out)]) == 0
     net = TransformerLM(d_model=32, n_layers=4, n_heads=2, seq_len=32)
     net.load_state_dict(load_file(str(out)))  # strict: every tensor of the plain model, whole
+
+
+def test_mixed_precision_on_a_mesh_trains_and_evaluates() -> None:
+    """bf16 and fp16 autocast on 2 x 2 (tp x pp): the logits that cross the pipeline for evaluation
+    and every activation between stages travel in the boundary's dtype on both sides; the losses stay
+    close to fp32's."""
+    mesh = ["backend.world_size=4", "parallel.tp=2", "parallel.pp=2"]
+    ref, ref_eval, _ = _run(*mesh)
+    for precision in ("bf16", "fp16"):
+        losses, eval_loss, _ = _run(*mesh, f"train.precision={precision}")
+        assert losses == pytest.approx(ref, rel=2e-2), precision
+        assert eval_loss == pytest.approx(ref_eval, rel=2e-2), precision

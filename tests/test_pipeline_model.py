@@ -375,3 +375,22 @@ def test_custom_functions_defer_their_weight_gradient() -> None:
                 torch.testing.assert_close(g, plain.get_parameter(name).grad, rtol=1e-6, atol=1e-7)
         # zero-bubble: the last stage (rank 1) runs I0 I1 then both W; 1F1B runs each at once
         assert results[1]["log"] == ("IWIW" if schedule == "1f1b" else "IIWW"), (schedule, results[1]["log"])
+
+
+def _autocast_stages(backend: Any) -> tuple[float, torch.Tensor]:
+    """Stages that end in a Linear: under bf16 autocast each sends a bf16 output, the spec is float32."""
+    net = nn.Sequential(*(nn.Linear(6, 6) for _ in range(4)))
+    model = PipelineParallelModel(net, Mesh(backend, {"pp": 2}), "1f1b", micro_batches=2)
+    xs, ys = mlp_data(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.train_step((xs[0], ys[0]), lambda out, y: F.mse_loss(out.float(), y))
+        model.eval()
+        with torch.no_grad():
+            out = model(xs[0])
+    return float(loss), out
+
+
+def test_autocast_outputs_cross_stages_in_the_spec_dtype() -> None:
+    (l0, o0), (l1, o1) = run_world(2, _autocast_stages, timeout=60)
+    assert l0 == l1 and torch.isfinite(torch.tensor(l0))
+    assert o0.dtype == torch.float32 and torch.equal(o0, o1)

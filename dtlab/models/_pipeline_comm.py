@@ -8,6 +8,10 @@ checked that every receive gets its send, so waiting then cannot hang). Receive 
 from the stage boundary's :class:`TensorSpec`, the same on every rank. Each message has its own tag
 (direction, stage, micro-batch), and messages between two ranks are posted in the same order on both
 sides (checked by the dry run), which is what NCCL's order matching needs.
+
+Every message travels in its boundary's spec dtype (the meta forward's, outside autocast): under
+bf16/fp16 autocast a stage may end in a low-precision op on one rank while its peer allocated the
+spec's buffer, so the sender casts (a no-op when they agree).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dtlab.backends.base import CommunicationBackend, P2POp, Work
 from dtlab.models._pipeline_schedules import Action, Kind, PipelineSchedule
 from dtlab.models._pipeline_split import TensorSpec
 
-__all__ = ["StageLinks"]
+__all__ = ["StageLinks", "infer_through_stages"]
 
 _TAG_LIMIT = 1 << 15  # MPI guarantees tags up to 32767
 
@@ -64,9 +68,9 @@ class StageLinks:
         for a in self._pending:
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
                 peer_stage = a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1
-                ops.append(
-                    P2POp.send(outgoing(a).contiguous(), self.schedule.rank_of(peer_stage), self._tag(a))
-                )
+                spec = self.specs[a.stage] if a.kind is Kind.SEND_F else self.specs[a.stage - 1]
+                out = outgoing(a).to(spec.dtype).contiguous()
+                ops.append(P2POp.send(out, self.schedule.rank_of(peer_stage), self._tag(a)))
             else:
                 spec = self.specs[a.stage - 1] if a.kind is Kind.RECV_F else self.specs[a.stage]
                 peer_stage = a.stage - 1 if a.kind is Kind.RECV_F else a.stage + 1
@@ -96,3 +100,42 @@ class StageLinks:
         self._sends = []
         if self._recvs:  # unreachable after a dry-run schedule; say so rather than leave them dangling
             raise RuntimeError(f"pipeline step ended with receives never used: {sorted(self._recvs)}")
+
+
+def infer_through_stages(
+    x: torch.Tensor,
+    run_stage: Callable[[torch.Tensor, int], torch.Tensor],
+    specs: Sequence[TensorSpec],
+    schedule: PipelineSchedule,
+    pp: CommunicationBackend,
+) -> torch.Tensor:
+    """Inference through every stage without autograd: this rank runs its stages (``run_stage(h,
+    s)``), activations go to the next stage's rank, and the last stage's output reaches every pp rank.
+    Messages are cast to their spec dtype, so autocast on either side cannot mismatch them."""
+    n = len(specs)
+    out: torch.Tensor | None = None
+    with torch.no_grad():
+        h = x
+        for s in range(n):
+            owner = schedule.rank_of(s)
+            if owner != pp.rank:
+                continue
+            if s > 0 and schedule.rank_of(s - 1) != owner:
+                h = torch.empty(specs[s - 1].shape, dtype=specs[s - 1].dtype, device=pp.device)
+                pp.recv(h, schedule.rank_of(s - 1), tag=s)
+            h = run_stage(h, s)
+            if s + 1 < n and schedule.rank_of(s + 1) != owner:
+                pp.send(h.to(specs[s].dtype).contiguous(), schedule.rank_of(s + 1), tag=s + 1)
+            if s + 1 == n:
+                out = h.to(specs[s].dtype)
+        final = specs[-1]
+        src = schedule.rank_of(n - 1)
+        if pp.rank == src:
+            if out is None:
+                raise RuntimeError(f"pipeline rank {src} ran no last stage")  # unreachable
+            result = out.contiguous()
+        else:
+            result = torch.empty(final.shape, dtype=final.dtype, device=pp.device)
+        if pp.world_size > 1:
+            pp.broadcast(result, src)
+    return result

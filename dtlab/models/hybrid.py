@@ -39,7 +39,7 @@ from dtlab.models._hybrid_comm import broadcast_over_pp, gather_over_tp, sum_ove
 from dtlab.models._hybrid_state import load_placed_state, placements_of, write_placed_state
 from dtlab.models._hybrid_sync import grad_pieces, sync_buckets, sync_units
 from dtlab.models._hybrid_tree import StageRoot
-from dtlab.models._pipeline_comm import StageLinks
+from dtlab.models._pipeline_comm import StageLinks, infer_through_stages
 from dtlab.models._pipeline_runtime import StepResult, run_schedule
 from dtlab.models._pipeline_schedules import PipelineSchedule, build_schedule, check_schedule_args
 from dtlab.models._pipeline_split import Stage, TensorSpec, module_blocks, split_blocks
@@ -246,25 +246,7 @@ class HybridShardedModel(DataParallelModel):
                 "forward() is inference only: call model.eval() or run it under torch.no_grad()"
             )
         (x,) = args
-        specs = self._specs_for(x)
-        pp, plan = self.pp_group, self.schedule
-        out: torch.Tensor | None = None
-        with torch.no_grad():
-            h = x
-            for s in range(len(self._stages)):
-                owner = plan.rank_of(s)
-                if owner != pp.rank:
-                    continue
-                if s > 0 and plan.rank_of(s - 1) != owner:
-                    h = torch.empty(specs[s - 1].shape, dtype=specs[s - 1].dtype, device=pp.device)
-                    pp.recv(h, plan.rank_of(s - 1), tag=s)
-                h = self._stage_forward(h, s)
-                if s + 1 < len(self._stages) and plan.rank_of(s + 1) != owner:
-                    pp.send(h.contiguous(), plan.rank_of(s + 1), tag=s + 1)
-                if s + 1 == len(self._stages):
-                    out = h
-            final = specs[-1]
-            return broadcast_over_pp(out, final.shape, final.dtype, plan.rank_of(len(self._stages) - 1), pp)
+        return infer_through_stages(x, self._stage_forward, self._specs_for(x), self.schedule, self.pp_group)
 
     def _specs_for(self, sample: torch.Tensor) -> list[TensorSpec]:
         """Each stage's output shape for micro-batches like ``sample``: a forward on the meta device

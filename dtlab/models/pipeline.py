@@ -23,7 +23,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh
 from dtlab.core.reducer import DenseReducer
 from dtlab.errors import StrategyError
-from dtlab.models._pipeline_comm import StageLinks
+from dtlab.models._pipeline_comm import StageLinks, infer_through_stages
 from dtlab.models._pipeline_plot import plot_schedule
 from dtlab.models._pipeline_runtime import StepResult, run_schedule
 from dtlab.models._pipeline_schedules import (
@@ -179,30 +179,10 @@ class PipelineParallelModel(ZeRO1Model):
                 "pipeline schedule; forward() is inference only: call model.eval() or run it under "
                 "torch.no_grad()"
             )
-        specs = self._specs_for(x)
-        pp, plan = self.pp_group, self.schedule
-        out: torch.Tensor | None = None
-        with torch.no_grad():
-            h = x
-            for s, stage in enumerate(self._stages):
-                owner = plan.rank_of(s)
-                if owner != pp.rank:
-                    continue
-                if s > 0 and plan.rank_of(s - 1) != owner:
-                    h = torch.empty(specs[s - 1].shape, dtype=specs[s - 1].dtype, device=pp.device)
-                    pp.recv(h, plan.rank_of(s - 1), tag=s)
-                h = stage(h)
-                if s + 1 < len(self._stages) and plan.rank_of(s + 1) != owner:
-                    pp.send(h.contiguous(), plan.rank_of(s + 1), tag=s + 1)
-                if s + 1 == len(self._stages):
-                    out = h
-            final = specs[-1]
-            if out is None:
-                out = torch.empty(final.shape, dtype=final.dtype, device=pp.device)
-            if pp.world_size > 1:
-                out = out.contiguous()
-                pp.broadcast(out, plan.rank_of(len(self._stages) - 1))
-        return out
+        stages = self._stages
+        return infer_through_stages(
+            x, lambda h, s: stages[s](h), self._specs_for(x), self.schedule, self.pp_group
+        )
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
