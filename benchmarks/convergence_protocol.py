@@ -193,6 +193,7 @@ def row(
             if task == "digits"
             else gap(task, r["final"], dense["final"])
         )
+        diff = round(diff, 2) + 0.0  # no "-0.00"
         diffs.append(diff)
         cells.append(fmt(task, r["final"]) + ("" if alg == "dense" else f" ({diff:+.2f}{unit})"))
     finite = [x for x in diffs if x is not None]

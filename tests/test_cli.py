@@ -45,7 +45,7 @@ def _launch(tmp: Path, launcher: str) -> list[float]:
     exe = BIN / launcher
     sets = [*SETS, f"logging.run_dir={tmp / launcher}", f"checkpoint.dir={tmp / launcher / 'ck'}"]
     if launcher == "torchrun":
-        cmd = [str(exe), "--nproc-per-node", "2", "-m", "dtlab", "train"]
+        cmd = [str(exe), "--standalone", "--nproc-per-node", "2", "-m", "dtlab", "train"]
     else:
         cmd = [str(exe), "-n", "2", sys.executable, "-m", "dtlab", "train"]
         sets.append("backend.name=mpi")

@@ -260,7 +260,7 @@ def test_conformance_on_nccl() -> None:  # pragma: no cover - needs a GPU
     n = max(1, min(torch.cuda.device_count(), 4))
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     proc = subprocess.run(
-        [torchrun, f"--nproc-per-node={n}", "--no-python", sys.executable, "-c", script],
+        [torchrun, "--standalone", f"--nproc-per-node={n}", "--no-python", sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=300,

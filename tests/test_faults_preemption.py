@@ -106,7 +106,7 @@ def _sigterm_mid_run(tmp: Path, launcher: str) -> tuple[int, str, int]:
     sets = [*SETS, "train.steps=1000", f"logging.run_dir={run}", f"checkpoint.dir={ck}"]
     train = ["-m", "dtlab", "train"]
     if launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", *train]
+        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", *train]
     elif launcher == "mpiexec":
         cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, *train]
         sets.append("backend.name=mpi")

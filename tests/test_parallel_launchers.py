@@ -44,7 +44,7 @@ LAUNCHER = {"tp2 x pp2": "mpiexec", "dp2 x tp2": "torchrun", "dp2 x pp2": "torch
 
 def _launch(launcher: str, sets: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
     if launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc-per-node", "4", "-m", "dtlab", "train"]
+        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", "-m", "dtlab", "train"]
     else:
         cmd = [str(BIN / "mpiexec"), "-n", "4", sys.executable, "-m", "dtlab", "train"]
         sets = [*sets, "backend.name=mpi"]
