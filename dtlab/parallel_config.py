@@ -59,6 +59,12 @@ def check_parallel(config: TrainConfig) -> None:
             f"{par.pp}: an elastic world changes size, which a fixed mesh cannot follow; set "
             "elastic.commit_every=0 or train data-parallel only"
         )
+    if config.strategy.activation_checkpointing and par.pp > 1 and par.schedule == "zero_bubble":
+        raise ConfigError(
+            "strategy.activation_checkpointing=true with parallel.schedule='zero_bubble': zero-bubble "
+            "defers the weight gradients of the forward it recorded, which a checkpointed stage "
+            "recomputes; use parallel.schedule=1f1b (or gpipe, interleaved_1f1b) with checkpointing"
+        )
     _check_tensor(config)
     _check_pipeline(config)
 

@@ -103,6 +103,7 @@ def pipeline_rank(
     stages_per_rank: int = 1,
     zero1: bool = False,
     clip: float | None = None,
+    checkpointing: bool = False,
 ) -> dict[str, Any]:
     """Train ``STEPS`` steps on this rank's dp share (``backend``: a backend, or a mesh to reuse);
     losses averaged over dp, the full state, the memory report and the pp group's send/recv counters
@@ -110,7 +111,12 @@ def pipeline_rank(
     make, data, loss_fn = MODELS[kind]
     mesh = backend if isinstance(backend, Mesh) else Mesh(backend, mesh_shape)
     model = PipelineParallelModel(
-        make(), mesh, schedule, micro_batches=micro_batches, stages_per_rank=stages_per_rank
+        make(),
+        mesh,
+        schedule,
+        micro_batches=micro_batches,
+        stages_per_rank=stages_per_rank,
+        activation_checkpointing=checkpointing,
     )
     torch_cls, kwargs = optimizer_args(opt, kind)
     optimizer = (ZeRO1Optimizer if zero1 else DDPOptimizer)(model, torch_cls, **kwargs)

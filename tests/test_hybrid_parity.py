@@ -58,6 +58,9 @@ CASES: list[tuple[dict[str, int], str, dict[str, Any]]] = [
     (CUBE, "fsdp", {"schedule": "zero_bubble", "micro_batches": 2}),
     ({"dp": 2, "tp": 2}, "fsdp", {}),  # no pipeline: the strategy's own reduction during backward
     ({"pp": 4, "tp": 2}, "zero3", {"micro_batches": 4}),
+    # each stage checkpointed: recomputed in its backward, under sharded and whole parameters
+    (CUBE, "fsdp", {"micro_batches": 2, "activation_checkpointing": True}),
+    (CUBE, "ddp", {"schedule": "gpipe", "micro_batches": 2, "activation_checkpointing": True}),
 ]
 
 

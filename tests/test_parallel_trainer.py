@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from dtlab.cli import main
 from dtlab.config import load_config
+from dtlab.errors import ConfigError
 from dtlab.testing import TINY_LM
 from dtlab.trainers import run_training
 from dtlab.trainers.models import TransformerLM
@@ -99,3 +100,24 @@ def test_mixed_precision_on_a_mesh_trains_and_evaluates() -> None:
         losses, eval_loss, _ = _run(*mesh, f"train.precision={precision}")
         assert losses == pytest.approx(ref, rel=2e-2), precision
         assert eval_loss == pytest.approx(ref_eval, rel=2e-2), precision
+
+
+def test_activation_checkpointing_on_a_mesh_trains_like_without() -> None:
+    """Per pipeline stage (pp) and per block with its collectives recomputed (tp): the same losses."""
+    for mesh in (
+        ["parallel.pp=2", "parallel.micro_batches=4"],
+        ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    ):
+        ref, ref_eval, _ = _run("backend.world_size=4", *mesh)
+        losses, eval_loss, _ = _run("backend.world_size=4", *mesh, "strategy.activation_checkpointing=true")
+        assert losses == pytest.approx(ref, rel=1e-5), mesh
+        assert eval_loss == pytest.approx(ref_eval, rel=1e-5), mesh
+    with pytest.raises(ConfigError, match=r"parallel\.schedule='zero_bubble'"):
+        load_config(
+            overrides=[
+                *TINY,
+                "parallel.pp=2",
+                "parallel.schedule=zero_bubble",
+                "strategy.activation_checkpointing=true",
+            ]
+        )

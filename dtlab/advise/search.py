@@ -27,11 +27,11 @@ _OPTIMIZER_OF = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zer
 def runnable(c: Candidate) -> bool:
     """Whether dtlab has a model strategy for the plan today, from the pairing table: the
     data-parallel strategies alone, ``tensor`` for tp x dp, ``pipeline`` for pp x dp, ``hybrid`` for
-    any mesh. Activation checkpointing (per block) runs under the data-parallel strategies alone, not
-    on a mesh of tp or pp above 1."""
+    any mesh. Activation checkpointing as planned here (per block) is what dtlab does without a
+    pipeline; with one dtlab checkpoints whole stages, which this model does not predict."""
     if c.tp == 1 and c.pp == 1:
         return c.strategy in pairs.PAIRINGS
-    if c.checkpointing:
+    if c.checkpointing and c.pp > 1:
         return False
     wanted = _OPTIMIZER_OF[c.strategy]
     models = ["hybrid"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from dtlab.errors import StrategyError
 from dtlab.models._pipeline_comm import StageLinks
@@ -28,7 +29,7 @@ from dtlab.models._pipeline_schedules import Action, Kind, PipelineSchedule
 from dtlab.models._pipeline_split import Stage
 from dtlab.models._pipeline_zb import SplitLinearMode, WeightGradients
 
-__all__ = ["ActivationMeter", "StepResult", "run_schedule"]
+__all__ = ["ActivationMeter", "StepResult", "check_stage_checkpointing", "run_schedule"]
 
 Key = tuple[int, int]  # (stage, micro-batch)
 
@@ -105,8 +106,11 @@ def run_schedule(
     targets: Sequence[torch.Tensor],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     excluded_storages: set[int],
+    checkpointing: bool = False,
 ) -> StepResult:
-    """Execute ``schedule.actions[rank]`` with this rank's ``stages`` on the micro-batches."""
+    """Execute ``schedule.actions[rank]`` with this rank's ``stages`` on the micro-batches. With
+    ``checkpointing`` each stage's forward keeps only its input and recomputes the rest in its
+    backward (``torch.utils.checkpoint``, non-reentrant)."""
     m, last = schedule.m, schedule.num_stages - 1
     meter = ActivationMeter(excluded_storages)
     xs: dict[Key, torch.Tensor] = {}  # stage inputs, until their backward
@@ -137,7 +141,10 @@ def run_schedule(
             t0 = perf_counter()
             store = deferred.setdefault(key, WeightGradients()) if _splits(schedule) else None
             with meter.saving(key), SplitLinearMode(store) if store is not None else contextlib.nullcontext():
-                y = stages[a.stage](x)
+                if checkpointing:
+                    y = checkpoint(stages[a.stage], x, use_reentrant=False)
+                else:
+                    y = stages[a.stage](x)
                 if a.stage == last:
                     loss = loss_fn(y, targets[a.micro])
                     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
@@ -198,3 +205,15 @@ def _stage_input(
     else:
         x = ys[(a.stage - 1, a.micro)].detach()
     return x.requires_grad_(x.is_floating_point())
+
+
+def check_stage_checkpointing(enabled: bool, schedule: str, owner: str) -> None:
+    """Zero-bubble splits each backward into input- and weight-gradient parts through its own
+    autograd functions, which a recomputed forward would not reproduce: refused, naming the fix."""
+    if enabled and schedule == "zero_bubble":
+        raise StrategyError(
+            f"{owner}(activation_checkpointing=True, schedule='zero_bubble'): zero-bubble defers the "
+            "weight gradients of the forward it recorded, which a checkpointed stage recomputes "
+            "differently; use gpipe, 1f1b or interleaved_1f1b with checkpointing, or zero_bubble "
+            "without it"
+        )

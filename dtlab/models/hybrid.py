@@ -40,7 +40,7 @@ from dtlab.models._hybrid_state import load_placed_state, placements_of, write_p
 from dtlab.models._hybrid_sync import grad_pieces, sync_buckets, sync_units
 from dtlab.models._hybrid_tree import StageRoot
 from dtlab.models._pipeline_comm import StageLinks, infer_through_stages
-from dtlab.models._pipeline_runtime import StepResult, run_schedule
+from dtlab.models._pipeline_runtime import StepResult, check_stage_checkpointing, run_schedule
 from dtlab.models._pipeline_schedules import PipelineSchedule, build_schedule, check_schedule_args
 from dtlab.models._pipeline_split import Stage, TensorSpec, module_blocks, split_blocks
 from dtlab.models._sharded import ShardedModel
@@ -146,11 +146,21 @@ class HybridShardedModel(DataParallelModel):
         micro_batches: int | None = None,
         split_points: Sequence[str] | None = None,
         stages_per_rank: int = 1,
+        activation_checkpointing: bool = False,
         **kwargs: Any,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"HybridShardedModel wraps a torch.nn.Module, got {type(module).__name__}")
         _check_mesh(mesh)
+        if mesh.size("pp") > 1:
+            check_stage_checkpointing(activation_checkpointing, schedule, "HybridShardedModel")
+        elif activation_checkpointing:
+            raise StrategyError(
+                "HybridShardedModel(activation_checkpointing=True) checkpoints pipeline stages; without a "
+                "pp axis checkpoint blocks instead: dtlab.models.checkpointing.checkpoint_modules(module, "
+                "(YourBlock,)) before wrapping"
+            )
+        self.activation_checkpointing = activation_checkpointing
         tp, pp = mesh["tp"], mesh["pp"]
         partial: list[nn.Parameter] = []
         if tensor_plan is not None:  # 1. tensor-parallel layers (every stage's, before the split)
@@ -310,7 +320,15 @@ class HybridShardedModel(DataParallelModel):
         try:
             with self.no_sync():
                 result = run_schedule(
-                    plan, pp.rank, cast(Any, calls), links, micro_in, micro_tg, loss_fn, excluded
+                    plan,
+                    pp.rank,
+                    cast(Any, calls),
+                    links,
+                    micro_in,
+                    micro_tg,
+                    loss_fn,
+                    excluded,
+                    checkpointing=self.activation_checkpointing,
                 )
             self._last = result
             if sync:

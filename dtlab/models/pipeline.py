@@ -25,7 +25,7 @@ from dtlab.core.reducer import DenseReducer
 from dtlab.errors import StrategyError
 from dtlab.models._pipeline_comm import StageLinks, infer_through_stages
 from dtlab.models._pipeline_plot import plot_schedule
-from dtlab.models._pipeline_runtime import StepResult, run_schedule
+from dtlab.models._pipeline_runtime import StepResult, check_stage_checkpointing, run_schedule
 from dtlab.models._pipeline_schedules import (
     SCHEDULES,
     Action,
@@ -106,10 +106,13 @@ class PipelineParallelModel(ZeRO1Model):
         stages_per_rank: int = 1,
         *,
         gradient_sync: GradientSync | None = None,
+        activation_checkpointing: bool = False,
         **kwargs: Any,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"PipelineParallelModel wraps a torch.nn.Module, got {type(module).__name__}")
+        check_stage_checkpointing(activation_checkpointing, schedule, "PipelineParallelModel")
+        self.activation_checkpointing = activation_checkpointing
         if isinstance(mesh, CommunicationBackend):  # a plain group: every rank one pipeline stage
             mesh = Mesh(mesh, {"pp": mesh.world_size})
         _check_mesh(mesh)
@@ -217,6 +220,7 @@ class PipelineParallelModel(ZeRO1Model):
                 micro_tg,
                 loss_fn,
                 {t.untyped_storage().data_ptr() for t in [*self.module.parameters(), inputs, targets]},
+                checkpointing=self.activation_checkpointing,
             )
         self._last = result
         self._synchronize()

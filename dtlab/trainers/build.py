@@ -55,12 +55,7 @@ def build_model_strategy(
     with seeded_init(config.train.seed):  # the same initial model on every rank and in every run
         module = task.build_model().to(backend.device)
     n_params = sum(p.numel() for p in module.parameters())
-    if needs_mesh(config):
-        if config.strategy.activation_checkpointing:
-            raise ConfigError(
-                f"strategy.activation_checkpointing=true is not supported with strategy.model="
-                f"{config.strategy.model!r} yet (tested with DDP, ZeRO-1/2/3 and FSDP); turn it off"
-            )
+    if needs_mesh(config):  # activation checkpointing: per pipeline stage, or per block under tp
         dp_name = data_parallel_choice(config)
         return build_parallel_model(
             config, backend, module, data_parallel_kwargs(config, dp_name, task)

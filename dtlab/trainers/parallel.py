@@ -65,6 +65,13 @@ def build_parallel_model(
         "split_points": par.split_points,
         "stages_per_rank": par.stages_per_rank,
     }
+    if s.activation_checkpointing and par.pp > 1:
+        pipeline["activation_checkpointing"] = True  # per stage: its input kept, its forward recomputed
+    elif s.activation_checkpointing:  # tensor parallel: per block, its collectives run again in backward
+        from dtlab.models.checkpointing import checkpoint_modules
+        from dtlab.trainers.models import Block
+
+        checkpoint_modules(module, (Block,))
     if s.model == "tensor":
         return TensorParallelModel(module, mesh, plan=plan, gradient_sync=sync, bucket_cap_mb=s.bucket_cap_mb)
     if s.model == "pipeline":
