@@ -199,7 +199,7 @@ def row(
     finite = [x for x in diffs if x is not None]
     mean = worst = ""
     if alg != "dense" and finite:
-        mean = f"{sum(finite) / len(finite):+.2f}{unit}"
+        mean = f"{round(sum(finite) / len(finite), 2) + 0.0:+.2f}{unit}"
         worst = f"{(max if task == 'lm' else min)(finite):+.2f}{unit}"
     if None in diffs:
         worst = "diverged"
