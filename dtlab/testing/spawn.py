@@ -136,7 +136,12 @@ def _spawn_once(world_size: int, spec: dict[str, Any], may_die: set[int]) -> lis
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-c", _WORKER, str(job)],
-                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        env={
+                            **env,
+                            "RANK": str(r),
+                            "LOCAL_RANK": str(r),
+                            "DTLAB_SPAWN_PARENT": str(os.getpid()),
+                        },
                         stdout=log,
                         stderr=subprocess.STDOUT,
                     )
@@ -293,6 +298,23 @@ def _write(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _die_with_parent() -> None:
+    """Linux: this rank is killed when the process that started it ends (spawn_world's process for
+    gloo, MPI's proxy for mpi), so a benchmark or test killed by a signal leaves no rank behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    expected = os.environ.get("DTLAB_SPAWN_PARENT")
+    if expected is not None and os.getppid() != int(expected):  # the parent ended before prctl
+        os._exit(1)
+
+
 def _worker_main() -> None:
     """Body of one spawned rank (``python -c _WORKER <job dir>``)."""
     import faulthandler
@@ -303,6 +325,7 @@ def _worker_main() -> None:
 
     faulthandler.enable()  # a crash in an engine leaves its stack in the rank's log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # spawn_world's timeout asks for stacks
+    _die_with_parent()
     torch.set_num_threads(1)
     job = Path(sys.argv[1])
     spec = _read(job / "job.pkl")
