@@ -42,7 +42,7 @@ MESHES = {
 LAUNCHER = {"tp2 x pp2": "mpiexec", "dp2 x tp2": "torchrun", "dp2 x pp2": "torchrun"}
 
 
-def _launch(launcher: str, sets: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _launch(launcher: str, sets: list[str], timeout: float = 420) -> subprocess.CompletedProcess[str]:
     if launcher == "torchrun":
         cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", "-m", "dtlab", "train"]
     else:
