@@ -21,6 +21,9 @@ The sequence is dim ``-2`` (``(batch, seq, hidden)`` activations, ``(seq, hidden
 
 Tensors on the ``meta`` device carry no data: the collectives then only compute the output's shape
 (how a pipeline finds the shapes between tensor-parallel stages before any rank computes).
+
+:func:`gather_over_tp` (no autograd) puts a whole tensor together from every tp rank's shard, for
+``full_state_dict``.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from typing import Any
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.core.placement import Shard
 from dtlab.errors import StrategyError
 
 __all__ = [
     "copy_to_tp",
     "gather_from_sequence",
     "gather_from_tp",
+    "gather_over_tp",
     "reduce_from_tp",
     "reduce_scatter_to_seq",
     "scatter_to_sequence",
@@ -210,3 +215,20 @@ def reduce_scatter_to_seq(x: torch.Tensor, group: CommunicationBackend) -> torch
 def scatter_to_sequence(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """This rank's chunk of the sequence forward (of a replicated tensor); backward all-gathers."""
     return x if group.world_size == 1 else _ScatterToSequence.apply(x, group)  # type: ignore[no-untyped-call]
+
+
+def gather_over_tp(local: torch.Tensor, placement: Shard, tp: CommunicationBackend) -> torch.Tensor:
+    """The whole tensor from every tp rank's shard ``local`` (collective over ``tp``)."""
+    local = local.detach().contiguous()
+    if tp.world_size == 1:
+        return local.clone()
+    gathered = torch.empty((tp.world_size, *local.shape), dtype=local.dtype, device=local.device)
+    tp.all_gather(gathered.view(-1), local.view(-1))
+    full_shape = list(local.shape)
+    full_shape[placement.dim] *= tp.world_size
+    full = torch.empty(full_shape, dtype=local.dtype, device=local.device)
+    for c in range(tp.world_size):
+        parts = gathered[c].chunk(placement.sections, dim=placement.dim)
+        for box, part in zip(placement.boxes(full_shape, c, tp.world_size), parts, strict=True):
+            full[box.slices()] = part
+    return full

@@ -35,7 +35,7 @@ from dtlab.core.placement import Placement, Shard, counts_in_norm, placement_of
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models._common import DataParallelModel
-from dtlab.models._hybrid_comm import broadcast_over_pp, gather_over_tp, sum_over_tp
+from dtlab.models._hybrid_comm import broadcast_over_pp, sum_over_tp
 from dtlab.models._hybrid_state import load_placed_state, placements_of, write_placed_state
 from dtlab.models._hybrid_sync import grad_pieces, sync_buckets, sync_units
 from dtlab.models._hybrid_tree import StageRoot
@@ -44,6 +44,7 @@ from dtlab.models._pipeline_runtime import StepResult, check_stage_checkpointing
 from dtlab.models._pipeline_schedules import PipelineSchedule, build_schedule, check_schedule_args
 from dtlab.models._pipeline_split import Stage, TensorSpec, module_blocks, split_blocks
 from dtlab.models._sharded import ShardedModel
+from dtlab.models._tensor_comm import gather_over_tp
 from dtlab.models._tensor_layers import vocab_parallel_cross_entropy
 from dtlab.models._tensor_plan import Plan, apply_plan, resolve_plan
 from dtlab.models.ddp import DDPModel

@@ -30,6 +30,7 @@ from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, W
 from dtlab.core.placement import Placement, Replicate, Shard, counts_in_norm, placement_of
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
+from dtlab.models._tensor_comm import gather_over_tp
 from dtlab.models._tensor_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -239,17 +240,7 @@ class TensorParallelModel(ZeRO1Model):
             if not isinstance(placement, Shard) or tp.world_size == 1:
                 out[key] = t.detach().clone()
                 continue
-            local = t.detach().contiguous()
-            gathered = torch.empty((tp.world_size, *local.shape), dtype=local.dtype, device=local.device)
-            tp.all_gather(gathered.view(-1), local.view(-1))
-            full_shape = list(local.shape)
-            full_shape[placement.dim] *= tp.world_size
-            full = torch.empty(full_shape, dtype=local.dtype, device=local.device)
-            for c in range(tp.world_size):
-                parts = gathered[c].chunk(placement.sections, dim=placement.dim)
-                for box, part in zip(placement.boxes(full_shape, c, tp.world_size), parts, strict=True):
-                    full[box.slices()] = part
-            out[key] = full
+            out[key] = gather_over_tp(t, placement, tp)
         return out
 
     def sharded_state_dict(self) -> ShardedState:
