@@ -23,6 +23,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh
 from dtlab.core.reducer import DenseReducer
 from dtlab.errors import StrategyError
+from dtlab.models._hybrid_sync import sync_buckets
 from dtlab.models._pipeline_comm import StageLinks, infer_through_stages
 from dtlab.models._pipeline_plot import plot_schedule
 from dtlab.models._pipeline_runtime import StepResult, check_stage_checkpointing, run_schedule
@@ -240,15 +241,7 @@ class PipelineParallelModel(ZeRO1Model):
             self._grad_state = "averaged" if self.gradient_sync == "reduce_scatter" else self._grad_state
             self._grads_synced = True
             return
-        self._reducer.start_step()
-        for i, unit in enumerate(self._units):
-            for q in unit.params:
-                self._store_grad(i, q)
-        works = [(i, *self._launch(i)) for i in range(len(self._units))]
-        for i, work, extra in works:
-            work.wait()
-            self._complete(i, extra)
-        self._grads_synced = True
+        sync_buckets(self)
 
     def last_timeline(self) -> list[tuple[Action, float, float]]:
         """This rank's measured compute intervals of the last step (``perf_counter`` seconds)."""
