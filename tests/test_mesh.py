@@ -140,3 +140,14 @@ def test_groups_of_groups_and_counters_feed_the_world() -> None:
 
     for r, (calls, sent, first) in enumerate(run_world(4, body, timeout=30)):
         assert (calls, sent, first) == (2, 2 * 32, r % 2)
+
+
+def test_sizes_is_a_deprecated_spelling_of_shape() -> None:
+    def body(b: CommunicationBackend) -> tuple[dict[str, int], dict[str, int]]:
+        mesh = Mesh(b, {"dp": -1, "tp": 1})
+        with pytest.warns(DeprecationWarning, match=r"Mesh\.shape"):  # one rank: warnings are per process
+            sizes = mesh.sizes
+        return sizes, mesh.shape
+
+    for sizes, shape in run_world(1, body, timeout=30):
+        assert sizes == shape == {"dp": 1, "tp": 1}

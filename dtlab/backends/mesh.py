@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 from dtlab.backends.base import CommunicationBackend
@@ -130,7 +131,8 @@ class Mesh:
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Same as :attr:`shape`."""
+        """Deprecated spelling of :attr:`shape`."""
+        warnings.warn("Mesh.sizes is deprecated: use Mesh.shape", DeprecationWarning, stacklevel=2)
         return dict(self._shape)
 
     @property

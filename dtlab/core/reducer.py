@@ -11,7 +11,7 @@ stateful reducer (error feedback, Ok-Topk thresholds) can keep per-buffer state.
 
 This module lives in the neutral layer :mod:`dtlab.core` (below both models and compression) so the
 model strategies and the compressed reducer both import it downwards; see docs/architecture.md,
-section "The reducer seam". ``dtlab.models.reducer`` re-exports it for compatibility.
+section "The reducer seam".
 """
 
 from __future__ import annotations

@@ -60,10 +60,6 @@ class StageRoot(nn.Module):
         mirror_tree(self, module, keep)
         self.__dict__["_run"] = dict(stages)  # not registered: the paths above name every tensor once
 
-    @property
-    def stage_indices(self) -> list[int]:
-        return sorted(self.__dict__["_run"])
-
     def forward(self, x: torch.Tensor, stage: int) -> torch.Tensor:
         run: dict[int, Stage] = self.__dict__["_run"]
         out: torch.Tensor = run[stage](x)

@@ -76,7 +76,7 @@ def _check_mesh(mesh: Any) -> None:
     if others:
         raise StrategyError(
             f"PipelineParallelModel runs on the mesh axes 'pp' and 'dp'; axes {others} of size > 1 belong to "
-            "other strategies (HybridParallelModel composes them)"
+            "other strategies (HybridShardedModel composes them)"
         )
 
 
@@ -156,10 +156,6 @@ class PipelineParallelModel(ZeRO1Model):
     def stages(self) -> list[Stage]:
         """Every stage in order (those of other ranks hold meta tensors)."""
         return list(self._stages)
-
-    @property
-    def local_stages(self) -> list[Stage]:
-        return list(self._mine.values())
 
     def train(self, mode: bool = True) -> PipelineParallelModel:
         super().train(mode)

@@ -43,7 +43,10 @@ def _rank_main(
     scheduler_factory: SchedulerFactory | None,
     stop: StopRequest | None,
 ) -> TrainResult:
-    return Trainer(config, backend, task=task, scheduler_factory=scheduler_factory, stop=stop).fit()
+    trainer = Trainer(config, backend, task=task, scheduler_factory=scheduler_factory, stop=stop)
+    result = trainer.fit()
+    trainer.close()  # after a clean run only: closing is collective, a failed rank's peers must not wait
+    return result
 
 
 def run_training(

@@ -342,6 +342,13 @@ class Trainer:
         self.resumed_from = str(chosen.checkpoint.path)
         self.owned_steps = owned_steps(self.config, chosen.checkpoint)
 
+    def close(self) -> None:
+        """Close the process groups of the mesh a model-parallel run built (collective; the world
+        backend itself belongs to whoever made it)."""
+        mesh = getattr(self.model, "mesh", None)
+        if mesh is not None:
+            mesh.close()
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
         cfg = self.config
