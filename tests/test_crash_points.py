@@ -1,0 +1,147 @@
+"""The checkpoint commit stopped at every point of its protocol, not at random: each file-system step of
+``save_checkpoint`` (a directory made, a file written, a rename, the ``latest`` pointer replaced, a
+directory deleted) is wrapped so that the save raises right after it, or tears a file write in half.
+After each stop: ``latest``, when present, names a step directory that verifies; a strict resume takes
+the newest committed step with the values saved there (nothing committed is lost, nothing
+uncommitted is taken); and the next save succeeds and leaves no leftovers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dtlab.checkpoint.save as save_module
+from dtlab.backends.base import CommunicationBackend
+from dtlab.checkpoint import full_tensors_from_shards, read_checkpoint, save_checkpoint
+from dtlab.checkpoint.load import read_latest
+from dtlab.checkpoint.resume import find_resume_checkpoint
+from dtlab.core.state import ShardedState
+from dtlab.errors import CheckpointError
+from dtlab.testing import run_world
+
+FULL = {"w": torch.arange(10, dtype=torch.float32).reshape(2, 5), "b": torch.tensor([7.0, 8.0, 9.0])}
+
+
+class Stop(Exception):
+    """The process stops here (raised by the wrapped file-system step)."""
+
+
+class FileSystemSteps:
+    """Wraps the file-system calls ``save_checkpoint`` makes; counts them (``names``) and stops the
+    save right after step ``stop_after`` (0-based), or tears write ``stop_after`` (half its bytes)."""
+
+    def __init__(self, stop_after: int | None = None, torn: bool = False) -> None:
+        self.stop_after, self.torn = stop_after, torn
+        self.names: list[str] = []
+        self._lock = threading.Lock()
+
+    def wrap(self, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                index = len(self.names)
+                self.names.append(f"{name} {Path(args[0]).name}")
+            if index == self.stop_after and self.torn and name == "write":
+                Path(args[0]).write_bytes(args[1][: len(args[1]) // 2])
+                raise Stop(f"torn {self.names[index]}")
+            out = real(*args, **kwargs)
+            if index == self.stop_after:
+                raise Stop(f"after {self.names[index]}")
+            return out
+
+        return step
+
+    def install(self, mp: pytest.MonkeyPatch) -> None:
+        mp.setattr(save_module, "durable_write", self.wrap("write", save_module.durable_write))
+        mp.setattr(os, "rename", self.wrap("rename", os.rename))
+        mp.setattr(os, "replace", self.wrap("replace", os.replace))
+        mp.setattr(shutil, "rmtree", self.wrap("rmtree", shutil.rmtree))
+        real_mkdir = Path.mkdir
+        mp.setattr(Path, "mkdir", self.wrap("mkdir", real_mkdir))
+
+
+def _shard(rank: int, world: int, step: int) -> ShardedState:
+    tensors, entries = {}, {}
+    for k, v in FULL.items():
+        n = v.numel()
+        per = -(-n // world)
+        s, e = min(n, rank * per), min(n, (rank + 1) * per)
+        tensors[k] = v.reshape(-1)[s:e] * step
+        entries[k] = {"shape": list(v.shape), "dtype": "float32", "start": s, "end": e}
+    return ShardedState(tensors, {"strategy": "test", "world_size": world, "rank": rank, "entries": entries})
+
+
+def _save(backend: CommunicationBackend, root: Path, step: int) -> None:
+    shard = _shard(backend.rank, backend.world_size, step)
+    optim = _shard(backend.rank, backend.world_size, -step)
+    rank_state = {"marker": torch.tensor([float(step)])}
+    save_checkpoint(root, step, backend, shard, optim, rank_state, {"trainer": {"step": step}}, keep_last=2)
+
+
+def _committed(root: Path) -> int | None:
+    """The step ``latest`` names, checking that it verifies (the pointer never names less)."""
+    name = read_latest(root)
+    if name is None:
+        return None
+    try:
+        return read_checkpoint(root / name).step
+    except CheckpointError as exc:
+        raise AssertionError(f"latest names {name}, which does not verify: {exc}") from None
+
+
+def _check_resume(root: Path, step: int) -> None:
+    point = find_resume_checkpoint(root, strict=True)
+    assert point.checkpoint is not None and point.checkpoint.step == step
+    full = full_tensors_from_shards(point.checkpoint.model)
+    for k, v in FULL.items():
+        assert torch.equal(full[k], v * step), (k, step)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_save_stopped_after_any_file_system_step_loses_nothing_committed(
+    world_size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the steps of a save that replaces nothing and prunes one older step directory
+    probe = tmp_path / "probe"
+    for step in (1, 2):
+        run_world(world_size, _save, probe, step)
+    base = tmp_path / "base"  # steps 1 and 2 saved: each stopped save starts from a copy
+    shutil.copytree(probe, base, symlinks=True)
+    counted = FileSystemSteps()
+    with monkeypatch.context() as mp:
+        counted.install(mp)
+        run_world(world_size, _save, probe, 3)
+    names = counted.names
+    assert any(n.startswith("replace") for n in names) and any(n.startswith("rmtree") for n in names)
+    assert len(names) >= 8, names
+    seen_commit = set()
+    for stop_after in range(len(names)):
+        for torn in (False, True):
+            if torn and not names[stop_after].startswith("write"):
+                continue
+            root = tmp_path / f"ck{stop_after}{'t' if torn else ''}"
+            shutil.copytree(base, root, symlinks=True)
+            crash = FileSystemSteps(stop_after, torn)
+            with monkeypatch.context() as mp:
+                crash.install(mp)
+                with pytest.raises(Exception, match=r"torn|after") as info:
+                    run_world(world_size, _save, root, 3, timeout=20)
+            where = f"stopped {info.value.__cause__ or info.value} (step {stop_after} of {names})"
+            committed = _committed(root)
+            assert committed in (2, 3), where
+            seen_commit.add(committed)
+            _check_resume(root, committed)
+            # the committed step and the one before it stay readable until the next save prunes
+            assert read_checkpoint(root / "step_00000002").step == 2, where
+            # the next save takes over: it commits, and leaves nothing of the stopped one behind
+            run_world(world_size, _save, root, 4)
+            assert _committed(root) == 4, where
+            _check_resume(root, 4)
+            assert not list(root.glob(".tmp-*")), (where, sorted(p.name for p in root.iterdir()))
+    assert seen_commit == {2, 3}  # the sweep stopped both before and after the commit point
