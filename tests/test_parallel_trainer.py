@@ -121,3 +121,30 @@ def test_activation_checkpointing_on_a_mesh_trains_like_without() -> None:
                 "strategy.activation_checkpointing=true",
             ]
         )
+
+
+def test_reduce_dtype_reaches_the_tensor_and_pipeline_strategies() -> None:
+    """``strategy.reduce_dtype`` is the dp reducer's dtype under every model strategy of a mesh."""
+    import torch
+
+    from dtlab.testing import run_world
+    from dtlab.trainers.build import build_model_strategy
+    from dtlab.trainers.tasks import build_task
+
+    for model, axis in (("tensor", "parallel.tp=2"), ("pipeline", "parallel.pp=2")):
+        config = load_config(
+            overrides=[
+                *TINY,
+                "backend.world_size=4",
+                axis,
+                f"strategy.model={model}",
+                "strategy.reduce_dtype=bf16",
+            ]
+        )
+        task = build_task(config)
+
+        def body(backend: Any, config: Any = config, task: Any = task) -> Any:
+            strategy, _ = build_model_strategy(config, backend, task)
+            return strategy.gradient_reducer.reduce_dtype  # type: ignore[attr-defined]
+
+        assert run_world(4, body, timeout=60) == [torch.bfloat16] * 4, model

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
+from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 
 __all__ = ["DenseReducer", "GradientReducer"]
 
@@ -51,7 +51,8 @@ class GradientReducer(ABC):
 
 class DenseReducer(GradientReducer):
     """Uncompressed reduction; ``reduce_dtype`` (e.g. ``torch.float32`` for bf16 parameters) sets the
-    dtype gradients travel and are summed in; results are cast back to the gradient's dtype."""
+    dtype gradients travel and are summed in; results are cast back to the gradient's dtype. Over a
+    group of one rank nothing is sent (the average is the gradient itself)."""
 
     def __init__(self, backend: CommunicationBackend, reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__(backend)
@@ -61,11 +62,16 @@ class DenseReducer(GradientReducer):
         return t if self.reduce_dtype is None or t.dtype == self.reduce_dtype else t.to(self.reduce_dtype)
 
     def all_reduce(self, key: str, grad: torch.Tensor) -> Work:
+        if self.backend.world_size == 1:  # one replica: the average is the gradient itself
+            return CompletedWork()
         buf = self._cast(grad)
         work = self.backend.iall_reduce(buf, ReduceOp.SUM)
         return _Finish(work, lambda: _average_into(grad, buf, self.backend.world_size))
 
     def reduce_scatter(self, key: str, grad: torch.Tensor, shard: torch.Tensor) -> Work:
+        if self.backend.world_size == 1:
+            shard.copy_(grad.reshape(shard.shape))
+            return CompletedWork()
         buf = self._cast(grad)
         out = self._cast(torch.empty_like(shard)) if buf is not grad else shard
         work = self.backend.ireduce_scatter(out, buf, ReduceOp.SUM)

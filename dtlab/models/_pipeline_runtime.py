@@ -16,7 +16,7 @@ from the end of its forward until its backward (for zero-bubble: what its ``I`` 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -26,7 +26,6 @@ from torch.utils.checkpoint import checkpoint
 from dtlab.errors import StrategyError
 from dtlab.models._pipeline_comm import StageLinks
 from dtlab.models._pipeline_schedules import Action, Kind, PipelineSchedule
-from dtlab.models._pipeline_split import Stage
 from dtlab.models._pipeline_zb import SplitLinearMode, WeightGradients
 
 __all__ = ["ActivationMeter", "StepResult", "check_stage_checkpointing", "run_schedule"]
@@ -100,7 +99,7 @@ class StepResult:
 def run_schedule(
     schedule: PipelineSchedule,
     rank: int,
-    stages: dict[int, Stage],
+    stages: Mapping[int, Callable[[torch.Tensor], torch.Tensor]],
     links: StageLinks | None,
     inputs: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor],

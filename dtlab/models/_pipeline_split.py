@@ -23,12 +23,13 @@ from torch.func import functional_call
 from dtlab.errors import StrategyError
 
 __all__ = [
+    "Shapes",
     "Stage",
     "TensorSpec",
     "balanced_split",
-    "local_tree",
     "module_blocks",
     "split_blocks",
+    "stage_shapes",
     "stage_specs",
 ]
 
@@ -169,39 +170,24 @@ def split_blocks(
     return [Stage(i, blocks[a:b]) for i, (a, b) in enumerate(zip(starts, ends, strict=True))]
 
 
-def local_tree(module: nn.Module, keep: set[int]) -> nn.Module:
-    """Empty containers holding exactly the parameters and buffers in ``keep`` (ids) under their
-    names in ``module``: its ``state_dict()`` and ``named_parameters()`` are keyed like the module's."""
-    root = nn.Module()
-
-    def container(path: str) -> nn.Module:
-        node = root
-        for part in path.split(".") if path else []:
-            child = node._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                node.add_module(part, child)
-            node = child
-        return node
-
-    for path, mod in module.named_modules(remove_duplicate=False):
-        for name, p in mod.named_parameters(recurse=False):
-            if id(p) in keep:
-                container(path).register_parameter(name, p)
-        for name, b in mod.named_buffers(recurse=False):
-            if id(b) in keep:
-                persistent = name not in getattr(mod, "_non_persistent_buffers_set", set())
-                container(path).register_buffer(name, b, persistent=persistent)
-    return root
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def stage_specs(stages: Sequence[Stage], sample: TensorSpec) -> list[TensorSpec]:
-    """Output spec of every stage for an input like ``sample``, by a forward on the meta device."""
+def stage_shapes(stage: Stage) -> Shapes:
+    """``{name: (shape, dtype)}`` of a stage's parameters and buffers (recorded while they are whole:
+    ZeRO-3/FSDP hold only shards at rest, other ranks' stages are on the meta device)."""
+    named = list(stage.named_parameters()) + list(stage.named_buffers())
+    return {n: (tuple(t.shape), t.dtype) for n, t in named}
+
+
+def stage_specs(stages: Sequence[Stage], shapes: Sequence[Shapes], sample: TensorSpec) -> list[TensorSpec]:
+    """Output spec of every stage for an input like ``sample``, by a forward on the meta device with
+    each stage's recorded ``shapes``."""
     x = torch.empty(sample.shape, dtype=sample.dtype, device="meta")
     out: list[TensorSpec] = []
     with torch.no_grad():
-        for stage in stages:
-            state = {n: t.to("meta") for n, t in list(stage.named_parameters()) + list(stage.named_buffers())}
+        for stage, held in zip(stages, shapes, strict=True):
+            state = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in held.items()}
             try:
                 y = functional_call(stage, state, (x,))
             except Exception as exc:

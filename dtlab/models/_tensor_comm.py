@@ -23,7 +23,8 @@ Tensors on the ``meta`` device carry no data: the collectives then only compute 
 (how a pipeline finds the shapes between tensor-parallel stages before any rank computes).
 
 :func:`gather_over_tp` (no autograd) puts a whole tensor together from every tp rank's shard, for
-``full_state_dict``.
+``full_state_dict``; :func:`broadcast_module_state` gives every tp rank rank 0's values before a plan
+splits the layers.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.placement import Shard
 from dtlab.errors import StrategyError
 
 __all__ = [
+    "broadcast_module_state",
     "copy_to_tp",
     "gather_from_sequence",
     "gather_from_tp",
@@ -232,3 +235,23 @@ def gather_over_tp(local: torch.Tensor, placement: Shard, tp: CommunicationBacke
         for box, part in zip(placement.boxes(full_shape, c, tp.world_size), parts, strict=True):
             full[box.slices()] = part
     return full
+
+
+def broadcast_module_state(module: nn.Module, group: CommunicationBackend) -> None:
+    """Every parameter and buffer of ``module`` takes group rank 0's values (one message per dtype)."""
+    if group.world_size == 1:
+        return
+    seen: set[int] = set()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in module.state_dict(keep_vars=True).values():
+        if id(t) not in seen and t.numel():
+            seen.add(id(t))
+            by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            group.broadcast(flat, 0)
+            offset = 0
+            for t in tensors:
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

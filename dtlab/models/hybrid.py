@@ -1,6 +1,6 @@
-"""Hybrid (3-D) parallelism: pipeline stages, tensor-parallel layers inside each stage, then any
-data-parallel strategy over each stage's tensor-parallel shards on the mesh's ``dp`` axis (torchtitan's
-order)::
+"""The one model-parallel composition (torchtitan's order): pipeline stages over ``mesh["pp"]``,
+tensor-parallel layers inside each stage over ``mesh["tp"]``, then a data-parallel strategy over each
+stage's tensor-parallel shards on ``mesh["dp"]``::
 
     mesh = Mesh(backend, {"pp": 2, "dp": 2, "tp": 2})
     model = HybridShardedModel(TransformerLM(...), mesh, data_parallel="fsdp",
@@ -9,14 +9,17 @@ order)::
     loss = model.train_step((x, y), model.cross_entropy)        # x, y: this dp rank's share of the batch
     opt.step(); opt.zero_grad()
 
-Any axis may be 1 (or absent). ``HybridShardedModel(..., data_parallel=...)`` builds an instance of a
-subclass that composes this class with the chosen strategy's class (``DDPModel``, ``ZeRO1Model``,
-``ZeRO2Model``, ``ZeRO3Model``, ``FSDPModel``), so the optimizer strategies drive it as they drive that
-strategy, ``GradientCompressionOptimizer`` swaps its dp reducer, and every parameter keeps its placement
-(clipping, finite checks and checkpoints read them). Without a pipeline, gradients are reduced over dp
-during backward as the strategy does alone; with one, ``train_step`` runs the schedule with every
-backward inside ``no_sync()`` and reduces once at the end (ZeRO-3/FSDP: each unit gathered once per
-step and kept for all micro-batches). See docs/strategies.md, "Hybrid parallelism".
+Any axis may be 1 (or absent). :class:`~dtlab.models.TensorParallelModel` and
+:class:`~dtlab.models.PipelineParallelModel` are this composition with the other axes of size 1 (a ZeRO-1
+dp axis, whose gradient sync the optimizer chooses). ``HybridShardedModel(..., data_parallel=...)``
+builds an instance of a subclass that composes this class with the chosen strategy's class
+(``DDPModel``, ``ZeRO1Model``, ``ZeRO2Model``, ``ZeRO3Model``, ``FSDPModel``), so the optimizer
+strategies drive it as they drive that strategy, ``GradientCompressionOptimizer`` swaps its dp reducer,
+and every parameter keeps its placement (clipping, finite checks and checkpoints read them). Without a
+pipeline, gradients are reduced over dp during backward as the strategy does alone; with one,
+``train_step`` runs the schedule with every backward inside ``no_sync()`` and reduces once at the end
+(ZeRO-3/FSDP: each unit gathered once per step and kept for all micro-batches). See
+docs/strategies.md, "Hybrid parallelism".
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh
@@ -41,40 +43,50 @@ from dtlab.models._hybrid_sync import grad_pieces, sync_buckets, sync_units
 from dtlab.models._hybrid_tree import StageRoot
 from dtlab.models._pipeline_comm import StageLinks, infer_through_stages
 from dtlab.models._pipeline_runtime import StepResult, check_stage_checkpointing, run_schedule
-from dtlab.models._pipeline_schedules import PipelineSchedule, build_schedule, check_schedule_args
-from dtlab.models._pipeline_split import Stage, TensorSpec, module_blocks, split_blocks
+from dtlab.models._pipeline_schedules import Action, PipelineSchedule, build_schedule, check_schedule_args
+from dtlab.models._pipeline_split import Shapes, Stage, TensorSpec, module_blocks, split_blocks, stage_shapes
+from dtlab.models._pipeline_split import stage_specs as meta_stage_specs
 from dtlab.models._sharded import ShardedModel
-from dtlab.models._tensor_comm import gather_over_tp
+from dtlab.models._tensor_comm import broadcast_module_state, gather_over_tp
 from dtlab.models._tensor_layers import vocab_parallel_cross_entropy
 from dtlab.models._tensor_plan import Plan, apply_plan, resolve_plan
 from dtlab.models.ddp import DDPModel
 from dtlab.models.fsdp import FSDPModel
 from dtlab.models.state import new_state
-from dtlab.models.tensor import _broadcast_state
-from dtlab.models.zero1 import ZeRO1Model
+from dtlab.models.zero1 import ZeRO1Model, gradient_sync_for
 from dtlab.models.zero2 import ZeRO2Model
 from dtlab.models.zero3 import ZeRO3Model
 
-__all__ = ["DATA_PARALLEL", "HybridShardedModel"]
+__all__ = ["DATA_PARALLEL", "HybridShardedModel", "as_mesh"]
 
 #: the data-parallel strategies the dp axis can run
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 _AXES = ("pp", "dp", "tp")
 
-Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
-
-def _check_mesh(mesh: Any) -> None:
+def as_mesh(mesh: Mesh | CommunicationBackend, who: str, axis: str | None, axes: Sequence[str]) -> Mesh:
+    """The one mesh rule of the model-parallel strategies: a :class:`Mesh` whose axes of size > 1 are
+    among ``axes`` (and which has ``axis``, the strategy's own, when given); a plain backend stands for
+    a mesh of that one axis."""
+    if isinstance(mesh, CommunicationBackend) and axis is not None:
+        mesh = Mesh(mesh, {axis: mesh.world_size})
     if not isinstance(mesh, Mesh):
         raise TypeError(
-            f"HybridShardedModel takes a dtlab.backends.Mesh, got {type(mesh).__name__}; e.g. "
+            f"{who} takes a dtlab.backends.Mesh, got {type(mesh).__name__}; e.g. "
             "Mesh(backend, {'pp': 2, 'dp': -1, 'tp': 2})"
         )
-    others = [f"{a}={mesh.size(a)}" for a in mesh.axis_names if a not in _AXES and mesh.size(a) > 1]
-    if others:
+    if axis is not None and axis not in mesh.axis_names:
         raise StrategyError(
-            f"HybridShardedModel runs on the mesh axes pp, dp and tp; this mesh also has {others}"
+            f"{who} needs a mesh with a {axis!r} axis, got axes {list(mesh.axis_names)}; e.g. "
+            f"Mesh(backend, {{'dp': -1, {axis!r}: 2}})"
         )
+    others = [f"{a}={mesh.size(a)}" for a in mesh.axis_names if a not in axes and mesh.size(a) > 1]
+    if others:
+        composed = "" if tuple(axes) == _AXES else " (HybridShardedModel composes pp, dp and tp)"
+        raise StrategyError(
+            f"{who} runs on the mesh axes {', '.join(axes)}; this mesh also has {others}{composed}"
+        )
+    return mesh
 
 
 Entries = dict[str, tuple[list[int], torch.dtype, int, Placement]]
@@ -123,6 +135,11 @@ class HybridShardedModel(DataParallelModel):
     strategy_name: ClassVar[str] = "hybrid"
     #: the data-parallel strategy of this class (set by the composed subclasses)
     data_parallel: ClassVar[str] = ""
+    #: the mesh axis a plain backend stands for (tensor: tp, pipeline: pp), and the axes it runs on
+    mesh_axis: ClassVar[str | None] = None
+    mesh_axes: ClassVar[tuple[str, ...]] = _AXES
+    #: a schedule even at pp = 1 with one micro-batch (PipelineParallelModel)
+    always_pipelined: ClassVar[bool] = False
 
     def __new__(
         cls, module: Any = None, mesh: Any = None, data_parallel: str = "ddp", *args: Any, **kwargs: Any
@@ -140,7 +157,7 @@ class HybridShardedModel(DataParallelModel):
     def __init__(
         self,
         module: nn.Module,
-        mesh: Mesh,
+        mesh: Mesh | CommunicationBackend,
         data_parallel: str = "ddp",
         tensor_plan: Plan | None = None,
         schedule: str = "1f1b",
@@ -150,46 +167,53 @@ class HybridShardedModel(DataParallelModel):
         activation_checkpointing: bool = False,
         **kwargs: Any,
     ) -> None:
+        who = type(self).__name__ if self.mesh_axis else "HybridShardedModel"
         if not isinstance(module, nn.Module):
-            raise TypeError(f"HybridShardedModel wraps a torch.nn.Module, got {type(module).__name__}")
-        _check_mesh(mesh)
-        if mesh.size("pp") > 1:
-            check_stage_checkpointing(activation_checkpointing, schedule, "HybridShardedModel")
+            raise TypeError(f"{who} wraps a torch.nn.Module, got {type(module).__name__}")
+        mesh = as_mesh(mesh, who, self.mesh_axis, self.mesh_axes)
+        tp, pp = mesh["tp"], mesh["pp"]
+        p, v = pp.world_size, stages_per_rank
+        m = p if micro_batches is None else micro_batches
+        pipelined = self.always_pipelined or p > 1 or v > 1 or m > 1
+        if pipelined:  # every check before any work, with the rule and the values
+            check_stage_checkpointing(activation_checkpointing, schedule, who)
+            check_schedule_args(schedule, p, m, v)
         elif activation_checkpointing:
             raise StrategyError(
-                "HybridShardedModel(activation_checkpointing=True) checkpoints pipeline stages; without a "
-                "pp axis checkpoint blocks instead: dtlab.models.checkpointing.checkpoint_modules(module, "
+                f"{who}(activation_checkpointing=True) checkpoints pipeline stages; without a pipeline "
+                "checkpoint blocks instead: dtlab.models.checkpointing.checkpoint_modules(module, "
                 "(YourBlock,)) before wrapping"
             )
+        elif split_points:
+            raise StrategyError(
+                f"split_points={list(split_points)} need a pipeline (pp > 1 or stages_per_rank > 1)"
+            )
         self.activation_checkpointing = activation_checkpointing
-        tp, pp = mesh["tp"], mesh["pp"]
         partial: list[nn.Parameter] = []
         if tensor_plan is not None:  # 1. tensor-parallel layers (every stage's, before the split)
             resolved = resolve_plan(module, tensor_plan, tp.world_size)
-            _broadcast_state(module, tp)
+            broadcast_module_state(module, tp)  # the data-parallel layer then broadcasts over dp
             partial = apply_plan(module, resolved, tp)
         elif tp.world_size > 1:
             raise StrategyError(
-                f"HybridShardedModel on a mesh with tp={tp.world_size} needs a tensor_plan, e.g. "
-                "transformer_plan() for dtlab's TransformerLM"
+                f"{who} on a mesh with tp={tp.world_size} needs a tensor_plan, e.g. transformer_plan() "
+                "for dtlab's TransformerLM"
             )
-        p, v = pp.world_size, stages_per_rank
-        m = p if micro_batches is None else micro_batches
         self.schedule: PipelineSchedule | None = None
         self._stages: list[Stage] = []
         self._stage_shapes: list[Shapes] = []
         owner: dict[int, int] = {}
         root: nn.Module = module
-        if p > 1 or v > 1 or m > 1:  # 2. pipeline stages
-            check_schedule_args(schedule, p, m, v)
+        if pipelined:  # 2. pipeline stages
             self._stages = split_blocks(module_blocks(module), p * v, split_points)
             self.schedule = build_schedule(schedule, p, m, v)  # dry-run: no deadlock, messages matched
             mine = self.schedule.stages_of(pp.rank)
             for s, stage in enumerate(self._stages):
-                named = list(stage.named_parameters()) + list(stage.named_buffers())
-                self._stage_shapes.append({n: (tuple(t.shape), t.dtype) for n, t in named})
-                owner.update({id(t): self.schedule.rank_of(s) for _, t in named})
-            self._entries = _entries(module, tp.world_size, owner)  # before other stages become meta
+                self._stage_shapes.append(stage_shapes(stage))
+                rank = self.schedule.rank_of(s)
+                owner.update({id(t): rank for t in [*stage.parameters(), *stage.buffers()]})
+        self._entries = _entries(module, tp.world_size, owner)  # before other stages become meta
+        if self.schedule is not None:
             for s, stage in enumerate(self._stages):
                 if s not in mine:
                     stage.to("meta")  # other ranks' stages: shapes only (placements are not kept there)
@@ -199,12 +223,6 @@ class HybridShardedModel(DataParallelModel):
                     f"pipeline rank {pp.rank} holds stages {list(mine)} with no trainable parameters; move "
                     "the split points so every rank has some"
                 )
-        elif split_points:
-            raise StrategyError(
-                f"split_points={list(split_points)} need a pipeline (pp > 1 or stages_per_rank > 1)"
-            )
-        else:
-            self._entries = _entries(module, tp.world_size, owner)
         self.micro_batches = m
         self._placements = placements_of(root.state_dict(keep_vars=True))
         self._chosen_sync = kwargs.get("gradient_sync") if self.data_parallel == "zero1" else None
@@ -253,8 +271,9 @@ class HybridShardedModel(DataParallelModel):
             return super().forward(*args, **kwargs)
         if self.training and torch.is_grad_enabled():
             raise StrategyError(
-                "HybridShardedModel with a pipeline trains through train_step((inputs, targets), loss_fn); "
-                "forward() is inference only: call model.eval() or run it under torch.no_grad()"
+                f"{type(self).__name__} with a pipeline trains through train_step((inputs, targets), "
+                "loss_fn), which runs the schedule; forward() is inference only: call model.eval() or run it "
+                "under torch.no_grad()"
             )
         (x,) = args
         return infer_through_stages(x, self._stage_forward, self._specs_for(x), self.schedule, self.pp_group)
@@ -263,32 +282,16 @@ class HybridShardedModel(DataParallelModel):
         """Each stage's output shape for micro-batches like ``sample``: a forward on the meta device
         with the shapes recorded at construction (ZeRO-3/FSDP hold only shards at rest)."""
         key = TensorSpec(tuple(sample.shape), sample.dtype)
-        if key in self._specs:
-            return self._specs[key]
-        hooks = list(getattr(self, "_unit_hooks", []))
-        for h in hooks:  # ZeRO-3/FSDP gather hooks must not run for a meta forward
-            h.remove()
-        x = torch.empty(key.shape, dtype=key.dtype, device="meta")
-        out: list[TensorSpec] = []
-        try:
-            with torch.no_grad():
-                for stage, shapes in zip(self._stages, self._stage_shapes, strict=True):
-                    state = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in shapes.items()}
-                    try:
-                        y = functional_call(stage, state, (x,))
-                    except Exception as exc:
-                        raise StrategyError(
-                            f"the shape of pipeline stage {stage.index}'s output ({stage.names[0]} .. "
-                            f"{stage.names[-1]}) could not be computed on the meta device with input "
-                            f"{tuple(x.shape)}: {type(exc).__name__}: {exc}; stages must be shape-static"
-                        ) from exc
-                    out.append(TensorSpec(tuple(y.shape), y.dtype))
-                    x = y
-        finally:
-            if hooks:
-                cast(ShardedModel, self)._install_forward_hooks()
-        self._specs[key] = out
-        return out
+        if key not in self._specs:
+            hooks = list(getattr(self, "_unit_hooks", []))
+            for h in hooks:  # ZeRO-3/FSDP gather hooks must not run for a meta forward
+                h.remove()
+            try:
+                self._specs[key] = meta_stage_specs(self._stages, self._stage_shapes, key)
+            finally:
+                if hooks:
+                    cast(ShardedModel, self)._install_forward_hooks()
+        return self._specs[key]
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
@@ -299,11 +302,14 @@ class HybridShardedModel(DataParallelModel):
             return super().train_step(batch, loss_fn)
         inputs, targets = batch
         m = self.micro_batches
+        who = type(self).__name__
         for what, t in (("inputs", inputs), ("targets", targets)):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % m:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                raise StrategyError(f"{who}.train_step: {what} must be a batched tensor, got {t!r}")
+            if t.shape[0] % m:
                 raise StrategyError(
-                    f"HybridShardedModel.train_step: {what} must be a batched tensor whose batch splits into "
-                    f"micro_batches={m} equal micro-batches, got {getattr(t, 'shape', t)!r}"
+                    f"{who}.train_step: the batch of {t.shape[0]} samples ({what}) does not split into "
+                    f"micro_batches={m} equal micro-batches; use a batch size that is a multiple of {m}"
                 )
         sync = self._sync
         self._check_partial_fresh(sync)
@@ -323,7 +329,7 @@ class HybridShardedModel(DataParallelModel):
                 result = run_schedule(
                     plan,
                     pp.rank,
-                    cast(Any, calls),
+                    calls,
                     links,
                     micro_in,
                     micro_tg,
@@ -373,7 +379,7 @@ class HybridShardedModel(DataParallelModel):
     def _check_partial_fresh(self, sync: bool) -> None:
         if sync and self._partial_ids and self.tp_group.world_size > 1 and self._grads_synced:
             raise StrategyError(
-                "HybridShardedModel with sequence parallelism: a synchronized step started while the "
+                f"{type(self).__name__} with sequence parallelism: a synchronized step started while the "
                 "gradients of the last one are still there; call opt.zero_grad() between steps and "
                 "accumulate micro-batches inside model.no_sync()"
             )
@@ -390,21 +396,29 @@ class HybridShardedModel(DataParallelModel):
             self._sum_partial()
 
     def last_activation_bytes(self) -> int:
+        """The peak bytes of activations this rank held during the last pipelined step."""
         return 0 if self._last is None else self._last.peak_activation_bytes
+
+    def last_timeline(self) -> list[tuple[Action, float, float]]:
+        """This rank's measured compute intervals of the last pipelined step (``perf_counter`` seconds)."""
+        return [] if self._last is None else list(self._last.timeline)
 
     # ------------------------------------------------------------------ optimizer protocol
     def attach_optimizer(self, optimizer: Any) -> None:
         name = getattr(optimizer, "strategy_name", "")
-        fitting = pairs.optimizers_for(self.data_parallel)
+        fitting = pairs.optimizers_for(self.data_parallel if self.mesh_axis is None else self.strategy_name)
         if name not in fitting:
+            drivers = " or ".join(pairs.optimizer_class_name(f) for f in fitting)
             raise StrategyError(
-                f"HybridShardedModel(data_parallel={self.data_parallel!r}) is driven by "
-                f"{pairs.optimizer_class_name(fitting[0])}, got {type(optimizer).__name__}; build the "
-                "optimizer strategy of its data-parallel choice (or choose data_parallel to fit)"
+                f"{type(self).__name__}(data_parallel={self.data_parallel!r}) is driven by {drivers}, got "
+                f"{type(optimizer).__name__}; "
+                "build the optimizer strategy of its data-parallel choice (or choose data_parallel to fit)"
             )
         super().attach_optimizer(optimizer)
-        if self.data_parallel == "zero1" and self._chosen_sync is None:
-            cast(ZeRO1Model, self).gradient_sync = "reduce_scatter"
+        if self.data_parallel == "zero1":
+            cast(ZeRO1Model, self).gradient_sync = gradient_sync_for(
+                type(self).__name__, self._chosen_sync, optimizer
+            )
 
     def grad_norm_group(self) -> CommunicationBackend:
         """The norm's parts add up over every rank of the mesh."""
@@ -435,6 +449,7 @@ class HybridShardedModel(DataParallelModel):
         return out, False
 
     def placed(self, name: str) -> tuple[Placement, int, int]:
+        """Parameter ``name``'s placement, this rank's coordinate and the size of its axis."""
         placement = self._placements[name]
         if isinstance(placement, Shard):
             return placement, self.mesh.coordinate(placement.axis), self.mesh.size(placement.axis)
@@ -462,6 +477,7 @@ class HybridShardedModel(DataParallelModel):
         return dict(self.module.state_dict(keep_vars=True)), []
 
     def sharded_state_dict(self) -> ShardedState:
+        """This rank's placed shards: tp shards split over dp, replicated tensors split over dp x tp."""
         world = self.mesh.backend
         state = new_state(self.strategy_name, world.world_size, world.rank, mesh=dict(self.mesh.shape))
         state.metadata["data_parallel"] = self.data_parallel
@@ -524,3 +540,6 @@ _VARIANTS: dict[str, type[HybridShardedModel]] = {
     "zero3": _HybridZeRO3,
     "fsdp": _HybridFSDP,
 }
+
+#: the composition with a ZeRO-1 dp axis whose gradient sync the optimizer chooses (tensor, pipeline)
+ZeRO1Composition = _HybridZeRO1

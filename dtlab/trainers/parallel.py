@@ -58,7 +58,6 @@ def build_parallel_model(
     par, s = config.parallel, config.strategy
     mesh = Mesh(backend, mesh_shape(config, backend.world_size))
     plan = transformer_plan(sequence_parallel=par.sequence_parallel)
-    sync: Any = s.gradient_sync if s.optimizer_name == "zero1" else None
     pipeline: dict[str, Any] = {
         "schedule": par.schedule,
         "micro_batches": par.micro_batch_count,
@@ -72,12 +71,10 @@ def build_parallel_model(
         from dtlab.trainers.models import Block
 
         checkpoint_modules(module, (Block,))
-    if s.model == "tensor":
-        return TensorParallelModel(module, mesh, plan=plan, gradient_sync=sync, bucket_cap_mb=s.bucket_cap_mb)
+    if s.model == "tensor":  # dp_kwargs: the optimizer's data-parallel options (ddp or zero1)
+        return TensorParallelModel(module, mesh, tensor_plan=plan, **dp_kwargs)
     if s.model == "pipeline":
-        return PipelineParallelModel(
-            module, mesh, gradient_sync=sync, bucket_cap_mb=s.bucket_cap_mb, **pipeline
-        )
+        return PipelineParallelModel(module, mesh, **pipeline, **dp_kwargs)
     if par.pp == 1:
         pipeline = {}  # without a pipeline the steps are not micro-batched (data.accumulation_steps is)
     choice = data_parallel_choice(config)
