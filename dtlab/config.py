@@ -5,10 +5,16 @@ scalars: ``2`` is an int, ``1e-3`` a float, ``true`` a bool, ``[1, 2]`` a list).
 is one :class:`~dtlab.errors.ConfigError` naming the field by its dotted path (``compression.density``),
 the value and what is allowed. Checks that need the world size (global batch divisibility) run in
 :func:`check_world_size` as soon as the backend is known, still before any training work.
+
+A config is untrusted input: a file is read up to :data:`MAX_CONFIG_BYTES` and must be UTF-8; a tree
+nested deeper than :data:`CONFIG_LIMITS` allows, holding more values once YAML aliases are expanded, or
+a longer string is one ``ConfigError`` before any value is used; and an error reports a value by a
+bounded summary (:func:`dtlab.untrusted.summary`), never by expanding it.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +44,7 @@ from dtlab.config_sections import (
     _Section,
 )
 from dtlab.errors import ConfigError
+from dtlab.untrusted import TreeLimits, measure_tree, summary
 
 __all__ = [
     "COMPRESSORS",
@@ -60,6 +67,11 @@ __all__ = [
     "check_world_size",
     "load_config",
 ]
+
+#: the largest config file read (a real one is a few kilobytes)
+MAX_CONFIG_BYTES = 1 << 20
+#: how deep, how many values (aliases expanded) and how long a string a config may hold
+CONFIG_LIMITS = TreeLimits(depth=16, nodes=100_000, string=4096)
 
 
 class TrainConfig(_Section):
@@ -179,20 +191,23 @@ def _format_error(err: ValidationError) -> str:
         loc = tuple(e["loc"])
         path = ".".join(str(p) for p in loc)
         msg = e["msg"].removeprefix("Value error, ")
+        if len(msg) > 2000:
+            msg = msg[:2000] + "..."
         value = e.get("input")
+        shown = summary(value)
         if e["type"] == "extra_forbidden":
             allowed = ", ".join(_fields_at(loc[:-1]))
-            lines.append(f"{path}: unknown field (value {value!r}); allowed here: {allowed}")
+            lines.append(f"{path}: unknown field (value {shown}); allowed here: {allowed}")
         elif e["type"] == "value_error" and isinstance(value, dict) and _is_section(loc):
             lines.append(msg)  # a section's cross-field check: its message names the fields
         elif e["type"] in ("model_type", "model_attributes_type"):
             fields = _fields_at(loc)
             lines.append(
-                f"{path}={value!r} is not allowed: {path} is a section, not a value; set its fields, "
+                f"{path}={shown} is not allowed: {path} is a section, not a value; set its fields, "
                 f"e.g. --set {path}.{fields[0]}=...; fields: {', '.join(fields)}"
             )
         else:
-            lines.append(f"{path}={value!r} is not allowed: {msg}")
+            lines.append(f"{path}={shown} is not allowed: {msg}")
     return "invalid configuration: " + "; ".join(lines)
 
 
@@ -211,12 +226,21 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key=value`` strings (values parsed as YAML scalars) to a nested dict, in order."""
+    from dtlab.yaml_strict import load_yaml
+
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
-            raise ConfigError(f"override {item!r} has no '='; write e.g. --set compression.density=0.01")
+            raise ConfigError(
+                f"override {summary(item)} has no '='; write e.g. --set compression.density=0.01"
+            )
+        if len(item) > CONFIG_LIMITS.string:
+            raise ConfigError(
+                f"override {summary(item)} is {len(item):,} characters long; at most "
+                f"{CONFIG_LIMITS.string:,} are read"
+            )
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml(raw, CONFIG_LIMITS.depth) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: value {raw!r} is not a YAML scalar ({exc})") from None
         if raw.strip().lower() in ("null", "none", "~"):
@@ -225,11 +249,33 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
+def _read_text(p: Path) -> str:
+    """The file's text: at most ``MAX_CONFIG_BYTES`` read (the size checked on the open file), UTF-8."""
+    try:
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(MAX_CONFIG_BYTES + 1) if size <= MAX_CONFIG_BYTES else b""
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+    if size > MAX_CONFIG_BYTES or len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config file {str(p)!r} is {max(size, len(data)):,} bytes; dtlab reads config files of at "
+            f"most {MAX_CONFIG_BYTES:,} bytes (a configuration is a few kilobytes)"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(p)!r} is not UTF-8 text (byte {exc.start} is {data[exc.start]:#04x}); "
+            "save it as UTF-8"
+        ) from None
+
+
 def _read_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = p.read_text()
+    text = _read_text(p)
     if p.suffix == ".toml":
         import importlib
 
@@ -247,12 +293,19 @@ def _read_file(path: str | Path) -> dict[str, Any]:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+        except (
+            RecursionError
+        ):  # tomllib parses nested arrays and tables recursively, with no limit of its own
+            raise ConfigError(
+                f"config file {str(p)!r}: arrays or tables nested deeper than Python can parse (at most "
+                f"{CONFIG_LIMITS.depth} levels are read); a configuration is a few levels deep"
+            ) from None
     elif p.suffix in (".yaml", ".yml"):
-        from dtlab.yaml_strict import DuplicateKeyError, load_yaml
+        from dtlab.yaml_strict import DuplicateKeyError, NestingError, load_yaml
 
         try:
-            data = load_yaml(text) or {}
-        except DuplicateKeyError as exc:
+            data = load_yaml(text, CONFIG_LIMITS.depth) or {}
+        except (DuplicateKeyError, NestingError) as exc:
             raise ConfigError(f"config file {str(p)!r}: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
@@ -265,8 +318,20 @@ def _read_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def check_tree(tree: Any, where: str = "the configuration") -> None:
+    """A :class:`ConfigError` when ``tree`` is deeper, larger (aliases expanded) or holds a longer
+    string than :data:`CONFIG_LIMITS` allows: checked before any value of it is used."""
+    problem = measure_tree(tree, CONFIG_LIMITS)
+    if problem is not None:
+        raise ConfigError(
+            f"{where} holds {problem}; limits: {CONFIG_LIMITS.depth} levels, {CONFIG_LIMITS.nodes:,} "
+            f"values, strings of {CONFIG_LIMITS.string:,} characters"
+        )
+
+
 def from_dict(tree: dict[str, Any]) -> TrainConfig:
     """Validate a nested dict; any problem is one :class:`ConfigError` naming every bad field."""
+    check_tree(tree)
     try:
         return TrainConfig.model_validate(tree)
     except ValidationError as err:
@@ -276,4 +341,6 @@ def from_dict(tree: dict[str, Any]) -> TrainConfig:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """The embedded default, a YAML/TOML file on top of it, then ``key=value`` overrides."""
     tree: dict[str, Any] = _read_file(path) if path is not None else {}
+    if path is not None:
+        check_tree(tree, f"config file {str(path)!r}")
     return from_dict(apply_overrides(tree, list(overrides or [])))

@@ -319,7 +319,8 @@ class ModelConfig(_Section):
     d_model: int = Field(default=128, ge=8)
     n_layers: int = Field(default=2, ge=1)
     n_heads: int = Field(default=4, ge=1)
-    seq_len: int = Field(default=64, ge=2)
+    #: tokens per sample (the built-in model's position table has one row per token)
+    seq_len: int = Field(default=64, ge=2, le=1 << 20)
     dropout: float = Field(default=0.0, ge=0, lt=1)
 
     @field_validator("factory")

@@ -1,5 +1,8 @@
-"""YAML for config files with one rule PyYAML's ``safe_load`` lacks: a key given twice in the same
-mapping is an error naming it and both lines (``safe_load`` silently keeps the last value)."""
+"""YAML for config files with two rules PyYAML's ``safe_load`` lacks: a key given twice in the same
+mapping is an error naming it and both lines (``safe_load`` silently keeps the last value), and
+nesting deeper than a limit is refused before the document is composed (PyYAML composes nodes
+recursively: a document nested 100,000 deep would end in a ``RecursionError``). Aliases stay shared
+as PyYAML builds them; :func:`dtlab.untrusted.measure_tree` counts them expanded."""
 
 from __future__ import annotations
 
@@ -7,11 +10,15 @@ from typing import Any
 
 import yaml
 
-__all__ = ["DuplicateKeyError", "load_yaml"]
+__all__ = ["DuplicateKeyError", "NestingError", "load_yaml"]
 
 
 class DuplicateKeyError(yaml.YAMLError):
     """A mapping holds the same key twice."""
+
+
+class NestingError(yaml.YAMLError):
+    """The document nests mappings and sequences deeper than the limit."""
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -36,6 +43,24 @@ def _mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
 
-def load_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that refuses duplicate keys (:class:`DuplicateKeyError`, a ``YAMLError``)."""
+def _check_depth(text: str, max_depth: int) -> None:
+    """Walk the event stream (no recursion) and stop at the first collection ``max_depth`` deep."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > max_depth:
+                line = event.start_mark.line + 1 if event.start_mark is not None else "?"
+                raise NestingError(
+                    f"mappings and lists nested deeper than {max_depth} levels (line {line}); "
+                    "a configuration is a few levels deep"
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def load_yaml(text: str, max_depth: int = 32) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (:class:`DuplicateKeyError`) and collections
+    nested deeper than ``max_depth`` (:class:`NestingError`); both are ``YAMLError``."""
+    _check_depth(text, max_depth)
     return yaml.load(text, Loader=_StrictLoader)

@@ -27,6 +27,7 @@ from dtlab.core import seeded_init
 from dtlab.data import fetch
 from dtlab.errors import ConfigError
 from dtlab.trainers.tasks import Task, builtin_data, builtin_model, cross_entropy_loss
+from dtlab.untrusted import summary
 
 __all__ = ["LOSSES", "check_fit", "resolve", "task_from_config", "task_from_objects"]
 
@@ -56,6 +57,12 @@ def resolve(reference: str, field: str) -> Callable[..., Any]:
         sys.path.append(os.getcwd())
     try:
         obj: Any = importlib.import_module(module_name)
+    except SystemExit as exc:  # the module called sys.exit() (or exit()) while being imported
+        raise ConfigError(
+            f"{field}={reference!r}: importing {module_name!r} called sys.exit({summary(exc.code)}); a "
+            "model or data module must not exit when imported (move that code under "
+            "`if __name__ == '__main__':`)"
+        ) from None
     except Exception as exc:  # any error while importing the user's module
         raise ConfigError(
             f"{field}={reference!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc} "
@@ -73,6 +80,11 @@ def resolve(reference: str, field: str) -> Callable[..., Any]:
 def _call(fn: Callable[[], Any], reference: str, field: str) -> Any:
     try:
         return fn()
+    except SystemExit as exc:
+        raise ConfigError(
+            f"{field}={reference!r} called sys.exit({summary(exc.code)}) when called with no arguments; "
+            "it must return its model or dataset"
+        ) from None
     except Exception as exc:
         raise ConfigError(
             f"{field}={reference!r} failed when called with no arguments: {type(exc).__name__}: {exc}"

@@ -54,9 +54,9 @@ def _writable_dir(
 ) -> tuple[str | None, Path | None]:
     """``(problem, probe left behind)`` for a directory that must be created and written."""
     path = Path(value)
-    if path.exists() and not path.is_dir():
-        return f"{field}={value!r} exists and is not a directory", None
     try:
+        if path.exists() and not path.is_dir():
+            return f"{field}={value!r} exists and is not a directory", None
         made += _create(path)
     except OSError as exc:
         return f"{field}={value!r} cannot be created: {_reason(exc, value)}", None
@@ -100,8 +100,11 @@ def _problems(config: TrainConfig) -> tuple[list[str], Path | None, list[Path]]:
         problems += [problem] if problem else []
     if isinstance(c.resume, str):
         p = Path(c.resume)
-        if p.exists() and not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
-            problems.append(f"checkpoint.resume={c.resume!r} cannot be read: permission denied")
+        try:
+            if p.exists() and not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
+                problems.append(f"checkpoint.resume={c.resume!r} cannot be read: permission denied")
+        except OSError as exc:  # a name too long for the filesystem, a loop of links
+            problems.append(f"checkpoint.resume={c.resume!r} cannot be read: {_reason(exc, c.resume)}")
     return problems, probe, made
 
 

@@ -69,7 +69,14 @@ def builtin_data(config: TrainConfig) -> tuple[TensorDataset, TensorDataset]:
     """``data.dataset``'s training and held-out parts."""
     d = config.data
     if d.dataset == "stdlib":
-        return stdlib_lm_dataset(d.max_bytes, config.model.seq_len).split(d.eval_fraction)
+        try:
+            data = stdlib_lm_dataset(d.max_bytes, config.model.seq_len)
+        except ValueError as exc:
+            raise ConfigError(
+                f"model.seq_len={config.model.seq_len} does not fit data.max_bytes={d.max_bytes}: {exc}; "
+                "use a shorter model.seq_len or a larger data.max_bytes"
+            ) from None
+        return data.split(d.eval_fraction)
     return load_digits_dataset().split(d.eval_fraction)
 
 
