@@ -97,8 +97,11 @@ def message_plan(world_size: int, seed: int, count: int = 16) -> list[tuple[int,
 
 
 def check_message_streams(backend: CommunicationBackend, seed: int = 0) -> None:
-    """Random traffic (:func:`message_plan`): every rank posts its sends, then receives its messages
-    stream by stream in an order drawn from the seed; each (source, tag) stream arrives in order."""
+    """Random traffic (:func:`message_plan`): every rank posts its sends, waits at a barrier until
+    every rank has posted (so each stream's messages are all queued, however the ranks are scheduled,
+    and an engine that delivers a stream out of order is caught every time), then receives its
+    messages stream by stream in an order drawn from the seed; each (source, tag) stream arrives in
+    order."""
     p, me, dev = backend.world_size, backend.rank, backend.device
     if p < 2:
         return
@@ -109,6 +112,7 @@ def check_message_streams(backend: CommunicationBackend, seed: int = 0) -> None:
         for i, (src, dst, tag, numel) in enumerate(plan)
         if src == me
     ]
+    backend.barrier()
     streams: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for i, (src, dst, tag, numel) in enumerate(plan):
         if dst == me:
