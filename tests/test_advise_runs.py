@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dtlab.advise import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions, predict
+from dtlab.advise.activations import block_bytes_per_token
 from dtlab.config import StrategyConfig, load_config
 from dtlab.testing import TINY_LM, run_world
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
@@ -129,16 +130,20 @@ TP_SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=4, seq_len=16)
 TP_BATCH = 8
 
 
-def _tensor_steps(backend: Any, shape: dict[str, int], strategy: str) -> dict[str, Any]:
+def _tensor_steps(
+    backend: Any, shape: dict[str, int], strategy: str, s: ModelSpec = TP_SPEC, checkpointing: bool = False
+) -> dict[str, Any]:
     from dtlab.backends import Mesh
     from dtlab.models import TensorParallelModel, transformer_plan
+    from dtlab.models.checkpointing import checkpoint_modules
     from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
-    from dtlab.trainers.models import TransformerLM
+    from dtlab.trainers.models import Block, TransformerLM
 
     mesh = Mesh(backend, shape)
-    s = TP_SPEC
     with torch.random.fork_rng(devices=[]):  # in-memory ranks share the RNG: values come from rank 0
         net = TransformerLM(s.hidden, s.layers, s.heads, s.seq_len)
+    if checkpointing:  # what dtlab train does with tp alone: per block
+        checkpoint_modules(net, (Block,))
     model = TensorParallelModel(net, mesh, plan=transformer_plan())
     opt = (DDPOptimizer if strategy == "ddp" else ZeRO1Optimizer)(model, torch.optim.AdamW, lr=1e-3)
     dp = mesh["dp"]
@@ -192,6 +197,29 @@ def test_tensor_parallel_memory_and_bytes_equal_the_run(shape: dict[str, int], s
         assert got["activations"] == pytest.approx(pred.memory.activations, rel=0.05), f"rank {rank}"
 
 
+@pytest.mark.parametrize(("shape", "layers"), [({"tp": 2}, 2), ({"dp": 2, "tp": 2}, 4)])
+def test_checkpointed_blocks_under_tensor_parallelism_equal_the_run(
+    shape: dict[str, int], layers: int
+) -> None:
+    """Per-block checkpointing under tp: the recomputed forward reruns each block's attention
+    all-reduce (torch stops recomputing before the MLP's); the blocks keep only their inputs."""
+    spec = ModelSpec.builtin(d_model=32, n_layers=layers, n_heads=4, seq_len=16)
+    world = shape.get("dp", 1) * shape["tp"]
+    measured = run_world(world, _tensor_steps, shape, "ddp", spec, True)
+    plan = Candidate("ddp", dp=shape.get("dp", 1), tp=shape["tp"], checkpointing="block")
+    pred = predict(spec, ClusterSpec(ranks=world), plan, TP_BATCH)
+    if shape == {"tp": 2}:  # 2 blocks: 13 all-reduces without checkpointing, 2 more with it
+        assert pred.axes["tp"].ops == {"all_reduce": (15, 198_144)}
+    for rank, got in enumerate(measured):
+        moved = {k: v for k, v in got["ops"]["tp"].items() if v[1]}
+        assert moved == pred.axes["tp"].ops, f"rank {rank}"
+        assert got["activations"] == pred.memory.activations, f"rank {rank}"
+        assert got["memory"]["parameters"] == pred.memory.parameters
+    # one block's working set, rebuilt once at a time, on top of what the blocks keep
+    tokens = TP_BATCH // shape.get("dp", 1) * spec.seq_len
+    assert pred.memory.recompute == block_bytes_per_token(spec, shape["tp"], 4) * tokens
+
+
 def _pipeline_steps(backend: Any, spec: ModelSpec, plan: Candidate) -> dict[str, Any]:
     from dtlab.backends import Mesh
     from dtlab.models import PipelineParallelModel
@@ -202,7 +230,12 @@ def _pipeline_steps(backend: Any, spec: ModelSpec, plan: Candidate) -> dict[str,
     with torch.random.fork_rng(devices=[]):
         net = TransformerLM(spec.hidden, spec.layers, spec.heads, spec.seq_len)
     model = PipelineParallelModel(
-        net, mesh, plan.schedule, micro_batches=plan.micro_batches, stages_per_rank=plan.stages_per_rank
+        net,
+        mesh,
+        plan.schedule,
+        micro_batches=plan.micro_batches,
+        stages_per_rank=plan.stages_per_rank,
+        activation_checkpointing=plan.checkpointing == "stage",
     )
     opt = (DDPOptimizer if plan.strategy == "ddp" else ZeRO1Optimizer)(model, torch.optim.AdamW, lr=1e-3)
     g = torch.Generator().manual_seed(100 + mesh.coordinate("dp"))
@@ -238,6 +271,22 @@ PP_PLANS = [
     (
         ModelSpec.builtin(d_model=32, n_layers=4, n_heads=2, seq_len=16),
         Candidate("ddp", pp=2, schedule="interleaved_1f1b", micro_batches=2, stages_per_rank=2),
+    ),
+    # stage checkpointing, as dtlab's pipeline does it: each in-flight micro-batch keeps its stage's
+    # input and output (and the loss's share); the working set is rebuilt once, not per micro-batch
+    (PP_SPEC, Candidate("ddp", pp=2, schedule="1f1b", micro_batches=2, checkpointing="stage")),
+    (PP_SPEC, Candidate("zero1", pp=2, schedule="gpipe", micro_batches=4, checkpointing="stage")),
+    (PP_SPEC, Candidate("zero1", dp=2, pp=2, schedule="1f1b", micro_batches=2, checkpointing="stage")),
+    (
+        ModelSpec.builtin(d_model=32, n_layers=4, n_heads=2, seq_len=16),
+        Candidate(
+            "ddp",
+            pp=2,
+            schedule="interleaved_1f1b",
+            micro_batches=2,
+            stages_per_rank=2,
+            checkpointing="stage",
+        ),
     ),
 ]
 

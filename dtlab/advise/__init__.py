@@ -10,9 +10,11 @@ dtlab's own runs (memory reports and backend byte counters).
 This package sits beside the trainers: it reads the pairing table and nothing below imports it.
 """
 
+from dtlab.advise.precision import PRECISIONS, Precision
 from dtlab.advise.predict import AxisCost, Memory, Prediction, predict
-from dtlab.advise.search import Advice, advise, candidates, runnable
+from dtlab.advise.search import Advice, Limits, advise, candidates, runnable
 from dtlab.advise.spec import (
+    CHECKPOINTING,
     DP_STRATEGIES,
     SCHEDULES,
     Candidate,
@@ -23,15 +25,19 @@ from dtlab.advise.spec import (
 )
 
 __all__ = [
+    "CHECKPOINTING",
     "DP_STRATEGIES",
+    "PRECISIONS",
     "SCHEDULES",
     "Advice",
     "AxisCost",
     "Candidate",
     "ClusterSpec",
+    "Limits",
     "Memory",
     "ModelSpec",
     "OptimizerSpec",
+    "Precision",
     "Prediction",
     "StrategyOptions",
     "advise",

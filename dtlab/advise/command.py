@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
 
+from dtlab.advise.plan import parse_plan, place
+from dtlab.advise.precision import PRECISIONS, Precision
+from dtlab.advise.predict import predict
 from dtlab.advise.render import advice_json, advice_table, print_table
-from dtlab.advise.search import advise
-from dtlab.advise.spec import DP_STRATEGIES, ClusterSpec, ModelSpec, OptimizerSpec
+from dtlab.advise.search import Limits, advise, runnable
+from dtlab.advise.spec import CHECKPOINTING, DP_STRATEGIES, SCHEDULES, ClusterSpec, ModelSpec, OptimizerSpec
 from dtlab.errors import ArgumentError
 
 __all__ = ["add_advise_parser", "run_advise"]
@@ -34,7 +39,16 @@ def add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     m.add_argument("--vocab", type=int, help=f"vocabulary size (default {_DEFAULT.vocab}: bytes)")
     m.add_argument("--seq", type=int, help=f"sequence length (default {_DEFAULT.seq_len})")
     m.add_argument("--params", type=float, help="parameter count (e.g. 1.3e9): picks --hidden to match it")
-    m.add_argument("--dtype-bytes", type=int, default=4, help="bytes per value (default 4: fp32)")
+    m.add_argument(
+        "--tied-embeddings", action="store_true", help="the head is the token embedding (one weight)"
+    )
+    m.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32, or bf16-mixed/fp16-mixed as dtlab train runs them (fp32 parameters, gradients "
+        "and Adam states; 2-byte compute copies and activations) (default %(default)s)",
+    )
     c = a.add_argument_group("cluster")
     c.add_argument("--ranks", type=int, default=_CLUSTER.ranks, help="devices (default %(default)s)")
     c.add_argument(
@@ -67,6 +81,12 @@ def add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=_CLUSTER.inter_node_latency_us,
         help="us between nodes (%(default)s)",
     )
+    c.add_argument(
+        "--gemm-knee",
+        type=float,
+        default=_CLUSTER.gemm_knee,
+        help="matrix dimension at which a product runs at half --tflops (%(default)s)",
+    )
     t = a.add_argument_group("training")
     t.add_argument("--global-batch", type=int, default=32, help="sequences per step (default %(default)s)")
     t.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], default="adamw")
@@ -75,8 +95,27 @@ def add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=",".join(DP_STRATEGIES),
         help="data-parallel strategies to consider, comma-separated (default: all)",
     )
-    t.add_argument("--no-checkpointing", action="store_true", help="leave out activation checkpointing")
+    t.add_argument(
+        "--checkpointing",
+        default=",".join(CHECKPOINTING),
+        help="activation checkpointing modes to consider: none, block, stage (default: all)",
+    )
+    t.add_argument("--no-checkpointing", action="store_true", help="only plans without checkpointing")
+    t.add_argument(
+        "--schedules", default=",".join(SCHEDULES), help="pipeline schedules to consider (default: all)"
+    )
+    t.add_argument("--max-tp", type=int, help="largest tensor-parallel size (default: --ranks-per-node)")
+    t.add_argument(
+        "--micro-batch",
+        help="sequences per micro-batch to consider, comma-separated (default: every size dividing "
+        "the batch per dp rank; the rest of it is accumulated or pipelined)",
+    )
     t.add_argument("--runnable-only", action="store_true", help="only plans dtlab's strategies run today")
+    t.add_argument(
+        "--plan",
+        help='evaluate one plan and place it among all, e.g. "dp=8,tp=4,pp=12,strategy=zero1,'
+        'schedule=1f1b,micro_batch=2,checkpointing=full" (keys: docs/strategies.md)',
+    )
     o = a.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="plans to show (default %(default)s; 0: all)")
     o.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -103,10 +142,52 @@ def _model(args: argparse.Namespace) -> ModelSpec:
             heads=heads,
             vocab=vocab,
             seq_len=seq,
-            dtype_bytes=args.dtype_bytes,
+            tied_embeddings=args.tied_embeddings,
         )
     hidden = args.hidden or base.hidden
-    return ModelSpec(layers, hidden, heads, vocab, seq, args.dtype_bytes, base.name)
+    return ModelSpec(layers, hidden, heads, vocab, seq, base.name, args.tied_embeddings)
+
+
+def _names(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise ArgumentError(f"{flag}: {', '.join(bad) or 'nothing'}; choose from {', '.join(allowed)}")
+    return names
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    sizes = None
+    if args.micro_batch:
+        try:
+            sizes = tuple(int(x) for x in args.micro_batch.split(",") if x.strip())
+        except ValueError:
+            raise ArgumentError(f"--micro-batch: {args.micro_batch!r} is not a list of integers") from None
+        if not sizes or min(sizes) < 1:
+            raise ArgumentError(f"--micro-batch: sizes must be integers >= 1, got {args.micro_batch!r}")
+    if args.max_tp is not None and args.max_tp < 1:
+        raise ArgumentError(f"--max-tp must be >= 1, got {args.max_tp}")
+    modes: tuple[str, ...] = ("none",)
+    if not args.no_checkpointing:
+        modes = _names("--checkpointing", args.checkpointing, CHECKPOINTING)
+    return Limits(
+        strategies=_names("--strategies", args.strategies, DP_STRATEGIES),
+        schedules=_names("--schedules", args.schedules, SCHEDULES),
+        checkpointing=modes,
+        max_tp=args.max_tp,
+        micro_batch=sizes,
+    )
+
+
+def _emit(write: Callable[[], None]) -> int:
+    """Write to stdout; a reader that stops early (``| head``) ends the output quietly."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail again
+    return 0
 
 
 def run_advise(args: argparse.Namespace) -> int:
@@ -120,23 +201,47 @@ def run_advise(args: argparse.Namespace) -> int:
         inter_node_bandwidth_gbps=args.inter_node_bandwidth_gbps,
         inter_node_latency_us=args.inter_node_latency_us,
         ranks_per_node=args.ranks_per_node,
+        gemm_knee=args.gemm_knee,
     )
     if args.top < 0:
         raise ArgumentError(f"--top must be >= 0 (0: all), got {args.top}")
-    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    precision = Precision.named(args.precision)
+    optimizer = OptimizerSpec(args.optimizer)
+    plan = parse_plan(args.plan, cluster.ranks, args.global_batch) if args.plan else None
     result = advise(
         spec,
         cluster,
         args.global_batch,
-        optimizer=OptimizerSpec(args.optimizer),
-        strategies=strategies,
-        checkpointing=(False,) if args.no_checkpointing else (False, True),
+        optimizer=optimizer,
+        precision=precision,
         runnable_only=args.runnable_only,
+        limits=_limits(args),
     )
+    header = (spec, cluster, args.global_batch, result.considered, len(result.plans), precision)
+    if plan is not None:
+        given = predict(
+            spec,
+            cluster,
+            plan,
+            args.global_batch,
+            optimizer=optimizer,
+            precision=precision,
+            runnable=runnable(plan, spec, precision),
+        )
+        if given.problems and not given.fits:
+            print(f"dtlab advise: the plan {plan.label} cannot run: {'; '.join(given.problems)}",
+                  file=sys.stderr)  # fmt: skip
+            if args.json:
+                _emit(lambda: print(advice_json([given], *header, given=(given, 0))))
+            return 1
+        rank = place(given, result.plans)
+        best = result.plans[: max(args.top, 1)] if args.top else result.plans
+        if args.json:
+            return _emit(lambda: print(advice_json(best, *header, given=(given, rank))))
+        return _emit(lambda: print_table(advice_table([given, *best], *header, given_rank=rank)))
     shown = result.plans[: args.top] if args.top else result.plans
     if args.json:
-        print(advice_json(shown, spec, cluster, args.global_batch, result.considered, len(result.plans)))
-        return 0
+        return _emit(lambda: print(advice_json(shown, *header)))
     if not result.plans:
         print(
             f"dtlab advise: none of the {result.considered} plans fits in {cluster.memory_gib:g} GiB per "
@@ -144,5 +249,4 @@ def run_advise(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    print_table(advice_table(shown, spec, cluster, args.global_batch, result.considered, len(result.plans)))
-    return 0
+    return _emit(lambda: print_table(advice_table(shown, *header)))

@@ -12,7 +12,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dtlab.advise.layout import Flat, Tensor, buckets, fsdp_units, module_groups, zero3_units
+from dtlab.advise.layout import Tensor, buckets, fsdp_units, module_groups, zero3_units
+from dtlab.advise.precision import Precision
 from dtlab.advise.spec import OptimizerSpec, StrategyOptions
 
 __all__ = ["DataParallelCost", "Ops", "data_parallel_cost"]
@@ -32,9 +33,18 @@ class DataParallelCost:
     #: whole at once during the step (the whole model for DDP/ZeRO-1/2)
     peak_gathered_parameters: int
     #: bytes held only during the step, beyond the resting state: gathered units and a unit's
-    #: whole gradient (ZeRO-3/FSDP), the whole gradient buckets in flight (ZeRO-2)
+    #: whole gradient (ZeRO-3/FSDP; every unit's while gradients accumulate), the whole gradient
+    #: buckets in flight (ZeRO-2), the compute copies of the weights (mixed precision)
     transient: int
+    #: everything sent over dp in a step, per ``backend.stats`` kind
     ops: Ops = field(default_factory=dict)
+    #: the share of ``ops`` that reduces gradients (overlaps the last backward, bucket by bucket)
+    grad_ops: Ops = field(default_factory=dict)
+    #: the share of ``ops`` that gathers parameters (ZeRO-1/2: after the step; ZeRO-3/FSDP: before
+    #: each use, prefetched behind the compute)
+    gather_ops: Ops = field(default_factory=dict)
+    #: bytes of the last gradient bucket or unit reduced: it waits for the whole backward
+    last_reduce: int = 0
 
 
 def _add(ops: Ops, kind: str, calls: int, nbytes: int) -> None:
@@ -42,9 +52,10 @@ def _add(ops: Ops, kind: str, calls: int, nbytes: int) -> None:
     ops[kind] = (c + calls, b + nbytes)
 
 
-def _optimizer(flats_or_sizes: Sequence[int], opt: OptimizerSpec, e: int) -> int:
-    """State of a torch optimizer stepping tensors of these element counts."""
-    return sum(opt.states_per_element * n * e + opt.bytes_per_tensor for n in flats_or_sizes)
+def _optimizer(flats_or_sizes: Sequence[int], opt: OptimizerSpec, prec: Precision) -> int:
+    """State of a torch optimizer stepping tensors of these element counts (and their master copies)."""
+    per = prec.state_bytes(opt.states_per_element)
+    return sum(per * n + opt.bytes_per_tensor for n in flats_or_sizes)
 
 
 def _max_pair(groups: Sequence[int]) -> int:
@@ -55,16 +66,12 @@ def _max_pair(groups: Sequence[int]) -> int:
     return max(a + b for a, b in itertools.pairwise(groups))
 
 
-def _sharded_traffic(units: Sequence[Flat], p: int, e: int, gathers: int) -> Ops:
-    ops: Ops = {}
-    if p == 1:
-        return ops
-    for u in units:
-        n = (p - 1) * u.shard * e
-        k = 1 if u.persistent else gathers
-        _add(ops, "all_gather", k, k * n)
-        _add(ops, "reduce_scatter", 1, n)
-    return ops
+def _merge(*parts: Ops) -> Ops:
+    out: Ops = {}
+    for part in parts:
+        for kind, (calls, nbytes) in part.items():
+            _add(out, kind, calls, nbytes)
+    return out
 
 
 def data_parallel_cost(
@@ -73,52 +80,66 @@ def data_parallel_cost(
     p: int,
     options: StrategyOptions,
     optimizer: OptimizerSpec,
-    dtype_bytes: int,
+    precision: Precision,
     *,
     keep_gathered: bool = False,
+    passes: int = 1,
 ) -> DataParallelCost:
     """Memory and dp traffic of ``strategy`` over ``p`` ranks holding ``tensors``.
 
     ``keep_gathered`` (ZeRO-3/FSDP under a pipeline, as torchtitan runs FSDP with pipelining): the
     stage's units are gathered once per step and kept for all micro-batches (one all-gather and one
-    reduce-scatter per unit and step; the whole stage gathered at the peak)."""
-    e = dtype_bytes
+    reduce-scatter per unit and step; the whole stage gathered at the peak). ``passes``: micro-batches
+    accumulated without a pipeline; gradients are reduced once per step (``no_sync`` on all but the
+    last, as dtlab's Trainer does), ZeRO-3/FSDP gather their units again for every micro-batch and
+    keep the whole gradients until the last one."""
+    pe, ge, re = precision.params, precision.grads, precision.reduce
+    whole_grads = sum(t.numel for t in tensors) * ge
+    grad_ops: Ops = {}
+    gather_ops: Ops = {}
     if strategy in ("ddp", "zero1", "zero2"):
-        bks = buckets(tensors, p, options.bucket_cap_mb, e)
-        whole = sum(b.padded for b in bks) * e
-        shards = sum(b.shard for b in bks) * e
-        ops: Ops = {}
+        bks = buckets(tensors, p, options.bucket_cap_mb, pe)
+        whole = sum(b.padded for b in bks)
+        shards = sum(b.shard for b in bks)
+        last = 0
         if p > 1:
-            rs = sum((p - 1) * b.shard * e for b in bks)
-            ar = sum(2 * (p - 1) * b.padded * e // p for b in bks)
             if strategy == "ddp" or (strategy == "zero1" and options.gradient_sync == "all_reduce"):
-                _add(ops, "all_reduce", len(bks), ar)
+                sizes = [2 * (p - 1) * b.padded * re // p for b in bks]
+                _add(grad_ops, "all_reduce", len(bks), sum(sizes))
             else:
-                _add(ops, "reduce_scatter", len(bks), rs)
+                sizes = [(p - 1) * b.shard * re for b in bks]
+                _add(grad_ops, "reduce_scatter", len(bks), sum(sizes))
+            last = sizes[-1]
             if strategy != "ddp":
-                _add(ops, "all_gather", len(bks), rs)
+                _add(gather_ops, "all_gather", len(bks), sum((p - 1) * b.shard * pe for b in bks))
         if strategy == "ddp":
-            state = _optimizer([t.numel for t in tensors], optimizer, e)
+            state = _optimizer([t.numel for t in tensors], optimizer, precision)
         else:
-            state = _optimizer([b.shard for b in bks], optimizer, e)
-        grads = shards if strategy == "zero2" else whole
+            state = _optimizer([b.shard for b in bks], optimizer, precision)
+        grads = shards * ge if strategy == "zero2" else whole * ge
+        transient = whole * ge if strategy == "zero2" else 0
+        if precision.compute < pe:
+            transient += whole * precision.compute  # autocast's copies, forward to backward
         return DataParallelCost(
-            parameters=whole,
+            parameters=whole * pe,
             gradients=grads,
             optimizer_state=state,
-            peak_gathered_parameters=whole,
-            transient=whole if strategy == "zero2" else 0,
-            ops=ops,
+            peak_gathered_parameters=whole * pe,
+            transient=transient,
+            ops=_merge(grad_ops, gather_ops),
+            grad_ops=grad_ops,
+            gather_ops=gather_ops,
+            last_reduce=last,
         )
     if strategy == "zero3":
         units = zero3_units(tensors, p, options.persistence_threshold)
-        persistent = sum(u.padded for u in units if u.persistent) * e
+        persistent = sum(u.padded for u in units if u.persistent)
         groups = module_groups(tensors, units)
         gathered = _max_pair(groups) if options.prefetch else max(groups, default=0)
         if keep_gathered:
             gathered = sum(groups)
-        peak = persistent + gathered * e
-        gathers = 1 if keep_gathered else 2
+        peak = persistent + gathered
+        gathers = 1 if keep_gathered else 2 * passes
     elif strategy == "fsdp":
         units = fsdp_units(tensors, p)
         root = [u for u in units if u.key == "<root>"]
@@ -130,17 +151,32 @@ def data_parallel_cost(
             gathered = sum(u.padded for u in root) + (
                 _max_pair(blocks) if options.prefetch else max(blocks, default=0)
             )
-        peak = gathered * e
-        gathers = 2 if options.reshard_after_forward and not keep_gathered else 1
+        peak = gathered
+        per_pass = 2 if options.reshard_after_forward else 1
+        gathers = 1 if keep_gathered else per_pass * passes
     else:
         raise ValueError(f"unknown data-parallel strategy {strategy!r}")
-    shards = sum(u.shard for u in units) * e
-    largest = max((u.padded for u in units if not u.persistent), default=0) * e
+    shards = sum(u.shard for u in units)
+    largest = max((u.padded for u in units if not u.persistent), default=0)
+    last = 0
+    if p > 1:
+        for u in units:
+            k = 1 if u.persistent else gathers
+            _add(gather_ops, "all_gather", k, k * (p - 1) * u.shard * pe)
+            _add(grad_ops, "reduce_scatter", 1, (p - 1) * u.shard * re)
+        last = (p - 1) * units[0].shard * re if units else 0  # the first unit's gradient comes last
+    accumulating = keep_gathered or passes > 1
+    transient = (peak - persistent) * pe + (whole_grads if accumulating else largest * ge)
+    if precision.compute < pe:
+        transient += peak * precision.compute
     return DataParallelCost(
-        parameters=shards + persistent,
-        gradients=shards,
-        optimizer_state=_optimizer([u.shard for u in units], optimizer, e),
-        peak_gathered_parameters=peak,
-        transient=peak - persistent + largest,
-        ops=_sharded_traffic(units, p, e, gathers),
+        parameters=shards * pe + persistent * pe,
+        gradients=shards * ge,
+        optimizer_state=_optimizer([u.shard for u in units], optimizer, precision),
+        peak_gathered_parameters=peak * pe,
+        transient=transient,
+        ops=_merge(grad_ops, gather_ops),
+        grad_ops=grad_ops,
+        gather_ops=gather_ops,
+        last_reduce=last,
     )

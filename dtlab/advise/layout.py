@@ -57,11 +57,12 @@ def flat(key: str, numel: int, ranks: int, persistent: bool = False) -> Flat:
     return Flat(key, numel, shard, shard * ranks, persistent)
 
 
-def transformer_tensors(spec: ModelSpec, tp: int = 1) -> list[Tensor]:
+def transformer_tensors(spec: ModelSpec, tp: int = 1, pipelined: bool = False) -> list[Tensor]:
     """The parameters of ``TransformerLM`` in registration order, each as one tensor-parallel rank
     holds it under ``transformer_plan()``: vocabulary-split embedding and head, attention split by
     heads (qkv column-parallel, output projection row-parallel), MLP column- then row-parallel;
-    norms, the position embedding and row-parallel biases whole."""
+    norms, the position embedding and row-parallel biases whole. A tied head is the embedding
+    itself, except under a pipeline (``pipelined``), where the last stage holds a copy."""
     h, v, s, f = spec.hidden, spec.vocab, spec.seq_len, 4 * spec.hidden
     out = [
         Tensor("tok.weight", v // tp * h, "tok", "<root>", -1),
@@ -86,8 +87,9 @@ def transformer_tensors(spec: ModelSpec, tp: int = 1) -> list[Tensor]:
     out += [
         Tensor("ln_f.weight", h, "ln_f", "<root>", spec.layers),
         Tensor("ln_f.bias", h, "ln_f", "<root>", spec.layers),
-        Tensor("head.weight", v // tp * h, "head", "<root>", spec.layers),
     ]
+    if pipelined or not spec.tied_embeddings:
+        out.append(Tensor("head.weight", v // tp * h, "head", "<root>", spec.layers))
     return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dtlab.advise.activations import activation_bytes
+from dtlab.advise.activations import Held, stage_activations
 from dtlab.advise.layout import Tensor
 from dtlab.advise.spec import Candidate, ModelSpec
 from dtlab.models._pipeline_split import balanced_split
@@ -62,20 +62,25 @@ def split_stages(spec: ModelSpec, tensors: Sequence[Tensor], stages: int) -> lis
     return [StageShape(i, a, b, spec.layers) for i, (a, b) in enumerate(zip(starts, ends, strict=True))]
 
 
-def _held(
-    spec: ModelSpec, stage: StageShape, sequences: int, tp: int, checkpointing: bool
-) -> tuple[int, int]:
-    """Bytes one micro-batch keeps on ``stage``: from its forward to its backward, and (zero-bubble)
-    from its ``I`` to its ``W``."""
-    e, n = spec.dtype_bytes, sequences * spec.seq_len
-    full = activation_bytes(
-        spec, sequences, stage.blocks, first=stage.first, last=stage.last, tp=tp, checkpointing=checkpointing
+def _held(spec: ModelSpec, stage: StageShape, sequences: int, c: Candidate, e: int) -> tuple[Held, int]:
+    """What one micro-batch keeps on ``stage`` from its forward to its backward (and the working set
+    its checkpointed backward rebuilds), and (zero-bubble) what it keeps from its ``I`` to its ``W``."""
+    n = sequences * spec.seq_len
+    held = stage_activations(
+        spec,
+        sequences,
+        stage.blocks,
+        e,
+        first=stage.first,
+        last=stage.last,
+        tp=c.tp,
+        checkpointing=c.checkpointing,
+        pipelined=True,
     )
-    full += 4 if stage.last else n * spec.hidden * e
     weights = stage.blocks * 16 * n * spec.hidden * e
     if stage.last:
-        weights += n * (spec.hidden + spec.vocab // tp) * e
-    return full, weights
+        weights += n * (spec.hidden + spec.vocab // c.tp) * e
+    return held, weights
 
 
 def _order(c: Candidate, rank: int) -> list[tuple[str, int, int]]:
@@ -110,35 +115,43 @@ def _order(c: Candidate, rank: int) -> list[tuple[str, int, int]]:
 
 
 def activation_peak(
-    spec: ModelSpec, c: Candidate, rank: int, chunks: Sequence[StageShape], sequences: int
-) -> int:
-    """The most activation bytes ``rank`` holds at once during a step (its ``chunks``: its stages)."""
-    sizes = [_held(spec, s, sequences, c.tp, c.checkpointing) for s in chunks]
+    spec: ModelSpec, c: Candidate, rank: int, chunks: Sequence[StageShape], sequences: int, e: int
+) -> Held:
+    """The most activation bytes ``rank`` keeps at once during a step (its ``chunks``: its stages),
+    and the largest working set a checkpointed backward rebuilds on it (once at a time)."""
+    sizes = [_held(spec, s, sequences, c, e) for s in chunks]
+    rebuilt = max(h.rebuilt for h, _ in sizes)
     if c.schedule in ("gpipe", "1f1b"):  # one chunk, every micro-batch alike: no replay needed
         n = c.micro_batches if c.schedule == "gpipe" else min(c.pp - rank, c.micro_batches)
-        return n * sizes[0][0]
+        return Held(n * sizes[0][0].kept, rebuilt)
     held = peak = 0
     for kind, chunk, _ in _order(c, rank):
-        full, weights = sizes[chunk]
+        full, weights = sizes[chunk][0].kept, sizes[chunk][1]
         held += {"F": full, "B": -full, "I": weights - full, "W": -weights}[kind]
         peak = max(peak, held)
-    return peak
+    return Held(peak, rebuilt)
 
 
-def pipeline_ops(spec: ModelSpec, c: Candidate, rank: int, sequences: int) -> dict[str, tuple[int, int]]:
+def pipeline_ops(
+    spec: ModelSpec, c: Candidate, rank: int, sequences: int, e: int, tied: int = 0
+) -> dict[str, tuple[int, int]]:
     """What ``rank`` sends over the pp axis in a step: every stage it holds but the last sends its output
     forward, every one but the first its input-gradient back, once per micro-batch (``b s h`` values
-    each); then the last stage broadcasts the 4-byte loss along the chain that ends on the rank
-    before it."""
+    of ``e`` bytes each); then the last stage broadcasts the 4-byte loss along the chain that ends on
+    the rank before it. ``tied``: bytes of a tied embedding's gradient, which the first and the last
+    rank sum with one all-reduce between the two of them (Megatron-LM's embedding group)."""
     p, v, m = c.pp, c.stages_per_rank, c.micro_batches
     if p == 1:
         return {}
     stages = [k * p + rank for k in range(v)]
     last = p * v - 1
     msgs = m * (sum(1 for s in stages if s < last) + sum(1 for s in stages if s > 0))
-    size = sequences * spec.seq_len * spec.hidden * spec.dtype_bytes
+    size = sequences * spec.seq_len * spec.hidden * e
     root = last % p
-    return {
+    out = {
         "send": (msgs, msgs * size),
         "broadcast": (1, 0 if rank == (root - 1) % p else 4),
     }
+    if tied and rank in (0, root):
+        out["all_reduce"] = (1, tied)
+    return out

@@ -11,12 +11,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dtlab.advise.activations import activation_bytes
+from dtlab.advise.activations import Held, stage_activations
 from dtlab.advise.dataparallel import DataParallelCost, Ops, data_parallel_cost
 from dtlab.advise.layout import Tensor, transformer_tensors
 from dtlab.advise.pipeline import StageShape, activation_peak, pipeline_ops, split_stages
+from dtlab.advise.precision import Precision
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions
-from dtlab.advise.timing import AXIS_EXTENT, bubble, comm_seconds, inside_node
+from dtlab.advise.timing import (
+    AXIS_EXTENT,
+    PassTimes,
+    comm_seconds,
+    inside_node,
+    pass_times,
+    pipeline_seconds,
+)
 
 __all__ = [
     "AxisCost",
@@ -32,29 +40,40 @@ __all__ = [
 @dataclass(frozen=True)
 class Memory:
     """Bytes one rank holds: after a step (parameters, gradients, optimizer state) and during one
-    (activations of the micro-batches in flight, transient gathered units and gradient buffers)."""
+    (activations of the micro-batches in flight, transient gathered units, gradient buffers and
+    compute copies, and the working set a checkpointed backward rebuilds)."""
 
     parameters: int
     gradients: int
     optimizer_state: int
     activations: int
     transient: int
+    recompute: int = 0
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.transient
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_state
+            + self.activations
+            + self.transient
+            + self.recompute
+        )
 
 
 @dataclass(frozen=True)
 class AxisCost:
     """What one rank sends over one mesh axis in a step: ``ops`` maps a ``backend.stats`` kind to
-    ``(calls, bytes sent)``."""
+    ``(calls, bytes sent)``; ``seconds``: their time on the axis's links, ``exposed``: the part of
+    it the step waits for (the rest overlaps compute)."""
 
     axis: str
     size: int
     inside_node: bool
     ops: Ops
     seconds: float
+    exposed: float = 0.0
 
     @property
     def bytes_sent(self) -> int:
@@ -68,7 +87,9 @@ class Prediction:
     memory: Memory
     peak_gathered_parameters: int
     axes: dict[str, AxisCost]
+    #: the slowest rank's matrix products and attention in a step (no communication, no idling)
     compute_seconds: float
+    #: idle fraction of the schedule (pipeline fill and drain)
     bubble: float
     step_seconds: float
     fits: bool
@@ -79,6 +100,8 @@ class Prediction:
     stage_memory: tuple[Memory, ...] = field(default_factory=tuple)
     #: what every pipeline rank sends per axis (``axes`` holds the rank that sends most)
     stage_ops: tuple[dict[str, Ops], ...] = field(default_factory=tuple)
+    #: sequences per micro-batch
+    micro_batch: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -90,22 +113,46 @@ class Prediction:
 
 
 def tensor_parallel_ops(
-    spec: ModelSpec, sequences: int, blocks: int, first: bool, last: bool, tp: int
+    spec: ModelSpec,
+    sequences: int,
+    blocks: int,
+    first: bool,
+    last: bool,
+    tp: int,
+    e: int = 4,
+    checkpointing: str = "none",
 ) -> Ops:
     """One micro-batch through a stage's tensor-parallel layers: per block 4 all-reduces of ``b s h``
-    (the row-parallel outputs forward, the column-parallel inputs' gradients backward); the
+    values (the row-parallel outputs forward, the column-parallel inputs' gradients backward); the
     vocabulary-parallel embedding's output (forward) and the head's input gradient (backward), one
-    each; the vocabulary-parallel cross entropy's 3 all-reduces of ``b s`` fp32 values."""
+    each; the vocabulary-parallel cross entropy's 3 all-reduces of ``b s`` fp32 values. A
+    checkpointed backward reruns forward all-reduces: per block the attention's (torch's
+    checkpoint stops recomputing once it has what the backward needs, before the MLP's); per stage
+    every forward one but the last block's MLP output (unless the final norm follows it)."""
     if tp == 1:
         return {}
     n = sequences * spec.seq_len
-    act = n * spec.hidden * spec.dtype_bytes
-    calls = 4 * blocks + (1 if first else 0) + (1 if last else 0)
+    act = n * spec.hidden * e
+    calls = (
+        4 * blocks
+        + (1 if first else 0)
+        + (1 if last else 0)
+        + recomputed_all_reduces(blocks, first, last, checkpointing)
+    )
     nbytes = calls * (2 * (tp - 1) * act // tp)
     if last:
         calls += 3
         nbytes += 3 * (2 * (tp - 1) * (n * 4) // tp)
     return {"all_reduce": (calls, nbytes)}
+
+
+def recomputed_all_reduces(blocks: int, first: bool, last: bool, checkpointing: str) -> int:
+    if checkpointing == "block":
+        return blocks
+    if checkpointing == "stage":
+        forward = 2 * blocks + (1 if first else 0)
+        return forward if last or forward == 0 else forward - 1
+    return 0
 
 
 def problems(spec: ModelSpec, c: Candidate, global_batch: int) -> list[str]:
@@ -117,53 +164,96 @@ def problems(spec: ModelSpec, c: Candidate, global_batch: int) -> list[str]:
         if spec.vocab % c.tp:
             out.append(f"vocab={spec.vocab} not divisible by tp={c.tp}")
     stages = c.pp * c.stages_per_rank
-    if spec.layers % stages:
+    if c.stages_per_rank > 1 and spec.layers % stages:
         out.append(f"layers={spec.layers} not divisible by pp x stages per rank = {stages}")
+    elif spec.layers < stages:
+        out.append(f"layers={spec.layers} fewer than the {stages} pipeline stages")
     if global_batch % c.dp:
         out.append(f"global batch {global_batch} not divisible by dp={c.dp}")
-    elif c.pp > 1:
+    else:
         local = global_batch // c.dp
         if local % c.micro_batches:
             out.append(f"batch per dp rank {local} not divisible by micro_batches={c.micro_batches}")
-        if c.micro_batches < c.pp:
+        if c.pp > 1 and c.micro_batches < c.pp:
             out.append(f"micro_batches={c.micro_batches} < pp={c.pp}")
         if c.schedule == "interleaved_1f1b" and c.micro_batches % c.pp:
             out.append(f"interleaved_1f1b needs micro_batches={c.micro_batches} a multiple of pp={c.pp}")
     return out
 
 
-def _memory(cost: DataParallelCost, activations: int) -> Memory:
-    return Memory(cost.parameters, cost.gradients, cost.optimizer_state, activations, cost.transient)
-
-
 class Memo:
-    """What the plans of one search share (one model, optimizer and options): the tensor-parallel
-    layouts, the pipeline splits, each stage's data-parallel cost and activation peak, so a search
-    computes them once per mesh and stage rather than once per plan."""
+    """What the plans of one search share (one model, optimizer, options and precision): the
+    tensor-parallel layouts, the pipeline splits, each stage's data-parallel cost, activation peak
+    and compute times, so a search computes them once per mesh and stage rather than once per plan."""
 
     def __init__(self) -> None:
-        self.layers: dict[int, list[list[Tensor]]] = {}
+        self.layers: dict[tuple[int, bool], list[list[Tensor]]] = {}
         self.stages: dict[tuple[int, int], list[StageShape]] = {}
         self.costs: dict[tuple[object, ...], DataParallelCost] = {}
-        self.acts: dict[tuple[object, ...], int] = {}
+        self.acts: dict[tuple[object, ...], Held] = {}
+        self.times: dict[tuple[object, ...], tuple[PassTimes, float, float]] = {}
 
-    def tensors_by_block(self, spec: ModelSpec, tp: int) -> list[list[Tensor]]:
+    def tensors_by_block(self, spec: ModelSpec, tp: int, pipelined: bool = False) -> list[list[Tensor]]:
         """The rank's tensors per pipeline block (0: embedding, ``1..L``: blocks, ``L+1``: head)."""
-        if tp not in self.layers:
+        key = (tp, pipelined and spec.tied_embeddings)
+        if key not in self.layers:
             blocks: list[list[Tensor]] = [[] for _ in range(spec.layers + 2)]
-            for t in transformer_tensors(spec, tp):
+            for t in transformer_tensors(spec, tp, pipelined):
                 blocks[t.layer + 1].append(t)
-            self.layers[tp] = blocks
-        return self.layers[tp]
+            self.layers[key] = blocks
+        return self.layers[key]
 
     def split(self, spec: ModelSpec, tp: int, stages: int) -> list[StageShape]:
         if (tp, stages) not in self.stages:
             if stages == 1:
                 self.stages[(tp, stages)] = [StageShape(0, 0, spec.layers + 2, spec.layers)]
             else:
-                flat = [t for block in self.tensors_by_block(spec, tp) for t in block]
+                flat = [t for block in self.tensors_by_block(spec, tp, True) for t in block]
                 self.stages[(tp, stages)] = split_stages(spec, flat, stages)
         return self.stages[(tp, stages)]
+
+
+def _collective(kind: str, calls: int, nbytes_each: int, p: int, intra: bool, cluster: ClusterSpec) -> float:
+    return comm_seconds({kind: (calls, calls * nbytes_each)}, p, intra, cluster)
+
+
+def _intra(axis: str, c: Candidate, cluster: ClusterSpec) -> bool:
+    sizes = {"dp": c.dp, "tp": c.tp, "pp": c.pp}
+    extent = 1
+    for a in AXIS_EXTENT[axis]:
+        extent *= sizes[a]
+    return inside_node(extent, cluster)
+
+
+def _rank_times(
+    spec: ModelSpec, c: Candidate, chunks: list[StageShape], micro: int, e: int, cluster: ClusterSpec
+) -> tuple[PassTimes, float, float]:
+    """One micro-batch on a pipeline rank: compute with tensor parallelism's all-reduces on the
+    critical path (forward ones in ``f``, backward and recomputed ones in ``i``), the compute alone
+    (without recomputation) and the all-reduces alone."""
+    total = PassTimes()
+    compute = tp_time = 0.0
+    intra = _intra("tp", c, cluster)
+    one = 2 * (c.tp - 1) * (micro * spec.seq_len * spec.hidden * e) // max(c.tp, 1)
+    for st in chunks:
+        t = pass_times(spec, micro, st.blocks, st.last, c.tp, cluster)
+        compute += t.total
+        if c.checkpointed:
+            t.i += t.f  # the forward again, before the backward
+        if c.tp > 1:
+            fwd = 2 * st.blocks + (1 if st.first else 0)
+            bwd = 2 * st.blocks + (1 if st.last else 0)
+            again = recomputed_all_reduces(st.blocks, st.first, st.last, c.checkpointing)
+            f = _collective("all_reduce", fwd, one, c.tp, intra, cluster)
+            b = _collective("all_reduce", bwd + again, one, c.tp, intra, cluster)
+            if st.last:  # the vocabulary-parallel cross entropy's three small all-reduces
+                f += _collective("all_reduce", 3, 2 * (c.tp - 1) * micro * spec.seq_len * 4 // c.tp,
+                                 c.tp, intra, cluster)  # fmt: skip
+            t.f += f
+            t.i += b
+            tp_time += f + b
+        total.add(t)
+    return total, compute, tp_time
 
 
 def predict(
@@ -174,14 +264,16 @@ def predict(
     *,
     optimizer: OptimizerSpec | None = None,
     options: StrategyOptions | None = None,
+    precision: Precision | None = None,
     runnable: bool = False,
     memo: Memo | None = None,
 ) -> Prediction:
     """Memory, bytes per axis and step time of ``candidate`` (``global_batch`` sequences per step).
-    ``memo``: shared by the calls of one search (same ``spec``, ``optimizer`` and ``options``)."""
+    ``memo``: shared by the calls of one search (same ``spec``, ``optimizer``, ``options``, ``precision``)."""
     c = candidate
     opt = optimizer or OptimizerSpec()
     opts = options or StrategyOptions()
+    prec = precision or Precision()
     memo = memo if memo is not None else Memo()
     bad = problems(spec, c, global_batch)
     if bad:  # sizes that do not split evenly have no meaningful cost
@@ -189,59 +281,83 @@ def predict(
         return Prediction(c, empty, 0, {}, 0.0, 0.0, float("inf"), False, tuple(bad), runnable)
     local = global_batch // c.dp
     micro = local // c.micro_batches
-    blocks = memo.tensors_by_block(spec, c.tp)
+    e = prec.activations
+    pipelined = c.pp > 1
+    blocks = memo.tensors_by_block(spec, c.tp, pipelined)
     stages = memo.split(spec, c.tp, c.pp * c.stages_per_rank)
+    passes = 1 if pipelined else c.micro_batches
     stage_mem: list[Memory] = []
     costs: list[DataParallelCost] = []
     tp_ops: list[Ops] = []
+    times: list[tuple[PassTimes, float, float]] = []
     for r in range(c.pp):
         mine = [stages[k * c.pp + r] for k in range(c.stages_per_rank)]
         shape = tuple((st.first, st.blocks, st.last) for st in mine)  # what the rank's tensors depend on
-        key: tuple[object, ...] = (c.strategy, c.dp, c.tp, c.pp > 1, shape)
+        key: tuple[object, ...] = (c.strategy, c.dp, c.tp, pipelined, passes, shape)
         if key not in memo.costs:
             held = [t for st in mine for b in range(st.start, st.stop) for t in blocks[b]]
             memo.costs[key] = data_parallel_cost(
-                c.strategy, held, c.dp, opts, opt, spec.dtype_bytes, keep_gathered=c.pp > 1
+                c.strategy, held, c.dp, opts, opt, prec, keep_gathered=pipelined, passes=passes
             )
         cost = memo.costs[key]
         akey = (c.schedule, c.pp, c.micro_batches, c.stages_per_rank, c.tp, c.checkpointing, micro, r, shape)
         if akey not in memo.acts:
-            if c.pp == 1:
-                memo.acts[akey] = activation_bytes(
-                    spec, micro, spec.layers, tp=c.tp, checkpointing=c.checkpointing
+            if not pipelined:
+                memo.acts[akey] = stage_activations(
+                    spec, micro, spec.layers, e, tp=c.tp, checkpointing=c.checkpointing
                 )
             else:
-                memo.acts[akey] = activation_peak(spec, c, r, mine, micro)
+                memo.acts[akey] = activation_peak(spec, c, r, mine, micro, e)
         acts = memo.acts[akey]
+        tkey = (c.tp, c.dp, c.pp, micro, c.checkpointing, shape)
+        if tkey not in memo.times:
+            memo.times[tkey] = _rank_times(spec, c, mine, micro, e, cluster)
+        times.append(memo.times[tkey])
         ops: Ops = {}
         for st in mine:
-            one = tensor_parallel_ops(spec, micro, st.blocks, st.first, st.last, c.tp)
+            one = tensor_parallel_ops(spec, micro, st.blocks, st.first, st.last, c.tp, e, c.checkpointing)
             for kind, (calls, nbytes) in one.items():
                 prev = ops.get(kind, (0, 0))
                 ops[kind] = (prev[0] + calls * c.micro_batches, prev[1] + nbytes * c.micro_batches)
         costs.append(cost)
         tp_ops.append(ops)
-        stage_mem.append(_memory(cost, acts))
+        stage_mem.append(Memory(cost.parameters, cost.gradients, cost.optimizer_state, acts.kept,
+                                cost.transient, acts.rebuilt))  # fmt: skip
     worst = max(range(c.pp), key=lambda r: stage_mem[r].total)
-    sizes = {"dp": c.dp, "tp": c.tp, "pp": c.pp}
+    tied = 0
+    if spec.tied_embeddings and pipelined:
+        tied = (spec.vocab // c.tp) * spec.hidden * prec.reduce  # 2 ranks: an all-reduce sends it all
     stage_ops = tuple(
-        {"dp": costs[r].ops, "tp": tp_ops[r], "pp": pipeline_ops(spec, c, r, micro)} for r in range(c.pp)
+        {"dp": costs[r].ops, "tp": tp_ops[r], "pp": pipeline_ops(spec, c, r, micro, e, tied)}
+        for r in range(c.pp)
     )
     per_axis: dict[str, Ops] = {
         axis: max((o[axis] for o in stage_ops), key=lambda o: sum(b for _, b in o.values()))
         for axis in ("dp", "tp", "pp")
     }
+    slow = max(range(c.pp), key=lambda r: times[r][0].total)
+    per_micro, compute_one, tp_one = times[slow]
+    body = pipeline_seconds(c.schedule, c.pp, c.micro_batches, c.stages_per_rank, per_micro)
+    busy = c.micro_batches * per_micro.total
+    exposed = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    if c.tp > 1:
+        exposed["tp"] = c.micro_batches * tp_one
+    dp_intra, pp_intra = _intra("dp", c, cluster), _intra("pp", c, cluster)
+    if c.dp > 1:
+        exposed["dp"] = max(_dp_exposed(costs[r], c, times[r][0], dp_intra, cluster) for r in range(c.pp))
+    if pipelined:
+        msg = micro * spec.seq_len * spec.hidden * e
+        hops = 2 * (c.pp * c.stages_per_rank - 1)  # first forward, last backward: every boundary
+        exposed["pp"] = _collective("send", hops, msg, c.pp, pp_intra, cluster)
+        if tied:
+            exposed["pp"] += _collective("all_reduce", 1, tied, 2, pp_intra, cluster)
     axes: dict[str, AxisCost] = {}
+    sizes = {"dp": c.dp, "tp": c.tp, "pp": c.pp}
     for axis, ops in per_axis.items():
-        extent = 1
-        for a in AXIS_EXTENT[axis]:
-            extent *= sizes[a]
-        intra = inside_node(extent, cluster)
-        axes[axis] = AxisCost(axis, sizes[axis], intra, ops, comm_seconds(ops, sizes[axis], intra, cluster))
-    flops = global_batch * spec.seq_len * spec.flops_per_token() * (4 if c.checkpointing else 3)
-    compute = flops / (c.ranks * cluster.tflops * 1e12)
-    idle = bubble(c.schedule, c.pp, c.micro_batches, c.stages_per_rank)
-    step = compute / (1.0 - idle) + sum(a.seconds for a in axes.values())
+        intra = _intra(axis, c, cluster)
+        seconds = comm_seconds(ops, sizes[axis], intra, cluster)
+        axes[axis] = AxisCost(axis, sizes[axis], intra, ops, seconds, exposed[axis])
+    step = body + exposed["dp"] + exposed["pp"]
     memory = stage_mem[worst]
     out_of_memory = memory.total > cluster.memory_bytes
     notes = [f"needs {memory.total / 2**30:.2f} GiB > {cluster.memory_gib:g} GiB"] if out_of_memory else []
@@ -250,12 +366,34 @@ def predict(
         memory=memory,
         peak_gathered_parameters=costs[worst].peak_gathered_parameters,
         axes=axes,
-        compute_seconds=compute,
-        bubble=idle,
+        compute_seconds=c.micro_batches * compute_one,
+        bubble=1.0 - busy / body if body > 0 else 0.0,
         step_seconds=step,
         fits=not out_of_memory,
         problems=tuple(notes),
         runnable=runnable,
         stage_memory=tuple(stage_mem),
         stage_ops=stage_ops,
+        micro_batch=micro,
     )
+
+
+def _dp_exposed(
+    cost: DataParallelCost, c: Candidate, t: PassTimes, intra: bool, cluster: ClusterSpec
+) -> float:
+    """The data-parallel time the step waits for. Gradients are reduced bucket by bucket (unit by
+    unit) during the last micro-batch's backward: only what outlasts it, and at least the last
+    bucket, waits. ZeRO-1/2 gather the updated parameters after the step (nothing to hide behind).
+    ZeRO-3/FSDP gather each unit while the one before it computes (prefetch): only gathers
+    outlasting the compute wait (under a pipeline: the stage's one gather, behind the first forward)."""
+    grad = comm_seconds(cost.grad_ops, c.dp, intra, cluster)
+    kind = next(iter(cost.grad_ops), "all_reduce")
+    last = _collective(kind, 1, cost.last_reduce, c.dp, intra, cluster)
+    exposed = max(last, grad - (t.i + t.w))
+    gather = comm_seconds(cost.gather_ops, c.dp, intra, cluster)
+    if c.strategy in ("zero1", "zero2"):
+        exposed += gather
+    elif c.strategy in ("zero3", "fsdp"):
+        hide = t.f if c.pp > 1 else c.micro_batches * t.total
+        exposed += max(0.0, gather - hide)
+    return exposed

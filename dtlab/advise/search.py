@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from dtlab.advise.precision import PRECISIONS, Precision
 from dtlab.advise.predict import Memo, Prediction, predict
 from dtlab.advise.spec import (
     DP_STRATEGIES,
@@ -18,20 +19,31 @@ from dtlab.advise.spec import (
 from dtlab.core import pairs
 from dtlab.errors import ArgumentError
 
-__all__ = ["Advice", "advise", "candidates", "runnable"]
+__all__ = ["Advice", "Limits", "advise", "candidates", "runnable"]
 
 #: the optimizer strategy that drives each data-parallel choice
 _OPTIMIZER_OF = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "zero3"}
 
 
-def runnable(c: Candidate) -> bool:
+def runnable(c: Candidate, spec: ModelSpec | None = None, precision: Precision | None = None) -> bool:
     """Whether dtlab has a model strategy for the plan today, from the pairing table: the
     data-parallel strategies alone, ``tensor`` for tp x dp, ``pipeline`` for pp x dp, ``hybrid`` for
-    any mesh. Activation checkpointing as planned here (per block) is what dtlab does without a
-    pipeline; with one dtlab checkpoints whole stages, which this model does not predict."""
+    any mesh. dtlab checkpoints per block without a pipeline and per stage with one (not under
+    zero-bubble); ``dtlab train`` cuts a pipeline into stages of equal numbers of blocks, keeps a
+    shared weight in one stage (no tied embeddings across stages) and trains in its own precision
+    policies (fp32 parameters)."""
+    if spec is not None:
+        if c.pp > 1 and (spec.layers % (c.pp * c.stages_per_rank) or spec.tied_embeddings):
+            return False
+    if precision is not None and (
+        precision.name not in PRECISIONS or precision != Precision.named(precision.name)
+    ):
+        return False
     if c.tp == 1 and c.pp == 1:
         return c.strategy in pairs.PAIRINGS
-    if c.checkpointing and c.pp > 1:
+    if c.pp > 1 and c.checkpointing == "block":
+        return False
+    if c.checkpointing == "stage" and c.schedule == "zero_bubble":
         return False
     wanted = _OPTIMIZER_OF[c.strategy]
     models = ["hybrid"]
@@ -46,39 +58,70 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a search may try. ``max_tp``: the largest tensor-parallel size (default: one node);
+    ``schedules``: pipeline schedules; ``checkpointing``: the modes to try (``"stage"`` only
+    applies with a pipeline); ``micro_batch``: sequences per micro-batch to try (``None``: every
+    size that divides the batch per dp rank); ``max_interleave``: the most chunks per rank."""
+
+    strategies: tuple[str, ...] = DP_STRATEGIES
+    schedules: tuple[str, ...] = SCHEDULES
+    checkpointing: tuple[str, ...] = ("none", "block", "stage")
+    max_tp: int | None = None
+    micro_batch: tuple[int, ...] | None = None
+    max_interleave: int = 8
+
+
 def candidates(
     ranks: int,
     global_batch: int,
     *,
     strategies: tuple[str, ...] = DP_STRATEGIES,
     schedules: tuple[str, ...] = SCHEDULES,
-    checkpointing: tuple[bool, ...] = (False, True),
-    interleave: int = 2,
+    checkpointing: tuple[str | bool, ...] = ("none", "block", "stage"),
+    layers: int | None = None,
+    max_tp: int | None = None,
+    micro_batch: tuple[int, ...] | None = None,
+    max_interleave: int = 8,
 ) -> Iterator[Candidate]:
-    """Every (strategy, dp, tp, pp, schedule, micro-batches, checkpointing) with ``dp tp pp = ranks``
-    and the micro-batches dividing the batch per dp rank, at least ``pp`` of them."""
+    """Every (strategy, dp, tp, pp, schedule, micro-batches, chunks per rank, checkpointing) with
+    ``dp tp pp = ranks``: the micro-batches dividing the batch per dp rank (gradient accumulation
+    without a pipeline, at least ``pp`` of them with one); interleaving with every ``v`` (at most
+    ``max_interleave``) for which ``pp v`` divides ``layers`` (``v = 2`` without ``layers``)."""
+    modes = ["block" if m is True else "none" if m is False else str(m) for m in checkpointing]
     for pp in _divisors(ranks):
+        if layers is not None and pp > layers:
+            continue
         for tp in _divisors(ranks // pp):
+            if max_tp is not None and tp > max_tp:
+                continue
             dp = ranks // (pp * tp)
             if global_batch % dp:
                 continue
             local = global_batch // dp
-            if pp == 1:
-                plans = [("none", 1, 1)]
-            else:
-                plans = []
-                for m in _divisors(local):
-                    if m < pp:
-                        continue
-                    for sched in schedules:
-                        if sched == "interleaved_1f1b":
-                            if m % pp == 0:
-                                plans.append((sched, m, interleave))
-                        else:
-                            plans.append((sched, m, 1))
+            plans: list[tuple[str, int, int]] = []
+            for m in _divisors(local):
+                if micro_batch is not None and local // m not in micro_batch:
+                    continue
+                if pp == 1:
+                    plans.append(("none", m, 1))
+                    continue
+                if m < pp:
+                    continue
+                for sched in schedules:
+                    if sched != "interleaved_1f1b":
+                        plans.append((sched, m, 1))
+                    elif m % pp == 0:
+                        chunks = [2] if layers is None else [
+                            v for v in range(2, max_interleave + 1) if layers % (pp * v) == 0
+                        ]  # fmt: skip
+                        plans += [(sched, m, v) for v in chunks]
             for strategy in strategies:
                 for sched, m, v in plans:
-                    for ckpt in checkpointing:
+                    for ckpt in modes:
+                        if ckpt == "stage" and (pp == 1 or sched == "zero_bubble"):
+                            continue
                         yield Candidate(strategy, dp, tp, pp, sched, m, v, ckpt)  # type: ignore[arg-type]
 
 
@@ -97,29 +140,56 @@ def advise(
     *,
     optimizer: OptimizerSpec | None = None,
     options: StrategyOptions | None = None,
+    precision: Precision | None = None,
     strategies: tuple[str, ...] = DP_STRATEGIES,
-    checkpointing: tuple[bool, ...] = (False, True),
+    checkpointing: tuple[str | bool, ...] = ("none", "block", "stage"),
     runnable_only: bool = False,
+    limits: Limits | None = None,
 ) -> Advice:
     """Every feasible plan (fits in memory, every size divides), fastest predicted step first
     (ties: least memory)."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ArgumentError(f"global_batch must be an integer >= 1, got {global_batch!r}")
-    unknown = [s for s in strategies if s not in DP_STRATEGIES]
+    lim = limits or Limits(strategies=strategies, checkpointing=tuple(
+        "block" if m is True else "none" if m is False else str(m) for m in checkpointing))  # fmt: skip
+    unknown = [s for s in lim.strategies if s not in DP_STRATEGIES]
     if unknown:
         raise ArgumentError(
             f"unknown data-parallel strategies {unknown}; choose from {', '.join(DP_STRATEGIES)}"
         )
+    bad = [s for s in lim.schedules if s not in SCHEDULES]
+    if bad:
+        raise ArgumentError(f"unknown pipeline schedules {bad}; choose from {', '.join(SCHEDULES)}")
+    prec = precision or Precision()
     out = []
     considered = 0
     memo = Memo()
-    for c in candidates(cluster.ranks, global_batch, strategies=strategies, checkpointing=checkpointing):
-        ok = runnable(c)
+    max_tp = lim.max_tp if lim.max_tp is not None else cluster.ranks_per_node
+    for c in candidates(
+        cluster.ranks,
+        global_batch,
+        strategies=lim.strategies,
+        schedules=lim.schedules,
+        checkpointing=lim.checkpointing,
+        layers=spec.layers,
+        max_tp=max_tp,
+        micro_batch=lim.micro_batch,
+        max_interleave=lim.max_interleave,
+    ):
+        ok = runnable(c, spec, prec)
         if runnable_only and not ok:
             continue
         considered += 1
         p = predict(
-            spec, cluster, c, global_batch, optimizer=optimizer, options=options, runnable=ok, memo=memo
+            spec,
+            cluster,
+            c,
+            global_batch,
+            optimizer=optimizer,
+            options=options,
+            precision=prec,
+            runnable=ok,
+            memo=memo,
         )
         if p.fits:
             out.append(p)

@@ -14,6 +14,7 @@ from typing import Literal
 from dtlab.errors import ArgumentError
 
 __all__ = [
+    "CHECKPOINTING",
     "DP_STRATEGIES",
     "SCHEDULES",
     "Candidate",
@@ -27,10 +28,14 @@ __all__ = [
 DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 #: pipeline schedules, as dtlab.models.pipeline names them
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+#: activation checkpointing: none, per transformer block (Megatron's "full" recompute, what dtlab
+#: does without a pipeline), per pipeline stage (what dtlab's pipeline does)
+CHECKPOINTING = ("none", "block", "stage")
 #: the vocabulary of dtlab's embedded byte-level transformer
 BYTE_VOCAB = 256
 
 DpStrategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp"]
+Checkpointing = Literal["none", "block", "stage"]
 
 
 def _positive(owner: str, **values: int | float) -> None:
@@ -49,16 +54,17 @@ def _positive_int(owner: str, **values: int) -> None:
 class ModelSpec:
     """A causal transformer shaped like dtlab's ``TransformerLM`` (trainers/models.py): token and
     position embeddings, ``layers`` pre-norm blocks (attention with a fused qkv projection, an MLP of
-    ``4 * hidden``, two LayerNorms, biases everywhere), a final LayerNorm and an untied head."""
+    ``4 * hidden``, two LayerNorms, biases everywhere), a final LayerNorm and a head, untied
+    (dtlab's) or tied to the token embedding (``tied_embeddings``: one weight; under a pipeline the
+    last stage holds a copy whose gradient is summed with the first stage's, as Megatron-LM does)."""
 
     layers: int
     hidden: int
     heads: int
     vocab: int = BYTE_VOCAB
     seq_len: int = 64
-    #: bytes per element of parameters, gradients, optimizer state and activations (fp32: 4)
-    dtype_bytes: int = 4
     name: str = "transformer"
+    tied_embeddings: bool = False
 
     def __post_init__(self) -> None:
         _positive_int(
@@ -68,7 +74,6 @@ class ModelSpec:
             heads=self.heads,
             vocab=self.vocab,
             seq_len=self.seq_len,
-            dtype_bytes=self.dtype_bytes,
         )
         if self.hidden % self.heads:
             raise ArgumentError(
@@ -93,25 +98,35 @@ class ModelSpec:
                 f"unknown built-in model {name!r}; the built-in one is 'transformer' (dtlab's embedded "
                 "TransformerLM); describe any other transformer by its sizes"
             )
-        return cls(n_layers, d_model, n_heads, BYTE_VOCAB, seq_len, 4, "transformer")
+        return cls(n_layers, d_model, n_heads, BYTE_VOCAB, seq_len, "transformer")
 
     @classmethod
     def from_parameters(
-        cls, parameters: int, *, layers: int, heads: int, vocab: int, seq_len: int, dtype_bytes: int = 4
+        cls,
+        parameters: int,
+        *,
+        layers: int,
+        heads: int,
+        vocab: int,
+        seq_len: int,
+        tied_embeddings: bool = False,
     ) -> ModelSpec:
         """The transformer of ``layers`` blocks whose parameter count is nearest ``parameters``: the
-        hidden size solves ``12 L h^2 + (2 V + s + 13 L + 2) h = N``, rounded to a multiple of ``heads``."""
+        hidden size solves ``12 L h^2 + ((2 or 1) V + s + 13 L + 2) h = N``, rounded to a multiple of
+        ``heads``."""
         _positive_int("ModelSpec", parameters=parameters, layers=layers, heads=heads)
-        a, b = 12 * layers, 2 * vocab + seq_len + 13 * layers + 2
+        a, b = 12 * layers, (1 if tied_embeddings else 2) * vocab + seq_len + 13 * layers + 2
         root = (-b + math.sqrt(b * b + 4 * a * parameters)) / (2 * a)
         hidden = max(heads, heads * round(root / heads))
-        return cls(layers, hidden, heads, vocab, seq_len, dtype_bytes, f"transformer~{parameters:.3g}")
+        name = f"transformer~{parameters:.3g}"
+        return cls(layers, hidden, heads, vocab, seq_len, name, tied_embeddings)
 
     @property
     def parameters(self) -> int:
-        """Exact parameter count: ``2 V h + s h + L (12 h^2 + 13 h) + 2 h``."""
+        """Exact parameter count: ``2 V h + s h + L (12 h^2 + 13 h) + 2 h`` (tied: ``V h`` less)."""
         h, v = self.hidden, self.vocab
-        return 2 * v * h + self.seq_len * h + self.layers * (12 * h * h + 13 * h) + 2 * h
+        head = 0 if self.tied_embeddings else v * h
+        return v * h + head + self.seq_len * h + self.layers * (12 * h * h + 13 * h) + 2 * h
 
     def flops_per_token(self) -> float:
         """Forward FLOPs per token: ``2 (12 L h^2 + V h)`` for the matrix products plus ``4 L s h`` for
@@ -122,8 +137,11 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Devices and links. Bandwidths in Gbit/s (as links are quoted), latencies in microseconds,
-    memory in GiB, compute in TFLOP/s actually reached per device (not the datasheet peak)."""
+    """Devices and links. Bandwidths in Gbit/s (as links are quoted; between nodes, each device's
+    share), latencies in microseconds, memory in GiB, compute in TFLOP/s one device reaches on large
+    matrix products (a fitted rate, not the datasheet peak). ``gemm_knee``: the matrix dimension at
+    which a product runs at half that rate; a product of ``M x K`` by ``K x N`` runs at
+    ``M/(M+k) * N/(N+k) * K/(K+k)`` of it (docs/strategies.md, "The formulas")."""
 
     ranks: int
     memory_gib: float = 80.0
@@ -133,6 +151,7 @@ class ClusterSpec:
     inter_node_bandwidth_gbps: float = 200.0
     inter_node_latency_us: float = 10.0
     ranks_per_node: int = 8
+    gemm_knee: float = 64.0
 
     def __post_init__(self) -> None:
         _positive_int("ClusterSpec", ranks=self.ranks, ranks_per_node=self.ranks_per_node)
@@ -143,7 +162,7 @@ class ClusterSpec:
             bandwidth_gbps=self.bandwidth_gbps,
             inter_node_bandwidth_gbps=self.inter_node_bandwidth_gbps,
         )
-        for name in ("latency_us", "inter_node_latency_us"):
+        for name in ("latency_us", "inter_node_latency_us", "gemm_knee"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise ArgumentError(f"ClusterSpec.{name} must be a number >= 0, got {v!r}")
@@ -201,7 +220,10 @@ class StrategyOptions:
 class Candidate:
     """One plan: the data-parallel strategy over ``dp`` ranks, tensor parallelism over ``tp``, a
     pipeline of ``pp`` ranks running ``schedule`` over ``micro_batches`` (``stages_per_rank`` chunks per
-    rank for the interleaved schedule), with or without activation checkpointing per block."""
+    rank for the interleaved schedule); without a pipeline, ``micro_batches`` is gradient
+    accumulation (``schedule="none"``). ``checkpointing``: ``"none"``, ``"block"`` (each transformer
+    block keeps its input and is recomputed in the backward) or ``"stage"`` (each pipeline stage);
+    ``True``/``False`` mean ``"block"``/``"none"``."""
 
     strategy: DpStrategy
     dp: int = 1
@@ -210,9 +232,16 @@ class Candidate:
     schedule: str = "none"
     micro_batches: int = 1
     stages_per_rank: int = 1
-    checkpointing: bool = False
+    checkpointing: Checkpointing = "none"
 
     def __post_init__(self) -> None:
+        ckpt: object = self.checkpointing
+        if ckpt is True or ckpt is False:
+            object.__setattr__(self, "checkpointing", "block" if ckpt else "none")
+        elif ckpt not in CHECKPOINTING:
+            raise ArgumentError(
+                f"Candidate.checkpointing must be one of {', '.join(CHECKPOINTING)}, got {ckpt!r}"
+            )
         if self.strategy not in DP_STRATEGIES:
             raise ArgumentError(
                 f"Candidate.strategy must be one of {', '.join(DP_STRATEGIES)}, got {self.strategy!r}"
@@ -230,10 +259,19 @@ class Candidate:
                 f"Candidate with pp={self.pp} needs a schedule in {', '.join(SCHEDULES)}, got "
                 f"{self.schedule!r}"
             )
-        if self.pp == 1 and (self.schedule != "none" or self.micro_batches != 1):
+        if self.pp == 1 and (self.schedule != "none" or self.stages_per_rank != 1):
             raise ArgumentError(
-                "Candidate without a pipeline (pp=1) takes schedule='none' and micro_batches=1, got "
-                f"schedule={self.schedule!r}, micro_batches={self.micro_batches}"
+                "Candidate without a pipeline (pp=1) takes schedule='none' and stages_per_rank=1, got "
+                f"schedule={self.schedule!r}, stages_per_rank={self.stages_per_rank}"
+            )
+        if self.stages_per_rank > 1 and self.schedule != "interleaved_1f1b":
+            raise ArgumentError(
+                f"Candidate: stages_per_rank={self.stages_per_rank} needs schedule='interleaved_1f1b', "
+                f"got {self.schedule!r}"
+            )
+        if self.checkpointing == "stage" and self.pp == 1:
+            raise ArgumentError(
+                "Candidate: checkpointing='stage' needs a pipeline (pp > 1); use 'block' without one"
             )
 
     @property
@@ -248,6 +286,14 @@ class Candidate:
         if self.pp > 1:
             chunks = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
             parts.append(f"pp{self.pp} {self.schedule} m{self.micro_batches}{chunks}")
-        if self.checkpointing:
+        elif self.micro_batches > 1:
+            parts.append(f"accum{self.micro_batches}")
+        if self.checkpointing == "block":
             parts.append("ckpt")
+        elif self.checkpointing == "stage":
+            parts.append("ckpt-stage")
         return " ".join(parts)
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.checkpointing != "none"

@@ -1,0 +1,101 @@
+"""One given plan: ``--plan "dp=8,tp=4,pp=12,strategy=zero1,schedule=1f1b,micro_batch=2,checkpointing=full"``.
+
+Keys: ``strategy`` (ddp, zero1, zero2, zero3, fsdp), ``dp`` (default: what ``tp`` and ``pp`` leave of
+the ranks), ``tp``, ``pp`` (default 1), ``schedule`` (default 1f1b with a pipeline), ``micro_batch``
+(sequences per micro-batch) or ``micro_batches`` (how many; without a pipeline: gradient
+accumulation; default: one micro-batch per dp rank, ``pp`` of them with a pipeline), ``v`` (chunks per
+rank, interleaved 1F1B), ``checkpointing`` (none, block or its Megatron-LM name full, stage; true:
+block without a pipeline, stage with one).
+"""
+
+from __future__ import annotations
+
+from dtlab.advise.predict import Prediction
+from dtlab.advise.spec import Candidate
+from dtlab.errors import ArgumentError
+
+__all__ = ["parse_plan", "place"]
+
+_KEYS = ("strategy", "dp", "tp", "pp", "schedule", "micro_batch", "micro_batches", "v", "checkpointing")
+_CHECKPOINTING = {"none": "none", "false": "none", "block": "block", "full": "block", "stage": "stage"}
+
+
+def _int(key: str, value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise ArgumentError(f"--plan: {key}={value!r} is not an integer") from None
+    if n < 1:
+        raise ArgumentError(f"--plan: {key}={n} must be >= 1")
+    return n
+
+
+def parse_plan(text: str, ranks: int, global_batch: int) -> Candidate:
+    """The plan ``text`` describes on ``ranks`` ranks with ``global_batch`` sequences per step."""
+    fields: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, eq, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in _KEYS:
+            raise ArgumentError(f"--plan: {part!r} is not KEY=VALUE with a key among {', '.join(_KEYS)}")
+        if key in fields:
+            raise ArgumentError(f"--plan: {key} given twice")
+        fields[key] = value.strip().lower()
+    if "strategy" not in fields:
+        raise ArgumentError("--plan needs strategy=ddp|zero1|zero2|zero3|fsdp")
+    tp = _int("tp", fields.get("tp", "1"))
+    pp = _int("pp", fields.get("pp", "1"))
+    if ranks % (tp * pp):
+        raise ArgumentError(f"--plan: tp={tp} x pp={pp} does not divide --ranks {ranks}")
+    dp = _int("dp", fields["dp"]) if "dp" in fields else ranks // (tp * pp)
+    if dp * tp * pp != ranks:
+        raise ArgumentError(
+            f"--plan: dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but --ranks is {ranks}; "
+            "give --ranks that product or leave dp out"
+        )
+    if global_batch % dp:
+        raise ArgumentError(f"--plan: dp={dp} does not divide --global-batch {global_batch}")
+    local = global_batch // dp
+    if "micro_batch" in fields and "micro_batches" in fields:
+        raise ArgumentError("--plan: give micro_batch (sequences) or micro_batches (how many), not both")
+    if "micro_batch" in fields:
+        size = _int("micro_batch", fields["micro_batch"])
+        if local % size:
+            raise ArgumentError(
+                f"--plan: micro_batch={size} does not divide the {local} sequences per dp rank "
+                f"(--global-batch {global_batch} / dp {dp})"
+            )
+        m = local // size
+    else:
+        m = _int("micro_batches", fields.get("micro_batches", str(pp if pp > 1 else 1)))
+    schedule = fields.get("schedule", "1f1b" if pp > 1 else "none")
+    v = _int("v", fields.get("v", "1"))
+    if v > 1 and "schedule" not in fields:
+        schedule = "interleaved_1f1b"
+    ckpt = fields.get("checkpointing", "none")
+    if ckpt == "true":
+        ckpt = "stage" if pp > 1 else "block"
+    if ckpt not in _CHECKPOINTING:
+        raise ArgumentError(
+            f"--plan: checkpointing={ckpt!r}; choose none, block (or full), stage, true or false"
+        )
+    return Candidate(
+        fields["strategy"],  # type: ignore[arg-type]
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        schedule=schedule,
+        micro_batches=m,
+        stages_per_rank=v,
+        checkpointing=_CHECKPOINTING[ckpt],  # type: ignore[arg-type]
+    )
+
+
+def place(plan: Prediction, ranked: list[Prediction]) -> int:
+    """The plan's place among ``ranked`` (fastest first, 1-based): where it is, or where it would be."""
+    for i, p in enumerate(ranked, 1):
+        if p.candidate == plan.candidate:
+            return i
+    return 1 + sum(1 for p in ranked if p.step_seconds < plan.step_seconds)
