@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core import pairs
 from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import StrategyError
+from dtlab.models._grad_guard import ShardedGradient, clear_guards, guard_grads
 from dtlab.models.base import ModelStrategy
 from dtlab.models.flat import FlatUnit
 
@@ -24,7 +26,8 @@ __all__ = ["DataParallelModel", "tensor_bytes", "unique_storage_bytes"]
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    """Bytes ``t`` holds (a :class:`ShardedGradient` stand-in holds none)."""
+    return 0 if t is None or isinstance(t, ShardedGradient) else t.numel() * t.element_size()
 
 
 def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -106,6 +109,7 @@ class DataParallelModel(ModelStrategy):
         self._optimizer_ref: OptimizerStrategy | None = None
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self._hook_handles: list[Any] = []
+        self._guarded = False
 
     # ------------------------------------------------------------------ reducer
     @property
@@ -142,6 +146,18 @@ class DataParallelModel(ModelStrategy):
         if self.broadcast_buffers and self.dp_backend.world_size > 1:
             self._broadcast_from_rank0([b for b in self.module.buffers() if b is not None])
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's switch: ``False`` makes the following backward passes accumulate locally (as
+        inside :meth:`no_sync`) until it is set back to ``True``."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"require_backward_grad_sync must be a bool, got {value!r}")
+        self._sync = value
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside the block accumulate gradients locally; the first one after it syncs."""
@@ -169,7 +185,40 @@ class DataParallelModel(ModelStrategy):
     def _end_backward(self) -> None:
         raise NotImplementedError
 
+    def _guard_grads(self) -> None:
+        """After a synchronized backward whose gradients stay sharded: ``param.grad`` refuses use."""
+        opt = pairs.optimizer_class_name(pairs.default_optimizer(self.strategy_name))
+        guard_grads(self._trainable, type(self).__name__, opt)
+        self._guarded = True
+
+    def _release_guards(self) -> None:
+        """Before the next forward or backward: drop the stand-ins put by :meth:`_guard_grads`."""
+        if self._guarded:
+            self._guarded = False
+            clear_guards([p for _, p in self._trainable])
+
+    def check_requires_grad(self) -> None:
+        """Refuse parameters whose ``requires_grad`` changed after wrapping: the strategy laid out
+        gradient buffers and shards for the parameters trainable then, so a parameter unfrozen later
+        would never be synchronized or stepped, and one frozen later would hang the reduction."""
+        unfrozen = [n for n, p in self._frozen if p.requires_grad]
+        frozen = [n for n, p in self._trainable if not p.requires_grad]
+        if unfrozen or frozen:
+            what = []
+            if unfrozen:
+                what.append(f"requires_grad=True now on {unfrozen[:5]} (frozen when wrapped)")
+            if frozen:
+                what.append(f"requires_grad=False now on {frozen[:5]} (trainable when wrapped)")
+            raise StrategyError(
+                f"{type(self).__name__}: {'; '.join(what)}. The strategy lays out gradient buffers and "
+                "shards for the parameters that require grad when it wraps the module, so a change "
+                "after wrapping would leave a parameter untrained or hang the reduction. Set "
+                "requires_grad on the plain module before wrapping it (rebuild the wrapper after "
+                "changing which parameters train)"
+            )
+
     def _unused_error(self, missing: list[str]) -> StrategyError:
+        self.check_requires_grad()
         return StrategyError(
             f"{type(self).__name__} on rank {self.dp_backend.rank}: parameters received no gradient in this "
             f"backward pass: {missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all). "
@@ -203,6 +252,7 @@ class DataParallelModel(ModelStrategy):
         self._optimizer_ref = optimizer
 
     def check_grads_ready(self, who: str) -> None:
+        self.check_requires_grad()
         if not self._grads_synced:
             raise StrategyError(
                 f"{who}.step() found no synchronized gradients: call loss.backward() outside no_sync() "

@@ -251,6 +251,8 @@ class ShardedModel(DataParallelModel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self._hooks_for_compile and "torch._dynamo" in sys.modules:  # compiled after wrapping
             torch.compiler.disable(self._install_forward_hooks)()
+        if torch.is_grad_enabled():
+            self._release_guards()
         self._sync_buffers()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -306,6 +308,7 @@ class ShardedModel(DataParallelModel):
                     work.wait()
                     st.grad_shard.add_(out)
                 self._grads_synced = True
+                self._guard_grads()
         finally:
             self._pending = []
             for st in self._units:
@@ -340,6 +343,7 @@ class ShardedModel(DataParallelModel):
         self._last_peak, self._peak = self._peak, self._gathered_bytes
 
     def zero_grad_buffers(self) -> None:
+        self._guarded = False
         for st in self._units:
             st.grad_shard.zero_()
             for q in st.unit.params:

@@ -100,8 +100,21 @@ class DDPModel(DataParallelModel):
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._release_guards()
         self._sync_buffers()
         return self.module(*args, **kwargs)
+
+    def _release_guards(self) -> None:
+        if self._guarded and self._keep_full_grads:  # grads become views of the buckets again
+            self._guarded = False
+            for i, buf in enumerate(self._grad_bufs):
+                if buf is not None:
+                    self._point_grads(i, buf)
+        super()._release_guards()
+
+    def _after_sync(self) -> None:
+        """A synchronized backward completed (ZeRO-1 and ZeRO-2 guard their sharded gradients)."""
 
     def _point_grads(self, i: int, buf: torch.Tensor) -> torch.Tensor:
         for s, q in zip(self._units[i].slots, self._units[i].params, strict=True):
@@ -173,6 +186,7 @@ class DDPModel(DataParallelModel):
                 work.wait()
                 self._complete(i, extra)
             self._grads_synced = True
+            self._after_sync()
         finally:
             self._works = []
             self._ready = [set() for _ in self._units]
@@ -200,6 +214,7 @@ class DDPModel(DataParallelModel):
             self.dp_backend.all_gather(flat, flat[lo:hi].clone())
 
     def zero_grad_buffers(self) -> None:
+        self._guarded = False
         for i, buf in enumerate(self._grad_bufs):
             if buf is not None:
                 buf.zero_()

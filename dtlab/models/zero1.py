@@ -9,8 +9,10 @@ gradient. How the buckets are synchronized is the ``gradient_sync`` option:
 - ``"reduce_scatter"`` (default, DeepSpeed's ZeRO-1 traffic): each bucket is reduce-scattered;
   this rank's slice of the bucket receives the average, the rest of the bucket is zeroed. Per step:
   reduce-scatter + all-gather of the parameters = ``2(P-1)/P`` of the gradient bytes, as DDP.
-  ``param.grad`` then holds the averaged gradient on this rank's shard only (zeros elsewhere);
-  clipping and the finite check work on the shards (a sum over ranks).
+  The bucket then holds the averaged gradient on this rank's shard only (zeros elsewhere), so
+  ``param.grad`` refuses to be read as a whole gradient until the next forward (see
+  :mod:`dtlab.models._grad_guard`); clipping and the finite check work on the shards (a sum over
+  ranks).
 - ``"all_reduce"``: DDP's all-reduce, so every rank holds the whole averaged gradient (for gradient
   hooks or inspection of ``param.grad``, or a reducer that only offers all-reduce semantics), at
   ``3(P-1)/P`` of the gradient bytes per step.
@@ -146,6 +148,10 @@ class ZeRO1Model(DDPModel):
         buf[hi:].zero_()
         buf[lo:hi].copy_(extra)
         self._grad_state = "averaged"
+
+    def _after_sync(self) -> None:
+        if self.gradient_sync == "reduce_scatter":  # param.grad holds only this rank's slice
+            self._guard_grads()
 
     def zero_grad_buffers(self) -> None:
         super().zero_grad_buffers()

@@ -54,10 +54,14 @@ class ZeRO2Model(DDPModel):
         self._grad_shards[i].add_(extra)
         self._grad_bufs[i] = None
 
+    def _after_sync(self) -> None:
+        self._guard_grads()
+
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
         return self._grad_shards[self._units.index(unit)]
 
     def zero_grad_buffers(self) -> None:
+        self._guarded = False
         for g in self._grad_shards:
             g.zero_()
         for _, q in self._trainable:

@@ -12,6 +12,7 @@ a whole: list such classes in ``leaf_modules``.
 
 from __future__ import annotations
 
+import warnings
 from typing import ClassVar
 
 import torch
@@ -69,6 +70,16 @@ class ZeRO3Model(ShardedModel):
             broadcast_buffers=broadcast_buffers,
             world=world,
         )
+        if backend.world_size > 1 and all(st.persistent for st in self._units):
+            largest = max(p.numel() for _, p in self._trainable)
+            warnings.warn(
+                f"ZeRO3Model: persistence_threshold={persistence_threshold} keeps every parameter whole on "
+                f"every rank (the largest has {largest} elements), so nothing is sharded and ZeRO-3 saves "
+                "no parameter memory; pass persistence_threshold=0 (or below the parameters' sizes) to "
+                "shard them",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _plan(self) -> list[tuple[str, nn.Module, list[UnitPlan]]]:
         names = {id(p): n for n, p in self._trainable}

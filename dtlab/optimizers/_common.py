@@ -131,6 +131,16 @@ class DataParallelOptimizer(OptimizerStrategy):
             model.scale_grads_(coef)
         return norm.float()
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every synchronized gradient to ``[-clip_value, clip_value]`` (torch's
+        ``clip_grad_value_`` on the gradients as this strategy holds them: whole or this rank's shard)."""
+        if not (isinstance(clip_value, int | float) and clip_value > 0):
+            raise ValueError(f"clip_value must be a number > 0, got {clip_value!r}")
+        tensors, _ = self.dp_model.norm_grad_tensors()
+        with torch.no_grad():
+            for t in tensors:
+                t.clamp_(-float(clip_value), float(clip_value))
+
     def grads_are_finite(self) -> bool:
         tensors, _ = self.dp_model.norm_grad_tensors()
         local = all(bool(torch.isfinite(t).all()) for t in tensors)

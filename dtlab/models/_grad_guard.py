@@ -1,0 +1,84 @@
+"""Stand-ins for ``param.grad`` where a rank holds only part of the synchronized gradient.
+
+After a synchronized backward, ZeRO-1 (reduce-scatter), ZeRO-2, ZeRO-3 and FSDP keep each rank's
+shard of the averaged gradient inside the strategy; ``param.grad`` is not the whole gradient there.
+torch's ``clip_grad_norm_`` / ``clip_grad_value_`` or a plain torch optimizer reading it would
+compute a wrong norm or step nothing without a word. So ``param.grad`` becomes a
+:class:`ShardedGradient`: it has the parameter's shape, dtype and device (``p.grad is not None`` and
+shape checks work) and holds no memory; any operation on it raises a :class:`StrategyError` that
+names the dtlab call doing the same thing right. The model's next forward (or ``zero_grad()``)
+removes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from dtlab.errors import StrategyError
+
+__all__ = ["ShardedGradient", "clear_guards", "guard_grads"]
+
+
+class ShardedGradient(torch.Tensor):
+    """A ``param.grad`` that refuses every operation, naming the fix (see the module docstring)."""
+
+    message: str
+    __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, message: str) -> ShardedGradient:
+        made = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
+        )
+        out: ShardedGradient = made
+        out.message = message
+        return out
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        found = next((a for a in args if isinstance(a, ShardedGradient)), None)
+        if found is None and kwargs:
+            found = next((a for a in kwargs.values() if isinstance(a, ShardedGradient)), None)
+        if found is None:
+            for a in args:
+                if isinstance(a, list | tuple):
+                    found = next((b for b in a if isinstance(b, ShardedGradient)), None)
+                    if found is not None:
+                        break
+        raise StrategyError(found.message if found is not None else "a sharded gradient was read")
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"ShardedGradient(shape={tuple(self.shape)}, dtype={self.dtype}: {self.message})"
+
+
+def _message(name: str, model: str, optimizer: str) -> str:
+    return (
+        f"param.grad of {name!r} is not the whole gradient on this rank under {model}: after the "
+        "synchronized backward each rank keeps only its shard of the averaged gradient, inside the "
+        "strategy. torch.nn.utils.clip_grad_norm_ / clip_grad_value_ or a plain torch optimizer would "
+        "see a partial gradient (a wrong norm, a step that changes nothing), so dtlab refuses. Clip "
+        "with opt.clip_grad_norm_(max_norm) or opt.clip_grad_value_(value) (the global norm across "
+        f"ranks) and step with the optimizer strategy: opt = {optimizer}(model, "
+        "torch.optim.AdamW(model.parameters(), lr=...)) (it takes your torch optimizer and its param "
+        "groups). A backward pass whose forward did not run before it through the model strategy "
+        "(the wrapped module called directly) reaches this too: call the wrapper, or opt.zero_grad() "
+        "after opt.step()"
+    )
+
+
+def guard_grads(named: list[tuple[str, nn.Parameter]], model: str, optimizer: str) -> None:
+    """Put a :class:`ShardedGradient` in the ``.grad`` of every parameter in ``named``."""
+    for name, p in named:
+        p.grad = ShardedGradient(p, _message(name, model, optimizer))
+
+
+def clear_guards(params: list[nn.Parameter]) -> None:
+    """Remove the stand-ins (a real ``.grad`` is left alone)."""
+    for p in params:
+        if isinstance(p.grad, ShardedGradient):
+            p.grad = None

@@ -1,0 +1,103 @@
+"""A torch user's habits under DDP, ZeRO-1/2/3 and FSDP work as in torch or stop with an error naming
+the fix, never silently wrong: checked against single-process training on the same global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_strategies_helpers import STRATEGIES, make_module, max_rel_error, wrap
+from torch_habits_cases import (
+    all_cases,
+    clip_case,
+    clip_reference,
+    grad_sync_case,
+    grad_sync_reference,
+    requires_grad_case,
+)
+
+from dtlab.testing import run_world
+
+#: strategies where param.grad holds the whole averaged gradient after backward
+WHOLE_GRADS = ("ddp",)
+
+
+@pytest.fixture(scope="module")
+def clipped() -> tuple[dict[str, torch.Tensor], list[float]]:
+    return clip_reference()
+
+
+def check_clip(
+    name: str, res: dict[str, Any], ref: tuple[dict[str, torch.Tensor], list[float]], where: str
+) -> None:
+    state, norms = ref
+    assert max(norms) > 0.05 * 2, "clipping must be active in the reference"
+    assert max_rel_error(res["state"], state) <= 1e-5, where
+    if name in WHOLE_GRADS:  # torch's own function: the global norm, clipped
+        assert res["verdicts"] == ["ran"] and res["torch_norms"] == pytest.approx(norms, rel=1e-5), where
+        assert res["clip_value"] == "ran" and res["plain_step"] == "ran", where
+    else:  # refused naming opt.clip_grad_norm_, and opt.clip_grad_norm_ is right
+        assert res["verdicts"] == ["refused"] and res["norms"] == pytest.approx(norms, rel=1e-5), where
+        assert res["clip_value"] == "refused" and res["plain_step"] == "refused", where
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_torch_clip_gives_the_global_norm_or_names_opt_clip(
+    name: str, clipped: tuple[dict[str, torch.Tensor], list[float]]
+) -> None:
+    for rank, res in enumerate(run_world(2, clip_case, name, timeout=30)):
+        check_clip(name, res, clipped, f"{name} rank {rank}")
+
+
+def test_zero1_all_reduce_keeps_torch_clip_right(
+    clipped: tuple[dict[str, torch.Tensor], list[float]],
+) -> None:
+    for res in run_world(2, clip_case, "zero1", timeout=30, gradient_sync="all_reduce"):
+        check_clip("ddp", res, clipped, "zero1 all_reduce")
+
+
+def check_requires_grad(res: dict[str, str], where: str) -> None:
+    assert res == {"unfreeze": "refused", "freeze": "refused"}, where
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_requires_grad_changed_after_wrapping_is_refused(name: str) -> None:
+    for res in run_world(2, requires_grad_case, name, timeout=30):
+        check_requires_grad(res, name)
+
+
+def check_grad_sync(res: dict[str, Any], ref: dict[str, torch.Tensor], where: str) -> None:
+    assert max_rel_error(res["state"], ref) <= 1e-5, where
+    one = res["one_backward_bytes"]
+    assert one > 0 and res["accumulated_bytes"] == [one, one], where
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_require_backward_grad_sync_counted_in_bytes(name: str) -> None:
+    ref = grad_sync_reference()
+    for res in run_world(2, grad_sync_case, name, timeout=30):
+        check_grad_sync(res, ref, name)
+
+
+def test_zero3_says_when_nothing_is_sharded() -> None:
+    def build(backend: Any) -> int:
+        wrap("zero3", make_module(), backend, persistence_threshold=100_000)
+        return 0
+
+    with pytest.warns(UserWarning, match="persistence_threshold=100000 keeps every parameter whole"):
+        run_world(2, build, timeout=30)
+
+
+def test_all_habits_on_gloo(clipped: tuple[dict[str, torch.Tensor], list[float]]) -> None:
+    """Every habit under every strategy in ONE spawned 2-process Gloo world."""
+    from dtlab.testing import spawn_world
+
+    results = spawn_world(2, all_cases, backend="gloo", timeout=240)
+    sync_ref = grad_sync_reference()
+    for rank, res in enumerate(results):
+        for name in STRATEGIES:
+            where = f"{name} on gloo, rank {rank}"
+            check_clip(name, res[f"clip/{name}"], clipped, where)
+            check_requires_grad(res[f"requires_grad/{name}"], where)
+            check_grad_sync(res[f"grad_sync/{name}"], sync_ref, where)
