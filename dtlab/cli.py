@@ -1,4 +1,4 @@
-"""The ``dtlab`` command line: ``train``, ``bench``, ``advise``, ``consolidate`` and ``config``.
+"""The ``dtlab`` command line: ``train``, ``bench``, ``advise``, ``consolidate``, ``plot`` and ``config``.
 
 ``dtlab train`` with no arguments trains the embedded default (a byte-level transformer language model
 on the Python standard library's source, 4 in-memory ranks). Configuration errors and other dtlab
@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     from dtlab.advise.command import add_advise_parser
 
     add_advise_parser(sub)
+    pl = sub.add_parser("plot", help="overlay runs' loss curves (against step and bytes sent) in one PNG")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (e.g. runs/latest)")
+    pl.add_argument("-o", "--output", default="loss.png", help="the PNG to write (default: loss.png)")
+    pl.add_argument("--title", help="a title above both panels")
     k = sub.add_parser("consolidate", help="write a checkpoint's full model as one safetensors file")
     k.add_argument("checkpoint", help="a checkpoint root (uses 'latest') or one step directory")
     k.add_argument("-o", "--output", required=True, help="output .safetensors file")
@@ -95,6 +99,15 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from dtlab.trainers.plots import plot_runs, read_curves
+
+    runs = [read_curves(d) for d in args.run_dirs]
+    out = plot_runs(runs, args.output, title=args.title)
+    print(f"wrote {out} ({len(runs)} run{'s' if len(runs) > 1 else ''}: {', '.join(r.name for r in runs)})")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from dtlab.trainers.bench import run_bench
 
@@ -115,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train": _train,
         "config": _config,
         "consolidate": _consolidate,
+        "plot": _plot,
         "bench": _bench,
         "advise": _advise,
     }[args.command]

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol, cast
 
 __all__ = ["MetricsCollector", "clean"]
 
@@ -30,15 +31,30 @@ def clean(value: Any) -> Any:
     return str(value)
 
 
+class RecordSink(Protocol):
+    """Another destination for every record (TensorBoard, W&B, CSV: ``dtlab/trainers/sinks.py``)."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsCollector:
-    """Writes records to ``path`` (JSON Lines) when ``enabled`` (rank 0); keeps them in ``records``."""
+    """Writes records to ``path`` (JSON Lines) when ``enabled`` (rank 0); keeps them in ``records``;
+    passes each to every sink in ``sinks``."""
 
     def __init__(
-        self, path: str | Path | None, enabled: bool = True, keep: bool = True, append: bool = False
+        self,
+        path: str | Path | None,
+        enabled: bool = True,
+        keep: bool = True,
+        append: bool = False,
+        sinks: Sequence[RecordSink] = (),
     ) -> None:
         self.path = Path(path) if path is not None else None
         self.enabled = enabled
         self.keep = keep
+        self.sinks = list(sinks) if enabled else []
         self.records: list[dict[str, Any]] = []
         self._file: IO[str] | None = None
         if self.path is not None and enabled:
@@ -52,12 +68,17 @@ class MetricsCollector:
         if self._file is not None:
             self._file.write(json.dumps(rec, allow_nan=False) + "\n")
             self._file.flush()
+        for sink in self.sinks:
+            sink.write(rec)
         return cast(dict[str, Any], rec)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def __enter__(self) -> MetricsCollector:
         return self

@@ -95,8 +95,10 @@ def _problems(config: TrainConfig) -> tuple[list[str], Path | None, list[Path]]:
     if c.dir is not None:
         problem, probe = _writable_dir("checkpoint.dir", c.dir, made, keep_probe=True)
         problems += [problem] if problem else []
-    if log.run_dir is not None:
-        problem, _ = _writable_dir("logging.run_dir", log.run_dir, made)
+    if log.run_dir is not None:  # with {time}: the directory the run's own will be made in
+        from dtlab.trainers.rundir import template_root
+
+        problem, _ = _writable_dir("logging.run_dir", template_root(log.run_dir), made)
         problems += [problem] if problem else []
     if isinstance(c.resume, str):
         p = Path(c.resume)

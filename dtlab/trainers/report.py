@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from rich import box
@@ -237,8 +236,14 @@ def header(self: Trainer) -> str:
 
 
 def write_profile(self: Trainer, result: TrainResult) -> None:
-    """``profile.json`` in the run directory (rank 0): the profile and the summary of ``result``."""
-    run_dir = self.config.logging.run_dir
-    if run_dir and self.is_main:
-        path = Path(run_dir) / "profile.json"
+    """``profile.json`` and ``loss.png`` in the run directory (rank 0): the profile and the summary of
+    ``result``, the loss curves of its metrics (``logging.plot``)."""
+    run_dir = self.run_dir
+    if run_dir is not None and self.is_main:
+        path = run_dir / "profile.json"
         path.write_text(json.dumps(clean({"profile": result.profile, "summary": result.summary}), indent=1))
+        if self.config.logging.plot:
+            from dtlab.trainers.plots import write_loss_png
+
+            what = f"{self.task.name}: {self.config.strategy.model}, {self.backend.world_size} ranks"
+            write_loss_png(run_dir, title=what)

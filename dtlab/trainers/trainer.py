@@ -39,7 +39,6 @@ from dtlab.trainers.elastic import (
 )
 from dtlab.trainers.feed import DataFeed
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
-from dtlab.trainers.metrics import MetricsCollector
 from dtlab.trainers.parallel import parallel_loss
 from dtlab.trainers.preemption import StopRequest, preempt
 from dtlab.trainers.preflight import check_paths_on_every_rank
@@ -54,6 +53,7 @@ from dtlab.trainers.resume import (
     report_resume,
     restore,
 )
+from dtlab.trainers.rundir import open_metrics
 from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.schedule import build_scheduler
 from dtlab.trainers.state import capture_rng
@@ -84,6 +84,8 @@ class TrainResult:
     resume_notes: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     profile: dict[str, Any] = field(default_factory=dict)
+    #: the directory its metrics, profile, ``loss.png`` (and event files) went to; None: not written
+    run_dir: str | None = None
 
 
 class Trainer:
@@ -172,6 +174,7 @@ class Trainer:
                 f"(scale_grads_); {type(self.model).__name__} cannot: use bf16"
             )
         self.run_id = uuid.uuid4().hex
+        self._recorded_run_dir: str | None = None  # the run directory a resumed checkpoint's run wrote
         self.resumed_from: str | None = None
         self.resume_notes: list[str] = []
         #: step directories this run may prune or replace: the ones it continues and the ones it wrote
@@ -183,12 +186,8 @@ class Trainer:
             if note:
                 self.resume_notes.append(note)
         restore_commit(self)  # elastic: the last commit, newer than any checkpoint
-        run_dir = config.logging.run_dir
-        self.metrics = MetricsCollector(
-            Path(run_dir) / "metrics.jsonl" if run_dir else None,
-            enabled=self.is_main,
-            append=self.start_step > 0,  # a resumed run continues its file; a fresh run starts a new one
-        )
+        #: this run's directory (a fresh one per run; a resume continues its own): trainers/rundir.py
+        self.run_dir, self.metrics = open_metrics(self, self._recorded_run_dir)
         report_resume(self)
         report_restore(self)
 
@@ -297,6 +296,7 @@ class Trainer:
             "run": {
                 "id": self.run_id,
                 "resumed_from": str(Path(self.resumed_from).resolve()) if self.resumed_from else None,
+                "run_dir": str(self.run_dir.resolve()) if self.run_dir is not None else None,
             },
             "strategy": {
                 "model": self.config.strategy.model,
@@ -340,6 +340,9 @@ class Trainer:
             return  # nothing saved yet: a fresh start
         self.resume_notes = self.resume_notes + restore(self, chosen.checkpoint)
         self.resumed_from = str(chosen.checkpoint.path)
+        run = chosen.checkpoint.meta.get("run")
+        recorded = run.get("run_dir") if isinstance(run, dict) else None
+        self._recorded_run_dir = recorded if isinstance(recorded, str) else None
         self.owned_steps = owned_steps(self.config, chosen.checkpoint)
 
     def close(self) -> None:
@@ -414,5 +417,6 @@ class Trainer:
         result.skipped_steps = list(self.guard.skipped_steps)
         result.profile = self.profiler.summary()
         result.summary = summary_rows(self, result, time.perf_counter() - t_start, sent0)
+        result.run_dir = None if self.run_dir is None else str(self.run_dir)
         write_profile(self, result)
         return result
