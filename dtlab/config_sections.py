@@ -398,6 +398,10 @@ class CheckpointConfig(_Section):
     #: resume with a fresh optimizer (no saved optimizer state, compression state included): needed to
     #: change ``optimizer.name`` on resume; parameters, data position and LR schedule are restored
     reset_optimizer: bool = False
+    #: seconds after which another host's lock on ``dir``, not refreshed (its owner refreshes it every
+    #: ``lock_stale_after / 4`` s, at most every 60 s), is taken over; a lock of a dead process on this
+    #: host is taken over at once
+    lock_stale_after: float = Field(default=600.0, gt=0)
 
     @field_validator("dir", "resume")
     @classmethod

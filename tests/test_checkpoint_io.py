@@ -36,14 +36,15 @@ def _shard(full: dict[str, torch.Tensor], rank: int, world: int, scale: float = 
     return ShardedState(tensors, {"strategy": "test", "world_size": world, "rank": rank, "entries": entries})
 
 
-def _save(backend: CommunicationBackend, root: str, steps: list[int], keep_last: int) -> str:
+def _save(
+    backend: CommunicationBackend, root: str, steps: list[int], keep_last: int, tag: str | None = None
+) -> str:
     out = ""
     for step in steps:
         shard = _shard(FULL, backend.rank, backend.world_size, scale=float(step))
         rng = {"torch_cpu": torch.get_rng_state()}
-        out = str(
-            save_checkpoint(root, step, backend, shard, None, rng, {"trainer": {"step": step}}, keep_last)
-        )
+        meta = {"trainer": {"step": step}}
+        out = str(save_checkpoint(root, step, backend, shard, None, rng, meta, keep_last, run_tag=tag))
     return out
 
 
@@ -109,7 +110,9 @@ def body(backend, root):
         shard = ShardedState({"big": torch.full((N,), float(r + step))}, {"rank": r, "entries": entries})
         if r == 0:
             print("begin", step, flush=True)
-        save_checkpoint(root, step, backend, shard, None, {"x": torch.zeros(1)}, {"trainer": {}}, keep_last=2)
+        save_checkpoint(
+            root, step, backend, shard, None, {"x": torch.zeros(1)}, {"trainer": {}}, 2, run_tag="writer"
+        )
         if r == 0:
             print("done", step, flush=True)
 
@@ -172,10 +175,15 @@ def test_sigkill_while_saving_leaves_previous_checkpoint_loadable(tmp_path: Path
         assert bool((full[:n] == ck.step).all()) and bool((full[n:] == ck.step + 1).all())
         mid_save += begun > done  # the signal landed between a "begin" and its "done"
         assert all((p / "meta.json").is_file() for p in root.iterdir() if p.name.startswith("step_"))
-        # the next save removes whatever the killed writer left in .tmp-* directories
+        # another writer's save never removes what the killed writer left in .tmp-* (it may be a run
+        # saving right now); a save of the same run (its run_tag) does
+        left = sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-"))
         run_world(2, _save, str(root), [10_000], 2)
-        assert not [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-")) == left
         assert read_checkpoint(root).step == 10_000
+        run_world(2, _save, str(root), [10_001], 2, "writer")
+        assert not [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
+        assert read_checkpoint(root).step == 10_001
         if mid_save >= 2:
             break
     assert mid_save >= 1, "no SIGKILL landed inside a save; the test did not exercise atomicity"

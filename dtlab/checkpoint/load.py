@@ -45,6 +45,11 @@ def read_latest(root: Path) -> str | None:
     """
     pointer = root / LATEST
     if not pointer.is_file():
+        if pointer.exists():
+            what = "a directory" if pointer.is_dir() else "not a regular file"
+            raise CheckpointError(
+                f"{pointer} is {what}, not the file naming the newest step directory that dtlab writes"
+            )
         return None
     try:
         text = pointer.read_text().strip()

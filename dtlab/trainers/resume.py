@@ -18,10 +18,12 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import read_checkpoint
 from dtlab.checkpoint.files import META, list_step_dirs
 from dtlab.checkpoint.load import LoadedCheckpoint
+from dtlab.checkpoint.lock import LockOwner
 from dtlab.checkpoint.resume import find_resume_checkpoint
 from dtlab.config import TrainConfig
 from dtlab.errors import CheckpointError
 from dtlab.trainers.build import torch_optimizer
+from dtlab.trainers.ownership import another_run
 
 if TYPE_CHECKING:
     from dtlab.trainers.trainer import Trainer
@@ -43,7 +45,9 @@ class Resumed:
     notes: list[str] = field(default_factory=list)
 
 
-def _choose_on_rank0(config: TrainConfig) -> tuple[LoadedCheckpoint | None, list[str], str | None]:
+def _choose_on_rank0(
+    config: TrainConfig, previous: LockOwner | None
+) -> tuple[LoadedCheckpoint | None, list[str], str | None]:
     c = config.checkpoint
     where = Path(str(c.dir if c.resume is True else c.resume))
     try:
@@ -53,20 +57,28 @@ def _choose_on_rank0(config: TrainConfig) -> tuple[LoadedCheckpoint | None, list
         if point.checkpoint is None and c.resume is not True:
             what = "does not exist" if not where.exists() else "holds no checkpoint"
             return None, [], f"checkpoint.resume={str(where)!r} {what}"
+        other = None if point.checkpoint is None else another_run(config, point.checkpoint, previous)
+        if other is not None and c.strict_resume:
+            return None, [], f"{other}: checkpoint.strict_resume=true refuses another run's checkpoint"
+        if other is not None:
+            point.notes.append(f"{other}: resuming from it anyway (checkpoint.strict_resume=true refuses)")
         return point.checkpoint, point.notes, None
     except CheckpointError as exc:
         return None, [], str(exc)
 
 
-def choose_checkpoint(config: TrainConfig, backend: CommunicationBackend) -> Resumed:
-    """Collective: rank 0 chooses (verifying candidates), every rank reads and verifies the choice."""
+def choose_checkpoint(
+    config: TrainConfig, backend: CommunicationBackend, previous: LockOwner | None = None
+) -> Resumed:
+    """Collective: rank 0 chooses (verifying candidates), every rank reads and verifies the choice.
+    ``previous``: the owner of the stale lock this run took over on ``checkpoint.dir`` (rank 0)."""
     c = config.checkpoint
     if not (c.dir if c.resume is True else c.resume):
         raise CheckpointError("checkpoint.resume=true needs checkpoint.dir (or give resume a path)")
     mine: LoadedCheckpoint | None = None
     msg = None
     if backend.rank == 0:
-        mine, notes, error = _choose_on_rank0(config)
+        mine, notes, error = _choose_on_rank0(config, previous)
         msg = (None if mine is None else str(mine.path), notes, error)
     path, notes, error = backend.broadcast_object(msg, src=0)
     if error is not None:

@@ -1,13 +1,19 @@
-"""RNG states as tensors (stored in each rank's ``state_rank*.safetensors``; nothing is pickled)."""
+"""RNG states as tensors (stored in each rank's ``state_rank*.safetensors``; nothing is pickled) and
+the Trainer's JSON state (``meta.json``)."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "restore_rng"]
+if TYPE_CHECKING:
+    from dtlab.trainers.trainer import Trainer
+
+__all__ = ["capture_rng", "restore_rng", "scheduler_state", "trainer_state"]
 
 
 def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
@@ -31,3 +37,38 @@ def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
     if "numpy" in state:
         vals = [int(v) for v in state["numpy"].tolist()]
         np.random.set_state(("MT19937", np.array(vals[1:], dtype=np.uint32), vals[0], 0, 0.0))
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any]:
+    # LambdaLR's lr_lambdas are code (rebuilt from the config), not state
+    return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+
+
+def trainer_state(trainer: Trainer) -> dict[str, Any]:
+    """What ``meta.json`` holds of a Trainer: the run, strategy, config, optimizer record, data
+    position, step, scheduler, guard, loss scaler and early-stopping state (all JSON)."""
+    from dtlab.trainers.resume import optimizer_record
+
+    return {
+        # which run wrote this step, and from what it resumed: how a resume tells a save interrupted
+        # before ``latest`` moved from another run's step directory (dtlab/checkpoint/resume.py)
+        "run": {
+            "id": trainer.run_id,
+            "resumed_from": str(Path(trainer.resumed_from).resolve()) if trainer.resumed_from else None,
+            "run_dir": str(trainer.run_dir.resolve()) if trainer.run_dir is not None else None,
+        },
+        "strategy": {
+            "model": trainer.config.strategy.model,
+            "optimizer": trainer.config.strategy.optimizer_name,
+        },
+        "config": trainer.config.to_dict(),
+        "optimizer": optimizer_record(trainer.config),
+        "data_position": trainer.feed.state_dict(),
+        "trainer": {
+            "step": trainer.step,
+            "scheduler": scheduler_state(trainer.scheduler),
+            "guard": trainer.guard.state_dict(),
+            "loss_scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
+            "early_stopping": trainer.early.state_dict(),
+        },
+    }

@@ -13,6 +13,7 @@ import contextlib
 import math
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from dtlab.trainers.elastic import (
 )
 from dtlab.trainers.feed import DataFeed
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
+from dtlab.trainers.ownership import hold_checkpoint_dir
 from dtlab.trainers.parallel import parallel_loss
 from dtlab.trainers.preemption import StopRequest, preempt
 from dtlab.trainers.preflight import check_paths_on_every_rank
@@ -48,7 +50,6 @@ from dtlab.trainers.report import format_record, header, log_skipped, step_recor
 from dtlab.trainers.resume import (
     choose_checkpoint,
     foreign_steps_note,
-    optimizer_record,
     owned_steps,
     report_resume,
     restore,
@@ -56,7 +57,7 @@ from dtlab.trainers.resume import (
 from dtlab.trainers.rundir import open_metrics
 from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.schedule import build_scheduler
-from dtlab.trainers.state import capture_rng
+from dtlab.trainers.state import capture_rng, scheduler_state, trainer_state
 from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss
 
 __all__ = ["TrainResult", "Trainer"]
@@ -118,6 +119,27 @@ class Trainer:
         check_paths_on_every_rank(config, backend)  # not at the first save, after hours of training
         self.config, self.backend = config, backend
         self.stop = stop
+        self.run_id = uuid.uuid4().hex
+        #: the lock on checkpoint.dir: a second run on it is refused here, before any work
+        self.dir_hold = hold_checkpoint_dir(config, backend, self.run_id)
+        try:
+            self._setup(task, scheduler_factory, member, model, train_data, eval_data, loss_fn)
+        except BaseException:
+            self.dir_hold.release()
+            raise
+        weakref.finalize(self, self.dir_hold.release)  # a Trainer dropped without fit()
+
+    def _setup(
+        self,
+        task: Task | None,
+        scheduler_factory: SchedulerFactory | None,
+        member: ElasticMember | None,
+        model: torch.nn.Module | Callable[[], torch.nn.Module] | None,
+        train_data: Any,
+        eval_data: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | str | None,
+    ) -> None:
+        config, backend = self.config, self.backend
         self.is_main = backend.rank == 0
         if model is not None or train_data is not None:
             if task is not None:
@@ -139,7 +161,9 @@ class Trainer:
             else build_scheduler(local_opt, config.optimizer, config.train.steps)
         )
         if config.checkpoint.dir is not None:  # refuse now, not at the first save after hours of training
-            check_json(self._scheduler_state(), f"the LR scheduler's state ({type(self.scheduler).__name__})")
+            check_json(
+                scheduler_state(self.scheduler), f"the LR scheduler's state ({type(self.scheduler).__name__})"
+            )
         d = config.data
         # data and the loss follow the model's data-parallel group (ranks of one dp group share a
         # batch's shards); consensus (agree, finite checks) spans model.world_backend
@@ -173,7 +197,6 @@ class Trainer:
                 f"train.precision=fp16 needs a model strategy that can unscale its gradients "
                 f"(scale_grads_); {type(self.model).__name__} cannot: use bf16"
             )
-        self.run_id = uuid.uuid4().hex
         self._recorded_run_dir: str | None = None  # the run directory a resumed checkpoint's run wrote
         self.resumed_from: str | None = None
         self.resume_notes: list[str] = []
@@ -181,6 +204,8 @@ class Trainer:
         self.owned_steps: set[str] = set()
         if config.checkpoint.resume:
             self._resume()
+        self.dir_hold.settle_latest()  # a latest that is not a file: moved aside now, not at the first save
+        self.resume_notes = self.dir_hold.notes + self.resume_notes
         if self.is_main and config.checkpoint.dir is not None and not self.owned_steps:
             note = foreign_steps_note(config, self.owned_steps)
             if note:
@@ -285,34 +310,8 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------ checkpoints
-    def _scheduler_state(self) -> dict[str, Any]:
-        # LambdaLR's lr_lambdas are code (rebuilt from the config), not state
-        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
-
     def _trainer_state(self) -> dict[str, Any]:
-        return {
-            # which run wrote this step, and from what it resumed: how a resume tells a save interrupted
-            # before ``latest`` moved from another run's step directory (dtlab/checkpoint/resume.py)
-            "run": {
-                "id": self.run_id,
-                "resumed_from": str(Path(self.resumed_from).resolve()) if self.resumed_from else None,
-                "run_dir": str(self.run_dir.resolve()) if self.run_dir is not None else None,
-            },
-            "strategy": {
-                "model": self.config.strategy.model,
-                "optimizer": self.config.strategy.optimizer_name,
-            },
-            "config": self.config.to_dict(),
-            "optimizer": optimizer_record(self.config),
-            "data_position": self.feed.state_dict(),
-            "trainer": {
-                "step": self.step,
-                "scheduler": self._scheduler_state(),
-                "guard": self.guard.state_dict(),
-                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "early_stopping": self.early.state_dict(),
-            },
-        }
+        return trainer_state(self)
 
     def save_checkpoint(self) -> Path:
         c = self.config.checkpoint
@@ -329,12 +328,13 @@ class Trainer:
                 self._trainer_state(),
                 keep_last=c.keep_last,
                 owned=self.owned_steps,
+                run_tag=self.run_id[:8],
             )
         self.owned_steps.add(step_dir_name(self.step))  # this run wrote it: its own to replace or prune
         return path
 
     def _resume(self) -> None:
-        chosen = choose_checkpoint(self.config, self.backend)
+        chosen = choose_checkpoint(self.config, self.backend, self.dir_hold.previous)
         self.resume_notes = chosen.notes
         if chosen.checkpoint is None:
             return  # nothing saved yet: a fresh start
@@ -344,6 +344,7 @@ class Trainer:
         recorded = run.get("run_dir") if isinstance(run, dict) else None
         self._recorded_run_dir = recorded if isinstance(recorded, str) else None
         self.owned_steps = owned_steps(self.config, chosen.checkpoint)
+        self.dir_hold.record_resume(chosen.checkpoint)
 
     def close(self) -> None:
         """Close the process groups of the mesh a model-parallel run built (collective; the world
@@ -370,6 +371,7 @@ class Trainer:
             bar.print_line(header(self))
         t_start = time.perf_counter()
         self.model.train()
+        self.dir_hold.acquire()  # again when an earlier fit() released it
         try:
             while self.step < cfg.train.steps:
                 applied, loss, norm = self.train_step()
@@ -413,6 +415,7 @@ class Trainer:
         finally:
             bar.close()
             self.metrics.close()
+            self.dir_hold.release()
         result.final_step = self.step
         result.skipped_steps = list(self.guard.skipped_steps)
         result.profile = self.profiler.summary()
