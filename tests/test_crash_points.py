@@ -81,7 +81,9 @@ def _save(backend: CommunicationBackend, root: Path, step: int) -> None:
     shard = _shard(backend.rank, backend.world_size, step)
     optim = _shard(backend.rank, backend.world_size, -step)
     rank_state = {"marker": torch.tensor([float(step)])}
-    save_checkpoint(root, step, backend, shard, optim, rank_state, {"trainer": {"step": step}}, keep_last=2)
+    # one run saving again and again (its run_tag): a save removes its own run's leftovers, never another's
+    meta = {"trainer": {"step": step}}
+    save_checkpoint(root, step, backend, shard, optim, rank_state, meta, keep_last=2, run_tag="crashrun")
 
 
 def _committed(root: Path) -> int | None:
