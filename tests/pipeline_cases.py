@@ -65,6 +65,8 @@ MODELS: dict[str, Any] = {
 def optimizer_args(name: str, kind: str) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     if name == "sgd":
         return torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}
+    if name == "sgd_plain":  # no momentum: a gradient off by a constant factor shows in every update
+        return torch.optim.SGD, {"lr": 0.2}
     # the attention's key bias has a gradient of exactly zero in exact arithmetic (softmax ignores a
     # shift of every key), so its computed gradient is round-off, which Adam with eps=1e-8 turns into
     # lr-sized steps of either sign; a larger eps keeps that noise from deciding the comparison

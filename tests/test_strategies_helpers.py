@@ -14,6 +14,8 @@ from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    # no momentum: each update is the gradient itself, so a gradient off by a constant factor shows
+    "sgd_plain": (torch.optim.SGD, {"lr": 0.2}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
 }
 IN, HIDDEN, OUT = 6, 10, 3

@@ -23,6 +23,8 @@ CFG = {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 8}
 BATCH, SEQ, STEPS = 4, 8, 5
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any], torch.dtype]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}, torch.float32),
+    # no momentum: each update is the gradient itself, so a gradient off by a constant factor shows
+    "sgd_plain": (torch.optim.SGD, {"lr": 0.5}, torch.float32),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2}, torch.float64),
 }
 STRATEGIES = {"ddp": DDPOptimizer, "zero1": ZeRO1Optimizer}
