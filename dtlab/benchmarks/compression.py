@@ -275,6 +275,13 @@ def main() -> None:
         help="all_reduce (DDP, ZeRO-1 with gradient_sync=all_reduce) and/or reduce_scatter (ZeRO-1's "
         "default, ZeRO-2/3, FSDP: Ok-Topk runs without boundary balancing and global selection)",
     )
+    ap.add_argument(
+        "--local-rounds",
+        type=int,
+        default=5,
+        help="rounds of the local-work table (each compressor's work per element against a 3-stream "
+        "add, one thread; dtlab.benchmarks.compression_local); 0: skip it",
+    )
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", type=Path, default=None, help="also write every row here")
     ap.add_argument("--inner", default=None, help=argparse.SUPPRESS)
@@ -283,6 +290,12 @@ def main() -> None:
     if args.inner is not None:  # inside the shaped namespace
         Path(args.inner_out).write_text(json.dumps(run_configs(args, args.inner)))
         return
+    if args.local_rounds > 0:
+        from dtlab.benchmarks import compression_local
+
+        local = compression_local.measure(args.numel, args.local_rounds, args.density)
+        load = compression_local.load_average()
+        print(compression_local.table(local, args.numel, load) + "\n", flush=True)
     rows: list[dict[str, Any]] = []
     for rate in args.rates:
         rows += run_configs(args, rate) if rate == "plain" else shaped(args, rate)

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.compression.kernels import write_sparse
 from dtlab.errors import ConfigError, DtlabError
 
 __all__ = ["Compressor", "Exchange", "Layout", "NonFiniteGradientError", "SparseCompressor", "check_layout"]
@@ -81,6 +82,9 @@ class Exchange:
     neither it contributed everything. ``local_selected``: elements this rank selected to send;
     ``global_selected``: elements of the synchronized result (``None`` where a rank cannot know it
     without extra communication). ``select_seconds``: time spent choosing what to send.
+    ``residual_in_place``: the compressor already turned ``acc`` into ``acc - contributed`` (one pass
+    fused with its quantization or cast), so error feedback keeps ``acc`` as it is now as the residual.
+    ``result`` may be in a lower precision (a cast's sum); :meth:`write` converts it.
     """
 
     result: torch.Tensor | None
@@ -91,6 +95,7 @@ class Exchange:
     sent: torch.Tensor | None = None
     result_indices: torch.Tensor | None = None
     result_values: torch.Tensor | None = None
+    residual_in_place: bool = False
 
     @classmethod
     def sparse(
@@ -109,9 +114,10 @@ class Exchange:
         if self.result is not None:
             out.copy_(self.result)
             return
-        out.zero_()
         if self.result_indices is not None and self.result_values is not None:
-            out[self.result_indices] = self.result_values.to(out.dtype)
+            write_sparse(out, self.result_indices, self.result_values)
+        else:
+            out.zero_()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from dtlab.compression.kernels import add_count_nonfinite
 from dtlab.errors import ConfigError
 
 __all__ = ["ErrorFeedback"]
@@ -57,6 +58,11 @@ class ErrorFeedback:
 
     def accumulate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` in a float32 buffer owned by this object (valid until ``update``)."""
+        return self.accumulate_counted(key, grad)[0]
+
+    def accumulate_counted(self, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """:meth:`accumulate`, and the number of NaN/Inf values of the result where the same pass
+        counted them (``None``: not counted; the caller checks)."""
         flat = grad.detach().reshape(-1)
         res = self._residuals.get(key)
         if res is not None and res.numel() != flat.numel():
@@ -67,12 +73,13 @@ class ErrorFeedback:
         spare = _fit(self._spares.pop(key, None), flat)
         m = self.momentum
         src = flat if m is None else self._next_velocity(key, flat, m)
+        bad: int | None = None
         if res is None:
             spare.copy_(src)
         else:
-            torch.add(src, res, out=spare)
+            bad = add_count_nonfinite(src, res, spare)
         self._spares[key] = spare
-        return spare
+        return spare, bad
 
     def _next_velocity(self, key: str, flat: torch.Tensor, m: float) -> torch.Tensor:
         """``m * u + grad`` in a spare velocity buffer (committed by ``update``/``discard``)."""
@@ -115,17 +122,25 @@ class ErrorFeedback:
             self._commit_velocity(key, None)
 
     def update(
-        self, key: str, acc: torch.Tensor, contributed: torch.Tensor | None, sent: torch.Tensor | None = None
+        self,
+        key: str,
+        acc: torch.Tensor,
+        contributed: torch.Tensor | None,
+        sent: torch.Tensor | None = None,
+        in_place: bool = False,
     ) -> None:
         """New residual ``acc - contributed``: ``sent`` indices contributed in full, or a dense
-        ``contributed``; with neither everything was sent and the residual is zero. ``acc`` must be
-        the buffer :meth:`accumulate` returned; it becomes the residual."""
+        ``contributed``; with neither everything was sent and the residual is zero; ``in_place``:
+        ``acc`` already holds the residual (the compressor subtracted what it contributed). ``acc``
+        must be the buffer :meth:`accumulate` returned; it becomes the residual."""
         if self._spares.get(key) is not acc:
             raise ValueError(f"error feedback: update({key!r}) needs the buffer accumulate() returned")
         del self._spares[key]
         old = self._residuals.pop(key, None)
-        if sent is not None:
-            acc[sent] = 0.0
+        if in_place:  # acc already holds acc - contributed
+            pass
+        elif sent is not None:
+            acc.index_fill_(0, sent, 0.0)
         elif contributed is not None:
             acc.sub_(contributed)
         else:

@@ -19,7 +19,8 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.sparse import Magnitudes, pack, sum_duplicates, unpack
+from dtlab.compression.kernels import std_mean
+from dtlab.compression.sparse import Magnitudes, indices_above, pack, sum_duplicates, unpack
 
 __all__ = ["GaussianK"]
 
@@ -38,18 +39,17 @@ class GaussianK(SparseCompressor):
 
     def threshold(self, acc: torch.Tensor, work: Magnitudes) -> tuple[torch.Tensor, float]:
         k = self.k(acc.numel())
-        std, mean = torch.std_mean(acc) if acc.numel() > 1 else (torch.zeros(()), acc.mean())
+        std, mean = std_mean(acc)
         z = float(torch.special.ndtri(torch.tensor(1.0 - self.density / 2, dtype=torch.float64)))
-        thr = abs(float(mean)) + float(std) * (z if math.isfinite(z) else 0.0)
-        mags = work.of(acc)
-        idx = work.above(mags, thr)
+        thr = abs(mean) + std * (z if math.isfinite(z) else 0.0)
+        idx = indices_above(acc, thr, k)
         loops = 0
         while idx.numel() < 3 * k // 4 and loops < MAX_ADJUST and thr > 0:
             thr /= LOWER
-            idx = work.above(mags, thr)
+            idx = indices_above(acc, thr, k)
             loops += 1
         if idx.numel() > 5 * k // 4:  # too many: raise it, looking only at the selected subset
-            sel = mags[idx]
+            sel = acc[idx].abs()
             while idx.numel() > 5 * k // 4 and loops < MAX_ADJUST:
                 thr *= LOWER
                 keep = sel >= thr

@@ -48,6 +48,8 @@ from dtlab.compression.sparse import (
     all_gather_counts,
     balanced_all_gather,
     distributed_kth_largest,
+    gather_abs,
+    indices_above,
     intersect_sorted,
     local_topk,
     sample_positions,
@@ -106,14 +108,13 @@ class OkTopk(SparseCompressor):
         if recompute:
             idx, state["local_thr"] = local_topk(acc, k, work)
             return idx, recompute
-        mags = work.of(acc)
         thr = state["local_thr"]
         # guard: predict the reused threshold's count from a random sample before the full pass
-        sample = mags[sample_positions(acc.numel(), k, state["t"]).to(acc.device)]
+        sample = gather_abs(acc, sample_positions(acc.numel(), k, state["t"]).to(acc.device))
         predicted = int((sample >= thr).sum()) * acc.numel() / sample.numel()
         if not k / 2 <= predicted <= 2 * k:
-            thr = sampled_threshold(mags, k, seed=state["t"])
-        idx = work.above(mags, thr)
+            thr = sampled_threshold(acc, k, seed=state["t"])
+        idx = indices_above(acc, thr, 2 * k)
         state["local_thr"] = _nudge(thr, idx.numel(), k, LOCAL_SCALE, LOCAL_SCALE)
         return idx, recompute
 

@@ -41,6 +41,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.base import Compressor, Exchange, Layout, check_layout, dense_exchange
+from dtlab.compression.state_io import Buffers
 from dtlab.errors import ConfigError
 
 __all__ = ["PowerSGD"]
@@ -107,6 +108,7 @@ class PowerSGD(Compressor):
             "dense": torch.tensor(dense, dtype=torch.int64).reshape(-1, 2),
             "q": None,
             "key_hash": zlib.crc32(key.encode()),
+            "buffers": Buffers(),
         }
 
     def _initial_q(self, state: dict[str, Any], shapes: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -127,12 +129,16 @@ class PowerSGD(Compressor):
             return dense_exchange(acc, backend, shard=False)
         dense: list[list[int]] = state["dense"].tolist()
         p, dev = backend.world_size, acc.device
+        bufs: Buffers = state["buffers"]
         t0 = time.perf_counter()
         ms, shapes = [], []
-        for offset, size, rows, cols in mats:
+        for i, (offset, size, rows, cols) in enumerate(mats):
             seg = acc[offset : offset + size]
             if size < rows * cols:  # no layout: the buffer zero-padded to a near-square matrix
-                seg = torch.cat([seg, seg.new_zeros(rows * cols - size)])
+                padded = bufs.get(f"padded{i}", rows * cols, torch.float32, dev)
+                padded[:size].copy_(seg)
+                padded[size:].zero_()
+                seg = padded
             ms.append(seg.view(rows, cols))
             shapes.append((rows, cols, min(self.rank, rows, cols)))
         if state["q"] is None:
@@ -147,24 +153,37 @@ class PowerSGD(Compressor):
         n_p = first.numel() - n_dense
         ps = [torch.linalg.qr(x).Q for x in _split(first[:n_p], [(rows, r) for rows, _, r in shapes])]
         q_local = torch.cat([(m.t() @ x).reshape(-1) for m, x in zip(ms, ps, strict=True)])
-        contributed = acc.clone()  # dense elements and padding: contributed whole
-        result = torch.empty_like(acc)
+        # the residual, in place: acc - P Q^T on every matrix, 0 on the dense elements (sent whole)
         q_mats = _split(q_local, [(cols, r) for _, cols, r in shapes])
-        for (offset, size, _, _), x, q in zip(mats, ps, q_mats, strict=True):
-            contributed[offset : offset + size] = (x @ q.t()).reshape(-1)[:size]
+        for (offset, size, rows, cols), x, q in zip(mats, ps, q_mats, strict=True):
+            prod = _product(bufs, x, q, rows, cols)
+            acc[offset : offset + size].sub_(prod[:size])
+        for offset, size in dense:
+            acc[offset : offset + size].zero_()
         select_s += time.perf_counter() - t1
         backend.all_reduce(q_local, ReduceOp.SUM)  # every Q, one call
         state["q"] = q_local
         q_sums = _split(q_local, [(cols, r) for _, cols, r in shapes])
-        for (offset, size, _, _), x, q in zip(mats, ps, q_sums, strict=True):
-            result[offset : offset + size] = (x @ q.t()).reshape(-1)[:size]
+        result = bufs.get("result", acc.numel(), torch.float32, dev)
+        for (offset, size, rows, cols), x, q in zip(mats, ps, q_sums, strict=True):
+            if size == rows * cols:
+                torch.mm(x, q.t(), out=result[offset : offset + size].view(rows, cols))
+            else:
+                result[offset : offset + size] = _product(bufs, x, q, rows, cols)[:size]
         pos = n_p
         for offset, size in dense:
             result[offset : offset + size] = first[pos : pos + size]
             pos += size
         result.div_(p)
         sent = first.numel() + q_local.numel()
-        return Exchange(result, contributed, sent, sent, select_s)
+        return Exchange(result, None, sent, sent, select_s, residual_in_place=True)
+
+
+def _product(bufs: Buffers, x: torch.Tensor, q: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``x @ q.t()`` (``rows x cols``) flat, in a reused buffer."""
+    prod = bufs.get("product", rows * cols, torch.float32, x.device)
+    torch.mm(x, q.t(), out=prod.view(rows, cols))
+    return prod
 
 
 def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:

@@ -1,7 +1,9 @@
 """``QSGD``: stochastic quantization to ``levels`` levels per bucket (Alistarh et al., 2017).
 
 Each bucket of ``bucket_size`` values is sent as its L2 norm (float32) and one int8 per value,
-``sign * floor(|v| / norm * levels + u)`` with ``u ~ U[0, 1)`` (unbiased). The int8 codes and norms
+``sign * floor(|v| / norm * levels + u)`` with ``u ~ U[0, 1)`` (unbiased; ``u`` from a counter-based
+hash of the element's position and a per-call key drawn from ``seed``, the rank and the iteration, so
+quantization is one pass: :mod:`dtlab.compression.kernels`). The int8 codes and norms
 travel by all-gather and every rank dequantizes and sums all ranks' codes in rank order (identical
 results on every rank). Per rank: ``(P-1) * (n + 4 n / bucket_size)`` bytes instead of the dense
 ``8 (P-1) n / P``: smaller up to ``P = 8``. With error feedback the quantization error is kept.
@@ -17,6 +19,8 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression.base import Compressor, Exchange
+from dtlab.compression.kernels import qsgd_decode_mean, qsgd_encode, qsgd_noise_key
+from dtlab.compression.state_io import Buffers
 from dtlab.errors import ConfigError
 
 __all__ = ["QSGD"]
@@ -45,36 +49,27 @@ class QSGD(Compressor):
             raise ConfigError(f"QSGD: bucket_size must be an integer >= 1, got {self.bucket_size!r}")
 
     def new_state(self, key: str, numel: int) -> dict[str, Any]:
-        return {"t": 0}
+        return {"t": 0, "buffers": Buffers()}
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
         p, me, n, b = backend.world_size, backend.rank, acc.numel(), self.bucket_size
         dev = acc.device
         t0 = time.perf_counter()
-        nb = -(-n // b)
-        padded = torch.zeros(nb * b, dtype=torch.float32, device=dev)
-        padded[:n] = acc
-        buckets = padded.view(nb, b)
-        norms = torch.linalg.vector_norm(buckets, dim=1)
-        safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + me * 65_537 + state["t"])
+        nb, full = -(-n // b), n // b
+        bufs: Buffers = state["buffers"]
+        norms = bufs.get("norms", nb, torch.float32, dev)
+        torch.linalg.vector_norm(acc[: full * b].view(full, b), dim=1, out=norms[:full])
+        if nb > full:  # the last bucket, zero-padded: its norm is the norm of what it holds
+            norms[full] = torch.linalg.vector_norm(acc[full * b :])
+        key = qsgd_noise_key(self.seed * 1_000_003 + me * 65_537 + state["t"])
         state["t"] += 1
-        noise = torch.rand(buckets.shape, generator=gen).to(dev)
-        levels = torch.floor(buckets.abs() / safe[:, None] * self.levels + noise).clamp_(max=self.levels)
-        codes = (torch.sign(buckets) * levels).to(torch.int8).view(-1)
+        codes = bufs.get("codes", nb * b, torch.int8, dev)
+        sent = qsgd_encode(acc, b, norms, self.levels, key, codes)  # acc becomes the residual
         select_s = time.perf_counter() - t0
-
-        def decode(c: torch.Tensor, nrm: torch.Tensor) -> torch.Tensor:
-            return (c.view(nb, b).to(torch.float32) * (nrm[:, None] / self.levels)).view(-1)[:n]
-
-        contributed = decode(codes, norms)
-        all_codes = torch.empty(p * nb * b, dtype=torch.int8, device=dev)
-        all_norms = torch.empty(p * nb, dtype=torch.float32, device=dev)
+        all_codes = bufs.get("all_codes", p * nb * b, torch.int8, dev)
+        all_norms = bufs.get("all_norms", p * nb, torch.float32, dev)
         backend.all_gather(all_codes, codes)
-        backend.all_gather(all_norms, norms.contiguous())
-        result = torch.zeros(n, dtype=torch.float32, device=dev)
-        for r in range(p):
-            result += decode(all_codes[r * nb * b : (r + 1) * nb * b], all_norms[r * nb : (r + 1) * nb])
-        result.div_(p)
-        sent = int(torch.count_nonzero(codes))
-        return Exchange(result, contributed, sent, int(torch.count_nonzero(result)), select_s)
+        backend.all_gather(all_norms, norms)
+        result = bufs.get("result", n, torch.float32, dev)
+        nonzero = qsgd_decode_mean(all_codes, all_norms, p, b, self.levels, result)
+        return Exchange(result, None, sent, nonzero, select_s, residual_in_place=True)

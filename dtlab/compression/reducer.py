@@ -226,8 +226,8 @@ class CompressedReducer(GradientReducer):
             return work
         self.compressor.validate_numel(n, key)
         self._check_size(key, n)
-        acc = self.error_feedback.accumulate(key, grad)
-        if not self._finite(key, acc):
+        acc, bad = self.error_feedback.accumulate_counted(key, grad)
+        if not self._finite(key, acc, bad):
             self.error_feedback.discard(key, acc)
             (grad if shard is None else shard).fill_(float("nan"))
             return CompletedWork()
@@ -248,17 +248,18 @@ class CompressedReducer(GradientReducer):
         out = grad.view(-1) if shard is None else shard.view(-1)
         ex.write(out)
         if self.compressor.error_feedback:
-            self.error_feedback.update(key, acc, ex.contributed, ex.sent)
+            self.error_feedback.update(key, acc, ex.contributed, ex.sent, ex.residual_in_place)
         else:
             self.error_feedback.discard(key, acc, keep_velocity=True)
         self._steps[key] = step + 1
         self._record(n, ex, grad, shard, sent0, recv0, t0, dense=warm)
         return CompletedWork()
 
-    def _finite(self, key: str, acc: torch.Tensor) -> bool:
+    def _finite(self, key: str, acc: torch.Tensor, bad: int | None) -> bool:
+        """``bad``: NaN/Inf values of ``acc`` when the error-feedback pass counted them."""
         p, me = self.backend.world_size, self.backend.rank
-        # a sum is finite unless a value is NaN/Inf (or the sum overflows: then count exactly)
-        bad = 0 if bool(torch.isfinite(acc.sum())) else int((~torch.isfinite(acc)).sum())
+        if bad is None:  # a sum is finite unless a value is NaN/Inf (or it overflows: then count exactly)
+            bad = 0 if bool(torch.isfinite(acc.sum())) else int((~torch.isfinite(acc)).sum())
         counts = torch.zeros(p, dtype=torch.int32, device=self.backend.device)
         counts[me] = bad
         if p > 1:

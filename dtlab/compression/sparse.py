@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
+from dtlab.compression.kernels import gather_abs, indices_above, intersect_sorted
 from dtlab.compression.state_io import Workspace
 
 __all__ = [
@@ -19,6 +20,8 @@ __all__ = [
     "balanced_all_gather",
     "distributed_kth_largest",
     "exchange_p2p",
+    "gather_abs",
+    "indices_above",
     "Magnitudes",
     "local_topk",
     "sample_positions",
@@ -58,29 +61,23 @@ def unpack(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Magnitudes(Workspace):
-    """``|acc|`` of one buffer, computed once per iteration into a reused float32 buffer, and a reused
-    mask: selecting over a large buffer then allocates nothing buffer-sized (fresh allocations of
-    hundreds of MB cost more in page faults than the arithmetic). Keep one per buffer (its state);
-    scratch only, so checkpoints leave it out."""
+    """``|acc|`` of one buffer in a reused float32 buffer, for the exact top-k over the whole buffer
+    (the rare case in which the sampled pre-filter falls short): selecting over a large buffer then
+    allocates nothing buffer-sized (fresh allocations of hundreds of MB cost more in page faults than
+    the arithmetic). Threshold selections need no magnitude buffer (:func:`indices_above` is one pass
+    over ``acc``). Keep one per buffer (its state); scratch only, so checkpoints leave it out."""
 
     def __init__(self) -> None:
         self._abs: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
 
     def of(self, acc: torch.Tensor) -> torch.Tensor:
         if self._abs is None or self._abs.numel() != acc.numel() or self._abs.device != acc.device:
             self._abs = torch.empty(acc.numel(), dtype=torch.float32, device=acc.device)
-            self._mask = torch.empty(acc.numel(), dtype=torch.bool, device=acc.device)
         return torch.abs(acc.view(-1), out=self._abs)
 
-    def above(self, mags: torch.Tensor, thr: float) -> torch.Tensor:
-        """Sorted indices with ``mags >= thr`` (and nonzero); ``mags`` from :meth:`of`."""
-        mask = self._mask if self._mask is not None and self._mask.numel() == mags.numel() else None
-        if thr > 0:
-            mask = torch.ge(mags, thr, out=mask) if mask is not None else mags >= thr
-        else:
-            mask = torch.gt(mags, 0, out=mask) if mask is not None else mags > 0
-        return torch.nonzero(mask).view(-1)
+    def above(self, mags: torch.Tensor, thr: float, expected: int = 0) -> torch.Tensor:
+        """Sorted indices with ``mags >= thr`` (and nonzero); :func:`indices_above` of ``mags``."""
+        return indices_above(mags, thr, expected)
 
 
 def sample_positions(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -89,11 +86,11 @@ def sample_positions(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, n, (size,), generator=torch.Generator().manual_seed(n * 1_000_003 + seed))
 
 
-def sampled_threshold(mags: torch.Tensor, k: int, oversample: float = 1.0, seed: int = 0) -> float:
-    """Estimate of the magnitude above which about ``oversample * k`` of the non-negative ``mags`` lie,
+def sampled_threshold(acc: torch.Tensor, k: int, oversample: float = 1.0, seed: int = 0) -> float:
+    """Estimate of the magnitude above which about ``oversample * k`` of the magnitudes of ``acc`` lie,
     from a random sample (~1000 expected hits, so the estimate is within a few percent)."""
-    n = mags.numel()
-    sample = mags[sample_positions(n, k, seed).to(mags.device)]
+    n = acc.numel()
+    sample = gather_abs(acc, sample_positions(n, k, seed).to(acc.device))
     rank = min(sample.numel(), max(1, round(oversample * k * sample.numel() / n)))
     return float(torch.topk(sample, rank, sorted=False).values.min())
 
@@ -104,16 +101,19 @@ def local_topk(acc: torch.Tensor, k: int, work: Magnitudes | None = None) -> tup
     Exact. For large buffers a sampled threshold first keeps about ``1.25 k`` candidates and the exact
     top-k runs on those only (a full top-k over all elements when the candidates fall short of k).
     """
-    work = work if work is not None else Magnitudes()
-    mags = work.of(acc)
     n = acc.numel()
     k = min(k, n)
     if n >= PREFILTER_MIN and 8 * k < n:
-        cand = work.above(mags, sampled_threshold(mags, k, 1.25))
+        cand = indices_above(acc, sampled_threshold(acc, k, 1.25), k + k // 4)
         if cand.numel() >= k:
-            vals, pos = torch.topk(mags[cand], k, sorted=False)
-            return _drop_zeros(cand[pos], vals)
-    vals, idx = torch.topk(mags, k, sorted=False)
+            vals, pos = torch.topk(acc.view(-1).index_select(0, cand).abs(), k, sorted=False)
+            # candidates are sorted and nonzero (|x| >= a positive threshold, or |x| > 0): marking
+            # the chosen positions keeps them sorted without sorting k indices
+            chosen = torch.zeros(cand.numel(), dtype=torch.bool, device=cand.device)
+            chosen[pos] = True
+            return cand[chosen], float(vals.min())
+    work = work if work is not None else Magnitudes()
+    vals, idx = torch.topk(work.of(acc), k, sorted=False)
     return _drop_zeros(idx, vals)
 
 
@@ -136,14 +136,6 @@ def sum_duplicates(idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor,
     sums = torch.zeros(uniq.numel(), dtype=torch.float32, device=vals.device)
     sums.index_add_(0, inverse, vals.to(torch.float32))
     return uniq, sums
-
-
-def intersect_sorted(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elements of sorted ``a`` that also occur in sorted ``b``."""
-    if a.numel() == 0 or b.numel() == 0:
-        return a[:0]
-    pos = torch.searchsorted(b, a).clamp_(max=b.numel() - 1)
-    return a[b[pos] == a]
 
 
 def all_gather_counts(backend: CommunicationBackend, counts: list[int]) -> torch.Tensor:

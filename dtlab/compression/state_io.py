@@ -26,7 +26,7 @@ import torch
 
 from dtlab.errors import CheckpointError
 
-__all__ = ["Workspace", "decode_state", "encode_state"]
+__all__ = ["Buffers", "Workspace", "decode_state", "encode_state"]
 
 _SUPPORTED = "tensors, numbers, strings, None, lists, tuples, string-keyed dicts and torch.Generator objects"
 
@@ -34,6 +34,22 @@ _SUPPORTED = "tensors, numbers, strings, None, lists, tuples, string-keyed dicts
 class Workspace:
     """Base of scratch objects kept in a compressor's state dict: reused buffers that never affect
     results. They are left out of checkpoints; ``new_state`` makes a fresh one on load."""
+
+
+class Buffers(Workspace):
+    """Named scratch tensors reused from one iteration to the next: a fresh buffer of hundreds of MB
+    costs more in page faults on first touch than the pass that fills it. A buffer handed out stays
+    valid until the same name is asked for again (the next iteration)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat ``numel``-element tensor (the start of a buffer kept at its largest size so far)."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._bufs[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
 
 def encode_state(state: Mapping[str, Any], prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -1,0 +1,210 @@
+"""The C source of :mod:`dtlab.compression.kernels` (plain C11, no headers beyond libc and, where the
+CPU has F16C, the x86 intrinsics; built with ``-ffp-contract=off``, so every float operation rounds
+exactly as the torch fallback's)."""
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+static inline int nonfinite(float v) { uint32_t u; memcpy(&u, &v, 4); return ((u >> 23) & 0xffu) == 0xffu; }
+
+int64_t dt_add_count_nonfinite(const float* a, const float* b, float* out, int64_t n) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) { float v = a[i] + b[i]; out[i] = v; bad += nonfinite(v); }
+    return bad;
+}
+
+/* indices i with |x[i]| >= thr (strict: |x[i]| > thr); the first cap are written; returns the count.
+   Blocks of 64 are tested without branches first (vectorized); only blocks with a hit are scanned. */
+int64_t dt_indices_above(const float* x, int64_t n, float thr, int strict, int64_t* out, int64_t cap) {
+    int64_t c = 0, i = 0;
+    for (; i + 64 <= n; i += 64) {
+        int hit = 0;
+        if (strict) { for (int j = 0; j < 64; j++) hit |= fabsf(x[i + j]) > thr; }
+        else { for (int j = 0; j < 64; j++) hit |= fabsf(x[i + j]) >= thr; }
+        if (!hit) continue;
+        for (int64_t j = i; j < i + 64; j++) {
+            int take = strict ? fabsf(x[j]) > thr : fabsf(x[j]) >= thr;
+            if (take) { if (c < cap) out[c] = j; c++; }
+        }
+    }
+    for (; i < n; i++) {
+        int take = strict ? fabsf(x[i]) > thr : fabsf(x[i]) >= thr;
+        if (take) { if (c < cap) out[c] = i; c++; }
+    }
+    return c;
+}
+
+int64_t dt_intersect_sorted(const int64_t* a, int64_t na, const int64_t* b, int64_t nb, int64_t* out) {
+    int64_t i = 0, j = 0, c = 0;
+    while (i < na && j < nb) {
+        if (a[i] < b[j]) i++;
+        else if (b[j] < a[i]) j++;
+        else { out[c++] = a[i]; i++; }
+    }
+    return c;
+}
+
+static inline uint32_t mul32(uint32_t x, uint32_t c) { return x * c; }
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16; x = mul32(x, 0x7feb352du); x ^= x >> 15; x = mul32(x, 0x846ca68bu); x ^= x >> 16;
+    return x;
+}
+
+/* QSGD codes of x[lo:hi] (all inside the buffer); x becomes x - code * scale; returns nonzero codes */
+static int64_t qsgd_block(float* restrict x, int8_t* restrict codes, int64_t lo, int64_t hi, uint32_t key,
+                          float safe, float lv, float scale) {
+    int64_t sent = 0;
+    for (int64_t i = lo; i < hi; i++) {
+        float v = x[i];
+        float u = (float)(int32_t)(mix32((uint32_t)i ^ key) >> 8) * 5.9604644775390625e-08f;
+        float t = fabsf(v) / safe;
+        t = t * lv;
+        t = t + u;
+        float level = (float)(int32_t)t;  /* t >= 0 and small: truncation is floor */
+        level = level > lv ? lv : level;
+        float s = v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : 0.0f);
+        float code = s * level;
+        codes[i] = (int8_t)(int32_t)code;
+        sent += code != 0.0f;
+        x[i] = v - code * scale;
+    }
+    return sent;
+}
+
+/* QSGD codes of x (n values, buckets of b, the last one zero-padded); x becomes x - code * norm/levels */
+int64_t dt_qsgd_encode(float* x, int64_t n, int64_t b, const float* norms, int32_t levels, uint32_t key,
+                       int8_t* codes) {
+    int64_t nb = (n + b - 1) / b, sent = 0;
+    float lv = (float)levels;
+    for (int64_t j = 0; j < nb; j++) {
+        float norm = norms[j], safe = norm > 0.0f ? norm : 1.0f, scale = norm / lv;
+        int64_t lo = j * b, hi = lo + b < n ? lo + b : n;
+        sent += qsgd_block(x, codes, lo, hi, key, safe, lv, scale);
+        for (int64_t i = hi; i < lo + b; i++) codes[i] = 0;  /* padding: sign(0) * level = 0 */
+    }
+    return sent;
+}
+
+/* out[i] = (sum over r of codes[r][i] * (norms[r][i / b] / levels)) / p; returns the nonzero count */
+int64_t dt_qsgd_decode_mean(const int8_t* codes, const float* norms, int64_t p, int64_t nb, int64_t b,
+                            int64_t n, int32_t levels, float* out) {
+    int64_t nz = 0;
+    float lv = (float)levels, fp = (float)p;
+    for (int64_t j = 0; j < nb; j++) {
+        int64_t lo = j * b, hi = lo + b < n ? lo + b : n;
+        for (int64_t i = lo; i < hi; i++) out[i] = 0.0f;
+        for (int64_t r = 0; r < p; r++) {
+            float scale = norms[r * nb + j] / lv;
+            const int8_t* c = codes + r * nb * b;
+            for (int64_t i = lo; i < hi; i++) { float d = (float)c[i] * scale; out[i] = out[i] + d; }
+        }
+        for (int64_t i = lo; i < hi; i++) { out[i] = out[i] / fp; nz += out[i] != 0.0f; }
+    }
+    return nz;
+}
+
+/* out = 0 except out[idx[j]] = vals[j] (idx sorted ascending, unique, in range): one sequential pass */
+void dt_write_sparse(float* out, int64_t n, const int64_t* idx, const float* vals, int64_t k) {
+    int64_t pos = 0;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t i = idx[j];
+        if (i > pos) memset(out + pos, 0, (size_t)(i - pos) * sizeof(float));
+        out[i] = vals[j];
+        pos = i + 1;
+    }
+    if (n > pos) memset(out + pos, 0, (size_t)(n - pos) * sizeof(float));
+}
+
+/* sum and sum of squares of x in double, eight independent lanes (vectorized) */
+void dt_sum_sumsq(const float* x, int64_t n, double* out) {
+    double s[8] = {0}, q[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int j = 0; j < 8; j++) { double v = (double)x[i + j]; s[j] += v; q[j] += v * v; }
+    }
+    double st = 0.0, qt = 0.0;
+    for (; i < n; i++) { double v = (double)x[i]; st += v; qt += v * v; }
+    for (int j = 0; j < 8; j++) { st += s[j]; qt += q[j]; }
+    out[0] = st; out[1] = qt;
+}
+
+/* out[j] = |x[pos[j]]| (independent loads: the memory system overlaps the misses) */
+void dt_gather_abs(const float* x, const int64_t* pos, int64_t m, float* out) {
+    for (int64_t j = 0; j < m; j++) out[j] = fabsf(x[pos[j]]);
+}
+
+/* float32 -> float16 bits, round to nearest even (F. Giesen's float_to_half_fast3_rtne) */
+static inline uint16_t to_f16(float ff) {
+    uint32_t f; memcpy(&f, &ff, 4);
+    const uint32_t f32infty = 255u << 23, f16max = (127u + 16u) << 23;
+    const uint32_t magic_u = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    uint32_t sign = f & 0x80000000u; f ^= sign;
+    uint16_t o;
+    if (f >= f16max) {
+        o = f > f32infty ? 0x7e00 : 0x7c00;
+    } else if (f < (113u << 23)) {
+        float t, magic; memcpy(&t, &f, 4); memcpy(&magic, &magic_u, 4);
+        t += magic;
+        uint32_t u; memcpy(&u, &t, 4);
+        o = (uint16_t)(u - magic_u);
+    } else {
+        uint32_t mant_odd = (f >> 13) & 1u;
+        f += ((uint32_t)(15 - 127) << 23) + 0xfffu;
+        f += mant_odd;
+        o = (uint16_t)(f >> 13);
+    }
+    return o | (uint16_t)(sign >> 16);
+}
+static inline float from_f16(uint16_t h) {
+    const uint32_t shifted_exp = 0x7c00u << 13;
+    uint32_t u = ((uint32_t)h & 0x7fffu) << 13, e = shifted_exp & u;
+    u += (127u - 15u) << 23;
+    float f;
+    if (e == shifted_exp) { u += (128u - 16u) << 23; memcpy(&f, &u, 4); }
+    else if (e == 0) { u += 1u << 23; memcpy(&f, &u, 4); f -= 6.103515625e-05f; }
+    else memcpy(&f, &u, 4);
+    uint32_t r; memcpy(&r, &f, 4); r |= ((uint32_t)h & 0x8000u) << 16; memcpy(&f, &r, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
+
+/* low = (x / p) in bf16 (kind 1) or fp16 (kind 0); x becomes x - float(low) * p */
+void dt_cast_with_residual(float* restrict x, int64_t n, int64_t p, int kind, uint16_t* restrict low) {
+    float fp = (float)p;
+    int64_t i = 0;
+    if (kind == 1) {
+        for (; i < n; i++) {
+            uint16_t h = to_bf16(x[i] / fp); low[i] = h;
+            float c = from_bf16(h) * fp; x[i] = x[i] - c;
+        }
+        return;
+    }
+#ifdef __F16C__
+    __m256 vp = _mm256_set1_ps(fp);
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m128i h = _mm256_cvtps_ph(_mm256_div_ps(v, vp), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128((__m128i*)(low + i), h);
+        _mm256_storeu_ps(x + i, _mm256_sub_ps(v, _mm256_mul_ps(_mm256_cvtph_ps(h), vp)));
+    }
+#endif
+    for (; i < n; i++) {
+        uint16_t h = to_f16(x[i] / fp); low[i] = h;
+        float c = from_f16(h) * fp; x[i] = x[i] - c;
+    }
+}
+"""

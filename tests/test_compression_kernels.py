@@ -1,0 +1,180 @@
+"""The fused CPU kernels against their plain-torch fallbacks, and every compressor with and without them.
+
+The fallbacks (what runs on GPU tensors, other dtypes, or without a C compiler) are checked against
+the torch expressions they replace; the kernels, where this machine builds them, against the
+fallbacks: bit for bit, ties at thresholds included (GaussianK's float64 mean/std to round-off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.compression import COMPRESSORS, CompressedReducer, make_compressor
+from dtlab.compression import kernels as K
+from dtlab.testing import run_world
+
+needs_native = pytest.mark.skipif(not K.native_enabled(), reason="no C compiler: only the fallbacks run here")
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """``fn()`` with the kernels, then with the torch fallbacks."""
+    monkeypatch.setenv("DTLAB_NATIVE_KERNELS", "1")
+    native = fn()
+    monkeypatch.setenv("DTLAB_NATIVE_KERNELS", "0")
+    plain = fn()
+    monkeypatch.delenv("DTLAB_NATIVE_KERNELS")
+    return native, plain
+
+
+def _data(n: int = 20_011) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, generator=g) * torch.linspace(0.01, 3, n)
+    x[::97] = 0.0
+    x[5], x[7], x[8] = -0.0, 1e-42, -x[1000]  # signed zero, a subnormal, a tie in magnitude
+    return x
+
+
+def test_fallbacks_compute_what_they_replace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DTLAB_NATIVE_KERNELS", "0")
+    x = _data()
+    thr = float(x.abs()[1000])
+    assert torch.equal(K.indices_above(x, thr), torch.nonzero(x.abs() >= thr).view(-1))
+    assert torch.equal(K.indices_above(x, 0.0), torch.nonzero(x != 0).view(-1))
+    y, out = torch.randn(x.numel()), torch.empty(x.numel())
+    assert K.add_count_nonfinite(x, y, out) == 0 and torch.equal(out, x + y)
+    y[3], y[4] = float("inf"), float("nan")
+    assert K.add_count_nonfinite(x, y, out) == 2
+    low = torch.empty(x.numel(), dtype=torch.float16)
+    res = x.clone()
+    K.cast_with_residual(res, 2, low)
+    assert torch.equal(low, (x / 2).half()) and torch.equal(res, x - low.float() * 2)
+    dense = torch.randn(50)
+    K.write_sparse(dense, torch.tensor([2, 40]), torch.tensor([1.5, -2.0]))
+    assert dense.count_nonzero() == 2 and dense[2] == 1.5 and dense[40] == -2.0
+    a, b = torch.tensor([1, 4, 7, 9]), torch.tensor([0, 4, 9, 12])
+    assert K.intersect_sorted(a, b).tolist() == [4, 9]
+    std, mean = K.std_mean(x)
+    ref_std, ref_mean = torch.std_mean(x)
+    assert std == float(ref_std) and mean == float(ref_mean)
+
+
+def test_qsgd_fallback_is_unbiased_and_keeps_what_it_did_not_send(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DTLAB_NATIVE_KERNELS", "0")
+    x = torch.full((512,), 0.3)
+    norms = torch.linalg.vector_norm(x).view(1)
+    codes = torch.empty(512, dtype=torch.int8)
+    total = torch.zeros(512)
+    for key in range(200):
+        res = x.clone()
+        K.qsgd_encode(res, 512, norms, 127, K.qsgd_noise_key(key), codes)
+        decoded = codes.float() * (norms / 127)
+        assert torch.allclose(res, x - decoded)  # the residual is exactly what was not sent
+        total += decoded
+    assert abs(float(total.mean()) / 200 - 0.3) < 0.3 * 0.01  # unbiased stochastic rounding
+
+
+@needs_native
+def test_kernels_equal_fallbacks_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _data()
+    m = float(x.abs()[1000])
+    below = float(np.nextafter(np.float32(m), np.float32(0)))
+    # thresholds: exactly a value (ties), between two floats (rounded to float32 as torch compares), 0
+    for thr in (m, below, m + 1e-12, m - 1e-12, 0.0, -1.0, 1e-42, 100.0):
+        native, plain = _both(monkeypatch, lambda thr=thr: K.indices_above(x, thr, expected=7))
+        assert torch.equal(native, plain), thr
+    y = torch.randn(x.numel())
+    y[3], y[9] = float("inf"), float("nan")
+    for other in (y, torch.randn(x.numel())):
+        native, plain = _both(
+            monkeypatch, lambda o=other: (out := torch.empty(x.numel()), K.add_count_nonfinite(x, o, out))
+        )
+        assert native[1] == plain[1] and torch.equal(native[0].nan_to_num(), plain[0].nan_to_num())
+    a, b = torch.unique(torch.randint(0, 10**5, (5000,))), torch.unique(torch.randint(0, 10**5, (7000,)))
+    native, plain = _both(monkeypatch, lambda: K.intersect_sorted(a, b))
+    assert torch.equal(native, plain)
+    pos = torch.randint(0, x.numel(), (999,))
+    native, plain = _both(monkeypatch, lambda: K.gather_abs(x, pos))
+    assert torch.equal(native, plain)
+    idx = torch.unique(torch.randint(0, x.numel(), (300,)))
+    native, plain = _both(
+        monkeypatch, lambda: (o := torch.randn(x.numel()), K.write_sparse(o, idx, x[idx]))[0]
+    )
+    assert torch.equal(native, plain)
+    native, plain = _both(monkeypatch, lambda: K.std_mean(x))
+    assert native == pytest.approx(plain, rel=1e-6, abs=1e-9)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cast_kernel_rounds_like_torch(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    z = _data() * 1e3
+    z[11], z[12], z[13], z[14] = 70_000.0, 1e-7, 6e-8, -2.9802322e-08  # overflow, subnormals, a tie
+    for p in (1, 2, 3):
+
+        def cast(p: int = p) -> tuple[torch.Tensor, torch.Tensor]:
+            res, low = z.clone(), torch.empty(z.numel(), dtype=dtype)
+            K.cast_with_residual(res, p, low)
+            return low.view(torch.int16), res
+
+        (low_n, res_n), (low_p, res_p) = _both(monkeypatch, cast)
+        assert torch.equal(low_n, low_p) and torch.equal(res_n, res_p)
+        assert torch.equal(low_n, (z / p).to(dtype).view(torch.int16))
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "bucket"), [(20_011, 512), (1024, 512), (7, 4), (5, 16)])
+def test_qsgd_kernels_equal_fallbacks(monkeypatch: pytest.MonkeyPatch, n: int, bucket: int) -> None:
+    v = _data()[:n]
+    nb = -(-n // bucket)
+    padded = torch.zeros(nb * bucket)
+    padded[:n] = v
+    norms = torch.linalg.vector_norm(padded.view(nb, bucket), dim=1)
+
+    def encode() -> tuple[torch.Tensor, int, torch.Tensor]:
+        res, codes = v.clone(), torch.empty(nb * bucket, dtype=torch.int8)
+        return codes, K.qsgd_encode(res, bucket, norms, 127, K.qsgd_noise_key(12345), codes), res
+
+    (c_n, s_n, r_n), (c_p, s_p, r_p) = _both(monkeypatch, encode)
+    assert torch.equal(c_n, c_p) and s_n == s_p and torch.equal(r_n, r_p)
+    codes, all_norms = torch.cat([c_n, c_n.flip(0)]), torch.cat([norms, norms.flip(0)])
+
+    def decode() -> tuple[torch.Tensor, int]:
+        out = torch.empty(n)
+        return out, K.qsgd_decode_mean(codes, all_norms, 2, bucket, 127, out)
+
+    (d_n, z_n), (d_p, z_p) = _both(monkeypatch, decode)
+    assert torch.equal(d_n, d_p) and z_n == z_p
+
+
+def _steps(backend: CommunicationBackend, name: str) -> list[torch.Tensor]:
+    comp = make_compressor(name, density=0.01, warmup_steps=1, tau=4, tau_prime=8, rank=2)
+    red = CompressedReducer(backend, comp, dense_below=0)
+    n, outs = 1 << 20, []  # large enough for the sampled pre-filter of the exact top-k
+    for step in range(6):
+        g = torch.Generator().manual_seed(backend.rank * 1009 + step)
+        grad = torch.randn(n, generator=g) * torch.linspace(0.05, 1.0, n)
+        red.all_reduce("g", grad).wait()
+        outs.append(grad)
+    res = red.error_feedback.residual("g")
+    return [*outs, res if res is not None else torch.zeros(0)]
+
+
+@needs_native
+def test_every_compressor_steps_identically_with_and_without_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two in-memory ranks, six steps (one dense, thresholds recomputed and reused): results and
+    residuals bit-identical (GaussianK: its threshold comes from a float64 mean/std, so to round-off)."""
+    names = [name for name in COMPRESSORS if name != "dense"]
+    native, plain = _both(monkeypatch, lambda: {nm: run_world(2, _steps, nm) for nm in names})
+    for name in names:
+        for rank in range(2):
+            for a, b in zip(native[name][rank], plain[name][rank], strict=True):
+                if name == "gaussiank":
+                    assert (a != b).sum() <= 4, name
+                else:
+                    assert torch.equal(a, b), (name, rank)
