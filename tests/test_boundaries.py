@@ -12,7 +12,7 @@ from test_strategies_helpers import STRATEGIES, max_rel_error
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.compression import OkTopk
+from dtlab.compression import GaussianK, GTopk, OkTopk, TopkA, TopkDSA
 from dtlab.compression.sparse import (
     GATHER_BELOW,
     Magnitudes,
@@ -189,3 +189,41 @@ def test_strategies_on_one_element_empty_and_uneven_shards(world_size: int) -> N
         for name, state in runs.items():
             err = max_rel_error(state, ref)
             assert err <= 1e-5, f"{name} on {world_size} ranks, rank {rank}: relative error {err:.2e}"
+
+
+# ------------------------------------------------------------- fewer nonzeros than k, empty ranks
+def _sparse_gradients(backend: CommunicationBackend, algo: type, n: int, k: int) -> Any:
+    """Rank 0 all zeros, rank 1 fewer nonzeros than k, the others dense."""
+    comp = algo(density=k / n) if algo is not OkTopk else OkTopk(density=k / n, warmup_steps=0)
+    g = torch.Generator().manual_seed(backend.rank)
+    acc = torch.randn(n, generator=g)
+    if backend.rank == 0:
+        acc.zero_()
+    elif backend.rank == 1:
+        acc[k // 2 :] = 0.0
+    ex = comp.all_reduce(comp.new_state("g", n), acc.clone(), backend)
+    if ex.result is not None:
+        return acc, ex.result
+    assert ex.result_indices is not None and ex.result_values is not None
+    out = torch.zeros(n)
+    out[ex.result_indices] = ex.result_values
+    return acc, out
+
+
+@pytest.mark.parametrize("algo", [TopkA, TopkDSA, GTopk, GaussianK, OkTopk])
+def test_sparse_compressors_with_empty_and_short_selections(algo: type) -> None:
+    n, k, p = 200, 20, 4
+    results = run_world(p, _sparse_gradients, algo, n, k)
+    first = results[0][1]
+    for _, result in results:
+        assert torch.equal(result, first)  # every rank the same average
+    accs = [a for a, _ in results]
+    nonzero = torch.stack(accs).ne(0).any(0)
+    assert bool((first[~nonzero] == 0).all())  # nothing where every rank's gradient is zero
+    if algo in (TopkA, TopkDSA):  # exact: the average of each rank's (nonzero) top-k
+        expected = torch.zeros(n)
+        for a in accs:
+            top = torch.topk(a.abs(), k).indices
+            top = top[a[top] != 0]
+            expected[top] += a[top]
+        torch.testing.assert_close(first, expected / p, rtol=0, atol=1e-7)
