@@ -10,6 +10,8 @@ every rank acknowledged."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ from dtlab.optimizers import ZeRO3Optimizer
 from dtlab.optimizers.elastic import (
     CommitKey,
     CommitStore,
+    DiskCommitStore,
     ElasticOptimizer,
     MemoryCommitStore,
     StaticMember,
@@ -43,7 +46,7 @@ class Stopped(Exception):
 class StoppingStore(CommitStore):
     """A real store that stops its rank at ``point`` of the commit of step ``step``."""
 
-    def __init__(self, inner: MemoryCommitStore, step: int | None = None, point: str = "") -> None:
+    def __init__(self, inner: CommitStore, step: int | None = None, point: str = "") -> None:
         self.inner, self.step, self.point = inner, step, point
         self._puts = 0
 
@@ -57,6 +60,11 @@ class StoppingStore(CommitStore):
             self._puts += 1
             if self._puts == 1:
                 self._stop("before own piece", key)
+                if self.point == "own piece half written" and isinstance(self.inner, DiskCommitStore):
+                    # the disk store's first step: a temporary file, renamed into place only when whole
+                    tmp = self.inner.directory / f".tmp-stopped-{key.rank}"
+                    tmp.write_bytes(data[: len(data) // 2])
+                    raise Stopped(f"own piece half written, step {key.step}")
         out = self.inner.put(data)
         self._stop("after own piece" if self._puts == 1 else "after ring copy", key)
         return out
@@ -121,7 +129,7 @@ def _restore(backend: CommunicationBackend, stores: list[CommitStore]) -> Any:
     return commit.key.step, commit.state, _full_state(opt)
 
 
-def _newest_complete(stores: list[MemoryCommitStore]) -> int:
+def _newest_complete(stores: Sequence[CommitStore]) -> int:
     """The oracle: the newest step whose every rank's piece some store holds."""
     held = {k for s in stores for k in s.keys()}
     steps = sorted({k.step for k in held}, reverse=True)
@@ -140,7 +148,7 @@ def trained() -> dict[int, dict[str, torch.Tensor]]:
 
 
 def _check_restore(
-    survivors: list[MemoryCommitStore], step: int, want: dict[str, torch.Tensor], where: str
+    survivors: Sequence[CommitStore], step: int, want: dict[str, torch.Tensor], where: str
 ) -> None:
     for got_step, state, full in run_world(len(survivors), _restore, list(survivors), timeout=30):
         assert got_step == step and state == {"step": step}, (where, got_step)
@@ -168,6 +176,30 @@ def test_a_rank_stopped_at_any_point_of_the_commit(
         if point == "after dropping older":
             assert step == 4  # every rank passed the barrier: step 4 was committed, never lost
         _check_restore(survivors, step, trained[step], f"rank {stopped} stopped {point}")
+
+
+@pytest.mark.parametrize("point", ["own piece half written", *POINTS])
+def test_disk_stores_survive_a_rank_stopped_at_any_point(
+    point: str, trained: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Node-local disk stores: the stopped rank's store outlives it (the worker restarts on its node),
+    so every rank comes back; the restore takes the newest complete commit, ignoring a half-written
+    temporary file."""
+    for stopped in range(WORLD):
+        dirs = [tmp_path / f"s{stopped}" / f"rank{r}" for r in range(WORLD)]
+        stores: list[CommitStore] = [
+            StoppingStore(DiskCommitStore(d), 4 if r == stopped else None, point) for r, d in enumerate(dirs)
+        ]
+        with pytest.raises(RankFailedError) as info:
+            run_world(WORLD, _train, stores, 4, timeout=30)
+        assert isinstance(info.value.__cause__, Stopped), info.value
+        restarted = [DiskCommitStore(d) for d in dirs]
+        step = _newest_complete(restarted)
+        if point in ("before own piece", "own piece half written"):
+            assert step == 2
+        if point == "after dropping older":
+            assert step == 4
+        _check_restore(restarted, step, trained[step], f"rank {stopped} stopped {point} (disk)")
 
 
 def _held_after_step(step: int) -> list[MemoryCommitStore]:
