@@ -402,6 +402,9 @@ class CheckpointConfig(_Section):
     #: ``lock_stale_after / 4`` s, at most every 60 s), is taken over; a lock of a dead process on this
     #: host is taken over at once
     lock_stale_after: float = Field(default=600.0, gt=0)
+    #: read step directories and files that are links resolving outside the checkpoint directory
+    #: (refused by default: a checkpoint shared with you should not read your other files)
+    allow_outside_links: bool = False
 
     @field_validator("dir", "resume")
     @classmethod

@@ -49,6 +49,11 @@ class CheckpointError(DtlabError):
     """A checkpoint is missing, truncated, corrupted or does not fit the model it is loaded into."""
 
 
+class UnsafePathError(DtlabError):
+    """A file dtlab was to write is in the way in a way it will not write through (a directory, a
+    parent that is a file, a file planted while it was being created): nothing was written there."""
+
+
 class ConfigError(DtlabError, ValueError):
     """A configuration value is invalid; the message names the field, the value and what is allowed."""
 

@@ -204,8 +204,8 @@ def test_meta_json_with_a_wrong_structure_is_a_checkpoint_error(tmp_path: Path) 
         ([1, 2], "holds a JSON list"),
         ({**meta, "format_version": 99}, "format 99, but this dtlab reads format 1"),
         ({k: v for k, v in meta.items() if k != "files"}, "missing ['files']"),
-        ({**meta, "ranks": [{"rank": 0}]}, "KeyError"),  # a rank entry without its shard metadata
-        ({**meta, "files": {}}, "KeyError 'model_rank00000.safetensors'"),
+        ({**meta, "ranks": [{"rank": 0}]}, "ranks[0].model=None, expected an object"),
+        ({**meta, "files": {}}, "files['model_rank00000.safetensors']=None, expected an object"),
     ]:
         meta_path.write_text(json.dumps(broken))
         with pytest.raises(CheckpointError, match=r"meta\.json") as info:

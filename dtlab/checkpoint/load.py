@@ -1,8 +1,10 @@
-"""Reading checkpoints: every file's size and SHA-256 checked against ``meta.json`` before use."""
+"""Reading checkpoints: ``meta.json`` checked like a config (``validate.py``), then every file's size
+and SHA-256 checked against it on the open file before the file is read (``safe_files.py``); files
+and step directories that resolve outside their directory are refused unless explicitly allowed."""
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,11 +13,19 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
-from dtlab.checkpoint.files import FORMAT_VERSION, LATEST, META, shard_name, step_of
+from dtlab.checkpoint.files import LATEST, META, shard_name, step_of
+from dtlab.checkpoint.safe_files import check_inside, read_inside
+from dtlab.checkpoint.validate import MAX_SHARD_BYTES, check_meta, parse_json
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
+from dtlab.models.state import ShardIndex, check_entries
 
 __all__ = ["LoadedCheckpoint", "read_checkpoint", "read_latest", "resolve_checkpoint"]
+
+#: the largest ``meta.json`` read (it is JSON metadata: kilobytes to a few megabytes)
+MAX_META_BYTES = 256 << 20
+#: the largest ``latest`` pointer read (it holds one step directory name)
+MAX_POINTER_BYTES = 4096
 
 
 @dataclass
@@ -39,38 +49,41 @@ class LoadedCheckpoint:
 def read_latest(root: Path) -> str | None:
     """The step directory name ``root/latest`` holds; ``None`` when there is no pointer.
 
-    A :class:`CheckpointError` when the pointer cannot be read or names anything but a step directory
-    directly inside ``root`` (an absolute path, ``..``, a path with separators): such a pointer is
-    never followed.
+    A :class:`CheckpointError` when the pointer cannot be read (a link, not a regular file, larger
+    than a name) or names anything but a step directory directly inside ``root`` (an absolute path,
+    ``..``, a path with separators): such a pointer is never followed, and its content never quoted.
     """
     pointer = root / LATEST
-    if not pointer.is_file():
-        if pointer.exists():
-            what = "a directory" if pointer.is_dir() else "not a regular file"
-            raise CheckpointError(
-                f"{pointer} is {what}, not the file naming the newest step directory that dtlab writes"
-            )
+    if not os.path.lexists(pointer):
         return None
+    if pointer.is_dir() and not pointer.is_symlink():
+        raise CheckpointError(
+            f"{pointer} is a directory, not the file naming the newest step directory that dtlab writes"
+        )
+    data = read_inside(pointer, None, "the pointer", limit=MAX_POINTER_BYTES)
     try:
-        text = pointer.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{pointer} cannot be read ({exc})") from None
+        text = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        text = ""
     if step_of(text) is None:
         raise CheckpointError(
-            f"{pointer} names {text[:200]!r}, which is not a step directory inside {root} "
-            "(step_NNNNNNNN); refusing to follow it"
+            f"{pointer} does not name a step directory inside {root} (it holds {len(data)} bytes; a "
+            "pointer holds one name, step_NNNNNNNN); refusing to follow it"
         )
     return text
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step directory (holding ``meta.json``) or a checkpoint root (its ``latest`` pointer)."""
+def resolve_checkpoint(path: str | Path, allow_outside: bool = False) -> Path:
+    """A step directory (holding ``meta.json``) or a checkpoint root (its ``latest`` pointer); the
+    step directory ``latest`` names must resolve inside the root unless ``allow_outside``."""
     p = Path(path)
     if (p / META).is_file():
         return p
     name = read_latest(p)
     if name is not None:
         target = p / name
+        if not allow_outside:
+            check_inside(target, p, "step directory")
         if not (target / META).is_file():
             raise CheckpointError(
                 f"{p / LATEST} names {target.name!r}, which has no {META}; the checkpoint is gone"
@@ -83,70 +96,64 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
-def _read_meta(step_dir: Path) -> dict[str, Any]:
+def _read_meta(step_dir: Path, allow_outside: bool) -> dict[str, Any]:
     path = step_dir / META
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is corrupted (not valid JSON: {exc})") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path} is corrupted: it holds a JSON {type(meta).__name__}, not an object")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: checkpoint format {meta.get('format_version')!r}, but this dtlab reads format "
-            f"{FORMAT_VERSION}; load it with the dtlab version that wrote it"
-        )
-    missing = [k for k in ("step", "world_size", "ranks", "files") if k not in meta]
-    if missing or not isinstance(meta["step"], int) or not isinstance(meta["world_size"], int):
-        raise CheckpointError(
-            f"{path} is corrupted: missing {missing} or a non-integer step/world_size; "
-            "resume from another step directory"
-        )
-    return meta
+    data = read_inside(path, step_dir, META, limit=MAX_META_BYTES, allow_outside=allow_outside)
+    return check_meta(parse_json(data, path), path, step_dir)
 
 
-def _read_tensors(step_dir: Path, name: str, info: dict[str, Any]) -> dict[str, torch.Tensor]:
-    import hashlib
-
+def _read_tensors(
+    step_dir: Path, name: str, info: dict[str, Any], allow_outside: bool
+) -> dict[str, torch.Tensor]:
     path = step_dir / name
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(
             f"shard file {path} is missing; the checkpoint is incomplete: resume from another step directory"
         )
-    data = path.read_bytes()
-    if len(data) != int(info["bytes"]):
-        raise CheckpointError(
-            f"shard file {path} is truncated or extended: {len(data)} bytes, expected {info['bytes']}"
-        )
-    if hashlib.sha256(data).hexdigest() != info["sha256"]:
-        raise CheckpointError(f"shard file {path} is corrupted: its SHA-256 differs from the one in {META}")
+    data = read_inside(
+        path,
+        step_dir,
+        "shard file",
+        limit=MAX_SHARD_BYTES,
+        size=info["bytes"],
+        sha256=info["sha256"],
+        allow_outside=allow_outside,
+    )
     try:
         return st_load(data)
-    except SafetensorError as exc:  # pragma: no cover - the checksum catches this first
+    except SafetensorError as exc:  # a crafted file whose checksum was crafted to match
         raise CheckpointError(f"shard file {path} is not a valid safetensors file: {exc}") from None
 
 
-def read_checkpoint(path: str | Path, with_optimizer: bool = True) -> LoadedCheckpoint:
-    """Read and verify every rank's shards (tensors on CPU)."""
-    step_dir = resolve_checkpoint(path)
-    meta = _read_meta(step_dir)
+def _shard(step_dir: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> ShardedState:
+    state = ShardedState(tensors, metadata)
+    check_entries(state, f"{step_dir / META}")
+    return state
+
+
+def read_checkpoint(
+    path: str | Path, with_optimizer: bool = True, allow_outside: bool = False
+) -> LoadedCheckpoint:
+    """Read and verify every rank's shards (tensors on CPU). ``meta.json`` is checked first (types,
+    ranges, the shape and dtype of every entry against the tensors the shards hold) and every file
+    must resolve inside the step directory, unless ``allow_outside``."""
+    step_dir = resolve_checkpoint(path, allow_outside)
+    meta = _read_meta(step_dir, allow_outside)
     model, optim, states = [], [], []
-    try:
-        files: dict[str, Any] = meta["files"]
-        for entry in meta["ranks"]:
-            r = int(entry["rank"])
-            name = shard_name("model", r)
-            model.append(ShardedState(_read_tensors(step_dir, name, files[name]), entry["model"]))
-            if with_optimizer and entry.get("optim") is not None:
-                name = shard_name("optim", r)
-                optim.append(ShardedState(_read_tensors(step_dir, name, files[name]), entry["optim"]))
-            name = shard_name("state", r)
-            states.append(_read_tensors(step_dir, name, files[name]))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointError(
-            f"{step_dir / META} is corrupted: {type(exc).__name__} {exc} while reading its entries; "
-            "resume from another step directory"
-        ) from None
+    files: dict[str, Any] = meta["files"]
+    for entry in meta["ranks"]:
+        r = entry["rank"]
+        name = shard_name("model", r)
+        model.append(
+            _shard(step_dir, _read_tensors(step_dir, name, files[name], allow_outside), entry["model"])
+        )
+        if with_optimizer and entry.get("optim") is not None:
+            name = shard_name("optim", r)
+            tensors = _read_tensors(step_dir, name, files[name], allow_outside)
+            optim.append(_shard(step_dir, tensors, entry["optim"]))
+        name = shard_name("state", r)
+        states.append(_read_tensors(step_dir, name, files[name], allow_outside))
+    for shards in (model, optim):
+        if shards and all("entries" in s.metadata for s in shards):
+            ShardIndex(shards).check_complete(str(step_dir / META))
     return LoadedCheckpoint(step_dir, meta, model, optim if optim else None, states)

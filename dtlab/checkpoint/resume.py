@@ -14,19 +14,29 @@ The rules (docs/checkpoints.md, "What dtlab promises when things fail"):
   with a note naming what was wrong; with ``strict=True`` a :class:`CheckpointError` instead.
 - nothing verifies: a :class:`CheckpointError` naming each step directory and its problem.
 
+"Verifies" includes ``meta.json`` checked like a config (``validate.py``), every file and the step
+directory resolving inside the checkpoint directory (unless ``allow_outside``), and the caller's own
+``check`` of what it will restore (the Trainer checks its saved state): a step directory failing any
+of them is corrupt and passed over like one whose checksum differs.
+
 Nothing here writes or deletes anything.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dtlab.checkpoint.files import LATEST, META, list_step_dirs
-from dtlab.checkpoint.load import LoadedCheckpoint, read_checkpoint, read_latest
+from dtlab.checkpoint.load import MAX_META_BYTES, LoadedCheckpoint, read_checkpoint, read_latest
+from dtlab.checkpoint.safe_files import check_inside, read_inside
+from dtlab.checkpoint.validate import parse_json
 from dtlab.errors import CheckpointError
+
+#: what a caller checks of a checkpoint before taking it (raises ``CheckpointError``)
+Check = Callable[[LoadedCheckpoint], None]
 
 __all__ = ["ResumePoint", "find_resume_checkpoint"]
 
@@ -41,8 +51,20 @@ class ResumePoint:
     notes: list[str] = field(default_factory=list)
 
 
-def _verify(path: Path, with_optimizer: bool) -> LoadedCheckpoint:
-    return read_checkpoint(path, with_optimizer=with_optimizer)
+@dataclass(frozen=True)
+class _Reader:
+    root: Path
+    with_optimizer: bool
+    allow_outside: bool
+    check: Check | None
+
+    def verify(self, path: Path) -> LoadedCheckpoint:
+        if not self.allow_outside:
+            check_inside(path, self.root, "step directory")
+        ckpt = read_checkpoint(path, self.with_optimizer, self.allow_outside)
+        if self.check is not None:
+            self.check(ckpt)
+        return ckpt
 
 
 def _run_of(meta: Any) -> dict[str, Any]:
@@ -54,8 +76,8 @@ def _continues(path: Path, base: LoadedCheckpoint) -> bool:
     """Whether step directory ``path`` was written by the run that wrote ``base`` or by a run that
     resumed from ``base`` (read from the ``run`` entries of both ``meta.json``; no tensors read)."""
     try:
-        run = _run_of(json.loads((path / META).read_text()))
-    except (OSError, ValueError):
+        run = _run_of(parse_json(read_inside(path / META, path, META, limit=MAX_META_BYTES), path / META))
+    except CheckpointError:
         return False
     base_id = _run_of(base.meta).get("id")
     if base_id is not None and run.get("id") == base_id:
@@ -69,9 +91,7 @@ def _continues(path: Path, base: LoadedCheckpoint) -> bool:
         return False
 
 
-def _newer(
-    root: Path, name: str, steps: list[tuple[int, Path]], base: LoadedCheckpoint, with_optimizer: bool
-) -> ResumePoint:
+def _newer(name: str, steps: list[tuple[int, Path]], base: LoadedCheckpoint, reader: _Reader) -> ResumePoint:
     """``latest`` names ``base`` (verified): a newer step directory continuing it wins if it verifies."""
     notes: list[str] = []
     others = []
@@ -82,7 +102,7 @@ def _newer(
             others.append(path.name)
             continue
         try:
-            ckpt = _verify(path, with_optimizer)
+            ckpt = reader.verify(path)
         except CheckpointError as exc:
             notes.append(f"{path.name} continues {name} but was not taken: {exc}")
             continue
@@ -93,22 +113,27 @@ def _newer(
         return ResumePoint(ckpt, notes)
     if others:
         notes.append(
-            f"{', '.join(reversed(others))} in {root} {'is' if len(others) == 1 else 'are'} newer than "
-            f"{name}, which {LATEST} names, but another run's (or a branch abandoned by a resume from "
-            "an older step): not taken, kept, set aside if this run saves the same step; resume from "
-            "one with checkpoint.resume=<its path>"
+            f"{', '.join(reversed(others))} in {reader.root} {'is' if len(others) == 1 else 'are'} "
+            f"newer than {name}, which {LATEST} names, but another run's (or a branch abandoned by a "
+            "resume from an older step): not taken, kept, set aside if this run saves the same step; "
+            "resume from one with checkpoint.resume=<its path>"
         )
     return ResumePoint(base, notes)
 
 
 def find_resume_checkpoint(
-    root: str | Path, strict: bool = False, with_optimizer: bool = True
+    root: str | Path,
+    strict: bool = False,
+    with_optimizer: bool = True,
+    allow_outside: bool = False,
+    check: Check | None = None,
 ) -> ResumePoint:
     """The checkpoint a resume from checkpoint root ``root`` takes (read and verified), see above.
 
     ``root`` missing or holding neither ``latest`` nor a step directory: ``ResumePoint(None)``.
     """
     root = Path(root)
+    reader = _Reader(root, with_optimizer, allow_outside, check)
     if not root.exists():
         return ResumePoint(None)
     if not root.is_dir():
@@ -128,11 +153,11 @@ def find_resume_checkpoint(
         target = root / name
         if target.is_dir():
             try:
-                ckpt = _verify(target, with_optimizer)
+                ckpt = reader.verify(target)
             except CheckpointError as exc:
                 pointer_problem = f"{root / LATEST} names {name}, which does not verify: {exc}"
             else:
-                return _newer(root, name, steps, ckpt, with_optimizer)
+                return _newer(name, steps, ckpt, reader)
         else:
             pointer_problem = f"{root / LATEST} names {name}, which does not exist in {root}"
         candidates = [p for p in candidates if p != target]
@@ -146,7 +171,7 @@ def find_resume_checkpoint(
     failed: list[str] = []
     for i, path in enumerate(candidates):
         try:
-            ckpt = _verify(path, with_optimizer)
+            ckpt = reader.verify(path)
         except CheckpointError as exc:
             if strict and i == 0 and pointer_problem is None:
                 raise CheckpointError(

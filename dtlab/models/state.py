@@ -17,20 +17,25 @@ local shard, so tensor-parallel checkpoints load at another tp size, into DDP or
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from dtlab.core.placement import Box, Placement, Replicate, Shard, local_regions
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
+from dtlab.models._state_checks import DTYPES, check_entries
+from dtlab.untrusted import summary
 
 __all__ = [
+    "DTYPES",
     "ShardIndex",
     "add_placed_slice",
     "add_scalar",
     "add_slice",
+    "check_entries",
     "dtype_from_str",
     "even_range",
     "full_shape_of",
@@ -60,10 +65,12 @@ def even_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def dtype_from_str(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata")
-    return dtype
+    if not isinstance(name, str) or name.removeprefix("torch.") not in DTYPES:
+        raise CheckpointError(
+            f"dtype {summary(name)} in checkpoint metadata is not one a checkpoint holds "
+            f"({', '.join(sorted(DTYPES))})"
+        )
+    return cast(torch.dtype, getattr(torch, name.removeprefix("torch.")))
 
 
 def add_slice(
@@ -209,11 +216,12 @@ class ShardIndex:
         self.extra: dict[str, Any] = {}
         for i, shard in enumerate(shards):
             md = shard.metadata
-            if "entries" not in md:
+            if not isinstance(md, dict) or "entries" not in md:
                 raise CheckpointError(
                     f"shard {i} has no metadata['entries']; it was not written by a dtlab data-parallel "
-                    f"strategy (metadata keys: {sorted(md)})"
+                    f"strategy (metadata keys: {summary(sorted(md) if isinstance(md, dict) else md)})"
                 )
+            check_entries(shard, f"shard {i}")
             self.strategies.add(str(md.get("strategy")))
             for key, value in md.items():
                 if key not in ("entries", "scalars", "rank"):
@@ -259,6 +267,7 @@ class ShardIndex:
             raise CheckpointError(f"range [{start}, {stop}) is outside {key!r} of {numel} elements")
         if key in self.box_pieces:
             return self._assemble(key)[start:stop]
+        self._check_held(key, stop - start)
         out = torch.empty(stop - start, dtype=dtype_from_str(dtype))
         covered = 0
         for s, e, t in self.pieces.get(key, []):
@@ -288,6 +297,7 @@ class ShardIndex:
         numel = 1
         for s in shape:
             numel *= s
+        self._check_held(key, numel)
         out = torch.empty(numel, dtype=dtype_from_str(dtype))
         seen = torch.zeros(numel, dtype=torch.bool)
         for s, e, t in self.pieces.get(key, []):
@@ -306,6 +316,27 @@ class ShardIndex:
             )
         self._assembled[key] = out
         return out
+
+    def check_complete(self, where: str) -> None:
+        """A :class:`CheckpointError` unless the shards hold at least every element of every tensor
+        (what a checkpoint holding every saved rank's shards must), checked without allocating."""
+        for key in self.meta:
+            try:
+                self._check_held(key, math.prod(self.meta[key][0]))
+            except CheckpointError as exc:
+                raise CheckpointError(f"{where} is corrupted: {exc}") from None
+
+    def _check_held(self, key: str, needed: int) -> None:
+        """Before allocating ``needed`` elements of ``key``: the shards must hold at least that many
+        (so what a loader allocates is bounded by what the files hold, whatever a shape says)."""
+        held = sum(e - s for s, e, _ in self.pieces.get(key, []))
+        held += sum(e - s for _, s, e, _ in self.box_pieces.get(key, []))
+        if held < needed:
+            raise CheckpointError(
+                f"the checkpoint's shards cover only {held} elements of {key!r}, fewer than the {needed} "
+                f"asked for (shape {self.meta[key][0]}); pass the shards of every saved rank, or the "
+                "checkpoint is corrupted"
+            )
 
     def _require(self, key: str) -> tuple[list[int], str]:
         if key not in self.meta:

@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import read_checkpoint
+from dtlab.checkpoint.agree import agree
 from dtlab.checkpoint.files import META, list_step_dirs
 from dtlab.checkpoint.load import LoadedCheckpoint
 from dtlab.checkpoint.lock import LockOwner
-from dtlab.checkpoint.resume import find_resume_checkpoint
+from dtlab.checkpoint.resume import Check, find_resume_checkpoint
 from dtlab.config import TrainConfig
-from dtlab.errors import CheckpointError
+from dtlab.errors import CheckpointError, DtlabError
 from dtlab.trainers.build import torch_optimizer
 from dtlab.trainers.ownership import another_run
+from dtlab.trainers.saved_state import check_saved_state
 
 if TYPE_CHECKING:
     from dtlab.trainers.trainer import Trainer
@@ -36,6 +38,7 @@ __all__ = [
     "owned_steps",
     "report_resume",
     "restore",
+    "restore_agreed",
 ]
 
 
@@ -46,14 +49,19 @@ class Resumed:
 
 
 def _choose_on_rank0(
-    config: TrainConfig, previous: LockOwner | None
+    config: TrainConfig, previous: LockOwner | None, check: Check | None
 ) -> tuple[LoadedCheckpoint | None, list[str], str | None]:
     c = config.checkpoint
     where = Path(str(c.dir if c.resume is True else c.resume))
     try:
         if c.resume is not True and (where / META).is_file():
-            return read_checkpoint(where), [], None  # one step directory, exactly: no fallback
-        point = find_resume_checkpoint(where, strict=c.strict_resume)
+            ckpt = read_checkpoint(where, allow_outside=c.allow_outside_links)  # exactly: no fallback
+            if check is not None:
+                check(ckpt)
+            return ckpt, [], None
+        point = find_resume_checkpoint(
+            where, strict=c.strict_resume, allow_outside=c.allow_outside_links, check=check
+        )
         if point.checkpoint is None and c.resume is not True:
             what = "does not exist" if not where.exists() else "holds no checkpoint"
             return None, [], f"checkpoint.resume={str(where)!r} {what}"
@@ -68,24 +76,41 @@ def _choose_on_rank0(
 
 
 def choose_checkpoint(
-    config: TrainConfig, backend: CommunicationBackend, previous: LockOwner | None = None
+    config: TrainConfig,
+    backend: CommunicationBackend,
+    previous: LockOwner | None = None,
+    check: Check | None = None,
 ) -> Resumed:
-    """Collective: rank 0 chooses (verifying candidates), every rank reads and verifies the choice.
-    ``previous``: the owner of the stale lock this run took over on ``checkpoint.dir`` (rank 0)."""
+    """Collective: rank 0 chooses (verifying candidates, ``check`` included), every rank reads and
+    verifies the choice; a rank that cannot is named to every rank at once (no rank is left waiting
+    in a collective while another has given up). ``previous``: the owner of the stale lock this run
+    took over on ``checkpoint.dir`` (rank 0)."""
     c = config.checkpoint
     if not (c.dir if c.resume is True else c.resume):
         raise CheckpointError("checkpoint.resume=true needs checkpoint.dir (or give resume a path)")
     mine: LoadedCheckpoint | None = None
     msg = None
     if backend.rank == 0:
-        mine, notes, error = _choose_on_rank0(config, previous)
+        try:
+            mine, notes, error = _choose_on_rank0(config, previous, check)
+        except Exception as exc:  # anything rank 0 meets is told to every rank, then raised here
+            mine, notes, error = None, [], f"{type(exc).__name__} while choosing: {exc}"
         msg = (None if mine is None else str(mine.path), notes, error)
     path, notes, error = backend.broadcast_object(msg, src=0)
     if error is not None:
         raise CheckpointError(error)
     if path is None:
         return Resumed(None, notes)
-    return Resumed(mine if mine is not None else read_checkpoint(path), notes)
+    problem = None
+    if mine is None:
+        try:
+            mine = read_checkpoint(path, allow_outside=c.allow_outside_links)
+        except CheckpointError as exc:
+            problem = str(exc)
+    agree(backend, problem, f"reading the checkpoint {path}")
+    if mine is None:  # not reached: agree() raised on every rank
+        raise CheckpointError(f"{path} was not read")
+    return Resumed(mine, notes)
 
 
 def owned_steps(config: TrainConfig, ckpt: LoadedCheckpoint | None) -> set[str]:
@@ -194,11 +219,13 @@ def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
     """Load everything a checkpoint holds into ``trainer`` (parameters, optimizer unless
     ``checkpoint.reset_optimizer``, schedule, data position, guard and early-stopping counters, RNG
     states at the same world size); returns notes on what differs (optimizer hyperparameters)."""
-    t = ckpt.meta.get("trainer")
-    if not isinstance(t, dict) or "step" not in t:
+    check_saved_state(trainer, ckpt.meta, ckpt.step, str(ckpt.path / META))
+    t = ckpt.meta["trainer"]
+    steps = trainer.config.train.steps
+    if t["step"] > steps:
         raise CheckpointError(
-            f"{ckpt.path}: {META} holds no trainer state (written by save_checkpoint outside the "
-            "Trainer?); the Trainer resumes only checkpoints it wrote"
+            f"{ckpt.path} is of step {t['step']}, past train.steps={steps}: there is nothing left to "
+            f"train; set train.steps above {t['step']} to continue it, or resume another checkpoint"
         )
     from dtlab.trainers.state import restore_rng
 
@@ -224,6 +251,19 @@ def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
     trainer.step = trainer.start_step = int(t["step"])
     if ckpt.world_size == trainer.backend.world_size:
         restore_rng(ckpt.rank_states[trainer.backend.rank], trainer.backend.device)
+    return notes
+
+
+def restore_agreed(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
+    """Collective :func:`restore`: a rank whose restore fails (a shard that does not fit its part of
+    the model) is named on every rank at once, and every rank raises."""
+    notes: list[str] = []
+    problem = None
+    try:
+        notes = restore(trainer, ckpt)
+    except DtlabError as exc:
+        problem = str(exc)
+    agree(trainer.backend, problem, f"restoring {ckpt.path}")
     return notes
 
 

@@ -24,6 +24,7 @@ import torch
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.checkpoint import save_checkpoint
 from dtlab.checkpoint.files import check_json, step_dir_name
+from dtlab.checkpoint.load import LoadedCheckpoint
 from dtlab.config import TrainConfig, check_world_size
 from dtlab.data import fetch
 from dtlab.errors import CheckpointError, ConfigError
@@ -52,9 +53,10 @@ from dtlab.trainers.resume import (
     foreign_steps_note,
     owned_steps,
     report_resume,
-    restore,
+    restore_agreed,
 )
 from dtlab.trainers.rundir import open_metrics
+from dtlab.trainers.saved_state import check_saved_state
 from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.schedule import build_scheduler
 from dtlab.trainers.state import capture_rng, scheduler_state, trainer_state
@@ -334,11 +336,14 @@ class Trainer:
         return path
 
     def _resume(self) -> None:
-        chosen = choose_checkpoint(self.config, self.backend, self.dir_hold.previous)
+        def check(ckpt: LoadedCheckpoint) -> None:  # a saved state this Trainer cannot take is corrupt
+            check_saved_state(self, ckpt.meta, ckpt.step, str(ckpt.path / "meta.json"))
+
+        chosen = choose_checkpoint(self.config, self.backend, self.dir_hold.previous, check)
         self.resume_notes = chosen.notes
         if chosen.checkpoint is None:
             return  # nothing saved yet: a fresh start
-        self.resume_notes = self.resume_notes + restore(self, chosen.checkpoint)
+        self.resume_notes = self.resume_notes + restore_agreed(self, chosen.checkpoint)
         self.resumed_from = str(chosen.checkpoint.path)
         run = chosen.checkpoint.meta.get("run")
         recorded = run.get("run_dir") if isinstance(run, dict) else None

@@ -1,0 +1,92 @@
+"""Checks of the flat-slice checkpoint format (:mod:`dtlab.models.state`) before anything is allocated:
+every entry's shape, dtype, range and box, against the tensor the shard holds."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dtlab.core.state import ShardedState
+from dtlab.errors import CheckpointError
+from dtlab.untrusted import summary
+
+__all__ = ["DTYPES", "check_entries"]
+
+#: the dtypes a checkpoint entry may name: those safetensors stores and torch computes with
+DTYPES = frozenset(
+    {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+    | {"float8_e4m3fn", "float8_e5m2"}
+)
+_MAX_DIMS = 32
+_MAX_NUMEL = 2**48
+
+
+def _ints(value: Any, n: int | None = None) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= _MAX_DIMS
+        and (n is None or len(value) == n)
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_NUMEL for v in value)
+    )
+
+
+def _entry_problem(e: Any, t: torch.Tensor | None) -> str | None:
+    """What is wrong with one entry of ``metadata["entries"]`` and its tensor ``t``; ``None``: sound."""
+    if not isinstance(e, dict):
+        return f"is {summary(e)}, not an object"
+    shape: Any = e.get("shape")
+    if not _ints(shape):
+        return f"has shape {summary(shape)}, not a list of at most {_MAX_DIMS} sizes"
+    numel = math.prod(shape)
+    if numel > _MAX_NUMEL:
+        return f"has shape {shape}: {numel} elements, more than {_MAX_NUMEL}"
+    if not isinstance(e.get("dtype"), str) or e["dtype"] not in DTYPES:
+        return f"has dtype {summary(e.get('dtype'))}, not one of {', '.join(sorted(DTYPES))}"
+    start: Any = e.get("start")
+    end: Any = e.get("end")
+    span = numel
+    if "box" in e:
+        box = e["box"]
+        if not isinstance(box, dict) or not _ints(box.get("offsets"), len(shape)):
+            return f"has box {summary(box)}, not {{offsets, sizes}} with one of each per dimension"
+        if not _ints(box.get("sizes"), len(shape)) or any(
+            o + s > d for o, s, d in zip(box["offsets"], box["sizes"], shape, strict=True)
+        ):
+            return f"has box {summary(box)}, which does not fit in shape {shape}"
+        span = math.prod(box["sizes"])
+    if not (_ints([start, end]) and start <= end <= span):
+        return f"covers [{summary(start)}, {summary(end)}), not a range inside its {span} elements"
+    if "key" in e and not isinstance(e["key"], str):
+        return f"has key {summary(e['key'])}, not a string"
+    if t is None:
+        return "has no tensor in the shard file"
+    if t.numel() != end - start:
+        return f"covers [{start}, {end}) but its tensor holds {t.numel()} elements"
+    if str(t.dtype).removeprefix("torch.") != e["dtype"]:
+        return f"is {e['dtype']} but its tensor is {str(t.dtype).removeprefix('torch.')}"
+    return None
+
+
+def check_entries(shard: ShardedState, where: str) -> None:
+    """A :class:`CheckpointError` naming ``where`` and the entry when a shard's ``entries`` or
+    ``scalars`` metadata is not sound (types, shapes, ranges, dtypes, and each entry's tensor): checked
+    before any full tensor is assembled, so a crafted shape cannot make a loader allocate."""
+    md = shard.metadata
+    if not isinstance(md, dict):
+        raise CheckpointError(f"{where}: shard metadata {summary(md)} is not an object")
+    entries, scalars = md.get("entries", {}), md.get("scalars", {})
+    if not isinstance(entries, dict) or not isinstance(scalars, dict):
+        raise CheckpointError(f"{where}: shard metadata's entries/scalars are not objects")
+    for store, e in entries.items():
+        problem = _entry_problem(e, shard.tensors.get(store))
+        if problem is not None:
+            raise CheckpointError(f"{where} is corrupted: entry {summary(store)} {problem}")
+    for key, s in scalars.items():
+        ok = isinstance(s, dict) and (s.get("dtype") is None or s.get("dtype") in DTYPES)
+        if not ok or not isinstance(s.get("value"), int | float):
+            raise CheckpointError(
+                f"{where} is corrupted: scalar {summary(key)} is {summary(s)}, expected "
+                "{value: a number, dtype: null or a dtype name}"
+            )
