@@ -126,6 +126,49 @@ def test_data_parallel_memory_and_bytes_equal_the_run(strategy: str, world: int)
     assert pred.axes["tp"].ops == {} and pred.axes["pp"].ops == {}
 
 
+def _accumulating_steps(backend: Any, config: Any, task: Any, micro: int) -> dict[str, Any]:
+    """Two steps of ``micro`` micro-batches each, all but the last under ``no_sync`` (as the Trainer
+    accumulates); the counters hold the second step."""
+    model, _ = build_model_strategy(config, backend, task)
+    opt = build_optimizer_strategy(config, model)
+    g = torch.Generator().manual_seed(100 + backend.rank)
+    local = config.data.global_batch_size // backend.world_size
+    for step in range(2):
+        if step == 1:
+            backend.stats.reset()
+        for i in range(micro):
+            x = torch.randint(0, 256, (local // micro, config.model.seq_len), generator=g)
+            y = torch.randint(0, 256, (local // micro, config.model.seq_len), generator=g)
+            if i < micro - 1:
+                with model.no_sync():
+                    cross_entropy_loss(model(x), y).backward()
+            else:
+                cross_entropy_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "memory": opt.memory_report(),
+        "ops": {k: (v["calls"], v["bytes_sent"]) for k, v in backend.stats.snapshot().items()},
+    }
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
+def test_gradient_accumulation_equals_the_run(strategy: str) -> None:
+    """Without a pipeline, micro-batches accumulate: gradients reduced once per step, ZeRO-3/FSDP
+    units gathered again for every micro-batch."""
+    config = _config(strategy, 2)
+    measured = run_world(2, _accumulating_steps, config, build_task(config), 2)
+    plan = Candidate(strategy, dp=2, micro_batches=2)  # type: ignore[arg-type]
+    pred = predict(_spec(config), ClusterSpec(ranks=2), plan, config.data.global_batch_size)
+    assert pred.micro_batch == 2 and plan.label.endswith("accum2")
+    for rank, got in enumerate(measured):
+        assert got["ops"] == pred.axes["dp"].ops, f"rank {rank}"
+        assert got["memory"]["parameters"] == pred.memory.parameters
+        assert got["memory"]["optimizer_state"] == pred.memory.optimizer_state
+    one = predict(_spec(config), ClusterSpec(ranks=2), Candidate(strategy, dp=2), 8)  # type: ignore[arg-type]
+    assert pred.memory.activations < one.memory.activations  # half the sequences in flight
+
+
 TP_SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=4, seq_len=16)
 TP_BATCH = 8
 
@@ -246,7 +289,7 @@ def _pipeline_steps(backend: Any, spec: ModelSpec, plan: Candidate) -> dict[str,
         if step == 1:
             for axis in ("dp", "pp"):
                 mesh[axis].stats.reset()
-        model.train_step((x, y), cross_entropy_loss)
+        model.train_step((x, y), model.cross_entropy)  # dtlab train's loss on a mesh
         opt.step()
         opt.zero_grad()
     return {

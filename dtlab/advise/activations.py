@@ -7,12 +7,15 @@ counted:
 
 - a block keeps ``4 h + 4`` values per token whatever ``tp`` is (the two LayerNorms' inputs and
   outputs, their mean and 1/std) and ``(12 h + a) / tp`` split ones (q, k, v, the attention output,
-  one log-sum-exp per head, the MLP's ``4 h`` pre- and post-GELU values);
+  one log-sum-exp per head, the MLP's ``4 h`` pre- and post-GELU values); without fused attention
+  (``ModelSpec.fused_attention=False``) the softmax of every local head instead of its log-sum-exp:
+  ``(12 h + a s) / tp``;
 - the first stage keeps the positions (8 bytes each), under tensor parallelism also the local token
   ids and a mask (9 bytes per token);
 - the last stage keeps the final LayerNorm's input, output and statistics (``2 h + 2``) and, in the
-  loss, the log-probabilities (``V / tp`` per token), then 4 bytes (the loss's total weight), or under
-  tensor parallelism the local target ids, two masks and a count (10 bytes per token and 8).
+  loss, the log-probabilities (``V / tp`` per token), then 4 bytes (the loss's total weight), or
+  with the vocabulary-parallel cross entropy (dtlab train's loss under tensor or pipeline
+  parallelism) the local target ids, two masks and a count (10 bytes per token and 8).
 
 Activation checkpointing splits this into what each micro-batch keeps until its backward and a
 working set rebuilt once at a time during the backward (:class:`Held`): per block, a block keeps
@@ -41,12 +44,15 @@ class Held:
 
 def block_bytes_per_token(spec: ModelSpec, tp: int, e: int) -> int:
     h, a = spec.hidden, spec.heads
-    return (4 * h + 4 + 12 * h // tp + a // tp) * e
+    scores = a // tp if spec.fused_attention else a // tp * spec.seq_len
+    return (4 * h + 4 + 12 * h // tp + scores) * e
 
 
-def _loss_bytes(spec: ModelSpec, n: int, tp: int, e: int) -> int:
-    """What the loss keeps: log-probabilities and the total weight (under tp: ids, masks, count)."""
-    return n * (spec.vocab // tp) * e + (10 * n + 8 if tp > 1 else 4)
+def _loss_bytes(spec: ModelSpec, n: int, tp: int, e: int, parallel: bool) -> int:
+    """What the loss keeps: log-probabilities and the total weight; the vocabulary-parallel cross
+    entropy (``parallel``: what dtlab train uses with tp or a pipeline) local target ids, two masks
+    and a count instead of the weight."""
+    return n * (spec.vocab // tp) * e + (10 * n + 8 if parallel else 4)
 
 
 def stage_activations(
@@ -68,7 +74,7 @@ def stage_activations(
     n = sequences * s
     per_block = block_bytes_per_token(spec, tp, e) * n
     head = n * (2 * h + 2) * e if last else 0
-    loss = _loss_bytes(spec, n, tp, e) if last else 0
+    loss = _loss_bytes(spec, n, tp, e, tp > 1 or pipelined) if last else 0
     embed = 8 * s + (9 * n if tp > 1 else 0) if first else 0
     output = (4 if last else n * h * e) if pipelined else 0
     if checkpointing == "stage":

@@ -43,6 +43,13 @@ def add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--tied-embeddings", action="store_true", help="the head is the token embedding (one weight)"
     )
     m.add_argument(
+        "--attention",
+        choices=["fused", "materialized"],
+        default="fused",
+        help="fused (dtlab's, FlashAttention: no s x s matrix kept) or materialized (the softmax of "
+        "every head kept for the backward) (default %(default)s)",
+    )
+    m.add_argument(
         "--precision",
         choices=PRECISIONS,
         default="fp32",
@@ -143,9 +150,12 @@ def _model(args: argparse.Namespace) -> ModelSpec:
             vocab=vocab,
             seq_len=seq,
             tied_embeddings=args.tied_embeddings,
+            fused_attention=args.attention == "fused",
         )
     hidden = args.hidden or base.hidden
-    return ModelSpec(layers, hidden, heads, vocab, seq, base.name, args.tied_embeddings)
+    return ModelSpec(
+        layers, hidden, heads, vocab, seq, base.name, args.tied_embeddings, args.attention == "fused"
+    )
 
 
 def _names(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ block, ``h + V/t`` for the head). The peak is replayed along the rank's compute 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtlab.advise.activations import Held, stage_activations
 from dtlab.advise.layout import Tensor
@@ -114,18 +114,34 @@ def _order(c: Candidate, rank: int) -> list[tuple[str, int, int]]:
     return ops + [("W", 0, i) for i in range(next_w, m)] if zero_bubble else ops
 
 
+def _steady(c: Candidate) -> Candidate:
+    """The same schedule with fewer micro-batches but the same peak: past its warm-up, interleaved
+    1F1B repeats every ``p v`` steps and ZB-H1 every step (each period ends where it began), and
+    the drain only releases; so ``p (v + 3)`` (interleaved) or ``p + 3`` micro-batches reach it."""
+    cap = c.pp * (c.stages_per_rank + 3) if c.schedule == "interleaved_1f1b" else c.pp + 3
+    return c if c.micro_batches <= cap else replace(c, micro_batches=cap)
+
+
 def activation_peak(
-    spec: ModelSpec, c: Candidate, rank: int, chunks: Sequence[StageShape], sequences: int, e: int
+    spec: ModelSpec,
+    c: Candidate,
+    rank: int,
+    chunks: Sequence[StageShape],
+    sequences: int,
+    e: int,
+    *,
+    shortcut: bool = True,
 ) -> Held:
     """The most activation bytes ``rank`` keeps at once during a step (its ``chunks``: its stages),
-    and the largest working set a checkpointed backward rebuilds on it (once at a time)."""
+    and the largest working set a checkpointed backward rebuilds on it (once at a time).
+    ``shortcut``: replay a steady prefix of the schedule (:func:`_steady`), not all of it."""
     sizes = [_held(spec, s, sequences, c, e) for s in chunks]
     rebuilt = max(h.rebuilt for h, _ in sizes)
     if c.schedule in ("gpipe", "1f1b"):  # one chunk, every micro-batch alike: no replay needed
         n = c.micro_batches if c.schedule == "gpipe" else min(c.pp - rank, c.micro_batches)
         return Held(n * sizes[0][0].kept, rebuilt)
     held = peak = 0
-    for kind, chunk, _ in _order(c, rank):
+    for kind, chunk, _ in _order(_steady(c) if shortcut else c, rank):
         full, weights = sizes[chunk][0].kept, sizes[chunk][1]
         held += {"F": full, "B": -full, "I": weights - full, "W": -weights}[kind]
         peak = max(peak, held)

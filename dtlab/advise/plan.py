@@ -70,6 +70,11 @@ def parse_plan(text: str, ranks: int, global_batch: int) -> Candidate:
         m = local // size
     else:
         m = _int("micro_batches", fields.get("micro_batches", str(pp if pp > 1 else 1)))
+        if local % m:
+            raise ArgumentError(
+                f"--plan: micro_batches={m} does not divide the {local} sequences per dp rank "
+                f"(--global-batch {global_batch} / dp {dp})"
+            )
     schedule = fields.get("schedule", "1f1b" if pp > 1 else "none")
     v = _int("v", fields.get("v", "1"))
     if v > 1 and "schedule" not in fields:

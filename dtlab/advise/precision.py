@@ -62,15 +62,14 @@ class Precision:
             return cls(name, params=4, compute=2, grads=4, master=0, states=4, activations=2, reduce=4)
         raise ArgumentError(f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}")
 
-    def custom(self, **widths: int) -> Precision:
-        """This policy with some widths changed, e.g. Megatron-LM's bf16:
-        ``Precision.named("bf16-mixed").custom(params=2, compute=2, master=4)``."""
+    def custom(self, name: str | None = None, **widths: int) -> Precision:
+        """This policy with some widths changed (and a new name), e.g. Megatron-LM's bf16:
+        ``Precision.named("bf16-mixed").custom("megatron-bf16", params=2, compute=2, master=4)``."""
         unknown = sorted(set(widths) - {f.name for f in dataclasses.fields(self)} - {"name"})
         if unknown:
             raise ArgumentError(f"Precision has no width {unknown}; widths: params, compute, grads, "
                                 "master, states, activations, reduce")  # fmt: skip
-        name = widths.pop("name", None) or f"{self.name}*"
-        return dataclasses.replace(self, name=str(name), **widths)
+        return dataclasses.replace(self, name=name or f"{self.name}*", **widths)
 
     def state_bytes(self, states_per_element: int) -> int:
         """Optimizer bytes per parameter element: its states and the master copy."""

@@ -192,6 +192,14 @@ class Memo:
         self.costs: dict[tuple[object, ...], DataParallelCost] = {}
         self.acts: dict[tuple[object, ...], Held] = {}
         self.times: dict[tuple[object, ...], tuple[PassTimes, float, float]] = {}
+        self.cluster: ClusterSpec | None = None  # the one ``times`` holds
+
+    def timing(self, cluster: ClusterSpec) -> dict[tuple[object, ...], tuple[PassTimes, float, float]]:
+        """The compute times for ``cluster`` (those of another cluster are dropped)."""
+        if cluster != self.cluster:
+            self.times.clear()
+            self.cluster = cluster
+        return self.times
 
     def tensors_by_block(self, spec: ModelSpec, tp: int, pipelined: bool = False) -> list[list[Tensor]]:
         """The rank's tensors per pipeline block (0: embedding, ``1..L``: blocks, ``L+1``: head)."""
@@ -269,7 +277,7 @@ def predict(
     memo: Memo | None = None,
 ) -> Prediction:
     """Memory, bytes per axis and step time of ``candidate`` (``global_batch`` sequences per step).
-    ``memo``: shared by the calls of one search (same ``spec``, ``optimizer``, ``options``, ``precision``)."""
+    ``memo``: shared by calls with the same ``spec``, ``optimizer``, ``options`` and ``precision``."""
     c = candidate
     opt = optimizer or OptimizerSpec()
     opts = options or StrategyOptions()
@@ -310,9 +318,10 @@ def predict(
                 memo.acts[akey] = activation_peak(spec, c, r, mine, micro, e)
         acts = memo.acts[akey]
         tkey = (c.tp, c.dp, c.pp, micro, c.checkpointing, shape)
-        if tkey not in memo.times:
-            memo.times[tkey] = _rank_times(spec, c, mine, micro, e, cluster)
-        times.append(memo.times[tkey])
+        timed = memo.timing(cluster)
+        if tkey not in timed:
+            timed[tkey] = _rank_times(spec, c, mine, micro, e, cluster)
+        times.append(timed[tkey])
         ops: Ops = {}
         for st in mine:
             one = tensor_parallel_ops(spec, micro, st.blocks, st.first, st.last, c.tp, e, c.checkpointing)

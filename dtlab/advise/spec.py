@@ -56,7 +56,9 @@ class ModelSpec:
     position embeddings, ``layers`` pre-norm blocks (attention with a fused qkv projection, an MLP of
     ``4 * hidden``, two LayerNorms, biases everywhere), a final LayerNorm and a head, untied
     (dtlab's) or tied to the token embedding (``tied_embeddings``: one weight; under a pipeline the
-    last stage holds a copy whose gradient is summed with the first stage's, as Megatron-LM does)."""
+    last stage holds a copy whose gradient is summed with the first stage's, as Megatron-LM does).
+    ``fused_attention``: attention keeps one log-sum-exp per head and token (dtlab's, FlashAttention);
+    ``False``: it keeps the ``s x s`` softmax of every head (frameworks before fused kernels)."""
 
     layers: int
     hidden: int
@@ -65,6 +67,7 @@ class ModelSpec:
     seq_len: int = 64
     name: str = "transformer"
     tied_embeddings: bool = False
+    fused_attention: bool = True
 
     def __post_init__(self) -> None:
         _positive_int(
@@ -110,6 +113,7 @@ class ModelSpec:
         vocab: int,
         seq_len: int,
         tied_embeddings: bool = False,
+        fused_attention: bool = True,
     ) -> ModelSpec:
         """The transformer of ``layers`` blocks whose parameter count is nearest ``parameters``: the
         hidden size solves ``12 L h^2 + ((2 or 1) V + s + 13 L + 2) h = N``, rounded to a multiple of
@@ -119,7 +123,7 @@ class ModelSpec:
         root = (-b + math.sqrt(b * b + 4 * a * parameters)) / (2 * a)
         hidden = max(heads, heads * round(root / heads))
         name = f"transformer~{parameters:.3g}"
-        return cls(layers, hidden, heads, vocab, seq_len, name, tied_embeddings)
+        return cls(layers, hidden, heads, vocab, seq_len, name, tied_embeddings, fused_attention)
 
     @property
     def parameters(self) -> int:

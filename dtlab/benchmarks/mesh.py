@@ -13,8 +13,11 @@ strategy: the model and optimizer strategies exactly as ``dtlab train`` builds t
 - memory per rank, of the rank holding the most: its state (parameters + gradients + optimizer state
   after the step, ``memory_report()``) and its activations (a pipeline's own count; without one, the
   storages autograd saves during one more step, not measurable under ZeRO-3/FSDP whose hooks replace
-  them), next to the prediction's ``memory`` (its ``transient`` left out: what ZeRO-3/FSDP gather for
-  a moment is not held at the end of a step).
+  them), next to the prediction's ``memory`` (its ``transient`` and ``recompute`` left out: what
+  ZeRO-3/FSDP gather and a checkpointed backward rebuilds for a moment is not held across a step).
+
+``--checkpointing``: every configuration with ``strategy.activation_checkpointing=true`` (per stage
+under a pipeline, per block without one), predicted as such.
 
 Engines: ``inmemory`` (``--ranks`` threads of one process, default 8) and ``gloo``/``mpi`` (4
 processes, every configuration in one spawned world). Run::
@@ -84,6 +87,8 @@ def _config(args: argparse.Namespace, shape: tuple[int, int, int], strategy: str
     ]
     if pp > 1:
         sets.append(f"parallel.micro_batches={_micro_batches(pp, dp, args.batch)}")
+    if getattr(args, "checkpointing", False):  # per stage with a pipeline, per block without
+        sets.append("strategy.activation_checkpointing=true")
     return load_config(overrides=sets)
 
 
@@ -199,6 +204,9 @@ def _row(
         pp=pp,
         schedule=config.parallel.schedule if pp > 1 else "none",
         micro_batches=config.parallel.micro_batch_count if pp > 1 else 1,
+        checkpointing=("stage" if pp > 1 else "block")
+        if config.strategy.activation_checkpointing
+        else "none",
     )
     world, batch = dp * tp * pp, config.data.global_batch_size
     p = predict(spec, ClusterSpec(ranks=world), plan, batch, optimizer=OptimizerSpec())
@@ -360,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="sweeps, interleaved; each configuration's median")
+    p.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing (per stage, or per block)"
+    )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     rows = run(args)
