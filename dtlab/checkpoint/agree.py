@@ -16,15 +16,19 @@ __all__ = ["agree", "read_on_src"]
 T = TypeVar("T")
 
 
-def agree(backend: CommunicationBackend, problem: str | None, what: str) -> None:
+def agree(
+    backend: CommunicationBackend,
+    problem: str | None,
+    what: str,
+    error: type[DtlabError] = CheckpointError,
+) -> None:
     """Collective: ``problem`` is this rank's failure (``None``: it succeeded). When any rank failed,
-    every rank raises one :class:`CheckpointError` naming the failed ranks and the first problem."""
+    every rank raises one ``error`` (a :class:`CheckpointError`) naming the failed ranks and the first
+    problem."""
     problems = backend.all_gather_object(problem)
     failed = [r for r, p in enumerate(problems) if p is not None]
     if failed:
-        raise CheckpointError(
-            f"{what} failed on rank{'s' if len(failed) > 1 else ''} {failed}: {problems[failed[0]]}"
-        )
+        raise error(f"{what} failed on rank{'s' if len(failed) > 1 else ''} {failed}: {problems[failed[0]]}")
 
 
 def read_on_src(backend: CommunicationBackend, src: int, read: Callable[[], T], what: str) -> T:

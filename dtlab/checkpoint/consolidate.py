@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as st_save
 
-from dtlab.checkpoint.files import durable_write
+from dtlab.checkpoint.safe_files import replace_file
 from dtlab.core.state import ShardedState
+from dtlab.errors import UnsafePathError
 from dtlab.models.state import ShardIndex
 
 __all__ = ["consolidate", "full_tensors_from_shards"]
@@ -31,11 +32,27 @@ def consolidate(checkpoint: str | Path, output: str | Path) -> Path:
     """Write the full model of a checkpoint (any strategy, any world size) as one safetensors file."""
     from dtlab.checkpoint.load import read_checkpoint
 
+    out = Path(output)
+    _check_output(out)  # before reading anything
     ckpt = read_checkpoint(checkpoint, with_optimizer=False)
     tensors = full_tensors_from_shards(ckpt.model)
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UnsafePathError(f"-o {out}: its directory cannot be created: {exc.strerror or exc}") from None
     strategy = ckpt.meta.get("strategy", {})
-    metadata = {"step": str(ckpt.step), "source": str(ckpt.path), "strategy": str(strategy)}
-    durable_write(out, st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
+    metadata = {"step": str(ckpt.step), "source": str(ckpt.path), "strategy": str(strategy)[:4096]}
+    data = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+    replace_file(out, data)  # a link at ``out`` is replaced by the file, its target left untouched
     return out
+
+
+def _check_output(out: Path) -> None:
+    """``out`` must name a file whose directory is (or can become) a directory."""
+    if out.is_dir() and not out.is_symlink():
+        raise UnsafePathError(f"-o {out} is a directory; give a file name, e.g. {out / 'model.safetensors'}")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UnsafePathError(f"-o {out}: {parent} is a file, not a directory")
+            break

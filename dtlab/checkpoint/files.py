@@ -72,8 +72,16 @@ def fsync_dir(path: Path) -> None:
 
 
 def durable_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it before returning."""
-    with open(path, "wb") as f:
+    """Write ``data`` to ``path`` and fsync it before returning; a symbolic link at ``path`` is a
+    :class:`CheckpointError` naming it, never written through."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError:
+        if os.path.islink(path):
+            raise CheckpointError(f"{path} is a symbolic link; dtlab does not write through links") from None
+        raise
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -17,15 +17,17 @@ symbolic link at that name instead of writing through it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import stat
 import uuid
 from pathlib import Path
+from typing import IO
 
 from dtlab.errors import CheckpointError, UnsafePathError
 
-__all__ = ["PIECE", "check_inside", "inside", "read_inside", "replace_file", "write_new"]
+__all__ = ["PIECE", "check_inside", "inside", "open_text", "read_inside", "replace_file", "write_new"]
 
 #: bytes read at a time while hashing
 PIECE = 1 << 20
@@ -152,3 +154,28 @@ def replace_file(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _refuse_link(path: Path, fix: str) -> UnsafePathError:
+    return UnsafePathError(f"{path} is a symbolic link; dtlab does not write through links: {fix}")
+
+
+def open_text(path: Path, append: bool, fix: str = "remove the link") -> IO[str]:
+    """``path`` opened for writing text (appending, or truncated), never through a symbolic link at
+    its final component and never blocking on a FIFO: either is an :class:`UnsafePathError` naming
+    the file (with ``fix``), and so is anything but a regular file."""
+    flags = os.O_WRONLY | os.O_CREAT | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC
+    flags |= os.O_APPEND if append else 0
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise _refuse_link(path, fix) from None
+        raise UnsafePathError(f"{path} cannot be opened for writing: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafePathError(f"{path} is not a regular file; dtlab writes only regular files: {fix}")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_NONBLOCK)
+    if not append:
+        os.ftruncate(fd, 0)
+    return os.fdopen(fd, "a" if append else "w", encoding="utf-8", newline="")

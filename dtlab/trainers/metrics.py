@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
+from dtlab.checkpoint.safe_files import open_text
+
 __all__ = ["MetricsCollector", "clean"]
 
 
@@ -59,7 +61,7 @@ class MetricsCollector:
         self._file: IO[str] | None = None
         if self.path is not None and enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+            self._file = open_text(self.path, append, "remove it, or choose another logging.run_dir")
 
     def log(self, record: dict[str, Any]) -> dict[str, Any]:
         rec = clean(record)

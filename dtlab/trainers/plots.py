@@ -9,12 +9,14 @@ global state), so in-memory ranks (threads) may plot.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtlab.checkpoint.safe_files import replace_file
 from dtlab.errors import ConfigError
 
 __all__ = ["Curves", "plot_runs", "read_curves", "write_loss_png"]
@@ -110,7 +112,9 @@ def plot_runs(runs: list[Curves], out: str | Path, title: str | None = None) -> 
     fig.subplots_adjust(left=0.06, right=0.98, bottom=0.12, top=0.86 if title else 0.92, wspace=0.18)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    image = io.BytesIO()
+    fig.savefig(image, format=out.suffix.lstrip(".") or "png")
+    replace_file(out, image.getvalue())  # a link planted at the name is replaced, not written through
     return out
 
 

@@ -11,6 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from dtlab.checkpoint.safe_files import replace_file
 from dtlab.trainers.metrics import clean
 from dtlab.trainers.parallel import mesh_shape, needs_mesh
 
@@ -241,7 +242,8 @@ def write_profile(self: Trainer, result: TrainResult) -> None:
     run_dir = self.run_dir
     if run_dir is not None and self.is_main:
         path = run_dir / "profile.json"
-        path.write_text(json.dumps(clean({"profile": result.profile, "summary": result.summary}), indent=1))
+        text = json.dumps(clean({"profile": result.profile, "summary": result.summary}), indent=1)
+        replace_file(path, text.encode())  # a link planted at profile.json is replaced, not written through
         if self.config.logging.plot:
             from dtlab.trainers.plots import write_loss_png
 

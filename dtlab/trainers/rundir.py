@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.checkpoint.agree import agree
+from dtlab.errors import UnsafePathError
 from dtlab.trainers.metrics import MetricsCollector
 
 if TYPE_CHECKING:
@@ -90,16 +92,24 @@ def open_metrics(trainer: Trainer, recorded: str | None) -> tuple[Path | None, M
     run_dir = _agree(backend, chosen)
     path = None if run_dir is None else Path(run_dir)
     sinks: list[Any] = []
-    if path is not None and trainer.is_main:
-        path.mkdir(parents=True, exist_ok=True)
-        update_latest(path)
-        sinks = build_sinks(trainer.config, path)
-    metrics = MetricsCollector(
-        path / METRICS if path is not None else None,
-        enabled=trainer.is_main,
-        append=resumed,  # a resumed run continues its file; a fresh run has a directory of its own
-        sinks=sinks,
-    )
+    problem = None
+    try:
+        if path is not None and trainer.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            update_latest(path)
+            sinks = build_sinks(trainer.config, path)
+        metrics = MetricsCollector(
+            path / METRICS if path is not None else None,
+            enabled=trainer.is_main,
+            append=resumed,  # a resumed run continues its file; a fresh run has a directory of its own
+            sinks=sinks,
+        )
+    except UnsafePathError as exc:  # a link planted at metrics.jsonl: every rank stops, named
+        problem = str(exc)
+    if backend.world_size > 1:
+        agree(backend, problem, "opening the run directory's files", UnsafePathError)
+    elif problem is not None:
+        raise UnsafePathError(problem)
     return path, metrics
 
 

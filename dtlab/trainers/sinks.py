@@ -22,6 +22,7 @@ import csv
 from pathlib import Path
 from typing import IO, Any
 
+from dtlab.checkpoint.safe_files import open_text
 from dtlab.config import TrainConfig
 from dtlab.trainers.metrics import RecordSink
 
@@ -119,7 +120,7 @@ class CsvSink:
 
     def __init__(self, path: Path) -> None:
         fresh = not path.exists() or path.stat().st_size == 0
-        self.file: IO[str] = open(path, "a", encoding="utf-8", newline="")
+        self.file: IO[str] = open_text(path, True, "remove it, or choose another logging.run_dir")
         self.writer = csv.DictWriter(self.file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         if fresh:
             self.writer.writeheader()

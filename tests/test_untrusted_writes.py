@@ -1,0 +1,93 @@
+"""Files dtlab writes are never written through a symbolic link planted at their name: streams
+(``metrics.jsonl``, ``metrics.csv``) refuse the link and name it, whole files (``profile.json``,
+``loss.png``, ``consolidate -o``) replace it; the file it pointed to is untouched either way."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dtlab.checkpoint.files import durable_write
+from dtlab.checkpoint.safe_files import open_text, replace_file
+from dtlab.errors import CheckpointError, UnsafePathError
+from dtlab.trainers.metrics import MetricsCollector
+from tests._capped import run_cli
+from tests.test_untrusted_checkpoint import make_checkpoint
+
+TINY = [
+    "--set", "backend.world_size=2", "--set", "train.steps=2", "--set", "train.eval_every=0",
+    "--set", "model.d_model=16", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
+    "--set", "model.seq_len=16", "--set", "data.max_bytes=20000", "--set", "data.global_batch_size=4",
+    "--quiet",
+]  # fmt: skip
+
+
+def _victim(tmp_path: Path, name: str = "victim.txt") -> Path:
+    victim = tmp_path / "outside" / name
+    victim.parent.mkdir(exist_ok=True)
+    victim.write_text("precious\n")
+    return victim
+
+
+def test_streams_refuse_a_link_or_a_fifo_and_name_it(tmp_path: Path) -> None:
+    victim = _victim(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(victim)
+    for append in (False, True):
+        with pytest.raises(UnsafePathError, match=r"metrics\.jsonl is a symbolic link; .*logging\.run_dir"):
+            MetricsCollector(run / "metrics.jsonl", append=append)
+    os.mkfifo(run / "fifo")
+    with pytest.raises(UnsafePathError, match=r"fifo (is not a regular file|cannot be opened for writing)"):
+        open_text(run / "fifo", append=False)  # returns at once: never waits for a reader
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        durable_write(run / "metrics.jsonl", b"x")
+    assert victim.read_text() == "precious\n"
+    with open_text(run / "fresh.jsonl", append=False) as f:
+        f.write("ok\n")
+    assert (run / "fresh.jsonl").read_text() == "ok\n"
+
+
+def test_whole_files_replace_a_link_instead_of_writing_through_it(tmp_path: Path) -> None:
+    victim = _victim(tmp_path)
+    link = tmp_path / "profile.json"
+    link.symlink_to(victim)
+    replace_file(link, b"{}")
+    assert not link.is_symlink() and link.read_bytes() == b"{}" and victim.read_text() == "precious\n"
+    with pytest.raises(UnsafePathError, match="is a directory"):
+        replace_file(tmp_path / "outside", b"{}")
+
+
+def test_consolidate_output_and_run_files_under_a_memory_cap(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "ck")
+    victim = _victim(tmp_path)
+    (tmp_path / "out.link").symlink_to(victim)
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_dir").mkdir()
+    dangling = tmp_path / "run_m"
+    dangling.mkdir()
+    (dangling / "metrics.jsonl").symlink_to(tmp_path / "outside" / "created.txt")
+    planted = tmp_path / "run_p"
+    planted.mkdir()
+    (planted / "profile.json").symlink_to(victim)
+    (planted / "loss.png").symlink_to(victim)
+    cases = [
+        ["consolidate", "ck", "-o", "out.link"],
+        ["consolidate", "ck", "-o", "a_dir"],
+        ["consolidate", "ck", "-o", "a_file/model.safetensors"],
+        ["train", *TINY, "--set", "logging.run_dir=run_m"],
+        ["train", *TINY, "--set", "logging.run_dir=run_p"],
+    ]
+    r = run_cli(cases, cwd=tmp_path, timeout=400)
+    assert r[0]["rc"] == 0 and not (tmp_path / "out.link").is_symlink(), r[0]
+    assert (tmp_path / "out.link").read_bytes()[:8] != b"precious"
+    assert r[1]["rc"] == 2 and "-o a_dir is a directory; give a file name" in r[1]["stderr"], r[1]
+    assert r[2]["rc"] == 2 and "a_file is a file, not a directory" in r[2]["stderr"], r[2]
+    assert r[3]["rc"] == 2 and "metrics.jsonl is a symbolic link" in r[3]["stderr"], r[3]
+    assert r[4]["rc"] == 0, r[4]
+    assert not (planted / "profile.json").is_symlink() and not (planted / "loss.png").is_symlink()
+    for run in r:
+        assert "Traceback" not in run["stderr"], run
+    assert victim.read_text() == "precious\n" and not (tmp_path / "outside" / "created.txt").exists()
