@@ -1,5 +1,8 @@
 """What DDP, ZeRO-1/2/3 and FSDP share: input checks, the reducer, ``no_sync``, the end-of-backward
-flush, buffer broadcast and the memory report."""
+flush, buffer broadcast and the memory report; and what a composition uses a data-parallel strategy
+through (``HybridShardedModel`` wraps each pipeline rank's stages in one): reduce the gradients
+accumulated inside ``no_sync()`` now, run a function after every synchronization, keep sharded units
+gathered for a step, the tensors held whole and the flat shards (for placed checkpoints)."""
 
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import StrategyError
 from dtlab.models._grad_guard import ShardedGradient, clear_guards, guard_grads
-from dtlab.models.base import ModelStrategy
+from dtlab.models.base import OptimizerTarget
 from dtlab.models.flat import FlatUnit
 
 if TYPE_CHECKING:
+    from dtlab.models._hybrid_state import FlatShard
     from dtlab.optimizers.base import OptimizerStrategy
 
 __all__ = ["DataParallelModel", "tensor_bytes", "unique_storage_bytes"]
@@ -78,7 +82,7 @@ def _check_module(
     return trainable
 
 
-class DataParallelModel(ModelStrategy):
+class DataParallelModel(OptimizerTarget):
     """Base of the five data-parallel model strategies (see DDPModel and friends for the options)."""
 
     def __init__(
@@ -110,6 +114,10 @@ class DataParallelModel(ModelStrategy):
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self._hook_handles: list[Any] = []
         self._guarded = False
+        self._post_sync: list[Callable[[], None]] = []
+        #: strategies with their own saved-tensor hooks (ZeRO-3, FSDP) pass every activation they keep
+        #: to this function (a pipeline's activation meter around the forward); None: nobody asks
+        self.observe_activation: Callable[[torch.Tensor], Any] | None = None
 
     # ------------------------------------------------------------------ reducer
     @property
@@ -177,10 +185,62 @@ class DataParallelModel(ModelStrategy):
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_guarded)
 
     def _end_backward_guarded(self) -> None:
+        synced = self._sync
         try:
             self._end_backward()
         finally:
             self._in_backward = False
+        if synced:
+            self._after_synchronized()
+
+    def _after_synchronized(self) -> None:
+        for fn in self._post_sync:
+            fn()
+
+    # ------------------------------------------------------------------ composition
+    @property
+    def grads_synced(self) -> bool:
+        """Whether the gradients hold a synchronized backward's average (until the step or zero_grad)."""
+        return self._grads_synced
+
+    @property
+    def keeps_whole_grads(self) -> bool:
+        """Whether ``param.grad`` are whole (views of whole buckets: DDP, ZeRO-1), not only flat shards."""
+        return False
+
+    def whole_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, gradient)`` of every trainable parameter holding a whole gradient (see
+        :attr:`keeps_whole_grads`)."""
+        return [(n, p.grad) for n, p in self._trainable if p.grad is not None]
+
+    def register_post_sync_hook(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` after every synchronization of the gradients (a synchronized backward or
+        :meth:`reduce_accumulated_grads`), e.g. a sum over another mesh axis."""
+        self._post_sync.append(fn)
+
+    def reduce_accumulated_grads(self) -> None:
+        """Average now, over the dp group through the reducer, the gradients accumulated by backward
+        passes inside ``no_sync()`` (a pipeline schedule's), as a synchronized backward would."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def keep_gathered(self) -> Iterator[None]:
+        """Inside the block, parameters sharded at rest stay gathered after their first use."""
+        yield
+
+    @contextlib.contextmanager
+    def gather_hooks_suspended(self) -> Iterator[None]:
+        """Inside the block, forward runs without gathering (a forward on the meta device)."""
+        yield
+
+    def whole_state(self) -> dict[str, torch.Tensor]:
+        """The tensors this rank holds whole, keyed like ``module.state_dict()`` (all of them, but
+        for the parameters ZeRO-3/FSDP shard)."""
+        return dict(self.module.state_dict(keep_vars=True))
+
+    def flat_shards(self) -> list[FlatShard]:
+        """The flat units sharded at rest with this rank's shard (ZeRO-3/FSDP)."""
+        return []
 
     def _end_backward(self) -> None:
         raise NotImplementedError

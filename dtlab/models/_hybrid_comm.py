@@ -6,17 +6,24 @@ messages in ``_pipeline_comm``, the dp reduction in the data-parallel strategies
   all of them, concatenated;
 - :func:`broadcast_over_pp`: a tensor from the pipeline rank that holds it (the loss of the last
   stage; the whole model's tensors for ``full_state_dict``).
+
+:func:`grads_of` lists where the synchronized gradients of some parameters lie in a data-parallel
+strategy (for the tp sum and the gradient norm).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 
-__all__ = ["broadcast_over_pp", "sum_over_tp"]
+if TYPE_CHECKING:
+    from dtlab.models._common import DataParallelModel
+
+__all__ = ["broadcast_over_pp", "grads_of", "sum_over_tp"]
 
 
 def sum_over_tp(tensors: Sequence[torch.Tensor], tp: CommunicationBackend) -> None:
@@ -49,4 +56,20 @@ def broadcast_over_pp(
         out = torch.empty(tuple(shape), dtype=dtype, device=pp.device)
     if pp.world_size > 1:
         pp.broadcast(out, src)
+    return out
+
+
+def grads_of(
+    dp: DataParallelModel, wanted: Callable[[str], bool], whole: bool | None = None
+) -> list[torch.Tensor]:
+    """This rank's synchronized gradient of every parameter whose name ``wanted`` accepts: the whole
+    ``.grad`` where ``whole`` (default: where the strategy keeps whole gradients, DDP and ZeRO-1), else
+    the pieces of its flat gradient shards (each rank holds the average of its own slice). The list
+    has the same layout on every rank with the same local shapes (the same buckets and units)."""
+    if dp.keeps_whole_grads if whole is None else whole:
+        return [g for n, g in dp.whole_grads() if wanted(n)]
+    out: list[torch.Tensor] = []
+    for unit in dp.shard_units():
+        g = dp.shard_grad(unit)
+        out.extend(g[off : off + b - a] for slot, a, b, off in unit.shard_slots() if wanted(slot.name))
     return out

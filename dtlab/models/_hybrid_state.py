@@ -19,10 +19,12 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement, Shard
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
+from dtlab.models._hybrid_comm import broadcast_over_pp
+from dtlab.models._tensor_comm import gather_over_tp
 from dtlab.models.flat import FlatUnit
 from dtlab.models.state import ShardIndex, add_placed_slice, add_slice, even_range, read_placed
 
-__all__ = ["FlatShard", "load_placed_state", "write_placed_state"]
+__all__ = ["FlatShard", "gather_whole_state", "load_placed_state", "write_placed_state"]
 
 
 class FlatShard(Protocol):
@@ -126,3 +128,22 @@ def placements_of(tensors: Mapping[str, Any]) -> dict[str, Placement]:
     from dtlab.core.placement import placement_of
 
     return {k: placement_of(t) for k, t in tensors.items()}
+
+
+def gather_whole_state(
+    local: Mapping[str, torch.Tensor],
+    entries: Mapping[str, tuple[list[int], torch.dtype, int, Placement]],
+    tp: CommunicationBackend,
+    pp: CommunicationBackend,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the whole model on every rank, from each pipeline rank's ``local`` tensors (whole
+    over dp): tp shards gathered, then each tensor broadcast from the pipeline rank holding it."""
+    out = {}
+    for key, (shape, dtype, owner, placement) in entries.items():
+        mine: torch.Tensor | None = None
+        if owner == pp.rank:
+            mine = local[key]
+            if isinstance(placement, Shard):
+                mine = gather_over_tp(mine, placement, tp)
+        out[key] = broadcast_over_pp(mine, shape, dtype, owner, pp)
+    return out

@@ -15,10 +15,11 @@ engine waits for every reduction before ``loss.backward()`` returns.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models._common import DataParallelModel, tensor_bytes
 from dtlab.models.flat import FlatUnit
 from dtlab.models.state import ShardIndex, add_slice, even_range, new_state
+
+if TYPE_CHECKING:
+    from dtlab.models._hybrid_state import FlatShard
 
 __all__ = ["ShardedModel", "UnitPlan"]
 
@@ -231,10 +235,10 @@ class ShardedModel(DataParallelModel):
         return pre_backward
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if t.numel() == 0:
-            return t
-        st = self._ptr.get(t.untyped_storage().data_ptr())
+        st = None if t.numel() == 0 else self._ptr.get(t.untyped_storage().data_ptr())
         if st is None or st.persistent or st.flat is None or t.dtype != st.flat.dtype:
+            if self.observe_activation is not None:  # kept as it is: the observer counts it
+                self.observe_activation(t)
             return t
         return _SavedRef(st.index, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
@@ -315,6 +319,54 @@ class ShardedModel(DataParallelModel):
                 st.ready.clear()
                 st.reduced = False
                 self._free(st)
+
+    # ------------------------------------------------------------------ composition
+    def reduce_accumulated_grads(self) -> None:
+        """Every unit's accumulated gradient reduce-scattered into its shard now."""
+        self._reducer.start_step()
+        try:
+            for st in self._units:
+                self._reduce(st)
+            for st, work, out in self._pending:
+                work.wait()
+                st.grad_shard.add_(out)
+        finally:
+            self._pending = []
+            for st in self._units:
+                st.reduced = False
+        self._grads_synced = True
+        self._guard_grads()
+        self._after_synchronized()
+
+    @contextlib.contextmanager
+    def keep_gathered(self) -> Iterator[None]:
+        """Every unit gathered once for the block and kept for all its forwards and backwards (a
+        pipeline step: one all-gather per unit instead of two per micro-batch)."""
+        held = [st for st in self._units if not st.persistent]
+        try:
+            for st in held:
+                self._gather(st)
+                st.persistent = True
+            yield
+        finally:
+            for st in held:
+                st.persistent = False
+                self._free(st)
+
+    @contextlib.contextmanager
+    def gather_hooks_suspended(self) -> Iterator[None]:
+        for h in self._unit_hooks:
+            h.remove()
+        try:
+            yield
+        finally:
+            self._install_forward_hooks()
+
+    def whole_state(self) -> dict[str, torch.Tensor]:
+        return self._other_state()
+
+    def flat_shards(self) -> list[FlatShard]:
+        return list(self._units)
 
     # ------------------------------------------------------------------ optimizer protocol
     def shard_units(self) -> list[FlatUnit]:

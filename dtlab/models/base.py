@@ -2,6 +2,8 @@
 
 A model strategy wraps an ``nn.Module``, is itself an ``nn.Module`` (forward works), owns where its
 parameters and gradients live, and sends gradients through its :class:`GradientReducer`.
+:class:`OptimizerTarget` is the part an optimizer strategy drives (the data-parallel strategies and
+the model-parallel composition that uses one of them offer it).
 """
 
 from __future__ import annotations
@@ -9,17 +11,22 @@ from __future__ import annotations
 import contextlib
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.placement import Placement
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.state import ShardedState
 from dtlab.errors import ArgumentError
 
-__all__ = ["ModelStrategy", "ShardedState"]
+if TYPE_CHECKING:
+    from dtlab.models.flat import FlatUnit
+    from dtlab.optimizers.base import OptimizerStrategy
+
+__all__ = ["ModelStrategy", "OptimizerTarget", "ShardedState"]
 
 
 def _check_world(
@@ -116,3 +123,62 @@ class ModelStrategy(nn.Module):
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: ``parameters``, ``gradients``, ``optimizer_state`` (filled by the
         optimizer strategy, 0 here), ``buffers`` and ``peak_gathered_parameters`` of the last step."""
+
+
+class OptimizerTarget(ModelStrategy):
+    """What an optimizer strategy drives: the trainable parameters, the synchronized gradients (whole
+    or as flat shards), the global norm's parts and the step's bookkeeping."""
+
+    @abstractmethod
+    def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of every parameter with ``requires_grad``, in registration order."""
+
+    @abstractmethod
+    def attach_optimizer(self, optimizer: OptimizerStrategy) -> None:
+        """Called by the optimizer strategy; one optimizer strategy per model."""
+
+    @abstractmethod
+    def check_grads_ready(self, who: str) -> None:
+        """Raise, naming ``who``, unless a synchronized backward ran since the last step."""
+
+    @abstractmethod
+    def shard_units(self) -> list[FlatUnit]:
+        """The flat units whose shard this rank's optimizer steps (sharded optimizers only)."""
+
+    @abstractmethod
+    def shard_param(self, unit: FlatUnit) -> torch.Tensor:
+        """This rank's shard of ``unit``'s parameters (the sharded optimizer steps it in place)."""
+
+    @abstractmethod
+    def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
+        """This rank's averaged gradient of ``unit``'s shard."""
+
+    @abstractmethod
+    def after_optimizer_step(self) -> None:
+        """Bring the parameters up to date after the optimizer changed its shards."""
+
+    def gather_updated_shards(self) -> None:
+        """After a sharded optimizer step on replicated parameters: every rank's updated shard to
+        every rank (ZeRO-1/2); nothing where the strategy gathers on demand."""
+
+    @abstractmethod
+    def zero_grad_buffers(self) -> None:
+        """Zero the synchronized gradients (buffers keep their memory)."""
+
+    @abstractmethod
+    def scale_grads_(self, factor: float) -> None:
+        """Multiply the synchronized gradients by ``factor`` (clipping)."""
+
+    @abstractmethod
+    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        """Gradient tensors for the global norm and whether they are replicated (True) or a partition
+        of the global gradient across ranks (False: sum over :meth:`grad_norm_group`)."""
+
+    @abstractmethod
+    def grad_norm_group(self) -> CommunicationBackend:
+        """The ranks whose :meth:`norm_grad_tensors` parts add up to the global norm."""
+
+    @abstractmethod
+    def placed(self, name: str) -> tuple[Placement, int, int]:
+        """Parameter ``name``'s placement, this rank's coordinate on its axis and the axis size
+        (checkpoints write and read optimizer state through it)."""

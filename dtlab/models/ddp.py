@@ -192,6 +192,35 @@ class DDPModel(DataParallelModel):
             self._ready = [set() for _ in self._units]
             self._next_launch = 0
 
+    # ------------------------------------------------------------------ composition
+    @property
+    def keeps_whole_grads(self) -> bool:
+        return self._keep_full_grads
+
+    def reduce_accumulated_grads(self) -> None:
+        """Every bucket through the reducer now, as a synchronized backward reduces it."""
+        self._reducer.start_step()
+        for i, unit in enumerate(self._units):
+            for q in unit.params:
+                self._store_grad(i, q)
+        works = [(i, *self._launch(i)) for i in range(len(self._units))]
+        for i, work, extra in works:
+            work.wait()
+            self._complete(i, extra)
+        self._grads_synced = True
+        self._after_sync()
+        self._after_synchronized()
+
+    def whole_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, gradient)`` of every trainable parameter as views of the gradient buckets, whatever
+        ``param.grad`` shows (after a reduce-scatter: a stand-in refusing partial use)."""
+        out = []
+        for unit, buf in zip(self._units, self._grad_bufs, strict=True):
+            if buf is not None:
+                for s, q in zip(unit.slots, unit.params, strict=True):
+                    out.append((self._name_of[id(q)], buf[s.offset : s.offset + s.numel].view(s.shape)))
+        return out
+
     # ------------------------------------------------------------------ optimizer protocol
     def shard_units(self) -> list[FlatUnit]:
         return list(self._units)

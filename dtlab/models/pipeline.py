@@ -34,7 +34,7 @@ from dtlab.models._pipeline_schedules import (
     simulate,
 )
 from dtlab.models._pipeline_zb import defer_weight_gradient, weight_gradient_queue
-from dtlab.models.hybrid import ZeRO1Composition
+from dtlab.models.hybrid import HybridShardedModel
 from dtlab.models.zero1 import GradientSync
 
 __all__ = [
@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 
-class PipelineParallelModel(ZeRO1Composition):
+class PipelineParallelModel(HybridShardedModel):
     """Stages over ``mesh["pp"]``, data parallelism over ``mesh["dp"]``.
 
     Args:

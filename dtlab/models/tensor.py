@@ -44,7 +44,7 @@ from dtlab.models._tensor_plan import (
     VocabParallel,
     transformer_plan,
 )
-from dtlab.models.hybrid import ZeRO1Composition
+from dtlab.models.hybrid import HybridShardedModel
 from dtlab.models.zero1 import GradientSync
 
 __all__ = [
@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 
-class TensorParallelModel(ZeRO1Composition):
+class TensorParallelModel(HybridShardedModel):
     """Tensor parallelism over ``mesh["tp"]``, data parallelism (DDP buckets) over ``mesh["dp"]``.
 
     Args:

@@ -153,6 +153,11 @@ class ZeRO1Model(DDPModel):
         if self.gradient_sync == "reduce_scatter":  # param.grad holds only this rank's slice
             self._guard_grads()
 
+    def reduce_accumulated_grads(self) -> None:
+        if self._grad_state == "rescaled":  # kept gradients (x P), summed anew with the new ones
+            self._grad_state = "local"
+        super().reduce_accumulated_grads()
+
     def zero_grad_buffers(self) -> None:
         super().zero_grad_buffers()
         self._grad_state = "local"

@@ -14,8 +14,7 @@ from dtlab.backends.base import ReduceOp
 from dtlab.core import pairs
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
-from dtlab.models._common import DataParallelModel
-from dtlab.models.base import ModelStrategy
+from dtlab.models.base import ModelStrategy, OptimizerTarget
 from dtlab.models.state import (
     ShardIndex,
     add_placed_slice,
@@ -49,7 +48,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         self, model: ModelStrategy, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
     ) -> None:
         me = type(self).__name__
-        if not isinstance(model, DataParallelModel):
+        if not isinstance(model, OptimizerTarget):
             fitting = ", ".join(map(pairs.model_class_name, self.compatible_models))
             raise StrategyError(
                 f"{me} drives a dtlab model strategy ({fitting}), got "
@@ -88,9 +87,9 @@ class DataParallelOptimizer(OptimizerStrategy):
         raise NotImplementedError
 
     @property
-    def dp_model(self) -> DataParallelModel:
+    def dp_model(self) -> OptimizerTarget:
         model = self.model
-        if not isinstance(model, DataParallelModel):
+        if not isinstance(model, OptimizerTarget):
             raise StrategyError("the model is not a data-parallel model strategy")  # checked at construction
         return model
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 from dtlab.core import pairs
-from dtlab.models.ddp import DDPModel
 from dtlab.optimizers._sharded import ShardedOptimizer
 
 __all__ = ["ZeRO2Optimizer"]
@@ -21,6 +20,4 @@ class ZeRO2Optimizer(ShardedOptimizer):
     compatible_models: ClassVar[tuple[str, ...]] = pairs.models_for("zero2")
 
     def _publish(self) -> None:
-        model = self.dp_model
-        if isinstance(model, DDPModel):
-            model.gather_updated_shards()
+        self.dp_model.gather_updated_shards()

@@ -1,0 +1,198 @@
+"""How the composition is laid out on a rank, in torchtitan's order, before the data-parallel strategy
+wraps it: the mesh rule, the tensor plan applied (after a tp broadcast of rank 0's values), the model
+split into pipeline stages with other ranks' stages released to the meta device, and what is recorded
+while every tensor is still whole (each tensor's full shape, dtype, owning pipeline rank and placement;
+each stage's shapes for the meta forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.backends.mesh import Mesh
+from dtlab.core.placement import Placement, Shard, placement_of
+from dtlab.errors import StrategyError
+from dtlab.models._common import DataParallelModel
+from dtlab.models._hybrid_tree import StageRoot
+from dtlab.models._pipeline_runtime import check_stage_checkpointing
+from dtlab.models._pipeline_schedules import PipelineSchedule, build_schedule, check_schedule_args
+from dtlab.models._pipeline_split import Shapes, Stage, module_blocks, split_blocks, stage_shapes
+from dtlab.models._tensor_comm import broadcast_module_state
+from dtlab.models._tensor_plan import Plan, apply_plan, resolve_plan
+from dtlab.models.ddp import DDPModel
+from dtlab.models.fsdp import FSDPModel
+from dtlab.models.zero1 import ZeRO1Model
+from dtlab.models.zero2 import ZeRO2Model
+from dtlab.models.zero3 import ZeRO3Model
+
+__all__ = [
+    "AXES",
+    "DATA_PARALLEL",
+    "DATA_PARALLEL_CLASSES",
+    "Entries",
+    "Layout",
+    "PipelineArgs",
+    "as_mesh",
+    "lay_out",
+    "outer_pack",
+]
+
+#: the data-parallel strategies the dp axis can run, by name
+DATA_PARALLEL_CLASSES: dict[str, type[DataParallelModel]] = {
+    "ddp": DDPModel,
+    "zero1": ZeRO1Model,
+    "zero2": ZeRO2Model,
+    "zero3": ZeRO3Model,
+    "fsdp": FSDPModel,
+}
+DATA_PARALLEL = tuple(DATA_PARALLEL_CLASSES)
+AXES = ("pp", "dp", "tp")
+
+
+def as_mesh(mesh: Mesh | CommunicationBackend, who: str, axis: str | None, axes: Sequence[str]) -> Mesh:
+    """The one mesh rule of the model-parallel strategies: a :class:`Mesh` whose axes of size > 1 are
+    among ``axes`` (and which has ``axis``, the strategy's own, when given); a plain backend stands for
+    a mesh of that one axis."""
+    if isinstance(mesh, CommunicationBackend) and axis is not None:
+        mesh = Mesh(mesh, {axis: mesh.world_size})
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{who} takes a dtlab.backends.Mesh, got {type(mesh).__name__}; e.g. "
+            "Mesh(backend, {'pp': 2, 'dp': -1, 'tp': 2})"
+        )
+    if axis is not None and axis not in mesh.axis_names:
+        raise StrategyError(
+            f"{who} needs a mesh with a {axis!r} axis, got axes {list(mesh.axis_names)}; e.g. "
+            f"Mesh(backend, {{'dp': -1, {axis!r}: 2}})"
+        )
+    others = [f"{a}={mesh.size(a)}" for a in mesh.axis_names if a not in axes and mesh.size(a) > 1]
+    if others:
+        composed = "" if tuple(axes) == AXES else " (HybridShardedModel composes pp, dp and tp)"
+        raise StrategyError(
+            f"{who} runs on the mesh axes {', '.join(axes)}; this mesh also has {others}{composed}"
+        )
+    return mesh
+
+
+Entries = dict[str, tuple[list[int], torch.dtype, int, Placement]]
+
+
+def tensor_entries(module: nn.Module, tp: int, owner: dict[int, int]) -> Entries:
+    """Every tensor of the whole model: full shape, dtype, the pipeline rank holding it, placement."""
+    out: Entries = {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        placement = placement_of(t)
+        shape = list(t.shape)
+        if isinstance(placement, Shard):
+            shape[placement.dim] *= tp
+        out[key] = (shape, t.dtype, owner.get(id(t), 0), placement)
+    return out
+
+
+def outer_pack() -> Callable[[torch.Tensor], Any] | None:
+    """The pack hook of the saved-tensor hooks active around a stage's forward (the pipeline's
+    activation meter), so ZeRO-3/FSDP's own hooks can pass activations on to it."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    return None if hooks is None else hooks[0]
+
+
+@dataclass(frozen=True)
+class PipelineArgs:
+    """The pipeline's arguments as the user gave them (checked by :func:`lay_out`)."""
+
+    schedule: str = "1f1b"
+    micro_batches: int | None = None
+    split_points: Sequence[str] | None = None
+    stages_per_rank: int = 1
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class Layout:
+    """This rank's part of the composition, ready for the data-parallel strategy."""
+
+    root: nn.Module  #: what the data-parallel strategy wraps (the module, or this rank's StageRoot)
+    stages: list[Stage]  #: every stage in order (empty without a pipeline)
+    shapes: list[Shapes]  #: each stage's tensors' shapes, recorded while whole
+    schedule: PipelineSchedule | None
+    micro_batches: int
+    entries: Entries  #: every tensor of the whole model
+    partial: set[str]  #: names (in ``root``) of the sequence-parallel parameters with partial gradients
+
+
+def _check_pipeline(who: str, args: PipelineArgs, p: int, m: int, pipelined: bool) -> None:
+    """Every pipeline check before any work, with the rule and the values."""
+    if pipelined:
+        check_stage_checkpointing(args.activation_checkpointing, args.schedule, who)
+        check_schedule_args(args.schedule, p, m, args.stages_per_rank)
+    elif args.activation_checkpointing:
+        raise StrategyError(
+            f"{who}(activation_checkpointing=True) checkpoints pipeline stages; without a pipeline "
+            "checkpoint blocks instead: dtlab.models.checkpointing.checkpoint_modules(module, "
+            "(YourBlock,)) before wrapping"
+        )
+    elif args.split_points:
+        raise StrategyError(
+            f"split_points={list(args.split_points)} need a pipeline (pp > 1 or stages_per_rank > 1)"
+        )
+
+
+def lay_out(
+    who: str,
+    module: nn.Module,
+    mesh: Mesh,
+    tensor_plan: Plan | None,
+    args: PipelineArgs,
+    always_pipelined: bool,
+) -> Layout:
+    """1. the tensor plan (every stage's layers, before the split), 2. the pipeline stages (a pipeline
+    runs when pp > 1, stages_per_rank > 1 or micro_batches > 1, or always when asked)."""
+    tp, pp = mesh["tp"], mesh["pp"]
+    p, v = pp.world_size, args.stages_per_rank
+    m = p if args.micro_batches is None else args.micro_batches
+    pipelined = always_pipelined or p > 1 or v > 1 or m > 1
+    _check_pipeline(who, args, p, m, pipelined)
+    partial: list[nn.Parameter] = []
+    if tensor_plan is not None:
+        resolved = resolve_plan(module, tensor_plan, tp.world_size)
+        broadcast_module_state(module, tp)  # the data-parallel strategy then broadcasts over dp
+        partial = apply_plan(module, resolved, tp)
+    elif tp.world_size > 1:
+        raise StrategyError(
+            f"{who} on a mesh with tp={tp.world_size} needs a tensor_plan, e.g. transformer_plan() for "
+            "dtlab's TransformerLM"
+        )
+    if not pipelined:
+        return Layout(
+            module, [], [], None, m, tensor_entries(module, tp.world_size, {}), _names(module, partial)
+        )
+    stages = split_blocks(module_blocks(module), p * v, args.split_points)
+    schedule = build_schedule(args.schedule, p, m, v)  # dry-run: no deadlock, every message matched
+    owner = {
+        id(t): schedule.rank_of(s) for s, st in enumerate(stages) for t in [*st.parameters(), *st.buffers()]
+    }
+    entries = tensor_entries(module, tp.world_size, owner)  # before other stages become meta
+    shapes = [stage_shapes(stage) for stage in stages]
+    mine = schedule.stages_of(pp.rank)
+    for s, stage in enumerate(stages):
+        if s not in mine:
+            stage.to("meta")  # other ranks' stages: shapes only (placements are not kept there)
+    root = StageRoot(module, {s: stages[s] for s in mine})
+    if not any(q.requires_grad for q in root.parameters()):
+        raise StrategyError(
+            f"pipeline rank {pp.rank} holds stages {list(mine)} with no trainable parameters; move the "
+            "split points so every rank has some"
+        )
+    return Layout(root, stages, shapes, schedule, m, entries, _names(root, partial))
+
+
+def _names(root: nn.Module, params: list[nn.Parameter]) -> set[str]:
+    wanted = {id(q) for q in params if q.requires_grad}
+    return {n for n, q in root.named_parameters() if id(q) in wanted}
