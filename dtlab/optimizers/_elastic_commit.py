@@ -26,13 +26,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint.files import durable_write, fsync_dir
+from dtlab.checkpoint.safe_files import read_inside
+from dtlab.checkpoint.validate import MAX_SHARD_BYTES, MAX_STEP, META_LIMITS, is_int
 from dtlab.errors import CheckpointError
 from dtlab.models.base import ShardedState
+from dtlab.untrusted import measure_tree, summary
 
 __all__ = [
     "Commit",
@@ -95,16 +99,34 @@ def encode_commit(commit: Commit) -> bytes:
 
 
 def _header(data: bytes) -> dict[str, Any]:
+    """The commit's JSON header, checked like a config: bounded, nested within limits, each field of
+    the type the decoder reads (a :class:`CheckpointError` naming the field otherwise)."""
     if len(data) < 8:
         raise CheckpointError(f"an elastic commit of {len(data)} bytes is truncated")
     n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise CheckpointError(f"an elastic commit's header claims {n} bytes of its {len(data)}: truncated")
     try:
         meta = json.loads(data[8 : 8 + n])["__metadata__"]
-        header: dict[str, Any] = json.loads(meta[_META_KEY])
+        header: Any = json.loads(meta[_META_KEY])
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"not an elastic commit (bad header: {exc})") from None
-    if header.get("format") != _FORMAT:
-        raise CheckpointError(f"elastic commit format {header.get('format')!r}, expected {_FORMAT}")
+    except RecursionError:
+        raise CheckpointError("not an elastic commit (its header is nested too deeply)") from None
+    problem = measure_tree(header, META_LIMITS)
+    if problem is not None:
+        raise CheckpointError(f"not an elastic commit: its header holds {problem}")
+    if not isinstance(header, dict) or header.get("format") != _FORMAT:
+        got = header.get("format") if isinstance(header, dict) else header
+        raise CheckpointError(f"elastic commit format {summary(got)}, expected {_FORMAT}")
+    key = header.get("key")
+    if not isinstance(key, list) or len(key) != 4 or not all(is_int(v, 0, MAX_STEP) for v in key):
+        raise CheckpointError(
+            f"elastic commit key {summary(key)}: expected 4 integers (step, generation, size, rank)"
+        )
+    for part in ("model", "optim", "state"):
+        if not isinstance(header.get(part), dict):
+            raise CheckpointError(f"elastic commit {part}={summary(header.get(part))}: expected an object")
     return header
 
 
@@ -115,7 +137,10 @@ def commit_key(data: bytes) -> CommitKey:
 
 def decode_commit(data: bytes) -> Commit:
     header = _header(data)
-    tensors = st_load(data)
+    try:
+        tensors = st_load(data)
+    except SafetensorError as exc:
+        raise CheckpointError(f"elastic commit {header['key']} is not valid safetensors: {exc}") from None
     model = {k[2:]: v for k, v in tensors.items() if k.startswith("m.")}
     optim = {k[2:]: v for k, v in tensors.items() if k.startswith("o.")}
     return Commit(
@@ -247,7 +272,7 @@ class DiskCommitStore(CommitStore):
 
     def get(self, key: CommitKey) -> bytes:
         path = self.directory / self._name(key)
-        data = path.read_bytes()
+        data = read_inside(path, self.directory, "elastic commit", limit=MAX_SHARD_BYTES)
         if commit_key(data) != key:
             raise CheckpointError(f"{path} holds commit {commit_key(data)}, not {key}")
         return data

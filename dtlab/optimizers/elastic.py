@@ -34,6 +34,7 @@ communicator after a process died needs ULFM, which MPICH's default build lacks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,7 +43,8 @@ from typing import Any, Protocol
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.errors import CheckpointError, StrategyError
+from dtlab.checkpoint.agree import agree, read_on_src
+from dtlab.errors import CheckpointError, DtlabError, StrategyError
 from dtlab.models.base import ShardedState
 from dtlab.optimizers._elastic_commit import (
     Commit,
@@ -255,10 +257,18 @@ class ElasticOptimizer(OptimizerStrategy):
         for r in range(best.world_size):
             key = best._replace(rank=r)
             src = min(holders[key])
-            data = backend.broadcast_object(store.get(key) if backend.rank == src else None, src=src)
-            commits.append(decode_commit(data))
-        self.model.load_sharded_state_dict([c.model for c in commits])
-        self.inner.load_sharded_state_dict([c.optim for c in commits])
+            # a holder that cannot read its copy tells every rank (no rank waits in the broadcast)
+            data = read_on_src(
+                backend, src, functools.partial(store.get, key), f"elastic: reading the commit {tuple(key)}"
+            )
+            commits.append(decode_commit(data))  # the same bytes on every rank: every rank fails alike
+        problem = None
+        try:
+            self.model.load_sharded_state_dict([c.model for c in commits])
+            self.inner.load_sharded_state_dict([c.optim for c in commits])
+        except DtlabError as exc:
+            problem = str(exc)
+        agree(backend, problem, f"elastic: restoring the commit of step {best.step}")
         restored = commits[0]
         self.generation = best.generation + 1
         self.commit(best.step, restored.state)

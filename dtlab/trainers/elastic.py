@@ -22,6 +22,7 @@ from dtlab.config import TrainConfig
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.optimizers.elastic import DiskCommitStore, ElasticMember, ElasticOptimizer, StaticMember
+from dtlab.trainers.saved_state import check_saved_state
 
 if TYPE_CHECKING:
     from dtlab.trainers.trainer import Trainer
@@ -67,12 +68,9 @@ def restore_commit(trainer: Trainer) -> bool:
     if commit is None:
         return False
     state = commit.state
-    t = state.get("trainer")
-    if not isinstance(t, dict) or "data_position" not in state:
-        raise CheckpointError(
-            f"the elastic commit of step {commit.key.step} holds no trainer state (made outside the "
-            "Trainer?); the Trainer restores only commits it made"
-        )
+    # the same commit on every rank: a crafted state fails alike everywhere, before anything is loaded
+    check_saved_state(trainer, state, commit.key.step, f"the elastic commit of step {commit.key.step}")
+    t = state["trainer"]
     sched = dict(t["scheduler"])
     if hasattr(trainer.scheduler, "lr_lambdas"):
         sched["lr_lambdas"] = [None] * len(trainer.scheduler.lr_lambdas)
