@@ -394,6 +394,9 @@ class TorchDistBackend(CommunicationBackend):
             except RuntimeError:  # a peer is gone already: nothing left to wait for
                 pass
             dist.destroy_process_group(None if self._is_world else self._group)
+        # drop the direct handle to the process group too, so that it is destroyed here, with its
+        # worker threads joined, and not during interpreter shutdown
+        self._direct = None
 
 
 class GlooBackend(TorchDistBackend):
