@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -27,10 +26,19 @@ from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.state import ShardedState
-from dtlab.errors import CheckpointError, StrategyError
+from dtlab.errors import StrategyError
 from dtlab.models._common import DataParallelModel, tensor_bytes
+from dtlab.models._sharded_units import (
+    SavedRef,
+    ShardUnit,
+    UnitPlan,
+    partial_load_error,
+    partial_state_error,
+    read_flat_state,
+    write_flat_state,
+)
 from dtlab.models.flat import FlatUnit
-from dtlab.models.state import ShardIndex, add_slice, even_range, new_state
+from dtlab.models.state import ShardIndex, new_state
 
 if TYPE_CHECKING:
     from dtlab.models._hybrid_state import FlatShard
@@ -40,36 +48,6 @@ __all__ = ["ShardedModel", "UnitPlan"]
 
 def _identity(fn: Any) -> Any:
     return fn
-
-
-@dataclass(frozen=True)
-class UnitPlan:
-    """One flat unit to build: its key, its parameters and whether it stays gathered."""
-
-    key: str
-    params: list[tuple[str, nn.Parameter]]
-    persistent: bool = False
-
-
-@dataclass
-class _Unit:
-    unit: FlatUnit
-    shard: torch.Tensor
-    grad_shard: torch.Tensor
-    persistent: bool
-    index: int
-    flat: torch.Tensor | None = None
-    work: Work | None = None
-    ready: set[int] = field(default_factory=set)
-    reduced: bool = False
-
-
-@dataclass(frozen=True)
-class _SavedRef:
-    unit: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
 
 
 class ShardedModel(DataParallelModel):
@@ -100,36 +78,15 @@ class ShardedModel(DataParallelModel):
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = bool(prefetch)
         p, r = backend.world_size, backend.rank
-        self._units: list[_Unit] = []
-        self._groups: list[list[_Unit]] = []
+        self._units: list[ShardUnit] = []
+        self._groups: list[list[ShardUnit]] = []
         self._group_modules: list[nn.Module] = []
         self._group_names: list[str] = []
         self._gathered_bytes = 0
         self._peak = 0
         self._last_peak = 0
         for gname, gmodule, plans in self._plan():
-            members = []
-            for plan in plans:
-                unit = FlatUnit(plan.key, plan.params, p, r)
-                flat = unit.new_flat()
-                unit.copy_params_into(flat)
-                self._broadcast_from_rank0([flat])
-                lo, hi = unit.shard_bounds()
-                st = _Unit(
-                    unit=unit,
-                    shard=flat[lo:hi].clone(),
-                    grad_shard=torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device),
-                    persistent=plan.persistent,
-                    index=len(self._units),
-                )
-                if plan.persistent:
-                    st.flat = flat
-                    unit.bind(flat)
-                    self._gathered_bytes += tensor_bytes(flat)
-                else:
-                    unit.unbind()
-                self._units.append(st)
-                members.append(st)
+            members = [self._new_unit(plan, p, r) for plan in plans]
             if members:
                 self._groups.append(members)
                 self._group_modules.append(gmodule)
@@ -138,10 +95,10 @@ class ShardedModel(DataParallelModel):
         self._broadcast_from_rank0([q.data for _, q in self._frozen])
         self._broadcast_from_rank0(list(self.module.buffers()))
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
-        self._ptr: dict[int, _Unit] = {}
+        self._ptr: dict[int, ShardUnit] = {}
         self._order: list[int] = []
         self._order_done = False
-        self._pending: list[tuple[_Unit, Work, torch.Tensor]] = []
+        self._pending: list[tuple[ShardUnit, Work, torch.Tensor]] = []
         self._unit_hooks: list[Any] = []
         self._hooks_for_compile = False
         self._partial_state_ok = False
@@ -153,8 +110,27 @@ class ShardedModel(DataParallelModel):
     def _plan(self) -> list[tuple[str, nn.Module, list[UnitPlan]]]:
         raise NotImplementedError
 
+    def _new_unit(self, plan: UnitPlan, p: int, r: int) -> ShardUnit:
+        """A new unit (appended to the units) with rank 0's values: this rank's shard kept, the whole
+        buffer only if persistent."""
+        unit = FlatUnit(plan.key, plan.params, p, r)
+        flat = unit.new_flat()
+        unit.copy_params_into(flat)
+        self._broadcast_from_rank0([flat])
+        lo, hi = unit.shard_bounds()
+        grad = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        st = ShardUnit(unit, flat[lo:hi].clone(), grad, plan.persistent, len(self._units))
+        if plan.persistent:
+            st.flat = flat
+            unit.bind(flat)
+            self._gathered_bytes += tensor_bytes(flat)
+        else:
+            unit.unbind()
+        self._units.append(st)
+        return st
+
     # ------------------------------------------------------------------ gather / free
-    def _gather(self, st: _Unit, wait: bool = True) -> None:
+    def _gather(self, st: ShardUnit, wait: bool = True) -> None:
         if st.flat is None:
             flat = st.unit.new_flat(zero=False)
             st.work = self.dp_backend.iall_gather(flat, st.shard)
@@ -167,7 +143,7 @@ class ShardedModel(DataParallelModel):
             st.work.wait()
             st.work = None
 
-    def _free(self, st: _Unit) -> None:
+    def _free(self, st: ShardUnit) -> None:
         if st.persistent or st.flat is None:
             return
         if st.work is not None:
@@ -240,10 +216,10 @@ class ShardedModel(DataParallelModel):
             if self.observe_activation is not None:  # kept as it is: the observer counts it
                 self.observe_activation(t)
             return t
-        return _SavedRef(st.index, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
+        return SavedRef(st.index, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     def _unpack(self, obj: Any) -> torch.Tensor:
-        if isinstance(obj, _SavedRef):
+        if isinstance(obj, SavedRef):
             st = self._units[obj.unit]
             self._gather(st)  # normally gathered already by the pre-backward hook
             flat = st.flat
@@ -284,7 +260,7 @@ class ShardedModel(DataParallelModel):
             self._reduce(st)  # with find_unused_parameters every unit is reduced at the end, in unit order
         self._free(st)
 
-    def _reduce(self, st: _Unit) -> None:
+    def _reduce(self, st: ShardUnit) -> None:
         unit = st.unit
         gflat = unit.new_flat(zero=False)
         unit.grads_into(gflat)
@@ -372,7 +348,7 @@ class ShardedModel(DataParallelModel):
     def shard_units(self) -> list[FlatUnit]:
         return [st.unit for st in self._units]
 
-    def _state(self, unit: FlatUnit) -> _Unit:
+    def _state(self, unit: FlatUnit) -> ShardUnit:
         for st in self._units:
             if st.unit is unit:
                 return st
@@ -413,28 +389,17 @@ class ShardedModel(DataParallelModel):
     def _freed_units(self) -> list[str]:
         return [st.unit.key for st in self._units if st.flat is None]
 
-    def _refuse_partial_state(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    def _refuse_partial_state(self, *_: Any) -> None:
         """``state_dict()`` of the wrapper or of the wrapped module: the sharded parameters are empty
         tensors between uses, so refuse instead of returning them."""
         freed = self._freed_units()
         if freed and not self._partial_state_ok:
-            raise StrategyError(
-                f"{type(self).__name__}.state_dict(): parameters {freed[:3]}"
-                f"{' ...' if len(freed) > 3 else ''} ({len(freed)} units) are sharded: this rank holds "
-                f"1/{self.backend.world_size} of each, so state_dict() would return empty tensors. Call "
-                "model.full_state_dict() on every rank (collective; whole tensors keyed like the plain "
-                "module's state_dict()) or model.sharded_state_dict() for this rank's shard (what "
-                "dtlab.checkpoint saves and loads under any world size)"
-            )
+            raise partial_state_error(type(self).__name__, freed, self.backend.world_size)
 
-    def _refuse_partial_load(self, module: nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+    def _refuse_partial_load(self, *_: Any, **__: Any) -> None:
         freed = self._freed_units()
         if freed:
-            raise StrategyError(
-                f"{type(self).__name__}.load_state_dict(): parameters {freed[:3]} are sharded (empty "
-                "tensors on this rank between uses); load with model.load_sharded_state_dict(shards) or "
-                "dtlab.checkpoint (any world size, any data-parallel strategy)"
-            )
+            raise partial_load_error(type(self).__name__, freed)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         was = [st.flat is not None for st in self._units]
@@ -458,37 +423,10 @@ class ShardedModel(DataParallelModel):
 
     def sharded_state_dict(self) -> ShardedState:
         p, r = self.dp_backend.world_size, self.dp_backend.rank
-        state = new_state(self.strategy_name, p, r)
-        for st in self._units:
-            for slot, a, b, so in st.unit.shard_slots():
-                add_slice(state, slot.name, slot.shape, st.unit.dtype, a, b, st.shard[so : so + b - a])
-        for key, t in self._other_state().items():
-            s, e = even_range(t.numel(), p, r)
-            add_slice(state, key, t.shape, t.dtype, s, e, t.detach().reshape(-1)[s:e])
-        return state
+        return write_flat_state(new_state(self.strategy_name, p, r), self._units, self._other_state(), p, r)
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
-        index = ShardIndex(shards)
-        with torch.no_grad():
-            for st in self._units:
-                buf = torch.zeros_like(st.shard)
-                for slot, a, b, so in st.unit.shard_slots():
-                    if slot.name in index and index.shape(slot.name) != list(slot.shape):
-                        raise CheckpointError(
-                            f"{slot.name!r} has shape {index.shape(slot.name)} in the checkpoint but "
-                            f"{list(slot.shape)} in the model"
-                        )
-                    buf[so : so + b - a].copy_(index.read(slot.name, a, b))
-                st.shard.copy_(buf)
-                if st.flat is not None:
-                    self.dp_backend.all_gather(st.flat, st.shard)
-            for key, t in self._other_state().items():
-                full = index.full(key)
-                if tuple(full.shape) != tuple(t.shape):
-                    raise CheckpointError(
-                        f"{key!r}: checkpoint shape {tuple(full.shape)}, model {tuple(t.shape)}"
-                    )
-                t.data.copy_(full.to(device=t.device, dtype=t.dtype))
+        read_flat_state(ShardIndex(shards), self._units, self._other_state(), self.dp_backend)
 
     def memory_report(self) -> dict[str, int]:
         held = sum(tensor_bytes(st.shard) + tensor_bytes(st.flat) for st in self._units)
