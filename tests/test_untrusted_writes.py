@@ -91,3 +91,41 @@ def test_consolidate_output_and_run_files_under_a_memory_cap(tmp_path: Path) -> 
     for run in r:
         assert "Traceback" not in run["stderr"], run
     assert victim.read_text() == "precious\n" and not (tmp_path / "outside" / "created.txt").exists()
+
+
+def test_a_crafted_trainer_state_is_corrupt_and_a_resume_falls_back(tmp_path: Path) -> None:
+    """``'int' object has no attribute 'param_groups'`` and ``trainer.step=1e12`` (0 steps, exit 0)
+    before: now the step directory is corrupt, named, and the resume takes the older one."""
+    import json
+
+    ck = ["--set", "checkpoint.dir=ck", "--set", "logging.run_dir=null"]
+    first = run_cli([["train", *TINY, *ck, "--set", "checkpoint.every=1"]], cwd=tmp_path, timeout=300)
+    assert first[0]["rc"] == 0, first
+    step2 = tmp_path / "ck" / "step_00000002" / "meta.json"
+    meta = json.loads(step2.read_text())
+    meta["trainer"]["scheduler"]["optimizer"] = 1
+    step2.write_text(json.dumps(meta))
+    import shutil
+
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck2")
+    step1 = tmp_path / "ck2" / "step_00000001" / "meta.json"
+    meta1 = json.loads(step1.read_text())
+    meta1["trainer"]["step"] = 1e12
+    step1.write_text(json.dumps(meta1))  # in ck2 both steps are crafted: nothing verifies
+    resume = ["--set", "checkpoint.resume=true", "--set", "train.steps=3"]
+    runs = run_cli(
+        [
+            ["train", *TINY, *ck, *resume, "--set", "checkpoint.strict_resume=true"],
+            ["train", *TINY, *ck, "--set", "checkpoint.resume=ck/step_00000002"],
+            ["train", *TINY, "--set", "checkpoint.dir=ck2", "--set", "logging.run_dir=null", *resume],
+            ["train", *TINY, *ck, *resume],
+        ],
+        cwd=tmp_path,
+        timeout=300,
+    )
+    crafted = "trainer.scheduler holds 'optimizer', a key the live state does not have"
+    for run in runs[:3]:
+        assert run["rc"] == 2 and "Traceback" not in run["stderr"] and crafted in run["stderr"], run
+    assert "no checkpoint in ck2 can be resumed" in runs[2]["stderr"], runs[2]
+    assert "trainer.step=1000000000000.0, expected an integer" in runs[2]["stderr"], runs[2]
+    assert runs[3]["rc"] == 0 and "fell back to step_00000001" in runs[3]["stderr"], runs[3]
