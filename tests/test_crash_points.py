@@ -133,7 +133,7 @@ def test_a_save_stopped_after_any_file_system_step_loses_nothing_committed(
             with monkeypatch.context() as mp:
                 crash.install(mp)
                 with pytest.raises(Exception, match=r"torn|after") as info:
-                    run_world(world_size, _save, root, 3, timeout=20)
+                    run_world(world_size, _save, root, 3, timeout=60)
             where = f"stopped {info.value.__cause__ or info.value} (step {stop_after} of {names})"
             committed = _committed(root)
             assert committed in (2, 3), where

@@ -150,7 +150,7 @@ def trained() -> dict[int, dict[str, torch.Tensor]]:
 def _check_restore(
     survivors: Sequence[CommitStore], step: int, want: dict[str, torch.Tensor], where: str
 ) -> None:
-    for got_step, state, full in run_world(len(survivors), _restore, list(survivors), timeout=30):
+    for got_step, state, full in run_world(len(survivors), _restore, list(survivors), timeout=60):
         assert got_step == step and state == {"step": step}, (where, got_step)
         assert full.keys() == want.keys()
         for k, v in want.items():
@@ -167,7 +167,7 @@ def test_a_rank_stopped_at_any_point_of_the_commit(
             StoppingStore(s, 4 if r == stopped else None, point) for r, s in enumerate(inner)
         ]
         with pytest.raises(RankFailedError) as info:
-            run_world(WORLD, _train, stores, 4, timeout=30)
+            run_world(WORLD, _train, stores, 4, timeout=60)
         assert isinstance(info.value.__cause__, Stopped), info.value
         survivors = [s for r, s in enumerate(inner) if r != stopped]  # its memory went with it
         step = _newest_complete(survivors)
@@ -191,7 +191,7 @@ def test_disk_stores_survive_a_rank_stopped_at_any_point(
             StoppingStore(DiskCommitStore(d), 4 if r == stopped else None, point) for r, d in enumerate(dirs)
         ]
         with pytest.raises(RankFailedError) as info:
-            run_world(WORLD, _train, stores, 4, timeout=30)
+            run_world(WORLD, _train, stores, 4, timeout=60)
         assert isinstance(info.value.__cause__, Stopped), info.value
         restarted = [DiskCommitStore(d) for d in dirs]
         step = _newest_complete(restarted)

@@ -1,0 +1,428 @@
+#!/usr/bin/env python
+"""Mutation testing for dtlab's core: plant one small bug at a time, run the tests that should notice.
+
+For each source file of the core (backends, models, optimizers, compression, checkpoint, the trainer
+step) the script finds the usual mutation sites inside function bodies with :mod:`ast`:
+
+- ``cmp``: ``<`` <-> ``<=``, ``>`` <-> ``>=``, ``==`` <-> ``!=``, ``in`` <-> ``not in``, ``is`` <-> ``is not``
+- ``arith``: ``+`` <-> ``-``, ``*`` <-> ``/``, ``//`` -> ``*``, and the same for ``+=``, ``-=``, ``*=``
+- ``const``: an integer ``n`` -> ``n + 1``, a float ``x`` -> ``2 x`` (``0.0`` -> ``1.0``),
+  ``True`` <-> ``False``
+- ``bool``: ``and`` <-> ``or``, ``not x`` -> ``x``, ``-x`` -> ``x``
+- ``range``: ``range(n)`` -> ``range(n - 1)``
+- ``inplace``: ``add_`` -> ``copy_``, ``sub_`` -> ``add_``, ``mul_`` -> ``div_``, ``zero_`` -> ``clone``
+- ``stmt``: a call statement (``backend.all_reduce(buf)``, ``buf.zero_()``, ...) deleted
+
+Not mutated: module-level code (constants, tuning knobs), docstrings, f-strings, ``raise`` statements,
+``if`` tests whose body only raises (input validation: its own tests check the messages), logging,
+default argument values and annotations. Mutants that do not compile are dropped.
+
+Each mutant is written into a private copy of the repository and the file's test subset (``TESTS``
+below: a few fast in-memory tests chosen per file, see ``--list``) is run with a timeout; a failing or
+timed-out run kills the mutant, a passing run lets it survive. ``--per-file`` caps the mutants per file
+(a seeded sample, so a rerun draws the same ones). Survivors listed in ``ACCEPTED`` (equivalent
+mutants, with the reason) are reported apart. Not part of the test suite: run it by hand, e.g.
+
+    python scripts/mutate.py --per-file 6 --jobs 2 --json mutation.json
+
+Exit status 0 when the kill rate (accepted survivors count as killed) is at least ``--min-rate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_PARITY = "tests/test_strategies_parity.py::test_parity_in_memory"
+_ACCUM = "tests/test_accumulation_scale.py::test_every_strategy_accumulates_at_the_right_scale"
+_SHARDS = "tests/test_boundaries.py::test_strategies_on_one_element_empty_and_uneven_shards"
+_SPARSE = ["tests/test_compression_algorithms.py", "tests/test_boundaries.py"]
+_STRATEGY = [
+    _ACCUM,
+    _PARITY,
+    _SHARDS,
+    "tests/test_strategies_semantics.py",
+    "tests/test_strategies_features.py",
+]
+_ENGINE = ["tests/test_conformance_inmemory.py::test_every_check_passes_on_the_inmemory_backend"]
+_ENGINE += ["tests/test_inmemory_world.py"]
+_CKPT = ["tests/test_crash_points.py", "tests/test_checkpoint_io.py", "tests/test_faults_resume.py"]
+
+#: the core files and the tests run against each file's mutants (fast, in-memory, most relevant first)
+TESTS: dict[str, list[str]] = {
+    "dtlab/backends/_inmemory_ops.py": _ENGINE,
+    "dtlab/backends/inmemory.py": _ENGINE,
+    "dtlab/models/ddp.py": _STRATEGY,
+    "dtlab/models/zero2.py": _STRATEGY,
+    "dtlab/models/zero3.py": _STRATEGY,
+    "dtlab/models/fsdp.py": _STRATEGY,
+    "dtlab/models/flat.py": _STRATEGY,
+    "dtlab/models/_sharded.py": _STRATEGY,
+    "dtlab/models/state.py": _STRATEGY,
+    "dtlab/optimizers/zero1.py": _STRATEGY,
+    "dtlab/optimizers/_sharded.py": _STRATEGY,
+    "dtlab/optimizers/ddp.py": _STRATEGY,
+    "dtlab/optimizers/elastic.py": ["tests/test_elastic_crash_points.py", "tests/test_elastic.py"],
+    "dtlab/compression/sparse.py": _SPARSE,
+    "dtlab/compression/oktopk.py": _SPARSE,
+    "dtlab/compression/topka.py": _SPARSE,
+    "dtlab/compression/topkdsa.py": _SPARSE,
+    "dtlab/compression/gtopk.py": _SPARSE,
+    "dtlab/compression/gaussiank.py": _SPARSE,
+    "dtlab/compression/error_feedback.py": [*_SPARSE, "tests/test_compression_momentum.py"],
+    "dtlab/checkpoint/save.py": _CKPT,
+    "dtlab/checkpoint/resume.py": _CKPT,
+    "dtlab/checkpoint/load.py": _CKPT,
+    "dtlab/trainers/trainer.py": [
+        "tests/test_accumulation_scale.py::test_trainer_accumulation_keeps_the_gradient_scale",
+        "tests/test_trainer.py",
+    ],
+    "dtlab/trainers/feed.py": [
+        "tests/test_accumulation_scale.py::test_trainer_accumulation_keeps_the_gradient_scale",
+        "tests/test_trainer_parts.py",
+    ],
+}
+
+#: slow tests of those files left out of every run (spawned processes, a real SIGKILL, the CLI default)
+DESELECT = [
+    "tests/test_elastic.py::test_mpi_is_refused_up_front_with_the_reason",
+    "tests/test_checkpoint_io.py::test_sigkill_while_saving_leaves_previous_checkpoint_loadable",
+    "tests/test_trainer.py::test_cli_default_shortened_trains_and_writes_clean_metrics",
+]
+
+#: equivalent mutants: ``path:line:operator`` -> why no test can tell them from the original
+ACCEPTED: dict[str, str] = {
+    "dtlab/backends/_inmemory_ops.py:106:const": (
+        "reach starts at [0, 1] instead of [0, 0]: the reach is compared with memory addresses "
+        "(data_ptr), which are never below 1, so the first span is never taken for an overlap either way"
+    ),
+    "dtlab/backends/_inmemory_ops.py:153:const": (
+        "empty_like(outs[1]) instead of outs[0]: every rank's output has the same number of elements "
+        "and dtype (the collective's signature, compared across ranks) and is flattened, so the "
+        "scratch buffers are identical"
+    ),
+}
+
+_CMP = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+}
+_ARITH = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult}
+_INPLACE = {"add_": "copy_", "sub_": "add_", "mul_": "div_", "zero_": "clone"}
+
+
+@dataclass
+class Mutant:
+    path: str
+    line: int
+    op: str
+    before: str
+    after: str
+    status: str = "pending"  # killed | survived | timeout | accepted
+    seconds: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return f"{self.path}:{self.line}:{self.op}"
+
+
+@dataclass
+class _Site:
+    node: ast.AST
+    op: str
+    replacement: str
+
+
+def _skipped_ranges(tree: ast.AST) -> list[tuple[int, int]]:
+    """Line ranges never mutated: raises, validation ifs, logging, asserts, docstrings."""
+    out = []
+    for node in ast.walk(tree):
+        end = getattr(node, "end_lineno", None)
+        if isinstance(node, ast.Raise | ast.Assert):
+            out.append((node.lineno, end or node.lineno))
+        elif (
+            isinstance(node, ast.If) and all(isinstance(s, ast.Raise) for s in node.body) and not node.orelse
+        ):
+            out.append((node.lineno, end or node.lineno))
+        elif isinstance(node, ast.Call) and "log" in ast.unparse(node.func).lower():
+            out.append((node.lineno, end or node.lineno))
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            out.append((node.lineno, end or node.lineno))
+    return out
+
+
+def _mutations(node: ast.AST) -> list[tuple[str, ast.AST]]:
+    """(operator, mutated copy) for one node."""
+    out: list[tuple[str, ast.AST]] = []
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMP:
+        m = copy.deepcopy(node)
+        m.ops = [_CMP[type(node.ops[0])]()]
+        out.append(("cmp", m))
+    elif isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+        m = copy.deepcopy(node)
+        m.op = _ARITH[type(node.op)]()
+        out.append(("arith", m))
+    elif isinstance(node, ast.AugAssign) and type(node.op) in _ARITH:
+        m = copy.deepcopy(node)
+        m.op = _ARITH[type(node.op)]()
+        out.append(("arith", m))
+    elif isinstance(node, ast.Constant) and type(node.value) in (int, float, bool):
+        v = node.value
+        new = (not v) if isinstance(v, bool) else (v + 1 if isinstance(v, int) else (v * 2 if v else 1.0))
+        out.append(("const", ast.Constant(new)))
+    elif isinstance(node, ast.BoolOp):
+        m = copy.deepcopy(node)
+        m.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+        out.append(("bool", m))
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not | ast.USub):
+        out.append(("bool", copy.deepcopy(node.operand)))
+    elif isinstance(node, ast.Call):
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "range" and len(node.args) == 1:
+            m = copy.deepcopy(node)
+            m.args = [ast.BinOp(m.args[0], ast.Sub(), ast.Constant(1))]
+            out.append(("range", m))
+        if isinstance(f, ast.Attribute) and f.attr in _INPLACE:
+            m = copy.deepcopy(node)
+            assert isinstance(m.func, ast.Attribute)
+            m.func.attr = _INPLACE[f.attr]
+            if f.attr == "zero_":
+                m = ast.Call(m.func, [], [])
+            out.append(("inplace", m))
+    return out
+
+
+def _walk_function_bodies(tree: ast.Module) -> list[ast.AST]:
+    nodes: list[ast.AST] = []
+
+    def visit(node: ast.AST, inside: bool) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for stmt in node.body:
+                visit(stmt, True)  # not the defaults, decorators or annotations
+            return
+        if isinstance(node, ast.JoinedStr):
+            return
+        if isinstance(node, ast.AnnAssign):
+            if node.value is not None:
+                visit(node.value, inside)
+            return
+        if inside:
+            nodes.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child, inside)
+
+    visit(tree, False)
+    return nodes
+
+
+def find_mutants(path: str) -> list[Mutant]:
+    source = (ROOT / path).read_text()
+    lines = source.splitlines(keepends=True)
+    tree = ast.parse(source)
+    skipped = _skipped_ranges(tree)
+    out = []
+    for node in _walk_function_bodies(tree):
+        line = getattr(node, "lineno", None)
+        if line is None or any(a <= line <= b for a, b in skipped):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            muts: list[tuple[str, str]] = [("stmt", "pass")]
+        else:
+            muts = [(op, ast.unparse(m)) for op, m in _mutations(node)]
+        for op, text in muts:
+            mutated = _splice(lines, node, text)
+            if mutated is None or mutated == source:
+                continue
+            try:
+                compile(mutated, path, "exec")
+            except SyntaxError:
+                continue
+            before = lines[line - 1].strip()
+            after_lines = mutated.splitlines()
+            out.append(Mutant(path, line, op, before, after_lines[line - 1].strip()))
+            out[-1].__dict__["_source"] = mutated
+    return out
+
+
+def _splice(lines: list[str], node: ast.AST, text: str) -> str | None:
+    l0, c0 = node.lineno, node.col_offset  # type: ignore[attr-defined]
+    l1, c1 = node.end_lineno, node.end_col_offset  # type: ignore[attr-defined]
+    if l1 is None or c1 is None:
+        return None
+    # ast offsets are in UTF-8 bytes
+    head = lines[l0 - 1].encode()[:c0].decode()
+    tail = lines[l1 - 1].encode()[c1:].decode()
+    return "".join(lines[: l0 - 1]) + head + text + tail + "".join(lines[l1:])
+
+
+def _copy_repo(dest: Path) -> None:
+    for name in ("dtlab", "tests", "scripts"):
+        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".*cache"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+
+
+def _pytest(repo: Path, tests: list[str], timeout: float) -> tuple[str, float]:
+    env = dict(os.environ, PYTHONPATH=str(repo), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+    cmd += [a for d in DESELECT if d.split("::")[0] in tests for a in ("--deselect", d)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=repo, env=env, timeout=timeout, capture_output=True, text=True, start_new_session=True
+        )
+    except subprocess.TimeoutExpired:
+        return "timeout", time.perf_counter() - t0
+    return ("survived" if proc.returncode == 0 else "killed"), time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", nargs="*", help="files to mutate (default: every file in TESTS)")
+    ap.add_argument("--per-file", type=int, default=6, help="mutants per file, a seeded sample (0: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=1, help="mutants run at once (each in its own copy)")
+    ap.add_argument("--timeout-factor", type=float, default=3.0, help="x the unmutated run's time, +20 s")
+    ap.add_argument("--json", type=Path, help="write every mutant and its outcome here")
+    ap.add_argument("--ids", nargs="*", help="run only these mutants (path:line:operator, e.g. survivors)")
+    ap.add_argument("--list", action="store_true", help="list the sites and the test subsets, run nothing")
+    ap.add_argument("--min-rate", type=float, default=0.9)
+    ap.add_argument(
+        "--report", type=Path, help="summarise an earlier --json (with ACCEPTED as it is now), run nothing"
+    )
+    args = ap.parse_args(argv)
+    if args.report:
+        if args.report.suffix == ".jsonl":  # the lines of a run that did not finish
+            rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+            data = {"wall_seconds": float("nan"), "mutants": rows}
+        else:
+            data = json.loads(args.report.read_text())
+        done = [Mutant(**{k: v for k, v in row.items() if k != "id"}) for row in data["mutants"]]
+        for m in done:
+            if m.status == "survived" and m.id in ACCEPTED:
+                m.status = "accepted"
+        return _summary(done, sorted({m.path for m in done}), data["wall_seconds"], args)
+
+    files = args.files or list(TESTS)
+    if args.ids:
+        files = [f for f in files if any(i.startswith(f + ":") for i in args.ids)]
+    unknown = [f for f in files if f not in TESTS]
+    if unknown:
+        ap.error(f"no test subset for {unknown}; add them to TESTS in {Path(__file__).name}")
+    plan: list[Mutant] = []
+    for f in files:
+        found = find_mutants(f)
+        rng = random.Random(f"{args.seed}:{f}")
+        chosen = found if args.per_file <= 0 else rng.sample(found, min(args.per_file, len(found)))
+        if args.ids:
+            chosen = [m for m in found if m.id in args.ids]
+        chosen.sort(key=lambda m: m.line)
+        print(f"{f}: {len(found)} sites, {len(chosen)} mutants; tests: {' '.join(TESTS[f])}", flush=True)
+        plan += chosen
+    if args.list:
+        for m in plan:
+            print(f"  {m.id}: {m.before}  ->  {m.after}")
+        return 0
+
+    t_start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="dtlab-mutate-"))
+    try:
+        repos = []
+        for j in range(max(1, args.jobs)):
+            repo = work / f"w{j}"
+            _copy_repo(repo)
+            repos.append(repo)
+        baseline: dict[str, float] = {}
+        for subset in sorted({tuple(TESTS[f]) for f in files}):
+            # each subset must pass on the unmutated code; its time sets the mutants' timeout
+            status, secs = _pytest(repos[0], list(subset), 1800)
+            if status != "survived":
+                print(f"{' '.join(subset)} fail on the unmutated code: fix that first", file=sys.stderr)
+                return 2
+            for f in files:
+                if tuple(TESTS[f]) == subset:
+                    baseline[f] = secs
+            print(f"baseline {secs:6.1f}s {' '.join(subset)}", flush=True)
+        free = list(repos)
+        lock = threading.Lock()
+
+        def run(m: Mutant) -> Mutant:
+            repo = free.pop()
+            target = repo / m.path
+            original = target.read_text()
+            try:
+                target.write_text(m.__dict__["_source"])
+                limit = args.timeout_factor * baseline[m.path] + 20
+                m.status, m.seconds = _pytest(repo, TESTS[m.path], limit)
+            finally:
+                target.write_text(original)
+                free.append(repo)
+            if m.status == "survived" and m.id in ACCEPTED:
+                m.status = "accepted"
+            print(f"{m.status:9s} {m.seconds:6.1f}s {m.id}: {m.after}", flush=True)
+            if args.json:  # one line per mutant as it finishes: an interrupted run keeps its results
+                with lock, open(args.json.with_suffix(".partial.jsonl"), "a") as f:
+                    f.write(json.dumps(asdict(m)) + "\n")
+            return m
+
+        with ThreadPoolExecutor(max_workers=len(repos)) as pool:
+            done = list(pool.map(run, plan))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    wall = time.perf_counter() - t_start
+    if args.json:
+        rows = [{k: v for k, v in asdict(m).items()} | {"id": m.id} for m in done]
+        args.json.write_text(json.dumps({"wall_seconds": wall, "mutants": rows}, indent=1))
+    return _summary(done, files, wall, args)
+
+
+def _summary(done: list[Mutant], files: list[str], wall: float, args: argparse.Namespace) -> int:
+    survived = [m for m in done if m.status == "survived"]
+    accepted = [m for m in done if m.status == "accepted"]
+    killed = [m for m in done if m.status in ("killed", "timeout")]
+    rate = (len(killed) + len(accepted)) / max(1, len(done))
+    print(f"\n{len(done)} mutants in {len(files)} files: {len(killed)} killed "
+          f"({sum(m.status == 'timeout' for m in done)} by timeout), {len(accepted)} accepted as "
+          f"equivalent, {len(survived)} survived; kill rate {rate:.1%} "
+          f"({len(killed) / max(1, len(done)):.1%} without the accepted); wall {wall:.0f} s")  # fmt: skip
+    for m in survived:
+        print(f"SURVIVED {m.id}: {m.before}  ->  {m.after}")
+    for m in accepted:
+        print(f"accepted {m.id}: {ACCEPTED[m.id]}")
+    packages: dict[str, list[int]] = {}
+    for m in done:
+        row = packages.setdefault(m.path.split("/")[1], [0, 0])
+        row[0] += 1
+        row[1] += m.status in ("killed", "timeout", "accepted")
+    print(
+        "per package (mutants, killed or accepted): "
+        + ", ".join(f"{k} {v[1]}/{v[0]}" for k, v in packages.items())
+    )
+    return 0 if rate >= args.min_rate else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""How ZeRO-3 and FSDP cut a model into units: SizePolicy counts only the parameters not already in
+an inner unit (exactly at the threshold), ZeRO-3 names each unit after its parameter, and bad
+``leaf_modules`` / policy classes are refused with the offending values named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.models import FSDPModel, ModuleClassPolicy, SizePolicy, ZeRO3Model
+from dtlab.testing import run_world
+
+
+class _Holder(nn.Module):
+    """Two parameters of its own around an inner Linear(4, 4) of 20."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.own = nn.Parameter(torch.ones(2))
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.own.sum()
+
+
+def _units(backend: CommunicationBackend) -> dict[str, list[str]]:
+    out = {}
+    for min_params in (2, 3, 20, 21, 22):
+        model = FSDPModel(
+            nn.Sequential(_Holder(), nn.Linear(4, 1)), backend, wrap_policy=SizePolicy(min_params)
+        )
+        out[f"fsdp/{min_params}"] = sorted(u.key for u in model.shard_units())
+    zero3 = ZeRO3Model(
+        nn.Sequential(nn.Linear(3, 2), nn.Sequential(nn.Linear(2, 1))), backend, persistence_threshold=0
+    )
+    out["zero3"] = [u.key for u in zero3.shard_units()]
+    return out
+
+
+def test_size_policy_counts_only_parameters_outside_inner_units() -> None:
+    units = run_world(2, _units)[0]
+    # the inner Linear (20) is its own unit from 20 up; its parent then holds 2 parameters of its own
+    assert units["fsdp/2"] == ["0", "0.inner", "1"]
+    # 2 own < 3: the holder is not a unit (its parameter goes to the root); Linear(4, 1) has 5
+    assert units["fsdp/3"] == ["0.inner", "1", "<root>"]
+    assert units["fsdp/20"] == ["0.inner", "<root>"]  # the holder's 2 and Linear(4, 1)'s 5 < 20
+    assert units["fsdp/21"] == ["0", "<root>"]  # 22 under the holder, none wrapped below it
+    assert units["fsdp/22"] == ["0", "<root>"]
+    assert units["zero3"] == ["0.weight", "0.bias", "1.0.weight", "1.0.bias"]
+
+
+def test_bad_leaf_modules_and_policy_classes_are_named() -> None:
+    def zero3(backend: CommunicationBackend, leaf: tuple) -> None:
+        ZeRO3Model(nn.Linear(2, 2), backend, leaf_modules=leaf)
+
+    for bad in ((int,), (nn.Linear(2, 2),), ("Linear",)):
+        with pytest.raises(Exception, match=r"leaf_modules must be nn\.Module subclasses") as info:
+            run_world(1, zero3, bad)
+        assert isinstance(info.value.__cause__, TypeError), bad
+        with pytest.raises(TypeError, match=r"must be nn\.Module subclasses"):
+            ModuleClassPolicy(bad)  # type: ignore[arg-type]
+    run_world(1, zero3, (nn.Linear,))
