@@ -4,7 +4,9 @@
 on the Python standard library's source, 4 in-memory ranks). Configuration errors and other dtlab
 errors print one message and exit with status 2, without a traceback. SIGTERM or SIGINT during
 ``dtlab train`` stops every rank after the same step, writes a final checkpoint (``checkpoint.dir``)
-and exits with 143 (SIGTERM) or 130 (SIGINT); a second signal stops at once (``trainers/preemption.py``).
+and exits with 143 (SIGTERM) or 130 (SIGINT); a further signal while it stops (not the same one
+delivered twice within 0.5 s) exits at once with the same status, every committed checkpoint intact
+(``trainers/preemption.py``).
 """
 
 from __future__ import annotations
@@ -63,23 +65,28 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if args.quiet:
         config = config.model_copy(update={"logging": config.logging.model_copy(update={"progress": False})})
-    with stop_on_signals(StopRequest()) as stop:  # SIGTERM/SIGINT: a clean stop at the next step
+    # SIGTERM/SIGINT: a clean stop at the next step; another one while stopping: exit at once
+    with stop_on_signals(StopRequest(), exit_on_repeat=True) as stop:
         results = run_training(config, stop=stop)
-    main = results[0]
-    if main.rank == 0:  # under a launcher every process gets its own rank; rank 0 prints
-        print_tables(summary_table(main.summary, title="dtlab train: summary"), profile_table(main.profile))
-    if main.preempted_by is None:
-        return 0
-    status = EXIT_STATUS.get(main.preempted_by, 1)
-    if main.rank == 0:
-        saved = f"checkpoint {main.checkpoint}" if main.checkpoint else "no checkpoint (no checkpoint.dir)"
-        print(
-            f"dtlab train: stopped by {main.preempted_by} after step {main.final_step} of "
-            f"{config.train.steps}; {saved}; exit status {status}",
-            file=sys.stderr,
-            flush=True,
-        )
-    return status
+        main = results[0]
+        if main.rank == 0:  # under a launcher every process gets its own rank; rank 0 prints
+            print_tables(
+                summary_table(main.summary, title="dtlab train: summary"), profile_table(main.profile)
+            )
+        if main.preempted_by is None:
+            return 0
+        status = EXIT_STATUS.get(main.preempted_by, 1)
+        if main.rank == 0:
+            saved = (
+                f"checkpoint {main.checkpoint}" if main.checkpoint else "no checkpoint (no checkpoint.dir)"
+            )
+            print(
+                f"dtlab train: stopped by {main.preempted_by} after step {main.final_step} of "
+                f"{config.train.steps}; {saved}; exit status {status}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return status
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -145,6 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dtlab {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if argv is None and args.command == "train":  # the program, not a call from Python
+            from dtlab.trainers.preemption import exit_on_signals
+
+            exit_on_signals()  # a signal during the interpreter's teardown: exit 128+n at once
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ scikit-learn for the digits task). They run on Gloo, and on MPI too where mpi4py
 installed (``pip install dtlab[mpi] mpich``). By default they run with small sizes (a few minutes on 2
 CPU cores); ``full=True`` uses their own defaults. Each runs in its own process group, killed whole on
 timeout.
+
+A signal (SIGINT, SIGTERM, SIGHUP) to ``dtlab bench`` ends the running benchmark's whole process group
+(SIGTERM, then SIGKILL after 5 s: the benchmark, its launcher and every rank), runs nothing more, and
+writes ``bench.md`` with the tables of the benchmarks that finished and a line for the stopped one;
+the exit status is 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -73,6 +81,58 @@ def _check_plotting() -> None:
         raise DtlabError("dtlab bench draws its plots with matplotlib: pip install 'dtlab[bench]'")
 
 
+class _Stopped(Exception):
+    """A signal reached ``dtlab bench`` (raised by its handler, once)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        #: the stopped benchmark's section of ``bench.md``
+        self.section: list[str] = []
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """The first SIGINT/SIGTERM/SIGHUP raises :class:`_Stopped` in the main thread; later ones are
+    ignored while the benchmark's processes are ended and the report is written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.getsignal(s) for s in signals}
+    seen: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not seen:
+            seen.append(signum)
+            raise _Stopped(signum)
+
+    for s in signals:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _end_group(proc: subprocess.Popen[bytes]) -> None:
+    """End ``proc``'s process group: SIGTERM (launchers pass it on to their ranks), SIGKILL after 5 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group, the benchmark's ranks too
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
 def _run(cmd: list[str], log: Path, timeout: float) -> int:
     # the benchmark imports the same dtlab as this process, installed or from a checkout
     here = str(Path(__file__).resolve().parents[2])
@@ -81,12 +141,21 @@ def _run(cmd: list[str], log: Path, timeout: float) -> int:
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            return proc.wait(timeout=timeout)
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the benchmark and every rank it started
             proc.wait(timeout=30)
             out.write(f"\n[dtlab bench] killed after {timeout:.0f} s\n")
             return -9
+        except _Stopped as exc:
+            _end_group(proc)
+            out.write(f"\n[dtlab bench] stopped by {exc}: the benchmark and its processes were ended\n")
+            raise
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks the benchmark left behind, if any
+        except ProcessLookupError:
+            pass
+        return code
 
 
 def _plot_strategies(rows: list[dict[str, Any]], path: Path) -> None:
@@ -181,10 +250,45 @@ def _plot_mesh(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _one(name: str, engines: list[str], full: bool, out: Path, timeout: float) -> tuple[list[str], bool]:
+    """Run benchmark ``name``; its section of ``bench.md`` and whether it failed."""
+    rows_path, log = out / f"{name}.json", out / f"{name}.log"
+    rows_path.unlink(missing_ok=True)
+    cmd = [*_command(name, engines, full), "--json", str(rows_path)]
+    print(f"[dtlab bench] {name}: python {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        code = _run(cmd, log, timeout)
+    except _Stopped as exc:
+        dt = time.perf_counter() - t0
+        exc.section = [f"## {name}", "", f"STOPPED by {exc} after {dt:.0f} s (partial log: `{log}`)", ""]
+        raise
+    dt = time.perf_counter() - t0
+    report = [f"## {name}", "", f"Command: `python {' '.join(cmd[1:-2])}` ({dt:.0f} s, exit {code})", ""]
+    if code != 0 or not rows_path.exists():
+        return [
+            *report,
+            f"FAILED, see `{log}`:",
+            "",
+            "```",
+            *log.read_text().splitlines()[-15:],
+            "```",
+            "",
+        ], True
+    rows = json.loads(rows_path.read_text())
+    text = log.read_text()
+    table = [line for line in text.splitlines() if line.startswith("|") or line.startswith("- ")]
+    report += [*table, ""]
+    plot = out / f"{name}.png"
+    {"strategies": _plot_strategies, "compression": _plot_compression, "mesh": _plot_mesh}[name](rows, plot)
+    return [*report, f"![{name}]({plot.name})", ""], False
+
+
 def run_bench(
     out_dir: str | Path, only: str | None = None, full: bool = False, timeout: float = 900.0
 ) -> int:
-    """Run the benchmarks; write ``bench.md``, ``<name>.json``, ``<name>.log`` and ``<name>.png``."""
+    """Run the benchmarks; write ``bench.md``, ``<name>.json``, ``<name>.log`` and ``<name>.png``.
+    On a signal: the running benchmark's processes ended, ``bench.md`` of what finished, 128 + n."""
     _check_plotting()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,32 +299,27 @@ def run_bench(
         note = "MPI skipped: mpi4py or mpiexec is not installed (pip install 'dtlab[mpi]' mpich)"
         print(f"[dtlab bench] {note}", file=sys.stderr, flush=True)
         report += [note, ""]
-    failed = []
-    for name in names:
-        rows_path, log = out / f"{name}.json", out / f"{name}.log"
-        rows_path.unlink(missing_ok=True)
-        cmd = [*_command(name, engines, full), "--json", str(rows_path)]
-        print(f"[dtlab bench] {name}: python {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        code = _run(cmd, log, timeout)
-        dt = time.perf_counter() - t0
-        report += [f"## {name}", "", f"Command: `python {' '.join(cmd[1:-2])}` ({dt:.0f} s, exit {code})", ""]
-        if code != 0 or not rows_path.exists():
-            failed.append(name)
-            report += [f"FAILED, see `{log}`:", "", "```", *log.read_text().splitlines()[-15:], "```", ""]
-            continue
-        rows = json.loads(rows_path.read_text())
-        text = log.read_text()
-        table = [line for line in text.splitlines() if line.startswith("|") or line.startswith("- ")]
-        report += [*table, ""]
-        plot = out / f"{name}.png"
-        {"strategies": _plot_strategies, "compression": _plot_compression, "mesh": _plot_mesh}[name](
-            rows, plot
-        )
-        report += [f"![{name}]({plot.name})", ""]
-    (out / "bench.md").write_text("\n".join(report))
+    failed: list[str] = []
+    stopped: _Stopped | None = None
+    with _stop_on_signals():
+        for name in names:
+            if stopped is not None:
+                report += [f"## {name}", "", f"not run: dtlab bench was stopped by {stopped}", ""]
+                continue
+            try:
+                section, bad = _one(name, engines, full, out, timeout)
+            except _Stopped as exc:
+                stopped = exc
+                section, bad = exc.section or [f"## {name}", "", f"STOPPED by {exc}", ""], True
+                print(f"[dtlab bench] {name}: stopped by {exc}; its processes were ended", file=sys.stderr)
+            report += section
+            if bad and stopped is None:
+                failed.append(name)
+        (out / "bench.md").write_text("\n".join(report))
     print("\n".join(report))
     print(f"[dtlab bench] wrote {out / 'bench.md'}", file=sys.stderr)
+    if stopped is not None:
+        return 128 + stopped.signum
     if failed:
         print(f"[dtlab bench] failed: {', '.join(failed)}", file=sys.stderr)
         return 1

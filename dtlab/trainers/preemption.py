@@ -8,17 +8,26 @@ with ``EXIT_STATUS`` (128 + the signal number, as a shell reports a process the 
 SIGTERM, 130 for SIGINT).
 
 Handlers are installed once, in the main thread (in-memory ranks are threads: never per rank). After
-the first signal the previous handlers are back, so a second signal acts at once as it would without
-dtlab: SIGINT raises ``KeyboardInterrupt``, SIGTERM ends the process.
+the first signal, by default, the previous handlers are back, so a second signal acts at once as it
+would without dtlab: SIGINT raises ``KeyboardInterrupt``, SIGTERM ends the process.
+
+``dtlab train`` asks for ``exit_on_repeat``: signals within ``same_within`` seconds of the first are
+the same request (a terminal or ``timeout`` delivers one signal to a process group, so a process may
+get it twice), and a later one, while the run stops, exits at once with ``EXIT_STATUS`` through
+``os._exit``: no interpreter teardown under running rank threads or engine threads (which is what
+aborted with "terminate called without an active exception"). Every committed checkpoint stays
+intact (a save is atomic; an interrupted one leaves only its ``.tmp-*`` directory) and the
+``StopRequest``'s cleanups run first (the Trainer releases its checkpoint directory's lock there).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -33,7 +42,7 @@ if TYPE_CHECKING:
     from dtlab.trainers.progress import ProgressBar
     from dtlab.trainers.trainer import Trainer, TrainResult
 
-__all__ = ["EXIT_STATUS", "StopRequest", "agreed_stop", "preempt", "stop_on_signals"]
+__all__ = ["EXIT_STATUS", "StopRequest", "agreed_stop", "exit_on_signals", "preempt", "stop_on_signals"]
 
 #: exit status of ``dtlab train`` after a clean stop on a signal: 128 + the signal number
 EXIT_STATUS = {"SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}
@@ -46,6 +55,39 @@ class StopRequest:
         self._event = threading.Event()
         self._lock = threading.Lock()
         self.reason: str | None = None
+        self._cleanups: list[Callable[[], None]] = []
+
+    def add_cleanup(self, fn: Callable[[], None]) -> None:
+        """``fn`` runs before an exit on a repeated signal (``stop_on_signals(exit_on_repeat=True)``)."""
+        with self._lock:
+            self._cleanups.append(fn)
+
+    def remove_cleanup(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if fn in self._cleanups:
+                self._cleanups.remove(fn)
+
+    def exit_now(self, signum: int) -> None:
+        """Run the cleanups, say why on stderr and end the process at once with ``128 + signum``."""
+        with self._lock:
+            cleanups = list(self._cleanups)
+        for fn in cleanups:
+            try:
+                fn()
+            except Exception:  # best effort: the process ends either way
+                pass
+        name = signal.Signals(signum).name
+        msg = (
+            f"\ndtlab: {name} again while stopping ({self.reason}): exiting now with status {128 + signum}; "
+            "every checkpoint committed before is intact (a save in progress is abandoned, its .tmp-* "
+            "directory left)\n"
+        )
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.write(2, msg.encode())
+        finally:
+            os._exit(128 + signum)
 
     def request(self, reason: str) -> None:
         with self._lock:
@@ -59,11 +101,17 @@ class StopRequest:
 
 @contextmanager
 def stop_on_signals(
-    stop: StopRequest, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+    stop: StopRequest,
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+    exit_on_repeat: bool = False,
+    same_within: float = 0.5,
 ) -> Iterator[StopRequest]:
     """While inside, the first of ``signals`` sets ``stop`` (named after the signal) and puts the
     previous handlers back; on leaving, the previous handlers are back in any case. Main thread only
-    (Python's rule for signal handlers): elsewhere this installs nothing."""
+    (Python's rule for signal handlers): elsewhere this installs nothing.
+
+    ``exit_on_repeat``: the handlers stay; a signal within ``same_within`` seconds of the first is the
+    same request, a later one ends the process at once (``StopRequest.exit_now``, see above)."""
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
@@ -73,9 +121,18 @@ def stop_on_signals(
         for s, h in previous.items():
             signal.signal(s, h)
 
+    first: list[float] = []
+
     def handler(signum: int, frame: FrameType | None) -> None:
-        stop.request(signal.Signals(signum).name)
-        restore()  # a second signal: the behaviour without dtlab, at once
+        if not exit_on_repeat:
+            stop.request(signal.Signals(signum).name)
+            restore()  # a second signal: the behaviour without dtlab, at once
+            return
+        if not first:
+            first.append(time.monotonic())
+            stop.request(signal.Signals(signum).name)
+        elif time.monotonic() - first[0] > same_within:
+            stop.exit_now(signum)
 
     for s in signals:
         signal.signal(s, handler)
@@ -83,6 +140,24 @@ def stop_on_signals(
         yield stop
     finally:
         restore()
+
+
+def exit_on_signals(signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """For the rest of the process (main thread only): one of ``signals`` ends it at once with 128 + its
+    number, output flushed, no traceback. ``dtlab train`` sets this once its work is done, so that a
+    signal during the interpreter's teardown does not turn into a ``KeyboardInterrupt`` there."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(128 + signum)
+
+    for s in signals:
+        signal.signal(s, handler)
 
 
 def agreed_stop(backend: CommunicationBackend, stop: StopRequest) -> str | None:

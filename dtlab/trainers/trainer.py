@@ -377,6 +377,8 @@ class Trainer:
         t_start = time.perf_counter()
         self.model.train()
         self.dir_hold.acquire()  # again when an earlier fit() released it
+        if self.stop is not None:  # an exit on a repeated signal releases the lock first
+            self.stop.add_cleanup(self.dir_hold.release)
         try:
             while self.step < cfg.train.steps:
                 applied, loss, norm = self.train_step()
@@ -421,6 +423,8 @@ class Trainer:
             bar.close()
             self.metrics.close()
             self.dir_hold.release()
+            if self.stop is not None:
+                self.stop.remove_cleanup(self.dir_hold.release)
         result.final_step = self.step
         result.skipped_steps = list(self.guard.skipped_steps)
         result.profile = self.profiler.summary()
