@@ -17,14 +17,14 @@ from dtlab.advise.layout import Tensor, transformer_tensors
 from dtlab.advise.pipeline import StageShape, activation_peak, pipeline_ops, split_stages
 from dtlab.advise.precision import Precision
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions
-from dtlab.advise.timing import (
-    AXIS_EXTENT,
-    PassTimes,
-    comm_seconds,
-    inside_node,
-    pass_times,
-    pipeline_seconds,
+from dtlab.advise.steptime import (
+    collective,
+    dp_wait,
+    on_node,
+    rank_times,
+    tensor_parallel_ops,
 )
+from dtlab.advise.timing import PassTimes, comm_seconds, pipeline_seconds
 
 __all__ = [
     "AxisCost",
@@ -112,49 +112,6 @@ class Prediction:
         return out
 
 
-def tensor_parallel_ops(
-    spec: ModelSpec,
-    sequences: int,
-    blocks: int,
-    first: bool,
-    last: bool,
-    tp: int,
-    e: int = 4,
-    checkpointing: str = "none",
-) -> Ops:
-    """One micro-batch through a stage's tensor-parallel layers: per block 4 all-reduces of ``b s h``
-    values (the row-parallel outputs forward, the column-parallel inputs' gradients backward); the
-    vocabulary-parallel embedding's output (forward) and the head's input gradient (backward), one
-    each; the vocabulary-parallel cross entropy's 3 all-reduces of ``b s`` fp32 values. A
-    checkpointed backward reruns forward all-reduces: per block the attention's (torch's
-    checkpoint stops recomputing once it has what the backward needs, before the MLP's); per stage
-    every forward one but the last block's MLP output (unless the final norm follows it)."""
-    if tp == 1:
-        return {}
-    n = sequences * spec.seq_len
-    act = n * spec.hidden * e
-    calls = (
-        4 * blocks
-        + (1 if first else 0)
-        + (1 if last else 0)
-        + recomputed_all_reduces(blocks, first, last, checkpointing)
-    )
-    nbytes = calls * (2 * (tp - 1) * act // tp)
-    if last:
-        calls += 3
-        nbytes += 3 * (2 * (tp - 1) * (n * 4) // tp)
-    return {"all_reduce": (calls, nbytes)}
-
-
-def recomputed_all_reduces(blocks: int, first: bool, last: bool, checkpointing: str) -> int:
-    if checkpointing == "block":
-        return blocks
-    if checkpointing == "stage":
-        forward = 2 * blocks + (1 if first else 0)
-        return forward if last or forward == 0 else forward - 1
-    return 0
-
-
 def problems(spec: ModelSpec, c: Candidate, global_batch: int) -> list[str]:
     """Why the plan cannot run: every rule it breaks, with the values."""
     out = []
@@ -221,49 +178,6 @@ class Memo:
         return self.stages[(tp, stages)]
 
 
-def _collective(kind: str, calls: int, nbytes_each: int, p: int, intra: bool, cluster: ClusterSpec) -> float:
-    return comm_seconds({kind: (calls, calls * nbytes_each)}, p, intra, cluster)
-
-
-def _intra(axis: str, c: Candidate, cluster: ClusterSpec) -> bool:
-    sizes = {"dp": c.dp, "tp": c.tp, "pp": c.pp}
-    extent = 1
-    for a in AXIS_EXTENT[axis]:
-        extent *= sizes[a]
-    return inside_node(extent, cluster)
-
-
-def _rank_times(
-    spec: ModelSpec, c: Candidate, chunks: list[StageShape], micro: int, e: int, cluster: ClusterSpec
-) -> tuple[PassTimes, float, float]:
-    """One micro-batch on a pipeline rank: compute with tensor parallelism's all-reduces on the
-    critical path (forward ones in ``f``, backward and recomputed ones in ``i``), the compute alone
-    (without recomputation) and the all-reduces alone."""
-    total = PassTimes()
-    compute = tp_time = 0.0
-    intra = _intra("tp", c, cluster)
-    one = 2 * (c.tp - 1) * (micro * spec.seq_len * spec.hidden * e) // max(c.tp, 1)
-    for st in chunks:
-        t = pass_times(spec, micro, st.blocks, st.last, c.tp, cluster)
-        compute += t.total
-        if c.checkpointed:
-            t.i += t.f  # the forward again, before the backward
-        if c.tp > 1:
-            fwd = 2 * st.blocks + (1 if st.first else 0)
-            bwd = 2 * st.blocks + (1 if st.last else 0)
-            again = recomputed_all_reduces(st.blocks, st.first, st.last, c.checkpointing)
-            f = _collective("all_reduce", fwd, one, c.tp, intra, cluster)
-            b = _collective("all_reduce", bwd + again, one, c.tp, intra, cluster)
-            if st.last:  # the vocabulary-parallel cross entropy's three small all-reduces
-                f += _collective("all_reduce", 3, 2 * (c.tp - 1) * micro * spec.seq_len * 4 // c.tp,
-                                 c.tp, intra, cluster)  # fmt: skip
-            t.f += f
-            t.i += b
-            tp_time += f + b
-        total.add(t)
-    return total, compute, tp_time
-
-
 def predict(
     spec: ModelSpec,
     cluster: ClusterSpec,
@@ -320,7 +234,7 @@ def predict(
         tkey = (c.tp, c.dp, c.pp, micro, c.checkpointing, shape)
         timed = memo.timing(cluster)
         if tkey not in timed:
-            timed[tkey] = _rank_times(spec, c, mine, micro, e, cluster)
+            timed[tkey] = rank_times(spec, c, mine, micro, e, cluster)
         times.append(timed[tkey])
         ops: Ops = {}
         for st in mine:
@@ -351,19 +265,19 @@ def predict(
     exposed = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
     if c.tp > 1:
         exposed["tp"] = c.micro_batches * tp_one
-    dp_intra, pp_intra = _intra("dp", c, cluster), _intra("pp", c, cluster)
+    dp_intra, pp_intra = on_node("dp", c, cluster), on_node("pp", c, cluster)
     if c.dp > 1:
-        exposed["dp"] = max(_dp_exposed(costs[r], c, times[r][0], dp_intra, cluster) for r in range(c.pp))
+        exposed["dp"] = max(dp_wait(costs[r], c, times[r][0], dp_intra, cluster) for r in range(c.pp))
     if pipelined:
         msg = micro * spec.seq_len * spec.hidden * e
         hops = 2 * (c.pp * c.stages_per_rank - 1)  # first forward, last backward: every boundary
-        exposed["pp"] = _collective("send", hops, msg, c.pp, pp_intra, cluster)
+        exposed["pp"] = collective("send", hops, msg, c.pp, pp_intra, cluster)
         if tied:
-            exposed["pp"] += _collective("all_reduce", 1, tied, 2, pp_intra, cluster)
+            exposed["pp"] += collective("all_reduce", 1, tied, 2, pp_intra, cluster)
     axes: dict[str, AxisCost] = {}
     sizes = {"dp": c.dp, "tp": c.tp, "pp": c.pp}
     for axis, ops in per_axis.items():
-        intra = _intra(axis, c, cluster)
+        intra = on_node(axis, c, cluster)
         seconds = comm_seconds(ops, sizes[axis], intra, cluster)
         axes[axis] = AxisCost(axis, sizes[axis], intra, ops, seconds, exposed[axis])
     step = body + exposed["dp"] + exposed["pp"]
@@ -385,24 +299,3 @@ def predict(
         stage_ops=stage_ops,
         micro_batch=micro,
     )
-
-
-def _dp_exposed(
-    cost: DataParallelCost, c: Candidate, t: PassTimes, intra: bool, cluster: ClusterSpec
-) -> float:
-    """The data-parallel time the step waits for. Gradients are reduced bucket by bucket (unit by
-    unit) during the last micro-batch's backward: only what outlasts it, and at least the last
-    bucket, waits. ZeRO-1/2 gather the updated parameters after the step (nothing to hide behind).
-    ZeRO-3/FSDP gather each unit while the one before it computes (prefetch): only gathers
-    outlasting the compute wait (under a pipeline: the stage's one gather, behind the first forward)."""
-    grad = comm_seconds(cost.grad_ops, c.dp, intra, cluster)
-    kind = next(iter(cost.grad_ops), "all_reduce")
-    last = _collective(kind, 1, cost.last_reduce, c.dp, intra, cluster)
-    exposed = max(last, grad - (t.i + t.w))
-    gather = comm_seconds(cost.gather_ops, c.dp, intra, cluster)
-    if c.strategy in ("zero1", "zero2"):
-        exposed += gather
-    elif c.strategy in ("zero3", "fsdp"):
-        hide = t.f if c.pp > 1 else c.micro_batches * t.total
-        exposed += max(0.0, gather - hide)
-    return exposed
