@@ -58,5 +58,10 @@ class ConfigError(DtlabError, ValueError):
     """A configuration value is invalid; the message names the field, the value and what is allowed."""
 
 
+class DataError(DtlabError, ValueError):
+    """The training data does not fit the model: a target outside the model's output range (the message
+    names the sample, the value and the range, and the rank when found during a step)."""
+
+
 class StrategyError(DtlabError, ValueError):
     """A model or optimizer strategy was used in a way it does not support."""

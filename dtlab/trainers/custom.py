@@ -4,7 +4,8 @@ each ``package.module:function`` called with no arguments) or as Python objects 
 Everything is checked before any rank starts, each problem one :class:`~dtlab.errors.ConfigError`
 naming the field: a reference that does not import, a factory that returns the wrong kind of object,
 data that is not a map-style ``Dataset`` of ``(input, target)`` pairs, and a loss that does not fit
-the model's output on three training samples (one forward on the CPU, no backward).
+the model's output on three training samples (one forward on the CPU, no backward), and every class
+target of a small dataset inside the model's output range (``trainers/labels.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dtlab.config import TrainConfig
 from dtlab.core import seeded_init
 from dtlab.data import fetch
 from dtlab.errors import ConfigError
+from dtlab.trainers.labels import scan_labels
 from dtlab.trainers.tasks import Task, builtin_data, builtin_model, cross_entropy_loss
 from dtlab.untrusted import summary
 
@@ -162,6 +164,9 @@ def check_fit(task: Task, what_model: str, what_loss: str) -> Task:
     if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor):
         return task
     labels = not y.is_floating_point() and out.dim() == y.dim() + 1
+    if labels and out.dim() > 0:  # every target in range, over the whole of a small dataset
+        scan_labels(task.train_data, int(out.shape[-1]), "training data")
+        scan_labels(task.eval_data, int(out.shape[-1]), "held-out data")
     per_sample = int(y[0].numel()) if labels and y.dim() > 1 else task.tokens_per_sample
     return replace(task, classification=task.classification or labels, tokens_per_sample=per_sample)
 

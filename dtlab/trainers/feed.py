@@ -51,6 +51,7 @@ class DataFeed:
             )
         self.global_batch_size, self.accumulation_steps = global_batch_size, accumulation_steps
         self.seed = seed
+        self.dataset, self.world_size, self.rank, self.shuffle = dataset, world_size, rank, shuffle
         self.device = device or torch.device("cpu")
         self.sampler = DistributedSampler(
             dataset, world_size, rank, shuffle=shuffle, seed=seed, drop_last=True
@@ -71,6 +72,7 @@ class DataFeed:
         self.epoch = 0
         self.offset = 0  # samples of this epoch consumed over all ranks
         self._batches: Iterator[Any] | None = None
+        self._last = (0, 0)  # (epoch, offset) of the step last fetched
 
     def next_micro_batches(self) -> list[Any]:
         """This rank's micro-batches of the next step, on the device; advances the position."""
@@ -81,8 +83,22 @@ class DataFeed:
             self.sampler.start_at(self.offset)
             self._batches = iter(self.loader)
         micro = [self.to_device(next(self._batches)) for _ in range(self.accumulation_steps)]
+        self._last = (self.epoch, self.offset)
         self.offset += self.global_batch_size
         return micro
+
+    def step_indices(self, micro: int) -> list[int]:
+        """The dataset indices of this rank's micro-batch ``micro`` of the step last fetched (for error
+        messages: the sampler's order is rebuilt, the loader's iteration is not touched)."""
+        epoch, offset = self._last
+        sampler = DistributedSampler(
+            self.dataset, self.world_size, self.rank, shuffle=self.shuffle, seed=self.seed, drop_last=True
+        )
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        size = self.global_batch_size // (self.world_size * self.accumulation_steps)
+        start = offset // self.world_size + micro * size
+        return [int(i) for i in order[start : start + size]]
 
     def to_device(self, batch: Any) -> Any:
         """Every tensor of ``batch`` on this rank's device."""

@@ -41,6 +41,7 @@ from dtlab.trainers.elastic import (
 )
 from dtlab.trainers.feed import DataFeed
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
+from dtlab.trainers.labels import explain_loss_error
 from dtlab.trainers.ownership import hold_checkpoint_dir
 from dtlab.trainers.parallel import parallel_loss
 from dtlab.trainers.preemption import StopRequest, preempt
@@ -222,7 +223,7 @@ class Trainer:
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.precision.autocast(self.backend.device.type)
 
-    def _micro_step(self, batch: Any) -> float:
+    def _micro_step(self, batch: Any, k: int) -> float:
         """Forward and backward of one micro-batch through ``model.train_step`` (a pipeline runs its
         schedule there); the loss is divided by the accumulation steps before backward."""
         x, y = batch  # on this rank's device already (DataFeed)
@@ -231,7 +232,17 @@ class Trainer:
         factor = (self.scaler.scale if self.scaler else 1.0) / accum
 
         def scaled(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            loss = loss_fn(cast(out), target)
+            try:
+                loss = loss_fn(cast(out), target)
+            except (IndexError, RuntimeError) as exc:  # a target out of the output's range: named
+                if self.config.parallel.tp > 1:  # a vocabulary-parallel loss sees a slice of the classes
+                    raise
+                whole = target.shape[:1] == y.shape[:1]  # not a pipeline's chunk of the micro-batch
+                rows = self.feed.step_indices(k) if whole else None
+                named = explain_loss_error(out, target, self.backend.rank, rows, exc)
+                if named is None:
+                    raise
+                raise named from exc
             return loss * factor if factor != 1.0 else loss
 
         with self._autocast():
@@ -248,10 +259,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = 0.0
         with self.profiler.phase("forward_backward"):
-            for batch in micro[:-1]:
+            for k, batch in enumerate(micro[:-1]):
                 with self.model.no_sync():
-                    local_loss += self._micro_step(batch)
-            local_loss += self._micro_step(micro[-1])
+                    local_loss += self._micro_step(batch, k)
+            local_loss += self._micro_step(micro[-1], len(micro) - 1)
             finite = self.optimizer.agree(math.isfinite(local_loss))
             loss_finite = finite
             if finite:
