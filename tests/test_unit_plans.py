@@ -62,3 +62,25 @@ def test_bad_leaf_modules_and_policy_classes_are_named() -> None:
         with pytest.raises(TypeError, match=r"must be nn\.Module subclasses"):
             ModuleClassPolicy(bad)  # type: ignore[arg-type]
     run_world(1, zero3, (nn.Linear,))
+
+
+def _mid_backward(backend: CommunicationBackend) -> tuple[int, int, int]:
+    from dtlab.models import ZeRO2Model
+
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = ZeRO2Model(net, backend, bucket_cap_mb=0.0002)  # ~200-byte buckets: several in flight
+    seen: list[int] = []
+    first = net[0].weight  # its gradient comes last: every other bucket is launched by then
+    first.register_post_accumulate_grad_hook(lambda p: seen.append(model.memory_report()["gradients"]))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(backend.rank))
+    model(x).square().mean().backward()
+    full = sum(4 * q.numel() for q in net.parameters())
+    return seen[0], model.memory_report()["gradients"], full
+
+
+def test_zero2_counts_its_transient_gradient_buffers_mid_backward() -> None:
+    """During backward ZeRO-2 holds each launched bucket's full buffer until the reduce-scatter
+    completes; after it only the shards (about 1/P of the gradient) remain."""
+    for mid, after, full in run_world(2, _mid_backward):
+        assert after < full  # the shards only
+        assert mid >= after + full - 4 * 8 * 6  # + every bucket but possibly the first layer's weight
