@@ -84,3 +84,27 @@ def test_zero2_counts_its_transient_gradient_buffers_mid_backward() -> None:
     for mid, after, full in run_world(2, _mid_backward):
         assert after < full  # the shards only
         assert mid >= after + full - 4 * 8 * 6  # + every bucket but possibly the first layer's weight
+
+
+def _storage_after_step(backend: CommunicationBackend, name: str) -> tuple[int, int]:
+    from dtlab.optimizers import ZeRO3Optimizer
+
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    full = sum(4 * q.numel() for q in net.parameters())
+    if name == "zero3":
+        model: ZeRO3Model | FSDPModel = ZeRO3Model(net, backend, persistence_threshold=0)
+    else:
+        model = FSDPModel(net, backend, wrap_policy=ModuleClassPolicy((nn.Linear,)))
+    opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
+    model(torch.randn(4, 6, generator=torch.Generator().manual_seed(0))).sum().backward()
+    opt.step()
+    held = sum(q.untyped_storage().nbytes() for q in net.parameters())  # what the tensors really hold
+    return held, full
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+def test_gathered_parameters_really_release_their_memory(name: str) -> None:
+    """Outside forward and backward the module's parameters hold no storage of their own: the full
+    flat buffers gathered for a unit are really freed, not only uncounted."""
+    for held, full in run_world(2, _storage_after_step, name):
+        assert held == 0 < full
