@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -65,8 +67,8 @@ def test_gloo_survivors_raise_within_the_timeout() -> None:
         assert kind == "CollectiveTimeoutError", (case, kind, text)
         assert op == WANT_OP[case] and WANT_OP[case] in text, (case, text)
         assert seconds < OP_TIMEOUT + 3, (case, seconds)
-        if "dead" in case:
-            assert "a peer process died" in text, (case, text)
+        if "dead" in case:  # the dead peer named: its pid, published in the job's store, is gone
+            assert "a peer process died: rank 2 (pid " in text and "on this host)" in text, (case, text)
         else:  # a live peer is waited for, for the timeout
             assert seconds >= OP_TIMEOUT - 0.5 and "timeout" in text, (case, seconds, text)
 
@@ -154,3 +156,46 @@ def test_spawn_world_rejects_bad_arguments() -> None:
         spawn_world(2, dies, backend="nccl")
     with pytest.raises(ValueError, match="may_die"):
         spawn_world(2, dies, backend="mpi", may_die=[1])
+
+
+PEER_DIES = """
+import os, signal, torch
+from dtlab.backends import init_backend
+from dtlab.errors import CollectiveTimeoutError
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent's SIGTERM to survivors: let them report first
+b = init_backend("gloo", timeout=60)
+b.barrier()
+if b.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    b.all_reduce(torch.ones(4))
+except CollectiveTimeoutError as exc:
+    print(f"SURVIVOR {b.rank}: {exc}", flush=True)
+"""
+
+
+def test_torchrun_survivors_name_the_dead_rank(tmp_path: Path) -> None:
+    script = tmp_path / "peer_dies.py"
+    script.write_text(PEER_DIES)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "3", str(script)]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    lines = [ln for ln in out.splitlines() if ln.startswith("SURVIVOR")]
+    assert len(lines) == 2, out[-3000:]
+    for line in lines:
+        assert "a peer process died: rank 1 (pid " in line and "on this host)" in line, line
+    assert proc.returncode != 0  # torchrun reports the killed worker

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab.backends._checked import mismatch_hint
+from dtlab.backends._peers import gone_peers, publish_identity
 from dtlab.backends._torch_dist_support import (
     _OPS,
     _PEER_LOST,
@@ -99,6 +100,7 @@ class TorchDistBackend(CommunicationBackend):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        publish_identity()  # so that a peer's death can be named (dtlab/backends/_peers.py)
         return cls(device=dev, timeout=timeout)
 
     @classmethod
@@ -127,7 +129,8 @@ class TorchDistBackend(CommunicationBackend):
                 f"did not complete within the {self._timeout:g}s timeout (a peer is hung or did not call it)"
             )
         elif any(k in low for k in _PEER_LOST):
-            why = "lost its connection to a peer (a peer process died)"
+            gone = gone_peers(self._group)
+            why = f"lost its connection to a peer (a peer process died{': ' + gone if gone else ''})"
         else:
             raise exc
         raise CollectiveTimeoutError(
