@@ -99,12 +99,15 @@ def _storage_after_step(backend: CommunicationBackend, name: str) -> tuple[int, 
     model(torch.randn(4, 6, generator=torch.Generator().manual_seed(0))).sum().backward()
     opt.step()
     held = sum(q.untyped_storage().nbytes() for q in net.parameters())  # what the tensors really hold
+    state = model.full_state_dict()  # gathers every unit, then frees them again
+    assert sum(t.numel() for t in state.values()) * 4 == full
+    held += sum(q.untyped_storage().nbytes() for q in net.parameters())
     return held, full
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])
 def test_gathered_parameters_really_release_their_memory(name: str) -> None:
-    """Outside forward and backward the module's parameters hold no storage of their own: the full
-    flat buffers gathered for a unit are really freed, not only uncounted."""
+    """After a step and after full_state_dict() the module's parameters hold no storage of their own:
+    the full flat buffers gathered for a unit are really freed, not only uncounted."""
     for held, full in run_world(2, _storage_after_step, name):
         assert held == 0 < full
