@@ -12,12 +12,16 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import find_resume_checkpoint, save_checkpoint
 from dtlab.core.state import ShardedState
+from dtlab.models import DDPModel
+from dtlab.optimizers import DDPOptimizer
 from dtlab.testing import run_world
 from tests._capped import CAP, _limit, run_cli
 
@@ -44,6 +48,36 @@ def _save(backend: CommunicationBackend, root: str) -> None:
 def make_checkpoint(root: Path) -> Path:
     run_world(2, _save, str(root))
     return root
+
+
+def _strategies(backend: CommunicationBackend) -> tuple[DDPModel, DDPOptimizer]:
+    torch.manual_seed(0)
+    model = DDPModel(nn.Linear(3, 2), backend)
+    return model, DDPOptimizer(model, torch.optim.AdamW, lr=0.1)
+
+
+def _save_strategies(backend: CommunicationBackend, root: str) -> None:
+    model, opt = _strategies(backend)
+    for step in (1, 2):
+        opt.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
+        rng = {"r": torch.zeros(2)}
+        meta = {"trainer": {"step": step}}
+        save_checkpoint(root, step, backend, model.sharded_state_dict(), opt.sharded_state_dict(), rng, meta)
+
+
+def make_strategy_checkpoint(root: Path) -> Path:
+    """A checkpoint of a real DDP model and AdamW (entries, scalars, state keys, param groups)."""
+    run_world(2, _save_strategies, str(root))
+    return root
+
+
+def load_into_strategies(backend: CommunicationBackend, model: list[ShardedState], optim: Any) -> None:
+    m, opt = _strategies(backend)
+    m.load_sharded_state_dict(model)
+    if optim:
+        opt.load_sharded_state_dict(optim)
 
 
 def _sparse(path: Path, size: int = 4 << 30) -> Path:
@@ -156,10 +190,11 @@ import json, os, shutil, struct, hashlib, sys
 from pathlib import Path
 from hypothesis import given, settings, strategies as st, HealthCheck
 from dtlab.checkpoint import find_resume_checkpoint, read_checkpoint, full_tensors_from_shards
-from dtlab.errors import CheckpointError
-from tests.test_untrusted_checkpoint import make_checkpoint
+from dtlab.errors import CheckpointError, RankFailedError
+from dtlab.testing import run_world
+from tests.test_untrusted_checkpoint import load_into_strategies, make_strategy_checkpoint
 
-base = make_checkpoint(Path(sys.argv[1]) / "base")
+base = make_strategy_checkpoint(Path(sys.argv[1]) / "base")
 work = Path(sys.argv[1]) / "work"
 values = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70),
@@ -211,9 +246,13 @@ def prop(data):
         meta = put(meta, data.draw(st.sampled_from(list(paths(meta)))), data.draw(values))
     (step / "meta.json").write_text(json.dumps(meta))
     try:
-        full_tensors_from_shards(read_checkpoint(step, with_optimizer=True).model)
+        ckpt = read_checkpoint(step, with_optimizer=True)
+        full_tensors_from_shards(ckpt.model)
+        run_world(1, load_into_strategies, ckpt.model, ckpt.optim, timeout=30)
     except CheckpointError:
         pass
+    except RankFailedError as exc:  # the load on the rank: a named error, never another exception
+        assert isinstance(exc.__cause__, CheckpointError), repr(exc.__cause__)
     point = find_resume_checkpoint(work)
     assert point.checkpoint is not None and point.checkpoint.step in (1, 2), point.notes
     if point.checkpoint.step == 1:

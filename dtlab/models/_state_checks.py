@@ -84,8 +84,10 @@ def check_entries(shard: ShardedState, where: str) -> None:
         if problem is not None:
             raise CheckpointError(f"{where} is corrupted: entry {summary(store)} {problem}")
     for key, s in scalars.items():
-        ok = isinstance(s, dict) and (s.get("dtype") is None or s.get("dtype") in DTYPES)
-        if not ok or not isinstance(s.get("value"), int | float):
+        dtype = s.get("dtype") if isinstance(s, dict) else None
+        ok = isinstance(s, dict) and (dtype is None or (isinstance(dtype, str) and dtype in DTYPES))
+        value = s.get("value") if isinstance(s, dict) else None
+        if not ok or not isinstance(value, int | float) or not math.isfinite(value) or abs(value) >= 2**63:
             raise CheckpointError(
                 f"{where} is corrupted: scalar {summary(key)} is {summary(s)}, expected "
                 "{value: a number, dtype: null or a dtype name}"

@@ -13,7 +13,7 @@ import torch
 from dtlab.backends.base import ReduceOp
 from dtlab.core import pairs
 from dtlab.core.state import ShardedState
-from dtlab.errors import StrategyError
+from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models.base import ModelStrategy, OptimizerTarget
 from dtlab.models.state import (
     ShardIndex,
@@ -24,6 +24,7 @@ from dtlab.models.state import (
     read_placed,
 )
 from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.untrusted import summary
 
 __all__ = ["DataParallelOptimizer", "Piece"]
 
@@ -182,6 +183,12 @@ class DataParallelOptimizer(OptimizerStrategy):
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
         index = ShardIndex(shards)
         keys = index.extra.get("state_keys", [])
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise CheckpointError(
+                f"optimizer shard metadata: state_keys={summary(keys)}, expected a list of names"
+            )
+        saved = index.extra.get("param_groups")
+        _check_groups(saved, self._opt.param_groups)
         for t, pieces, names in zip(self._tensors, self._needed_pieces(), self._names, strict=True):
             st: dict[str, Any] = {}
             for sk in keys:
@@ -212,7 +219,6 @@ class DataParallelOptimizer(OptimizerStrategy):
                     st[sk] = torch.zeros_like(t)  # this tensor holds only padding of that state
             if st:
                 self._opt.state[t] = st
-        saved = index.extra.get("param_groups")
         if saved and len(saved) == len(self._opt.param_groups):
             for group, values in zip(self._opt.param_groups, saved, strict=True):
                 for k, v in values.items():
@@ -222,6 +228,38 @@ class DataParallelOptimizer(OptimizerStrategy):
     def _needed_pieces(self) -> list[list[Piece]]:
         """The pieces each optimizer tensor must be filled with on load (default: what it saves)."""
         return self._pieces
+
+
+def _same_kind(saved: Any, live: Any) -> bool:
+    if isinstance(live, torch.Tensor):
+        live = 0.0  # saved as its value (see _jsonable)
+    if isinstance(live, bool) or live is None:
+        return isinstance(saved, bool) or saved is None
+    if isinstance(live, int | float):
+        return isinstance(saved, int | float) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(live, list | tuple):
+        return isinstance(saved, list) and len(saved) == len(live) and all(map(_same_kind, saved, live))
+    return isinstance(saved, type(live))
+
+
+def _check_groups(saved: Any, groups: list[dict[str, Any]]) -> None:
+    """Saved param-group hyperparameters must be of the kind the live groups hold (a number where a
+    number is): a :class:`CheckpointError` naming the value otherwise, before anything is set."""
+    if saved is None:
+        return
+    if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
+        raise CheckpointError(
+            f"optimizer shard metadata: param_groups={summary(saved)}, expected a list of objects"
+        )
+    if len(saved) != len(groups):
+        return  # another grouping: the saved hyperparameters are not applied (see below)
+    for i, (values, group) in enumerate(zip(saved, groups, strict=True)):
+        for k, v in values.items():
+            if k in group and k != "params" and not _same_kind(v, group[k]):
+                raise CheckpointError(
+                    f"optimizer shard metadata: param_groups[{i}].{k}={summary(v)}, but the optimizer "
+                    f"holds {summary(group[k])} there"
+                )
 
 
 def _jsonable(group: dict[str, Any]) -> dict[str, Any]:
