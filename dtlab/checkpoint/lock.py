@@ -26,7 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dtlab.checkpoint.safe_files import read_inside
 from dtlab.errors import CheckpointError
+
+#: the largest lock file read (it holds a few fields)
+_MAX_LOCK_BYTES = 1 << 16
 
 __all__ = ["LOCK", "DirectoryLock", "LockOwner"]
 
@@ -63,8 +67,12 @@ class LockOwner:
 
 def _read(path: Path) -> tuple[LockOwner | None, str | None]:
     """The owner a lock file names, or ``(None, problem)`` when it cannot be read or parsed."""
-    try:
-        doc: Any = json.loads(path.read_text())
+    if not os.path.lexists(path):
+        return None, None
+    try:  # a lock file in a shared directory is untrusted: bounded, not followed through a link
+        doc: Any = json.loads(read_inside(path, None, "the lock file", limit=_MAX_LOCK_BYTES))
+        if not isinstance(doc, dict) or any(len(str(doc.get(k, ""))) > 4096 for k in doc):
+            raise ValueError("not a lock file dtlab writes")
         return (
             LockOwner(
                 host=str(doc["host"]),
@@ -78,8 +86,10 @@ def _read(path: Path) -> tuple[LockOwner | None, str | None]:
         )
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
+    except RecursionError:
+        return None, "its JSON is nested too deeply"
 
 
 def _process_start(pid: int) -> float | None:
