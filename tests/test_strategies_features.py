@@ -21,6 +21,7 @@ from test_strategies_helpers import (
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.rng import seeded_init
 from dtlab.errors import CheckpointError, RankFailedError, StrategyError
 from dtlab.models import (
     DDPModel,
@@ -206,8 +207,9 @@ class WithUnused(nn.Module):
 
 
 def _unused(backend: CommunicationBackend, name: str, find: bool) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = wrap(name, WithUnused(), backend, find_unused_parameters=find)
+    with seeded_init(0):  # never torch.manual_seed inside a rank: in-memory ranks share the RNG
+        module = WithUnused()
+    model = wrap(name, module, backend, find_unused_parameters=find)
     opt = optimizer_for(name, model, "sgd")
     before = model.full_state_dict()
     model(torch.ones(2, 4)).sum().backward()
@@ -286,8 +288,9 @@ def test_global_norm_clipping_and_swapped_reducer() -> None:
 
 
 def _bf16(backend: CommunicationBackend, name: str) -> list[float]:
-    torch.manual_seed(0)
-    model = wrap(name, make_module().to(torch.bfloat16), backend, reduce_dtype=torch.float32)
+    with seeded_init(0):
+        module = make_module()
+    model = wrap(name, module.to(torch.bfloat16), backend, reduce_dtype=torch.float32)
     opt = optimizer_for(name, model, "adamw")
     x, y = make_data(6, 8)
     losses = []

@@ -13,6 +13,7 @@ from test_strategies_helpers import STRATEGIES, max_rel_error, optimizer_for, wr
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.rng import seeded_init
 from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import DDPModel, DenseReducer, FSDPModel, ModuleClassPolicy, ZeRO1Model, ZeRO3Model
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
@@ -68,9 +69,10 @@ class _Recorder(DenseReducer):
 
 
 def _overlap(backend: CommunicationBackend) -> tuple[list[str], int, float, int]:
-    torch.manual_seed(0)
-    module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 16 640 bytes per layer
-    default = DDPModel(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), backend)
+    with seeded_init(0):  # never torch.manual_seed inside a rank: in-memory ranks share the RNG
+        module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 16 640 bytes per layer
+        plain = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    default = DDPModel(plain, backend)
     model = DDPModel(module, backend, bucket_cap_mb=16_640 / 2**20)  # one bucket per layer
     events: list[str] = []
     model.gradient_reducer = _Recorder(backend, events)

@@ -14,6 +14,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint.agree import agree, read_on_src
+from dtlab.core.rng import seeded_init
 from dtlab.errors import CheckpointError
 from dtlab.models import DDPModel
 from dtlab.optimizers import DDPOptimizer
@@ -39,10 +40,11 @@ def _checks(backend: CommunicationBackend, dirs: list[str]) -> dict[str, Any]:
     out["read"] = _caught(read_on_src, backend, 0, _unreadable, "reading x")
     out["agree"] = _caught(agree, backend, "bad shard" if backend.rank == 1 else None, "reading y")
     # an elastic commit that the rank holding it cannot read (a corrupt file in its node-local store)
-    torch.manual_seed(0)
     store = DiskCommitStore(dirs[backend.rank])
+    with seeded_init(0):  # never torch.manual_seed inside a rank: in-memory ranks share the RNG
+        module = nn.Linear(4, 2)
     opt = ElasticOptimizer(
-        DDPOptimizer(DDPModel(nn.Linear(4, 2), backend), torch.optim.SGD, lr=0.1),
+        DDPOptimizer(DDPModel(module, backend), torch.optim.SGD, lr=0.1),
         commit_every=1,
         member=StaticMember(store),
     )
