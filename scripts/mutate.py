@@ -125,6 +125,10 @@ ACCEPTED: dict[str, str] = {
         "n -= 1 numbers the extra pieces of one tensor #-1, #-2, ... instead of #1, #2, ...: the "
         "names only need to be unique, readers go by each entry's 'key'"
     ),
+    "dtlab/optimizers/_sharded.py:40:const": (
+        "zip(..., strict=False): the shard tensors and the units are built together, one per unit, so "
+        "the lengths always agree and strict never fires"
+    ),
     "dtlab/backends/_inmemory_ops.py:153:const": (
         "empty_like(outs[1]) instead of outs[0]: every rank's output has the same number of elements "
         "and dtype (the collective's signature, compared across ranks) and is flattened, so the "

@@ -111,3 +111,27 @@ def test_gathered_parameters_really_release_their_memory(name: str) -> None:
     the full flat buffers gathered for a unit are really freed, not only uncounted."""
     for held, full in run_world(2, _storage_after_step, name):
         assert held == 0 < full
+
+
+def _step_twice(backend: CommunicationBackend) -> list[str]:
+    from test_strategies_helpers import STRATEGIES, make_data, make_module, optimizer_for, wrap
+
+    from dtlab.errors import StrategyError
+
+    x, y = make_data(1, 4)
+    refused = []
+    for name in STRATEGIES:
+        model = wrap(name, make_module(), backend)
+        opt = optimizer_for(name, model, "sgd_plain")
+        nn.functional.mse_loss(model(x[0, :2]), y[0, :2]).backward()
+        opt.step()
+        try:
+            opt.step()  # the same gradients a second time
+        except StrategyError as exc:
+            refused.append(f"{name}: {exc}")
+    return refused
+
+
+def test_a_second_step_on_the_same_gradients_is_refused() -> None:
+    for refused in run_world(2, _step_twice):
+        assert len(refused) == 5 and all("found no synchronized gradients" in r for r in refused), refused
