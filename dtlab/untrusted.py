@@ -89,68 +89,84 @@ def measure_tree(tree: Any, limits: TreeLimits) -> str | None:
     """``None`` when ``tree`` is within ``limits``, else the first limit crossed, as a phrase naming
     where (``'nested deeper than 32 levels at a.b.c...'``). Each distinct container is walked once, so
     the work is bounded by the tree as stored, not as expanded; a container inside itself is refused."""
-    sizes: dict[int, int] = {}  # id -> nodes below and including it, for containers already walked
-    on_path: set[int] = set()
-    # frames: (container, its children iterator, the path to it, nodes counted so far below it)
-    stack: list[tuple[Any, Any, str, list[int]]] = []
-
-    def children(node: Any) -> Any:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                yield k, None
-                yield v, k
-        else:
-            for i, v in enumerate(node):
-                yield v, i
-
-    def enter(node: Any, path: str) -> str | None:
-        if len(stack) >= limits.depth:
-            return f"nested deeper than {limits.depth} levels at {path or 'the top'}"
-        on_path.add(id(node))
-        stack.append((node, children(node), path, [1]))
-        return None
-
-    def check_scalar(node: Any, path: str) -> str | None:
-        if isinstance(node, str | bytes) and len(node) > limits.string:
-            return (
-                f"a string of {len(node):,} characters at {path or 'the top'} (at most "
-                f"{limits.string:,} are read)"
-            )
-        return None
-
     if not isinstance(tree, dict | list | tuple):
-        return check_scalar(tree, "")
-    problem = enter(tree, "")
-    total = 0
-    while stack and problem is None:
-        node, it, path, count = stack[-1]
-        step = next(it, None)
-        if step is None:
-            stack.pop()
-            on_path.discard(id(node))
-            sizes[id(node)] = count[0]
-            if stack:
-                stack[-1][3][0] += count[0]
-            else:
-                total = count[0]
-            continue
-        child, where = step
-        child_path = path if where is None else f"{path}.{where}" if path else str(where)
-        if isinstance(child, dict | list | tuple):
-            if id(child) in on_path:
-                problem = f"a value that contains itself at {child_path}"
-            elif id(child) in sizes:
-                count[0] += sizes[id(child)]
-            else:
-                problem = enter(child, child_path)
+        return _check_scalar(tree, "", limits)
+    return _TreeWalk(limits).run(tree)
+
+
+def _children(node: Any) -> Any:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield k, None
+            yield v, k
+    else:
+        for i, v in enumerate(node):
+            yield v, i
+
+
+def _check_scalar(node: Any, path: str, limits: TreeLimits) -> str | None:
+    if isinstance(node, str | bytes) and len(node) > limits.string:
+        where = path or "the top"
+        return f"a string of {len(node):,} characters at {where} (at most {limits.string:,} are read)"
+    return None
+
+
+class _TreeWalk:
+    """:func:`measure_tree`'s walk, iterative (no recursion limit), each distinct container once."""
+
+    def __init__(self, limits: TreeLimits) -> None:
+        self.limits = limits
+        self.sizes: dict[int, int] = {}  # id -> nodes below and including it, for containers walked
+        self.on_path: set[int] = set()
+        # frames: (container, its children iterator, the path to it, nodes counted so far below it)
+        self.stack: list[tuple[Any, Any, str, list[int]]] = []
+        self.total = 0
+
+    def enter(self, node: Any, path: str) -> str | None:
+        if len(self.stack) >= self.limits.depth:
+            return f"nested deeper than {self.limits.depth} levels at {path or 'the top'}"
+        self.on_path.add(id(node))
+        self.stack.append((node, _children(node), path, [1]))
+        return None
+
+    def leave(self) -> None:
+        node, _, _, count = self.stack.pop()
+        self.on_path.discard(id(node))
+        self.sizes[id(node)] = count[0]
+        if self.stack:
+            self.stack[-1][3][0] += count[0]
         else:
+            self.total = count[0]
+
+    def visit(self, child: Any, child_path: str, count: list[int]) -> str | None:
+        """Count ``child`` below its parent (a container walked already: its whole size)."""
+        if not isinstance(child, dict | list | tuple):
             count[0] += 1
-            problem = check_scalar(child, child_path)
-        if problem is None and sum(f[3][0] for f in stack) > limits.nodes:
-            problem = (
-                f"more than {limits.nodes:,} values once shared values (YAML aliases) are expanded "
-                f"(at {child_path})"
-            )
-    if problem is None and total > limits.nodes:
-        problem = f"more than {limits.nodes:,} values once shared values (YAML aliases) are expanded"
-    return problem
+            return _check_scalar(child, child_path, self.limits)
+        if id(child) in self.on_path:
+            return f"a value that contains itself at {child_path}"
+        if id(child) in self.sizes:
+            count[0] += self.sizes[id(child)]
+            return None
+        return self.enter(child, child_path)
+
+    def run(self, tree: Any) -> str | None:
+        nodes = self.limits.nodes
+        problem = self.enter(tree, "")
+        while self.stack and problem is None:
+            _, it, path, count = self.stack[-1]
+            step = next(it, None)
+            if step is None:
+                self.leave()
+                continue
+            child, where = step
+            child_path = path if where is None else f"{path}.{where}" if path else str(where)
+            problem = self.visit(child, child_path, count)
+            if problem is None and sum(f[3][0] for f in self.stack) > nodes:
+                problem = (
+                    f"more than {nodes:,} values once shared values (YAML aliases) are expanded "
+                    f"(at {child_path})"
+                )
+        if problem is None and self.total > nodes:
+            problem = f"more than {nodes:,} values once shared values (YAML aliases) are expanded"
+        return problem

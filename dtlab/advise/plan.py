@@ -30,8 +30,8 @@ def _int(key: str, value: str) -> int:
     return n
 
 
-def parse_plan(text: str, ranks: int, global_batch: int) -> Candidate:
-    """The plan ``text`` describes on ``ranks`` ranks with ``global_batch`` sequences per step."""
+def _fields(text: str) -> dict[str, str]:
+    """``KEY=VALUE,...`` as a mapping (keys checked, each once)."""
     fields: dict[str, str] = {}
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -43,6 +43,33 @@ def parse_plan(text: str, ranks: int, global_batch: int) -> Candidate:
         if key in fields:
             raise ArgumentError(f"--plan: {key} given twice")
         fields[key] = value.strip().lower()
+    return fields
+
+
+def _micro_batches(fields: dict[str, str], local: int, global_batch: int, dp: int, pp: int) -> int:
+    """How many micro-batches each dp rank's ``local`` sequences are cut into."""
+    if "micro_batch" in fields and "micro_batches" in fields:
+        raise ArgumentError("--plan: give micro_batch (sequences) or micro_batches (how many), not both")
+    if "micro_batch" in fields:
+        size = _int("micro_batch", fields["micro_batch"])
+        if local % size:
+            raise ArgumentError(
+                f"--plan: micro_batch={size} does not divide the {local} sequences per dp rank "
+                f"(--global-batch {global_batch} / dp {dp})"
+            )
+        return local // size
+    m = _int("micro_batches", fields.get("micro_batches", str(pp if pp > 1 else 1)))
+    if local % m:
+        raise ArgumentError(
+            f"--plan: micro_batches={m} does not divide the {local} sequences per dp rank "
+            f"(--global-batch {global_batch} / dp {dp})"
+        )
+    return m
+
+
+def parse_plan(text: str, ranks: int, global_batch: int) -> Candidate:
+    """The plan ``text`` describes on ``ranks`` ranks with ``global_batch`` sequences per step."""
+    fields = _fields(text)
     if "strategy" not in fields:
         raise ArgumentError("--plan needs strategy=ddp|zero1|zero2|zero3|fsdp")
     tp = _int("tp", fields.get("tp", "1"))
@@ -58,23 +85,7 @@ def parse_plan(text: str, ranks: int, global_batch: int) -> Candidate:
     if global_batch % dp:
         raise ArgumentError(f"--plan: dp={dp} does not divide --global-batch {global_batch}")
     local = global_batch // dp
-    if "micro_batch" in fields and "micro_batches" in fields:
-        raise ArgumentError("--plan: give micro_batch (sequences) or micro_batches (how many), not both")
-    if "micro_batch" in fields:
-        size = _int("micro_batch", fields["micro_batch"])
-        if local % size:
-            raise ArgumentError(
-                f"--plan: micro_batch={size} does not divide the {local} sequences per dp rank "
-                f"(--global-batch {global_batch} / dp {dp})"
-            )
-        m = local // size
-    else:
-        m = _int("micro_batches", fields.get("micro_batches", str(pp if pp > 1 else 1)))
-        if local % m:
-            raise ArgumentError(
-                f"--plan: micro_batches={m} does not divide the {local} sequences per dp rank "
-                f"(--global-batch {global_batch} / dp {dp})"
-            )
+    m = _micro_batches(fields, local, global_batch, dp, pp)
     schedule = fields.get("schedule", "1f1b" if pp > 1 else "none")
     v = _int("v", fields.get("v", "1"))
     if v > 1 and "schedule" not in fields:

@@ -99,30 +99,42 @@ def candidates(
             dp = ranks // (pp * tp)
             if global_batch % dp:
                 continue
-            local = global_batch // dp
-            plans: list[tuple[str, int, int]] = []
-            for m in _divisors(local):
-                if micro_batch is not None and local // m not in micro_batch:
-                    continue
-                if pp == 1:
-                    plans.append(("none", m, 1))
-                    continue
-                if m < pp:
-                    continue
-                for sched in schedules:
-                    if sched != "interleaved_1f1b":
-                        plans.append((sched, m, 1))
-                    elif m % pp == 0:
-                        chunks = [2] if layers is None else [
-                            v for v in range(2, max_interleave + 1) if layers % (pp * v) == 0
-                        ]  # fmt: skip
-                        plans += [(sched, m, v) for v in chunks]
+            plans = _schedules(global_batch // dp, pp, schedules, layers, micro_batch, max_interleave)
             for strategy in strategies:
                 for sched, m, v in plans:
                     for ckpt in modes:
                         if ckpt == "stage" and (pp == 1 or sched == "zero_bubble"):
                             continue
                         yield Candidate(strategy, dp, tp, pp, sched, m, v, ckpt)  # type: ignore[arg-type]
+
+
+def _schedules(
+    local: int,
+    pp: int,
+    schedules: tuple[str, ...],
+    layers: int | None,
+    micro_batch: tuple[int, ...] | None,
+    max_interleave: int,
+) -> list[tuple[str, int, int]]:
+    """Every (schedule, micro-batches, chunks per rank) for ``local`` sequences per dp rank at ``pp``."""
+    plans: list[tuple[str, int, int]] = []
+    for m in _divisors(local):
+        if micro_batch is not None and local // m not in micro_batch:
+            continue
+        if pp == 1:
+            plans.append(("none", m, 1))
+            continue
+        if m < pp:
+            continue
+        for sched in schedules:
+            if sched != "interleaved_1f1b":
+                plans.append((sched, m, 1))
+            elif m % pp == 0:
+                chunks = [2] if layers is None else [
+                    v for v in range(2, max_interleave + 1) if layers % (pp * v) == 0
+                ]  # fmt: skip
+                plans += [(sched, m, v) for v in chunks]
+    return plans
 
 
 @dataclass(frozen=True)

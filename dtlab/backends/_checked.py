@@ -15,33 +15,17 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dtlab.backends.types import SUPPORTED_DTYPES, ReduceOp
 from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError
 
-
-class _Backend(Protocol):  # what agree() uses of a CommunicationBackend
-    _check_state: CheckState | None
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
-
-
 __all__ = [
     "ENV_VAR",
     "WIDTH",
-    "agree",
+    "CallChecks",
     "checks_from_env",
     "decode",
     "describe_call",
@@ -190,33 +174,55 @@ class CheckState:
         return row
 
 
-def agree(backend: _Backend, call: tuple[Any, ...]) -> None:
-    """Compare ``call`` with every rank's (one all-gather of ``WIDTH`` ints); raise if any differs."""
-    p = backend.world_size
-    if p == 1:
-        return
-    state = backend._check_state
-    if state is None:
-        state = backend._check_state = CheckState(p, backend.device)
-    state.count += 1
-    row = state.row(call)
-    state.mine_buf[:] = row
-    try:
-        if state.on_device:
-            state.mine_dev.copy_(state.mine)
-            backend._all_gather(state.table_dev, state.mine_dev)
-            state.table.copy_(state.table_dev)
-        else:
-            backend._all_gather(state.table, state.mine)
-    except CollectiveTimeoutError as exc:
-        raise CollectiveTimeoutError(
-            f"{exc} (raised while the ranks compared their calls before {describe_call(call)}, checked "
-            f"collective #{state.count}: some rank did not reach a collective)",
-            exc.missing_ranks,
-            call[0],
-        ) from exc
-    if state.table_buf == row * p:
-        return
+class CallChecks:
+    """Checked mode, mixed into :class:`~dtlab.backends.base.CommunicationBackend`: before a collective,
+    every rank compares a description of its call with every other rank's."""
+
+    _check_state: CheckState | None
+
+    if TYPE_CHECKING:
+
+        @property
+        def rank(self) -> int: ...
+
+        @property
+        def world_size(self) -> int: ...
+
+        @property
+        def device(self) -> torch.device: ...
+
+        def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+
+    def _agree(self, call: tuple[Any, ...]) -> None:
+        """Compare ``call`` with every rank's (one all-gather of ``WIDTH`` ints); raise if any differs."""
+        p = self.world_size
+        if p == 1:
+            return
+        state = self._check_state
+        if state is None:
+            state = self._check_state = CheckState(p, self.device)
+        state.count += 1
+        row = state.row(call)
+        state.mine_buf[:] = row
+        try:
+            if state.on_device:
+                state.mine_dev.copy_(state.mine)
+                self._all_gather(state.table_dev, state.mine_dev)
+                state.table.copy_(state.table_dev)
+            else:
+                self._all_gather(state.table, state.mine)
+        except CollectiveTimeoutError as exc:
+            raise CollectiveTimeoutError(
+                f"{exc} (raised while the ranks compared their calls before {describe_call(call)}, checked "
+                f"collective #{state.count}: some rank did not reach a collective)",
+                exc.missing_ranks,
+                call[0],
+            ) from exc
+        if state.table_buf != row * p:
+            raise _mismatch(self, self.rank, state, p)
+
+
+def _mismatch(backend: object, rank: int, state: CheckState, p: int) -> CollectiveMismatchError:
     rows = state.table.view(p, WIDTH).tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
     for r, got in enumerate(rows):
@@ -225,7 +231,7 @@ def agree(backend: _Backend, call: tuple[Any, ...]) -> None:
         f"rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}: {describe_call(decode(list(got)))}"
         for got, who in groups.items()
     )
-    raise CollectiveMismatchError(
-        f"rank {backend.rank}: ranks called different collectives at checked collective #{state.count} of "
+    return CollectiveMismatchError(
+        f"rank {rank}: ranks called different collectives at checked collective #{state.count} of "
         f"{backend!r}: {listing}; nothing was exchanged (every rank raises this)"
     )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dtlab.backends._checked import CheckState, agree
+from dtlab.backends._checked import CheckState
 from dtlab.errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ class GroupMaking:
 
         def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
 
+        def _agree(self, call: tuple[Any, ...]) -> None: ...
+
         def _all_gather_object(self, obj: Any) -> tuple[list[Any], list[int]]: ...
 
         def _new_group(self, ranks: list[int]) -> CommunicationBackend | None: ...
@@ -58,7 +60,7 @@ class GroupMaking:
         if bad:
             raise ArgumentError(f"new_group: ranks {bad} are outside [0, {self.world_size}) of this backend")
         if self._checked:
-            agree(self, ("new_group",))
+            self._agree(("new_group",))
         return self._inherit(self._new_group(members))
 
     def split(self, color: int | None, key: int = 0) -> CommunicationBackend | None:
@@ -71,7 +73,7 @@ class GroupMaking:
         """
         self._check_split(color, key)
         if self._checked:
-            agree(self, ("split",))
+            self._agree(("split",))
         return self._inherit(self._split(color, key))
 
     def _inherit(self, group: CommunicationBackend | None) -> CommunicationBackend | None:

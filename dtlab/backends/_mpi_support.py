@@ -89,11 +89,11 @@ class _MPIWork(Work):
 
     def wait(self) -> int | None:
         if not self._done:
-            self._backend._wait(self._request, self._what, self._status)
+            self._backend.wait_request(self._request, self._what, self._status)
             if self._finish is not None:
                 self._finish()
             if self._status is not None:
-                self._result = self._backend._check_received(self._status, self._keep[0], self._what)
+                self._result = self._backend.check_received(self._status, self._keep[0], self._what)
             self._done, self._keep = True, ()
         return self._result
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dtlab.backends._checked import CheckState, agree
+from dtlab.backends._checked import CheckState
 from dtlab.backends.stats import CommStats
 
 __all__ = ["ObjectExchange"]
@@ -39,6 +39,8 @@ class ObjectExchange:
 
         def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
 
+        def _agree(self, call: tuple[Any, ...]) -> None: ...
+
         def _all_gather_v(self, input: torch.Tensor) -> tuple[torch.Tensor, list[int]]: ...
 
         def _all_gather_v_bytes(self, counts: list[int], element_size: int) -> tuple[int, int]: ...
@@ -47,7 +49,7 @@ class ObjectExchange:
         """Return rank ``src``'s ``obj`` on every rank (pickled; only exchange trusted objects)."""
         self._check_root(src, "broadcast_object", "src")
         if self._checked:
-            agree(self, ("broadcast_object", src))
+            self._agree(("broadcast_object", src))
         t0 = perf_counter()
         result, nbytes = self._broadcast_object(obj, src)
         dt = perf_counter() - t0
@@ -60,7 +62,7 @@ class ObjectExchange:
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Return every rank's ``obj`` in rank order."""
         if self._checked:
-            agree(self, ("all_gather_object",))
+            self._agree(("all_gather_object",))
         t0 = perf_counter()
         result, sizes = self._all_gather_object(obj)
         dt = perf_counter() - t0

@@ -20,7 +20,7 @@ _KEY = "dtlab/identity/{}"
 def publish_identity() -> None:
     """Record this process's host and pid under its global rank (best effort: never fails a start)."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - torch.distributed's store (no public accessor)
         store.set(_KEY.format(dist.get_rank()), f"{socket.gethostname()} {os.getpid()}")
     except Exception:  # a store without set, a closed store: the rank stays unnamed on failure
         pass
@@ -43,7 +43,7 @@ def gone_peers(group: dist.ProcessGroup | None, wait: float = 1.0) -> str:
     """``"rank 2 (pid 4242 on this host)"`` for each peer of ``group`` whose process is gone (global
     ranks), waiting up to ``wait`` s for a dying process to be gone; ``""`` when none can be named."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - torch.distributed's store (no public accessor)
         me, host = dist.get_rank(), socket.gethostname()
         peers = [r for r in dist.get_process_group_ranks(group or dist.group.WORLD) if r != me]
         local: dict[int, int] = {}

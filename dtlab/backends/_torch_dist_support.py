@@ -43,7 +43,7 @@ class _DistWork(Work):
             try:
                 self._work.wait()
             except RuntimeError as exc:
-                self._backend._failed(exc, self._what)
+                self._backend.raise_failure(exc, self._what)
             if self._finish is not None:
                 self._result = self._finish()
             self._done = True
@@ -80,16 +80,16 @@ def _create_group(members: list[int], name: str, timeout: datetime.timedelta) ->
 
     me = dist.get_rank()
     try:
-        pg, _ = c10d._new_process_group_helper(
+        pg, _ = c10d._new_process_group_helper(  # noqa: SLF001 - torch.distributed's own group machinery (no public API for it)
             len(members),
             members.index(me),
             members,
             dist.get_backend(),
-            c10d._get_default_store(),
+            c10d._get_default_store(),  # noqa: SLF001 - torch.distributed's own group machinery (no public API for it)
             c10d.GroupName(name),
             timeout=timeout,
         )
-        c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(members)}
+        c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(members)}  # noqa: SLF001 - torch.distributed's own group machinery (no public API for it)
         return cast(dist.ProcessGroup, pg)
     except (AttributeError, TypeError):  # pragma: no cover - another torch version
         group = dist.new_group(members, timeout=timeout, use_local_synchronization=True, sort_ranks=False)
@@ -108,8 +108,8 @@ class _Direct:
         from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 
         self.all_reduce = pg.allreduce
-        self.reduce_scatter = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base
-        self.all_gather = getattr(pg, "all_gather_single", None) or pg._allgather_base
+        self.reduce_scatter = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base  # noqa: SLF001 - torch.distributed's own group machinery (no public API for it)
+        self.all_gather = getattr(pg, "all_gather_single", None) or pg._allgather_base  # noqa: SLF001 - torch.distributed's own group machinery (no public API for it)
         self.ar_opts: dict[ReduceOp, Any] = {}
         self.rs_opts: dict[ReduceOp, Any] = {}
         for op, engine_op in _OPS.items():
@@ -125,6 +125,6 @@ def _direct_calls(group: dist.ProcessGroup | None) -> _Direct | None:
     from torch.distributed import distributed_c10d as c10d
 
     try:
-        return _Direct(group if group is not None else c10d._get_default_group())
+        return _Direct(group if group is not None else c10d._get_default_group())  # noqa: SLF001 - torch.distributed's own group machinery (no public API for it)
     except (ImportError, AttributeError, RuntimeError):  # pragma: no cover - another torch version
         return None

@@ -14,7 +14,7 @@ from time import perf_counter
 
 import torch
 
-from dtlab.backends._checked import CheckState, agree, checks_from_env
+from dtlab.backends._checked import CallChecks, CheckState, checks_from_env
 from dtlab.backends._checks import _AVG, _SUPPORTED, ArgumentChecks
 from dtlab.backends._groups import GroupMaking, split_members
 from dtlab.backends._objects import ObjectExchange
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
+class CommunicationBackend(ArgumentChecks, CallChecks, ObjectExchange, GroupMaking, ABC):
     """Collectives, point-to-point and object exchange among ``world_size`` ranks.
 
     Vocabulary and in-place contracts follow ``torch.distributed``. Byte counters follow the ring
@@ -115,7 +115,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
             self._check_tensor(tensor, "all_reduce")
             self._check_op(tensor, op, "all_reduce")
         if self._checked:
-            agree(self, ("all_reduce", tensor.shape, tensor.dtype, op))
+            self._agree(("all_reduce", tensor.shape, tensor.dtype, op))
         t0 = perf_counter()
         self._all_reduce(tensor, op)
         dt = perf_counter() - t0
@@ -133,7 +133,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
         self._check_tensor(tensor, "iall_reduce")
         self._check_op(tensor, op, "iall_reduce")
         if self._checked:
-            agree(self, ("all_reduce", tensor.shape, tensor.dtype, op))
+            self._agree(("all_reduce", tensor.shape, tensor.dtype, op))
         t0 = perf_counter()
         work = self._iall_reduce(tensor, op)
         dt = perf_counter() - t0
@@ -146,7 +146,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
         """Non-blocking ``reduce_scatter`` (same contract); complete it with ``wait()``."""
         self._check_reduce_scatter(output, input, op)
         if self._checked:
-            agree(self, ("reduce_scatter", output.numel(), output.dtype, op))
+            self._agree(("reduce_scatter", output.numel(), output.dtype, op))
         t0 = perf_counter()
         work = self._ireduce_scatter(output, input, op)
         dt = perf_counter() - t0
@@ -158,7 +158,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
         """Non-blocking ``all_gather`` (same contract); complete it with ``wait()``."""
         self._check_all_gather(output, input)
         if self._checked:
-            agree(self, ("all_gather", input.numel(), input.dtype))
+            self._agree(("all_gather", input.numel(), input.dtype))
         t0 = perf_counter()
         work = self._iall_gather(output, input)
         dt = perf_counter() - t0
@@ -172,7 +172,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
         self._check_root(dst, "reduce", "dst")
         self._check_op(tensor, op, "reduce")
         if self._checked:
-            agree(self, ("reduce", tensor.shape, tensor.dtype, op, dst))
+            self._agree(("reduce", tensor.shape, tensor.dtype, op, dst))
         t0 = perf_counter()
         self._reduce(tensor, dst, op)
         dt = perf_counter() - t0
@@ -188,7 +188,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
         self._check_tensor(tensor, "broadcast")
         self._check_root(src, "broadcast", "src")
         if self._checked:
-            agree(self, ("broadcast", tensor.shape, tensor.dtype, src))
+            self._agree(("broadcast", tensor.shape, tensor.dtype, src))
         t0 = perf_counter()
         self._broadcast(tensor, src)
         dt = perf_counter() - t0
@@ -215,7 +215,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
         ):
             self._check_reduce_scatter(output, input, op)
         if self._checked:
-            agree(self, ("reduce_scatter", output.numel(), output.dtype, op))
+            self._agree(("reduce_scatter", output.numel(), output.dtype, op))
         t0 = perf_counter()
         self._reduce_scatter(output, input, op)
         dt = perf_counter() - t0
@@ -236,7 +236,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
         ):
             self._check_all_gather(output, input)
         if self._checked:
-            agree(self, ("all_gather", input.numel(), input.dtype))
+            self._agree(("all_gather", input.numel(), input.dtype))
         t0 = perf_counter()
         self._all_gather(output, input)
         dt = perf_counter() - t0
@@ -251,7 +251,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
         """
         self._check_tensor(input, "all_gather_v", "input")
         if self._checked:
-            agree(self, ("all_gather_v", input.dtype))
+            self._agree(("all_gather_v", input.dtype))
         t0 = perf_counter()
         output, counts = self._all_gather_v(input.reshape(-1))
         dt = perf_counter() - t0
@@ -287,7 +287,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
         for i, t in enumerate(outputs):
             self._check_tensor(t, "all_to_all", f"outputs[{i}]")
         if self._checked:
-            agree(self, ("all_to_all", inputs[0].dtype))
+            self._agree(("all_to_all", inputs[0].dtype))
         t0 = perf_counter()
         self._all_to_all(list(outputs), list(inputs))
         dt = perf_counter() - t0
@@ -299,7 +299,7 @@ class CommunicationBackend(ArgumentChecks, ObjectExchange, GroupMaking, ABC):
     def barrier(self) -> None:
         """Wait until every rank reaches the barrier."""
         if self._checked:
-            agree(self, ("barrier",))
+            self._agree(("barrier",))
         t0 = perf_counter()
         self._barrier()
         dt = perf_counter() - t0

@@ -105,7 +105,7 @@ class InMemoryWorld:
             self._wake_everyone()
 
     # the two below run with ``mutex`` held
-    def _wake(self, waiters: list[_Lock]) -> None:
+    def wake(self, waiters: list[_Lock]) -> None:
         for lk in waiters:
             if lk in self.waiting:
                 self.waiting.discard(lk)
@@ -119,22 +119,19 @@ class InMemoryWorld:
 
 
 class _RecvWork(Work):
+    """A posted receive; its backend completes it (and every receive posted before it) on ``wait()``."""
+
     def __init__(self, backend: InMemoryBackend, tensor: torch.Tensor, src: int | None, tag: int) -> None:
-        self._backend, self._tensor, self._src, self._tag = backend, tensor, src, tag
-        self._result: int | None = None
-        self._done = False
+        self.backend, self.tensor, self.src, self.tag = backend, tensor, src, tag
+        self.result: int | None = None
+        self.done = False
 
     def wait(self) -> int | None:
-        pending = self._backend._pending_recvs
-        while not self._done:  # complete earlier posted receives first: posting order is matching order
-            first = pending[0]
-            first._result = self._backend._recv(first._tensor, first._src, first._tag)
-            first._done = True
-            pending.pop(0)
-        return self._result
+        self.backend.complete_receives(self)
+        return self.result
 
     def is_completed(self) -> bool:
-        return self._done
+        return self.done
 
 
 class InMemoryBackend(CommunicationBackend):
@@ -296,7 +293,7 @@ class InMemoryBackend(CommunicationBackend):
                 slot.leader_failed = failed is not None
                 with w.mutex:
                     slot.complete = True
-                    w._wake(slot.waiters)
+                    w.wake(slot.waiters)
             if failed is not None:
                 raise failed
         if slot.error is not None:
@@ -345,7 +342,16 @@ class InMemoryBackend(CommunicationBackend):
             w.mailboxes.setdefault((self._key, dst), []).append(msg)
             waiters = w.mail_waiters.get((self._key, dst))
             if waiters:
-                w._wake(waiters)
+                w.wake(waiters)
+
+    def complete_receives(self, until: _RecvWork) -> None:
+        """Complete the posted receives in posting order (the matching order) up to ``until``."""
+        pending = self._pending_recvs
+        while not until.done:
+            first = pending[0]
+            first.result = self._recv(first.tensor, first.src, first.tag)
+            first.done = True
+            pending.pop(0)
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         w = self._world

@@ -131,7 +131,7 @@ class MPIBackend(CommunicationBackend):
             device=t.device if on_host else "cpu", dtype=torch.float32 if staged else t.dtype
         )
 
-    def _wait(self, request: Any, what: str, status: Any = None) -> None:
+    def wait_request(self, request: Any, what: str, status: Any = None) -> None:
         if self._timeout is None:
             request.Wait(status)
             return
@@ -152,7 +152,7 @@ class MPIBackend(CommunicationBackend):
         if self._timeout is None:
             blocking(*args, **kw)
         else:
-            self._wait(nonblocking(*args, **kw), what)
+            self.wait_request(nonblocking(*args, **kw), what)
 
     # ------------------------------------------------------------------ reductions
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -343,7 +343,7 @@ class MPIBackend(CommunicationBackend):
         if not 0 <= tag <= self._tag_ub:
             raise ArgumentError(f"{what}: tag={tag} is outside MPI's range [0, {self._tag_ub}]")
 
-    def _check_received(self, status: Any, buf: torch.Tensor, what: str) -> int:
+    def check_received(self, status: Any, buf: torch.Tensor, what: str) -> int:
         got = status.Get_count(self._tables.byte)
         want = buf.numel() * buf.element_size()
         source = int(status.Get_source())
@@ -360,7 +360,7 @@ class MPIBackend(CommunicationBackend):
         if self._timeout is None:
             self._comm.Send(self._bytes(buf), dst, tag)
         else:
-            self._wait(self._comm.Isend(self._bytes(buf), dst, tag), f"send(dst={dst}, tag={tag})")
+            self.wait_request(self._comm.Isend(self._bytes(buf), dst, tag), f"send(dst={dst}, tag={tag})")
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         return self._irecv(tensor, src, tag).wait() or 0

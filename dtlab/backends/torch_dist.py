@@ -53,6 +53,7 @@ class TorchDistBackend(CommunicationBackend):
         device: str | torch.device = "cpu",
         timeout: float = 300.0,
         stats_parent: Any = None,
+        name: str = "dtlab",
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise BackendInitError(
@@ -64,7 +65,7 @@ class TorchDistBackend(CommunicationBackend):
         self._device = torch.device(device)
         self._timeout = float(timeout)
         self._is_world = self._group is None
-        self._name = "dtlab"
+        self._name = name  # the group's name in the store, the same on every member
         self._groups_made = 0
         self._direct = _direct_calls(self._group)
 
@@ -120,7 +121,7 @@ class TorchDistBackend(CommunicationBackend):
     def timeout(self) -> float:
         return self._timeout
 
-    def _failed(self, exc: RuntimeError, what: str) -> NoReturn:
+    def raise_failure(self, exc: RuntimeError, what: str) -> NoReturn:
         """Turn the engine's timeout / lost-peer error into :class:`CollectiveTimeoutError`."""
         text = str(exc)
         low = text.lower()
@@ -149,7 +150,7 @@ class TorchDistBackend(CommunicationBackend):
             else:
                 dist.all_reduce(tensor, _OPS[op], group=self._group)
         except RuntimeError as exc:
-            self._failed(exc, "all_reduce")
+            self.raise_failure(exc, "all_reduce")
         if op is ReduceOp.AVG:
             tensor.div_(self.world_size)
 
@@ -168,7 +169,7 @@ class TorchDistBackend(CommunicationBackend):
         try:
             dist.reduce(buf, self._global(dst), _OPS[op], group=self._group)
         except RuntimeError as exc:
-            self._failed(exc, "reduce")
+            self.raise_failure(exc, "reduce")
         if op is ReduceOp.AVG and self.rank == dst:
             tensor.div_(self.world_size)
 
@@ -176,7 +177,7 @@ class TorchDistBackend(CommunicationBackend):
         try:
             dist.broadcast(tensor, self._global(src), group=self._group)
         except RuntimeError as exc:
-            self._failed(exc, "broadcast")
+            self.raise_failure(exc, "broadcast")
 
     def _rs_output(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         aliased = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
@@ -193,7 +194,7 @@ class TorchDistBackend(CommunicationBackend):
             else:
                 _reduce_scatter_flat(_flat(out), _flat(input), _OPS[op], group=self._group)
         except RuntimeError as exc:
-            self._failed(exc, "reduce_scatter")
+            self.raise_failure(exc, "reduce_scatter")
         if op is ReduceOp.AVG:
             out.div_(self.world_size)
         if out is not output:
@@ -229,7 +230,7 @@ class TorchDistBackend(CommunicationBackend):
             else:
                 _all_gather_flat(_flat(output), _flat(self._ag_input(output, input)), group=self._group)
         except RuntimeError as exc:
-            self._failed(exc, "all_gather")
+            self.raise_failure(exc, "all_gather")
 
     def _iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         inp = self._ag_input(output, input)
@@ -249,7 +250,7 @@ class TorchDistBackend(CommunicationBackend):
             send[: input.numel()] = input
             _all_gather_flat(padded, send, group=self._group)
         except RuntimeError as exc:
-            self._failed(exc, "all_gather_v")
+            self.raise_failure(exc, "all_gather_v")
         parts = [padded[r * most : r * most + sizes[r]] for r in range(p)]
         return torch.cat(parts), sizes
 
@@ -265,7 +266,7 @@ class TorchDistBackend(CommunicationBackend):
         try:
             dist.all_to_all_single(sent_to_me, send_n, group=self._group)
         except RuntimeError as exc:
-            self._failed(exc, "all_to_all(counts)")
+            self.raise_failure(exc, "all_to_all(counts)")
         got = [int(x) for x in sent_to_me.tolist()]
         errors = [
             f"rank {j} sends {got[j]} elements but outputs[{j}] has {outputs[j].numel()}"
@@ -279,7 +280,7 @@ class TorchDistBackend(CommunicationBackend):
         try:
             dist.all_to_all_single(recv, send, got, [t.numel() for t in inputs], group=self._group)
         except RuntimeError as exc:
-            self._failed(exc, "all_to_all")
+            self.raise_failure(exc, "all_to_all")
         offset = 0
         for out in outputs:
             out.view(-1).copy_(recv[offset : offset + out.numel()])
@@ -289,7 +290,7 @@ class TorchDistBackend(CommunicationBackend):
         try:
             dist.barrier(group=self._group)
         except RuntimeError as exc:
-            self._failed(exc, "barrier")
+            self.raise_failure(exc, "barrier")
 
     # ------------------------------------------------------------------ point-to-point
     def _global(self, rank: int) -> int:
@@ -302,14 +303,14 @@ class TorchDistBackend(CommunicationBackend):
         try:
             dist.send(tensor, self._global(dst), group=self._group, tag=tag)
         except RuntimeError as exc:
-            self._failed(exc, f"send(dst={dst}, tag={tag})")
+            self.raise_failure(exc, f"send(dst={dst}, tag={tag})")
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         what = f"recv(src={'any' if src is None else src}, tag={tag})"
         try:
             source = dist.recv(tensor, None if src is None else self._global(src), group=self._group, tag=tag)
         except RuntimeError as exc:
-            self._failed(exc, what)
+            self.raise_failure(exc, what)
         return self._local(source) if src is None else src
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
@@ -340,7 +341,7 @@ class TorchDistBackend(CommunicationBackend):
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as exc:
-            self._failed(exc, what)
+            self.raise_failure(exc, what)
         if len(works) == len(ops):
             return [
                 _DistWork(
@@ -365,9 +366,9 @@ class TorchDistBackend(CommunicationBackend):
             return None
         members = [self._global(r) for r in ranks]
         group = _create_group(members, name, datetime.timedelta(seconds=self._timeout))
-        backend = type(self)(group, device=self._device, timeout=self._timeout, stats_parent=self.stats)
-        backend._name = name
-        return backend
+        return type(self)(
+            group, device=self._device, timeout=self._timeout, stats_parent=self.stats, name=name
+        )
 
     def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
         # one exchange of the pairs; then each rank creates its own color's group with its members
@@ -381,9 +382,9 @@ class TorchDistBackend(CommunicationBackend):
         group = _create_group(
             [self._global(r) for r in members], name, datetime.timedelta(seconds=self._timeout)
         )
-        backend = type(self)(group, device=self._device, timeout=self._timeout, stats_parent=self.stats)
-        backend._name = name
-        return backend
+        return type(self)(
+            group, device=self._device, timeout=self._timeout, stats_parent=self.stats, name=name
+        )
 
     def close(self) -> None:
         """Destroy this backend's process group (the default group: ``destroy_process_group()``).

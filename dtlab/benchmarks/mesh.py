@@ -104,7 +104,7 @@ def _task(config: TrainConfig) -> Task:
     )
 
 
-def _groups(model: Any, backend: CommunicationBackend) -> dict[str, CommunicationBackend]:
+def _groups(model: Any) -> dict[str, CommunicationBackend]:
     mesh = getattr(model, "mesh", None)
     if mesh is None:
         return {"dp": model.dp_backend}
@@ -116,7 +116,7 @@ def _measure(backend: CommunicationBackend, config: TrainConfig, steps: int, war
     model, _ = build_model_strategy(config, backend, _task(config))
     opt = build_optimizer_strategy(config, model)
     loss_fn = parallel_loss(model, cross_entropy_loss, cross_entropy_loss, config.parallel.tp)
-    groups = _groups(model, backend)
+    groups = _groups(model)
     dp = model.dp_backend
     g = torch.Generator().manual_seed(1 + dp.rank)
     local = config.data.global_batch_size // dp.world_size

@@ -168,6 +168,18 @@ def find_resume_checkpoint(
         if strict:
             raise CheckpointError(f"{pointer_problem}; {_STRICT}")
         notes.append(pointer_problem)
+    return _first_verifying(reader, root, candidates, strict, pointer_problem, notes)
+
+
+def _first_verifying(
+    reader: _Reader,
+    root: Path,
+    candidates: list[Path],
+    strict: bool,
+    pointer_problem: str | None,
+    notes: list[str],
+) -> ResumePoint:
+    """The newest of ``candidates`` that verifies (``latest`` did not give one)."""
     failed: list[str] = []
     for i, path in enumerate(candidates):
         try:

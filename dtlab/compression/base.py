@@ -149,11 +149,11 @@ class Compressor(ABC):
                 f"2**31 (indices travel as int32); use smaller buckets"
             )
 
-    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         """Fresh mutable state for one buffer (thresholds, boundaries, counters)."""
         return {}
 
-    def new_state_for_layout(self, key: str, numel: int, layout: Layout | None) -> dict[str, Any]:
+    def new_state_for_layout(self, key: str, numel: int, layout: Layout | None) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         """Fresh state for a buffer whose parameter :data:`Layout` is known (``None``: unknown).
 
         Default: the layout is not used (:meth:`new_state`). The state stays a plain dict of tensors,
@@ -183,7 +183,7 @@ class Compressor(ABC):
             ex.result_values = ex.result_values[keep]
         return ex
 
-    def at_step(self, step: int) -> Compressor:
+    def at_step(self, step: int) -> Compressor:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         """The configuration in force at compressed iteration ``step`` (counted from the first
         iteration after ``warmup_steps``): ``self``, unless a subclass ramps a parameter."""
         return self

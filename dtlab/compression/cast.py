@@ -38,7 +38,7 @@ class Cast(Compressor):
         if self.dtype not in _DTYPES:
             raise ConfigError(f"Cast: dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
-    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"buffers": Buffers()}
 
     def _cast(self, state: dict[str, Any], acc: torch.Tensor, p: int) -> tuple[torch.Tensor, float]:

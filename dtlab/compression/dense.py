@@ -20,10 +20,13 @@ class Dense(Compressor):
     name: ClassVar[str] = "dense"
     error_feedback: bool = False
 
-    def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
+    def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return dense_exchange(acc, backend, shard=False)
 
     def reduce_scatter(
-        self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend
+        self,
+        state: dict[str, Any],  # noqa: ARG002 - the Compressor interface; dense keeps no state
+        acc: torch.Tensor,
+        backend: CommunicationBackend,
     ) -> Exchange:
         return dense_exchange(acc, backend, shard=True)

@@ -34,10 +34,10 @@ class GaussianK(SparseCompressor):
 
     name: ClassVar[str] = "gaussiank"
 
-    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"work": Magnitudes()}
 
-    def threshold(self, acc: torch.Tensor, work: Magnitudes) -> tuple[torch.Tensor, float]:
+    def threshold(self, acc: torch.Tensor, work: Magnitudes) -> tuple[torch.Tensor, float]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         k = self.k(acc.numel())
         std, mean = std_mean(acc)
         z = float(torch.special.ndtri(torch.tensor(1.0 - self.density / 2, dtype=torch.float64)))

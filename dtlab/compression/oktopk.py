@@ -99,7 +99,7 @@ class OkTopk(SparseCompressor):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"OkTopk: {field} must be an integer >= 1 (iterations), got {v!r}")
 
-    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"t": 0, "local_thr": 0.0, "global_thr": 0.0, "bounds": None, "work": Magnitudes()}
 
     def _local(self, state: dict[str, Any], acc: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:

@@ -48,7 +48,7 @@ class QSGD(Compressor):
         ):
             raise ConfigError(f"QSGD: bucket_size must be an integer >= 1, got {self.bucket_size!r}")
 
-    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"t": 0, "buffers": Buffers()}
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:

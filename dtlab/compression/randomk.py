@@ -41,7 +41,7 @@ class RandomK(SparseCompressor):
     name: ClassVar[str] = "randomk"
     seed: int = 0
 
-    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"t": 0, "key_hash": zlib.crc32(key.encode())}
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:

@@ -39,7 +39,7 @@ class TopkDSA(SparseCompressor):
 
     name: ClassVar[str] = "topkdsa"
 
-    def new_state(self, key: str, numel: int) -> dict[str, Any]:
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"work": Magnitudes()}
 
     def _reduce(

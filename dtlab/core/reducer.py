@@ -61,14 +61,14 @@ class DenseReducer(GradientReducer):
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.reduce_dtype is None or t.dtype == self.reduce_dtype else t.to(self.reduce_dtype)
 
-    def all_reduce(self, key: str, grad: torch.Tensor) -> Work:
+    def all_reduce(self, key: str, grad: torch.Tensor) -> Work:  # noqa: ARG002 - the GradientReducer interface; a dense reduction keeps no per-buffer state
         if self.backend.world_size == 1:  # one replica: the average is the gradient itself
             return CompletedWork()
         buf = self._cast(grad)
         work = self.backend.iall_reduce(buf, ReduceOp.SUM)
         return _Finish(work, lambda: _average_into(grad, buf, self.backend.world_size))
 
-    def reduce_scatter(self, key: str, grad: torch.Tensor, shard: torch.Tensor) -> Work:
+    def reduce_scatter(self, key: str, grad: torch.Tensor, shard: torch.Tensor) -> Work:  # noqa: ARG002 - the GradientReducer interface; a dense reduction keeps no per-buffer state
         if self.backend.world_size == 1:
             shard.copy_(grad.reshape(shard.shape))
             return CompletedWork()

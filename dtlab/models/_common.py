@@ -182,7 +182,7 @@ class DataParallelModel(OptimizerTarget):
         self._in_backward = True
         if self._sync:  # a no_sync() backward reduces nothing: not a step for the reducer
             self._reducer.start_step()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_guarded)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_guarded)  # noqa: SLF001 - torch's way to run after the whole backward (as torch DDP does)
 
     def _end_backward_guarded(self) -> None:
         synced = self._sync
@@ -348,7 +348,7 @@ class DataParallelModel(OptimizerTarget):
         """The ranks whose :meth:`norm_grad_tensors` parts add up to the global norm (the dp group)."""
         return self.dp_backend
 
-    def placed(self, name: str) -> tuple[Placement, int, int]:
+    def placed(self, name: str) -> tuple[Placement, int, int]:  # noqa: ARG002 - every parameter of a data-parallel strategy is replicated
         """Parameter ``name``'s placement, this rank's coordinate on its axis and the axis size
         (checkpoints write and read optimizer state through it)."""
         return Replicate(), 0, 1

@@ -26,11 +26,11 @@ class ShardedGradient(torch.Tensor):
     """A ``param.grad`` that refuses every operation, naming the fix (see the module docstring)."""
 
     message: str
-    __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl
+    __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl  # noqa: SLF001 - torch's API for a tensor subclass holding no storage
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, message: str) -> ShardedGradient:
-        made = torch.Tensor._make_wrapper_subclass(
+        made = torch.Tensor._make_wrapper_subclass(  # noqa: SLF001 - torch's API for a tensor subclass holding no storage
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
         )
         out: ShardedGradient = made

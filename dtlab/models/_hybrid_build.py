@@ -98,7 +98,7 @@ def tensor_entries(module: nn.Module, tp: int, owner: dict[int, int]) -> Entries
 def outer_pack() -> Callable[[torch.Tensor], Any] | None:
     """The pack hook of the saved-tensor hooks active around a stage's forward (the pipeline's
     activation meter), so ZeRO-3/FSDP's own hooks can pass activations on to it."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # noqa: SLF001 - torch's saved-tensor hook stack
     hooks = top(False) if top is not None else None
     return None if hooks is None else hooks[0]
 

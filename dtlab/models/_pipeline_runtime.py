@@ -96,6 +96,79 @@ class StepResult:
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
+@dataclass
+class _Step:
+    """One step's state on a rank while its actions run."""
+
+    schedule: PipelineSchedule
+    rank: int
+    stages: Mapping[int, Callable[[torch.Tensor], torch.Tensor]]
+    links: StageLinks | None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    meter: ActivationMeter
+    checkpointing: bool
+    xs: dict[Key, torch.Tensor] = field(default_factory=dict)  # stage inputs, until their backward
+    ys: dict[Key, torch.Tensor] = field(default_factory=dict)  # outputs (last stage: the scaled loss)
+    to_send: dict[Key, torch.Tensor] = field(default_factory=dict)  # input-gradients for their SEND_B
+    local_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # handed over on this rank (p = 1)
+    deferred: dict[Key, WeightGradients] = field(default_factory=dict)
+    loss_sum: torch.Tensor | None = None
+
+    def outgoing(self, a: Action) -> torch.Tensor:
+        if a.kind is Kind.SEND_F:
+            return self.ys[(a.stage, a.micro)].detach()
+        return self.to_send.pop((a.stage, a.micro))
+
+    def forward(self, a: Action, x: torch.Tensor, target: torch.Tensor) -> None:
+        key, last = (a.stage, a.micro), self.schedule.num_stages - 1
+        store = self.deferred.setdefault(key, WeightGradients()) if _splits(self.schedule) else None
+        with (
+            self.meter.saving(key),
+            SplitLinearMode(store) if store is not None else contextlib.nullcontext(),
+        ):
+            run = self.stages[a.stage]
+            y = checkpoint(run, x, use_reentrant=False) if self.checkpointing else run(x)
+            if a.stage == last:
+                y = _mean_loss(self.loss_fn(y, target)) / self.schedule.m
+        self.meter.hold(key, [x, y])
+        self.xs[key], self.ys[key] = x, y
+        if a.stage == last:
+            self.loss_sum = y.detach() if self.loss_sum is None else self.loss_sum + y.detach()
+
+    def output_grad(self, a: Action) -> torch.Tensor | None:
+        key = (a.stage, a.micro)
+        if a.stage == self.schedule.num_stages - 1:
+            return None
+        if self.schedule.rank_of(a.stage + 1) != self.rank and self.links is not None:
+            return self.links.take(Kind.RECV_B, *key)
+        return self.local_grads.pop(key)
+
+    def backward(self, a: Action, grad: torch.Tensor | None) -> None:
+        key = (a.stage, a.micro)
+        y, x = self.ys.pop(key), self.xs.pop(key)
+        if y.requires_grad:
+            torch.autograd.backward(y, grad)
+        if a.stage > 0:
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            if self.schedule.rank_of(a.stage - 1) != self.rank:
+                self.to_send[key] = g
+            else:
+                self.local_grads[(a.stage - 1, a.micro)] = g
+        if a.kind is Kind.I:
+            self.meter.replace(key, self.deferred[key].held_storages())
+        else:
+            self.meter.release(key)
+
+
+def _mean_loss(loss: object) -> torch.Tensor:
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise StrategyError(
+            f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got "
+            f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+        )
+    return loss.reshape(())
+
+
 def run_schedule(
     schedule: PipelineSchedule,
     rank: int,
@@ -110,21 +183,8 @@ def run_schedule(
     """Execute ``schedule.actions[rank]`` with this rank's ``stages`` on the micro-batches. With
     ``checkpointing`` each stage's forward keeps only its input and recomputes the rest in its
     backward (``torch.utils.checkpoint``, non-reentrant)."""
-    m, last = schedule.m, schedule.num_stages - 1
-    meter = ActivationMeter(excluded_storages)
-    xs: dict[Key, torch.Tensor] = {}  # stage inputs, until their backward
-    ys: dict[Key, torch.Tensor] = {}  # stage outputs (last stage: the scaled loss), until their backward
-    to_send: dict[Key, torch.Tensor] = {}  # input-gradients waiting for their SEND_B
-    local_grads: dict[Key, torch.Tensor] = {}  # output-gradients handed over on this rank (p = 1)
-    deferred: dict[Key, WeightGradients] = {}
-    loss_sum: torch.Tensor | None = None
+    step = _Step(schedule, rank, stages, links, loss_fn, ActivationMeter(excluded_storages), checkpointing)
     timeline: list[tuple[Action, float, float]] = []
-
-    def outgoing(a: Action) -> torch.Tensor:
-        if a.kind is Kind.SEND_F:
-            return ys[(a.stage, a.micro)].detach()
-        return to_send.pop((a.stage, a.micro))
-
     for a in schedule.actions[rank]:
         if not a.kind.is_compute:
             if links is None:  # unreachable: p = 1 schedules have no messages
@@ -132,57 +192,24 @@ def run_schedule(
             links.add(a)
             continue
         if links is not None:
-            links.flush(outgoing)
-        key = (a.stage, a.micro)
+            links.flush(step.outgoing)
         t0 = perf_counter()  # compute intervals start once the inputs have arrived
         if a.kind is Kind.F:
-            x = _stage_input(schedule, rank, a, inputs, ys, links)
+            x = _stage_input(schedule, rank, a, inputs, step.ys, links)
             t0 = perf_counter()
-            store = deferred.setdefault(key, WeightGradients()) if _splits(schedule) else None
-            with meter.saving(key), SplitLinearMode(store) if store is not None else contextlib.nullcontext():
-                if checkpointing:
-                    y = checkpoint(stages[a.stage], x, use_reentrant=False)
-                else:
-                    y = stages[a.stage](x)
-                if a.stage == last:
-                    loss = loss_fn(y, targets[a.micro])
-                    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-                        raise StrategyError(
-                            f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got "
-                            f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
-                        )
-                    y = loss.reshape(()) / m
-            meter.hold(key, [x, y])
-            xs[key], ys[key] = x, y
-            if a.stage == last:
-                loss_sum = y.detach() if loss_sum is None else loss_sum + y.detach()
+            step.forward(a, x, targets[a.micro])
         elif a.kind in (Kind.B, Kind.I):
-            y, x = ys.pop(key), xs.pop(key)
-            grad = None
-            if a.stage < last:
-                remote = schedule.rank_of(a.stage + 1) != rank
-                grad = links.take(Kind.RECV_B, *key) if remote and links is not None else local_grads.pop(key)
+            grad = step.output_grad(a)
             t0 = perf_counter()
-            if y.requires_grad:
-                torch.autograd.backward(y, grad)
-            if a.stage > 0:
-                g = x.grad if x.grad is not None else torch.zeros_like(x)
-                if schedule.rank_of(a.stage - 1) != rank:
-                    to_send[key] = g
-                else:
-                    local_grads[(a.stage - 1, a.micro)] = g
-            if a.kind is Kind.I:
-                meter.replace(key, deferred[key].held_storages())
-            else:
-                meter.release(key)
+            step.backward(a, grad)
         else:  # W
-            deferred.pop(key).run()
-            meter.release(key)
+            step.deferred.pop((a.stage, a.micro)).run()
+            step.meter.release((a.stage, a.micro))
         timeline.append((a, t0, perf_counter()))
     if links is not None:
-        links.flush(outgoing)
+        links.flush(step.outgoing)
         links.finish()
-    return StepResult(loss_sum, meter.peak, timeline)
+    return StepResult(step.loss_sum, step.meter.peak, timeline)
 
 
 def _splits(schedule: PipelineSchedule) -> bool:

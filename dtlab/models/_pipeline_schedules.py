@@ -80,7 +80,7 @@ def check_schedule_args(name: str, p: int, m: int, v: int = 1) -> None:
 
 
 # ---------------------------------------------------------------------------------------- generators
-def _gpipe(p: int, m: int, r: int) -> list[Action]:
+def _gpipe(p: int, m: int, r: int) -> list[Action]:  # noqa: ARG001 - every builder takes (p, m, r)
     return [Action(Kind.F, r, i) for i in range(m)] + [Action(Kind.B, r, i) for i in range(m)]
 
 

@@ -178,7 +178,7 @@ class ShardedModel(DataParallelModel):
             self._unit_hooks.append(gmod.register_forward_hook(wrap(self._make_post_forward(gi))))
 
     def _make_pre_forward(self, gi: int) -> Any:
-        def pre_forward(module: nn.Module, args: Any) -> None:
+        def pre_forward(_module: nn.Module, _args: Any) -> None:
             if not self._order_done and gi not in self._order:
                 self._order.append(gi)
             self._gather_group(gi)
@@ -189,7 +189,7 @@ class ShardedModel(DataParallelModel):
         return pre_forward
 
     def _make_post_forward(self, gi: int) -> Any:
-        def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+        def post_forward(_module: nn.Module, _args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -201,7 +201,7 @@ class ShardedModel(DataParallelModel):
         return post_forward
 
     def _make_pre_backward(self, gi: int) -> Any:
-        def pre_backward(grad: torch.Tensor) -> None:
+        def pre_backward(_grad: torch.Tensor) -> None:
             self._begin_backward()
             self._gather_group(gi)
             prev = self._neighbour(gi, -1)

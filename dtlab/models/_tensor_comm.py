@@ -122,11 +122,11 @@ class _CopyToTP(torch.autograd.Function):
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:  # noqa: ARG004 - torch.autograd.Function's signature
         return _all_reduce(x, group)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ARG004 - torch.autograd.Function's signature
         return g, None
 
 

@@ -37,7 +37,7 @@ class ModuleClassPolicy:
         if bad:
             raise TypeError(f"ModuleClassPolicy.classes must be nn.Module subclasses, got {bad}")
 
-    def should_wrap(self, module: nn.Module, unwrapped_params: int) -> bool:
+    def should_wrap(self, module: nn.Module, unwrapped_params: int) -> bool:  # noqa: ARG002 - the WrapPolicy interface
         return isinstance(module, self.classes)
 
 
@@ -51,7 +51,7 @@ class SizePolicy:
         if not isinstance(self.min_num_params, int) or self.min_num_params < 1:
             raise ValueError(f"SizePolicy.min_num_params must be an int >= 1, got {self.min_num_params!r}")
 
-    def should_wrap(self, module: nn.Module, unwrapped_params: int) -> bool:
+    def should_wrap(self, module: nn.Module, unwrapped_params: int) -> bool:  # noqa: ARG002 - the WrapPolicy interface
         return unwrapped_params >= self.min_num_params
 
 

@@ -98,7 +98,7 @@ class DataParallelOptimizer(OptimizerStrategy):
     def optimizer(self) -> torch.optim.Optimizer:
         return self._opt
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - torch.optim.Optimizer's signature; the buffers keep their memory either way
         """Zero the synchronized gradients (bucket buffers and shards keep their memory)."""
         self.dp_model.zero_grad_buffers()
 

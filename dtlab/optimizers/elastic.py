@@ -95,7 +95,7 @@ class StaticMember:
     def store(self) -> CommitStore:
         return self._store
 
-    def step_done(self, step: int, commit: Callable[[], None]) -> None:
+    def step_done(self, step: int, commit: Callable[[], None]) -> None:  # noqa: ARG002 - the commit-policy hook; this policy commits nothing here
         return None
 
 

@@ -102,7 +102,7 @@ def _stop_on_signals() -> Iterator[None]:
     previous = {s: signal.getsignal(s) for s in signals}
     seen: list[int] = []
 
-    def handler(signum: int, frame: object) -> None:
+    def handler(signum: int, _frame: object) -> None:
         if not seen:
             seen.append(signum)
             raise _Stopped(signum)

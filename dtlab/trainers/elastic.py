@@ -95,7 +95,7 @@ def end_step(trainer: Trainer) -> None:
         return
     count = opt.commit_count
     try:
-        opt.end_step(trainer.step, trainer._trainer_state)
+        opt.end_step(trainer.step, trainer.resume_state)
     finally:  # a planned membership change commits, then leaves the world by raising
         if opt.commit_count > count:
             _log_commit(trainer, opt)
@@ -107,7 +107,7 @@ def commit_on_stop(trainer: Trainer) -> None:
     opt = trainer.elastic
     if opt is None or (opt.last_commit is not None and opt.last_commit.step == trainer.step):
         return
-    opt.commit(trainer.step, trainer._trainer_state)
+    opt.commit(trainer.step, trainer.resume_state)
     _log_commit(trainer, opt)
 
 

@@ -123,7 +123,7 @@ def stop_on_signals(
 
     first: list[float] = []
 
-    def handler(signum: int, frame: FrameType | None) -> None:
+    def handler(signum: int, _frame: FrameType | None) -> None:
         if not exit_on_repeat:
             stop.request(signal.Signals(signum).name)
             restore()  # a second signal: the behaviour without dtlab, at once
@@ -149,7 +149,7 @@ def exit_on_signals(signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signa
     if threading.current_thread() is not threading.main_thread():
         return
 
-    def handler(signum: int, frame: FrameType | None) -> None:
+    def handler(signum: int, _frame: FrameType | None) -> None:
         try:
             sys.stdout.flush()
             sys.stderr.flush()

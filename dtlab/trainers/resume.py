@@ -212,7 +212,7 @@ def _apply_config_hyperparameters(
     if fresh_base and hasattr(sched, "base_lrs"):
         sched.base_lrs = list(fresh_base)
     if hasattr(sched, "_last_lr"):
-        sched._last_lr = [g["lr"] for g in groups]
+        sched._last_lr = [g["lr"] for g in groups]  # noqa: SLF001 - torch's LRScheduler keeps the last rates there (get_last_lr() reads it)
 
 
 def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:

@@ -323,7 +323,8 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------ checkpoints
-    def _trainer_state(self) -> dict[str, Any]:
+    def resume_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the Trainer itself (step, schedule, guards, data position)."""
         return trainer_state(self)
 
     def save_checkpoint(self) -> Path:
@@ -338,7 +339,7 @@ class Trainer:
                 self.model.sharded_state_dict(),
                 self.optimizer.sharded_state_dict(),
                 capture_rng(self.backend.device),
-                self._trainer_state(),
+                self.resume_state(),
                 keep_last=c.keep_last,
                 owned=self.owned_steps,
                 run_tag=self.run_id[:8],
