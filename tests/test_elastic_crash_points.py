@@ -119,6 +119,8 @@ def _train(backend: CommunicationBackend, stores: list[CommitStore], steps: int)
         if step % 2 == 0:
             states[step] = _full_state(opt)  # before the commit: a stop there must not matter
         opt.end_step(step, state={"step": step})
+    assert opt.commit_count == steps // 2 and opt.last_commit is not None  # what the metrics report
+    assert opt.last_commit.step == steps - steps % 2
     return states
 
 
