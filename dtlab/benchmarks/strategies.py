@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.models import FSDPModel, ModuleClassPolicy, get_model_strategy
+from dtlab.models import ModuleClassPolicy, get_model_strategy
 from dtlab.optimizers import default_optimizer_strategy
 
 DTLAB = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -158,13 +158,20 @@ class Run:
         self.times: list[float] = []
         self.bytes_per_step = 0.0
         self.step_no = 0
+        self.peak_state = 0
 
-    def step(self) -> None:
+    def step(self, probe: bool = False) -> None:
+        """One step; ``probe``: read the model state at the two moments every row is measured at
+        (after backward, and after the optimizer step, both before ``zero_grad``) and keep the peak."""
         x, y = self.batch(self.backend.rank, self.step_no)
         self.step_no += 1
         loss = loss_fn(self.model_name, self.model(x), y)
         loss.backward()
+        if probe:
+            self.peak_state = max(self.peak_state, self.state_now())
         self.opt.step()
+        if probe:
+            self.peak_state = max(self.peak_state, self.state_now())
         self.opt.zero_grad()
 
     def timed(self, steps: int) -> None:
@@ -178,22 +185,27 @@ class Run:
         sent = self.backend.stats.bytes_sent - sent0
         self.bytes_per_step = sent / steps  # barrier bytes are 0
 
-    def memory(self) -> dict[str, int]:
-        if isinstance(self.model, FSDPModel) or self.dist_opt is not None:
+    def state_now(self) -> int:
+        """Parameters + gradients + optimizer state held now (+ the peak of gathered parameters for
+        ZeRO-3, FSDP and FSDP2, which exist only inside forward and backward)."""
+        if self.dist_opt is not None:
             rep = self.dist_opt.memory_report()
             state = rep["parameters"] + rep["gradients"] + rep["optimizer_state"]
-            peak = rep["peak_gathered_parameters"] if self.strategy in ("zero3", "fsdp") else 0
-            return {"model_state": state + peak, "peak_rss_delta": self._rss_delta()}
+            return int(state + (rep["peak_gathered_parameters"] if self.strategy in ("zero3", "fsdp") else 0))
         params = list(self.model.parameters())
         state = _tensor_bytes(params) + _tensor_bytes(p.grad for p in params)
         state += _tensor_bytes(v for s in self.opt.state.values() for v in s.values())
         if self.strategy == "torch_ddp":  # gradient buckets (gradient_as_bucket_view=False)
-            state += _tensor_bytes(p.grad for p in params)
+            state += _tensor_bytes(p for p in params if p.requires_grad)
         if self.strategy == "torch_fsdp2":  # unsharded parameters of the largest unit, gathered at once
             state += (
                 max(_tensor_bytes(m.parameters()) for m in self.model.modules()) // self.backend.world_size
             )
-        return {"model_state": state, "peak_rss_delta": self._rss_delta()}
+        return state
+
+    def memory(self) -> dict[str, int]:
+        """The peak model state over the probed steps and the peak RSS this configuration added."""
+        return {"model_state": self.peak_state, "peak_rss_delta": self._rss_delta()}
 
     def _rss_delta(self) -> int:
         return max(0, _status_kib("VmHWM") - self.rss_before) * 1024
@@ -205,7 +217,7 @@ def probe_memory(backend: CommunicationBackend, model: str, strategy: str) -> di
     torch.set_num_threads(1)
     run = Run(backend, model, strategy)
     for _ in range(3):
-        run.step()
+        run.step(probe=True)
     return run.memory()
 
 
@@ -261,7 +273,7 @@ def _fmt_mb(b: float | None) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     out = [
         "| engine | model | strategy | step (ms) | sent/rank/step (MiB) | sent / grad bytes "
-        "| model state/rank (MiB) | peak RSS added/rank (MiB) |",
+        "| model state/rank, peak in step (MiB) | peak RSS added/rank (MiB) |",
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -272,7 +284,19 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{_fmt_mb(r['bytes_per_step'])} | {ratio} | {_fmt_mb(r['model_state'])} | "
             f"{_fmt_mb(r['peak_rss_delta'])} |"
         )
+    out += ["", *MEMORY_NOTES]
     return "\n".join(out)
+
+
+#: how the memory columns are measured (printed under the table)
+MEMORY_NOTES = [
+    "- model state/rank, peak in step: parameters + gradients + optimizer state, read for every row at the "
+    "same two moments of a step (after backward, and after the optimizer step, both before zero_grad; "
+    "the larger), plus the largest gathered parameters for ZeRO-3, FSDP and FSDP2 (they exist only inside "
+    "forward/backward); torch DDP counts its gradient buckets",
+    "- peak RSS added/rank: the process's peak resident memory (VmHWM) over its RSS before building, in a "
+    "fresh world per row, over the build and 3 steps",
+]
 
 
 def ratios(rows: list[dict[str, Any]]) -> str:
