@@ -59,6 +59,10 @@ def test_fallbacks_compute_what_they_replace(monkeypatch: pytest.MonkeyPatch) ->
     assert dense.count_nonzero() == 2 and dense[2] == 1.5 and dense[40] == -2.0
     a, b = torch.tensor([1, 4, 7, 9]), torch.tensor([0, 4, 9, 12])
     assert K.intersect_sorted(a, b).tolist() == [4, 9]
+    uniq, sums = K.sum_sorted_runs(
+        torch.tensor([1, 4, 0, 4, 9]), torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), [2, 3]
+    )
+    assert uniq.tolist() == [0, 1, 4, 9] and sums.tolist() == [3.0, 1.0, 6.0, 5.0]
     std, mean = K.std_mean(x)
     ref_std, ref_mean = torch.std_mean(x)
     assert std == float(ref_std) and mean == float(ref_mean)
@@ -108,6 +112,20 @@ def test_kernels_equal_fallbacks_bit_for_bit(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(native, plain)
     native, plain = _both(monkeypatch, lambda: K.std_mean(x))
     assert native == pytest.approx(plain, rel=1e-6, abs=1e-9)
+    gen = torch.Generator().manual_seed(5)
+    for runs in (1, 2, 3, 7):  # one sorted run per rank; common indices summed in rank order
+        parts = [
+            torch.unique(
+                torch.randint(0, 300, (int(torch.randint(0, 90, (1,), generator=gen)),), generator=gen)
+            )
+            for _ in range(runs)
+        ]
+        idx, vals = torch.cat(parts), torch.randn(sum(q.numel() for q in parts), generator=gen)
+        counts = [q.numel() for q in parts]
+        (i_n, v_n), (i_p, v_p) = _both(
+            monkeypatch, lambda i=idx, v=vals, c=counts: K.sum_sorted_runs(i, v, c)
+        )
+        assert torch.equal(i_n, i_p) and torch.equal(v_n, v_p)
 
 
 @needs_native

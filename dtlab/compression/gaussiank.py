@@ -19,8 +19,8 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.kernels import std_mean
-from dtlab.compression.sparse import Magnitudes, indices_above, pack, sum_duplicates, unpack
+from dtlab.compression.kernels import std_mean, sum_sorted_runs
+from dtlab.compression.sparse import Magnitudes, indices_above, pack, unpack
 
 __all__ = ["GaussianK"]
 
@@ -49,7 +49,7 @@ class GaussianK(SparseCompressor):
             idx = indices_above(acc, thr, k)
             loops += 1
         if idx.numel() > 5 * k // 4:  # too many: raise it, looking only at the selected subset
-            sel = acc[idx].abs()
+            sel = acc.index_select(0, idx).abs()
             while idx.numel() > 5 * k // 4 and loops < MAX_ADJUST:
                 thr *= LOWER
                 keep = sel >= thr
@@ -63,6 +63,6 @@ class GaussianK(SparseCompressor):
         idx, thr = self.threshold(acc, state["work"])
         state["threshold"] = thr
         select_s = time.perf_counter() - t0
-        flat, _ = backend.all_gather_v(pack(idx, acc[idx]))
-        uniq, sums = sum_duplicates(*unpack(flat))
+        flat, counts = backend.all_gather_v(pack(idx, acc.index_select(0, idx)))
+        uniq, sums = sum_sorted_runs(*unpack(flat), [c // 2 for c in counts])  # one sorted run per rank
         return Exchange.sparse(uniq, sums.div_(p), idx, idx.numel(), uniq.numel(), select_s)

@@ -21,7 +21,8 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.sparse import TAG, Magnitudes, local_topk, pack, sum_duplicates, unpack
+from dtlab.compression.kernels import sum_sorted_runs
+from dtlab.compression.sparse import TAG, Magnitudes, local_topk, pack, unpack
 
 __all__ = ["GTopk"]
 
@@ -29,7 +30,9 @@ __all__ = ["GTopk"]
 def _merge_topk(
     a_idx: torch.Tensor, a_vals: torch.Tensor, b_idx: torch.Tensor, b_vals: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    uniq, sums = sum_duplicates(torch.cat([a_idx, b_idx]), torch.cat([a_vals, b_vals]))
+    # both sides are sorted without repeats: merged, summed where they meet
+    counts = [a_idx.numel(), b_idx.numel()]
+    uniq, sums = sum_sorted_runs(torch.cat([a_idx, b_idx]), torch.cat([a_vals, b_vals]), counts)
     if uniq.numel() > k:
         keep = torch.sort(torch.topk(sums.abs(), k, sorted=False).indices).values
         uniq, sums = uniq[keep], sums[keep]
@@ -52,7 +55,7 @@ class GTopk(SparseCompressor):
         idx, _ = local_topk(acc, k, state["work"])
         local = idx.numel()
         select_s = time.perf_counter() - t0
-        cur_idx, cur_vals = idx, acc[idx]
+        cur_idx, cur_vals = idx, acc.index_select(0, idx)
         step = 1
         while step < p:
             if me % (2 * step) == step:
@@ -79,7 +82,7 @@ class GTopk(SparseCompressor):
             backend.broadcast(final, 0)
         m = int(final[0].item())
         sel = final[1 : 1 + m]
-        vals = acc[sel].contiguous()
+        vals = acc.index_select(0, sel)
         if p > 1:
             backend.all_reduce(vals, ReduceOp.SUM)
         return Exchange.sparse(sel, vals.div_(p), sel, local, m, select_s)

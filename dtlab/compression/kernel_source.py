@@ -6,7 +6,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -19,22 +19,52 @@ int64_t dt_add_count_nonfinite(const float* a, const float* b, float* out, int64
 }
 
 /* indices i with |x[i]| >= thr (strict: |x[i]| > thr); the first cap are written; returns the count.
-   Blocks of 64 are tested without branches first (vectorized); only blocks with a hit are scanned. */
+   With AVX2: eight comparisons at a time, then the set bits of their mask; otherwise blocks of 64 are
+   tested without branches first (vectorized) and only blocks with a hit are scanned. */
+#define DT_TAKE(v) (strict ? fabsf(v) > thr : fabsf(v) >= thr)
 int64_t dt_indices_above(const float* x, int64_t n, float thr, int strict, int64_t* out, int64_t cap) {
     int64_t c = 0, i = 0;
-    for (; i + 64 <= n; i += 64) {
-        int hit = 0;
-        if (strict) { for (int j = 0; j < 64; j++) hit |= fabsf(x[i + j]) > thr; }
-        else { for (int j = 0; j < 64; j++) hit |= fabsf(x[i + j]) >= thr; }
-        if (!hit) continue;
-        for (int64_t j = i; j < i + 64; j++) {
-            int take = strict ? fabsf(x[j]) > thr : fabsf(x[j]) >= thr;
-            if (take) { if (c < cap) out[c] = j; c++; }
+#ifdef __AVX2__
+    const __m256 vt = _mm256_set1_ps(thr), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+        unsigned m = (unsigned)_mm256_movemask_ps(strict ? _mm256_cmp_ps(a, vt, _CMP_GT_OQ)
+                                                         : _mm256_cmp_ps(a, vt, _CMP_GE_OQ));
+        while (m) {
+            int j = __builtin_ctz(m);
+            if (c < cap) out[c] = i + j;
+            c++;
+            m &= m - 1;
         }
     }
-    for (; i < n; i++) {
-        int take = strict ? fabsf(x[i]) > thr : fabsf(x[i]) >= thr;
-        if (take) { if (c < cap) out[c] = i; c++; }
+#else
+    for (; i + 64 <= n; i += 64) {
+        int hit = 0;
+        for (int j = 0; j < 64; j++) hit |= DT_TAKE(x[i + j]);
+        if (!hit) continue;
+        for (int64_t j = i; j < i + 64; j++) if (DT_TAKE(x[j])) { if (c < cap) out[c] = j; c++; }
+    }
+#endif
+    for (; i < n; i++) if (DT_TAKE(x[i])) { if (c < cap) out[c] = i; c++; }
+    return c;
+}
+
+/* sorted unique indices of the concatenation of runs (each sorted ascending, no repeats inside a
+   run) and the sums of their values, added in input order starting from 0 (as index_add_ into
+   zeros); returns the number of unique indices */
+int64_t dt_merge_runs(const int64_t* idx, const float* vals, const int64_t* starts, int64_t runs,
+                      int64_t* out_idx, float* out_vals) {
+    int64_t pos[64], end[64], c = 0;
+    for (int64_t r = 0; r < runs; r++) { pos[r] = starts[r]; end[r] = starts[r + 1]; }
+    for (;;) {
+        int64_t best = -1;
+        for (int64_t r = 0; r < runs; r++)
+            if (pos[r] < end[r] && (best < 0 || idx[pos[r]] < best)) best = idx[pos[r]];
+        if (best < 0) break;
+        float s = 0.0f;
+        for (int64_t r = 0; r < runs; r++)
+            if (pos[r] < end[r] && idx[pos[r]] == best) { s = s + vals[pos[r]]; pos[r]++; }
+        out_idx[c] = best; out_vals[c] = s; c++;
     }
     return c;
 }

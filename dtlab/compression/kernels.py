@@ -8,6 +8,7 @@ each torch op is one more pass through memory. The kernels here do several of th
 - :func:`indices_above`: sorted indices with ``|x| >= thr`` (``|x| > 0`` for ``thr <= 0``), without
   a magnitude buffer or a mask;
 - :func:`write_sparse`: a sparse result written into a dense buffer in one sequential pass;
+- :func:`sum_sorted_runs`: every rank's sorted entries merged and summed at common indices (no sort);
 - :func:`std_mean`: GaussianK's mean and standard deviation in one float64 pass;
 - :func:`intersect_sorted`: the common elements of two sorted index tensors, by a linear merge;
 - :func:`qsgd_encode` / :func:`qsgd_decode_mean`: QSGD's stochastic quantization with the residual
@@ -52,6 +53,7 @@ __all__ = [
     "qsgd_encode",
     "qsgd_noise_key",
     "std_mean",
+    "sum_sorted_runs",
     "write_sparse",
 ]
 
@@ -67,6 +69,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "dt_gather_abs": (None, [_PTR, _PTR, _I64, _PTR]),
     "dt_sum_sumsq": (None, [_PTR, _I64, _PTR]),
     "dt_write_sparse": (None, [_PTR, _I64, _PTR, _PTR, _I64]),
+    "dt_merge_runs": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR]),
 }
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-march=native"]
 
@@ -163,6 +166,38 @@ def indices_above(x: torch.Tensor, thr: float, expected: int = 0) -> torch.Tenso
         out = torch.empty(count, dtype=torch.int64)
         lib.dt_indices_above(flat.data_ptr(), n, t, strict, out.data_ptr(), count)
     return out[:count]
+
+
+#: runs merged by the kernel at most (one per rank); more go to the sort-based fallback
+MAX_RUNS = 64
+
+
+def sum_sorted_runs(
+    idx: torch.Tensor, vals: torch.Tensor, counts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique indices of ``idx`` and the float32 sums of their ``vals``, added in input order
+    (as ``index_add_`` into zeros), where ``idx`` is ``len(counts)`` consecutive runs, each sorted
+    ascending without repeats (one per rank). The kernel merges the runs (no sort); the fallback is
+    ``torch.unique`` and ``index_add_``."""
+    vals32 = vals.to(torch.float32)
+    lib = _native(idx, vals32)
+    if lib is None or idx.dtype != torch.int64 or not 0 < len(counts) <= MAX_RUNS:
+        uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+        sums = torch.zeros(uniq.numel(), dtype=torch.float32, device=vals.device)
+        sums.index_add_(0, inverse, vals32)
+        return uniq, sums
+    starts = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)
+    out_idx = torch.empty(idx.numel(), dtype=torch.int64)
+    out_vals = torch.empty(idx.numel(), dtype=torch.float32)
+    m = lib.dt_merge_runs(
+        idx.data_ptr(),
+        vals32.data_ptr(),
+        starts.data_ptr(),
+        len(counts),
+        out_idx.data_ptr(),
+        out_vals.data_ptr(),
+    )
+    return out_idx[:m], out_vals[:m]
 
 
 def write_sparse(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:

@@ -50,7 +50,7 @@ class RandomK(SparseCompressor):
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + state["key_hash"]) * 65_537 + state["t"])
         state["t"] += 1
         idx = uniform_subset(n, k, gen).to(acc.device)
-        vals = acc[idx].contiguous()
+        vals = acc.index_select(0, idx)
         select_s = time.perf_counter() - t0
         if backend.world_size > 1:
             backend.all_reduce(vals, ReduceOp.SUM)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
-from dtlab.compression.kernels import gather_abs, indices_above, intersect_sorted
+from dtlab.compression.kernels import gather_abs, indices_above, intersect_sorted, sum_sorted_runs
 from dtlab.compression.state_io import Workspace
 
 __all__ = [
@@ -194,14 +194,16 @@ def split_and_reduce(
     sends: list[torch.Tensor | None] = []
     for j in range(p):
         part = idx[cuts[j] : cuts[j + 1]]
-        sends.append(pack(part - bounds[j], acc[part]))
+        sends.append(pack(part - bounds[j], acc.index_select(0, part)))
     recv_sizes = [2 * int(matrix[i, me]) for i in range(p)]
     received = exchange_p2p(backend, sends, recv_sizes)
     pieces = [unpack(t) for t in received if t is not None and t.numel() > 0]
     if not pieces:
         empty = torch.empty(0, dtype=torch.int64, device=acc.device)
         return empty, torch.empty(0, dtype=torch.float32, device=acc.device)
-    return sum_duplicates(torch.cat([i for i, _ in pieces]), torch.cat([v for _, v in pieces]))
+    # each piece is one rank's sorted entries: merged in rank order, as sum_duplicates would sum them
+    counts = [i.numel() for i, _ in pieces]
+    return sum_sorted_runs(torch.cat([i for i, _ in pieces]), torch.cat([v for _, v in pieces]), counts)
 
 
 def balanced_all_gather(

@@ -14,7 +14,8 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.sparse import Magnitudes, local_topk, pack, sum_duplicates, unpack
+from dtlab.compression.kernels import sum_sorted_runs
+from dtlab.compression.sparse import Magnitudes, local_topk, pack, unpack
 
 __all__ = ["TopK", "TopkA"]
 
@@ -35,11 +36,15 @@ class TopkA(SparseCompressor):
         # a fixed k per rank keeps the gather fixed-size; zeros (never selected) are padded as
         # index 0 with value 0.0, which adds nothing
         buf = torch.zeros(2 * k, dtype=torch.int32, device=acc.device)
-        buf[: 2 * idx.numel()] = pack(idx, acc[idx])
+        buf[: 2 * idx.numel()] = pack(idx, acc.index_select(0, idx))
         select_s = time.perf_counter() - t0
         out = torch.empty(2 * k * p, dtype=torch.int32, device=acc.device)
         backend.all_gather(out, buf)
-        uniq, sums = sum_duplicates(*unpack(out))
+        gidx, gvals = unpack(out)
+        # every rank's block: its sorted entries (nonzero values), then the padding (0.0 at index 0)
+        real = gvals != 0
+        counts = real.view(p, k).sum(dim=1).tolist()
+        uniq, sums = sum_sorted_runs(gidx[real], gvals[real], counts)
         selected = int(torch.count_nonzero(sums))
         return Exchange.sparse(uniq, sums.div_(p), idx, idx.numel(), selected, select_s)
 
