@@ -60,8 +60,11 @@ def test_whole_files_replace_a_link_instead_of_writing_through_it(tmp_path: Path
         replace_file(tmp_path / "outside", b"{}")
 
 
-def test_consolidate_output_and_run_files_under_a_memory_cap(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path / "ck")
+def test_run_files_consolidate_output_and_a_crafted_trainer_state(tmp_path: Path) -> None:
+    """Links planted at the run's files and at ``consolidate -o``; then a crafted trainer state
+    (``'int' object has no attribute 'param_groups'`` and ``trainer.step=1e12`` trained 0 steps and
+    exited 0 before): the step directory is corrupt, named, and a resume falls back past it."""
+    make_checkpoint(tmp_path / "ck0")
     victim = _victim(tmp_path)
     (tmp_path / "out.link").symlink_to(victim)
     (tmp_path / "a_file").write_text("x")
@@ -74,11 +77,20 @@ def test_consolidate_output_and_run_files_under_a_memory_cap(tmp_path: Path) -> 
     (planted / "profile.json").symlink_to(victim)
     (planted / "loss.png").symlink_to(victim)
     cases = [
-        ["consolidate", "ck", "-o", "out.link"],
-        ["consolidate", "ck", "-o", "a_dir"],
-        ["consolidate", "ck", "-o", "a_file/model.safetensors"],
+        ["consolidate", "ck0", "-o", "out.link"],
+        ["consolidate", "ck0", "-o", "a_dir"],
+        ["consolidate", "ck0", "-o", "a_file/model.safetensors"],
         ["train", *TINY, "--set", "logging.run_dir=run_m"],
-        ["train", *TINY, "--set", "logging.run_dir=run_p"],
+        [
+            "train",
+            *TINY,
+            "--set",
+            "logging.run_dir=run_p",
+            "--set",
+            "checkpoint.dir=ck",
+            "--set",
+            "checkpoint.every=1",
+        ],
     ]
     r = run_cli(cases, cwd=tmp_path, timeout=400)
     assert r[0]["rc"] == 0 and not (tmp_path / "out.link").is_symlink(), r[0]
@@ -91,16 +103,13 @@ def test_consolidate_output_and_run_files_under_a_memory_cap(tmp_path: Path) -> 
     for run in r:
         assert "Traceback" not in run["stderr"], run
     assert victim.read_text() == "precious\n" and not (tmp_path / "outside" / "created.txt").exists()
+    _crafted_trainer_state(tmp_path)
 
 
-def test_a_crafted_trainer_state_is_corrupt_and_a_resume_falls_back(tmp_path: Path) -> None:
-    """``'int' object has no attribute 'param_groups'`` and ``trainer.step=1e12`` (0 steps, exit 0)
-    before: now the step directory is corrupt, named, and the resume takes the older one."""
+def _crafted_trainer_state(tmp_path: Path) -> None:
     import json
 
     ck = ["--set", "checkpoint.dir=ck", "--set", "logging.run_dir=null"]
-    first = run_cli([["train", *TINY, *ck, "--set", "checkpoint.every=1"]], cwd=tmp_path, timeout=300)
-    assert first[0]["rc"] == 0, first
     step2 = tmp_path / "ck" / "step_00000002" / "meta.json"
     meta = json.loads(step2.read_text())
     meta["trainer"]["scheduler"]["optimizer"] = 1
