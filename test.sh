@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/venv.sh
+scripts/slurm-packages.sh  # slurm-wlm + munge for tests/test_slurm.py where apt-get and root allow
 export PATH="$PWD/.venv/bin:$PATH"
 ruff check dtlab tests benchmarks examples
 ruff format --check dtlab

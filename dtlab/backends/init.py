@@ -3,12 +3,15 @@
     backend = init_backend()        # python train.py                      -> in-memory, 1 rank
                                     # torchrun --nproc-per-node 4 train.py -> nccl (CUDA) or gloo
                                     # mpiexec -n 4 python train.py         -> mpi
+                                    # srun -n 4 python train.py            -> nccl (CUDA) or gloo
+                                    # srun --mpi=pmix -n 4 python train.py -> mpi
 
 "auto" reads the launcher's environment (:func:`detect_launcher`): torchrun's ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK`` for the CUDA device); an MPI
 launcher's ``PMI_RANK``/``PMI_SIZE`` (MPICH, Intel MPI), ``OMPI_COMM_WORLD_RANK``/``_SIZE`` (Open MPI)
-or ``PMIX_RANK`` (PMIx). A missing or inconsistent variable is one :class:`BackendInitError` listing
-what was found and what is needed.
+or ``PMIX_RANK`` (PMIx); Slurm's ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID`` in a task
+``srun`` started (the first node of the step as rendezvous: ``backends/_slurm.py``). A missing or
+inconsistent variable is one :class:`BackendInitError` listing what was found and what is needed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from dtlab.backends._slurm import SLURM_VARS, slurm_task
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import ArgumentError, BackendInitError
 
@@ -40,9 +44,10 @@ DEFAULT_TIMEOUT = {"inmemory": 60.0, "gloo": 300.0, "nccl": 600.0}
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    """What the environment says about the launch: ``launcher`` is "torchrun", "mpi" or "none"."""
+    """What the environment says about the launch: ``launcher`` is "torchrun", "mpi", "slurm" (a task
+    ``srun`` started, without an MPI library's variables) or "none"."""
 
-    launcher: Literal["torchrun", "mpi", "none"]
+    launcher: Literal["torchrun", "mpi", "slurm", "none"]
     rank: int = 0
     world_size: int | None = 1
     local_rank: int | None = None
@@ -101,6 +106,7 @@ def detect_launcher(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """Read torchrun's or an MPI launcher's variables from ``env`` (default ``os.environ``)."""
     env = os.environ if env is None else env
     names = set(TORCHRUN_VARS) | {"LOCAL_RANK"} | {v for r, s, _ in MPI_VARS for v in (r, s) if v}
+    names |= set(SLURM_VARS)
     found = {k: env[k] for k in sorted(names) if k in env}
     mpi = _mpi_launch(env, found)
     if "RANK" in env or "WORLD_SIZE" in env:
@@ -132,14 +138,24 @@ def detect_launcher(env: Mapping[str, str] | None = None) -> LaunchInfo:
                 + "; ".join(problems)
             )
         return LaunchInfo("torchrun", rank, size, local, env["MASTER_ADDR"], port, found)
-    if mpi is not None:
-        return LaunchInfo("mpi", mpi[0], mpi[1], None, env.get("MASTER_ADDR"), None, found)
+    slurm = slurm_task(env)
+    if mpi is not None:  # srun --mpi=pmix/pmi2 or mpiexec; under srun the rendezvous is Slurm's
+        addr = env.get("MASTER_ADDR") or (slurm.master_addr if slurm else None)
+        mport: int | None = int(env["MASTER_PORT"]) if env.get("MASTER_PORT", "").isdigit() else None
+        if slurm is None:
+            return LaunchInfo("mpi", mpi[0], mpi[1], None, addr, mport, found)
+        msize = mpi[1] if mpi[1] is not None else slurm.world_size
+        mport = slurm.master_port if mport is None else mport
+        return LaunchInfo("mpi", mpi[0], msize, slurm.local_rank, addr, mport, found)
+    if slurm is not None:
+        s = slurm
+        return LaunchInfo("slurm", s.rank, s.world_size, s.local_rank, s.master_addr, s.master_port, found)
     return LaunchInfo("none", found=found)
 
 
 def choose_backend(info: LaunchInfo, cuda_available: bool | None = None) -> str:
-    """The backend "auto" picks: torchrun -> nccl (with CUDA) or gloo; MPI -> mpi; else inmemory."""
-    if info.launcher == "torchrun":
+    """The backend "auto" picks: torchrun or srun -> nccl (with CUDA) or gloo; MPI -> mpi; else inmemory."""
+    if info.launcher in ("torchrun", "slurm"):
         cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
         return "nccl" if cuda else "gloo"
     return "mpi" if info.launcher == "mpi" else "inmemory"
@@ -197,7 +213,15 @@ def _start(
     if chosen == "mpi":
         from dtlab.backends.mpi import MPIBackend
 
-        return MPIBackend(timeout=timeout, device=device or "cpu")
+        mpi = MPIBackend(timeout=timeout, device=device or "cpu")
+        if info.launcher == "slurm" and mpi.world_size != info.world_size:
+            mpi.close()
+            raise BackendInitError(
+                f"srun started {info.world_size} tasks but MPI sees a world of {mpi.world_size}: srun "
+                "did not hand MPI the world; start with srun --mpi=pmix (or --mpi=pmi2, whichever your "
+                "MPI supports: srun --mpi=list), or use backend gloo/nccl"
+            )
+        return mpi
     return _init_torch_dist(chosen, info, timeout or DEFAULT_TIMEOUT[chosen], device, real_env=env is None)
 
 
@@ -215,15 +239,15 @@ def _init_torch_dist(
         )
     if not dist.is_available():
         raise BackendInitError(f"init_backend('{name}'): this torch build has no torch.distributed")
-    if info.launcher == "torchrun":
+    if info.launcher in ("torchrun", "slurm"):
         rank, size, addr, port = info.rank, info.world_size or 1, info.master_addr, info.master_port
     elif info.launcher == "mpi" and info.master_addr and info.world_size:
-        if "MASTER_PORT" not in info.found:
+        if info.master_port is None:
             raise BackendInitError(
                 f"init_backend('{name}') under an MPI launcher needs MASTER_ADDR and MASTER_PORT; "
                 f"found {_found_text(info.found)}"
             )
-        rank, size, addr, port = info.rank, info.world_size, info.master_addr, int(info.found["MASTER_PORT"])
+        rank, size, addr, port = info.rank, info.world_size, info.master_addr, info.master_port
     elif info.launcher == "none":
         rank, size, addr, port = 0, 1, "127.0.0.1", _free_port()
     else:
