@@ -13,6 +13,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression import GaussianK, GTopk, OkTopk, TopkA, TopkDSA
+from dtlab.compression.oktopk import GLOBAL_RAISE, LOCAL_SCALE
 from dtlab.compression.sparse import (
     GATHER_BELOW,
     Magnitudes,
@@ -64,35 +65,45 @@ def test_distributed_kth_largest_at_ties_gathered_and_by_radix() -> None:
         mine = [torch.full((n,), 2.0), torch.cat([torch.full((n,), 2.0), torch.full((n,), 1.0)])]
         for k, want in ((1, 2.0), (2 * n, 2.0), (2 * n + 1, 1.0), (3 * n, 1.0), (10 * n, 1.0)):
             assert run_world(2, _kth, mine, k) == [want, want], (n, k)
+    # bytes of 0xFF in the float bits (0.99999994 is 0x3F7FFFFF): every digit of the radix counts
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    mine = [torch.full((600,), float(below_one)), torch.full((600,), 0.5)]
+    for k, want in ((1, float(below_one)), (600, float(below_one)), (601, 0.5)):
+        assert run_world(2, _kth, mine, k) == [want, want], k
     empty = [torch.zeros(0), torch.zeros(4)]
     assert run_world(2, _kth, empty, 3) == [0.0, 0.0]  # nothing positive anywhere
 
 
-def _oktopk_reuse(backend: CommunicationBackend, n: int, k: int) -> tuple[Any, Any]:
+def _oktopk_reuse(backend: CommunicationBackend, n: int, k: int, tied: int) -> tuple[Any, Any, Any]:
     """Step 1 recomputes the thresholds on distinct magnitudes (the k-th is 1.0); step 2 reuses them
-    on a buffer whose selected entries all sit exactly at 1.0 (every rank the same buffers)."""
+    on a buffer whose ``tied`` selected entries all sit exactly at 1.0 (every rank the same buffers)."""
     comp = OkTopk(density=k / n, tau=100, tau_prime=100, warmup_steps=0)
     state = comp.new_state("g", n)
     first = torch.linspace(2.0, 0.01, n)
     first[k - 1] = 1.0
     first[k:] = first[k:].clamp(max=0.5)
     comp.all_reduce(state, first, backend)
+    assert state["local_thr"] == 1.0 and state["global_thr"] == float(backend.world_size)
     second = torch.zeros(n)
-    ties = torch.arange(1, n, 2)[:k]  # k entries at exactly +-1.0, spread over every region
+    ties = torch.arange(1, n, 2)[:tied]  # entries at exactly +-1.0, spread over every region
     second[ties] = torch.where(ties % 4 == 1, 1.0, -1.0)
     second[0] = 0.999  # just below: never selected
     ex = comp.all_reduce(state, second, backend)
-    return ties, ex
+    return ties, ex, (state["local_thr"], state["global_thr"])
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_oktopk_reused_thresholds_keep_exact_ties(world_size: int) -> None:
-    n, k = 60, 6
-    for ties, ex in run_world(world_size, _oktopk_reuse, n, k):
-        assert ex.result_indices is not None and ex.result_values is not None
-        assert torch.equal(ex.result_indices, ties), ex.result_indices
-        expected = torch.where(ties % 4 == 1, 1.0, -1.0)
-        assert torch.equal(ex.result_values, expected)
+    """k ties: all selected, thresholds kept; 11 ties for k = 8 (more than 5k/4): all selected, and
+    both thresholds raised by the reference code's factors for the next iteration."""
+    n, k = 80, 8
+    for tied, scale in ((k, (1.0, 1.0)), (11, (LOCAL_SCALE, GLOBAL_RAISE))):
+        for ties, ex, (local, global_) in run_world(world_size, _oktopk_reuse, n, k, tied):
+            assert ex.result_indices is not None and ex.result_values is not None
+            assert torch.equal(ex.result_indices, ties), ex.result_indices
+            assert torch.equal(ex.result_values, torch.where(ties % 4 == 1, 1.0, -1.0))
+            assert local == pytest.approx(scale[0], rel=1e-12), (tied, local)
+            assert global_ == pytest.approx(world_size * scale[1], rel=1e-12), (tied, global_)
 
 
 def _picks(n: int, bounds: list[int], rank: int) -> torch.Tensor:
