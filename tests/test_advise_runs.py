@@ -169,6 +169,28 @@ def test_gradient_accumulation_equals_the_run(strategy: str) -> None:
     assert pred.memory.activations < one.memory.activations  # half the sequences in flight
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "fsdp"])
+def test_checkpointed_blocks_under_data_parallelism_equal_the_run(strategy: str) -> None:
+    """dtlab train's per-block checkpointing: ZeRO-3's recomputed forward gathers each block's
+    modules again (all but the last, where torch's checkpoint stops); FSDP's block stays gathered."""
+    config = load_config(
+        overrides=[*TINY_LM, *SIZES, f"strategy.model={strategy}", "backend.world_size=2",
+                   "strategy.activation_checkpointing=true"]
+    )  # fmt: skip
+    measured = run_world(2, _two_steps, config, build_task(config), strategy == "ddp")
+    plan = Candidate(strategy, dp=2, checkpointing="block")  # type: ignore[arg-type]
+    pred = predict(_spec(config), ClusterSpec(ranks=2), plan, config.data.global_batch_size)
+    for rank, got in enumerate(measured):
+        assert got["ops"] == pred.axes["dp"].ops, f"rank {rank}"
+        assert {k: got["memory"][k] for k in ("parameters", "gradients", "optimizer_state")} == {
+            "parameters": pred.memory.parameters,
+            "gradients": pred.memory.gradients,
+            "optimizer_state": pred.memory.optimizer_state,
+        }
+        if got["activations"] is not None:
+            assert got["activations"] == pred.memory.activations
+
+
 TP_SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=4, seq_len=16)
 TP_BATCH = 8
 

@@ -84,6 +84,7 @@ def data_parallel_cost(
     *,
     keep_gathered: bool = False,
     passes: int = 1,
+    recompute: bool = False,
 ) -> DataParallelCost:
     """Memory and dp traffic of ``strategy`` over ``p`` ranks holding ``tensors``.
 
@@ -92,7 +93,10 @@ def data_parallel_cost(
     reduce-scatter per unit and step; the whole stage gathered at the peak). ``passes``: micro-batches
     accumulated without a pipeline; gradients are reduced once per step (``no_sync`` on all but the
     last, as dtlab's Trainer does), ZeRO-3/FSDP gather their units again for every micro-batch and
-    keep the whole gradients until the last one."""
+    keep the whole gradients until the last one. ``recompute`` (per-block checkpointing): ZeRO-3's
+    recomputed forward gathers each block's modules once more, all but the block's last (torch's
+    checkpoint stops before it), the first twice more (as measured); FSDP's block is still gathered
+    for its backward."""
     pe, ge, re = precision.params, precision.grads, precision.reduce
     whole_grads = sum(t.numel for t in tensors) * ge
     grad_ops: Ops = {}
@@ -159,9 +163,22 @@ def data_parallel_cost(
     shards = sum(u.shard for u in units)
     largest = max((u.padded for u in units if not u.persistent), default=0)
     last = 0
+    again: dict[str, int] = {}
+    if recompute and strategy == "zero3" and not keep_gathered:
+        first_mod: dict[int, str] = {}
+        last_mod: dict[int, str] = {}
+        for t in tensors:
+            if t.unit != "<root>":
+                first_mod.setdefault(t.layer, t.module)
+                last_mod[t.layer] = t.module
+        for t in tensors:
+            if t.unit != "<root>" and t.module != last_mod[t.layer]:
+                # the block's first module once more: gathered for the backward before the
+                # recomputation gathers and frees it
+                again[t.name] = 2 if t.module == first_mod[t.layer] else 1
     if p > 1:
         for u in units:
-            k = 1 if u.persistent else gathers
+            k = 1 if u.persistent else gathers + passes * again.get(u.key, 0)
             _add(gather_ops, "all_gather", k, k * (p - 1) * u.shard * pe)
             _add(grad_ops, "reduce_scatter", 1, (p - 1) * u.shard * re)
         last = (p - 1) * units[0].shard * re if units else 0  # the first unit's gradient comes last

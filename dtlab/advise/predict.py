@@ -215,11 +215,19 @@ def predict(
     for r in range(c.pp):
         mine = [stages[k * c.pp + r] for k in range(c.stages_per_rank)]
         shape = tuple((st.first, st.blocks, st.last) for st in mine)  # what the rank's tensors depend on
-        key: tuple[object, ...] = (c.strategy, c.dp, c.tp, pipelined, passes, shape)
+        key: tuple[object, ...] = (c.strategy, c.dp, c.tp, pipelined, passes, c.checkpointing, shape)
         if key not in memo.costs:
             held = [t for st in mine for b in range(st.start, st.stop) for t in blocks[b]]
             memo.costs[key] = data_parallel_cost(
-                c.strategy, held, c.dp, opts, opt, prec, keep_gathered=pipelined, passes=passes
+                c.strategy,
+                held,
+                c.dp,
+                opts,
+                opt,
+                prec,
+                keep_gathered=pipelined,
+                passes=passes,
+                recompute=c.checkpointing == "block",
             )
         cost = memo.costs[key]
         akey = (c.schedule, c.pp, c.micro_batches, c.stages_per_rank, c.tp, c.checkpointing, micro, r, shape)

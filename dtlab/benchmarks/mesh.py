@@ -210,7 +210,8 @@ def _row(
     )
     world, batch = dp * tp * pp, config.data.global_batch_size
     p = predict(spec, ClusterSpec(ranks=world), plan, batch, optimizer=OptimizerSpec())
-    pm = p.memory
+    # the predicted rank holding the most, by the measure the measured one is chosen by
+    pm = max(p.stage_memory, key=lambda m: m.parameters + m.gradients + m.optimizer_state + m.activations)
     # the step time's terms: seconds per 1/(TFLOP/s), per microsecond of latency, per 1/(Gbit/s)
     lat = predict(spec, ClusterSpec(ranks=world, latency_us=1.0, bandwidth_gbps=1e15), plan, batch)
     bw = predict(spec, ClusterSpec(ranks=world, latency_us=0.0, bandwidth_gbps=1.0), plan, batch)
