@@ -62,6 +62,13 @@ def test_another_optimizer_class_is_refused_naming_both(saved: dict[str, Path]) 
     assert _steps(saved["sgd"]) == ["step_00000004"]  # nothing written by the refused runs
 
 
+def _copy(ck: Path, tmp_path: Path) -> Path:
+    """A copy to resume (and so write) in: the module's saved runs stay as saved whatever ran before."""
+    import shutil
+
+    return Path(shutil.copytree(ck, tmp_path / "ck"))
+
+
 def _steps(ck: Path) -> list[str]:
     return sorted(p.name for p in ck.iterdir() if p.name.startswith("step_"))
 
@@ -84,9 +91,11 @@ def test_a_checkpoint_without_the_record_is_checked_from_its_config(
     assert "torch.optim.SGD, this run asks for torch.optim.AdamW" in _refused(ck, "optimizer.name=adamw")
 
 
-def test_reset_optimizer_starts_it_fresh_from_the_saved_parameters(saved: dict[str, Path]) -> None:
+def test_reset_optimizer_starts_it_fresh_from_the_saved_parameters(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
     reference = run_training(_cfg("optimizer.name=sgd", "train.steps=6"))[0].losses
-    res = _resume(saved["sgd"], "optimizer.name=adamw", "checkpoint.reset_optimizer=true")
+    res = _resume(_copy(saved["sgd"], tmp_path), "optimizer.name=adamw", "checkpoint.reset_optimizer=true")
     assert res.start_step == 4
     assert any("reset_optimizer=true: the optimizer starts fresh as AdamW" in n for n in res.resume_notes)
     # step 5's loss is computed before any update: the parameters are the saved ones
@@ -100,8 +109,10 @@ def _param_group(backend: CommunicationBackend, config: TrainConfig) -> tuple[di
     return {k: group[k] for k in ("lr", "betas", "weight_decay")}, trainer.resume_notes
 
 
-def test_changed_hyperparameters_are_listed_and_the_config_wins(saved: dict[str, Path]) -> None:
-    ck = saved["adamw"]
+def test_changed_hyperparameters_are_listed_and_the_config_wins(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
+    ck = _copy(saved["adamw"], tmp_path)
     same = _cfg(f"checkpoint.dir={ck}", "checkpoint.resume=true", "train.steps=6")
     group, notes = run_world(2, _param_group, same)[0]
     assert group == {"lr": 0.004, "betas": (0.9, 0.99), "weight_decay": 0.01} and notes == []
