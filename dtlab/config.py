@@ -240,7 +240,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 f"{CONFIG_LIMITS.string:,} are read"
             )
         try:
-            value = load_yaml(raw, CONFIG_LIMITS.depth) if raw.strip() else ""
+            value = load_yaml(raw, CONFIG_LIMITS.depth, CONFIG_LIMITS.nodes) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: value {raw!r} is not a YAML scalar ({exc})") from None
         if raw.strip().lower() in ("null", "none", "~"):
@@ -304,7 +304,7 @@ def _read_file(path: str | Path) -> dict[str, Any]:
         from dtlab.yaml_strict import DuplicateKeyError, NestingError, load_yaml
 
         try:
-            data = load_yaml(text, CONFIG_LIMITS.depth) or {}
+            data = load_yaml(text, CONFIG_LIMITS.depth, CONFIG_LIMITS.nodes) or {}
         except (DuplicateKeyError, NestingError) as exc:
             raise ConfigError(f"config file {str(p)!r}: {exc}") from None
         except yaml.YAMLError as exc:

@@ -43,10 +43,16 @@ def _mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
 
-def _check_depth(text: str, max_depth: int) -> None:
-    """Walk the event stream (no recursion) and stop at the first collection ``max_depth`` deep."""
+def _check_depth(text: str, max_depth: int, max_nodes: int) -> None:
+    """Walk the event stream (no recursion) and stop at the first collection ``max_depth`` deep, or
+    after ``max_nodes`` values (before composing them: PyYAML builds a node per value, slowly)."""
     depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+    for count, event in enumerate(yaml.parse(text, Loader=yaml.SafeLoader)):
+        if count > max_nodes:
+            raise NestingError(
+                f"more than {max_nodes:,} values (mappings, lists and scalars); a configuration holds "
+                "a few hundred"
+            )
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
             if depth > max_depth:
@@ -59,8 +65,9 @@ def _check_depth(text: str, max_depth: int) -> None:
             depth -= 1
 
 
-def load_yaml(text: str, max_depth: int = 32) -> Any:
-    """``yaml.safe_load`` that refuses duplicate keys (:class:`DuplicateKeyError`) and collections
-    nested deeper than ``max_depth`` (:class:`NestingError`); both are ``YAMLError``."""
-    _check_depth(text, max_depth)
+def load_yaml(text: str, max_depth: int = 32, max_nodes: int = 1_000_000) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (:class:`DuplicateKeyError`), collections
+    nested deeper than ``max_depth`` and more than ``max_nodes`` values as written
+    (:class:`NestingError`); all are ``YAMLError``."""
+    _check_depth(text, max_depth, max_nodes)
     return yaml.load(text, Loader=_StrictLoader)

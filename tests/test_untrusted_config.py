@@ -89,6 +89,7 @@ def test_bad_config_files_are_one_named_error_under_a_memory_cap(tmp_path: Path)
     (tmp_path / "long.yaml").write_text(
         "optimizer:\n  torch_scheduler_args:\n    k: '" + "a" * 600_000 + "'\n"
     )
+    (tmp_path / "flat.yaml").write_text("a: [" + ",".join(["1"] * 400_000) + "]\n")  # 800 kB
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(7)\ndef build():\n    pass\n")
     outside = tmp_path / "outside.txt"
     outside.write_text("keep")
@@ -99,6 +100,7 @@ def test_bad_config_files_are_one_named_error_under_a_memory_cap(tmp_path: Path)
         ["config", "-c", "latin1.yaml"],
         ["config", "-c", "huge.yaml"],
         ["config", "-c", "long.yaml"],
+        ["config", "-c", "flat.yaml"],
         ["config", "--set", "model.seq_len=1e8"],
         ["train", "--set", "checkpoint.dir=" + "d" * 6000],
         ["train", "--set", "checkpoint.dir=" + "d" * 300, "--set", "logging.run_dir=null"],
@@ -112,6 +114,7 @@ def test_bad_config_files_are_one_named_error_under_a_memory_cap(tmp_path: Path)
         "is not UTF-8 text (byte 20 is 0xe9)",
         "is 4,294,967,296 bytes; dtlab reads config files of at most 1,048,576 bytes",
         "holds a string of 600,000 characters at optimizer.torch_scheduler_args.k",
+        "more than 100,000 values (mappings, lists and scalars)",
         "model.seq_len='1e8' is not allowed",
         "is 6,015 characters long; at most 4,096 are read",
         "checkpoint.dir='" + "d" * 300 + "' cannot be created: File name too long",
