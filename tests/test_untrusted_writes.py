@@ -121,6 +121,11 @@ def _crafted_trainer_state(tmp_path: Path) -> None:
     meta1 = json.loads(step1.read_text())
     meta1["trainer"]["step"] = 1e12
     step1.write_text(json.dumps(meta1))  # in ck2 both steps are crafted: nothing verifies
+    far = tmp_path / "ck3" / f"step_{10**12:08d}"  # a consistent checkpoint of step 10**12
+    shutil.copytree(tmp_path / "ck" / "step_00000001", far)
+    meta3 = json.loads((far / "meta.json").read_text())
+    meta3["step"] = meta3["trainer"]["step"] = 10**12
+    (far / "meta.json").write_text(json.dumps(meta3))
     resume = ["--set", "checkpoint.resume=true", "--set", "train.steps=3"]
     runs = run_cli(
         [
@@ -128,6 +133,7 @@ def _crafted_trainer_state(tmp_path: Path) -> None:
             ["train", *TINY, *ck, "--set", "checkpoint.resume=ck/step_00000002"],
             ["train", *TINY, "--set", "checkpoint.dir=ck2", "--set", "logging.run_dir=null", *resume],
             ["train", *TINY, *ck, *resume],
+            ["train", *TINY, "--set", "checkpoint.dir=ck3", "--set", "logging.run_dir=null", *resume],
         ],
         cwd=tmp_path,
         timeout=300,
@@ -138,3 +144,4 @@ def _crafted_trainer_state(tmp_path: Path) -> None:
     assert "no checkpoint in ck2 can be resumed" in runs[2]["stderr"], runs[2]
     assert "trainer.step=1000000000000.0, expected an integer" in runs[2]["stderr"], runs[2]
     assert runs[3]["rc"] == 0 and "fell back to step_00000001" in runs[3]["stderr"], runs[3]
+    assert runs[4]["rc"] == 2 and "is of step 1000000000000, past train.steps=3" in runs[4]["stderr"], runs[4]
