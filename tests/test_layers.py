@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "optimizers": {"checkpoint", "models", "compression", "core", "backends", "errors", "untrusted"},
     "testing": {"optimizers", "backends", "errors"},
     "advise": {"models", "core", "backends", "errors"},
+    "zoo": {"models", "core", "backends", "errors"},
 }
 
 

@@ -206,3 +206,18 @@ def test_compression_acts_on_the_dp_axis() -> None:
     for rank, (state, sent, local) in enumerate(run_world(4, compressed_world)):
         assert max_rel_error(state, ref) <= 1e-5, f"rank {rank}"
         assert sent == STEPS * (local + local % 2) * F32, f"rank {rank}: {sent} bytes"
+
+
+def test_the_model_declares_its_plan() -> None:
+    """``transformer_plan()`` asks the module for its own ``tp_plan()`` (dtlab's TransformerLM declares
+    one, as a user's model may); a module declaring none is refused, naming the method."""
+    lm = TransformerLM(**CFG)  # type: ignore[arg-type]
+    assert set(lm.tp_plan(sequence_parallel=True)) >= {"tok", "blocks.*.attn", "head", "ln_f", "pos"}
+
+    def undeclared(backend: CommunicationBackend) -> None:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        TensorParallelModel(net, Mesh(backend, {"tp": 2}), transformer_plan())
+
+    with pytest.raises(RankFailedError, match=r"Sequential declares no tensor plan \(a tp_plan\(") as info:
+        run_world(2, undeclared)
+    assert isinstance(info.value.__cause__, StrategyError)

@@ -52,7 +52,7 @@ def _positive_int(owner: str, **values: int) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A causal transformer shaped like dtlab's ``TransformerLM`` (trainers/models.py): token and
+    """A causal transformer shaped like dtlab's ``TransformerLM`` (dtlab/zoo/builtin.py): token and
     position embeddings, ``layers`` pre-norm blocks (attention with a fused qkv projection, an MLP of
     ``4 * hidden``, two LayerNorms, biases everywhere), a final LayerNorm and a head, untied
     (dtlab's) or tied to the token embedding (``tied_embeddings``: one weight; under a pipeline the

@@ -26,8 +26,8 @@ from dtlab.core import seeded_init
 from dtlab.models import DDPModel, FSDPModel, ModuleClassPolicy, ZeRO3Model
 from dtlab.models.checkpointing import checkpoint_modules
 from dtlab.testing import run_world
-from dtlab.trainers.models import Block, TransformerLM
 from dtlab.trainers.tasks import cross_entropy_loss
+from dtlab.zoo import Block, TransformerLM
 
 
 def peak_allocated(fn: Any) -> int:

@@ -44,9 +44,9 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, load_config
 from dtlab.data import TensorDataset
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
-from dtlab.trainers.models import Block, TransformerLM
 from dtlab.trainers.parallel import parallel_loss
 from dtlab.trainers.tasks import Task, cross_entropy_loss
+from dtlab.zoo import Block, TransformerLM
 
 __all__ = ["main", "mesh_shapes"]
 

@@ -166,8 +166,8 @@ def lay_out(
         partial = apply_plan(module, resolved, tp)
     elif tp.world_size > 1:
         raise StrategyError(
-            f"{who} on a mesh with tp={tp.world_size} needs a tensor_plan, e.g. transformer_plan() for "
-            "dtlab's TransformerLM"
+            f"{who} on a mesh with tp={tp.world_size} needs a tensor_plan: {{'fqn-pattern': style}}, or "
+            "transformer_plan() for the plan the module declares (its tp_plan(), as dtlab's TransformerLM)"
         )
     if not pipelined:
         return Layout(

@@ -50,6 +50,9 @@ __all__ = [
     "apply_plan",
     "resolve_plan",
     "transformer_plan",
+    "DeclaredPlan",
+    "PlanDict",
+    "declared_plan",
 ]
 
 
@@ -103,7 +106,19 @@ class SequenceParallel:
 M = TypeVar("M", bound=nn.Module)
 
 Style = ColwiseParallel | RowwiseParallel | VocabParallel | HeadsParallel | SequenceParallel
-Plan = Mapping[str, "Style | str"]
+PlanDict = Mapping[str, "Style | str"]
+
+
+@dataclass(frozen=True)
+class DeclaredPlan:
+    """The plan the model declares itself: its ``tp_plan(sequence_parallel=...)`` (as Hugging Face
+    models declare ``_tp_plan``), resolved when the strategy wraps it."""
+
+    sequence_parallel: bool = False
+
+
+#: what the strategies take: ``{"fqn-pattern": style}``, or the plan the model declares
+Plan = PlanDict | DeclaredPlan
 
 _ALIASES: dict[str, Style] = {
     "colwise": ColwiseParallel(),
@@ -114,23 +129,27 @@ _ALIASES: dict[str, Style] = {
 }
 
 
-def transformer_plan(sequence_parallel: bool = False) -> dict[str, Style]:
-    """The plan for dtlab's built-in ``TransformerLM``: attention heads and MLP split, the token embedding
-    vocabulary-parallel, the head column-parallel (vocabulary-split logits for
-    ``vocab_parallel_cross_entropy``, never gathered), optionally sequence parallel."""
-    sp = bool(sequence_parallel)
-    plan: dict[str, Style] = {
-        "tok": VocabParallel(sequence_parallel=sp),
-        "blocks.*.attn": HeadsParallel(sequence_parallel=sp),
-        "blocks.*.mlp.0": ColwiseParallel(sequence_parallel=sp),
-        "blocks.*.mlp.2": RowwiseParallel(sequence_parallel=sp),
-        "head": ColwiseParallel(sequence_parallel=sp),
-    }
-    if sp:
-        plan["pos"] = SequenceParallel(split_output=True)
-        for norm in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
-            plan[norm] = SequenceParallel()
-    return plan
+def transformer_plan(sequence_parallel: bool = False) -> DeclaredPlan:
+    """The plan the model declares (``module.tp_plan(sequence_parallel=...)``); for dtlab's built-in
+    ``TransformerLM``: attention heads and MLP split, the token embedding vocabulary-parallel, the head
+    column-parallel (vocabulary-split logits for ``vocab_parallel_cross_entropy``, never gathered),
+    optionally sequence parallel."""
+    return DeclaredPlan(bool(sequence_parallel))
+
+
+def declared_plan(module: nn.Module, plan: Plan) -> PlanDict:
+    """``plan``, or the one ``module`` declares for a :class:`DeclaredPlan`."""
+    if not isinstance(plan, DeclaredPlan):
+        return plan
+    tp_plan = getattr(module, "tp_plan", None)
+    if not callable(tp_plan):
+        raise StrategyError(
+            f"{type(module).__name__} declares no tensor plan (a tp_plan(sequence_parallel=False) method "
+            "returning {'fqn-pattern': style}); pass the plan itself, e.g. {'blocks.*.mlp.0': 'colwise', "
+            "'blocks.*.mlp.2': 'rowwise'}"
+        )
+    declared: PlanDict = tp_plan(sequence_parallel=plan.sequence_parallel)
+    return declared
 
 
 def _style(value: Style | str, pattern: str) -> Style:
@@ -224,6 +243,7 @@ def _matches(name: str, pattern: str) -> bool:
 
 def resolve_plan(module: nn.Module, plan: Plan, tp: int) -> list[tuple[str, nn.Module, Style]]:
     """``(name, module, style)`` for every module the plan matches; every check, no communication."""
+    plan = declared_plan(module, plan)
     if not isinstance(plan, Mapping) or not plan:
         raise StrategyError(
             "TensorParallelModel needs a plan {'fqn-pattern': style} with at least one entry, got "

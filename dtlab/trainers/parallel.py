@@ -68,7 +68,7 @@ def build_parallel_model(
         pipeline["activation_checkpointing"] = True  # per stage: its input kept, its forward recomputed
     elif s.activation_checkpointing:  # tensor parallel: per block, its collectives run again in backward
         from dtlab.models.checkpointing import checkpoint_modules
-        from dtlab.trainers.models import Block
+        from dtlab.zoo import Block
 
         checkpoint_modules(module, (Block,))
     if s.model == "tensor":  # dp_kwargs: the optimizer's data-parallel options (ddp or zero1)

@@ -14,7 +14,7 @@ from torch import nn
 from dtlab.config import TrainConfig
 from dtlab.data import TensorDataset, load_digits_dataset, stdlib_lm_dataset
 from dtlab.errors import ConfigError
-from dtlab.trainers.models import Block, DigitsCNN, TransformerLM
+from dtlab.zoo import Block, DigitsCNN, TransformerLM
 
 __all__ = [
     "Task",

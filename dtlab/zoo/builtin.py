@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "DigitsCNN", "TransformerLM"]
+from dtlab.models import ColwiseParallel, HeadsParallel, RowwiseParallel, SequenceParallel, VocabParallel
+
+__all__ = ["Block", "CausalSelfAttention", "DigitsCNN", "TransformerLM"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -74,6 +76,25 @@ class TransformerLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return cast(torch.Tensor, self.head(self.ln_f(x)))
+
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, object]:
+        """How tensor parallelism splits this model (Megatron's layout): attention heads and the MLP
+        split, the token embedding vocabulary-parallel, the head column-parallel (vocabulary-split
+        logits for ``vocab_parallel_cross_entropy``, never gathered); with ``sequence_parallel`` the
+        norms and position embedding work on a chunk of the sequence."""
+        sp = bool(sequence_parallel)
+        plan: dict[str, object] = {
+            "tok": VocabParallel(sequence_parallel=sp),
+            "blocks.*.attn": HeadsParallel(sequence_parallel=sp),
+            "blocks.*.mlp.0": ColwiseParallel(sequence_parallel=sp),
+            "blocks.*.mlp.2": RowwiseParallel(sequence_parallel=sp),
+            "head": ColwiseParallel(sequence_parallel=sp),
+        }
+        if sp:
+            plan["pos"] = SequenceParallel(split_output=True)
+            for norm in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
+                plan[norm] = SequenceParallel()
+        return plan
 
     def pipeline_blocks(self) -> list[tuple[str, nn.Module]]:
         """The model as a sequence for pipeline parallelism: token + position embedding, each block,
