@@ -14,8 +14,28 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main"]
+
+
+class _SetAction(argparse.Action):
+    """``--set KEY=VALUE`` or ``--set KEY VALUE``: one setting, kept as ``KEY=VALUE``."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, _option: Any = None
+    ) -> None:
+        items = list(values)
+        if len(items) == 1 and "=" in items[0]:
+            item = items[0]
+        elif len(items) == 2 and "=" not in items[0]:
+            item = f"{items[0]}={items[1]}"
+        else:
+            parser.error(
+                f"--set {' '.join(items)}: give one setting per --set, as KEY=VALUE or KEY VALUE "
+                "(e.g. --set train.steps=40 --set strategy.model fsdp); every KEY: dtlab train --help"
+            )
+        getattr(ns, self.dest).append(item)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -23,21 +43,42 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--set",
         dest="overrides",
-        action="append",
+        action=_SetAction,
+        nargs="+",
         default=[],
         metavar="KEY=VALUE",
-        help="override one field, e.g. --set strategy.model=fsdp --set train.steps=50 (repeatable)",
+        help="override one setting: --set train.steps=50 or --set train.steps 50 (repeatable; later wins; "
+        "applied after -c). KEY is section.field as listed below; VALUE is read as YAML: 2 an int, "
+        "1e-3 a float, true a bool, null none, [1, 2] a list",
     )
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtlab", description="Distributed training strategies for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train (no arguments: the embedded default on 4 in-memory ranks)")
+    from dtlab.config_doc import help_epilog
+
+    t = sub.add_parser(
+        "train",
+        help="train (no arguments: the embedded default on 4 in-memory ranks)",
+        description="Train. No arguments: the embedded default (a byte-level transformer LM on 4 in-memory "
+        "ranks). Under torchrun, mpiexec or srun every process is a rank. `dtlab config` prints the "
+        "resolved settings, `dtlab config --describe` each with its allowed values.",
+        epilog=help_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_config_args(t)
     t.add_argument("--quiet", action="store_true", help="no progress bar and no metric lines")
-    c = sub.add_parser("config", help="print the resolved configuration as YAML and exit")
+    c = sub.add_parser(
+        "config",
+        help="print the resolved configuration as YAML (--describe: every setting, allowed values, meaning)",
+    )
     _add_config_args(c)
+    c.add_argument(
+        "--describe",
+        action="store_true",
+        help="every setting with its value, default, allowed values and description, instead of YAML",
+    )
     b = sub.add_parser("bench", help="run the strategy and compression benchmarks; write a table and plots")
     b.add_argument("--out", default="runs/bench", help="directory for the table, raw results and PNG plots")
     b.add_argument("--only", choices=["strategies", "compression", "mesh"], help="run one of the benchmarks")
@@ -94,7 +135,13 @@ def _config(args: argparse.Namespace) -> int:
 
     from dtlab.config import load_config
 
-    print(yaml.safe_dump(load_config(args.config, args.overrides).to_dict(), sort_keys=False), end="")
+    config = load_config(args.config, args.overrides)
+    if args.describe:
+        from dtlab.config_doc import describe
+
+        print(describe(config.to_dict()))
+        return 0
+    print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
     return 0
 
 

@@ -164,6 +164,7 @@ class ParallelConfig(_Section):
     tp: int = Field(default=1, ge=1)
     #: pipeline stages (ranks); the transformer's embedding, blocks and head are split among them
     pp: int = Field(default=1, ge=1)
+    #: pipeline schedule (``pp > 1``): GPipe, 1F1B, interleaved 1F1B or zero-bubble (ZB-H1)
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     #: micro-batches per step of each pipeline (``None``: pp); at least pp
     micro_batches: int | None = Field(default=None, ge=1)
@@ -190,17 +191,26 @@ class ParallelConfig(_Section):
 
 
 class OptimizerConfig(_Section):
+    #: the torch optimizer each rank runs on its parameters (or shards): AdamW, Adam or SGD
     name: Literal["adamw", "adam", "sgd"] = "adamw"
+    #: peak learning rate (after warm-up)
     lr: float = Field(default=4e-3, gt=0)
+    #: decoupled weight decay (AdamW) or L2 penalty (Adam, SGD)
     weight_decay: float = Field(default=0.01, ge=0)
+    #: SGD momentum (``optimizer.name=sgd``)
     momentum: float = Field(default=0.9, ge=0, lt=1)
+    #: Adam/AdamW coefficients of the running averages of the gradient and its square
     betas: tuple[float, float] = (0.9, 0.99)
     #: learning-rate schedule after warm-up: cosine to ``min_lr_ratio * lr``, step decay, or constant;
     #: ``torch``: the ``torch.optim.lr_scheduler`` class ``torch_scheduler`` (no added warm-up)
     schedule: Literal["cosine", "step", "constant", "torch"] = "cosine"
+    #: linear learning-rate warm-up from 0 over this many steps
     warmup_steps: int = Field(default=10, ge=0)
+    #: ``schedule=cosine``: the final learning rate as a fraction of ``lr``
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    #: ``schedule=step``: steps between decays
     step_size: int = Field(default=100, ge=1)
+    #: ``schedule=step``: factor of each decay
     gamma: float = Field(default=0.5, gt=0, le=1)
     #: clip gradients by their global norm over all ranks' shards; ``None`` disables clipping
     clip_grad_norm: float | None = Field(default=1.0, gt=0)
@@ -316,11 +326,15 @@ class ModelConfig(_Section):
     #: ``cross_entropy``, ``mse`` or ``package.module:function`` of ``(output, target)`` returning a
     #: scalar; ``None``: the built-in task's loss (cross entropy)
     loss: str | None = None
+    #: transformer width (embedding and residual stream)
     d_model: int = Field(default=128, ge=8)
+    #: transformer blocks
     n_layers: int = Field(default=2, ge=1)
+    #: attention heads per block (must divide ``d_model``)
     n_heads: int = Field(default=4, ge=1)
     #: tokens per sample (the built-in model's position table has one row per token)
     seq_len: int = Field(default=64, ge=2, le=1 << 20)
+    #: dropout probability in the blocks (keep 0 with tensor parallelism on in-memory ranks)
     dropout: float = Field(default=0.0, ge=0, lt=1)
 
     @field_validator("factory")
@@ -356,10 +370,13 @@ class DataConfig(_Section):
     pin_memory: bool = False
     #: bytes of the stdlib corpus to read (a deterministic subset of files, sorted by path)
     max_bytes: int = Field(default=1_000_000, ge=10_000)
+    #: samples per optimizer step over all data-parallel ranks (ranks x accumulation steps x micro-batch)
     global_batch_size: int = Field(default=32, ge=1)
+    #: micro-batches per rank and step; gradients travel once, after the last
     accumulation_steps: int = Field(default=1, ge=1)
     #: fraction of the data held out for evaluation
     eval_fraction: float = Field(default=0.05, gt=0, lt=1)
+    #: shuffle the training samples each epoch (seeded by ``train.seed``)
     shuffle: bool = True
 
     @field_validator("factory")
@@ -369,16 +386,20 @@ class DataConfig(_Section):
 
 
 class TrainingConfig(_Section):
+    #: optimizer steps to train (a resumed run continues up to this step)
     steps: int = Field(default=300, ge=1)
+    #: seed of the model's initialisation, the data order and dropout
     seed: int = 0
     #: compute dtype (``torch.autocast``; fp32 master parameters, outputs as computed); fp16 adds
     #: dynamic loss scaling agreed by every rank (an overflow anywhere skips the step and halves the scale)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     #: evaluate every N steps (and after the last); 0 disables evaluation
     eval_every: int = Field(default=50, ge=0)
+    #: held-out batches per evaluation
     eval_batches: int = Field(default=4, ge=1)
     #: stop when the eval loss has not improved by ``early_stopping_min_delta`` for N evaluations; 0: off
     early_stopping_patience: int = Field(default=0, ge=0)
+    #: the least eval-loss improvement that counts for early stopping
     early_stopping_min_delta: float = Field(default=0.0, ge=0)
     #: stop with an error after this many consecutive steps with a non-finite loss or gradient
     max_nonfinite_steps: int = Field(default=5, ge=1)
@@ -389,6 +410,7 @@ class CheckpointConfig(_Section):
     dir: str | None = None
     #: save every N steps (and after the last step); 0: only at the end
     every: int = Field(default=0, ge=0)
+    #: step directories kept in ``checkpoint.dir`` (older ones this run wrote are deleted)
     keep_last: int = Field(default=2, ge=1)
     #: resume from ``latest`` in ``checkpoint.dir``, or from an explicit step directory
     resume: bool | str = False

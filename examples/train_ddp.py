@@ -34,9 +34,9 @@ def main(argv: list[str]) -> None:
     if result.rank == 0:
         first, last = result.losses[0][1], result.losses[-1][1]
         acc = result.evals[-1][1]["eval_accuracy"]
-        print(
-            f"DDP x {config.backend.world_size}: loss {first:.3f} -> {last:.3f}, held-out accuracy {acc:.1%}"
-        )
+        # the strategy and world that ran (an override or a launcher may change both)
+        where = f"{result.summary['strategy']} on {result.summary['backend']}"
+        print(f"{where}: loss {first:.3f} -> {last:.3f}, held-out accuracy {acc:.1%}")
 
 
 if __name__ == "__main__":

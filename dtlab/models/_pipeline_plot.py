@@ -55,6 +55,7 @@ def plot_schedule(
         _draw(ax, built, timeline)
         makespan = timeline.makespan
         ax.set_title(f"{label}: makespan {makespan:.3g}, idle {100 * timeline.bubble():.1f}%", fontsize=9)
+    _legend(axes[0, 0], built, planned)
     name = title or f"{built.name}  p={p}  m={m}" + (f"  v={built.v}" if built.v > 1 else "")
     fig.suptitle(name, fontsize=11)
     fig.tight_layout()
@@ -88,3 +89,24 @@ def _draw(ax: Any, s: PipelineSchedule, timeline: Timeline) -> None:
     ax.set_yticklabels([f"rank {r}" for r in range(s.p)])
     ax.invert_yaxis()
     ax.set_xlabel("time")
+
+
+_NAMES = {
+    Kind.F: "forward (F)",
+    Kind.B: "backward (B)",
+    Kind.I: "input gradient (I)",
+    Kind.W: "weight gradient (W)",
+}
+
+
+def _legend(ax: Any, s: PipelineSchedule, timeline: Timeline) -> None:
+    """What each colour is (the kinds this schedule runs), and what lighter means with several chunks."""
+    from matplotlib.patches import Patch
+
+    kinds = {a.kind for intervals in timeline.intervals for a, _, _ in intervals}
+    handles = [Patch(facecolor=_COLOURS[k], edgecolor="black", label=_NAMES[k]) for k in Kind if k in kinds]
+    if s.v > 1:
+        handles.append(Patch(facecolor="white", edgecolor="black", label="lighter: a later stage chunk"))
+    label = "label: micro-batch" + (".stage" if s.v > 1 else "")
+    handles.append(Patch(facecolor="none", edgecolor="none", label=label))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)

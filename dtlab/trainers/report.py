@@ -116,25 +116,55 @@ def summary_rows(trainer: Trainer, result: TrainResult, seconds: float, sent0: i
         "compression variant": _compression_variant(trainer),
         "mesh": _mesh(trainer),
         "backend": f"{trainer.backend.name} x {trainer.backend.world_size}",
+        "plan": _plan(trainer),
         "steps": f"{result.start_step} -> {result.final_step}"
         + (" (stopped early)" if result.stopped_early else ""),
         "loss first -> last": (
             f"{result.losses[0][1]:.4f} -> {result.losses[-1][1]:.4f}" if result.losses else "no step applied"
         ),
-        "eval loss (last)": result.evals[-1][1]["eval_loss"] if result.evals else None,
-        "eval accuracy (last)": result.evals[-1][1].get("eval_accuracy") if result.evals else None,
+        "eval loss (last)": f"{result.evals[-1][1]['eval_loss']:.4f}" if result.evals else None,
+        "eval accuracy (last)": _percent(result.evals[-1][1].get("eval_accuracy")) if result.evals else None,
         "skipped non-finite steps": len(result.skipped_steps),
         "wall time s": seconds,
         "samples/s": samples / seconds if seconds > 0 else None,
         "tokens/s": samples * trainer.task.tokens_per_sample / seconds if seconds > 0 else None,
-        "comm share of step time": prof["comm_seconds"] / prof["wall_seconds"]
+        "comm share of step time": _percent(prof["comm_seconds"] / prof["wall_seconds"])
         if prof["wall_seconds"]
         else None,
-        "bytes sent (rank 0) MB": (trainer.backend.stats.bytes_sent - sent0) / 1e6,
+        # the figure of the last step line: the largest rank's bytes since the backend started
+        "sent MB/rank (largest rank)": _last_sent_mb(trainer, sent0),
         "memory (rank 0) MB": sum(mem.values()) / 1e6,
         "checkpoint": result.checkpoint,
+        "run directory": None if trainer.run_dir is None else str(trainer.run_dir),
     }
     return rows
+
+
+def _percent(fraction: float | None) -> str | None:
+    return None if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def _last_sent_mb(trainer: Trainer, sent0: int) -> str:
+    """MB sent as the last step line says it (``format_record``): the largest rank, cumulative."""
+    for rec in reversed(trainer.metrics.records):
+        sent = rec.get("bytes_sent_per_rank")
+        if sent:
+            return f"{max(sent) / 1e6:.1f}"
+    return f"{(trainer.backend.stats.bytes_sent - sent0) / 1e6:.1f}"  # nothing logged: this rank's
+
+
+def _plan(trainer: Trainer) -> str:
+    """Precision, accumulation, compression and elastic commits, as the config sets them."""
+    c = trainer.config
+    comp: str = c.compression.algorithm
+    if comp != "none":
+        comp += f" @ {c.compression.density}" if comp not in ("fp16", "bf16", "qsgd", "powersgd") else ""
+    elastic = f"commit every {c.elastic.commit_every}" if c.elastic.commit_every else "off"
+    micro = c.data.global_batch_size // max(1, trainer.dp.world_size * c.data.accumulation_steps)
+    return (
+        f"precision {c.train.precision} | accumulation {c.data.accumulation_steps} x micro-batch {micro} | "
+        f"compression {comp} | elastic {elastic}"
+    )
 
 
 def format_record(rec: dict[str, Any]) -> str:
@@ -225,14 +255,15 @@ def header(self: Trainer) -> str:
     strategy = f"{c.strategy.model}/{c.strategy.optimizer_name}"
     if needs_mesh(c):
         shape = mesh_shape(c, self.backend.world_size)
-        strategy += " on " + " x ".join(f"{a}{n}" for a, n in shape.items() if n > 1 or a == "dp")
-    if c.compression.algorithm != "none":
-        strategy += f" + {c.compression.algorithm} @ {c.compression.density}"
+        mesh = " x ".join(f"{a}{n}" for a, n in shape.items() if n > 1 or a == "dp")
+    else:
+        mesh = f"dp{self.backend.world_size}"
     start = f"resumed at step {self.start_step}, " if self.start_step else ""
+    run = f" | run {self.run_dir}" if self.run_dir is not None else ""
     return (
-        f"dtlab train: {what} | {strategy} | {self.backend.name} x {self.backend.world_size} | "
-        f"{start}{c.train.steps} steps x {c.data.global_batch_size} samples "
-        f"({len(t.train_data):,} train / {len(t.eval_data):,} eval)"
+        f"dtlab train: {what} | {strategy} on mesh {mesh} | {self.backend.name} x "
+        f"{self.backend.world_size} | {_plan(self)} | {start}{c.train.steps} steps x "
+        f"{c.data.global_batch_size} samples ({len(t.train_data):,} train / {len(t.eval_data):,} eval){run}"
     )
 
 

@@ -1,0 +1,76 @@
+"""Settings a user can discover: ``dtlab train --help`` lists every setting with its default and a
+description (from the config models), ``dtlab config --describe`` adds the allowed values, ``--set KEY
+VALUE`` works like ``KEY=VALUE``; the run header names the plan and the summary gives each quantity
+as the step lines do."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from dtlab.cli import main
+from dtlab.config import TrainConfig
+from dtlab.config_doc import settings
+from dtlab.testing import TINY_LM
+
+
+def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += _leaves(ann, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def test_train_help_lists_every_setting_with_default_and_description(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    listed = {s.name: s for s in settings()}
+    assert sorted(listed) == sorted(_leaves(TrainConfig))  # every field of every section, nothing else
+    for s in listed.values():
+        assert s.description, f"{s.name} has no #: comment in dtlab/config_sections.py"
+        assert re.search(rf"^    {re.escape(s.name)}=\S", out, re.M), s.name
+    assert "    train.steps=300" in out and "optimizer steps to train" in out
+    assert "logging.run_dir=runs/{time}" in out and "dtlab config --describe" in out
+    assert "--set train.steps 50" in " ".join(out.split())  # both spellings of --set explained
+
+
+def test_config_describe_and_set_key_value(capsys: Any) -> None:
+    assert main(["config", "--describe", "--set", "train.steps", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "  train.steps = 40 (default 300)\n      allowed: int >= 1\n" in out
+    assert 'allowed: "fp32" | "bf16" | "fp16"' in out
+    assert 'allowed: "ddp" | "zero1" | "zero2" | "zero3" | "fsdp"' in out  # from the pairing table
+    assert "allowed: float > 0, <= 1" in out  # optimizer.gamma's bounds
+    assert main(["config", "--set", "train.steps", "40", "--set", "strategy.model=fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 40" in out and "model: fsdp" in out
+    with pytest.raises(SystemExit) as info:
+        main(["config", "--set", "train.steps", "40", "50"])
+    assert info.value.code == 2
+    assert "--set train.steps 40 50: give one setting per --set" in capsys.readouterr().err
+
+
+def test_header_names_the_plan_and_the_summary_agrees_with_the_step_lines(capsys: Any) -> None:
+    sets = [*TINY_LM, "backend.name=inmemory", "backend.world_size=2", "train.steps=4", "train.eval_every=2"]
+    sets += ["data.accumulation_steps=2", "logging.log_every=2", "logging.run_dir=null"]
+    assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 0
+    cap = capsys.readouterr()
+    text = cap.out + cap.err
+    head = next(line for line in text.splitlines() if line.startswith("dtlab train: ") and "|" in line)
+    for part in ("ddp/ddp on mesh dp2", "precision fp32", "accumulation 2 x micro-batch 2"):
+        assert part in head, head
+    assert "compression none" in head and "elastic off" in head
+    step_sent = re.findall(r"sent ([\d.]+) MB/rank", text)[-1]
+    assert re.search(rf"sent MB/rank \(largest rank\)\s+{re.escape(step_sent)} *\n", text), text
+    assert re.search(r"eval loss \(last\)\s+\d+\.\d{4} *\n", text)  # as the training loss: 4 decimals
+    share = re.search(r"comm share of step time\s+([\d.]+)%", text)
+    assert share is not None  # a percentage, as in the profile table
