@@ -259,3 +259,18 @@ def test_topkdsa_gathers_densely_exactly_when_the_union_reaches_half() -> None:
         for dense, union in run_world(4, _topkdsa_form, density):
             assert dense == (2 * union >= 400), (density, union)
     assert run_world(4, _topkdsa_form, 0.3)[0][0] and not run_world(4, _topkdsa_form, 0.05)[0][0]
+
+
+def test_gaussiank_adjusts_a_heavy_tailed_selection_into_range() -> None:
+    """Laplace-distributed values: the Gaussian-predicted threshold selects about 1.37 k at density
+    0.04 (and about 2.6 k at 0.01); the adjustment brings every selection into [3k/4, 5k/4]."""
+    n = 20_000
+    g = torch.Generator().manual_seed(5)
+    u = torch.rand(n, generator=g) - 0.5
+    acc = -torch.sign(u) * torch.log1p(-2 * u.abs())  # Laplace(0, 1)
+    for density in (0.04, 0.01, 0.1):
+        comp = GaussianK(density=density)
+        k = comp.k(n)
+        idx, thr = comp.threshold(acc, Magnitudes())
+        assert 3 * k // 4 <= idx.numel() <= 5 * k // 4, (density, idx.numel(), k)
+        assert torch.equal(idx, select_by_threshold(acc, thr))  # exactly the entries at or above it

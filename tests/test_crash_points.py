@@ -147,3 +147,29 @@ def test_a_save_stopped_after_any_file_system_step_loses_nothing_committed(
             _check_resume(root, 4)
             assert not list(root.glob(".tmp-*")), (where, sorted(p.name for p in root.iterdir()))
     assert seen_commit == {2, 3}  # the sweep stopped both before and after the commit point
+
+
+def _save_meta(backend: CommunicationBackend, root: Path, meta: dict[str, Any]) -> None:
+    shard = _shard(backend.rank, backend.world_size, 1)
+    save_checkpoint(root, 1, backend, shard, None, {}, meta)
+
+
+def test_metadata_json_would_change_is_refused_before_anything_is_committed(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="does not survive a JSON round trip") as info:
+        run_world(1, _save_meta, tmp_path / "ck", {"trainer": {"counts": {1: 2}}})  # int keys
+    assert isinstance(info.value.__cause__, CheckpointError)
+    assert read_latest(tmp_path / "ck") is None and not list((tmp_path / "ck").glob("step_*"))
+
+
+def test_shards_that_leave_one_element_uncovered_are_refused() -> None:
+    """Two copies of the same piece hold as many elements as the tensor, yet one element is missing."""
+    from dtlab.models.state import ShardIndex
+
+    def piece(start: int, end: int) -> ShardedState:
+        entries = {"w": {"shape": [5], "dtype": "float32", "start": start, "end": end}}
+        meta = {"strategy": "test", "world_size": 2, "rank": 0, "entries": entries}
+        return ShardedState({"w": torch.arange(start, end, dtype=torch.float32)}, meta)
+
+    assert torch.equal(ShardIndex([piece(0, 3), piece(3, 5)]).full("w"), torch.arange(5.0))
+    with pytest.raises(CheckpointError, match="cover only 4 of elements"):
+        ShardIndex([piece(0, 4), piece(0, 4)]).full("w")

@@ -269,12 +269,13 @@ class ShardIndex:
             return self._assemble(key)[start:stop]
         self._check_held(key, stop - start)
         out = torch.empty(stop - start, dtype=dtype_from_str(dtype))
-        covered = 0
+        seen = torch.zeros(stop - start, dtype=torch.bool)  # pieces may overlap: count each element once
         for s, e, t in self.pieces.get(key, []):
             lo, hi = max(s, start), min(e, stop)
             if lo < hi:
                 out[lo - start : hi - start].copy_(t[lo - s : hi - s])
-                covered += hi - lo
+                seen[lo - start : hi - start] = True
+        covered = int(seen.sum())
         if covered < stop - start:
             raise CheckpointError(
                 f"the checkpoint's shards cover only {covered} of elements [{start}, {stop}) of {key!r}; "
