@@ -163,7 +163,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dtlab.trainers.bench import run_bench
+    from dtlab.benchmarks.bench import run_bench
 
     return run_bench(args.out, only=args.only, full=args.full, timeout=args.timeout)
 

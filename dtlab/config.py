@@ -134,7 +134,7 @@ class TrainConfig(_Section):
         if self.backend.name == "inmemory":
             check_world_size(self, self.backend.world_size)
         if self.optimizer.schedule == "torch":
-            from dtlab.trainers.schedule import check_torch_scheduler  # imports torch: only when asked
+            from dtlab.lr_schedule import check_torch_scheduler  # imports torch: only when asked
 
             check_torch_scheduler(self.optimizer, self.train.steps)
         return self

@@ -13,11 +13,12 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dtlab.config import OptimizerConfig
+if TYPE_CHECKING:
+    from dtlab.config import OptimizerConfig
 
 __all__ = ["build_scheduler", "check_torch_scheduler", "lr_factor", "torch_scheduler_names"]
 

@@ -10,8 +10,8 @@ from types import MappingProxyType
 
 import pytest
 
+from dtlab.benchmarks import bench
 from dtlab.errors import DtlabError
-from dtlab.trainers import bench
 
 # rows as dtlab.benchmarks.strategies and dtlab.benchmarks.compression write them (values from a real run)
 STRATEGY_ROWS = [

@@ -27,7 +27,28 @@ ALLOWED: dict[str, set[str]] = {
     "testing": {"optimizers", "backends", "errors"},
     "advise": {"models", "core", "backends", "errors"},
     "zoo": {"models", "core", "backends", "errors"},
-}
+    "lr_schedule": set(),
+    "yaml_strict": set(),
+    "config_sections": {"core", "backends", "errors", "untrusted"},
+    "parallel_config": {"models", "core", "backends", "errors"},
+    "config": {
+        "config_sections", "parallel_config", "lr_schedule", "yaml_strict", "core", "errors", "untrusted",
+    },
+    "trainers": {
+        "config", "config_sections", "parallel_config", "lr_schedule", "yaml_strict", "zoo", "data",
+        "optimizers", "checkpoint", "models", "compression", "core", "backends", "errors", "untrusted",
+    },
+    "benchmarks": {
+        "trainers", "advise", "testing", "config", "config_sections", "parallel_config", "lr_schedule",
+        "zoo", "data", "optimizers", "checkpoint", "models", "compression", "core", "backends", "errors",
+        "untrusted",
+    },
+    "cli": {
+        "benchmarks", "trainers", "advise", "config", "config_sections", "parallel_config", "zoo", "data",
+        "optimizers", "checkpoint", "models", "compression", "core", "backends", "errors", "untrusted",
+    },
+    "__main__": {"cli"},
+}  # fmt: skip
 
 
 def _runtime_imports(tree: ast.AST) -> list[tuple[int, str]]:
@@ -87,3 +108,52 @@ def test_cited_architecture_sections_exist() -> None:
             if section not in headings:
                 missing.append(f"{file.name}: {section!r}")
     assert not missing, f"sections cited but not in docs/architecture.md: {missing}"
+
+
+def _packages() -> set[str]:
+    """Every package and top-level module of dtlab (``__init__`` holds only the version)."""
+    return {
+        p.name.removesuffix(".py")
+        for p in ROOT.iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").exists()
+    } - {"__init__"}
+
+
+def test_every_package_and_module_has_a_row() -> None:
+    """A new package or top-level module gets a row in ALLOWED (and docs/architecture.md's table)."""
+    assert _packages() == set(ALLOWED), f"missing rows: {sorted(_packages() - set(ALLOWED))}"
+
+
+def test_only_benchmarks_import_the_testing_helpers() -> None:
+    """Production code runs without dtlab.testing (the in-memory engine is dtlab.backends.threads)."""
+    bad = [
+        f"{file.relative_to(ROOT.parent)}:{line}"
+        for package in sorted(set(ALLOWED) - {"testing", "benchmarks"})
+        for file in _files(package)
+        for line, module in _runtime_imports(ast.parse(file.read_text()))
+        if module == "dtlab.testing" or module.startswith("dtlab.testing.")
+    ]
+    assert not bad, f"production code imports dtlab.testing: {bad}"
+
+
+def test_no_import_circles_between_packages() -> None:
+    graph: dict[str, set[str]] = {}
+    for package in ALLOWED:
+        for file in _files(package):
+            for _, module in _runtime_imports(ast.parse(file.read_text())):
+                parts = module.split(".")
+                if parts[0] == "dtlab" and len(parts) > 1 and parts[1] != package and parts[1] in ALLOWED:
+                    graph.setdefault(package, set()).add(parts[1])
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError(f"import circle: {' -> '.join([*path[path.index(node) :], node])}")
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for package in sorted(graph):
+        visit(package, [])

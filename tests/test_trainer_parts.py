@@ -11,10 +11,10 @@ import torch
 
 from dtlab.config import load_config
 from dtlab.data import TensorDataset, stdlib_lm_dataset
+from dtlab.lr_schedule import build_scheduler, lr_factor
 from dtlab.testing import run_world
 from dtlab.trainers import EarlyStopping, MetricsCollector, NonFiniteError, NonFiniteGuard, Profiler
 from dtlab.trainers.feed import DataFeed
-from dtlab.trainers.schedule import build_scheduler, lr_factor
 
 
 def test_feed_shards_cover_the_global_batch_and_resume_mid_epoch() -> None:

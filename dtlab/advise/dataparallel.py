@@ -102,39 +102,7 @@ def data_parallel_cost(
     grad_ops: Ops = {}
     gather_ops: Ops = {}
     if strategy in ("ddp", "zero1", "zero2"):
-        bks = buckets(tensors, p, options.bucket_cap_mb, pe)
-        whole = sum(b.padded for b in bks)
-        shards = sum(b.shard for b in bks)
-        last = 0
-        if p > 1:
-            if strategy == "ddp" or (strategy == "zero1" and options.gradient_sync == "all_reduce"):
-                sizes = [2 * (p - 1) * b.padded * re // p for b in bks]
-                _add(grad_ops, "all_reduce", len(bks), sum(sizes))
-            else:
-                sizes = [(p - 1) * b.shard * re for b in bks]
-                _add(grad_ops, "reduce_scatter", len(bks), sum(sizes))
-            last = sizes[-1]
-            if strategy != "ddp":
-                _add(gather_ops, "all_gather", len(bks), sum((p - 1) * b.shard * pe for b in bks))
-        if strategy == "ddp":
-            state = _optimizer([t.numel for t in tensors], optimizer, precision)
-        else:
-            state = _optimizer([b.shard for b in bks], optimizer, precision)
-        grads = shards * ge if strategy == "zero2" else whole * ge
-        transient = whole * ge if strategy == "zero2" else 0
-        if precision.compute < pe:
-            transient += whole * precision.compute  # autocast's copies, forward to backward
-        return DataParallelCost(
-            parameters=whole * pe,
-            gradients=grads,
-            optimizer_state=state,
-            peak_gathered_parameters=whole * pe,
-            transient=transient,
-            ops=_merge(grad_ops, gather_ops),
-            grad_ops=grad_ops,
-            gather_ops=gather_ops,
-            last_reduce=last,
-        )
+        return _bucketed_cost(strategy, tensors, p, options, optimizer, precision)
     if strategy == "zero3":
         units = zero3_units(tensors, p, options.persistence_threshold)
         persistent = sum(u.padded for u in units if u.persistent)
@@ -191,6 +159,53 @@ def data_parallel_cost(
         gradients=shards * ge,
         optimizer_state=_optimizer([u.shard for u in units], optimizer, precision),
         peak_gathered_parameters=peak * pe,
+        transient=transient,
+        ops=_merge(grad_ops, gather_ops),
+        grad_ops=grad_ops,
+        gather_ops=gather_ops,
+        last_reduce=last,
+    )
+
+
+def _bucketed_cost(
+    strategy: str,
+    tensors: Sequence[Tensor],
+    p: int,
+    options: StrategyOptions,
+    optimizer: OptimizerSpec,
+    precision: Precision,
+) -> DataParallelCost:
+    """DDP, ZeRO-1 and ZeRO-2: whole parameters in buckets, reduced once per step."""
+    pe, ge, re = precision.params, precision.grads, precision.reduce
+    grad_ops: Ops = {}
+    gather_ops: Ops = {}
+    bks = buckets(tensors, p, options.bucket_cap_mb, pe)
+    whole = sum(b.padded for b in bks)
+    shards = sum(b.shard for b in bks)
+    last = 0
+    if p > 1:
+        if strategy == "ddp" or (strategy == "zero1" and options.gradient_sync == "all_reduce"):
+            sizes = [2 * (p - 1) * b.padded * re // p for b in bks]
+            _add(grad_ops, "all_reduce", len(bks), sum(sizes))
+        else:
+            sizes = [(p - 1) * b.shard * re for b in bks]
+            _add(grad_ops, "reduce_scatter", len(bks), sum(sizes))
+        last = sizes[-1]
+        if strategy != "ddp":
+            _add(gather_ops, "all_gather", len(bks), sum((p - 1) * b.shard * pe for b in bks))
+    if strategy == "ddp":
+        state = _optimizer([t.numel for t in tensors], optimizer, precision)
+    else:
+        state = _optimizer([b.shard for b in bks], optimizer, precision)
+    grads = shards * ge if strategy == "zero2" else whole * ge
+    transient = whole * ge if strategy == "zero2" else 0
+    if precision.compute < pe:
+        transient += whole * precision.compute  # autocast's copies, forward to backward
+    return DataParallelCost(
+        parameters=whole * pe,
+        gradients=grads,
+        optimizer_state=state,
+        peak_gathered_parameters=whole * pe,
         transient=transient,
         ops=_merge(grad_ops, gather_ops),
         grad_ops=grad_ops,

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from dtlab.backends._run_args import check_timeout, check_world_size
 from dtlab.backends.inmemory import InMemoryBackend, InMemoryWorld
 from dtlab.errors import (
     CollectiveMismatchError,
@@ -16,7 +17,6 @@ from dtlab.errors import (
     RankFailedError,
     WorldAbortedError,
 )
-from dtlab.testing._args import check_timeout, check_world_size
 
 T = TypeVar("T")
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.backends._checked import ENV_VAR
+from dtlab.backends._run_args import check_timeout, check_world_size
 from dtlab.errors import ArgumentError, BackendInitError, CollectiveTimeoutError, RankFailedError
-from dtlab.testing._args import check_timeout, check_world_size
 
 __all__ = ["find_mpiexec", "spawn_world"]
 

@@ -75,7 +75,7 @@ def run_training(
         task = task_from_objects(config, model, train_data, eval_data, loss_fn)
     name = resolve_backend_name(config)
     if name == "inmemory":
-        from dtlab.testing import run_world
+        from dtlab.backends.threads import run_world
 
         ws = config.backend.world_size
         check_world_size(config, ws)

@@ -28,6 +28,7 @@ from dtlab.checkpoint.load import LoadedCheckpoint
 from dtlab.config import TrainConfig, check_world_size
 from dtlab.data import fetch
 from dtlab.errors import CheckpointError, ConfigError
+from dtlab.lr_schedule import build_scheduler
 from dtlab.models.precision import MixedPrecisionPolicy
 from dtlab.optimizers.elastic import ElasticMember
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
@@ -59,7 +60,6 @@ from dtlab.trainers.resume import (
 from dtlab.trainers.rundir import open_metrics
 from dtlab.trainers.saved_state import check_saved_state
 from dtlab.trainers.scaler import DynamicLossScaler
-from dtlab.trainers.schedule import build_scheduler
 from dtlab.trainers.state import capture_rng, scheduler_state, trainer_state
 from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss
 
