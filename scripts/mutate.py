@@ -92,10 +92,13 @@ TESTS: dict[str, list[str]] = {
     "dtlab/trainers/trainer.py": [
         "tests/test_accumulation_scale.py::test_trainer_accumulation_keeps_the_gradient_scale",
         "tests/test_trainer.py",
+        "tests/test_mixed_precision.py",
+        "tests/test_faults_resume.py",
     ],
     "dtlab/trainers/feed.py": [
         "tests/test_accumulation_scale.py::test_trainer_accumulation_keeps_the_gradient_scale",
         "tests/test_trainer_parts.py",
+        "tests/test_boundaries.py::test_feed_counts_epochs_at_their_boundary",
     ],
 }
 
@@ -325,6 +328,24 @@ def _pytest(repo: Path, tests: list[str], timeout: float) -> tuple[str, float]:
     return ("survived" if proc.returncode == 0 else "killed"), time.perf_counter() - t0
 
 
+def _survivors(results: list[Path]) -> dict[tuple[str, str, str, str], int]:
+    """(path, operator, line before, line after) -> line, of every survivor in earlier results."""
+    out = {}
+    for f in results:
+        text = f.read_text()
+        rows = (
+            json.loads(text)["mutants"] if f.suffix == ".json" else [json.loads(x) for x in text.splitlines()]
+        )
+        out.update(
+            {
+                (r["path"], r["op"], r["before"], r["after"]): r["line"]
+                for r in rows
+                if r["status"] == "survived"
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", nargs="*", help="files to mutate (default: every file in TESTS)")
@@ -334,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-factor", type=float, default=3.0, help="x the unmutated run's time, +20 s")
     ap.add_argument("--json", type=Path, help="write every mutant and its outcome here")
     ap.add_argument("--ids", nargs="*", help="run only these mutants (path:line:operator, e.g. survivors)")
+    ap.add_argument(
+        "--survivors-of",
+        type=Path,
+        nargs="*",
+        help="run only the survivors of earlier --json results (found again by their text: lines move)",
+    )
     ap.add_argument("--list", action="store_true", help="list the sites and the test subsets, run nothing")
     ap.add_argument("--min-rate", type=float, default=0.9)
     ap.add_argument(
@@ -353,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         return _summary(done, sorted({m.path for m in done}), data["wall_seconds"], args)
 
     files = args.files or list(TESTS)
+    wanted = _survivors(args.survivors_of) if args.survivors_of else None
+    if wanted is not None:
+        files = [f for f in files if any(w[0] == f for w in wanted)]
     if args.ids:
         files = [f for f in files if any(i.startswith(f + ":") for i in args.ids)]
     unknown = [f for f in files if f not in TESTS]
@@ -365,6 +395,11 @@ def main(argv: list[str] | None = None) -> int:
         chosen = found if args.per_file <= 0 else rng.sample(found, min(args.per_file, len(found)))
         if args.ids:
             chosen = [m for m in found if m.id in args.ids]
+        if wanted is not None:  # the same text nearest the line it had
+            chosen = []
+            for key, line in wanted.items():
+                same = [m for m in found if (m.path, m.op, m.before, m.after) == key]
+                chosen += sorted(same, key=lambda m: abs(m.line - line))[:1]
         chosen.sort(key=lambda m: m.line)
         print(f"{f}: {len(found)} sites, {len(chosen)} mutants; tests: {' '.join(TESTS[f])}", flush=True)
         plan += chosen

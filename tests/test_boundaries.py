@@ -274,3 +274,21 @@ def test_gaussiank_adjusts_a_heavy_tailed_selection_into_range() -> None:
         idx, thr = comp.threshold(acc, Magnitudes())
         assert 3 * k // 4 <= idx.numel() <= 5 * k // 4, (density, idx.numel(), k)
         assert torch.equal(idx, select_by_threshold(acc, thr))  # exactly the entries at or above it
+
+
+def test_feed_counts_epochs_at_their_boundary() -> None:
+    """8 samples, global batch 4 over 2 ranks: 2 steps per epoch; the 5th step opens the third epoch
+    (index 2), and each epoch visits every sample once, in that epoch's own shuffled order."""
+    from dtlab.data import TensorDataset
+    from dtlab.trainers.feed import DataFeed
+
+    data = TensorDataset(torch.arange(8.0).view(8, 1), torch.arange(8))
+    feeds = [DataFeed(data, 4, 2, r, 1, seed=3, shuffle=True) for r in range(2)]
+    seen: list[list[int]] = [[], [], []]
+    for step in range(6):
+        for feed in feeds:
+            ((x, _),) = feed.next_micro_batches()
+            seen[step // 2] += x.view(-1).long().tolist()
+            assert feed.state_dict()["epoch"] == step // 2, (step, feed.state_dict())
+    assert all(sorted(s) == list(range(8)) for s in seen)
+    assert len({tuple(s) for s in seen}) > 1  # the order changes with the epoch
