@@ -34,6 +34,9 @@ ALLOWED: dict[str, set[str]] = {
     "config": {
         "config_sections", "parallel_config", "lr_schedule", "yaml_strict", "core", "errors", "untrusted",
     },
+    "config_doc": {
+        "config", "config_sections", "parallel_config", "lr_schedule", "yaml_strict", "core", "errors",
+    },
     "trainers": {
         "config", "config_sections", "parallel_config", "lr_schedule", "yaml_strict", "zoo", "data",
         "optimizers", "checkpoint", "models", "compression", "core", "backends", "errors", "untrusted",
@@ -44,8 +47,8 @@ ALLOWED: dict[str, set[str]] = {
         "untrusted",
     },
     "cli": {
-        "benchmarks", "trainers", "advise", "config", "config_sections", "parallel_config", "zoo", "data",
-        "optimizers", "checkpoint", "models", "compression", "core", "backends", "errors", "untrusted",
+        "config_doc", "benchmarks", "trainers", "advise", "config", "config_sections", "parallel_config",
+        "zoo", "data", "optimizers", "checkpoint", "models", "compression", "core", "backends", "errors", "untrusted",
     },
     "__main__": {"cli"},
 }  # fmt: skip
