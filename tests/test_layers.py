@@ -48,7 +48,8 @@ ALLOWED: dict[str, set[str]] = {
     },
     "cli": {
         "config_doc", "benchmarks", "trainers", "advise", "config", "config_sections", "parallel_config",
-        "zoo", "data", "optimizers", "checkpoint", "models", "compression", "core", "backends", "errors", "untrusted",
+        "zoo", "data", "optimizers", "checkpoint", "models", "compression", "core", "backends", "errors",
+        "untrusted",
     },
     "__main__": {"cli"},
 }  # fmt: skip
