@@ -38,10 +38,8 @@ def _like(saved: Any, ref: Any, path: str) -> str | None:
         return None if ok else f"{path}={summary(saved)}, expected a number or null"
     if isinstance(ref, bool):
         return None if isinstance(saved, bool) else f"{path}={summary(saved)}, expected true or false"
-    if isinstance(ref, int | float):
-        kind_ok = is_int(saved, -_INT, _INT) if isinstance(ref, int) else _number(saved)
-        want = "an integer" if isinstance(ref, int) else "a finite number"
-        return None if kind_ok else f"{path}={summary(saved)}, expected {want}"
+    if isinstance(ref, int | float):  # an int the live state holds may be saved as a float (and back)
+        return None if _number(saved) else f"{path}={summary(saved)}, expected a finite number"
     if isinstance(ref, str):
         return None if isinstance(saved, str) else f"{path}={summary(saved)}, expected a string"
     if isinstance(ref, list | tuple):
@@ -67,6 +65,16 @@ def _like(saved: Any, ref: Any, path: str) -> str | None:
     return None  # a live value of another kind (a tensor in a scheduler's state): not saved as JSON
 
 
+def _known(saved: Any, trainer: Trainer) -> Any:
+    """The saved scheduler state without keys another torch version keeps and this one does not
+    (harmless: restored as unused attributes); a key naming an attribute of the live scheduler that is
+    not state (``optimizer``) stays, and is refused."""
+    if not isinstance(saved, dict):
+        return saved
+    live = trainer.scheduler.state_dict()
+    return {k: v for k, v in saved.items() if k in live or hasattr(trainer.scheduler, str(k))}
+
+
 def check_saved_state(trainer: Trainer, state: Any, step: int, where: str) -> None:
     """``state`` (a ``meta.json`` or an elastic commit's state, saved at ``step``) against what
     ``trainer`` would save now; a :class:`CheckpointError` naming ``where`` and the field."""
@@ -82,7 +90,7 @@ def check_saved_state(trainer: Trainer, state: Any, step: int, where: str) -> No
     elif t["step"] != step:
         problem = f"trainer.step={t['step']}, but the checkpoint is of step {step}"
     parts: list[tuple[str, Any, Any]] = [
-        ("trainer.scheduler", t.get("scheduler"), trainer.scheduler.state_dict()),
+        ("trainer.scheduler", _known(t.get("scheduler"), trainer), trainer.scheduler.state_dict()),
         ("trainer.guard", t.get("guard"), trainer.guard.state_dict()),
         ("trainer.early_stopping", t.get("early_stopping"), trainer.early.state_dict()),
         ("data_position", state.get("data_position"), trainer.feed.state_dict()),
