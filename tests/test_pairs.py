@@ -57,3 +57,19 @@ def test_unknown_names_and_bad_rows() -> None:
         pairs.PAIRINGS["ddp"].model = "x"  # type: ignore[misc]
     with pytest.raises(TypeError):
         pairs.PAIRINGS["x"] = pairs.PAIRINGS["ddp"]  # type: ignore[index]
+
+
+def test_one_vocabulary_of_data_parallel_names() -> None:
+    """The data-parallel names are pairs.DATA_PARALLEL everywhere: the dp axis's strategy classes,
+    advise's plans and the benchmarks; each is a model strategy of the pairing table."""
+    from typing import get_args
+
+    from dtlab.advise.spec import DP_STRATEGIES, DpStrategy
+    from dtlab.benchmarks.mesh import STRATEGIES
+    from dtlab.models._hybrid_build import DATA_PARALLEL_CLASSES
+
+    assert tuple(DATA_PARALLEL_CLASSES) == pairs.DATA_PARALLEL
+    assert DP_STRATEGIES == get_args(DpStrategy) == STRATEGIES == pairs.DATA_PARALLEL
+    assert all(name in pairs.PAIRINGS for name in pairs.DATA_PARALLEL)
+    for name, cls in DATA_PARALLEL_CLASSES.items():
+        assert pairs.model_class_name(name) == cls.__name__

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from dtlab.core import pairs
 from dtlab.errors import ArgumentError
 
 __all__ = [
@@ -25,7 +26,7 @@ __all__ = [
 ]
 
 #: the data-parallel strategies a candidate chooses from (dtlab's model strategy names)
-DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+DP_STRATEGIES = pairs.DATA_PARALLEL
 #: pipeline schedules, as dtlab.models.pipeline names them
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 #: activation checkpointing: none, per transformer block (Megatron's "full" recompute, what dtlab

@@ -42,6 +42,7 @@ import torch
 from dtlab.advise import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, predict
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, load_config
+from dtlab.core import pairs
 from dtlab.data import TensorDataset
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
 from dtlab.trainers.parallel import parallel_loss
@@ -50,7 +51,7 @@ from dtlab.zoo import Block, TransformerLM
 
 __all__ = ["main", "mesh_shapes"]
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+STRATEGIES = pairs.DATA_PARALLEL
 AXES = ("dp", "tp", "pp")
 
 

@@ -31,10 +31,11 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.core import pairs
 from dtlab.models import ModuleClassPolicy, get_model_strategy
 from dtlab.optimizers import default_optimizer_strategy
 
-DTLAB = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+DTLAB = pairs.DATA_PARALLEL
 #: variants run only when named in --strategies: ZeRO-1 with DDP's all-reduce instead of reduce-scatter
 DTLAB_EXTRA = {"zero1_allreduce": ("zero1", {"gradient_sync": "all_reduce"})}
 TORCH = ("torch_ddp", "torch_fsdp2")

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from dtlab.errors import ArgumentError
 
 __all__ = [
+    "DATA_PARALLEL",
     "OPTIMIZER_CLASSES",
     "PAIRINGS",
     "Pairing",
@@ -70,6 +71,10 @@ def _table(*rows: Pairing) -> Mapping[str, Pairing]:
         table[row.model] = row
     return MappingProxyType(table)
 
+
+#: the data-parallel strategies, by the one name config, registry, advise and benchmarks use (the dp
+#: axis of a mesh runs any of them)
+DATA_PARALLEL: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 #: model strategy name -> its pairing, in the order configs and messages list them
 PAIRINGS: Mapping[str, Pairing] = _table(

@@ -16,6 +16,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh
+from dtlab.core import pairs
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.errors import StrategyError
 from dtlab.models._common import DataParallelModel
@@ -51,7 +52,7 @@ DATA_PARALLEL_CLASSES: dict[str, type[DataParallelModel]] = {
     "zero3": ZeRO3Model,
     "fsdp": FSDPModel,
 }
-DATA_PARALLEL = tuple(DATA_PARALLEL_CLASSES)
+DATA_PARALLEL = pairs.DATA_PARALLEL
 AXES = ("pp", "dp", "tp")
 
 

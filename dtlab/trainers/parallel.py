@@ -19,6 +19,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig
+from dtlab.core import pairs
 from dtlab.errors import ConfigError
 from dtlab.models.base import ModelStrategy
 from dtlab.parallel_config import MESH_STRATEGIES
@@ -44,7 +45,7 @@ def data_parallel_choice(config: TrainConfig) -> str:
     fsdp; for ``strategy.model=hybrid`` the optimizer's (``ddp``, ``zero1``, ``zero2``, ``zero3``); for
     tensor and pipeline, whose dp axis runs DDP buckets, the optimizer's too (``ddp`` or ``zero1``)."""
     name = config.strategy.model
-    return name if name in ("ddp", "zero1", "zero2", "zero3", "fsdp") else config.strategy.optimizer_name
+    return name if name in pairs.DATA_PARALLEL else config.strategy.optimizer_name
 
 
 def build_parallel_model(
