@@ -174,7 +174,7 @@ class _DataDependent(nn.Module):
     ("make", "kwargs", "words"),
     [
         (lambda: nn.Linear(2, 2), {}, "splits an nn.Sequential or a module with a pipeline_blocks()"),
-        (_Tied, {}, "tied weights across blocks are not supported"),
+        (_Tied, {}, "'a.weight' and 'b.weight' are one tied parameter used by pipeline blocks ['a', 'b']"),
         (_Partial, {}, "belong to no pipeline block and would be dropped: ['extra.weight', 'extra.bias']"),
         (lambda: make_mlp(1), {}, "has 2 pipeline blocks (['0', '1']) but the pipeline needs 4 stages"),
         (lambda: make_mlp(4), {"split_points": ["2"]}, "4 pipeline stages need 3 split points"),

@@ -26,6 +26,7 @@ from dtlab.models._pipeline_schedules import PipelineSchedule, build_schedule, c
 from dtlab.models._pipeline_split import Shapes, Stage, module_blocks, split_blocks, stage_shapes
 from dtlab.models._tensor_comm import broadcast_module_state
 from dtlab.models._tensor_plan import Plan, apply_plan, resolve_plan
+from dtlab.models._tied import check_tied, retie
 from dtlab.models.ddp import DDPModel
 from dtlab.models.fsdp import FSDPModel
 from dtlab.models.zero1 import ZeRO1Model
@@ -161,10 +162,12 @@ def lay_out(
     pipelined = always_pipelined or p > 1 or v > 1 or m > 1
     _check_pipeline(who, args, p, m, pipelined)
     partial: list[nn.Parameter] = []
-    if tensor_plan is not None:
-        resolved = resolve_plan(module, tensor_plan, tp.world_size)
+    resolved = None if tensor_plan is None else resolve_plan(module, tensor_plan, tp.world_size)
+    ties = check_tied(who, module, resolved, pipelined)  # never silently untied; before any work
+    if resolved is not None:
         broadcast_module_state(module, tp)  # the data-parallel strategy then broadcasts over dp
         partial = apply_plan(module, resolved, tp)
+        retie(module, ties)
     elif tp.world_size > 1:
         raise StrategyError(
             f"{who} on a mesh with tp={tp.world_size} needs a tensor_plan: {{'fqn-pattern': style}}, or "

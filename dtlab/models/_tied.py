@@ -1,0 +1,167 @@
+"""Tied (shared) parameters under the model-parallel composition: never silently untied.
+
+A parameter reachable under two names (GPT-2's ``lm_head.weight`` *is* ``transformer.wte.weight``) is
+one weight. The tensor plan swaps modules for parallel versions holding copies of shards, which would
+give each user its own copy; a pipeline puts blocks on different ranks. So, before any communication:
+
+- tensor parallelism keeps the tie when the plan splits the copies the same way: an ``nn.Embedding``
+  made ``"vocab"`` and an ``nn.Linear`` made ``"colwise"`` (one section) share the weight's dim 0 (the
+  vocabulary) identically, so after the swap the linear layer is given the embedding's shard
+  (:func:`retie`); a tie the plan does not touch stays as it is; any other tie the plan touches is
+  refused, naming the tied parameters;
+- a pipeline refuses a parameter used by two of its blocks (the blocks may run on different ranks),
+  naming the tied parameters and the blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from dtlab.errors import StrategyError
+from dtlab.models._tensor_plan import (
+    ColwiseParallel,
+    HeadsParallel,
+    SequenceParallel,
+    Style,
+    VocabParallel,
+)
+
+__all__ = ["Retie", "check_tied", "retie", "tied_groups"]
+
+#: ``(linear module name, embedding module name)``: the linear layer's weight becomes the embedding's
+Retie = tuple[str, str]
+
+_FIX = (
+    "keep the tie by making the embedding 'vocab' and the output layer 'colwise' in the plan (both split "
+    "the vocabulary dimension the same way), leave both out of the plan, or untie them in the model "
+    "before wrapping (e.g. Hugging Face: config.tie_word_embeddings=False; this changes the model)"
+)
+
+
+def tied_groups(module: nn.Module) -> list[list[str]]:
+    """The names of every parameter reachable under more than one name, one list per parameter."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _touched(resolved: Sequence[tuple[str, nn.Module, Style]]) -> dict[str, Style]:
+    """Module names whose parameters the plan replaces (or marks as partial sums), with the style."""
+    out: dict[str, Style] = {}
+    for name, _module, style in resolved:
+        if isinstance(style, HeadsParallel):
+            for child in (*style.qkv, style.out):
+                out[f"{name}.{child}"] = style
+        elif isinstance(style, SequenceParallel):
+            if not style.split_output:  # split_output only hooks the output
+                out[name] = style
+        else:
+            out[name] = style
+    return out
+
+
+def _owner(param: str, touched: dict[str, Style]) -> tuple[str, Style] | None:
+    for mod, style in touched.items():
+        if param.startswith(mod + "."):
+            return mod, style
+    return None
+
+
+def _tensor_ties(
+    who: str, groups: list[list[str]], resolved: Sequence[tuple[str, nn.Module, Style]]
+) -> list[Retie]:
+    touched = _touched(resolved)
+    out: list[Retie] = []
+    for names in groups:
+        hits = {n: _owner(n, touched) for n in names}
+        if all(h is None for h in hits.values()):
+            continue  # the plan leaves every user whole: still one parameter
+        vocab = [(n, h[0]) for n, h in hits.items() if h and isinstance(h[1], VocabParallel)]
+        col = [
+            (n, h[0])
+            for n, h in hits.items()
+            if h and isinstance(h[1], ColwiseParallel) and h[1].sections == 1
+        ]
+        if (
+            len(names) == 2
+            and len(vocab) == 1
+            and len(col) == 1
+            and vocab[0][0] == vocab[0][1] + ".weight"
+            and col[0][0] == col[0][1] + ".weight"
+        ):
+            out.append((col[0][1], vocab[0][1]))
+            continue
+        how = ", ".join(
+            f"{n}: {type(h[1]).__name__} on {h[0]!r}" if h else f"{n}: not in the plan"
+            for n, h in hits.items()
+        )
+        raise StrategyError(
+            f"{who}: {' and '.join(repr(n) for n in names)} are one tied parameter, and the tensor plan "
+            f"would split its users differently ({how}), silently untying them; {_FIX}"
+        )
+    return out
+
+
+def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """The pipeline blocks as the split will see them (None: no blocks; the split refuses that)."""
+    custom = getattr(module, "pipeline_blocks", None)
+    if callable(custom):
+        return [(str(n), b) for n, b in custom() if isinstance(b, nn.Module)]
+    if isinstance(module, nn.Sequential):
+        return list(module.named_children())
+    return None
+
+
+def _pipeline_ties(who: str, module: nn.Module, groups: list[list[str]]) -> None:
+    blocks = _blocks(module)
+    if not blocks or not groups:
+        return
+    named = dict(module.named_parameters(remove_duplicate=False))
+    for names in groups:
+        p = named[names[0]]
+        users = [b for b, block in blocks if any(q is p for q in block.parameters())]
+        if len(users) > 1:
+            raise StrategyError(
+                f"{who}: {' and '.join(repr(n) for n in names)} are one tied parameter used by pipeline "
+                f"blocks {users}, which may run on different ranks; a pipeline cannot keep it tied. Put "
+                "its users in one pipeline block (one stage), train without a pipeline (tensor or data "
+                "parallelism keep it tied), or untie them in the model before wrapping (e.g. Hugging "
+                "Face: config.tie_word_embeddings=False; this changes the model)"
+            )
+
+
+def check_tied(
+    who: str,
+    module: nn.Module,
+    resolved: Sequence[tuple[str, nn.Module, Style]] | None,
+    pipelined: bool,
+) -> list[Retie]:
+    """Every tie check, before any communication; returns the ties :func:`retie` restores after the
+    tensor plan's swap."""
+    groups = tied_groups(module)
+    if not groups:
+        return []
+    if pipelined:
+        _pipeline_ties(who, module, groups)
+    return _tensor_ties(who, groups, resolved) if resolved else []
+
+
+def retie(root: nn.Module, ties: Sequence[Retie]) -> None:
+    """After the swap: each column-parallel output layer uses its vocabulary-parallel embedding's
+    weight (the same rows of the same tensor), so the two stay one parameter."""
+    for linear, embedding in ties:
+        emb_weight = getattr(root.get_submodule(embedding), "weight", None)
+        lin = root.get_submodule(linear)
+        lin_weight = getattr(lin, "weight", None)
+        if not (isinstance(emb_weight, nn.Parameter) and isinstance(lin_weight, nn.Parameter)) or (
+            lin_weight.shape != emb_weight.shape
+        ):
+            raise StrategyError(
+                f"tied weight: {linear}.weight and {embedding}.weight differ after the tensor-parallel "
+                f"swap (shapes {getattr(lin_weight, 'shape', None)} and "
+                f"{getattr(emb_weight, 'shape', None)}); {_FIX}"
+            )
+        lin.weight = emb_weight
