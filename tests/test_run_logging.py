@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from dtlab.cli import main
 from dtlab.config import load_config
-from dtlab.errors import ConfigError
+from dtlab.errors import CheckpointError, ConfigError, RankFailedError
 from dtlab.testing import TINY_LM
 from dtlab.trainers import run_training
 from dtlab.trainers.rundir import choose_run_dir
@@ -99,3 +100,20 @@ def test_logging_settings_are_checked() -> None:
         load_config(overrides=["logging.run_dir=runs/{date}"])
     with pytest.raises(ConfigError, match=r"write into logging\.run_dir, which is null"):
         load_config(overrides=["logging.run_dir=null", "logging.csv=true"])
+
+
+def test_a_resume_from_a_missing_directory_is_announced(tmp_path: Path) -> None:
+    typo = tmp_path / "ckpt-typo"
+    sets = [*BASE, "train.steps=1", "logging.run_dir=null", f"checkpoint.dir={typo}"]
+    sets.append("checkpoint.resume=true")
+    result = run_training(load_config(overrides=sets))[0]
+    assert result.start_step == 0
+    notes = " ".join(result.resume_notes)  # the run's own lock may have made the directory by then
+    where = re.escape(repr(str(typo)))
+    assert re.search(rf"no checkpoint in {where} \(it (does not exist|holds no step directory)\)", notes)
+    assert notes.endswith("): starting at step 0")
+    refused = r"strict_resume=true refuses to start at step 0"
+    with pytest.raises((CheckpointError, RankFailedError), match=refused) as info:
+        strict = [*sets, f"checkpoint.dir={tmp_path / 'other'}", "checkpoint.strict_resume=true"]
+        run_training(load_config(overrides=strict))  # (the first run saved its step 1 in typo)
+    assert f"no checkpoint in {str(tmp_path / 'other')!r}" in str(info.value)

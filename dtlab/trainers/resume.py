@@ -65,6 +65,24 @@ def _choose_on_rank0(
         if point.checkpoint is None and c.resume is not True:
             what = "does not exist" if not where.exists() else "holds no checkpoint"
             return None, [], f"checkpoint.resume={str(where)!r} {what}"
+        if point.checkpoint is None:  # resume=true: a first run, or a typo in checkpoint.dir
+            if not where.is_dir():
+                what = "it does not exist"
+            elif not any(d.name.startswith("step_") for d in where.iterdir()):
+                what = "it holds no step directory"
+            else:
+                what = "no step directory verifies there"
+            if c.strict_resume:
+                return (
+                    None,
+                    [],
+                    (
+                        f"checkpoint.resume=true: no checkpoint in {str(where)!r} ({what}); "
+                        "checkpoint.strict_resume=true refuses to start at step 0: check checkpoint.dir, "
+                        "or drop strict_resume for a run that may start fresh"
+                    ),
+                )
+            return None, [*point.notes, f"no checkpoint in {str(where)!r} ({what}): starting at step 0"], None
         other = None if point.checkpoint is None else another_run(config, point.checkpoint, previous)
         if other is not None and c.strict_resume:
             return None, [], f"{other}: checkpoint.strict_resume=true refuses another run's checkpoint"
