@@ -294,7 +294,7 @@ class HybridShardedModel(OptimizerTarget):
 
     # ------------------------------------------------------------------ optimizer protocol
     def attach_optimizer(self, optimizer: OptimizerStrategy) -> None:
-        name = getattr(optimizer, "strategy_name", "")
+        name = optimizer.strategy_name
         fitting = pairs.optimizers_for(self.data_parallel if self.mesh_axis is None else self.strategy_name)
         if name not in fitting:
             drivers = " or ".join(pairs.optimizer_class_name(f) for f in fitting)

@@ -25,7 +25,7 @@ by ``P`` (its term of the next sum; the other ranks hold zeros there) and the ne
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -34,19 +34,20 @@ from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import StrategyError
 from dtlab.models.ddp import DDPModel
 
+if TYPE_CHECKING:
+    from dtlab.optimizers.base import OptimizerStrategy
+
 __all__ = ["GradientSync", "ZeRO1Model", "gradient_sync_for"]
 
 GradientSync = Literal["reduce_scatter", "all_reduce"]
 
 
-def gradient_sync_for(model: str, chosen: GradientSync | None, optimizer: Any) -> GradientSync:
+def gradient_sync_for(model: str, chosen: GradientSync | None, optimizer: OptimizerStrategy) -> GradientSync:
     """How a model strategy with a ZeRO-1 dp axis (tensor, pipeline) reduces its gradients under
     ``optimizer``: ``chosen`` when the user set it, else reduce-scatter for ``ZeRO1Optimizer`` and
     all-reduce for the others. A reduce-scatter chosen for an optimizer that steps whole gradients is
     refused, naming both."""
-    wants: GradientSync = (
-        "reduce_scatter" if getattr(optimizer, "strategy_name", "") == "zero1" else "all_reduce"
-    )
+    wants: GradientSync = "reduce_scatter" if optimizer.strategy_name == "zero1" else "all_reduce"
     if chosen is None:
         return wants
     if chosen == "reduce_scatter" and wants != "reduce_scatter":
