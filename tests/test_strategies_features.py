@@ -378,6 +378,34 @@ def test_wrap_policies_and_reshard_after_forward() -> None:
     assert gathers == ["2"]  # reshard_after_forward=False: one gather per unit per step
 
 
+class Stacked(nn.Module):
+    """Layers in an nn.ModuleList: each below the size threshold, the list above it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])  # 72 parameters each
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def _size_over_module_list(backend: CommunicationBackend) -> list[str]:
+    model = FSDPModel(Stacked(), backend, wrap_policy=SizePolicy(100))
+    model(torch.randn(4, 8)).sum().backward()  # a forward and backward through the units
+    return [u.key for u in model.shard_units()]
+
+
+def test_size_policy_never_wraps_a_module_list() -> None:
+    # torch's size policy excludes ModuleList/ModuleDict: the list (144 >= 100) runs no forward
+    assert run_world(2, _size_over_module_list)[0] == ["<root>"]
+    assert not SizePolicy(1).should_wrap(nn.ModuleDict({"a": nn.Linear(8, 8)}), 72)
+    assert SizePolicy(1).should_wrap(nn.Linear(8, 8), 72)
+
+
 class ReadsChildWeight(nn.Module):
     def __init__(self) -> None:
         super().__init__()

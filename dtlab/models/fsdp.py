@@ -43,7 +43,11 @@ class ModuleClassPolicy:
 
 @dataclass(frozen=True)
 class SizePolicy:
-    """Wrap a module once its parameters not already in an inner unit reach ``min_num_params``."""
+    """Wrap a module once its parameters not already in an inner unit reach ``min_num_params``.
+
+    An ``nn.ModuleList`` or ``nn.ModuleDict`` is never a unit (as torch's size policy): it runs no
+    forward of its own, so its parameters count towards the module that runs its members.
+    """
 
     min_num_params: int
 
@@ -51,7 +55,9 @@ class SizePolicy:
         if not isinstance(self.min_num_params, int) or self.min_num_params < 1:
             raise ValueError(f"SizePolicy.min_num_params must be an int >= 1, got {self.min_num_params!r}")
 
-    def should_wrap(self, module: nn.Module, unwrapped_params: int) -> bool:  # noqa: ARG002 - the WrapPolicy interface
+    def should_wrap(self, module: nn.Module, unwrapped_params: int) -> bool:
+        if isinstance(module, nn.ModuleList | nn.ModuleDict):
+            return False
         return unwrapped_params >= self.min_num_params
 
 
