@@ -74,9 +74,11 @@ def test_tensorboard_csv_and_plot_show_the_same_loss(tmp_path: Path, capsys: Any
     expected = {"train/loss", "train/lr", "train/grad_norm", "throughput/tokens_per_s", "eval/loss"}
     assert expected | {"comm/bytes_sent_MB", "memory/rank0_MB"} <= tags, tags
     tb_loss = {e.step: e.value for e in events.Scalars("train/loss")}
-    assert tb_loss.keys() == logged.keys() == {2, 4, 6}
+    assert logged.keys() == {2, 4, 6} and tb_loss.keys() == {1, 2, 3, 4, 5, 6}  # every step's loss
+    every = {s: v for rec in logged.values() for s, v in rec["losses"]}
+    assert every == dict(result.losses)
     for step, value in tb_loss.items():  # TensorBoard stores float32
-        assert value == pytest.approx(logged[step]["loss"], rel=1e-6)
+        assert value == pytest.approx(every[step], rel=1e-6)
     tb_eval = {e.step: e.value for e in events.Scalars("eval/loss")}
     assert tb_eval == pytest.approx({s: v["eval_loss"] for s, v in result.evals})
     sent = {e.step: e.value for e in events.Scalars("comm/bytes_sent_MB")}

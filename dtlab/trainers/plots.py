@@ -1,6 +1,7 @@
 """``loss.png``: training and eval loss against step and against bytes sent, for one run or several.
 
-Read from each run's ``metrics.jsonl`` (the logged steps and every evaluation), so a run's own
+Read from each run's ``metrics.jsonl`` (every step's training loss, the records' ``losses``, and every
+evaluation), so a run's own
 ``loss.png`` and ``dtlab plot RUN_DIR [RUN_DIR...]`` draw the same curves. Bytes sent are the largest
 rank's cumulative bytes at each logged step (``bytes_sent_per_rank``); an evaluation's bytes are
 interpolated between the logged steps around it. Drawn with matplotlib's object API (no pyplot, no
@@ -65,6 +66,9 @@ def read_curves(run_dir: str | Path) -> Curves:
                 continue
             if isinstance(rec.get("loss"), int | float):
                 train[step] = float(rec["loss"])
+            for pair in rec.get("losses") or []:  # every step's loss since the previous record
+                if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int):
+                    train[pair[0]] = float(pair[1])
             if isinstance(rec.get("eval_loss"), int | float):
                 evals[step] = float(rec["eval_loss"])
             per_rank = rec.get("bytes_sent_per_rank")

@@ -47,9 +47,14 @@ def _numbers(stats: dict[str, Any]) -> dict[str, float]:
 
 
 def step_record(
-    trainer: Trainer, window: dict[str, float], loss: float | None, norm: float | None
+    trainer: Trainer,
+    window: dict[str, float],
+    loss: float | None,
+    norm: float | None,
+    recent: list[tuple[int, float]] | None = None,
 ) -> dict[str, Any]:
-    """Collective (all ranks call it at the same steps): gathers bytes and memory of every rank."""
+    """Collective (all ranks call it at the same steps): gathers bytes and memory of every rank.
+    ``recent``: the ``(step, loss)`` of every step since the last record (``losses``), for curves."""
     b = trainer.backend
     now = time.perf_counter()
     steps = max(1.0, window["steps"])
@@ -71,6 +76,7 @@ def step_record(
         "bytes_sent_per_rank": [e["bytes_sent"] for e in everyone],
         "memory_per_rank": [e["memory"] for e in everyone],
         "skipped_steps": trainer.guard.skipped,
+        "losses": [[s, v] for s, v in recent or []],
     }
     if trainer.config.compression.algorithm != "none":
         # the compression optimizer keeps the statistics of the step it just applied

@@ -5,7 +5,8 @@ cleaned: numbers are finite) and maps the same quantities to its own names:
 
 | record field | TensorBoard / W&B tag | CSV column |
 |---|---|---|
-| ``loss``, ``lr``, ``grad_norm`` | ``train/loss``, ``train/lr``, ``train/grad_norm`` | same names |
+| ``loss`` (TensorBoard: every step's, from ``losses``) | ``train/loss`` | ``loss`` |
+| ``lr``, ``grad_norm`` | ``train/lr``, ``train/grad_norm`` | same names |
 | ``samples_per_s``, ``tokens_per_s``, ``step_time_s``, ``comm_s`` | ``throughput/...`` | same names |
 | ``bytes_sent_per_rank`` (largest rank, cumulative) | ``comm/bytes_sent_MB`` | ``bytes_sent_MB`` |
 | ``memory_per_rank`` (rank 0, all kinds) | ``memory/rank0_MB`` | ``memory_rank0_MB`` |
@@ -87,7 +88,11 @@ class TensorBoardSink:
         step = record.get("step")
         if not isinstance(step, int):
             return
-        for name, value in scalars(record).items():
+        values = scalars(record)
+        for pair in record.get("losses") or []:  # every step's training loss, not only the logged one
+            if isinstance(pair, list) and len(pair) == 2 and pair[0] != step:
+                self.writer.add_scalar("train/loss", float(pair[1]), global_step=int(pair[0]))
+        for name, value in values.items():
             self.writer.add_scalar(_TAGS.get(name, name), value, global_step=step)
 
     def close(self) -> None:

@@ -384,6 +384,7 @@ class Trainer:
         )
         window: dict[str, float] = {"t": time.perf_counter(), "steps": 0, "comm": self.backend.stats.seconds}
         sent0 = self.backend.stats.bytes_sent
+        logged = 0  # result.losses already in a metrics record
         if self.is_main and cfg.logging.progress:
             bar.print_line(header(self))
         t_start = time.perf_counter()
@@ -409,7 +410,8 @@ class Trainer:
                     self.metrics.log({"step": self.step, **ev_result})
                     stop = self.optimizer.agree(self.early.update(ev_result["eval_loss"]))
                 if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps or stop:
-                    rec = self.metrics.log(step_record(self, window, loss, norm))
+                    recent, logged = result.losses[logged:], len(result.losses)  # every step's loss
+                    rec = self.metrics.log(step_record(self, window, loss, norm, recent))
                     if self.is_main and cfg.logging.progress:
                         bar.print_line(format_record(rec))
                     window = {"t": time.perf_counter(), "steps": 0, "comm": self.backend.stats.seconds}
