@@ -119,3 +119,12 @@ def test_a_resume_from_a_missing_directory_is_announced(tmp_path: Path) -> None:
         strict = [*sets, f"checkpoint.dir={tmp_path / 'other'}", "checkpoint.strict_resume=true"]
         run_training(load_config(overrides=strict))  # (the first run saved its step 1 in typo)
     assert f"no checkpoint in {str(tmp_path / 'other')!r}" in str(info.value)
+
+
+def test_bytes_at_a_step_follow_the_logged_steps() -> None:
+    from dtlab.trainers.plots import Curves
+
+    c = Curves("r", sent_mb=[(20, 60.0), (40, 116.0), (60, 172.0)])
+    assert c.mb_at(30) == pytest.approx(88.0) and c.mb_at(60) == 172.0
+    assert c.mb_at(1) == pytest.approx(60.0 - 2.8 * 19)  # before the first record: the same rate back
+    assert c.mb_at(61) is None and Curves("r", sent_mb=[(20, 1.0), (40, 100.0)]).mb_at(0) == 0.0

@@ -33,8 +33,13 @@ class Curves:
     sent_mb: list[tuple[int, float]] = field(default_factory=list)
 
     def mb_at(self, step: int) -> float | None:
-        """MB sent by ``step`` (linear between the logged steps around it; None outside them)."""
+        """MB sent by ``step``: linear between the logged steps around it; before the first logged
+        step, continued back along the first two (bytes per step are steady), never below 0; None
+        past the last logged step."""
         pts = self.sent_mb
+        if len(pts) >= 2 and step < pts[0][0]:
+            (s0, b0), (s1, b1) = pts[0], pts[1]
+            return max(0.0, b0 - (b1 - b0) * (s0 - step) / max(1, s1 - s0))
         for (s0, b0), (s1, b1) in itertools.pairwise(pts):
             if s0 <= step <= s1:
                 return b0 + (b1 - b0) * (step - s0) / max(1, s1 - s0)
