@@ -74,3 +74,16 @@ def test_header_names_the_plan_and_the_summary_agrees_with_the_step_lines(capsys
     assert re.search(r"eval loss \(last\)\s+\d+\.\d{4} *\n", text)  # as the training loss: 4 decimals
     share = re.search(r"comm share of step time\s+([\d.]+)%", text)
     assert share is not None  # a percentage, as in the profile table
+
+
+def test_the_dense_warm_up_is_in_the_header_and_the_step_lines(capsys: Any) -> None:
+    sets = [*TINY_LM, "backend.name=inmemory", "backend.world_size=2", "train.steps=3", "logging.log_every=1"]
+    sets += ["logging.run_dir=null", "compression.algorithm=oktopk", "compression.density=0.05"]
+    sets += ["compression.dense_warmup_steps=2"]
+    assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 0
+    cap = capsys.readouterr()
+    text = cap.out + cap.err
+    head = next(line for line in text.splitlines() if line.startswith("dtlab train: ") and "|" in line)
+    assert "compression oktopk @ 0.05 after 2 dense steps" in head, head
+    steps = [line for line in text.splitlines() if re.match(r"step +\d+ \|", line)]
+    assert [("dense warm-up (2 steps)" in line) for line in steps] == [True, True, False], steps

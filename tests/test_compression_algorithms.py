@@ -115,7 +115,9 @@ def test_oktopk_exact_on_recompute_iterations_and_selection_in_range() -> None:
         if step < warm:
             torch.testing.assert_close(result, sum(r["acc"] for r in per_rank) / P)
             assert stats["dense_calls"] == 1
+            assert stats["warmup"] == f"dense warm-up: compression starts after {warm} dense steps"
             continue
+        assert "warmup" not in stats and stats["dense_warmup_steps"] == warm
         selected = int((result != 0).sum())
         assert k / 2 <= selected <= 2 * k, f"step {step}: {selected} selected, k={k}"
         assert stats["density"] == pytest.approx(selected / n)

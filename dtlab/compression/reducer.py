@@ -89,7 +89,9 @@ class CompressedReducer(GradientReducer):
         self._steps: dict[str, int] = {}
         self._numels: dict[str, int] = {}  # compressed buffers seen (or restored) and their sizes
         self._restored: dict[str, dict[str, Any]] = {}  # loaded compressor state, applied on first use
-        self._stats = StepStatistics(compressor.name, compressor.reduce_scatter_variant)
+        self._stats = StepStatistics(
+            compressor.name, compressor.reduce_scatter_variant, compressor.warmup_steps
+        )
 
     # ------------------------------------------------------------------ GradientReducer
     def all_reduce(self, key: str, grad: torch.Tensor) -> Work:
@@ -101,7 +103,9 @@ class CompressedReducer(GradientReducer):
         return self._run(key, grad, shard)
 
     def start_step(self) -> None:
-        self._stats = StepStatistics(self.compressor.name, self.compressor.reduce_scatter_variant)
+        self._stats = StepStatistics(
+            self.compressor.name, self.compressor.reduce_scatter_variant, self.compressor.warmup_steps
+        )
 
     def step_statistics(self) -> dict[str, Any]:
         return self._stats.as_dict()

@@ -20,6 +20,8 @@ class StepStatistics:
     algorithm: str
     #: the compressor's ``reduce_scatter_variant``: reported when a compressed reduce-scatter ran
     reduce_scatter_variant: str | None = None
+    #: the compressor's dense warm-up: this many reductions of each buffer are dense before compression
+    warmup_steps: int = 0
     calls: int = 0
     numel: int = 0
     local_selected: int = 0
@@ -79,6 +81,7 @@ class StepStatistics:
             "select_seconds": self.select_seconds,
             "comm_seconds": self.comm_seconds,
             "dense_calls": self.dense_calls,
+            "dense_warmup_steps": self.warmup_steps,
             "reduce_scatter_calls": self.reduce_scatter_calls,
             "nonfinite_values": self.nonfinite_values,
         }
@@ -90,6 +93,8 @@ class StepStatistics:
             out["compression_ratio"] = self.dense_bytes / self.bytes_sent
         if self.nonfinite_keys:
             out["nonfinite_keys"] = list(self.nonfinite_keys)
+        if self.warmup_steps and self.calls and self.dense_calls == self.calls:
+            out["warmup"] = f"dense warm-up: compression starts after {self.warmup_steps} dense steps"
         if self.reduce_scatter_variant and self.compressed_reduce_scatter_calls:
             out["variant"] = self.reduce_scatter_variant
         return out

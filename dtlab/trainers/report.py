@@ -86,6 +86,8 @@ def step_record(
         rec["compression"] = _numbers(stats)
         if "variant" in stats:  # Ok-Topk under reduce-scatter semantics: say which algorithm ran
             rec["compression"]["variant"] = stats["variant"]
+        if "warmup" in stats:  # a dense warm-up step: say so, and for how many steps
+            rec["compression"]["warmup"] = stats["warmup"]
     return rec
 
 
@@ -165,6 +167,8 @@ def _plan(trainer: Trainer) -> str:
     comp: str = c.compression.algorithm
     if comp != "none":
         comp += f" @ {c.compression.density}" if comp not in ("fp16", "bf16", "qsgd", "powersgd") else ""
+        warm = c.compression.dense_warmup_steps
+        comp += f" after {warm} dense steps" if warm else ""
     elastic = f"commit every {c.elastic.commit_every}" if c.elastic.commit_every else "off"
     micro = c.data.global_batch_size // max(1, trainer.dp.world_size * c.data.accumulation_steps)
     return (
@@ -193,6 +197,8 @@ def format_record(rec: dict[str, Any]) -> str:
         parts.append(f"density {comp['density']:.4f}")
     if "compression_ratio" in comp:
         parts.append(f"ratio {comp['compression_ratio']:.0f}x")
+    if "warmup" in comp:
+        parts.append(f"dense warm-up ({comp['dense_warmup_steps']:.0f} steps)")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
     return " | ".join(parts)
