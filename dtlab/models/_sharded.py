@@ -28,6 +28,7 @@ from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models._common import DataParallelModel, tensor_bytes
+from dtlab.models._materialize import MetaInit, ParamInitFn
 from dtlab.models._sharded_units import (
     SavedRef,
     ShardUnit,
@@ -66,7 +67,10 @@ class ShardedModel(DataParallelModel):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         world: CommunicationBackend | None = None,
+        init_seed: int | None = None,
+        param_init_fn: ParamInitFn | None = None,
     ) -> None:
+        meta = MetaInit.prepare(module, backend.device, init_seed, param_init_fn, type(self).__name__)
         super().__init__(
             module,
             backend,
@@ -86,12 +90,14 @@ class ShardedModel(DataParallelModel):
         self._peak = 0
         self._last_peak = 0
         for gname, gmodule, plans in self._plan():
-            members = [self._new_unit(plan, p, r) for plan in plans]
+            members = [self._new_unit(plan, p, r, fresh=meta is not None) for plan in plans]
             if members:
                 self._groups.append(members)
                 self._group_modules.append(gmodule)
                 self._group_names.append(gname)
         self._peak = self._last_peak = self._gathered_bytes
+        if meta is not None:  # built on meta: each rank initializes its own shards, no broadcast
+            meta.materialize(self.module, self._units)
         self._broadcast_from_rank0([q.data for _, q in self._frozen])
         self._broadcast_from_rank0(list(self.module.buffers()))
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
@@ -110,16 +116,21 @@ class ShardedModel(DataParallelModel):
     def _plan(self) -> list[tuple[str, nn.Module, list[UnitPlan]]]:
         raise NotImplementedError
 
-    def _new_unit(self, plan: UnitPlan, p: int, r: int) -> ShardUnit:
+    def _new_unit(self, plan: UnitPlan, p: int, r: int, fresh: bool = False) -> ShardUnit:
         """A new unit (appended to the units) with rank 0's values: this rank's shard kept, the whole
-        buffer only if persistent."""
+        buffer only if persistent. ``fresh`` (built on meta): zeros, filled by :class:`MetaInit`."""
         unit = FlatUnit(plan.key, plan.params, p, r)
-        flat = unit.new_flat()
-        unit.copy_params_into(flat)
-        self._broadcast_from_rank0([flat])
         lo, hi = unit.shard_bounds()
         grad = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-        st = ShardUnit(unit, flat[lo:hi].clone(), grad, plan.persistent, len(self._units))
+        if fresh:
+            flat = unit.new_flat() if plan.persistent else grad.new_zeros(0)
+            shard = torch.zeros_like(grad)
+        else:
+            flat = unit.new_flat()
+            unit.copy_params_into(flat)
+            self._broadcast_from_rank0([flat])
+            shard = flat[lo:hi].clone()
+        st = ShardUnit(unit, shard, grad, plan.persistent, len(self._units))
         if plan.persistent:
             st.flat = flat
             unit.bind(flat)

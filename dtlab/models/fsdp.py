@@ -19,6 +19,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
+from dtlab.models._materialize import ParamInitFn
 from dtlab.models._sharded import ShardedModel, UnitPlan
 
 __all__ = ["FSDPModel", "ModuleClassPolicy", "SizePolicy", "WrapPolicy"]
@@ -74,6 +75,14 @@ class FSDPModel(ShardedModel):
             it gathered until its backward (ZeRO-2-like, one all-gather fewer per step).
         prefetch: all-gather the next unit while the current one computes.
         reduce_dtype, find_unused_parameters, broadcast_buffers: as for DDPModel.
+        init_seed: for a module built on the meta device (``with torch.device("meta"):``): each rank
+            materializes only its shards and initializes them, one module at a time, with the module's
+            ``reset_parameters()`` (or ``param_init_fn``) under ``dtlab.core.seeded_init(init_seed)``:
+            bitwise the values of the module built plainly under ``seeded_init(init_seed)`` when its
+            layers draw in ``reset_parameters()`` in registration order (``torch.nn`` layers). Keep
+            buffers on the real device (parameters only on meta); a tensor nothing initializes is an error.
+        param_init_fn: ``fn(module)`` filling the module's own (``recurse=False``) parameters and meta
+            buffers in place, called instead of ``reset_parameters()`` for every module that has any.
     """
 
     strategy_name: ClassVar[str] = "fsdp"
@@ -90,6 +99,8 @@ class FSDPModel(ShardedModel):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         world: CommunicationBackend | None = None,
+        init_seed: int | None = None,
+        param_init_fn: ParamInitFn | None = None,
     ) -> None:
         if wrap_policy is not None and not isinstance(wrap_policy, ModuleClassPolicy | SizePolicy):
             raise TypeError(
@@ -106,6 +117,8 @@ class FSDPModel(ShardedModel):
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
             world=world,
+            init_seed=init_seed,
+            param_init_fn=param_init_fn,
         )
 
     def _unit_modules(self) -> set[int]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.models._materialize import ParamInitFn
 from dtlab.models._sharded import ShardedModel, UnitPlan
 
 __all__ = ["ZeRO3Model"]
@@ -36,6 +37,14 @@ class ZeRO3Model(ShardedModel):
         leaf_modules: module classes gathered as one piece with their children.
         prefetch: all-gather the next module's parameters while the current one computes.
         reduce_dtype, find_unused_parameters, broadcast_buffers: as for DDPModel.
+        init_seed: for a module built on the meta device (``with torch.device("meta"):``): each rank
+            materializes only its shards and initializes them, one module at a time, with the module's
+            ``reset_parameters()`` (or ``param_init_fn``) under ``dtlab.core.seeded_init(init_seed)``:
+            bitwise the values of the module built plainly under ``seeded_init(init_seed)`` when its
+            layers draw in ``reset_parameters()`` in registration order (``torch.nn`` layers). Keep
+            buffers on the real device (parameters only on meta); a tensor nothing initializes is an error.
+        param_init_fn: ``fn(module)`` filling the module's own (``recurse=False``) parameters and meta
+            buffers in place, called instead of ``reset_parameters()`` for every module that has any.
     """
 
     strategy_name: ClassVar[str] = "zero3"
@@ -52,6 +61,8 @@ class ZeRO3Model(ShardedModel):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         world: CommunicationBackend | None = None,
+        init_seed: int | None = None,
+        param_init_fn: ParamInitFn | None = None,
     ) -> None:
         if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
             raise ValueError(f"persistence_threshold must be an int >= 0, got {persistence_threshold!r}")
@@ -69,6 +80,8 @@ class ZeRO3Model(ShardedModel):
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
             world=world,
+            init_seed=init_seed,
+            param_init_fn=param_init_fn,
         )
         if backend.world_size > 1 and all(st.persistent for st in self._units):
             largest = max(p.numel() for _, p in self._trainable)

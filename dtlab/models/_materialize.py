@@ -1,0 +1,216 @@
+"""Meta-device construction for ZeRO-3 and FSDP: each rank materializes only its own shards.
+
+A module built under ``torch.device("meta")`` holds shapes, no values. :class:`MetaInit` first gives
+each meta parameter a one-element placeholder on the backend's device (the wrapper plans its units from
+shapes, dtypes and devices; no value is read), then, once the units exist with zeroed shards, walks
+the modules in registration order (construction order for ``torch.nn`` code) inside
+``seeded_init(init_seed)``: each module's own meta tensors are made whole on the CPU (one module at a
+time), filled with a sentinel, initialized by ``param_init_fn(module)`` or the module's
+``reset_parameters()``, checked (a sentinel left means nothing initialized that tensor: a named
+error), and this rank's slice is copied into its shard; the whole tensors are dropped. Because the
+RNG draws happen on the CPU in the order a plain construction makes them, the result is bitwise the
+model built plainly under ``seeded_init(init_seed)`` and then wrapped, on any world size.
+
+A parameter shared by several modules (tied weights) is initialized by its first module; a later
+module's ``reset_parameters()`` draws into a throwaway tensor (as the plain build drew values the tie
+then discarded). Buffers are best kept from construction (parameters only on the meta device); a
+buffer on meta is initialized like a parameter, or named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dtlab.core.rng import seeded_init
+from dtlab.errors import ArgumentError, StrategyError
+from dtlab.models._sharded_units import ShardUnit
+
+__all__ = ["MetaInit", "ParamInitFn"]
+
+ParamInitFn = Callable[[nn.Module], None]
+
+
+def _sentinel(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _untouched(t: torch.Tensor) -> bool:
+    """Whether ``t`` still holds the sentinel somewhere (floats: any NaN; integers: all the minimum)."""
+    if t.numel() == 0:
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    if t.dtype == torch.bool:
+        return False  # no value is a sentinel for a bool: trusted to the init function
+    return bool((t == torch.iinfo(t.dtype).min).all())
+
+
+@dataclass
+class _Place:
+    """Where a parameter's values go: its unit and the slot's position in the flat buffer."""
+
+    st: ShardUnit
+    offset: int
+    numel: int
+
+
+class MetaInit:
+    """The meta-device parameters and buffers of one module, and how to initialize them."""
+
+    def __init__(
+        self,
+        who: str,
+        seed: int,
+        param_init_fn: ParamInitFn | None,
+        device: torch.device,
+        shapes: dict[int, torch.Size],
+    ) -> None:
+        self.who, self.seed, self.param_init_fn, self.device = who, seed, param_init_fn, device
+        self.shapes = shapes  # by parameter id: the wrapper empties the parameters it shards
+
+    @staticmethod
+    def prepare(
+        module: nn.Module,
+        device: torch.device,
+        init_seed: int | None,
+        param_init_fn: ParamInitFn | None,
+        who: str,
+    ) -> MetaInit | None:
+        """``None`` when no parameter is on meta; else give each meta parameter a one-element
+        placeholder on ``device`` (shape kept) and move buffers not on meta to ``device``."""
+        if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
+            raise ArgumentError(f"{who}: init_seed must be an int, got {init_seed!r}")
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise ArgumentError(
+                f"{who}: param_init_fn must be a callable taking a module, got {param_init_fn!r}"
+            )
+        named = list(module.named_parameters())
+        meta = [n for n, p in named if p.is_meta]
+        if not meta:
+            if init_seed is not None or param_init_fn is not None:
+                raise ArgumentError(
+                    f"{who}: init_seed/param_init_fn initialize a module built on the meta device, but the "
+                    f"parameters of {type(module).__name__} are already on "
+                    f"{named[0][1].device if named else '-'}; "
+                    "build it under `with torch.device('meta'):` or drop init_seed/param_init_fn"
+                )
+            return None
+        if len(meta) < len(named):
+            real = [n for n, p in named if not p.is_meta]
+            raise StrategyError(
+                f"{who}: some parameters are on the meta device ({meta[:3]}) and some are not ({real[:3]}); "
+                "build the whole module under `with torch.device('meta'):` (its parameters all on meta)"
+            )
+        if init_seed is None:
+            raise StrategyError(
+                f"{who}: the parameters of {type(module).__name__} are on the meta device ({meta[:3]}); "
+                "pass init_seed=<int> so each rank materializes and initializes only its shards (the "
+                "values equal the model built plainly under dtlab.core.seeded_init(init_seed))"
+            )
+        with torch.no_grad():
+            swapped: dict[int, nn.Parameter] = {}  # a meta tensor's data cannot be set: new objects
+            for mod in module.modules():
+                for pname, p in list(mod.named_parameters(recurse=False)):
+                    if id(p) not in swapped:
+                        hold = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
+                        swapped[id(p)] = nn.Parameter(hold, requires_grad=p.requires_grad)
+                    setattr(mod, pname, swapped[id(p)])
+                for bname, b in list(mod.named_buffers(recurse=False)):
+                    if not b.is_meta and b.device != device:
+                        setattr(mod, bname, b.to(device))
+        shapes = {id(q): q.shape for q in swapped.values()}
+        return MetaInit(who, init_seed, param_init_fn, device, shapes)
+
+    def materialize(self, module: nn.Module, units: list[ShardUnit]) -> None:
+        """Initialize every module's own tensors in registration order and keep this rank's part:
+        shards of sharded units, the whole buffer of persistent units, frozen parameters and meta
+        buffers whole (on the device)."""
+        places: dict[int, _Place] = {}
+        for st in units:
+            for slot, q in zip(st.unit.slots, st.unit.params, strict=True):
+                places[id(q)] = _Place(st, slot.offset, slot.numel)
+        done: set[int] = set()
+        with torch.no_grad(), seeded_init(self.seed):
+            for mname, mod in module.named_modules(remove_duplicate=True):
+                self._init_module(mname or "<root>", mod, places, done)
+        for st in units:
+            if st.flat is not None:  # persistent: its shard is the slice of the whole buffer
+                lo, hi = st.unit.shard_bounds()
+                st.shard.copy_(st.flat[lo:hi])
+
+    def _init_module(self, mname: str, mod: nn.Module, places: dict[int, _Place], done: set[int]) -> None:
+        params = list(mod.named_parameters(recurse=False))
+        buffers = [(n, b) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
+        if not params and not buffers:
+            return
+        init = self.param_init_fn
+        if init is None:
+            reset = getattr(mod, "reset_parameters", None)
+            init = (lambda m: reset()) if callable(reset) else None  # noqa: ARG005 - the ParamInitFn form
+        if init is None:
+            tname = f"{mname}.{(params or buffers)[0][0]}"
+            raise StrategyError(
+                f"{self.who}: {tname!r} of module {mname!r} ({type(mod).__name__}) is on the meta device and "
+                f"nothing initializes it: {type(mod).__name__} has no reset_parameters(); pass "
+                "param_init_fn=fn (fn(module) fills the module's own parameters and buffers in place), or "
+                "build the module with its buffers on the real device (parameters only on meta)"
+            )
+        kept: list[tuple[str, nn.Parameter, torch.Tensor, bool]] = []
+        for pname, q in params:
+            whole = torch.empty(self.shapes[id(q)], dtype=q.dtype, device="cpu")
+            _sentinel(whole)
+            kept.append((pname, q, q.data, id(q) in done))
+            q.data = whole
+        fresh_buffers = []
+        for bname, b in buffers:
+            whole = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+            _sentinel(whole)
+            setattr(mod, bname, whole)
+            fresh_buffers.append(bname)
+        init(mod)
+        for pname, q, old, seen in kept:
+            if seen:  # tied, initialized by an earlier module: this draw is dropped
+                q.data = old
+                continue
+            if _untouched(q.data):
+                raise self._untouched(mname, mod, pname, "parameter")
+            done.add(id(q))
+            place = places.get(id(q))
+            if place is None:  # frozen: kept whole on every rank
+                q.data = q.data.to(self.device)
+            else:
+                self._place(q.data.reshape(-1), place)
+                q.data = old  # the unit's binding (a view of its whole buffer, or empty)
+        for bname in fresh_buffers:
+            b = getattr(mod, bname)
+            if _untouched(b):
+                raise self._untouched(mname, mod, bname, "buffer")
+            setattr(mod, bname, b.to(self.device))
+
+    @staticmethod
+    def _place(flat: torch.Tensor, place: _Place) -> None:
+        st = place.st
+        if st.flat is not None:
+            st.flat[place.offset : place.offset + place.numel].copy_(flat)
+            return
+        lo, hi = st.unit.shard_bounds()
+        a, b = max(lo, place.offset), min(hi, place.offset + place.numel)
+        if a < b:
+            st.shard[a - lo : b - lo].copy_(flat[a - place.offset : b - place.offset])
+
+    def _untouched(self, mname: str, mod: nn.Module, tname: str, kind: str) -> StrategyError:
+        how = "param_init_fn" if self.param_init_fn is not None else "reset_parameters()"
+        return StrategyError(
+            f"{self.who}: {kind} {tname!r} of module {mname!r} ({type(mod).__name__}) was built on the meta "
+            f"device and its {how} left it (partly) uninitialized; pass param_init_fn=fn that fills it in "
+            "place, or build the module with its buffers on the real device (parameters only on meta)"
+        )
