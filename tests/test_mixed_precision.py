@@ -3,6 +3,8 @@ data-parallel strategy (an overflow on one rank skips the step everywhere and ha
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,8 +66,9 @@ def _data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
 
 
-def _fp16_run(backend: CommunicationBackend, strategy: str) -> dict[str, Any]:
-    sets = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false", "logging.run_dir=null"]
+def _fp16_run(backend: CommunicationBackend, strategy: str, run_dir: str = "null") -> dict[str, Any]:
+    sets = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false"]
+    sets += [f"logging.run_dir={run_dir}"]
     sets += ["data.global_batch_size=8", "train.eval_every=0", "train.steps=4", "train.precision=fp16"]
     sets += [f"strategy.model={strategy}", "strategy.persistence_threshold=0", "strategy.reduce_dtype=fp32"]
     trainer = Trainer(
@@ -93,11 +96,14 @@ def _fp16_run(backend: CommunicationBackend, strategy: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(strategy: str) -> None:
-    r0, r1 = run_world(2, _fp16_run, strategy, timeout=120)
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(strategy: str, tmp_path: Path) -> None:
+    r0, r1 = run_world(2, _fp16_run, strategy, str(tmp_path), timeout=120)
     for r in (r0, r1):
         assert r["applied"] == [1, 3, 4] and r["overflow"] == [2], r
         assert r["scale"] == 2.0**15 and r["skipped_nonfinite"] == []  # not counted as a NaN step
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    skipped = [(rec["step"], rec["skipped"]) for rec in records if "skipped" in rec]
+    assert len(skipped) == 1 and skipped[0][0] == 2 and "fp16 gradients overflowed" in skipped[0][1]
     for k, v in r0["params"].items():
         assert torch.equal(v, r1["params"][k]), k  # the ranks still agree
         assert torch.isfinite(v).all()
