@@ -120,11 +120,21 @@ class StrategyConfig(_Section):
     #: 2(P-1)/P per step with the parameter all-gather) or all-reduce them (every rank gets the
     #: whole average, 3(P-1)/P)
     gradient_sync: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+    #: FSDP: the module classes (by class name, e.g. ``["LlamaDecoderLayer"]``) whose instances become
+    #: units; ``None``: the built-in model's blocks, a model of your own is one unit
+    fsdp_units: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _old_names(cls, values: Any) -> Any:
         return _accept_old_names("strategy", values)
+
+    @field_validator("fsdp_units")
+    @classmethod
+    def _unit_names(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or not all(isinstance(v, str) and v for v in value)):
+            raise ValueError(f"strategy.fsdp_units must be a non-empty list of class names, got {value!r}")
+        return value
 
     @field_validator("model", mode="before")
     @classmethod

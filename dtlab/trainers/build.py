@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ def build_model_strategy(
     with seeded_init(config.train.seed):  # the same initial model on every rank and in every run
         module = task.build_model().to(backend.device)
     n_params = sum(p.numel() for p in module.parameters())
+    task = with_fsdp_units(config, module, task)
     if needs_mesh(config):  # activation checkpointing: per pipeline stage, or per block under tp
         dp_name = data_parallel_choice(config)
         return build_parallel_model(
@@ -65,6 +67,28 @@ def build_model_strategy(
         _checkpoint(module, name, task)
     cls = get_model_strategy(name)
     return cls(module, backend, **data_parallel_kwargs(config, name, task)), n_params
+
+
+def with_fsdp_units(config: TrainConfig, module: torch.nn.Module, task: Task) -> Task:
+    """``task`` with ``strategy.fsdp_units`` (class names) resolved to the classes of ``module``'s
+    modules; refused when FSDP does not run or a name matches no module."""
+    names = config.strategy.fsdp_units
+    if names is None:
+        return task
+    dp_name = data_parallel_choice(config) if needs_mesh(config) else config.strategy.model
+    if dp_name != "fsdp":
+        raise ConfigError(
+            f"strategy.fsdp_units={names} names FSDP units, but the data-parallel strategy is {dp_name!r}; "
+            "use strategy.model=fsdp or leave strategy.fsdp_units unset"
+        )
+    classes = {type(m).__name__: type(m) for m in module.modules()}
+    missing = [n for n in names if n not in classes]
+    if missing:
+        raise ConfigError(
+            f"strategy.fsdp_units: {missing} name no module class of {type(module).__name__}; its module "
+            f"classes are {sorted(classes)}"
+        )
+    return replace(task, fsdp_unit_classes=tuple(classes[n] for n in names))
 
 
 def data_parallel_kwargs(config: TrainConfig, name: str, task: Task) -> dict[str, Any]:

@@ -10,6 +10,7 @@ target of a small dataset inside the model's output range (``trainers/labels.py`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
@@ -28,7 +29,7 @@ from dtlab.core import seeded_init
 from dtlab.data import fetch
 from dtlab.errors import ConfigError
 from dtlab.trainers.labels import scan_labels
-from dtlab.trainers.tasks import Task, builtin_data, builtin_model, cross_entropy_loss
+from dtlab.trainers.tasks import Task, builtin_data, builtin_model, cross_entropy_loss, logits_of
 from dtlab.untrusted import summary
 
 __all__ = ["LOSSES", "check_fit", "resolve", "task_from_config", "task_from_objects"]
@@ -161,6 +162,8 @@ def check_fit(task: Task, what_model: str, what_loss: str) -> Task:
             f"{what_loss} returned {_describe(loss)} for output {_describe(out)} and target "
             f"{_describe(y)}: it must return one number (a 0-dim tensor, e.g. the batch mean)"
         )
+    with contextlib.suppress(TypeError):
+        out = logits_of(out)  # a Hugging Face output / a dict: its logits tell labels from values
     if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor):
         return task
     labels = not y.is_floating_point() and out.dim() == y.dim() + 1

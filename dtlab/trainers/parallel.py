@@ -23,6 +23,7 @@ from dtlab.core import pairs
 from dtlab.errors import ConfigError
 from dtlab.models.base import ModelStrategy
 from dtlab.parallel_config import MESH_STRATEGIES
+from dtlab.trainers.tasks import logits_of
 
 __all__ = ["build_parallel_model", "data_parallel_choice", "mesh_shape", "needs_mesh", "parallel_loss"]
 
@@ -104,5 +105,9 @@ def parallel_loss(model: ModelStrategy, loss_fn: LossFn, default: LossFn, tp: in
                 "embedded task's loss or parallel.tp=1"
             )
         return loss_fn
-    ce: LossFn = parallel_ce
+
+    def ce(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = parallel_ce(logits_of(output), targets)  # a Hugging Face output: its logits
+        return loss
+
     return ce

@@ -3,7 +3,7 @@ pass your own :class:`Task` to :class:`~dtlab.trainers.Trainer` to train anythin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +24,32 @@ __all__ = [
     "builtin_task",
     "check_task",
     "cross_entropy_loss",
+    "logits_of",
 ]
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over every position (works for ``(B, C)`` and ``(B, T, C)`` logits)."""
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in a model's output: the output itself (a tensor), its ``.logits`` (a Hugging Face
+    ``ModelOutput``) or its ``["logits"]`` (a dict). Anything else: a TypeError saying what to pass."""
+    if isinstance(output, torch.Tensor):
+        return output
+    found = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(found, torch.Tensor):
+        return found
+    fields = list(output.keys()) if isinstance(output, Mapping) else None
+    raise TypeError(
+        f"the default loss (cross_entropy) takes logits: a tensor, an output with a .logits tensor (a "
+        f"Hugging Face ModelOutput) or a dict with 'logits'; the model returned a {type(output).__name__}"
+        f"{f' with keys {fields}' if fields is not None else ''}. Pass a loss that takes this output: "
+        "model.loss='package.module:function' in the config (loss_fn= in Python), a function "
+        "(output, target) -> a 0-dim tensor"
+    )
+
+
+def cross_entropy_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over every position (works for ``(B, C)`` and ``(B, T, C)`` logits; the
+    logits of a Hugging Face output or a dict with ``"logits"``, see :func:`logits_of`)."""
+    logits = logits_of(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 

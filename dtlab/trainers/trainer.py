@@ -61,7 +61,7 @@ from dtlab.trainers.rundir import open_metrics
 from dtlab.trainers.saved_state import check_saved_state
 from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.state import capture_rng, scheduler_state, trainer_state
-from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss
+from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss, logits_of
 
 __all__ = ["TrainResult", "Trainer"]
 
@@ -313,7 +313,7 @@ class Trainer:
                 total[0] += float(loss) * local
                 total[1] += local
                 if self.task.classification:
-                    total[2] += float((out.argmax(-1) == y).sum())
+                    total[2] += float((logits_of(out).argmax(-1) == y).sum())
         finally:
             self.model.train()
         self.dp.all_reduce(total, ReduceOp.SUM)

@@ -1,0 +1,117 @@
+"""A Hugging Face model from the CLI: the default loss takes ``.logits`` from the model's output (or
+a dict's ``"logits"``), a loss that does not fit says what to pass, and ``strategy.fsdp_units`` names
+the module classes that become FSDP units. Tiny models built from configs (no network, no weights)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.cli import main
+from dtlab.config import TrainConfig, load_config
+from dtlab.errors import ConfigError, RankFailedError
+from dtlab.testing import run_world
+from dtlab.trainers import build_task
+from dtlab.trainers.build import build_model_strategy
+from dtlab.trainers.custom import task_from_objects
+from dtlab.trainers.tasks import cross_entropy_loss, logits_of
+
+VOCAB, SEQ = 32, 8
+BASE = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false", "logging.run_dir=null"]
+BASE += ["data.global_batch_size=8", "train.eval_every=0", "optimizer.warmup_steps=0"]
+BASE += ["model.factory=test_hf_models:llama", "data.factory=test_hf_models:tokens"]
+
+
+def llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    model: nn.Module = transformers.LlamaForCausalLM(config)
+    return model
+
+
+def tokens() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(0, VOCAB, (64, SEQ + 1), generator=g)
+    return [(s[:-1], s[1:]) for s in seqs]
+
+
+class _Logits:
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+def test_the_default_loss_takes_logits_from_an_output_that_has_them() -> None:
+    logits, y = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+    want = cross_entropy_loss(logits, y)
+    assert torch.equal(cross_entropy_loss(_Logits(logits), y), want)
+    assert torch.equal(cross_entropy_loss({"logits": logits, "loss": None}, y), want)
+    assert logits_of(logits) is logits
+    with pytest.raises(
+        TypeError, match=r"returned a dict with keys \['hidden'\]\. Pass a loss .*model\.loss="
+    ):
+        logits_of({"hidden": logits})
+    with pytest.raises(TypeError, match=r"returned a tuple\. Pass a loss"):
+        logits_of((logits,))
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x)
+        return y, y
+
+
+def test_a_default_loss_that_does_not_fit_says_what_to_pass() -> None:
+    data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(8)]
+    with pytest.raises(
+        ConfigError, match=r"loss_fn does not fit: .*returned a tuple\. Pass a loss .*loss_fn="
+    ):
+        task_from_objects(load_config(overrides=BASE[:4]), _Pair(), data)
+
+
+def _units(backend: CommunicationBackend, config: TrainConfig) -> list[str]:
+    model, _ = build_model_strategy(config, backend, build_task(config))
+    return [u.key for u in model.shard_units()]  # type: ignore[attr-defined]
+
+
+def test_fsdp_units_by_class_name_on_a_hugging_face_llama(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    sets = [*BASE, "strategy.model=fsdp", "strategy.fsdp_units=[LlamaDecoderLayer]"]
+    units = run_world(2, _units, load_config(overrides=sets), timeout=60)[0]
+    assert units == ["<root>", "model.layers.0", "model.layers.1"]
+    assert run_world(2, _units, load_config(overrides=[*BASE, "strategy.model=fsdp"]), timeout=60)[0] == [
+        "<root>"
+    ]
+    # the whole run from the CLI: default loss on the model's CausalLMOutputWithPast, FSDP per layer
+    assert main(["train", *[a for s in [*sets, "train.steps=2"] for a in ("--set", s)]]) == 0
+    for bad, says in [
+        (
+            "strategy.fsdp_units=[Nope]",
+            r"\['Nope'\] name no module class of LlamaForCausalLM; .*'LlamaDecoderLayer'",
+        ),
+    ]:
+        with pytest.raises(RankFailedError) as info:
+            run_world(1, _units, load_config(overrides=[*sets, bad]), timeout=60)
+        assert isinstance(info.value.__cause__, ConfigError)
+        assert re.search(says, str(info.value.__cause__)), info.value.__cause__
+
+
+def test_fsdp_units_without_fsdp_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    config = load_config(overrides=[*BASE, "strategy.model=ddp", "strategy.fsdp_units=[LlamaDecoderLayer]"])
+    with pytest.raises(RankFailedError) as info:
+        run_world(1, _units, config, timeout=60)
+    assert "the data-parallel strategy is 'ddp'; use strategy.model=fsdp" in str(info.value.__cause__)
