@@ -9,15 +9,18 @@ Layout of ``<dir>/step_00000100/``: ``model_rank00000.safetensors`` (and one per
 
 from dtlab.checkpoint.consolidate import consolidate, full_tensors_from_shards
 from dtlab.checkpoint.load import LoadedCheckpoint, read_checkpoint, resolve_checkpoint
+from dtlab.checkpoint.pretrained import PretrainedReport, load_pretrained
 from dtlab.checkpoint.resume import ResumePoint, find_resume_checkpoint
 from dtlab.checkpoint.save import save_checkpoint
 
 __all__ = [
     "LoadedCheckpoint",
+    "PretrainedReport",
     "ResumePoint",
     "consolidate",
     "find_resume_checkpoint",
     "full_tensors_from_shards",
+    "load_pretrained",
     "read_checkpoint",
     "resolve_checkpoint",
     "save_checkpoint",
