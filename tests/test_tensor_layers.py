@@ -82,11 +82,13 @@ def test_linear_layers_match_nn_linear(world: int, sequence_parallel: bool) -> N
         assert not bad, f"tp={world} sp={sequence_parallel} rank {rank}: {bad}"
 
 
-def embedding_and_loss_world(backend: CommunicationBackend) -> dict[str, float]:
+def embedding_and_loss_world(backend: CommunicationBackend, padding_idx: int | None) -> dict[str, float]:
     p, r = backend.world_size, backend.rank
     gen = torch.Generator().manual_seed(5)
-    emb = _filled(nn.Embedding(16, 6), 4)
+    emb = _filled(nn.Embedding(16, 6, padding_idx=padding_idx), 4)
     ids = torch.randint(0, 16, (3, 4), generator=gen)
+    if padding_idx is not None:  # the padding row is looked up and gets no gradient, as nn.Embedding's
+        ids[0, :2] = padding_idx
     ref = emb(ids)
     ref.square().sum().backward()
     par = VocabParallelEmbedding.from_embedding(emb, backend)
@@ -108,9 +110,10 @@ def embedding_and_loss_world(backend: CommunicationBackend) -> dict[str, float]:
     }
 
 
+@pytest.mark.parametrize("padding_idx", [None, 9])
 @pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_embedding_and_cross_entropy(world: int) -> None:
-    for rank, errs in enumerate(run_world(world, embedding_and_loss_world)):
+def test_vocab_parallel_embedding_and_cross_entropy(world: int, padding_idx: int | None) -> None:
+    for rank, errs in enumerate(run_world(world, embedding_and_loss_world, padding_idx)):
         bad = {k: v for k, v in errs.items() if v > 1e-5}
         assert not bad, f"tp={world} rank {rank}: {bad}"
 

@@ -236,11 +236,17 @@ class VocabParallelEmbedding(nn.Module):
         group: CommunicationBackend,
         *,
         sequence_parallel: bool = False,
+        padding_idx: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         p = group.world_size
+        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
+            raise StrategyError(
+                f"VocabParallelEmbedding: padding_idx={padding_idx} is not an id of the vocabulary "
+                f"[0, {num_embeddings})"
+            )
         _divisible(
             num_embeddings,
             p,
@@ -251,10 +257,18 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.per_rank = num_embeddings // p
         self.vocab_start = group.rank * self.per_rank
+        #: the full vocabulary's padding id, and its row here when this rank holds it (its gradient: 0)
+        self.padding_idx = padding_idx
+        local_pad = None if padding_idx is None else padding_idx - self.vocab_start
+        self._local_padding_idx = (
+            local_pad if local_pad is not None and 0 <= local_pad < self.per_rank else None
+        )
         self.placement = Shard(AXIS, 0)
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype))
         with torch.no_grad():
             nn.init.normal_(self.weight)
+            if self._local_padding_idx is not None:  # as nn.Embedding: the padding row starts at zero
+                self.weight[self._local_padding_idx].zero_()
         set_placement(self.weight, self.placement)
 
     @classmethod
@@ -262,7 +276,6 @@ class VocabParallelEmbedding(nn.Module):
         cls, emb: nn.Embedding, group: CommunicationBackend, **kwargs: Any
     ) -> VocabParallelEmbedding:
         unsupported = {
-            "padding_idx": emb.padding_idx,
             "max_norm": emb.max_norm,
             "scale_grad_by_freq": emb.scale_grad_by_freq or None,
             "sparse": emb.sparse or None,
@@ -274,18 +287,27 @@ class VocabParallelEmbedding(nn.Module):
                 "without them to split it over tp"
             )
         w = emb.weight
-        layer = cls(emb.num_embeddings, emb.embedding_dim, group, device=w.device, dtype=w.dtype, **kwargs)
+        layer = cls(
+            emb.num_embeddings,
+            emb.embedding_dim,
+            group,
+            padding_idx=emb.padding_idx,
+            device=w.device,
+            dtype=w.dtype,
+            **kwargs,
+        )
         with torch.no_grad():
             layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
         layer.weight.requires_grad_(w.requires_grad)
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pad = self._local_padding_idx
         if self.group.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight, pad)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return (
             reduce_scatter_to_seq(out, self.group)
