@@ -129,14 +129,19 @@ def test_meta_construction_is_bitwise_the_plain_build_and_holds_only_the_share(w
 
 def test_meta_construction_holds_exactly_the_share() -> None:
     """Exact bytes: ZeRO-3 with every parameter sharded holds ceil(n/P) elements per trainable
-    parameter plus the frozen ones whole, nothing else (no placeholder, no whole copy left)."""
+    parameter plus the frozen ones whole, nothing else (no whole copy left; the sharded parameters
+    parked at their logical shape over one shared element)."""
 
     def held(backend: CommunicationBackend) -> tuple[int, int]:
         with torch.device("meta"):
             net = nn.Sequential(nn.Linear(10, 30), nn.Linear(30, 7), nn.Linear(7, 3))
         net[1].bias.requires_grad_(False)
         model = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=1)
-        kept = sum(t.numel() * t.element_size() for t in net.parameters() if t.numel())
+        parked = [t.numel() > 1 and all(st == 0 for st in t.stride()) for t in net.parameters()]
+        assert sum(parked) == 5  # the sharded ones: logical shape over one shared element, no storage
+        kept = sum(
+            t.numel() * t.element_size() for t, p in zip(net.parameters(), parked, strict=True) if not p
+        )
         return model.memory_report()["parameters"], kept
 
     for world in (2, 4):
@@ -144,7 +149,7 @@ def test_meta_construction_holds_exactly_the_share() -> None:
         expected = sum(-(-n // world) for n in shapes) * 4 + 7 * 4
         for got, kept_whole in run_world(world, held):
             assert got == expected, world
-            assert kept_whole == 7 * 4, world  # the frozen bias whole; the rest empty between uses
+            assert kept_whole == 7 * 4, world  # the frozen bias whole; the rest parked between uses
 
 
 class _NoReset(nn.Module):

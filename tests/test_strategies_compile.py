@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import StrategyError
+from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models import DDPModel, FSDPModel, ModuleClassPolicy, ZeRO3Model
 from dtlab.optimizers import default_optimizer_strategy
 from dtlab.testing import run_world
@@ -27,26 +27,32 @@ def _net() -> nn.Module:
 
 def _state_dict_checks(backend: CommunicationBackend) -> None:
     plain = _net()
+    other = {k: v + 1 for k, v in plain.state_dict().items()}
     for model in (
         ZeRO3Model(_net(), backend, persistence_threshold=0),
         FSDPModel(_net(), backend, wrap_policy=ModuleClassPolicy((nn.Linear,))),
     ):
-        for who in (model, model.module):
-            with pytest.raises(StrategyError, match=r"full_state_dict\(\) on every rank"):
-                who.state_dict()
-        with pytest.raises(StrategyError, match="load_sharded_state_dict"):
-            model.load_state_dict({"module." + k: v for k, v in plain.state_dict().items()})
-        full = model.full_state_dict()  # still works, and the refusal did not leave anything gathered
+        with pytest.raises(StrategyError, match=r"full_state_dict\(\) on every rank"):
+            model.module.state_dict()  # the wrapped module's own: this rank holds shards only
+        got = model.state_dict()  # the wrapper's: whole tensors keyed like the plain module's
+        assert sorted(got) == sorted(plain.state_dict())
+        assert all(torch.equal(got[k], v) for k, v in plain.state_dict().items())
+        model.load_state_dict(other)  # into the already-wrapped model
+        assert all(torch.equal(model.full_state_dict()[k], v) for k, v in other.items())
+        model.load_state_dict({"module." + k: v for k, v in plain.state_dict().items()})  # torch DDP's keys
+        full = model.full_state_dict()  # and nothing was left gathered
         assert all(torch.equal(full[k], v) for k, v in plain.state_dict().items())
         assert model.memory_report()["parameters"] < sum(t.nbytes for t in full.values())
         assert model.sharded_state_dict()  # the checkpoint path is untouched
+        with pytest.raises(CheckpointError, match="missing keys"):
+            model.load_state_dict({k: v for k, v in plain.state_dict().items() if k != "0.bias"})
     # nothing sharded at rest (every parameter under the persistence threshold) or DDP: whole tensors
     for model in (ZeRO3Model(_net(), backend, persistence_threshold=10**6), DDPModel(_net(), backend)):
         got = model.state_dict()
-        assert all(torch.equal(got["module." + k], v) for k, v in plain.state_dict().items())
+        assert all(torch.equal(got[k], v) for k, v in plain.state_dict().items())
 
 
-def test_sharded_state_dict_is_whole_or_refused() -> None:
+def test_state_dict_is_whole_and_loads_into_a_wrapped_model() -> None:
     run_world(2, _state_dict_checks, timeout=60)
 
 

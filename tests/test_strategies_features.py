@@ -66,7 +66,8 @@ def _one_step_report(backend: CommunicationBackend, name: str) -> dict[str, Any]
     kinds = backend.stats.snapshot()
     opt.zero_grad()
     units = [u.numel for u in model.shard_units()]
-    return {"report": opt.memory_report(), "sent": sent, "kinds": kinds, "units": units}
+    pieces = [b - a for u in model.shard_units() for _, a, b, _ in u.shard_slots()]
+    return {"report": opt.memory_report(), "sent": sent, "kinds": kinds, "units": units, "pieces": pieces}
 
 
 def test_memory_exact_and_bytes_match_cost_model() -> None:
@@ -86,8 +87,10 @@ def test_memory_exact_and_bytes_match_cost_model() -> None:
         shard_elems = sum(-(-u // p) for u in units)
         padding = shard_elems * p - n
         assert 0 <= padding < p * len(units), f"{name}: padding {padding}"
-        # optimizer state: exactly this rank's shard of both moments (+ one step count per shard tensor)
-        assert rep["optimizer_state"] == 2 * es * shard_elems + 4 * len(units), name
+        # optimizer state: exactly this rank's pieces of both moments (padding excluded) + one step
+        # count per piece (each piece of a parameter is one tensor of the local optimizer)
+        pieces = res[name]["pieces"]
+        assert rep["optimizer_state"] == 2 * es * sum(pieces) + 4 * len(pieces), name
         assert 2 * es * shard_elems - (ddp["optimizer_state"] - 16) / p <= 2 * es * padding / p + 2 * es, name
         if name != "zero1":  # ZeRO-1 keeps whole gradients by design
             assert rep["gradients"] == es * shard_elems, name

@@ -3,6 +3,7 @@ the fix, never silently wrong: checked against single-process training on the sa
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -12,11 +13,16 @@ from torch_habits_cases import (
     all_cases,
     clip_case,
     clip_reference,
+    counts_case,
     grad_sync_case,
     grad_sync_reference,
+    groups_case,
+    groups_reference,
+    one_rank_eval_case,
     requires_grad_case,
 )
 
+from dtlab.errors import CollectiveMismatchError
 from dtlab.testing import run_world
 
 #: strategies where param.grad holds the whole averaged gradient after backward
@@ -80,6 +86,49 @@ def test_require_backward_grad_sync_counted_in_bytes(name: str) -> None:
         check_grad_sync(res, ref, name)
 
 
+@pytest.fixture(scope="module")
+def grouped() -> dict[str, dict[str, torch.Tensor]]:
+    return {kind: groups_reference(kind) for kind in ("lambda", "onecycle")}
+
+
+def check_groups(res: dict[str, Any], ref: dict[str, torch.Tensor], where: str) -> None:
+    for run in ("trained", "to_plain", "from_plain"):
+        assert max_rel_error(res[run], ref) <= 1e-5, f"{where}: {run}"
+
+
+@pytest.mark.parametrize("kind", ["lambda", "onecycle"])
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_param_groups_schedulers_and_plain_state_dicts(
+    name: str, kind: str, grouped: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    for rank, res in enumerate(run_world(2, groups_case, name, kind, timeout=30)):
+        check_groups(res, grouped[kind], f"{name}/{kind} rank {rank}")
+
+
+def check_counts(res: dict[str, Any], where: str) -> None:
+    plain = make_module()
+    want = [(tuple(p.shape), p.dim(), p.numel()) for p in plain.parameters()]
+    assert res["seen"] == [want, want, want], where
+    assert res["count"] == sum(p.numel() for p in plain.parameters()), where
+    assert res["keys"] == sorted(plain.state_dict()), where
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_parameter_counts_and_dims_are_the_plain_modules(name: str) -> None:
+    for res in run_world(2, counts_case, name, timeout=30):
+        check_counts(res, name)
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+def test_one_rank_eval_is_named_within_seconds(name: str) -> None:
+    """In-memory ranks: the other rank at a barrier; the world names both calls at once."""
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveMismatchError) as info:
+        run_world(2, one_rank_eval_case, name, "barrier", timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert "all_gather" in str(info.value) and "barrier" in str(info.value)
+
+
 def test_zero3_says_when_nothing_is_sharded() -> None:
     def build(backend: Any) -> int:
         wrap("zero3", make_module(), backend, persistence_threshold=100_000)
@@ -89,8 +138,11 @@ def test_zero3_says_when_nothing_is_sharded() -> None:
         run_world(2, build, timeout=30)
 
 
-def test_all_habits_on_gloo(clipped: tuple[dict[str, torch.Tensor], list[float]]) -> None:
-    """Every habit under every strategy in ONE spawned 2-process Gloo world."""
+def test_all_habits_on_gloo(
+    clipped: tuple[dict[str, torch.Tensor], list[float]], grouped: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """Every habit under every strategy in ONE spawned 2-process Gloo world (OneCycleLR, which only
+    differs from LambdaLR in the options it drives, on in-memory ranks only)."""
     from dtlab.testing import spawn_world
 
     results = spawn_world(2, all_cases, backend="gloo", timeout=240)
@@ -101,3 +153,44 @@ def test_all_habits_on_gloo(clipped: tuple[dict[str, torch.Tensor], list[float]]
             check_clip(name, res[f"clip/{name}"], clipped, where)
             check_requires_grad(res[f"requires_grad/{name}"], where)
             check_grad_sync(res[f"grad_sync/{name}"], sync_ref, where)
+            check_counts(res[f"counts/{name}"], where)
+            check_groups(res[f"groups/{name}/lambda"], grouped["lambda"], f"{where} lambda")
+    # rank 0 evaluated alone while rank 1 had left: named after forward_wait_s (3 s), not 300 s
+    alone = results[0]["one_rank_eval/zero3"]
+    assert alone["named"] is True and alone["seconds"] < 10, alone
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.lm_head = torch.nn.Linear(4, 10, bias=False)
+        self.lm_head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.emb(x))
+
+
+def _tied_shards(backend: Any, name: str) -> Any:
+    from dtlab.models import FSDPModel, ZeRO3Model
+
+    module = _Tied()
+    model = (
+        ZeRO3Model(module, backend, persistence_threshold=0)
+        if name == "zero3"
+        else FSDPModel(module, backend)
+    )
+    return model.sharded_state_dict()
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+def test_consolidated_checkpoint_keeps_tied_keys(name: str) -> None:
+    from dtlab.checkpoint import full_tensors_from_shards
+
+    shards = run_world(2, _tied_shards, name, timeout=30)
+    full = full_tensors_from_shards(shards)
+    plain = _Tied()
+    assert sorted(full) == sorted(plain.state_dict())
+    fresh = _Tied()
+    fresh.load_state_dict(full)  # strict: every key the plain module has
+    assert torch.equal(fresh.lm_head.weight, full["emb.weight"])

@@ -4,7 +4,9 @@ spawned Gloo world (tests/test_torch_habits.py)."""
 
 from __future__ import annotations
 
+import copy
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -160,6 +162,132 @@ def grad_sync_reference() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+# ---------------------------------------------------------------------------- groups, schedulers, state
+def make_groups(module: nn.Module) -> torch.optim.Optimizer:
+    """The usual split, built on the plain module: weight decay on matrices, none on biases, and a
+    larger learning rate for the biases."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    other = [p for p in module.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": 0.02}], lr=0.01
+    )
+
+
+def make_scheduler(opt: torch.optim.Optimizer, kind: str) -> Any:
+    if kind == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.04], total_steps=STEPS)
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def groups_reference(kind: str) -> dict[str, torch.Tensor]:
+    x, y = make_data(STEPS, GLOBAL_BATCH)
+    module = make_module()
+    opt = make_groups(module)
+    sched = make_scheduler(opt, kind)
+    for s in range(STEPS):
+        nn.functional.mse_loss(module(x[s]), y[s]).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return _state(module)
+
+
+def _train(model: Any, opt: Any, sched: Any, backend: CommunicationBackend | None, steps: range) -> None:
+    x, y = make_data(STEPS, GLOBAL_BATCH)
+    for s in steps:
+        xb, yb = (x[s], y[s]) if backend is None else _batch(backend, s)
+        nn.functional.mse_loss(model(xb), yb).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def groups_case(backend: CommunicationBackend, name: str, kind: str) -> dict[str, Any]:
+    """Two param groups built on the module before wrapping, the user's AdamW instance handed to the
+    strategy, torch's scheduler attached to the strategy; then the optimizer state round-tripped
+    through a plain torch optimizer both ways, each run compared with one process."""
+    module = make_module()
+    torch_opt = make_groups(module)
+    model = wrap(name, module, backend)
+    opt = opt_class(name)(model, torch_opt)
+    sched = make_scheduler(opt, kind)
+    _train(model, opt, sched, backend, range(STEPS))
+    trained = model.full_state_dict()
+    # dtlab -> plain: after 2 steps, a plain script takes over from opt.state_dict()
+    module = make_module()
+    model = wrap(name, module, backend)
+    opt = opt_class(name)(model, make_groups(module))
+    sched = make_scheduler(opt, kind)
+    _train(model, opt, sched, backend, range(2))
+    saved, sched_state, weights = opt.state_dict(), sched.state_dict(), model.full_state_dict()
+    plain = make_module()
+    plain.load_state_dict(weights)
+    plain_opt = make_groups(plain)
+    plain_sched = make_scheduler(plain_opt, kind)  # torch's order: build both, then load both
+    plain_opt.load_state_dict(copy.deepcopy(saved))  # torch adopts the tensors it is given
+    plain_sched.load_state_dict(sched_state)
+    _train(plain, plain_opt, plain_sched, None, range(2, STEPS))
+    # plain -> dtlab: the plain run's state dicts resume an already-wrapped model (weights loaded
+    # with model.load_state_dict, groups built on the wrapped model's parameters)
+    module = make_module()
+    model = wrap(name, module, backend)
+    model.load_state_dict(weights)
+    resumed = make_groups(model)
+    opt = opt_class(name)(model, resumed)
+    sched = make_scheduler(opt, kind)
+    opt.load_state_dict(saved)
+    sched.load_state_dict(sched_state)
+    _train(model, opt, sched, backend, range(2, STEPS))
+    return {"trained": trained, "to_plain": _state(plain), "from_plain": model.full_state_dict()}
+
+
+# ---------------------------------------------------------------------------- counts and dims
+def counts_case(backend: CommunicationBackend, name: str) -> dict[str, Any]:
+    """Parameter counts, dims and shapes of the wrapped model between uses, after a forward, after a
+    step and after an eval forward, as the plain module's."""
+    model = wrap(name, make_module(), backend)
+    opt = opt_class(name)(model, torch.optim.SGD, lr=0.1)
+    seen = [[(tuple(p.shape), p.dim(), p.numel()) for p in model.parameters()]]
+    xb, yb = _batch(backend, 0)
+    nn.functional.mse_loss(model(xb), yb).backward()
+    seen.append([(tuple(p.shape), p.dim(), p.numel()) for p in model.parameters()])
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model(xb)
+    seen.append([(tuple(p.shape), p.dim(), p.numel()) for p in model.module.parameters()])
+    keys = sorted(model.state_dict())
+    return {"seen": seen, "count": sum(p.numel() for p in model.parameters()), "keys": keys}
+
+
+# ---------------------------------------------------------------------------- one-rank evaluation
+def one_rank_eval_case(backend: CommunicationBackend, name: str, other: str = "leave") -> dict[str, Any]:
+    """Rank 0 alone evaluates (a DDP habit); the other ranks ``leave`` (return) or wait at a
+    ``barrier``. Under ZeRO-3/FSDP the forward must stop with an error naming the cause, quickly."""
+    backend.check_collectives = False  # a user's default (spawned test worlds check every call)
+    model = wrap(name, make_module(), backend, forward_wait_s=3.0)
+    xb, _ = _batch(backend, 0)
+    if backend.rank != 0:
+        if other == "barrier":
+            backend.barrier()
+        elif other == "rejoin":  # come back after rank 0 gave up, to meet its pending gather: the
+            time.sleep(6.0)  # world then closes cleanly (a test's choreography, not a user's)
+            unit = model.shard_units()[0]
+            backend.all_gather(unit.new_flat(), model.shard_param(unit))
+        return {}
+    t0 = time.monotonic()
+    try:
+        with torch.no_grad():
+            model(xb)
+    except StrategyError as exc:
+        return {"named": "every rank must call forward" in str(exc), "seconds": time.monotonic() - t0}
+    return {"named": False, "seconds": time.monotonic() - t0}
+
+
 def all_cases(backend: CommunicationBackend) -> dict[str, Any]:
     """Every case under every strategy in one world (a spawned world is costly to start)."""
     torch.set_num_threads(1)
@@ -168,6 +296,10 @@ def all_cases(backend: CommunicationBackend) -> dict[str, Any]:
         out[f"clip/{name}"] = clip_case(backend, name)
         out[f"requires_grad/{name}"] = requires_grad_case(backend, name)
         out[f"grad_sync/{name}"] = grad_sync_case(backend, name)
+        out[f"counts/{name}"] = counts_case(backend, name)
+        out[f"groups/{name}/lambda"] = groups_case(backend, name, "lambda")
+    # last: rank 0's forward leaves an all-gather pending that nothing else may meet
+    out["one_rank_eval/zero3"] = one_rank_eval_case(backend, "zero3", "rejoin")
     return out
 
 

@@ -4,7 +4,7 @@ group creation with dtlab's own unique names."""
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class _DistWork(Work):
+    polls: ClassVar[bool] = True
+
     def __init__(self, backend: TorchDistBackend, work: Any, what: str, finish: Any = None) -> None:
         self._backend, self._work, self._what, self._finish = backend, work, what, finish
         self._done = False
@@ -50,7 +52,7 @@ class _DistWork(Work):
         return self._result
 
     def is_completed(self) -> bool:
-        return self._done
+        return self._done or bool(self._work.is_completed())
 
 
 class _BatchWork:

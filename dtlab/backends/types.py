@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -42,6 +42,10 @@ class ReduceOp(enum.Enum):
 class Work(ABC):
     """Handle of a non-blocking operation; ``wait()`` completes it (for ``irecv``: returns the source)."""
 
+    #: ``is_completed()`` tells, without blocking, whether the operation has finished (a caller may
+    #: poll it to bound a wait); False where it only turns True after ``wait()``
+    polls: ClassVar[bool] = False
+
     @abstractmethod
     def wait(self) -> int | None: ...
 
@@ -54,6 +58,8 @@ class CompletedWork(Work):
 
     def __init__(self, result: int | None = None) -> None:
         self._result = result
+
+    polls: ClassVar[bool] = True
 
     def wait(self) -> int | None:
         return self._result

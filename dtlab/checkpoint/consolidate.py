@@ -23,9 +23,14 @@ __all__ = ["consolidate", "full_tensors_from_shards"]
 
 
 def full_tensors_from_shards(shards: Sequence[ShardedState]) -> dict[str, torch.Tensor]:
-    """Every full tensor; a :class:`~dtlab.errors.CheckpointError` if an element is not covered."""
+    """Every full tensor keyed like the plain module's ``state_dict()`` (a tied weight under each of
+    its names); a :class:`~dtlab.errors.CheckpointError` if an element is not covered."""
     index = ShardIndex(shards)
-    return {key: index.full(key) for key in index.keys()}
+    out = {key: index.full(key) for key in index.keys()}
+    for alias, key in dict(index.extra.get("aliases") or {}).items():  # tied weights: every name
+        if alias not in out and key in out:
+            out[alias] = out[key].clone()
+    return out
 
 
 def consolidate(checkpoint: str | Path, output: str | Path) -> Path:

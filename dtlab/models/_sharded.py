@@ -38,6 +38,7 @@ from dtlab.models._sharded_units import (
     read_flat_state,
     write_flat_state,
 )
+from dtlab.models._sharded_wait import wait_for_every_rank
 from dtlab.models.flat import FlatUnit
 from dtlab.models.state import ShardIndex, new_state
 
@@ -69,7 +70,13 @@ class ShardedModel(DataParallelModel):
         world: CommunicationBackend | None = None,
         init_seed: int | None = None,
         param_init_fn: ParamInitFn | None = None,
+        forward_wait_s: float = 10.0,
     ) -> None:
+        if not (isinstance(forward_wait_s, int | float) and forward_wait_s >= 0):
+            raise ValueError(
+                f"forward_wait_s must be a number of seconds >= 0 (0: no limit), got {forward_wait_s!r}"
+            )
+        self.forward_wait_s = float(forward_wait_s)
         meta = MetaInit.prepare(module, backend.device, init_seed, param_init_fn, type(self).__name__)
         super().__init__(
             module,
@@ -98,6 +105,8 @@ class ShardedModel(DataParallelModel):
         self._peak = self._last_peak = self._gathered_bytes
         if meta is not None:  # built on meta: each rank initializes its own shards, no broadcast
             meta.materialize(self.module, self._units)
+        self._busy = False  # inside a forward or backward: freed parameters are empty, not parked
+        self._watch = False
         self._broadcast_from_rank0([q.data for _, q in self._frozen])
         self._broadcast_from_rank0(list(self.module.buffers()))
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
@@ -136,7 +145,7 @@ class ShardedModel(DataParallelModel):
             unit.bind(flat)
             self._gathered_bytes += tensor_bytes(flat)
         else:
-            unit.unbind()
+            unit.park()
         self._units.append(st)
         return st
 
@@ -151,6 +160,9 @@ class ShardedModel(DataParallelModel):
             self._gathered_bytes += tensor_bytes(flat)
             self._peak = max(self._peak, self._gathered_bytes)
         if wait and st.work is not None:
+            if self._watch:
+                self._watch = False
+                wait_for_every_rank(st.work, self.forward_wait_s, type(self).__name__, self.dp_backend)
             st.work.wait()
             st.work = None
 
@@ -162,7 +174,10 @@ class ShardedModel(DataParallelModel):
             st.work = None
         self._ptr.pop(st.flat.untyped_storage().data_ptr(), None)
         self._gathered_bytes -= tensor_bytes(st.flat)
-        st.unit.unbind()
+        if self._busy:
+            st.unit.unbind()
+        else:
+            st.unit.park()
         st.flat = None
 
     def _gather_group(self, gi: int, wait: bool = True) -> None:
@@ -245,6 +260,8 @@ class ShardedModel(DataParallelModel):
         if torch.is_grad_enabled():
             self._release_guards()
         self._sync_buffers()
+        self._watch = not torch.is_grad_enabled() and not self._in_backward and self.forward_wait_s > 0
+        self._set_busy(True)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = self.module(*args, **kwargs)
@@ -257,8 +274,30 @@ class ShardedModel(DataParallelModel):
                 f"now: {freed[:5]}). With ZeRO3Model list the owner's parent class in leaf_modules or "
                 "raise persistence_threshold; with FSDPModel put both modules in one unit."
             ) from exc
+        finally:
+            self._watch = False
+            self._set_busy(self._in_backward)
         self._order_done = True
         return out
+
+    def _set_busy(self, busy: bool) -> None:
+        """Inside a forward or backward, a parameter not gathered is an empty tensor (an operation
+        reading it outside its owner's forward fails); between uses it is parked at its logical
+        shape (``numel()``, ``dim()``, ``shape`` as the plain module's, no memory held)."""
+        if busy == self._busy:
+            return
+        self._busy = busy
+        for st in self._units:
+            if st.flat is None:
+                if busy:
+                    st.unit.unbind()
+                else:
+                    st.unit.park()
+
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
+            self._set_busy(True)
+        super()._begin_backward()
 
     # ------------------------------------------------------------------ gradients
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -282,6 +321,7 @@ class ShardedModel(DataParallelModel):
         st.reduced = True
 
     def _end_backward(self) -> None:
+        synced = False
         try:
             if self._sync:
                 missing = [
@@ -299,13 +339,16 @@ class ShardedModel(DataParallelModel):
                     work.wait()
                     st.grad_shard.add_(out)
                 self._grads_synced = True
-                self._guard_grads()
+                synced = True
         finally:
             self._pending = []
             for st in self._units:
                 st.ready.clear()
                 st.reduced = False
                 self._free(st)
+            self._set_busy(False)
+        if synced:
+            self._guard_grads()
 
     # ------------------------------------------------------------------ composition
     def reduce_accumulated_grads(self) -> None:
@@ -434,7 +477,15 @@ class ShardedModel(DataParallelModel):
 
     def sharded_state_dict(self) -> ShardedState:
         p, r = self.dp_backend.world_size, self.dp_backend.rank
-        return write_flat_state(new_state(self.strategy_name, p, r), self._units, self._other_state(), p, r)
+        state = write_flat_state(new_state(self.strategy_name, p, r), self._units, self._other_state(), p, r)
+        aliases = {  # a tied weight's other names (lm_head.weight): the plain state_dict() has them too
+            n: self._name_of[id(q)]
+            for n, q in self.module.named_parameters(remove_duplicate=False)
+            if id(q) in self._unit_of and n != self._name_of[id(q)]
+        }
+        if aliases:
+            state.metadata["aliases"] = aliases
+        return state
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
         read_flat_state(ShardIndex(shards), self._units, self._other_state(), self.dp_backend)

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.state import ShardedState
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, CheckpointError
+from dtlab.models.state import add_slice, new_state
 
 if TYPE_CHECKING:
     from dtlab.models.flat import FlatUnit
@@ -110,6 +112,53 @@ class ModelStrategy(nn.Module):
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole parameters and buffers keyed like ``module.state_dict()`` (collective: all ranks call)."""
+
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,  # noqa: ARG002 - torch's signature (positional destination is deprecated there)
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,  # noqa: ARG002 - torch's signature; the tensors are copies either way
+    ) -> dict[str, Any]:
+        """torch's ``state_dict()`` speaking the plain module: whole tensors (copies) keyed like
+        ``module.state_dict()``, with no ``module.`` prefix. Collective: every rank calls it (as FSDP2's
+        full state dict); :meth:`sharded_state_dict` is this rank's part."""
+        out: dict[str, Any] = destination if destination is not None else {}
+        for k, v in self.full_state_dict().items():
+            out[prefix + k] = v
+        return out
+
+    def load_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        strict: bool = True,
+        assign: bool = False,  # noqa: ARG002 - torch's signature; values are always copied into place
+    ) -> _IncompatibleKeys:
+        """Load whole tensors keyed like the plain module's ``state_dict()`` (a torch DDP checkpoint's
+        ``module.`` prefix is accepted) into the wrapped model, each rank keeping its part. Collective:
+        every rank calls it with the same tensors."""
+        given = dict(state_dict)
+        if given and all(k.startswith("module.") for k in given):
+            given = {k.removeprefix("module."): v for k, v in given.items()}
+        current = self.full_state_dict()
+        missing = [k for k in current if k not in given]
+        unexpected = [k for k in given if k not in current]
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"{type(self).__name__}.load_state_dict(): missing keys {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                f"{' ...' if len(unexpected) > 5 else ''}; the state dict must be keyed like the plain "
+                "module's state_dict() (or pass strict=False)"
+            )
+        whole = new_state(self.strategy_name, 1, 0)
+        for k, now in current.items():
+            t = given.get(k, now)
+            if not isinstance(t, torch.Tensor):
+                raise CheckpointError(f"{type(self).__name__}.load_state_dict(): {k!r} is not a tensor")
+            t = t.detach()
+            add_slice(whole, k, t.shape, t.dtype, 0, t.numel(), t.reshape(-1))
+        self.load_sharded_state_dict([whole])
+        return _IncompatibleKeys(missing, unexpected)
 
     @abstractmethod
     def sharded_state_dict(self) -> ShardedState:

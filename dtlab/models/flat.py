@@ -91,10 +91,21 @@ class FlatUnit:
             p.data = flat[s.offset : s.offset + s.numel].view(s.shape)
 
     def unbind(self) -> None:
-        """Drop the parameters' storage: each becomes an empty tensor until the next ``bind``."""
+        """Drop the parameters' storage: each becomes an empty tensor until the next ``bind`` (an
+        operation reading one fails on its shape)."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
+
+    def park(self) -> None:
+        """Drop the parameters' storage but keep their logical shape: each becomes a stand-in of its
+        shape, dtype and device over one shared element (NaN for floating dtypes), so ``numel()``,
+        ``dim()`` and ``shape`` are the module's while no memory is held; writing into one fails."""
+        one = torch.full(
+            (), float("nan") if self.dtype.is_floating_point else 0, dtype=self.dtype, device=self.device
+        )
+        for s, p in zip(self.slots, self.params, strict=True):
+            p.data = one.expand(s.shape)
 
     def grads_into(self, flat: torch.Tensor) -> None:
         """Copy (``None`` -> zeros) every parameter's ``.grad`` into ``flat``; padding zeroed."""

@@ -83,6 +83,9 @@ class FSDPModel(ShardedModel):
             buffers on the real device (parameters only on meta); a tensor nothing initializes is an error.
         param_init_fn: ``fn(module)`` filling the module's own (``recurse=False``) parameters and meta
             buffers in place, called instead of ``reset_parameters()`` for every module that has any.
+        forward_wait_s: an evaluation (no-grad) forward that the other ranks do not join within this
+            many seconds stops with an error naming the cause (every rank must call forward under a
+            sharded strategy) instead of hanging for the collective timeout; 0: wait as long as it takes.
     """
 
     strategy_name: ClassVar[str] = "fsdp"
@@ -101,6 +104,7 @@ class FSDPModel(ShardedModel):
         world: CommunicationBackend | None = None,
         init_seed: int | None = None,
         param_init_fn: ParamInitFn | None = None,
+        forward_wait_s: float = 10.0,
     ) -> None:
         if wrap_policy is not None and not isinstance(wrap_policy, ModuleClassPolicy | SizePolicy):
             raise TypeError(
@@ -119,6 +123,7 @@ class FSDPModel(ShardedModel):
             world=world,
             init_seed=init_seed,
             param_init_fn=param_init_fn,
+            forward_wait_s=forward_wait_s,
         )
 
     def _unit_modules(self) -> set[int]:

@@ -45,6 +45,9 @@ class ZeRO3Model(ShardedModel):
             buffers on the real device (parameters only on meta); a tensor nothing initializes is an error.
         param_init_fn: ``fn(module)`` filling the module's own (``recurse=False``) parameters and meta
             buffers in place, called instead of ``reset_parameters()`` for every module that has any.
+        forward_wait_s: an evaluation (no-grad) forward that the other ranks do not join within this
+            many seconds stops with an error naming the cause (every rank must call forward under a
+            sharded strategy) instead of hanging for the collective timeout; 0: wait as long as it takes.
     """
 
     strategy_name: ClassVar[str] = "zero3"
@@ -63,6 +66,7 @@ class ZeRO3Model(ShardedModel):
         world: CommunicationBackend | None = None,
         init_seed: int | None = None,
         param_init_fn: ParamInitFn | None = None,
+        forward_wait_s: float = 10.0,
     ) -> None:
         if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
             raise ValueError(f"persistence_threshold must be an int >= 0, got {persistence_threshold!r}")
@@ -82,6 +86,7 @@ class ZeRO3Model(ShardedModel):
             world=world,
             init_seed=init_seed,
             param_init_fn=param_init_fn,
+            forward_wait_s=forward_wait_s,
         )
         if backend.world_size > 1 and all(st.persistent for st in self._units):
             largest = max(p.numel() for _, p in self._trainable)

@@ -4,7 +4,7 @@ the finite-gradient consensus and the reshardable optimizer-state format (see dt
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,6 +23,8 @@ from dtlab.models.state import (
     new_state,
     read_placed,
 )
+from dtlab.optimizers._groups import Entry, check_groups, jsonable, make_local, spec_of, sync_groups
+from dtlab.optimizers._torch_state import full_state, load_full_state
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.untrusted import summary
 
@@ -41,12 +43,19 @@ class Piece:
 
 
 class DataParallelOptimizer(OptimizerStrategy):
-    """Base of DDPOptimizer and the ZeRO optimizers: one local torch optimizer over ``_tensors``."""
+    """Base of DDPOptimizer and the ZeRO optimizers: a ``torch.optim.Optimizer`` whose param groups
+    are the user's (over the module's parameters), stepping them through one local torch optimizer of
+    the same class over this rank's pieces (:mod:`dtlab.optimizers._groups`)."""
 
     strategy_name: ClassVar[str] = "dp"
+    #: the local optimizer steps pieces of shards (state gathered for ``state_dict()``)
+    _sharded_state: ClassVar[bool] = False
 
     def __init__(
-        self, model: ModelStrategy, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+        self,
+        model: ModelStrategy,
+        optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer,
+        **kwargs: Any,
     ) -> None:
         me = type(self).__name__
         if not isinstance(model, OptimizerTarget):
@@ -67,25 +76,66 @@ class DataParallelOptimizer(OptimizerStrategy):
                 f"with {', '.join(map(pairs.model_class_name, self.compatible_models))}. Use {fix} with "
                 f"{type(model).__name__}, or wrap the module in {self._model_hint()} to use {me}"
             )
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-            raise TypeError(
-                f"{me} takes a torch.optim.Optimizer class (e.g. torch.optim.AdamW) and its keyword "
-                f"arguments, got {optimizer_cls!r}"
-            )
-        if "params" in kwargs:
-            raise TypeError(f"{me} picks the parameters itself from the model; do not pass params=")
         self.model = model
-        self._tensors, self._pieces, self._names = self._build()
-        self._opt = optimizer_cls(self._tensors, **kwargs)
+        self._ready = False
+        self._module_params = {id(p) for p in model.module.parameters()}
+        spec = spec_of(me, optimizer, kwargs, [p for _, p in model.trainable_parameters()])
+        torch.optim.Optimizer.__init__(self, spec.groups, spec.defaults)
+        self._entries = self._build()
+        self._opt = make_local(spec, me, self.param_groups, self._entries)
+        #: this rank's optimizer state (keyed by the pieces the local optimizer steps)
+        self.state = self._opt.state
+        self._seen: list[dict[str, Any]] = [{} for _ in self.param_groups]
+        self._sync_groups()
+        self._ready = True
         model.attach_optimizer(self)
+        if spec.state is not None:  # the user's optimizer came with state (e.g. a plain checkpoint)
+            self.load_state_dict(spec.state)
 
     def _model_hint(self) -> str:
         return pairs.model_class_name(self.compatible_models[0]) if self.compatible_models else "DDPModel"
 
-    def _build(self) -> tuple[list[torch.Tensor], list[list[Piece]], list[list[str]]]:
-        """The tensors the torch optimizer steps, the parameter pieces each holds (saved by this
-        rank) and the parameter names each touches (for scalar state such as ``step``)."""
+    def _build(self) -> list[Entry]:
+        """The pieces this rank steps, for every parameter of every group (see :class:`Entry`)."""
         raise NotImplementedError
+
+    def _indexed(self) -> dict[int, tuple[int, int, str]]:
+        """``id(param) -> (index, group, name)`` of every trainable parameter in the groups."""
+        names = {id(p): n for n, p in self.dp_model.trainable_parameters()}
+        out: dict[int, tuple[int, int, str]] = {}
+        i = 0
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if id(p) in names:
+                    out[id(p)] = (i, gi, names[id(p)])
+                i += 1
+        return out
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``: the group's parameters must belong to the wrapped module (and be
+        in no other group); its options act from the next step."""
+        params = param_group.get("params")
+        plist = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        strangers = [tuple(p.shape) for p in plist if id(p) not in self._module_params]
+        if strangers:
+            raise StrategyError(
+                f"{type(self).__name__}: param group {len(self.param_groups)} holds tensors that are not "
+                f"parameters of the wrapped module (shapes {strangers[:3]}); build the torch optimizer on "
+                "the module's parameters (module.parameters() or model.parameters(), before or after "
+                "wrapping)"
+            )
+        super().add_param_group(param_group)
+        if self._ready:
+            gi = len(self.param_groups) - 1
+            added = [e for e in self._build() if e.group == gi]
+            self._entries.extend(added)
+            group = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
+            self._opt.add_param_group({**group, "params": [e.tensor for e in added]})
+            self._seen.append({})
+            self._sync_groups()
+
+    def _sync_groups(self) -> None:
+        sync_groups(self.param_groups, self._opt.param_groups, self._seen)
 
     @property
     def dp_model(self) -> OptimizerTarget:
@@ -96,11 +146,82 @@ class DataParallelOptimizer(OptimizerStrategy):
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
+        """The local torch optimizer over this rank's pieces (its groups follow this one's)."""
         return self._opt
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimizer step with the synchronized gradients (``closure``, if given, runs first under
+        grad mode: the forward and backward)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_groups()
+        model = self.dp_model
+        model.check_grads_ready(type(self).__name__)
+        self._step_local()
+        model.after_optimizer_step()
+        return loss
+
+    def _step_local(self) -> None:
+        raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - torch.optim.Optimizer's signature; the buffers keep their memory either way
         """Zero the synchronized gradients (bucket buffers and shards keep their memory)."""
         self.dp_model.zero_grad_buffers()
+
+    # ------------------------------------------------------------------ torch's state dict
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state keyed like the plain torch optimizer's ``state_dict()`` (a plain
+        script loads it); collective under ZeRO-1/2/3 and FSDP (every rank calls)."""
+        self._sync_groups()
+        groups, i = [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(i, i + len(g["params"])))
+            i += len(g["params"])
+            groups.append(packed)
+        index_of = {pid: i for pid, (i, _, _) in self._indexed().items()}
+        me = type(self).__name__
+        state = full_state(self._entries, self._opt, self.dp_model, index_of, self._sharded_state, me)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a plain torch optimizer's ``state_dict()`` (or this one's): the same groups with the
+        same number of parameters; each rank keeps the slice it steps."""
+        me = type(self).__name__
+        saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(saved, list) or len(saved) != len(self.param_groups):
+            raise StrategyError(
+                f"{me}.load_state_dict(): the state dict has "
+                f"{len(saved) if isinstance(saved, list) else 'no'} param groups, this optimizer "
+                f"{len(self.param_groups)}; build the optimizer with the groups it was saved with"
+            )
+        sizes = [len(g["params"]) for g in self.param_groups]
+        theirs = [len(g.get("params", [])) for g in saved]
+        if sizes != theirs:
+            raise StrategyError(
+                f"{me}.load_state_dict(): parameters per group {theirs} in the state dict, {sizes} here; "
+                "build the optimizer with the groups it was saved with"
+            )
+        ids = [pid for g in saved for pid in g["params"]]
+        state = state_dict.get("state", {})
+        mine: dict[int, Any] = {}
+        for i, pid in enumerate(ids):
+            st = state.get(pid, state.get(str(pid)))
+            if st is not None:
+                mine[i] = st
+        for g, sg in zip(self.param_groups, saved, strict=True):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        self._push_groups()
+        load_full_state(self._entries, self._opt, mine, me)
+
+    def _push_groups(self) -> None:
+        """This optimizer's group options win over the local optimizer's (after a load)."""
+        for g, lg, seen in zip(self.param_groups, self._opt.param_groups, self._seen, strict=True):
+            lg.update({k: v for k, v in g.items() if k != "params"})
+            seen.clear()
+            seen.update({k: v for k, v in g.items() if k != "params"})
 
     # ------------------------------------------------------------------ norms and consensus
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -147,7 +268,21 @@ class DataParallelOptimizer(OptimizerStrategy):
         return self.agree(local)
 
     # ------------------------------------------------------------------ state
+    @property
+    def _tensors(self) -> list[torch.Tensor]:
+        return [e.tensor for e in self._entries]
+
+    @property
+    def _names(self) -> list[list[str]]:
+        return [[e.name] for e in self._entries]
+
+    @property
+    def _pieces(self) -> list[list[Piece]]:
+        """The pieces of each entry this rank writes to a checkpoint (default: all of it)."""
+        return [[Piece(e.name, e.shape, e.start, e.end, 0)] if e.end > e.start else [] for e in self._entries]
+
     def sharded_state_dict(self) -> ShardedState:
+        self._sync_groups()
         backend = self.dp_model.dp_backend
         state = new_state(self.strategy_name, backend.world_size, backend.rank)
         keys: set[str] = set()
@@ -177,7 +312,7 @@ class DataParallelOptimizer(OptimizerStrategy):
                     for name in names:
                         add_scalar(state, f"{name}.{sk}", v)
         state.metadata["state_keys"] = sorted(keys)
-        state.metadata["param_groups"] = [_jsonable(g) for g in self._opt.param_groups]
+        state.metadata["param_groups"] = [jsonable(g) for g in self.param_groups]
         return state
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
@@ -188,7 +323,7 @@ class DataParallelOptimizer(OptimizerStrategy):
                 f"optimizer shard metadata: state_keys={summary(keys)}, expected a list of names"
             )
         saved = index.extra.get("param_groups")
-        _check_groups(saved, self._opt.param_groups)
+        check_groups(saved, self.param_groups)
         for t, pieces, names in zip(self._tensors, self._needed_pieces(), self._names, strict=True):
             st: dict[str, Any] = {}
             for sk in keys:
@@ -219,58 +354,14 @@ class DataParallelOptimizer(OptimizerStrategy):
                     st[sk] = torch.zeros_like(t)  # this tensor holds only padding of that state
             if st:
                 self._opt.state[t] = st
-        if saved and len(saved) == len(self._opt.param_groups):
-            for group, values in zip(self._opt.param_groups, saved, strict=True):
+        if saved and len(saved) == len(self.param_groups):
+            self._sync_groups()
+            for group, values in zip(self.param_groups, saved, strict=True):
                 for k, v in values.items():
                     if k in group and k != "params":
                         group[k] = tuple(v) if isinstance(group[k], tuple) else v
+            self._push_groups()
 
     def _needed_pieces(self) -> list[list[Piece]]:
         """The pieces each optimizer tensor must be filled with on load (default: what it saves)."""
         return self._pieces
-
-
-def _same_kind(saved: Any, live: Any) -> bool:
-    if isinstance(live, torch.Tensor):
-        live = 0.0  # saved as its value (see _jsonable)
-    if isinstance(live, bool) or live is None:
-        return isinstance(saved, bool) or saved is None
-    if isinstance(live, int | float):
-        return isinstance(saved, int | float) and not isinstance(saved, bool) and math.isfinite(saved)
-    if isinstance(live, list | tuple):
-        return isinstance(saved, list) and len(saved) == len(live) and all(map(_same_kind, saved, live))
-    return isinstance(saved, type(live))
-
-
-def _check_groups(saved: Any, groups: list[dict[str, Any]]) -> None:
-    """Saved param-group hyperparameters must be of the kind the live groups hold (a number where a
-    number is): a :class:`CheckpointError` naming the value otherwise, before anything is set."""
-    if saved is None:
-        return
-    if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
-        raise CheckpointError(
-            f"optimizer shard metadata: param_groups={summary(saved)}, expected a list of objects"
-        )
-    if len(saved) != len(groups):
-        return  # another grouping: the saved hyperparameters are not applied (see below)
-    for i, (values, group) in enumerate(zip(saved, groups, strict=True)):
-        for k, v in values.items():
-            if k in group and k != "params" and not _same_kind(v, group[k]):
-                raise CheckpointError(
-                    f"optimizer shard metadata: param_groups[{i}].{k}={summary(v)}, but the optimizer "
-                    f"holds {summary(group[k])} there"
-                )
-
-
-def _jsonable(group: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in group.items():
-        if k == "params":
-            continue
-        if isinstance(v, torch.Tensor):
-            v = v.item() if v.numel() == 1 else None
-        if isinstance(v, tuple):
-            v = list(v)
-        if v is None or isinstance(v, bool | int | float | str | list):
-            out[k] = v
-    return out

@@ -5,7 +5,9 @@ The model strategy lays parameters in flat units padded to a multiple of ``P`` (
 the matching gradient shard, so its state is ``1/P`` of the replicated optimizer's. Element-wise
 optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...) give the same result as on whole parameters;
 optimizers whose update couples elements of one parameter (LAMB's trust ratio, Adafactor, Shampoo)
-would not, and are not supported. One parameter group (same hyperparameters for all parameters).
+would not, and are not supported. Each param group of the user's optimizer is one group of the local
+optimizer, over this rank's slices of that group's parameters (views into the shard), so every group
+keeps its own options.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from dtlab.optimizers._common import DataParallelOptimizer, Piece
+from dtlab.optimizers._common import DataParallelOptimizer
+from dtlab.optimizers._groups import Entry
 
 __all__ = ["ShardedOptimizer"]
 
@@ -24,28 +27,44 @@ class ShardedOptimizer(DataParallelOptimizer):
 
     strategy_name: ClassVar[str] = "zero"
 
-    def _build(self) -> tuple[list[torch.Tensor], list[list[Piece]], list[list[str]]]:
-        model = self.dp_model
-        self._units = model.shard_units()
-        tensors, pieces, names = [], [], []
-        for unit in self._units:
-            tensors.append(model.shard_param(unit))
-            pieces.append([Piece(s.name, tuple(s.shape), a, b, off) for s, a, b, off in unit.shard_slots()])
-            names.append([s.name for s in unit.slots])
-        return tensors, pieces, names
+    _sharded_state: ClassVar[bool] = True
 
-    def step(self) -> None:
+    def _build(self) -> list[Entry]:
         model = self.dp_model
-        model.check_grads_ready(type(self).__name__)
-        for t, unit in zip(self._tensors, self._units, strict=True):
-            t.grad = model.shard_grad(unit)
+        indexed = self._indexed()
+        out = []
+        for unit in model.shard_units():
+            shard = model.shard_param(unit)
+            for slot, a, b, off in unit.shard_slots():
+                p = unit.params[unit.slots.index(slot)]
+                if id(p) in indexed:
+                    i, gi, name = indexed[id(p)]
+                    view = shard[off : off + b - a]
+                    out.append(Entry(i, name, p, slot.numel, tuple(slot.shape), view, a, b, gi))
+        return out
+
+    def _grads(self) -> list[torch.Tensor]:
+        """Each entry's slice of this rank's synchronized gradient shard."""
+        model = self.dp_model
+        grads: dict[int, torch.Tensor] = {}
+        out = []
+        for unit in model.shard_units():
+            g = model.shard_grad(unit)
+            for slot, a, b, off in unit.shard_slots():
+                grads[id(unit.params[unit.slots.index(slot)])] = g[off : off + b - a]
+        for e in self._entries:
+            out.append(grads[id(e.param)])
+        return out
+
+    def _step_local(self) -> None:
+        for e, g in zip(self._entries, self._grads(), strict=True):
+            e.tensor.grad = g
         try:
             self._opt.step()
         finally:
-            for t in self._tensors:
-                t.grad = None
+            for e in self._entries:
+                e.tensor.grad = None
         self._publish()
-        model.after_optimizer_step()
 
     def _publish(self) -> None:
         """Make the updated shards visible to the forward (ZeRO-1/2: all-gather the parameters)."""

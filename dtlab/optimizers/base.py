@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -12,14 +12,17 @@ from dtlab.backends.base import ReduceOp
 from dtlab.core.state import ShardedState
 from dtlab.models.base import ModelStrategy
 
-__all__ = ["OptimizerStrategy"]
+__all__ = ["OptimizerStrategy", "WrappingStrategy"]
 
 
-class OptimizerStrategy(ABC):
-    """Wraps a model strategy and any ``torch.optim`` class: ``ZeRO1Optimizer(model, AdamW, lr=...)``.
+class OptimizerStrategy(torch.optim.Optimizer, ABC):
+    """Wraps a model strategy and the user's torch optimizer: ``ZeRO1Optimizer(model, AdamW, lr=...)``
+    or ``ZeRO1Optimizer(model, torch.optim.AdamW(groups, lr=...))``.
 
-    It owns which rank holds which optimizer state, ``step()``, ``zero_grad()``, reshardable state,
-    the global gradient norm (correct under sharded gradients) and consensus helpers.
+    It is a ``torch.optim.Optimizer`` (``param_groups``, ``state``, ``state_dict()``,
+    ``load_state_dict()``, ``add_param_group()``, ``zero_grad()``), so torch's LR schedulers attach
+    to it. It owns which rank holds which optimizer state, ``step()``, reshardable state, the global
+    gradient norm (correct under sharded gradients) and consensus helpers.
     """
 
     strategy_name: ClassVar[str] = "base"
@@ -31,14 +34,11 @@ class OptimizerStrategy(ABC):
     @property
     @abstractmethod
     def optimizer(self) -> torch.optim.Optimizer:
-        """The local torch optimizer (over this rank's shard); LR schedulers attach to it."""
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+        """The local torch optimizer (over this rank's pieces); its groups follow this one's."""
 
     @abstractmethod
-    def step(self) -> None: ...
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        ...
 
     @abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None: ...
@@ -84,3 +84,43 @@ class OptimizerStrategy(ABC):
         t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=world.device)
         world.all_reduce(t, ReduceOp.MAX)
         return int(t.item()) == 0
+
+
+class WrappingStrategy(OptimizerStrategy):
+    """An optimizer strategy around another one (compression, elastic): torch's optimizer surface
+    (param groups, state, state dicts) is the inner strategy's."""
+
+    inner: OptimizerStrategy
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.inner.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.inner.defaults = defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.inner.add_param_group(param_group)

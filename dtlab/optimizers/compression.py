@@ -29,7 +29,7 @@ with the optimizer's momentum; docs/compression.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import ModelStrategy
-from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.optimizers.base import OptimizerStrategy, WrappingStrategy
 
 __all__ = ["GradientCompressionOptimizer"]
 
@@ -81,7 +81,7 @@ def check_plain_sgd(optimizer: torch.optim.Optimizer, momentum_correction: float
             )
 
 
-class GradientCompressionOptimizer(OptimizerStrategy):
+class GradientCompressionOptimizer(WrappingStrategy):
     """Wrap ``inner`` (any optimizer strategy) so its model's gradients travel compressed."""
 
     strategy_name = "compression"
@@ -131,10 +131,11 @@ class GradientCompressionOptimizer(OptimizerStrategy):
     def optimizer(self) -> torch.optim.Optimizer:
         return self.inner.optimizer
 
-    def step(self) -> None:
-        self.inner.step()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = self.inner.step(closure)
         self.statistics = self.reducer.step_statistics()
         self.reducer.start_step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)

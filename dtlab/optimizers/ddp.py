@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-
 from dtlab.core import pairs
 from dtlab.models.state import even_range
 from dtlab.optimizers._common import DataParallelOptimizer, Piece
+from dtlab.optimizers._groups import Entry
 
 __all__ = ["DDPOptimizer"]
 
 
 class DDPOptimizer(DataParallelOptimizer):
-    """``DDPOptimizer(ddp_model, torch.optim.AdamW, lr=...)``: a plain torch optimizer on every rank.
+    """``DDPOptimizer(ddp_model, torch.optim.AdamW, lr=...)`` or ``DDPOptimizer(ddp_model,
+    torch.optim.AdamW(groups, lr=...))``: the torch optimizer on every rank, over the parameters.
 
     The state is replicated; ``sharded_state_dict()`` still writes only ``1/P`` of each state tensor
     per rank (so a checkpoint holds one copy), in the format every strategy reads.
@@ -23,26 +23,27 @@ class DDPOptimizer(DataParallelOptimizer):
     strategy_name: ClassVar[str] = "ddp"
     compatible_models: ClassVar[tuple[str, ...]] = pairs.models_for("ddp")
 
-    def _build(self) -> tuple[list[torch.Tensor], list[list[Piece]], list[list[str]]]:
+    def _build(self) -> list[Entry]:
+        indexed = self._indexed()
+        out = []
+        for _, p in self.dp_model.trainable_parameters():
+            if id(p) in indexed:
+                i, gi, name = indexed[id(p)]
+                out.append(Entry(i, name, p, p.numel(), tuple(p.shape), p, 0, p.numel(), gi))
+        return sorted(out, key=lambda e: e.index)
+
+    @property
+    def _pieces(self) -> list[list[Piece]]:
+        """A checkpoint holds one copy: this rank writes ``1/P`` of each (replicated) state tensor."""
         backend = self.dp_model.dp_backend
-        tensors: list[torch.Tensor] = []
-        pieces: list[list[Piece]] = []
-        names: list[list[str]] = []
-        for name, p in self.dp_model.trainable_parameters():
-            s, e = even_range(p.numel(), backend.world_size, backend.rank)
-            tensors.append(p)
-            pieces.append([Piece(name, tuple(p.shape), s, e, s)] if e > s else [])
-            names.append([name])
-        return tensors, pieces, names
+        out = []
+        for e in self._entries:
+            s, end = even_range(e.numel, backend.world_size, backend.rank)
+            out.append([Piece(e.name, e.shape, s, end, s)] if end > s else [])
+        return out
 
     def _needed_pieces(self) -> list[list[Piece]]:
-        return [
-            [Piece(n[0], tuple(t.shape), 0, t.numel(), 0)]
-            for t, n in zip(self._tensors, self._names, strict=True)
-        ]
+        return [[Piece(e.name, e.shape, 0, e.numel, 0)] for e in self._entries]
 
-    def step(self) -> None:
-        model = self.dp_model
-        model.check_grads_ready(type(self).__name__)
+    def _step_local(self) -> None:
         self._opt.step()
-        model.after_optimizer_step()

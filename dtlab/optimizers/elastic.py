@@ -56,7 +56,7 @@ from dtlab.optimizers._elastic_commit import (
     encode_commit,
     ring_exchange,
 )
-from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.optimizers.base import OptimizerStrategy, WrappingStrategy
 
 __all__ = [
     "Commit",
@@ -109,7 +109,7 @@ def refuse_mpi(backend: CommunicationBackend) -> None:
         )
 
 
-class ElasticOptimizer(OptimizerStrategy):
+class ElasticOptimizer(WrappingStrategy):
     """Wrap ``inner`` (any optimizer strategy) so its run survives ranks leaving and joining."""
 
     strategy_name = "elastic"
@@ -163,8 +163,8 @@ class ElasticOptimizer(OptimizerStrategy):
     def optimizer(self) -> torch.optim.Optimizer:
         return self.inner.optimizer
 
-    def step(self) -> None:
-        self.inner.step()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        return self.inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)

@@ -1,0 +1,194 @@
+"""The user's torch optimizer, taken apart: its class, options and param groups, and the pieces of
+the model's parameters this rank steps for each group.
+
+An optimizer strategy takes either a class and its options (``ZeRO2Optimizer(model,
+torch.optim.AdamW, lr=...)``: one group of every trainable parameter) or an instance built on the
+module's parameters, before or after wrapping (``ZeRO2Optimizer(model, torch.optim.AdamW(groups,
+lr=...))``: its groups, options and state). Each group of the strategy maps to one group of a local
+torch optimizer of the same class over this rank's pieces (:class:`Entry`): the parameters themselves
+where they are replicated (DDP), views into this rank's shard of each parameter otherwise; the
+group's options (learning rate, weight decay, betas, ...) are kept in step with it (:func:`sync_groups`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dtlab.errors import CheckpointError, StrategyError
+from dtlab.untrusted import summary
+
+__all__ = ["Entry", "OptimizerSpec", "check_groups", "jsonable", "make_local", "spec_of", "sync_groups"]
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What the strategy rebuilds over this rank's pieces: the class, its defaults, the groups (over
+    the module's parameters) and the state the user's instance already had (a torch state dict)."""
+
+    cls: type[torch.optim.Optimizer]
+    defaults: dict[str, Any]
+    groups: list[dict[str, Any]]
+    state: dict[str, Any] | None
+
+
+@dataclass
+class Entry:
+    """Elements ``[start, end)`` of parameter ``index`` (its position over the strategy's groups, as
+    in a torch state dict) are ``tensor``, which this rank's local optimizer steps."""
+
+    index: int
+    name: str
+    param: torch.nn.Parameter
+    numel: int
+    shape: tuple[int, ...]
+    tensor: torch.Tensor
+    start: int
+    end: int
+    group: int
+
+
+def spec_of(
+    who: str,
+    optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer,
+    kwargs: dict[str, Any],
+    trainable: list[torch.nn.Parameter],
+) -> OptimizerSpec:
+    """Read the class form or the instance form (refusing a mix of both and anything else)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if kwargs:
+            raise TypeError(
+                f"{who} got a torch optimizer instance and keyword arguments {sorted(kwargs)}; give the "
+                f"options to the torch optimizer ({type(optimizer).__name__}(params, lr=...)) instead"
+            )
+        template = optimizer
+        state = optimizer.state_dict() if optimizer.state else None
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        if "params" in kwargs:
+            raise TypeError(
+                f"{who} picks the parameters itself from the model; do not pass params= (or pass a "
+                "torch optimizer built on your param groups: "
+                f"{who}(model, torch.optim.AdamW(groups, lr=...)))"
+            )
+        template = optimizer(trainable, **kwargs)
+        state = None
+    else:
+        raise TypeError(
+            f"{who} takes a torch optimizer: an instance (torch.optim.AdamW(model.parameters(), "
+            "lr=...), with any param groups) or a torch.optim.Optimizer class and its keyword "
+            f"arguments (torch.optim.AdamW, lr=...), got {optimizer!r}"
+        )
+    groups = [dict(g) for g in template.param_groups]
+    for g in groups:
+        g["params"] = list(g["params"])
+    return OptimizerSpec(type(template), dict(template.defaults), groups, state)
+
+
+def make_local(
+    spec: OptimizerSpec, who: str, groups: list[dict[str, Any]], entries: list[Entry]
+) -> torch.optim.Optimizer:
+    """The local torch optimizer: one group per strategy group, over that group's entries."""
+    local_groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [e.tensor for e in entries if e.group == gi],
+        }
+        for gi, g in enumerate(groups)
+    ]
+    try:
+        accepted = inspect.signature(spec.cls.__init__).parameters
+        takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
+        # every group carries all its options; the constructor gets those it names (AdamW's defaults
+        # hold decoupled_weight_decay, which AdamW.__init__ does not take)
+        defaults = {k: v for k, v in spec.defaults.items() if takes_any or k in accepted}
+        return spec.cls(local_groups, **defaults)
+    except TypeError as exc:
+        raise StrategyError(
+            f"{who} rebuilds {spec.cls.__name__} over this rank's pieces as "
+            f"{spec.cls.__name__}(groups, **optimizer.defaults), which failed: {exc}. Pass the class "
+            f"and its options instead ({who}(model, {spec.cls.__name__}, lr=...))"
+        ) from exc
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # values without a plain equality
+        return False
+
+
+def sync_groups(
+    groups: list[dict[str, Any]], local: list[dict[str, Any]], seen: list[dict[str, Any]]
+) -> None:
+    """Keep the strategy's groups and the local optimizer's in step, both ways: an option changed on
+    the strategy's group since the last call (an LR scheduler attached to the strategy) goes to the
+    local group; one changed only on the local group (a scheduler attached to ``opt.optimizer``)
+    comes back. ``seen`` holds the values of the last call."""
+    for g, lg, last in zip(groups, local, seen, strict=True):
+        for k in set(g) | set(lg):
+            if k == "params":
+                continue
+            mine, theirs, was = g.get(k, _MISSING), lg.get(k, _MISSING), last.get(k, _MISSING)
+            if mine is not _MISSING and not _same(mine, was):
+                lg[k] = mine
+            elif theirs is not _MISSING and not _same(theirs, was):
+                g[k] = theirs
+        last.clear()
+        last.update({k: v for k, v in g.items() if k != "params"})
+
+
+# ---------------------------------------------------------------------------- groups in checkpoints
+def _same_kind(saved: Any, live: Any) -> bool:
+    if isinstance(live, torch.Tensor):
+        live = 0.0  # saved as its value (see _jsonable)
+    if isinstance(live, bool) or live is None:
+        return isinstance(saved, bool) or saved is None
+    if isinstance(live, int | float):
+        return isinstance(saved, int | float) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(live, list | tuple):
+        return isinstance(saved, list) and len(saved) == len(live) and all(map(_same_kind, saved, live))
+    return isinstance(saved, type(live))
+
+
+def check_groups(saved: Any, groups: list[dict[str, Any]]) -> None:
+    """Saved param-group hyperparameters must be of the kind the live groups hold (a number where a
+    number is): a :class:`CheckpointError` naming the value otherwise, before anything is set."""
+    if saved is None:
+        return
+    if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
+        raise CheckpointError(
+            f"optimizer shard metadata: param_groups={summary(saved)}, expected a list of objects"
+        )
+    if len(saved) != len(groups):
+        return  # another grouping: the saved hyperparameters are not applied (see below)
+    for i, (values, group) in enumerate(zip(saved, groups, strict=True)):
+        for k, v in values.items():
+            if k in group and k != "params" and not _same_kind(v, group[k]):
+                raise CheckpointError(
+                    f"optimizer shard metadata: param_groups[{i}].{k}={summary(v)}, but the optimizer "
+                    f"holds {summary(group[k])} there"
+                )
+
+
+def jsonable(group: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor):
+            v = v.item() if v.numel() == 1 else None
+        if isinstance(v, tuple):
+            v = list(v)
+        if v is None or isinstance(v, bool | int | float | str | list):
+            out[k] = v
+    return out

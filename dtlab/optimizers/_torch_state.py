@@ -1,0 +1,144 @@
+"""Optimizer state whole and keyed like a plain torch optimizer's ``state_dict()``.
+
+``{"state": {i: {"exp_avg": tensor of the parameter's shape, "step": ...}}, "param_groups": [...,
+"params": [i, ...]]}`` with ``i`` a parameter's position over the groups, exactly as torch writes it,
+so a plain script resumes from it and the strategy resumes from a plain script's. Under a sharded
+strategy building it is collective (every rank calls: each unit's state is all-gathered); loading is
+not (each rank keeps the slice of each tensor it steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtlab.errors import StrategyError
+from dtlab.models.base import OptimizerTarget
+from dtlab.optimizers._groups import Entry
+
+__all__ = ["full_state", "load_full_state"]
+
+
+def _tensor_state(e: Entry, key: str, v: torch.Tensor, who: str) -> bool:
+    """True for element-wise state (one value per element), False for a scalar such as ``step``."""
+    if v.dim() == 0:
+        return False
+    if v.shape != e.tensor.shape:
+        raise StrategyError(
+            f"{who}: optimizer state {key!r} of {e.name!r} has shape {tuple(v.shape)}, not the "
+            f"parameter piece's {tuple(e.tensor.shape)}; only element-wise optimizer state (SGD, Adam, "
+            "AdamW, RMSprop, ...) can be gathered whole and resharded"
+        )
+    return True
+
+
+def _scalar(v: Any) -> Any:
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def full_state(
+    entries: list[Entry],
+    local: torch.optim.Optimizer,
+    model: OptimizerTarget,
+    index_of: dict[int, int],
+    sharded: bool,
+    who: str,
+) -> dict[int, dict[str, Any]]:
+    """Every parameter's whole state (collective when ``sharded``); ``index_of`` maps ``id(param)`` to
+    its index for every parameter of the groups (also those of which this rank holds nothing)."""
+    if not sharded:
+        out: dict[int, dict[str, Any]] = {}
+        for e in entries:
+            st = local.state.get(e.tensor)
+            if st:
+                out[e.index] = {
+                    k: v.detach().clone()
+                    if isinstance(v, torch.Tensor) and _tensor_state(e, k, v, who)
+                    else _scalar(v)
+                    for k, v in st.items()
+                }
+        return dict(sorted(out.items()))
+    return _gathered_state(entries, local, model, index_of, who)
+
+
+def _gathered_state(
+    entries: list[Entry],
+    local: torch.optim.Optimizer,
+    model: OptimizerTarget,
+    index_of: dict[int, int],
+    who: str,
+) -> dict[int, dict[str, Any]]:
+    """The sharded case: each unit's element-wise state all-gathered, scalars exchanged as objects."""
+    units = model.shard_units()
+    slot_of = {id(u.params[j]): (ui, s) for ui, u in enumerate(units) for j, s in enumerate(u.slots)}
+    kinds: dict[int, dict[str, str]] = {}  # unit -> element-wise state key -> dtype
+    scalars: dict[int, dict[str, Any]] = {}
+    for e in entries:
+        for k, v in local.state.get(e.tensor, {}).items():
+            if isinstance(v, torch.Tensor) and _tensor_state(e, k, v, who):
+                kinds.setdefault(slot_of[id(e.param)][0], {})[k] = str(v.dtype).removeprefix("torch.")
+            else:
+                value = (
+                    (v.item(), str(v.dtype).removeprefix("torch."))
+                    if isinstance(v, torch.Tensor)
+                    else (v, None)
+                )
+                scalars.setdefault(e.index, {})[k] = value
+    backend = model.dp_backend
+    out: dict[int, dict[str, Any]] = {}
+    all_kinds: dict[int, dict[str, str]] = {}
+    for theirs, their_scalars in backend.all_gather_object((kinds, scalars)):
+        for ui, ks in theirs.items():
+            all_kinds.setdefault(ui, {}).update(ks)
+        for i, st in their_scalars.items():
+            for k, (value, dtype) in st.items():
+                out.setdefault(i, {})[k] = (
+                    value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
+                )
+    for ui in sorted(all_kinds):
+        unit = units[ui]
+        lo, _ = unit.shard_bounds()
+        mine_entries = [e for e in entries if slot_of[id(e.param)][0] == ui]
+        for k, dtype_name in sorted(all_kinds[ui].items()):
+            dtype = getattr(torch, dtype_name)
+            mine = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.device)
+            for e in mine_entries:
+                v = local.state.get(e.tensor, {}).get(k)
+                if isinstance(v, torch.Tensor):
+                    at = slot_of[id(e.param)][1].offset + e.start - lo
+                    mine[at : at + e.end - e.start].copy_(v.reshape(-1))
+            whole = torch.empty(unit.padded, dtype=dtype, device=unit.device)
+            backend.all_gather(whole, mine)
+            for p, s in zip(unit.params, unit.slots, strict=True):
+                i = index_of.get(id(p))
+                if i is not None:
+                    out.setdefault(i, {})[k] = whole[s.offset : s.offset + s.numel].view(s.shape).clone()
+    return dict(sorted(out.items()))
+
+
+def load_full_state(
+    entries: list[Entry], local: torch.optim.Optimizer, state: dict[Any, Any], who: str
+) -> None:
+    """Give every entry its slice of ``state`` (``{param index: {key: value}}``, torch's layout)."""
+    local.state.clear()
+    for e in entries:
+        saved = state.get(e.index, state.get(str(e.index)))
+        if not saved:
+            continue
+        numel = e.numel
+        st: dict[str, Any] = {}
+        for k, v in saved.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if v.numel() != numel:
+                    raise StrategyError(
+                        f"{who}.load_state_dict(): state {k!r} of parameter {e.index} ({e.name!r}) has "
+                        f"{v.numel()} elements but the parameter has {numel}; the state dict was saved "
+                        "for another model or other param groups"
+                    )
+                piece = v.detach().reshape(-1)[e.start : e.end]
+                dtype = e.tensor.dtype if v.is_floating_point() else v.dtype
+                st[k] = piece.to(device=e.tensor.device, dtype=dtype).clone().view(e.tensor.shape)
+            else:
+                st[k] = _scalar(v)
+        local.state[e.tensor] = st
