@@ -115,3 +115,60 @@ def test_fsdp_units_without_fsdp_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(RankFailedError) as info:
         run_world(1, _units, config, timeout=60)
     assert "the data-parallel strategy is 'ddp'; use strategy.model=fsdp" in str(info.value.__cause__)
+
+
+#: a hand-written plan in Hugging Face's own style names (LlamaConfig.base_model_tp_plan's, the
+#: embedding and the head as transformers adds them)
+LLAMA_PLAN = {
+    "model.embed_tokens": "embedding_rowwise",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+
+
+def _llama_tp(
+    backend: CommunicationBackend, state: dict[str, torch.Tensor]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from dtlab.models import TensorParallelModel
+    from dtlab.optimizers import DDPOptimizer
+
+    net = llama().double()
+    net.load_state_dict(state)
+    model = TensorParallelModel(net, backend, plan=LLAMA_PLAN)
+    opt = DDPOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    x, y = (torch.stack(t) for t in zip(*tokens()[:4], strict=True))
+    losses = []
+    for _ in range(3):
+        loss = cross_entropy_loss(model(x), y)  # the head gathers the logits: the plain loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, model.full_state_dict()
+
+
+def test_llama_at_tp2_with_hugging_face_style_names_matches_one_process() -> None:
+    pytest.importorskip("transformers")
+    net = llama().double()  # float64: Adam's round-off on gradients that are zero in exact arithmetic
+    state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    x, y = (torch.stack(t) for t in zip(*tokens()[:4], strict=True))
+    ref_losses = []
+    for _ in range(3):
+        loss = cross_entropy_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(float(loss))
+    ref = net.state_dict()
+    for losses, full in run_world(2, _llama_tp, state, timeout=60):
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5
+        for k, v in ref.items():
+            if v.is_floating_point():
+                assert ((full[k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 1e-5, k

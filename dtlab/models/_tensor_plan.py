@@ -20,6 +20,11 @@ string          object                         what it does to the matched modul
                                                output keeps this rank's chunk of the sequence
 ==============  =============================  ===============================================
 
+Hugging Face's style names mean the same here: ``"colwise"``, ``"rowwise"``,
+``"colwise_gather_output"`` / ``"colwise_rep"`` (``ColwiseParallel(gather_output=True)``),
+``"rowwise_split_input"`` / ``"rowwise_rep"`` (``RowwiseParallel(input_is_parallel=False)``) and
+``"embedding_rowwise"`` (``"vocab"``).
+
 :func:`resolve_plan` checks everything (every pattern matches, types, divisibility by tp) before any
 communication; :func:`apply_plan` then swaps the modules in place.
 """
@@ -126,6 +131,12 @@ _ALIASES: dict[str, Style] = {
     "vocab": VocabParallel(),
     "heads": HeadsParallel(),
     "sequence": SequenceParallel(),
+    # Hugging Face's style names (transformers' ALL_PARALLEL_STYLES) with the same meaning
+    "colwise_gather_output": ColwiseParallel(gather_output=True),
+    "colwise_rep": ColwiseParallel(gather_output=True),
+    "rowwise_split_input": RowwiseParallel(input_is_parallel=False),
+    "rowwise_rep": RowwiseParallel(input_is_parallel=False),
+    "embedding_rowwise": VocabParallel(),
 }
 
 
