@@ -172,3 +172,26 @@ def test_llama_at_tp2_with_hugging_face_style_names_matches_one_process() -> Non
         for k, v in ref.items():
             if v.is_floating_point():
                 assert ((full[k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 1e-5, k
+
+
+def _gqa_refused(backend: CommunicationBackend) -> int:
+    from dtlab.errors import StrategyError
+    from dtlab.models import TensorParallelModel
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    try:
+        TensorParallelModel(transformers.LlamaForCausalLM(config), backend, plan=LLAMA_PLAN)
+    except StrategyError as exc:
+        assert "'model.layers.0.self_attn.k_proj' projects 2 attention heads of 8" in str(exc), exc
+        assert "tp=4; choose a tp that divides 2" in str(exc)
+        return backend.stats.calls
+    raise AssertionError("tp=4 over 2 key/value heads was accepted")
+
+
+def test_grouped_query_attention_with_a_tp_that_splits_a_head_is_refused_before_any_call() -> None:
+    pytest.importorskip("transformers")
+    assert run_world(4, _gqa_refused, timeout=60) == [0, 0, 0, 0]

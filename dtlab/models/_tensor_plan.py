@@ -245,6 +245,25 @@ def _check_one(name: str, module: nn.Module, style: Style, tp: int) -> None:
         _check_split(f"{name}.{style.out}", "in_features", getattr(module, style.out).in_features, tp)
 
 
+def _check_whole_heads(root: nn.Module, name: str, module: nn.Module, style: Style, tp: int) -> None:
+    """A projection of an attention module that declares ``head_dim`` (Hugging Face's do) is split in
+    whole heads: grouped-query attention's key/value projections have fewer heads than the queries."""
+    if not isinstance(module, nn.Linear) or not isinstance(style, ColwiseParallel | RowwiseParallel):
+        return
+    parent_name = name.rpartition(".")[0]
+    head_dim = getattr(root.get_submodule(parent_name) if parent_name else root, "head_dim", None)
+    features = module.out_features if isinstance(style, ColwiseParallel) else module.in_features
+    if not isinstance(head_dim, int) or head_dim <= 0 or features % head_dim:
+        return
+    heads = features // head_dim
+    if heads % tp:
+        raise StrategyError(
+            f"tensor-parallel plan: module {name!r} projects {heads} attention heads of {head_dim} "
+            f"(its module's head_dim; key/value heads under grouped-query attention), not divisible by "
+            f"tp={tp}; choose a tp that divides {heads}"
+        )
+
+
 def _matches(name: str, pattern: str) -> bool:
     """``fnmatch`` per dotted part, as torch's ``parallelize_module``: ``blocks.*`` is ``blocks.0``,
     never ``blocks.0.mlp``."""
@@ -277,6 +296,7 @@ def resolve_plan(module: nn.Module, plan: Plan, tp: int) -> list[tuple[str, nn.M
                     f"tensor-parallel plan: module {n!r} is matched by both {found[n][2]!r} and {pattern!r}"
                 )
             _check_one(n, m, style, tp)
+            _check_whole_heads(module, n, m, style, tp)
             found[n] = (m, style, pattern)
     names = list(found)
     for n in names:  # a swapped module may not contain another planned module
