@@ -8,4 +8,6 @@ export PATH="$PWD/.venv/bin:$PATH"
 ruff check dtlab tests benchmarks examples
 ruff format --check dtlab
 mypy dtlab
-exec python -m pytest -q "$@"
+# two workers: process-starting tests one at a time on one of them (tests/conftest.py), in-memory
+# tests on both; the order is random (pytest-randomly prints its seed: --randomly-seed=N repeats it)
+exec python -m pytest -q -n 2 --dist loadgroup "$@"

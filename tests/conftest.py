@@ -1,0 +1,47 @@
+"""Suite-wide settings.
+
+``./test.sh`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``). Tests that start
+processes (a spawned gloo/MPI world, ``torchrun``, ``mpiexec``, ``python -m dtlab``) go to one xdist
+group, so they run one at a time on one worker while the other worker runs in-memory tests: two
+multi-process worlds never compete for the two cores, and their time limits hold. A test is such a
+test when its function, or a module-level function it calls (two levels deep), names one of
+``PROCESS_WORDS``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import FunctionType, ModuleType
+from typing import Any
+
+import pytest
+
+PROCESS_WORDS = ("spawn_world", "subprocess", "torchrun", "mpiexec", "Popen", "run_elastic_torchrun")
+
+
+def _source(fn: Any) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def _starts_processes(fn: FunctionType, module: ModuleType | None, depth: int = 2) -> bool:
+    if any(w in _source(fn) for w in PROCESS_WORDS):
+        return True
+    if depth == 0 or module is None:
+        return False
+    names = set(getattr(fn, "__code__", None).co_names) if hasattr(fn, "__code__") else set()
+    for name in names:
+        called = getattr(module, name, None)
+        if isinstance(called, FunctionType) and called.__module__ == module.__name__:
+            if _starts_processes(called, module, depth - 1):
+                return True
+    return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        fn = getattr(item, "function", None)
+        if isinstance(fn, FunctionType) and _starts_processes(fn, getattr(item, "module", None)):
+            item.add_marker(pytest.mark.xdist_group("processes"))
