@@ -16,7 +16,7 @@ from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import HybridShardedModel, PipelineParallelModel, TensorParallelModel
-from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
 VOCAB, DIM, BATCH, SEQ, STEPS = 16, 8, 4, 6, 3
@@ -78,8 +78,13 @@ def _train(backend: CommunicationBackend, axes: dict[str, int], data_parallel: s
     )
     inner = model.dp_strategy.module
     tied_after_wrap = inner.head.weight is inner.emb.weight
-    opt_class = ZeRO3Optimizer if data_parallel == "fsdp" else DDPOptimizer
-    opt = opt_class(model, torch.optim.AdamW, lr=0.05)
+    opt_class = {
+        "fsdp": ZeRO3Optimizer,
+        "zero3": ZeRO3Optimizer,
+        "zero1": ZeRO1Optimizer,
+        "zero2": ZeRO2Optimizer,
+    }
+    opt = opt_class.get(data_parallel, DDPOptimizer)(model, torch.optim.AdamW, lr=0.05)
     x, y = _batch()
     c, dp = mesh.coordinate("dp"), mesh.size("dp")
     xs, ys = x.chunk(dp)[c], y.chunk(dp)[c]
@@ -101,7 +106,7 @@ def _train(backend: CommunicationBackend, axes: dict[str, int], data_parallel: s
 
 @pytest.mark.parametrize(
     ("axes", "data_parallel"),
-    [({"tp": 2}, "tensor"), ({"dp": 2, "tp": 2}, "ddp"), ({"dp": 2, "tp": 2}, "fsdp")],
+    [({"tp": 2}, "tensor"), *(({"dp": 2, "tp": 2}, dp) for dp in ("ddp", "zero1", "zero2", "zero3", "fsdp"))],
 )
 def test_a_vocab_and_colwise_plan_keeps_the_tie_and_matches_one_process(
     axes: dict[str, int], data_parallel: str
