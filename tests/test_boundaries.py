@@ -14,6 +14,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression import GaussianK, GTopk, OkTopk, TopkA, TopkDSA
+from dtlab.compression.kernels import indices_above
 from dtlab.compression.oktopk import GLOBAL_RAISE, LOCAL_SCALE
 from dtlab.compression.sparse import (
     GATHER_BELOW,
@@ -36,6 +37,8 @@ def test_threshold_selection_keeps_every_exact_tie() -> None:
     assert torch.equal(work.above(work.of(acc), 2.0), ties_and_above)
     assert torch.equal(Magnitudes().above(acc.abs(), 2.0), ties_and_above)  # without the reused mask
     assert torch.equal(select_by_threshold(acc, 2.0), ties_and_above)
+    for dtype in (torch.float32, torch.float64):  # the native kernel (float32) and the torch fallback
+        assert torch.equal(indices_above(acc.to(dtype), 2.0), ties_and_above), dtype
     nonzero = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8])
     assert torch.equal(work.above(work.of(acc), 0.0), nonzero)  # threshold 0: every nonzero
     assert torch.equal(select_by_threshold(acc, 0.0), nonzero)
