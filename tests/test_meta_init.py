@@ -15,7 +15,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core import seeded_init
-from dtlab.models import FSDPModel, ModuleClassPolicy, ZeRO3Model
+from dtlab.models import DDPModel, FSDPModel, ModuleClassPolicy, ZeRO3Model
 from dtlab.optimizers import ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -194,6 +194,14 @@ def test_tensors_nothing_initializes_are_named() -> None:
 
     with pytest.raises(Exception, match=r"already on cpu.*drop init_seed"):
         run_world(2, materialized)
+
+    def replicated(backend: CommunicationBackend) -> None:
+        with torch.device("meta"):
+            net = nn.Linear(3, 3)
+        DDPModel(net, backend)
+
+    with pytest.raises(Exception, match=r"DDPModel: .* meta device.*ZeRO3Model/FSDPModel with init_seed"):
+        run_world(2, replicated)
 
 
 def test_param_init_fn_replaces_reset_parameters() -> None:

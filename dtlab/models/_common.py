@@ -68,6 +68,12 @@ def _check_module(
             f"with module.to({str(backend.device)!r}) before wrapping it"
         )
     device = named[0][1].device
+    if device.type == "meta":
+        raise StrategyError(
+            f"{who}: the parameters of {type(module).__name__} are on the meta device; {who} keeps the "
+            "whole model on every rank, so build the module plainly (under dtlab.core.seeded_init(seed)), "
+            "or wrap it in ZeRO3Model/FSDPModel with init_seed=<int> (each rank initializes its shards)"
+        )
     if device.type != backend.device.type:
         raise StrategyError(
             f"{who}: parameters are on {device} but the backend {backend.name} works on {backend.device}; "
