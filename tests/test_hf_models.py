@@ -149,7 +149,7 @@ def _llama_tp(
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, model.full_state_dict()
 
 
@@ -165,7 +165,7 @@ def test_llama_at_tp2_with_hugging_face_style_names_matches_one_process() -> Non
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_losses.append(float(loss))
+        ref_losses.append(loss.item())
     ref = net.state_dict()
     for losses, full in run_world(2, _llama_tp, state, timeout=60):
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5

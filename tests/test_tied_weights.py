@@ -74,7 +74,13 @@ def _train(backend: CommunicationBackend, axes: dict[str, int], data_parallel: s
     model = (
         TensorParallelModel(_model(), mesh, plan=TIED_PLAN)
         if data_parallel == "tensor"
-        else HybridShardedModel(_model(), mesh, data_parallel, tensor_plan=TIED_PLAN)
+        else HybridShardedModel(
+            _model(),
+            mesh,
+            data_parallel,
+            tensor_plan=TIED_PLAN,
+            **({"persistence_threshold": 0} if data_parallel == "zero3" else {}),  # shard every tensor
+        )
     )
     inner = model.dp_strategy.module
     tied_after_wrap = inner.head.weight is inner.emb.weight
@@ -94,7 +100,7 @@ def _train(backend: CommunicationBackend, axes: dict[str, int], data_parallel: s
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     full = model.full_state_dict()
     return {
         "tied": tied_after_wrap and inner.head.weight is inner.emb.weight,
@@ -198,7 +204,7 @@ def _gpt2_world(backend: CommunicationBackend, config: Any, state: dict[str, tor
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return {
         "tied": inner.lm_head.weight is inner.transformer.wte.weight,
         "losses": losses,
