@@ -29,7 +29,7 @@ BASE = [
 def run(extra: list[str]) -> tuple[float, float, float]:
     result = run_training(load_config(overrides=BASE + extra))[0]
     ev = result.evals[-1][1]
-    mb = float(result.summary["bytes sent (rank 0) MB"])
+    mb = float(result.summary["sent MB/rank (largest rank)"])
     return ev["eval_loss"], ev["eval_accuracy"], mb
 
 
