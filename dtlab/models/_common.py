@@ -19,12 +19,11 @@ from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import StrategyError
 from dtlab.models._grad_guard import ShardedGradient, clear_guards, guard_grads
-from dtlab.models.base import OptimizerTarget
+from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.flat import FlatUnit
 
 if TYPE_CHECKING:
     from dtlab.models._hybrid_state import FlatShard
-    from dtlab.optimizers.base import OptimizerStrategy
 
 __all__ = ["DataParallelModel", "tensor_bytes", "unique_storage_bytes"]
 
@@ -116,7 +115,7 @@ class DataParallelModel(OptimizerTarget):
         self._sync = True
         self._in_backward = False
         self._grads_synced = False
-        self._optimizer_ref: OptimizerStrategy | None = None
+        self._optimizer_ref: AttachedOptimizer | None = None
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self._hook_handles: list[Any] = []
         self._guarded = False
@@ -308,7 +307,7 @@ class DataParallelModel(OptimizerTarget):
         """``(name, parameter)`` of every parameter with ``requires_grad``, in registration order."""
         return list(self._trainable)
 
-    def attach_optimizer(self, optimizer: OptimizerStrategy) -> None:
+    def attach_optimizer(self, optimizer: AttachedOptimizer) -> None:
         """Called by the optimizer strategy; one optimizer strategy per model."""
         if self._optimizer_ref is not None and self._optimizer_ref is not optimizer:
             raise StrategyError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -26,9 +26,22 @@ from dtlab.models.state import add_slice, new_state
 
 if TYPE_CHECKING:
     from dtlab.models.flat import FlatUnit
-    from dtlab.optimizers.base import OptimizerStrategy
 
-__all__ = ["ModelStrategy", "OptimizerTarget", "ShardedState"]
+__all__ = ["AttachedOptimizer", "ModelStrategy", "OptimizerTarget", "ShardedState"]
+
+
+class AttachedOptimizer(Protocol):
+    """What a model strategy reads of the optimizer strategy that drives it (models sit below
+    optimizers: they know this much of it and nothing else)."""
+
+    @property
+    def strategy_name(self) -> str:
+        """The optimizer strategy's name in the pairing table (``"ddp"``, ``"zero1"``, ...)."""
+        ...
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        ...
 
 
 def _check_world(
@@ -183,7 +196,7 @@ class OptimizerTarget(ModelStrategy):
         """``(name, parameter)`` of every parameter with ``requires_grad``, in registration order."""
 
     @abstractmethod
-    def attach_optimizer(self, optimizer: OptimizerStrategy) -> None:
+    def attach_optimizer(self, optimizer: AttachedOptimizer) -> None:
         """Called by the optimizer strategy; one optimizer strategy per model."""
 
     @abstractmethod

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -64,13 +64,10 @@ from dtlab.models._pipeline_split import Stage, TensorSpec
 from dtlab.models._pipeline_split import stage_specs as meta_stage_specs
 from dtlab.models._tensor_layers import vocab_parallel_cross_entropy
 from dtlab.models._tensor_plan import Plan
-from dtlab.models.base import OptimizerTarget
+from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.flat import FlatUnit
 from dtlab.models.state import new_state
 from dtlab.models.zero1 import ZeRO1Model, gradient_sync_for
-
-if TYPE_CHECKING:
-    from dtlab.optimizers.base import OptimizerStrategy
 
 __all__ = ["DATA_PARALLEL", "HybridShardedModel", "as_mesh"]
 
@@ -293,7 +290,7 @@ class HybridShardedModel(OptimizerTarget):
         return [] if self._last is None else list(self._last.timeline)
 
     # ------------------------------------------------------------------ optimizer protocol
-    def attach_optimizer(self, optimizer: OptimizerStrategy) -> None:
+    def attach_optimizer(self, optimizer: AttachedOptimizer) -> None:
         name = optimizer.strategy_name
         fitting = pairs.optimizers_for(self.data_parallel if self.mesh_axis is None else self.strategy_name)
         if name not in fitting:

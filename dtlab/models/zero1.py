@@ -25,24 +25,22 @@ by ``P`` (its term of the next sum; the other ranks hold zeros there) and the ne
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import StrategyError
+from dtlab.models.base import AttachedOptimizer
 from dtlab.models.ddp import DDPModel
-
-if TYPE_CHECKING:
-    from dtlab.optimizers.base import OptimizerStrategy
 
 __all__ = ["GradientSync", "ZeRO1Model", "gradient_sync_for"]
 
 GradientSync = Literal["reduce_scatter", "all_reduce"]
 
 
-def gradient_sync_for(model: str, chosen: GradientSync | None, optimizer: OptimizerStrategy) -> GradientSync:
+def gradient_sync_for(model: str, chosen: GradientSync | None, optimizer: AttachedOptimizer) -> GradientSync:
     """How a model strategy with a ZeRO-1 dp axis (tensor, pipeline) reduces its gradients under
     ``optimizer``: ``chosen`` when the user set it, else reduce-scatter for ``ZeRO1Optimizer`` and
     all-reduce for the others. A reduce-scatter chosen for an optimizer that steps whole gradients is
