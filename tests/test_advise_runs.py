@@ -24,6 +24,17 @@ SIZES = ["model.n_layers=2", "model.seq_len=16", "data.global_batch_size=8", "op
 MEMORY_KEYS = ("parameters", "gradients", "optimizer_state", "peak_gathered_parameters")
 
 
+def _same_memory(got: dict[str, int], predicted: dict[str, int]) -> dict[str, int]:
+    """The keys advise predicts for every rank alike: all but ``optimizer_state``, which it predicts
+    for the rank that holds the most (a sharded optimizer keeps one piece per parameter its shard
+    overlaps, and no moments for padding): see :func:`_largest_state`."""
+    return {k: got[k] for k in predicted if k != "optimizer_state"}
+
+
+def _largest_state(measured: list[dict[str, Any]]) -> int:
+    return max(got["memory"]["optimizer_state"] for got in measured)
+
+
 def _config(strategy: str, world: int) -> Any:
     return load_config(
         overrides=[*TINY_LM, *SIZES, f"strategy.model={strategy}", f"backend.world_size={world}"]
@@ -118,8 +129,9 @@ def test_data_parallel_memory_and_bytes_equal_the_run(strategy: str, world: int)
         "optimizer_state": pred.memory.optimizer_state,
         "peak_gathered_parameters": pred.peak_gathered_parameters,
     }
+    assert _largest_state(measured) == predicted["optimizer_state"]
     for rank, got in enumerate(measured):
-        assert {k: got["memory"][k] for k in MEMORY_KEYS} == predicted, f"rank {rank}"
+        assert _same_memory(got["memory"], predicted) == _same_memory(predicted, predicted), f"rank {rank}"
         assert got["ops"] == pred.axes["dp"].ops, f"rank {rank}"
         if got["activations"] is not None:
             assert got["activations"] == pytest.approx(pred.memory.activations, rel=0.05)
@@ -164,7 +176,7 @@ def test_gradient_accumulation_equals_the_run(strategy: str) -> None:
     for rank, got in enumerate(measured):
         assert got["ops"] == pred.axes["dp"].ops, f"rank {rank}"
         assert got["memory"]["parameters"] == pred.memory.parameters
-        assert got["memory"]["optimizer_state"] == pred.memory.optimizer_state
+    assert _largest_state(measured) == pred.memory.optimizer_state
     one = predict(_spec(config), ClusterSpec(ranks=2), Candidate(strategy, dp=2), 8)  # type: ignore[arg-type]
     assert pred.memory.activations < one.memory.activations  # half the sequences in flight
 
@@ -180,12 +192,12 @@ def test_checkpointed_blocks_under_data_parallelism_equal_the_run(strategy: str)
     measured = run_world(2, _two_steps, config, build_task(config), strategy == "ddp")
     plan = Candidate(strategy, dp=2, checkpointing="block")  # type: ignore[arg-type]
     pred = predict(_spec(config), ClusterSpec(ranks=2), plan, config.data.global_batch_size)
+    assert _largest_state(measured) == pred.memory.optimizer_state
     for rank, got in enumerate(measured):
         assert got["ops"] == pred.axes["dp"].ops, f"rank {rank}"
-        assert {k: got["memory"][k] for k in ("parameters", "gradients", "optimizer_state")} == {
+        assert {k: got["memory"][k] for k in ("parameters", "gradients")} == {
             "parameters": pred.memory.parameters,
             "gradients": pred.memory.gradients,
-            "optimizer_state": pred.memory.optimizer_state,
         }
         if got["activations"] is not None:
             assert got["activations"] == pred.memory.activations
@@ -254,8 +266,9 @@ def test_tensor_parallel_memory_and_bytes_equal_the_run(shape: dict[str, int], s
         "optimizer_state": pred.memory.optimizer_state,
         "peak_gathered_parameters": pred.peak_gathered_parameters,
     }
+    assert _largest_state(measured) == predicted["optimizer_state"]
     for rank, got in enumerate(measured):
-        assert {k: got["memory"][k] for k in MEMORY_KEYS} == predicted, f"rank {rank}"
+        assert _same_memory(got["memory"], predicted) == _same_memory(predicted, predicted), f"rank {rank}"
         for axis in ("dp", "tp"):
             moved = {k: v for k, v in got["ops"][axis].items() if v[1]}  # size-1 groups: 0-byte calls
             assert moved == pred.axes[axis].ops, f"rank {rank} {axis}"
@@ -371,7 +384,9 @@ def test_pipeline_memory_activations_and_bytes_equal_the_run(spec: ModelSpec, pl
             "peak_gathered_parameters": mem.parameters,
             "activations": mem.activations,
         }
-        assert {k: got["memory"][k] for k in want} == want, f"rank {world_rank}"
+        assert _same_memory(got["memory"], want) == _same_memory(want, want), f"rank {world_rank}"
+        stage = measured[r * plan.dp : (r + 1) * plan.dp]
+        assert _largest_state(stage) == mem.optimizer_state, f"stage {r}"
         ops = pred.stage_ops[r]
         assert got["ops"]["pp"] == {k: v for k, v in ops["pp"].items() if v[1]}, f"rank {world_rank}"
         assert got["ops"]["dp"] == ops["dp"], f"rank {world_rank}"

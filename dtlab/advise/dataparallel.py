@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dtlab.advise.layout import Tensor, buckets, fsdp_units, module_groups, zero3_units
+from dtlab.advise.layout import Flat, Tensor, buckets, fsdp_units, module_groups, zero3_units
 from dtlab.advise.precision import Precision
 from dtlab.advise.spec import OptimizerSpec, StrategyOptions
 
@@ -52,10 +52,24 @@ def _add(ops: Ops, kind: str, calls: int, nbytes: int) -> None:
     ops[kind] = (c + calls, b + nbytes)
 
 
-def _optimizer(flats_or_sizes: Sequence[int], opt: OptimizerSpec, prec: Precision) -> int:
+def _optimizer(sizes: Sequence[int], opt: OptimizerSpec, prec: Precision) -> int:
     """State of a torch optimizer stepping tensors of these element counts (and their master copies)."""
     per = prec.state_bytes(opt.states_per_element)
-    return sum(per * n + opt.bytes_per_tensor for n in flats_or_sizes)
+    return sum(per * n + opt.bytes_per_tensor for n in sizes)
+
+
+def _sharded_optimizer(flats: Sequence[Flat], opt: OptimizerSpec, prec: Precision) -> int:
+    """State of the sharded strategies' optimizer on the rank that holds the most: one piece (its own
+    per-tensor state) per parameter overlapping the rank's shard, moments for real elements only."""
+    if not flats:
+        return 0
+    per = prec.state_bytes(opt.states_per_element)
+    ranks = flats[0].padded // flats[0].shard
+    most = 0
+    for r in range(ranks):
+        held = [f.pieces(r) for f in flats]
+        most = max(most, sum(per * n + opt.bytes_per_tensor * k for n, k in held))
+    return most
 
 
 def _max_pair(groups: Sequence[int]) -> int:
@@ -157,7 +171,7 @@ def data_parallel_cost(
     return DataParallelCost(
         parameters=shards * pe + persistent * pe,
         gradients=shards * ge,
-        optimizer_state=_optimizer([u.shard for u in units], optimizer, precision),
+        optimizer_state=_sharded_optimizer(units, optimizer, precision),
         peak_gathered_parameters=peak * pe,
         transient=transient,
         ops=_merge(grad_ops, gather_ops),
@@ -196,7 +210,7 @@ def _bucketed_cost(
     if strategy == "ddp":
         state = _optimizer([t.numel for t in tensors], optimizer, precision)
     else:
-        state = _optimizer([b.shard for b in bks], optimizer, precision)
+        state = _sharded_optimizer(bks, optimizer, precision)
     grads = shards * ge if strategy == "zero2" else whole * ge
     transient = whole * ge if strategy == "zero2" else 0
     if precision.compute < pe:

@@ -50,11 +50,24 @@ class Flat:
     shard: int
     padded: int
     persistent: bool = False
+    #: the element counts of the parameters laid out in it, in flat order (empty: one parameter)
+    members: tuple[int, ...] = ()
+
+    def pieces(self, rank: int) -> tuple[int, int]:
+        """``(elements, parameters)`` of real data in ``rank``'s shard: the optimizer steps one piece
+        (a view, with a state of its own) per parameter that overlaps the shard, padding none."""
+        lo, hi = rank * self.shard, (rank + 1) * self.shard
+        start, count = 0, 0
+        for n in self.members or (self.numel,):
+            if n and start < hi and start + n > lo:
+                count += 1
+            start += n
+        return max(0, min(hi, self.numel) - min(lo, self.numel)), count
 
 
-def flat(key: str, numel: int, ranks: int, persistent: bool = False) -> Flat:
+def flat(key: str, numel: int, ranks: int, persistent: bool = False, members: Sequence[int] = ()) -> Flat:
     shard = max(1, -(-numel // ranks))
-    return Flat(key, numel, shard, shard * ranks, persistent)
+    return Flat(key, numel, shard, shard * ranks, persistent, tuple(members))
 
 
 def transformer_tensors(spec: ModelSpec, tp: int = 1, pipelined: bool = False) -> list[Tensor]:
@@ -97,19 +110,18 @@ def buckets(tensors: Sequence[Tensor], ranks: int, bucket_cap_mb: float, dtype_b
     """DDP's (and ZeRO-1/2's) gradient buckets: reverse registration order, a new bucket when the
     next parameter would pass ``int(bucket_cap_mb * 2**20)`` bytes."""
     cap = int(bucket_cap_mb * 1024 * 1024)
-    groups: list[int] = []
-    current, size = 0, 0
-    started = False
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
     for t in reversed(tensors):
         nbytes = t.numel * dtype_bytes
-        if started and size + nbytes > cap:
+        if current and size + nbytes > cap:
             groups.append(current)
-            current, size = 0, 0
-        current += t.numel
+            current, size = [], 0
+        current.append(t.numel)
         size += nbytes
-        started = True
     groups.append(current)
-    return [flat(f"bucket{i}", n, ranks) for i, n in enumerate(groups)]
+    return [flat(f"bucket{i}", sum(g), ranks, members=g) for i, g in enumerate(groups)]
 
 
 def zero3_units(tensors: Sequence[Tensor], ranks: int, persistence_threshold: int) -> list[Flat]:
@@ -119,11 +131,10 @@ def zero3_units(tensors: Sequence[Tensor], ranks: int, persistence_threshold: in
 
 def fsdp_units(tensors: Sequence[Tensor], ranks: int) -> list[Flat]:
     """FSDP with the block as the wrapped class: the root unit first, then one unit per block."""
-    order: dict[str, int] = {"<root>": 0}
+    order: dict[str, list[int]] = {"<root>": []}
     for t in tensors:
-        order.setdefault(t.unit, 0)
-        order[t.unit] += t.numel
-    return [flat(k, n, ranks) for k, n in order.items() if n]
+        order.setdefault(t.unit, []).append(t.numel)
+    return [flat(k, sum(g), ranks, members=g) for k, g in order.items() if sum(g)]
 
 
 def module_groups(tensors: Sequence[Tensor], units: Sequence[Flat]) -> list[int]:
