@@ -53,17 +53,6 @@ class Flat:
     #: the element counts of the parameters laid out in it, in flat order (empty: one parameter)
     members: tuple[int, ...] = ()
 
-    def pieces(self, rank: int) -> tuple[int, int]:
-        """``(elements, parameters)`` of real data in ``rank``'s shard: the optimizer steps one piece
-        (a view, with a state of its own) per parameter that overlaps the shard, padding none."""
-        lo, hi = rank * self.shard, (rank + 1) * self.shard
-        start, count = 0, 0
-        for n in self.members or (self.numel,):
-            if n and start < hi and start + n > lo:
-                count += 1
-            start += n
-        return max(0, min(hi, self.numel) - min(lo, self.numel)), count
-
 
 def flat(key: str, numel: int, ranks: int, persistent: bool = False, members: Sequence[int] = ()) -> Flat:
     shard = max(1, -(-numel // ranks))
