@@ -9,5 +9,8 @@ ruff check dtlab tests benchmarks examples
 ruff format --check dtlab
 mypy dtlab
 # two workers: process-starting tests one at a time on one of them (tests/conftest.py), in-memory
-# tests on both; the order is random (pytest-randomly prints its seed: --randomly-seed=N repeats it)
-exec python -m pytest -q -n 2 --dist loadgroup "$@"
+# tests on both; the order is random (pytest-randomly), its seed printed here: pass
+# --randomly-seed=N (or set DTLAB_TEST_SEED=N) to repeat an order
+seed="${DTLAB_TEST_SEED:-$(( (RANDOM << 15) | RANDOM ))}"
+echo "test order: --randomly-seed=$seed"
+exec python -m pytest -q -n 2 --dist loadgroup --randomly-seed="$seed" "$@"
