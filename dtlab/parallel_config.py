@@ -133,7 +133,7 @@ def _check_pipeline(config: TrainConfig) -> None:
             f"it waits; use parallel.micro_batches >= {par.pp}"
         )
     from dtlab.errors import ArgumentError
-    from dtlab.models._pipeline_schedules import check_schedule_args
+    from dtlab.models.pipeline._schedules import check_schedule_args
 
     try:
         check_schedule_args(par.schedule, par.pp, mb, par.stages_per_rank)

@@ -68,13 +68,13 @@ _CKPT = ["tests/test_crash_points.py", "tests/test_checkpoint_io.py", "tests/tes
 TESTS: dict[str, list[str]] = {
     "dtlab/backends/_inmemory_ops.py": _ENGINE,
     "dtlab/backends/inmemory.py": _ENGINE,
-    "dtlab/models/ddp.py": _STRATEGY,
-    "dtlab/models/zero2.py": _STRATEGY,
-    "dtlab/models/zero3.py": _STRATEGY,
-    "dtlab/models/fsdp.py": _STRATEGY,
-    "dtlab/models/flat.py": _STRATEGY,
-    "dtlab/models/_sharded.py": _STRATEGY,
-    "dtlab/models/state.py": _STRATEGY,
+    "dtlab/models/dp/ddp.py": _STRATEGY,
+    "dtlab/models/dp/zero2.py": _STRATEGY,
+    "dtlab/models/dp/zero3.py": _STRATEGY,
+    "dtlab/models/dp/fsdp.py": _STRATEGY,
+    "dtlab/models/dp/flat.py": _STRATEGY,
+    "dtlab/models/dp/_sharded.py": _STRATEGY,
+    "dtlab/models/shard_index.py": _STRATEGY,
     "dtlab/optimizers/zero1.py": _STRATEGY,
     "dtlab/optimizers/_sharded.py": _STRATEGY,
     "dtlab/optimizers/ddp.py": _STRATEGY,
@@ -115,16 +115,16 @@ ACCEPTED: dict[str, str] = {
         "reach starts at [0, 1] instead of [0, 0]: the reach is compared with memory addresses "
         "(data_ptr), which are never below 1, so the first span is never taken for an overlap either way"
     ),
-    "dtlab/models/zero2.py:const:self._guarded = False": (
+    "dtlab/models/dp/zero2.py:const:self._guarded = False": (
         "_guarded = True in zero_grad_buffers: it only makes the next forward call clear_guards, which "
         "removes gradient stand-ins and nothing else, and zero_grad_buffers has just set every grad "
         "to None: a no-op"
     ),
-    'dtlab/models/zero3.py:bool:owned.append((mname or "<root>", mod, params))': (
+    'dtlab/models/dp/zero3.py:bool:owned.append((mname or "<root>", mod, params))': (
         "mname and '<root>' names the root group '' and the others '<root>': the group name is kept in "
         "_group_names, which nothing reads"
     ),
-    "dtlab/models/state.py:arith:n += 1": (
+    "dtlab/models/shard_index.py:arith:n += 1": (
         "n -= 1 numbers the extra pieces of one tensor #-1, #-2, ... instead of #1, #2, ...: the "
         "names only need to be unique, readers go by each entry's 'key'"
     ),

@@ -21,7 +21,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import RankFailedError
 from dtlab.models import FSDPModel
-from dtlab.models.state import ShardIndex
+from dtlab.models.shard_index import ShardIndex
 from dtlab.optimizers import ZeRO3Optimizer
 from dtlab.optimizers.elastic import (
     CommitKey,

@@ -161,3 +161,33 @@ def test_no_import_circles_between_packages() -> None:
 
     for package in sorted(graph):
         visit(package, [])
+
+
+# Inside dtlab.models: one subpackage per parallelism, composed in compose/. A subpackage imports the
+# top-level modules (base, shard_index, ...) and the subpackages named here; top-level modules other
+# than __init__ import no subpackage.
+MODELS_SUBPACKAGES: dict[str, set[str]] = {
+    "dp": set(),
+    "tensor": set(),
+    "pipeline": set(),
+    "compose": {"dp", "tensor", "pipeline"},
+}
+
+
+def test_models_subpackages_import_only_their_parts() -> None:
+    models = ROOT / "models"
+    found = {p.name for p in models.iterdir() if (p / "__init__.py").exists()}
+    assert found == set(MODELS_SUBPACKAGES), f"dtlab.models subpackages without a row: {sorted(found)}"
+    bad = []
+    for file in sorted(models.rglob("*.py")):
+        relative = file.relative_to(models).parts
+        own = relative[0] if len(relative) > 1 else None
+        if own is None and relative[0] == "__init__.py":
+            continue
+        allowed = MODELS_SUBPACKAGES[own] | {own} if own else set()
+        for line, module in _runtime_imports(ast.parse(file.read_text(), str(file))):
+            parts = module.split(".")
+            inside = parts[:2] == ["dtlab", "models"] and len(parts) > 2
+            if inside and parts[2] in found and parts[2] not in allowed:
+                bad.append(f"{file.relative_to(ROOT.parent)}:{line} imports {module}")
+    assert not bad, "dtlab.models subpackages import only downwards:\n" + "\n".join(bad)

@@ -66,7 +66,7 @@ def test_one_vocabulary_of_data_parallel_names() -> None:
 
     from dtlab.advise.spec import DP_STRATEGIES, DpStrategy
     from dtlab.benchmarks.mesh import STRATEGIES
-    from dtlab.models._hybrid_build import DATA_PARALLEL_CLASSES
+    from dtlab.models.compose._build import DATA_PARALLEL_CLASSES
 
     assert tuple(DATA_PARALLEL_CLASSES) == pairs.DATA_PARALLEL
     assert DP_STRATEGIES == get_args(DpStrategy) == STRATEGIES == pairs.DATA_PARALLEL

@@ -15,7 +15,7 @@ from dtlab.backends import Mesh
 from dtlab.checkpoint import full_tensors_from_shards
 from dtlab.errors import ArgumentError, RankFailedError, StrategyError
 from dtlab.models import DDPModel, PipelineParallelModel
-from dtlab.models._pipeline_split import balanced_split, module_blocks, split_blocks
+from dtlab.models.pipeline._split import balanced_split, module_blocks, split_blocks
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
 from dtlab.testing import run_world
 

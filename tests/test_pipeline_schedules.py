@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from dtlab.errors import ArgumentError, StrategyError
-from dtlab.models._pipeline_schedules import (
+from dtlab.models.pipeline import plot_schedule
+from dtlab.models.pipeline._schedules import (
     SCHEDULES,
     Action,
     Kind,
@@ -18,7 +19,6 @@ from dtlab.models._pipeline_schedules import (
     dry_run,
     simulate,
 )
-from dtlab.models.pipeline import plot_schedule
 
 GRID = [
     (name, p, m, v)

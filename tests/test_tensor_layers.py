@@ -18,7 +18,7 @@ from dtlab.models import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from dtlab.models._tensor_comm import gather_from_sequence, reduce_scatter_to_seq
+from dtlab.models.tensor._comm import gather_from_sequence, reduce_scatter_to_seq
 from dtlab.testing import run_world
 
 

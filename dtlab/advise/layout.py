@@ -1,7 +1,7 @@
 """Where a rank's parameters lie: the transformer's tensors after tensor parallelism and the flat
 padded buffers the data-parallel strategies build from them (pipeline stages: ``pipeline.py``).
 
-The arithmetic mirrors the strategies exactly (``dtlab/models/flat.py``, ``ddp.py``, ``zero3.py``,
+The arithmetic mirrors the strategies exactly (``dtlab/models/dp/flat.py``, ``ddp.py``, ``zero3.py``,
 ``fsdp.py``): a flat unit of ``n`` elements over ``P`` ranks keeps ``c = max(1, ceil(n / P))``
 elements per rank and is padded to ``c * P``; DDP/ZeRO-1/2 buckets take the trainable parameters in
 reverse registration order and start a new bucket when the next one would pass ``bucket_cap_mb`` MiB;

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from dtlab.advise.activations import Held, stage_activations
 from dtlab.advise.layout import Tensor
 from dtlab.advise.spec import Candidate, ModelSpec
-from dtlab.models._pipeline_split import balanced_split
+from dtlab.models.pipeline._split import balanced_split
 
 __all__ = ["StageShape", "activation_peak", "pipeline_ops", "split_stages"]
 

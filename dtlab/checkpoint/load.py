@@ -18,7 +18,7 @@ from dtlab.checkpoint.safe_files import check_inside, read_inside
 from dtlab.checkpoint.validate import MAX_SHARD_BYTES, check_meta, parse_json
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models.state import ShardIndex, check_entries
+from dtlab.models.shard_index import ShardIndex, check_entries
 
 __all__ = ["LoadedCheckpoint", "read_checkpoint", "read_latest", "resolve_checkpoint"]
 

@@ -28,7 +28,7 @@ from dtlab.core.placement import Box, Placement, local_regions
 from dtlab.errors import CheckpointError
 from dtlab.models import DataParallelModel, HybridShardedModel, ModelStrategy
 from dtlab.models.base import OptimizerTarget
-from dtlab.models.state import full_shape_of
+from dtlab.models.shard_index import full_shape_of
 
 __all__ = ["PretrainedReport", "load_pretrained"]
 

@@ -2,14 +2,19 @@
 
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.state import ShardedState
-from dtlab.models._common import DataParallelModel
 from dtlab.models.base import ModelStrategy
-from dtlab.models.ddp import DDPModel
-from dtlab.models.fsdp import FSDPModel, ModuleClassPolicy, SizePolicy, WrapPolicy
-from dtlab.models.hybrid import HybridShardedModel
-from dtlab.models.pipeline import PipelineParallelModel, plot_schedule
+from dtlab.models.compose.hybrid import HybridShardedModel
+from dtlab.models.compose.pipeline_parallel import PipelineParallelModel
+from dtlab.models.compose.tensor_parallel import TensorParallelModel
+from dtlab.models.dp.data_parallel import DataParallelModel
+from dtlab.models.dp.ddp import DDPModel
+from dtlab.models.dp.fsdp import FSDPModel, ModuleClassPolicy, SizePolicy, WrapPolicy
+from dtlab.models.dp.zero1 import ZeRO1Model
+from dtlab.models.dp.zero2 import ZeRO2Model
+from dtlab.models.dp.zero3 import ZeRO3Model
+from dtlab.models.pipeline import plot_schedule
 from dtlab.models.registry import MODEL_STRATEGIES, get_model_strategy
-from dtlab.models.state import ShardIndex
+from dtlab.models.shard_index import ShardIndex
 from dtlab.models.tensor import (
     ColumnParallelLinear,
     ColwiseParallel,
@@ -17,15 +22,11 @@ from dtlab.models.tensor import (
     RowParallelLinear,
     RowwiseParallel,
     SequenceParallel,
-    TensorParallelModel,
     VocabParallel,
     VocabParallelEmbedding,
     transformer_plan,
     vocab_parallel_cross_entropy,
 )
-from dtlab.models.zero1 import ZeRO1Model
-from dtlab.models.zero2 import ZeRO2Model
-from dtlab.models.zero3 import ZeRO3Model
 
 __all__ = [
     "ColumnParallelLinear",

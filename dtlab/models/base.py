@@ -22,10 +22,10 @@ from dtlab.core.placement import Placement
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.state import ShardedState
 from dtlab.errors import ArgumentError, CheckpointError
-from dtlab.models.state import add_slice, new_state
+from dtlab.models.shard_index import add_slice, new_state
 
 if TYPE_CHECKING:
-    from dtlab.models.flat import FlatUnit
+    from dtlab.models.dp.flat import FlatUnit
 
 __all__ = ["AttachedOptimizer", "ModelStrategy", "OptimizerTarget", "ShardedState"]
 

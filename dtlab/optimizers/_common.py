@@ -1,5 +1,5 @@
 """What the DDP and ZeRO optimizer strategies share: construction checks, the global gradient norm,
-the finite-gradient consensus and the reshardable optimizer-state format (see dtlab.models.state)."""
+the finite-gradient consensus and the reshardable optimizer-state format (see dtlab.models.shard_index)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dtlab.core import pairs
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models.base import ModelStrategy, OptimizerTarget
-from dtlab.models.state import (
+from dtlab.models.shard_index import (
     ShardIndex,
     add_placed_slice,
     add_scalar,

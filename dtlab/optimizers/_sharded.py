@@ -1,7 +1,7 @@
 """What ZeRO-1, ZeRO-2 and ZeRO-3 optimizers share: a torch optimizer over this rank's shards.
 
 The model strategy lays parameters in flat units padded to a multiple of ``P`` (see
-:mod:`dtlab.models.flat`); this rank's optimizer steps element ``[r*c, (r+1)*c)`` of each unit with
+:mod:`dtlab.models.dp.flat`); this rank's optimizer steps element ``[r*c, (r+1)*c)`` of each unit with
 the matching gradient shard, so its state is ``1/P`` of the replicated optimizer's. Element-wise
 optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...) give the same result as on whole parameters;
 optimizers whose update couples elements of one parameter (LAMB's trust ratio, Adafactor, Shampoo)

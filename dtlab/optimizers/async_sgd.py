@@ -29,7 +29,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import ArgumentError, CollectiveTimeoutError, StrategyError
-from dtlab.models.flat import FlatUnit
+from dtlab.models.dp.flat import FlatUnit
 from dtlab.optimizers._async_comm import (
     ABORT,
     FINISH,

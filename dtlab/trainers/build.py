@@ -106,7 +106,7 @@ def data_parallel_kwargs(config: TrainConfig, name: str, task: Task) -> dict[str
     if name == "zero3":
         kwargs.update(persistence_threshold=s.persistence_threshold, prefetch=s.prefetch)
     if name == "fsdp":
-        from dtlab.models.fsdp import ModuleClassPolicy
+        from dtlab.models.dp.fsdp import ModuleClassPolicy
 
         kwargs.update(reshard_after_forward=s.reshard_after_forward, prefetch=s.prefetch)
         if task.fsdp_unit_classes:

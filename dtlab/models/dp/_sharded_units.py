@@ -13,8 +13,8 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError, StrategyError
-from dtlab.models.flat import FlatUnit
-from dtlab.models.state import ShardIndex, add_slice, even_range
+from dtlab.models.dp.flat import FlatUnit
+from dtlab.models.shard_index import ShardIndex, add_slice, even_range
 
 __all__ = [
     "SavedRef",

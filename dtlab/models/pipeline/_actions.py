@@ -1,6 +1,6 @@
 """The vocabulary of pipeline schedules: the schedule names, an :class:`Action` (``kind`` on a stage for
 a micro-batch) and a whole :class:`PipelineSchedule` (every rank's ordered actions); built and checked in
-:mod:`dtlab.models._pipeline_schedules`."""
+:mod:`dtlab.models.pipeline._schedules`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Tensor parallelism (Megatron-LM's), composed with data parallelism over a mesh's ``dp`` axis.
 
 ``TensorParallelModel(module, mesh, plan)`` swaps the modules the plan names for their tensor-parallel
-versions (:mod:`dtlab.models._tensor_plan`), each holding only this rank's shard of rank 0's values,
+versions (:mod:`dtlab.models.tensor._plan`), each holding only this rank's shard of rank 0's values,
 then runs DDP's bucketed gradient averaging over ``mesh["dp"]`` through the model's gradient reducer
 (so compression composes). It is :class:`~dtlab.models.HybridShardedModel` on a mesh without a
 pipeline: one implementation. ``DDPOptimizer`` (optimizer state whole on each dp replica) or
@@ -28,40 +28,11 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh
 from dtlab.errors import ArgumentError
-from dtlab.models._tensor_layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
-)
-from dtlab.models._tensor_plan import (
-    ColwiseParallel,
-    HeadsParallel,
+from dtlab.models.compose.hybrid import HybridShardedModel
+from dtlab.models.dp.zero1 import GradientSync
+from dtlab.models.tensor._plan import (
     Plan,
-    RowwiseParallel,
-    SequenceParallel,
-    Style,
-    VocabParallel,
-    transformer_plan,
 )
-from dtlab.models.hybrid import HybridShardedModel
-from dtlab.models.zero1 import GradientSync
-
-__all__ = [
-    "ColumnParallelLinear",
-    "ColwiseParallel",
-    "HeadsParallel",
-    "Plan",
-    "RowParallelLinear",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "Style",
-    "TensorParallelModel",
-    "VocabParallel",
-    "VocabParallelEmbedding",
-    "transformer_plan",
-    "vocab_parallel_cross_entropy",
-]
 
 
 class TensorParallelModel(HybridShardedModel):
@@ -71,7 +42,7 @@ class TensorParallelModel(HybridShardedModel):
         module: the plain model; every rank builds it with the same structure (values come from rank 0).
         mesh: a :class:`~dtlab.backends.Mesh` with a ``tp`` axis and optionally a ``dp`` axis (a plain
             backend is taken as ``Mesh(backend, {"tp": backend.world_size})``).
-        plan: ``{"fqn-pattern": style}``; see :mod:`dtlab.models._tensor_plan` and
+        plan: ``{"fqn-pattern": style}``; see :mod:`dtlab.models.tensor._plan` and
             :func:`transformer_plan`. Checked before any communication. ``tensor_plan=`` (the name
             ``HybridShardedModel`` and the config use) is the same argument.
         gradient_sync: how gradients are averaged over dp; ``None`` (default) lets the optimizer choose

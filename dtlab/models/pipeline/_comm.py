@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dtlab.backends.base import CommunicationBackend, P2POp, Work
-from dtlab.models._pipeline_schedules import Action, Kind, PipelineSchedule
-from dtlab.models._pipeline_split import TensorSpec
+from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
+from dtlab.models.pipeline._split import TensorSpec
 
 __all__ = ["StageLinks", "infer_through_stages"]
 

@@ -1,5 +1,5 @@
-"""The hybrid strategy's own communication (the layers' collectives are in ``_tensor_comm``, the stage
-messages in ``_pipeline_comm``, the dp reduction in the data-parallel strategies):
+"""The composition's own communication (the layers' collectives are in ``dtlab.models.tensor._comm``,
+the stage messages in ``dtlab.models.pipeline._comm``, the dp reduction in the data-parallel strategies):
 
 - :func:`sum_over_tp`: sequence parallelism leaves the gradients of replicated parameters used inside
   the sequence-split region (norms, row-parallel biases) as partial sums over tp: one all-reduce of
@@ -21,7 +21,7 @@ import torch
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 
 if TYPE_CHECKING:
-    from dtlab.models._common import DataParallelModel
+    from dtlab.models.dp.data_parallel import DataParallelModel
 
 __all__ = ["broadcast_over_pp", "grads_of", "sum_over_tp"]
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from dtlab.errors import StrategyError
-from dtlab.models._tensor_plan import (
+from dtlab.models.tensor._plan import (
     ColwiseParallel,
     HeadsParallel,
     SequenceParallel,

@@ -27,7 +27,7 @@ from torch import nn
 
 from dtlab.core.rng import seeded_init
 from dtlab.errors import ArgumentError, StrategyError
-from dtlab.models._sharded_units import ShardUnit
+from dtlab.models.dp._sharded_units import ShardUnit
 
 __all__ = ["MetaInit", "ParamInitFn"]
 

@@ -5,7 +5,7 @@ shard split once more over dp, or the data-parallel strategy's flat shard of it 
 replicated tensor as a flat slice, split over the dp x tp ranks of its stage (or written by tp rank 0
 only, in the flat shard of ZeRO-3/FSDP). Pipeline ranks hold different tensors, so every full tensor is
 covered exactly once and a checkpoint loads under any mesh, any data-parallel strategy, or into the
-plain module (``dtlab/models/state.py``).
+plain module (``dtlab/models/shard_index.py``).
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement, Shard
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models._hybrid_comm import broadcast_over_pp
-from dtlab.models._tensor_comm import gather_over_tp
-from dtlab.models.flat import FlatUnit
-from dtlab.models.state import ShardIndex, add_placed_slice, add_slice, even_range, read_placed
+from dtlab.models.compose._comm import broadcast_over_pp
+from dtlab.models.dp.flat import FlatUnit
+from dtlab.models.shard_index import ShardIndex, add_placed_slice, add_slice, even_range, read_placed
+from dtlab.models.tensor._comm import gather_over_tp
 
 __all__ = ["FlatShard", "gather_whole_state", "load_placed_state", "write_placed_state"]
 
 
 class FlatShard(Protocol):
-    """What ZeRO-3/FSDP keep per flat unit (``dtlab.models._sharded._Unit``)."""
+    """What ZeRO-3/FSDP keep per flat unit (``dtlab.models.dp._sharded._Unit``)."""
 
     unit: FlatUnit
     shard: torch.Tensor

@@ -1,6 +1,6 @@
 """What ZeRO-3 and FSDP share: parameters sharded at rest, gathered on demand, gradients reduce-scattered.
 
-Each :class:`~dtlab.models.flat.FlatUnit` (one per parameter for ZeRO-3, one per wrapped module for
+Each :class:`~dtlab.models.dp.flat.FlatUnit` (one per parameter for ZeRO-3, one per wrapped module for
 FSDP) keeps only this rank's shard between uses. A *group* of units is gathered (all-gather into a
 fresh flat buffer the parameters become views of) by its module's forward pre-hook, the next group
 in forward order is prefetched with a non-blocking all-gather, and the group is freed by the forward
@@ -27,9 +27,8 @@ from torch.utils._pytree import tree_flatten
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
-from dtlab.models._common import DataParallelModel, tensor_bytes
-from dtlab.models._materialize import MetaInit, ParamInitFn
-from dtlab.models._sharded_units import (
+from dtlab.models.dp._materialize import MetaInit, ParamInitFn
+from dtlab.models.dp._sharded_units import (
     SavedRef,
     ShardUnit,
     UnitPlan,
@@ -38,12 +37,13 @@ from dtlab.models._sharded_units import (
     read_flat_state,
     write_flat_state,
 )
-from dtlab.models._sharded_wait import wait_for_every_rank
-from dtlab.models.flat import FlatUnit
-from dtlab.models.state import ShardIndex, new_state
+from dtlab.models.dp._sharded_wait import wait_for_every_rank
+from dtlab.models.dp.data_parallel import DataParallelModel, tensor_bytes
+from dtlab.models.dp.flat import FlatUnit
+from dtlab.models.shard_index import ShardIndex, new_state
 
 if TYPE_CHECKING:
-    from dtlab.models._hybrid_state import FlatShard
+    from dtlab.models.compose._placed_state import FlatShard
 
 __all__ = ["ShardedModel", "UnitPlan"]
 

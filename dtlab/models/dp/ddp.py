@@ -19,9 +19,9 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.state import ShardedState
-from dtlab.models._common import DataParallelModel, tensor_bytes, unique_storage_bytes
-from dtlab.models.flat import FlatUnit
-from dtlab.models.state import ShardIndex, add_slice, even_range, new_state
+from dtlab.models.dp.data_parallel import DataParallelModel, tensor_bytes, unique_storage_bytes
+from dtlab.models.dp.flat import FlatUnit
+from dtlab.models.shard_index import ShardIndex, add_slice, even_range, new_state
 
 __all__ = ["DDPModel"]
 

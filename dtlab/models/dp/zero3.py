@@ -3,7 +3,7 @@
 Each trainable parameter is one flat unit (padded to a multiple of ``P``); this rank keeps
 ``1/P`` of it. The parameters a module owns directly are gathered by its forward pre-hook and freed
 after its forward, gathered again before its backward and freed once their gradients are reduced
-(see :mod:`dtlab.models._sharded`). Parameters with at most ``persistence_threshold`` elements, and
+(see :mod:`dtlab.models.dp._sharded`). Parameters with at most ``persistence_threshold`` elements, and
 parameters shared by several modules (tied weights), stay gathered: they are still updated as
 shards (reduce-scatter, step, all-gather after the step). Modules whose forward reads their
 children's parameters directly (``nn.MultiheadAttention`` reads ``out_proj.weight``) are gathered as
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.models._materialize import ParamInitFn
-from dtlab.models._sharded import ShardedModel, UnitPlan
+from dtlab.models.dp._materialize import ParamInitFn
+from dtlab.models.dp._sharded import ShardedModel, UnitPlan
 
 __all__ = ["ZeRO3Model"]
 

@@ -11,7 +11,7 @@ gradient. How the buckets are synchronized is the ``gradient_sync`` option:
   reduce-scatter + all-gather of the parameters = ``2(P-1)/P`` of the gradient bytes, as DDP.
   The bucket then holds the averaged gradient on this rank's shard only (zeros elsewhere), so
   ``param.grad`` refuses to be read as a whole gradient until the next forward (see
-  :mod:`dtlab.models._grad_guard`); clipping and the finite check work on the shards (a sum over
+  :mod:`dtlab.models.dp._grad_guard`); clipping and the finite check work on the shards (a sum over
   ranks).
 - ``"all_reduce"``: DDP's all-reduce, so every rank holds the whole averaged gradient (for gradient
   hooks or inspection of ``param.grad``, or a reducer that only offers all-reduce semantics), at
@@ -33,7 +33,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer
-from dtlab.models.ddp import DDPModel
+from dtlab.models.dp.ddp import DDPModel
 
 __all__ = ["GradientSync", "ZeRO1Model", "gradient_sync_for"]
 

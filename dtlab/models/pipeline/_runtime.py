@@ -1,7 +1,7 @@
 """Running one rank's share of a pipeline schedule: forwards, backwards, input- and weight-gradients.
 
-The actions of :mod:`dtlab.models._pipeline_schedules` are executed in order; communication actions are
-handed to :class:`~dtlab.models._pipeline_comm.StageLinks`, which posts them as one batch before the
+The actions of :mod:`dtlab.models.pipeline._schedules` are executed in order; communication actions are
+handed to :class:`~dtlab.models.pipeline._comm.StageLinks`, which posts them as one batch before the
 next compute. The gradient contract: the last stage computes ``loss_fn(output, targets) / m`` for each
 micro-batch and runs backward from it, so the accumulated gradients equal those of the mean loss over
 the whole batch (never scaled after the fact).
@@ -24,9 +24,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dtlab.errors import StrategyError
-from dtlab.models._pipeline_comm import StageLinks
-from dtlab.models._pipeline_schedules import Action, Kind, PipelineSchedule
-from dtlab.models._pipeline_zb import SplitLinearMode, WeightGradients
+from dtlab.models.pipeline._comm import StageLinks
+from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
+from dtlab.models.pipeline._zb import SplitLinearMode, WeightGradients
 
 __all__ = ["ActivationMeter", "StepResult", "check_stage_checkpointing", "run_schedule"]
 

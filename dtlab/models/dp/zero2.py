@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import Work
-from dtlab.models._common import tensor_bytes
-from dtlab.models.ddp import DDPModel
-from dtlab.models.flat import FlatUnit
+from dtlab.models.dp.data_parallel import tensor_bytes
+from dtlab.models.dp.ddp import DDPModel
+from dtlab.models.dp.flat import FlatUnit
 
 __all__ = ["ZeRO2Model"]
 

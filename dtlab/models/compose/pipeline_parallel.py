@@ -1,7 +1,7 @@
 """Pipeline parallelism: the model split into stages over the mesh's ``pp`` axis, micro-batched.
 
 ``PipelineParallelModel(module, mesh, schedule="1f1b", micro_batches=8)`` splits ``module`` (an
-``nn.Sequential`` or a module with ``pipeline_blocks()``, see :mod:`dtlab.models._pipeline_split`) into
+``nn.Sequential`` or a module with ``pipeline_blocks()``, see :mod:`dtlab.models.pipeline._split`) into
 ``pp x stages_per_rank`` stages; rank ``r`` of the ``pp`` group runs stages ``r, r + pp, ...``.
 ``train_step((inputs, targets), loss_fn)`` runs one step's schedule (GPipe, 1F1B, interleaved 1F1B or
 zero-bubble ZB-H1, built and dry-run as data at construction) on this rank's share of the batch and
@@ -21,37 +21,8 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh
-from dtlab.models._pipeline_plot import plot_schedule
-from dtlab.models._pipeline_schedules import (
-    SCHEDULES,
-    Action,
-    Kind,
-    PipelineSchedule,
-    Timeline,
-    build_schedule,
-    check_schedule_args,
-    dry_run,
-    simulate,
-)
-from dtlab.models._pipeline_zb import defer_weight_gradient, weight_gradient_queue
-from dtlab.models.hybrid import HybridShardedModel
-from dtlab.models.zero1 import GradientSync
-
-__all__ = [
-    "SCHEDULES",
-    "Action",
-    "Kind",
-    "PipelineParallelModel",
-    "PipelineSchedule",
-    "Timeline",
-    "build_schedule",
-    "check_schedule_args",
-    "defer_weight_gradient",
-    "dry_run",
-    "plot_schedule",
-    "simulate",
-    "weight_gradient_queue",
-]
+from dtlab.models.compose.hybrid import HybridShardedModel
+from dtlab.models.dp.zero1 import GradientSync
 
 
 class PipelineParallelModel(HybridShardedModel):

@@ -1,6 +1,6 @@
 """Tensor-parallel layers (Megatron-LM's): column- and row-parallel linear layers, a vocabulary-parallel
 embedding and the vocabulary-parallel cross-entropy. Each holds only this rank's shard; the
-communication is in :mod:`dtlab.models._tensor_comm`.
+communication is in :mod:`dtlab.models.tensor._comm`.
 
 Each layer is built from the plain layer it replaces (``from_linear`` / ``from_embedding``), keeps its
 parameter names (``weight``, ``bias``) so ``state_dict()`` keys do not change, and records every
@@ -19,7 +19,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.placement import Replicate, Shard, set_placement
 from dtlab.errors import StrategyError
-from dtlab.models._tensor_comm import (
+from dtlab.models.tensor._comm import (
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,

@@ -26,7 +26,7 @@ import torch
 from dtlab.core.placement import Box, Placement, Replicate, Shard, local_regions
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models._state_checks import DTYPES, check_entries
+from dtlab.models._shard_index_checks import DTYPES, check_entries
 from dtlab.untrusted import summary
 
 __all__ = [

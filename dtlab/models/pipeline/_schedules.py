@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from dtlab.errors import ArgumentError, StrategyError
-from dtlab.models._pipeline_actions import SCHEDULES, Action, Kind, PipelineSchedule
+from dtlab.models.pipeline._actions import SCHEDULES, Action, Kind, PipelineSchedule
 
 __all__ = [
     "SCHEDULES",

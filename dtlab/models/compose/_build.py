@@ -19,19 +19,19 @@ from dtlab.backends.mesh import Mesh
 from dtlab.core import pairs
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.errors import StrategyError
-from dtlab.models._common import DataParallelModel
-from dtlab.models._hybrid_tree import StageRoot
-from dtlab.models._pipeline_runtime import check_stage_checkpointing
-from dtlab.models._pipeline_schedules import PipelineSchedule, build_schedule, check_schedule_args
-from dtlab.models._pipeline_split import Shapes, Stage, module_blocks, split_blocks, stage_shapes
-from dtlab.models._tensor_comm import broadcast_module_state
-from dtlab.models._tensor_plan import Plan, apply_plan, resolve_plan
-from dtlab.models._tied import check_tied, retie
-from dtlab.models.ddp import DDPModel
-from dtlab.models.fsdp import FSDPModel
-from dtlab.models.zero1 import ZeRO1Model
-from dtlab.models.zero2 import ZeRO2Model
-from dtlab.models.zero3 import ZeRO3Model
+from dtlab.models.compose._tied import check_tied, retie
+from dtlab.models.compose._tree import StageRoot
+from dtlab.models.dp.data_parallel import DataParallelModel
+from dtlab.models.dp.ddp import DDPModel
+from dtlab.models.dp.fsdp import FSDPModel
+from dtlab.models.dp.zero1 import ZeRO1Model
+from dtlab.models.dp.zero2 import ZeRO2Model
+from dtlab.models.dp.zero3 import ZeRO3Model
+from dtlab.models.pipeline._runtime import check_stage_checkpointing
+from dtlab.models.pipeline._schedules import PipelineSchedule, build_schedule, check_schedule_args
+from dtlab.models.pipeline._split import Shapes, Stage, module_blocks, split_blocks, stage_shapes
+from dtlab.models.tensor._comm import broadcast_module_state
+from dtlab.models.tensor._plan import Plan, apply_plan, resolve_plan
 
 __all__ = [
     "AXES",

@@ -4,7 +4,7 @@
 submodules are the user's own modules of this rank's stages, at their paths in the whole model (so
 ``named_parameters()`` and ``state_dict()`` are keyed like the plain module and FSDP/ZeRO-3 hooks on
 those modules fire when a stage runs them), and its ``forward(x, stage)`` runs one stage. The stages
-themselves (:class:`~dtlab.models._pipeline_split.Stage`, which may hold wrapper blocks such as
+themselves (:class:`~dtlab.models.pipeline._split.Stage`, which may hold wrapper blocks such as
 ``TransformerLM``'s embedding block) are kept outside the module tree, so nothing is registered twice.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from dtlab.models._pipeline_split import Stage
+from dtlab.models.pipeline._split import Stage
 
 __all__ = ["StageRoot", "mirror_tree"]
 

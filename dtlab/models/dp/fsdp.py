@@ -19,8 +19,8 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
-from dtlab.models._materialize import ParamInitFn
-from dtlab.models._sharded import ShardedModel, UnitPlan
+from dtlab.models.dp._materialize import ParamInitFn
+from dtlab.models.dp._sharded import ShardedModel, UnitPlan
 
 __all__ = ["FSDPModel", "ModuleClassPolicy", "SizePolicy", "WrapPolicy"]
 

@@ -40,8 +40,8 @@ from dtlab.core.placement import Placement, Shard, counts_in_norm
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
-from dtlab.models._common import DataParallelModel
-from dtlab.models._hybrid_build import (
+from dtlab.models.base import AttachedOptimizer, OptimizerTarget
+from dtlab.models.compose._build import (
     AXES,
     DATA_PARALLEL,
     DATA_PARALLEL_CLASSES,
@@ -50,24 +50,24 @@ from dtlab.models._hybrid_build import (
     lay_out,
     outer_pack,
 )
-from dtlab.models._hybrid_comm import broadcast_over_pp, grads_of, sum_over_tp
-from dtlab.models._hybrid_state import (
+from dtlab.models.compose._comm import broadcast_over_pp, grads_of, sum_over_tp
+from dtlab.models.compose._placed_state import (
     gather_whole_state,
     load_placed_state,
     placements_of,
     write_placed_state,
 )
-from dtlab.models._pipeline_comm import StageLinks, infer_through_stages
-from dtlab.models._pipeline_runtime import StepResult, run_schedule
-from dtlab.models._pipeline_schedules import Action
-from dtlab.models._pipeline_split import Stage, TensorSpec
-from dtlab.models._pipeline_split import stage_specs as meta_stage_specs
-from dtlab.models._tensor_layers import vocab_parallel_cross_entropy
-from dtlab.models._tensor_plan import Plan
-from dtlab.models.base import AttachedOptimizer, OptimizerTarget
-from dtlab.models.flat import FlatUnit
-from dtlab.models.state import new_state
-from dtlab.models.zero1 import ZeRO1Model, gradient_sync_for
+from dtlab.models.dp.data_parallel import DataParallelModel
+from dtlab.models.dp.flat import FlatUnit
+from dtlab.models.dp.zero1 import ZeRO1Model, gradient_sync_for
+from dtlab.models.pipeline._comm import StageLinks, infer_through_stages
+from dtlab.models.pipeline._runtime import StepResult, run_schedule
+from dtlab.models.pipeline._schedules import Action
+from dtlab.models.pipeline._split import Stage, TensorSpec
+from dtlab.models.pipeline._split import stage_specs as meta_stage_specs
+from dtlab.models.shard_index import new_state
+from dtlab.models.tensor._layers import vocab_parallel_cross_entropy
+from dtlab.models.tensor._plan import Plan
 
 __all__ = ["DATA_PARALLEL", "HybridShardedModel", "as_mesh"]
 

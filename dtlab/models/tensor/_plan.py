@@ -41,8 +41,8 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
-from dtlab.models._tensor_comm import scatter_to_sequence
-from dtlab.models._tensor_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from dtlab.models.tensor._comm import scatter_to_sequence
+from dtlab.models.tensor._layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = [
     "ColwiseParallel",

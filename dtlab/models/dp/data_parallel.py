@@ -18,12 +18,12 @@ from dtlab.core import pairs
 from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import StrategyError
-from dtlab.models._grad_guard import ShardedGradient, clear_guards, guard_grads
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
-from dtlab.models.flat import FlatUnit
+from dtlab.models.dp._grad_guard import ShardedGradient, clear_guards, guard_grads
+from dtlab.models.dp.flat import FlatUnit
 
 if TYPE_CHECKING:
-    from dtlab.models._hybrid_state import FlatShard
+    from dtlab.models.compose._placed_state import FlatShard
 
 __all__ = ["DataParallelModel", "tensor_bytes", "unique_storage_bytes"]
 

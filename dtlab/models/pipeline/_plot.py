@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.errors import ArgumentError
-from dtlab.models._pipeline_schedules import Kind, PipelineSchedule, Timeline, build_schedule, simulate
+from dtlab.models.pipeline._schedules import Kind, PipelineSchedule, Timeline, build_schedule, simulate
 
 __all__ = ["plot_schedule"]
 
