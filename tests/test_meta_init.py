@@ -226,29 +226,25 @@ def test_param_init_fn_replaces_reset_parameters() -> None:
         assert torch.equal(inv_freq, torch.arange(4.0))
 
 
-def test_transformer_lm_on_meta_with_its_own_initializer() -> None:
-    """dtlab's TransformerLM initializes by apply() after its layers' reset: its initializer as
-    param_init_fn gives its distributions (std 0.02, zero biases, LayerNorm ones), and it trains."""
+def test_transformer_lm_on_meta_initializes_itself() -> None:
+    """dtlab's TransformerLM draws its values in its layers' reset_parameters(): built on meta with
+    init_seed alone it has its own distributions (std 0.02, zero biases, LayerNorm ones), equal to the
+    plain build, and its first loss is log(256)."""
     from dtlab.zoo.builtin import Block, TransformerLM
 
-    def init(module: nn.Module) -> None:
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        TransformerLM._init(module)  # the model's own initializer, as the docs show
-
-    def body(backend: CommunicationBackend) -> tuple[dict[str, torch.Tensor], float]:
+    def body(backend: CommunicationBackend) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
         with torch.device("meta"):
             net = TransformerLM(d_model=32, n_layers=2, n_heads=2, seq_len=8)
-        model = FSDPModel(
-            net, backend, wrap_policy=ModuleClassPolicy((Block,)), init_seed=0, param_init_fn=init
-        )
+        model = FSDPModel(net, backend, wrap_policy=ModuleClassPolicy((Block,)), init_seed=0)
+        with seeded_init(0):
+            plain = TransformerLM(d_model=32, n_layers=2, n_heads=2, seq_len=8)
         idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(backend.rank))
         loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
         loss.backward()
-        return model.full_state_dict(), loss.item()
+        return model.full_state_dict(), plain.state_dict(), loss.item()
 
-    for state, loss in run_world(2, body):
+    for state, plain, loss in run_world(2, body):
+        assert all(torch.equal(state[k], v) for k, v in plain.items())
         assert 0.018 < float(state["tok.weight"].std()) < 0.022
         assert 0.018 < float(state["blocks.1.mlp.0.weight"].std()) < 0.022
         assert torch.equal(state["blocks.0.attn.qkv.bias"], torch.zeros(96))

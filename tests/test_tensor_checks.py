@@ -149,7 +149,7 @@ def plan_world(backend: CommunicationBackend, plan: Any, cfg: dict[str, int]) ->
         (3, {"blocks.*.mlp.0": "colwise"}, CFG, r"'blocks\.0\.mlp\.0'.*out_features.*128.*tp=3"),
         (3, {"blocks.*.mlp.2": "rowwise"}, CFG, r"'blocks\.0\.mlp\.2'.*in_features is 128.*tp=3"),
         (3, {"tok": "vocab"}, CFG, r"'tok'.*vocabulary \(num_embeddings\) is 256.*tp=3.*pad"),
-        (2, {"tok": "colwise"}, CFG, r"ColwiseParallel applies to a Linear.*'tok' is a Embedding"),
+        (2, {"tok": "colwise"}, CFG, r"ColwiseParallel applies to a Linear.*'tok' is a SmallInitEmbedding"),
         (2, {"head": "diagonal"}, CFG, r"'head': unknown style 'diagonal'"),
         (2, {"blocks.*.attn": "heads", "blocks.*.attn.qkv": "colwise"}, CFG, r"'blocks\.0\.attn' is swapped"),
         (2, {"blocks.*.mlp": "heads"}, CFG, r"int attribute 'n_heads'"),

@@ -10,15 +10,47 @@ from torch import nn
 
 from dtlab.models import ColwiseParallel, HeadsParallel, RowwiseParallel, SequenceParallel, VocabParallel
 
-__all__ = ["Block", "CausalSelfAttention", "DigitsCNN", "TransformerLM"]
+__all__ = [
+    "Block",
+    "CausalSelfAttention",
+    "DigitsCNN",
+    "SmallInitEmbedding",
+    "SmallInitLinear",
+    "TransformerLM",
+]
+
+#: the standard deviation of the transformer's weights (GPT-2's)
+INIT_STD = 0.02
+
+
+class SmallInitLinear(nn.Linear):
+    """``nn.Linear`` initialized as GPT-2's: weight normal(0, 0.02), bias zero. The values are drawn in
+    ``reset_parameters()`` (called by the constructor), so a model built on the meta device and
+    initialized module by module in registration order gets the plain build's values bit for bit."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=INIT_STD)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class SmallInitEmbedding(nn.Embedding):
+    """``nn.Embedding`` initialized normal(0, 0.02) in ``reset_parameters()`` (as
+    :class:`SmallInitLinear`)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=INIT_STD)
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[self.padding_idx].zero_()
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
+        self.qkv = SmallInitLinear(d_model, 3 * d_model)
+        self.proj = SmallInitLinear(d_model, d_model)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +73,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads, dropout)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.mlp = nn.Sequential(
+            SmallInitLinear(d_model, 4 * d_model), nn.GELU(), SmallInitLinear(4 * d_model, d_model)
+        )
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,26 +84,22 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """Byte-level (vocabulary 256) causal language model; returns logits ``(B, T, 256)``."""
+    """Byte-level (vocabulary 256) causal language model; returns logits ``(B, T, 256)``.
+
+    Every layer draws its values in its own ``reset_parameters()`` as it is constructed (linear and
+    embedding weights normal(0, 0.02), biases zero, norms ones and zeros), so building it on the meta
+    device and letting a strategy initialize it (``init_seed``) gives the plain build's values."""
 
     def __init__(
         self, d_model: int = 128, n_layers: int = 2, n_heads: int = 4, seq_len: int = 64, dropout: float = 0.0
     ) -> None:
         super().__init__()
         self.seq_len = seq_len
-        self.tok = nn.Embedding(256, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
+        self.tok = SmallInitEmbedding(256, d_model)
+        self.pos = SmallInitEmbedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, 256, bias=False)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear | nn.Embedding):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+        self.head = SmallInitLinear(d_model, 256, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = _embed(self.tok, self.pos, self.seq_len, idx)

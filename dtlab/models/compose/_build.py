@@ -31,7 +31,14 @@ from dtlab.models.pipeline._runtime import check_stage_checkpointing
 from dtlab.models.pipeline._schedules import PipelineSchedule, build_schedule, check_schedule_args
 from dtlab.models.pipeline._split import Shapes, Stage, module_blocks, split_blocks, stage_shapes
 from dtlab.models.tensor._comm import broadcast_module_state
-from dtlab.models.tensor._plan import Plan, apply_plan, resolve_plan
+from dtlab.models.tensor._plan import (
+    HeadsParallel,
+    Plan,
+    SequenceParallel,
+    Style,
+    apply_plan,
+    resolve_plan,
+)
 
 __all__ = [
     "AXES",
@@ -127,6 +134,8 @@ class Layout:
     micro_batches: int
     entries: Entries  #: every tensor of the whole model
     partial: set[str]  #: names (in ``root``) of the sequence-parallel parameters with partial gradients
+    #: each parameter the tensor plan replaced (by id) -> the tensor-parallel parameter replacing it
+    swapped: dict[int, torch.Tensor]
 
 
 def _check_pipeline(who: str, args: PipelineArgs, p: int, m: int, pipelined: bool) -> None:
@@ -153,9 +162,11 @@ def lay_out(
     tensor_plan: Plan | None,
     args: PipelineArgs,
     always_pipelined: bool,
+    on_meta: bool = False,
 ) -> Layout:
     """1. the tensor plan (every stage's layers, before the split), 2. the pipeline stages (a pipeline
-    runs when pp > 1, stages_per_rank > 1 or micro_batches > 1, or always when asked)."""
+    runs when pp > 1, stages_per_rank > 1 or micro_batches > 1, or always when asked). ``on_meta``: the
+    module is on the meta device (no values to broadcast; the layers are swapped on meta)."""
     tp, pp = mesh["tp"], mesh["pp"]
     p, v = pp.world_size, args.stages_per_rank
     m = p if args.micro_batches is None else args.micro_batches
@@ -164,19 +175,22 @@ def lay_out(
     partial: list[nn.Parameter] = []
     resolved = None if tensor_plan is None else resolve_plan(module, tensor_plan, tp.world_size)
     ties = check_tied(who, module, resolved, pipelined)  # never silently untied; before any work
+    swapped: dict[int, torch.Tensor] = {}
     if resolved is not None:
-        broadcast_module_state(module, tp)  # the data-parallel strategy then broadcasts over dp
+        if not on_meta:
+            broadcast_module_state(module, tp)  # the data-parallel strategy then broadcasts over dp
+        before = _planned_layers(resolved)
         partial = apply_plan(module, resolved, tp)
         retie(module, ties)
+        swapped = _replaced(module, before)
     elif tp.world_size > 1:
         raise StrategyError(
             f"{who} on a mesh with tp={tp.world_size} needs a tensor_plan: {{'fqn-pattern': style}}, or "
             "transformer_plan() for the plan the module declares (its tp_plan(), as dtlab's TransformerLM)"
         )
     if not pipelined:
-        return Layout(
-            module, [], [], None, m, tensor_entries(module, tp.world_size, {}), _names(module, partial)
-        )
+        entries = tensor_entries(module, tp.world_size, {})
+        return Layout(module, [], [], None, m, entries, _names(module, partial), swapped)
     stages = split_blocks(module_blocks(module), p * v, args.split_points)
     schedule = build_schedule(args.schedule, p, m, v)  # dry-run: no deadlock, every message matched
     owner = {
@@ -194,7 +208,29 @@ def lay_out(
             f"pipeline rank {pp.rank} holds stages {list(mine)} with no trainable parameters; move the "
             "split points so every rank has some"
         )
-    return Layout(root, stages, shapes, schedule, m, entries, _names(root, partial))
+    return Layout(root, stages, shapes, schedule, m, entries, _names(root, partial), swapped)
+
+
+def _planned_layers(resolved: list[tuple[str, nn.Module, Style]]) -> dict[str, nn.Module]:
+    """The layers the tensor plan replaces, by path (a heads-parallel module's projections)."""
+    out: dict[str, nn.Module] = {}
+    for name, mod, style in resolved:
+        if isinstance(style, HeadsParallel):
+            for child in (*style.qkv, style.out):
+                out[f"{name}.{child}"] = mod.get_submodule(child)
+        elif not isinstance(style, SequenceParallel):
+            out[name] = mod
+    return out
+
+
+def _replaced(module: nn.Module, before: dict[str, nn.Module]) -> dict[int, torch.Tensor]:
+    """Each replaced layer's parameters (by id) -> the parameter of the same name in its replacement."""
+    out: dict[int, torch.Tensor] = {}
+    for path, old in before.items():
+        new = module.get_submodule(path)
+        for pname, p in old.named_parameters(recurse=False):
+            out.setdefault(id(p), getattr(new, pname))
+    return out
 
 
 def _names(root: nn.Module, params: list[nn.Parameter]) -> set[str]:

@@ -51,12 +51,14 @@ from dtlab.models.compose._build import (
     outer_pack,
 )
 from dtlab.models.compose._comm import broadcast_over_pp, grads_of, sum_over_tp
+from dtlab.models.compose._meta_walk import MetaWalk
 from dtlab.models.compose._placed_state import (
     gather_whole_state,
     load_placed_state,
     placements_of,
     write_placed_state,
 )
+from dtlab.models.dp._materialize import ParamInitFn
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.flat import FlatUnit
 from dtlab.models.dp.zero1 import ZeRO1Model, gradient_sync_for
@@ -87,6 +89,13 @@ class HybridShardedModel(OptimizerTarget):
         tensor_plan: ``{"fqn-pattern": style}`` as for ``TensorParallelModel`` (needed when tp > 1).
         schedule, micro_batches, split_points, stages_per_rank: as for ``PipelineParallelModel``; a
             pipeline runs when pp > 1, stages_per_rank > 1 or micro_batches > 1.
+        init_seed: for a module built on the meta device (``with torch.device("meta"):``): each rank
+            walks the whole model's modules in registration order under ``seeded_init(init_seed)``,
+            initializes each one whole on the CPU (one at a time) and keeps only its part (its stages,
+            their tp slices, and under zero3/fsdp their dp shards): bitwise the model built plainly
+            under ``seeded_init(init_seed)`` and wrapped, for modules that draw in ``reset_parameters()``.
+        param_init_fn: ``fn(module)`` filling a module's own parameters and meta buffers in place,
+            instead of its ``reset_parameters()`` (a Hugging Face model's ``_init_weights`` by default).
         **kwargs: the data-parallel strategy's own options (``bucket_cap_mb``, ``gradient_sync`` for
             zero1 (default: the optimizer's choice), ``wrap_policy`` for fsdp, ``persistence_threshold``
             for zero3, ``reduce_dtype``, ...).
@@ -110,6 +119,9 @@ class HybridShardedModel(OptimizerTarget):
         split_points: Sequence[str] | None = None,
         stages_per_rank: int = 1,
         activation_checkpointing: bool = False,
+        *,
+        init_seed: int | None = None,
+        param_init_fn: ParamInitFn | None = None,
         **kwargs: Any,
     ) -> None:
         who = type(self).__name__ if self.mesh_axis else "HybridShardedModel"
@@ -122,11 +134,19 @@ class HybridShardedModel(OptimizerTarget):
             raise TypeError(f"{who} wraps a torch.nn.Module, got {type(module).__name__}")
         mesh = as_mesh(mesh, who, self.mesh_axis, self.mesh_axes)
         args = PipelineArgs(schedule, micro_batches, split_points, stages_per_rank, activation_checkpointing)
-        layout = lay_out(who, module, mesh, tensor_plan, args, self.always_pipelined)  # 1. tp, 2. pp
+        walk = MetaWalk.prepare(module, init_seed, param_init_fn, who)  # built on meta: init_seed
+        layout = lay_out(who, module, mesh, tensor_plan, args, self.always_pipelined, walk is not None)
         chosen_sync = kwargs.get("gradient_sync") if data_parallel == "zero1" else None
         if data_parallel == "zero1":
             kwargs["gradient_sync"] = chosen_sync or "all_reduce"
         root = layout.root
+        if walk is not None:  # each rank materializes only its stages' tp shards (and dp shards)
+            walk.bind(root, layout.swapped, mesh["tp"])
+            if data_parallel in ("zero3", "fsdp"):
+                kwargs.update(init_seed=walk.seed, param_init_fn=walk.fill)
+            else:
+                walk.run(mesh.backend.device)
+                walk.check_materialized(root)
         placements = placements_of(root.state_dict(keep_vars=True))  # before ZeRO-3/FSDP shard them
         dp = dp_class(root, mesh["dp"], world=mesh.backend, **kwargs)  # 3. data parallelism
         super().__init__(root, mesh["dp"], world=mesh.backend)

@@ -29,12 +29,35 @@ from dtlab.core.rng import seeded_init
 from dtlab.errors import ArgumentError, StrategyError
 from dtlab.models.dp._sharded_units import ShardUnit
 
-__all__ = ["MetaInit", "ParamInitFn"]
+__all__ = ["MetaInit", "ParamInitFn", "check_init_args", "initializer", "sentinel", "untouched"]
 
 ParamInitFn = Callable[[nn.Module], None]
 
 
-def _sentinel(t: torch.Tensor) -> None:
+def check_init_args(who: str, init_seed: object, param_init_fn: object) -> None:
+    if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
+        raise ArgumentError(f"{who}: init_seed must be an int, got {init_seed!r}")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ArgumentError(f"{who}: param_init_fn must be a callable taking a module, got {param_init_fn!r}")
+
+
+def initializer(root: nn.Module, mod: nn.Module, param_init_fn: ParamInitFn | None) -> ParamInitFn | None:
+    """What fills ``mod``'s own tensors: ``param_init_fn``; else, in a Hugging Face model (a root with
+    ``_init_weights`` and a ``config``), the model's ``_init_weights(mod)``; else its
+    ``reset_parameters()``."""
+    if param_init_fn is not None:
+        return param_init_fn
+    hf_init = getattr(root, "_init_weights", None)
+    if callable(hf_init) and hasattr(root, "config"):
+        return hf_init  # type: ignore[no-any-return]
+    reset = getattr(mod, "reset_parameters", None)
+    if callable(reset):
+        return lambda m: reset()  # noqa: ARG005 - the ParamInitFn form
+    return None
+
+
+def sentinel(t: torch.Tensor) -> None:
+    """Fill ``t`` with the value that marks it as not initialized yet."""
     if t.is_floating_point() or t.is_complex():
         t.fill_(float("nan"))
     elif t.dtype == torch.bool:
@@ -43,11 +66,15 @@ def _sentinel(t: torch.Tensor) -> None:
         t.fill_(torch.iinfo(t.dtype).min)
 
 
-def _untouched(t: torch.Tensor) -> bool:
-    """Whether ``t`` still holds the sentinel somewhere (floats: any NaN; integers: all the minimum)."""
+def untouched(t: torch.Tensor) -> bool:
+    """Whether ``t`` still holds the sentinel somewhere (floats: any NaN; integers: all the minimum).
+    Floats are checked through their sum first (a scalar), so the check allocates no tensor of ``t``'s
+    size unless the sum is NaN."""
     if t.numel() == 0:
         return False
     if t.is_floating_point() or t.is_complex():
+        if not bool(torch.isnan(t.sum())):
+            return False
         return bool(torch.isnan(t).any())
     if t.dtype == torch.bool:
         return False  # no value is a sentinel for a bool: trusted to the init function
@@ -73,8 +100,10 @@ class MetaInit:
         param_init_fn: ParamInitFn | None,
         device: torch.device,
         shapes: dict[int, torch.Size],
+        root: nn.Module,
     ) -> None:
         self.who, self.seed, self.param_init_fn, self.device = who, seed, param_init_fn, device
+        self.root = root
         self.shapes = shapes  # by parameter id: the wrapper empties the parameters it shards
 
     @staticmethod
@@ -87,12 +116,7 @@ class MetaInit:
     ) -> MetaInit | None:
         """``None`` when no parameter is on meta; else give each meta parameter a one-element
         placeholder on ``device`` (shape kept) and move buffers not on meta to ``device``."""
-        if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
-            raise ArgumentError(f"{who}: init_seed must be an int, got {init_seed!r}")
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise ArgumentError(
-                f"{who}: param_init_fn must be a callable taking a module, got {param_init_fn!r}"
-            )
+        check_init_args(who, init_seed, param_init_fn)
         named = list(module.named_parameters())
         meta = [n for n, p in named if p.is_meta]
         if not meta:
@@ -123,12 +147,13 @@ class MetaInit:
                     if id(p) not in swapped:
                         hold = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
                         swapped[id(p)] = nn.Parameter(hold, requires_grad=p.requires_grad)
+                        swapped[id(p)].__dict__.update(p.__dict__)  # e.g. a tensor-parallel placement
                     setattr(mod, pname, swapped[id(p)])
                 for bname, b in list(mod.named_buffers(recurse=False)):
                     if not b.is_meta and b.device != device:
                         setattr(mod, bname, b.to(device))
         shapes = {id(q): q.shape for q in swapped.values()}
-        return MetaInit(who, init_seed, param_init_fn, device, shapes)
+        return MetaInit(who, init_seed, param_init_fn, device, shapes, module)
 
     def materialize(self, module: nn.Module, units: list[ShardUnit]) -> None:
         """Initialize every module's own tensors in registration order and keep this rank's part:
@@ -152,10 +177,7 @@ class MetaInit:
         buffers = [(n, b) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
         if not params and not buffers:
             return
-        init = self.param_init_fn
-        if init is None:
-            reset = getattr(mod, "reset_parameters", None)
-            init = (lambda m: reset()) if callable(reset) else None  # noqa: ARG005 - the ParamInitFn form
+        init = initializer(self.root, mod, self.param_init_fn)
         if init is None:
             tname = f"{mname}.{(params or buffers)[0][0]}"
             raise StrategyError(
@@ -167,13 +189,13 @@ class MetaInit:
         kept: list[tuple[str, nn.Parameter, torch.Tensor, bool]] = []
         for pname, q in params:
             whole = torch.empty(self.shapes[id(q)], dtype=q.dtype, device="cpu")
-            _sentinel(whole)
+            sentinel(whole)
             kept.append((pname, q, q.data, id(q) in done))
             q.data = whole
         fresh_buffers = []
         for bname, b in buffers:
             whole = torch.empty(b.shape, dtype=b.dtype, device="cpu")
-            _sentinel(whole)
+            sentinel(whole)
             setattr(mod, bname, whole)
             fresh_buffers.append(bname)
         init(mod)
@@ -181,7 +203,7 @@ class MetaInit:
             if seen:  # tied, initialized by an earlier module: this draw is dropped
                 q.data = old
                 continue
-            if _untouched(q.data):
+            if untouched(q.data):
                 raise self._untouched(mname, mod, pname, "parameter")
             done.add(id(q))
             place = places.get(id(q))
@@ -192,7 +214,7 @@ class MetaInit:
                 q.data = old  # the unit's binding (a view of its whole buffer, or empty)
         for bname in fresh_buffers:
             b = getattr(mod, bname)
-            if _untouched(b):
+            if untouched(b):
                 raise self._untouched(mname, mod, bname, "buffer")
             setattr(mod, bname, b.to(self.device))
 

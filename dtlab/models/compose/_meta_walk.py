@@ -1,0 +1,239 @@
+"""Meta-device construction under the model-parallel composition (tensor, pipeline, hybrid).
+
+The whole model is built on the meta device; the tensor plan swaps its layers for tensor-parallel ones
+(on meta, this rank's shapes) and the pipeline keeps this rank's stages. :class:`MetaWalk` then walks
+the *original* modules of the whole model in registration order inside ``seeded_init(init_seed)``,
+one module at a time: its own tensors are made whole on the CPU (full shapes), filled with a sentinel,
+initialized by ``param_init_fn``, the Hugging Face model's ``_init_weights`` or the module's
+``reset_parameters()``, checked (a sentinel left is a named error, on every rank alike), and only
+what this rank holds is kept: its tensor-parallel slice (the placement's ``local_shard``) of a tensor
+of its own stages; the rest is dropped. Every rank draws the numbers of the whole model in the order a
+plain construction draws them, so the result is bitwise the model built plainly under
+``seeded_init(init_seed)`` and then wrapped.
+
+Where the values go depends on the data-parallel strategy:
+
+- DDP, ZeRO-1, ZeRO-2 (each rank holds its stages' tp shards whole): :meth:`MetaWalk.run` swaps the
+  values into this rank's parameters and buffers (``torch.utils.swap_tensors``: the objects, their
+  placements and ties stay) before the strategy wraps the module;
+- ZeRO-3 and FSDP (shards of them): the strategy's own meta construction calls :meth:`MetaWalk.fill`
+  as its ``param_init_fn`` for each of its modules in registration order; the walk advances to that
+  module, and the strategy keeps only its flat shard. A module whose values are its own (not split by
+  tp) is initialized in place in the strategy's buffers, with no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.core.placement import Placement, Shard, placement_of
+from dtlab.core.rng import seeded_init
+from dtlab.errors import StrategyError
+from dtlab.models.dp._materialize import ParamInitFn, check_init_args, initializer, sentinel, untouched
+
+__all__ = ["MetaWalk"]
+
+
+@dataclass
+class _Entry:
+    """One module of the whole model with tensors of its own on meta (parameters, meta buffers)."""
+
+    name: str
+    module: nn.Module
+    tensors: list[tuple[str, torch.Tensor, bool]]  #: (own name, the original meta tensor, is a parameter)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where this rank keeps a tensor: the module of its root holding it, the name, the placement."""
+
+    module: nn.Module
+    name: str
+    placement: Placement
+
+
+@dataclass
+class _Progress:
+    next: int = 0
+    done: set[int] = field(default_factory=set)  # ids of original tensors already initialized
+    pending: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+
+class MetaWalk:
+    """The whole model's meta tensors, in registration order, and where this rank keeps each."""
+
+    def __init__(self, who: str, module: nn.Module, seed: int, param_init_fn: ParamInitFn | None) -> None:
+        self.who, self.root, self.seed, self.param_init_fn = who, module, seed, param_init_fn
+        self.entries: list[_Entry] = []
+        for mname, mod in module.named_modules():
+            own: list[tuple[str, torch.Tensor, bool]] = [
+                (n, p, True) for n, p in mod.named_parameters(recurse=False)
+            ]
+            own += [(n, b, False) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
+            if own:
+                self.entries.append(_Entry(mname or "<root>", mod, own))
+        self.targets: dict[tuple[int, str], _Target] = {}
+        self.wanted: dict[int, list[int]] = {}  # id(root module) -> entries that feed it
+        self.tp_rank, self.tp_size = 0, 1
+        self.progress = _Progress()
+
+    @staticmethod
+    def prepare(
+        module: nn.Module, init_seed: int | None, param_init_fn: ParamInitFn | None, who: str
+    ) -> MetaWalk | None:
+        """``None`` when no parameter of ``module`` is on meta (then init_seed/param_init_fn are an
+        error); the walk otherwise (every parameter must be on meta, and init_seed given)."""
+        check_init_args(who, init_seed, param_init_fn)
+        named = list(module.named_parameters())
+        meta = [n for n, p in named if p.is_meta]
+        if not meta:
+            if init_seed is not None or param_init_fn is not None:
+                raise StrategyError(
+                    f"{who}: init_seed/param_init_fn initialize a module built on the meta device, but the "
+                    f"parameters of {type(module).__name__} are already on "
+                    f"{named[0][1].device if named else '-'}; build it under `with torch.device('meta'):` "
+                    "or drop init_seed/param_init_fn"
+                )
+            return None
+        if len(meta) < len(named):
+            real = [n for n, p in named if not p.is_meta]
+            raise StrategyError(
+                f"{who}: some parameters are on the meta device ({meta[:3]}) and some are not ({real[:3]}); "
+                "build the whole module under `with torch.device('meta'):` (its parameters all on meta)"
+            )
+        if init_seed is None:
+            raise StrategyError(
+                f"{who}: the parameters of {type(module).__name__} are on the meta device ({meta[:3]}); "
+                "pass init_seed=<int> so each rank materializes and initializes only its part (the values "
+                "equal the model built plainly under dtlab.core.seeded_init(init_seed), then wrapped)"
+            )
+        return MetaWalk(who, module, init_seed, param_init_fn)
+
+    def bind(self, root: nn.Module, swapped: dict[int, torch.Tensor], tp: CommunicationBackend) -> None:
+        """Where this rank keeps each original tensor: in ``root`` (its stages, after the tensor plan),
+        ``swapped`` mapping an original tensor to the tensor-parallel parameter that replaced it."""
+        index: dict[int, tuple[nn.Module, str]] = {}
+        for mod in root.modules():
+            for n, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+                index.setdefault(id(t), (mod, n))
+        for i, entry in enumerate(self.entries):
+            for n, t, _ in entry.tensors:
+                new = swapped.get(id(t), t)
+                hit = index.get(id(new))
+                if hit is not None:
+                    self.targets[(i, n)] = _Target(hit[0], hit[1], placement_of(new))
+                    self.wanted.setdefault(id(hit[0]), []).append(i)
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+
+    # ------------------------------------------------------------------ the walk
+    def run(self, device: torch.device) -> None:
+        """Walk every module; this rank's tensors get their values (swapped in, on ``device``)."""
+        with torch.no_grad(), seeded_init(self.seed):
+            while self.progress.next < len(self.entries):
+                self._step(self.progress.next, None, device)
+                self.progress.next += 1
+
+    def fill(self, mod: nn.Module) -> None:
+        """The ``param_init_fn`` given to ZeRO-3/FSDP (inside their ``seeded_init``): advance the walk to
+        the last module feeding ``mod`` and fill ``mod``'s own tensors (the strategy's whole buffers)."""
+        feeding = self.wanted.get(id(mod), [])
+        with torch.no_grad():
+            while feeding and self.progress.next <= max(feeding):
+                self._step(self.progress.next, mod, None)
+                self.progress.next += 1
+            for (mid, name), value in list(self.progress.pending.items()):
+                if mid == id(mod):
+                    getattr(mod, name).copy_(value)
+                    del self.progress.pending[(mid, name)]
+
+    def _own_values(self, i: int) -> bool:
+        """Whether entry ``i``'s tensors are all kept whole in the module itself (nothing to slice)."""
+        entry = self.entries[i]
+        for n, t, _ in entry.tensors:
+            target = self.targets.get((i, n))
+            if id(t) in self.progress.done or target is None:
+                return False
+            if target.module is not entry.module or target.name != n or isinstance(target.placement, Shard):
+                return False
+        return True
+
+    def _step(self, i: int, asking: nn.Module | None, device: torch.device | None) -> None:
+        entry = self.entries[i]
+        init = initializer(self.root, entry.module, self.param_init_fn)
+        if init is None:
+            raise StrategyError(
+                f"{self.who}: {entry.name}.{entry.tensors[0][0]!r} of module {entry.name!r} "
+                f"({type(entry.module).__name__}) is on the meta device and nothing initializes it: "
+                f"{type(entry.module).__name__} has no reset_parameters(); pass param_init_fn=fn (fn(module) "
+                "fills the module's own parameters and buffers in place), or build the module with its "
+                "buffers on the real device (parameters only on meta)"
+            )
+        if asking is not None and asking is entry.module and self._own_values(i):
+            init(entry.module)  # the strategy's whole buffers, checked by the strategy
+            self.progress.done.update(id(t) for _, t, _ in entry.tensors)
+            return
+        saved = [(n, getattr(entry.module, n)) for n, _, _ in entry.tensors]
+        for n, t, is_param in entry.tensors:
+            whole = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            sentinel(whole)
+            setattr(
+                entry.module, n, nn.Parameter(whole, requires_grad=t.requires_grad) if is_param else whole
+            )
+        try:
+            init(entry.module)
+            values = [(n, t, getattr(entry.module, n).detach()) for n, t, _ in entry.tensors]
+        finally:
+            for n, old in saved:
+                setattr(entry.module, n, old)
+        for n, t, value in values:
+            if id(t) in self.progress.done:
+                continue  # tied, initialized by an earlier module: this draw is dropped
+            if untouched(value):
+                raise StrategyError(
+                    f"{self.who}: tensor {n!r} of module {entry.name!r} ({type(entry.module).__name__}) was "
+                    "built on the meta device and its initialization left it (partly) uninitialized; pass "
+                    "param_init_fn=fn that fills it in place, or build the module with its buffers on the "
+                    "real device (parameters only on meta)"
+                )
+            self.progress.done.add(id(t))
+            target = self.targets.get((i, n))
+            if target is not None:
+                self._deliver(target, self._local(value, target.placement), asking, device)
+
+    def _local(self, whole: torch.Tensor, placement: Placement) -> torch.Tensor:
+        if not isinstance(placement, Shard):
+            return whole
+        part = placement.local_shard(whole, self.tp_rank, self.tp_size)
+        same = part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        return part.clone() if same else part  # a view would keep the whole tensor alive
+
+    def _deliver(
+        self, target: _Target, value: torch.Tensor, asking: nn.Module | None, device: torch.device | None
+    ) -> None:
+        current = getattr(target.module, target.name)
+        if device is None:  # ZeRO-3/FSDP: into the strategy's whole buffer of that module
+            if target.module is asking:
+                current.copy_(value)
+            else:  # asked for later (the strategy walks the same order; kept until then)
+                self.progress.pending[(id(target.module), target.name)] = value.clone()
+            return
+        value = value.to(device)
+        if isinstance(current, nn.Parameter):
+            attrs = dict(current.__dict__)
+            torch.utils.swap_tensors(current, nn.Parameter(value, requires_grad=current.requires_grad))
+            current.__dict__.update(attrs)  # the placement stays on the (same) parameter object
+        else:
+            setattr(target.module, target.name, value)
+
+    def check_materialized(self, root: nn.Module) -> None:
+        """After :meth:`run`: no tensor of this rank is left on meta (each is named)."""
+        left = [n for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
+        if left:
+            raise StrategyError(
+                f"{self.who}: {left[:4]} of this rank were built on the meta device and nothing gave them "
+                "values; pass param_init_fn=fn that fills them, or build them on the real device"
+            )

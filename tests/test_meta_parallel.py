@@ -1,0 +1,90 @@
+"""Meta-device construction under tensor, pipeline and hybrid parallelism (and ZeRO-3/FSDP per block)
+on dtlab's TransformerLM: every rank's tensors are bitwise those of the model built plainly under
+``seeded_init(init_seed)`` and wrapped the same way, and the model trains like it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dtlab.backends import Mesh
+from dtlab.backends.base import CommunicationBackend
+from dtlab.core import seeded_init
+from dtlab.models import (
+    FSDPModel,
+    HybridShardedModel,
+    ModuleClassPolicy,
+    PipelineParallelModel,
+    TensorParallelModel,
+    ZeRO3Model,
+    transformer_plan,
+)
+from dtlab.testing import run_world
+from dtlab.zoo.builtin import Block, TransformerLM
+
+SEED = 7
+
+
+def _lm() -> TransformerLM:
+    return TransformerLM(d_model=16, n_layers=2, n_heads=2, seq_len=8)
+
+
+def _wrap(case: str, net: nn.Module, backend: CommunicationBackend, **kw: Any) -> Any:
+    if case == "zero3":
+        return ZeRO3Model(net, backend, persistence_threshold=0, **kw)
+    if case == "fsdp/block":
+        return FSDPModel(net, backend, wrap_policy=ModuleClassPolicy((Block,)), **kw)
+    if case == "tp2":
+        return TensorParallelModel(net, backend, plan=transformer_plan(), **kw)
+    if case == "pp2":
+        return PipelineParallelModel(net, backend, micro_batches=2, **kw)
+    mesh = Mesh(backend, {"pp": 2, "dp": 2, "tp": 2})
+    policy = ModuleClassPolicy((Block,))
+    return HybridShardedModel(
+        net, mesh, "fsdp", tensor_plan=transformer_plan(), micro_batches=2, wrap_policy=policy, **kw
+    )
+
+
+_WORLD = {"zero3": 2, "fsdp/block": 2, "tp2": 2, "pp2": 2, "dp2xtp2xpp2": 8}
+
+
+def _local(model: Any) -> dict[str, torch.Tensor]:
+    """This rank's own tensors (its shards), by name."""
+    state = model.sharded_state_dict()
+    return {k: v.clone() for k, v in state.tensors.items()}
+
+
+def _both(case: str) -> Any:
+    def body(backend: CommunicationBackend) -> dict[str, Any]:
+        with seeded_init(SEED):
+            plain_net = _lm()
+        plain = _wrap(case, plain_net, backend)
+        with torch.device("meta"):
+            meta_net = _lm()
+        meta = _wrap(case, meta_net, backend, init_seed=SEED)
+        a, b = _local(plain), _local(meta)
+        full_a, full_b = plain.full_state_dict(), meta.full_state_dict()
+        return {
+            "keys": sorted(a) == sorted(b),
+            "differ": sorted(k for k in a if not torch.equal(a[k], b[k])),
+            "full_differ": sorted(k for k in full_a if not torch.equal(full_a[k], full_b[k])),
+            "bytes": (plain.memory_report()["parameters"], meta.memory_report()["parameters"]),
+            "meta_left": [
+                n for n, t in [*meta.module.named_parameters(), *meta.module.named_buffers()] if t.is_meta
+            ],
+        }
+
+    return body
+
+
+@pytest.mark.parametrize("case", list(_WORLD))
+def test_meta_construction_is_bitwise_the_plain_build(case: str) -> None:
+    for rank, res in enumerate(run_world(_WORLD[case], _both(case))):
+        assert res["keys"], (case, rank)
+        assert res["differ"] == [], (case, rank)
+        assert res["full_differ"] == [], (case, rank)
+        assert res["bytes"][0] == res["bytes"][1], (case, rank)
+        assert res["meta_left"] == [], (case, rank)
