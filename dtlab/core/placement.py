@@ -16,6 +16,7 @@ axis; the local tensor is the concatenation of this rank's part of every section
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -50,7 +51,8 @@ class Shard:
     """The tensor is split evenly along tensor dim ``dim`` over mesh axis ``axis``.
 
     ``sections > 1``: the dim is ``sections`` equal consecutive parts, each split over the axis (fused
-    projections: q, k and v of the same heads on one rank); only ``dim=0`` is supported then.
+    projections: q, k and v of the same heads on one rank); the local tensor is this coordinate's part
+    of each section, concatenated along ``dim``.
     """
 
     axis: str
@@ -64,11 +66,6 @@ class Shard:
             raise StrategyError(f"Shard(dim=...) must be a tensor dim >= 0, got {self.dim!r}")
         if not (isinstance(self.sections, int) and self.sections >= 1):
             raise StrategyError(f"Shard(sections=...) must be an int >= 1, got {self.sections!r}")
-        if self.sections > 1 and self.dim != 0:
-            raise StrategyError(
-                f"Shard(sections={self.sections}) is supported along dim 0 only (fused output features), "
-                f"got dim={self.dim}"
-            )
 
     def __str__(self) -> str:
         extra = f", sections={self.sections}" if self.sections > 1 else ""
@@ -166,9 +163,23 @@ def local_regions(
         return [(Box((0,) * len(full), full), start, end, start)] if end > start else []
     out = []
     base = 0
-    for box in placement.boxes(full, coord, size):  # along dim 0 (sections) or one box: flat concat
+    for box in _flat_order(placement.boxes(full, coord, size), placement.dim):
         lo, hi = max(start, base), min(end, base + box.numel)
         if lo < hi:
             out.append((box, lo - base, hi - base, lo))
         base += box.numel
+    return out
+
+
+def _flat_order(boxes: list[Box], dim: int) -> list[Box]:
+    """``boxes`` (concatenated along ``dim`` in the local tensor) as boxes in the local tensor's
+    flattened order: one box is the whole local tensor, and boxes along dim 0 follow each other; along
+    a later dim they interleave, so each is cut into its rows over the dims before ``dim``."""
+    if len(boxes) == 1 or dim == 0:
+        return boxes
+    lead = boxes[0].sizes[:dim]
+    out = []
+    for idx in itertools.product(*(range(n) for n in lead)):
+        for box in boxes:
+            out.append(Box(idx + box.offsets[dim:], (1,) * dim + box.sizes[dim:]))
     return out

@@ -24,6 +24,7 @@ from dtlab.models.tensor import (
     SequenceParallel,
     VocabParallel,
     VocabParallelEmbedding,
+    gpt2_plan,
     transformer_plan,
     vocab_parallel_cross_entropy,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "ZeRO2Model",
     "ZeRO3Model",
     "get_model_strategy",
+    "gpt2_plan",
     "plot_schedule",
     "transformer_plan",
     "vocab_parallel_cross_entropy",

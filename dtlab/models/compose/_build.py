@@ -30,6 +30,7 @@ from dtlab.models.dp.zero3 import ZeRO3Model
 from dtlab.models.pipeline._runtime import check_stage_checkpointing
 from dtlab.models.pipeline._schedules import PipelineSchedule, build_schedule, check_schedule_args
 from dtlab.models.pipeline._split import Shapes, Stage, module_blocks, split_blocks, stage_shapes
+from dtlab.models.tensor._auto import declared_plan
 from dtlab.models.tensor._comm import broadcast_module_state
 from dtlab.models.tensor._plan import (
     HeadsParallel,
@@ -173,7 +174,11 @@ def lay_out(
     pipelined = always_pipelined or p > 1 or v > 1 or m > 1
     _check_pipeline(who, args, p, m, pipelined)
     partial: list[nn.Parameter] = []
-    resolved = None if tensor_plan is None else resolve_plan(module, tensor_plan, tp.world_size)
+    resolved = (
+        None
+        if tensor_plan is None
+        else resolve_plan(module, declared_plan(module, tensor_plan), tp.world_size)
+    )
     ties = check_tied(who, module, resolved, pipelined)  # never silently untied; before any work
     swapped: dict[int, torch.Tensor] = {}
     if resolved is not None:
@@ -185,8 +190,8 @@ def lay_out(
         swapped = _replaced(module, before)
     elif tp.world_size > 1:
         raise StrategyError(
-            f"{who} on a mesh with tp={tp.world_size} needs a tensor_plan: {{'fqn-pattern': style}}, or "
-            "transformer_plan() for the plan the module declares (its tp_plan(), as dtlab's TransformerLM)"
+            f"{who} on a mesh with tp={tp.world_size} needs a tensor_plan: 'auto' for the plan the module "
+            "declares (its tp_plan() method, Hugging Face's _tp_plan), or {'fqn-pattern': style}"
         )
     if not pipelined:
         entries = tensor_entries(module, tp.world_size, {})

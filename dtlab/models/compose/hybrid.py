@@ -86,7 +86,8 @@ class HybridShardedModel(OptimizerTarget):
         data_parallel: ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` or ``"fsdp"``; its optimizer
             strategy drives the model (``DDPOptimizer``, ``ZeRO1Optimizer``, ``ZeRO2Optimizer``,
             ``ZeRO3Optimizer`` for zero3 and fsdp).
-        tensor_plan: ``{"fqn-pattern": style}`` as for ``TensorParallelModel`` (needed when tp > 1).
+        tensor_plan: ``"auto"`` (the plan the module declares) or ``{"fqn-pattern": style}``, as for
+            ``TensorParallelModel`` (needed when tp > 1).
         schedule, micro_batches, split_points, stages_per_rank: as for ``PipelineParallelModel``; a
             pipeline runs when pp > 1, stages_per_rank > 1 or micro_batches > 1.
         init_seed: for a module built on the meta device (``with torch.device("meta"):``): each rank

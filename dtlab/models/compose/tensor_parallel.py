@@ -8,7 +8,7 @@ pipeline: one implementation. ``DDPOptimizer`` (optimizer state whole on each dp
 ``ZeRO1Optimizer`` (state sharded over dp, Megatron's distributed optimizer) drives it::
 
     mesh = Mesh(backend, {"dp": 2, "tp": 2})
-    model = TensorParallelModel(TransformerLM(...), mesh, plan=transformer_plan())
+    model = TensorParallelModel(TransformerLM(...), mesh, plan="auto")   # the plan it declares
     opt = DDPOptimizer(model, torch.optim.AdamW, lr=3e-4)
     loss = model.cross_entropy(model(x), y)     # vocabulary-parallel: the logits stay split
     loss.backward(); opt.step(); opt.zero_grad()
@@ -42,8 +42,10 @@ class TensorParallelModel(HybridShardedModel):
         module: the plain model; every rank builds it with the same structure (values come from rank 0).
         mesh: a :class:`~dtlab.backends.Mesh` with a ``tp`` axis and optionally a ``dp`` axis (a plain
             backend is taken as ``Mesh(backend, {"tp": backend.world_size})``).
-        plan: ``{"fqn-pattern": style}``; see :mod:`dtlab.models.tensor._plan` and
-            :func:`transformer_plan`. Checked before any communication. ``tensor_plan=`` (the name
+        plan: ``"auto"`` (default): the plan the module declares (its ``tp_plan()`` method, Hugging
+            Face's ``_tp_plan`` / ``config.base_model_tp_plan``, dtlab's recipe for GPT-2); or
+            ``{"fqn-pattern": style}`` (see :mod:`dtlab.models.tensor._plan`; Hugging Face's style names
+            are accepted). Checked before any communication. ``tensor_plan=`` (the name
             ``HybridShardedModel`` and the config use) is the same argument.
         gradient_sync: how gradients are averaged over dp; ``None`` (default) lets the optimizer choose
             (``DDPOptimizer``: all-reduce; ``ZeRO1Optimizer``: reduce-scatter of each rank's shard).
@@ -66,10 +68,7 @@ class TensorParallelModel(HybridShardedModel):
     ) -> None:
         if plan is not None and tensor_plan is not None:
             raise ArgumentError("TensorParallelModel: pass the plan once, as plan= or as tensor_plan=")
-        chosen = tensor_plan if plan is None else plan
-        if chosen is None:
-            raise ArgumentError(
-                "TensorParallelModel(module, mesh, plan) needs a tensor plan, e.g. transformer_plan() for "
-                "dtlab's TransformerLM or {'fqn-pattern': 'colwise' | 'rowwise' | ...}"
-            )
+        chosen: Plan = "auto"
+        if plan is not None or tensor_plan is not None:
+            chosen = plan if plan is not None else tensor_plan  # type: ignore[assignment]
         super().__init__(module, mesh, "zero1", tensor_plan=chosen, gradient_sync=gradient_sync, **kwargs)

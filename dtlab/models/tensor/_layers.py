@@ -52,17 +52,43 @@ def _init_uniform(t: torch.Tensor, fan_in: int) -> None:
 _Layer = TypeVar("_Layer", bound=nn.Module)
 
 
+def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
+    """``(in_features, out_features, transposed)`` of a linear layer: an ``nn.Linear`` (weight
+    ``[out, in]``) or Hugging Face's ``Conv1D`` (GPT-2's: weight ``[in, out]``, ``y = x W + b``, its
+    sizes in ``nx`` and ``nf``); ``None`` for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    w, nx, nf = getattr(module, "weight", None), getattr(module, "nx", None), getattr(module, "nf", None)
+    if (
+        type(module).__name__ == "Conv1D"
+        and isinstance(w, nn.Parameter)
+        and isinstance(nx, int)
+        and isinstance(nf, int)
+        and tuple(w.shape) == (nx, nf)
+    ):
+        return nx, nf, True
+    return None
+
+
 def _from_linear(
-    cls: type[_Layer], linear: nn.Linear, group: CommunicationBackend, *, shard_bias: bool, **kwargs: Any
+    cls: type[_Layer], linear: nn.Module, group: CommunicationBackend, *, shard_bias: bool, **kwargs: Any
 ) -> _Layer:
-    """A parallel layer holding this rank's shard of ``linear``'s values, on its device and dtype, with
-    its ``requires_grad`` flags; the bias sharded like the weight or kept whole."""
-    w = linear.weight
+    """A parallel layer holding this rank's shard of ``linear``'s values (an ``nn.Linear`` or a
+    ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps), on its device and dtype, with its
+    ``requires_grad`` flags; the bias sharded like the weight or kept whole."""
+    features = linear_features(linear)
+    if features is None:
+        raise StrategyError(
+            f"{cls.__name__} splits an nn.Linear or a Conv1D (weight [in, out]), got {type(linear).__name__}"
+        )
+    w = cast(nn.Parameter, linear.weight)
+    bias_in = cast("nn.Parameter | None", getattr(linear, "bias", None))
     built = cls(
-        linear.in_features,
-        linear.out_features,
+        features[0],
+        features[1],
         group,
-        bias=linear.bias is not None,
+        bias=bias_in is not None,
+        transposed=features[2],
         device=w.device,
         dtype=w.dtype,
         **kwargs,
@@ -70,14 +96,14 @@ def _from_linear(
     layer = cast(Any, built)  # a ColumnParallelLinear or a RowParallelLinear
     with torch.no_grad():
         layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
-        if linear.bias is not None and layer.bias is not None:
-            bias = linear.bias.detach()
-            if shard_bias:
-                bias = layer.placement.local_shard(bias, group.rank, group.world_size)
+        if bias_in is not None and layer.bias is not None:
+            bias = bias_in.detach()
+            if shard_bias:  # the bias is split like the output features: dim 0 of the bias
+                bias = Shard(AXIS, 0, layer.sections).local_shard(bias, group.rank, group.world_size)
             layer.bias.copy_(bias)
     layer.weight.requires_grad_(w.requires_grad)
-    if layer.bias is not None and linear.bias is not None:
-        layer.bias.requires_grad_(linear.bias.requires_grad)
+    if layer.bias is not None and bias_in is not None:
+        layer.bias.requires_grad_(bias_in.requires_grad)
     return built
 
 
@@ -94,6 +120,7 @@ class ColumnParallelLinear(nn.Module):
             first (backward: reduce-scatter) instead of the identity/all-reduce pair.
         sections: the output features are that many fused, equal sections (a qkv projection: 3),
             each split over tp, so rank r holds part r of every section.
+        transposed: the weight is laid out ``[in, out]`` (Hugging Face's ``Conv1D``), split along dim 1.
     """
 
     def __init__(
@@ -106,6 +133,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         sections: int = 1,
+        transposed: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -119,9 +147,10 @@ class ColumnParallelLinear(nn.Module):
         )
         self.in_features, self.out_features = in_features, out_features
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
-        self.sections = sections
-        self.placement = Shard(AXIS, 0, sections)
-        self.weight = nn.Parameter(torch.empty(out_features // p, in_features, device=device, dtype=dtype))
+        self.sections, self.transposed = sections, transposed
+        self.placement = Shard(AXIS, 1 if transposed else 0, sections)
+        shape = (in_features, out_features // p) if transposed else (out_features // p, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         _init_uniform(self.weight, in_features)
         set_placement(self.weight, self.placement)
         if bias:
@@ -129,26 +158,27 @@ class ColumnParallelLinear(nn.Module):
                 torch.empty(out_features // p, device=device, dtype=dtype)
             )
             _init_uniform(self.bias, in_features)
-            set_placement(self.bias, self.placement)
+            set_placement(self.bias, Shard(AXIS, 0, sections))
         else:
             self.register_parameter("bias", None)
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, group: CommunicationBackend, **kwargs: Any
+        cls, linear: nn.Module, group: CommunicationBackend, **kwargs: Any
     ) -> ColumnParallelLinear:
         """This rank's shard of ``linear`` (its values, its device and dtype)."""
         return _from_linear(cls, linear, group, shard_bias=True, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} (local "
-            f"{self.weight.shape[0]}), tp={self.group.world_size}, gather_output={self.gather_output}, "
+            f"{self.out_features // self.group.world_size}), tp={self.group.world_size}, "
+            f"gather_output={self.gather_output}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
 
@@ -164,6 +194,7 @@ class RowParallelLinear(nn.Module):
             column-parallel layer); ``False`` splits a whole input first.
         sequence_parallel: reduce-scatter the output along the sequence (dim -2) instead of
             all-reducing it; the bias gradient is then a partial sum that the model all-reduces.
+        transposed: the weight is laid out ``[in, out]`` (Hugging Face's ``Conv1D``), split along dim 0.
     """
 
     def __init__(
@@ -175,6 +206,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
+        transposed: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -189,8 +221,10 @@ class RowParallelLinear(nn.Module):
             input_is_parallel,
             sequence_parallel,
         )
-        self.placement = Shard(AXIS, 1)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // p, device=device, dtype=dtype))
+        self.transposed = transposed
+        self.placement = Shard(AXIS, 0 if transposed else 1)
+        shape = (in_features // p, out_features) if transposed else (out_features, in_features // p)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         _init_uniform(self.weight, in_features)
         set_placement(self.weight, self.placement)
         if bias:
@@ -203,20 +237,21 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: CommunicationBackend, **kwargs: Any) -> RowParallelLinear:
+    def from_linear(cls, linear: nn.Module, group: CommunicationBackend, **kwargs: Any) -> RowParallelLinear:
         """This rank's shard of ``linear`` (the bias whole: it is added once, after the reduction)."""
         return _from_linear(cls, linear, group, shard_bias=False, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
         y = reduce_scatter_to_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features="
+            f"in_features={self.in_features} (local {self.in_features // self.group.world_size}), "
+            "out_features="
             f"{self.out_features}, tp={self.group.world_size}, input_is_parallel={self.input_is_parallel}, "
             f"sequence_parallel={self.sequence_parallel}"
         )

@@ -6,8 +6,8 @@ A plan maps fully qualified module names (``fnmatch`` patterns per dotted part, 
 ==============  =============================  ===============================================
 string          object                         what it does to the matched module
 ==============  =============================  ===============================================
-``"colwise"``   ``ColwiseParallel(...)``       ``nn.Linear`` -> ``ColumnParallelLinear``
-``"rowwise"``   ``RowwiseParallel(...)``       ``nn.Linear`` -> ``RowParallelLinear``
+``"colwise"``   ``ColwiseParallel(...)``       ``nn.Linear`` / ``Conv1D`` -> ``ColumnParallelLinear``
+``"rowwise"``   ``RowwiseParallel(...)``       ``nn.Linear`` / ``Conv1D`` -> ``RowParallelLinear``
 ``"vocab"``     ``VocabParallel(...)``         ``nn.Embedding`` -> ``VocabParallelEmbedding``
 ``"heads"``     ``HeadsParallel(...)``         an attention module: its qkv projection split per
                                                head (q, k and v of the same heads on one rank),
@@ -22,8 +22,11 @@ string          object                         what it does to the matched modul
 
 Hugging Face's style names mean the same here: ``"colwise"``, ``"rowwise"``,
 ``"colwise_gather_output"`` / ``"colwise_rep"`` (``ColwiseParallel(gather_output=True)``),
-``"rowwise_split_input"`` / ``"rowwise_rep"`` (``RowwiseParallel(input_is_parallel=False)``) and
-``"embedding_rowwise"`` (``"vocab"``).
+``"rowwise_split_input"`` / ``"rowwise_rep"`` (``RowwiseParallel(input_is_parallel=False)``),
+``"embedding_rowwise"`` (``"vocab"``), ``"packed_colwise"`` (``ColwiseParallel(sections=2)``) and
+``"replicate"`` (the module left whole); a Hugging Face style dtlab cannot honour exactly is refused,
+naming the style and the module. Hugging Face's ``Conv1D`` (GPT-2; weight ``[in, out]``) is split like
+the ``nn.Linear`` it is, keeping its layout.
 
 :func:`resolve_plan` checks everything (every pattern matches, types, divisibility by tp) before any
 communication; :func:`apply_plan` then swaps the modules in place.
@@ -34,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import nn
@@ -42,7 +45,12 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._comm import scatter_to_sequence
-from dtlab.models.tensor._layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from dtlab.models.tensor._layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    linear_features,
+)
 
 __all__ = [
     "ColwiseParallel",
@@ -57,7 +65,6 @@ __all__ = [
     "transformer_plan",
     "DeclaredPlan",
     "PlanDict",
-    "declared_plan",
 ]
 
 
@@ -122,8 +129,9 @@ class DeclaredPlan:
     sequence_parallel: bool = False
 
 
-#: what the strategies take: ``{"fqn-pattern": style}``, or the plan the model declares
-Plan = PlanDict | DeclaredPlan
+#: what the strategies take: ``{"fqn-pattern": style}``, or the plan the model declares (``"auto"``:
+#: its ``tp_plan()`` method, Hugging Face's ``_tp_plan`` / ``config.base_model_tp_plan``, or a recipe)
+Plan = PlanDict | DeclaredPlan | Literal["auto"]
 
 _ALIASES: dict[str, Style] = {
     "colwise": ColwiseParallel(),
@@ -137,7 +145,35 @@ _ALIASES: dict[str, Style] = {
     "rowwise_split_input": RowwiseParallel(input_is_parallel=False),
     "rowwise_rep": RowwiseParallel(input_is_parallel=False),
     "embedding_rowwise": VocabParallel(),
+    "packed_colwise": ColwiseParallel(sections=2),  # a fused [gate | up] projection, each part split
 }
+
+#: Hugging Face styles dtlab cannot honour exactly, and why (refused, naming the module)
+_REFUSED = {
+    "embedding_colwise": "it splits the embedding's hidden dim, dtlab splits the vocabulary",
+    "packed_rowwise": "a packed projection's input is two fused parts",
+    "sequence_parallel": "Hugging Face's sequence parallelism is not dtlab's (use dtlab's "
+    "SequenceParallel on a plan that is sequence parallel throughout)",
+    "replicated_with_grad_allreduce": "its gradient all-reduce over tp",
+    "all_reduce": "an all-reduce of a module's output",
+    "local_params": "parameters used as local tensors",
+    "mla_kv_a_proj": "multi-head latent attention's split of the kv projection",
+    "moe_tp_experts": "mixture-of-experts layers",
+    "moe_identity_expert": "mixture-of-experts layers",
+    "grouped_gemm": "mixture-of-experts layers",
+    "ep_dispatch_experts": "expert parallelism",
+    "ep_router": "expert parallelism",
+    "gather": "an all-gather of a module's output",
+    "isolated": "an isolated module per rank",
+    "local": "local (DTensor-free) layers",
+    "local_colwise": "local (DTensor-free) layers",
+    "local_rowwise": "local (DTensor-free) layers",
+    "local_packed_rowwise": "local (DTensor-free) layers",
+    "local_packed_colwise": "local (DTensor-free) layers",
+}
+
+#: styles that leave a module as it is (every rank keeps the whole parameter)
+UNCHANGED = frozenset({"replicate"})
 
 
 def transformer_plan(sequence_parallel: bool = False) -> DeclaredPlan:
@@ -148,23 +184,14 @@ def transformer_plan(sequence_parallel: bool = False) -> DeclaredPlan:
     return DeclaredPlan(bool(sequence_parallel))
 
 
-def declared_plan(module: nn.Module, plan: Plan) -> PlanDict:
-    """``plan``, or the one ``module`` declares for a :class:`DeclaredPlan`."""
-    if not isinstance(plan, DeclaredPlan):
-        return plan
-    tp_plan = getattr(module, "tp_plan", None)
-    if not callable(tp_plan):
-        raise StrategyError(
-            f"{type(module).__name__} declares no tensor plan (a tp_plan(sequence_parallel=False) method "
-            "returning {'fqn-pattern': style}); pass the plan itself, e.g. {'blocks.*.mlp.0': 'colwise', "
-            "'blocks.*.mlp.2': 'rowwise'}"
-        )
-    declared: PlanDict = tp_plan(sequence_parallel=plan.sequence_parallel)
-    return declared
-
-
 def _style(value: Style | str, pattern: str) -> Style:
     if isinstance(value, str):
+        if value in _REFUSED:
+            raise StrategyError(
+                f"tensor-parallel plan entry {pattern!r}: style {value!r} cannot be honoured exactly "
+                f"({_REFUSED[value]}); give a plan without it (plan={{'fqn-pattern': style}}, styles "
+                f"{sorted(_ALIASES)} or style objects) or leave the module out of the plan"
+            )
         if value not in _ALIASES:
             raise StrategyError(
                 f"tensor-parallel plan entry {pattern!r}: unknown style {value!r}; use one of "
@@ -198,20 +225,28 @@ def _check_split(name: str, what: str, size: int, tp: int, hint: str = "") -> No
         )
 
 
+def _features(module: nn.Module, name: str, style: Style) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D`` (split alike)."""
+    features = linear_features(module)
+    if features is None:
+        raise StrategyError(
+            f"tensor-parallel plan: {type(style).__name__} applies to a Linear (nn.Linear or Hugging Face's "
+            f"Conv1D), but module {name!r} is a {type(module).__name__}; fix the pattern that matched it"
+        )
+    return features[0], features[1]
+
+
 def _check_one(name: str, module: nn.Module, style: Style, tp: int) -> None:
     if isinstance(style, ColwiseParallel):
-        lin = _need(module, nn.Linear, name, style)
-        if lin.out_features % style.sections:
+        out = _features(module, name, style)[1]
+        if out % style.sections:
             raise StrategyError(
-                f"tensor-parallel plan: module {name!r}: out_features {lin.out_features} is not "
+                f"tensor-parallel plan: module {name!r}: out_features {out} is not "
                 f"{style.sections} equal sections"
             )
-        _check_split(
-            name, f"out_features / {style.sections} sections", lin.out_features // style.sections, tp
-        )
+        _check_split(name, f"out_features / {style.sections} sections", out // style.sections, tp)
     elif isinstance(style, RowwiseParallel):
-        lin = _need(module, nn.Linear, name, style)
-        _check_split(name, "in_features", lin.in_features, tp)
+        _check_split(name, "in_features", _features(module, name, style)[0], tp)
     elif isinstance(style, VocabParallel):
         emb = _need(module, nn.Embedding, name, style)
         _check_split(
@@ -228,31 +263,48 @@ def _check_one(name: str, module: nn.Module, style: Style, tp: int) -> None:
                 f"tensor-parallel plan: HeadsParallel needs module {name!r} to hold its head count in "
                 f"an int attribute {style.heads!r} (got {heads!r}); set HeadsParallel(heads=...)"
             )
-        _check_split(name, "the number of attention heads", heads, tp)
-        for child in (*style.qkv, style.out):
-            if not isinstance(getattr(module, child, None), nn.Linear):
+        what = "the number of attention heads" if "head" in style.heads else f"its {style.heads!r}"
+        _check_split(name, what, heads, tp)
+        features = {
+            c: linear_features(getattr(module, c, None) or nn.Identity()) for c in (*style.qkv, style.out)
+        }
+        for child, found in features.items():
+            if found is None:
                 raise StrategyError(
-                    f"tensor-parallel plan: HeadsParallel needs {name}.{child} to be an nn.Linear (got "
-                    f"{type(getattr(module, child, None)).__name__}); set HeadsParallel(qkv=..., out=...)"
+                    f"tensor-parallel plan: HeadsParallel needs {name}.{child} to be an nn.Linear or a "
+                    f"Conv1D (got {type(getattr(module, child, None)).__name__}); set HeadsParallel(qkv=..., "
+                    "out=...)"
                 )
+        head_dim = getattr(module, "head_dim", None)
         for child in style.qkv:
-            lin = getattr(module, child)
-            if lin.out_features % (style.sections * heads):
+            out = cast(tuple[int, int, bool], features[child])[1]
+            if out % (style.sections * heads):
                 raise StrategyError(
-                    f"tensor-parallel plan: {name}.{child} has {lin.out_features} output features, not "
-                    f"{style.sections} sections x {heads} heads; set HeadsParallel(sections=...)"
+                    f"tensor-parallel plan: {name}.{child} has {out} output features, not "
+                    f"{style.sections} sections x {heads} ({style.heads}); set HeadsParallel(sections=...)"
                 )
-        _check_split(f"{name}.{style.out}", "in_features", getattr(module, style.out).in_features, tp)
+            section = out // style.sections
+            if isinstance(head_dim, int) and head_dim > 0 and section % head_dim == 0:
+                _check_split(
+                    f"{name}.{child}",
+                    f"the number of attention heads (of {head_dim})",
+                    section // head_dim,
+                    tp,
+                )
+        _check_split(
+            f"{name}.{style.out}", "in_features", cast(tuple[int, int, bool], features[style.out])[0], tp
+        )
 
 
 def _check_whole_heads(root: nn.Module, name: str, module: nn.Module, style: Style, tp: int) -> None:
     """A projection of an attention module that declares ``head_dim`` (Hugging Face's do) is split in
     whole heads: grouped-query attention's key/value projections have fewer heads than the queries."""
-    if not isinstance(module, nn.Linear) or not isinstance(style, ColwiseParallel | RowwiseParallel):
+    found = linear_features(module)
+    if found is None or not isinstance(style, ColwiseParallel | RowwiseParallel):
         return
     parent_name = name.rpartition(".")[0]
     head_dim = getattr(root.get_submodule(parent_name) if parent_name else root, "head_dim", None)
-    features = module.out_features if isinstance(style, ColwiseParallel) else module.in_features
+    features = found[1] // style.sections if isinstance(style, ColwiseParallel) else found[0]
     if not isinstance(head_dim, int) or head_dim <= 0 or features % head_dim:
         return
     heads = features // head_dim
@@ -271,9 +323,9 @@ def _matches(name: str, pattern: str) -> bool:
     return len(parts) == len(pats) and all(fnmatchcase(a, b) for a, b in zip(parts, pats, strict=True))
 
 
-def resolve_plan(module: nn.Module, plan: Plan, tp: int) -> list[tuple[str, nn.Module, Style]]:
-    """``(name, module, style)`` for every module the plan matches; every check, no communication."""
-    plan = declared_plan(module, plan)
+def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, nn.Module, Style]]:
+    """``(name, module, style)`` for every module the plan matches; every check, no communication.
+    ``plan``: a mapping (:func:`dtlab.models.tensor._auto.declared_plan` gives the model's own)."""
     if not isinstance(plan, Mapping) or not plan:
         raise StrategyError(
             "TensorParallelModel needs a plan {'fqn-pattern': style} with at least one entry, got "
@@ -282,6 +334,8 @@ def resolve_plan(module: nn.Module, plan: Plan, tp: int) -> list[tuple[str, nn.M
     named = list(module.named_modules())
     found: dict[str, tuple[nn.Module, Style, str]] = {}
     for pattern, value in plan.items():
+        if isinstance(value, str) and value in UNCHANGED:
+            continue
         style = _style(value, pattern)
         hits = [(n, m) for n, m in named if n and _matches(n, pattern)]
         if not hits:
@@ -334,7 +388,7 @@ def apply_plan(
                 root,
                 name,
                 ColumnParallelLinear.from_linear(
-                    module,  # type: ignore[arg-type]
+                    module,
                     group,
                     gather_output=style.gather_output,
                     sequence_parallel=style.sequence_parallel,
@@ -343,7 +397,7 @@ def apply_plan(
             )
         elif isinstance(style, RowwiseParallel):
             row = RowParallelLinear.from_linear(
-                module,  # type: ignore[arg-type]
+                module,
                 group,
                 input_is_parallel=style.input_is_parallel,
                 sequence_parallel=style.sequence_parallel,

@@ -1,0 +1,98 @@
+"""The tensor plan a model declares itself (``plan="auto"``).
+
+In this order:
+
+1. a ``tp_plan(sequence_parallel=False)`` method returning ``{"fqn-pattern": style}`` (dtlab's own
+   ``TransformerLM`` declares its plan this way, like any user model);
+2. Hugging Face's plan: the model's ``tp_plan`` / ``_tp_plan`` mapping (the head's entry and the base
+   model's, prefixed), or ``config.base_model_tp_plan`` under the model's ``base_model_prefix``;
+3. a recipe dtlab keeps for a Hugging Face architecture that declares none (GPT-2:
+   :func:`gpt2_plan`).
+
+Anything else is refused, saying what to pass. The plan's styles are checked by
+:func:`dtlab.models.tensor._plan.resolve_plan` (a Hugging Face style dtlab cannot honour exactly is
+refused there, naming the style and the module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from dtlab.errors import StrategyError
+from dtlab.models.tensor._plan import DeclaredPlan, HeadsParallel, Plan, PlanDict
+
+__all__ = ["declared_plan", "gpt2_plan", "hugging_face_plan"]
+
+
+def gpt2_plan(prefix: str = "transformer.", head: bool = True) -> PlanDict:
+    """GPT-2 (``GPT2LMHeadModel``; ``prefix=""``, ``head=False`` for ``GPT2Model``): the token
+    embedding vocabulary-parallel, each attention's fused ``c_attn`` split per head (q, k and v of the
+    same heads on one rank; its ``split_size`` set to the local width), ``c_proj`` row-parallel, the MLP
+    column- then row-parallel, and the head (tied to the embedding) column-parallel with its logits
+    gathered. Hugging Face's GPT-2 declares no plan."""
+    plan: dict[str, object] = {
+        f"{prefix}wte": "embedding_rowwise",
+        f"{prefix}h.*.attn": HeadsParallel(qkv=("c_attn",), out="c_proj", heads="split_size", sections=3),
+        f"{prefix}h.*.mlp.c_fc": "colwise",
+        f"{prefix}h.*.mlp.c_proj": "rowwise",
+    }
+    if head:
+        plan["lm_head"] = "colwise_gather_output"
+    return plan  # type: ignore[return-value]
+
+
+def _recipe(module: nn.Module) -> PlanDict | None:
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if model_type == "gpt2":
+        if isinstance(getattr(module, "transformer", None), nn.Module):
+            return gpt2_plan("transformer.", isinstance(getattr(module, "lm_head", None), nn.Module))
+        if isinstance(getattr(module, "wte", None), nn.Module):
+            return gpt2_plan("", head=False)
+    return None
+
+
+def hugging_face_plan(module: nn.Module) -> PlanDict | None:
+    """The plan a Hugging Face model declares (``None``: it declares none)."""
+    for declared in (getattr(module, "tp_plan", None), getattr(module, "_tp_plan", None)):
+        if isinstance(declared, Mapping) and declared:
+            return dict(declared)
+    base = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+    if not isinstance(base, Mapping) or not base:
+        return None
+    prefix = getattr(module, "base_model_prefix", "")
+    if isinstance(prefix, str) and prefix and isinstance(getattr(module, prefix, None), nn.Module):
+        return {f"{prefix}.{k}": v for k, v in base.items()}
+    return dict(base)
+
+
+def declared_plan(module: nn.Module, plan: Plan) -> PlanDict:
+    """``plan`` itself, or for ``"auto"`` / a :class:`DeclaredPlan` the one ``module`` declares."""
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise StrategyError(
+                f"tensor plan {plan!r}: a plan is 'auto' (the model's own) or a mapping "
+                "{'fqn-pattern': style}"
+            )
+        plan = DeclaredPlan()
+    if not isinstance(plan, DeclaredPlan):
+        return plan
+    method = getattr(module, "tp_plan", None)
+    if callable(method):
+        own: PlanDict = method(sequence_parallel=plan.sequence_parallel)
+        return own
+    name = type(module).__name__
+    if plan.sequence_parallel:
+        raise StrategyError(
+            f"sequence parallelism needs a plan that declares it (a tp_plan(sequence_parallel=True) "
+            f"method); {name} has none: pass the plan by hand with SequenceParallel() on its norms"
+        )
+    found = hugging_face_plan(module) or _recipe(module)
+    if found is None:
+        raise StrategyError(
+            f"plan='auto': {name} declares no tensor plan (a tp_plan(sequence_parallel=False) method, or "
+            "Hugging Face's _tp_plan / config.base_model_tp_plan); pass the plan itself, e.g. "
+            "{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'} (docs/your_model.md)"
+        )
+    return found

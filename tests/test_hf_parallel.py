@@ -1,0 +1,184 @@
+"""Hugging Face models under tensor parallelism with the plan they declare (``plan="auto"``): a tiny
+``LlamaForCausalLM`` (grouped-query attention, its own ``_tp_plan``) and ``GPT2LMHeadModel`` (``Conv1D``
+layers, a fused qkv projection, the head tied to the embedding; dtlab's GPT-2 recipe), each against
+single-process AdamW on the same global batch (float64), at tp 2 and at dp 2 x tp 2 with FSDP and
+ZeRO-1; the tied pair stays one weight, bitwise. Tiny configs built in memory (no network)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlab.backends import Mesh
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models import HybridShardedModel, TensorParallelModel
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO3Optimizer
+from dtlab.testing import run_world
+
+VOCAB, SEQ, BATCH, STEPS = 32, 8, 4, 3
+
+
+def build(kind: str) -> nn.Module:
+    """A tiny model, float64 (Adam's round-off on gradients that are zero in exact arithmetic)."""
+    transformers = pytest.importorskip("transformers")
+    if kind == "llama":  # 4 query heads, 2 key/value heads: each tp=2 rank gets 2 and 1
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        )  # fmt: skip
+        net: nn.Module = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        net = transformers.GPT2LMHeadModel(config)
+    return net.double()
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return seqs[:, :-1], seqs[:, 1:]
+
+
+def reference(kind: str, state: dict[str, torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    net = build(kind)
+    net.load_state_dict(state)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    x, y = batch()
+    losses = []
+    for _ in range(STEPS):
+        loss = F.cross_entropy(net(x).logits.reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, net.state_dict()
+
+
+def train(
+    backend: CommunicationBackend, kind: str, axes: dict[str, int], dp: str, state: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    net = build(kind)
+    net.load_state_dict(state)
+    mesh = Mesh(backend, axes)
+    if dp == "tensor":
+        model: HybridShardedModel = TensorParallelModel(net, mesh, plan="auto")
+    else:
+        model = HybridShardedModel(net, mesh, dp, tensor_plan="auto")
+    opt = {"fsdp": ZeRO3Optimizer, "zero1": ZeRO1Optimizer}.get(dp, DDPOptimizer)(
+        model, torch.optim.AdamW, lr=1e-2
+    )
+    x, y = batch()
+    c, n = mesh.coordinate("dp"), mesh.size("dp")
+    xs, ys = x.chunk(n)[c], y.chunk(n)[c]
+    losses = []
+    for _ in range(STEPS):
+        loss = F.cross_entropy(model(xs).logits.reshape(-1, VOCAB), ys.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    inner = model.dp_strategy.module
+    tied = kind != "gpt2" or inner.lm_head.weight is inner.transformer.wte.weight
+    swapped = {n: type(m).__name__ for n, m in inner.named_modules() if "Parallel" in type(m).__name__}
+    return {"losses": losses, "state": model.full_state_dict(), "tied": tied, "swapped": swapped}
+
+
+#: what plan="auto" swaps in layer 0 (Llama: its own _tp_plan; GPT-2: dtlab's recipe)
+SWAPPED = {
+    "llama": {
+        "model.embed_tokens": "VocabParallelEmbedding",
+        "model.layers.0.self_attn.k_proj": "ColumnParallelLinear",
+        "model.layers.0.self_attn.o_proj": "RowParallelLinear",
+        "model.layers.0.mlp.down_proj": "RowParallelLinear",
+        "lm_head": "ColumnParallelLinear",
+    },
+    "gpt2": {
+        "transformer.wte": "VocabParallelEmbedding",
+        "transformer.h.0.attn.c_attn": "ColumnParallelLinear",
+        "transformer.h.0.attn.c_proj": "RowParallelLinear",
+        "transformer.h.0.mlp.c_fc": "ColumnParallelLinear",
+        "lm_head": "ColumnParallelLinear",
+    },
+}
+
+
+LAYOUTS = [({"tp": 2}, "tensor"), ({"dp": 2, "tp": 2}, "fsdp"), ({"dp": 2, "tp": 2}, "zero1")]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize(("axes", "dp"), LAYOUTS)
+def test_plan_auto_matches_one_process(kind: str, axes: dict[str, int], dp: str) -> None:
+    state = {k: v.detach().clone() for k, v in build(kind).state_dict().items()}
+    ref_losses, ref = reference(kind, state)
+    out = run_world(axes.get("dp", 1) * axes["tp"], train, kind, axes, dp, state, timeout=120)
+    losses = [sum(r["losses"][i] for r in out) / len(out) for i in range(STEPS)]  # the dp shards' mean
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, losses
+    for r in out:
+        assert SWAPPED[kind].items() <= r["swapped"].items(), r["swapped"]
+        for k, v in ref.items():
+            if v.is_floating_point():
+                assert ((r["state"][k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 1e-5, k
+        if kind == "gpt2":  # the tied pair: one parameter, bitwise equal in the gathered state
+            assert r["tied"]
+            assert torch.equal(r["state"]["lm_head.weight"], r["state"]["transformer.wte.weight"])
+
+
+def _refusals(backend: CommunicationBackend) -> tuple[list[str], int]:
+    transformers = pytest.importorskip("transformers")
+    gqa = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    gpt2 = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2)
+    cases: list[tuple[nn.Module, Any]] = [
+        (transformers.LlamaForCausalLM(gqa), "auto"),  # tp=4 over 2 key/value heads
+        (transformers.GPT2LMHeadModel(gpt2), "auto"),  # tp=4 over 2 heads
+        (transformers.LlamaForCausalLM(gqa), {"model.embed_tokens": "embedding_colwise"}),
+        (nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), "auto"),
+    ]
+    errors = []
+    for net, plan in cases:
+        try:
+            TensorParallelModel(net, backend, plan=plan)
+        except StrategyError as exc:
+            errors.append(str(exc))
+    return errors, backend.stats.calls
+
+
+def test_what_auto_cannot_honour_is_refused_before_any_call() -> None:
+    errors, calls = run_world(4, _refusals, timeout=60)[0]
+    needles = [
+        "'model.layers.0.self_attn.k_proj' projects 2 attention heads of 8",
+        "'transformer.h.0.attn.c_attn': the number of attention heads (of 8) is 2, not divisible by tp=4",
+        "entry 'model.embed_tokens': style 'embedding_colwise' cannot be honoured exactly",
+        "plan='auto': Sequential declares no tensor plan",
+    ]
+    assert len(errors) == len(needles), errors
+    for needle, error in zip(needles, errors, strict=True):
+        assert needle in error, (needle, error)
+    assert calls == 0
+
+
+def test_a_fused_section_split_along_dim_1_is_flattened_in_local_order() -> None:
+    """Conv1D's fused qkv weight ``[in, 3 x out]`` split per section along dim 1: the placed regions of
+    a flat range of the local shard are the full tensor's elements at those local positions."""
+    from dtlab.core.placement import Shard, local_regions
+
+    full = torch.arange(4 * 12, dtype=torch.float64).reshape(4, 12)
+    placement = Shard("tp", 1, sections=3)
+    for coord in range(2):
+        local = placement.local_shard(full, coord, 2).reshape(-1)
+        for start, end in [(0, local.numel()), (3, 17)]:
+            got = [
+                full[box.slices()].reshape(-1)[bs:be]
+                for box, bs, be, _ in local_regions(placement, full.shape, coord, 2, start, end)
+            ]
+            assert torch.equal(torch.cat(got), local[start:end])
