@@ -48,6 +48,11 @@ def test_fallbacks_compute_what_they_replace(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(K.indices_above(x, 0.0), torch.nonzero(x != 0).view(-1))
     y, out = torch.randn(x.numel()), torch.empty(x.numel())
     assert K.add_count_nonfinite(x, y, out) == 0 and torch.equal(out, x + y)
+    bad, sel = K.add_select(x, y, out, 1.5, 10)
+    assert bad == 0 and torch.equal(out, x + y)
+    assert torch.equal(sel, torch.nonzero((x + y).abs() >= 1.5).view(-1))
+    pos = torch.tensor([0, 5, 17, 5])
+    assert torch.equal(K.gather_add_abs(x, y, pos), (x + y)[pos].abs())
     y[3], y[4] = float("inf"), float("nan")
     assert K.add_count_nonfinite(x, y, out) == 2
     low = torch.empty(x.numel(), dtype=torch.float16)
@@ -99,6 +104,20 @@ def test_kernels_equal_fallbacks_bit_for_bit(monkeypatch: pytest.MonkeyPatch) ->
             monkeypatch, lambda o=other: (out := torch.empty(x.numel()), K.add_count_nonfinite(x, o, out))
         )
         assert native[1] == plain[1] and torch.equal(native[0].nan_to_num(), plain[0].nan_to_num())
+        for thr in (m, below, 0.0, 100.0):  # the add fused with a selection; a small cap: a second pass
+            for expected in (7, 20_000):
+                (o_n, b_n, i_n), (o_p, b_p, i_p) = _both(
+                    monkeypatch,
+                    lambda o=other, t=thr, e=expected: (
+                        out := torch.empty(x.numel()),
+                        *K.add_select(x, o, out, t, e),
+                    ),
+                )
+                assert b_n == b_p and torch.equal(i_n, i_p), (thr, expected)
+                assert torch.equal(o_n.nan_to_num(), o_p.nan_to_num())
+    pos = torch.randint(0, x.numel(), (999,))
+    native, plain = _both(monkeypatch, lambda: K.gather_add_abs(x, y, pos))
+    assert torch.equal(native.nan_to_num(), plain.nan_to_num())
     a, b = torch.unique(torch.randint(0, 10**5, (5000,))), torch.unique(torch.randint(0, 10**5, (7000,)))
     native, plain = _both(monkeypatch, lambda: K.intersect_sorted(a, b))
     assert torch.equal(native, plain)
@@ -196,3 +215,44 @@ def test_every_compressor_steps_identically_with_and_without_kernels(monkeypatch
                     assert (a != b).sum() <= 4, name
                 else:
                     assert torch.equal(a, b), (name, rank)
+
+
+def _steps_with_jump(backend: CommunicationBackend, name: str) -> list[torch.Tensor]:
+    """Seven steps; the gradient grows 20x at step 5 (one that reuses thresholds): Ok-Topk's reused
+    threshold goes stale and its guard re-estimates it."""
+    comp = make_compressor(name, density=0.01, warmup_steps=1, tau=3, tau_prime=6)
+    red = CompressedReducer(backend, comp, dense_below=0)
+    n, outs = (1 << 20) + 3, []
+    for step in range(7):
+        g = torch.Generator().manual_seed(backend.rank * 1009 + step)
+        grad = torch.randn(n, generator=g) * torch.linspace(0.05, 1.0, n) * (20.0 if step >= 5 else 1.0)
+        red.all_reduce("g", grad).wait()
+        outs.append(grad)
+    res = red.error_feedback.residual("g")
+    return [*outs, res if res is not None else torch.zeros(0)]
+
+
+def test_selection_made_in_the_error_feedback_pass_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The magnitude-selecting compressors ask the error-feedback pass to select for them
+    (``prefilter``): results and residuals bit-identical to each compressor selecting on its own,
+    on exact top-k and threshold-reusing iterations and when a stale threshold is re-estimated."""
+    import dtlab.compression.error_feedback as ef
+
+    names = ["topka", "topkdsa", "gtopk", "oktopk"]
+    fused: list[int] = []
+    real_add_select = ef.add_select
+
+    def counting(*args: Any) -> tuple[int, torch.Tensor]:
+        fused.append(1)
+        return real_add_select(*args)
+
+    monkeypatch.setattr(ef, "add_select", counting)
+    with_pass = {nm: run_world(2, _steps_with_jump, nm) for nm in names}
+    assert len(fused) >= 2 * 5 * len(names)  # every compressed step after the first selected in the pass
+    for name in names:
+        monkeypatch.setattr(type(make_compressor(name)), "prefilter", lambda *_: None)
+    alone = {nm: run_world(2, _steps_with_jump, nm) for nm in names}
+    for name in names:
+        for rank in range(2):
+            for a, b in zip(with_pass[name][rank], alone[name][rank], strict=True):
+                assert torch.equal(a, b), (name, rank)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,9 +31,18 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.kernels import write_sparse
+from dtlab.compression.state_io import Workspace
 from dtlab.errors import ConfigError, DtlabError
 
-__all__ = ["Compressor", "Exchange", "Layout", "NonFiniteGradientError", "SparseCompressor", "check_layout"]
+__all__ = [
+    "Compressor",
+    "Exchange",
+    "Layout",
+    "NonFiniteGradientError",
+    "Prefilter",
+    "SparseCompressor",
+    "check_layout",
+]
 
 #: indices travel as int32 next to float32 values; buffers must stay below this many elements
 MAX_NUMEL = 2**31 - 1
@@ -60,6 +69,56 @@ def check_layout(layout: Layout, numel: int, key: str) -> list[tuple[int, tuple[
         out.append((offset, shape))
         end = offset + size
     return out
+
+
+class Prefilter(Workspace):
+    """A selection the error-feedback pass makes while it computes ``acc = grad + residual``.
+
+    A compressor that selects by magnitude asks for it (:meth:`Compressor.prefilter`): the reducer
+    then writes ``acc`` and the sorted indices with ``|acc| >= threshold`` in the same pass over memory
+    (:func:`dtlab.compression.kernels.add_select`) and leaves them in :attr:`indices` for the
+    compressor's call that follows. The threshold is fixed (:meth:`request`) or chosen from a sample
+    of ``|acc|`` at given positions, read from ``grad`` and the residual before the pass
+    (:meth:`request_sampled`; the same float32 sums the pass writes, so the same threshold the
+    compressor would choose from ``acc``). ``expected``: the count the compressor expects (room
+    reserved). :attr:`indices` stays ``None`` when the pass could not select (the first step, with no
+    residual yet, or a threshold that is not positive): the compressor then makes its own pass.
+    Scratch: never saved, and the result never depends on whether the indices came from here.
+    """
+
+    def __init__(self) -> None:
+        self.threshold = 0.0
+        self.expected = 0
+        self.indices: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._choose: Callable[[torch.Tensor], float] | None = None
+
+    def request(self, threshold: float, expected: int) -> Prefilter | None:
+        """Ask for the indices with ``|acc| >= threshold`` (nothing is asked unless it is positive)."""
+        self.indices, self._positions, self._choose = None, None, None
+        if not threshold > 0 or not math.isfinite(threshold):
+            return None
+        self.threshold, self.expected = float(threshold), int(expected)
+        return self
+
+    def request_sampled(
+        self, positions: torch.Tensor, choose: Callable[[torch.Tensor], float], expected: int
+    ) -> Prefilter:
+        """Ask for the indices above ``choose(|acc[positions]|)``."""
+        self.indices, self._positions, self._choose = None, positions, choose
+        self.threshold, self.expected = 0.0, int(expected)
+        return self
+
+    def resolve(self, sample: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        """The threshold to select with; ``sample(positions)`` gives ``|acc|`` there."""
+        if self._positions is not None and self._choose is not None:
+            self.threshold = float(self._choose(sample(self._positions)))
+        return self.threshold
+
+    def take(self) -> tuple[float, torch.Tensor] | None:
+        """The threshold and the indices the pass selected (once; ``None`` when there are none)."""
+        idx, self.indices = self.indices, None
+        return None if idx is None else (self.threshold, idx)
 
 
 class NonFiniteGradientError(DtlabError):
@@ -152,6 +211,12 @@ class Compressor(ABC):
     def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         """Fresh mutable state for one buffer (thresholds, boundaries, counters)."""
         return {}
+
+    def prefilter(self, state: dict[str, Any], numel: int) -> Prefilter | None:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
+        """The selection this compressor wants made in the error-feedback pass of its next call
+        (:class:`Prefilter`, kept in its state), or ``None`` (default: the compressor selects on its
+        own). Called by the reducer right before it accumulates the buffer for a compressed call."""
+        return None
 
     def new_state_for_layout(self, key: str, numel: int, layout: Layout | None) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         """Fresh state for a buffer whose parameter :data:`Layout` is known (``None``: unknown).

@@ -18,9 +18,12 @@ SGD, as DGC does for the tensors it does not compress.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from dtlab.compression.kernels import add_count_nonfinite
+from dtlab.compression.base import Prefilter
+from dtlab.compression.kernels import add_count_nonfinite, add_select, gather_add_abs
 from dtlab.errors import ConfigError
 
 __all__ = ["ErrorFeedback"]
@@ -31,6 +34,15 @@ def _fit(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     if spare is None or spare.numel() != like.numel() or spare.device != like.device:
         return torch.empty(like.numel(), dtype=torch.float32, device=like.device)
     return spare
+
+
+def _sampler(src: torch.Tensor, res: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``|src + res|`` at given positions (the float32 sums the accumulating pass writes there)."""
+
+    def sample(pos: torch.Tensor) -> torch.Tensor:
+        return gather_add_abs(src, res, pos.to(src.device))
+
+    return sample
 
 
 class ErrorFeedback:
@@ -60,9 +72,14 @@ class ErrorFeedback:
         """``grad + residual`` in a float32 buffer owned by this object (valid until ``update``)."""
         return self.accumulate_counted(key, grad)[0]
 
-    def accumulate_counted(self, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    def accumulate_counted(
+        self, key: str, grad: torch.Tensor, prefilter: Prefilter | None = None
+    ) -> tuple[torch.Tensor, int | None]:
         """:meth:`accumulate`, and the number of NaN/Inf values of the result where the same pass
-        counted them (``None``: not counted; the caller checks)."""
+        counted them (``None``: not counted; the caller checks). ``prefilter``: a compressor's
+        request; its ``indices`` get the sorted positions with ``|acc| >= threshold``, selected in the
+        same pass (left ``None`` on the first step, which only copies the gradient). A sampled
+        threshold reads ``|grad + residual|`` at its positions first (bitwise ``|acc|`` there)."""
         flat = grad.detach().reshape(-1)
         res = self._residuals.get(key)
         if res is not None and res.numel() != flat.numel():
@@ -76,6 +93,8 @@ class ErrorFeedback:
         bad: int | None = None
         if res is None:
             spare.copy_(src)
+        elif prefilter is not None and (thr := prefilter.resolve(_sampler(src, res))) > 0:
+            bad, prefilter.indices = add_select(src, res, spare, thr, prefilter.expected)
         else:
             bad = add_count_nonfinite(src, res, spare)
         self._spares[key] = spare

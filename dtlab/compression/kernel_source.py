@@ -49,6 +49,56 @@ int64_t dt_indices_above(const float* x, int64_t n, float thr, int strict, int64
     return c;
 }
 
+/* out = a + b, the count of non-finite values of out (into *bad), and the indices i with
+   |out[i]| >= thr (strict: > thr) as dt_indices_above: one pass instead of two */
+int64_t dt_add_select(const float* restrict a, const float* restrict b, float* restrict out, int64_t n,
+                      float thr, int strict, int64_t* restrict idx, int64_t cap, int64_t* bad_out) {
+    int64_t c = 0, bad = 0, i = 0;
+#ifdef __AVX2__
+    const __m256 vt = _mm256_set1_ps(thr), sign = _mm256_set1_ps(-0.0f);
+    const __m256i em = _mm256_set1_epi32(0x7f800000);
+    __m256i vbad = _mm256_setzero_si256();
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+        _mm256_storeu_ps(out + i, v);
+        __m256i e = _mm256_and_si256(_mm256_castps_si256(v), em);
+        vbad = _mm256_sub_epi32(vbad, _mm256_cmpeq_epi32(e, em));
+        __m256 av = _mm256_andnot_ps(sign, v);
+        unsigned m = (unsigned)_mm256_movemask_ps(strict ? _mm256_cmp_ps(av, vt, _CMP_GT_OQ)
+                                                         : _mm256_cmp_ps(av, vt, _CMP_GE_OQ));
+        while (m) {
+            int j = __builtin_ctz(m);
+            if (c < cap) idx[c] = i + j;
+            c++;
+            m &= m - 1;
+        }
+    }
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i*)lanes, vbad);
+    for (int j = 0; j < 8; j++) bad += lanes[j];
+#else
+    for (; i + 64 <= n; i += 64) {
+        int hit = 0;
+        for (int j = 0; j < 64; j++) {
+            float v = a[i + j] + b[i + j];
+            out[i + j] = v;
+            bad += nonfinite(v);
+            hit |= DT_TAKE(v);
+        }
+        if (!hit) continue;
+        for (int64_t j = i; j < i + 64; j++) if (DT_TAKE(out[j])) { if (c < cap) idx[c] = j; c++; }
+    }
+#endif
+    for (; i < n; i++) {
+        float v = a[i] + b[i];
+        out[i] = v;
+        bad += nonfinite(v);
+        if (DT_TAKE(v)) { if (c < cap) idx[c] = i; c++; }
+    }
+    *bad_out = bad;
+    return c;
+}
+
 /* sorted unique indices of the concatenation of runs (each sorted ascending, no repeats inside a
    run) and the sums of their values, added in input order starting from 0 (as index_add_ into
    zeros); returns the number of unique indices */
@@ -166,6 +216,11 @@ void dt_sum_sumsq(const float* x, int64_t n, double* out) {
 /* out[j] = |x[pos[j]]| (independent loads: the memory system overlaps the misses) */
 void dt_gather_abs(const float* x, const int64_t* pos, int64_t m, float* out) {
     for (int64_t j = 0; j < m; j++) out[j] = fabsf(x[pos[j]]);
+}
+
+/* out[j] = |a[pos[j]] + b[pos[j]]| (the magnitude of a sum that is not written yet) */
+void dt_gather_add_abs(const float* a, const float* b, const int64_t* pos, int64_t m, float* out) {
+    for (int64_t j = 0; j < m; j++) { float v = a[pos[j]] + b[pos[j]]; out[j] = fabsf(v); }
 }
 
 /* float32 -> float16 bits, round to nearest even (F. Giesen's float_to_half_fast3_rtne) */

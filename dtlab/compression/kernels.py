@@ -5,6 +5,8 @@ add, non-finite check, magnitude, threshold, compaction, quantization, casts, re
 each torch op is one more pass through memory. The kernels here do several of those in one pass:
 
 - :func:`add_count_nonfinite`: ``out = a + b`` and the number of non-finite values of ``out``;
+- :func:`add_select`: the same, and in the same pass the indices :func:`indices_above` a threshold
+  would return for ``out`` (the error-feedback add fused with a compressor's selection);
 - :func:`indices_above`: sorted indices with ``|x| >= thr`` (``|x| > 0`` for ``thr <= 0``), without
   a magnitude buffer or a mask;
 - :func:`write_sparse`: a sparse result written into a dense buffer in one sequential pass;
@@ -44,8 +46,10 @@ from dtlab.compression.kernel_source import SOURCE as _SOURCE
 
 __all__ = [
     "add_count_nonfinite",
+    "add_select",
     "cast_with_residual",
     "gather_abs",
+    "gather_add_abs",
     "indices_above",
     "intersect_sorted",
     "native_enabled",
@@ -62,11 +66,13 @@ _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "dt_add_count_nonfinite": (_I64, [_PTR, _PTR, _PTR, _I64]),
     "dt_indices_above": (_I64, [_PTR, _I64, _F32, ctypes.c_int, _PTR, _I64]),
+    "dt_add_select": (_I64, [_PTR, _PTR, _PTR, _I64, _F32, ctypes.c_int, _PTR, _I64, _PTR]),
     "dt_intersect_sorted": (_I64, [_PTR, _I64, _PTR, _I64, _PTR]),
     "dt_qsgd_encode": (_I64, [_PTR, _I64, _I64, _PTR, ctypes.c_int32, ctypes.c_uint32, _PTR]),
     "dt_qsgd_decode_mean": (_I64, [_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int32, _PTR]),
     "dt_cast_with_residual": (None, [_PTR, _I64, _I64, ctypes.c_int, _PTR]),
     "dt_gather_abs": (None, [_PTR, _PTR, _I64, _PTR]),
+    "dt_gather_add_abs": (None, [_PTR, _PTR, _PTR, _I64, _PTR]),
     "dt_sum_sumsq": (None, [_PTR, _I64, _PTR]),
     "dt_write_sparse": (None, [_PTR, _I64, _PTR, _PTR, _I64]),
     "dt_merge_runs": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR]),
@@ -146,6 +152,32 @@ def add_count_nonfinite(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> 
         torch.add(a, b, out=out)
         return 0 if bool(torch.isfinite(out.sum())) else int((~torch.isfinite(out)).sum())
     return int(lib.dt_add_count_nonfinite(a.data_ptr(), b.data_ptr(), out.data_ptr(), out.numel()))
+
+
+def add_select(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, thr: float, expected: int = 0
+) -> tuple[int, torch.Tensor]:
+    """``out = a + b`` (float32, same size), the number of NaN/Inf values in ``out`` (as
+    :func:`add_count_nonfinite`) and ``indices_above(out, thr, expected)``, in one pass over memory
+    where the kernel runs (the fallback makes the two passes)."""
+    lib = _native(a, b, out)
+    if lib is None or not a.dtype == b.dtype == out.dtype == torch.float32:
+        bad = add_count_nonfinite(a, b, out)
+        return bad, indices_above(out, thr, expected)
+    n = out.numel()
+    strict, t = (1, 0.0) if thr <= 0 else (0, float(thr))
+    cap = min(n, max(1024, expected + expected // 4 + 1024))
+    idx = torch.empty(cap, dtype=torch.int64)
+    nonfinite = ctypes.c_int64(0)
+    count = int(
+        lib.dt_add_select(
+            a.data_ptr(), b.data_ptr(), out.data_ptr(), n, t, strict, idx.data_ptr(), cap,
+            ctypes.byref(nonfinite),
+        )
+    )  # fmt: skip
+    if count > cap:  # more than room was reserved for: one more pass over the result
+        return int(nonfinite.value), indices_above(out, thr, count)
+    return int(nonfinite.value), idx[:count]
 
 
 def indices_above(x: torch.Tensor, thr: float, expected: int = 0) -> torch.Tensor:
@@ -253,6 +285,17 @@ def gather_abs(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return flat[positions].abs()
     out = torch.empty(positions.numel(), dtype=torch.float32)
     lib.dt_gather_abs(flat.data_ptr(), positions.data_ptr(), positions.numel(), out.data_ptr())
+    return out
+
+
+def gather_add_abs(a: torch.Tensor, b: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``(a[positions] + b[positions]).abs()`` (flat float32 ``a``, ``b``; int64 positions in range):
+    ``|a + b|`` at a few positions before the sum is written."""
+    lib = _native(a, b, positions)
+    if lib is None or not a.dtype == b.dtype == torch.float32 or positions.dtype != torch.int64:
+        return (a[positions] + b[positions]).abs()
+    out = torch.empty(positions.numel(), dtype=torch.float32)
+    lib.dt_gather_add_abs(a.data_ptr(), b.data_ptr(), positions.data_ptr(), positions.numel(), out.data_ptr())
     return out
 
 

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.compression.base import Exchange, SparseCompressor
+from dtlab.compression.base import Exchange, Prefilter, SparseCompressor
 from dtlab.compression.sparse import (
     Magnitudes,
     all_gather_counts,
@@ -53,9 +53,9 @@ from dtlab.compression.sparse import (
     intersect_sorted,
     local_topk,
     sample_positions,
-    sampled_threshold,
     select_by_threshold,
     split_and_reduce,
+    threshold_of_sample,
 )
 from dtlab.compression.topkdsa import equal_bounds
 from dtlab.errors import ConfigError
@@ -73,6 +73,12 @@ def _nudge(thr: float, count: int, k: int, lower: float, raise_: float) -> float
     if count > 5 * k / 4:
         return thr * raise_
     return thr
+
+
+def _in_range(sample: torch.Tensor, thr: float, n: int, k: int) -> bool:
+    """Whether ``thr`` selects between ``k/2`` and ``2k`` of ``n`` values, predicted from a sample."""
+    predicted = int((sample >= thr).sum()) * n / sample.numel()
+    return k / 2 <= predicted <= 2 * k
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,19 +108,36 @@ class OkTopk(SparseCompressor):
     def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"t": 0, "local_thr": 0.0, "global_thr": 0.0, "bounds": None, "work": Magnitudes()}
 
+    def prefilter(self, state: dict[str, Any], numel: int) -> Prefilter | None:
+        """The selection of this iteration, made in the error-feedback pass: the exact top-k's
+        candidates, or the reused local threshold (its guard decided from the same sample)."""
+        work: Magnitudes = state["work"]
+        k, t = self.k(numel), state["t"]
+        if t % self.tau == 0:
+            return work.request_topk(numel, k)
+        thr = state["local_thr"]
+
+        def choose(sample: torch.Tensor) -> float:
+            return thr if _in_range(sample, thr, numel, k) else threshold_of_sample(sample, numel, k)
+
+        return work.pre.request_sampled(sample_positions(numel, k, t), choose, 2 * k)
+
     def _local(self, state: dict[str, Any], acc: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:
         recompute = state["t"] % self.tau == 0
         work: Magnitudes = state["work"]
         if recompute:
             idx, state["local_thr"] = local_topk(acc, k, work)
             return idx, recompute
-        thr = state["local_thr"]
-        # guard: predict the reused threshold's count from a random sample before the full pass
-        sample = gather_abs(acc, sample_positions(acc.numel(), k, state["t"]).to(acc.device))
-        predicted = int((sample >= thr).sum()) * acc.numel() / sample.numel()
-        if not k / 2 <= predicted <= 2 * k:
-            thr = sampled_threshold(acc, k, seed=state["t"])
-        idx = indices_above(acc, thr, 2 * k)
+        got = work.pre.take()
+        if got is not None:  # the threshold and its selection, from the error-feedback pass
+            thr, idx = got
+        else:
+            thr = state["local_thr"]
+            # guard: predict the reused threshold's count from a random sample before the full pass
+            sample = gather_abs(acc, sample_positions(acc.numel(), k, state["t"]).to(acc.device))
+            if not _in_range(sample, thr, acc.numel(), k):
+                thr = threshold_of_sample(sample, acc.numel(), k)
+            idx = indices_above(acc, thr, 2 * k)
         state["local_thr"] = _nudge(thr, idx.numel(), k, LOCAL_SCALE, LOCAL_SCALE)
         return idx, recompute
 

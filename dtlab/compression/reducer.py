@@ -230,11 +230,6 @@ class CompressedReducer(GradientReducer):
             return work
         self.compressor.validate_numel(n, key)
         self._check_size(key, n)
-        acc, bad = self.error_feedback.accumulate_counted(key, grad)
-        if not self._finite(key, acc, bad):
-            self.error_feedback.discard(key, acc)
-            (grad if shard is None else shard).fill_(float("nan"))
-            return CompletedWork()
         state = self._states.get(key)
         if state is None:
             layout = self.layouts.get(key)
@@ -243,12 +238,20 @@ class CompressedReducer(GradientReducer):
         step = self._steps.get(key, 0)
         warmup = self.compressor.warmup_steps
         warm = step < warmup
+        compressor = self.compressor.at_step(max(0, step - warmup))
+        # a magnitude-selecting compressor's selection is made in the error-feedback pass itself
+        pre = None if warm else compressor.prefilter(state, n)
+        acc, bad = self.error_feedback.accumulate_counted(key, grad, pre)
+        if not self._finite(key, acc, bad):
+            self.error_feedback.discard(key, acc)
+            (grad if shard is None else shard).fill_(float("nan"))
+            return CompletedWork()
         if warm:
             ex = dense_exchange(acc, self.backend, shard is not None)
         elif shard is None:
-            ex = self.compressor.at_step(step - warmup).all_reduce(state, acc, self.backend)
+            ex = compressor.all_reduce(state, acc, self.backend)
         else:
-            ex = self.compressor.at_step(step - warmup).reduce_scatter(state, acc, self.backend)
+            ex = compressor.reduce_scatter(state, acc, self.backend)
         out = grad.view(-1) if shard is None else shard.view(-1)
         ex.write(out)
         if self.compressor.error_feedback:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
+from dtlab.compression.base import Prefilter
 from dtlab.compression.kernels import gather_abs, indices_above, intersect_sorted, sum_sorted_runs
 from dtlab.compression.state_io import Workspace
 
@@ -24,6 +25,7 @@ __all__ = [
     "indices_above",
     "Magnitudes",
     "local_topk",
+    "threshold_of_sample",
     "sample_positions",
     "sampled_threshold",
     "pack",
@@ -44,6 +46,8 @@ GATHER_BELOW = 1024
 PREFILTER_MIN = 1 << 20
 #: sampled thresholds: expected number of sampled elements above the threshold, smallest sample
 SAMPLE_HITS, SAMPLE_MIN = 1000, 4096
+#: the exact top-k's pre-filter keeps about this many times k candidates
+TOPK_OVERSAMPLE = 1.25
 
 
 def pack(idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
@@ -61,14 +65,18 @@ def unpack(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Magnitudes(Workspace):
-    """``|acc|`` of one buffer in a reused float32 buffer, for the exact top-k over the whole buffer
+    """Per-buffer scratch of the magnitude-selecting compressors.
+
+    ``|acc|`` of one buffer in a reused float32 buffer, for the exact top-k over the whole buffer
     (the rare case in which the sampled pre-filter falls short): selecting over a large buffer then
     allocates nothing buffer-sized (fresh allocations of hundreds of MB cost more in page faults than
     the arithmetic). Threshold selections need no magnitude buffer (:func:`indices_above` is one pass
-    over ``acc``). Keep one per buffer (its state); scratch only, so checkpoints leave it out."""
+    over ``acc``). ``pre``: the :class:`~dtlab.compression.base.Prefilter` the error-feedback pass
+    fills. Keep one per buffer (its state); scratch only, so checkpoints leave it out."""
 
     def __init__(self) -> None:
         self._abs: torch.Tensor | None = None
+        self.pre = Prefilter()
 
     def of(self, acc: torch.Tensor) -> torch.Tensor:
         if self._abs is None or self._abs.numel() != acc.numel() or self._abs.device != acc.device:
@@ -79,6 +87,22 @@ class Magnitudes(Workspace):
         """Sorted indices with ``mags >= thr`` (and nonzero); :func:`indices_above` of ``mags``."""
         return indices_above(mags, thr, expected)
 
+    def request_topk(self, n: int, k: int) -> Prefilter | None:
+        """The pre-filter :func:`local_topk` would run on a buffer of ``n`` elements (a sampled
+        threshold keeping about ``1.25 k`` candidates), asked of the error-feedback pass instead;
+        ``None`` where :func:`local_topk` does not pre-filter."""
+        k = min(k, n)
+        if not _prefilters(n, k):
+            self.pre.request(0.0, 0)
+            return None
+        return self.pre.request_sampled(
+            sample_positions(n, k), lambda s: threshold_of_sample(s, n, k, TOPK_OVERSAMPLE), k + k // 4
+        )
+
+
+def _prefilters(n: int, k: int) -> bool:
+    return n >= PREFILTER_MIN and 8 * k < n
+
 
 def sample_positions(n: int, k: int, seed: int = 0) -> torch.Tensor:
     """Random positions (fixed seed) in ``[0, n)``: ~:data:`SAMPLE_HITS` expected among the top k."""
@@ -86,13 +110,19 @@ def sample_positions(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, n, (size,), generator=torch.Generator().manual_seed(n * 1_000_003 + seed))
 
 
+def threshold_of_sample(sample: torch.Tensor, n: int, k: int, oversample: float = 1.0) -> float:
+    """The magnitude above which about ``oversample * k`` of ``n`` magnitudes lie, estimated from
+    ``sample`` (magnitudes at :func:`sample_positions`)."""
+    rank = min(sample.numel(), max(1, round(oversample * k * sample.numel() / n)))
+    return float(torch.topk(sample, rank, sorted=False).values.min())
+
+
 def sampled_threshold(acc: torch.Tensor, k: int, oversample: float = 1.0, seed: int = 0) -> float:
     """Estimate of the magnitude above which about ``oversample * k`` of the magnitudes of ``acc`` lie,
     from a random sample (~1000 expected hits, so the estimate is within a few percent)."""
     n = acc.numel()
     sample = gather_abs(acc, sample_positions(n, k, seed).to(acc.device))
-    rank = min(sample.numel(), max(1, round(oversample * k * sample.numel() / n)))
-    return float(torch.topk(sample, rank, sorted=False).values.min())
+    return threshold_of_sample(sample, n, k, oversample)
 
 
 def local_topk(acc: torch.Tensor, k: int, work: Magnitudes | None = None) -> tuple[torch.Tensor, float]:
@@ -100,13 +130,18 @@ def local_topk(acc: torch.Tensor, k: int, work: Magnitudes | None = None) -> tup
 
     Exact. For large buffers a sampled threshold first keeps about ``1.25 k`` candidates and the exact
     top-k runs on those only (a full top-k over all elements when the candidates fall short of k).
+    The candidates come from the error-feedback pass when it made that selection
+    (:meth:`Magnitudes.request_topk`): the same threshold, the same candidates.
     """
     n = acc.numel()
     k = min(k, n)
-    if n >= PREFILTER_MIN and 8 * k < n:
-        cand = indices_above(acc, sampled_threshold(acc, k, 1.25), k + k // 4)
+    got = work.pre.take() if work is not None else None
+    if _prefilters(n, k):
+        cand = got[1] if got is not None else None
+        if cand is None:
+            cand = indices_above(acc, sampled_threshold(acc, k, TOPK_OVERSAMPLE), k + k // 4)
         if cand.numel() >= k:
-            vals, pos = torch.topk(acc.view(-1).index_select(0, cand).abs(), k, sorted=False)
+            vals, pos = torch.topk(gather_abs(acc, cand), k, sorted=False)
             # candidates are sorted and nonzero (|x| >= a positive threshold, or |x| > 0): marking
             # the chosen positions keeps them sorted without sorting k indices
             chosen = torch.zeros(cand.numel(), dtype=torch.bool, device=cand.device)

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.compression.base import Exchange, SparseCompressor
+from dtlab.compression.base import Exchange, Prefilter, SparseCompressor
 from dtlab.compression.sparse import (
     Magnitudes,
     all_gather_counts,
@@ -41,6 +41,11 @@ class TopkDSA(SparseCompressor):
 
     def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"work": Magnitudes()}
+
+    def prefilter(self, state: dict[str, Any], numel: int) -> Prefilter | None:
+        """Candidates for the exact local top-k, selected in the error-feedback pass."""
+        work: Magnitudes = state["work"]
+        return work.request_topk(numel, self.k(numel))
 
     def _reduce(
         self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend
