@@ -42,6 +42,7 @@ from dtlab.config_sections import (
     StrategyConfig,
     TrainingConfig,
     _Section,
+    translate_old_spellings,
 )
 from dtlab.errors import ConfigError
 from dtlab.untrusted import TreeLimits, measure_tree, summary
@@ -86,6 +87,11 @@ class TrainConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     elastic: ElasticConfig = ElasticConfig()
     logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spellings(cls, values: Any) -> Any:
+        return translate_old_spellings(values)
 
     @model_validator(mode="after")
     def _cross(self) -> TrainConfig:
@@ -144,20 +150,12 @@ class TrainConfig(_Section):
 
 
 def check_world_size(config: TrainConfig, world_size: int) -> None:
-    """Global batch must split evenly into dp ranks x ``accumulation_steps`` micro-batches (dp is the
-    world size without model parallelism); with ``parallel`` the mesh must fill the world."""
-    if config.parallel.model_parallel or config.parallel.dp is not None:
-        from dtlab.parallel_config import check_mesh_size
+    """The run plan on ``world_size`` ranks: the mesh fills the world, the global batch splits evenly
+    into dp ranks x ``accumulation_steps`` (and a pipeline's micro-batches); dp is the world size
+    without model parallelism."""
+    from dtlab.parallel_config import check_mesh_size
 
-        check_mesh_size(config, world_size)
-        return
-    g, a = config.data.global_batch_size, config.data.accumulation_steps
-    if g % (world_size * a):
-        ok = world_size * a
-        raise ConfigError(
-            f"data.global_batch_size={g} is not divisible by world size x data.accumulation_steps = "
-            f"{world_size} x {a} = {ok}; use a multiple of {ok} (e.g. {max(ok, g - g % ok)})"
-        )
+    check_mesh_size(config, world_size)
 
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:

@@ -22,8 +22,9 @@ from pydantic import (
 
 from dtlab.core import pairs
 
-#: strategy names, from the pairing table (dtlab.core.pairs), in the order messages list them
-MODEL_STRATEGIES = pairs.model_names()
+#: strategy names, from the pairing table (dtlab.core.pairs), in the order messages list them:
+#: ``strategy.model`` is the data-parallel strategy over the dp axis (the whole world without a mesh)
+MODEL_STRATEGIES = pairs.DATA_PARALLEL
 OPTIMIZER_STRATEGIES = pairs.optimizer_names()
 COMPRESSORS = ("none", "dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk")
 
@@ -65,6 +66,48 @@ def _accept_old_names(section: str, values: Any) -> Any:
     return out
 
 
+def _old_model_spelling(strategy: dict[str, Any], parallel: Any) -> dict[str, Any]:
+    """``strategy.model`` tensor, pipeline or hybrid (the old spellings, when it also named the
+    model-parallel class) as the data-parallel strategy they ran on the dp axis: the optimizer's
+    (``ddp`` unless ``strategy.optimizer`` says otherwise), with a FutureWarning naming the new spelling.
+    ``parallel``: the raw ``parallel`` section when known (tensor kept pp = 1, pipeline tp = 1)."""
+    old = strategy.get("model")
+    if not isinstance(old, str) or old.lower() not in pairs.MODEL_PARALLEL:
+        return strategy
+    old = old.lower()
+    par = parallel if isinstance(parallel, dict) else {}
+    other = {
+        "tensor": ("pp", "dp x tp", "pipeline stages"),
+        "pipeline": ("tp", "pp x dp", "tensor parallelism"),
+    }
+    if old in other:
+        axis, mesh, what = other[old]
+        size = par.get(axis, 1)
+        if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+            raise ValueError(
+                f"strategy.model={old!r} runs on the {mesh} mesh, but parallel.{axis}={size}; use "
+                f"strategy.model=hybrid (or a data-parallel strategy such as ddp) for {what} too"
+            )
+    optimizer = strategy.get("optimizer")
+    new = optimizer.lower() if isinstance(optimizer, str) else "ddp"
+    new = new if new in pairs.DATA_PARALLEL else "ddp"
+    warnings.warn(
+        f"strategy.model={old!r} is deprecated: strategy.model names the data-parallel strategy over the "
+        f"dp axis ({', '.join(pairs.DATA_PARALLEL)}) and the model-parallel layout follows from "
+        f"parallel.tp / parallel.pp; write strategy.model={new} (the old spelling still works for now)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return {**strategy, "model": new}
+
+
+def translate_old_spellings(tree: Any) -> Any:
+    """A whole config tree with ``strategy.model``'s old spellings translated (see above)."""
+    if not isinstance(tree, dict) or not isinstance(tree.get("strategy"), dict):
+        return tree
+    return {**tree, "strategy": _old_model_spelling(tree["strategy"], tree.get("parallel"))}
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: no setting is meaningful at infinity or NaN (an infinite lr or timeout)
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
@@ -96,7 +139,9 @@ class BackendConfig(_Section):
 
 
 class StrategyConfig(_Section):
-    #: model strategy: a name of the pairing table (dtlab.core.pairs), e.g. ``ddp``, ``fsdp``
+    #: the data-parallel strategy over the dp axis (the whole world without ``parallel.tp``/``pp``):
+    #: ``ddp``, ``zero1``, ``zero2``, ``zero3`` or ``fsdp``; tensor and pipeline parallelism follow from
+    #: ``parallel.tp`` and ``parallel.pp`` (``tensor``, ``pipeline``, ``hybrid``: deprecated spellings)
     model: str = "ddp"
     #: optimizer strategy; ``None`` picks the one that fits ``strategy.model``
     optimizer: str | None = None
@@ -127,7 +172,8 @@ class StrategyConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _old_names(cls, values: Any) -> Any:
-        return _accept_old_names("strategy", values)
+        values = _accept_old_names("strategy", values)
+        return _old_model_spelling(values, None) if isinstance(values, dict) else values
 
     @field_validator("fsdp_units")
     @classmethod
@@ -139,7 +185,7 @@ class StrategyConfig(_Section):
     @field_validator("model", mode="before")
     @classmethod
     def _known_model(cls, value: Any) -> Any:
-        return _one_of(value, pairs.model_names())
+        return _one_of(value, MODEL_STRATEGIES)
 
     @field_validator("optimizer", mode="before")
     @classmethod
@@ -185,19 +231,6 @@ class ParallelConfig(_Section):
     split_points: list[str] | None = None
     #: tensor parallelism splits norm and dropout regions along the sequence (needs tp > 1)
     sequence_parallel: bool = False
-
-    @property
-    def model_parallel(self) -> bool:
-        """Whether the run needs a mesh (tensor or pipeline parallelism)."""
-        return self.tp > 1 or self.pp > 1
-
-    @property
-    def micro_batch_count(self) -> int:
-        return self.micro_batches if self.micro_batches is not None else self.pp
-
-    def dp_size(self, world_size: int) -> int:
-        """The dp axis on a world of ``world_size`` ranks (``parallel.dp`` or what tp x pp leave)."""
-        return self.dp if self.dp is not None else max(1, world_size // (self.tp * self.pp))
 
 
 class OptimizerConfig(_Section):

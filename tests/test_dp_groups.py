@@ -155,7 +155,9 @@ def test_trainer_samples_and_averages_over_dp(tmp_path: Path, monkeypatch: pytes
     """4 ranks as two dp groups of 2 must train exactly like a plain 2-rank world, in each group."""
     plain = run_training(_cfg(tmp_path, 2))
 
-    def build_on_mesh(config: TrainConfig, backend: CommunicationBackend, task: Task) -> tuple[Any, int]:
+    def build_on_mesh(
+        config: TrainConfig, backend: CommunicationBackend, task: Task, *_plan_and_precision: Any
+    ) -> tuple[Any, int]:
         mesh = Mesh(backend, {"dp": 2, "tp": 2})
         with seeded_init(config.train.seed):  # as build_model_strategy: same initial model
             module = task.build_model()

@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "lr_schedule": set(),
     "yaml_strict": set(),
     "config_sections": {"core", "backends", "errors", "untrusted"},
-    "parallel_config": {"models", "core", "backends", "errors"},
+    "parallel_config": {"zoo", "models", "core", "backends", "errors"},
     "config": {
         "config_sections", "parallel_config", "lr_schedule", "yaml_strict", "core", "errors", "untrusted",
     },

@@ -8,15 +8,22 @@ import pytest
 
 from dtlab.config import check_world_size, load_config
 from dtlab.errors import ConfigError
+from dtlab.parallel_config import run_plan
 
 BASE = ["backend.name=inmemory", "backend.world_size=4"]
 
 INVALID = [
     (["parallel.tp=0"], "parallel.tp=0"),
-    (["parallel.tp=3", "backend.world_size=3"], "parallel.tp=3 does not divide model.n_heads=4"),
+    # the model's own declaration (its tp_plan(), built on the meta device) decides what tp fits
+    (
+        ["parallel.tp=4", "model.n_heads=2"],
+        "do not fit TransformerLM: tensor-parallel plan: module 'blocks.0.attn': the number of attention "
+        "heads is 2, not divisible by tp=4",
+    ),
     (
         ["parallel.tp=6", "backend.world_size=6", "model.n_heads=6", "model.d_model=48"],
-        "parallel.tp=6 does not divide the vocabulary of 256",
+        "parallel.tp=6, parallel.pp=1 do not fit TransformerLM: tensor-parallel plan: module 'tok': the "
+        "vocabulary (num_embeddings) is 256, not divisible by tp=6",
     ),
     (
         ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"],
@@ -43,6 +50,7 @@ INVALID = [
         ["parallel.pp=2", "parallel.micro_batches=4", "data.global_batch_size=12"],
         "not divisible into parallel.micro_batches=4",
     ),
+    # deprecated spellings keep their old rules
     (["strategy.model=tensor", "parallel.pp=2"], "strategy.model='tensor' runs on the dp x tp mesh"),
     (["strategy.model=pipeline", "parallel.tp=2"], "strategy.model='pipeline' runs on the pp x dp mesh"),
     (
@@ -72,6 +80,7 @@ def test_the_launchers_world_size_is_checked_against_the_mesh() -> None:
 
 def test_valid_meshes_resolve_dp() -> None:
     config = load_config(overrides=[*BASE, "backend.world_size=8", "parallel.tp=2", "parallel.pp=2"])
-    assert config.parallel.dp_size(8) == 2 and config.parallel.micro_batch_count == 2
+    plan = run_plan(config, 8)
+    assert plan.mesh_shape == {"pp": 2, "dp": 2, "tp": 2} and plan.micro_batch_count == 2
     config = load_config(overrides=[*BASE, "parallel.pp=2", "parallel.split_points=[blocks.1]"])
     assert config.parallel.split_points == ["blocks.1"]

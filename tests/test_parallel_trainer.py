@@ -44,7 +44,7 @@ def test_tensor_and_pipeline_meshes_train_like_data_parallel() -> None:
         "tp2": _run("backend.world_size=4", "parallel.tp=2", "parallel.sequence_parallel=true"),
         "pp2": _run("backend.world_size=4", "parallel.pp=2", "parallel.micro_batches=4"),
         "tensor zero1": _run(
-            "backend.world_size=4", "parallel.tp=2", "strategy.model=tensor", "strategy.optimizer=zero1"
+            "backend.world_size=4", "parallel.tp=2", "strategy.model=zero1"
         ),
     }
     for name, (losses, ev, summary) in runs.items():
@@ -131,7 +131,7 @@ def test_reduce_dtype_reaches_the_tensor_and_pipeline_strategies() -> None:
     from dtlab.trainers.build import build_model_strategy
     from dtlab.trainers.tasks import build_task
 
-    for model, axis in (("tensor", "parallel.tp=2"), ("pipeline", "parallel.pp=2")):
+    for model, axis in (("zero1", "parallel.tp=2"), ("ddp", "parallel.pp=2")):
         config = load_config(
             overrides=[
                 *TINY,

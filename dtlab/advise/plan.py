@@ -10,8 +10,11 @@ block without a pipeline, stage with one).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dtlab.advise.predict import Prediction
 from dtlab.advise.spec import Candidate
+from dtlab.core.plan import RunPlan
 from dtlab.errors import ArgumentError
 
 __all__ = ["parse_plan", "place"]
@@ -67,29 +70,25 @@ def _micro_batches(fields: dict[str, str], local: int, global_batch: int, dp: in
     return m
 
 
+#: how ``--plan``'s messages name the run plan's fields
+_NAMES = {
+    "data_parallel": "strategy",
+    "stages_per_rank": "v",
+    "world": "--ranks",
+    "global_batch": "--global-batch",
+}
+
+
 def parse_plan(text: str, ranks: int, global_batch: int) -> Candidate:
-    """The plan ``text`` describes on ``ranks`` ranks with ``global_batch`` sequences per step."""
+    """The plan ``text`` describes on ``ranks`` ranks with ``global_batch`` sequences per step (its
+    cross-field checks are the run plan's, :class:`dtlab.core.plan.RunPlan`)."""
     fields = _fields(text)
     if "strategy" not in fields:
         raise ArgumentError("--plan needs strategy=ddp|zero1|zero2|zero3|fsdp")
     tp = _int("tp", fields.get("tp", "1"))
     pp = _int("pp", fields.get("pp", "1"))
-    if ranks % (tp * pp):
-        raise ArgumentError(f"--plan: tp={tp} x pp={pp} does not divide --ranks {ranks}")
-    dp = _int("dp", fields["dp"]) if "dp" in fields else ranks // (tp * pp)
-    if dp * tp * pp != ranks:
-        raise ArgumentError(
-            f"--plan: dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but --ranks is {ranks}; "
-            "give --ranks that product or leave dp out"
-        )
-    if global_batch % dp:
-        raise ArgumentError(f"--plan: dp={dp} does not divide --global-batch {global_batch}")
-    local = global_batch // dp
-    m = _micro_batches(fields, local, global_batch, dp, pp)
-    schedule = fields.get("schedule", "1f1b" if pp > 1 else "none")
     v = _int("v", fields.get("v", "1"))
-    if v > 1 and "schedule" not in fields:
-        schedule = "interleaved_1f1b"
+    schedule = fields.get("schedule", "interleaved_1f1b" if v > 1 else "1f1b")
     ckpt = fields.get("checkpointing", "none")
     if ckpt == "true":
         ckpt = "stage" if pp > 1 else "block"
@@ -97,16 +96,26 @@ def parse_plan(text: str, ranks: int, global_batch: int) -> Candidate:
         raise ArgumentError(
             f"--plan: checkpointing={ckpt!r}; choose none, block (or full), stage, true or false"
         )
-    return Candidate(
-        fields["strategy"],  # type: ignore[arg-type]
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        schedule=schedule,
-        micro_batches=m,
-        stages_per_rank=v,
-        checkpointing=_CHECKPOINTING[ckpt],  # type: ignore[arg-type]
-    )
+    try:
+        plan = RunPlan(
+            fields["strategy"],
+            pp=pp,
+            dp=_int("dp", fields["dp"]) if "dp" in fields else None,
+            tp=tp,
+            schedule=schedule,
+            stages_per_rank=v,
+            names=_NAMES,
+        ).resolve(ranks)
+        dp = plan.mesh_shape["dp"]
+        if global_batch % dp:
+            raise ArgumentError(f"dp={dp} does not divide --global-batch {global_batch}")
+        m = _micro_batches(fields, global_batch // dp, global_batch, dp, pp)
+        if pp > 1:
+            plan = replace(plan, micro_batches=m)
+            plan.check_batch(global_batch)
+    except ArgumentError as exc:
+        raise ArgumentError(f"--plan: {str(exc).removeprefix('--plan: ')}") from None
+    return Candidate.from_plan(plan, accumulation_steps=m, checkpointing=_CHECKPOINTING[ckpt])  # type: ignore[arg-type]
 
 
 def place(plan: Prediction, ranked: list[Prediction]) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dtlab.core import pairs
+from dtlab.core.plan import RunPlan
 from dtlab.errors import ArgumentError
 
 __all__ = [
@@ -27,8 +28,8 @@ __all__ = [
 
 #: the data-parallel strategies a candidate chooses from (dtlab's model strategy names)
 DP_STRATEGIES = pairs.DATA_PARALLEL
-#: pipeline schedules, as dtlab.models.pipeline names them
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+#: pipeline schedules, by the names of dtlab.core.pairs
+SCHEDULES = pairs.SCHEDULES
 #: activation checkpointing: none, per transformer block (Megatron's "full" recompute, what dtlab
 #: does without a pipeline), per pipeline stage (what dtlab's pipeline does)
 CHECKPOINTING = ("none", "block", "stage")
@@ -278,6 +279,27 @@ class Candidate:
             raise ArgumentError(
                 "Candidate: checkpointing='stage' needs a pipeline (pp > 1); use 'block' without one"
             )
+
+    @classmethod
+    def from_plan(
+        cls, plan: RunPlan, accumulation_steps: int = 1, checkpointing: Checkpointing | None = None
+    ) -> Candidate:
+        """The candidate a resolved run plan describes (the config's, ``--plan``'s): its sizes,
+        strategy, schedule and micro-batches (without a pipeline: ``accumulation_steps``);
+        ``checkpointing`` defaults to the plan's (per stage with a pipeline, else per block)."""
+        ckpt: Checkpointing = (
+            ("stage" if plan.pipelined else "block") if plan.activation_checkpointing else "none"
+        )
+        return cls(
+            plan.data_parallel,  # type: ignore[arg-type]
+            dp=plan.mesh_shape["dp"],
+            tp=plan.tp,
+            pp=plan.pp,
+            schedule=plan.schedule if plan.pipelined else "none",
+            micro_batches=plan.micro_batch_count if plan.pipelined else accumulation_steps,
+            stages_per_rank=plan.stages_per_rank,
+            checkpointing=ckpt if checkpointing is None else checkpointing,
+        )
 
     @property
     def ranks(self) -> int:

@@ -44,6 +44,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, load_config
 from dtlab.core import pairs
 from dtlab.data import TensorDataset
+from dtlab.parallel_config import run_plan
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
 from dtlab.trainers.parallel import parallel_loss
 from dtlab.trainers.tasks import Task, cross_entropy_loss
@@ -198,17 +199,7 @@ def _row(
 
     worst = max(ranks, key=lambda r: state(r["memory"]) + (r["activations"] or 0))
     spec = ModelSpec.builtin(d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len)
-    plan = Candidate(
-        strategy,  # type: ignore[arg-type]
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        schedule=config.parallel.schedule if pp > 1 else "none",
-        micro_batches=config.parallel.micro_batch_count if pp > 1 else 1,
-        checkpointing=("stage" if pp > 1 else "block")
-        if config.strategy.activation_checkpointing
-        else "none",
-    )
+    plan = Candidate.from_plan(run_plan(config, pp * dp * tp))  # the run plan the Trainer builds
     world, batch = dp * tp * pp, config.data.global_batch_size
     p = predict(spec, ClusterSpec(ranks=world), plan, batch, optimizer=OptimizerSpec())
     # the predicted rank holding the most, by the measure the measured one is chosen by

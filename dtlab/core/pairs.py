@@ -20,8 +20,10 @@ from dtlab.errors import ArgumentError
 
 __all__ = [
     "DATA_PARALLEL",
+    "MODEL_PARALLEL",
     "OPTIMIZER_CLASSES",
     "PAIRINGS",
+    "SCHEDULES",
     "Pairing",
     "default_optimizer",
     "model_class_name",
@@ -75,6 +77,10 @@ def _table(*rows: Pairing) -> Mapping[str, Pairing]:
 #: the data-parallel strategies, by the one name config, registry, advise and benchmarks use (the dp
 #: axis of a mesh runs any of them)
 DATA_PARALLEL: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+#: the model-parallel strategies (classes built from a run plan's sizes; never a ``strategy.model``)
+MODEL_PARALLEL: tuple[str, ...] = ("tensor", "pipeline", "hybrid")
+#: the pipeline schedules, by the one name config, models, advise and benchmarks use
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 #: model strategy name -> its pairing, in the order configs and messages list them
 PAIRINGS: Mapping[str, Pairing] = _table(

@@ -9,14 +9,17 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig
+from dtlab.core.plan import RunPlan
 from dtlab.core.rng import seeded_init
 from dtlab.errors import ConfigError
 from dtlab.models.base import ModelStrategy
+from dtlab.models.precision import MixedPrecisionPolicy
 from dtlab.optimizers.base import OptimizerStrategy
-from dtlab.trainers.parallel import build_parallel_model, data_parallel_choice, needs_mesh
+from dtlab.parallel_config import run_plan
+from dtlab.trainers.parallel import build_parallel_model
 from dtlab.trainers.tasks import Task
 
-__all__ = ["build_model_strategy", "build_optimizer_strategy", "torch_optimizer"]
+__all__ = ["build_model_strategy", "build_optimizer_strategy", "precision_policy", "torch_optimizer"]
 
 
 def torch_optimizer(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -47,35 +50,46 @@ def _checkpoint(module: torch.nn.Module, strategy: str, task: Task) -> None:
         )
 
 
+def precision_policy(config: TrainConfig) -> MixedPrecisionPolicy:
+    """``train.precision`` and ``strategy.reduce_dtype`` as one policy (the Trainer's autocast and cast
+    of the output; every strategy's gradient reduction reads its ``reduce_dtype``)."""
+    return MixedPrecisionPolicy.from_names(config.train.precision, config.strategy.reduce_dtype)
+
+
 def build_model_strategy(
-    config: TrainConfig, backend: CommunicationBackend, task: Task
+    config: TrainConfig,
+    backend: CommunicationBackend,
+    task: Task,
+    plan: RunPlan | None = None,
+    precision: MixedPrecisionPolicy | None = None,
 ) -> tuple[ModelStrategy, int]:
-    """The model strategy over a freshly built module, and the module's parameter count."""
+    """The model strategy ``plan`` asks for (default: the config's, on ``backend``'s world) over a
+    freshly built module, and the module's parameter count; gradients travel in ``precision``'s
+    ``reduce_dtype`` (default: the config's policy)."""
     from dtlab.models import get_model_strategy
 
+    plan = run_plan(config, backend.world_size) if plan is None else plan
+    precision = precision_policy(config) if precision is None else precision
     with seeded_init(config.train.seed):  # the same initial model on every rank and in every run
         module = task.build_model().to(backend.device)
     n_params = sum(p.numel() for p in module.parameters())
-    task = with_fsdp_units(config, module, task)
-    if needs_mesh(config):  # activation checkpointing: per pipeline stage, or per block under tp
-        dp_name = data_parallel_choice(config)
-        return build_parallel_model(
-            config, backend, module, data_parallel_kwargs(config, dp_name, task)
-        ), n_params
-    name = config.strategy.model
-    if config.strategy.activation_checkpointing:
-        _checkpoint(module, name, task)
-    cls = get_model_strategy(name)
-    return cls(module, backend, **data_parallel_kwargs(config, name, task)), n_params
+    task = with_fsdp_units(config, plan, module, task)
+    kwargs = data_parallel_kwargs(config, plan.data_parallel, task, precision)
+    if plan.activation_checkpointing and not plan.pipelined:  # a pipeline checkpoints its stages
+        _checkpoint(module, plan.data_parallel, task)
+    if plan.model_parallel:
+        return build_parallel_model(plan, backend, module, kwargs), n_params
+    cls = get_model_strategy(plan.data_parallel)
+    return cls(module, backend, **kwargs), n_params
 
 
-def with_fsdp_units(config: TrainConfig, module: torch.nn.Module, task: Task) -> Task:
+def with_fsdp_units(config: TrainConfig, plan: RunPlan, module: torch.nn.Module, task: Task) -> Task:
     """``task`` with ``strategy.fsdp_units`` (class names) resolved to the classes of ``module``'s
     modules; refused when FSDP does not run or a name matches no module."""
     names = config.strategy.fsdp_units
     if names is None:
         return task
-    dp_name = data_parallel_choice(config) if needs_mesh(config) else config.strategy.model
+    dp_name = plan.data_parallel
     if dp_name != "fsdp":
         raise ConfigError(
             f"strategy.fsdp_units={names} names FSDP units, but the data-parallel strategy is {dp_name!r}; "
@@ -91,14 +105,15 @@ def with_fsdp_units(config: TrainConfig, module: torch.nn.Module, task: Task) ->
     return replace(task, fsdp_unit_classes=tuple(classes[n] for n in names))
 
 
-def data_parallel_kwargs(config: TrainConfig, name: str, task: Task) -> dict[str, Any]:
-    """The options of data-parallel strategy ``name`` from ``config.strategy`` (and the task's FSDP units)."""
+def data_parallel_kwargs(
+    config: TrainConfig, name: str, task: Task, precision: MixedPrecisionPolicy
+) -> dict[str, Any]:
+    """The options of data-parallel strategy ``name`` from ``config.strategy`` (and the task's FSDP
+    units); gradients are reduced in ``precision.reduce_dtype``."""
     kwargs: dict[str, Any] = {}
     s = config.strategy
-    if s.reduce_dtype is not None:
-        from dtlab.models.precision import DTYPES
-
-        kwargs["reduce_dtype"] = DTYPES[s.reduce_dtype]
+    if precision.reduce_dtype is not None:
+        kwargs["reduce_dtype"] = precision.reduce_dtype
     if name in ("ddp", "zero1", "zero2"):
         kwargs["bucket_cap_mb"] = s.bucket_cap_mb
     if name == "zero1":

@@ -13,7 +13,6 @@ from rich.table import Table
 
 from dtlab.checkpoint.safe_files import replace_file
 from dtlab.trainers.metrics import clean
-from dtlab.trainers.parallel import mesh_shape, needs_mesh
 
 if TYPE_CHECKING:
     from dtlab.trainers.progress import ProgressBar
@@ -265,11 +264,8 @@ def header(self: Trainer) -> str:
     c, t = self.config, self.task
     what = f"{t.name} ({self.num_parameters:,} parameters)"
     strategy = f"{c.strategy.model}/{c.strategy.optimizer_name}"
-    if needs_mesh(c):
-        shape = mesh_shape(c, self.backend.world_size)
-        mesh = " x ".join(f"{a}{n}" for a, n in shape.items() if n > 1 or a == "dp")
-    else:
-        mesh = f"dp{self.backend.world_size}"
+    shape = self.plan.mesh_shape  # the run plan, built once by the Trainer
+    mesh = " x ".join(f"{a}{n}" for a, n in shape.items() if n > 1 or a == "dp")
     start = f"resumed at step {self.start_step}, " if self.start_step else ""
     run = f" | run {self.run_dir}" if self.run_dir is not None else ""
     return (

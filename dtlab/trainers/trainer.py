@@ -29,9 +29,9 @@ from dtlab.config import TrainConfig, check_world_size
 from dtlab.data import fetch
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.lr_schedule import build_scheduler
-from dtlab.models.precision import MixedPrecisionPolicy
 from dtlab.optimizers.elastic import ElasticMember
-from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
+from dtlab.parallel_config import run_plan
+from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy, precision_policy
 from dtlab.trainers.custom import task_from_objects
 from dtlab.trainers.elastic import (
     commit_on_stop,
@@ -150,7 +150,13 @@ class Trainer:
             task = task_from_objects(config, model, train_data, eval_data, loss_fn)
         self.task = task or build_task(config)
         check_task(config, self.task, backend.world_size)
-        self.model, self.num_parameters = build_model_strategy(config, backend, self.task)
+        #: the run plan (mesh sizes, data-parallel strategy, tensor plan, schedule), built once here
+        self.plan = run_plan(config, backend.world_size)
+        #: compute, gradient-reduction and output dtypes (the strategies reduce in its reduce_dtype)
+        self.precision = precision_policy(config)
+        self.model, self.num_parameters = build_model_strategy(
+            config, backend, self.task, self.plan, self.precision
+        )
         #: the task's loss, or a tensor-parallel model's vocabulary-parallel cross entropy
         self.loss_fn = parallel_loss(self.model, self.task.loss_fn, cross_entropy_loss, config.parallel.tp)
         self.optimizer = build_optimizer_strategy(config, self.model)
@@ -190,7 +196,6 @@ class Trainer:
         self.profiler = Profiler(backend.stats)
         self.step = 0
         self.start_step = 0
-        self.precision = MixedPrecisionPolicy.from_names(config.train.precision, config.strategy.reduce_dtype)
         self.autocast_dtype = self.precision.param_dtype
         #: fp16: dynamic loss scaling agreed by every rank (trainers/scaler.py)
         self.scaler = DynamicLossScaler() if config.train.precision == "fp16" else None

@@ -37,6 +37,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh
 from dtlab.core import pairs
 from dtlab.core.placement import Placement, Shard, counts_in_norm
+from dtlab.core.plan import RunPlan
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
@@ -52,6 +53,7 @@ from dtlab.models.compose._build import (
 )
 from dtlab.models.compose._comm import broadcast_over_pp, grads_of, sum_over_tp
 from dtlab.models.compose._meta_walk import MetaWalk
+from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._placed_state import (
     gather_whole_state,
     load_placed_state,
@@ -169,6 +171,20 @@ class HybridShardedModel(OptimizerTarget):
         self._last: StepResult | None = None
         if self._partial and self.tp_group.world_size > 1:
             dp.register_post_sync_hook(self._sum_partial)
+
+    @staticmethod
+    def from_plan(
+        module: nn.Module, mesh: Mesh | CommunicationBackend, plan: RunPlan, **kwargs: Any
+    ) -> HybridShardedModel:
+        """The composition ``plan`` describes, on ``mesh`` (with the plan's sizes) or on a mesh built over
+        a plain backend; ``kwargs``: the data-parallel strategy's options. Always this class."""
+        mesh, plan = plan_mesh(mesh, plan)
+        return HybridShardedModel(module, mesh, **plan_arguments(plan), **kwargs)
+
+    @staticmethod
+    def check_plan(module: nn.Module, plan: RunPlan) -> None:
+        """What ``plan`` needs of ``module`` (tensor plan, pipeline blocks), without communication."""
+        check_plan(module, plan)
 
     # ------------------------------------------------------------------ structure
     @property

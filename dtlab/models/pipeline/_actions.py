@@ -7,9 +7,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Action", "Kind", "PipelineSchedule"]
+from dtlab.core.pairs import SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+__all__ = ["SCHEDULES", "Action", "Kind", "PipelineSchedule"]
 
 
 class Kind(enum.Enum):

@@ -31,7 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from dtlab.errors import ArgumentError, StrategyError
+from dtlab.core.plan import check_schedule_args
+from dtlab.errors import StrategyError
 from dtlab.models.pipeline._actions import SCHEDULES, Action, Kind, PipelineSchedule
 
 __all__ = [
@@ -45,38 +46,6 @@ __all__ = [
     "dry_run",
     "simulate",
 ]
-
-
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ArgumentError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def check_schedule_args(name: str, p: int, m: int, v: int = 1) -> None:
-    """Refuse an unknown schedule or ``(p, m, v)`` it cannot run, naming the rule and the values."""
-    if name not in SCHEDULES:
-        raise ArgumentError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    _positive_int(p, "the pipeline size p")
-    _positive_int(m, "micro_batches")
-    _positive_int(v, "stages_per_rank")
-    if name != "interleaved_1f1b" and v != 1:
-        raise ArgumentError(
-            f"schedule {name!r} runs one stage per rank, so stages_per_rank must be 1, got {v}; use "
-            "schedule='interleaved_1f1b' for several stages per rank"
-        )
-    if name == "interleaved_1f1b":
-        if v < 2:
-            raise ArgumentError(
-                f"schedule 'interleaved_1f1b' needs stages_per_rank >= 2 (with 1 it is '1f1b'), got {v}"
-            )
-        if m % p:
-            lower, upper = max(p, m - m % p), m + p - m % p
-            raise ArgumentError(
-                f"schedule 'interleaved_1f1b' needs micro_batches to be a multiple of the pipeline size "
-                f"(micro-batches go through the chunks in groups of p), got micro_batches={m} with p={p}; "
-                f"use micro_batches={lower} or {upper}"
-            )
 
 
 # ---------------------------------------------------------------------------------------- generators

@@ -1,0 +1,76 @@
+"""A :class:`~dtlab.core.plan.RunPlan` as the composition's arguments: what
+``HybridShardedModel.from_plan`` builds, and the checks a plan needs from the module itself (its
+declared tensor plan at ``tp``, its pipeline blocks for ``split_points``), made without communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.backends.mesh import Mesh
+from dtlab.core.plan import AUTO, RunPlan
+from dtlab.errors import ArgumentError, StrategyError
+from dtlab.models.pipeline._split import module_blocks
+from dtlab.models.tensor._plan import Plan, PlanDict, resolve_plan, transformer_plan
+
+__all__ = ["check_plan", "plan_arguments", "plan_mesh", "tensor_plan_of"]
+
+
+def tensor_plan_of(plan: RunPlan) -> Plan:
+    """The plan's tensor plan as the strategies take it: the one the module declares for ``"auto"``."""
+    spec = plan.tensor_plan
+    if isinstance(spec, Mapping):  # each style is checked when the plan is resolved
+        return cast(PlanDict, dict(spec))
+    if spec == AUTO:
+        return transformer_plan(plan.sequence_parallel)
+    raise ArgumentError(f"RunPlan.tensor_plan={spec!r}: give 'auto' or a {{'fqn-pattern': style}} mapping")
+
+
+def check_plan(module: nn.Module, plan: RunPlan) -> None:
+    """What ``plan`` needs of ``module``, checked before any communication: the tensor plan resolves
+    at ``tp`` (whole heads, a vocabulary that splits), ``split_points`` name its pipeline blocks."""
+    if plan.tp > 1:
+        resolve_plan(module, tensor_plan_of(plan), plan.tp)
+    if plan.pp > 1 and plan.split_points is not None:
+        plan.check_blocks([name for name, _ in module_blocks(module)])
+
+
+def plan_mesh(mesh: Mesh | CommunicationBackend, plan: RunPlan) -> tuple[Mesh, RunPlan]:
+    """The mesh ``plan`` runs on (built over a plain backend) and the plan resolved on its world; a
+    given mesh must have the plan's sizes."""
+    world = mesh.backend if isinstance(mesh, Mesh) else mesh
+    if not isinstance(world, CommunicationBackend):
+        raise TypeError(f"HybridShardedModel.from_plan takes a Mesh or a backend, got {type(mesh).__name__}")
+    resolved = plan.resolve(world.world_size)
+    if not isinstance(mesh, Mesh):
+        return Mesh(world, resolved.mesh_shape), resolved
+    sizes = {a: mesh.size(a) for a in ("pp", "dp", "tp")}
+    if sizes != resolved.mesh_shape or any(mesh.size(a) > 1 for a in mesh.axis_names if a not in sizes):
+        raise StrategyError(
+            f"HybridShardedModel.from_plan: the mesh {mesh.shape} does not have the plan's sizes "
+            f"{resolved.mesh_shape}; build Mesh(backend, plan.resolve(world_size).mesh_shape) or pass the "
+            "backend"
+        )
+    return mesh, resolved
+
+
+def plan_arguments(plan: RunPlan) -> dict[str, Any]:
+    """``HybridShardedModel``'s arguments for ``plan`` (pipeline settings only with a pipeline)."""
+    args: dict[str, Any] = {
+        "data_parallel": plan.data_parallel,
+        "tensor_plan": tensor_plan_of(plan) if plan.tp > 1 else None,
+        # without a pipeline the composition refuses it, naming the fix (checkpoint blocks first)
+        "activation_checkpointing": plan.activation_checkpointing,
+    }
+    if plan.pp > 1:
+        args.update(
+            schedule=plan.schedule,
+            micro_batches=plan.micro_batch_count,
+            split_points=plan.split_points,
+            stages_per_rank=plan.stages_per_rank,
+        )
+    return args
