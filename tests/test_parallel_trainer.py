@@ -43,9 +43,7 @@ def test_tensor_and_pipeline_meshes_train_like_data_parallel() -> None:
     runs = {
         "tp2": _run("backend.world_size=4", "parallel.tp=2", "parallel.sequence_parallel=true"),
         "pp2": _run("backend.world_size=4", "parallel.pp=2", "parallel.micro_batches=4"),
-        "tensor zero1": _run(
-            "backend.world_size=4", "parallel.tp=2", "strategy.model=zero1"
-        ),
+        "tensor zero1": _run("backend.world_size=4", "parallel.tp=2", "strategy.model=zero1"),
     }
     for name, (losses, ev, summary) in runs.items():
         assert losses == pytest.approx(ref, rel=1e-5), name

@@ -15,6 +15,7 @@ from dtlab.backends.mesh import Mesh
 from dtlab.core.plan import AUTO, RunPlan
 from dtlab.errors import ArgumentError, StrategyError
 from dtlab.models.pipeline._split import module_blocks
+from dtlab.models.tensor._auto import declared_plan
 from dtlab.models.tensor._plan import Plan, PlanDict, resolve_plan, transformer_plan
 
 __all__ = ["check_plan", "plan_arguments", "plan_mesh", "tensor_plan_of"]
@@ -34,7 +35,7 @@ def check_plan(module: nn.Module, plan: RunPlan) -> None:
     """What ``plan`` needs of ``module``, checked before any communication: the tensor plan resolves
     at ``tp`` (whole heads, a vocabulary that splits), ``split_points`` name its pipeline blocks."""
     if plan.tp > 1:
-        resolve_plan(module, tensor_plan_of(plan), plan.tp)
+        resolve_plan(module, declared_plan(module, tensor_plan_of(plan)), plan.tp)
     if plan.pp > 1 and plan.split_points is not None:
         plan.check_blocks([name for name, _ in module_blocks(module)])
 

@@ -53,13 +53,13 @@ from dtlab.models.compose._build import (
 )
 from dtlab.models.compose._comm import broadcast_over_pp, grads_of, sum_over_tp
 from dtlab.models.compose._meta_walk import MetaWalk
-from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._placed_state import (
     gather_whole_state,
     load_placed_state,
     placements_of,
     write_placed_state,
 )
+from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.dp._materialize import ParamInitFn
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.flat import FlatUnit
