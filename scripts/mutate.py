@@ -74,6 +74,8 @@ TESTS: dict[str, list[str]] = {
     "dtlab/models/dp/fsdp.py": _STRATEGY,
     "dtlab/models/dp/flat.py": _STRATEGY,
     "dtlab/models/dp/_sharded.py": _STRATEGY,
+    "dtlab/models/dp/_sharded_gather.py": _STRATEGY,
+    "dtlab/models/dp/_sharded_hooks.py": _STRATEGY,
     "dtlab/models/shard_index.py": _STRATEGY,
     "dtlab/optimizers/zero1.py": _STRATEGY,
     "dtlab/optimizers/_sharded.py": _STRATEGY,
@@ -119,10 +121,6 @@ ACCEPTED: dict[str, str] = {
         "_guarded = True in zero_grad_buffers: it only makes the next forward call clear_guards, which "
         "removes gradient stand-ins and nothing else, and zero_grad_buffers has just set every grad "
         "to None: a no-op"
-    ),
-    'dtlab/models/dp/zero3.py:bool:owned.append((mname or "<root>", mod, params))': (
-        "mname and '<root>' names the root group '' and the others '<root>': the group name is kept in "
-        "_group_names, which nothing reads"
     ),
     "dtlab/models/shard_index.py:arith:n += 1": (
         "n -= 1 numbers the extra pieces of one tensor #-1, #-2, ... instead of #1, #2, ...: the "

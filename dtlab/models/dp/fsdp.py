@@ -148,7 +148,7 @@ class FSDPModel(ShardedModel):
         wrapped.add(id(self.module))
         return wrapped
 
-    def _plan(self) -> list[tuple[str, nn.Module, list[UnitPlan]]]:
+    def _plan(self) -> list[tuple[nn.Module, list[UnitPlan]]]:
         names = {id(p): n for n, p in self._trainable}
         units = self._unit_modules()
         owner: dict[int, str] = {}
@@ -178,5 +178,5 @@ class FSDPModel(ShardedModel):
             uname = mname or "<root>"
             params: list[tuple[str, nn.Parameter]] = []
             collect(mod, params, uname)
-            plan.append((uname, mod, [UnitPlan(uname, params)] if params else []))
+            plan.append((mod, [UnitPlan(uname, params)] if params else []))
         return plan

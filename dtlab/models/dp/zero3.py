@@ -99,12 +99,12 @@ class ZeRO3Model(ShardedModel):
                 stacklevel=2,
             )
 
-    def _plan(self) -> list[tuple[str, nn.Module, list[UnitPlan]]]:
+    def _plan(self) -> list[tuple[nn.Module, list[UnitPlan]]]:
         names = {id(p): n for n, p in self._trainable}
         users: dict[int, int] = {}
         inside_leaf: set[int] = set()
-        owned: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
-        for mname, mod in self.module.named_modules():
+        owned: list[tuple[nn.Module, list[nn.Parameter]]] = []
+        for mod in self.module.modules():
             if id(mod) in inside_leaf:
                 continue
             if isinstance(mod, self.leaf_modules):
@@ -115,9 +115,9 @@ class ZeRO3Model(ShardedModel):
             params = [p for p in params if id(p) in names]
             for p in params:
                 users[id(p)] = users.get(id(p), 0) + 1
-            owned.append((mname or "<root>", mod, params))
+            owned.append((mod, params))
         plan, done = [], set()
-        for mname, mod, params in owned:
+        for mod, params in owned:
             units = []
             for p in params:
                 if id(p) in done:
@@ -125,5 +125,5 @@ class ZeRO3Model(ShardedModel):
                 done.add(id(p))
                 keep = p.numel() <= self.persistence_threshold or users[id(p)] > 1
                 units.append(UnitPlan(names[id(p)], [(names[id(p)], p)], persistent=keep))
-            plan.append((mname, mod, units))
+            plan.append((mod, units))
         return plan
