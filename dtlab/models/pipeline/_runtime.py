@@ -1,10 +1,10 @@
 """Running one rank's share of a pipeline schedule: forwards, backwards, input- and weight-gradients.
 
-The actions of :mod:`dtlab.models.pipeline._schedules` are executed in order; communication actions are
-handed to :class:`~dtlab.models.pipeline._comm.StageLinks`, which posts them as one batch before the
-next compute. The gradient contract: the last stage computes ``loss_fn(output, targets) / m`` for each
-micro-batch and runs backward from it, so the accumulated gradients equal those of the mean loss over
-the whole batch (never scaled after the fact).
+The compute actions of :mod:`dtlab.models.pipeline._schedules` are executed in order; before each,
+:class:`~dtlab.models.pipeline._comm.StageLinks` posts the communication the schedule places there
+as one batch (and receives due a few computes later). The gradient contract: the last stage computes
+``loss_fn(output, targets) / m`` for each micro-batch and runs backward from it, so the accumulated
+gradients equal those of the mean loss over the whole batch (never scaled after the fact).
 
 Activation memory is counted from the tensors (:class:`ActivationMeter`): for each micro-batch on each
 stage, the storages autograd saves during its forward (parameters and the batch itself excluded), its
@@ -185,14 +185,12 @@ def run_schedule(
     backward (``torch.utils.checkpoint``, non-reentrant)."""
     step = _Step(schedule, rank, stages, links, loss_fn, ActivationMeter(excluded_storages), checkpointing)
     timeline: list[tuple[Action, float, float]] = []
-    for a in schedule.actions[rank]:
-        if not a.kind.is_compute:
-            if links is None:  # unreachable: p = 1 schedules have no messages
-                raise StrategyError(f"pipeline rank {rank} got communication action {a} without a pp group")
-            links.add(a)
-            continue
+    computes = schedule.compute(rank)
+    if links is None and len(computes) < len(schedule.actions[rank]):  # unreachable: p = 1 has no messages
+        raise StrategyError(f"pipeline rank {rank} got communication actions without a pp group")
+    for j, a in enumerate(computes):
         if links is not None:
-            links.flush(step.outgoing)
+            links.post(j, step.outgoing)
         t0 = perf_counter()  # compute intervals start once the inputs have arrived
         if a.kind is Kind.F:
             x = _stage_input(schedule, rank, a, inputs, step.ys, links)
@@ -207,7 +205,7 @@ def run_schedule(
             step.meter.release((a.stage, a.micro))
         timeline.append((a, t0, perf_counter()))
     if links is not None:
-        links.flush(step.outgoing)
+        links.post(len(computes), step.outgoing)
         links.finish()
     return StepResult(step.loss_sum, step.meter.peak, timeline)
 
