@@ -269,6 +269,12 @@ def _read_text(p: Path) -> str:
         ) from None
 
 
+def read_mapping_file(path: str | Path) -> dict[str, Any]:
+    """The mapping a ``.yaml``/``.yml``/``.toml`` file holds, under the same limits as a config file
+    (``parallel.plan`` names such a file)."""
+    return _read_file(path)
+
+
 def _read_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():

@@ -231,6 +231,24 @@ class ParallelConfig(_Section):
     split_points: list[str] | None = None
     #: tensor parallelism splits norm and dropout regions along the sequence (needs tp > 1)
     sequence_parallel: bool = False
+    #: the tensor plan (tp > 1): ``auto`` (the plan the model declares: its ``tp_plan()``, Hugging
+    #: Face's ``_tp_plan``, dtlab's GPT-2 recipe), a ``.yaml``/``.toml`` file, or a mapping of module
+    #: pattern to style, e.g. ``{"layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise"}``
+    plan: str | dict[str, str] = "auto"
+
+    @field_validator("plan")
+    @classmethod
+    def _plan(cls, v: str | dict[str, str]) -> str | dict[str, str]:
+        if isinstance(v, dict):
+            if not v or not all(k and s for k, s in v.items()):
+                raise ValueError(f"parallel.plan={v!r}: a mapping of module pattern to style, none empty")
+            return v
+        if v != "auto" and not v.endswith((".yaml", ".yml", ".toml")):
+            raise ValueError(
+                f"parallel.plan={v!r}: 'auto' (the model's own plan), a .yaml/.yml/.toml file, or a mapping "
+                "{module-pattern: style}"
+            )
+        return v
 
 
 class OptimizerConfig(_Section):

@@ -23,7 +23,14 @@ if TYPE_CHECKING:
 
     from dtlab.config import TrainConfig
 
-__all__ = ["CONFIG_NAMES", "builtin_model", "check_mesh_size", "check_parallel", "run_plan"]
+__all__ = [
+    "CONFIG_NAMES",
+    "builtin_model",
+    "check_mesh_size",
+    "check_parallel",
+    "run_plan",
+    "tensor_plan_setting",
+]
 
 #: how the plan's fields are spelled in the config (messages name these)
 CONFIG_NAMES: Mapping[str, str] = MappingProxyType(
@@ -56,6 +63,7 @@ def run_plan(config: TrainConfig, world_size: int | None = None) -> RunPlan:
             pp=par.pp,
             dp=par.dp,
             tp=par.tp,
+            tensor_plan=tensor_plan_setting(config),
             sequence_parallel=par.sequence_parallel,
             schedule=par.schedule,
             micro_batches=par.micro_batches,
@@ -73,6 +81,44 @@ def run_plan(config: TrainConfig, world_size: int | None = None) -> RunPlan:
     return plan
 
 
+def tensor_plan_setting(config: TrainConfig) -> str | dict[str, str]:
+    """``parallel.plan``: ``"auto"`` or the mapping of module pattern to style (read from the
+    ``.yaml``/``.toml`` file it names)."""
+    plan = config.parallel.plan
+    if isinstance(plan, dict) or plan == "auto":
+        return plan
+    from dtlab.config import read_mapping_file
+
+    data = read_mapping_file(plan)
+    bad = {k: v for k, v in data.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)}
+    if bad or not data:
+        raise ConfigError(
+            f"parallel.plan={plan!r}: the file must hold a mapping of module pattern to style name, e.g. "
+            f"layers.*.mlp.up: colwise; got {bad or 'an empty mapping'}"
+        )
+    return data
+
+
+def _check_tensor_plan(config: TrainConfig) -> None:
+    """A plan given in the config needs tp > 1, and every style in it is one dtlab honours."""
+    par = config.parallel
+    if par.plan == "auto":
+        return
+    if par.tp == 1:
+        raise ConfigError(
+            f"parallel.plan={par.plan!r} is a tensor plan, but parallel.tp=1; set parallel.tp > 1 or leave "
+            "parallel.plan=auto"
+        )
+    from dtlab.models.tensor._plan import check_style_names
+
+    try:
+        setting = tensor_plan_setting(config)
+        if isinstance(setting, dict):
+            check_style_names(setting)
+    except StrategyError as exc:
+        raise ConfigError(f"parallel.plan: {exc}") from None
+
+
 def builtin_model(config: TrainConfig) -> nn.Module:
     """``model.name=transformer_lm`` as the config sizes it, on the meta device (no memory, no RNG)."""
     import torch
@@ -88,12 +134,13 @@ def check_parallel(config: TrainConfig) -> None:
     """Everything about the run plan that does not depend on the world size."""
     plan = run_plan(config)
     par, m = config.parallel, config.model
+    _check_tensor_plan(config)
     if not plan.model_parallel:
         return
-    if m.name != "transformer_lm":
+    if m.name != "transformer_lm" and m.factory is None:
         raise ConfigError(
             f"parallel.tp={par.tp}, parallel.pp={par.pp}: model parallelism runs the embedded transformer "
-            f"(model.name=transformer_lm), not model.name={m.name!r}"
+            f"(model.name=transformer_lm) or your model (model.factory), not model.name={m.name!r}"
         )
     if config.elastic.commit_every:
         raise ConfigError(
@@ -101,6 +148,8 @@ def check_parallel(config: TrainConfig) -> None:
             f"{par.pp}: an elastic world changes size, which a fixed mesh cannot follow; set "
             "elastic.commit_every=0 or train data-parallel only"
         )
+    if m.factory is not None:  # your model: its plan is checked against the model on each rank
+        return
     if par.sequence_parallel and m.seq_len % par.tp:
         raise ConfigError(
             f"parallel.sequence_parallel=true splits the sequence over parallel.tp={par.tp}, but "

@@ -2,10 +2,12 @@
 
 With ``parallel.tp`` or ``parallel.pp`` above 1 the run plan (:func:`dtlab.parallel_config.run_plan`,
 built once by the Trainer) is model-parallel: every rank builds the mesh it names and wraps the
-embedded transformer in :meth:`HybridShardedModel.from_plan <dtlab.models.HybridShardedModel.from_plan>`:
-pipeline stages, tensor-parallel layers in each (the plan the model declares), ``strategy.model`` over
-the dp axis. The loss of a tensor-parallel model is its vocabulary-parallel cross entropy
-(``model.cross_entropy``): the logits stay split over tp.
+embedded transformer (or your model) in
+:meth:`HybridShardedModel.from_plan <dtlab.models.HybridShardedModel.from_plan>`: pipeline stages,
+tensor-parallel layers in each (``parallel.plan``: the plan the model declares, or the one given),
+``strategy.model`` over the dp axis. The default loss of a tensor-parallel model is its
+``model.cross_entropy``: vocabulary-parallel where the logits stay split over tp (dtlab's
+transformer), plain where the plan gathers them (Hugging Face's plans).
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ def parallel_loss(model: ModelStrategy, loss_fn: LossFn, default: LossFn, tp: in
     if parallel_ce is None:
         return loss_fn
     if loss_fn is not default:
-        if tp > 1:
+        if tp > 1 and getattr(model, "logits_split", True):
             raise ConfigError(
-                f"parallel.tp={tp} with a custom Task.loss_fn: a tensor-parallel model's logits are split "
+                f"parallel.tp={tp} with a custom Task.loss_fn: this tensor-parallel model's logits are split "
                 "over tp (its loss is model.cross_entropy, the vocabulary-parallel cross entropy); use the "
-                "embedded task's loss or parallel.tp=1"
+                "default loss, gather the output layer's logits in the plan (style 'colwise_gather_output' "
+                "in parallel.plan), or parallel.tp=1"
             )
         return loss_fn
 

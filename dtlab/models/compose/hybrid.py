@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -71,7 +72,7 @@ from dtlab.models.pipeline._split import Stage, TensorSpec
 from dtlab.models.pipeline._split import stage_specs as meta_stage_specs
 from dtlab.models.shard_index import new_state
 from dtlab.models.tensor._layers import vocab_parallel_cross_entropy
-from dtlab.models.tensor._plan import Plan
+from dtlab.models.tensor._plan import Plan, splits_logits
 
 __all__ = ["DATA_PARALLEL", "HybridShardedModel", "as_mesh"]
 
@@ -150,6 +151,8 @@ class HybridShardedModel(OptimizerTarget):
             else:
                 walk.run(mesh.backend.device)
                 walk.check_materialized(root)
+        #: whether the output (the logits) is split over tp: cross_entropy is then vocabulary-parallel
+        self.logits_split = splits_logits(module)  # the whole model: the same on every pipeline rank
         placements = placements_of(root.state_dict(keep_vars=True))  # before ZeRO-3/FSDP shard them
         dp = dp_class(root, mesh["dp"], world=mesh.backend, **kwargs)  # 3. data parallelism
         super().__init__(root, mesh["dp"], world=mesh.backend)
@@ -203,8 +206,11 @@ class HybridShardedModel(OptimizerTarget):
         return list(self._layout.stages)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy of vocabulary-split logits (``F.cross_entropy`` over the whole vocabulary)."""
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+        """Mean cross entropy over the whole vocabulary: vocabulary-parallel when the model's output is
+        split over tp (``logits_split``), else ``F.cross_entropy`` of the whole logits."""
+        if self.logits_split:
+            return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     @property
     def gradient_reducer(self) -> GradientReducer:

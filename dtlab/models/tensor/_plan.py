@@ -61,6 +61,8 @@ __all__ = [
     "Style",
     "VocabParallel",
     "apply_plan",
+    "check_style_names",
+    "splits_logits",
     "resolve_plan",
     "transformer_plan",
     "DeclaredPlan",
@@ -206,6 +208,24 @@ def _style(value: Style | str, pattern: str) -> Style:
             f"object, got {value!r}"
         )
     return value
+
+
+def check_style_names(plan: PlanDict) -> None:
+    """Every style of ``plan`` is one dtlab honours (before any model is built)."""
+    for pattern, value in plan.items():
+        if not (isinstance(value, str) and value in UNCHANGED):
+            _style(value, pattern)
+
+
+def splits_logits(root: nn.Module) -> bool:
+    """Whether ``root``'s output is split over tp along its last dim: its last tensor-parallel layer (in
+    registration order, the output layer of a language model) is column-parallel without gathering
+    (dtlab's transformer); Hugging Face's plans gather the head's output (``colwise_gather_output``)."""
+    last: nn.Module | None = None
+    for m in root.modules():
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
+            last = m
+    return isinstance(last, ColumnParallelLinear) and not last.gather_output
 
 
 def _need(module: nn.Module, kind: type[M], name: str, style: Style) -> M:
