@@ -191,3 +191,33 @@ def test_models_subpackages_import_only_their_parts() -> None:
             if inside and parts[2] in found and parts[2] not in allowed:
                 bad.append(f"{file.relative_to(ROOT.parent)}:{line} imports {module}")
     assert not bad, "dtlab.models subpackages import only downwards:\n" + "\n".join(bad)
+
+
+def _module_name(file: Path) -> str:
+    parts = list(file.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_circles_between_modules() -> None:
+    """No module imports another that imports it back, directly or around a circle, counting imports
+    inside functions (a lazy import is still a circle: config <-> parallel_config, trainer <-> resume);
+    annotation-only imports (``if TYPE_CHECKING:``) do not count."""
+    files = {_module_name(f): f for f in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, file in files.items():
+        for _, module in _runtime_imports(ast.parse(file.read_text())):
+            if module in files and module != name:
+                graph.setdefault(name, set()).add(module)
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError(f"import circle: {' -> '.join([*path[path.index(node) :], node])}")
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for name in sorted(graph):
+        visit(name, [])

@@ -16,10 +16,16 @@ from dtlab.models.base import ModelStrategy
 from dtlab.models.precision import MixedPrecisionPolicy
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.parallel_config import run_plan
+from dtlab.trainers.embedded import Task
 from dtlab.trainers.parallel import build_parallel_model
-from dtlab.trainers.tasks import Task
 
-__all__ = ["build_model_strategy", "build_optimizer_strategy", "precision_policy", "torch_optimizer"]
+__all__ = [
+    "build_model_strategy",
+    "build_optimizer_strategy",
+    "optimizer_record",
+    "precision_policy",
+    "torch_optimizer",
+]
 
 
 def torch_optimizer(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -31,6 +37,18 @@ def torch_optimizer(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], d
         return torch.optim.SGD, {"lr": o.lr, "momentum": momentum, "weight_decay": o.weight_decay}
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
     return cls, {"lr": o.lr, "betas": tuple(o.betas), "weight_decay": o.weight_decay}
+
+
+def optimizer_record(config: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint records of its optimizer: the torch class and the hyperparameters it was
+    built with (``meta.json``'s ``optimizer``), compared with the config on resume."""
+    cls, kwargs = torch_optimizer(config)
+    return {"class": cls.__name__, "hyperparameters": {k: plain_value(v) for k, v in kwargs.items()}}
+
+
+def plain_value(v: Any) -> Any:
+    """A hyperparameter as JSON keeps it (tuples as lists), for comparing records."""
+    return list(v) if isinstance(v, tuple | list) else v
 
 
 def _checkpoint(module: torch.nn.Module, strategy: str, task: Task) -> None:

@@ -28,8 +28,8 @@ from dtlab.config import TrainConfig
 from dtlab.core import seeded_init
 from dtlab.data import fetch
 from dtlab.errors import ConfigError
+from dtlab.trainers.embedded import Task, builtin_data, builtin_model, cross_entropy_loss, logits_of
 from dtlab.trainers.labels import scan_labels
-from dtlab.trainers.tasks import Task, builtin_data, builtin_model, cross_entropy_loss, logits_of
 from dtlab.untrusted import summary
 
 __all__ = ["LOSSES", "check_fit", "resolve", "task_from_config", "task_from_objects"]

@@ -22,7 +22,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.core.plan import RunPlan
 from dtlab.errors import ConfigError
 from dtlab.models.base import ModelStrategy
-from dtlab.trainers.tasks import logits_of
+from dtlab.trainers.embedded import logits_of
 
 __all__ = ["build_parallel_model", "parallel_loss"]
 

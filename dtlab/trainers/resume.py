@@ -23,9 +23,10 @@ from dtlab.checkpoint.lock import LockOwner
 from dtlab.checkpoint.resume import Check, find_resume_checkpoint
 from dtlab.config import TrainConfig
 from dtlab.errors import CheckpointError, DtlabError
-from dtlab.trainers.build import torch_optimizer
+from dtlab.trainers.build import optimizer_record, plain_value
 from dtlab.trainers.ownership import another_run
 from dtlab.trainers.saved_state import check_saved_state
+from dtlab.trainers.state import restore_rng
 
 if TYPE_CHECKING:
     from dtlab.trainers.trainer import Trainer
@@ -159,17 +160,6 @@ def foreign_steps_note(config: TrainConfig, owned: set[str]) -> str | None:
     )
 
 
-def optimizer_record(config: TrainConfig) -> dict[str, Any]:
-    """What a checkpoint records of its optimizer: the torch class and the hyperparameters it was
-    built with (``meta.json``'s ``optimizer``), compared with the config on resume."""
-    cls, kwargs = torch_optimizer(config)
-    return {"class": cls.__name__, "hyperparameters": {k: _plain(v) for k, v in kwargs.items()}}
-
-
-def _plain(v: Any) -> Any:
-    return list(v) if isinstance(v, tuple | list) else v
-
-
 def _saved_optimizer(ckpt: LoadedCheckpoint) -> dict[str, Any] | None:
     rec = ckpt.meta.get("optimizer")
     if isinstance(rec, dict) and isinstance(rec.get("hyperparameters"), dict):
@@ -199,7 +189,7 @@ def _optimizer_notes(config: TrainConfig, ckpt: LoadedCheckpoint) -> tuple[list[
             "to start the optimizer fresh (parameters, data position and LR schedule are restored)"
         )
     old, new = saved["hyperparameters"], now["hyperparameters"]
-    changed = {k: v for k, v in new.items() if _plain(old.get(k)) != v}
+    changed = {k: v for k, v in new.items() if plain_value(old.get(k)) != v}
     if not changed:
         return [], {}
     listed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in changed.items())
@@ -245,8 +235,6 @@ def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
             f"{ckpt.path} is of step {t['step']}, past train.steps={steps}: there is nothing left to "
             f"train; set train.steps above {t['step']} to continue it, or resume another checkpoint"
         )
-    from dtlab.trainers.state import restore_rng
-
     notes, changed = _optimizer_notes(trainer.config, ckpt)  # before anything is loaded: may refuse
     trainer.model.load_sharded_state_dict(ckpt.model)
     if ckpt.optim is not None and not trainer.config.checkpoint.reset_optimizer:

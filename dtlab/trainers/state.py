@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dtlab.trainers.build import optimizer_record
+
 if TYPE_CHECKING:
     from dtlab.trainers.trainer import Trainer
 
@@ -47,8 +49,6 @@ def scheduler_state(scheduler: Any) -> dict[str, Any]:
 def trainer_state(trainer: Trainer) -> dict[str, Any]:
     """What ``meta.json`` holds of a Trainer: the run, strategy, config, optimizer record, data
     position, step, scheduler, guard, loss scaler and early-stopping state (all JSON)."""
-    from dtlab.trainers.resume import optimizer_record
-
     return {
         # which run wrote this step, and from what it resumed: how a resume tells a save interrupted
         # before ``latest`` moved from another run's step directory (dtlab/checkpoint/resume.py)
