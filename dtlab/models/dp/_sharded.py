@@ -36,14 +36,25 @@ from dtlab.models.dp._sharded_units import (
     read_flat_state,
     write_flat_state,
 )
-from dtlab.models.dp.data_parallel import DataParallelModel, tensor_bytes
+from dtlab.models.dp.data_parallel import DataParallelModel, DataParallelOptions, tensor_bytes
 from dtlab.models.dp.flat import FlatUnit
 from dtlab.models.shard_index import ShardIndex, new_state
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from dtlab.models.compose._placed_state import FlatShard
 
-__all__ = ["ShardedModel", "UnitPlan"]
+__all__ = ["ShardedModel", "ShardedOptions", "UnitPlan"]
+
+
+class ShardedOptions(DataParallelOptions, total=False):
+    """ZeRO-3's and FSDP's options (see :class:`~dtlab.models.ZeRO3Model`)."""
+
+    prefetch: bool
+    init_seed: int | None
+    param_init_fn: ParamInitFn | None
+    forward_wait_s: float
 
 
 class ShardedModel(DataParallelModel):
@@ -58,13 +69,10 @@ class ShardedModel(DataParallelModel):
         *,
         reshard_after_forward: bool = True,
         prefetch: bool = True,
-        reduce_dtype: torch.dtype | None = None,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        world: CommunicationBackend | None = None,
         init_seed: int | None = None,
         param_init_fn: ParamInitFn | None = None,
         forward_wait_s: float = 10.0,
+        **options: Unpack[DataParallelOptions],
     ) -> None:
         if not (isinstance(forward_wait_s, int | float) and forward_wait_s >= 0):
             raise ValueError(
@@ -72,14 +80,7 @@ class ShardedModel(DataParallelModel):
             )
         self.forward_wait_s = float(forward_wait_s)
         meta = MetaInit.prepare(module, backend.device, init_seed, param_init_fn, type(self).__name__)
-        super().__init__(
-            module,
-            backend,
-            reduce_dtype=reduce_dtype,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers,
-            world=world,
-        )
+        super().__init__(module, backend, **options)
         p, r = backend.world_size, backend.rank
         self._at_rest = UnitGatherer(backend, self.forward_wait_s, type(self).__name__)
         self._units = self._at_rest.units

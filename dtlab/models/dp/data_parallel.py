@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
@@ -25,7 +25,16 @@ from dtlab.models.dp.flat import FlatUnit
 if TYPE_CHECKING:
     from dtlab.models.compose._placed_state import FlatShard
 
-__all__ = ["DataParallelModel", "tensor_bytes", "unique_storage_bytes"]
+__all__ = ["DataParallelModel", "DataParallelOptions", "tensor_bytes", "unique_storage_bytes"]
+
+
+class DataParallelOptions(TypedDict, total=False):
+    """The options every data-parallel strategy takes (see :class:`~dtlab.models.DDPModel`)."""
+
+    reduce_dtype: torch.dtype | None
+    find_unused_parameters: bool
+    broadcast_buffers: bool
+    world: CommunicationBackend | None
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:
@@ -304,11 +313,9 @@ class DataParallelModel(OptimizerTarget):
 
     # ------------------------------------------------------------------ optimizer protocol
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` of every parameter with ``requires_grad``, in registration order."""
         return list(self._trainable)
 
     def attach_optimizer(self, optimizer: AttachedOptimizer) -> None:
-        """Called by the optimizer strategy; one optimizer strategy per model."""
         if self._optimizer_ref is not None and self._optimizer_ref is not optimizer:
             raise StrategyError(
                 f"{type(self).__name__} already has an optimizer strategy "
@@ -325,37 +332,15 @@ class DataParallelModel(OptimizerTarget):
             )
 
     def shard_units(self) -> list[FlatUnit]:
-        """The flat units whose shard this rank's optimizer steps (sharded optimizers only)."""
         raise StrategyError(f"{type(self).__name__} does not shard its parameters")
 
-    def shard_param(self, unit: FlatUnit) -> torch.Tensor:
-        raise NotImplementedError
-
-    def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        raise NotImplementedError
-
     def after_optimizer_step(self) -> None:
-        """Bring the parameters up to date after the optimizer changed its shards."""
         self._grads_synced = False
 
-    def zero_grad_buffers(self) -> None:
-        raise NotImplementedError
-
-    def scale_grads_(self, factor: float) -> None:
-        raise NotImplementedError
-
-    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        """Gradient tensors for the global norm and whether they are replicated (True) or a partition
-        of the global gradient across ranks (False: sum over :meth:`grad_norm_group`)."""
-        raise NotImplementedError
-
     def grad_norm_group(self) -> CommunicationBackend:
-        """The ranks whose :meth:`norm_grad_tensors` parts add up to the global norm (the dp group)."""
         return self.dp_backend
 
     def placed(self, name: str) -> tuple[Placement, int, int]:  # noqa: ARG002 - every parameter of a data-parallel strategy is replicated
-        """Parameter ``name``'s placement, this rank's coordinate on its axis and the axis size
-        (checkpoints write and read optimizer state through it)."""
         return Replicate(), 0, 1
 
     # ------------------------------------------------------------------ memory

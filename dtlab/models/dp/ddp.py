@@ -12,18 +12,32 @@ before ``loss.backward()`` returns. ZeRO-1 uses this model unchanged; ZeRO-2 red
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.state import ShardedState
-from dtlab.models.dp.data_parallel import DataParallelModel, tensor_bytes, unique_storage_bytes
+from dtlab.models.dp.data_parallel import (
+    DataParallelModel,
+    DataParallelOptions,
+    tensor_bytes,
+    unique_storage_bytes,
+)
 from dtlab.models.dp.flat import FlatUnit
 from dtlab.models.shard_index import ShardIndex, add_slice, even_range, new_state
 
-__all__ = ["DDPModel"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["DDPModel", "DDPOptions"]
+
+
+class DDPOptions(DataParallelOptions, total=False):
+    """DDP's options (ZeRO-1 and ZeRO-2 take them too)."""
+
+    bucket_cap_mb: float
 
 
 class DDPModel(DataParallelModel):
@@ -47,19 +61,9 @@ class DDPModel(DataParallelModel):
         backend: CommunicationBackend,
         *,
         bucket_cap_mb: float = 25.0,
-        reduce_dtype: torch.dtype | None = None,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        world: CommunicationBackend | None = None,
+        **options: Unpack[DataParallelOptions],
     ) -> None:
-        super().__init__(
-            module,
-            backend,
-            reduce_dtype=reduce_dtype,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers,
-            world=world,
-        )
+        super().__init__(module, backend, **options)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.bucket_cap_mb = float(bucket_cap_mb)

@@ -12,15 +12,16 @@ Frozen parameters are kept whole on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
-from dtlab.models.dp._materialize import ParamInitFn
-from dtlab.models.dp._sharded import ShardedModel, UnitPlan
+from dtlab.models.dp._sharded import ShardedModel, ShardedOptions, UnitPlan
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["FSDPModel", "ModuleClassPolicy", "SizePolicy", "WrapPolicy"]
 
@@ -74,18 +75,8 @@ class FSDPModel(ShardedModel):
         reshard_after_forward: free each unit after its forward (ZeRO-3-like, least memory) or keep
             it gathered until its backward (ZeRO-2-like, one all-gather fewer per step).
         prefetch: all-gather the next unit while the current one computes.
-        reduce_dtype, find_unused_parameters, broadcast_buffers: as for DDPModel.
-        init_seed: for a module built on the meta device (``with torch.device("meta"):``): each rank
-            materializes only its shards and initializes them, one module at a time, with the module's
-            ``reset_parameters()`` (or ``param_init_fn``) under ``dtlab.core.seeded_init(init_seed)``:
-            bitwise the values of the module built plainly under ``seeded_init(init_seed)`` when its
-            layers draw in ``reset_parameters()`` in registration order (``torch.nn`` layers). Keep
-            buffers on the real device (parameters only on meta); a tensor nothing initializes is an error.
-        param_init_fn: ``fn(module)`` filling the module's own (``recurse=False``) parameters and meta
-            buffers in place, called instead of ``reset_parameters()`` for every module that has any.
-        forward_wait_s: an evaluation (no-grad) forward that the other ranks do not join within this
-            many seconds stops with an error naming the cause (every rank must call forward under a
-            sharded strategy) instead of hanging for the collective timeout; 0: wait as long as it takes.
+        reduce_dtype, find_unused_parameters, broadcast_buffers, world: as for DDPModel.
+        init_seed, param_init_fn, forward_wait_s: as for ZeRO3Model.
     """
 
     strategy_name: ClassVar[str] = "fsdp"
@@ -97,14 +88,7 @@ class FSDPModel(ShardedModel):
         *,
         wrap_policy: WrapPolicy | None = None,
         reshard_after_forward: bool = True,
-        prefetch: bool = True,
-        reduce_dtype: torch.dtype | None = None,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        world: CommunicationBackend | None = None,
-        init_seed: int | None = None,
-        param_init_fn: ParamInitFn | None = None,
-        forward_wait_s: float = 10.0,
+        **options: Unpack[ShardedOptions],
     ) -> None:
         if wrap_policy is not None and not isinstance(wrap_policy, ModuleClassPolicy | SizePolicy):
             raise TypeError(
@@ -112,19 +96,7 @@ class FSDPModel(ShardedModel):
                 f"{type(wrap_policy).__name__}"
             )
         self.wrap_policy = wrap_policy
-        super().__init__(
-            module,
-            backend,
-            reshard_after_forward=reshard_after_forward,
-            prefetch=prefetch,
-            reduce_dtype=reduce_dtype,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers,
-            world=world,
-            init_seed=init_seed,
-            param_init_fn=param_init_fn,
-            forward_wait_s=forward_wait_s,
-        )
+        super().__init__(module, backend, reshard_after_forward=reshard_after_forward, **options)
 
     def _unit_modules(self) -> set[int]:
         wrapped: set[int] = set()

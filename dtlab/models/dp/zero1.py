@@ -25,7 +25,7 @@ by ``P`` (its term of the next sum; the other ranks hold zeros there) and the ne
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -33,7 +33,10 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer
-from dtlab.models.dp.ddp import DDPModel
+from dtlab.models.dp.ddp import DDPModel, DDPOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["GradientSync", "ZeRO1Model", "gradient_sync_for"]
 
@@ -76,14 +79,14 @@ class ZeRO1Model(DDPModel):
         backend: CommunicationBackend,
         *,
         gradient_sync: GradientSync = "reduce_scatter",
-        **kwargs: Any,
+        **options: Unpack[DDPOptions],
     ) -> None:
         if gradient_sync not in ("reduce_scatter", "all_reduce"):
             raise ValueError(
                 f"gradient_sync must be 'reduce_scatter' (each rank gets the average of its shard) or "
                 f"'all_reduce' (every rank gets the whole average), got {gradient_sync!r}"
             )
-        super().__init__(module, backend, **kwargs)
+        super().__init__(module, backend, **options)
         self.gradient_sync: GradientSync = gradient_sync
         # reduce_scatter mode: "local" (sums of local gradients), "averaged" (this rank's slice holds the
         # average, the rest zeros) or "rescaled" (the average x P, ready to be accumulated into)

@@ -9,15 +9,18 @@ transient buffer is dropped when that completes. Inside ``no_sync()`` gradients 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from dtlab.backends.base import Work
+from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.models.dp.data_parallel import tensor_bytes
-from dtlab.models.dp.ddp import DDPModel
+from dtlab.models.dp.ddp import DDPModel, DDPOptions
 from dtlab.models.dp.flat import FlatUnit
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["ZeRO2Model"]
 
@@ -28,8 +31,10 @@ class ZeRO2Model(DDPModel):
     strategy_name: ClassVar[str] = "zero2"
     _keep_full_grads: ClassVar[bool] = False
 
-    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
-        super().__init__(module, *args, **kwargs)
+    def __init__(
+        self, module: nn.Module, backend: CommunicationBackend, **options: Unpack[DDPOptions]
+    ) -> None:
+        super().__init__(module, backend, **options)
         self._grad_shards = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device) for u in self._units]
 
     def _store_grad(self, i: int, param: nn.Parameter) -> None:

@@ -13,14 +13,15 @@ a whole: list such classes in ``leaf_modules``.
 from __future__ import annotations
 
 import warnings
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.models.dp._materialize import ParamInitFn
-from dtlab.models.dp._sharded import ShardedModel, UnitPlan
+from dtlab.models.dp._sharded import ShardedModel, ShardedOptions, UnitPlan
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["ZeRO3Model"]
 
@@ -59,14 +60,7 @@ class ZeRO3Model(ShardedModel):
         *,
         persistence_threshold: int = 100_000,
         leaf_modules: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,),
-        prefetch: bool = True,
-        reduce_dtype: torch.dtype | None = None,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        world: CommunicationBackend | None = None,
-        init_seed: int | None = None,
-        param_init_fn: ParamInitFn | None = None,
-        forward_wait_s: float = 10.0,
+        **options: Unpack[ShardedOptions],
     ) -> None:
         if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
             raise ValueError(f"persistence_threshold must be an int >= 0, got {persistence_threshold!r}")
@@ -75,19 +69,7 @@ class ZeRO3Model(ShardedModel):
             raise TypeError(f"leaf_modules must be nn.Module subclasses, got {bad}")
         self.persistence_threshold = persistence_threshold
         self.leaf_modules = tuple(leaf_modules)
-        super().__init__(
-            module,
-            backend,
-            reshard_after_forward=True,
-            prefetch=prefetch,
-            reduce_dtype=reduce_dtype,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers,
-            world=world,
-            init_seed=init_seed,
-            param_init_fn=param_init_fn,
-            forward_wait_s=forward_wait_s,
-        )
+        super().__init__(module, backend, reshard_after_forward=True, **options)
         if backend.world_size > 1 and all(st.persistent for st in self._units):
             largest = max(p.numel() for _, p in self._trainable)
             warnings.warn(
