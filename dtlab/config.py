@@ -14,7 +14,6 @@ bounded summary (:func:`dtlab.untrusted.summary`), never by expanding it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from dtlab.config_files import CONFIG_LIMITS, check_tree, read_mapping_file
 from dtlab.config_sections import (
     COMPRESSORS,
     MODEL_STRATEGIES,
@@ -45,10 +45,11 @@ from dtlab.config_sections import (
     translate_old_spellings,
 )
 from dtlab.errors import ConfigError
-from dtlab.untrusted import TreeLimits, measure_tree, summary
+from dtlab.untrusted import summary
 
 __all__ = [
     "COMPRESSORS",
+    "CONFIG_LIMITS",
     "MODEL_STRATEGIES",
     "OPTIMIZER_STRATEGIES",
     "RENAMED",
@@ -65,14 +66,11 @@ __all__ = [
     "TrainConfig",
     "TrainingConfig",
     "apply_overrides",
+    "check_tree",
     "check_world_size",
     "load_config",
+    "read_mapping_file",
 ]
-
-#: the largest config file read (a real one is a few kilobytes)
-MAX_CONFIG_BYTES = 1 << 20
-#: how deep, how many values (aliases expanded) and how long a string a config may hold
-CONFIG_LIMITS = TreeLimits(depth=16, nodes=100_000, string=4096)
 
 
 class TrainConfig(_Section):
@@ -247,92 +245,6 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
-def _read_text(p: Path) -> str:
-    """The file's text: at most ``MAX_CONFIG_BYTES`` read (the size checked on the open file), UTF-8."""
-    try:
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            data = f.read(MAX_CONFIG_BYTES + 1) if size <= MAX_CONFIG_BYTES else b""
-    except OSError as exc:
-        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc.strerror or exc}") from None
-    if size > MAX_CONFIG_BYTES or len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(
-            f"config file {str(p)!r} is {max(size, len(data)):,} bytes; dtlab reads config files of at "
-            f"most {MAX_CONFIG_BYTES:,} bytes (a configuration is a few kilobytes)"
-        )
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"config file {str(p)!r} is not UTF-8 text (byte {exc.start} is {data[exc.start]:#04x}); "
-            "save it as UTF-8"
-        ) from None
-
-
-def read_mapping_file(path: str | Path) -> dict[str, Any]:
-    """The mapping a ``.yaml``/``.yml``/``.toml`` file holds, under the same limits as a config file
-    (``parallel.plan`` names such a file)."""
-    return _read_file(path)
-
-
-def _read_file(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = _read_text(p)
-    if p.suffix == ".toml":
-        import importlib
-
-        try:
-            tomllib = importlib.import_module("tomllib")
-        except ModuleNotFoundError:  # Python 3.10
-            try:
-                tomllib = importlib.import_module("tomli")
-            except ModuleNotFoundError:
-                raise ConfigError(
-                    f"config file {str(p)!r}: reading TOML needs Python 3.11+ or `pip install tomli`; "
-                    "or use a .yaml file"
-                ) from None
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
-        except (
-            RecursionError
-        ):  # tomllib parses nested arrays and tables recursively, with no limit of its own
-            raise ConfigError(
-                f"config file {str(p)!r}: arrays or tables nested deeper than Python can parse (at most "
-                f"{CONFIG_LIMITS.depth} levels are read); a configuration is a few levels deep"
-            ) from None
-    elif p.suffix in (".yaml", ".yml"):
-        from dtlab.yaml_strict import DuplicateKeyError, NestingError, load_yaml
-
-        try:
-            data = load_yaml(text, CONFIG_LIMITS.depth, CONFIG_LIMITS.nodes) or {}
-        except (DuplicateKeyError, NestingError) as exc:
-            raise ConfigError(f"config file {str(p)!r}: {exc}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
-    else:
-        raise ConfigError(f"config file {str(p)!r}: use a .yaml, .yml or .toml file")
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}"
-        )
-    return data
-
-
-def check_tree(tree: Any, where: str = "the configuration") -> None:
-    """A :class:`ConfigError` when ``tree`` is deeper, larger (aliases expanded) or holds a longer
-    string than :data:`CONFIG_LIMITS` allows: checked before any value of it is used."""
-    problem = measure_tree(tree, CONFIG_LIMITS)
-    if problem is not None:
-        raise ConfigError(
-            f"{where} holds {problem}; limits: {CONFIG_LIMITS.depth} levels, {CONFIG_LIMITS.nodes:,} "
-            f"values, strings of {CONFIG_LIMITS.string:,} characters"
-        )
-
-
 def from_dict(tree: dict[str, Any]) -> TrainConfig:
     """Validate a nested dict; any problem is one :class:`ConfigError` naming every bad field."""
     check_tree(tree)
@@ -344,7 +256,7 @@ def from_dict(tree: dict[str, Any]) -> TrainConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """The embedded default, a YAML/TOML file on top of it, then ``key=value`` overrides."""
-    tree: dict[str, Any] = _read_file(path) if path is not None else {}
+    tree: dict[str, Any] = read_mapping_file(path) if path is not None else {}
     if path is not None:
         check_tree(tree, f"config file {str(path)!r}")
     return from_dict(apply_overrides(tree, list(overrides or [])))

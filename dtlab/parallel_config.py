@@ -87,7 +87,7 @@ def tensor_plan_setting(config: TrainConfig) -> str | dict[str, str]:
     plan = config.parallel.plan
     if isinstance(plan, dict) or plan == "auto":
         return plan
-    from dtlab.config import read_mapping_file
+    from dtlab.config_files import read_mapping_file
 
     data = read_mapping_file(plan)
     bad = {k: v for k, v in data.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)}

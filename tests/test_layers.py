@@ -30,9 +30,11 @@ ALLOWED: dict[str, set[str]] = {
     "lr_schedule": set(),
     "yaml_strict": set(),
     "config_sections": {"core", "backends", "errors", "untrusted"},
-    "parallel_config": {"zoo", "models", "core", "backends", "errors"},
+    "config_files": {"errors", "untrusted", "yaml_strict"},
+    "parallel_config": {"config_files", "zoo", "models", "core", "backends", "errors"},
     "config": {
-        "config_sections", "parallel_config", "lr_schedule", "yaml_strict", "core", "errors", "untrusted",
+        "config_files", "config_sections", "parallel_config", "lr_schedule", "yaml_strict", "core", "errors",
+        "untrusted",
     },
     "config_doc": {
         "config", "config_sections", "parallel_config", "lr_schedule", "yaml_strict", "core", "errors",
