@@ -182,3 +182,24 @@ def test_a_fused_section_split_along_dim_1_is_flattened_in_local_order() -> None
                 for box, bs, be, _ in local_regions(placement, full.shape, coord, 2, start, end)
             ]
             assert torch.equal(torch.cat(got), local[start:end])
+
+
+def engine_world(backend: CommunicationBackend, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Llama at tp 2 with its own plan on a real engine (one spawned world per engine)."""
+    out = train(backend, "llama", {"tp": 2}, "tensor", state)
+    return {"losses": out["losses"], "state": out["state"]}
+
+
+@pytest.mark.parametrize("engine", ["gloo", "mpi"])
+def test_llama_plan_auto_at_tp2_on_gloo_and_mpi_processes(engine: str) -> None:
+    from dtlab.testing import spawn_world
+
+    if engine == "mpi":
+        pytest.importorskip("mpi4py")
+    state = {k: v.detach().clone() for k, v in build("llama").state_dict().items()}
+    ref_losses, ref = reference("llama", state)
+    for r in spawn_world(2, engine_world, state, backend=engine, timeout=240):
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses, strict=True)) < 1e-5
+        for k, v in ref.items():
+            if v.is_floating_point():
+                assert ((r["state"][k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 1e-5, k
