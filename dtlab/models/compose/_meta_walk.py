@@ -202,14 +202,15 @@ class MetaWalk:
             self.progress.done.add(id(t))
             target = self.targets.get((i, n))
             if target is not None:
-                self._deliver(target, self._local(value, target.placement), asking, device)
+                copied_now = device is None and target.module is asking  # copied, not kept
+                self._deliver(target, self._local(value, target.placement, copied_now), asking, device)
 
-    def _local(self, whole: torch.Tensor, placement: Placement) -> torch.Tensor:
+    def _local(self, whole: torch.Tensor, placement: Placement, copied_now: bool) -> torch.Tensor:
         if not isinstance(placement, Shard):
             return whole
         part = placement.local_shard(whole, self.tp_rank, self.tp_size)
         same = part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
-        return part.clone() if same else part  # a view would keep the whole tensor alive
+        return part.clone() if same and not copied_now else part  # a kept view would keep the whole
 
     def _deliver(
         self, target: _Target, value: torch.Tensor, asking: nn.Module | None, device: torch.device | None
@@ -219,7 +220,7 @@ class MetaWalk:
             if target.module is asking:
                 current.copy_(value)
             else:  # asked for later (the strategy walks the same order; kept until then)
-                self.progress.pending[(id(target.module), target.name)] = value.clone()
+                self.progress.pending[(id(target.module), target.name)] = value
             return
         value = value.to(device)
         if isinstance(current, nn.Parameter):

@@ -1,0 +1,166 @@
+"""Exact memory of meta-device construction, counted per rank (in-memory ranks are threads; a
+``TorchDispatchMode`` is per thread) from every tensor an operation creates, as live bytes of storage
+over time (a storage's bytes are released when torch frees it). Tensors under 64 bytes are not
+counted: the initialization check's 0-dimensional scalars (4 and 1 bytes) and the strategies' one-element
+placeholders of a parked parameter's shape.
+
+- ZeRO-3 and FSDP (and the composition over them): the shards (parameters and gradients) exist from the
+  start; the peak during construction is what is held afterwards plus the largest single module whole
+  (plus its tensor-parallel slice, which ZeRO-3/FSDP fill before they keep their shard of it).
+- Tensor and pipeline parallelism over DDP-like data parallelism: what this rank keeps grows module by
+  module; the peak is the larger of what is held afterwards (parameters and the strategy's gradient
+  buffers) and, over the walk, the part kept so far plus one module whole (plus its slice).
+
+The parameter bytes held afterwards equal a plainly built and wrapped model's (``memory_report()``).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from dtlab.backends import Mesh
+from dtlab.backends.base import CommunicationBackend
+from dtlab.core import seeded_init
+from dtlab.core.placement import Shard, placement_of
+from dtlab.models import (
+    FSDPModel,
+    HybridShardedModel,
+    ModuleClassPolicy,
+    PipelineParallelModel,
+    TensorParallelModel,
+    ZeRO3Model,
+    transformer_plan,
+)
+from dtlab.testing import run_world
+from dtlab.zoo.builtin import Block, TransformerLM
+
+MIN_BYTES = 64
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live bytes of the storages the operations of this thread create, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.refs: dict[int, Any] = {}
+        self.now = 0
+        self.peak = 0
+
+    def _gone(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+        self.refs.pop(key, None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                st = t.untyped_storage()
+                key, size = st.data_ptr(), st.nbytes()
+                if size >= MIN_BYTES and key not in self.live:
+                    self.live[key] = size
+                    self.refs[key] = weakref.ref(st, lambda _r, key=key: self._gone(key))
+                    self.now += size
+                    self.peak = max(self.peak, self.now)
+        return out
+
+
+def _lm() -> TransformerLM:
+    return TransformerLM(d_model=32, n_layers=6, n_heads=8, seq_len=8)
+
+
+def _build(case: str, net: nn.Module, backend: CommunicationBackend, **kw: Any) -> Any:
+    p = backend.world_size
+    blocks = ModuleClassPolicy((Block,))
+    if case == "zero3":
+        return ZeRO3Model(net, backend, persistence_threshold=0, **kw)
+    if case == "fsdp":
+        return FSDPModel(net, backend, wrap_policy=blocks, **kw)
+    if case == "tp":
+        return TensorParallelModel(net, backend, plan=transformer_plan(), **kw)
+    if case == "pp":
+        return PipelineParallelModel(net, backend, **kw)
+    if case == "tp-fsdp":
+        mesh = Mesh(backend, {"tp": p})
+        return HybridShardedModel(net, mesh, "fsdp", tensor_plan=transformer_plan(), wrap_policy=blocks, **kw)
+    mesh = Mesh(backend, {"pp": 2, "dp": 2, "tp": p // 4})  # dp2 x tp x pp2, FSDP over dp
+    return HybridShardedModel(
+        net, mesh, "fsdp", tensor_plan=transformer_plan(), micro_batches=2, wrap_policy=blocks, **kw
+    )
+
+
+SHARDS_FIRST = {"zero3", "fsdp", "tp-fsdp", "dp2xtpxpp2"}
+
+
+def _modules(model: Any) -> list[tuple[int, int, bool]]:
+    """For each module of the whole model with tensors of its own, in registration order: its bytes
+    whole, the bytes this rank keeps of it (its tp slice; 0 for another rank's stage), whether sliced."""
+    with torch.device("meta"):
+        whole = _lm()
+    held = {n: q for n, q in model.module.named_parameters()}
+    out = []
+    for mname, mod in whole.named_modules():
+        own = list(mod.named_parameters(recurse=False))
+        if not own:
+            continue
+        names = [f"{mname}.{n}" if mname else n for n, _ in own]
+        size = sum(q.numel() * q.element_size() for _, q in own)
+        kept = sum(held[n].numel() * held[n].element_size() for n in names if n in held)
+        sliced = any(isinstance(placement_of(held[n]), Shard) for n in names if n in held)
+        out.append((size, kept, sliced))
+    return out
+
+
+def _expected_peak(case: str, after: int, modules: list[tuple[int, int, bool]]) -> int:
+    if case in SHARDS_FIRST:
+        return after + max(size + (kept if sliced else 0) for size, kept, sliced in modules)
+    peak, prefix = after, 0
+    for size, kept, sliced in modules:
+        peak = max(peak, prefix + size + (kept if sliced else 0))
+        prefix += kept
+    return peak
+
+
+CASES = ["zero3", "fsdp", "tp", "pp", "tp-fsdp", "dp2xtpxpp2"]
+
+
+def _measure(backend: CommunicationBackend) -> dict[str, dict[str, Any]]:
+    out = {}
+    for case in CASES:
+        if case == "dp2xtpxpp2" and backend.world_size < 4:
+            continue  # dp2 x tp x pp2 needs 4 ranks or more
+        with torch.device("meta"):
+            net = _lm()
+        tracker = LiveBytes()
+        with tracker:
+            model = _build(case, net, backend, init_seed=3)
+        gc.collect()
+        with seeded_init(3):
+            plain_net = _lm()
+        plain = _build(case, plain_net, backend)
+        out[case] = {
+            "peak": tracker.peak,
+            "after": tracker.now,
+            "expected": _expected_peak(case, tracker.now, _modules(model)),
+            "params": (model.memory_report()["parameters"], plain.memory_report()["parameters"]),
+        }
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_construction_peak_is_the_share_plus_one_module(world: int) -> None:
+    """ZeRO-3, FSDP per block, TP, PP, TP over FSDP and dp2 x tp x pp2 (FSDP), each rank of P."""
+    for rank, res in enumerate(run_world(world, _measure)):
+        assert len(res) == len(CASES) - (world < 4)
+        for case, got in res.items():
+            where = f"{case} rank {rank}/{world}"
+            assert got["params"][0] == got["params"][1], where
+            assert got["peak"] == got["expected"], (where, got)
