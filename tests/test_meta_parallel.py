@@ -88,3 +88,61 @@ def test_meta_construction_is_bitwise_the_plain_build(case: str) -> None:
         assert res["full_differ"] == [], (case, rank)
         assert res["bytes"][0] == res["bytes"][1], (case, rank)
         assert res["meta_left"] == [], (case, rank)
+
+
+class _Scale(nn.Module):
+    """A parameter nothing initializes (no reset_parameters) and a buffer computed in __init__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.table
+
+
+class _HalfReset(nn.Linear):
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)  # forgets the bias
+
+
+def _refused(make: Any, wrap: str) -> str:
+    def body(backend: CommunicationBackend) -> None:
+        with torch.device("meta"):
+            net = nn.Sequential(nn.Linear(4, 4), make())
+        if wrap == "tp":
+            TensorParallelModel(net, backend, plan={"0": "colwise"}, init_seed=0)
+        else:
+            PipelineParallelModel(net, backend, micro_batches=2, init_seed=0)
+
+    with pytest.raises(Exception) as info:  # the message is checked by the caller
+        run_world(2, body)
+    return str(info.value)
+
+
+def test_tensors_nothing_initializes_are_named_on_every_rank() -> None:
+    """Under tensor and pipeline parallelism too: named before any step, on every rank alike (the walk
+    covers the whole model, so a rank that does not hold the tensor raises too: no rank waits)."""
+    for wrap in ("tp", "pp"):
+        msg = _refused(_Scale, wrap)
+        assert "'1.scale'" in msg and "_Scale" in msg and "param_init_fn" in msg, (wrap, msg)
+        msg = _refused(lambda: _HalfReset(4, 4), wrap)
+        assert "'bias'" in msg and "'1'" in msg and "uninitialized" in msg, (wrap, msg)
+
+    def buffer_kept(backend: CommunicationBackend) -> torch.Tensor:
+        def init(module: nn.Module) -> None:
+            for q in module.parameters(recurse=False):
+                nn.init.constant_(q, 0.5)
+
+        with torch.device("meta"):
+            net = nn.Sequential(nn.Linear(4, 4), _Scale())
+        assert net[1].table.is_meta  # torch.device("meta") puts buffers on meta too
+        with torch.device("meta"):
+            net = nn.Sequential(nn.Linear(4, 4), _Scale())
+        net[1].table = torch.arange(4.0)  # a buffer kept from construction (on the real device)
+        model = PipelineParallelModel(net, backend, micro_batches=2, init_seed=0, param_init_fn=init)
+        return model.full_state_dict()["1.scale"]
+
+    for scale in run_world(2, buffer_kept):
+        assert torch.equal(scale, torch.full((4,), 0.5))

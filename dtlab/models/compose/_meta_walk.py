@@ -38,6 +38,10 @@ from dtlab.models.dp._materialize import ParamInitFn, check_init_args, initializ
 __all__ = ["MetaWalk"]
 
 
+def _path(module_name: str, tensor_name: str) -> str:
+    return tensor_name if module_name == "<root>" else f"{module_name}.{tensor_name}"
+
+
 @dataclass
 class _Entry:
     """One module of the whole model with tensors of its own on meta (parameters, meta buffers)."""
@@ -166,7 +170,7 @@ class MetaWalk:
         init = initializer(self.root, entry.module, self.param_init_fn)
         if init is None:
             raise StrategyError(
-                f"{self.who}: {entry.name}.{entry.tensors[0][0]!r} of module {entry.name!r} "
+                f"{self.who}: {_path(entry.name, entry.tensors[0][0])!r} of module {entry.name!r} "
                 f"({type(entry.module).__name__}) is on the meta device and nothing initializes it: "
                 f"{type(entry.module).__name__} has no reset_parameters(); pass param_init_fn=fn (fn(module) "
                 "fills the module's own parameters and buffers in place), or build the module with its "

@@ -1,0 +1,94 @@
+"""A Hugging Face LlamaForCausalLM built on the meta device (``torch.device("meta")``: its rotary
+buffers too) and wrapped with ``init_seed`` alone: the model's own ``_init_weights`` initializes each
+rank's part (linear and embedding weights normal(0, initializer_range), norms ones), the rotary
+``inv_freq`` is recomputed exactly (equal to a plainly built model's), the values do not depend on the
+strategy or the world size (tensor parallel 2 and ZeRO-3 hold the same model), and it trains."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.models import TensorParallelModel, ZeRO3Model
+from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
+from dtlab.testing import run_world
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 32, 8
+LLAMA_PLAN = {
+    "model.embed_tokens": "embedding_rowwise",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    model: nn.Module = transformers.LlamaForCausalLM(config)
+    return model
+
+
+def _rotary(net: nn.Module) -> dict[str, torch.Tensor]:
+    rotary = net.get_submodule("model.rotary_emb")
+    return {n: b.clone() for n, b in rotary.named_buffers()}
+
+
+def _on_meta(backend: CommunicationBackend) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(backend.rank))
+    for wrap in ("tp2", "zero3"):
+        with torch.device("meta"):
+            net = _llama()
+        out[f"{wrap}/meta_buffers"] = [n for n, b in net.named_buffers() if b.is_meta]  # before wrapping
+        if wrap == "tp2":
+            model: Any = TensorParallelModel(net, backend, plan=LLAMA_PLAN, init_seed=11)
+            opt: Any = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+        else:
+            model = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=11)
+            opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
+        out[f"{wrap}/rotary"] = _rotary(net)
+        out[f"{wrap}/state"] = model.full_state_dict()
+        logits = model(ids[:, :-1]).logits
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        out[f"{wrap}/loss"] = loss.item()
+    return out
+
+
+def test_llama_on_meta_gets_its_own_init_and_exact_rotary_buffers() -> None:
+    plain = _rotary(_llama())
+    results = run_world(2, _on_meta)
+    for rank, res in enumerate(results):
+        for wrap in ("tp2", "zero3"):
+            where = f"{wrap} rank {rank}"
+            assert "model.rotary_emb.inv_freq" in res[f"{wrap}/meta_buffers"], where  # built on meta
+            rotary = res[f"{wrap}/rotary"]
+            assert sorted(rotary) == sorted(plain), where
+            for n, b in plain.items():
+                assert torch.equal(rotary[n], b), (where, n)  # exact, not uninitialized memory
+            state = res[f"{wrap}/state"]
+            linear = torch.cat([v.flatten() for k, v in state.items() if k.endswith("proj.weight")])
+            assert 0.018 < float(linear.std()) < 0.022, where  # normal(0, initializer_range=0.02)
+            assert abs(float(state["model.embed_tokens.weight"].std()) - 0.02) < 0.003, where
+            assert torch.equal(state["model.norm.weight"], torch.ones(32)), where
+            assert abs(res[f"{wrap}/loss"] - math.log(VOCAB)) < 0.05, where  # near-uniform logits
+        # the strategy and the world size do not change the values: TP 2 holds ZeRO-3's model
+        tp, z3 = res["tp2/state"], res["zero3/state"]
+        assert sorted(tp) == sorted(z3)
+        assert [k for k in tp if not torch.equal(tp[k], z3[k])] == [], rank
