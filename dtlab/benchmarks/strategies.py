@@ -160,6 +160,7 @@ class Run:
         self.bytes_per_step = 0.0
         self.step_no = 0
         self.peak_state = 0
+        self.peak_gathered = 0  # FSDP2 only, measured by watch_gathered()
 
     def step(self, probe: bool = False) -> None:
         """One step; ``probe``: read the model state at the two moments every row is measured at
@@ -198,11 +199,35 @@ class Run:
         state += _tensor_bytes(v for s in self.opt.state.values() for v in s.values())
         if self.strategy == "torch_ddp":  # gradient buckets (gradient_as_bucket_view=False)
             state += _tensor_bytes(p for p in params if p.requires_grad)
-        if self.strategy == "torch_fsdp2":  # unsharded parameters of the largest unit, gathered at once
-            state += (
-                max(_tensor_bytes(m.parameters()) for m in self.model.modules()) // self.backend.world_size
-            )
+        if self.strategy == "torch_fsdp2":  # the most unsharded parameters held at once (watch_gathered)
+            state += self.peak_gathered
         return state
+
+    def watch_gathered(self) -> None:
+        """FSDP2: measure the peak of unsharded parameters during forward and backward: at every
+        module's forward (pre and post) and backward (pre and post) hook, the bytes of the plain
+        (not sharded) parameters the modules hold; all-gather buffers not yet swapped in (a prefetched
+        unit) are not seen. Only for the memory probe: the hooks cost time."""
+        from torch.distributed.tensor import DTensor
+
+        def probe(*_: Any) -> None:
+            seen: set[int] = set()
+            total = 0
+            for m in self.model.modules():
+                for q in m.parameters(recurse=False):  # what each module holds right now
+                    if isinstance(q, DTensor):
+                        continue
+                    st = q.untyped_storage()
+                    if st.nbytes() and st.data_ptr() not in seen:
+                        seen.add(st.data_ptr())
+                        total += st.nbytes()
+            self.peak_gathered = max(self.peak_gathered, total)
+
+        for m in self.model.modules():
+            m.register_forward_pre_hook(probe)
+            m.register_forward_hook(probe)
+            m.register_full_backward_pre_hook(probe)
+            m.register_full_backward_hook(probe)
 
     def memory(self) -> dict[str, int]:
         """The peak model state over the probed steps and the peak RSS this configuration added."""
@@ -217,6 +242,8 @@ def probe_memory(backend: CommunicationBackend, model: str, strategy: str) -> di
     meaningful in a process that has not allocated and freed model-sized memory before)."""
     torch.set_num_threads(1)
     run = Run(backend, model, strategy)
+    if strategy == "torch_fsdp2":
+        run.watch_gathered()
     for _ in range(3):
         run.step(probe=True)
     return run.memory()
@@ -293,8 +320,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 MEMORY_NOTES = [
     "- model state/rank, peak in step: parameters + gradients + optimizer state, read for every row at the "
     "same two moments of a step (after backward, and after the optimizer step, both before zero_grad; "
-    "the larger), plus the largest gathered parameters for ZeRO-3, FSDP and FSDP2 (they exist only inside "
-    "forward/backward); torch DDP counts its gradient buckets",
+    "the larger), plus the step's peak of gathered parameters for ZeRO-3, FSDP and FSDP2 (they exist only "
+    "inside forward/backward; measured: dtlab's counter at every gather, FSDP2's unsharded parameters at "
+    "every module's forward and backward hooks, a prefetched unit not yet swapped in unseen); torch DDP "
+    "counts its gradient buckets",
     "- peak RSS added/rank: the process's peak resident memory (VmHWM) over its RSS before building, in a "
     "fresh world per row, over the build and 3 steps",
 ]
