@@ -1,4 +1,4 @@
-"""`benchmarks/convergence.py` end to end at a toy size: it runs, every row is finite and its byte
+"""`python -m dtlab.benchmarks.convergence` end to end at a toy size: it runs, every row is finite and its byte
 counts add up (the real runs take minutes and are run by hand; their results are in
 docs/compression.md)."""
 
@@ -18,7 +18,7 @@ def test_convergence_benchmark_runs_at_toy_size(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "rows.json"
     cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--task", "lm", "--world", "2",
+        sys.executable, "-m", "dtlab.benchmarks.convergence", "--task", "lm", "--world", "2",
         "--epochs", "2", "--corpus-bytes", "20000", "--hidden", "16", "--warmup", "3",
         "--algorithms", "topka", "oktopk", "--densities", "0.05", "--out-dir", str(tmp_path),
         "--json", str(out),
@@ -52,8 +52,7 @@ def _row(alg: str, lr: float, recipe: str, val: float, test: float, sent: int) -
 def test_protocol_chooses_on_validation_only() -> None:
     """The learning rate of the best dense validation figure; then the cheapest recipe within 3% on
     validation; the test figures (``final``) never move the choice."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from convergence_protocol import choose_from, row
+    from dtlab.benchmarks.convergence_protocol import choose_from, row
 
     rows = [
         _row("dense", 0.5, "dense", 2.50, 1.0, 100),

@@ -7,7 +7,7 @@ counted with Megatron-LM's formula ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` pe
 includes the recomputed forward: Narayanan et al. 2021, eq. 3). The published step time is that
 count over the GPUs' throughput.
 Sources and the comparison: docs/strategies.md, "Checked against published runs"
-(``python benchmarks/advise_published.py`` prints it).
+(``python -m dtlab.benchmarks.advise_published`` prints it).
 """
 
 from __future__ import annotations

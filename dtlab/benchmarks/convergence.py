@@ -1,8 +1,8 @@
 """Convergence of every compression algorithm against dense, on real data, at densities 1% and 2%.
 
-    .venv/bin/python benchmarks/convergence.py                 # both tasks, 4 in-memory ranks
-    .venv/bin/python benchmarks/convergence.py --task digits --epochs 10
-    .venv/bin/python benchmarks/convergence.py --task lm --seed 1   # another init and data order
+    .venv/bin/python -m dtlab.benchmarks.convergence                 # both tasks, 4 in-memory ranks
+    .venv/bin/python -m dtlab.benchmarks.convergence --task digits --epochs 10
+    .venv/bin/python -m dtlab.benchmarks.convergence --task lm --seed 1   # another init and data order
 
 Tasks (offline, real data):
 
@@ -13,7 +13,7 @@ Tasks (offline, real data):
   perplexity.
 
 Recipes are chosen on the validation split and reported on the test split
-(``benchmarks/convergence_protocol.py`` runs that protocol over 3 seeds).
+(``dtlab/benchmarks/convergence_protocol.py`` runs that protocol over 3 seeds).
 
 Every run is DDP on ``--world`` in-memory ranks (threads) with ``GradientCompressionOptimizer``
 (one bucket for the whole model, so ``k = density x all parameters``, as in the Ok-Topk reference
@@ -31,15 +31,12 @@ import argparse
 import copy
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression import Compressor, NonFiniteGradientError, make_compressor

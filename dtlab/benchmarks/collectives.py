@@ -1,9 +1,9 @@
 """Time collectives and compare them with the memory-traffic bound; print a markdown table.
 
-    .venv/bin/python benchmarks/collectives.py                      # in-memory, the full grid
-    .venv/bin/python benchmarks/collectives.py --ranks 4 --sizes 4KiB,64MiB --ops all_reduce
-    .venv/bin/python benchmarks/collectives.py --backend mpi        # MPI/Gloo: benchmarks/_engines.py
-    .venv/bin/python benchmarks/collectives.py --backend gloo --checked   # + checked mode's cost
+    .venv/bin/python -m dtlab.benchmarks.collectives                      # in-memory, the full grid
+    .venv/bin/python -m dtlab.benchmarks.collectives --ranks 4 --sizes 4KiB,64MiB --ops all_reduce
+    .venv/bin/python -m dtlab.benchmarks.collectives --backend mpi     # MPI/Gloo: _engines.py
+    .venv/bin/python -m dtlab.benchmarks.collectives --backend gloo --checked   # + checked mode's cost
 
 Sizes are the full buffer every rank holds: the all-reduced tensor, the reduce-scatter input and the
 all-gather output (as in nccl-tests). The *memory-traffic bound* is the minimal tensor work the same
@@ -13,7 +13,7 @@ output. Both are timed in the same run, alternately, with the same torch thread 
 is the best of ``--repeats`` runs of ``--iters`` calls (for the collective: the slowest rank's time
 per call).
 
-Other engines plug in through ``benchmarks/_engines.py``: ``run(args) -> list[dict]`` gets the parsed
+Other engines plug in through ``dtlab/benchmarks/_engines.py``: ``run(args) -> list[dict]`` gets the parsed
 arguments (``args.backend``, ``args.ops`` list of names, ``args.sizes`` list of bytes, ``args.ranks``
 list of world sizes, ``args.iters`` (0: choose), ``args.repeats``, ``args.threads``) and returns one
 dict per row; the table shows the keys of the first row as columns (``bytes`` is left out).
@@ -22,7 +22,6 @@ dict per row; the table shows the keys of the first row as columns (``bytes`` is
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -32,12 +31,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from dtlab.backends.base import CommunicationBackend  # noqa: E402
-from dtlab.testing import run_world  # noqa: E402
+from dtlab.backends.base import CommunicationBackend
+from dtlab.testing import run_world
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -213,14 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "inmemory":
         rows = run_inmemory(args)
     else:
-        if importlib.util.find_spec("benchmarks._engines") is None:
-            print(
-                f"--backend {args.backend} needs benchmarks/_engines.py (run(args) -> list[dict]), "
-                "which is not in this checkout; use --backend inmemory",
-                file=sys.stderr,
-            )
-            return 2
-        from benchmarks import _engines  # the MPI/Gloo comparison with the raw engines
+        from dtlab.benchmarks import _engines  # the MPI/Gloo comparison with the raw engines
 
         rows = _engines.run(args)
     print(f"torch {torch.__version__}, {args.threads} torch thread(s), best of {args.repeats}")

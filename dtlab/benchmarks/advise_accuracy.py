@@ -1,6 +1,6 @@
 """``dtlab advise``'s predictions next to dtlab's own runs; print a markdown table.
 
-    .venv/bin/python benchmarks/advise_accuracy.py            # the embedded transformer, tiny sizes
+    .venv/bin/python -m dtlab.benchmarks.advise_accuracy            # the embedded transformer, tiny sizes
 
 For every plan of the grid it runs two steps of the embedded transformer (AdamW, 2 blocks, width 32,
 16 tokens, global batch 8) on in-memory ranks and prints, per plan, the predicted and the measured
@@ -161,14 +161,14 @@ def _row(plan: Candidate, spec: ModelSpec, got: dict[str, Any], r: int = 0) -> l
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__).parse_args()
-    rows = []
+    rows: list[list[str]] = []
     for world in (2, 4):
         for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
             config = load_config(
                 overrides=[*TINY_LM, *SIZES, f"strategy.model={strategy}", f"backend.world_size={world}"]
             )
             got = run_world(world, _data_parallel, config, build_task(config))[0]
-            rows.append(_row(Candidate(strategy, dp=world), SPEC, got))  # type: ignore[arg-type]
+            rows.append(_row(Candidate(strategy, dp=world), SPEC, got))
     for shape in ({"tp": 2}, {"tp": 4}, {"dp": 2, "tp": 2}):
         for strategy in ("ddp", "zero1"):
             world = shape.get("dp", 1) * shape["tp"]
@@ -191,8 +191,8 @@ def main() -> None:
     ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ A product of ``M x K`` by ``K x N`` is predicted to take ``2 M N K / (rate * eff
 few runs each) and fits ``rate`` and ``k`` by least squares of the log time (``k`` on a grid, the
 rate in closed form for each). Run once per device::
 
-    python benchmarks/gemm_knee.py                        # this machine's CPU, fp32
-    python benchmarks/gemm_knee.py --device cuda --dtype bf16 --max-dim 8192
+    python -m dtlab.benchmarks.gemm_knee                        # this machine's CPU, fp32
+    python -m dtlab.benchmarks.gemm_knee --device cuda --dtype bf16 --max-dim 8192
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main() -> None:
     dims = [d for d in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if d <= args.max_dim]
     big = dims[-1]
     shapes = {(d, big, big) for d in dims} | {(big, d, big) for d in dims} | {(big, big, d) for d in dims}
-    shapes |= {(d, d, d) for d in dims} | set(itertools.product(dims[-3:], repeat=3))
+    shapes |= {(d, d, d) for d in dims} | {(m, n, k) for m, n, k in itertools.product(dims[-3:], repeat=3)}
     rows = [
         (m, n, k, _time(m, n, k, args.device, DTYPES[args.dtype], args.repeats)) for m, n, k in sorted(shapes)
     ]

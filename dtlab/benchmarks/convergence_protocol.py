@@ -2,13 +2,13 @@
 figures reported on the held-out test split, 3 seeds, raw results written beside the plots.
 
     # 1. selection, seed 0, validation split only (one process per learning rate runs in parallel)
-    .venv/bin/python benchmarks/convergence_protocol.py select --task digits
-    .venv/bin/python benchmarks/convergence_protocol.py select --task lm --lrs 0.5 &
-    .venv/bin/python benchmarks/convergence_protocol.py select --task lm --lrs 1.0
+    .venv/bin/python -m dtlab.benchmarks.convergence_protocol select --task digits
+    .venv/bin/python -m dtlab.benchmarks.convergence_protocol select --task lm --lrs 0.5 &
+    .venv/bin/python -m dtlab.benchmarks.convergence_protocol select --task lm --lrs 1.0
     # 2. the chosen recipe on every sparse algorithm at 1% and 2%, one process per seed
-    .venv/bin/python benchmarks/convergence_protocol.py test --task lm --seed 0   # and 1, 2
+    .venv/bin/python -m dtlab.benchmarks.convergence_protocol test --task lm --seed 0   # and 1, 2
     # 3. the tables (markdown) and the plots, from the JSON files only
-    .venv/bin/python benchmarks/convergence_protocol.py report
+    .venv/bin/python -m dtlab.benchmarks.convergence_protocol report
 
 How a recipe is chosen (``choose``), from validation figures only: the learning rate whose dense run
 is best (dense is tuned first, as anyone would; ``--dense-only`` measures just that at a learning
@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dtlab.benchmarks.convergence import OTHERS, SPARSE, SPARSE_EXTRA, plot, run
 
-from convergence import OTHERS, SPARSE, SPARSE_EXTRA, plot, run
-
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "convergence"
+RESULTS = Path("docs") / "results" / "convergence"  # in the checkout, where this is run from
 TARGET = {"lm": 3.0, "digits": 1.0}  # % perplexity over dense; accuracy points under dense
 
 #: the grid searched on the validation split: learning rates, and warm-up recipes as

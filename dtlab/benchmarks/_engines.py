@@ -1,8 +1,8 @@
 """dtlab's MPIBackend against raw mpi4py, and dtlab's GlooBackend against raw torch.distributed.
 
-Called by ``benchmarks/collectives.py --backend mpi|gloo`` (``run(args) -> list[dict]``) or on its own:
+Called by ``dtlab/benchmarks/collectives.py --backend mpi|gloo`` (``run(args) -> list[dict]``) or on its own:
 
-    .venv/bin/python benchmarks/_engines.py --backend mpi --ranks 2,4 --sizes 4KiB,256KiB,4MiB,64MiB
+    .venv/bin/python -m dtlab.benchmarks._engines --backend mpi --ranks 2,4 --sizes 4KiB,256KiB,4MiB,64MiB
 
 One world of real processes per world size (``mpiexec`` for MPI, TCP on 127.0.0.1 for gloo). In that
 world both variants run in the same process on the same buffers: for every (op, size) and every
@@ -26,12 +26,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -83,7 +78,7 @@ def _slowest(b: Any, seconds: float) -> float:
 
 def bench_rank(
     b: Any, ops: list[str], sizes: list[int], iters: int, repeats: int, threads: int, checked: bool = False
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Runs on every rank of the world; returns the rows (the same on every rank). ``checked``: also
     time dtlab's calls in checked mode (``check_collectives``), in the same rounds."""
     import torch
@@ -149,11 +144,11 @@ def _show(n: int) -> str:
     return f"{n} B"
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (world size, op, size) for ``args.backend`` ("mpi" or "gloo"); one world per size."""
     from dtlab.testing import spawn_world
 
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     for p in args.ranks:
         got = spawn_world(
             p,

@@ -1,8 +1,8 @@
 """How fast ``dtlab train`` stops on SIGTERM: print a markdown table.
 
-    .venv/bin/python benchmarks/preemption.py                                # default model, 4 ranks
-    .venv/bin/python benchmarks/preemption.py --launcher torchrun --ranks 2  # gloo
-    .venv/bin/python benchmarks/preemption.py --launcher mpiexec --ranks 2   # MPI
+    .venv/bin/python -m dtlab.benchmarks.preemption                                # default model, 4 ranks
+    .venv/bin/python -m dtlab.benchmarks.preemption --launcher torchrun --ranks 2  # gloo
+    .venv/bin/python -m dtlab.benchmarks.preemption --launcher mpiexec --ranks 2   # MPI
 
 Each trial starts ``python -m dtlab train`` (``checkpoint.dir`` set, metrics every step), waits until
 ``--after`` steps are logged, sends SIGTERM to the process it started (the launcher under torchrun and

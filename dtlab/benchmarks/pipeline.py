@@ -1,8 +1,8 @@
 """Pipeline parallelism: measured bubbles against the formulas; dtlab against torch.distributed.pipelining.
 
-    .venv/bin/python benchmarks/pipeline.py bubble                 # 4 gloo ranks, stages that sleep
-    .venv/bin/python benchmarks/pipeline.py torch                  # 2 gloo ranks, dtlab vs torch
-    .venv/bin/python benchmarks/pipeline.py bubble --m 4,8 --block-ms 10 --steps 3 --plots docs/img
+    .venv/bin/python -m dtlab.benchmarks.pipeline bubble                 # 4 gloo ranks, stages that sleep
+    .venv/bin/python -m dtlab.benchmarks.pipeline torch                  # 2 gloo ranks, dtlab vs torch
+    .venv/bin/python -m dtlab.benchmarks.pipeline bubble --m 4,8 --block-ms 10 --steps 3 --plots docs/img
 
 ``bubble``: a model of 8 blocks whose forward, input-gradient and weight-gradient each sleep
 ``--block-ms`` (the weight-gradient through ``defer_weight_gradient``, so zero-bubble can move it), on
@@ -29,14 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))
 
@@ -75,7 +70,7 @@ def _sleep_model(blocks: int, seconds: float) -> Any:
             self.w = nn.Parameter(torch.ones(4))
 
         def forward(self, x: Any) -> Any:
-            return SleepFn.apply(x, self.w, weight_gradient_queue(x))
+            return SleepFn.apply(x, self.w, weight_gradient_queue(x))  # type: ignore[no-untyped-call]
 
     return nn.Sequential(*[SleepBlock() for _ in range(blocks)])
 
@@ -105,7 +100,8 @@ def bubble_world(backend: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
                 model.train_step((x, y), lambda a, b: ((a - b) ** 2).mean())
                 wall = time.perf_counter() - t0
                 for q in model.module.parameters():
-                    q.grad.zero_()
+                    if q.grad is not None:
+                        q.grad.zero_()
                 timelines = backend.all_gather_object(model.last_timeline())
                 steps.append({"wall": wall, "timelines": timelines})
             out.append({"schedule": schedule, "v": v, "m": m, "steps": steps[1:]})
@@ -137,9 +133,11 @@ def run_bubble(ns: argparse.Namespace) -> list[dict[str, Any]]:
         # the same schedule replayed with each action's measured duration and messages taking no time:
         # what the actions' own lengths explain; the rest of the measured idle time is communication
         took = {(rank, a): e - b for rank, iv in enumerate(r["steps"][best]["timelines"]) for a, b, e in iv}
-        replay = simulate(
-            build_schedule(r["schedule"], p, m, v), duration=lambda rank, a, took=took: took[(rank, a)]
-        )
+
+        def measured_duration(rank: int, a: Any, took: dict[Any, float] = took) -> float:
+            return took[(rank, a)]
+
+        replay = simulate(build_schedule(r["schedule"], p, m, v), duration=measured_duration)
         formula = (p - 1) / (v * m + p - 1)
         want = formula if r["schedule"] != "zero_bubble" else planned.bubble()
         rows.append(
@@ -254,7 +252,7 @@ def torch_world(backend: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         elif schedule == "1f1b":
             sched = Schedule1F1B(pipe_stages[0], m, loss_fn=F.mse_loss)
         else:
-            sched = ScheduleInterleaved1F1B(pipe_stages, m, loss_fn=F.mse_loss)
+            sched = ScheduleInterleaved1F1B(list[Any](pipe_stages), m, loss_fn=F.mse_loss)
         first, last = 0 in mine, stages - 1 in mine
 
         def torch_step(sched: Any = sched, opt: Any = t_opt, first: bool = first, last: bool = last) -> float:

@@ -2,8 +2,8 @@
 transformer at tp=2 on Gloo and MPI, and torch's DTensor tensor parallelism (``parallelize_module``
 with ``ColwiseParallel``/``RowwiseParallel``, ``loss_parallel``) on Gloo in the same processes.
 
-    .venv/bin/python benchmarks/tensor.py                       # defaults below, Gloo and MPI
-    .venv/bin/python benchmarks/tensor.py --d-model 512 --layers 4 --batch 8 --seq 128 --steps 20
+    .venv/bin/python -m dtlab.benchmarks.tensor                       # defaults below, Gloo and MPI
+    .venv/bin/python -m dtlab.benchmarks.tensor --d-model 512 --layers 4 --batch 8 --seq 128 --steps 20
 
 A step is forward, loss (vocabulary-parallel: the logits stay split), backward and an AdamW step on
 one tp=2 group (no dp axis). Both implementations split the same layers the same way (heads and MLP,
@@ -20,15 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _model(args: dict[str, Any]) -> Any:
@@ -126,7 +121,7 @@ def _torch_step(args: dict[str, Any]) -> tuple[Callable[[], float], Callable[[],
         """Counts the c10d functional collectives DTensor issues (forward and backward)."""
 
         def __init__(self) -> None:
-            super().__init__()
+            super().__init__()  # type: ignore[no-untyped-call]
             self.calls: dict[str, int] = {}
 
         def __torch_dispatch__(self, func: Any, types: Any, a: Any = (), kw: Any = None) -> Any:
@@ -137,7 +132,8 @@ def _torch_step(args: dict[str, Any]) -> tuple[Callable[[], float], Callable[[],
             return func(*a, **(kw or {}))
 
     def count() -> dict[str, int]:
-        with _Count() as counter:
+        counter = _Count()
+        with counter:
             step()
         return counter.calls
 

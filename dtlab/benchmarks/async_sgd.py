@@ -1,7 +1,7 @@
 """AsyncSGDOptimizer against synchronous DDP with one slow worker: throughput and loss against time.
 
-    .venv/bin/python benchmarks/async_sgd.py                          # 1 seed, about 3 minutes
-    .venv/bin/python benchmarks/async_sgd.py --seeds 0,1,2 --json out.json --plot docs/img/async_sgd.png
+    .venv/bin/python -m dtlab.benchmarks.async_sgd                          # 1 seed, about 3 minutes
+    .venv/bin/python -m dtlab.benchmarks.async_sgd --seeds 0,1,2 --json out.json --plot docs/img/async_sgd.png
 
 One MPI world of 4 processes (``mpiexec``, started by ``dtlab.testing.spawn_world``): rank 0 is the
 parameter server, ranks 1-3 are workers. Task: scikit-learn's 8x8 digits (80% train / 20% held out,
@@ -33,8 +33,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core import seeded_init
@@ -99,8 +97,9 @@ def run_variant(
         if workers_group is not None:
             opt = DDPOptimizer(DDPModel(net, workers_group), torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     else:
+        staleness = None if variant is None else int(variant)
         opt = AsyncSGDOptimizer(
-            net, b, torch.optim.SGD, lr=LR, momentum=MOMENTUM, staleness=variant, num_servers=1
+            net, b, torch.optim.SGD, lr=LR, momentum=MOMENTUM, staleness=staleness, num_servers=1
         )
     b.barrier()
     start = time.perf_counter()

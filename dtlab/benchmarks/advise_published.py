@@ -6,7 +6,7 @@ rate fitted across the four (memory per GPU, state bytes per parameter, step tim
 published one), its place among the plans that fit with the authors' checkpointing and among all
 plans, and advise's fastest plan in each case with the predicted difference. Run::
 
-    python benchmarks/advise_published.py
+    python -m dtlab.benchmarks.advise_published
 """
 
 from __future__ import annotations

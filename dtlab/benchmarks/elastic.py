@@ -3,8 +3,9 @@
 directory, the other restarts alone and resumes from the last commit, then the killed one is started
 again and the job grows back to two. Prints a markdown table and writes the raw timeline as JSON.
 
-    .venv/bin/python benchmarks/elastic.py                          # the figures in docs/elastic.md
-    .venv/bin/python benchmarks/elastic.py --commit-every 20 --steps 300 --kill-after 50 --out runs/elastic
+    .venv/bin/python -m dtlab.benchmarks.elastic                          # the figures in docs/elastic.md
+    .venv/bin/python -m dtlab.benchmarks.elastic --commit-every 20 --steps 300 --kill-after 50 \
+        --out runs/elastic
 
 Times (wall clock, ``time.time()`` of this process and of the workers, one machine):
 
@@ -31,11 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from dtlab.testing.torchrun_elastic import TorchrunJob, shrink_and_grow  # noqa: E402
+from dtlab.testing.torchrun_elastic import TorchrunJob, shrink_and_grow
 
 _STAMP = re.compile(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) ")
 
