@@ -1,5 +1,5 @@
-"""`python -m dtlab.benchmarks.convergence` end to end at a toy size: it runs, every row is finite and its byte
-counts add up (the real runs take minutes and are run by hand; their results are in
+"""`python -m dtlab.benchmarks.convergence` end to end at a toy size: it runs, every row is finite and
+its byte counts add up (the real runs take minutes and are run by hand; their results are in
 docs/compression.md)."""
 
 from __future__ import annotations
