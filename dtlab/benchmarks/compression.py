@@ -96,34 +96,44 @@ def bench_rank(
     iters: int,
     semantics: str = "all_reduce",
 ) -> dict[str, Any]:
-    """One rank of one configuration: every algorithm, timed (module level: spawned processes import it)."""
+    """One rank of one configuration: every algorithm, timed (module level: spawned processes import it).
+
+    Each algorithm's timed iterations alternate with dense ones (dense, algorithm, dense, ...), so
+    every iteration of an algorithm has a dense iteration of the same moment to be compared with:
+    the per-iteration times of both are returned, and the ratio is taken per round."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(17 + backend.rank)
     scale = torch.linspace(0.05, 1.0, numel)
     grads = [torch.randn(numel, generator=gen) * scale for _ in range(2)]
+    buf = torch.empty(numel)
+    shard = torch.empty(numel // backend.world_size)
+    dense = CompressedReducer(backend, make("dense", density), dense_below=0)
+
+    def once(red: CompressedReducer, i: int) -> tuple[float, dict[str, Any]]:
+        buf.copy_(grads[i % 2])
+        backend.barrier()
+        red.start_step()
+        t0 = time.perf_counter()
+        if semantics == "reduce_scatter":  # numel is a multiple of P (see run_configs)
+            red.reduce_scatter("g", buf, shard).wait()
+        else:
+            red.all_reduce("g", buf).wait()
+        return time.perf_counter() - t0, red.step_statistics()
+
+    once(dense, 0)
     out: dict[str, Any] = {}
     for name in algorithms:
-        red = CompressedReducer(backend, make(name, density), dense_below=0)
-
-        def once(i: int, red: CompressedReducer = red) -> tuple[float, dict[str, Any]]:
-            buf = grads[i % 2].clone()
-            backend.barrier()
-            red.start_step()
-            t0 = time.perf_counter()
-            if semantics == "reduce_scatter":  # numel is a multiple of P (see run_configs)
-                red.reduce_scatter("g", buf, torch.empty(numel // backend.world_size)).wait()
-            else:
-                red.all_reduce("g", buf).wait()
-            return time.perf_counter() - t0, red.step_statistics()
-
-        first, _ = once(0)  # warm-up (Ok-Topk: the iteration that recomputes thresholds)
-        times, stats = [], []
+        red = dense if name == "dense" else CompressedReducer(backend, make(name, density), dense_below=0)
+        first, _ = once(red, 0)  # warm-up (Ok-Topk: the iteration that recomputes thresholds)
+        times, dense_times, stats = [], [], []
         for i in range(iters):
-            dt, st = once(i + 1)
+            dense_times.append(once(dense, i + 1)[0])
+            dt, st = once(red, i + 1)
             times.append(dt)
             stats.append(st)
         out[name] = {
-            "seconds": statistics.median(times),
+            "times": times,
+            "dense_times": dense_times,
             "first_seconds": first,
             "bytes_sent": max(s["bytes_sent"] for s in stats),
             "bytes_received": max(s["bytes_received"] for s in stats),
@@ -164,10 +174,8 @@ def _one_config(
         return []
     rows = []
     for name in args.algorithms:
-        r = {k: max(pr[name][k] for pr in per_rank) for k in ("seconds", "first_seconds", "bytes_sent")}
+        r = _timing(name, per_rank)
         r0 = per_rank[0][name]
-        if name == "oktopk":
-            r["amortised_seconds"] = (r["first_seconds"] + (TAU - 1) * r["seconds"]) / TAU
         f: float | None
         if semantics == "all_reduce":
             f, text = formula(name, numel, p, args.density, r0)
@@ -181,6 +189,23 @@ def _one_config(
         )  # fmt: skip
     print(f"[{rate}] {engine} P={p} {semantics}: done in {time.time() - t0:.0f}s", flush=True)
     return rows
+
+
+def _timing(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """An iteration's time is its slowest rank's; ``seconds``: the median (Ok-Topk: amortised over
+    ``TAU``, ``(first + (TAU - 1) * reuse) / TAU``); ``speedup``: the median over rounds of the dense
+    iteration's time over the algorithm's (the dense one timed right before it)."""
+    times = [max(ts) for ts in zip(*(pr[name]["times"] for pr in per_rank), strict=True)]
+    dense = [max(ts) for ts in zip(*(pr[name]["dense_times"] for pr in per_rank), strict=True)]
+    first = max(pr[name]["first_seconds"] for pr in per_rank)
+    r: dict[str, Any] = {"seconds": statistics.median(times), "first_seconds": first}
+    r["bytes_sent"] = max(pr[name]["bytes_sent"] for pr in per_rank)
+    r["dense_seconds"] = statistics.median(dense)
+    if name == "oktopk":
+        times = [(first + (TAU - 1) * t) / TAU for t in times]
+        r["amortised_seconds"] = statistics.median(times)
+    r["speedup"] = statistics.median(d / t for d, t in zip(dense, times, strict=True))
+    return r
 
 
 def shaped(args: argparse.Namespace, rate: str) -> list[dict[str, Any]]:
@@ -217,22 +242,12 @@ def shaped(args: argparse.Namespace, rate: str) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| link | engine | P | semantics | algorithm | s/iter | vs dense | sent (rank 0) | formula "
-        "| formula bytes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| link | engine | P | semantics | algorithm | s/iter | dense s/iter (same rounds) | vs dense "
+        "| sent (rank 0) | formula | formula bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sem = r.get("semantics", "all_reduce")
-        where = (r["rate"], r["engine"], r["P"], sem)
-        dense = next(
-            (
-                d
-                for d in rows
-                if d["algorithm"] == "dense"
-                and (d["rate"], d["engine"], d["P"], d.get("semantics", "all_reduce")) == where
-            ),
-            None,
-        )
         # Ok-Topk under reduce-scatter runs without boundary balancing and global selection: say so
         algo = (
             f"{r['algorithm']} (reduced: no balancing, no global phase)"
@@ -241,10 +256,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
         fb = "-" if r["formula_bytes"] is None else f"{r['formula_bytes'] / 1e6:.2f} MB"
         sec = r.get("amortised_seconds", r["seconds"])
-        speed = f"{dense['seconds'] / sec:.1f}x" if dense else "-"
+        speed = f"{r['speedup']:.2f}x"
         lines.append(
             f"| {r['rate']} | {r['engine']} | {r['P']} | {sem.replace('_', '-')} | {algo} | {sec:.3f} "
-            f"| {speed} | "
+            f"| {r['dense_seconds']:.3f} | {speed} | "
             f"{r['rank0_bytes_sent'] / 1e6:.2f} MB | {r['formula']} | {fb} |"
         )
     return "\n".join(lines)

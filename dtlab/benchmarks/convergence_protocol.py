@@ -157,9 +157,27 @@ def test(args: argparse.Namespace) -> None:
         world=args.world,
     )  # fmt: skip
     rows = slim(run(args.task, ns), chosen["name"])
-    path = RESULTS / f"{args.task}_test_seed{args.seed}.json"
+    stored = RESULTS / f"{args.task}_test_seed{args.seed}.json"
+    path = args.out or stored
     path.write_text(json.dumps(rows))
     print(f"wrote {path}", flush=True)
+    if args.out is not None and stored.exists():  # a re-run: every figure next to the stored one
+        compare(rows, json.loads(stored.read_text()), args.task)
+
+
+def compare(rows: list[dict[str, Any]], stored: list[dict[str, Any]], task: str) -> None:
+    """Print each re-run figure (test split) and bytes next to the stored run's."""
+    print("| algorithm | density | test figure (stored) | (re-run) | bytes (stored) | bytes (re-run) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        key = (r["algorithm"], r["density"])
+        old = next((o for o in stored if (o["algorithm"], o["density"]) == key), None)
+        if old is None:
+            continue
+        print(
+            f"| {r['algorithm']} | {r['density']} | {fmt(task, old['final'])} | {fmt(task, r['final'])} | "
+            f"{old['total_bytes_sent']} | {r['total_bytes_sent']} |"
+        )
 
 
 def fmt(task: str, v: float | None) -> str:
@@ -262,6 +280,12 @@ def main() -> None:
     t.add_argument("--seed", type=int, required=True)
     t.add_argument("--algorithms", nargs="+", default=None)
     t.add_argument("--world", type=int, default=4)
+    t.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the rows here instead of the results folder, and print them next to the stored run",
+    )
     r = sub.add_parser("report", help="markdown tables and plots from the JSON files")
     r.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--out-dir", type=Path, default=Path("docs/img"))
