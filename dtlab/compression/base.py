@@ -144,6 +144,9 @@ class Exchange:
     ``residual_in_place``: the compressor already turned ``acc`` into ``acc - contributed`` (one pass
     fused with its quantization or cast), so error feedback keeps ``acc`` as it is now as the residual.
     ``result`` may be in a lower precision (a cast's sum); :meth:`write` converts it.
+    ``writer``: a dense result not yet computed; ``writer(out)`` writes it into a flat float32 ``out``
+    and returns how many elements are nonzero (``global_selected``): decoding straight into the
+    gradient saves a pass through a separate result buffer.
     """
 
     result: torch.Tensor | None
@@ -155,6 +158,13 @@ class Exchange:
     result_indices: torch.Tensor | None = None
     result_values: torch.Tensor | None = None
     residual_in_place: bool = False
+    writer: Callable[[torch.Tensor], int] | None = None
+
+    def materialize(self, numel: int, device: torch.device) -> None:
+        """Compute a ``writer``'s result into :attr:`result` (a float32 buffer of ``numel``)."""
+        if self.writer is not None and self.result is None:
+            self.result = torch.empty(numel, dtype=torch.float32, device=device)
+            self.global_selected = self.writer(self.result)
 
     @classmethod
     def sparse(
@@ -170,6 +180,11 @@ class Exchange:
 
     def write(self, out: torch.Tensor) -> None:
         """Store the average into ``out`` (flat, any floating dtype)."""
+        if self.writer is not None and self.result is None:
+            if out.dtype == torch.float32 and out.is_contiguous():
+                self.global_selected = self.writer(out.view(-1))
+                return
+            self.materialize(out.numel(), out.device)
         if self.result is not None:
             out.copy_(self.result)
             return
@@ -239,6 +254,7 @@ class Compressor(ABC):
         reduce-scatter phase (Ok-Topk, TopkDSA) override it and skip their gather phase.
         """
         ex = self.all_reduce(state, acc, backend)
+        ex.materialize(acc.numel(), acc.device)
         n, me = acc.numel() // backend.world_size, backend.rank
         if ex.result is not None:
             ex.result = ex.result[me * n : (me + 1) * n]

@@ -70,6 +70,9 @@ class QSGD(Compressor):
         all_norms = bufs.get("all_norms", p * nb, torch.float32, dev)
         backend.all_gather(all_codes, codes)
         backend.all_gather(all_norms, norms)
-        result = bufs.get("result", n, torch.float32, dev)
-        nonzero = qsgd_decode_mean(all_codes, all_norms, p, b, self.levels, result)
-        return Exchange(result, None, sent, nonzero, select_s, residual_in_place=True)
+        levels = self.levels
+
+        def decode(out: torch.Tensor) -> int:  # straight into the gradient (Exchange.write)
+            return qsgd_decode_mean(all_codes, all_norms, p, b, levels, out)
+
+        return Exchange(None, None, sent, None, select_s, residual_in_place=True, writer=decode)
