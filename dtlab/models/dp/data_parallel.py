@@ -80,7 +80,8 @@ def _check_module(
         raise StrategyError(
             f"{who}: the parameters of {type(module).__name__} are on the meta device; {who} keeps the "
             "whole model on every rank, so build the module plainly (under dtlab.core.seeded_init(seed)), "
-            "or wrap it in ZeRO3Model/FSDPModel with init_seed=<int> (each rank initializes its shards)"
+            "or wrap it in ZeRO3Model/FSDPModel with init_seed=<int> (each rank initializes its shards; "
+            "TensorParallelModel, PipelineParallelModel and HybridShardedModel take init_seed too)"
         )
     if device.type != backend.device.type:
         raise StrategyError(
