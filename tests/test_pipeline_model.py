@@ -146,11 +146,11 @@ def test_balanced_split_and_split_points() -> None:
     assert lm == ["embed", "blocks.0", "blocks.1", "head"]
 
 
-class _Tied(nn.Module):
+class _SharedBuffer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
-        self.b.weight = self.a.weight
+        self.a, self.b = nn.BatchNorm1d(2), nn.BatchNorm1d(2)
+        self.b.running_mean = self.a.running_mean
 
     def pipeline_blocks(self) -> list[tuple[str, nn.Module]]:
         return [("a", self.a), ("b", self.b)]
@@ -173,8 +173,8 @@ class _DataDependent(nn.Module):
 @pytest.mark.parametrize(
     ("make", "kwargs", "words"),
     [
-        (lambda: nn.Linear(2, 2), {}, "splits an nn.Sequential or a module with a pipeline_blocks()"),
-        (_Tied, {}, "'a.weight' and 'b.weight' are one tied parameter used by pipeline blocks ['a', 'b']"),
+        (lambda: nn.Linear(2, 2), {}, "has no pipeline_blocks() and is no nn.Sequential; name where"),
+        (_SharedBuffer, {}, "a buffer is used by pipeline blocks 'a' and 'b'"),
         (_Partial, {}, "belong to no pipeline block and would be dropped: ['extra.weight', 'extra.bias']"),
         (lambda: make_mlp(1), {}, "has 2 pipeline blocks (['0', '1']) but the pipeline needs 4 stages"),
         (lambda: make_mlp(4), {"split_points": ["2"]}, "4 pipeline stages need 3 split points"),

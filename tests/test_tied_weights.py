@@ -1,7 +1,8 @@
 """Tied parameters (an embedding and an output layer sharing one weight) under the model-parallel
 strategies: kept as one weight where the plan splits both users alike (tp, dp x tp with DDP and FSDP,
 against one process), refused before any communication, naming the tied parameters, where it cannot
-be kept (a plan splitting only one user, a pipeline across the two users)."""
+be kept (a plan splitting only one user). Pipelines keep it tied across stages:
+tests/test_pipeline_any_model.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import RankFailedError, StrategyError
-from dtlab.models import HybridShardedModel, PipelineParallelModel, TensorParallelModel
+from dtlab.models import HybridShardedModel, TensorParallelModel
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -135,20 +136,9 @@ def test_a_vocab_and_colwise_plan_keeps_the_tie_and_matches_one_process(
 def _refused(backend: CommunicationBackend, kind: str) -> None:
     if kind == "tp_one_user":
         TensorParallelModel(_model(), backend, plan={"head": "colwise"})
-    elif kind == "pp":
-        PipelineParallelModel(_model(), backend, split_points=["head"], micro_batches=2)
-    else:  # the hybrid: the tie is kept by the plan, then refused by the pipeline
-        HybridShardedModel(_model(), Mesh(backend, {"pp": 2, "tp": 2}), "ddp", tensor_plan=TIED_PLAN)
 
 
-@pytest.mark.parametrize(
-    ("kind", "world", "says"),
-    [
-        ("tp_one_user", 2, "ColwiseParallel on 'head'"),
-        ("pp", 2, "pipeline blocks ['emb', 'head']"),
-        ("hybrid", 4, "pipeline blocks ['emb', 'head']"),
-    ],
-)
+@pytest.mark.parametrize(("kind", "world", "says"), [("tp_one_user", 2, "ColwiseParallel on 'head'")])
 def test_a_tie_that_cannot_be_kept_is_refused_naming_it(kind: str, world: int, says: str) -> None:
     with pytest.raises(RankFailedError) as info:
         run_world(world, _refused, kind, timeout=30)

@@ -246,6 +246,20 @@ class ShardIndex:
                     self.box_pieces.setdefault(key, []).append((box, int(e["start"]), int(e["end"]), t))
                 else:
                     self.pieces.setdefault(key, []).append((int(e["start"]), int(e["end"]), t))
+        self._alias(self.extra.get("tied", {}))
+
+    def _alias(self, tied: Any) -> None:
+        """A weight tied across pipeline stages is stored once: its other names read the first's."""
+        if not isinstance(tied, dict):
+            raise CheckpointError(f"metadata['tied'] must map names to names, got {summary(tied)}")
+        for alias, first in tied.items():
+            if alias in self.meta or first not in self.meta:
+                continue
+            self.meta[alias] = self.meta[first]
+            if first in self.pieces:
+                self.pieces[alias] = self.pieces[first]
+            if first in self.box_pieces:
+                self.box_pieces[alias] = self.box_pieces[first]
 
     def __contains__(self, key: str) -> bool:
         return key in self.meta

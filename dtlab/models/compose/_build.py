@@ -8,7 +8,7 @@ each stage's shapes for the meta forward).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from dtlab.backends.mesh import Mesh
 from dtlab.core import pairs
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.errors import StrategyError
-from dtlab.models.compose._tied import check_tied, retie
+from dtlab.models.compose._tied import check_tied, retie, tied_groups
 from dtlab.models.compose._tree import StageRoot
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DDPModel
@@ -29,7 +29,16 @@ from dtlab.models.dp.zero2 import ZeRO2Model
 from dtlab.models.dp.zero3 import ZeRO3Model
 from dtlab.models.pipeline._runtime import check_stage_checkpointing
 from dtlab.models.pipeline._schedules import PipelineSchedule, build_schedule, check_schedule_args
-from dtlab.models.pipeline._split import Shapes, Stage, module_blocks, split_blocks, stage_shapes
+from dtlab.models.pipeline._split import (
+    Shapes,
+    Stage,
+    has_blocks,
+    module_blocks,
+    split_blocks,
+    stage_shapes,
+)
+from dtlab.models.pipeline._ties import CrossTie, aliases_of, cross_ties, init_ties
+from dtlab.models.pipeline._trace import TracedStage, traced_stages
 from dtlab.models.tensor._auto import declared_plan
 from dtlab.models.tensor._comm import broadcast_module_state
 from dtlab.models.tensor._plan import (
@@ -93,15 +102,21 @@ def as_mesh(mesh: Mesh | CommunicationBackend, who: str, axis: str | None, axes:
 Entries = dict[str, tuple[list[int], torch.dtype, int, Placement]]
 
 
-def tensor_entries(module: nn.Module, tp: int, owner: dict[int, int]) -> Entries:
-    """Every tensor of the whole model: full shape, dtype, the pipeline rank holding it, placement."""
+def tensor_entries(
+    module: nn.Module, tp: int, owner: dict[int, int], by_module: dict[int, int] | None = None
+) -> Entries:
+    """Every tensor of the whole model: full shape, dtype, the pipeline rank holding it (a tied
+    parameter's: the rank holding the module it is named under), placement."""
     out: Entries = {}
     for key, t in module.state_dict(keep_vars=True).items():
         placement = placement_of(t)
         shape = list(t.shape)
         if isinstance(placement, Shard):
             shape[placement.dim] *= tp
-        out[key] = (shape, t.dtype, owner.get(id(t), 0), placement)
+        rank = owner.get(id(t), 0)
+        if by_module is not None:
+            rank = by_module.get(id(module.get_submodule(key.rpartition(".")[0])), rank)
+        out[key] = (shape, t.dtype, rank, placement)
     return out
 
 
@@ -129,7 +144,7 @@ class Layout:
     """This rank's part of the composition, ready for the data-parallel strategy."""
 
     root: nn.Module  #: what the data-parallel strategy wraps (the module, or this rank's StageRoot)
-    stages: list[Stage]  #: every stage in order (empty without a pipeline)
+    stages: list[Stage | TracedStage]  #: every stage in order (empty without a pipeline)
     shapes: list[Shapes]  #: each stage's tensors' shapes, recorded while whole
     schedule: PipelineSchedule | None
     micro_batches: int
@@ -137,6 +152,15 @@ class Layout:
     partial: set[str]  #: names (in ``root``) of the sequence-parallel parameters with partial gradients
     #: each parameter the tensor plan replaced (by id) -> the tensor-parallel parameter replacing it
     swapped: dict[int, torch.Tensor]
+    #: a model split at module names: every tensor's shape by name (for the meta trace), else empty
+    whole_shapes: Shapes = field(default_factory=dict)
+    ties: list[CrossTie] = field(default_factory=list)  #: parameters tied across pipeline ranks
+    aliases: dict[str, str] = field(default_factory=dict)  #: a tied parameter's other names -> its first
+    unwritten: set[str] = field(default_factory=set)  #: names in ``root`` another rank's checkpoint writes
+
+    @property
+    def traced(self) -> bool:
+        return bool(self.stages) and isinstance(self.stages[0], TracedStage)
 
 
 def _check_pipeline(who: str, args: PipelineArgs, p: int, m: int, pipelined: bool) -> None:
@@ -179,7 +203,7 @@ def lay_out(
         if tensor_plan is None
         else resolve_plan(module, declared_plan(module, tensor_plan), tp.world_size)
     )
-    ties = check_tied(who, module, resolved, pipelined)  # never silently untied; before any work
+    ties = check_tied(who, module, resolved)  # never silently untied; before any work
     swapped: dict[int, torch.Tensor] = {}
     if resolved is not None:
         if not on_meta:
@@ -196,24 +220,45 @@ def lay_out(
     if not pipelined:
         entries = tensor_entries(module, tp.world_size, {})
         return Layout(module, [], [], None, m, entries, _names(module, partial), swapped)
-    stages = split_blocks(module_blocks(module), p * v, args.split_points)
+    stages = split_stages(who, module, p * v, args.split_points)
     schedule = build_schedule(args.schedule, p, m, v)  # dry-run: no deadlock, every message matched
-    owner = {
-        id(t): schedule.rank_of(s) for s, st in enumerate(stages) for t in [*st.parameters(), *st.buffers()]
-    }
-    entries = tensor_entries(module, tp.world_size, owner)  # before other stages become meta
+    groups = tied_groups(module)
+    crossing = cross_ties(module, groups, stages, schedule)
+    init_ties(crossing, module, pp, on_meta)  # collective over pp: the copies start equal
+    owner: dict[int, int] = {}
+    by_module: dict[int, int] = {}
+    for s, st in enumerate(stages):
+        for t in [*st.parameters(), *st.buffers()]:
+            owner.setdefault(id(t), schedule.rank_of(s))  # a replicated buffer: saved by its first stage
+        for sub in st.modules():
+            by_module.setdefault(id(sub), schedule.rank_of(s))
+    entries = tensor_entries(module, tp.world_size, owner, by_module)  # before other stages become meta
     shapes = [stage_shapes(stage) for stage in stages]
+    whole = _whole_shapes(module) if isinstance(stages[0], TracedStage) else {}
     mine = schedule.stages_of(pp.rank)
-    for s, stage in enumerate(stages):
-        if s not in mine:
-            stage.to("meta")  # other ranks' stages: shapes only (placements are not kept there)
+    _release(stages, mine)
     root = StageRoot(module, {s: stages[s] for s in mine})
     if not any(q.requires_grad for q in root.parameters()):
         raise StrategyError(
             f"pipeline rank {pp.rank} holds stages {list(mine)} with no trainable parameters; move the "
             "split points so every rank has some"
         )
-    return Layout(root, stages, shapes, schedule, m, entries, _names(root, partial), swapped)
+    aliases = aliases_of(groups)
+    unwritten = {k for k in root.state_dict(keep_vars=True) if k in aliases or entries[k][2] != pp.rank}
+    return Layout(
+        root,
+        stages,
+        shapes,
+        schedule,
+        m,
+        entries,
+        _names(root, partial),
+        swapped,
+        whole,
+        crossing,
+        aliases,
+        unwritten,
+    )
 
 
 def _planned_layers(resolved: list[tuple[str, nn.Module, Style]]) -> dict[str, nn.Module]:
@@ -241,3 +286,43 @@ def _replaced(module: nn.Module, before: dict[str, nn.Module]) -> dict[int, torc
 def _names(root: nn.Module, params: list[nn.Parameter]) -> set[str]:
     wanted = {id(q) for q in params if q.requires_grad}
     return {n for n, q in root.named_parameters() if id(q) in wanted}
+
+
+def split_stages(
+    who: str, module: nn.Module, n: int, split_points: Sequence[str] | None
+) -> list[Stage | TracedStage]:
+    """``n`` stages: at block names of an ``nn.Sequential`` or a module with ``pipeline_blocks()``, else
+    at module names (``split_points`` required), each stage running the model's own forward."""
+    if has_blocks(module):
+        return list(split_blocks(module_blocks(module), n, split_points))
+    if not split_points:
+        raise StrategyError(
+            f"{who}: {type(module).__name__} has no pipeline_blocks() and is no nn.Sequential; name where "
+            f"stages 1..{n - 1} begin with split_points=[{n - 1} module names] (e.g. a decoder layer such "
+            "as 'model.layers.2'), or give the model a pipeline_blocks() method"
+        )
+    return list(traced_stages(module, split_points, n))
+
+
+def _whole_shapes(module: nn.Module) -> Shapes:
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return {n: (tuple(t.shape), t.dtype) for n, t in named}
+
+
+def _release(stages: Sequence[nn.Module], mine: Sequence[int]) -> None:
+    """Other ranks' stages to the meta device (shapes only), but for modules a stage of this rank uses
+    (replicated blocks; a tied parameter keeps this rank's copy, its other users get meta ones)."""
+    keep = {id(sub) for s in mine for sub in stages[s].modules()}
+
+    def release(m: nn.Module) -> None:
+        if id(m) in keep:
+            return
+        if not any(id(c) in keep for c in m.modules()):
+            m.to("meta")
+            return
+        for child in m.children():
+            release(child)
+
+    for s, stage in enumerate(stages):
+        if s not in mine:
+            release(stage)

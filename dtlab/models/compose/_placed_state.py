@@ -10,7 +10,7 @@ plain module (``dtlab/models/shard_index.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -47,10 +47,14 @@ def write_placed_state(
     dp: CommunicationBackend,
     tp: CommunicationBackend,
     span: CommunicationBackend,
+    skip: Collection[str] = (),
 ) -> ShardedState:
     """Add this rank's pieces to ``state``: ``whole`` (tensors this rank holds whole: parameters of
-    DDP/ZeRO-1/2, buffers and frozen parameters) and ``flat_units`` (ZeRO-3/FSDP shards)."""
+    DDP/ZeRO-1/2, buffers and frozen parameters) and ``flat_units`` (ZeRO-3/FSDP shards); not the
+    tensors named in ``skip`` (another rank writes them: replicated buffers, tied copies)."""
     for key, t in whole.items():
+        if key in skip:
+            continue
         placement = placements[key]
         flat = t.detach().reshape(-1)
         if isinstance(placement, Shard):
@@ -62,8 +66,8 @@ def write_placed_state(
     for st in flat_units:
         for slot, a, b, so in st.unit.shard_slots():
             placement = placements[slot.name]
-            if not isinstance(placement, Shard) and tp.rank != 0:
-                continue  # the same values on every tp rank: written once
+            if slot.name in skip or (not isinstance(placement, Shard) and tp.rank != 0):
+                continue  # another rank's, or the same values on every tp rank: written once
             coord, size = _tp_coord(placement, tp)
             add_placed_slice(
                 state,

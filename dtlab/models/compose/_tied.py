@@ -9,8 +9,8 @@ give each user its own copy; a pipeline puts blocks on different ranks. So, befo
   vocabulary) identically, so after the swap the linear layer is given the embedding's shard
   (:func:`retie`); a tie the plan does not touch stays as it is; any other tie the plan touches is
   refused, naming the tied parameters;
-- a pipeline refuses a parameter used by two of its blocks (the blocks may run on different ranks),
-  naming the tied parameters and the blocks.
+- a pipeline keeps a parameter used by stages on several ranks tied as Megatron-LM does
+  (:mod:`dtlab.models.pipeline._ties`).
 """
 
 from __future__ import annotations
@@ -105,47 +105,16 @@ def _tensor_ties(
     return out
 
 
-def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """The pipeline blocks as the split will see them (None: no blocks; the split refuses that)."""
-    custom = getattr(module, "pipeline_blocks", None)
-    if callable(custom):
-        return [(str(n), b) for n, b in custom() if isinstance(b, nn.Module)]
-    if isinstance(module, nn.Sequential):
-        return list(module.named_children())
-    return None
-
-
-def _pipeline_ties(who: str, module: nn.Module, groups: list[list[str]]) -> None:
-    blocks = _blocks(module)
-    if not blocks or not groups:
-        return
-    named = dict(module.named_parameters(remove_duplicate=False))
-    for names in groups:
-        p = named[names[0]]
-        users = [b for b, block in blocks if any(q is p for q in block.parameters())]
-        if len(users) > 1:
-            raise StrategyError(
-                f"{who}: {' and '.join(repr(n) for n in names)} are one tied parameter used by pipeline "
-                f"blocks {users}, which may run on different ranks; a pipeline cannot keep it tied. Put "
-                "its users in one pipeline block (one stage), train without a pipeline (tensor or data "
-                "parallelism keep it tied), or untie them in the model before wrapping (e.g. Hugging "
-                "Face: config.tie_word_embeddings=False; this changes the model)"
-            )
-
-
 def check_tied(
     who: str,
     module: nn.Module,
     resolved: Sequence[tuple[str, nn.Module, Style]] | None,
-    pipelined: bool,
 ) -> list[Retie]:
     """Every tie check, before any communication; returns the ties :func:`retie` restores after the
     tensor plan's swap."""
     groups = tied_groups(module)
     if not groups:
         return []
-    if pipelined:
-        _pipeline_ties(who, module, groups)
     return _tensor_ties(who, groups, resolved) if resolved else []
 
 

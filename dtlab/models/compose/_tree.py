@@ -5,17 +5,17 @@ submodules are the user's own modules of this rank's stages, at their paths in t
 ``named_parameters()`` and ``state_dict()`` are keyed like the plain module and FSDP/ZeRO-3 hooks on
 those modules fire when a stage runs them), and its ``forward(x, stage)`` runs one stage. The stages
 themselves (:class:`~dtlab.models.pipeline._split.Stage`, which may hold wrapper blocks such as
-``TransformerLM``'s embedding block) are kept outside the module tree, so nothing is registered twice.
+``TransformerLM``'s embedding block, or :class:`~dtlab.models.pipeline._trace.TracedStage`) are kept
+outside the module tree, so nothing is registered twice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
-
-from dtlab.models.pipeline._split import Stage
 
 __all__ = ["StageRoot", "mirror_tree"]
 
@@ -52,7 +52,7 @@ class StageRoot(nn.Module):
     """This rank's stages of a pipeline: ``forward(x, stage)`` runs stage ``stage`` (an index of the
     whole pipeline); parameters and buffers are registered under their names in the whole model."""
 
-    def __init__(self, module: nn.Module, stages: Mapping[int, Stage]) -> None:
+    def __init__(self, module: nn.Module, stages: Mapping[int, nn.Module]) -> None:
         super().__init__()
         keep: set[int] = set()
         for stage in stages.values():
@@ -60,10 +60,11 @@ class StageRoot(nn.Module):
         mirror_tree(self, module, keep)
         self.__dict__["_run"] = dict(stages)  # not registered: the paths above name every tensor once
 
-    def forward(self, x: torch.Tensor, stage: int) -> torch.Tensor:
-        run: dict[int, Stage] = self.__dict__["_run"]
-        out: torch.Tensor = run[stage](x)
-        return out
+    def forward(self, x: torch.Tensor, stage: int, *inputs: torch.Tensor) -> Any:
+        """Stage ``stage`` on ``x``; a stage of a model split at module names also takes the
+        micro-batch's model ``inputs`` (its copy of the model's forward recomputes positions, masks)."""
+        run: dict[int, nn.Module] = self.__dict__["_run"]
+        return run[stage](x, *inputs)
 
     def train(self, mode: bool = True) -> StageRoot:
         super().train(mode)

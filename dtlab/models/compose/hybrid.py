@@ -61,6 +61,7 @@ from dtlab.models.compose._placed_state import (
     write_placed_state,
 )
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
+from dtlab.models.compose._stages import StageSpecs, TiedSync
 from dtlab.models.dp._materialize import ParamInitFn
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.flat import FlatUnit
@@ -69,7 +70,8 @@ from dtlab.models.pipeline._comm import StageLinks, infer_through_stages
 from dtlab.models.pipeline._runtime import StepResult, run_schedule
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.pipeline._split import Stage, TensorSpec
-from dtlab.models.pipeline._split import stage_specs as meta_stage_specs
+from dtlab.models.pipeline._trace import TracedStage
+from dtlab.models.pipeline._trace_check import output_tensor
 from dtlab.models.shard_index import new_state
 from dtlab.models.tensor._layers import vocab_parallel_cross_entropy
 from dtlab.models.tensor._plan import Plan, splits_logits
@@ -170,10 +172,11 @@ class HybridShardedModel(OptimizerTarget):
         self._span = mesh["dp", "tp"]
         self._partial = layout.partial
         self._sync = True
-        self._specs: dict[TensorSpec, list[TensorSpec]] = {}
+        self._stage_specs = StageSpecs(layout, module)
         self._last: StepResult | None = None
         if self._partial and self.tp_group.world_size > 1:
             dp.register_post_sync_hook(self._sum_partial)
+        self._tied = TiedSync(layout, root, dp)  # weights tied across pipeline ranks
 
     @staticmethod
     def from_plan(
@@ -201,7 +204,7 @@ class HybridShardedModel(OptimizerTarget):
         return self.schedule is not None
 
     @property
-    def stages(self) -> list[Stage]:
+    def stages(self) -> list[Stage | TracedStage]:
         """Every pipeline stage in order (other ranks' hold meta tensors); empty without a pipeline."""
         return list(self._layout.stages)
 
@@ -231,16 +234,16 @@ class HybridShardedModel(OptimizerTarget):
             self._sync = prev
 
     # ------------------------------------------------------------------ forward
-    def _stage_forward(self, x: torch.Tensor, stage: int) -> torch.Tensor:
+    def _stage_forward(self, x: torch.Tensor, stage: int, *inputs: torch.Tensor) -> Any:
         """One stage through the data-parallel strategy's forward (its buffers, gathers and hooks); the
-        activations ZeRO-3/FSDP's own saved-tensor hooks keep go on to the pipeline's meter."""
+        activations ZeRO-3/FSDP's own saved-tensor hooks keep go on to the pipeline's meter. A stage of
+        a model split at module names also gets the micro-batch's model ``inputs``."""
         dp = self.dp_strategy
         dp.observe_activation = outer_pack()
         try:
-            out: torch.Tensor = dp(x, stage)
+            return dp(x, stage, *inputs) if self._layout.traced else dp(x, stage)
         finally:
             dp.observe_activation = None
-        return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Without a pipeline: the data-parallel strategy's forward. With one: inference through every
@@ -256,16 +259,21 @@ class HybridShardedModel(OptimizerTarget):
                 "under torch.no_grad()"
             )
         (x,) = args
-        return infer_through_stages(x, self._stage_forward, self._specs_for(x), self.schedule, self.pp_group)
+        specs = self._specs_for(x)
+        last = self.schedule.num_stages - 1
+
+        def run(h: torch.Tensor, s: int) -> torch.Tensor:
+            out = self._stage_forward(h, s, x)
+            tensor = output_tensor(out) if s == last and self._layout.traced else out
+            if not isinstance(tensor, torch.Tensor):  # unreachable: the trace checked the output
+                raise StrategyError(f"pipeline stage {s} returned a {type(out).__name__}")
+            return tensor
+
+        return infer_through_stages(x, run, specs, self.schedule, self.pp_group)
 
     def _specs_for(self, sample: torch.Tensor) -> list[TensorSpec]:
-        """Each stage's output shape for micro-batches like ``sample``: a forward on the meta device
-        with the shapes recorded at construction (ZeRO-3/FSDP hold only shards at rest)."""
-        key = TensorSpec(tuple(sample.shape), sample.dtype)
-        if key not in self._specs:
-            with self.dp_strategy.gather_hooks_suspended():
-                self._specs[key] = meta_stage_specs(self._layout.stages, self._layout.shapes, key)
-        return self._specs[key]
+        """Each stage's output spec for micro-batches like ``sample`` (computed once per shape)."""
+        return self._stage_specs(sample, self.dp_strategy)
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
@@ -289,7 +297,7 @@ class HybridShardedModel(OptimizerTarget):
         specs = self._specs_for(micro_in[0])
         pp, plan, dp = self.pp_group, self.schedule, self.dp_strategy
         links = StageLinks(pp, plan, specs) if pp.world_size > 1 else None
-        calls = {s: (lambda x, s=s: self._stage_forward(x, s)) for s in plan.stages_of(pp.rank)}
+        calls = {s: self._stage_call(s, micro_in) for s in plan.stages_of(pp.rank)}
         with dp.keep_gathered():  # ZeRO-3/FSDP: each unit gathered once per step
             excluded = {t.untyped_storage().data_ptr() for t in [*self.module.parameters(), inputs, targets]}
             with dp.no_sync():
@@ -306,10 +314,17 @@ class HybridShardedModel(OptimizerTarget):
                 )
             self._last = result
             if self._sync:
+                self._tied.before_reduce()
                 dp.reduce_accumulated_grads()
         last = plan.rank_of(plan.num_stages - 1)
         loss = None if result.loss is None else result.loss.reshape(1).float()
         return broadcast_over_pp(loss, (1,), torch.float32, last, pp)[0]
+
+    def _stage_call(self, s: int, micro_in: Sequence[torch.Tensor]) -> Callable[[torch.Tensor, int], Any]:
+        def call(x: torch.Tensor, micro: int) -> Any:
+            return self._stage_forward(x, s, micro_in[micro])
+
+        return call
 
     def _sum_partial(self) -> None:
         """Sequence parallelism: replicated parameters used on a chunk of the sequence have partial
@@ -387,7 +402,12 @@ class HybridShardedModel(OptimizerTarget):
         _, replicated = dp.norm_grad_tensors()  # also settles ZeRO-1 after a forward without backward
         if replicated and self.dp_backend.rank != 0:
             return [], False
-        return grads_of(dp, lambda n: counts_in_norm(self._placements[n], tp, ("tp",)), replicated), False
+        skip = self._tied.norm_skip
+
+        def counted(n: str) -> bool:
+            return n not in skip and counts_in_norm(self._placements[n], tp, ("tp",))
+
+        return grads_of(dp, counted, replicated), False
 
     def placed(self, name: str) -> tuple[Placement, int, int]:
         """Parameter ``name``'s placement, this rank's coordinate and the size of its axis."""
@@ -408,6 +428,8 @@ class HybridShardedModel(OptimizerTarget):
         world, dp = self.mesh.backend, self.dp_strategy
         state = new_state(self.strategy_name, world.world_size, world.rank, mesh=dict(self.mesh.shape))
         state.metadata["data_parallel"] = self.data_parallel
+        if self._layout.aliases:
+            state.metadata["tied"] = dict(self._layout.aliases)  # stored once, under the first name
         return write_placed_state(
             state,
             dp.whole_state(),
@@ -416,6 +438,7 @@ class HybridShardedModel(OptimizerTarget):
             self.dp_backend,
             self.tp_group,
             self._span,
+            skip=self._layout.unwritten,
         )
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:

@@ -102,7 +102,7 @@ class _Step:
 
     schedule: PipelineSchedule
     rank: int
-    stages: Mapping[int, Callable[[torch.Tensor], torch.Tensor]]
+    stages: Mapping[int, Callable[[torch.Tensor, int], torch.Tensor]]  # (input, micro-batch)
     links: StageLinks | None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     meter: ActivationMeter
@@ -127,7 +127,7 @@ class _Step:
             SplitLinearMode(store) if store is not None else contextlib.nullcontext(),
         ):
             run = self.stages[a.stage]
-            y = checkpoint(run, x, use_reentrant=False) if self.checkpointing else run(x)
+            y = checkpoint(run, x, a.micro, use_reentrant=False) if self.checkpointing else run(x, a.micro)
             if a.stage == last:
                 y = _mean_loss(self.loss_fn(y, target)) / self.schedule.m
         self.meter.hold(key, [x, y])
@@ -172,7 +172,7 @@ def _mean_loss(loss: object) -> torch.Tensor:
 def run_schedule(
     schedule: PipelineSchedule,
     rank: int,
-    stages: Mapping[int, Callable[[torch.Tensor], torch.Tensor]],
+    stages: Mapping[int, Callable[[torch.Tensor, int], torch.Tensor]],
     links: StageLinks | None,
     inputs: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor],
@@ -180,7 +180,8 @@ def run_schedule(
     excluded_storages: set[int],
     checkpointing: bool = False,
 ) -> StepResult:
-    """Execute ``schedule.actions[rank]`` with this rank's ``stages`` on the micro-batches. With
+    """Execute ``schedule.actions[rank]`` with this rank's ``stages`` (each called with its input and the
+    micro-batch's index) on the micro-batches. With
     ``checkpointing`` each stage's forward keeps only its input and recomputes the rest in its
     backward (``torch.utils.checkpoint``, non-reentrant)."""
     step = _Step(schedule, rank, stages, links, loss_fn, ActivationMeter(excluded_storages), checkpointing)

@@ -3,11 +3,13 @@
 A pipelined module is an ``nn.Sequential`` (its children are the blocks) or any module with a
 ``pipeline_blocks()`` method returning its ordered ``(name, block)`` pairs, each block taking one tensor
 and returning one tensor (``TransformerLM`` offers one: embedding, each transformer block, final norm
-with the head). Every parameter and buffer must belong to exactly one block (none silently dropped,
-none shared across blocks). Stage boundaries are block names (``split_points``: where a stage begins,
-torch's ``SplitPoint.BEGINNING``), by default a split balanced by parameter count. Shapes and dtypes
-of the tensors between stages come from a forward on the meta device with the micro-batch's shape,
-computed alike on every rank: nothing is negotiated at run time.
+with the head). Every parameter and buffer must belong to a block (none silently dropped); a buffer
+to one block only; a parameter used by blocks of several stages is tied across them
+(:mod:`dtlab.models.pipeline._ties`). Any other module is split at module names
+(:mod:`dtlab.models.pipeline._trace`). Stage boundaries are block names (``split_points``: where a
+stage begins, torch's ``SplitPoint.BEGINNING``), by default a split balanced by parameter count.
+Shapes and dtypes of the tensors between stages come from a forward on the meta device with the
+micro-batch's shape, computed alike on every rank: nothing is negotiated at run time.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "Stage",
     "TensorSpec",
     "balanced_split",
+    "has_blocks",
     "module_blocks",
     "split_blocks",
     "stage_shapes",
@@ -67,6 +70,11 @@ class Stage(nn.Module):
         return f"Stage({self.index}: {self.names[0]} .. {self.names[-1]})"
 
 
+def has_blocks(module: nn.Module) -> bool:
+    """Whether ``module`` is split at blocks: an ``nn.Sequential`` or a module with ``pipeline_blocks()``."""
+    return callable(getattr(module, "pipeline_blocks", None)) or isinstance(module, nn.Sequential)
+
+
 def module_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The ordered ``(name, block)`` pairs of ``module``, checked to cover every parameter once."""
     custom = getattr(module, "pipeline_blocks", None)
@@ -89,12 +97,13 @@ def module_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, block in blocks:
         if not isinstance(block, nn.Module):
             raise StrategyError(f"pipeline block {name!r} is a {type(block).__name__}, not an nn.Module")
-        for t in list(block.parameters()) + list(block.buffers()):
-            if owner.setdefault(id(t), name) != name:
+        for t in block.parameters():
+            owner.setdefault(id(t), name)  # a tied parameter: each stage using it keeps a copy in sync
+        for b in block.buffers():
+            if owner.setdefault(id(b), name) != name:
                 raise StrategyError(
-                    f"a tensor is used by pipeline blocks {owner[id(t)]!r} and {name!r}, which may run on "
-                    "different ranks; tied weights across blocks are not supported (untie them or put "
-                    "both users in one block)"
+                    f"a buffer is used by pipeline blocks {owner[id(b)]!r} and {name!r}, which may run on "
+                    "different ranks; give each block its own buffer or put both users in one block"
                 )
     missing = [
         n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if id(t) not in owner
@@ -173,7 +182,7 @@ def split_blocks(
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def stage_shapes(stage: Stage) -> Shapes:
+def stage_shapes(stage: nn.Module) -> Shapes:
     """``{name: (shape, dtype)}`` of a stage's parameters and buffers (recorded while they are whole:
     ZeRO-3/FSDP hold only shards at rest, other ranks' stages are on the meta device)."""
     named = list(stage.named_parameters()) + list(stage.named_buffers())

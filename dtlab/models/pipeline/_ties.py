@@ -1,0 +1,104 @@
+"""A weight tied across pipeline stages (GPT-2's ``wte`` on the first stage, ``lm_head`` on the last),
+kept tied as Megatron-LM keeps its embedding: every pipeline rank using it holds a copy, the copies
+start equal (a broadcast from the first of them over their *tie group*), and their gradients are
+summed over the tie group before the optimizer step, so identical updates keep them bitwise equal.
+
+Where the sum happens depends on how the data-parallel strategy leaves the gradients:
+
+- whole, averaged gradients (DDP; ZeRO-1 all-reducing): after the dp average, the whole gradient of
+  each copy is summed over the tie group (the same two numbers added on every copy);
+- anything else (ZeRO-1 reduce-scattering, ZeRO-2, ZeRO-3, FSDP: each dp rank keeps a slice, and the
+  slices of the copies lie at different offsets of different buffers): the local accumulated gradient
+  of each copy is summed over the tie group *before* the dp reduction, which then reduces equal values.
+
+Checkpoints store a tied weight once, under its first name; the others are recorded as aliases
+(``metadata["tied"]``), which the checkpoint index resolves, so the checkpoint loads anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.errors import StrategyError
+from dtlab.models.pipeline._schedules import PipelineSchedule
+
+__all__ = ["CrossTie", "aliases_of", "cross_ties", "init_ties", "sum_tied"]
+
+
+@dataclass
+class CrossTie:
+    """One parameter used by stages on several pipeline ranks."""
+
+    names: list[str]  #: its names in the whole model (the first is the one checkpoints store)
+    ranks: list[int]  #: the pipeline ranks holding a copy, in order
+    group: CommunicationBackend | None = None  #: over ``ranks`` (None on other ranks)
+    param: nn.Parameter | None = None  #: this rank's copy
+
+
+def aliases_of(groups: Sequence[Sequence[str]]) -> dict[str, str]:
+    """``{other name: first name}`` of every tied parameter."""
+    return {n: names[0] for names in groups for n in names[1:]}
+
+
+def cross_ties(
+    module: nn.Module,
+    groups: Sequence[Sequence[str]],
+    stages: Sequence[nn.Module],
+    schedule: PipelineSchedule,
+) -> list[CrossTie]:
+    """The tied parameters whose users are stages on more than one pipeline rank (while whole)."""
+    rank_of_module: dict[int, int] = {}
+    for s, stage in enumerate(stages):
+        for m in stage.modules():
+            rank_of_module.setdefault(id(m), schedule.rank_of(s))
+    out = []
+    for names in groups:
+        ranks = set()
+        for name in names:
+            owner = module.get_submodule(name.rpartition(".")[0])
+            if id(owner) in rank_of_module:
+                ranks.add(rank_of_module[id(owner)])
+        if len(ranks) > 1:
+            out.append(CrossTie(list(names), sorted(ranks)))
+    return out
+
+
+def init_ties(
+    ties: Sequence[CrossTie], module: nn.Module, pp: CommunicationBackend, on_meta: bool = False
+) -> None:
+    """Collective over ``pp`` (before other ranks' stages are released): each tie's group, this rank's
+    copy, and the copies made equal to the first one's values. A model built on the meta device is
+    refused (each copy would be initialised by its own module), naming the tied parameters."""
+    if on_meta and ties:
+        names = [" and ".join(repr(n) for n in t.names) for t in ties]
+        raise StrategyError(
+            f"{'; '.join(names)} are tied across pipeline ranks {[t.ranks for t in ties]}, and the model "
+            "is on the meta device: each rank would initialise its copy with its own module. Build the "
+            "model with its values (not on the meta device) under a pipeline"
+        )
+    for tie in ties:
+        group = pp if len(tie.ranks) == pp.world_size else pp.new_group(tie.ranks)
+        if pp.rank not in tie.ranks:
+            continue
+        tie.group = group
+        tie.param = dict(module.named_parameters(remove_duplicate=False))[tie.names[0]]
+        if group is not None:
+            with torch.no_grad():
+                group.broadcast(tie.param.data, 0)
+
+
+def sum_tied(ties: Sequence[CrossTie], grads: Sequence[torch.Tensor | None]) -> None:
+    """Replace each copy's gradient by the sum over its tie group (``grads[i]`` of ``ties[i]``; None: a
+    copy that got no gradient, which contributes zeros)."""
+    for tie, g in zip(ties, grads, strict=True):
+        if tie.group is None or tie.param is None:
+            continue
+        buf = torch.zeros_like(tie.param) if g is None else g
+        tie.group.all_reduce(buf, ReduceOp.SUM)
+        if g is None:
+            tie.param.grad = buf

@@ -1,0 +1,326 @@
+"""Splitting any model at module names: every stage runs the model's own forward.
+
+``split_points=["model.layers.2"]`` names the modules where stages 1.. begin. The *blocks* are the
+children of the modules on the paths from the root to the split points (for a Llama:
+``model.embed_tokens``, ``model.rotary_emb``, ``model.layers.0`` .. ``model.layers.3``, ``model.norm``,
+``lm_head``); those paths (the root, ``model``, ``model.layers``) are the *glue*, whose own forward
+builds positions, masks and rotary tables and calls the blocks. A block with parameters belongs to the
+stage its place in the module tree gives it (registration order, checked against the call order by
+the first step's trace); a block without parameters (a rotary embedding, a dropout, an activation) is
+*replicated*: it runs wherever the glue calls it, its buffers are held by every stage using it and
+saved once.
+
+Stage ``k`` is a shallow copy of the glue whose children are: its own blocks (the user's modules, so
+their hooks fire), the replicated blocks, a :class:`_Stub` for each block of an earlier stage (zeros
+shaped like that block's output in the trace, or its first input when they have one shape), and an
+:class:`_Exit` for each block of a later stage (the first one called ends the stage: its first tensor
+argument, the hidden state, goes to the next stage). Its split point is an :class:`_Entry`, which puts
+the received hidden state in place of that argument. Each stage is called with the micro-batch's model
+inputs (every pipeline rank has the batch), so the glue computes positions and masks as the whole model
+does. That nothing a stub returns reaches a stage's own blocks or its output, and that the call order
+fits the split, is checked on the meta device before the first step
+(:mod:`dtlab.models.pipeline._trace_check`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from dtlab.errors import StrategyError
+from dtlab.models.pipeline._split import TensorSpec
+
+__all__ = [
+    "Slot",
+    "StageEnd",
+    "TracedStage",
+    "TracedStructure",
+    "first_tensor_slot",
+    "is_stub",
+    "traced_stages",
+    "traced_structure",
+]
+
+#: where a block's hidden state is among its arguments: a position or a keyword
+Slot = int | str
+
+
+def first_tensor_slot(args: Sequence[Any], kwargs: dict[str, Any]) -> Slot | None:
+    """The first tensor among a call's positional, then keyword, arguments."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return i
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return k
+    return None
+
+
+def _get(args: Sequence[Any], kwargs: dict[str, Any], slot: Slot) -> Any:
+    return args[slot] if isinstance(slot, int) else kwargs[slot]
+
+
+class StageEnd(BaseException):
+    """Raised by an :class:`_Exit`: the stage ends here with ``payload``."""
+
+    def __init__(self, name: str, payload: Any) -> None:
+        super().__init__(name)
+        self.name, self.payload = name, payload
+
+
+@dataclass
+class _Run:
+    """What the blocks of one stage's copy read while it runs (set by :meth:`TracedStage.forward`)."""
+
+    outputs: dict[str, Any] = field(default_factory=dict)  #: block -> output structure (TensorSpec leaves)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    received: torch.Tensor | None = None
+    slot: Slot = 0
+
+
+class _Proxy(nn.Module):
+    """A stand-in for a block in a stage's copy of the glue; attributes the glue reads (such as a
+    layer's ``attention_type``) come from the block itself."""
+
+    def __init__(self, name: str, block: nn.Module, run: _Run) -> None:
+        self.__dict__["_block"] = block  # not registered: the block is the user's, held by its stage
+        self.__dict__["_run"] = run
+        super().__init__()
+        self.block_name = name
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_block"], name)
+
+
+class _Stub(_Proxy):
+    """A block of an earlier stage: its traced output as zeros (its first input when shaped alike)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        run: _Run = self.__dict__["_run"]
+        out = run.outputs[self.block_name]
+        slot = first_tensor_slot(args, kwargs)
+        if isinstance(out, TensorSpec) and slot is not None:
+            first = _get(args, kwargs, slot)
+            if tuple(first.shape) == out.shape and first.dtype == out.dtype:
+                return first
+        return tree_map(
+            lambda s: (
+                torch.zeros(s.shape, dtype=s.dtype, device=run.device) if isinstance(s, TensorSpec) else s
+            ),
+            out,
+        )
+
+
+def is_stub(module: nn.Module) -> bool:
+    """Whether ``module`` stands in a stage's glue for a block of an earlier stage."""
+    return isinstance(module, _Stub)
+
+
+class _Exit(_Proxy):
+    """A block of a later stage: calling it ends this stage with its first tensor argument."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        slot = first_tensor_slot(args, kwargs)
+        raise StageEnd(self.block_name, None if slot is None else _get(args, kwargs, slot))
+
+
+class _Entry(_Proxy):
+    """This stage's first block: called with the hidden state received from the previous stage."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        run: _Run = self.__dict__["_run"]
+        given, named = list(args), dict(kwargs)
+        if run.received is not None:
+            if isinstance(run.slot, int):
+                given[run.slot] = run.received
+            else:
+                named[run.slot] = run.received
+            run.received = None  # only the first call takes it
+        return self.__dict__["_block"](*given, **named)
+
+
+@dataclass(frozen=True)
+class TracedStructure:
+    """The split of a whole model at module names (the same on every rank)."""
+
+    points: list[str]  #: split points, in order
+    blocks: list[str]  #: every block, in registration order
+    stage_of: dict[str, int]  #: block -> the stage owning it (blocks with parameters)
+    replicated: list[str]  #: blocks without parameters, run wherever the glue calls them
+
+
+class TracedStage(nn.Module):
+    """Stage ``index`` of a model split at module names: ``forward(x, inputs)`` runs the model's
+    forward on ``inputs`` with this stage's blocks, starting from ``x`` (the previous stage's hidden
+    state; for stage 0, ``inputs`` itself) and returning the next stage's hidden state (the model's
+    output on the last stage). ``blocks`` holds the user's modules it runs (its own and the replicated
+    ones); the copy of the glue is not registered."""
+
+    def __init__(self, index: int, module: nn.Module, structure: TracedStructure, last: bool) -> None:
+        super().__init__()
+        self.index, self.last = index, last
+        self.names = [b for b in structure.blocks if structure.stage_of.get(b) == index]
+        self.replicated = [b for b in structure.replicated]
+        self.entry = structure.points[index - 1] if index > 0 else None
+        self.exit = None if last else structure.points[index]
+        self.blocks = nn.ModuleList([module.get_submodule(b) for b in [*self.names, *self.replicated]])
+        self.__dict__["_run"] = _Run()
+        copies = _copy_glue(module, structure, index, self.__dict__["_run"])
+        self.__dict__["_glue"] = copies
+
+    @property
+    def glue(self) -> nn.Module:
+        """This stage's copy of the model's root (its forward is the model's own)."""
+        root: nn.Module = self.__dict__["_glue"][""]
+        return root
+
+    def prepare(self, outputs: dict[str, Any], slot: Slot) -> None:
+        """Before a call: the traced output structures of the blocks and the hidden state's slot in the
+        split point's arguments (from the trace for this input shape)."""
+        run: _Run = self.__dict__["_run"]
+        run.outputs, run.slot = outputs, slot
+
+    def proxies(self) -> list[nn.Module]:
+        """The stand-ins in this stage's copy of the glue (stubs, entry, exits)."""
+        return [m for g in self.__dict__["_glue"].values() for m in g.children() if isinstance(m, _Proxy)]
+
+    def forward(self, x: torch.Tensor, inputs: torch.Tensor) -> Any:
+        run: _Run = self.__dict__["_run"]
+        run.received = x if self.index > 0 else None
+        run.device = inputs.device
+        try:
+            out = self.glue(inputs)
+        except StageEnd as end:
+            if end.name != self.exit or not isinstance(end.payload, torch.Tensor):
+                raise StrategyError(
+                    f"pipeline stage {self.index} ended at {end.name!r} with "
+                    f"{type(end.payload).__name__}, expected split point {self.exit!r} with a tensor"
+                ) from None
+            return end.payload
+        finally:
+            run.received = None
+        if not self.last:
+            raise StrategyError(
+                f"pipeline stage {self.index}: the model's forward returned without calling split point "
+                f"{self.exit!r}; split at modules the forward calls"
+            )
+        return out
+
+    def train(self, mode: bool = True) -> TracedStage:
+        super().train(mode)
+        for glue in self.__dict__["_glue"].values():
+            glue.training = mode
+        return self
+
+    def __repr__(self) -> str:
+        return f"TracedStage({self.index}: {self.names[0] if self.names else '-'} .. {self.exit or 'end'})"
+
+
+def _ancestors(points: Sequence[str]) -> set[str]:
+    out = {""}
+    for p in points:
+        parts = p.split(".")
+        out |= {".".join(parts[:i]) for i in range(1, len(parts))}
+    return out
+
+
+def _children(module: nn.Module, path: str) -> Iterator[tuple[str, str, nn.Module]]:
+    for name, child in module.get_submodule(path).named_children():
+        yield name, f"{path}.{name}" if path else name, child
+
+
+def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int) -> TracedStructure:
+    """Blocks and their stages for ``split_points`` (checked: existing, in order, not nested)."""
+    points = list(split_points)
+    kind = type(module).__name__
+    if len(points) != stages - 1:
+        raise StrategyError(
+            f"{stages} pipeline stages need {stages - 1} split points (module names of {kind} where stages "
+            f"1..{stages - 1} begin), got {len(points)}: {points}"
+        )
+    names = {n for n, _ in module.named_modules()}
+    unknown = [p for p in points if not p or p not in names]
+    if unknown:
+        near = sorted(n for n in names if n.count(".") <= 2)[:12]
+        raise StrategyError(f"split points {unknown} name no module of {kind}; its modules include {near}")
+    glue = _ancestors(points)
+    nested = sorted(p for p in points if p in glue)
+    if nested or len(set(points)) != len(points):
+        raise StrategyError(
+            f"split points must be distinct modules, none inside another: got {points} ({nested} contain "
+            "other split points)"
+        )
+    direct = [
+        f"{g}.{n}" if g else n
+        for g in sorted(glue)
+        for n, _ in module.get_submodule(g).named_parameters(recurse=False)
+    ]
+    if direct:
+        raise StrategyError(
+            f"parameters {direct} belong to {kind}'s glue (a module on the path to a split point), which "
+            "every stage runs; split at other modules, or give the model a pipeline_blocks() method"
+        )
+    blocks: list[str] = []
+
+    def walk(path: str) -> None:
+        for _, child_path, _child in _children(module, path):
+            if child_path in glue:
+                walk(child_path)
+            else:
+                blocks.append(child_path)
+
+    walk("")
+    starts = [blocks.index(p) for p in points]
+    if starts != sorted(starts):
+        raise StrategyError(
+            f"split points {points} are not in the order of {kind}'s modules; give them in that order"
+        )
+    stage_of: dict[str, int] = {}
+    replicated: list[str] = []
+    for i, b in enumerate(blocks):
+        if any(True for _ in module.get_submodule(b).parameters()):
+            stage_of[b] = sum(1 for s in starts if s <= i)
+        else:
+            replicated.append(b)
+    return TracedStructure(points, blocks, stage_of, replicated)
+
+
+def _copy_glue(module: nn.Module, st: TracedStructure, k: int, run: _Run) -> dict[str, nn.Module]:
+    """Shallow copies of the glue modules for stage ``k``, deepest first, each with its own children."""
+    glue = sorted(_ancestors(st.points), key=lambda p: -p.count(".") if p else 1)
+    copies: dict[str, nn.Module] = {}
+    entry = st.points[k - 1] if k > 0 else None
+    for path in glue:
+        original = module.get_submodule(path)
+        clone = copy.copy(original)
+        children: dict[str, nn.Module | None] = {}
+        for name, child_path, child in _children(module, path):
+            owner = st.stage_of.get(child_path)
+            if child_path in copies:
+                children[name] = copies[child_path]
+            elif owner is None or (owner == k and child_path != entry):
+                children[name] = child
+            elif child_path == entry:
+                children[name] = _Entry(child_path, child, run)
+            elif owner < k:
+                children[name] = _Stub(child_path, child, run)
+            else:
+                children[name] = _Exit(child_path, child, run)
+        vars(clone)["_modules"] = children  # nn.Module keeps its children in this dict; the copy gets its own
+        copies[path] = clone
+    return copies
+
+
+def traced_stages(module: nn.Module, split_points: Sequence[str], stages: int) -> list[TracedStage]:
+    """``stages`` stages of ``module`` split at the module names ``split_points``."""
+    st = traced_structure(module, split_points, stages)
+    return [TracedStage(k, module, st, k == stages - 1) for k in range(stages)]

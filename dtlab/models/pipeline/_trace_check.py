@@ -1,0 +1,272 @@
+"""The trace of a model split at module names, for one micro-batch shape.
+
+Run alike on every rank before the first step with that shape (so every rank refuses together), on the
+micro-batch itself with every parameter a zero broadcast to its recorded shape (one element of memory
+each; buffers this rank holds keep their values): values that steer the forward's control flow
+(positions, masks, packed-sequence checks) are the real ones, and no rank needs another's weights.
+
+1. the whole model's forward with hooks on its blocks: the
+   call order (a block of an earlier stage called after one of a later stage is refused: the split
+   does not fit the forward), each block's output structure (what a stub returns) and where the
+   hidden state is among each split point's arguments, with its shape (the message between stages);
+2. each stage alone, as it will run, with every value a stub returns *marked*: a torch-function mode
+   marks whatever is computed from a marked tensor (not shapes: ``empty_like``, ``size`` ...), and a
+   marked tensor reaching one of the stage's own blocks (other than the hidden state it receives) or
+   the stage's output is refused, naming the block, the argument and the stub it comes from. So a
+   stage never silently computes from zeros standing for another stage's values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from dtlab.errors import StrategyError
+from dtlab.models.pipeline._split import TensorSpec
+from dtlab.models.pipeline._trace import (
+    Slot,
+    StageEnd,
+    TracedStage,
+    first_tensor_slot,
+    is_stub,
+)
+
+__all__ = ["Trace", "output_tensor", "trace_split"]
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+#: functions whose result depends on a tensor's shape, dtype or device only
+_SHAPE_ONLY: set[Any] = {
+    torch.empty_like,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.full_like,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.new_empty,
+    torch.Tensor.new_zeros,
+    torch.Tensor.new_ones,
+    torch.Tensor.new_full,
+}
+
+
+@dataclass
+class Trace:
+    """What the meta trace gives for one micro-batch shape."""
+
+    specs: list[TensorSpec]  #: each stage's output (the last: the tensor of the model's output)
+    outputs: dict[str, Any]  #: block -> its output structure, TensorSpec leaves
+    slots: dict[str, Slot]  #: split point -> where the hidden state is among its arguments
+
+
+def output_tensor(out: Any) -> torch.Tensor | None:
+    """The tensor of a model's output: itself, or its ``logits`` (a ModelOutput's or a dict's)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+def _spec(t: Any) -> Any:
+    return TensorSpec(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+
+
+class _Runner(nn.Module):
+    """Holds the user's module, so ``functional_call`` swaps its tensors while ``fn`` runs."""
+
+    def __init__(self, module: nn.Module, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.m = module
+        self.__dict__["_fn"] = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.__dict__["_fn"](*args)
+
+
+def _on_zeros(module: nn.Module, shapes: Shapes, fn: Callable[..., Any], *args: torch.Tensor) -> Any:
+    """``fn(*args)`` with every parameter of ``module`` a broadcast zero of its shape, and every buffer
+    this rank does not hold (on the meta device) likewise."""
+    device = args[-1].device
+    held = {n: b for n, b in module.named_buffers(remove_duplicate=False) if not b.is_meta}
+    state = {
+        f"m.{n}": held[n] if n in held else torch.zeros((), dtype=d, device=device).expand(s)
+        for n, (s, d) in shapes.items()
+    }
+    with torch.no_grad():
+        return functional_call(_Runner(module, fn), state, args, tie_weights=False, strict=False)
+
+
+def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: torch.Tensor) -> Trace:
+    """Step 1: the whole model with hooks on its blocks."""
+    owner = {b: s.index for s in stages for b in s.names}
+    points = [s.entry for s in stages[1:] if s.entry is not None]
+    blocks = [*owner, *stages[0].replicated]
+    outputs: dict[str, Any] = {}
+    slots: dict[str, Slot] = {}
+    payload: dict[str, TensorSpec] = {}
+    latest: list[tuple[int, str]] = [(0, "")]
+    kind = type(module).__name__
+
+    def before(name: str) -> Callable[..., None]:
+        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            stage = owner.get(name)
+            if stage is not None:
+                if stage < latest[-1][0]:
+                    raise StrategyError(
+                        f"{kind}'s forward calls {name!r} (pipeline stage {stage}) after {latest[-1][1]!r} "
+                        f"(stage {latest[-1][0]}): the split points do not follow the forward's order. "
+                        "Choose split points in call order, or give the model a pipeline_blocks() method"
+                    )
+                latest.append((stage, name))
+            if name in points and name not in slots:
+                slot = first_tensor_slot(args, kwargs)
+                if slot is None:
+                    raise StrategyError(f"split point {name!r} is called without a tensor argument")
+                slots[name] = slot
+                value = args[slot] if isinstance(slot, int) else kwargs[slot]
+                payload[name] = _spec(value)
+
+        return hook
+
+    def after(name: str) -> Callable[..., None]:
+        def hook(_m: nn.Module, _a: Any, _k: Any, out: Any) -> None:
+            outputs.setdefault(name, tree_map(_spec, out))
+
+        return hook
+
+    handles = []
+    for b in blocks:
+        m = module.get_submodule(b)
+        handles.append(m.register_forward_pre_hook(before(b), with_kwargs=True))
+        handles.append(m.register_forward_hook(after(b), with_kwargs=True))
+    try:
+        out = _on_zeros(module, shapes, module, x)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [p for p in points if p not in slots]
+    if missing:
+        raise StrategyError(f"{kind}'s forward never calls split points {missing}; split at modules it calls")
+    last = output_tensor(out)
+    if last is None:
+        raise StrategyError(
+            f"{kind} returns a {type(out).__name__}; a pipeline's last stage needs a tensor or an output "
+            "with logits (the loss function receives it)"
+        )
+    specs = [payload[p] for p in points] + [_spec(last)]
+    return Trace(specs, outputs, slots)
+
+
+class _Marks(TorchFunctionMode):
+    """Marks every tensor computed from a marked one (with the stub it comes from)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[int, tuple[torch.Tensor, str]] = {}
+
+    def mark(self, tree: Any, origin: str) -> None:
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor):
+                self.held.setdefault(id(t), (t, origin))
+
+    def origin(self, tree: Any) -> str | None:
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor) and id(t) in self.held:
+                return self.held[id(t)][1]
+        return None
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in _SHAPE_ONLY:
+            origin = self.origin((args, kwargs))
+            if origin is not None:
+                self.mark(out, origin)
+                if args and (getattr(func, "__name__", "").endswith("_") or func is torch.Tensor.__setitem__):
+                    self.mark(args[0], origin)  # written in place
+        return out
+
+
+def _check_stage(
+    stage: TracedStage, module: nn.Module, shapes: Shapes, x: torch.Tensor, inputs: torch.Tensor
+) -> Any:
+    """Step 2: one stage as it will run, with what its stubs return marked."""
+    marks = _Marks()
+    handles = []
+    for proxy in stage.proxies():
+        if is_stub(proxy):
+            name = str(proxy.block_name)
+            handles.append(proxy.register_forward_hook(lambda _m, _a, out, n=name: marks.mark(out, n)))
+
+    def guard(name: str) -> Callable[..., None]:
+        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            named = [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]
+            for arg, value in named:
+                origin = marks.origin(value)
+                if origin is not None:
+                    raise StrategyError(
+                        f"pipeline stage {stage.index}: {name!r} gets {arg!r} computed from {origin!r}, a "
+                        "block of an earlier stage on another rank; only the hidden state at the split point "
+                        "crosses stages. Split elsewhere, or give the model a pipeline_blocks() method"
+                    )
+
+        return hook
+
+    for name, block in zip(stage.names, stage.blocks, strict=False):
+        handles.append(block.register_forward_pre_hook(guard(name), with_kwargs=True))
+
+    def run(xx: torch.Tensor, ii: torch.Tensor) -> Any:
+        with marks:
+            try:
+                out = stage(xx, ii)
+            except StageEnd as end:  # unreachable: the stage catches its own
+                raise StrategyError(f"pipeline stage {stage.index} ended at {end.name!r}") from None
+        origin = marks.origin(out)
+        if origin is not None:
+            raise StrategyError(
+                f"pipeline stage {stage.index}'s output is computed from {origin!r}, a block of an earlier "
+                "stage; split elsewhere, or give the model a pipeline_blocks() method"
+            )
+        return out
+
+    try:
+        return _on_zeros(module, shapes, run, x, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def trace_split(
+    module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, sample: torch.Tensor
+) -> Trace:
+    """The trace for micro-batches like ``sample`` (a micro-batch of the model's input), every check
+    done."""
+    inputs = sample.detach()
+    try:
+        trace = _whole(module, stages, shapes, inputs)
+    except StrategyError:
+        raise
+    except Exception as exc:
+        raise StrategyError(
+            f"{type(module).__name__}'s forward could not be traced with zero weights on input "
+            f"{tuple(sample.shape)} {sample.dtype} ({type(exc).__name__}: {exc}); a pipeline split at "
+            "module names needs a forward whose shapes do not depend on the weights' values"
+        ) from exc
+    for stage in stages:
+        stage.prepare(trace.outputs, trace.slots.get(stage.entry or "", 0))
+        if stage.index:
+            prev = trace.specs[stage.index - 1]
+            x = torch.zeros(prev.shape, dtype=prev.dtype, device=inputs.device)
+        else:
+            x = inputs
+        _check_stage(stage, module, shapes, x, inputs)
+    return trace
