@@ -1,6 +1,7 @@
 """Meta-device construction under tensor, pipeline and hybrid parallelism (and ZeRO-3/FSDP per block)
 on dtlab's TransformerLM: every rank's tensors are bitwise those of the model built plainly under
-``seeded_init(init_seed)`` and wrapped the same way, and the model trains like it."""
+``seeded_init(init_seed)`` and wrapped the same way, and two SGD steps give bitwise the same losses and
+parameters."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from dtlab.models import (
     ZeRO3Model,
     transformer_plan,
 )
+from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 from dtlab.zoo.builtin import Block, TransformerLM
 
@@ -57,6 +59,32 @@ def _local(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state.tensors.items()}
 
 
+def _steps(case: str, model: Any, backend: CommunicationBackend) -> list[float]:
+    """Two SGD steps on this rank's share of a fixed batch (the pipelined ones through train_step)."""
+    sharded = case in ("zero3", "fsdp/block", "dp2xtp2xpp2")
+    opt = (ZeRO3Optimizer if sharded else DDPOptimizer)(model, torch.optim.SGD, lr=0.5)
+    seqs = torch.randint(0, 256, (8, 9), generator=torch.Generator().manual_seed(1))
+    dp = model.dp_backend if hasattr(model, "mesh") else backend
+    lo, hi = dp.rank * 8 // dp.world_size, (dp.rank + 1) * 8 // dp.world_size
+    x, y = seqs[lo:hi, :-1], seqs[lo:hi, 1:]
+    losses = []
+    for _ in range(2):
+        if getattr(model, "pipelined", False):
+            loss = model.train_step((x, y), model.cross_entropy)
+        else:
+            logits = model(x)
+            loss = model.cross_entropy(logits, y) if hasattr(model, "mesh") else _ce(logits, y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
 def _both(case: str) -> Any:
     def body(backend: CommunicationBackend) -> dict[str, Any]:
         with seeded_init(SEED):
@@ -67,7 +95,11 @@ def _both(case: str) -> Any:
         meta = _wrap(case, meta_net, backend, init_seed=SEED)
         a, b = _local(plain), _local(meta)
         full_a, full_b = plain.full_state_dict(), meta.full_state_dict()
+        losses = (_steps(case, plain, backend), _steps(case, meta, backend))
+        trained_a, trained_b = plain.full_state_dict(), meta.full_state_dict()
         return {
+            "losses": losses,
+            "trained_differ": sorted(k for k in trained_a if not torch.equal(trained_a[k], trained_b[k])),
             "keys": sorted(a) == sorted(b),
             "differ": sorted(k for k in a if not torch.equal(a[k], b[k])),
             "full_differ": sorted(k for k in full_a if not torch.equal(full_a[k], full_b[k])),
@@ -88,6 +120,9 @@ def test_meta_construction_is_bitwise_the_plain_build(case: str) -> None:
         assert res["full_differ"] == [], (case, rank)
         assert res["bytes"][0] == res["bytes"][1], (case, rank)
         assert res["meta_left"] == [], (case, rank)
+        plain_losses, meta_losses = res["losses"]
+        assert meta_losses == plain_losses, (case, rank)  # bitwise: the same model trains the same
+        assert res["trained_differ"] == [], (case, rank)
 
 
 class _Scale(nn.Module):
