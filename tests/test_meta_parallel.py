@@ -5,6 +5,7 @@ parameters."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from dtlab.models import (
     PipelineParallelModel,
     TensorParallelModel,
     ZeRO3Model,
+    init_empty_weights,
     transformer_plan,
 )
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
@@ -181,3 +183,59 @@ def test_tensors_nothing_initializes_are_named_on_every_rank() -> None:
 
     for scale in run_world(2, buffer_kept):
         assert torch.equal(scale, torch.full((4,), 0.5))
+
+
+class _Table(nn.Module):
+    """A linear layer and a buffer computed in ``__init__`` (no reset_parameters recomputes it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("freq", 1.0 / (10000 ** (torch.arange(0, 8).float() / 8)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.freq
+
+
+def _tabled() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 8), _Table(), nn.Linear(8, 8))
+
+
+def test_init_empty_weights_keeps_buffers_and_only_this_thread() -> None:
+    """Parameters on meta, the buffer computed: TP, PP and ZeRO-3 from it hold the plain build's
+    values (the buffer included); a model another thread builds meanwhile is untouched."""
+
+    def body(backend: CommunicationBackend) -> dict[str, Any]:
+        with seeded_init(4):
+            plain = _tabled()
+        out: dict[str, Any] = {}
+        for wrap in ("tp", "pp", "zero3"):
+            with init_empty_weights():
+                net = _tabled()
+            out[f"{wrap}/on_meta"] = (net[0].weight.is_meta, net[1].freq.is_meta)
+            if wrap == "tp":
+                model: Any = TensorParallelModel(net, backend, plan={"1.lin": "colwise"}, init_seed=4)
+            elif wrap == "pp":
+                model = PipelineParallelModel(net, backend, micro_batches=2, init_seed=4)
+            else:
+                model = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=4)
+            full = model.full_state_dict()
+            out[f"{wrap}/differ"] = [k for k, v in plain.state_dict().items() if not torch.equal(full[k], v)]
+            if wrap != "pp" or backend.rank == 0:  # the pipeline's rank 1 holds no _Table
+                out[f"{wrap}/freq"] = torch.equal(net[1].freq, plain[1].freq)
+        return out
+
+    for res in run_world(2, body):
+        for wrap in ("tp", "pp", "zero3"):
+            assert res[f"{wrap}/on_meta"] == (True, False), wrap
+            assert res[f"{wrap}/differ"] == [], wrap
+            assert res.get(f"{wrap}/freq", True), wrap
+
+    built: list[nn.Module] = []
+    with init_empty_weights():
+        other = threading.Thread(target=lambda: built.append(nn.Linear(2, 2)))
+        other.start()
+        other.join(timeout=30)
+        mine = nn.Linear(2, 2)
+    assert mine.weight.is_meta and not built[0].weight.is_meta
+    assert not nn.Linear(2, 2).weight.is_meta  # the hook is gone after the block

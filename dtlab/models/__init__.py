@@ -6,6 +6,7 @@ from dtlab.models.base import ModelStrategy
 from dtlab.models.compose.hybrid import HybridShardedModel
 from dtlab.models.compose.pipeline_parallel import PipelineParallelModel
 from dtlab.models.compose.tensor_parallel import TensorParallelModel
+from dtlab.models.dp._materialize import init_empty_weights
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DDPModel
 from dtlab.models.dp.fsdp import FSDPModel, ModuleClassPolicy, SizePolicy, WrapPolicy
@@ -57,6 +58,7 @@ __all__ = [
     "ZeRO2Model",
     "ZeRO3Model",
     "get_model_strategy",
+    "init_empty_weights",
     "gpt2_plan",
     "plot_schedule",
     "transformer_plan",

@@ -19,19 +19,60 @@ buffer on meta is initialized like a parameter, or named.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dtlab.core.rng import seeded_init
 from dtlab.errors import ArgumentError, StrategyError
 from dtlab.models.dp._sharded_units import ShardUnit
 
-__all__ = ["MetaInit", "ParamInitFn", "check_init_args", "initializer", "sentinel", "untouched"]
+__all__ = [
+    "MetaInit",
+    "ParamInitFn",
+    "check_init_args",
+    "init_empty_weights",
+    "initializer",
+    "sentinel",
+    "untouched",
+]
 
 ParamInitFn = Callable[[nn.Module], None]
+
+
+@contextmanager
+def init_empty_weights() -> Iterator[None]:
+    """Build modules inside the block with their *parameters* on the meta device and everything else
+    real: buffers computed in ``__init__`` (a rotary ``inv_freq``, a causal mask) keep their values,
+    which ``with torch.device("meta"):`` would lose (Accelerate's ``init_empty_weights(include_buffers=
+    False)``). Each parameter is moved to meta as it is registered (one parameter's memory at a time;
+    ``reset_parameters()`` then runs on meta: no values drawn). Only modules built by the thread that
+    entered the block are affected (in-memory ranks are threads)::
+
+        with dtlab.models.init_empty_weights():
+            net = MyModel()
+        model = FSDPModel(net, backend, init_seed=0)
+    """
+    owner = threading.get_ident()
+
+    def to_meta(_module: nn.Module, _name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.is_meta or threading.get_ident() != owner:
+            return None
+        empty = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        empty.__dict__.update(param.__dict__)
+        return empty
+
+    handle = register_module_parameter_registration_hook(cast(Callable[..., None], to_meta))  # may return one
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def check_init_args(who: str, init_seed: object, param_init_fn: object) -> None:
