@@ -29,6 +29,8 @@ splits the layers.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +41,7 @@ from dtlab.core.placement import Shard
 from dtlab.errors import StrategyError
 
 __all__ = [
+    "SharedInput",
     "broadcast_module_state",
     "copy_to_tp",
     "gather_from_sequence",
@@ -51,6 +54,41 @@ __all__ = [
 ]
 
 _SEQ = -2
+
+InputFn = Callable[[torch.Tensor, CommunicationBackend], torch.Tensor]
+
+
+class SharedInput:
+    """One ``copy_to_tp`` (or sequence all-gather) per input tensor for the column-parallel layers of
+    one model: layers that read the same tensor (separate q, k and v projections, an MLP's gate and
+    up projections) share it, so backward all-reduces their summed input gradient once instead of
+    once per layer (the same sum: an all-reduce is linear). Only with gradients on; it remembers the
+    last input (weakly) and its shared output until that output's gradient is computed."""
+
+    def __init__(self) -> None:
+        self._last: tuple[weakref.ref[torch.Tensor], torch.Tensor, InputFn] | None = None
+
+    def __call__(self, x: torch.Tensor, group: CommunicationBackend, fn: InputFn) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not x.requires_grad:
+            return fn(x, group)  # no backward to save a collective in
+        last = self._last
+        if last is not None and last[0]() is x and last[2] is fn:
+            return last[1]
+        y = fn(x, group)
+        if y is x:  # tp = 1: nothing to share
+            return y
+        self._last = (weakref.ref(x), y, fn)
+        y.register_hook(self._forget)  # backward reached it: every user has read it
+        return y
+
+    def _forget(self, grad: torch.Tensor) -> None:  # noqa: ARG002 - a tensor hook's signature
+        self._last = None
+
+    def __getstate__(self) -> dict[str, Any]:  # a copied model starts with nothing remembered
+        return {}
+
+    def __setstate__(self, _state: dict[str, Any]) -> None:
+        self._last = None
 
 
 def _all_reduce(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:

@@ -20,6 +20,7 @@ from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.placement import Replicate, Shard, set_placement
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._comm import (
+    SharedInput,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -148,6 +149,8 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.sections, self.transposed = sections, transposed
+        #: shared with the model's other column-parallel layers (one input gradient all-reduce per input)
+        self.shared_input: SharedInput | None = None
         self.placement = Shard(AXIS, 1 if transposed else 0, sections)
         shape = (in_features, out_features // p) if transposed else (out_features // p, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -170,7 +173,8 @@ class ColumnParallelLinear(nn.Module):
         return _from_linear(cls, linear, group, shard_bias=True, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        fn = gather_from_sequence if self.sequence_parallel else copy_to_tp
+        x = fn(x, self.group) if self.shared_input is None else self.shared_input(x, self.group, fn)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 

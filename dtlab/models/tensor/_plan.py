@@ -44,7 +44,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
-from dtlab.models.tensor._comm import scatter_to_sequence
+from dtlab.models.tensor._comm import SharedInput, scatter_to_sequence
 from dtlab.models.tensor._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -402,6 +402,7 @@ def apply_plan(
     """Swap the planned modules of ``root`` in place for their parallel versions (this rank's shards).
     Returns the replicated parameters whose gradients are partial sums over tp (sequence parallel)."""
     partial: list[nn.Parameter] = []
+    shared = SharedInput()  # column-parallel layers reading one tensor all-reduce its gradient once
     for name, module, style in resolved:
         if isinstance(style, ColwiseParallel):
             _set_child(
@@ -455,4 +456,7 @@ def apply_plan(
             module.register_forward_hook(_split_output_hook(group))
         else:
             partial.extend(p for p in module.parameters(recurse=True) if p.requires_grad)
+    for m in root.modules():
+        if isinstance(m, ColumnParallelLinear):
+            m.shared_input = shared
     return partial
