@@ -2,7 +2,8 @@
 buffers too) and wrapped with ``init_seed`` alone: the model's own ``_init_weights`` initializes each
 rank's part (linear and embedding weights normal(0, initializer_range), norms ones), the rotary
 ``inv_freq`` is recomputed exactly (equal to a plainly built model's), the values do not depend on the
-strategy or the world size (tensor parallel 2 and ZeRO-3 hold the same model), and it trains."""
+strategy or the world size (tensor parallel 2 and ZeRO-3 hold the same model), and it trains; GPT-2's
+tied head stays one weight."""
 
 from __future__ import annotations
 
@@ -92,3 +93,38 @@ def test_llama_on_meta_gets_its_own_init_and_exact_rotary_buffers() -> None:
         tp, z3 = res["tp2/state"], res["zero3/state"]
         assert sorted(tp) == sorted(z3)
         assert [k for k in tp if not torch.equal(tp[k], z3[k])] == [], rank
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=SEQ,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model: nn.Module = transformers.GPT2LMHeadModel(config)
+    return model
+
+
+def test_gpt2_tied_head_on_meta_is_one_weight_under_every_strategy() -> None:
+    """GPT-2's head tied to its token embedding, built on meta: under tensor parallelism (vocabulary-
+    and column-parallel, one shard) and ZeRO-3 the tie stays, and both hold the same values."""
+    from dtlab.models import gpt2_plan
+
+    def body(backend: CommunicationBackend) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for wrap in ("tp2", "zero3"):
+            with torch.device("meta"):
+                net = _gpt2()
+            if wrap == "tp2":
+                model: Any = TensorParallelModel(net, backend, plan=gpt2_plan(), init_seed=1)
+            else:
+                model = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=1)
+            head, embedding = net.get_submodule("lm_head"), net.get_submodule("transformer.wte")
+            out[f"{wrap}/tied"] = head.weight is embedding.weight
+            out[f"{wrap}/state"] = model.full_state_dict()
+        return out
+
+    for res in run_world(2, body):
+        assert res["tp2/tied"] and res["zero3/tied"]
+        tp, z3 = res["tp2/state"], res["zero3/state"]
+        assert [k for k in z3 if not torch.equal(tp[k], z3[k])] == []
+        assert abs(float(tp["transformer.h.0.attn.c_attn.weight"].std()) - 0.02) < 0.003
