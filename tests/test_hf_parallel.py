@@ -2,7 +2,8 @@
 ``LlamaForCausalLM`` (grouped-query attention, its own ``_tp_plan``) and ``GPT2LMHeadModel`` (``Conv1D``
 layers, a fused qkv projection, the head tied to the embedding; dtlab's GPT-2 recipe), each against
 single-process AdamW on the same global batch (float64), at tp 2 and at dp 2 x tp 2 with FSDP and
-ZeRO-1; the tied pair stays one weight, bitwise. Tiny configs built in memory (no network)."""
+ZeRO-1, and at pp 2 x dp 2 x tp 2 (split at a module name) with both; the tied pair stays one weight
+(bitwise equal in the gathered state). Tiny configs built in memory (no network)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ def train(
     mesh = Mesh(backend, axes)
     if dp == "tensor":
         model: HybridShardedModel = TensorParallelModel(net, mesh, plan="auto")
+    elif "pp" in axes:  # split at a module name of the model (its second decoder layer)
+        point = "model.layers.1" if kind == "llama" else "transformer.h.1"
+        model = HybridShardedModel(net, mesh, dp, tensor_plan="auto", split_points=[point], micro_batches=2)
     else:
         model = HybridShardedModel(net, mesh, dp, tensor_plan="auto")
     opt = {"fsdp": ZeRO3Optimizer, "zero1": ZeRO1Optimizer}.get(dp, DDPOptimizer)(
@@ -80,13 +84,19 @@ def train(
     xs, ys = x.chunk(n)[c], y.chunk(n)[c]
     losses = []
     for _ in range(STEPS):
-        loss = F.cross_entropy(model(xs).logits.reshape(-1, VOCAB), ys.reshape(-1))
-        loss.backward()
+        if model.pipelined:
+            loss = model.train_step(
+                (xs, ys), lambda out, t: F.cross_entropy(out.logits.reshape(-1, VOCAB), t.reshape(-1))
+            )
+        else:
+            loss = F.cross_entropy(model(xs).logits.reshape(-1, VOCAB), ys.reshape(-1))
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     inner = model.dp_strategy.module
-    tied = kind != "gpt2" or inner.lm_head.weight is inner.transformer.wte.weight
+    # one parameter under tp alone; a pipeline keeps a copy per stage in sync (the gathered state below)
+    tied = kind != "gpt2" or model.pipelined or inner.lm_head.weight is inner.transformer.wte.weight
     swapped = {n: type(m).__name__ for n, m in inner.named_modules() if "Parallel" in type(m).__name__}
     return {"losses": losses, "state": model.full_state_dict(), "tied": tied, "swapped": swapped}
 
@@ -110,19 +120,31 @@ SWAPPED = {
 }
 
 
-LAYOUTS = [({"tp": 2}, "tensor"), ({"dp": 2, "tp": 2}, "fsdp"), ({"dp": 2, "tp": 2}, "zero1")]
+LAYOUTS = [
+    ({"tp": 2}, "tensor"),
+    ({"dp": 2, "tp": 2}, "fsdp"),
+    ({"dp": 2, "tp": 2}, "zero1"),
+    ({"pp": 2, "dp": 2, "tp": 2}, "fsdp"),
+    ({"pp": 2, "dp": 2, "tp": 2}, "zero1"),
+]
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize(("axes", "dp"), LAYOUTS)
+@pytest.mark.parametrize(
+    ("axes", "dp"),
+    LAYOUTS,
+    ids=["tp2", "dp2xtp2-fsdp", "dp2xtp2-zero1", "pp2xdp2xtp2-fsdp", "pp2xdp2xtp2-zero1"],
+)
 def test_plan_auto_matches_one_process(kind: str, axes: dict[str, int], dp: str) -> None:
     state = {k: v.detach().clone() for k, v in build(kind).state_dict().items()}
     ref_losses, ref = reference(kind, state)
-    out = run_world(axes.get("dp", 1) * axes["tp"], train, kind, axes, dp, state, timeout=120)
+    world = axes.get("pp", 1) * axes.get("dp", 1) * axes["tp"]
+    out = run_world(world, train, kind, axes, dp, state, timeout=180)
     losses = [sum(r["losses"][i] for r in out) / len(out) for i in range(STEPS)]  # the dp shards' mean
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, losses
+    swapped = {k: v for r in out for k, v in r["swapped"].items()}  # a pipeline rank holds its stages
+    assert SWAPPED[kind].items() <= swapped.items(), swapped
     for r in out:
-        assert SWAPPED[kind].items() <= r["swapped"].items(), r["swapped"]
         for k, v in ref.items():
             if v.is_floating_point():
                 assert ((r["state"][k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 1e-5, k
