@@ -70,6 +70,7 @@ from dtlab.models.pipeline._comm import StageLinks, infer_through_stages
 from dtlab.models.pipeline._runtime import StepResult, run_schedule
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.pipeline._split import Stage, TensorSpec
+from dtlab.models.pipeline._ties import rebind_ties
 from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.pipeline._trace_check import output_tensor
 from dtlab.models.shard_index import new_state
@@ -176,6 +177,7 @@ class HybridShardedModel(OptimizerTarget):
         self._last: StepResult | None = None
         if self._partial and self.tp_group.world_size > 1:
             dp.register_post_sync_hook(self._sum_partial)
+        rebind_ties(layout.ties, root)
         self._tied = TiedSync(layout, root, dp)  # weights tied across pipeline ranks
 
     @staticmethod

@@ -24,10 +24,9 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.errors import StrategyError
 from dtlab.models.pipeline._schedules import PipelineSchedule
 
-__all__ = ["CrossTie", "aliases_of", "cross_ties", "init_ties", "sum_tied"]
+__all__ = ["CrossTie", "aliases_of", "cross_ties", "init_ties", "rebind_ties", "sum_tied"]
 
 
 @dataclass
@@ -72,24 +71,27 @@ def init_ties(
     ties: Sequence[CrossTie], module: nn.Module, pp: CommunicationBackend, on_meta: bool = False
 ) -> None:
     """Collective over ``pp`` (before other ranks' stages are released): each tie's group, this rank's
-    copy, and the copies made equal to the first one's values. A model built on the meta device is
-    refused (each copy would be initialised by its own module), naming the tied parameters."""
-    if on_meta and ties:
-        names = [" and ".join(repr(n) for n in t.names) for t in ties]
-        raise StrategyError(
-            f"{'; '.join(names)} are tied across pipeline ranks {[t.ranks for t in ties]}, and the model "
-            "is on the meta device: each rank would initialise its copy with its own module. Build the "
-            "model with its values (not on the meta device) under a pipeline"
-        )
+    copy, and the copies made equal to the first one's values. A model built on the meta device has no
+    values yet: its copies are made equal by the meta construction, which initializes a tied parameter
+    once, from its first module, on every rank alike (no broadcast)."""
     for tie in ties:
         group = pp if len(tie.ranks) == pp.world_size else pp.new_group(tie.ranks)
         if pp.rank not in tie.ranks:
             continue
         tie.group = group
         tie.param = dict(module.named_parameters(remove_duplicate=False))[tie.names[0]]
-        if group is not None:
+        if group is not None and not on_meta:
             with torch.no_grad():
                 group.broadcast(tie.param.data, 0)
+
+
+def rebind_ties(ties: Sequence[CrossTie], root: nn.Module) -> None:
+    """Each copy as ``root`` now holds it (a strategy built from the meta device gives its parameters
+    new objects)."""
+    held = dict(root.named_parameters(remove_duplicate=False))
+    for tie in ties:
+        if tie.param is not None:
+            tie.param = next((held[n] for n in tie.names if n in held), tie.param)
 
 
 def sum_tied(ties: Sequence[CrossTie], grads: Sequence[torch.Tensor | None]) -> None:
