@@ -131,6 +131,12 @@ def test_kernels_equal_fallbacks_bit_for_bit(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(native, plain)
     native, plain = _both(monkeypatch, lambda: K.std_mean(x))
     assert native == pytest.approx(plain, rel=1e-6, abs=1e-9)
+    y = torch.randn(x.numel())
+    (o_n, b_n, m_n), (o_p, b_p, m_p) = _both(
+        monkeypatch, lambda: (out := torch.empty(x.numel()), *K.add_std_mean(x, y, out))
+    )
+    assert torch.equal(o_n, o_p) and b_n == b_p == 0 and m_n == pytest.approx(m_p, rel=1e-6, abs=1e-9)
+    assert m_n == K.std_mean(x + y)  # the same float64 sums as the kernel's std_mean: bit for bit
     gen = torch.Generator().manual_seed(5)
     for runs in (1, 2, 3, 7):  # one sorted run per rank; common indices summed in rank order
         parts = [
@@ -238,15 +244,16 @@ def test_selection_made_in_the_error_feedback_pass_changes_nothing(monkeypatch: 
     on exact top-k and threshold-reusing iterations and when a stale threshold is re-estimated."""
     import dtlab.compression.error_feedback as ef
 
-    names = ["topka", "topkdsa", "gtopk", "oktopk"]
+    names = ["topka", "topkdsa", "gtopk", "oktopk", "gaussiank"]
     fused: list[int] = []
-    real_add_select = ef.add_select
+    real_add_select, real_add_std_mean = ef.add_select, ef.add_std_mean
 
-    def counting(*args: Any) -> tuple[int, torch.Tensor]:
+    def counting(*args: Any) -> Any:
         fused.append(1)
-        return real_add_select(*args)
+        return (real_add_select if len(args) == 5 else real_add_std_mean)(*args)
 
     monkeypatch.setattr(ef, "add_select", counting)
+    monkeypatch.setattr(ef, "add_std_mean", counting)
     with_pass = {nm: run_world(2, _steps_with_jump, nm) for nm in names}
     assert len(fused) >= 2 * 5 * len(names)  # every compressed step after the first selected in the pass
     for name in names:
@@ -256,3 +263,30 @@ def test_selection_made_in_the_error_feedback_pass_changes_nothing(monkeypatch: 
         for rank in range(2):
             for a, b in zip(with_pass[name][rank], alone[name][rank], strict=True):
                 assert torch.equal(a, b), (name, rank)
+
+
+def test_gaussiank_raises_its_threshold_as_step_by_step() -> None:
+    """GaussianK finds the raised threshold by bisection over the repeated products: the same
+    threshold and entries as raising it by 1.2% at a time (ties, step limits, nothing to raise)."""
+    from dtlab.compression.gaussiank import LOWER, _raised
+
+    def stepwise(idx: torch.Tensor, sel: torch.Tensor, thr: float, most: int, steps: int) -> Any:
+        loops = 0
+        while idx.numel() > most and loops < steps:
+            thr *= LOWER
+            keep = sel >= thr
+            idx, sel, loops = idx[keep], sel[keep], loops + 1
+        return idx, thr
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 3000, (1,), generator=g))
+        sel = torch.rand(n, generator=g) * float(torch.rand(1, generator=g) * 5)
+        sel[::7] = sel[0]
+        most, steps = (
+            int(torch.randint(0, n + 1, (1,), generator=g)),
+            int(torch.randint(0, 60, (1,), generator=g)),
+        )
+        a = stepwise(torch.arange(n), sel, float(sel.min()), most, steps)
+        b = _raised(torch.arange(n), sel, float(sel.min()), most, steps)
+        assert torch.equal(a[0], b[0]) and a[1] == b[1]

@@ -92,10 +92,20 @@ class Prefilter(Workspace):
         self.indices: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._choose: Callable[[torch.Tensor], float] | None = None
+        self.wants_moments = False
+        self.moments: tuple[float, float] | None = None
+
+    def request_moments(self) -> Prefilter:
+        """Ask for ``std_mean(acc)`` (:func:`dtlab.compression.kernels.std_mean`) instead of
+        indices, computed in the same pass (into :attr:`moments`; ``None`` when it was not)."""
+        self.request(0.0, 0)
+        self.wants_moments = True
+        return self
 
     def request(self, threshold: float, expected: int) -> Prefilter | None:
         """Ask for the indices with ``|acc| >= threshold`` (nothing is asked unless it is positive)."""
         self.indices, self._positions, self._choose = None, None, None
+        self.wants_moments, self.moments = False, None
         if not threshold > 0 or not math.isfinite(threshold):
             return None
         self.threshold, self.expected = float(threshold), int(expected)
@@ -107,6 +117,7 @@ class Prefilter(Workspace):
         """Ask for the indices above ``choose(|acc[positions]|)``."""
         self.indices, self._positions, self._choose = None, positions, choose
         self.threshold, self.expected = 0.0, int(expected)
+        self.wants_moments, self.moments = False, None
         return self
 
     def resolve(self, sample: Callable[[torch.Tensor], torch.Tensor]) -> float:
@@ -114,6 +125,11 @@ class Prefilter(Workspace):
         if self._positions is not None and self._choose is not None:
             self.threshold = float(self._choose(sample(self._positions)))
         return self.threshold
+
+    def take_moments(self) -> tuple[float, float] | None:
+        """``(std, mean)`` of ``acc`` from the pass (once; ``None`` when there are none)."""
+        moments, self.moments = self.moments, None
+        return moments
 
     def take(self) -> tuple[float, torch.Tensor] | None:
         """The threshold and the indices the pass selected (once; ``None`` when there are none)."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from dtlab.compression.base import Prefilter
-from dtlab.compression.kernels import add_count_nonfinite, add_select, gather_add_abs
+from dtlab.compression.kernels import add_count_nonfinite, add_select, add_std_mean, gather_add_abs
 from dtlab.errors import ConfigError
 
 __all__ = ["ErrorFeedback"]
@@ -93,6 +93,8 @@ class ErrorFeedback:
         bad: int | None = None
         if res is None:
             spare.copy_(src)
+        elif prefilter is not None and prefilter.wants_moments:
+            bad, prefilter.moments = add_std_mean(src, res, spare)
         elif prefilter is not None and (thr := prefilter.resolve(_sampler(src, res))) > 0:
             bad, prefilter.indices = add_select(src, res, spare, thr, prefilter.expected)
         else:

@@ -18,14 +18,36 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.compression.base import Exchange, SparseCompressor
-from dtlab.compression.kernels import std_mean, sum_sorted_runs
+from dtlab.compression.base import Exchange, Prefilter, SparseCompressor
+from dtlab.compression.kernels import gather_abs, std_mean, sum_sorted_runs
 from dtlab.compression.sparse import Magnitudes, indices_above, pack, unpack
 
 __all__ = ["GaussianK"]
 
 LOWER = 1.012
 MAX_ADJUST = 50
+#: lowerings served by one pass over the buffer (its candidates are filtered for each)
+LOWER_SPAN = 8
+
+
+def _raised(
+    idx: torch.Tensor, sel: torch.Tensor, thr: float, most: int, steps: int
+) -> tuple[torch.Tensor, float]:
+    """Raise ``thr`` by ``LOWER`` per step until at most ``most`` of the magnitudes ``sel`` (at
+    ``idx``) are ``>= thr``, at most ``steps`` times: the entries kept and the threshold. The
+    thresholds are the repeated products; the first one that keeps few enough is found by bisection
+    (the count falls as the threshold rises), not by filtering once per step."""
+    thresholds = [thr]
+    for _ in range(max(0, steps)):
+        thresholds.append(thresholds[-1] * LOWER)
+    lo, hi = 0, len(thresholds) - 1  # the answer is in [lo, hi]: the last one when none suffices
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int((sel >= thresholds[mid]).sum()) <= most:
+            hi = mid
+        else:
+            lo = mid + 1
+    return idx[sel >= thresholds[lo]], thresholds[lo]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,24 +59,32 @@ class GaussianK(SparseCompressor):
     def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"work": Magnitudes()}
 
-    def threshold(self, acc: torch.Tensor, work: Magnitudes) -> tuple[torch.Tensor, float]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
+    def prefilter(self, state: dict[str, Any], numel: int) -> Prefilter | None:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
+        """The accumulated gradient's mean and standard deviation, from the error-feedback pass."""
+        work: Magnitudes = state["work"]
+        return work.pre.request_moments()
+
+    def threshold(self, acc: torch.Tensor, work: Magnitudes) -> tuple[torch.Tensor, float]:
         k = self.k(acc.numel())
-        std, mean = std_mean(acc)
+        moments = work.pre.take_moments()
+        std, mean = moments if moments is not None else std_mean(acc)
         z = float(torch.special.ndtri(torch.tensor(1.0 - self.density / 2, dtype=torch.float64)))
         thr = abs(mean) + std * (z if math.isfinite(z) else 0.0)
-        idx = indices_above(acc, thr, k)
-        loops = 0
-        while idx.numel() < 3 * k // 4 and loops < MAX_ADJUST and thr > 0:
+        if not thr > 0:
+            return indices_above(acc, thr, k), thr  # |acc| > 0: every nonzero (no adjustment)
+        loops, floor = 0, thr
+        idx = cand = indices_above(acc, thr, 4 * k)  # room for 4k: a second pass only beyond
+        mags = acc[:0]
+        while idx.numel() < 3 * k // 4 and loops < MAX_ADJUST:
             thr /= LOWER
-            idx = indices_above(acc, thr, k)
             loops += 1
+            if thr < floor:  # one pass keeps the candidates of the next LOWER_SPAN lowerings
+                floor = thr / LOWER**LOWER_SPAN
+                cand = indices_above(acc, floor, 4 * k)
+                mags = gather_abs(acc, cand)
+            idx = cand[mags >= thr]  # the indices above thr (compared in float32, as the pass does)
         if idx.numel() > 5 * k // 4:  # too many: raise it, looking only at the selected subset
-            sel = acc.index_select(0, idx).abs()
-            while idx.numel() > 5 * k // 4 and loops < MAX_ADJUST:
-                thr *= LOWER
-                keep = sel >= thr
-                idx, sel = idx[keep], sel[keep]
-                loops += 1
+            idx, thr = _raised(idx, gather_abs(acc, idx), thr, 5 * k // 4, MAX_ADJUST - loops)
         return idx, thr
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:

@@ -213,6 +213,55 @@ void dt_sum_sumsq(const float* x, int64_t n, double* out) {
     out[0] = st; out[1] = qt;
 }
 
+/* out = a + b and the count of its non-finite values (returned), with the sum and the sum of
+   squares of out in double (into sums[0], sums[1]) accumulated exactly as dt_sum_sumsq does */
+int64_t dt_add_sumsq(const float* restrict a, const float* restrict b, float* restrict out, int64_t n,
+                     double* sums) {
+    double s[8] = {0}, q[8] = {0};
+    int64_t i = 0, bad = 0;
+#ifdef __AVX2__
+    /* the same eight lanes, two registers of four doubles each */
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd(), q0 = _mm256_setzero_pd(),
+            q1 = _mm256_setzero_pd();
+    const __m256i em = _mm256_set1_epi32(0x7f800000);
+    __m256i vbad = _mm256_setzero_si256();
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+        _mm256_storeu_ps(out + i, v);
+        __m256i e = _mm256_and_si256(_mm256_castps_si256(v), em);
+        vbad = _mm256_sub_epi32(vbad, _mm256_cmpeq_epi32(e, em));
+        __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+        __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        s0 = _mm256_add_pd(s0, d0); s1 = _mm256_add_pd(s1, d1);
+        q0 = _mm256_add_pd(q0, _mm256_mul_pd(d0, d0)); q1 = _mm256_add_pd(q1, _mm256_mul_pd(d1, d1));
+    }
+    _mm256_storeu_pd(s, s0); _mm256_storeu_pd(s + 4, s1);
+    _mm256_storeu_pd(q, q0); _mm256_storeu_pd(q + 4, q1);
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i*)lanes, vbad);
+    for (int j = 0; j < 8; j++) bad += lanes[j];
+#else
+    for (; i + 8 <= n; i += 8) {
+        for (int j = 0; j < 8; j++) {
+            float v = a[i + j] + b[i + j];
+            out[i + j] = v;
+            bad += nonfinite(v);
+            double d = (double)v; s[j] += d; q[j] += d * d;
+        }
+    }
+#endif
+    double st = 0.0, qt = 0.0;
+    for (; i < n; i++) {
+        float v = a[i] + b[i];
+        out[i] = v;
+        bad += nonfinite(v);
+        double d = (double)v; st += d; qt += d * d;
+    }
+    for (int j = 0; j < 8; j++) { st += s[j]; qt += q[j]; }
+    sums[0] = st; sums[1] = qt;
+    return bad;
+}
+
 /* out[j] = |x[pos[j]]| (independent loads: the memory system overlaps the misses) */
 void dt_gather_abs(const float* x, const int64_t* pos, int64_t m, float* out) {
     for (int64_t j = 0; j < m; j++) out[j] = fabsf(x[pos[j]]);

@@ -12,6 +12,7 @@ each torch op is one more pass through memory. The kernels here do several of th
 - :func:`write_sparse`: a sparse result written into a dense buffer in one sequential pass;
 - :func:`sum_sorted_runs`: every rank's sorted entries merged and summed at common indices (no sort);
 - :func:`std_mean`: GaussianK's mean and standard deviation in one float64 pass;
+- :func:`add_std_mean`: :func:`add_count_nonfinite` and the :func:`std_mean` of the sum, one pass;
 - :func:`intersect_sorted`: the common elements of two sorted index tensors, by a linear merge;
 - :func:`qsgd_encode` / :func:`qsgd_decode_mean`: QSGD's stochastic quantization with the residual
   written in place, and the dequantized average of every rank's codes;
@@ -47,6 +48,7 @@ from dtlab.compression.kernel_source import SOURCE as _SOURCE
 __all__ = [
     "add_count_nonfinite",
     "add_select",
+    "add_std_mean",
     "cast_with_residual",
     "gather_abs",
     "gather_add_abs",
@@ -74,6 +76,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "dt_gather_abs": (None, [_PTR, _PTR, _I64, _PTR]),
     "dt_gather_add_abs": (None, [_PTR, _PTR, _PTR, _I64, _PTR]),
     "dt_sum_sumsq": (None, [_PTR, _I64, _PTR]),
+    "dt_add_sumsq": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR]),
     "dt_write_sparse": (None, [_PTR, _I64, _PTR, _PTR, _I64]),
     "dt_merge_runs": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR]),
 }
@@ -257,6 +260,24 @@ def _sorted_in_range(indices: torch.Tensor, n: int) -> bool:
     return ok and bool((indices[1:] > indices[:-1]).all())
 
 
+def add_std_mean(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[int, tuple[float, float]]:
+    """``out = a + b`` (float32, same size), the number of NaN/Inf values in ``out`` and
+    ``std_mean(out)``, in one pass where the kernel runs (the same sums as :func:`std_mean`'s)."""
+    n = out.numel()
+    lib = _native(a, b, out)
+    if lib is None or not a.dtype == b.dtype == out.dtype == torch.float32 or n < 2:
+        return add_count_nonfinite(a, b, out), std_mean(out)
+    sums = (ctypes.c_double * 2)()
+    bad = int(lib.dt_add_sumsq(a.data_ptr(), b.data_ptr(), out.data_ptr(), n, ctypes.addressof(sums)))
+    return bad, _std_mean_of(float(sums[0]), float(sums[1]), n)
+
+
+def _std_mean_of(total: float, squares: float, n: int) -> tuple[float, float]:
+    mean = total / n
+    var = max(0.0, (squares - total * mean) / (n - 1))
+    return math.sqrt(var), mean
+
+
 def std_mean(x: torch.Tensor) -> tuple[float, float]:
     """Standard deviation (``n - 1`` in the denominator, 0 for one element) and mean of the flat
     ``x``. The kernel sums in float64 in one pass; the fallback is ``torch.std_mean`` (the two agree to
@@ -271,10 +292,7 @@ def std_mean(x: torch.Tensor) -> tuple[float, float]:
         return float(std_t), float(mean_t)
     sums = (ctypes.c_double * 2)()
     lib.dt_sum_sumsq(flat.data_ptr(), n, ctypes.addressof(sums))
-    total, squares = float(sums[0]), float(sums[1])
-    mean = total / n
-    var = max(0.0, (squares - total * mean) / (n - 1))
-    return math.sqrt(var), mean
+    return _std_mean_of(float(sums[0]), float(sums[1]), n)
 
 
 def gather_abs(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
