@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from dtlab.core.rng import seeded_init
+from dtlab.core.rng import model_building, seeded_init
 from dtlab.errors import ArgumentError, StrategyError
 from dtlab.models.dp._sharded_units import ShardUnit
 
@@ -53,7 +53,9 @@ def init_empty_weights() -> Iterator[None]:
     which ``with torch.device("meta"):`` would lose (Accelerate's ``init_empty_weights(include_buffers=
     False)``). Each parameter is moved to meta as it is registered (one parameter's memory at a time;
     ``reset_parameters()`` then runs on meta: no values drawn). Only modules built by the thread that
-    entered the block are affected (in-memory ranks are threads)::
+    entered the block are affected (in-memory ranks are threads), and the block runs alone among model
+    builds of the process (``seeded_init`` blocks: the hook is process-wide state of torch's), so build
+    the model inside it and wrap it after it, as with ``seeded_init``::
 
         with dtlab.models.init_empty_weights():
             net = MyModel()
@@ -68,11 +70,14 @@ def init_empty_weights() -> Iterator[None]:
         empty.__dict__.update(param.__dict__)
         return empty
 
-    handle = register_module_parameter_registration_hook(cast(Callable[..., None], to_meta))  # may return one
-    try:
-        yield
-    finally:
-        handle.remove()
+    with model_building():
+        handle = register_module_parameter_registration_hook(
+            cast(Callable[..., None], to_meta)
+        )  # may return one
+        try:
+            yield
+        finally:
+            handle.remove()
 
 
 def check_init_args(who: str, init_seed: object, param_init_fn: object) -> None:
