@@ -1,12 +1,5 @@
-"""The one model-parallel composition: stages, tensor parallelism inside each, data parallelism over them.
-
-``hybrid.py``: ``HybridShardedModel``; ``tensor_parallel.py`` and ``pipeline_parallel.py``:
-``TensorParallelModel`` and ``PipelineParallelModel``, the composition with the other axes of size 1;
-``_build.py``: the mesh rule and the layout before data parallelism; ``_tree.py``: this rank's stages
-under the whole model's names; ``_placed_state.py``: placed checkpoint state and the whole-state
-gather; ``_comm.py``: tp sums, pp broadcasts, where a strategy's synchronized gradients lie;
-``_tied.py``: weights tied across stages.
-"""
+"""The one model-parallel composition: pipeline stages, tensor parallelism inside each, a data-parallel
+strategy over them (what each file holds: docs/architecture.md, section "Model strategies")."""
 
 from dtlab.models.compose.hybrid import HybridShardedModel
 from dtlab.models.compose.pipeline_parallel import PipelineParallelModel

@@ -1,12 +1,5 @@
-"""Data-parallel strategies: DDP, ZeRO-1/2/3 and FSDP over one data-parallel group.
-
-``data_parallel.py``: ``DataParallelModel``, what they share (checks, the reducer, ``no_sync``, the
-end-of-backward flush, buffer broadcast) and what a composition uses them through; ``flat.py``: the flat
-padded buffers (DDP buckets, ZeRO shards, FSDP units); ``ddp.py``, ``zero1.py``, ``zero2.py``:
-replicated parameters; ``_sharded*.py``, ``zero3.py``, ``fsdp.py``: sharded parameters gathered on
-demand; ``_materialize.py``: building a sharded model from the meta device; ``_grad_guard.py``: a
-sharded gradient's stand-in.
-"""
+"""Data-parallel strategies: DDP, ZeRO-1/2/3 and FSDP over one data-parallel group (what each file
+holds: docs/architecture.md, section "Model strategies")."""
 
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DDPModel

@@ -1,12 +1,6 @@
-"""Tensor parallelism's parts (Megatron-LM's): plans and styles, the parallel layers, their collectives.
-
-``_plan.py``: the plan (``{"fqn-pattern": style}``), its styles and ``transformer_plan``; ``_auto.py``:
-the plan a model declares (``plan="auto"``: its ``tp_plan()``, Hugging Face's, dtlab's GPT-2 recipe,
-:func:`gpt2_plan`); ``_layers.py``:
-the tensor-parallel layers and the vocabulary-parallel cross-entropy; ``_comm.py``: the autograd
-collectives (Megatron's f/g pairs, sequence-parallel all-gather/reduce-scatter). The model that applies
-a plan is :class:`~dtlab.models.TensorParallelModel` (:mod:`dtlab.models.compose`).
-"""
+"""Tensor parallelism's parts: plans and their styles, the parallel layers, their collectives (what each
+file holds: docs/architecture.md, section "Model strategies"); :class:`~dtlab.models.TensorParallelModel`
+applies a plan."""
 
 from dtlab.models.tensor._auto import gpt2_plan
 from dtlab.models.tensor._layers import (
