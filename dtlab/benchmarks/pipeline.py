@@ -20,14 +20,16 @@ planned and measured timeline.
 by dtlab's PipelineParallelModel (DDPOptimizer, SGD) and by torch's ScheduleGPipe / Schedule1F1B /
 ScheduleInterleaved1F1B (PipelineStage given the input shape, SGD) in the same gloo
 processes, alternating in blocks of ``--steps`` steps for ``--rounds`` rounds; each step timed as the
-slowest rank's; the median (and best) step per variant is reported, and both first-step losses as
-a check.
+slowest rank's; per variant the median step with its quartiles (and the best) is reported, the ratio
+of the medians, and the ratio within each round (the two blocks back to back) with its median,
+quartiles and range; both first-step losses as a check, and the load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -274,24 +276,41 @@ def torch_world(backend: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
             return float(t), loss
 
         first_losses = {"dtlab": timed(dtlab_step)[1], "torch": timed(torch_step)[1]}
-        times: dict[str, list[float]] = {"dtlab": [], "torch": []}
+        times: dict[str, list[list[float]]] = {"dtlab": [], "torch": []}  # per round, its steps
         for rnd in range(args["rounds"]):
             order = ("dtlab", "torch") if rnd % 2 == 0 else ("torch", "dtlab")
             for name in order:
                 step = dtlab_step if name == "dtlab" else torch_step
-                times[name] += [timed(step)[0] for _ in range(args["steps"])]
+                times[name].append([timed(step)[0] for _ in range(args["steps"])])
         out.append({"schedule": schedule, "v": v, "times": times, "first_losses": first_losses})
     return out
 
 
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
 def run_torch(ns: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per schedule: each variant's median step and its quartiles over every timed step; the ratio of
+    the medians, and the ratio within each round (dtlab's median step over torch's, the two blocks run
+    back to back) with its median, quartiles and range: load drift between rounds hits both alike."""
     from dtlab.testing import spawn_world
 
     args = {k: getattr(ns, k) for k in ("layers", "width", "batch", "rounds", "steps")} | {"m": ns.torch_m}
+    load_before = os.getloadavg()
     res = spawn_world(ns.torch_pp, torch_world, args, backend="gloo", timeout=1800)[0]
+    load_after = os.getloadavg()
     rows = []
     for r in res:
-        d, t = statistics.median(r["times"]["dtlab"]), statistics.median(r["times"]["torch"])
+        dt_rounds, t_rounds = r["times"]["dtlab"], r["times"]["torch"]
+        dt_all = [t for rnd in dt_rounds for t in rnd]
+        t_all = [t for rnd in t_rounds for t in rnd]
+        per_round = [
+            statistics.median(a) / statistics.median(b) for a, b in zip(dt_rounds, t_rounds, strict=True)
+        ]
+        (d1, d, d3), (t1, t, t3) = _quartiles(dt_all), _quartiles(t_all)
+        r1, rm, r3 = _quartiles(per_round)
         rows.append(
             {
                 "schedule": r["schedule"],
@@ -299,12 +318,19 @@ def run_torch(ns: argparse.Namespace) -> list[dict[str, Any]]:
                 "m": ns.torch_m,
                 "v": r["v"],
                 "dtlab_ms": 1e3 * d,
+                "dtlab_q1_q3_ms": f"{1e3 * d1:.1f}-{1e3 * d3:.1f}",
                 "torch_ms": 1e3 * t,
+                "torch_q1_q3_ms": f"{1e3 * t1:.1f}-{1e3 * t3:.1f}",
                 "ratio": d / t,
-                "dtlab_best_ms": 1e3 * min(r["times"]["dtlab"]),
-                "torch_best_ms": 1e3 * min(r["times"]["torch"]),
+                "round_ratio_median": rm,
+                "round_ratio_q1_q3": f"{r1:.2f}-{r3:.2f}",
+                "round_ratio_range": f"{min(per_round):.2f}-{max(per_round):.2f}",
+                "dtlab_best_ms": 1e3 * min(dt_all),
+                "torch_best_ms": 1e3 * min(t_all),
                 "first_loss_dtlab": r["first_losses"]["dtlab"],
                 "first_loss_torch": r["first_losses"]["torch"],
+                "rounds": len(per_round),
+                "load_before_after": f"{load_before[0]:.1f}/{load_after[0]:.1f}",
             }
         )
     return rows
@@ -334,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     results: dict[str, Any] = {}
