@@ -176,7 +176,9 @@ def _plot_strategies(rows: list[dict[str, Any]], path: Path) -> None:
         )
         mem = [sel[s].get("model_state", 0) / 2**20 if s in sel else 0 for s in strategies]
         axes[1].bar(xs, mem, width, label=f"{engine} {model}")
-    for ax, title in zip(axes, ("step time (ms, median)", "model state per rank (MiB)"), strict=True):
+    for ax, title in zip(
+        axes, ("step time (ms, median)", "model state per rank, peak in step (MiB)"), strict=True
+    ):
         ax.set_xticks(
             [i + width * (len(groups) - 1) / 2 for i in range(len(strategies))], strategies, rotation=30
         )
