@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import HybridShardedModel, PipelineParallelModel
-from dtlab.optimizers import DDPOptimizer
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 from dtlab.trainers.tasks import logits_of
 
@@ -90,15 +92,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _tied_equal(model: HybridShardedModel) -> bool:
-    """Every copy of every tied weight on this rank equals the first pipeline rank's (collective)."""
-    ok = True
-    for tie in model._layout.ties:
-        if tie.group is None or tie.param is None:
-            continue
-        first = tie.param.detach().clone()
-        tie.group.broadcast(first, 0)
-        ok = ok and torch.equal(first, tie.param.detach())
-    return ok
+    """Every tied pair of the whole model bitwise equal, each copy read from the rank holding it
+    (collective: the whole state gathered over pp, tp and dp)."""
+    full = model.full_state_dict()
+    return all(torch.equal(full[alias], full[first]) for alias, first in model._layout.aliases.items())
 
 
 def _pipeline(backend: CommunicationBackend, name: str, state: dict[str, torch.Tensor], schedule: str) -> Any:
@@ -130,3 +127,112 @@ def test_pp2_split_at_module_names_matches_one_process(name: str, schedule: str)
         assert max(rel(r["state"][k], ref_state[k]) for k in ref_state) <= 1e-5
         assert all(r["tied"]), "the copies of a tied weight differ after a step"
         assert r["ties"] == (1 if name == "gpt2" else 0)
+        assert r["ties"] == (1 if name == "gpt2" else 0)
+
+
+OPTIMIZERS = {"fsdp": ZeRO3Optimizer, "zero1": ZeRO1Optimizer, "ddp": DDPOptimizer}
+
+
+def _hybrid(
+    backend: CommunicationBackend, name: str, state: dict[str, torch.Tensor], axes: dict[str, int], dp: str
+) -> Any:
+    mesh = Mesh(backend, axes)
+    model = HybridShardedModel(
+        build(name, state), mesh, dp, tensor_plan="auto" if mesh.size("tp") > 1 else None,
+        schedule="1f1b", micro_batches=2, split_points=MODELS[name][1][2],
+    )  # fmt: skip
+    opt = OPTIMIZERS.get(dp, ZeRO2Optimizer)(model, torch.optim.AdamW, lr=LR)
+    x, y = batch()
+    c, n = mesh.coordinate("dp"), mesh.size("dp")
+    losses, tied = [], []
+    for _ in range(STEPS):
+        losses.append(model.train_step((x.chunk(n)[c], y.chunk(n)[c]), loss_fn).item())
+        opt.step()
+        opt.zero_grad()
+        tied.append(_tied_equal(model))
+    return {"losses": losses, "state": model.full_state_dict(), "tied": tied, "ties": len(model._layout.ties)}
+
+
+@pytest.mark.parametrize(
+    ("name", "axes", "dp"),
+    [
+        ("llama", {"pp": 2, "dp": 2, "tp": 2}, "fsdp"),
+        ("llama", {"pp": 2, "dp": 2, "tp": 2}, "zero1"),
+        ("gpt2", {"pp": 2, "dp": 2, "tp": 2}, "fsdp"),
+        ("gpt2", {"pp": 2, "dp": 2, "tp": 2}, "zero1"),
+        ("gpt2", {"pp": 2, "dp": 2}, "ddp"),
+        ("gpt2", {"pp": 2, "dp": 2}, "zero2"),
+    ],
+)
+def test_hybrid_split_at_module_names_matches_one_process(name: str, axes: dict[str, int], dp: str) -> None:
+    state = initial(name)
+    ref_losses, ref_state = reference(name, state)
+    world = axes["pp"] * axes["dp"] * axes.get("tp", 1)
+    out = run_world(world, _hybrid, name, state, axes, dp, timeout=240)
+    losses = [sum(r["losses"][i] for r in out) / len(out) for i in range(STEPS)]  # mean over dp shards
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-5
+    for r in out:
+        assert max(rel(r["state"][k], ref_state[k]) for k in ref_state) <= 1e-5
+        assert all(r["tied"]), "the copies of a tied weight differ after a step"
+        assert r["ties"] == (1 if name == "gpt2" else 0)
+
+
+class _Leaky(nn.Module):
+    """The last layer reads the embedding's output directly: a value that would cross stages unseen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.emb(x)
+        h = self.layers[0](e)
+        h = self.layers[1](h) + e
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+class _Glue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x * self.scale
+
+
+def _refused(backend: CommunicationBackend, kind: str) -> None:
+    x = torch.randint(0, VOCAB, (4, SEQ))
+    if kind == "leak":
+        model = PipelineParallelModel(_Leaky(), backend, micro_batches=2, split_points=["layers.1"])
+        model.train_step((x, x), loss_fn)
+    elif kind == "glue":
+        PipelineParallelModel(_Glue(), backend, micro_batches=2, split_points=["layers.1"])
+    elif kind == "unknown":
+        PipelineParallelModel(llama(), backend, micro_batches=2, split_points=["model.layer.2"])
+    elif kind == "none":
+        PipelineParallelModel(llama(), backend, micro_batches=2)
+    else:
+        PipelineParallelModel(llama(), backend, micro_batches=2, split_points=["model.rotary_emb"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("leak", "'head' gets 'argument 0' computed from 'emb', a block of an earlier stage"),
+        ("glue", "parameters ['scale'] belong to _Glue's glue"),
+        ("unknown", "split points ['model.layer.2'] name no module of LlamaForCausalLM"),
+        ("none", "name where stages 1..1 begin with split_points=[1 module names]"),
+        ("late", "split points ['model.rotary_emb'] have no parameters"),
+    ],
+)
+def test_what_a_split_at_module_names_refuses_is_named(kind: str, says: str) -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_world(2, _refused, kind, timeout=60)
+    assert isinstance(info.value.__cause__, StrategyError), info.value.__cause__
+    assert says in str(info.value.__cause__)

@@ -156,6 +156,7 @@ class TracedStructure:
     blocks: list[str]  #: every block, in registration order
     stage_of: dict[str, int]  #: block -> the stage owning it (blocks with parameters)
     replicated: list[str]  #: blocks without parameters, run wherever the glue calls them
+    glue: set[str]  #: the modules on the paths to the split points, and containers among their children
 
 
 class TracedStage(nn.Module):
@@ -272,13 +273,22 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
     blocks: list[str] = []
 
     def walk(path: str) -> None:
-        for _, child_path, _child in _children(module, path):
+        for _, child_path, child in _children(module, path):
             if child_path in glue:
+                walk(child_path)
+            elif isinstance(child, nn.ModuleList | nn.ModuleDict):  # containers never run: their items
+                glue.add(child_path)
                 walk(child_path)
             else:
                 blocks.append(child_path)
 
     walk("")
+    empty = [p for p in points if not any(True for _ in module.get_submodule(p).parameters())]
+    if empty:
+        raise StrategyError(
+            f"split points {empty} have no parameters (such modules are replicated on every stage); "
+            "split at a module with parameters, e.g. a decoder layer"
+        )
     starts = [blocks.index(p) for p in points]
     if starts != sorted(starts):
         raise StrategyError(
@@ -291,12 +301,12 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
             stage_of[b] = sum(1 for s in starts if s <= i)
         else:
             replicated.append(b)
-    return TracedStructure(points, blocks, stage_of, replicated)
+    return TracedStructure(points, blocks, stage_of, replicated, glue)
 
 
 def _copy_glue(module: nn.Module, st: TracedStructure, k: int, run: _Run) -> dict[str, nn.Module]:
     """Shallow copies of the glue modules for stage ``k``, deepest first, each with its own children."""
-    glue = sorted(_ancestors(st.points), key=lambda p: -p.count(".") if p else 1)
+    glue = sorted(st.glue, key=lambda p: -p.count(".") if p else 1)
     copies: dict[str, nn.Module] = {}
     entry = st.points[k - 1] if k > 0 else None
     for path in glue:
