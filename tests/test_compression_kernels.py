@@ -53,6 +53,12 @@ def test_fallbacks_compute_what_they_replace(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(sel, torch.nonzero((x + y).abs() >= 1.5).view(-1))
     pos = torch.tensor([0, 5, 17, 5])
     assert torch.equal(K.gather_add_abs(x, y, pos), (x + y)[pos].abs())
+    for native in ("1", "0"):  # zero_a: the first operand zeroed in the same pass, nothing else changes
+        monkeypatch.setenv("DTLAB_NATIVE_KERNELS", native)
+        a, out2 = x.clone(), torch.empty(x.numel())
+        bad2, sel2 = K.add_select(a, y, out2, 1.5, 10, zero_a=True)
+        assert bad2 == 0 and torch.equal(out2, x + y) and torch.equal(sel2, sel) and not a.any()
+    monkeypatch.setenv("DTLAB_NATIVE_KERNELS", "0")
     y[3], y[4] = float("inf"), float("nan")
     assert K.add_count_nonfinite(x, y, out) == 2
     low = torch.empty(x.numel(), dtype=torch.float16)
@@ -250,7 +256,7 @@ def test_selection_made_in_the_error_feedback_pass_changes_nothing(monkeypatch: 
 
     def counting(*args: Any) -> Any:
         fused.append(1)
-        return (real_add_select if len(args) == 5 else real_add_std_mean)(*args)
+        return (real_add_select if len(args) > 3 else real_add_std_mean)(*args)
 
     monkeypatch.setattr(ef, "add_select", counting)
     monkeypatch.setattr(ef, "add_std_mean", counting)

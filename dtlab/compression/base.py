@@ -94,6 +94,10 @@ class Prefilter(Workspace):
         self._choose: Callable[[torch.Tensor], float] | None = None
         self.wants_moments = False
         self.moments: tuple[float, float] | None = None
+        #: set by the reducer: the gradient may be zeroed in the pass (it receives the result next)
+        self.zero_source = False
+        #: set by the pass: the gradient was zeroed (a sparse result is then scattered into it)
+        self.source_zeroed = False
 
     def request_moments(self) -> Prefilter:
         """Ask for ``std_mean(acc)`` (:func:`dtlab.compression.kernels.std_mean`) instead of
@@ -194,8 +198,9 @@ class Exchange:
     ) -> Exchange:
         return cls(None, None, local_selected, global_selected, select_seconds, sent, indices, values)
 
-    def write(self, out: torch.Tensor) -> None:
-        """Store the average into ``out`` (flat, any floating dtype)."""
+    def write(self, out: torch.Tensor, zeroed: bool = False) -> None:
+        """Store the average into ``out`` (flat, any floating dtype); ``zeroed``: ``out`` holds zeros
+        already (a sparse result is scattered into it, nothing else is written)."""
         if self.writer is not None and self.result is None:
             if out.dtype == torch.float32 and out.is_contiguous():
                 self.global_selected = self.writer(out.view(-1))
@@ -205,8 +210,11 @@ class Exchange:
             out.copy_(self.result)
             return
         if self.result_indices is not None and self.result_values is not None:
-            write_sparse(out, self.result_indices, self.result_values)
-        else:
+            if zeroed:
+                out.view(-1).index_copy_(0, self.result_indices, self.result_values.to(out.dtype))
+            else:
+                write_sparse(out, self.result_indices, self.result_values)
+        elif not zeroed:
             out.zero_()
 
 

@@ -79,7 +79,9 @@ class ErrorFeedback:
         counted them (``None``: not counted; the caller checks). ``prefilter``: a compressor's
         request; its ``indices`` get the sorted positions with ``|acc| >= threshold``, selected in the
         same pass (left ``None`` on the first step, which only copies the gradient). A sampled
-        threshold reads ``|grad + residual|`` at its positions first (bitwise ``|acc|`` there)."""
+        threshold reads ``|grad + residual|`` at its positions first (bitwise ``|acc|`` there). With
+        ``prefilter.zero_source`` the same pass zeroes ``grad`` (``prefilter.source_zeroed`` says
+        whether it did; not when the velocity of momentum correction is accumulated instead)."""
         flat = grad.detach().reshape(-1)
         res = self._residuals.get(key)
         if res is not None and res.numel() != flat.numel():
@@ -96,7 +98,9 @@ class ErrorFeedback:
         elif prefilter is not None and prefilter.wants_moments:
             bad, prefilter.moments = add_std_mean(src, res, spare)
         elif prefilter is not None and (thr := prefilter.resolve(_sampler(src, res))) > 0:
-            bad, prefilter.indices = add_select(src, res, spare, thr, prefilter.expected)
+            zero = prefilter.zero_source and src is flat  # the gradient itself (no velocity)
+            bad, prefilter.indices = add_select(src, res, spare, thr, prefilter.expected, zero)
+            prefilter.source_zeroed = zero
         else:
             bad = add_count_nonfinite(src, res, spare)
         self._spares[key] = spare

@@ -50,17 +50,21 @@ int64_t dt_indices_above(const float* x, int64_t n, float thr, int strict, int64
 }
 
 /* out = a + b, the count of non-finite values of out (into *bad), and the indices i with
-   |out[i]| >= thr (strict: > thr) as dt_indices_above: one pass instead of two */
-int64_t dt_add_select(const float* restrict a, const float* restrict b, float* restrict out, int64_t n,
-                      float thr, int strict, int64_t* restrict idx, int64_t cap, int64_t* bad_out) {
+   |out[i]| >= thr (strict: > thr) as dt_indices_above: one pass instead of two. zero_a: a is zeroed
+   as it is read (its cache lines are written back, never fetched again: cheaper than a later memset) */
+int64_t dt_add_select(float* restrict a, const float* restrict b, float* restrict out, int64_t n,
+                      float thr, int strict, int64_t* restrict idx, int64_t cap, int64_t* bad_out,
+                      int zero_a) {
     int64_t c = 0, bad = 0, i = 0;
 #ifdef __AVX2__
     const __m256 vt = _mm256_set1_ps(thr), sign = _mm256_set1_ps(-0.0f);
     const __m256i em = _mm256_set1_epi32(0x7f800000);
     __m256i vbad = _mm256_setzero_si256();
+    const __m256 zero = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
         _mm256_storeu_ps(out + i, v);
+        if (zero_a) _mm256_storeu_ps(a + i, zero);
         __m256i e = _mm256_and_si256(_mm256_castps_si256(v), em);
         vbad = _mm256_sub_epi32(vbad, _mm256_cmpeq_epi32(e, em));
         __m256 av = _mm256_andnot_ps(sign, v);
@@ -82,6 +86,7 @@ int64_t dt_add_select(const float* restrict a, const float* restrict b, float* r
         for (int j = 0; j < 64; j++) {
             float v = a[i + j] + b[i + j];
             out[i + j] = v;
+            if (zero_a) a[i + j] = 0.0f;
             bad += nonfinite(v);
             hit |= DT_TAKE(v);
         }
@@ -92,6 +97,7 @@ int64_t dt_add_select(const float* restrict a, const float* restrict b, float* r
     for (; i < n; i++) {
         float v = a[i] + b[i];
         out[i] = v;
+        if (zero_a) a[i] = 0.0f;
         bad += nonfinite(v);
         if (DT_TAKE(v)) { if (c < cap) idx[c] = i; c++; }
     }

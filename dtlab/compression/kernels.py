@@ -68,7 +68,7 @@ _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "dt_add_count_nonfinite": (_I64, [_PTR, _PTR, _PTR, _I64]),
     "dt_indices_above": (_I64, [_PTR, _I64, _F32, ctypes.c_int, _PTR, _I64]),
-    "dt_add_select": (_I64, [_PTR, _PTR, _PTR, _I64, _F32, ctypes.c_int, _PTR, _I64, _PTR]),
+    "dt_add_select": (_I64, [_PTR, _PTR, _PTR, _I64, _F32, ctypes.c_int, _PTR, _I64, _PTR, ctypes.c_int]),
     "dt_intersect_sorted": (_I64, [_PTR, _I64, _PTR, _I64, _PTR]),
     "dt_qsgd_encode": (_I64, [_PTR, _I64, _I64, _PTR, ctypes.c_int32, ctypes.c_uint32, _PTR]),
     "dt_qsgd_decode_mean": (_I64, [_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int32, _PTR]),
@@ -158,14 +158,17 @@ def add_count_nonfinite(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> 
 
 
 def add_select(
-    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, thr: float, expected: int = 0
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, thr: float, expected: int = 0, zero_a: bool = False
 ) -> tuple[int, torch.Tensor]:
     """``out = a + b`` (float32, same size), the number of NaN/Inf values in ``out`` (as
     :func:`add_count_nonfinite`) and ``indices_above(out, thr, expected)``, in one pass over memory
-    where the kernel runs (the fallback makes the two passes)."""
+    where the kernel runs (the fallback makes the two passes). ``zero_a``: ``a`` is zeroed too (in the
+    same pass: a sparse result is then written into it by a scatter alone)."""
     lib = _native(a, b, out)
     if lib is None or not a.dtype == b.dtype == out.dtype == torch.float32:
         bad = add_count_nonfinite(a, b, out)
+        if zero_a:
+            a.zero_()
         return bad, indices_above(out, thr, expected)
     n = out.numel()
     strict, t = (1, 0.0) if thr <= 0 else (0, float(thr))
@@ -175,7 +178,7 @@ def add_select(
     count = int(
         lib.dt_add_select(
             a.data_ptr(), b.data_ptr(), out.data_ptr(), n, t, strict, idx.data_ptr(), cap,
-            ctypes.byref(nonfinite),
+            ctypes.byref(nonfinite), int(zero_a),
         )
     )  # fmt: skip
     if count > cap:  # more than room was reserved for: one more pass over the result

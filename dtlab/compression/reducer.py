@@ -241,6 +241,8 @@ class CompressedReducer(GradientReducer):
         compressor = self.compressor.at_step(max(0, step - warmup))
         # a magnitude-selecting compressor's selection is made in the error-feedback pass itself
         pre = None if warm else compressor.prefilter(state, n)
+        if pre is not None:  # all-reduce: the gradient receives the result, so the pass may zero it
+            pre.zero_source, pre.source_zeroed = shard is None, False
         acc, bad = self.error_feedback.accumulate_counted(key, grad, pre)
         if not self._finite(key, acc, bad):
             self.error_feedback.discard(key, acc)
@@ -253,7 +255,7 @@ class CompressedReducer(GradientReducer):
         else:
             ex = compressor.reduce_scatter(state, acc, self.backend)
         out = grad.view(-1) if shard is None else shard.view(-1)
-        ex.write(out)
+        ex.write(out, zeroed=pre is not None and pre.source_zeroed)
         if self.compressor.error_feedback:
             self.error_feedback.update(key, acc, ex.contributed, ex.sent, ex.residual_in_place)
         else:
