@@ -2,7 +2,7 @@
 file holds: docs/architecture.md, section "Model strategies"); :class:`~dtlab.models.TensorParallelModel`
 applies a plan."""
 
-from dtlab.models.tensor._auto import gpt2_plan
+from dtlab.models.tensor._auto import gpt2_plan, hugging_face_plan
 from dtlab.models.tensor._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -32,6 +32,7 @@ __all__ = [
     "VocabParallel",
     "VocabParallelEmbedding",
     "gpt2_plan",
+    "hugging_face_plan",
     "transformer_plan",
     "vocab_parallel_cross_entropy",
 ]

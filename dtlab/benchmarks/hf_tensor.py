@@ -3,8 +3,8 @@ on a ``LlamaForCausalLM`` (built from a config, no weights downloaded) at tp=2 o
 ``parallelize_module`` with the same plan (the model's own ``_tp_plan``, each Hugging Face style as
 torch's ``ColwiseParallel`` / ``RowwiseParallel``) in the same processes.
 
-    .venv/bin/python benchmarks/hf_tensor.py                     # defaults below
-    .venv/bin/python benchmarks/hf_tensor.py --hidden 512 --layers 4 --rounds 12 --steps 3
+    .venv/bin/python -m dtlab.benchmarks.hf_tensor                 # defaults below
+    .venv/bin/python -m dtlab.benchmarks.hf_tensor --hidden 512 --layers 4 --rounds 12 --steps 3
 
 A step is forward, cross-entropy of the gathered logits (both plans gather the head's output, as
 Hugging Face's ``colwise_gather_output`` says), backward and an AdamW step on one tp=2 group. Both start
@@ -21,15 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _model(args: dict[str, Any]) -> Any:
@@ -44,7 +39,6 @@ def _model(args: dict[str, Any]) -> Any:
         num_attention_heads=args["heads"],
         num_key_value_heads=args["kv_heads"],
         max_position_embeddings=args["seq"],
-        attn_implementation="sdpa",
     )
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -106,7 +100,7 @@ def _torch_step(args: dict[str, Any]) -> Callable[[], float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from dtlab.models.tensor._auto import hugging_face_plan
+    from dtlab.models.tensor import hugging_face_plan
 
     net = _model(args)
     declared = hugging_face_plan(net) or {}
