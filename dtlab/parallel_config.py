@@ -28,6 +28,7 @@ __all__ = [
     "builtin_model",
     "check_mesh_size",
     "check_parallel",
+    "check_tensor_plan_fits",
     "run_plan",
     "tensor_plan_setting",
 ]
@@ -179,6 +180,23 @@ def check_model_fits(plan: RunPlan, module: nn.Module) -> None:
         raise ConfigError(
             f"parallel.tp={plan.tp}, parallel.pp={plan.pp} do not fit {type(module).__name__}: {exc}"
         ) from None
+
+
+def check_tensor_plan_fits(config: TrainConfig, module: nn.Module) -> None:
+    """Your model (``model.factory``, built once before any rank starts) against the tensor plan:
+    every pattern matches, whole heads (grouped-query attention's key/value heads too) and a vocabulary
+    that split over ``parallel.tp``; a :class:`ConfigError` naming the module and the sizes."""
+    plan = run_plan(config)
+    if plan.tp == 1:
+        return
+    tensor_only = RunPlan(
+        plan.data_parallel,
+        tp=plan.tp,
+        tensor_plan=plan.tensor_plan,
+        sequence_parallel=plan.sequence_parallel,
+        names=CONFIG_NAMES,
+    )
+    check_model_fits(tensor_only, module)
 
 
 def check_mesh_size(config: TrainConfig, world_size: int) -> None:

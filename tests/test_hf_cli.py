@@ -1,7 +1,8 @@
 """A Hugging Face Llama from the CLI's config (``model.factory``, ``data.factory``) under tensor
 parallelism: ``parallel.plan=auto`` (the model's own plan), an inline mapping and a YAML file, at tp 2
 and at dp 2 x tp 2 with FSDP per decoder layer (``strategy.fsdp_units``); each run's losses against the
-same config on one rank. Tiny configs built in memory (no network)."""
+same config on one rank; a tp that splits a key/value head refused before any rank starts. Tiny configs
+built in memory (no network)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ from dtlab.cli import main
 from dtlab.config import load_config
 from dtlab.errors import ConfigError
 from dtlab.trainers.launch import run_training
+
+
+def llama_gqa() -> object:
+    """4 query heads, 2 key/value heads: tp=4 would split a key/value head."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
 
 BASE = ["backend.name=inmemory", "logging.progress=false", "logging.run_dir=null", "train.eval_every=0"]
 BASE += ["data.global_batch_size=8", "optimizer.warmup_steps=0", "train.steps=3", "optimizer.lr=1e-2"]
@@ -73,3 +85,14 @@ def test_a_plan_the_config_cannot_use_is_refused_before_any_rank_starts(tmp_path
     ]:
         with pytest.raises(ConfigError, match=says):
             load_config(overrides=[*BASE, "backend.world_size=2", *sets])
+
+
+@pytest.mark.usefixtures("tests_on_path")
+def test_a_tp_that_splits_a_key_value_head_is_refused_before_any_rank_starts() -> None:
+    config = load_config(
+        overrides=[*BASE, "model.factory=test_hf_cli:llama_gqa", "backend.world_size=4", "parallel.tp=4"]
+    )
+    with pytest.raises(
+        ConfigError, match=r"'model.layers.0.self_attn.k_proj' projects 2 attention heads of 8"
+    ):
+        run_training(config)  # a ConfigError from this process: no rank was started

@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -28,6 +29,7 @@ from dtlab.config import TrainConfig
 from dtlab.core import seeded_init
 from dtlab.data import fetch
 from dtlab.errors import ConfigError
+from dtlab.parallel_config import check_tensor_plan_fits
 from dtlab.trainers.embedded import Task, builtin_data, builtin_model, cross_entropy_loss, logits_of
 from dtlab.trainers.labels import scan_labels
 from dtlab.untrusted import summary
@@ -135,13 +137,18 @@ def _describe(t: Any) -> str:
     return type(t).__name__
 
 
-def check_fit(task: Task, what_model: str, what_loss: str) -> Task:
+def check_fit(
+    task: Task, what_model: str, what_loss: str, check_model: Callable[[nn.Module], None] | None = None
+) -> Task:
     """Build the model once and run the loss on two training samples: one clear error if it does not
-    fit. Returns the task with ``classification`` and ``tokens_per_sample`` read off that batch."""
+    fit (and ``check_model``'s, on the built model). Returns the task with ``classification`` and
+    ``tokens_per_sample`` read off that batch."""
     with seeded_init(0):  # a probe: torch's RNG state is restored afterwards
         model = task.build_model()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{what_model} returned a {type(model).__name__}, not a torch.nn.Module")
+    if check_model is not None:
+        check_model(model)
     x, y = fetch(task.train_data, range(min(3, len(task.train_data))))
     try:
         with torch.no_grad():
@@ -240,7 +247,8 @@ def task_from_config(config: TrainConfig) -> Task:
     loss = _loss(m.loss)
     name = m.factory.partition(":")[2] if m.factory else builtin_task_name(config)
     task = Task(build, train, evals, loss, tokens_per_sample=tokens, fsdp_unit_classes=units, name=name)
-    return check_fit(task, what, f"model.loss={m.loss or 'cross_entropy'!r}")
+    fits = None if m.factory is None else partial(check_tensor_plan_fits, config)  # tp: heads, vocabulary
+    return check_fit(task, what, f"model.loss={m.loss or 'cross_entropy'!r}", fits)
 
 
 def builtin_task_name(config: TrainConfig) -> str:
