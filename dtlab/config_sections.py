@@ -226,8 +226,9 @@ class ParallelConfig(_Section):
     micro_batches: int | None = Field(default=None, ge=1)
     #: pipeline stages per rank (``interleaved_1f1b``: at least 2)
     stages_per_rank: int = Field(default=1, ge=1)
-    #: block names where stages 1.. begin (``embed``, ``blocks.0`` .. ``blocks.N-1``, ``head``);
-    #: ``None``: balanced by parameter count
+    #: where stages 1.. begin: block names (``embed``, ``blocks.0`` .. ``blocks.N-1``, ``head``;
+    #: ``None``: balanced by parameter count), or module names of your model (``model.factory``
+    #: without ``pipeline_blocks()``, e.g. ``["model.layers.2"]`` for a Hugging Face Llama; required)
     split_points: list[str] | None = None
     #: tensor parallelism splits norm and dropout regions along the sequence (needs tp > 1)
     sequence_parallel: bool = False

@@ -236,3 +236,37 @@ def test_what_a_split_at_module_names_refuses_is_named(kind: str, says: str) -> 
         run_world(2, _refused, kind, timeout=60)
     assert isinstance(info.value.__cause__, StrategyError), info.value.__cause__
     assert says in str(info.value.__cause__)
+
+
+def test_dtlab_train_splits_a_llama_factory_at_module_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from dtlab.cli import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    sets = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false", "logging.run_dir=null"]
+    sets += ["data.global_batch_size=8", "train.eval_every=0", "optimizer.warmup_steps=0", "train.steps=2"]
+    sets += ["model.factory=test_hf_models:llama", "data.factory=test_hf_models:tokens"]
+    sets += ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.split_points=[model.layers.1]"]
+    assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 0
+
+
+def engine_world(backend: CommunicationBackend, states: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Llama and GPT-2 (tied) at pp 2 under 1F1B on a real engine (one spawned world per engine)."""
+    return {name: _pipeline(backend, name, state, "1f1b") for name, state in states.items()}
+
+
+@pytest.mark.parametrize("engine", ["gloo", "mpi"])
+def test_pp2_split_at_module_names_on_gloo_and_mpi_processes(engine: str) -> None:
+    from dtlab.testing import spawn_world
+
+    if engine == "mpi":
+        pytest.importorskip("mpi4py")
+    states = {name: initial(name) for name in MODELS}
+    refs = {name: reference(name, state) for name, state in states.items()}
+    for r in spawn_world(2, engine_world, states, backend=engine, timeout=240):
+        for name, (ref_losses, ref_state) in refs.items():
+            got = r[name]
+            assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses, strict=True)) <= 1e-5
+            assert max(rel(got["state"][k], ref_state[k]) for k in ref_state) <= 1e-5
+            assert all(got["tied"])

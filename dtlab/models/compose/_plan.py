@@ -14,7 +14,8 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh
 from dtlab.core.plan import AUTO, RunPlan
 from dtlab.errors import ArgumentError, StrategyError
-from dtlab.models.pipeline._split import module_blocks
+from dtlab.models.pipeline._split import has_blocks, module_blocks
+from dtlab.models.pipeline._trace import traced_structure
 from dtlab.models.tensor._auto import declared_plan
 from dtlab.models.tensor._plan import Plan, PlanDict, resolve_plan, transformer_plan
 
@@ -33,11 +34,15 @@ def tensor_plan_of(plan: RunPlan) -> Plan:
 
 def check_plan(module: nn.Module, plan: RunPlan) -> None:
     """What ``plan`` needs of ``module``, checked before any communication: the tensor plan resolves
-    at ``tp`` (whole heads, a vocabulary that splits), ``split_points`` name its pipeline blocks."""
+    at ``tp`` (whole heads, a vocabulary that splits), ``split_points`` name its pipeline blocks
+    (or its modules, for a model split at module names)."""
     if plan.tp > 1:
         resolve_plan(module, declared_plan(module, tensor_plan_of(plan)), plan.tp)
     if plan.pp > 1 and plan.split_points is not None:
-        plan.check_blocks([name for name, _ in module_blocks(module)])
+        if has_blocks(module):
+            plan.check_blocks([name for name, _ in module_blocks(module)])
+        else:  # module names: they exist, in order, none inside another, none without parameters
+            traced_structure(module, plan.split_points, plan.stages)
 
 
 def plan_mesh(mesh: Mesh | CommunicationBackend, plan: RunPlan) -> tuple[Mesh, RunPlan]:
