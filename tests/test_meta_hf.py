@@ -35,9 +35,9 @@ LLAMA_PLAN = {
 }
 
 
-def _llama() -> nn.Module:
+def _llama(layers: int = 2) -> nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
     )  # fmt: skip
     model: nn.Module = transformers.LlamaForCausalLM(config)
@@ -202,3 +202,30 @@ def test_gpt2_on_meta_under_a_pipeline_keeps_its_tie_across_ranks() -> None:
         if wrap == "pp":  # FSDP holds shards at rest: the whole copies are checked under DDP
             assert torch.equal(first, second), wrap
             torch.testing.assert_close(first, last, rtol=1e-5, atol=1e-6)
+
+
+def test_llama_on_meta_under_dp2_tp2_pp2_is_the_same_model() -> None:
+    """HF Llama built on meta under dp2 x tp2 x pp2 (its own tensor plan, split at a decoder layer,
+    FSDP per decoder layer over dp): every rank holds its part of the very model ZeRO-3 builds from the
+    same seed, and the rotary buffers (replicated on every stage) are exact."""
+    from dtlab.backends import Mesh
+    from dtlab.models import HybridShardedModel, ModuleClassPolicy
+
+    def body(backend: CommunicationBackend) -> tuple[list[str], dict[str, torch.Tensor]]:
+        with torch.device("meta"):
+            net = _llama(layers=4)
+        reference = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=1).full_state_dict()
+        with torch.device("meta"):
+            net = _llama(layers=4)
+        layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+        model = HybridShardedModel(
+            net, Mesh(backend, {"pp": 2, "dp": 2, "tp": 2}), "fsdp", tensor_plan="auto", micro_batches=2,
+            split_points=["model.layers.2"], wrap_policy=ModuleClassPolicy((layer,)), init_seed=1,
+        )  # fmt: skip
+        full = model.full_state_dict()
+        return [k for k in reference if not torch.equal(full[k], reference[k])], _rotary(net)
+
+    plain = _rotary(_llama(layers=4))
+    for differ, rotary in run_world(8, body):
+        assert differ == []
+        assert all(torch.equal(rotary[n], b) for n, b in plain.items())
