@@ -1,0 +1,79 @@
+"""The vocabulary-parallel cross entropy (Megatron-LM's): the loss of logits split over tp along
+the class dim, without ever building the whole ``(..., V)`` logits."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.errors import StrategyError
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward: three all-reduces of one scalar per position (max, target logit, sum of exp);
+    backward: none (softmax minus the one-hot of the target, on this rank's classes)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: CommunicationBackend, ignore_index: int
+    ) -> torch.Tensor:
+        per_rank = logits.shape[-1]
+        start = group.rank * per_rank
+        x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()  # bf16/fp16: in fp32
+        m = x.max(dim=-1).values
+        group.all_reduce(m, ReduceOp.MAX)
+        shifted = x - m.unsqueeze(-1)
+        local = targets - start
+        mine = (local >= 0) & (local < per_rank)
+        idx = local.masked_fill(~mine, 0)
+        picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0).contiguous()
+        group.all_reduce(picked, ReduceOp.SUM)
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        group.all_reduce(sum_exp, ReduceOp.SUM)
+        valid = targets != ignore_index
+        loss = (sum_exp.log() - picked).masked_fill(~valid, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), idx, mine & valid, valid, count)
+        ctx.in_dtype = logits.dtype
+        return loss.sum() / count.clamp(min=1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, idx, mine, valid, count = ctx.saved_tensors
+        grad = softmax.clone()  # the saved softmax stays intact for a retained graph
+        rows = grad.view(-1, grad.shape[-1])
+        flat = torch.arange(rows.shape[0], device=grad.device)
+        rows[flat, idx.reshape(-1)] -= mine.reshape(-1).to(grad.dtype)
+        grad.mul_(valid.unsqueeze(-1).to(grad.dtype))
+        grad.mul_(g / count.clamp(min=1))
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, group: CommunicationBackend, *, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean cross entropy of logits split over ``group`` along the class dim (the last), equal to
+    ``F.cross_entropy(full_logits.reshape(-1, V), targets.reshape(-1))``.
+
+    ``logits``: ``(..., V/tp)``, this rank's classes ``[rank*V/tp, (rank+1)*V/tp)``; ``targets``:
+    ``(...)`` class ids in ``[0, V)`` (``ignore_index`` positions are left out of the mean). Costs three
+    all-reduces of one value per position, never the ``(..., V)`` logits.
+    """
+    if targets.shape != logits.shape[:-1]:
+        raise StrategyError(
+            f"vocab_parallel_cross_entropy: targets of shape {tuple(targets.shape)} do not match logits of "
+            f"shape {tuple(logits.shape)} (expected targets of shape {tuple(logits.shape[:-1])})"
+        )
+    vocab = logits.shape[-1] * group.world_size
+    valid = targets[targets != ignore_index]
+    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
+        raise StrategyError(
+            f"vocab_parallel_cross_entropy: target ids span [{int(valid.min())}, {int(valid.max())}] but the "
+            f"vocabulary is {vocab} ({logits.shape[-1]} classes x tp={group.world_size})"
+        )
+    return cast(torch.Tensor, _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index))  # type: ignore[no-untyped-call]
