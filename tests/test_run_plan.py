@@ -184,3 +184,46 @@ def test_reduce_dtype_of_the_precision_policy_halves_the_dp_all_reduce_bytes(axi
     half = run_world(4, body, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), timeout=60)
     assert all(b > 0 and d is None for b, d in full)
     assert [(2 * b, d) for b, d in half] == [(b, torch.bfloat16) for b, _ in full]
+
+
+def test_plan_and_tensor_plan_are_one_argument() -> None:
+    """``TensorParallelModel(module, mesh, plan)`` and ``tensor_plan=`` (HybridShardedModel's name) are
+    the same argument; given twice it is refused."""
+    from dtlab.core.rng import seeded_init
+    from dtlab.errors import ArgumentError
+    from dtlab.models import TensorParallelModel
+    from dtlab.zoo import TransformerLM
+
+    def body(backend: Any) -> Any:
+        built = []
+        for kwargs in ({"plan": "auto"}, {"tensor_plan": "auto"}):
+            with seeded_init(0):
+                net = TransformerLM(32, 1, 2, 16)
+            model = TensorParallelModel(net, backend, **kwargs)  # type: ignore[arg-type]
+            built.append({n: (tuple(p.shape), model.placed(n)) for n, p in net.named_parameters()})
+        try:
+            TensorParallelModel(torch.nn.Linear(2, 2), backend, plan={"x": "colwise"}, tensor_plan="auto")
+        except ArgumentError as exc:
+            return built[0] == built[1] and len(built[0]) > 0, str(exc)
+        return False, "not refused"
+
+    for same, refused in run_world(2, body, timeout=60):
+        assert same and "pass the plan once, as plan= or as tensor_plan=" in refused
+
+
+def test_the_trainer_closes_its_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model-parallel run closes the groups of the mesh it built, on every rank, at its end."""
+    from dtlab.backends import Mesh
+    from dtlab.trainers import run_training
+
+    closed: list[int] = []
+    original = Mesh.close
+
+    def close(mesh: Mesh) -> None:
+        closed.append(mesh.backend.rank)
+        original(mesh)
+
+    monkeypatch.setattr(Mesh, "close", close)
+    overrides = [*BASE, "backend.world_size=2", "parallel.tp=2", "train.steps=1", "train.eval_every=0"]
+    run_training(load_config(overrides=[*overrides, "logging.progress=false", "logging.run_dir=null"]))
+    assert sorted(closed) == [0, 1]
