@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"models", "core", "backends", "errors", "untrusted"},
     "optimizers": {"checkpoint", "models", "compression", "core", "backends", "errors", "untrusted"},
     "testing": {"optimizers", "backends", "errors"},
-    "advise": {"models", "core", "backends", "errors"},
+    "advise": {"zoo", "models", "core", "backends", "errors"},
     "zoo": {"models", "core", "backends", "errors"},
     "lr_schedule": set(),
     "yaml_strict": set(),

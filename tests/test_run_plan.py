@@ -227,3 +227,26 @@ def test_the_trainer_closes_its_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
     overrides = [*BASE, "backend.world_size=2", "parallel.tp=2", "train.steps=1", "train.eval_every=0"]
     run_training(load_config(overrides=[*overrides, "logging.progress=false", "logging.run_dir=null"]))
     assert sorted(closed) == [0, 1]
+
+
+def test_advise_lays_out_the_model_it_prices() -> None:
+    """``dtlab advise``'s parameter layout is read from ``TransformerLM`` itself (built on the meta
+    device, its own tensor plan applied as tp rank 0 holds it): the same names in the same order,
+    each tensor-parallel tensor 1/tp of its size, a tied head counted once (twice under a pipeline)."""
+    from dtlab.advise.layout import transformer_tensors
+    from dtlab.advise.spec import ModelSpec
+    from dtlab.zoo import TransformerLM
+
+    spec = ModelSpec(layers=3, hidden=64, heads=4, vocab=512, seq_len=16)
+    with torch.device("meta"):
+        whole = dict(TransformerLM(64, 3, 4, 16, vocab=512).named_parameters())
+    one, two = transformer_tensors(spec, 1), transformer_tensors(spec, 2)
+    assert [t.name for t in one] == [t.name for t in two] == list(whole)
+    assert [t.numel for t in one] == [p.numel() for p in whole.values()]
+    halves = {t.name for t, u in zip(one, two, strict=True) if u.numel * 2 == t.numel}
+    assert {"tok.weight", "head.weight", "blocks.0.attn.qkv.weight", "blocks.2.mlp.2.weight"} <= halves
+    assert "pos.weight" not in halves and "blocks.1.attn.proj.bias" not in halves
+    assert {t.layer for t in one} == {-1, 0, 1, 2, 3} and one[-1].layer == 3 and one[0].unit == "<root>"
+    tied = ModelSpec(layers=3, hidden=64, heads=4, vocab=512, seq_len=16, tied_embeddings=True)
+    assert "head.weight" not in {t.name for t in transformer_tensors(tied, 2)}
+    assert transformer_tensors(tied, 2, pipelined=True)[-1].name == "head.weight"

@@ -11,10 +11,16 @@ norm, head).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from dtlab.advise.spec import ModelSpec
+from dtlab.backends.inmemory import InMemoryWorld
+from dtlab.models import apply_tensor_plan, transformer_plan
+from dtlab.zoo import Block, TransformerLM
 
 __all__ = [
     "Flat",
@@ -23,6 +29,7 @@ __all__ = [
     "flat",
     "fsdp_units",
     "module_groups",
+    "transformer_model",
     "transformer_tensors",
     "zero3_units",
 ]
@@ -59,39 +66,46 @@ def flat(key: str, numel: int, ranks: int, persistent: bool = False, members: Se
     return Flat(key, numel, shard, shard * ranks, persistent, tuple(members))
 
 
-def transformer_tensors(spec: ModelSpec, tp: int = 1, pipelined: bool = False) -> list[Tensor]:
+def transformer_model(spec: ModelSpec, tp: int = 1, base: TransformerLM | None = None) -> TransformerLM:
+    """dtlab's ``TransformerLM`` with ``spec``'s sizes on the meta device (no memory), as tensor-parallel
+    rank 0 of ``tp`` holds it: its own tensor plan (``tp_plan()``) applied by the strategies' code.
+    ``base``: that model already built for ``spec`` (whole; copied, not changed)."""
+    if base is None:
+        with torch.device("meta"):
+            base = TransformerLM(
+                spec.hidden,
+                spec.layers,
+                spec.heads,
+                spec.seq_len,
+                vocab=spec.vocab,
+                tie_embeddings=spec.tied_embeddings,
+            )
+    elif tp > 1:
+        base = copy.deepcopy(base)
+    if tp > 1:
+        apply_tensor_plan(base, transformer_plan(), InMemoryWorld(tp).backend(0))  # no communication
+    return base
+
+
+def transformer_tensors(
+    spec: ModelSpec, tp: int = 1, pipelined: bool = False, base: TransformerLM | None = None
+) -> list[Tensor]:
     """The parameters of ``TransformerLM`` in registration order, each as one tensor-parallel rank
-    holds it under ``transformer_plan()``: vocabulary-split embedding and head, attention split by
-    heads (qkv column-parallel, output projection row-parallel), MLP column- then row-parallel;
-    norms, the position embedding and row-parallel biases whole. A tied head is the embedding
-    itself, except under a pipeline (``pipelined``), where the last stage holds a copy."""
-    h, v, s, f = spec.hidden, spec.vocab, spec.seq_len, 4 * spec.hidden
-    out = [
-        Tensor("tok.weight", v // tp * h, "tok", "<root>", -1),
-        Tensor("pos.weight", s * h, "pos", "<root>", -1),
-    ]
-    for i in range(spec.layers):
-        b, u = f"blocks.{i}", f"blocks.{i}"
-        out += [
-            Tensor(f"{b}.ln1.weight", h, f"{b}.ln1", u, i),
-            Tensor(f"{b}.ln1.bias", h, f"{b}.ln1", u, i),
-            Tensor(f"{b}.attn.qkv.weight", 3 * h // tp * h, f"{b}.attn.qkv", u, i),
-            Tensor(f"{b}.attn.qkv.bias", 3 * h // tp, f"{b}.attn.qkv", u, i),
-            Tensor(f"{b}.attn.proj.weight", h * (h // tp), f"{b}.attn.proj", u, i),
-            Tensor(f"{b}.attn.proj.bias", h, f"{b}.attn.proj", u, i),
-            Tensor(f"{b}.ln2.weight", h, f"{b}.ln2", u, i),
-            Tensor(f"{b}.ln2.bias", h, f"{b}.ln2", u, i),
-            Tensor(f"{b}.mlp.0.weight", f // tp * h, f"{b}.mlp.0", u, i),
-            Tensor(f"{b}.mlp.0.bias", f // tp, f"{b}.mlp.0", u, i),
-            Tensor(f"{b}.mlp.2.weight", h * (f // tp), f"{b}.mlp.2", u, i),
-            Tensor(f"{b}.mlp.2.bias", h, f"{b}.mlp.2", u, i),
-        ]
-    out += [
-        Tensor("ln_f.weight", h, "ln_f", "<root>", spec.layers),
-        Tensor("ln_f.bias", h, "ln_f", "<root>", spec.layers),
-    ]
-    if pipelined or not spec.tied_embeddings:
-        out.append(Tensor("head.weight", v // tp * h, "head", "<root>", spec.layers))
+    holds it under the plan the model declares, read from the model itself (built on the meta device:
+    names, local sizes, owning modules, its ``Block`` instances as FSDP units and its
+    ``pipeline_blocks()`` as layers, -1 for the first block and ``L`` for the last). A tied head is
+    the embedding itself, except under a pipeline (``pipelined``), where the last stage holds a copy.
+    ``base``: the whole model built once for ``spec`` (:func:`transformer_model`; a search reuses it)."""
+    module = transformer_model(spec, tp, base)
+    block_of = {
+        id(m): i - 1 for i, (_, block) in enumerate(module.pipeline_blocks()) for m in block.modules()
+    }
+    units = {id(m): name for name, b in module.named_modules() if isinstance(b, Block) for m in b.modules()}
+    out: list[Tensor] = []
+    for name, param in module.named_parameters(remove_duplicate=not pipelined):
+        owner = name.rpartition(".")[0]
+        mod = module.get_submodule(owner)
+        out.append(Tensor(name, param.numel(), owner, units.get(id(mod), "<root>"), block_of[id(mod)]))
     return out
 
 

@@ -9,11 +9,11 @@ over the tp axis, the pipeline's point-to-point messages over the pp axis, the a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.advise.activations import Held, stage_activations
 from dtlab.advise.dataparallel import DataParallelCost, Ops, data_parallel_cost
-from dtlab.advise.layout import Tensor, transformer_tensors
+from dtlab.advise.layout import Tensor, transformer_model, transformer_tensors
 from dtlab.advise.pipeline import StageShape, activation_peak, pipeline_ops, split_stages
 from dtlab.advise.precision import Precision
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions
@@ -25,6 +25,9 @@ from dtlab.advise.steptime import (
     tensor_parallel_ops,
 )
 from dtlab.advise.timing import PassTimes, comm_seconds, pipeline_seconds
+
+if TYPE_CHECKING:
+    from dtlab.zoo import TransformerLM
 
 __all__ = [
     "AxisCost",
@@ -150,6 +153,7 @@ class Memo:
         self.acts: dict[tuple[object, ...], Held] = {}
         self.times: dict[tuple[object, ...], tuple[PassTimes, float, float]] = {}
         self.cluster: ClusterSpec | None = None  # the one ``times`` holds
+        self.model: tuple[ModelSpec, TransformerLM] | None = None  # built once on the meta device
 
     def timing(self, cluster: ClusterSpec) -> dict[tuple[object, ...], tuple[PassTimes, float, float]]:
         """The compute times for ``cluster`` (those of another cluster are dropped)."""
@@ -163,7 +167,9 @@ class Memo:
         key = (tp, pipelined and spec.tied_embeddings)
         if key not in self.layers:
             blocks: list[list[Tensor]] = [[] for _ in range(spec.layers + 2)]
-            for t in transformer_tensors(spec, tp, pipelined):
+            if self.model is None or self.model[0] != spec:
+                self.model = (spec, transformer_model(spec))
+            for t in transformer_tensors(spec, tp, pipelined, self.model[1]):
                 blocks[t.layer + 1].append(t)
             self.layers[key] = blocks
         return self.layers[key]

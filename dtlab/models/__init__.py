@@ -3,6 +3,7 @@
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.state import ShardedState
 from dtlab.models.base import ModelStrategy
+from dtlab.models.compose._plan import apply_tensor_plan
 from dtlab.models.compose.hybrid import HybridShardedModel
 from dtlab.models.compose.pipeline_parallel import PipelineParallelModel
 from dtlab.models.compose.tensor_parallel import TensorParallelModel
@@ -57,6 +58,7 @@ __all__ = [
     "ZeRO1Model",
     "ZeRO2Model",
     "ZeRO3Model",
+    "apply_tensor_plan",
     "get_model_strategy",
     "init_empty_weights",
     "gpt2_plan",

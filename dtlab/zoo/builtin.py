@@ -84,22 +84,34 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """Byte-level (vocabulary 256) causal language model; returns logits ``(B, T, 256)``.
+    """Byte-level (vocabulary 256) causal language model; returns logits ``(B, T, 256)``. ``vocab``
+    and ``tie_embeddings`` (the head's weight is the token embedding's) shape other transformers
+    alike (``dtlab advise`` lays out the models it prices from this class).
 
     Every layer draws its values in its own ``reset_parameters()`` as it is constructed (linear and
     embedding weights normal(0, 0.02), biases zero, norms ones and zeros), so building it on the meta
     device and letting a strategy initialize it (``init_seed``) gives the plain build's values."""
 
     def __init__(
-        self, d_model: int = 128, n_layers: int = 2, n_heads: int = 4, seq_len: int = 64, dropout: float = 0.0
+        self,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        seq_len: int = 64,
+        dropout: float = 0.0,
+        *,
+        vocab: int = 256,
+        tie_embeddings: bool = False,
     ) -> None:
         super().__init__()
         self.seq_len = seq_len
-        self.tok = SmallInitEmbedding(256, d_model)
+        self.tok = SmallInitEmbedding(vocab, d_model)
         self.pos = SmallInitEmbedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
-        self.head = SmallInitLinear(d_model, 256, bias=False)
+        self.head = SmallInitLinear(d_model, vocab, bias=False)
+        if tie_embeddings:  # one weight: the head reads the token embedding (GPT-2's habit)
+            self.head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = _embed(self.tok, self.pos, self.seq_len, idx)

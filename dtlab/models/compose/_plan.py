@@ -14,12 +14,13 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh
 from dtlab.core.plan import AUTO, RunPlan
 from dtlab.errors import ArgumentError, StrategyError
+from dtlab.models.compose._tied import check_tied, retie
 from dtlab.models.pipeline._split import has_blocks, module_blocks
 from dtlab.models.pipeline._trace import traced_structure
 from dtlab.models.tensor._auto import declared_plan
-from dtlab.models.tensor._plan import Plan, PlanDict, resolve_plan, transformer_plan
+from dtlab.models.tensor._plan import Plan, PlanDict, apply_plan, resolve_plan, transformer_plan
 
-__all__ = ["check_plan", "plan_arguments", "plan_mesh", "tensor_plan_of"]
+__all__ = ["apply_tensor_plan", "check_plan", "plan_arguments", "plan_mesh", "tensor_plan_of"]
 
 
 def tensor_plan_of(plan: RunPlan) -> Plan:
@@ -43,6 +44,17 @@ def check_plan(module: nn.Module, plan: RunPlan) -> None:
             plan.check_blocks([name for name, _ in module_blocks(module)])
         else:  # module names: they exist, in order, none inside another, none without parameters
             traced_structure(module, plan.split_points, plan.stages)
+
+
+def apply_tensor_plan(module: nn.Module, tensor_plan: Plan, group: CommunicationBackend) -> nn.Module:
+    """``module`` with its planned layers swapped in place for the ones rank ``group.rank`` of
+    ``group`` holds, ties kept: the composition's tensor-parallel step without its broadcast of rank
+    0's values (no communication). On the meta device: the layout a cost model prices."""
+    resolved = resolve_plan(module, declared_plan(module, tensor_plan), group.world_size)
+    ties = check_tied("apply_tensor_plan", module, resolved)
+    apply_plan(module, resolved, group)
+    retie(module, ties)
+    return module
 
 
 def plan_mesh(mesh: Mesh | CommunicationBackend, plan: RunPlan) -> tuple[Mesh, RunPlan]:
