@@ -13,17 +13,19 @@ strategy (for the tp sum and the gradient norm).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.core.placement import Placement, Shard
+from dtlab.models.tensor._comm import gather_over_tp
 
 if TYPE_CHECKING:
     from dtlab.models.dp.data_parallel import DataParallelModel
 
-__all__ = ["broadcast_over_pp", "grads_of", "sum_over_tp"]
+__all__ = ["broadcast_over_pp", "gather_whole_state", "grads_of", "sum_over_tp"]
 
 
 def sum_over_tp(tensors: Sequence[torch.Tensor], tp: CommunicationBackend) -> None:
@@ -72,4 +74,23 @@ def grads_of(
     for unit in dp.shard_units():
         g = dp.shard_grad(unit)
         out.extend(g[off : off + b - a] for slot, a, b, off in unit.shard_slots() if wanted(slot.name))
+    return out
+
+
+def gather_whole_state(
+    local: Mapping[str, torch.Tensor],
+    entries: Mapping[str, tuple[list[int], torch.dtype, int, Placement]],
+    tp: CommunicationBackend,
+    pp: CommunicationBackend,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the whole model on every rank, from each pipeline rank's ``local`` tensors (whole
+    over dp): tp shards gathered, then each tensor broadcast from the pipeline rank holding it."""
+    out = {}
+    for key, (shape, dtype, owner, placement) in entries.items():
+        mine: torch.Tensor | None = None
+        if owner == pp.rank:
+            mine = local[key]
+            if isinstance(placement, Shard):
+                mine = gather_over_tp(mine, placement, tp)
+        out[key] = broadcast_over_pp(mine, shape, dtype, owner, pp)
     return out

@@ -52,14 +52,8 @@ from dtlab.models.compose._build import (
     lay_out,
     outer_pack,
 )
-from dtlab.models.compose._comm import broadcast_over_pp, grads_of, sum_over_tp
+from dtlab.models.compose._comm import broadcast_over_pp, gather_whole_state, grads_of, sum_over_tp
 from dtlab.models.compose._meta_walk import MetaWalk
-from dtlab.models.compose._placed_state import (
-    gather_whole_state,
-    load_placed_state,
-    placements_of,
-    write_placed_state,
-)
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._stages import StageSpecs, TiedSync
 from dtlab.models.dp._materialize import ParamInitFn
@@ -73,6 +67,7 @@ from dtlab.models.pipeline._split import Stage, TensorSpec
 from dtlab.models.pipeline._ties import rebind_ties
 from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.pipeline._trace_check import output_tensor
+from dtlab.models.placed_state import load_placed_state, placements_of, write_placed_state
 from dtlab.models.shard_index import new_state
 from dtlab.models.tensor._layers import vocab_parallel_cross_entropy
 from dtlab.models.tensor._plan import Plan, splits_logits
@@ -447,7 +442,7 @@ class HybridShardedModel(OptimizerTarget):
         """Load from any saved mesh and strategy (or a plain module's full tensors)."""
         dp = self.dp_strategy
         load_placed_state(
-            shards, dp.whole_state(), dp.flat_shards(), self._placements, self.tp_group, self.dp_backend
+            shards, dp.whole_state(), dp.flat_shards(), self._placements, self.dp_backend, self.tp_group
         )
 
     def memory_report(self) -> dict[str, int]:

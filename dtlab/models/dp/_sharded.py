@@ -33,17 +33,16 @@ from dtlab.models.dp._sharded_units import (
     UnitPlan,
     partial_load_error,
     partial_state_error,
-    read_flat_state,
-    write_flat_state,
 )
 from dtlab.models.dp.data_parallel import DataParallelModel, DataParallelOptions, tensor_bytes
 from dtlab.models.dp.flat import FlatUnit
-from dtlab.models.shard_index import ShardIndex, new_state
+from dtlab.models.placed_state import load_placed_state, write_placed_state
+from dtlab.models.shard_index import new_state
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from dtlab.models.compose._placed_state import FlatShard
+    from dtlab.models.placed_state import FlatShard
 
 __all__ = ["ShardedModel", "ShardedOptions", "UnitPlan"]
 
@@ -338,8 +337,8 @@ class ShardedModel(DataParallelModel):
         return {k: t for k, t in state.items() if id(t) not in sharded}
 
     def sharded_state_dict(self) -> ShardedState:
-        p, r = self.dp_backend.world_size, self.dp_backend.rank
-        state = write_flat_state(new_state(self.strategy_name, p, r), self._units, self._other_state(), p, r)
+        state = new_state(self.strategy_name, self.dp_backend.world_size, self.dp_backend.rank)
+        write_placed_state(state, self._other_state(), self._units, {}, self.dp_backend)
         aliases = {  # a tied weight's other names (lm_head.weight): the plain state_dict() has them too
             n: self._name_of[id(q)]
             for n, q in self.module.named_parameters(remove_duplicate=False)
@@ -350,7 +349,7 @@ class ShardedModel(DataParallelModel):
         return state
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
-        read_flat_state(ShardIndex(shards), self._units, self._other_state(), self.dp_backend)
+        load_placed_state(shards, self._other_state(), self._units, {}, self.dp_backend)
 
     def memory_report(self) -> dict[str, int]:
         held = sum(tensor_bytes(st.shard) + tensor_bytes(st.flat) for st in self._units)

@@ -1,20 +1,17 @@
 """The pieces of ZeRO-3/FSDP's sharded parameters: what a flat unit keeps at rest and while gathered,
-the reference that replaces a saved tensor aliasing a gathered buffer, and the unit's checkpoint state
-(this rank's flat shards as slices of the full tensors; buffers and frozen parameters whole)."""
+the reference that replaces a saved tensor aliasing a gathered buffer, and the errors of a plain
+``state_dict()`` while parameters are sharded."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from dtlab.backends.base import CommunicationBackend, Work
-from dtlab.core.state import ShardedState
-from dtlab.errors import CheckpointError, StrategyError
+from dtlab.backends.base import Work
+from dtlab.errors import StrategyError
 from dtlab.models.dp.flat import FlatUnit
-from dtlab.models.shard_index import ShardIndex, add_slice, even_range
 
 __all__ = [
     "SavedRef",
@@ -22,8 +19,6 @@ __all__ = [
     "UnitPlan",
     "partial_load_error",
     "partial_state_error",
-    "read_flat_state",
-    "write_flat_state",
 ]
 
 
@@ -59,45 +54,6 @@ class SavedRef:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
-
-
-def write_flat_state(
-    state: ShardedState, units: Sequence[ShardUnit], other: Mapping[str, torch.Tensor], p: int, r: int
-) -> ShardedState:
-    """This rank's flat shards, and its ``1/p`` slice of the tensors held whole (``other``)."""
-    for st in units:
-        for slot, a, b, so in st.unit.shard_slots():
-            add_slice(state, slot.name, slot.shape, st.unit.dtype, a, b, st.shard[so : so + b - a])
-    for key, t in other.items():
-        s, e = even_range(t.numel(), p, r)
-        add_slice(state, key, t.shape, t.dtype, s, e, t.detach().reshape(-1)[s:e])
-    return state
-
-
-def read_flat_state(
-    index: ShardIndex, units: Sequence[ShardUnit], other: Mapping[str, torch.Tensor], dp: CommunicationBackend
-) -> None:
-    """Fill the flat shards (re-gathering the units gathered now) and the whole tensors from ``index``."""
-    with torch.no_grad():
-        for st in units:
-            buf = torch.zeros_like(st.shard)
-            for slot, a, b, so in st.unit.shard_slots():
-                if slot.name in index and index.shape(slot.name) != list(slot.shape):
-                    raise CheckpointError(
-                        f"{slot.name!r} has shape {index.shape(slot.name)} in the checkpoint but "
-                        f"{list(slot.shape)} in the model"
-                    )
-                buf[so : so + b - a].copy_(index.read(slot.name, a, b))
-            st.shard.copy_(buf)
-            if st.flat is not None:
-                dp.all_gather(st.flat, st.shard)
-        for key, t in other.items():
-            full = index.full(key)
-            if tuple(full.shape) != tuple(t.shape):
-                raise CheckpointError(
-                    f"{key!r}: checkpoint shape {tuple(full.shape)}, model {tuple(t.shape)}"
-                )
-            t.data.copy_(full.to(device=t.device, dtype=t.dtype))
 
 
 def partial_state_error(who: str, freed: list[str], world: int) -> StrategyError:

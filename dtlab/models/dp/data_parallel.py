@@ -23,7 +23,7 @@ from dtlab.models.dp._grad_guard import ShardedGradient, clear_guards, guard_gra
 from dtlab.models.dp.flat import FlatUnit
 
 if TYPE_CHECKING:
-    from dtlab.models.compose._placed_state import FlatShard
+    from dtlab.models.placed_state import FlatShard
 
 __all__ = ["DataParallelModel", "DataParallelOptions", "tensor_bytes", "unique_storage_bytes"]
 

@@ -26,7 +26,8 @@ from dtlab.models.dp.data_parallel import (
     unique_storage_bytes,
 )
 from dtlab.models.dp.flat import FlatUnit
-from dtlab.models.shard_index import ShardIndex, add_slice, even_range, new_state
+from dtlab.models.placed_state import load_placed_state, write_placed_state
+from dtlab.models.shard_index import new_state
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -267,16 +268,11 @@ class DDPModel(DataParallelModel):
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def sharded_state_dict(self) -> ShardedState:
-        p, r = self.dp_backend.world_size, self.dp_backend.rank
-        state = new_state(self.strategy_name, p, r)
-        for key, t in self.module.state_dict().items():
-            s, e = even_range(t.numel(), p, r)
-            add_slice(state, key, t.shape, t.dtype, s, e, t.reshape(-1)[s:e])
-        return state
+        state = new_state(self.strategy_name, self.dp_backend.world_size, self.dp_backend.rank)
+        return write_placed_state(state, self.module.state_dict(), [], {}, self.dp_backend)
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
-        index = ShardIndex(shards)
-        load_full_state(self.module, index)
+        load_placed_state(shards, self.whole_state(), [], {}, self.dp_backend)
 
     def memory_report(self) -> dict[str, int]:
         params = unique_storage_bytes([q for q in self.module.parameters()])
@@ -290,27 +286,3 @@ class DDPModel(DataParallelModel):
 
     def _grad_bytes(self) -> int:
         return sum(tensor_bytes(b) for b in self._grad_bufs)
-
-
-def load_full_state(module: nn.Module, index: ShardIndex) -> None:
-    """Copy every parameter and buffer of ``module`` from the checkpoint index (whole tensors)."""
-    from dtlab.errors import CheckpointError
-
-    seen: set[int] = set()
-    with torch.no_grad():
-        for key, t in module.state_dict(keep_vars=True).items():
-            if id(t) in seen:
-                continue  # a tied alias of a tensor already loaded
-            if key not in index:
-                raise CheckpointError(
-                    f"the checkpoint has no entry for {key!r} of {type(module).__name__}; it was saved "
-                    f"from another model (strategies in it: {sorted(index.strategies)})"
-                )
-            full = index.full(key)
-            if tuple(full.shape) != tuple(t.shape):
-                raise CheckpointError(
-                    f"{key!r} has shape {tuple(full.shape)} in the checkpoint but {tuple(t.shape)} in the "
-                    "model"
-                )
-            t.data.copy_(full.to(device=t.device, dtype=t.dtype))
-            seen.add(id(t))

@@ -1,9 +1,11 @@
-"""Checkpoint state of the hybrid strategy: placed shards in the format every strategy reads.
+"""Every model strategy's checkpoint state: placed shards in the format every strategy reads.
 
-A rank writes what it holds of its stages: a tensor sharded over tp as boxes of the full tensor (its tp
-shard split once more over dp, or the data-parallel strategy's flat shard of it under ZeRO-3/FSDP); a
-replicated tensor as a flat slice, split over the dp x tp ranks of its stage (or written by tp rank 0
-only, in the flat shard of ZeRO-3/FSDP). Pipeline ranks hold different tensors, so every full tensor is
+A data-parallel strategy writes the tensors it holds whole as even flat slices over dp and its
+ZeRO-3/FSDP flat shards as they are. Under the model-parallel composition a rank writes what it holds
+of its stages: a tensor sharded over tp as boxes of the full tensor (its tp shard split once more over
+dp, or the data-parallel strategy's flat shard of it under ZeRO-3/FSDP); a replicated tensor as a flat
+slice, split over the dp x tp ranks of its stage (or written by tp rank 0 only, in the flat shard of
+ZeRO-3/FSDP). Pipeline ranks hold different tensors, so every full tensor is
 covered exactly once and a checkpoint loads under any mesh, any data-parallel strategy, or into the
 plain module (``dtlab/models/shard_index.py``).
 """
@@ -11,32 +13,34 @@ plain module (``dtlab/models/shard_index.py``).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.core.placement import Placement, Shard
+from dtlab.core.placement import Placement, Replicate, Shard
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models.compose._comm import broadcast_over_pp
-from dtlab.models.dp.flat import FlatUnit
 from dtlab.models.shard_index import ShardIndex, add_placed_slice, add_slice, even_range, read_placed
-from dtlab.models.tensor._comm import gather_over_tp
 
-__all__ = ["FlatShard", "gather_whole_state", "load_placed_state", "write_placed_state"]
+if TYPE_CHECKING:
+    from dtlab.models.dp.flat import FlatUnit
+
+__all__ = ["FlatShard", "load_placed_state", "placements_of", "write_placed_state"]
+
+_WHOLE = Replicate()
 
 
 class FlatShard(Protocol):
-    """What ZeRO-3/FSDP keep per flat unit (``dtlab.models.dp._sharded._Unit``)."""
+    """What ZeRO-3/FSDP keep per flat unit (``dtlab.models.dp._sharded_units.ShardUnit``)."""
 
     unit: FlatUnit
     shard: torch.Tensor
     flat: torch.Tensor | None
 
 
-def _tp_coord(placement: Placement, tp: CommunicationBackend) -> tuple[int, int]:
-    return (tp.rank, tp.world_size) if isinstance(placement, Shard) else (0, 1)
+def _tp_coord(placement: Placement, tp: CommunicationBackend | None) -> tuple[int, int]:
+    return (tp.rank, tp.world_size) if tp is not None and isinstance(placement, Shard) else (0, 1)
 
 
 def write_placed_state(
@@ -45,28 +49,32 @@ def write_placed_state(
     flat_units: Iterable[FlatShard],
     placements: Mapping[str, Placement],
     dp: CommunicationBackend,
-    tp: CommunicationBackend,
-    span: CommunicationBackend,
+    tp: CommunicationBackend | None = None,
+    span: CommunicationBackend | None = None,
     skip: Collection[str] = (),
 ) -> ShardedState:
     """Add this rank's pieces to ``state``: ``whole`` (tensors this rank holds whole: parameters of
     DDP/ZeRO-1/2, buffers and frozen parameters) and ``flat_units`` (ZeRO-3/FSDP shards); not the
-    tensors named in ``skip`` (another rank writes them: replicated buffers, tied copies)."""
+    tensors named in ``skip`` (another rank writes them: replicated buffers, tied copies). A tensor
+    ``placements`` does not name is replicated; ``tp``: the axis of the ``Shard`` placements (none
+    without tensor parallelism); ``span``: the ranks a replicated tensor is split over (default dp)."""
+    span = dp if span is None else span
     for key, t in whole.items():
         if key in skip:
             continue
-        placement = placements[key]
+        placement = placements.get(key, _WHOLE)
         flat = t.detach().reshape(-1)
         if isinstance(placement, Shard):
             s, e = even_range(t.numel(), dp.world_size, dp.rank)
-            add_placed_slice(state, key, t.shape, placement, tp.rank, tp.world_size, t.dtype, s, e, flat[s:e])
+            coord, size = _tp_coord(placement, tp)
+            add_placed_slice(state, key, t.shape, placement, coord, size, t.dtype, s, e, flat[s:e])
         else:
             s, e = even_range(t.numel(), span.world_size, span.rank)
             add_slice(state, key, t.shape, t.dtype, s, e, flat[s:e])
     for st in flat_units:
         for slot, a, b, so in st.unit.shard_slots():
-            placement = placements[slot.name]
-            if slot.name in skip or (not isinstance(placement, Shard) and tp.rank != 0):
+            placement = placements.get(slot.name, _WHOLE)
+            if slot.name in skip or (not isinstance(placement, Shard) and tp is not None and tp.rank != 0):
                 continue  # another rank's, or the same values on every tp rank: written once
             coord, size = _tp_coord(placement, tp)
             add_placed_slice(
@@ -89,14 +97,19 @@ def load_placed_state(
     whole: Mapping[str, torch.Tensor],
     flat_units: Iterable[FlatShard],
     placements: Mapping[str, Placement],
-    tp: CommunicationBackend,
     dp: CommunicationBackend,
+    tp: CommunicationBackend | None = None,
 ) -> None:
-    """Fill this rank's tensors from the shards of any saved mesh or strategy (or a plain module's)."""
+    """Fill this rank's tensors from the shards of any saved mesh or strategy (or a plain module's);
+    the arguments as for :func:`write_placed_state`. A tensor under several names (tied) loads once."""
     index = ShardIndex(shards)
+    seen: set[int] = set()
     with torch.no_grad():
         for key, t in whole.items():
-            placement = placements[key]
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            placement = placements.get(key, _WHOLE)
             coord, size = _tp_coord(placement, tp)
             _check_present(index, key, None if isinstance(placement, Shard) else t.shape)
             data = read_placed(index, key, t.shape, placement, coord, size, 0, t.numel())
@@ -104,7 +117,7 @@ def load_placed_state(
         for st in flat_units:
             buf = torch.zeros_like(st.shard)
             for slot, a, b, so in st.unit.shard_slots():
-                placement = placements[slot.name]
+                placement = placements.get(slot.name, _WHOLE)
                 coord, size = _tp_coord(placement, tp)
                 _check_present(index, slot.name, None if isinstance(placement, Shard) else slot.shape)
                 buf[so : so + b - a].copy_(
@@ -132,22 +145,3 @@ def placements_of(tensors: Mapping[str, Any]) -> dict[str, Placement]:
     from dtlab.core.placement import placement_of
 
     return {k: placement_of(t) for k, t in tensors.items()}
-
-
-def gather_whole_state(
-    local: Mapping[str, torch.Tensor],
-    entries: Mapping[str, tuple[list[int], torch.dtype, int, Placement]],
-    tp: CommunicationBackend,
-    pp: CommunicationBackend,
-) -> dict[str, torch.Tensor]:
-    """Every tensor of the whole model on every rank, from each pipeline rank's ``local`` tensors (whole
-    over dp): tp shards gathered, then each tensor broadcast from the pipeline rank holding it."""
-    out = {}
-    for key, (shape, dtype, owner, placement) in entries.items():
-        mine: torch.Tensor | None = None
-        if owner == pp.rank:
-            mine = local[key]
-            if isinstance(placement, Shard):
-                mine = gather_over_tp(mine, placement, tp)
-        out[key] = broadcast_over_pp(mine, shape, dtype, owner, pp)
-    return out
