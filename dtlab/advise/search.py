@@ -21,9 +21,6 @@ from dtlab.errors import ArgumentError
 
 __all__ = ["Advice", "Limits", "advise", "candidates", "runnable"]
 
-#: the optimizer strategy that drives each data-parallel choice
-_OPTIMIZER_OF = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "zero3"}
-
 
 def runnable(c: Candidate, spec: ModelSpec | None = None, precision: Precision | None = None) -> bool:
     """Whether dtlab has a model strategy for the plan today, from the pairing table: the
@@ -45,7 +42,7 @@ def runnable(c: Candidate, spec: ModelSpec | None = None, precision: Precision |
         return False
     if c.checkpointing == "stage" and c.schedule == "zero_bubble":
         return False
-    wanted = _OPTIMIZER_OF[c.strategy]
+    wanted = pairs.default_optimizer(c.strategy)  # the pairing table: fsdp -> zero3
     models = ["hybrid"]
     if c.pp == 1:
         models.insert(0, "tensor")

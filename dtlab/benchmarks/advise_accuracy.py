@@ -25,6 +25,7 @@ import torch
 from dtlab.advise import Candidate, ClusterSpec, ModelSpec, predict
 from dtlab.backends import Mesh
 from dtlab.config import load_config
+from dtlab.core import pairs
 from dtlab.models import PipelineParallelModel, TensorParallelModel, transformer_plan
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
 from dtlab.testing import TINY_LM, run_world
@@ -163,12 +164,12 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__).parse_args()
     rows: list[list[str]] = []
     for world in (2, 4):
-        for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
+        for strategy in pairs.DATA_PARALLEL:
             config = load_config(
                 overrides=[*TINY_LM, *SIZES, f"strategy.model={strategy}", f"backend.world_size={world}"]
             )
             got = run_world(world, _data_parallel, config, build_task(config))[0]
-            rows.append(_row(Candidate(strategy, dp=world), SPEC, got))
+            rows.append(_row(Candidate(strategy, dp=world), SPEC, got))  # type: ignore[arg-type]
     for shape in ({"tp": 2}, {"tp": 4}, {"dp": 2, "tp": 2}):
         for strategy in ("ddp", "zero1"):
             world = shape.get("dp", 1) * shape["tp"]
