@@ -146,7 +146,7 @@ def pipeline_rank(
         "received": after[1].bytes_received - before[1].bytes_received,
         "norms": norms,
         "stage_output_bytes": [
-            spec.nbytes for spec in model._specs_for(xs[0][:share].chunk(micro_batches)[0])
+            spec.nbytes for spec in model._pipe.specs_for(xs[0][:share].chunk(micro_batches)[0])
         ],
     }
 

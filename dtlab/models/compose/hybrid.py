@@ -50,23 +50,20 @@ from dtlab.models.compose._build import (
     PipelineArgs,
     as_mesh,
     lay_out,
-    outer_pack,
 )
-from dtlab.models.compose._comm import broadcast_over_pp, gather_whole_state, grads_of, sum_over_tp
+from dtlab.models.compose._comm import gather_whole_state, grads_of, sum_over_tp
 from dtlab.models.compose._meta_walk import MetaWalk
+from dtlab.models.compose._pipelined import PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._stages import StageSpecs, TiedSync
 from dtlab.models.dp._materialize import ParamInitFn
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.flat import FlatUnit
 from dtlab.models.dp.zero1 import ZeRO1Model, gradient_sync_for
-from dtlab.models.pipeline._comm import StageLinks, infer_through_stages
-from dtlab.models.pipeline._runtime import StepResult, run_schedule
 from dtlab.models.pipeline._schedules import Action
-from dtlab.models.pipeline._split import Stage, TensorSpec
+from dtlab.models.pipeline._split import Stage
 from dtlab.models.pipeline._ties import rebind_ties
 from dtlab.models.pipeline._trace import TracedStage
-from dtlab.models.pipeline._trace_check import output_tensor
 from dtlab.models.placed_state import load_placed_state, placements_of, write_placed_state
 from dtlab.models.shard_index import new_state
 from dtlab.models.tensor._layers import vocab_parallel_cross_entropy
@@ -168,12 +165,16 @@ class HybridShardedModel(OptimizerTarget):
         self._span = mesh["dp", "tp"]
         self._partial = layout.partial
         self._sync = True
-        self._stage_specs = StageSpecs(layout, module)
-        self._last: StepResult | None = None
         if self._partial and self.tp_group.world_size > 1:
             dp.register_post_sync_hook(self._sum_partial)
         rebind_ties(layout.ties, root)
         self._tied = TiedSync(layout, root, dp)  # weights tied across pipeline ranks
+        self._pipe = None
+        if layout.schedule is not None:
+            specs = StageSpecs(layout, module)
+            self._pipe = PipelineRun(
+                dp, layout, layout.schedule, self.pp_group, specs, self._tied, activation_checkpointing
+            )
 
     @staticmethod
     def from_plan(
@@ -230,22 +231,11 @@ class HybridShardedModel(OptimizerTarget):
         finally:
             self._sync = prev
 
-    # ------------------------------------------------------------------ forward
-    def _stage_forward(self, x: torch.Tensor, stage: int, *inputs: torch.Tensor) -> Any:
-        """One stage through the data-parallel strategy's forward (its buffers, gathers and hooks); the
-        activations ZeRO-3/FSDP's own saved-tensor hooks keep go on to the pipeline's meter. A stage of
-        a model split at module names also gets the micro-batch's model ``inputs``."""
-        dp = self.dp_strategy
-        dp.observe_activation = outer_pack()
-        try:
-            return dp(x, stage, *inputs) if self._layout.traced else dp(x, stage)
-        finally:
-            dp.observe_activation = None
-
+    # ------------------------------------------------------------------ forward and step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Without a pipeline: the data-parallel strategy's forward. With one: inference through every
         stage (no autograd across ranks), the output on every pp rank; training runs ``train_step``."""
-        if self.schedule is None:
+        if self._pipe is None:
             if torch.is_grad_enabled():
                 self._check_partial_fresh()
             return self.dp_strategy(*args, **kwargs)
@@ -256,72 +246,18 @@ class HybridShardedModel(OptimizerTarget):
                 "under torch.no_grad()"
             )
         (x,) = args
-        specs = self._specs_for(x)
-        last = self.schedule.num_stages - 1
+        return self._pipe.infer(x)
 
-        def run(h: torch.Tensor, s: int) -> torch.Tensor:
-            out = self._stage_forward(h, s, x)
-            tensor = output_tensor(out) if s == last and self._layout.traced else out
-            if not isinstance(tensor, torch.Tensor):  # unreachable: the trace checked the output
-                raise StrategyError(f"pipeline stage {s} returned a {type(out).__name__}")
-            return tensor
-
-        return infer_through_stages(x, run, specs, self.schedule, self.pp_group)
-
-    def _specs_for(self, sample: torch.Tensor) -> list[TensorSpec]:
-        """Each stage's output spec for micro-batches like ``sample`` (computed once per shape)."""
-        return self._stage_specs(sample, self.dp_strategy)
-
-    # ------------------------------------------------------------------ training
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """One step on ``(inputs, targets)`` (this dp rank's share); with a pipeline, its schedule (each
         micro-batch loss / m before backward), then the dp reduction (unless inside ``no_sync()``).
         Returns the batch's mean loss on every rank of the stage's pipeline."""
-        if self.schedule is None:
+        if self._pipe is None:
             return super().train_step(batch, loss_fn)
         inputs, targets = batch
-        m, who = self.micro_batches, type(self).__name__
-        for what, t in (("inputs", inputs), ("targets", targets)):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                raise StrategyError(f"{who}.train_step: {what} must be a batched tensor, got {t!r}")
-            if t.shape[0] % m:
-                raise StrategyError(
-                    f"{who}.train_step: the batch of {t.shape[0]} samples ({what}) does not split into "
-                    f"micro_batches={m} equal micro-batches; use a batch size that is a multiple of {m}"
-                )
+        self._pipe.check_batch(type(self).__name__, inputs, targets)
         self._check_partial_fresh()
-        micro_in, micro_tg = inputs.chunk(m), targets.chunk(m)
-        specs = self._specs_for(micro_in[0])
-        pp, plan, dp = self.pp_group, self.schedule, self.dp_strategy
-        links = StageLinks(pp, plan, specs) if pp.world_size > 1 else None
-        calls = {s: self._stage_call(s, micro_in) for s in plan.stages_of(pp.rank)}
-        with dp.keep_gathered():  # ZeRO-3/FSDP: each unit gathered once per step
-            excluded = {t.untyped_storage().data_ptr() for t in [*self.module.parameters(), inputs, targets]}
-            with dp.no_sync():
-                result = run_schedule(
-                    plan,
-                    pp.rank,
-                    calls,
-                    links,
-                    micro_in,
-                    micro_tg,
-                    loss_fn,
-                    excluded,
-                    checkpointing=self.activation_checkpointing,
-                )
-            self._last = result
-            if self._sync:
-                self._tied.before_reduce()
-                dp.reduce_accumulated_grads()
-        last = plan.rank_of(plan.num_stages - 1)
-        loss = None if result.loss is None else result.loss.reshape(1).float()
-        return broadcast_over_pp(loss, (1,), torch.float32, last, pp)[0]
-
-    def _stage_call(self, s: int, micro_in: Sequence[torch.Tensor]) -> Callable[[torch.Tensor, int], Any]:
-        def call(x: torch.Tensor, micro: int) -> Any:
-            return self._stage_forward(x, s, micro_in[micro])
-
-        return call
+        return self._pipe.step(inputs, targets, loss_fn, self._sync)
 
     def _sum_partial(self) -> None:
         """Sequence parallelism: replicated parameters used on a chunk of the sequence have partial
@@ -338,11 +274,13 @@ class HybridShardedModel(OptimizerTarget):
 
     def last_activation_bytes(self) -> int:
         """The peak bytes of activations this rank held during the last pipelined step."""
-        return 0 if self._last is None else self._last.peak_activation_bytes
+        last = None if self._pipe is None else self._pipe.last
+        return 0 if last is None else last.peak_activation_bytes
 
     def last_timeline(self) -> list[tuple[Action, float, float]]:
         """This rank's measured compute intervals of the last pipelined step (``perf_counter`` seconds)."""
-        return [] if self._last is None else list(self._last.timeline)
+        last = None if self._pipe is None else self._pipe.last
+        return [] if last is None else list(last.timeline)
 
     # ------------------------------------------------------------------ optimizer protocol
     def attach_optimizer(self, optimizer: AttachedOptimizer) -> None:

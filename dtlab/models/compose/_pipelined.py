@@ -1,0 +1,127 @@
+"""A pipelined composition's step on this rank: each stage called through the data-parallel strategy,
+the schedule run with every backward inside ``no_sync()`` (ZeRO-3/FSDP: each unit gathered once for
+the step), the tied weights summed and the dp reduction after it, the loss broadcast over pp; and
+inference through every stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models.compose._build import Layout, outer_pack
+from dtlab.models.compose._comm import broadcast_over_pp
+from dtlab.models.compose._stages import StageSpecs, TiedSync
+from dtlab.models.dp.data_parallel import DataParallelModel
+from dtlab.models.pipeline._comm import StageLinks, infer_through_stages
+from dtlab.models.pipeline._runtime import StepResult, run_schedule
+from dtlab.models.pipeline._schedules import PipelineSchedule
+from dtlab.models.pipeline._split import TensorSpec
+from dtlab.models.pipeline._trace_check import output_tensor
+
+__all__ = ["PipelineRun"]
+
+
+class PipelineRun:
+    """This rank's stages of ``schedule`` over ``pp``, run through ``dp`` (which wraps them)."""
+
+    def __init__(
+        self,
+        dp: DataParallelModel,
+        layout: Layout,
+        schedule: PipelineSchedule,
+        pp: CommunicationBackend,
+        specs: StageSpecs,
+        tied: TiedSync,
+        checkpointing: bool,
+    ) -> None:
+        self.dp, self.layout, self.schedule, self.pp = dp, layout, schedule, pp
+        self.specs, self.tied, self.checkpointing = specs, tied, checkpointing
+        self.micro_batches = layout.micro_batches
+        #: the last step's compute intervals and activation peak (None before the first step)
+        self.last: StepResult | None = None
+
+    def stage_forward(self, x: torch.Tensor, stage: int, *inputs: torch.Tensor) -> Any:
+        """One stage through the data-parallel strategy's forward (its buffers, gathers and hooks); the
+        activations ZeRO-3/FSDP's own saved-tensor hooks keep go on to the pipeline's meter. A stage of
+        a model split at module names also gets the micro-batch's model ``inputs``."""
+        dp = self.dp
+        dp.observe_activation = outer_pack()
+        try:
+            return dp(x, stage, *inputs) if self.layout.traced else dp(x, stage)
+        finally:
+            dp.observe_activation = None
+
+    def specs_for(self, sample: torch.Tensor) -> list[TensorSpec]:
+        """Each stage's output spec for micro-batches like ``sample`` (computed once per shape)."""
+        return self.specs(sample, self.dp)
+
+    def infer(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference through every stage (no autograd across ranks), the output on every pp rank."""
+        specs = self.specs_for(x)
+        last = self.schedule.num_stages - 1
+
+        def run(h: torch.Tensor, s: int) -> torch.Tensor:
+            out = self.stage_forward(h, s, x)
+            tensor = output_tensor(out) if s == last and self.layout.traced else out
+            if not isinstance(tensor, torch.Tensor):  # unreachable: the trace checked the output
+                raise StrategyError(f"pipeline stage {s} returned a {type(out).__name__}")
+            return tensor
+
+        return infer_through_stages(x, run, specs, self.schedule, self.pp)
+
+    def check_batch(self, who: str, inputs: Any, targets: Any) -> None:
+        m = self.micro_batches
+        for what, t in (("inputs", inputs), ("targets", targets)):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                raise StrategyError(f"{who}.train_step: {what} must be a batched tensor, got {t!r}")
+            if t.shape[0] % m:
+                raise StrategyError(
+                    f"{who}.train_step: the batch of {t.shape[0]} samples ({what}) does not split into "
+                    f"micro_batches={m} equal micro-batches; use a batch size that is a multiple of {m}"
+                )
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        sync: bool,
+    ) -> torch.Tensor:
+        """The schedule on ``(inputs, targets)`` (checked by :meth:`check_batch`), then, when ``sync``,
+        the tied weights' sum and the dp reduction; the batch's mean loss on every pipeline rank."""
+        micro_in, micro_tg = inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)
+        specs = self.specs_for(micro_in[0])
+        pp, plan, dp = self.pp, self.schedule, self.dp
+        links = StageLinks(pp, plan, specs) if pp.world_size > 1 else None
+        calls = {s: self._stage_call(s, micro_in) for s in plan.stages_of(pp.rank)}
+        with dp.keep_gathered():  # ZeRO-3/FSDP: each unit gathered once per step
+            excluded = {t.untyped_storage().data_ptr() for t in [*dp.module.parameters(), inputs, targets]}
+            with dp.no_sync():
+                result = run_schedule(
+                    plan,
+                    pp.rank,
+                    calls,
+                    links,
+                    micro_in,
+                    micro_tg,
+                    loss_fn,
+                    excluded,
+                    checkpointing=self.checkpointing,
+                )
+            self.last = result
+            if sync:
+                self.tied.before_reduce()
+                dp.reduce_accumulated_grads()
+        last = plan.rank_of(plan.num_stages - 1)
+        loss = None if result.loss is None else result.loss.reshape(1).float()
+        return broadcast_over_pp(loss, (1,), torch.float32, last, pp)[0]
+
+    def _stage_call(self, s: int, micro_in: Sequence[torch.Tensor]) -> Callable[[torch.Tensor, int], Any]:
+        def call(x: torch.Tensor, micro: int) -> Any:
+            return self.stage_forward(x, s, micro_in[micro])
+
+        return call
