@@ -1,0 +1,272 @@
+"""A model too big to build whole on every rank: an HF Llama of ~1.6B parameters (6.4 GB in float32,
+four whole copies 26 GB on a 23 GB machine) built on the meta device, sharded over 4 Gloo ranks with
+FSDP (one unit per decoder layer and one for the embedding), loaded with ``load_pretrained`` from the
+sharded safetensors checkpoint ``save_pretrained`` wrote, then trained a few plain-SGD steps.
+
+    .venv/bin/python benchmarks/big_model_meta.py                 # the 1.6B model, 4 ranks
+    .venv/bin/python benchmarks/big_model_meta.py --layers 2 --hidden 256 --intermediate 512 \\
+        --vocab 1000 --heads 4                                    # a quick check of the script
+
+1. One process builds the model plainly under ``seeded_init(0)``, computes the loss of one forward on
+   the batch (the reference), and writes it with ``save_pretrained(max_shard_size=...)``; it exits,
+   so its memory is returned.
+2. ``--ranks`` Gloo processes each build the model on meta, wrap it in ``FSDPModel(init_seed=0,
+   param_init_fn=<HF _init_weights>)`` (each rank materializes its shards, one module whole at a
+   time), ``load_pretrained`` the checkpoint (each rank reads its slices), and train ``--steps`` steps
+   on its row of the batch. The first step's loss (averaged over the ranks) is the loaded weights'
+   loss: it must match the reference forward's.
+
+Printed: every rank's peak RSS after construction, after loading and after training (``ru_maxrss``:
+the high-water mark so far), the job's peak (the sum of the ranks' RSS sampled every 0.2 s by this
+process) and the sum and max of the ranks' peaks, with the time of each phase. The checkpoint (written
+under ``--dir``, default a new folder in /tmp) is deleted at the end unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _config(args: dict[str, Any]) -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=args["vocab"],
+        hidden_size=args["hidden"],
+        intermediate_size=args["intermediate"],
+        num_hidden_layers=args["layers"],
+        num_attention_heads=args["heads"],
+        num_key_value_heads=args["heads"],
+        max_position_embeddings=args["seq"],
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
+def _batch(args: dict[str, Any]) -> tuple[Any, Any]:
+    import torch
+
+    seqs = torch.randint(
+        0, args["vocab"], (args["ranks"], args["seq"] + 1), generator=torch.Generator().manual_seed(1)
+    )
+    return seqs[:, :-1], seqs[:, 1:]
+
+
+def _loss(net: Any, x: Any, y: Any) -> Any:
+    import torch
+
+    logits = net(x).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
+
+
+def _write(backend: Any, args: dict[str, Any], folder: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from dtlab.core import seeded_init
+
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    with seeded_init(0):
+        net = transformers.LlamaForCausalLM(_config(args))
+    built = time.perf_counter()
+    x, y = _batch(args)
+    with torch.no_grad():
+        loss = _loss(net, x, y).item()
+    net.save_pretrained(folder, max_shard_size=args["shard_size"])
+    return {
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "loss": loss,
+        "peak_mb": _peak_mb(),
+        "build_s": built - t0,
+        "write_s": time.perf_counter() - built,
+    }
+
+
+def _train(backend: Any, args: dict[str, Any], folder: str) -> dict[str, Any]:
+    import torch
+    import transformers
+    from torch import nn
+
+    from dtlab.checkpoint import load_pretrained
+    from dtlab.models import FSDPModel, ModuleClassPolicy
+    from dtlab.optimizers import ZeRO3Optimizer
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"start_mb": _peak_mb()}
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        net = transformers.LlamaForCausalLM(_config(args))
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    model = FSDPModel(
+        net,
+        backend,
+        wrap_policy=ModuleClassPolicy((layer, nn.Embedding)),
+        init_seed=0,
+        param_init_fn=net._init_weights,  # Hugging Face's initializer: normal weights, ones, rotary inv_freq
+    )
+    out["held_parameters_mb"] = model.memory_report()["parameters"] / 2**20
+    out["construct_mb"], t1 = _peak_mb(), time.perf_counter()
+    report = load_pretrained(model, folder)
+    out["load_mb"], t2 = _peak_mb(), time.perf_counter()
+    out["report"] = (report.missing, report.unexpected, report.mismatched)
+    opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=args["lr"])
+    x, y = _batch(args)
+    r = backend.rank
+    losses = []
+    for _ in range(args["steps"]):
+        loss = _loss(model, x[r : r + 1], y[r : r + 1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().reshape(1).double()
+        backend.all_reduce(mean)
+        losses.append(mean.item() / backend.world_size)
+    out["train_mb"], t3 = _peak_mb(), time.perf_counter()
+    out["losses"] = losses
+    out["seconds"] = {"construct": t1 - t0, "load": t2 - t1, "train": t3 - t2}
+    return out
+
+
+def _children_rss_mb(parent: int) -> float:
+    """The summed RSS of ``parent``'s direct children (the rank processes)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if int(fields.get("PPid", "0").strip()) == parent and "VmRSS" in fields:
+            total += int(fields["VmRSS"].split()[0])
+    return total / 1024
+
+
+class _Sampler:
+    """The peak of the ranks' summed RSS, sampled in a thread while a world runs."""
+
+    def __init__(self) -> None:
+        self.peak = 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = os.getpid()
+        while not self.stop.wait(0.2):
+            self.peak = max(self.peak, _children_rss_mb(me))
+
+    def __enter__(self) -> _Sampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--shard-size", default="1GB", help="save_pretrained's max_shard_size")
+    ap.add_argument(
+        "--dir", default=None, help="where the checkpoint is written (default: a new /tmp folder)"
+    )
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    ns = ap.parse_args()
+    args = vars(ns)
+
+    from dtlab.testing.spawn import spawn_world
+
+    folder = Path(ns.dir) if ns.dir else Path(tempfile.mkdtemp(prefix="dtlab-big-model-"))
+    try:
+        with _Sampler() as writer_rss:
+            wrote = spawn_world(1, _write, args, str(folder), timeout=ns.timeout, check_collectives=False)[0]
+        files = sorted(folder.glob("*.safetensors"))
+        size = sum(f.stat().st_size for f in files)
+        print(
+            f"written: {wrote['parameters'] / 1e9:.3f}B parameters, {size / 2**30:.2f} GiB in "
+            f"{len(files)} files "
+            f"(build {wrote['build_s']:.0f} s, write {wrote['write_s']:.0f} s, peak RSS "
+            f"{wrote['peak_mb'] / 1024:.2f} GiB), reference loss {wrote['loss']:.6f}"
+        )
+        with _Sampler() as job:
+            ranks = spawn_world(
+                ns.ranks, _train, args, str(folder), timeout=ns.timeout, check_collectives=False
+            )
+    finally:
+        if not ns.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    print(
+        f"{'rank':>4} {'held params':>12} {'construct':>10} {'load':>10} {'train':>10}"
+        "  (peak RSS so far, GiB)"
+    )
+    for r, res in enumerate(ranks):
+        print(
+            f"{r:>4} {res['held_parameters_mb'] / 1024:>11.2f}G {res['construct_mb'] / 1024:>10.2f} "
+            f"{res['load_mb'] / 1024:>10.2f} {res['train_mb'] / 1024:>10.2f}"
+        )
+    peaks = [res["train_mb"] / 1024 for res in ranks]
+    secs = ranks[0]["seconds"]
+    losses = ranks[0]["losses"]
+    rel = abs(losses[0] - wrote["loss"]) / abs(wrote["loss"])
+    print(
+        f"job: peak of the summed RSS {job.peak / 1024:.2f} GiB; ranks' peaks: sum {sum(peaks):.2f} GiB, "
+        f"max {max(peaks):.2f} GiB; one whole float32 copy {wrote['parameters'] * 4 / 2**30:.2f} GiB"
+    )
+    print(
+        f"time (rank 0): construct {secs['construct']:.0f} s, load {secs['load']:.0f} s, "
+        f"{ns.steps} steps {secs['train']:.0f} s"
+    )
+    print(
+        f"losses {[f'{v:.6f}' for v in losses]}; loaded weights' loss vs the reference forward: rel {rel:.2e}"
+    )
+    print(f"load report: {ranks[0]['report']}")
+    if ns.json:
+        Path(ns.json).write_text(
+            json.dumps(
+                {
+                    "args": args,
+                    "write": wrote,
+                    "ranks": ranks,
+                    "job_peak_mb": job.peak,
+                    "writer_peak_mb": writer_rss.peak,
+                },
+                indent=1,
+            )
+        )
+    if rel > 1e-4 or any(res["report"] != ([], [], []) for res in ranks):
+        sys.exit("the loaded weights' loss differs from the reference forward's, or keys did not match")
+
+
+if __name__ == "__main__":
+    main()
