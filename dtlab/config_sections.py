@@ -398,6 +398,16 @@ class ModelConfig(_Section):
     seq_len: int = Field(default=64, ge=2, le=1 << 20)
     #: dropout probability in the blocks (keep 0 with tensor parallelism on in-memory ranks)
     dropout: float = Field(default=0.0, ge=0, lt=1)
+    #: how the model is built (default ``None``: ``meta`` where the strategy shards the model, ``plain``
+    #: where every rank holds it whole: DDP, ZeRO-1/2); ``meta``: on the meta device (shapes only), each
+    #: rank materializing and initializing only its own part, one module whole at a time (ZeRO-3, FSDP,
+    #: tensor, pipeline and hybrid parallelism); ``plain``: whole on every rank, then wrapped
+    init: Literal["meta", "plain"] | None = None
+    #: pretrained weights loaded after the model is built (before a resume, which replaces them): a
+    #: safetensors file, a folder with ``model.safetensors`` or a sharded ``model.safetensors.index.json``
+    #: (what Hugging Face's ``save_pretrained`` writes), or the file ``dtlab consolidate`` writes; keys
+    #: are the module's ``state_dict()`` keys, all must match; each rank reads only its part
+    pretrained: str | None = None
 
     @field_validator("factory")
     @classmethod

@@ -105,6 +105,12 @@ class Prediction:
     stage_ops: tuple[dict[str, Ops], ...] = field(default_factory=tuple)
     #: sequences per micro-batch
     micro_batch: int = 0
+    #: how ``dtlab train`` builds the model for this plan (``model.init``'s default): ``meta`` where
+    #: the strategy shards the model (ZeRO-3, FSDP, tensor, pipeline), ``plain`` otherwise
+    init: str = "plain"
+    #: peak host bytes of building the model on the rank that holds the most: ``meta``: its parameter
+    #: share plus the largest module made whole; ``plain``: the whole model
+    construction: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -154,6 +160,17 @@ class Memo:
         self.times: dict[tuple[object, ...], tuple[PassTimes, float, float]] = {}
         self.cluster: ClusterSpec | None = None  # the one ``times`` holds
         self.model: tuple[ModelSpec, TransformerLM] | None = None  # built once on the meta device
+        self.largest: int | None = None  # elements of the largest module's own parameters
+
+    def largest_module(self, spec: ModelSpec) -> int:
+        """Elements of the largest single module's own parameters (the model whole)."""
+        if self.largest is None:
+            sizes: dict[str, int] = {}
+            for block in self.tensors_by_block(spec, 1):
+                for t in block:
+                    sizes[t.module] = sizes.get(t.module, 0) + t.numel
+            self.largest = max(sizes.values(), default=0)
+        return self.largest
 
     def timing(self, cluster: ClusterSpec) -> dict[tuple[object, ...], tuple[PassTimes, float, float]]:
         """The compute times for ``cluster`` (those of another cluster are dropped)."""
@@ -296,6 +313,9 @@ def predict(
         axes[axis] = AxisCost(axis, sizes[axis], intra, ops, seconds, exposed[axis])
     step = body + exposed["dp"] + exposed["pp"]
     memory = stage_mem[worst]
+    meta = c.strategy in ("zero3", "fsdp") or c.tp > 1 or pipelined
+    share = max(m.parameters for m in stage_mem)
+    build = share + memo.largest_module(spec) * prec.params if meta else spec.parameters * prec.params
     out_of_memory = memory.total > cluster.memory_bytes
     notes = [f"needs {memory.total / 2**30:.2f} GiB > {cluster.memory_gib:g} GiB"] if out_of_memory else []
     return Prediction(
@@ -312,4 +332,6 @@ def predict(
         stage_memory=tuple(stage_mem),
         stage_ops=stage_ops,
         micro_batch=micro,
+        init="meta" if meta else "plain",
+        construction=build,
     )

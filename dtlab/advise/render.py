@@ -65,6 +65,7 @@ def advice_table(
         ("bubble", "right"),
         ("wait ms", "right"),
         (f"mem {unit_name}", "right"),
+        (f"build {unit_name}", "right"),
         ("params", "right"),
         ("grads", "right"),
         ("optim", "right"),
@@ -91,10 +92,11 @@ def advice_table(
             f"{1e3 * p.compute_seconds:,.2f}",
             f"{100 * p.bubble:.0f}%" if p.candidate.pp > 1 else "-",
             f"{1e3 * wait:,.2f}",
+            _size(m.total, unit),
+            f"{p.init} {_size(p.construction, unit)}",
             *(
                 _size(n, unit)
                 for n in (
-                    m.total,
                     m.parameters,
                     m.gradients,
                     m.optimizer_state,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -16,10 +16,19 @@ from dtlab.models.base import ModelStrategy
 from dtlab.models.precision import MixedPrecisionPolicy
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.parallel_config import run_plan
+from dtlab.trainers.construction import (
+    Construction,
+    largest_module_bytes,
+    load_pretrained_weights,
+    model_init,
+    tensor_bytes,
+)
 from dtlab.trainers.embedded import Task
 from dtlab.trainers.parallel import build_parallel_model
 
 __all__ = [
+    "BuiltModel",
+    "build_model",
     "build_model_strategy",
     "build_optimizer_strategy",
     "optimizer_record",
@@ -74,6 +83,71 @@ def precision_policy(config: TrainConfig) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy.from_names(config.train.precision, config.strategy.reduce_dtype)
 
 
+@dataclass(frozen=True)
+class BuiltModel:
+    """The wrapped model, the module's parameter count, and how it was built (``model.init``)."""
+
+    model: ModelStrategy
+    num_parameters: int
+    construction: Construction
+
+
+def _module(
+    config: TrainConfig, plan: RunPlan, backend: CommunicationBackend, task: Task
+) -> tuple[torch.nn.Module, str]:
+    """The freshly built module (on the meta device or plainly, ``model.init``) and how it was built."""
+    init = model_init(config, plan)
+    with seeded_init(config.train.seed):  # the same initial model on every rank and in every run
+        if init == "meta":
+            with torch.device("meta"):
+                module = task.build_model()
+        else:
+            module = task.build_model().to(backend.device)
+    if init == "meta" and not any(p.is_meta for p in module.parameters()):
+        if config.model.init == "meta":
+            raise ConfigError(
+                f"model.init=meta: the model {type(module).__name__} was built before the run (its "
+                "parameters are not on the meta device); pass a function that builds it (model.factory or "
+                "Trainer(model=<callable>)) or set model.init=plain"
+            )
+        return module.to(backend.device), "plain"  # a module object handed to the Trainer: built whole
+    return module, init
+
+
+def build_model(
+    config: TrainConfig,
+    backend: CommunicationBackend,
+    task: Task,
+    plan: RunPlan | None = None,
+    precision: MixedPrecisionPolicy | None = None,
+) -> BuiltModel:
+    """The model strategy ``plan`` asks for (default: the config's, on ``backend``'s world) over a
+    freshly built module (on the meta device or plainly, ``model.init``) with ``model.pretrained``
+    loaded; gradients travel in ``precision``'s ``reduce_dtype`` (default: the config's policy)."""
+    from dtlab.models import get_model_strategy
+
+    plan = run_plan(config, backend.world_size) if plan is None else plan
+    precision = precision_policy(config) if precision is None else precision
+    module, init = _module(config, plan, backend, task)
+    whole = tensor_bytes([*module.parameters(), *module.buffers()])
+    largest = largest_module_bytes(module)
+    n_params = sum(p.numel() for p in module.parameters())
+    task = with_fsdp_units(config, plan, module, task)
+    kwargs = data_parallel_kwargs(config, plan.data_parallel, task, precision)
+    if init == "meta":
+        kwargs["init_seed"] = config.train.seed
+    if plan.activation_checkpointing and not plan.pipelined:  # a pipeline checkpoints its stages
+        _checkpoint(module, plan.data_parallel, task)
+    model: ModelStrategy
+    if plan.model_parallel:
+        model = build_parallel_model(plan, backend, module, kwargs)
+    else:
+        model = get_model_strategy(plan.data_parallel)(module, backend, **kwargs)
+    load_pretrained_weights(config, model)
+    share = model.memory_report()["parameters"]
+    return BuiltModel(model, n_params, Construction(init, whole, share, largest))
+
+
 def build_model_strategy(
     config: TrainConfig,
     backend: CommunicationBackend,
@@ -81,24 +155,10 @@ def build_model_strategy(
     plan: RunPlan | None = None,
     precision: MixedPrecisionPolicy | None = None,
 ) -> tuple[ModelStrategy, int]:
-    """The model strategy ``plan`` asks for (default: the config's, on ``backend``'s world) over a
-    freshly built module, and the module's parameter count; gradients travel in ``precision``'s
-    ``reduce_dtype`` (default: the config's policy)."""
-    from dtlab.models import get_model_strategy
-
-    plan = run_plan(config, backend.world_size) if plan is None else plan
-    precision = precision_policy(config) if precision is None else precision
-    with seeded_init(config.train.seed):  # the same initial model on every rank and in every run
-        module = task.build_model().to(backend.device)
-    n_params = sum(p.numel() for p in module.parameters())
-    task = with_fsdp_units(config, plan, module, task)
-    kwargs = data_parallel_kwargs(config, plan.data_parallel, task, precision)
-    if plan.activation_checkpointing and not plan.pipelined:  # a pipeline checkpoints its stages
-        _checkpoint(module, plan.data_parallel, task)
-    if plan.model_parallel:
-        return build_parallel_model(plan, backend, module, kwargs), n_params
-    cls = get_model_strategy(plan.data_parallel)
-    return cls(module, backend, **kwargs), n_params
+    """The model strategy ``plan`` asks for over a freshly built module (``build_model``), and the
+    module's parameter count."""
+    built = build_model(config, backend, task, plan, precision)
+    return built.model, built.num_parameters
 
 
 def with_fsdp_units(config: TrainConfig, plan: RunPlan, module: torch.nn.Module, task: Task) -> Task:

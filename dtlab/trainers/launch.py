@@ -12,6 +12,8 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, check_world_size
+from dtlab.parallel_config import run_plan
+from dtlab.trainers.construction import model_init
 from dtlab.trainers.custom import task_from_objects
 from dtlab.trainers.preemption import StopRequest
 from dtlab.trainers.preflight import check_paths
@@ -73,6 +75,7 @@ def run_training(
         if task is not None:
             raise TypeError("run_training: pass either task or model/train_data/eval_data/loss_fn, not both")
         task = task_from_objects(config, model, train_data, eval_data, loss_fn)
+    model_init(config, run_plan(config))  # model.init=meta where every rank holds the whole model: refused
     name = resolve_backend_name(config)
     if name == "inmemory":
         from dtlab.backends.threads import run_world

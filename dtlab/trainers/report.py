@@ -270,7 +270,8 @@ def header(self: Trainer) -> str:
     run = f" | run {self.run_dir}" if self.run_dir is not None else ""
     return (
         f"dtlab train: {what} | {strategy} on mesh {mesh} | {self.backend.name} x "
-        f"{self.backend.world_size} | {_plan(self)} | {start}{c.train.steps} steps x "
+        f"{self.backend.world_size} | {self.construction.describe()} | {_plan(self)} | {start}"
+        f"{c.train.steps} steps x "
         f"{c.data.global_batch_size} samples ({len(t.train_data):,} train / {len(t.eval_data):,} eval){run}"
     )
 

@@ -31,7 +31,7 @@ from dtlab.errors import CheckpointError, ConfigError
 from dtlab.lr_schedule import build_scheduler
 from dtlab.optimizers.elastic import ElasticMember
 from dtlab.parallel_config import run_plan
-from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy, precision_policy
+from dtlab.trainers.build import build_model, build_optimizer_strategy, precision_policy
 from dtlab.trainers.custom import task_from_objects
 from dtlab.trainers.elastic import (
     commit_on_stop,
@@ -154,8 +154,12 @@ class Trainer:
         self.plan = run_plan(config, backend.world_size)
         #: compute, gradient-reduction and output dtypes (the strategies reduce in its reduce_dtype)
         self.precision = precision_policy(config)
-        self.model, self.num_parameters = build_model_strategy(
-            config, backend, self.task, self.plan, self.precision
+        # on meta or plainly (model.init), model.pretrained loaded
+        built = build_model(config, backend, self.task, self.plan, self.precision)
+        self.model, self.num_parameters, self.construction = (
+            built.model,
+            built.num_parameters,
+            built.construction,
         )
         #: the task's loss, or a tensor-parallel model's vocabulary-parallel cross entropy
         self.loss_fn = parallel_loss(self.model, self.task.loss_fn, cross_entropy_loss, config.parallel.tp)
