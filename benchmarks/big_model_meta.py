@@ -138,11 +138,13 @@ def _train(backend: Any, args: dict[str, Any], folder: str) -> dict[str, Any]:
     x, y = _batch(args)
     r = backend.rank
     losses = []
-    for _ in range(args["steps"]):
-        loss = _loss(model, x[r : r + 1], y[r : r + 1])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    for _ in range(max(1, args["steps"])):
+        with torch.set_grad_enabled(args["steps"] > 0):  # --steps 0: one forward, the loaded weights' loss
+            loss = _loss(model, x[r : r + 1], y[r : r + 1])
+        if args["steps"] > 0:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
         mean = loss.detach().reshape(1).double()
         backend.all_reduce(mean)
         losses.append(mean.item() / backend.world_size)
@@ -221,7 +223,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="0: one forward without gradients, no step")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument(
         "--dtype",

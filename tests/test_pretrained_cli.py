@@ -77,7 +77,7 @@ def test_meta_is_refused_where_every_rank_holds_the_whole_model_and_a_missing_fi
     for bad, says in [
         (
             ["strategy.model=ddp", "model.init=meta"],
-            r"model\.init=meta .* strategy\.model=ddp keeps the whole",
+            r"model\.init=meta .* strategy\.model=ddp without parallel\.tp/parallel\.pp keeps the whole",
         ),
         (
             ["strategy.model=zero3", f"model.pretrained={tmp_path / 'nope'}"],
