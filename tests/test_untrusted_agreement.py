@@ -64,7 +64,9 @@ def _assert_agreed(results: list[dict[str, Any]]) -> None:
         assert "reading x failed on rank 0: CheckpointError: the file is corrupted" in r["read"], r
         assert r["agree"] == "reading y failed on rank [1]: bad shard", r
         assert "elastic: reading the commit (1, 0, 2, 0) failed on rank 0" in r["elastic"], r
-        assert r["seconds"] < 20, r
+        # agreed, not waited out: under the 60 s backend timeout a rank left waiting would reach
+        # (20 s was exceeded by a Gloo world at load 25 on 2 cores)
+        assert r["seconds"] < 45, r
 
 
 def test_in_memory_ranks_agree_on_a_failed_read(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ counted:
   ids and a mask (9 bytes per token);
 - the last stage keeps the final LayerNorm's input, output and statistics (``2 h + 2``) and, in the
   loss, the log-probabilities (``V / tp`` per token), then 4 bytes (the loss's total weight), or
-  with the vocabulary-parallel cross entropy (dtlab train's loss under tensor or pipeline
-  parallelism) the local target ids, two masks and a count (10 bytes per token and 8).
+  with the vocabulary-parallel cross entropy (dtlab train's loss where the logits stay split over
+  tp > 1) the local target ids, two masks and a count (10 bytes per token and 8).
 
 Activation checkpointing splits this into what each micro-batch keeps until its backward and a
 working set rebuilt once at a time during the backward (:class:`Held`): per block, a block keeps
@@ -50,8 +50,8 @@ def block_bytes_per_token(spec: ModelSpec, tp: int, e: int) -> int:
 
 def _loss_bytes(spec: ModelSpec, n: int, tp: int, e: int, parallel: bool) -> int:
     """What the loss keeps: log-probabilities and the total weight; the vocabulary-parallel cross
-    entropy (``parallel``: what dtlab train uses with tp or a pipeline) local target ids, two masks
-    and a count instead of the weight."""
+    entropy (``parallel``: what dtlab train uses where the logits are split over tp > 1) local target
+    ids, two masks and a count instead of the weight."""
     return n * (spec.vocab // tp) * e + (10 * n + 8 if parallel else 4)
 
 
@@ -74,7 +74,7 @@ def stage_activations(
     n = sequences * s
     per_block = block_bytes_per_token(spec, tp, e) * n
     head = n * (2 * h + 2) * e if last else 0
-    loss = _loss_bytes(spec, n, tp, e, tp > 1 or pipelined) if last else 0
+    loss = _loss_bytes(spec, n, tp, e, tp > 1) if last else 0
     embed = 8 * s + (9 * n if tp > 1 else 0) if first else 0
     output = (4 if last else n * h * e) if pipelined else 0
     if checkpointing == "stage":
