@@ -3,7 +3,7 @@
 from dtlab.backends.base import CommunicationBackend, CompletedWork, P2POp, ReduceOp, Work
 from dtlab.backends.init import detect_launcher, init_backend
 from dtlab.backends.inmemory import InMemoryBackend, InMemoryWorld
-from dtlab.backends.mesh import Mesh
+from dtlab.backends.mesh import Mesh, MeshLike
 from dtlab.backends.mpi import MPIBackend
 from dtlab.backends.stats import CommStats, OpStats
 from dtlab.backends.torch_dist import GlooBackend, NCCLBackend, TorchDistBackend
@@ -17,6 +17,7 @@ __all__ = [
     "InMemoryWorld",
     "MPIBackend",
     "Mesh",
+    "MeshLike",
     "NCCLBackend",
     "OpStats",
     "P2POp",

@@ -13,13 +13,57 @@ import itertools
 import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import ArgumentError
 
-__all__ = ["Mesh"]
+__all__ = ["Axes", "Mesh", "MeshLike"]
 
 Axes = str | tuple[str, ...]
+
+
+@runtime_checkable
+class MeshLike(Protocol):
+    """What dtlab's model strategies use of a mesh; :class:`Mesh` is one, and a mesh object of your own
+    with these members is accepted wherever a strategy takes a mesh.
+
+    An axis the mesh lacks has size 1: ``size`` is 1, ``coordinate`` 0, ``mesh[axis]`` a group of this
+    rank alone. Several axes (outermost first) are flattened row-major, the last fastest.
+    """
+
+    @property
+    def backend(self) -> CommunicationBackend:
+        """The backend over every rank of the mesh."""
+        ...
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """Axis names, outermost first."""
+        ...
+
+    @property
+    def shape(self) -> Mapping[str, int]:
+        """``{axis: size}``, outermost first."""
+        ...
+
+    def __contains__(self, axis: object) -> bool: ...
+
+    def size(self, axes: Axes) -> int:
+        """Ranks along ``axes`` (the product for several)."""
+        ...
+
+    def coordinate(self, axes: Axes) -> int:
+        """This rank's coordinate along ``axes``: its ``rank`` in ``mesh[axes]``."""
+        ...
+
+    def ranks(self, axes: Axes) -> list[int]:
+        """World ranks of this rank's group along ``axes``, in group-rank order."""
+        ...
+
+    def __getitem__(self, axes: Axes) -> CommunicationBackend:
+        """This rank's group along ``axes``."""
+        ...
 
 
 def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
@@ -202,3 +246,7 @@ class Mesh:
 
     def __repr__(self) -> str:
         return f"Mesh({self._shape}, rank={self._backend.rank}, coordinates={self._coords})"
+
+
+if TYPE_CHECKING:  # mypy checks that Mesh satisfies the protocol
+    _mesh_is_mesh_like: type[MeshLike] = Mesh

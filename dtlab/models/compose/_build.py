@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.backends.mesh import Mesh
+from dtlab.backends.mesh import Mesh, MeshLike
 from dtlab.core import pairs
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.errors import StrategyError
@@ -74,15 +74,18 @@ DATA_PARALLEL = pairs.DATA_PARALLEL
 AXES = ("pp", "dp", "tp")
 
 
-def as_mesh(mesh: Mesh | CommunicationBackend, who: str, axis: str | None, axes: Sequence[str]) -> Mesh:
-    """The one mesh rule of the model-parallel strategies: a :class:`Mesh` whose axes of size > 1 are
+def as_mesh(
+    mesh: MeshLike | CommunicationBackend, who: str, axis: str | None, axes: Sequence[str]
+) -> MeshLike:
+    """The one mesh rule of the model-parallel strategies: a mesh (:class:`Mesh` or any
+    :class:`~dtlab.backends.MeshLike`) whose axes of size > 1 are
     among ``axes`` (and which has ``axis``, the strategy's own, when given); a plain backend stands for
     a mesh of that one axis."""
     if isinstance(mesh, CommunicationBackend) and axis is not None:
         mesh = Mesh(mesh, {axis: mesh.world_size})
-    if not isinstance(mesh, Mesh):
+    if not isinstance(mesh, MeshLike):
         raise TypeError(
-            f"{who} takes a dtlab.backends.Mesh, got {type(mesh).__name__}; e.g. "
+            f"{who} takes a dtlab.backends.Mesh (or a MeshLike), got {type(mesh).__name__}; e.g. "
             "Mesh(backend, {'pp': 2, 'dp': -1, 'tp': 2})"
         )
     if axis is not None and axis not in mesh.axis_names:
@@ -183,7 +186,7 @@ def _check_pipeline(who: str, args: PipelineArgs, p: int, m: int, pipelined: boo
 def lay_out(
     who: str,
     module: nn.Module,
-    mesh: Mesh,
+    mesh: MeshLike,
     tensor_plan: Plan | None,
     args: PipelineArgs,
     always_pipelined: bool,

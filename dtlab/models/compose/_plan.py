@@ -11,7 +11,7 @@ from typing import Any, cast
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.backends.mesh import Mesh
+from dtlab.backends.mesh import Mesh, MeshLike
 from dtlab.core.plan import AUTO, RunPlan
 from dtlab.errors import ArgumentError, StrategyError
 from dtlab.models.compose._tied import check_tied, retie
@@ -57,14 +57,17 @@ def apply_tensor_plan(module: nn.Module, tensor_plan: Plan, group: Communication
     return module
 
 
-def plan_mesh(mesh: Mesh | CommunicationBackend, plan: RunPlan) -> tuple[Mesh, RunPlan]:
+def plan_mesh(mesh: MeshLike | CommunicationBackend, plan: RunPlan) -> tuple[MeshLike, RunPlan]:
     """The mesh ``plan`` runs on (built over a plain backend) and the plan resolved on its world; a
     given mesh must have the plan's sizes."""
-    world = mesh.backend if isinstance(mesh, Mesh) else mesh
+    world = mesh.backend if isinstance(mesh, MeshLike) else mesh
     if not isinstance(world, CommunicationBackend):
-        raise TypeError(f"HybridShardedModel.from_plan takes a Mesh or a backend, got {type(mesh).__name__}")
+        raise TypeError(
+            f"HybridShardedModel.from_plan takes a Mesh (or a MeshLike) or a backend, got "
+            f"{type(mesh).__name__}"
+        )
     resolved = plan.resolve(world.world_size)
-    if not isinstance(mesh, Mesh):
+    if not isinstance(mesh, MeshLike):
         return Mesh(world, resolved.mesh_shape), resolved
     sizes = {a: mesh.size(a) for a in ("pp", "dp", "tp")}
     if sizes != resolved.mesh_shape or any(mesh.size(a) > 1 for a in mesh.axis_names if a not in sizes):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.backends.mesh import Mesh
+from dtlab.backends.mesh import MeshLike
 from dtlab.core import pairs
 from dtlab.core.placement import Placement, Shard, counts_in_norm
 from dtlab.core.plan import RunPlan
@@ -110,7 +110,7 @@ class HybridShardedModel(OptimizerTarget):
     def __init__(
         self,
         module: nn.Module,
-        mesh: Mesh | CommunicationBackend,
+        mesh: MeshLike | CommunicationBackend,
         data_parallel: str = "ddp",
         tensor_plan: Plan | None = None,
         schedule: str = "1f1b",
@@ -178,7 +178,7 @@ class HybridShardedModel(OptimizerTarget):
 
     @staticmethod
     def from_plan(
-        module: nn.Module, mesh: Mesh | CommunicationBackend, plan: RunPlan, **kwargs: Any
+        module: nn.Module, mesh: MeshLike | CommunicationBackend, plan: RunPlan, **kwargs: Any
     ) -> HybridShardedModel:
         """The composition ``plan`` describes, on ``mesh`` (with the plan's sizes) or on a mesh built over
         a plain backend; ``kwargs``: the data-parallel strategy's options. Always this class."""

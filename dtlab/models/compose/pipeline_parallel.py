@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.backends.mesh import Mesh
+from dtlab.backends.mesh import MeshLike
 from dtlab.models.compose.hybrid import HybridShardedModel
 from dtlab.models.dp.zero1 import GradientSync
 
@@ -49,7 +49,7 @@ class PipelineParallelModel(HybridShardedModel):
     def __init__(
         self,
         module: nn.Module,
-        mesh: Mesh | CommunicationBackend,
+        mesh: MeshLike | CommunicationBackend,
         schedule: str = "1f1b",
         micro_batches: int | None = None,
         split_points: Sequence[str] | None = None,

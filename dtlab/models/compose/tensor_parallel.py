@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.backends.mesh import Mesh
+from dtlab.backends.mesh import MeshLike
 from dtlab.errors import ArgumentError
 from dtlab.models.compose.hybrid import HybridShardedModel
 from dtlab.models.dp.zero1 import GradientSync
@@ -59,7 +59,7 @@ class TensorParallelModel(HybridShardedModel):
     def __init__(
         self,
         module: nn.Module,
-        mesh: Mesh | CommunicationBackend,
+        mesh: MeshLike | CommunicationBackend,
         plan: Plan | None = None,
         *,
         tensor_plan: Plan | None = None,
