@@ -270,3 +270,23 @@ def test_pp2_split_at_module_names_on_gloo_and_mpi_processes(engine: str) -> Non
             assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses, strict=True)) <= 1e-5
             assert max(rel(got["state"][k], ref_state[k]) for k in ref_state) <= 1e-5
             assert all(got["tied"])
+
+
+def _saved(backend: CommunicationBackend, state: dict[str, torch.Tensor]) -> Any:
+    model = PipelineParallelModel(build("gpt2", state), backend, micro_batches=2, split_points=GPT2_POINTS[2])
+    shard = model.sharded_state_dict()
+    return {"shard": shard, "keys": set(shard.metadata["entries"])}
+
+
+def test_a_tied_weight_across_stages_is_stored_once_and_loads_into_the_plain_model() -> None:
+    from dtlab.checkpoint.consolidate import full_tensors_from_shards
+
+    state = initial("gpt2")
+    out = run_world(2, _saved, state, timeout=120)
+    stored = [k for r in out for k in r["keys"] if "lm_head" in k or "wte" in k]
+    assert stored and all("lm_head" not in k for k in stored), stored  # once, under its first name
+    full = full_tensors_from_shards([r["shard"] for r in out])
+    assert torch.equal(full["lm_head.weight"], state["transformer.wte.weight"])
+    plain = build("gpt2", initial("gpt2"))
+    plain.load_state_dict({k: full[k] for k in plain.state_dict()})
+    assert all(torch.equal(v, state[k]) for k, v in plain.state_dict().items())
