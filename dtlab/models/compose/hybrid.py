@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,7 @@ from dtlab.models.compose._build import (
 )
 from dtlab.models.compose._comm import gather_whole_state, grads_of, sum_over_tp
 from dtlab.models.compose._meta_walk import MetaWalk
+from dtlab.models.compose._options import HybridOptions, PlanOptions
 from dtlab.models.compose._pipelined import PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._stages import StageSpecs, TiedSync
@@ -68,6 +69,9 @@ from dtlab.models.placed_state import load_placed_state, placements_of, write_pl
 from dtlab.models.shard_index import new_state
 from dtlab.models.tensor._layers import vocab_parallel_cross_entropy
 from dtlab.models.tensor._plan import Plan, splits_logits
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["DATA_PARALLEL", "HybridShardedModel", "as_mesh"]
 
@@ -121,7 +125,7 @@ class HybridShardedModel(OptimizerTarget):
         *,
         init_seed: int | None = None,
         param_init_fn: ParamInitFn | None = None,
-        **kwargs: Any,
+        **kwargs: Unpack[HybridOptions],
     ) -> None:
         who = type(self).__name__ if self.mesh_axis else "HybridShardedModel"
         dp_class = DATA_PARALLEL_CLASSES.get(data_parallel) if isinstance(data_parallel, str) else None
@@ -135,21 +139,22 @@ class HybridShardedModel(OptimizerTarget):
         args = PipelineArgs(schedule, micro_batches, split_points, stages_per_rank, activation_checkpointing)
         walk = MetaWalk.prepare(module, init_seed, param_init_fn, who)  # built on meta: init_seed
         layout = lay_out(who, module, mesh, tensor_plan, args, self.always_pipelined, walk is not None)
-        chosen_sync = kwargs.get("gradient_sync") if data_parallel == "zero1" else None
+        options: dict[str, Any] = dict(kwargs)  # the strategy's own options, as its constructor takes them
+        chosen_sync = options.get("gradient_sync") if data_parallel == "zero1" else None
         if data_parallel == "zero1":
-            kwargs["gradient_sync"] = chosen_sync or "all_reduce"
+            options["gradient_sync"] = chosen_sync or "all_reduce"
         root = layout.root
         if walk is not None:  # each rank materializes only its stages' tp shards (and dp shards)
             walk.bind(root, layout.swapped, mesh["tp"])
             if data_parallel in ("zero3", "fsdp"):
-                kwargs.update(init_seed=walk.seed, param_init_fn=walk.fill)
+                options.update(init_seed=walk.seed, param_init_fn=walk.fill)
             else:
                 walk.run(mesh.backend.device)
                 walk.check_materialized(root)
         #: whether the output (the logits) is split over tp: cross_entropy is then vocabulary-parallel
         self.logits_split = splits_logits(module)  # the whole model: the same on every pipeline rank
         placements = placements_of(root.state_dict(keep_vars=True))  # before ZeRO-3/FSDP shard them
-        dp = dp_class(root, mesh["dp"], world=mesh.backend, **kwargs)  # 3. data parallelism
+        dp = dp_class(root, mesh["dp"], world=mesh.backend, **options)  # 3. data parallelism
         super().__init__(root, mesh["dp"], world=mesh.backend)
         self.__dict__["_dp"] = dp  # used, not registered: its module is this model's module
         self.__dict__["_user_module"] = module  # not registered: other stages are on the meta device
@@ -178,7 +183,7 @@ class HybridShardedModel(OptimizerTarget):
 
     @staticmethod
     def from_plan(
-        module: nn.Module, mesh: MeshLike | CommunicationBackend, plan: RunPlan, **kwargs: Any
+        module: nn.Module, mesh: MeshLike | CommunicationBackend, plan: RunPlan, **kwargs: Unpack[PlanOptions]
     ) -> HybridShardedModel:
         """The composition ``plan`` describes, on ``mesh`` (with the plan's sizes) or on a mesh built over
         a plain backend; ``kwargs``: the data-parallel strategy's options. Always this class."""

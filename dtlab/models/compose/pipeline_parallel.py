@@ -15,14 +15,18 @@ device); ``self.module`` holds this rank's parameters under their names in ``mod
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import MeshLike
+from dtlab.models.compose._options import ComposedOptions
 from dtlab.models.compose.hybrid import HybridShardedModel
 from dtlab.models.dp.zero1 import GradientSync
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class PipelineParallelModel(HybridShardedModel):
@@ -57,7 +61,7 @@ class PipelineParallelModel(HybridShardedModel):
         *,
         gradient_sync: GradientSync | None = None,
         activation_checkpointing: bool = False,
-        **kwargs: Any,
+        **kwargs: Unpack[ComposedOptions],
     ) -> None:
         super().__init__(
             module,

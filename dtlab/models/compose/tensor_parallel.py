@@ -21,18 +21,22 @@ boxes of the full tensors (loadable at another tp, into DDP or the plain module)
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import MeshLike
 from dtlab.errors import ArgumentError
+from dtlab.models.compose._options import ComposedOptions
 from dtlab.models.compose.hybrid import HybridShardedModel
 from dtlab.models.dp.zero1 import GradientSync
 from dtlab.models.tensor._plan import (
     Plan,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class TensorParallelModel(HybridShardedModel):
@@ -64,7 +68,7 @@ class TensorParallelModel(HybridShardedModel):
         *,
         tensor_plan: Plan | None = None,
         gradient_sync: GradientSync | None = None,
-        **kwargs: Any,
+        **kwargs: Unpack[ComposedOptions],
     ) -> None:
         if plan is not None and tensor_plan is not None:
             raise ArgumentError("TensorParallelModel: pass the plan once, as plan= or as tensor_plan=")

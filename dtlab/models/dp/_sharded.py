@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import torch
 from torch import nn
@@ -44,16 +44,21 @@ if TYPE_CHECKING:
 
     from dtlab.models.placed_state import FlatShard
 
-__all__ = ["ShardedModel", "ShardedOptions", "UnitPlan"]
+__all__ = ["GatherOptions", "ShardedModel", "ShardedOptions", "UnitPlan"]
 
 
-class ShardedOptions(DataParallelOptions, total=False):
-    """ZeRO-3's and FSDP's options (see :class:`~dtlab.models.ZeRO3Model`)."""
+class GatherOptions(TypedDict, total=False):
+    """How ZeRO-3 and FSDP gather their units (see :class:`~dtlab.models.ZeRO3Model`)."""
 
     prefetch: bool
+    forward_wait_s: float
+
+
+class ShardedOptions(DataParallelOptions, GatherOptions, total=False):
+    """ZeRO-3's and FSDP's options (see :class:`~dtlab.models.ZeRO3Model`)."""
+
     init_seed: int | None
     param_init_fn: ParamInitFn | None
-    forward_wait_s: float
 
 
 class ShardedModel(DataParallelModel):

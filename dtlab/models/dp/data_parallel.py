@@ -25,15 +25,27 @@ from dtlab.models.dp.flat import FlatUnit
 if TYPE_CHECKING:
     from dtlab.models.placed_state import FlatShard
 
-__all__ = ["DataParallelModel", "DataParallelOptions", "tensor_bytes", "unique_storage_bytes"]
+__all__ = [
+    "DataParallelModel",
+    "DataParallelOptions",
+    "ReduceOptions",
+    "tensor_bytes",
+    "unique_storage_bytes",
+]
 
 
-class DataParallelOptions(TypedDict, total=False):
-    """The options every data-parallel strategy takes (see :class:`~dtlab.models.DDPModel`)."""
+class ReduceOptions(TypedDict, total=False):
+    """The options every data-parallel strategy takes but ``world`` (a composition passes its mesh's
+    backend as ``world``): see :class:`~dtlab.models.DDPModel`."""
 
     reduce_dtype: torch.dtype | None
     find_unused_parameters: bool
     broadcast_buffers: bool
+
+
+class DataParallelOptions(ReduceOptions, total=False):
+    """The options every data-parallel strategy takes (see :class:`~dtlab.models.DDPModel`)."""
+
     world: CommunicationBackend | None
 
 

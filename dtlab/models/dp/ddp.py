@@ -22,6 +22,7 @@ from dtlab.core.state import ShardedState
 from dtlab.models.dp.data_parallel import (
     DataParallelModel,
     DataParallelOptions,
+    ReduceOptions,
     tensor_bytes,
     unique_storage_bytes,
 )
@@ -32,13 +33,17 @@ from dtlab.models.shard_index import new_state
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["DDPModel", "DDPOptions"]
+__all__ = ["BucketOptions", "DDPModel", "DDPOptions"]
 
 
-class DDPOptions(DataParallelOptions, total=False):
-    """DDP's options (ZeRO-1 and ZeRO-2 take them too)."""
+class BucketOptions(ReduceOptions, total=False):
+    """DDP's options but ``world``: what a composition running DDP or ZeRO-1/2 over dp passes on."""
 
     bucket_cap_mb: float
+
+
+class DDPOptions(DataParallelOptions, BucketOptions, total=False):
+    """DDP's options (ZeRO-1 and ZeRO-2 take them too)."""
 
 
 class DDPModel(DataParallelModel):
