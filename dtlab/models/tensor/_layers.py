@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.core.placement import Replicate, Shard, set_placement
+from dtlab.core.placement import Replicate, Shard, placement_of, set_placement
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._comm import (
     SharedInput,
@@ -51,7 +51,7 @@ def _init_uniform(t: torch.Tensor, fan_in: int) -> None:
         t.uniform_(-bound, bound)
 
 
-_Layer = TypeVar("_Layer", bound=nn.Module)
+_Layer = TypeVar("_Layer", "ColumnParallelLinear", "RowParallelLinear")
 
 
 def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
@@ -72,12 +72,11 @@ def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
     return None
 
 
-def _from_linear(
-    cls: type[_Layer], linear: nn.Module, group: CommunicationBackend, *, shard_bias: bool, **kwargs: Any
-) -> _Layer:
+def _from_linear(cls: type[_Layer], linear: nn.Module, group: CommunicationBackend, **kwargs: Any) -> _Layer:
     """A parallel layer holding this rank's shard of ``linear``'s values (an ``nn.Linear`` or a
     ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps), on its device and dtype, with its
-    ``requires_grad`` flags; the bias sharded like the weight or kept whole."""
+    ``requires_grad`` flags; the bias split as the layer places it (column-parallel: like the output
+    features) or kept whole."""
     features = linear_features(linear)
     if features is None:
         raise StrategyError(
@@ -85,7 +84,7 @@ def _from_linear(
         )
     w = cast(nn.Parameter, linear.weight)
     bias_in = cast("nn.Parameter | None", getattr(linear, "bias", None))
-    built = cls(
+    layer = cls(
         features[0],
         features[1],
         group,
@@ -95,18 +94,18 @@ def _from_linear(
         dtype=w.dtype,
         **kwargs,
     )
-    layer = cast(Any, built)  # a ColumnParallelLinear or a RowParallelLinear
     with torch.no_grad():
         layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
         if bias_in is not None and layer.bias is not None:
             bias = bias_in.detach()
-            if shard_bias:  # the bias is split like the output features: dim 0 of the bias
-                bias = Shard(AXIS, 0, layer.sections).local_shard(bias, group.rank, group.world_size)
+            placement = placement_of(layer.bias)  # column-parallel: Shard(tp, 0, sections); row: Replicate
+            if isinstance(placement, Shard):
+                bias = placement.local_shard(bias, group.rank, group.world_size)
             layer.bias.copy_(bias)
     layer.weight.requires_grad_(w.requires_grad)
     if layer.bias is not None and bias_in is not None:
         layer.bias.requires_grad_(bias_in.requires_grad)
-    return built
+    return layer
 
 
 class ColumnParallelLinear(nn.Module):
@@ -171,7 +170,7 @@ class ColumnParallelLinear(nn.Module):
         cls, linear: nn.Module, group: CommunicationBackend, **kwargs: Any
     ) -> ColumnParallelLinear:
         """This rank's shard of ``linear`` (its values, its device and dtype)."""
-        return _from_linear(cls, linear, group, shard_bias=True, **kwargs)
+        return _from_linear(cls, linear, group, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fn = gather_from_sequence if self.sequence_parallel else copy_to_tp
@@ -244,7 +243,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Module, group: CommunicationBackend, **kwargs: Any) -> RowParallelLinear:
         """This rank's shard of ``linear`` (the bias whole: it is added once, after the reduction)."""
-        return _from_linear(cls, linear, group, shard_bias=False, **kwargs)
+        return _from_linear(cls, linear, group, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
