@@ -73,6 +73,8 @@ class TensorParallelModel(HybridShardedModel):
         if plan is not None and tensor_plan is not None:
             raise ArgumentError("TensorParallelModel: pass the plan once, as plan= or as tensor_plan=")
         chosen: Plan = "auto"
-        if plan is not None or tensor_plan is not None:
-            chosen = plan if plan is not None else tensor_plan  # type: ignore[assignment]
+        if plan is not None:
+            chosen = plan
+        elif tensor_plan is not None:
+            chosen = tensor_plan
         super().__init__(module, mesh, "zero1", tensor_plan=chosen, gradient_sync=gradient_sync, **kwargs)
