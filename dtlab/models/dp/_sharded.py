@@ -192,6 +192,18 @@ class ShardedModel(DataParallelModel):
         out = torch.empty_like(st.grad_shard)
         self._pending.append((st, self._reducer.reduce_scatter(unit.key, gflat, out), out))
         st.reduced = True
+        self._finish_reductions(keep=1)
+
+    def _finish_reductions(self, keep: int = 0) -> None:
+        """Wait for the reductions started first until at most ``keep`` are in flight, adding each
+        result into its unit's gradient shard. An engine that overlaps keeps a reduction's input (the
+        unit's whole flat gradient) until it is waited for: waiting for the previous one when the next
+        starts (as torch's FSDP2) bounds the whole gradients alive in backward to two units, whatever
+        the number of units."""
+        while len(self._pending) > keep:
+            st, work, out = self._pending.pop(0)
+            work.wait()
+            st.grad_shard.add_(out)
 
     def _end_backward(self) -> None:
         synced = False
@@ -208,9 +220,7 @@ class ShardedModel(DataParallelModel):
                 for st in self._units:  # deferred (find_unused) or incomplete: fixed unit order
                     if not st.reduced:
                         self._reduce(st)
-                for st, work, out in self._pending:
-                    work.wait()
-                    st.grad_shard.add_(out)
+                self._finish_reductions()
                 self._grads_synced = True
                 synced = True
         finally:
@@ -230,9 +240,7 @@ class ShardedModel(DataParallelModel):
         try:
             for st in self._units:
                 self._reduce(st)
-            for st, work, out in self._pending:
-                work.wait()
-                st.grad_shard.add_(out)
+            self._finish_reductions()
         finally:
             self._pending = []
             for st in self._units:
