@@ -33,6 +33,8 @@ from dtlab.errors import ArgumentError
 from dtlab.models import DDPModel
 from dtlab.testing import TINY_LM, run_world
 from dtlab.trainers import Task, run_training
+from dtlab.trainers.build import BuiltModel
+from dtlab.trainers.construction import Construction
 
 STEPS, GLOBAL_BATCH, NAN_STEP, NAN_RANK = 5, 8, 2, 3
 
@@ -157,13 +159,15 @@ def test_trainer_samples_and_averages_over_dp(tmp_path: Path, monkeypatch: pytes
 
     def build_on_mesh(
         config: TrainConfig, backend: CommunicationBackend, task: Task, *_plan_and_precision: Any
-    ) -> tuple[Any, int]:
+    ) -> BuiltModel:
         mesh = Mesh(backend, {"dp": 2, "tp": 2})
-        with seeded_init(config.train.seed):  # as build_model_strategy: same initial model
+        with seeded_init(config.train.seed):  # as build_model: same initial model
             module = task.build_model()
-        return DDPModel(module, mesh["dp"], world=backend), sum(p.numel() for p in module.parameters())
+        n = sum(p.numel() for p in module.parameters())
+        model = DDPModel(module, mesh["dp"], world=backend)
+        return BuiltModel(model, n, Construction("plain", 4 * n, 4 * n, 4 * n))
 
-    monkeypatch.setattr("dtlab.trainers.trainer.build_model_strategy", build_on_mesh)
+    monkeypatch.setattr("dtlab.trainers.trainer.build_model", build_on_mesh)
     meshed = run_training(_cfg(tmp_path, 4))
     ref = plain[0]
     assert len(ref.losses) == 4 and len(ref.evals) == 2

@@ -29,6 +29,9 @@ def llama_gqa() -> object:
 BASE = ["backend.name=inmemory", "logging.progress=false", "logging.run_dir=null", "train.eval_every=0"]
 BASE += ["data.global_batch_size=8", "optimizer.warmup_steps=0", "train.steps=3", "optimizer.lr=1e-2"]
 BASE += ["model.factory=test_hf_models:llama", "data.factory=test_hf_models:tokens"]
+# built plainly everywhere: a Hugging Face model built on the meta device (model.init's default where
+# the plan shards) gets its _init_weights values, not the ones its constructor draws in the one-rank run
+BASE += ["model.init=plain"]
 HAND_PLAN = (
     "{model.embed_tokens: embedding_rowwise, 'model.layers.*.mlp.gate_proj': colwise, "
     "'model.layers.*.mlp.up_proj': colwise, 'model.layers.*.mlp.down_proj': rowwise}"
