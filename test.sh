@@ -13,4 +13,4 @@ mypy dtlab
 # --randomly-seed=N (or set DTLAB_TEST_SEED=N) to repeat an order
 seed="${DTLAB_TEST_SEED:-$(( (RANDOM << 15) | RANDOM ))}"
 echo "test order: --randomly-seed=$seed"
-exec python -m pytest -q -n 2 --dist loadgroup --randomly-seed="$seed" "$@"
+exec python -m pytest -q -n 2 --dist loadgroup --durations=25 --randomly-seed="$seed" "$@"
