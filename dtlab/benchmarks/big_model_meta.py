@@ -3,8 +3,8 @@ four whole copies 26 GB on a 23 GB machine) built on the meta device, sharded ov
 FSDP (one unit per decoder layer and one for the embedding), loaded with ``load_pretrained`` from the
 sharded safetensors checkpoint ``save_pretrained`` wrote, then trained a few plain-SGD steps.
 
-    .venv/bin/python benchmarks/big_model_meta.py                 # the 1.6B model, 4 ranks
-    .venv/bin/python benchmarks/big_model_meta.py --layers 2 --hidden 256 --intermediate 512 \\
+    .venv/bin/python -m dtlab.benchmarks.big_model_meta                 # the 1.6B model, 4 ranks
+    .venv/bin/python -m dtlab.benchmarks.big_model_meta --layers 2 --hidden 256 --intermediate 512 \\
         --vocab 1000 --heads 4                                    # a quick check of the script
 
 1. One process builds the model plainly under ``seeded_init(0)``, computes the loss of one forward on
@@ -39,10 +39,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _config(args: dict[str, Any]) -> Any:
