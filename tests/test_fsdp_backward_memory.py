@@ -107,6 +107,9 @@ def test_backward_peak_does_not_grow_with_units() -> None:
     unit_grad = (2 * WIDTH * HIDDEN + HIDDEN + WIDTH) * 4
     for rank, result in enumerate(spawn_world(2, _world, backend="gloo", timeout=300)):
         for case, (four, eight) in result.items():
-            assert four == eight, (rank, case, four, eight)
+            # not growing with the units: without the bound every further unit adds its whole gradient
+            # (4 more units: 4 x 129 KiB); allowed: a few hundred bytes of small tensors whose number
+            # depends on when a reduce-scatter completes (seen: 256 B on a fresh-clone run)
+            assert abs(eight - four) < unit_grad // 8, (rank, case, four, eight, unit_grad)
             # a unit gathered, its gradients, its whole flat gradient and the previous one in flight
             assert four < 6 * unit_grad, (rank, case, four, unit_grad)

@@ -145,9 +145,12 @@ def test_from_plan_builds_what_the_constructor_builds() -> None:
         a, b = _build(backend, plan, True), _build(backend, plan, False)
         same = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
         from dtlab.backends import Mesh
+        from dtlab.core.rng import seeded_init
 
+        with seeded_init(1):  # never the global RNG unlocked: another rank may be building under seeded_init
+            linear = torch.nn.Linear(2, 2)
         try:
-            HybridShardedModel.from_plan(torch.nn.Linear(2, 2), Mesh(backend, {"dp": 4}), plan)
+            HybridShardedModel.from_plan(linear, Mesh(backend, {"dp": 4}), plan)
         except Exception as exc:
             refused = str(exc)
         return same, a.mesh.shape, type(a.dp_strategy).__name__, a.data_parallel, refused
