@@ -66,9 +66,12 @@ def trial(launcher: str, ranks: int, after: int, extra: list[str], timeout: floa
         )
         lines: list[tuple[float, str]] = []
 
+        stderr = proc.stderr  # a pipe: the Popen above passes stderr=subprocess.PIPE
+        if stderr is None:
+            raise RuntimeError("the training process was started without a stderr pipe")
+
         def read() -> None:
-            assert proc.stderr is not None
-            for line in proc.stderr:
+            for line in stderr:
                 lines.append((time.perf_counter(), line))
 
         reader = threading.Thread(target=read, daemon=True)

@@ -33,7 +33,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.core.rng import seeded_init
 from dtlab.errors import StrategyError
-from dtlab.models.dp._materialize import ParamInitFn, check_init_args, initializer, sentinel, untouched
+from dtlab.models.dp._materialize import ParamInitFn, initializer, on_meta, sentinel, untouched
 
 __all__ = ["MetaWalk"]
 
@@ -91,31 +91,8 @@ class MetaWalk:
     ) -> MetaWalk | None:
         """``None`` when no parameter of ``module`` is on meta (then init_seed/param_init_fn are an
         error); the walk otherwise (every parameter must be on meta, and init_seed given)."""
-        check_init_args(who, init_seed, param_init_fn)
-        named = list(module.named_parameters())
-        meta = [n for n, p in named if p.is_meta]
-        if not meta:
-            if init_seed is not None or param_init_fn is not None:
-                raise StrategyError(
-                    f"{who}: init_seed/param_init_fn initialize a module built on the meta device, but the "
-                    f"parameters of {type(module).__name__} are already on "
-                    f"{named[0][1].device if named else '-'}; build it under `with torch.device('meta'):` "
-                    "or drop init_seed/param_init_fn"
-                )
-            return None
-        if len(meta) < len(named):
-            real = [n for n, p in named if not p.is_meta]
-            raise StrategyError(
-                f"{who}: some parameters are on the meta device ({meta[:3]}) and some are not ({real[:3]}); "
-                "build the whole module under `with torch.device('meta'):` (its parameters all on meta)"
-            )
-        if init_seed is None:
-            raise StrategyError(
-                f"{who}: the parameters of {type(module).__name__} are on the meta device ({meta[:3]}); "
-                "pass init_seed=<int> so each rank materializes and initializes only its part (the values "
-                "equal the model built plainly under dtlab.core.seeded_init(init_seed), then wrapped)"
-            )
-        return MetaWalk(who, module, init_seed, param_init_fn)
+        seed = on_meta(module, init_seed, param_init_fn, who, "its part")
+        return None if seed is None else MetaWalk(who, module, seed, param_init_fn)
 
     def bind(self, root: nn.Module, swapped: dict[int, torch.Tensor], tp: CommunicationBackend) -> None:
         """Where this rank keeps each original tensor: in ``root`` (its stages, after the tensor plan),

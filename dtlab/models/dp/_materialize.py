@@ -87,6 +87,45 @@ def check_init_args(who: str, init_seed: object, param_init_fn: object) -> None:
         raise ArgumentError(f"{who}: param_init_fn must be a callable taking a module, got {param_init_fn!r}")
 
 
+def on_meta(
+    module: nn.Module,
+    init_seed: int | None,
+    param_init_fn: ParamInitFn | None,
+    who: str,
+    part: str,
+    misuse: type[ArgumentError] | type[StrategyError] = StrategyError,
+) -> int | None:
+    """``init_seed`` when ``module`` was built on the meta device (every parameter on meta), ``None``
+    when no parameter is:
+    ``who``'s checks of a meta build, raised with the value and the fix (``part``: what each rank
+    initializes; ``misuse``: the error class of init arguments given to a module not on meta)."""
+    check_init_args(who, init_seed, param_init_fn)
+    named = list(module.named_parameters())
+    meta = [n for n, p in named if p.is_meta]
+    if not meta:
+        if init_seed is not None or param_init_fn is not None:
+            raise misuse(
+                f"{who}: init_seed/param_init_fn initialize a module built on the meta device, but the "
+                f"parameters of {type(module).__name__} are already on "
+                f"{named[0][1].device if named else '-'}; build it under `with torch.device('meta'):` "
+                "or drop init_seed/param_init_fn"
+            )
+        return None
+    if len(meta) < len(named):
+        real = [n for n, p in named if not p.is_meta]
+        raise StrategyError(
+            f"{who}: some parameters are on the meta device ({meta[:3]}) and some are not ({real[:3]}); "
+            "build the whole module under `with torch.device('meta'):` (its parameters all on meta)"
+        )
+    if init_seed is None:
+        raise StrategyError(
+            f"{who}: the parameters of {type(module).__name__} are on the meta device ({meta[:3]}); "
+            f"pass init_seed=<int> so each rank materializes and initializes only {part} (the values "
+            "equal the model built plainly under dtlab.core.seeded_init(init_seed), then wrapped)"
+        )
+    return init_seed
+
+
 def initializer(root: nn.Module, mod: nn.Module, param_init_fn: ParamInitFn | None) -> ParamInitFn | None:
     """What fills ``mod``'s own tensors: ``param_init_fn``; else, in a Hugging Face model (a root with
     ``_init_weights`` and a ``config``), the model's ``_init_weights(mod)``; else its
@@ -162,30 +201,9 @@ class MetaInit:
     ) -> MetaInit | None:
         """``None`` when no parameter is on meta; else give each meta parameter a one-element
         placeholder on ``device`` (shape kept) and move buffers not on meta to ``device``."""
-        check_init_args(who, init_seed, param_init_fn)
-        named = list(module.named_parameters())
-        meta = [n for n, p in named if p.is_meta]
-        if not meta:
-            if init_seed is not None or param_init_fn is not None:
-                raise ArgumentError(
-                    f"{who}: init_seed/param_init_fn initialize a module built on the meta device, but the "
-                    f"parameters of {type(module).__name__} are already on "
-                    f"{named[0][1].device if named else '-'}; "
-                    "build it under `with torch.device('meta'):` or drop init_seed/param_init_fn"
-                )
+        seed = on_meta(module, init_seed, param_init_fn, who, "its shards", ArgumentError)
+        if seed is None:
             return None
-        if len(meta) < len(named):
-            real = [n for n, p in named if not p.is_meta]
-            raise StrategyError(
-                f"{who}: some parameters are on the meta device ({meta[:3]}) and some are not ({real[:3]}); "
-                "build the whole module under `with torch.device('meta'):` (its parameters all on meta)"
-            )
-        if init_seed is None:
-            raise StrategyError(
-                f"{who}: the parameters of {type(module).__name__} are on the meta device ({meta[:3]}); "
-                "pass init_seed=<int> so each rank materializes and initializes only its shards (the "
-                "values equal the model built plainly under dtlab.core.seeded_init(init_seed))"
-            )
         with torch.no_grad():
             swapped: dict[int, nn.Parameter] = {}  # a meta tensor's data cannot be set: new objects
             for mod in module.modules():
@@ -199,7 +217,7 @@ class MetaInit:
                     if not b.is_meta and b.device != device:
                         setattr(mod, bname, b.to(device))
         shapes = {id(q): q.shape for q in swapped.values()}
-        return MetaInit(who, init_seed, param_init_fn, device, shapes, module)
+        return MetaInit(who, seed, param_init_fn, device, shapes, module)
 
     def materialize(self, module: nn.Module, units: list[ShardUnit]) -> None:
         """Initialize every module's own tensors in registration order and keep this rank's part:
