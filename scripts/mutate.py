@@ -76,7 +76,7 @@ TESTS: dict[str, list[str]] = {
     "dtlab/models/dp/_sharded.py": _STRATEGY,
     "dtlab/models/dp/_sharded_gather.py": _STRATEGY,
     "dtlab/models/dp/_sharded_hooks.py": _STRATEGY,
-    "dtlab/models/shard_index.py": _STRATEGY,
+    "dtlab/core/shard_index.py": _STRATEGY,
     "dtlab/optimizers/zero1.py": _STRATEGY,
     "dtlab/optimizers/_sharded.py": _STRATEGY,
     "dtlab/optimizers/ddp.py": _STRATEGY,
@@ -122,7 +122,7 @@ ACCEPTED: dict[str, str] = {
         "removes gradient stand-ins and nothing else, and zero_grad_buffers has just set every grad "
         "to None: a no-op"
     ),
-    "dtlab/models/shard_index.py:arith:n += 1": (
+    "dtlab/core/shard_index.py:arith:n += 1": (
         "n -= 1 numbers the extra pieces of one tensor #-1, #-2, ... instead of #1, #2, ...: the "
         "names only need to be unique, readers go by each entry's 'key'"
     ),

@@ -163,7 +163,7 @@ def test_metadata_json_would_change_is_refused_before_anything_is_committed(tmp_
 
 def test_shards_that_leave_one_element_uncovered_are_refused() -> None:
     """Two copies of the same piece hold as many elements as the tensor, yet one element is missing."""
-    from dtlab.models.shard_index import ShardIndex
+    from dtlab.core.shard_index import ShardIndex
 
     def piece(start: int, end: int) -> ShardedState:
         entries = {"w": {"shape": [5], "dtype": "float32", "start": start, "end": end}}

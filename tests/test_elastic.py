@@ -16,9 +16,9 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, load_config
+from dtlab.core.shard_index import ShardIndex
 from dtlab.errors import CheckpointError, ConfigError, RankFailedError, StrategyError
 from dtlab.models import FSDPModel
-from dtlab.models.shard_index import ShardIndex
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.optimizers.elastic import ElasticOptimizer, MemoryCommitStore, StaticMember
 from dtlab.testing import TINY_LM, run_world, spawn_world

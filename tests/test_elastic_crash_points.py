@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.shard_index import ShardIndex
 from dtlab.errors import RankFailedError
 from dtlab.models import FSDPModel
-from dtlab.models.shard_index import ShardIndex
 from dtlab.optimizers import ZeRO3Optimizer
 from dtlab.optimizers.elastic import (
     CommitKey,

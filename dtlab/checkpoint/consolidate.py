@@ -1,9 +1,9 @@
 """Assemble full tensors from every rank's flat shards; ``dtlab consolidate`` writes one safetensors file.
 
-Shards follow the format shared by all data-parallel strategies (``dtlab/models/shard_index.py``):
+Shards follow the format shared by all data-parallel strategies (``dtlab/core/shard_index.py``):
 ``ShardedState.tensors[key]`` is a flat slice of the full tensor ``key`` and
 ``metadata["entries"][key] = {"shape", "dtype", "start", "end"}`` says which elements it covers. The
-assembly is :class:`dtlab.models.shard_index.ShardIndex`, the same code the strategies load with.
+assembly is :class:`dtlab.core.shard_index.ShardIndex`, the same code the strategies load with.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import save as st_save
 
 from dtlab.checkpoint.safe_files import replace_file
+from dtlab.core.shard_index import ShardIndex
 from dtlab.core.state import ShardedState
 from dtlab.errors import UnsafePathError
-from dtlab.models.shard_index import ShardIndex
 
 __all__ = ["consolidate", "full_tensors_from_shards"]
 

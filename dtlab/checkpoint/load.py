@@ -16,9 +16,9 @@ from safetensors.torch import load as st_load
 from dtlab.checkpoint.files import LATEST, META, shard_name, step_of
 from dtlab.checkpoint.safe_files import check_inside, read_inside
 from dtlab.checkpoint.validate import MAX_SHARD_BYTES, check_meta, parse_json
+from dtlab.core.shard_index import ShardIndex, check_entries
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models.shard_index import ShardIndex, check_entries
 
 __all__ = ["LoadedCheckpoint", "read_checkpoint", "read_latest", "resolve_checkpoint"]
 

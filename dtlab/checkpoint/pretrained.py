@@ -25,10 +25,10 @@ import torch
 from safetensors import safe_open
 
 from dtlab.core.placement import Box, Placement, local_regions
+from dtlab.core.shard_index import full_shape_of
 from dtlab.errors import CheckpointError
 from dtlab.models import DataParallelModel, HybridShardedModel, ModelStrategy
 from dtlab.models.base import OptimizerTarget
-from dtlab.models.shard_index import full_shape_of
 
 __all__ = ["PretrainedReport", "load_pretrained"]
 

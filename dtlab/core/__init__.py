@@ -1,12 +1,14 @@
 """The neutral layer: interfaces that both model strategies and compression build on.
 
-It imports only ``torch``, :mod:`dtlab.backends` and :mod:`dtlab.errors`, so everything above
-(compression, models, optimizers, checkpoints, the config) can import it downwards
+It imports only ``torch``, :mod:`dtlab.backends`, :mod:`dtlab.errors` and :mod:`dtlab.untrusted`, so
+everything above (compression, models, optimizers, checkpoints, the config) can import it downwards
 (docs/architecture.md, section "Layers").
 
 - :mod:`dtlab.core.reducer`: :class:`GradientReducer` (the seam gradients travel through) and
   :class:`DenseReducer` (the uncompressed one);
 - :mod:`dtlab.core.state`: :class:`ShardedState`, one rank's piece of a model or optimizer state;
+- :mod:`dtlab.core.shard_index`: how a ``ShardedState`` maps onto whole tensors, the one checkpoint
+  format of model strategies, optimizer strategies and :mod:`dtlab.checkpoint` (:class:`ShardIndex`);
 - :mod:`dtlab.core.placement`: :class:`Replicate` / :class:`Shard` and :func:`placement_of`, where
   each parameter lives on a mesh (read by clipping, finite checks, memory reports, checkpoints);
 - :mod:`dtlab.core.pairs`: which model strategy pairs with which optimizer strategy (no torch, so

@@ -1,6 +1,7 @@
 """Model strategies: DDP, ZeRO-1/2/3, FSDP, tensor, pipeline and hybrid (3-D) parallelism."""
 
 from dtlab.core.reducer import DenseReducer, GradientReducer
+from dtlab.core.shard_index import ShardIndex
 from dtlab.core.state import ShardedState
 from dtlab.models.base import ModelStrategy
 from dtlab.models.compose._plan import apply_tensor_plan
@@ -16,7 +17,6 @@ from dtlab.models.dp.zero2 import ZeRO2Model
 from dtlab.models.dp.zero3 import ZeRO3Model
 from dtlab.models.pipeline import plot_schedule
 from dtlab.models.registry import MODEL_STRATEGIES, get_model_strategy
-from dtlab.models.shard_index import ShardIndex
 from dtlab.models.tensor import (
     ColumnParallelLinear,
     ColwiseParallel,

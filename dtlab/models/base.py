@@ -20,9 +20,9 @@ from torch.nn.modules.module import _IncompatibleKeys
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement
 from dtlab.core.reducer import GradientReducer
+from dtlab.core.shard_index import add_slice, new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import ArgumentError, CheckpointError
-from dtlab.models.shard_index import add_slice, new_state
 
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit

@@ -7,7 +7,7 @@ dp, or the data-parallel strategy's flat shard of it under ZeRO-3/FSDP); a repli
 slice, split over the dp x tp ranks of its stage (or written by tp rank 0 only, in the flat shard of
 ZeRO-3/FSDP). Pipeline ranks hold different tensors, so every full tensor is
 covered exactly once and a checkpoint loads under any mesh, any data-parallel strategy, or into the
-plain module (``dtlab/models/shard_index.py``).
+plain module (``dtlab/core/shard_index.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement, Replicate, Shard
+from dtlab.core.shard_index import ShardIndex, add_placed_slice, add_slice, even_range, read_placed
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models.shard_index import ShardIndex, add_placed_slice, add_slice, even_range, read_placed
 
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit

@@ -1,5 +1,5 @@
 """What the DDP and ZeRO optimizer strategies share: construction checks, the global gradient norm,
-the finite-gradient consensus and the reshardable optimizer-state format (see dtlab.models.shard_index)."""
+the finite-gradient consensus and the reshardable optimizer-state format (see dtlab.core.shard_index)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,7 @@ import torch
 
 from dtlab.backends.base import ReduceOp
 from dtlab.core import pairs
-from dtlab.core.state import ShardedState
-from dtlab.errors import CheckpointError, StrategyError
-from dtlab.models.base import ModelStrategy, OptimizerTarget
-from dtlab.models.shard_index import (
+from dtlab.core.shard_index import (
     ShardIndex,
     add_placed_slice,
     add_scalar,
@@ -23,6 +20,9 @@ from dtlab.models.shard_index import (
     new_state,
     read_placed,
 )
+from dtlab.core.state import ShardedState
+from dtlab.errors import CheckpointError, StrategyError
+from dtlab.models.base import ModelStrategy, OptimizerTarget
 from dtlab.optimizers._groups import Entry, check_groups, jsonable, make_local, spec_of, sync_groups
 from dtlab.optimizers._torch_state import full_state, load_full_state
 from dtlab.optimizers.base import OptimizerStrategy

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from dtlab.core import pairs
-from dtlab.models.shard_index import even_range
+from dtlab.core.shard_index import even_range
 from dtlab.optimizers._common import DataParallelOptimizer, Piece
 from dtlab.optimizers._groups import Entry
 

@@ -40,6 +40,7 @@ from dtlab.core import pairs
 from dtlab.core.placement import Placement, Shard, counts_in_norm
 from dtlab.core.plan import RunPlan
 from dtlab.core.reducer import GradientReducer
+from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
@@ -66,7 +67,6 @@ from dtlab.models.pipeline._split import Stage
 from dtlab.models.pipeline._ties import rebind_ties
 from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.placed_state import load_placed_state, placements_of, write_placed_state
-from dtlab.models.shard_index import new_state
 from dtlab.models.tensor._layers import vocab_parallel_cross_entropy
 from dtlab.models.tensor._plan import Plan, splits_logits
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.dp._materialize import MetaInit, ParamInitFn
@@ -37,7 +38,6 @@ from dtlab.models.dp._sharded_units import (
 from dtlab.models.dp.data_parallel import DataParallelModel, DataParallelOptions, tensor_bytes
 from dtlab.models.dp.flat import FlatUnit
 from dtlab.models.placed_state import load_placed_state, write_placed_state
-from dtlab.models.shard_index import new_state
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

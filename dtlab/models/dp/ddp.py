@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.models.dp.data_parallel import (
     DataParallelModel,
@@ -28,7 +29,6 @@ from dtlab.models.dp.data_parallel import (
 )
 from dtlab.models.dp.flat import FlatUnit
 from dtlab.models.placed_state import load_placed_state, write_placed_state
-from dtlab.models.shard_index import new_state
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -23,10 +23,10 @@ from typing import Any, cast
 
 import torch
 
+from dtlab.core._shard_index_checks import DTYPES, check_entries
 from dtlab.core.placement import Box, Placement, Replicate, Shard, local_regions
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models._shard_index_checks import DTYPES, check_entries
 from dtlab.untrusted import summary
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Checks of the flat-slice checkpoint format (:mod:`dtlab.models.shard_index`) before anything is allocated:
+"""Checks of the flat-slice checkpoint format (:mod:`dtlab.core.shard_index`) before anything is allocated:
 every entry's shape, dtype, range and box, against the tensor the shard holds."""
 
 from __future__ import annotations
