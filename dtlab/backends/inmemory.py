@@ -11,23 +11,20 @@ of the world; the last rank to arrive (the *leader*) checks that all calls match
 operation once, in rank order, directly on every rank's tensors (they are all parked inside the
 call, so nobody touches them), then wakes the others. That is the minimal data movement of the
 operation (``all_reduce``: ``P-1`` in-place adds and ``P-1`` copies), one rendezvous, and results that
-are bitwise identical on every rank and independent of thread timing. Waiting ranks block on a lock
-of their own that only their slot's leader (or an abort) releases, so a collective wakes exactly the
-threads it concerns.
+are bitwise identical on every rank and independent of thread timing. The meeting and the bounded
+wait are ``_inmemory_rendezvous.py``; the operations the leader runs, ``_inmemory_ops.py``.
 """
 
 from __future__ import annotations
 
 import pickle
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dtlab.backends._inmemory_ops import (
-    describe_call,
     lead_all_gather,
     lead_all_gather_v,
     lead_all_reduce,
@@ -37,29 +34,11 @@ from dtlab.backends._inmemory_ops import (
     lead_reduce_scatter,
     leader_mode,
 )
+from dtlab.backends._inmemory_rendezvous import Lock, Rendezvous, Slot
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work, split_members
-from dtlab.errors import ArgumentError, CollectiveMismatchError, CollectiveTimeoutError, WorldAbortedError
+from dtlab.errors import ArgumentError, CollectiveMismatchError
 
 __all__ = ["InMemoryBackend", "InMemoryWorld"]
-
-_Lock = Any  # threading.Lock instances (the type is private in typeshed)
-_POLL_S = 0.5  # longest sleep between re-checks of abort / exited peers (they also wake waiters)
-
-
-class _Slot:
-    """One collective call of one group: what every rank called and deposited."""
-
-    __slots__ = ("arrived", "calls", "complete", "error", "leader_failed", "payloads", "result", "waiters")
-
-    def __init__(self, size: int) -> None:
-        self.calls: list[tuple[Any, ...] | None] = [None] * size
-        self.payloads: list[Any] = [None] * size
-        self.arrived = 0
-        self.complete = False
-        self.error: str | None = None
-        self.leader_failed = False
-        self.result: Any = None
-        self.waiters: list[_Lock] = []
 
 
 class _Message:
@@ -81,10 +60,10 @@ class InMemoryWorld:
         self.timeout = float(timeout)
         self.device = torch.device(device)
         self.mutex = threading.Lock()
-        self.slots: dict[tuple[Any, ...], _Slot] = {}
+        self.slots: dict[tuple[Any, ...], Slot] = {}
         self.mailboxes: dict[tuple[Any, ...], list[_Message]] = {}
-        self.mail_waiters: dict[tuple[Any, ...], list[_Lock]] = {}
-        self.waiting: set[_Lock] = set()  # every lock a thread is blocked on right now
+        self.mail_waiters: dict[tuple[Any, ...], list[Lock]] = {}
+        self.waiting: set[Lock] = set()  # every lock a thread is blocked on right now
         self.failure: tuple[int, BaseException] | None = None
         self.exited: set[int] = set()
 
@@ -105,7 +84,7 @@ class InMemoryWorld:
             self._wake_everyone()
 
     # the two below run with ``mutex`` held
-    def wake(self, waiters: list[_Lock]) -> None:
+    def wake(self, waiters: list[Lock]) -> None:
         for lk in waiters:
             if lk in self.waiting:
                 self.waiting.discard(lk)
@@ -154,6 +133,7 @@ class InMemoryBackend(CommunicationBackend):
         self._global = ranks
         self._seq = 0
         self._pending_recvs: list[_RecvWork] = []
+        self._meeting = Rendezvous(world, group_key, ranks, rank)
 
     @property
     def device(self) -> torch.device:
@@ -165,142 +145,16 @@ class InMemoryBackend(CommunicationBackend):
 
     @property
     def global_rank(self) -> int:
-        return self._global[self.rank]
-
-    # ------------------------------------------------------------------ waiting
-    def _wait(
-        self,
-        waiters: list[_Lock],
-        ready: Callable[[], bool],
-        describe: Callable[[], str],
-        missing: Callable[[], list[int]],
-        need_all: bool = True,
-        since: float | None = None,
-    ) -> None:
-        """Holding ``world.mutex``, block until ``ready()``; raise on abort, an exited peer, timeout.
-
-        ``missing()`` names the ranks waited for: the timeout applies while it names any; once nobody
-        is missing the wait is for a leader already at work, which always finishes (or aborts the
-        world). A collective (``need_all``) can never complete once one missing rank has exited; a
-        receive from any source only once all of them have.
-        """
-        w = self._world
-        deadline = (time.monotonic() if since is None else since) + w.timeout
-        while not ready():
-            if w.failure is not None:
-                rank, exc = w.failure
-                raise WorldAbortedError(
-                    f"rank {self.global_rank}: {describe()} aborted because rank {rank} failed: "
-                    f"{type(exc).__name__}: {exc}"
-                )
-            lacking = missing()
-            gone = [r for r in lacking if self._global[r] in w.exited]
-            if gone and (need_all or len(gone) == len(lacking)):
-                raise CollectiveTimeoutError(
-                    f"rank {self.global_rank}: {describe()} can never complete: rank(s) {gone} of this "
-                    f"group already returned without reaching it",
-                    tuple(gone),
-                    describe(),
-                )
-            remaining = deadline - time.monotonic()
-            if lacking and remaining <= 0:
-                raise CollectiveTimeoutError(
-                    f"rank {self.global_rank}: {describe()} timed out after {w.timeout:g}s waiting for "
-                    f"rank(s) {lacking} of this group (world ranks "
-                    f"{[self._global[r] for r in lacking]}); did every rank call it?",
-                    tuple(lacking),
-                    describe(),
-                )
-            lk = threading.Lock()
-            lk.acquire()
-            waiters.append(lk)
-            w.waiting.add(lk)
-            w.mutex.release()
-            try:
-                lk.acquire(True, min(remaining, _POLL_S) if lacking else _POLL_S)
-            finally:
-                w.mutex.acquire()
-                w.waiting.discard(lk)
-                if lk in waiters:
-                    waiters.remove(lk)
+        return self._meeting.global_rank
 
     def _collective(
         self, call: tuple[Any, ...], payload: Any, leader: Callable[[list[Any]], Any] | None = None
-    ) -> _Slot:
-        """Deposit this rank's call and payload; the last rank to arrive checks the calls match and
-        runs ``leader(payloads)`` once for everyone. Returns the completed slot."""
+    ) -> Slot:
+        """Deposit this rank's call and payload in the group's next collective; the last rank to arrive
+        checks the calls match and runs ``leader(payloads)`` once for everyone. Returns the slot."""
         seq = self._seq
         self._seq += 1
-        p, me, w = self.world_size, self.rank, self._world
-        if p == 1:  # nothing to wait for or to mismatch with
-            solo = _Slot(1)
-            solo.calls[0], solo.payloads[0] = call, payload
-            if leader is not None:
-                with leader_mode(solo.payloads):
-                    solo.result = leader(solo.payloads)
-            return solo
-        key = (self._key, seq)
-        arrived = time.monotonic()
-        with w.mutex:
-            slot = w.slots.get(key)
-            if slot is None:
-                slot = w.slots[key] = _Slot(p)
-            slot.calls[me] = call
-            slot.payloads[me] = payload
-            slot.arrived += 1
-            lead = slot.arrived == p
-            if lead:
-                del w.slots[key]
-            else:
-                lk = threading.Lock()
-                lk.acquire()
-                slot.waiters.append(lk)
-                w.waiting.add(lk)
-        if not lead and not (lk.acquire(True, min(_POLL_S, w.timeout)) and slot.complete):
-            # not woken by the leader within the poll interval, or woken by an abort / exited peer
-            with w.mutex:
-                w.waiting.discard(lk)
-                if lk in slot.waiters:
-                    slot.waiters.remove(lk)
-                self._wait(
-                    slot.waiters,
-                    lambda: slot.complete,
-                    lambda: f"{describe_call(call)} (collective #{seq})",
-                    lambda: [r for r in range(p) if slot.calls[r] is None],
-                    since=arrived,
-                )
-        if lead:
-            failed: BaseException | None = None
-            try:
-                if any(c != call for c in slot.calls):
-                    listing = "; ".join(f"rank {r}: {describe_call(c)}" for r, c in enumerate(slot.calls))
-                    slot.error = (
-                        f"ranks called different collectives at collective #{seq} of group "
-                        f"{list(self._global)}: {listing}"
-                    )
-                elif leader is not None:
-                    with leader_mode(slot.payloads):  # grad mode is per thread: use the permissive one
-                        slot.result = leader(slot.payloads)
-            except CollectiveMismatchError as exc:
-                slot.error = str(exc)
-            except BaseException as exc:  # the others must not wait for a leader that failed
-                failed = exc
-                slot.error = (
-                    f"rank {self.global_rank}: {describe_call(call)} aborted because the rank doing it "
-                    f"(rank {me} of this group) failed: {type(exc).__name__}: {exc}"
-                )
-            finally:
-                slot.leader_failed = failed is not None
-                with w.mutex:
-                    slot.complete = True
-                    w.wake(slot.waiters)
-            if failed is not None:
-                raise failed
-        if slot.error is not None:
-            if slot.leader_failed:
-                raise WorldAbortedError(slot.error)  # the leader's own exception names the cause
-            raise CollectiveMismatchError(slot.error)
-        return slot
+        return self._meeting.meet(seq, call, payload, leader)
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -371,7 +225,7 @@ class InMemoryBackend(CommunicationBackend):
         what = f"recv(src={'any' if src is None else src}, tag={tag})"
         with w.mutex:
             waiters = w.mail_waiters.setdefault(box_key, [])
-            self._wait(waiters, ready, lambda: what, lambda: peers, need_all=False)
+            self._meeting.wait(waiters, ready, lambda: what, lambda: peers, need_all=False)
         msg = found[0]
         if msg.tensor.dtype != tensor.dtype or msg.tensor.numel() != tensor.numel():
             raise CollectiveMismatchError(
@@ -407,26 +261,21 @@ class InMemoryBackend(CommunicationBackend):
     def _new_group(self, ranks: list[int]) -> CommunicationBackend | None:
         seq = self._seq
         self._collective(("new_group", tuple(ranks)), None)
-        if self.rank not in ranks:
-            return None
-        return InMemoryBackend(
-            self._world,
-            ranks.index(self.rank),
-            group_key=(*self._key, seq),
-            global_ranks=tuple(self._global[r] for r in ranks),
-            parent=self,
-        )
+        return self._subgroup(ranks, (*self._key, seq)) if self.rank in ranks else None
 
     def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
         seq = self._seq
         pairs: list[tuple[int | None, int]] = self._collective(("split",), (color, key)).payloads
         if color is None:
             return None
-        members = split_members(pairs, color)
+        return self._subgroup(split_members(pairs, color), (*self._key, seq, f"color {color}"))
+
+    def _subgroup(self, members: list[int], key: tuple[Any, ...]) -> InMemoryBackend:
+        """This rank's backend in the group of ``members`` (ranks of this group, in their new order)."""
         return InMemoryBackend(
             self._world,
             members.index(self.rank),
-            group_key=(*self._key, seq, f"color {color}"),
+            group_key=key,
             global_ranks=tuple(self._global[r] for r in members),
             parent=self,
         )
