@@ -39,9 +39,9 @@ from dtlab.config_sections import (
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    Section,
     StrategyConfig,
     TrainingConfig,
-    _Section,
     translate_old_spellings,
 )
 from dtlab.errors import ConfigError
@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     backend: BackendConfig = BackendConfig()
     strategy: StrategyConfig = StrategyConfig()
     optimizer: OptimizerConfig = OptimizerConfig()

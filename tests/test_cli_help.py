@@ -36,7 +36,7 @@ def test_train_help_lists_every_setting_with_default_and_description(capsys: Any
     listed = {s.name: s for s in settings()}
     assert sorted(listed) == sorted(_leaves(TrainConfig))  # every field of every section, nothing else
     for s in listed.values():
-        assert s.description, f"{s.name} has no #: comment in dtlab/config_sections.py"
+        assert s.description, f"{s.name} has no #: comment in dtlab/config_sections/"
         assert re.search(rf"^    {re.escape(s.name)}=\S", out, re.M), s.name
     assert "    train.steps=300" in out and "optimizer steps to train" in out
     assert "logging.run_dir=runs/{time}" in out and "dtlab config --describe" in out
