@@ -12,55 +12,18 @@ order, so the gradients of all units are held until then by design; so they are 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
+from live_bytes import LiveBytes
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core import seeded_init
 from dtlab.models import FSDPModel, ModuleClassPolicy, ZeRO3Model
 from dtlab.testing import spawn_world
 
-MIN_BYTES = 64
 WIDTH, HIDDEN = 64, 256  # a unit: 2 x 16_384 weights + biases, 129 KiB of fp32 gradient whole
-
-
-class AllocatedBytes(TorchDispatchMode):
-    """Live bytes of the storages this thread's operations allocate, and their peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.refs: dict[int, Any] = {}
-        self.now = 0
-        self.peak = 0
-
-    def _gone(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
-        self.refs.pop(key, None)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs or {}))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key, size = st.data_ptr(), st.nbytes()
-            if size >= MIN_BYTES and key not in inputs and key not in self.live:
-                self.live[key] = size
-                self.refs[key] = weakref.ref(st, lambda _r, key=key: self._gone(key))
-                self.now += size
-                self.peak = max(self.peak, self.now)
-        return out
 
 
 class Unit(nn.Module):
@@ -89,7 +52,7 @@ def _backward_peak(backend: CommunicationBackend, case: str, units: int) -> int:
     model(x).square().mean().backward()  # a first step: whatever is made once is made here
     model.zero_grad_buffers()
     loss = model(x).square().mean()
-    counter = AllocatedBytes()
+    counter = LiveBytes()
     with counter:
         loss.backward()
     return counter.peak

@@ -17,14 +17,12 @@ The parameter bytes held afterwards equal a plainly built and wrapped model's (`
 from __future__ import annotations
 
 import gc
-import weakref
 from typing import Any
 
 import pytest
 import torch
+from live_bytes import LiveBytes
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
@@ -41,36 +39,6 @@ from dtlab.models import (
 )
 from dtlab.testing import run_world
 from dtlab.zoo.builtin import Block, TransformerLM
-
-MIN_BYTES = 64
-
-
-class LiveBytes(TorchDispatchMode):
-    """Live bytes of the storages the operations of this thread create, and their peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.refs: dict[int, Any] = {}
-        self.now = 0
-        self.peak = 0
-
-    def _gone(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
-        self.refs.pop(key, None)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                st = t.untyped_storage()
-                key, size = st.data_ptr(), st.nbytes()
-                if size >= MIN_BYTES and key not in self.live:
-                    self.live[key] = size
-                    self.refs[key] = weakref.ref(st, lambda _r, key=key: self._gone(key))
-                    self.now += size
-                    self.peak = max(self.peak, self.now)
-        return out
 
 
 def _lm() -> TransformerLM:
