@@ -63,6 +63,12 @@ _STRATEGY = [
 _ENGINE = ["tests/test_conformance_inmemory.py::test_every_check_passes_on_the_inmemory_backend"]
 _ENGINE += ["tests/test_inmemory_world.py"]
 _CKPT = ["tests/test_crash_points.py", "tests/test_checkpoint_io.py", "tests/test_faults_resume.py"]
+_TRAINER = [
+    "tests/test_accumulation_scale.py::test_trainer_accumulation_keeps_the_gradient_scale",
+    "tests/test_trainer.py",
+    "tests/test_mixed_precision.py",
+    "tests/test_faults_resume.py",
+]
 
 #: the core files and the tests run against each file's mutants (fast, in-memory, most relevant first)
 TESTS: dict[str, list[str]] = {
@@ -91,12 +97,9 @@ TESTS: dict[str, list[str]] = {
     "dtlab/checkpoint/save.py": _CKPT,
     "dtlab/checkpoint/resume.py": _CKPT,
     "dtlab/checkpoint/load.py": _CKPT,
-    "dtlab/trainers/trainer.py": [
-        "tests/test_accumulation_scale.py::test_trainer_accumulation_keeps_the_gradient_scale",
-        "tests/test_trainer.py",
-        "tests/test_mixed_precision.py",
-        "tests/test_faults_resume.py",
-    ],
+    "dtlab/trainers/trainer.py": _TRAINER,
+    "dtlab/trainers/step.py": _TRAINER,
+    "dtlab/trainers/evaluation.py": _TRAINER,
     "dtlab/trainers/feed.py": [
         "tests/test_accumulation_scale.py::test_trainer_accumulation_keeps_the_gradient_scale",
         "tests/test_trainer_parts.py",

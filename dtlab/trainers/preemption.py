@@ -40,7 +40,8 @@ from dtlab.checkpoint.files import step_dir_name
 
 if TYPE_CHECKING:
     from dtlab.trainers.progress import ProgressBar
-    from dtlab.trainers.trainer import Trainer, TrainResult
+    from dtlab.trainers.result import TrainResult
+    from dtlab.trainers.trainer import Trainer
 
 __all__ = ["EXIT_STATUS", "StopRequest", "agreed_stop", "exit_on_signals", "preempt", "stop_on_signals"]
 

@@ -16,7 +16,8 @@ from dtlab.trainers.metrics import clean
 
 if TYPE_CHECKING:
     from dtlab.trainers.progress import ProgressBar
-    from dtlab.trainers.trainer import Trainer, TrainResult
+    from dtlab.trainers.result import TrainResult
+    from dtlab.trainers.trainer import Trainer
 
 __all__ = [
     "format_record",

@@ -1,32 +1,28 @@
 """``Trainer``: runs any (model strategy, optimizer strategy) pair on one rank of a world.
 
-Per step: this rank's micro-batches through ``model.train_step`` (``no_sync`` on all but the last, so
-gradients travel once; a pipeline runs its schedule there), a consensus on finite losses and on finite
-gradients (every rank of the mesh skips together), clipping by the global norm, the optimizer step,
-the LR schedule. Evaluation every N steps, early stopping agreed by all ranks, atomic sharded
-checkpoints, metrics and a profile.
+Here: building the run's parts from the config (the run plan, the model and optimizer strategies, the
+data feed, the guards), resuming, and the loop (``fit``): steps, evaluation every N steps, early
+stopping agreed by all ranks, atomic sharded checkpoints, metrics and a profile. One optimizer step
+is ``trainers/step.py``, evaluation ``trainers/evaluation.py``, what ``fit`` returns
+``trainers/result.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import save_checkpoint
 from dtlab.checkpoint.files import check_json, step_dir_name
 from dtlab.checkpoint.load import LoadedCheckpoint
 from dtlab.config import TrainConfig, check_world_size
-from dtlab.data import fetch
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.lr_schedule import build_scheduler
 from dtlab.optimizers.elastic import ElasticMember
@@ -40,9 +36,9 @@ from dtlab.trainers.elastic import (
     restore_commit,
     wrap_elastic,
 )
+from dtlab.trainers.evaluation import evaluate
 from dtlab.trainers.feed import DataFeed
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
-from dtlab.trainers.labels import explain_loss_error
 from dtlab.trainers.ownership import hold_checkpoint_dir
 from dtlab.trainers.parallel import parallel_loss
 from dtlab.trainers.preemption import StopRequest, preempt
@@ -50,6 +46,7 @@ from dtlab.trainers.preflight import check_paths_on_every_rank
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.progress import ProgressBar
 from dtlab.trainers.report import format_record, header, log_skipped, step_record, summary_rows, write_profile
+from dtlab.trainers.result import TrainResult
 from dtlab.trainers.resume import (
     choose_checkpoint,
     foreign_steps_note,
@@ -61,35 +58,12 @@ from dtlab.trainers.rundir import open_metrics
 from dtlab.trainers.saved_state import check_saved_state
 from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.state import capture_rng, scheduler_state, trainer_state
-from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss, logits_of
+from dtlab.trainers.step import train_step
+from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss
 
-__all__ = ["TrainResult", "Trainer"]
+__all__ = ["SchedulerFactory", "TrainResult", "Trainer"]
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-
-
-@dataclass
-class TrainResult:
-    #: (step, loss averaged over the data-parallel group) of every applied step (skipped steps are absent)
-    losses: list[tuple[int, float]] = field(default_factory=list)
-    #: (step, {"eval_loss": ..., "eval_accuracy": ... for classification}) of every evaluation
-    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
-    skipped_steps: list[int] = field(default_factory=list)
-    final_step: int = 0
-    rank: int = 0
-    start_step: int = 0
-    stopped_early: bool = False
-    checkpoint: str | None = None
-    #: the signal (``"SIGTERM"``, ``"SIGINT"``) or reason that stopped training before ``train.steps``
-    preempted_by: str | None = None
-    #: the step directory this run resumed from (``None``: a fresh start)
-    resumed_from: str | None = None
-    #: problems met while choosing it (a broken ``latest``, a newest step that did not verify, ...)
-    resume_notes: list[str] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
-    profile: dict[str, Any] = field(default_factory=dict)
-    #: the directory its metrics, profile, ``loss.png`` (and event files) went to; None: not written
-    run_dir: str | None = None
 
 
 class Trainer:
@@ -200,7 +174,6 @@ class Trainer:
         self.profiler = Profiler(backend.stats)
         self.step = 0
         self.start_step = 0
-        self.autocast_dtype = self.precision.param_dtype
         #: fp16: dynamic loss scaling agreed by every rank (trainers/scaler.py)
         self.scaler = DynamicLossScaler() if config.train.precision == "fp16" else None
         self.overflow_steps: list[int] = []
@@ -229,107 +202,16 @@ class Trainer:
         report_restore(self)
 
     # ------------------------------------------------------------------ one step
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return self.precision.autocast(self.backend.device.type)
-
-    def _micro_step(self, batch: Any, k: int) -> float:
-        """Forward and backward of one micro-batch through ``model.train_step`` (a pipeline runs its
-        schedule there); the loss is divided by the accumulation steps before backward."""
-        x, y = batch  # on this rank's device already (DataFeed)
-        accum = self.config.data.accumulation_steps
-        loss_fn, cast = self.loss_fn, self.precision.cast_output
-        factor = (self.scaler.scale if self.scaler else 1.0) / accum
-
-        def scaled(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            try:
-                loss = loss_fn(cast(out), target)
-            except (IndexError, RuntimeError) as exc:  # a target out of the output's range: named
-                if self.config.parallel.tp > 1:  # a vocabulary-parallel loss sees a slice of the classes
-                    raise
-                whole = target.shape[:1] == y.shape[:1]  # not a pipeline's chunk of the micro-batch
-                rows = self.feed.step_indices(k) if whole else None
-                named = explain_loss_error(out, target, self.backend.rank, rows, exc)
-                if named is None:
-                    raise
-                raise named from exc
-            return loss * factor if factor != 1.0 else loss
-
-        with self._autocast():
-            return float(self.model.train_step((x, y), scaled)) / (factor * accum)
-
     def train_step(self) -> tuple[bool, float | None, float | None]:
-        """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm).
-
-        Every rank runs every backward (a non-finite loss gives non-finite gradients, which the
-        compressed reducer and the strategies pass on without sending them into any state); then one
-        consensus on finite losses and one on finite gradients, over every rank of the mesh."""
-        with self.profiler.phase("data"):
-            micro = self.feed.next_micro_batches()
-        self.optimizer.zero_grad(set_to_none=True)
-        local_loss = 0.0
-        with self.profiler.phase("forward_backward"):
-            for k, batch in enumerate(micro[:-1]):
-                with self.model.no_sync():
-                    local_loss += self._micro_step(batch, k)
-            local_loss += self._micro_step(micro[-1], len(micro) - 1)
-            finite = self.optimizer.agree(math.isfinite(local_loss))
-            loss_finite = finite
-            if finite:
-                finite = self.optimizer.grads_are_finite()
-        if self.scaler is not None and loss_finite:
-            # fp16: gradients that overflowed on any rank or shard (agreed above) lower the scale on
-            # every rank; the step is skipped everywhere, and not counted as a non-finite loss
-            if not finite:
-                self.scaler.update(overflow=True)
-                self.optimizer.zero_grad(set_to_none=True)
-                self.overflow_steps.append(self.step + 1)
-                return False, None, None
-            unscale: Any = getattr(self.model, "scale_grads_")  # noqa: B009 (checked in __init__)
-            unscale(1.0 / self.scaler.scale)
-            self.scaler.update(overflow=False)
-        self.guard.update(finite, self.step + 1)  # steps are counted from 1, like TrainResult.losses
-        if not finite:
-            self.optimizer.zero_grad(set_to_none=True)
-            return False, None, None
-        with self.profiler.phase("optimizer"):
-            norm = None
-            if self.config.optimizer.clip_grad_norm is not None:
-                norm = float(self.optimizer.clip_grad_norm_(self.config.optimizer.clip_grad_norm))
-            self.optimizer.step()
-            self.scheduler.step()
-            mean = torch.tensor([local_loss], dtype=torch.float64, device=self.dp.device)
-            self.dp.all_reduce(mean, ReduceOp.SUM)
-        return True, float(mean.item()) / self.dp.world_size, norm
+        """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm)
+        (trainers/step.py)."""
+        return train_step(self)
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss (and accuracy for classification) over held-out data, the same on every rank.
-
-        Every rank runs the same number of equal batches (sharded strategies gather in forward)."""
-        data, p = self.task.eval_data, self.dp.world_size
-        local = max(1, min(self.config.data.global_batch_size // p, len(data) // p))
-        batches = max(1, min(self.config.train.eval_batches, len(data) // (local * p)))
-        self.model.eval()
-        total = torch.zeros(3, dtype=torch.float64, device=self.backend.device)
-        try:
-            for b in range(batches):
-                start = (b * p + self.dp.rank) * local
-                x, y = self.feed.to_device(fetch(data, torch.arange(start, start + local)))
-                with self._autocast():
-                    out = self.model(x)
-                    loss = self.loss_fn(out, y)
-                total[0] += float(loss) * local
-                total[1] += local
-                if self.task.classification:
-                    total[2] += float((logits_of(out).argmax(-1) == y).sum())
-        finally:
-            self.model.train()
-        self.dp.all_reduce(total, ReduceOp.SUM)
-        result = {"eval_loss": float(total[0] / total[1])}
-        if self.task.classification:
-            result["eval_accuracy"] = float(total[2] / total[1])
-        return result
+        """Mean loss (and accuracy for classification) over held-out data, the same on every rank
+        (trainers/evaluation.py)."""
+        return evaluate(self)
 
     # ------------------------------------------------------------------ checkpoints
     def resume_state(self) -> dict[str, Any]:

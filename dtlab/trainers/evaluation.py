@@ -1,0 +1,50 @@
+"""Evaluation of a :class:`~dtlab.trainers.Trainer`'s model on held-out data: the mean loss (and accuracy
+for classification), the same on every rank."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dtlab.backends.base import ReduceOp
+from dtlab.data import fetch
+from dtlab.trainers.tasks import logits_of
+
+if TYPE_CHECKING:
+    from dtlab.trainers.trainer import Trainer
+
+__all__ = ["evaluate"]
+
+
+@torch.no_grad()
+def evaluate(trainer: Trainer) -> dict[str, float]:
+    """Mean loss (and accuracy for classification) over ``train.eval_batches`` held-out batches.
+
+    Every rank runs the same number of equal batches (sharded strategies gather in forward); each
+    data-parallel rank takes its own slice of each batch, and the sums travel over the dp group."""
+    data, dp, model, task = trainer.task.eval_data, trainer.dp, trainer.model, trainer.task
+    p = dp.world_size
+    local = max(1, min(trainer.config.data.global_batch_size // p, len(data) // p))
+    batches = max(1, min(trainer.config.train.eval_batches, len(data) // (local * p)))
+    device = trainer.backend.device
+    model.eval()
+    total = torch.zeros(3, dtype=torch.float64, device=device)
+    try:
+        for b in range(batches):
+            start = (b * p + dp.rank) * local
+            x, y = trainer.feed.to_device(fetch(data, torch.arange(start, start + local)))
+            with trainer.precision.autocast(device.type):
+                out = model(x)
+                loss = trainer.loss_fn(out, y)
+            total[0] += float(loss) * local
+            total[1] += local
+            if task.classification:
+                total[2] += float((logits_of(out).argmax(-1) == y).sum())
+    finally:
+        model.train()
+    dp.all_reduce(total, ReduceOp.SUM)
+    result = {"eval_loss": float(total[0] / total[1])}
+    if task.classification:
+        result["eval_accuracy"] = float(total[2] / total[1])
+    return result

@@ -1,0 +1,95 @@
+"""One optimizer step of a :class:`~dtlab.trainers.Trainer`: this rank's micro-batches through
+``model.train_step`` (``no_sync`` on all but the last, so gradients travel once; a pipeline runs its
+schedule there), a consensus on finite losses and on finite gradients over every rank of the mesh, fp16
+loss scaling, clipping by the global norm, the optimizer step and the LR schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtlab.backends.base import ReduceOp
+from dtlab.trainers.labels import explain_loss_error
+
+if TYPE_CHECKING:
+    from dtlab.trainers.trainer import Trainer
+
+__all__ = ["train_step"]
+
+
+def _micro_step(trainer: Trainer, batch: Any, k: int) -> float:
+    """Forward and backward of one micro-batch through ``model.train_step`` (a pipeline runs its
+    schedule there); the loss is divided by the accumulation steps before backward."""
+    x, y = batch  # on this rank's device already (DataFeed)
+    accum = trainer.config.data.accumulation_steps
+    loss_fn, cast = trainer.loss_fn, trainer.precision.cast_output
+    factor = (trainer.scaler.scale if trainer.scaler else 1.0) / accum
+
+    def scaled(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        try:
+            loss = loss_fn(cast(out), target)
+        except (IndexError, RuntimeError) as exc:  # a target out of the output's range: named
+            if trainer.config.parallel.tp > 1:  # a vocabulary-parallel loss sees a slice of the classes
+                raise
+            whole = target.shape[:1] == y.shape[:1]  # not a pipeline's chunk of the micro-batch
+            rows = trainer.feed.step_indices(k) if whole else None
+            named = explain_loss_error(out, target, trainer.backend.rank, rows, exc)
+            if named is None:
+                raise
+            raise named from exc
+        return loss * factor if factor != 1.0 else loss
+
+    with trainer.precision.autocast(trainer.backend.device.type):
+        return float(trainer.model.train_step((x, y), scaled)) / (factor * accum)
+
+
+def train_step(trainer: Trainer) -> tuple[bool, float | None, float | None]:
+    """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm).
+
+    Every rank runs every backward (a non-finite loss gives non-finite gradients, which the
+    compressed reducer and the strategies pass on without sending them into any state); then one
+    consensus on finite losses and one on finite gradients, over every rank of the mesh."""
+    optimizer, profiler = trainer.optimizer, trainer.profiler
+    with profiler.phase("data"):
+        micro = trainer.feed.next_micro_batches()
+    optimizer.zero_grad(set_to_none=True)
+    local_loss = 0.0
+    with profiler.phase("forward_backward"):
+        for k, batch in enumerate(micro[:-1]):
+            with trainer.model.no_sync():
+                local_loss += _micro_step(trainer, batch, k)
+        local_loss += _micro_step(trainer, micro[-1], len(micro) - 1)
+        finite = optimizer.agree(math.isfinite(local_loss))
+        loss_finite = finite
+        if finite:
+            finite = optimizer.grads_are_finite()
+    scaler = trainer.scaler
+    if scaler is not None and loss_finite:
+        # fp16: gradients that overflowed on any rank or shard (agreed above) lower the scale on
+        # every rank; the step is skipped everywhere, and not counted as a non-finite loss
+        if not finite:
+            scaler.update(overflow=True)
+            optimizer.zero_grad(set_to_none=True)
+            trainer.overflow_steps.append(trainer.step + 1)
+            return False, None, None
+        unscale: Any = getattr(trainer.model, "scale_grads_")  # noqa: B009 (checked by the Trainer)
+        unscale(1.0 / scaler.scale)
+        scaler.update(overflow=False)
+    trainer.guard.update(finite, trainer.step + 1)  # steps are counted from 1, like TrainResult.losses
+    if not finite:
+        optimizer.zero_grad(set_to_none=True)
+        return False, None, None
+    with profiler.phase("optimizer"):
+        norm = None
+        clip = trainer.config.optimizer.clip_grad_norm
+        if clip is not None:
+            norm = float(optimizer.clip_grad_norm_(clip))
+        optimizer.step()
+        trainer.scheduler.step()
+        dp = trainer.dp
+        mean = torch.tensor([local_loss], dtype=torch.float64, device=dp.device)
+        dp.all_reduce(mean, ReduceOp.SUM)
+    return True, float(mean.item()) / dp.world_size, norm
