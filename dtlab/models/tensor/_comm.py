@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -55,7 +56,8 @@ __all__ = [
 
 _SEQ = -2
 
-InputFn = Callable[[torch.Tensor, CommunicationBackend], torch.Tensor]
+#: a collective (or the identity) of ``x`` over a tp group
+Op = Callable[[torch.Tensor, CommunicationBackend], torch.Tensor]
 
 
 class SharedInput:
@@ -66,9 +68,9 @@ class SharedInput:
     last input (weakly) and its shared output until that output's gradient is computed."""
 
     def __init__(self) -> None:
-        self._last: tuple[weakref.ref[torch.Tensor], torch.Tensor, InputFn] | None = None
+        self._last: tuple[weakref.ref[torch.Tensor], torch.Tensor, Op] | None = None
 
-    def __call__(self, x: torch.Tensor, group: CommunicationBackend, fn: InputFn) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, group: CommunicationBackend, fn: Op) -> torch.Tensor:
         if not torch.is_grad_enabled() or not x.requires_grad:
             return fn(x, group)  # no backward to save a collective in
         last = self._last
@@ -84,16 +86,18 @@ class SharedInput:
     def _forget(self, grad: torch.Tensor) -> None:  # noqa: ARG002 - a tensor hook's signature
         self._last = None
 
-    def __getstate__(self) -> dict[str, Any]:  # a copied model starts with nothing remembered
+    def __getstate__(self) -> dict[str, object]:  # a copied model starts with nothing remembered
         return {}
 
-    def __setstate__(self, _state: dict[str, Any]) -> None:
+    def __setstate__(self, _state: dict[str, object]) -> None:
         self._last = None
 
 
+def _identity(x: torch.Tensor, _group: CommunicationBackend) -> torch.Tensor:
+    return x  # returned from a forward, autograd makes it a view of the input with its own history
+
+
 def _all_reduce(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
-    if group.world_size == 1:
-        return x
     out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
     if not out.is_meta:
         group.all_reduce(out, ReduceOp.SUM)
@@ -103,8 +107,6 @@ def _all_reduce(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
 def _gather(x: torch.Tensor, group: CommunicationBackend, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
     p = group.world_size
-    if p == 1:
-        return x
     dim = dim % x.dim()
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((p, *moved.shape), dtype=x.dtype, device=x.device)
@@ -116,8 +118,6 @@ def _gather(x: torch.Tensor, group: CommunicationBackend, dim: int) -> torch.Ten
 
 def _chunk(x: torch.Tensor, group: CommunicationBackend, dim: int, what: str) -> torch.Tensor:
     p = group.world_size
-    if p == 1:
-        return x
     n = x.shape[dim]
     if n % p:
         raise StrategyError(
@@ -130,8 +130,6 @@ def _chunk(x: torch.Tensor, group: CommunicationBackend, dim: int, what: str) ->
 
 def _reduce_scatter(x: torch.Tensor, group: CommunicationBackend, dim: int) -> torch.Tensor:
     p = group.world_size
-    if p == 1:
-        return x
     dim = dim % x.dim()
     n = x.shape[dim]
     if n % p:
@@ -147,115 +145,77 @@ def _reduce_scatter(x: torch.Tensor, group: CommunicationBackend, dim: int) -> t
     return out.movedim(0, dim)
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
+#: the collectives of the table above, each one side of a pair (forward on ``x``, or backward on its
+#: gradient); the sequence is dim -2, tp's split of features the last dim
+_gather_last = partial(_gather, dim=-1)
+_gather_seq = partial(_gather, dim=_SEQ)
+_reduce_scatter_seq = partial(_reduce_scatter, dim=_SEQ)
+
+
+class _Ctx(Protocol):
+    group: CommunicationBackend
+    backward_op: Op
+
+
+class _Conjugate(torch.autograd.Function):
+    """``forward_op`` on the input forward, ``backward_op`` on the output's gradient backward: every
+    pair of the table above is this one function with its two collectives."""
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(g, ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:  # noqa: ARG004 - torch.autograd.Function's signature
-        return _all_reduce(x, group)
+    def forward(
+        ctx: _Ctx, x: torch.Tensor, group: CommunicationBackend, forward_op: Op, backward_op: Op
+    ) -> torch.Tensor:
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ARG004 - torch.autograd.Function's signature
-        return g, None
+    def backward(ctx: _Ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.backward_op(g, ctx.group), None, None, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
-        ctx.group = group
-        return _gather(x, group, -1)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _chunk(g, ctx.group, -1, "gather_from_tp backward"), None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
-        ctx.group = group
-        return _chunk(x, group, -1, "RowParallelLinear(input_is_parallel=False) input")
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(g, ctx.group, -1), None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
-        ctx.group = group
-        return _gather(x, group, _SEQ)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter(g, ctx.group, _SEQ), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter(x, group, _SEQ)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(g, ctx.group, _SEQ), None
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
-        ctx.group = group
-        return _chunk(x, group, _SEQ, "sequence parallelism: the sequence")
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(g, ctx.group, _SEQ), None
+def _conjugate(x: torch.Tensor, group: CommunicationBackend, forward_op: Op, backward_op: Op) -> torch.Tensor:
+    """``x`` itself over one rank (nothing to communicate either way)."""
+    if group.world_size == 1:
+        return x
+    y = _Conjugate.apply(x, group, forward_op, backward_op)  # type: ignore[no-untyped-call]
+    return cast(torch.Tensor, y)
 
 
 def copy_to_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """Identity forward; backward sums the gradient over ``group`` (a column-parallel input)."""
-    return x if group.world_size == 1 else _CopyToTP.apply(x, group)  # type: ignore[no-untyped-call]
+    return _conjugate(x, group, _identity, _all_reduce)
 
 
 def reduce_from_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """Sum over ``group`` forward; identity backward (a row-parallel output)."""
-    return x if group.world_size == 1 else _ReduceFromTP.apply(x, group)  # type: ignore[no-untyped-call]
+    return _conjugate(x, group, _all_reduce, _identity)
 
 
 def gather_from_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """All-gather along the last dim forward; backward keeps this rank's chunk."""
-    return x if group.world_size == 1 else _GatherFromTP.apply(x, group)  # type: ignore[no-untyped-call]
+    return _conjugate(x, group, _gather_last, partial(_chunk, dim=-1, what="gather_from_tp backward"))
 
 
 def scatter_to_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """This rank's chunk of the last dim forward; backward all-gathers."""
-    return x if group.world_size == 1 else _ScatterToTP.apply(x, group)  # type: ignore[no-untyped-call]
+    what = "RowParallelLinear(input_is_parallel=False) input"
+    return _conjugate(x, group, partial(_chunk, dim=-1, what=what), _gather_last)
 
 
 def gather_from_sequence(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """All-gather along the sequence (dim -2) forward; backward reduce-scatters it."""
-    return x if group.world_size == 1 else _GatherFromSequence.apply(x, group)  # type: ignore[no-untyped-call]
+    return _conjugate(x, group, _gather_seq, _reduce_scatter_seq)
 
 
 def reduce_scatter_to_seq(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """Sum over ``group`` and keep this rank's chunk of the sequence forward; backward all-gathers."""
-    return x if group.world_size == 1 else _ReduceScatterToSequence.apply(x, group)  # type: ignore[no-untyped-call]
+    return _conjugate(x, group, _reduce_scatter_seq, _gather_seq)
 
 
 def scatter_to_sequence(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """This rank's chunk of the sequence forward (of a replicated tensor); backward all-gathers."""
-    return x if group.world_size == 1 else _ScatterToSequence.apply(x, group)  # type: ignore[no-untyped-call]
+    what = "sequence parallelism: the sequence"
+    return _conjugate(x, group, partial(_chunk, dim=_SEQ, what=what), _gather_seq)
 
 
 def gather_over_tp(local: torch.Tensor, placement: Shard, tp: CommunicationBackend) -> torch.Tensor:
