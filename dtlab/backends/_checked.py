@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from dtlab.backends._engine import Engine
 from dtlab.backends.types import SUPPORTED_DTYPES, ReduceOp
 from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError
 
@@ -174,24 +175,11 @@ class CheckState:
         return row
 
 
-class CallChecks:
-    """Checked mode, mixed into :class:`~dtlab.backends.base.CommunicationBackend`: before a collective,
+class CallChecks(Engine):
+    """Checked mode, a part of :class:`~dtlab.backends.base.CommunicationBackend`: before a collective,
     every rank compares a description of its call with every other rank's."""
 
     _check_state: CheckState | None
-
-    if TYPE_CHECKING:
-
-        @property
-        def rank(self) -> int: ...
-
-        @property
-        def world_size(self) -> int: ...
-
-        @property
-        def device(self) -> torch.device: ...
-
-        def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
 
     def _agree(self, call: tuple[Any, ...]) -> None:
         """Compare ``call`` with every rank's (one all-gather of ``WIDTH`` ints); raise if any differs."""

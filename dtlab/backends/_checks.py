@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from dtlab.backends._engine import Engine
 from dtlab.backends.types import SUPPORTED_DTYPES, ReduceOp
 from dtlab.errors import ArgumentError, ArgumentTypeError
 
@@ -15,11 +16,8 @@ _AVG = ReduceOp.AVG
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
-class ArgumentChecks:
-    """The ``_check_*`` methods (a mixin of ``CommunicationBackend``; an engine may extend them)."""
-
-    _rank: int
-    _world_size: int
+class ArgumentChecks(Engine):
+    """The ``_check_*`` methods (a part of ``CommunicationBackend``; an engine may extend them)."""
 
     def _check_tensor(self, t: object, op: str, name: str = "tensor") -> None:
         if not isinstance(t, torch.Tensor):

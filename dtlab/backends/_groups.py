@@ -1,14 +1,12 @@
-"""``new_group`` and ``split`` of :class:`~dtlab.backends.base.CommunicationBackend` (a mixin): argument
+"""``new_group`` and ``split`` of :class:`~dtlab.backends.base.CommunicationBackend` (a part of it): argument
 checks, checked mode and its inheritance; the engines make the groups (``_new_group``, ``_split``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
-
-from dtlab.backends._checked import CheckState
+from dtlab.backends._engine import Engine
 from dtlab.errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -22,32 +20,8 @@ def split_members(pairs: Sequence[tuple[int | None, int]], color: int) -> list[i
     return sorted((r for r, (c, _) in enumerate(pairs) if c == color), key=lambda r: (pairs[r][1], r))
 
 
-class GroupMaking:
+class GroupMaking(Engine):
     """Sub-groups; an engine implements ``_new_group`` and may replace the ``_split`` default."""
-
-    _checked: bool
-    _check_state: CheckState | None
-
-    if TYPE_CHECKING:  # provided by CommunicationBackend
-
-        @property
-        def rank(self) -> int: ...
-
-        @property
-        def world_size(self) -> int: ...
-
-        @property
-        def device(self) -> torch.device: ...
-
-        def _check_split(self, color: object, key: object) -> None: ...
-
-        def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
-
-        def _agree(self, call: tuple[Any, ...]) -> None: ...
-
-        def _all_gather_object(self, obj: Any) -> tuple[list[Any], list[int]]: ...
-
-        def _new_group(self, ranks: list[int]) -> CommunicationBackend | None: ...
 
     def new_group(self, ranks: Sequence[int]) -> CommunicationBackend | None:
         """Called by every rank; members get a backend with ranks renumbered in the given order."""

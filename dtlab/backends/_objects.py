@@ -1,49 +1,21 @@
 """``broadcast_object`` and ``all_gather_object`` of :class:`~dtlab.backends.base.CommunicationBackend`
-(a mixin): pickled objects over the engine's tensor operations, bytes counted like every operation."""
+(a part of it): pickled objects over the engine's tensor operations, bytes counted like every operation."""
 
 from __future__ import annotations
 
 import pickle
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from dtlab.backends._checked import CheckState
-from dtlab.backends.stats import CommStats
+from dtlab.backends._engine import Engine
 
 __all__ = ["ObjectExchange"]
 
 
-class ObjectExchange:
+class ObjectExchange(Engine):
     """Object exchange; an engine may replace the ``_broadcast_object``/``_all_gather_object`` defaults."""
-
-    _stats: CommStats
-    _checked: bool
-    _check_state: CheckState | None
-
-    if TYPE_CHECKING:  # provided by CommunicationBackend
-
-        @property
-        def rank(self) -> int: ...
-
-        @property
-        def world_size(self) -> int: ...
-
-        @property
-        def device(self) -> torch.device: ...
-
-        def _check_root(self, root: int, op: str, name: str) -> None: ...
-
-        def _broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
-
-        def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
-
-        def _agree(self, call: tuple[Any, ...]) -> None: ...
-
-        def _all_gather_v(self, input: torch.Tensor) -> tuple[torch.Tensor, list[int]]: ...
-
-        def _all_gather_v_bytes(self, counts: list[int], element_size: int) -> tuple[int, int]: ...
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Return rank ``src``'s ``obj`` on every rank (pickled; only exchange trusted objects)."""

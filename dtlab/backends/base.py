@@ -1,14 +1,16 @@
 """The one interface every layer above talks to: :class:`CommunicationBackend`.
 
-Public methods validate their arguments, call the engine (the ``_``-prefixed methods a concrete
-backend implements) and record what this rank sent and received in :attr:`CommunicationBackend.stats`.
-Validation (the ``_check_*`` methods, in ``_checks.py``) and byte accounting live here, once, so
-every engine reports the same numbers for the same call.
+Public methods validate their arguments, call the engine (the ``_``-prefixed hooks a concrete
+backend implements, declared in ``_engine.py``) and record what this rank sent and received in
+:attr:`CommunicationBackend.stats`. Validation and byte accounting live in the interface, once, so
+every engine reports the same numbers for the same call. This file holds the collectives; the other
+parts of the interface are their own files: argument checks (``_checks.py``), checked mode
+(``_checked.py``), point-to-point (``_p2p.py``), object exchange (``_objects.py``) and sub-groups
+(``_groups.py``).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from time import perf_counter
 
@@ -18,6 +20,7 @@ from dtlab.backends._checked import CallChecks, CheckState, checks_from_env
 from dtlab.backends._checks import _AVG, _SUPPORTED, ArgumentChecks
 from dtlab.backends._groups import GroupMaking, split_members
 from dtlab.backends._objects import ObjectExchange
+from dtlab.backends._p2p import PointToPoint
 from dtlab.backends.stats import CommStats
 from dtlab.backends.types import SUPPORTED_DTYPES, CompletedWork, P2POp, ReduceOp, Work
 from dtlab.errors import ArgumentError
@@ -33,7 +36,7 @@ __all__ = [
 ]
 
 
-class CommunicationBackend(ArgumentChecks, CallChecks, ObjectExchange, GroupMaking, ABC):
+class CommunicationBackend(ArgumentChecks, CallChecks, ObjectExchange, GroupMaking, PointToPoint):
     """Collectives, point-to-point and object exchange among ``world_size`` ranks.
 
     Vocabulary and in-place contracts follow ``torch.distributed``. Byte counters follow the ring
@@ -64,20 +67,7 @@ class CommunicationBackend(ArgumentChecks, CallChecks, ObjectExchange, GroupMaki
             for name in ("_check_tensor", "_check_op", "_check_reduce_scatter", "_check_all_gather")
         )
 
-    # ------------------------------------------------------------------ identity
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    @abstractmethod
-    def device(self) -> torch.device:
-        """Where this rank's tensors live (``cpu`` or ``cuda:i``)."""
-
+    # ------------------------------------------------------------------ identity (rank etc.: _engine.py)
     @property
     def stats(self) -> CommStats:
         """Per kind of operation: calls, bytes sent and bytes received by this rank."""
@@ -259,16 +249,6 @@ class CommunicationBackend(ArgumentChecks, CallChecks, ObjectExchange, GroupMaki
         self._stats.record("all_gather_v", sent, received, dt)
         return output, counts
 
-    def _all_gather_v_bytes(self, counts: list[int], element_size: int) -> tuple[int, int]:
-        """Bytes ``all_gather_v`` moved on this rank: a ring over the real counts (an engine with a
-        variable-sized all-gather); engines that pad every contribution override it."""
-        # rank r forwards every chunk but its successor's and receives every chunk but its own;
-        # plus the exchange of the counts (one int64 per rank)
-        p, total = self.world_size, sum(counts)
-        sent = (total - counts[(self.rank + 1) % p]) * element_size + 8 * (p - 1)
-        received = (total - counts[self.rank]) * element_size + 8 * (p - 1)
-        return sent, received
-
     def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
         """``inputs[j]`` goes to rank j; ``outputs[i]`` receives what rank i sent to this rank."""
         p = self.world_size
@@ -305,142 +285,5 @@ class CommunicationBackend(ArgumentChecks, CallChecks, ObjectExchange, GroupMaki
         dt = perf_counter() - t0
         self._stats.record("barrier", 0, 0, dt)
 
-    # ------------------------------------------------------------------ point-to-point
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Send ``tensor`` to ``dst``; messages between a pair with one tag arrive in order."""
-        self._check_tensor(tensor, "send")
-        self._check_peer(dst, "send", "dst")
-        t0 = perf_counter()
-        self._send(tensor, dst, tag)
-        dt = perf_counter() - t0
-        self._stats.record("send", tensor.nbytes, 0, dt)
-
-    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
-        """Receive into ``tensor`` from ``src`` (``None``: any rank); returns the source rank."""
-        self._check_tensor(tensor, "recv")
-        if src is not None:
-            self._check_peer(src, "recv", "src")
-        t0 = perf_counter()
-        source = self._recv(tensor, src, tag)
-        dt = perf_counter() - t0
-        self._stats.record("recv", 0, tensor.nbytes, dt)
-        return source
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        """Non-blocking send; do not modify ``tensor`` until the handle's ``wait()`` returns."""
-        self._check_tensor(tensor, "isend")
-        self._check_peer(dst, "isend", "dst")
-        t0 = perf_counter()
-        work = self._isend(tensor, dst, tag)
-        dt = perf_counter() - t0
-        self._stats.record("send", tensor.nbytes, 0, dt)
-        return work
-
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        """Non-blocking receive; ``wait()`` returns the source rank once ``tensor`` is filled."""
-        self._check_tensor(tensor, "irecv")
-        if src is not None:
-            self._check_peer(src, "irecv", "src")
-        t0 = perf_counter()
-        work = self._irecv(tensor, src, tag)
-        dt = perf_counter() - t0
-        self._stats.record("recv", 0, tensor.nbytes, dt)
-        return work
-
-    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
-        """Post every send and receive of ``ops`` at once; one handle per op, in order.
-
-        All operations are started before this returns and none is waited for, so the order of the
-        ops in a batch, and which rank posts its batch first, cannot deadlock (as
-        ``torch.distributed.batch_isend_irecv``). Messages between one pair of ranks in one direction
-        are matched in posting order (tags also keep them apart on MPI and gloo; NCCL ignores tags).
-        A receive names its source. Do not touch a tensor until its handle's ``wait()`` returned.
-        Bytes are counted as ``send``/``recv`` calls, one per op.
-        """
-        ops = list(ops)
-        for i, op in enumerate(ops):
-            if not isinstance(op, P2POp) or op.kind not in ("send", "recv"):
-                raise ArgumentError(
-                    f"batch_isend_irecv: ops[{i}] must be a P2POp of kind 'send' or 'recv' "
-                    f"(P2POp.send(t, dst) / P2POp.recv(t, src)), got {op!r}"
-                )
-            self._check_tensor(op.tensor, "batch_isend_irecv", f"ops[{i}].tensor")
-            self._check_peer(op.peer, "batch_isend_irecv", f"ops[{i}].peer")
-        if not ops:
-            return []
-        t0 = perf_counter()
-        works = self._batch_isend_irecv(ops)
-        dt = (perf_counter() - t0) / len(ops)
-        for op in ops:
-            if op.kind == "send":
-                self._stats.record("send", op.tensor.nbytes, 0, dt)
-            else:
-                self._stats.record("recv", 0, op.tensor.nbytes, dt)
-        return works
-
     def close(self) -> None:
         """Release engine resources (optional)."""
-
-    # ------------------------------------------------------------------ engine hooks
-    @abstractmethod
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None: ...
-
-    @abstractmethod
-    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None: ...
-
-    @abstractmethod
-    def _broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
-
-    @abstractmethod
-    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None: ...
-
-    @abstractmethod
-    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
-
-    @abstractmethod
-    def _all_gather_v(self, input: torch.Tensor) -> tuple[torch.Tensor, list[int]]: ...
-
-    @abstractmethod
-    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None: ...
-
-    @abstractmethod
-    def _barrier(self) -> None: ...
-
-    @abstractmethod
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None: ...
-
-    @abstractmethod
-    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int: ...
-
-    @abstractmethod
-    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work: ...
-
-    @abstractmethod
-    def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work: ...
-
-    @abstractmethod
-    def _new_group(self, ranks: list[int]) -> CommunicationBackend | None: ...
-
-    def _batch_isend_irecv(self, ops: list[P2POp]) -> list[Work]:
-        """Default: each op posted non-blocking (engines whose ``_isend``/``_irecv`` never block:
-        in-memory, MPI's ``Isend``/``Irecv``), receives first."""
-        works: list[Work | None] = [None] * len(ops)
-        for i, op in enumerate(ops):
-            if op.kind == "recv":
-                works[i] = self._irecv(op.tensor, op.peer, op.tag)
-        for i, op in enumerate(ops):
-            if op.kind == "send":
-                works[i] = self._isend(op.tensor, op.peer, op.tag)
-        return [w for w in works if w is not None]
-
-    def _iall_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        self._all_reduce(tensor, op)
-        return CompletedWork()
-
-    def _ireduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
-        self._reduce_scatter(output, input, op)
-        return CompletedWork()
-
-    def _iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
-        self._all_gather(output, input)
-        return CompletedWork()
