@@ -74,6 +74,7 @@ _TRAINER = [
 TESTS: dict[str, list[str]] = {
     "dtlab/backends/_inmemory_ops.py": _ENGINE,
     "dtlab/backends/inmemory.py": _ENGINE,
+    "dtlab/backends/_inmemory_rendezvous.py": _ENGINE,
     "dtlab/models/dp/ddp.py": _STRATEGY,
     "dtlab/models/dp/zero2.py": _STRATEGY,
     "dtlab/models/dp/zero3.py": _STRATEGY,
