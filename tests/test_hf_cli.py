@@ -15,20 +15,9 @@ from dtlab.config import load_config
 from dtlab.errors import ConfigError
 from dtlab.trainers.launch import run_training
 
-
-def llama_gqa() -> object:
-    """4 query heads, 2 key/value heads: tp=4 would split a key/value head."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
 BASE = ["backend.name=inmemory", "logging.progress=false", "logging.run_dir=null", "train.eval_every=0"]
 BASE += ["data.global_batch_size=8", "optimizer.warmup_steps=0", "train.steps=3", "optimizer.lr=1e-2"]
-BASE += ["model.factory=test_hf_models:llama", "data.factory=test_hf_models:tokens"]
+BASE += ["model.factory=hf_cases:llama", "data.factory=hf_cases:tokens"]
 # built plainly everywhere: a Hugging Face model built on the meta device (model.init's default where
 # the plan shards) gets its _init_weights values, not the ones its constructor draws in the one-rank run
 BASE += ["model.init=plain"]
@@ -93,7 +82,7 @@ def test_a_plan_the_config_cannot_use_is_refused_before_any_rank_starts(tmp_path
 @pytest.mark.usefixtures("tests_on_path")
 def test_a_tp_that_splits_a_key_value_head_is_refused_before_any_rank_starts() -> None:
     config = load_config(
-        overrides=[*BASE, "model.factory=test_hf_cli:llama_gqa", "backend.world_size=4", "parallel.tp=4"]
+        overrides=[*BASE, "model.factory=hf_cases:llama_gqa", "backend.world_size=4", "parallel.tp=4"]
     )
     with pytest.raises(
         ConfigError, match=r"'model.layers.0.self_attn.k_proj' projects 2 attention heads of 8"

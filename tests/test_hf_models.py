@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_cases import LLAMA_PLAN, llama, llama_gqa, rel_error, tokens, train_steps, worst_loss_error
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -21,26 +22,9 @@ from dtlab.trainers.build import build_model_strategy
 from dtlab.trainers.custom import task_from_objects
 from dtlab.trainers.tasks import cross_entropy_loss, logits_of
 
-VOCAB, SEQ = 32, 8
 BASE = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false", "logging.run_dir=null"]
 BASE += ["data.global_batch_size=8", "train.eval_every=0", "optimizer.warmup_steps=0"]
-BASE += ["model.factory=test_hf_models:llama", "data.factory=test_hf_models:tokens"]
-
-
-def llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
-    )  # fmt: skip
-    model: nn.Module = transformers.LlamaForCausalLM(config)
-    return model
-
-
-def tokens() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    seqs = torch.randint(0, VOCAB, (64, SEQ + 1), generator=g)
-    return [(s[:-1], s[1:]) for s in seqs]
+BASE += ["model.factory=hf_cases:llama", "data.factory=hf_cases:tokens"]
 
 
 class _Logits:
@@ -117,21 +101,6 @@ def test_fsdp_units_without_fsdp_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     assert "the data-parallel strategy is 'ddp'; use strategy.model=fsdp" in str(info.value.__cause__)
 
 
-#: a hand-written plan in Hugging Face's own style names (LlamaConfig.base_model_tp_plan's, the
-#: embedding and the head as transformers adds them)
-LLAMA_PLAN = {
-    "model.embed_tokens": "embedding_rowwise",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "colwise_gather_output",
-}
-
-
 def _llama_tp(
     backend: CommunicationBackend, state: dict[str, torch.Tensor]
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -143,13 +112,7 @@ def _llama_tp(
     model = TensorParallelModel(net, backend, plan=LLAMA_PLAN)
     opt = DDPOptimizer(model, torch.optim.AdamW, lr=1e-2)
     x, y = (torch.stack(t) for t in zip(*tokens()[:4], strict=True))
-    losses = []
-    for _ in range(3):
-        loss = cross_entropy_loss(model(x), y)  # the head gathers the logits: the plain loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, opt, x, y, 3, cross_entropy_loss)  # the head gathers the logits
     return losses, model.full_state_dict()
 
 
@@ -159,32 +122,21 @@ def test_llama_at_tp2_with_hugging_face_style_names_matches_one_process() -> Non
     state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     x, y = (torch.stack(t) for t in zip(*tokens()[:4], strict=True))
-    ref_losses = []
-    for _ in range(3):
-        loss = cross_entropy_loss(net(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = train_steps(net, opt, x, y, 3, cross_entropy_loss)
     ref = net.state_dict()
     for losses, full in run_world(2, _llama_tp, state, timeout=60):
-        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5
+        assert worst_loss_error(losses, ref_losses) < 1e-5
         for k, v in ref.items():
             if v.is_floating_point():
-                assert ((full[k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 1e-5, k
+                assert rel_error(full[k], v) < 1e-5, k
 
 
 def _gqa_refused(backend: CommunicationBackend) -> int:
     from dtlab.errors import StrategyError
     from dtlab.models import TensorParallelModel
 
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-    )  # fmt: skip
     try:
-        TensorParallelModel(transformers.LlamaForCausalLM(config), backend, plan=LLAMA_PLAN)
+        TensorParallelModel(llama_gqa(), backend, plan=LLAMA_PLAN)
     except StrategyError as exc:
         assert "'model.layers.0.self_attn.k_proj' projects 2 attention heads of 8" in str(exc), exc
         assert "tp=4; choose a tp that divides 2" in str(exc)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from hf_cases import gpt2, llama, llama_gqa, lm_loss, rel_error, token_batch, train_steps, worst_loss_error
 from torch import nn
 
 from dtlab.backends import Mesh
@@ -21,45 +21,21 @@ from dtlab.models import HybridShardedModel, TensorParallelModel
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
-VOCAB, SEQ, BATCH, STEPS = 32, 8, 4, 3
+BATCH, STEPS = 4, 3
 
 
 def build(kind: str) -> nn.Module:
     """A tiny model, float64 (Adam's round-off on gradients that are zero in exact arithmetic)."""
-    transformers = pytest.importorskip("transformers")
     if kind == "llama":  # 4 query heads, 2 key/value heads: each tp=2 rank gets 2 and 1
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        )  # fmt: skip
-        net: nn.Module = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        net = transformers.GPT2LMHeadModel(config)
-    return net.double()
-
-
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    seqs = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return seqs[:, :-1], seqs[:, 1:]
+        return llama(hidden=32, intermediate=48, heads=4, kv_heads=2).double()
+    return gpt2(heads=4).double()
 
 
 def reference(kind: str, state: dict[str, torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
     net = build(kind)
     net.load_state_dict(state)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    x, y = batch()
-    losses = []
-    for _ in range(STEPS):
-        loss = F.cross_entropy(net(x).logits.reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    x, y = token_batch(BATCH, seed=0)
+    losses = train_steps(net, torch.optim.AdamW(net.parameters(), lr=1e-2), x, y, STEPS)
     return losses, net.state_dict()
 
 
@@ -79,17 +55,15 @@ def train(
     opt = {"fsdp": ZeRO3Optimizer, "zero1": ZeRO1Optimizer}.get(dp, DDPOptimizer)(
         model, torch.optim.AdamW, lr=1e-2
     )
-    x, y = batch()
+    x, y = token_batch(BATCH, seed=0)
     c, n = mesh.coordinate("dp"), mesh.size("dp")
     xs, ys = x.chunk(n)[c], y.chunk(n)[c]
     losses = []
     for _ in range(STEPS):
         if model.pipelined:
-            loss = model.train_step(
-                (xs, ys), lambda out, t: F.cross_entropy(out.logits.reshape(-1, VOCAB), t.reshape(-1))
-            )
+            loss = model.train_step((xs, ys), lm_loss)
         else:
-            loss = F.cross_entropy(model(xs).logits.reshape(-1, VOCAB), ys.reshape(-1))
+            loss = lm_loss(model(xs), ys)
             loss.backward()
         opt.step()
         opt.zero_grad()
@@ -141,29 +115,23 @@ def test_plan_auto_matches_one_process(kind: str, axes: dict[str, int], dp: str)
     world = axes.get("pp", 1) * axes.get("dp", 1) * axes["tp"]
     out = run_world(world, train, kind, axes, dp, state, timeout=180)
     losses = [sum(r["losses"][i] for r in out) / len(out) for i in range(STEPS)]  # the dp shards' mean
-    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, losses
+    assert worst_loss_error(losses, ref_losses) < 1e-5, losses
     swapped = {k: v for r in out for k, v in r["swapped"].items()}  # a pipeline rank holds its stages
     assert SWAPPED[kind].items() <= swapped.items(), swapped
     for r in out:
         for k, v in ref.items():
             if v.is_floating_point():
-                assert ((r["state"][k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 1e-5, k
+                assert rel_error(r["state"][k], v) < 1e-5, k
         if kind == "gpt2":  # the tied pair: one parameter, bitwise equal in the gathered state
             assert r["tied"]
             assert torch.equal(r["state"]["lm_head.weight"], r["state"]["transformer.wte.weight"])
 
 
 def _refusals(backend: CommunicationBackend) -> tuple[list[str], int]:
-    transformers = pytest.importorskip("transformers")
-    gqa = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-    )  # fmt: skip
-    gpt2 = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2)
     cases: list[tuple[nn.Module, Any]] = [
-        (transformers.LlamaForCausalLM(gqa), "auto"),  # tp=4 over 2 key/value heads
-        (transformers.GPT2LMHeadModel(gpt2), "auto"),  # tp=4 over 2 heads
-        (transformers.LlamaForCausalLM(gqa), {"model.embed_tokens": "embedding_colwise"}),
+        (llama_gqa(), "auto"),  # tp=4 over 2 key/value heads
+        (gpt2(layers=1), "auto"),  # tp=4 over 2 heads
+        (llama_gqa(), {"model.embed_tokens": "embedding_colwise"}),
         (nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), "auto"),
     ]
     errors = []
@@ -221,7 +189,7 @@ def test_llama_plan_auto_at_tp2_on_gloo_and_mpi_processes(engine: str) -> None:
     state = {k: v.detach().clone() for k, v in build("llama").state_dict().items()}
     ref_losses, ref = reference("llama", state)
     for r in spawn_world(2, engine_world, state, backend=engine, timeout=240):
-        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses, strict=True)) < 1e-5
+        assert worst_loss_error(r["losses"], ref_losses) < 1e-5
         for k, v in ref.items():
             if v.is_floating_point():
-                assert ((r["state"][k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 1e-5, k
+                assert rel_error(r["state"][k], v) < 1e-5, k

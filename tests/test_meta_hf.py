@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_cases import LLAMA_PLAN, SEQ, VOCAB, decoder_layer, gpt2, llama, lm_loss, token_batch, train_steps
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -21,27 +22,9 @@ from dtlab.testing import run_world
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, SEQ = 32, 8
-LLAMA_PLAN = {
-    "model.embed_tokens": "embedding_rowwise",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "colwise_gather_output",
-}
-
 
 def _llama(layers: int = 2) -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-    )  # fmt: skip
-    model: nn.Module = transformers.LlamaForCausalLM(config)
-    return model
+    return llama(hidden=32, intermediate=64, layers=layers, heads=4, kv_heads=2)
 
 
 def _rotary(net: nn.Module) -> dict[str, torch.Tensor]:
@@ -96,12 +79,7 @@ def test_llama_on_meta_gets_its_own_init_and_exact_rotary_buffers() -> None:
 
 
 def _gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    model: nn.Module = transformers.GPT2LMHeadModel(config)
-    return model
+    return gpt2()
 
 
 def test_gpt2_tied_head_on_meta_is_one_weight_under_every_strategy() -> None:
@@ -138,12 +116,7 @@ def test_gpt2_on_meta_under_a_pipeline_keeps_its_tie_across_ranks() -> None:
     from dtlab.backends import Mesh
     from dtlab.models import HybridShardedModel, PipelineParallelModel
 
-    ids = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))
-    x, y = ids[:, :-1], ids[:, 1:]
-
-    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = out.logits if hasattr(out, "logits") else out
-        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+    x, y = token_batch(4, seed=5)
 
     def body(backend: CommunicationBackend) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -168,7 +141,7 @@ def test_gpt2_on_meta_under_a_pipeline_keeps_its_tie_across_ranks() -> None:
             out[f"{wrap}/initial"] = model.full_state_dict()
             losses = []
             for _ in range(2):
-                losses.append(model.train_step((x, y), loss_fn).item())
+                losses.append(model.train_step((x, y), lm_loss).item())
                 opt.step()
                 opt.zero_grad()
             out[f"{wrap}/losses"] = losses
@@ -183,14 +156,7 @@ def test_gpt2_on_meta_under_a_pipeline_keeps_its_tie_across_ranks() -> None:
     initial = results[0]["zero3"]
     reference = _gpt2()
     reference.load_state_dict(initial)
-    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-    ref_losses = []
-    for _ in range(2):
-        loss = loss_fn(reference(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.5), x, y, 2)
     last = reference.get_submodule("lm_head").weight.detach()
     for res in results:
         for wrap in ("pp", "pp-fsdp"):
@@ -217,7 +183,7 @@ def test_llama_on_meta_under_dp2_tp2_pp2_is_the_same_model() -> None:
         reference = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=1).full_state_dict()
         with torch.device("meta"):
             net = _llama(layers=4)
-        layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+        layer = decoder_layer("llama")
         model = HybridShardedModel(
             net, Mesh(backend, {"pp": 2, "dp": 2, "tp": 2}), "fsdp", tensor_plan="auto", micro_batches=2,
             split_points=["model.layers.2"], wrap_policy=ModuleClassPolicy((layer,)), init_seed=1,

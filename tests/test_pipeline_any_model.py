@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from hf_cases import SEQ, VOCAB, gpt2, llama, lm_loss, token_batch, train_steps, worst_loss_error
 from torch import nn
 
 from dtlab.backends import Mesh
@@ -17,34 +17,25 @@ from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import HybridShardedModel, PipelineParallelModel
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
-from dtlab.trainers.tasks import logits_of
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, SEQ, BATCH, STEPS, LR = 32, 8, 8, 3, 1e-2
+BATCH, STEPS, LR = 8, 3, 1e-2
 LLAMA_POINTS = {2: ["model.layers.2"], 4: ["model.layers.1", "model.layers.2", "model.layers.3"]}
 GPT2_POINTS = {2: ["transformer.h.1"], 4: ["transformer.h.1", "transformer.h.2", "transformer.h.3"]}
 
 
-def llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).double()  # type: ignore[no-any-return]
+def _llama() -> nn.Module:
+    return llama(layers=4, use_cache=False).double()
 
 
-def gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=4, n_head=2, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    net = transformers.GPT2LMHeadModel(config).double()
+def _gpt2() -> nn.Module:
+    net = gpt2(layers=4, use_cache=False).double()
     assert net.lm_head.weight is net.transformer.wte.weight
-    return net  # type: ignore[no-any-return]
+    return net
 
 
-MODELS = {"llama": (llama, LLAMA_POINTS), "gpt2": (gpt2, GPT2_POINTS)}
+MODELS = {"llama": (_llama, LLAMA_POINTS), "gpt2": (_gpt2, GPT2_POINTS)}
 
 
 def initial(name: str) -> dict[str, torch.Tensor]:
@@ -63,27 +54,13 @@ def build(name: str, state: dict[str, torch.Tensor]) -> nn.Module:
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    seqs = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    return seqs[:, :-1], seqs[:, 1:]
-
-
-def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    logits = logits_of(output)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return token_batch(BATCH, seed=1)
 
 
 def reference(name: str, state: dict[str, torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
     net = build(name, state)
-    opt = torch.optim.AdamW(net.parameters(), lr=LR)
     x, y = batch()
-    losses = []
-    for _ in range(STEPS):
-        loss = loss_fn(net(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(net, torch.optim.AdamW(net.parameters(), lr=LR), x, y, STEPS)
     return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
@@ -108,7 +85,7 @@ def _pipeline(backend: CommunicationBackend, name: str, state: dict[str, torch.T
     x, y = batch()
     losses, tied = [], []
     for _ in range(STEPS):
-        losses.append(model.train_step((x, y), loss_fn).item())
+        losses.append(model.train_step((x, y), lm_loss).item())
         opt.step()
         opt.zero_grad()
         tied.append(_tied_equal(model))
@@ -122,7 +99,7 @@ def test_pp2_split_at_module_names_matches_one_process(name: str, schedule: str)
     ref_losses, ref_state = reference(name, state)
     out = run_world(2, _pipeline, name, state, schedule, timeout=120)
     for r in out:
-        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses, strict=True)) <= 1e-5
+        assert worst_loss_error(r["losses"], ref_losses) <= 1e-5
         assert set(r["state"]) == set(ref_state)
         assert max(rel(r["state"][k], ref_state[k]) for k in ref_state) <= 1e-5
         assert all(r["tied"]), "the copies of a tied weight differ after a step"
@@ -146,7 +123,7 @@ def _hybrid(
     c, n = mesh.coordinate("dp"), mesh.size("dp")
     losses, tied = [], []
     for _ in range(STEPS):
-        losses.append(model.train_step((x.chunk(n)[c], y.chunk(n)[c]), loss_fn).item())
+        losses.append(model.train_step((x.chunk(n)[c], y.chunk(n)[c]), lm_loss).item())
         opt.step()
         opt.zero_grad()
         tied.append(_tied_equal(model))
@@ -170,7 +147,7 @@ def test_hybrid_split_at_module_names_matches_one_process(name: str, axes: dict[
     world = axes["pp"] * axes["dp"] * axes.get("tp", 1)
     out = run_world(world, _hybrid, name, state, axes, dp, timeout=240)
     losses = [sum(r["losses"][i] for r in out) / len(out) for i in range(STEPS)]  # mean over dp shards
-    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-5
+    assert worst_loss_error(losses, ref_losses) <= 1e-5
     for r in out:
         assert max(rel(r["state"][k], ref_state[k]) for k in ref_state) <= 1e-5
         assert all(r["tied"]), "the copies of a tied weight differ after a step"
@@ -210,7 +187,7 @@ def _refused(backend: CommunicationBackend, kind: str) -> None:
     x = torch.randint(0, VOCAB, (4, SEQ))
     if kind == "leak":
         model = PipelineParallelModel(_Leaky(), backend, micro_batches=2, split_points=["layers.1"])
-        model.train_step((x, x), loss_fn)
+        model.train_step((x, x), lm_loss)
     elif kind == "glue":
         PipelineParallelModel(_Glue(), backend, micro_batches=2, split_points=["layers.1"])
     elif kind == "unknown":
@@ -246,7 +223,7 @@ def test_dtlab_train_splits_a_llama_factory_at_module_names(monkeypatch: pytest.
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     sets = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false", "logging.run_dir=null"]
     sets += ["data.global_batch_size=8", "train.eval_every=0", "optimizer.warmup_steps=0", "train.steps=2"]
-    sets += ["model.factory=test_hf_models:llama", "data.factory=test_hf_models:tokens"]
+    sets += ["model.factory=hf_cases:llama", "data.factory=hf_cases:tokens"]
     sets += ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.split_points=[model.layers.1]"]
     assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 0
 
@@ -267,7 +244,7 @@ def test_pp2_split_at_module_names_on_gloo_and_mpi_processes(engine: str) -> Non
     for r in spawn_world(2, engine_world, states, backend=engine, timeout=240):
         for name, (ref_losses, ref_state) in refs.items():
             got = r[name]
-            assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses, strict=True)) <= 1e-5
+            assert worst_loss_error(got["losses"], ref_losses) <= 1e-5
             assert max(rel(got["state"][k], ref_state[k]) for k in ref_state) <= 1e-5
             assert all(got["tied"])
 

@@ -25,11 +25,11 @@ pytest.importorskip("transformers")
 
 BASE = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false", "logging.run_dir=null"]
 BASE += ["data.global_batch_size=8", "train.eval_every=0", "optimizer.warmup_steps=0"]
-BASE += ["model.factory=test_hf_models:llama", "data.factory=test_hf_models:tokens"]
+BASE += ["model.factory=hf_cases:llama", "data.factory=hf_cases:tokens"]
 
 
 def _saved(folder: Path) -> dict[str, torch.Tensor]:
-    from test_hf_models import llama
+    from hf_cases import llama
 
     with seeded_init(123):  # not train.seed: the loaded values must come from the file
         net = llama()

@@ -11,6 +11,17 @@ from typing import Any
 
 import pytest
 import torch
+from hf_cases import (
+    LLAMA_PLAN,
+    decoder_layer,
+    gpt2,
+    llama,
+    rel_error,
+    save_one_and_sharded,
+    token_batch,
+    train_steps,
+    worst_loss_error,
+)
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -22,62 +33,16 @@ from dtlab.testing import run_world
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, SEQ, STEPS = 32, 8, 3
-#: tensor parallelism in Hugging Face's style names (as in test_hf_models)
-LLAMA_PLAN = {
-    "model.embed_tokens": "embedding_rowwise",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "colwise_gather_output",
-}
+STEPS = 3
 
 
 def _build(name: str) -> nn.Module:
-    if name == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
-        )  # fmt: skip
-        llama: nn.Module = transformers.LlamaForCausalLM(config)
-        return llama
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    gpt2: nn.Module = transformers.GPT2LMHeadModel(config)
-    return gpt2
-
-
-def _layer(name: str) -> type[nn.Module]:
-    layer: type[nn.Module] = (
-        transformers.models.llama.modeling_llama.LlamaDecoderLayer
-        if name == "llama"
-        else transformers.models.gpt2.modeling_gpt2.GPT2Block
-    )
-    return layer
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    seqs = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(2))
-    return seqs[:, :-1], seqs[:, 1:]
+    return llama() if name == "llama" else gpt2()
 
 
 def _train(model: Any, opt: Any, lo: int, hi: int) -> list[float]:
-    x, y = _batch()
-    losses = []
-    for _ in range(STEPS):
-        logits = model(x[lo:hi]).logits
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y[lo:hi].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    x, y = token_batch(4, seed=2)
+    return train_steps(model, opt, x[lo:hi], y[lo:hi], STEPS)
 
 
 def _wrapped(name: str, wrap: str, backend: CommunicationBackend) -> tuple[Any, Any, nn.Module]:
@@ -93,7 +58,7 @@ def _wrapped(name: str, wrap: str, backend: CommunicationBackend) -> tuple[Any, 
     if wrap == "zero3":
         model = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=3, param_init_fn=init)
     else:
-        policy = ModuleClassPolicy((_layer(name),))
+        policy = ModuleClassPolicy((decoder_layer(name),))
         model = FSDPModel(net, backend, wrap_policy=policy, init_seed=3, param_init_fn=init)
     return model, ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1), net
 
@@ -130,9 +95,7 @@ def test_hugging_face_checkpoints_load_bitwise_into_sharded_models_and_train_lik
     for name in ("llama", "gpt2"):
         with seeded_init(11):
             net = _build(name)
-        net.save_pretrained(tmp_path / f"{name}-one")
-        net.save_pretrained(tmp_path / f"{name}-sharded", max_shard_size="4KB")
-        assert (tmp_path / f"{name}-sharded" / "model.safetensors.index.json").is_file()
+        save_one_and_sharded(net, tmp_path, name)
         saved = {k: v.clone() for k, v in net.state_dict().items()}
         buffers = {n: b.clone() for n, b in net.named_buffers() if n.endswith("inv_freq")}
         losses = _train(net, torch.optim.SGD(net.parameters(), lr=0.1), 0, 4)
@@ -145,7 +108,7 @@ def test_hugging_face_checkpoints_load_bitwise_into_sharded_models_and_train_lik
         mean = [sum(v) / 2 for v in zip(*(res[f"{key}/losses"] for res in results), strict=True)]
         if wrap == "tp2":
             mean = results[0][f"{key}/losses"]
-        assert max(abs(a - b) / abs(b) for a, b in zip(mean, ref_losses, strict=True)) <= 1e-5, key
+        assert worst_loss_error(mean, ref_losses) <= 1e-5, key
         for res in results:
             assert res[f"{key}/report"] == ([], [], []), key
             loaded = res[f"{key}/loaded"]
@@ -153,5 +116,5 @@ def test_hugging_face_checkpoints_load_bitwise_into_sharded_models_and_train_lik
             assert [k for k in saved if not torch.equal(loaded[k], saved[k])] == [], key
             assert [k for k in buffers if not torch.equal(res[f"{key}/buffers"][k], buffers[k])] == [], key
             for k, v in ref_state.items():
-                rel = ((res[f"{key}/trained"][k] - v).norm() / v.norm().clamp_min(1e-12)).item()
+                rel = rel_error(res[f"{key}/trained"][k], v)
                 assert rel <= 1e-5, (key, k, rel)

@@ -12,6 +12,17 @@ from typing import Any
 
 import pytest
 import torch
+from hf_cases import (
+    decoder_layer,
+    gpt2,
+    llama,
+    lm_loss,
+    rel_error,
+    save_one_and_sharded,
+    token_batch,
+    train_steps,
+    worst_loss_error,
+)
 from torch import nn
 
 from dtlab.backends import Mesh
@@ -24,43 +35,13 @@ from dtlab.testing import run_world
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, SEQ, STEPS = 32, 8, 3
+STEPS = 3
 SPLIT = {"llama": "model.layers.1", "gpt2": "transformer.h.1"}
 
 
 def _build(name: str) -> nn.Module:
-    if name == "llama":  # 4 query heads, 2 key/value heads: each tp=2 rank gets 2 and 1
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        )  # fmt: skip
-        llama: nn.Module = transformers.LlamaForCausalLM(config)
-        return llama
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    gpt2: nn.Module = transformers.GPT2LMHeadModel(config)
-    return gpt2
-
-
-def _layer(name: str) -> type[nn.Module]:
-    layer: type[nn.Module] = (
-        transformers.models.llama.modeling_llama.LlamaDecoderLayer
-        if name == "llama"
-        else transformers.models.gpt2.modeling_gpt2.GPT2Block
-    )
-    return layer
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    seqs = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(2))
-    return seqs[:, :-1], seqs[:, 1:]
-
-
-def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = out.logits if hasattr(out, "logits") else out
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+    # Llama: 4 query heads, 2 key/value heads: each tp=2 rank gets 2 and 1
+    return llama(heads=4, kv_heads=2) if name == "llama" else gpt2()
 
 
 def _wrapped(name: str, wrap: str, backend: CommunicationBackend) -> tuple[Any, Any, Mesh | None]:
@@ -75,7 +56,7 @@ def _wrapped(name: str, wrap: str, backend: CommunicationBackend) -> tuple[Any, 
     mesh = Mesh(backend, {"pp": 2, "dp": 2, "tp": 2})
     model = HybridShardedModel(
         net, mesh, "fsdp", tensor_plan="auto", schedule="1f1b", micro_batches=2, split_points=[SPLIT[name]],
-        wrap_policy=ModuleClassPolicy((_layer(name),)), init_seed=3,
+        wrap_policy=ModuleClassPolicy((decoder_layer(name),)), init_seed=3,
     )  # fmt: skip
     return model, ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1), mesh
 
@@ -86,7 +67,7 @@ def _cases() -> list[tuple[str, str]]:
 
 def _load_all(backend: CommunicationBackend, root: Path, wrap: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    x, y = _batch()
+    x, y = token_batch(4, seed=2)
     for name, src in _cases():
         key = f"{name}/{src}"
         model, opt, mesh = _wrapped(name, wrap, backend)
@@ -100,7 +81,7 @@ def _load_all(backend: CommunicationBackend, root: Path, wrap: str) -> dict[str,
         c, n = (mesh.coordinate("dp"), mesh.size("dp")) if mesh is not None else (0, 1)
         losses = []
         for _ in range(STEPS):
-            losses.append(model.train_step((x.chunk(n)[c], y.chunk(n)[c]), _loss).item())
+            losses.append(model.train_step((x.chunk(n)[c], y.chunk(n)[c]), lm_loss).item())
             opt.step()
             opt.zero_grad()
         out[f"{key}/losses"] = losses
@@ -112,22 +93,13 @@ def test_hugging_face_checkpoints_load_bitwise_into_pipelines_and_train_like_one
     tmp_path: Path,
 ) -> None:
     refs = {}
-    x, y = _batch()
+    x, y = token_batch(4, seed=2)
     for name in ("llama", "gpt2"):
         with seeded_init(11):
             net = _build(name)
-        net.save_pretrained(tmp_path / f"{name}-one")
-        net.save_pretrained(tmp_path / f"{name}-sharded", max_shard_size="4KB")
-        assert (tmp_path / f"{name}-sharded" / "model.safetensors.index.json").is_file()
+        save_one_and_sharded(net, tmp_path, name)
         saved = {k: v.clone() for k, v in net.state_dict().items()}
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        losses = []
-        for _ in range(STEPS):
-            loss = _loss(net(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = train_steps(net, torch.optim.SGD(net.parameters(), lr=0.1), x, y, STEPS)
         refs[name] = (saved, losses, net.state_dict())
     assert "lm_head.weight" in refs["gpt2"][0]  # tied to transformer.wte.weight, saved once
     for wrap, world in (("pp2", 2), ("dp2xtp2xpp2", 8)):
@@ -139,7 +111,7 @@ def test_hugging_face_checkpoints_load_bitwise_into_pipelines_and_train_like_one
             saved, ref_losses, ref_state = refs[name]
             k = f"{name}/{src}"  # the mean over the ranks is the dp shards' mean (pp, tp replicate it)
             mean = [sum(v) / world for v in zip(*(res[f"{k}/losses"] for res in results), strict=True)]
-            assert max(abs(a - b) / abs(b) for a, b in zip(mean, ref_losses, strict=True)) <= 1e-5, key
+            assert worst_loss_error(mean, ref_losses) <= 1e-5, key
             for res in results:
                 assert res[f"{k}/report"] == ([], [], []), key
                 loaded = res[f"{k}/loaded"]
@@ -148,5 +120,5 @@ def test_hugging_face_checkpoints_load_bitwise_into_pipelines_and_train_like_one
                 local = res.get(f"{k}/local", {})
                 assert [n for n in local if not torch.equal(local[n], saved[n])] == [], key
                 for n, v in ref_state.items():
-                    rel = ((res[f"{k}/trained"][n] - v).norm() / v.norm().clamp_min(1e-12)).item()
+                    rel = rel_error(res[f"{k}/trained"][n], v)
                     assert rel <= 1e-5, (key, n, rel)
