@@ -10,14 +10,14 @@ parameter's placement (:mod:`dtlab.core.placement`).
 from __future__ import annotations
 
 import math
-from typing import Any, TypeVar, cast
+from typing import TypedDict, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.core.placement import Replicate, Shard, placement_of, set_placement
+from dtlab.core.placement import Placement, Replicate, Shard, placement_of, set_placement
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._comm import (
     SharedInput,
@@ -45,10 +45,20 @@ def _divisible(n: int, p: int, what: str, hint: str) -> None:
         raise StrategyError(f"{what} is {n}, not divisible by tp={p}; {hint}")
 
 
-def _init_uniform(t: torch.Tensor, fan_in: int) -> None:
+def _parameter(
+    shape: tuple[int, ...],
+    placement: Placement,
+    fan_in: int,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+) -> nn.Parameter:
+    """A parameter initialised as ``nn.Linear``'s (uniform in ``1/sqrt(fan_in)``), placed."""
+    t = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
     with torch.no_grad():
         t.uniform_(-bound, bound)
+    set_placement(t, placement)
+    return t
 
 
 _Layer = TypeVar("_Layer", "ColumnParallelLinear", "RowParallelLinear")
@@ -72,28 +82,34 @@ def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
     return None
 
 
-def _from_linear(cls: type[_Layer], linear: nn.Module, group: CommunicationBackend, **kwargs: Any) -> _Layer:
-    """A parallel layer holding this rank's shard of ``linear``'s values (an ``nn.Linear`` or a
-    ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps), on its device and dtype, with its
-    ``requires_grad`` flags; the bias split as the layer places it (column-parallel: like the output
-    features) or kept whole."""
+class _LinearOptions(TypedDict):
+    bias: bool
+    transposed: bool
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _linear_source(linear: nn.Module, layer: str) -> tuple[int, int, _LinearOptions]:
+    """``(in_features, out_features, options)`` for the parallel ``layer`` replacing ``linear`` (an
+    ``nn.Linear`` or a ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps): its bias, layout,
+    device and dtype."""
     features = linear_features(linear)
     if features is None:
         raise StrategyError(
-            f"{cls.__name__} splits an nn.Linear or a Conv1D (weight [in, out]), got {type(linear).__name__}"
+            f"{layer} splits an nn.Linear or a Conv1D (weight [in, out]), got {type(linear).__name__}"
         )
     w = cast(nn.Parameter, linear.weight)
-    bias_in = cast("nn.Parameter | None", getattr(linear, "bias", None))
-    layer = cls(
-        features[0],
-        features[1],
-        group,
-        bias=bias_in is not None,
-        transposed=features[2],
-        device=w.device,
-        dtype=w.dtype,
-        **kwargs,
+    options = _LinearOptions(
+        bias=getattr(linear, "bias", None) is not None, transposed=features[2], device=w.device, dtype=w.dtype
     )
+    return features[0], features[1], options
+
+
+def _load_linear(layer: _Layer, linear: nn.Module, group: CommunicationBackend) -> _Layer:
+    """``layer`` holding this rank's shard of ``linear``'s values, with its ``requires_grad`` flags; the
+    bias split as the layer places it (column-parallel: like the output features) or kept whole."""
+    w = cast(nn.Parameter, linear.weight)
+    bias_in = cast("nn.Parameter | None", getattr(linear, "bias", None))
     with torch.no_grad():
         layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
         if bias_in is not None and layer.bias is not None:
@@ -124,6 +140,8 @@ class ColumnParallelLinear(nn.Module):
         transposed: the weight is laid out ``[in, out]`` (Hugging Face's ``Conv1D``), split along dim 1.
     """
 
+    bias: nn.Parameter | None
+
     def __init__(
         self,
         in_features: int,
@@ -153,24 +171,34 @@ class ColumnParallelLinear(nn.Module):
         self.shared_input: SharedInput | None = None
         self.placement = Shard(AXIS, 1 if transposed else 0, sections)
         shape = (in_features, out_features // p) if transposed else (out_features // p, in_features)
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        _init_uniform(self.weight, in_features)
-        set_placement(self.weight, self.placement)
+        self.weight = _parameter(shape, self.placement, in_features, device, dtype)
+        self.register_parameter("bias", None)
         if bias:
-            self.bias: nn.Parameter | None = nn.Parameter(
-                torch.empty(out_features // p, device=device, dtype=dtype)
-            )
-            _init_uniform(self.bias, in_features)
-            set_placement(self.bias, Shard(AXIS, 0, sections))
-        else:
-            self.register_parameter("bias", None)
+            self.bias = _parameter((out_features // p,), Shard(AXIS, 0, sections), in_features, device, dtype)
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Module, group: CommunicationBackend, **kwargs: Any
+        cls,
+        linear: nn.Module,
+        group: CommunicationBackend,
+        *,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        sections: int = 1,
     ) -> ColumnParallelLinear:
-        """This rank's shard of ``linear`` (its values, its device and dtype)."""
-        return _from_linear(cls, linear, group, **kwargs)
+        """This rank's shard of ``linear`` (an ``nn.Linear`` or a ``Conv1D``: its values, bias, layout,
+        device, dtype and ``requires_grad`` flags); the options as the constructor's."""
+        in_features, out_features, options = _linear_source(linear, cls.__name__)
+        layer = cls(
+            in_features,
+            out_features,
+            group,
+            gather_output=gather_output,
+            sequence_parallel=sequence_parallel,
+            sections=sections,
+            **options,
+        )
+        return _load_linear(layer, linear, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fn = gather_from_sequence if self.sequence_parallel else copy_to_tp
@@ -201,6 +229,8 @@ class RowParallelLinear(nn.Module):
         transposed: the weight is laid out ``[in, out]`` (Hugging Face's ``Conv1D``), split along dim 0.
     """
 
+    bias: nn.Parameter | None
+
     def __init__(
         self,
         in_features: int,
@@ -228,22 +258,32 @@ class RowParallelLinear(nn.Module):
         self.transposed = transposed
         self.placement = Shard(AXIS, 0 if transposed else 1)
         shape = (in_features // p, out_features) if transposed else (out_features, in_features // p)
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        _init_uniform(self.weight, in_features)
-        set_placement(self.weight, self.placement)
+        self.weight = _parameter(shape, self.placement, in_features, device, dtype)
+        self.register_parameter("bias", None)
         if bias:
-            self.bias: nn.Parameter | None = nn.Parameter(
-                torch.empty(out_features, device=device, dtype=dtype)
-            )
-            _init_uniform(self.bias, in_features)
-            set_placement(self.bias, Replicate())
-        else:
-            self.register_parameter("bias", None)
+            self.bias = _parameter((out_features,), Replicate(), in_features, device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, group: CommunicationBackend, **kwargs: Any) -> RowParallelLinear:
-        """This rank's shard of ``linear`` (the bias whole: it is added once, after the reduction)."""
-        return _from_linear(cls, linear, group, **kwargs)
+    def from_linear(
+        cls,
+        linear: nn.Module,
+        group: CommunicationBackend,
+        *,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ) -> RowParallelLinear:
+        """This rank's shard of ``linear`` (as :meth:`ColumnParallelLinear.from_linear`; the bias whole:
+        it is added once, after the reduction); the options as the constructor's."""
+        in_features, out_features, options = _linear_source(linear, cls.__name__)
+        layer = cls(
+            in_features,
+            out_features,
+            group,
+            input_is_parallel=input_is_parallel,
+            sequence_parallel=sequence_parallel,
+            **options,
+        )
+        return _load_linear(layer, linear, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -312,8 +352,9 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(
-        cls, emb: nn.Embedding, group: CommunicationBackend, **kwargs: Any
+        cls, emb: nn.Embedding, group: CommunicationBackend, *, sequence_parallel: bool = False
     ) -> VocabParallelEmbedding:
+        """This rank's rows of ``emb`` (its values, padding id, device, dtype and ``requires_grad``)."""
         unsupported = {
             "max_norm": emb.max_norm,
             "scale_grad_by_freq": emb.scale_grad_by_freq or None,
@@ -330,10 +371,10 @@ class VocabParallelEmbedding(nn.Module):
             emb.num_embeddings,
             emb.embedding_dim,
             group,
+            sequence_parallel=sequence_parallel,
             padding_idx=emb.padding_idx,
             device=w.device,
             dtype=w.dtype,
-            **kwargs,
         )
         with torch.no_grad():
             layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))

@@ -300,7 +300,7 @@ def apply_plan(
                 root,
                 name,
                 VocabParallelEmbedding.from_embedding(
-                    module,  # type: ignore[arg-type]
+                    cast(nn.Embedding, module),  # resolve_plan checked it
                     group,
                     sequence_parallel=style.sequence_parallel,
                 ),
