@@ -161,8 +161,9 @@ class Exchange:
     neither it contributed everything. ``local_selected``: elements this rank selected to send;
     ``global_selected``: elements of the synchronized result (``None`` where a rank cannot know it
     without extra communication). ``select_seconds``: time spent choosing what to send.
-    ``residual_in_place``: the compressor already turned ``acc`` into ``acc - contributed`` (one pass
-    fused with its quantization or cast), so error feedback keeps ``acc`` as it is now as the residual.
+    ``residual_in_place``: the compressor turns ``acc`` into ``acc - contributed`` itself (one pass
+    fused with its quantization or cast, or with its ``writer``'s), so error feedback keeps ``acc`` as
+    it is once the result is written as the residual.
     ``result`` may be in a lower precision (a cast's sum); :meth:`write` converts it.
     ``writer``: a dense result not yet computed; ``writer(out)`` writes it into a flat float32 ``out``
     and returns how many elements are nonzero (``global_selected``): decoding straight into the

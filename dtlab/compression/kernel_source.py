@@ -1,6 +1,8 @@
 """The C source of :mod:`dtlab.compression.kernels` (plain C11, no headers beyond libc and, where the
 CPU has F16C, the x86 intrinsics; built with ``-ffp-contract=off``, so every float operation rounds
-exactly as the torch fallback's)."""
+exactly as the torch fallback's), and the ``ctypes`` signatures of its functions."""
+
+import ctypes
 
 SOURCE = r"""
 #include <stdint.h>
@@ -348,3 +350,20 @@ void dt_cast_with_residual(float* restrict x, int64_t n, int64_t p, int kind, ui
     }
 }
 """
+
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "dt_add_count_nonfinite": (_I64, [_PTR, _PTR, _PTR, _I64]),
+    "dt_indices_above": (_I64, [_PTR, _I64, _F32, ctypes.c_int, _PTR, _I64]),
+    "dt_add_select": (_I64, [_PTR, _PTR, _PTR, _I64, _F32, ctypes.c_int, _PTR, _I64, _PTR, ctypes.c_int]),
+    "dt_intersect_sorted": (_I64, [_PTR, _I64, _PTR, _I64, _PTR]),
+    "dt_qsgd_encode": (_I64, [_PTR, _I64, _I64, _PTR, ctypes.c_int32, ctypes.c_uint32, _PTR]),
+    "dt_qsgd_decode_mean": (_I64, [_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int32, _PTR]),
+    "dt_cast_with_residual": (None, [_PTR, _I64, _I64, ctypes.c_int, _PTR]),
+    "dt_gather_abs": (None, [_PTR, _PTR, _I64, _PTR]),
+    "dt_gather_add_abs": (None, [_PTR, _PTR, _PTR, _I64, _PTR]),
+    "dt_sum_sumsq": (None, [_PTR, _I64, _PTR]),
+    "dt_add_sumsq": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR]),
+    "dt_write_sparse": (None, [_PTR, _I64, _PTR, _PTR, _I64]),
+    "dt_merge_runs": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR]),
+}

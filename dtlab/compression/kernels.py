@@ -20,30 +20,22 @@ each torch op is one more pass through memory. The kernels here do several of th
 
 Each function returns exactly what its torch fallback returns (the same float32 operations in the
 same order; comparisons against the float32-rounded threshold as torch's ``ge`` does; compiled with
-``-ffp-contract=off``, so no fused multiply-add changes a rounding). The kernels are plain C compiled
-once per machine with the system C compiler (``cc``, well under a second) into a cache directory
-(``$DTLAB_KERNEL_CACHE``, default ``~/.cache/dtlab/kernels``, keyed by a hash of the source) and
-called through ``ctypes``, which releases the GIL. They run on contiguous CPU tensors of the expected
-dtypes; everything else (GPU tensors, other dtypes, no compiler, ``DTLAB_NATIVE_KERNELS=0``) takes the
-torch fallback, which the tests run against the kernels.
+``-ffp-contract=off``, so no fused multiply-add changes a rounding). The kernels are plain C
+(:mod:`~dtlab.compression.kernel_source`), built once per machine and called through ``ctypes``
+(:mod:`~dtlab.compression.native`). They run on contiguous CPU tensors of the expected dtypes;
+everything else (GPU tensors, other dtypes, no compiler, ``DTLAB_NATIVE_KERNELS=0``) takes the torch
+fallback, which the tests run against the kernels. PowerSGD's kernels are in
+:mod:`~dtlab.compression.powersgd_kernels`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
 import math
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from dtlab.compression.kernel_source import SOURCE as _SOURCE
+from dtlab.compression.native import native, native_enabled
 
 __all__ = [
     "add_count_nonfinite",
@@ -64,93 +56,9 @@ __all__ = [
 ]
 
 
-_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "dt_add_count_nonfinite": (_I64, [_PTR, _PTR, _PTR, _I64]),
-    "dt_indices_above": (_I64, [_PTR, _I64, _F32, ctypes.c_int, _PTR, _I64]),
-    "dt_add_select": (_I64, [_PTR, _PTR, _PTR, _I64, _F32, ctypes.c_int, _PTR, _I64, _PTR, ctypes.c_int]),
-    "dt_intersect_sorted": (_I64, [_PTR, _I64, _PTR, _I64, _PTR]),
-    "dt_qsgd_encode": (_I64, [_PTR, _I64, _I64, _PTR, ctypes.c_int32, ctypes.c_uint32, _PTR]),
-    "dt_qsgd_decode_mean": (_I64, [_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int32, _PTR]),
-    "dt_cast_with_residual": (None, [_PTR, _I64, _I64, ctypes.c_int, _PTR]),
-    "dt_gather_abs": (None, [_PTR, _PTR, _I64, _PTR]),
-    "dt_gather_add_abs": (None, [_PTR, _PTR, _PTR, _I64, _PTR]),
-    "dt_sum_sumsq": (None, [_PTR, _I64, _PTR]),
-    "dt_add_sumsq": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR]),
-    "dt_write_sparse": (None, [_PTR, _I64, _PTR, _PTR, _I64]),
-    "dt_merge_runs": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR]),
-}
-_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-march=native"]
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the CPU's model and feature flags (the cache key)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return "|".join(sorted({ln for ln in lines if ln.startswith(("flags", "model name", "Features"))}))
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("DTLAB_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "dtlab" / "kernels"
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernels (built on first use, then loaded from the cache); ``None`` when no C
-    compiler can build them here (logged once; the torch fallbacks run)."""
-    key = _SOURCE + " ".join(_FLAGS) + platform.machine() + _cpu_signature()
-    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
-    path = _cache_dir() / f"dtlab_kernels_{tag}.so"
-    try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                src, lib = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
-                src.write_text(_SOURCE)
-                cc = os.environ.get("CC", "cc")
-                cmd = [cc, *_FLAGS, str(src), "-o", str(lib), "-lm"]
-                if subprocess.run(cmd, capture_output=True).returncode != 0:  # no -march=native here
-                    cmd.remove("-march=native")
-                    subprocess.run(cmd, check=True, capture_output=True)
-                os.replace(lib, path)  # atomic: concurrent builders leave one complete file
-        dll = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = (
-            exc.stderr.decode(errors="replace")[-500:]
-            if isinstance(exc, subprocess.CalledProcessError)
-            else exc
-        )
-        logging.getLogger(__name__).warning(
-            "dtlab compression kernels could not be built (%s); the plain torch fallbacks run instead "
-            "(install a C compiler, or set DTLAB_NATIVE_KERNELS=0 to silence this)",
-            detail,
-        )
-        return None
-    for name, (res, args) in _SIGNATURES.items():
-        fn = getattr(dll, name)
-        fn.restype, fn.argtypes = res, args
-    return dll
-
-
-def native_enabled() -> bool:
-    """Whether the compiled kernels are used for CPU tensors (``DTLAB_NATIVE_KERNELS=0`` turns them off)."""
-    return os.environ.get("DTLAB_NATIVE_KERNELS", "1") != "0" and _library() is not None
-
-
-def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    if os.environ.get("DTLAB_NATIVE_KERNELS", "1") == "0":
-        return None
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return None
-    return _library()
-
-
 def add_count_nonfinite(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> int:
     """``out = a + b`` (float32, same size) and the number of NaN/Inf values in ``out``."""
-    lib = _native(a, b, out)
+    lib = native(a, b, out)
     if lib is None or not a.dtype == b.dtype == out.dtype == torch.float32:
         torch.add(a, b, out=out)
         return 0 if bool(torch.isfinite(out.sum())) else int((~torch.isfinite(out)).sum())
@@ -164,7 +72,7 @@ def add_select(
     :func:`add_count_nonfinite`) and ``indices_above(out, thr, expected)``, in one pass over memory
     where the kernel runs (the fallback makes the two passes). ``zero_a``: ``a`` is zeroed too (in the
     same pass: a sparse result is then written into it by a scatter alone)."""
-    lib = _native(a, b, out)
+    lib = native(a, b, out)
     if lib is None or not a.dtype == b.dtype == out.dtype == torch.float32:
         bad = add_count_nonfinite(a, b, out)
         if zero_a:
@@ -191,7 +99,7 @@ def indices_above(x: torch.Tensor, thr: float, expected: int = 0) -> torch.Tenso
     (the threshold rounded to float32, as torch compares). ``expected``: the count the caller expects;
     room for a bit more is reserved, and a second pass runs only when the count exceeds it."""
     flat = x.reshape(-1)
-    lib = _native(flat)
+    lib = native(flat)
     if lib is None or flat.dtype != torch.float32:
         mags = flat.abs()
         return torch.nonzero(mags >= thr if thr > 0 else mags > 0).view(-1)
@@ -218,7 +126,7 @@ def sum_sorted_runs(
     ascending without repeats (one per rank). The kernel merges the runs (no sort); the fallback is
     ``torch.unique`` and ``index_add_``."""
     vals32 = vals.to(torch.float32)
-    lib = _native(idx, vals32)
+    lib = native(idx, vals32)
     if lib is None or idx.dtype != torch.int64 or not 0 < len(counts) <= MAX_RUNS:
         uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
         sums = torch.zeros(uniq.numel(), dtype=torch.float32, device=vals.device)
@@ -242,7 +150,7 @@ def write_sparse(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor)
     """``out`` (flat) becomes zero except ``out[indices] = values``; ``indices`` unique. The kernel
     (float32 ``out`` and ``values``, sorted int64 indices) writes ``out`` in one sequential pass."""
     flat = out.view(-1)
-    lib = _native(flat, indices, values)
+    lib = native(flat, indices, values)
     if (
         lib is None
         or flat.dtype != torch.float32
@@ -267,7 +175,7 @@ def add_std_mean(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[i
     """``out = a + b`` (float32, same size), the number of NaN/Inf values in ``out`` and
     ``std_mean(out)``, in one pass where the kernel runs (the same sums as :func:`std_mean`'s)."""
     n = out.numel()
-    lib = _native(a, b, out)
+    lib = native(a, b, out)
     if lib is None or not a.dtype == b.dtype == out.dtype == torch.float32 or n < 2:
         return add_count_nonfinite(a, b, out), std_mean(out)
     sums = (ctypes.c_double * 2)()
@@ -287,7 +195,7 @@ def std_mean(x: torch.Tensor) -> tuple[float, float]:
     float32 round-off, not bit for bit)."""
     flat = x.reshape(-1)
     n = flat.numel()
-    lib = _native(flat)
+    lib = native(flat)
     if lib is None or flat.dtype != torch.float32 or n < 2:
         if n < 2:
             return 0.0, float(flat.mean())
@@ -301,7 +209,7 @@ def std_mean(x: torch.Tensor) -> tuple[float, float]:
 def gather_abs(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``x.view(-1)[positions].abs()`` (float32 ``x``, int64 positions in range)."""
     flat = x.reshape(-1)
-    lib = _native(flat, positions)
+    lib = native(flat, positions)
     if lib is None or flat.dtype != torch.float32 or positions.dtype != torch.int64:
         return flat[positions].abs()
     out = torch.empty(positions.numel(), dtype=torch.float32)
@@ -312,7 +220,7 @@ def gather_abs(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def gather_add_abs(a: torch.Tensor, b: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``(a[positions] + b[positions]).abs()`` (flat float32 ``a``, ``b``; int64 positions in range):
     ``|a + b|`` at a few positions before the sum is written."""
-    lib = _native(a, b, positions)
+    lib = native(a, b, positions)
     if lib is None or not a.dtype == b.dtype == torch.float32 or positions.dtype != torch.int64:
         return (a[positions] + b[positions]).abs()
     out = torch.empty(positions.numel(), dtype=torch.float32)
@@ -324,7 +232,7 @@ def intersect_sorted(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elements of sorted ``a`` that also occur in sorted ``b`` (int64, no duplicates in ``a``)."""
     if a.numel() == 0 or b.numel() == 0:
         return a[:0]
-    lib = _native(a, b)
+    lib = native(a, b)
     if lib is None or not a.dtype == b.dtype == torch.int64:
         pos = torch.searchsorted(b, a).clamp_(max=b.numel() - 1)
         return a[b[pos] == a]
@@ -369,7 +277,7 @@ def qsgd_encode(
     ``bucket``, the last zero-padded; ``norms`` the buckets' L2 norms) with noise :func:`qsgd_noise`;
     ``x`` becomes ``x - code * norm / levels`` (what was not sent). Returns how many codes are nonzero."""
     n, nb = x.numel(), norms.numel()
-    lib = _native(x, norms, codes)
+    lib = native(x, norms, codes)
     if lib is not None and x.dtype == norms.dtype == torch.float32:
         return int(
             lib.dt_qsgd_encode(x.data_ptr(), n, bucket, norms.data_ptr(), levels, key, codes.data_ptr())
@@ -393,7 +301,7 @@ def qsgd_decode_mean(
     (``codes``: ``p`` padded blocks in rank order, ``norms``: ``p`` blocks of bucket norms), first
     ``n`` elements of each block; returns how many elements of ``out`` are nonzero."""
     nb, n = norms.numel() // p, out.numel()
-    lib = _native(codes, norms, out)
+    lib = native(codes, norms, out)
     if lib is not None and codes.dtype == torch.int8 and norms.dtype == out.dtype == torch.float32:
         return int(
             lib.dt_qsgd_decode_mean(
@@ -411,7 +319,7 @@ def qsgd_decode_mean(
 def cast_with_residual(x: torch.Tensor, p: int, low: torch.Tensor) -> None:
     """Write ``(x / p)`` into ``low`` (float16 or bfloat16, ``x``'s size); the flat float32 ``x``
     becomes ``x - float32(low) * p``, the rounding error this rank keeps."""
-    lib = _native(x, low)
+    lib = native(x, low)
     if lib is not None and x.dtype == torch.float32 and low.dtype in (torch.float16, torch.bfloat16):
         lib.dt_cast_with_residual(
             x.data_ptr(), x.numel(), p, int(low.dtype == torch.bfloat16), low.data_ptr()

@@ -18,10 +18,12 @@ from ``seed`` and the buffer key, so identical on every rank):
 3. the average is ``P_i Q_i^T / world_size`` per matrix, the dense sum / ``world_size`` elsewhere.
 
 This rank's contribution is ``P_i (M_i^T P_i)^T`` (the projection of its ``M_i`` on the shared
-basis) plus its dense elements; with error feedback the rest stays in its residual. Without a layout
-(``GradientSynchronizer``, a reducer built by hand) the whole buffer is one ``floor(sqrt(n))``-row
-matrix, zero-padded. ``warmup_steps`` (default 10) dense iterations come first (torch's
-``start_powerSGD_iter``).
+basis) plus its dense elements; with error feedback the rest stays in its residual, written in the
+same pass over ``M_i`` as the average. On CPUs the three passes over the matrices are fused kernels
+(:mod:`~dtlab.compression.powersgd_kernels`), equal to the ``torch.mm`` fallback to float32
+round-off. Without a layout (``GradientSynchronizer``, a reducer built by hand) the whole buffer is
+one ``floor(sqrt(n))``-row matrix, zero-padded. ``warmup_steps`` (default 10) dense iterations come
+first (torch's ``start_powerSGD_iter``).
 
 Reduce-scatter semantics (ZeRO-1/2/3, FSDP): low-rank factors cannot be split by shard, so the
 factors of every matrix of the buffer are all-reduced and each rank keeps its shard of the
@@ -41,6 +43,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.base import Compressor, Exchange, Layout, check_layout, dense_exchange
+from dtlab.compression.powersgd_kernels import back, factor_shapes, finish, project, split
 from dtlab.compression.state_io import Buffers
 from dtlab.errors import ConfigError
 
@@ -124,63 +127,44 @@ class PowerSGD(Compressor):
         return super().reduce_scatter(state, acc, backend)
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
-        mats: list[list[int]] = state["matrices"].tolist()
+        table: torch.Tensor = state["matrices"]
+        mats: list[list[int]] = table.tolist()
         if not mats:
             return dense_exchange(acc, backend, shard=False)
         dense: list[list[int]] = state["dense"].tolist()
         p, dev = backend.world_size, acc.device
         bufs: Buffers = state["buffers"]
         t0 = time.perf_counter()
-        ms, shapes = [], []
-        for i, (offset, size, rows, cols) in enumerate(mats):
-            seg = acc[offset : offset + size]
-            if size < rows * cols:  # no layout: the buffer zero-padded to a near-square matrix
-                padded = bufs.get(f"padded{i}", rows * cols, torch.float32, dev)
-                padded[:size].copy_(seg)
-                padded[size:].zero_()
-                seg = padded
-            ms.append(seg.view(rows, cols))
-            shapes.append((rows, cols, min(self.rank, rows, cols)))
+        shapes = factor_shapes(mats, self.rank)
         if state["q"] is None:
             state["q"] = self._initial_q(state, shapes).to(dev)
-        qs = _split(state["q"], [(cols, r) for _, cols, r in shapes])
-        n_dense = sum(size for _, size in dense)
-        # the factors as transposed views of contiguous r x n matrices: BLAS streams the gradient
-        # once per product instead of striding through it (M^T P directly was 13x slower here)
-        ps = [torch.mm(m, q.t().contiguous().t()) for m, q in zip(ms, qs, strict=True)]
-        first = torch.cat([*(x.reshape(-1) for x in ps), *(acc[o : o + k] for o, k in dense)])
+        n_p = sum(rows * r for rows, _, r in shapes)
+        first = torch.empty(n_p + sum(size for _, size in dense), dtype=torch.float32, device=dev)
+        project(acc, table, self.rank, state["q"], first[:n_p], bufs)  # every P = M Q
+        pos = n_p
+        for offset, size in dense:
+            first[pos : pos + size].copy_(acc[offset : offset + size])
+            pos += size
         select_s = time.perf_counter() - t0
         backend.all_reduce(first, ReduceOp.SUM)  # every P and the dense elements, one call
         t1 = time.perf_counter()
-        n_p = first.numel() - n_dense
-        ps = [torch.linalg.qr(x).Q for x in _split(first[:n_p], [(rows, r) for rows, _, r in shapes])]
-        q_local = torch.cat(
-            [torch.mm(x.t().contiguous(), m).t().reshape(-1) for m, x in zip(ms, ps, strict=True)]
-        )
-        # the residual, in place: acc - P Q^T on every matrix, 0 on the dense elements (sent whole)
-        q_mats = _split(q_local, [(cols, r) for _, cols, r in shapes])
-        for (offset, size, rows, cols), x, q in zip(mats, ps, q_mats, strict=True):
-            if size == rows * cols:  # one pass: acc -= P Q^T inside the product
-                acc[offset : offset + size].view(rows, cols).addmm_(x, q.t(), alpha=-1.0)
-            else:
-                acc[offset : offset + size].sub_(_product(bufs, x, q, rows, cols)[:size])
-        for offset, size in dense:
+        ps = [torch.linalg.qr(x).Q for x in split(first[:n_p], [(rows, r) for rows, _, r in shapes])]
+        p_orth = torch.cat([x.reshape(-1) for x in ps])
+        q_local = torch.empty(sum(cols * r for _, cols, r in shapes), dtype=torch.float32, device=dev)
+        back(acc, table, self.rank, p_orth, q_local, bufs)  # every Q = M^T P
+        for offset, size in dense:  # the residual of the dense elements (sent whole)
             acc[offset : offset + size].zero_()
+        q_sum = q_local.clone()
         select_s += time.perf_counter() - t1
-        backend.all_reduce(q_local, ReduceOp.SUM)  # every Q, one call
-        state["q"] = q_local
-        q_sums = _split(q_local, [(cols, r) for _, cols, r in shapes])
-        sent = first.numel() + q_local.numel()
+        backend.all_reduce(q_sum, ReduceOp.SUM)  # every Q, one call
+        state["q"] = q_sum
+        sent = first.numel() + q_sum.numel()
 
         def write(out: torch.Tensor) -> int:
-            """The average, straight into the gradient: ``(P / p) Q^T`` per matrix (scaling the small
-            factor instead of the product: no pass of its own), the dense sums ``/ p``."""
-            for (offset, size, rows, cols), x, q in zip(mats, ps, q_sums, strict=True):
-                xp = x / p
-                if size == rows * cols:
-                    torch.mm(xp, q.t(), out=out[offset : offset + size].view(rows, cols))
-                else:
-                    out[offset : offset + size] = _product(bufs, xp, q, rows, cols)[:size]
+            """The average, straight into the gradient: ``(P / p) Q^T`` per matrix, in the same pass
+            as the residual ``acc - P Q_local^T`` (in place: error feedback keeps ``acc``), and the
+            dense sums ``/ p``."""
+            finish(acc, out, table, self.rank, (p_orth, q_local, q_sum), p, bufs)
             pos = n_p
             for offset, size in dense:
                 torch.div(first[pos : pos + size], p, out=out[offset : offset + size])
@@ -188,19 +172,3 @@ class PowerSGD(Compressor):
             return sent
 
         return Exchange(None, None, sent, sent, select_s, residual_in_place=True, writer=write)
-
-
-def _product(bufs: Buffers, x: torch.Tensor, q: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``x @ q.t()`` (``rows x cols``) flat, in a reused buffer."""
-    prod = bufs.get("product", rows * cols, torch.float32, x.device)
-    torch.mm(x, q.t(), out=prod.view(rows, cols))
-    return prod
-
-
-def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Consecutive ``rows x cols`` views of ``flat``."""
-    out, pos = [], 0
-    for rows, cols in shapes:
-        out.append(flat[pos : pos + rows * cols].view(rows, cols))
-        pos += rows * cols
-    return out
