@@ -1,5 +1,5 @@
-"""Helpers of :mod:`dtlab.backends.torch_dist`: op tables, work handles, direct process-group calls and
-group creation with dtlab's own unique names."""
+"""Helpers of :mod:`dtlab.backends.torch_dist`: op tables, rank translation, work handles, direct
+process-group calls and group creation with dtlab's own unique names."""
 
 from __future__ import annotations
 
@@ -25,6 +25,16 @@ _OPS = {
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _PEER_LOST = ("connection closed", "connection reset", "connection refused", "broken pipe")
+
+
+def to_global(group: dist.ProcessGroup | None, rank: int) -> int:
+    """The job's global rank of ``group``'s rank ``rank`` (None: the default group)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def to_local(group: dist.ProcessGroup | None, global_rank: int) -> int:
+    """``group``'s rank of the job's global rank ``global_rank`` (None: the default group)."""
+    return global_rank if group is None else dist.get_group_rank(group, global_rank)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -121,6 +131,12 @@ class _Direct:
         for o in (*self.ar_opts.values(), *self.rs_opts.values(), self.ag_opts):
             if hasattr(o, "asyncOp"):
                 o.asyncOp = False  # blocking semantics, as torch.distributed's own blocking calls
+
+
+def _wait_direct(work: Any) -> None:
+    """Complete a direct call's handle (None: the group ran it to completion already)."""
+    if work is not None:
+        work.wait()
 
 
 def _direct_calls(group: dist.ProcessGroup | None) -> _Direct | None:

@@ -13,23 +13,26 @@ timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); torchrun then ends the job with a
 from __future__ import annotations
 
 import datetime
-from typing import Any, ClassVar, NoReturn, cast
+from typing import Any, ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from dtlab.backends import _torch_dist_p2p as p2p
 from dtlab.backends._checked import mismatch_hint
+from dtlab.backends._engine import finish_reduction
 from dtlab.backends._peers import gone_peers, publish_identity
 from dtlab.backends._torch_dist_support import (
     _OPS,
     _PEER_LOST,
     _all_gather_flat,
-    _BatchWork,
     _create_group,
     _direct_calls,
     _DistWork,
     _flat,
     _reduce_scatter_flat,
+    _wait_direct,
+    to_global,
 )
 from dtlab.backends.base import CommunicationBackend, P2POp, ReduceOp, Work, split_members
 from dtlab.errors import ArgumentError, BackendInitError, CollectiveMismatchError, CollectiveTimeoutError
@@ -144,9 +147,7 @@ class TorchDistBackend(CommunicationBackend):
         d = self._direct
         try:
             if d is not None:
-                work = d.all_reduce([tensor], d.ar_opts[op])
-                if work is not None:
-                    work.wait()
+                _wait_direct(d.all_reduce([tensor], d.ar_opts[op]))
             else:
                 dist.all_reduce(tensor, _OPS[op], group=self._group)
         except RuntimeError as exc:
@@ -167,7 +168,7 @@ class TorchDistBackend(CommunicationBackend):
         # torch.distributed may overwrite a non-root's tensor with partial results: reduce a copy there
         buf = tensor if self.rank == dst else tensor.clone()
         try:
-            dist.reduce(buf, self._global(dst), _OPS[op], group=self._group)
+            dist.reduce(buf, to_global(self._group, dst), _OPS[op], group=self._group)
         except RuntimeError as exc:
             self.raise_failure(exc, "reduce")
         if op is ReduceOp.AVG and self.rank == dst:
@@ -175,7 +176,7 @@ class TorchDistBackend(CommunicationBackend):
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
         try:
-            dist.broadcast(tensor, self._global(src), group=self._group)
+            dist.broadcast(tensor, to_global(self._group, src), group=self._group)
         except RuntimeError as exc:
             self.raise_failure(exc, "broadcast")
 
@@ -188,30 +189,18 @@ class TorchDistBackend(CommunicationBackend):
         d = self._direct
         try:
             if d is not None:
-                work = d.reduce_scatter(_flat(out), _flat(input), d.rs_opts[op])
-                if work is not None:
-                    work.wait()
+                _wait_direct(d.reduce_scatter(_flat(out), _flat(input), d.rs_opts[op]))
             else:
                 _reduce_scatter_flat(_flat(out), _flat(input), _OPS[op], group=self._group)
         except RuntimeError as exc:
             self.raise_failure(exc, "reduce_scatter")
-        if op is ReduceOp.AVG:
-            out.div_(self.world_size)
-        if out is not output:
-            output.copy_(out)
+        finish_reduction(out, output, op, self.world_size)
 
     def _ireduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
         out = self._rs_output(output, input)
         work = _reduce_scatter_flat(_flat(out), _flat(input), _OPS[op], group=self._group, async_op=True)
         p = self.world_size
-
-        def finish() -> None:
-            if op is ReduceOp.AVG:
-                out.div_(p)
-            if out is not output:
-                output.copy_(out)
-
-        return _DistWork(self, work, "reduce_scatter", finish)
+        return _DistWork(self, work, "reduce_scatter", lambda: finish_reduction(out, output, op, p))
 
     def _ag_input(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         """``input`` itself, or a copy when it overlaps ``output`` other than as this rank's chunk."""
@@ -224,9 +213,7 @@ class TorchDistBackend(CommunicationBackend):
         d = self._direct
         try:
             if d is not None:
-                work = d.all_gather(_flat(output), _flat(self._ag_input(output, input)), d.ag_opts)
-                if work is not None:
-                    work.wait()
+                _wait_direct(d.all_gather(_flat(output), _flat(self._ag_input(output, input)), d.ag_opts))
             else:
                 _all_gather_flat(_flat(output), _flat(self._ag_input(output, input)), group=self._group)
         except RuntimeError as exc:
@@ -292,83 +279,27 @@ class TorchDistBackend(CommunicationBackend):
         except RuntimeError as exc:
             self.raise_failure(exc, "barrier")
 
-    # ------------------------------------------------------------------ point-to-point
-    def _global(self, rank: int) -> int:
-        return rank if self._group is None else dist.get_global_rank(self._group, rank)
-
-    def _local(self, global_rank: int) -> int:
-        return global_rank if self._group is None else dist.get_group_rank(self._group, global_rank)
-
+    # ------------------------------------------------------------------ point-to-point (_torch_dist_p2p.py)
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        try:
-            dist.send(tensor, self._global(dst), group=self._group, tag=tag)
-        except RuntimeError as exc:
-            self.raise_failure(exc, f"send(dst={dst}, tag={tag})")
+        p2p.send(self, tensor, dst, tag)
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
-        what = f"recv(src={'any' if src is None else src}, tag={tag})"
-        try:
-            source = dist.recv(tensor, None if src is None else self._global(src), group=self._group, tag=tag)
-        except RuntimeError as exc:
-            self.raise_failure(exc, what)
-        return self._local(source) if src is None else src
+        return p2p.recv(self, tensor, src, tag)
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
-        work = dist.isend(tensor, self._global(dst), group=self._group, tag=tag)
-        return _DistWork(self, work, f"isend(dst={dst}, tag={tag})")
+        return p2p.isend(self, tensor, dst, tag)
 
     def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
-        work = dist.irecv(tensor, None if src is None else self._global(src), group=self._group, tag=tag)
-        what = f"recv(src={'any' if src is None else src}, tag={tag})"
-        if src is None:
-            return _DistWork(self, work, what, lambda: self._local(cast(Any, work).source_rank()))
-        return _DistWork(self, work, what, lambda: src)
+        return p2p.irecv(self, tensor, src, tag)
 
     def _batch_isend_irecv(self, ops: list[P2POp]) -> list[Work]:
-        """``torch.distributed.batch_isend_irecv``: NCCL coalesces the batch into one group launch
-        (then every op's handle waits for the whole batch), gloo posts each op."""
-        p2p = [
-            dist.P2POp(
-                dist.isend if op.kind == "send" else dist.irecv,
-                op.tensor,
-                self._global(op.peer),
-                self._group,
-                op.tag,
-            )
-            for op in ops
-        ]
-        what = f"batch_isend_irecv({len(ops)} ops)"
-        try:
-            works = dist.batch_isend_irecv(p2p)
-        except RuntimeError as exc:
-            self.raise_failure(exc, what)
-        if len(works) == len(ops):
-            return [
-                _DistWork(
-                    self,
-                    w,
-                    f"{op.kind}({'dst' if op.kind == 'send' else 'src'}={op.peer}, tag={op.tag})",
-                    None if op.kind == "send" else (lambda peer=op.peer: peer),
-                )
-                for w, op in zip(works, ops, strict=True)
-            ]
-        batch = _BatchWork(works)  # coalesced: one handle for the whole batch
-        return [
-            _DistWork(self, batch, what, None if op.kind == "send" else (lambda peer=op.peer: peer))
-            for op in ops
-        ]
+        return p2p.batch_isend_irecv(self, ops)
 
     # ------------------------------------------------------------------ groups
     def _new_group(self, ranks: list[int]) -> CommunicationBackend | None:
         self._groups_made += 1
         name = f"{self._name}.{self._groups_made}"  # same on every member: they call in the same order
-        if self.rank not in ranks:
-            return None
-        members = [self._global(r) for r in ranks]
-        group = _create_group(members, name, datetime.timedelta(seconds=self._timeout))
-        return type(self)(
-            group, device=self._device, timeout=self._timeout, stats_parent=self.stats, name=name
-        )
+        return self._subgroup(ranks, name) if self.rank in ranks else None
 
     def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
         # one exchange of the pairs; then each rank creates its own color's group with its members
@@ -377,11 +308,12 @@ class TorchDistBackend(CommunicationBackend):
         self._groups_made += 1
         if color is None:
             return None
-        members = split_members(pairs, color)
-        name = f"{self._name}.{self._groups_made}c{color}"
-        group = _create_group(
-            [self._global(r) for r in members], name, datetime.timedelta(seconds=self._timeout)
-        )
+        return self._subgroup(split_members(pairs, color), f"{self._name}.{self._groups_made}c{color}")
+
+    def _subgroup(self, members: list[int], name: str) -> TorchDistBackend:
+        """This rank's backend in a new process group of ``members`` (ranks of this group, in order)."""
+        timeout = datetime.timedelta(seconds=self._timeout)
+        group = _create_group([to_global(self._group, r) for r in members], name, timeout)
         return type(self)(
             group, device=self._device, timeout=self._timeout, stats_parent=self.stats, name=name
         )
