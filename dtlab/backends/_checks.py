@@ -30,9 +30,7 @@ class ArgumentChecks(Engine):
             raise ArgumentError(f"{op}: {name} must be contiguous (call .contiguous() first)")
 
     def _check_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
-        self._check_tensor(output, "reduce_scatter", "output")
-        self._check_tensor(input, "reduce_scatter", "input")
-        self._check_same_dtype(output, input, "reduce_scatter")
+        self._check_pair(output, input, "reduce_scatter")
         if input.numel() != self._world_size * output.numel():
             raise ArgumentError(
                 f"reduce_scatter: input has {input.numel()} elements but needs world_size * "
@@ -42,9 +40,7 @@ class ArgumentChecks(Engine):
         self._check_op(output, op, "reduce_scatter")
 
     def _check_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._check_tensor(output, "all_gather", "output")
-        self._check_tensor(input, "all_gather", "input")
-        self._check_same_dtype(output, input, "all_gather")
+        self._check_pair(output, input, "all_gather")
         if output.numel() != self._world_size * input.numel():
             raise ArgumentError(
                 f"all_gather: output has {output.numel()} elements but needs world_size * "
@@ -52,9 +48,14 @@ class ArgumentChecks(Engine):
                 f"{self._world_size * input.numel()}"
             )
 
-    def _check_same_dtype(self, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
-        if a.dtype != b.dtype:
-            raise ArgumentTypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}")
+    def _check_pair(self, output: torch.Tensor, input: torch.Tensor, op: str) -> None:
+        """An output and an input tensor of one dtype."""
+        self._check_tensor(output, op, "output")
+        self._check_tensor(input, op, "input")
+        if output.dtype != input.dtype:
+            raise ArgumentTypeError(
+                f"{op}: output dtype {output.dtype} differs from input dtype {input.dtype}"
+            )
 
     def _check_root(self, root: int, op: str, name: str) -> None:
         if not isinstance(root, int) or not 0 <= root < self._world_size:
