@@ -18,7 +18,7 @@ from typing import Any, ClassVar, NoReturn
 import torch
 import torch.distributed as dist
 
-from dtlab.backends import _torch_dist_p2p as p2p
+import dtlab.backends._torch_dist_p2p as p2p
 from dtlab.backends._checked import mismatch_hint
 from dtlab.backends._engine import finish_reduction
 from dtlab.backends._peers import gone_peers, publish_identity
