@@ -40,21 +40,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtlab.benchmarks._hf_llama import llama_config
+
 
 def _config(args: dict[str, Any]) -> Any:
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=args["vocab"],
-        hidden_size=args["hidden"],
-        intermediate_size=args["intermediate"],
-        num_hidden_layers=args["layers"],
-        num_attention_heads=args["heads"],
-        num_key_value_heads=args["heads"],
-        max_position_embeddings=args["seq"],
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    return llama_config(args, bos_token_id=0, eos_token_id=0)  # as many key/value heads as heads
 
 
 def _batch(args: dict[str, Any]) -> tuple[Any, Any]:

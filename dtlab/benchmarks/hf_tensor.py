@@ -20,43 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-
-def _model(args: dict[str, Any]) -> Any:
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=args["vocab"],
-        hidden_size=args["hidden"],
-        intermediate_size=args["intermediate"],
-        num_hidden_layers=args["layers"],
-        num_attention_heads=args["heads"],
-        num_key_value_heads=args["kv_heads"],
-        max_position_embeddings=args["seq"],
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(config)
-
-
-def _data(args: dict[str, Any]) -> tuple[Any, Any]:
-    import torch
-
-    gen = torch.Generator().manual_seed(1)
-    seqs = torch.randint(0, args["vocab"], (args["batch"], args["seq"] + 1), generator=gen)
-    return seqs[:, :-1], seqs[:, 1:]
-
-
-def _loss(logits: Any, y: Any) -> Any:
-    import torch.nn.functional as F
-
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+from dtlab.benchmarks._hf_llama import LLAMA_KEYS, add_llama_args, llama, lm_loss, token_batch
+from dtlab.benchmarks._paired import add_timing_args, measure, plain_step, print_against_torch
 
 
 def _dtlab_step(backend: Any, args: dict[str, Any]) -> Callable[[], float]:
@@ -65,18 +33,10 @@ def _dtlab_step(backend: Any, args: dict[str, Any]) -> Callable[[], float]:
     from dtlab.models import TensorParallelModel
     from dtlab.optimizers import DDPOptimizer
 
-    model = TensorParallelModel(_model(args), backend, plan="auto")
+    model = TensorParallelModel(llama(args), backend, plan="auto")
     opt = DDPOptimizer(model, torch.optim.AdamW, lr=1e-4, foreach=False)
-    x, y = _data(args)
-
-    def step() -> float:
-        loss = _loss(model(x).logits, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
-
-    return step
+    x, y = token_batch(args)
+    return plain_step(lambda: lm_loss(model(x), y), opt)
 
 
 #: Hugging Face's style names as torch's styles (the ones Llama's plan uses)
@@ -102,34 +62,13 @@ def _torch_step(args: dict[str, Any]) -> Callable[[], float]:
 
     from dtlab.models.tensor import hugging_face_plan
 
-    net = _model(args)
+    net = llama(args)
     declared = hugging_face_plan(net) or {}
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
     parallelize_module(net, mesh, {k: _torch_style(str(v)) for k, v in declared.items()})
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=False)
-    x, y = _data(args)
-
-    def step() -> float:
-        loss = _loss(net(x).logits, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
-
-    return step
-
-
-def _timed(backend: Any, step: Callable[[], float]) -> float:
-    import torch
-
-    from dtlab.backends import ReduceOp
-
-    backend.barrier()
-    t0 = time.perf_counter()
-    step()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    backend.all_reduce(dt, ReduceOp.MAX)
-    return float(dt.item())
+    x, y = token_batch(args)
+    return plain_step(lambda: lm_loss(net(x), y), opt)
 
 
 def _profile(step: Callable[[], float], steps: int) -> str:
@@ -148,17 +87,9 @@ def bench_world(backend: Any, args: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(args["threads"])
     variants = {"dtlab": _dtlab_step(backend, args), "torch": _torch_step(args)}
-    first_loss = {name: step() for name, step in variants.items()}
-    times: dict[str, list[float]] = {n: [] for n in variants}
-    for _ in range(args["warmup"]):
-        for step in variants.values():
-            step()
-    for r in range(args["rounds"]):
-        names = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in names:
-            times[name].extend(_timed(backend, variants[name]) for _ in range(args["steps"]))
-    profiles = {n: _profile(s, args["steps"]) for n, s in variants.items()} if args["profile"] else {}
-    return {"times": times, "first_loss": first_loss, "profiles": profiles}
+    res = measure(backend, variants, args)
+    res["profiles"] = {n: _profile(s, args["steps"]) for n, s in variants.items()} if args["profile"] else {}
+    return res
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,47 +97,17 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=688)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
-    parser.add_argument("--rounds", type=int, default=10, help="blocks per variant (alternating order)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add_llama_args(parser, layers=2)
+    add_timing_args(parser, steps=3, rounds=10)
     parser.add_argument("--profile", action="store_true", help="print each variant's top operators")
-    parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     ns = parser.parse_args(argv)
-    keys = ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "batch", "seq", "steps")
-    args = {k: getattr(ns, k) for k in (*keys, "rounds", "warmup", "threads", "profile")}
+    args = {k: getattr(ns, k) for k in (*LLAMA_KEYS, "steps", "rounds", "warmup", "threads", "profile")}
 
     from dtlab.testing import spawn_world
 
     res = spawn_world(ns.tp, bench_world, args, backend="gloo", timeout=3600, check_collectives=False)[0]
-    med = {n: statistics.median(ts) for n, ts in res["times"].items()}
-    k = ns.steps  # each round's blocks ran back to back: their ratio is robust to slow drifts in load
-    paired = [
-        statistics.median(res["times"]["dtlab"][i : i + k])
-        / statistics.median(res["times"]["torch"][i : i + k])
-        for i in range(0, len(res["times"]["torch"]), k)
-    ]
-    print(f"\ntp={ns.tp} on gloo; " + ", ".join(f"{k}={v}" for k, v in args.items()) + "\n")
-    print("| implementation | step, median (IQR) | ratio to torch (median) | first loss |")
-    print("|---|---:|---:|---:|")
-    for name, ts in res["times"].items():
-        q = statistics.quantiles(ts, n=4)
-        print(
-            f"| {name} | {1e3 * med[name]:.0f} ms ({1e3 * q[0]:.0f}-{1e3 * q[2]:.0f}) | "
-            f"{med[name] / med['torch']:.2f} | {res['first_loss'][name]:.6f} |"
-        )
-    q = statistics.quantiles(paired, n=4)
-    print(
-        f"\ndtlab / torch per round (block medians): median {statistics.median(paired):.2f} "
-        f"(IQR {q[0]:.2f}-{q[2]:.2f}) over {len(paired)} rounds"
+    print_against_torch(
+        f"tp={ns.tp} on gloo; " + ", ".join(f"{k}={v}" for k, v in args.items()), res, ns.steps
     )
     for name, table in res["profiles"].items():
         print(f"\n{name}: top operators by self CPU time, rank 0, {ns.steps} steps\n{table}")

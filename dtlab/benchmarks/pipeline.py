@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtlab.benchmarks._paired import measure, round_ratios
+
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))
 
 
@@ -267,22 +269,8 @@ def torch_world(backend: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
             backend.all_reduce(total, ReduceOp.SUM)  # only the last stage's rank holds the losses
             return float(total)
 
-        def timed(step: Any) -> tuple[float, float]:
-            backend.barrier()
-            t0 = time.perf_counter()
-            loss = step()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            backend.all_reduce(t, ReduceOp.MAX)
-            return float(t), loss
-
-        first_losses = {"dtlab": timed(dtlab_step)[1], "torch": timed(torch_step)[1]}
-        times: dict[str, list[list[float]]] = {"dtlab": [], "torch": []}  # per round, its steps
-        for rnd in range(args["rounds"]):
-            order = ("dtlab", "torch") if rnd % 2 == 0 else ("torch", "dtlab")
-            for name in order:
-                step = dtlab_step if name == "dtlab" else torch_step
-                times[name].append([timed(step)[0] for _ in range(args["steps"])])
-        out.append({"schedule": schedule, "v": v, "times": times, "first_losses": first_losses})
+        res = measure(backend, {"dtlab": dtlab_step, "torch": torch_step}, args | {"warmup": 0})
+        out.append({"schedule": schedule, "v": v, **res})
     return out
 
 
@@ -303,12 +291,8 @@ def run_torch(ns: argparse.Namespace) -> list[dict[str, Any]]:
     load_after = os.getloadavg()
     rows = []
     for r in res:
-        dt_rounds, t_rounds = r["times"]["dtlab"], r["times"]["torch"]
-        dt_all = [t for rnd in dt_rounds for t in rnd]
-        t_all = [t for rnd in t_rounds for t in rnd]
-        per_round = [
-            statistics.median(a) / statistics.median(b) for a, b in zip(dt_rounds, t_rounds, strict=True)
-        ]
+        dt_all, t_all = r["times"]["dtlab"], r["times"]["torch"]
+        per_round = round_ratios(dt_all, t_all, ns.steps)
         (d1, d, d3), (t1, t, t3) = _quartiles(dt_all), _quartiles(t_all)
         r1, rm, r3 = _quartiles(per_round)
         rows.append(
@@ -327,8 +311,8 @@ def run_torch(ns: argparse.Namespace) -> list[dict[str, Any]]:
                 "round_ratio_range": f"{min(per_round):.2f}-{max(per_round):.2f}",
                 "dtlab_best_ms": 1e3 * min(dt_all),
                 "torch_best_ms": 1e3 * min(t_all),
-                "first_loss_dtlab": r["first_losses"]["dtlab"],
-                "first_loss_torch": r["first_losses"]["torch"],
+                "first_loss_dtlab": r["first_loss"]["dtlab"],
+                "first_loss_torch": r["first_loss"]["torch"],
                 "rounds": len(per_round),
                 "load_before_after": f"{load_before[0]:.1f}/{load_after[0]:.1f}",
             }

@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from dtlab.benchmarks._paired import add_timing_args, alternate, plain_step, quartiles
 
 
 def _model(args: dict[str, Any]) -> Any:
@@ -58,15 +58,7 @@ def _dtlab_step(backend: Any, args: dict[str, Any], sp: bool) -> tuple[Callable[
     model = TensorParallelModel(_model(args), mesh, plan=transformer_plan(sequence_parallel=sp))
     opt = DDPOptimizer(model, torch.optim.AdamW, lr=1e-4)
     x, y = _data(args)
-
-    def step() -> float:
-        loss = model.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
-
-    return step, mesh["tp"]
+    return plain_step(lambda: model.cross_entropy(model(x), y), opt), mesh["tp"]
 
 
 def _torch_step(args: dict[str, Any]) -> tuple[Callable[[], float], Callable[[], dict[str, int]]]:
@@ -140,19 +132,6 @@ def _torch_step(args: dict[str, Any]) -> tuple[Callable[[], float], Callable[[],
     return step, count
 
 
-def _timed(backend: Any, step: Callable[[], float]) -> float:
-    import torch
-
-    from dtlab.backends import ReduceOp
-
-    backend.barrier()
-    t0 = time.perf_counter()
-    step()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    backend.all_reduce(dt, ReduceOp.MAX)
-    return float(dt.item())
-
-
 def bench_world(backend: Any, args: dict[str, Any], with_torch: bool) -> dict[str, Any]:
     """One rank of one engine's world: every variant, alternating blocks; per-step times and bytes."""
     import torch
@@ -173,20 +152,8 @@ def bench_world(backend: Any, args: dict[str, Any], with_torch: bool) -> dict[st
         first_loss["torch"] = tstep()
         bytes_per_step["torch"] = {"collectives": count()}
         variants["torch"] = tstep
-    times: dict[str, list[float]] = {n: [] for n in variants}
-    for _ in range(args["warmup"]):
-        for step in variants.values():
-            step()
-    for r in range(args["rounds"]):
-        names = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in names:
-            times[name].extend(_timed(backend, variants[name]) for _ in range(args["steps"]))
+    times = alternate(backend, variants, args["rounds"], args["steps"], args["warmup"])
     return {"times": times, "first_loss": first_loss, "bytes": bytes_per_step}
-
-
-def _quartiles(ts: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-    return q[0], q[2]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -200,11 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    parser.add_argument("--rounds", type=int, default=6, help="blocks per variant (alternating order)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    add_timing_args(parser, steps=5, rounds=6)
     ns = parser.parse_args(argv)
     args = {
         k: getattr(ns, k)
@@ -226,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                     "engine": engine,
                     "variant": name,
                     "median_ms": 1e3 * statistics.median(ts),
-                    "iqr_ms": [1e3 * q for q in _quartiles(ts)],
+                    "iqr_ms": [1e3 * q for q in quartiles(ts)],
                     "min_ms": 1e3 * min(ts),
                     "first_loss": res["first_loss"][name],
                     "bytes": b.get("sent"),
