@@ -8,12 +8,17 @@ with the fallbacks to float32 round-off: every result within 1e-5 of its largest
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+from dtlab.backends.base import CommunicationBackend
+from dtlab.compression import CompressedReducer, PowerSGD
 from dtlab.compression import powersgd_kernels as PK
 from dtlab.compression.native import native_enabled
 from dtlab.compression.state_io import Buffers
+from dtlab.testing import run_world
 
 needs_native = pytest.mark.skipif(not native_enabled(), reason="no C compiler: only the fallbacks run here")
 
@@ -115,3 +120,68 @@ def test_a_matrix_too_large_for_the_cache_is_written_around_it(monkeypatch: pyte
         plain = _passes(acc, tab, 4, 2)
         for a, b in zip(native, plain, strict=True):
             assert _close(a, b)
+
+
+@needs_native
+@pytest.mark.parametrize("rank", [4, 8, 9])
+def test_the_error_feedback_pass_projects_as_project(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    """add_project: ``out = a + b`` everywhere (matrices, the elements between them, after them), its
+    NaN/Inf counted, and ``P`` of the sum bit for bit as :func:`project` computes it; ``None`` and
+    nothing written where the kernels do not run (rank 9, or turned off)."""
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g)
+    mats, shapes = torch.tensor(TABLE, dtype=torch.int64), PK.factor_shapes(TABLE, rank)
+    q = torch.randn(sum(c * r for _, c, r in shapes), generator=g)
+    n_p = sum(rows * r for rows, _, r in shapes)
+    fused, alone, out = torch.empty(n_p), torch.empty(n_p), torch.full((NUMEL,), 7.0)
+    bad = PK.add_project(a, b, out, mats, rank, (q, fused), Buffers())
+    if rank > 8:
+        assert bad is None and bool((out == 7.0).all())
+        return
+    assert bad == 0 and torch.equal(out, a + b)
+    PK.project(out, mats, rank, q, alone, Buffers())
+    assert torch.equal(fused, alone)
+    b[3], b[2100], b[NUMEL - 1] = float("inf"), float("nan"), float("-inf")  # a gap, a matrix, the end
+    assert PK.add_project(a, b, out, mats, rank, (q, fused), Buffers()) == 3
+    assert torch.equal(out.nan_to_num(), (a + b).nan_to_num())
+    monkeypatch.setenv("DTLAB_NATIVE_KERNELS", "0")
+    out.fill_(7.0)
+    assert PK.add_project(a, b, out, mats, rank, (q, fused), Buffers()) is None and bool((out == 7.0).all())
+
+
+# a conv weight (6 x 18), a bias, a linear weight (20 x 30), a skipped matrix, padding
+LAYOUT: list[tuple[int, tuple[int, ...]]] = [(0, (6, 2, 3, 3)), (108, (20,)), (128, (20, 30)), (728, (3, 4))]
+
+
+def _powersgd_steps(backend: CommunicationBackend) -> list[torch.Tensor]:
+    red = CompressedReducer(backend, PowerSGD(rank=2, warmup_steps=1), dense_below=0, layouts={"b": LAYOUT})
+    outs = []
+    for step in range(5):
+        grad = torch.randn(745, generator=torch.Generator().manual_seed(100 * step + backend.rank))
+        red.all_reduce("b", grad).wait()
+        res = red.error_feedback.residual("b")
+        outs += [grad, res.clone() if res is not None else torch.zeros(0)]
+    return outs
+
+
+@needs_native
+def test_projecting_in_the_error_feedback_pass_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PowerSGD through the reducer (2 ranks, a dense step, then 4 compressed): ``P`` made in the
+    error-feedback pass (from the third step, once ``Q`` exists and a residual is kept) gives the same
+    results and residuals, bit for bit, as the separate pass."""
+    import dtlab.compression.powersgd as psgd
+
+    calls: list[int | None] = []
+
+    def counting(*args: Any) -> int | None:
+        calls.append(PK.add_project(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(psgd, "add_project", counting)
+    fused = run_world(2, _powersgd_steps)
+    assert len(calls) == 2 * 3 and all(c == 0 for c in calls)
+    monkeypatch.setattr(PowerSGD, "prefilter", lambda *_: None)
+    alone = run_world(2, _powersgd_steps)
+    for rank in range(2):
+        for x, y in zip(fused[rank], alone[rank], strict=True):
+            assert torch.equal(x, y), rank

@@ -51,6 +51,9 @@ MAX_NUMEL = 2**31 - 1
 #: parameter covers (padding) are plain gradient elements too
 Layout = Sequence[tuple[int, tuple[int, ...]]]
 
+#: ``fused(source, residual, acc)``: a compressor's error-feedback pass (:meth:`Prefilter.request_fused`)
+FusedPass = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "int | None"]
+
 
 def check_layout(layout: Layout, numel: int, key: str) -> list[tuple[int, tuple[int, ...]]]:
     """``layout`` as a list of ``(offset, shape)`` after checking that its parameters lie inside the
@@ -83,7 +86,9 @@ class Prefilter(Workspace):
     compressor would choose from ``acc``). ``expected``: the count the compressor expects (room
     reserved). :attr:`indices` stays ``None`` when the pass could not select (the first step, with no
     residual yet, or a threshold that is not positive): the compressor then makes its own pass.
-    Scratch: never saved, and the result never depends on whether the indices came from here.
+    A compressor with a pass of its own to fuse (PowerSGD's ``M Q``) hands the whole pass over
+    instead (:meth:`request_fused`). Scratch: never saved, and the result never depends on whether
+    the indices came from here.
     """
 
     def __init__(self) -> None:
@@ -98,6 +103,22 @@ class Prefilter(Workspace):
         self.zero_source = False
         #: set by the pass: the gradient was zeroed (a sparse result is then scattered into it)
         self.source_zeroed = False
+        self.fused: FusedPass | None = None
+        self.fused_done = False
+
+    def request_fused(self, fused: FusedPass) -> Prefilter:
+        """Ask for the pass to be ``fused(source, residual, acc)``: it writes ``acc = source +
+        residual``, does the compressor's own work on the way and returns the number of NaN/Inf values
+        of ``acc``, or ``None`` without writing anything where it cannot run (the plain pass runs then).
+        :meth:`take_fused` tells the compressor whether it ran."""
+        self.request(0.0, 0)
+        self.fused, self.fused_done = fused, False
+        return self
+
+    def take_fused(self) -> bool:
+        """Whether the pass was the fused one (once)."""
+        done, self.fused_done = self.fused_done, False
+        return done
 
     def request_moments(self) -> Prefilter:
         """Ask for ``std_mean(acc)`` (:func:`dtlab.compression.kernels.std_mean`) instead of
@@ -109,7 +130,7 @@ class Prefilter(Workspace):
     def request(self, threshold: float, expected: int) -> Prefilter | None:
         """Ask for the indices with ``|acc| >= threshold`` (nothing is asked unless it is positive)."""
         self.indices, self._positions, self._choose = None, None, None
-        self.wants_moments, self.moments = False, None
+        self.wants_moments, self.moments, self.fused = False, None, None
         if not threshold > 0 or not math.isfinite(threshold):
             return None
         self.threshold, self.expected = float(threshold), int(expected)
@@ -121,7 +142,7 @@ class Prefilter(Workspace):
         """Ask for the indices above ``choose(|acc[positions]|)``."""
         self.indices, self._positions, self._choose = None, positions, choose
         self.threshold, self.expected = 0.0, int(expected)
-        self.wants_moments, self.moments = False, None
+        self.wants_moments, self.moments, self.fused = False, None, None
         return self
 
     def resolve(self, sample: Callable[[torch.Tensor], torch.Tensor]) -> float:

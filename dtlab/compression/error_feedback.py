@@ -81,7 +81,8 @@ class ErrorFeedback:
         same pass (left ``None`` on the first step, which only copies the gradient). A sampled
         threshold reads ``|grad + residual|`` at its positions first (bitwise ``|acc|`` there). With
         ``prefilter.zero_source`` the same pass zeroes ``grad`` (``prefilter.source_zeroed`` says
-        whether it did; not when the velocity of momentum correction is accumulated instead)."""
+        whether it did; not when the velocity of momentum correction is accumulated instead). A fused
+        request (:meth:`~dtlab.compression.base.Prefilter.request_fused`) makes the whole pass."""
         flat = grad.detach().reshape(-1)
         res = self._residuals.get(key)
         if res is not None and res.numel() != flat.numel():
@@ -95,6 +96,12 @@ class ErrorFeedback:
         bad: int | None = None
         if res is None:
             spare.copy_(src)
+        elif (
+            prefilter is not None
+            and prefilter.fused is not None
+            and ((fused_bad := prefilter.fused(src, res, spare)) is not None)
+        ):
+            bad, prefilter.fused_done = fused_bad, True
         elif prefilter is not None and prefilter.wants_moments:
             bad, prefilter.moments = add_std_mean(src, res, spare)
         elif prefilter is not None and (thr := prefilter.resolve(_sampler(src, res))) > 0:

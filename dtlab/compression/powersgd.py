@@ -21,9 +21,10 @@ This rank's contribution is ``P_i (M_i^T P_i)^T`` (the projection of its ``M_i``
 basis) plus its dense elements; with error feedback the rest stays in its residual, written in the
 same pass over ``M_i`` as the average. On CPUs the three passes over the matrices are fused kernels
 (:mod:`~dtlab.compression.powersgd_kernels`), equal to the ``torch.mm`` fallback to float32
-round-off. Without a layout (``GradientSynchronizer``, a reducer built by hand) the whole buffer is
-one ``floor(sqrt(n))``-row matrix, zero-padded. ``warmup_steps`` (default 10) dense iterations come
-first (torch's ``start_powerSGD_iter``).
+round-off, and the first is made in the error-feedback pass (``acc = grad + residual`` and ``P_i``
+from one read; :meth:`PowerSGD.prefilter`). Without a layout (``GradientSynchronizer``, a reducer
+built by hand) the whole buffer is one ``floor(sqrt(n))``-row matrix, zero-padded. ``warmup_steps``
+(default 10) dense iterations come first (torch's ``start_powerSGD_iter``).
 
 Reduce-scatter semantics (ZeRO-1/2/3, FSDP): low-rank factors cannot be split by shard, so the
 factors of every matrix of the buffer are all-reduced and each rank keeps its shard of the
@@ -42,8 +43,8 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.compression.base import Compressor, Exchange, Layout, check_layout, dense_exchange
-from dtlab.compression.powersgd_kernels import back, factor_shapes, finish, project, split
+from dtlab.compression.base import Compressor, Exchange, Layout, Prefilter, check_layout, dense_exchange
+from dtlab.compression.powersgd_kernels import add_project, back, factor_shapes, finish, project, split
 from dtlab.compression.state_io import Buffers
 from dtlab.errors import ConfigError
 
@@ -112,7 +113,25 @@ class PowerSGD(Compressor):
             "q": None,
             "key_hash": zlib.crc32(key.encode()),
             "buffers": Buffers(),
+            "pass": Prefilter(),
         }
+
+    def prefilter(self, state: dict[str, Any], numel: int) -> Prefilter | None:  # noqa: ARG002 - the Compressor interface; the state knows the size
+        """``P = M Q`` computed in the error-feedback pass (:func:`add_project`), from the second
+        compressed step on (``Q`` exists) where the kernels run."""
+        table: torch.Tensor = state["matrices"]
+        q: torch.Tensor | None = state["q"]
+        if table.numel() == 0 or q is None:
+            return None
+        bufs: Buffers = state["buffers"]
+        n_p = sum(rows * r for rows, _, r in factor_shapes(table.tolist(), self.rank))
+        p = bufs.get("p", n_p, torch.float32, q.device)
+        pre: Prefilter = state["pass"]
+
+        def fused(src: torch.Tensor, res: torch.Tensor, acc: torch.Tensor) -> int | None:
+            return add_project(src, res, acc, table, self.rank, (q, p), bufs)
+
+        return pre.request_fused(fused)
 
     def _initial_q(self, state: dict[str, Any], shapes: list[tuple[int, int, int]]) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(state["key_hash"]))
@@ -140,7 +159,11 @@ class PowerSGD(Compressor):
             state["q"] = self._initial_q(state, shapes).to(dev)
         n_p = sum(rows * r for rows, _, r in shapes)
         first = torch.empty(n_p + sum(size for _, size in dense), dtype=torch.float32, device=dev)
-        project(acc, table, self.rank, state["q"], first[:n_p], bufs)  # every P = M Q
+        pre: Prefilter = state["pass"]
+        if pre.take_fused():  # every P = M Q, made in the error-feedback pass
+            first[:n_p].copy_(bufs.get("p", n_p, torch.float32, dev))
+        else:
+            project(acc, table, self.rank, state["q"], first[:n_p], bufs)
         pos = n_p
         for offset, size in dense:
             first[pos : pos + size].copy_(acc[offset : offset + size])

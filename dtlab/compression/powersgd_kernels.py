@@ -3,7 +3,8 @@
 Per step PowerSGD reads each compressed matrix ``M`` (a view of the accumulated gradient ``acc``)
 three times, and each function here is one of those passes over all matrices of the buffer:
 
-- :func:`project`: ``P = M Q``;
+- :func:`project`: ``P = M Q``; :func:`add_project` makes this pass the error-feedback add's
+  (``acc = grad + residual``, written as it is read);
 - :func:`back`: ``Q' = M^T P`` (``P`` orthonormalised, all-reduced);
 - :func:`finish`: the residual ``acc - P Q'^T`` in place and the average ``(P / world) Q_sum^T``
   written into the gradient, in one pass (``Q'`` this rank's, ``Q_sum`` every rank's sum).
@@ -33,7 +34,7 @@ from dtlab.compression.native import native
 from dtlab.compression.powersgd_source import MAX_RANK
 from dtlab.compression.state_io import Buffers
 
-__all__ = ["back", "factor_shapes", "finish", "project"]
+__all__ = ["add_project", "back", "factor_shapes", "finish", "project", "split"]
 
 
 def factor_shapes(mats: list[list[int]], rank: int) -> list[tuple[int, int, int]]:
@@ -97,6 +98,32 @@ def project(
     # Q as the transposed view of a contiguous r x cols matrix: BLAS streams M once per product
     for m, qi, pi in zip(_views(acc, table, bufs), qs, ps, strict=True):
         torch.mm(m, qi.t().contiguous().t(), out=pi)
+
+
+def add_project(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    mats: torch.Tensor,
+    rank: int,
+    factors: tuple[torch.Tensor, torch.Tensor],
+    bufs: Buffers,
+) -> int | None:
+    """``out = a + b`` (flat float32, same size) and, in the same pass, :func:`project` of the sum,
+    bit for bit (``factors = (q, p)``); returns the number of NaN/Inf values of ``out``, or ``None``
+    where the kernel cannot run (nothing is written: the caller makes the two passes)."""
+    q, p = factors
+    k = _kernel(mats, rank, a, b, out, q, p)
+    if k is None or not a.numel() == b.numel() == out.numel():
+        return None
+    lib, _, scratch = k
+    tmp = bufs.get("kernel_scratch", scratch, torch.float32, a.device)
+    return int(
+        lib.dt_psgd_add_project(
+            a.data_ptr(), b.data_ptr(), out.data_ptr(), out.numel(), mats.data_ptr(), mats.shape[0], rank,
+            q.data_ptr(), p.data_ptr(), tmp.data_ptr(),
+        )
+    )  # fmt: skip
 
 
 def back(

@@ -64,46 +64,69 @@ PSGD_INLINE float psgd_hsum8(const float* l) {
 }
 #endif
 
-/* out[t * R + k] = sum_j a[t * cols + j] * qt[k * cols + j] for NR rows t of len elements each
-   (rows of P = M Q; the rows share the loads of Q^T) */
-PSGD_INLINE void psgd_dot_rows(const float* restrict a, int64_t cols, int64_t len, int NR,
-                               const float* restrict qt, int R, float* restrict out) {
+static inline int psgd_nonfinite(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return ((u >> 23) & 0xffu) == 0xffu;
+}
+
+/* out[t * R + k] = sum_j x[t * cols + j] * qt[k * cols + j] for NR rows t of len elements each (rows
+   of P = M Q; the rows share the loads of Q^T), x = a. ADD (a constant): x = a + b instead, written
+   into sum as it is read (the error-feedback add in the same pass); returns how many x are NaN/Inf */
+PSGD_INLINE int64_t psgd_dot_rows(const float* restrict a, const float* restrict b, float* restrict sum,
+                                  int ADD, int64_t cols, int64_t len, int NR, const float* restrict qt, int R,
+                                  float* restrict out) {
+    int64_t bad = 0;
 #ifdef PSGD_AVX2
+    const __m256i em = _mm256_set1_epi32(0x7f800000);
+    __m256i vbad = _mm256_setzero_si256();
     __m256 s[4][PSGD_MAX_RANK];
     for (int t = 0; t < NR; t++) for (int k = 0; k < R; k++) s[t][k] = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= len; j += 8) {
-        __m256 v[4];
-        for (int t = 0; t < NR; t++) v[t] = _mm256_loadu_ps(a + t * cols + j);
-        for (int k = 0; k < R; k++) {
-            __m256 q = _mm256_loadu_ps(qt + k * cols + j);
-            for (int t = 0; t < NR; t++) s[t][k] = _mm256_fmadd_ps(v[t], q, s[t][k]);
-        }
-    }
-    if (j < len) {  /* the tail, masked: element j + l goes to lane l as in the loop */
+    for (int64_t j = 0; j < len; j += 8) {
+        int full = j + 8 <= len;  /* the tail, masked: element j + l goes to lane l as in the loop */
         __m256i m = psgd_mask(len - j);
         __m256 v[4];
-        for (int t = 0; t < NR; t++) v[t] = _mm256_maskload_ps(a + t * cols + j, m);
+        for (int t = 0; t < NR; t++) {
+            int64_t o = t * cols + j;
+            __m256 x = full ? _mm256_loadu_ps(a + o) : _mm256_maskload_ps(a + o, m);
+            if (ADD) {
+                x = _mm256_add_ps(x, full ? _mm256_loadu_ps(b + o) : _mm256_maskload_ps(b + o, m));
+                if (full) _mm256_storeu_ps(sum + o, x); else _mm256_maskstore_ps(sum + o, m, x);
+                __m256i e = _mm256_and_si256(_mm256_castps_si256(x), em);
+                vbad = _mm256_sub_epi32(vbad, _mm256_cmpeq_epi32(e, em));
+            }
+            v[t] = x;
+        }
         for (int k = 0; k < R; k++) {
-            __m256 q = _mm256_maskload_ps(qt + k * cols + j, m);
+            __m256 q = full ? _mm256_loadu_ps(qt + k * cols + j) : _mm256_maskload_ps(qt + k * cols + j, m);
             for (int t = 0; t < NR; t++) s[t][k] = _mm256_fmadd_ps(v[t], q, s[t][k]);
         }
     }
     for (int t = 0; t < NR; t++) for (int k = 0; k < R; k++) out[t * R + k] = psgd_hsum(s[t][k]);
+    if (ADD) {
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i*)lanes, vbad);
+        for (int l = 0; l < 8; l++) bad += lanes[l];
+    }
 #else
     float s[4][PSGD_MAX_RANK][8];
     memset(s, 0, sizeof(s));
-    int64_t j = 0;
-    for (; j + 8 <= len; j += 8)
-        for (int t = 0; t < NR; t++)
+    for (int64_t j = 0; j < len; j += 8) {
+        int w = len - j < 8 ? (int)(len - j) : 8;
+        for (int t = 0; t < NR; t++) {
+            float x[8];
+            for (int l = 0; l < w; l++) {
+                int64_t o = t * cols + j + l;
+                x[l] = a[o];
+                if (ADD) { x[l] = x[l] + b[o]; sum[o] = x[l]; bad += psgd_nonfinite(x[l]); }
+            }
             for (int k = 0; k < R; k++)
-                for (int l = 0; l < 8; l++)
-                    s[t][k][l] = s[t][k][l] + a[t * cols + j + l] * qt[k * cols + j + l];
-    for (int l = 0; j + l < len; l++)
-        for (int t = 0; t < NR; t++)
-            for (int k = 0; k < R; k++) s[t][k][l] = s[t][k][l] + a[t * cols + j + l] * qt[k * cols + j + l];
+                for (int l = 0; l < w; l++) s[t][k][l] = s[t][k][l] + x[l] * qt[k * cols + j + l];
+        }
+    }
     for (int t = 0; t < NR; t++) for (int k = 0; k < R; k++) out[t * R + k] = psgd_hsum8(s[t][k]);
 #endif
+    return bad;
 }
 
 /* qt[k * cols + j] += sum over the NR rows t, in order, of a[t * cols + j] * p[t * R + k]
@@ -196,15 +219,22 @@ PSGD_INLINE void psgd_finish_rows(float* restrict acc, float* restrict out, int6
 #endif
 }
 
-/* p (every matrix's rows x r, one after the other) = M Q, M read once; scratch: r * cols floats */
-PSGD_INLINE void psgd_project_one(const float* a, int64_t numel, int64_t rows, int64_t cols, int R,
-                             const float* q, float* p, float* qt) {
+/* p (every matrix's rows x r, one after the other) = M Q, M read once, rows in blocks of up to 16
+   accumulators; ADD: M = a + b, written into sum (returns its NaN/Inf count); scratch: r * cols floats */
+PSGD_INLINE int64_t psgd_project_one(const float* a, const float* b, float* sum, int ADD, int64_t numel,
+                                     int64_t rows, int64_t cols, int R, const float* q, float* p, float* qt) {
     psgd_transpose(q, cols, R, qt);
-    int64_t i = 0;
-    if (R <= 4)
-        for (; i + 4 <= rows && psgd_len(i + 3, cols, numel) == cols; i += 4)
-            psgd_dot_rows(a + i * cols, cols, cols, 4, qt, R, p + i * R);
-    for (; i < rows; i++) psgd_dot_rows(a + i * cols, cols, psgd_len(i, cols, numel), 1, qt, R, p + i * R);
+    int64_t i = 0, bad = 0;
+    const int NR = R <= 4 ? 4 : 2;
+    for (; i + NR <= rows && psgd_len(i + NR - 1, cols, numel) == cols; i += NR) {
+        int64_t o = i * cols;
+        bad += psgd_dot_rows(a + o, b + o, sum + o, ADD, cols, cols, NR, qt, R, p + i * R);
+    }
+    for (; i < rows; i++) {
+        int64_t o = i * cols;
+        bad += psgd_dot_rows(a + o, b + o, sum + o, ADD, cols, psgd_len(i, cols, numel), 1, qt, R, p + i * R);
+    }
+    return bad;
 }
 
 void dt_psgd_project(const float* acc, const int64_t* mats, int64_t m, int64_t rank, const float* q,
@@ -213,7 +243,8 @@ void dt_psgd_project(const float* acc, const int64_t* mats, int64_t m, int64_t r
         const int64_t* e = mats + 4 * i;
         int R = psgd_rank(rank, e[2], e[3]);
         switch (R) {  /* a constant rank: the accumulators stay in registers */
-#define PSGD_CASE(n) case n: psgd_project_one(acc + e[0], e[1], e[2], e[3], n, q, p, scratch); break;
+#define PSGD_CASE(n) case n: psgd_project_one(acc + e[0], acc, NULL, 0, e[1], e[2], e[3], n, q, p, scratch); \
+                             break;
             PSGD_CASE(1) PSGD_CASE(2) PSGD_CASE(3) PSGD_CASE(4)
             PSGD_CASE(5) PSGD_CASE(6) PSGD_CASE(7) PSGD_CASE(8)
 #undef PSGD_CASE
@@ -222,6 +253,37 @@ void dt_psgd_project(const float* acc, const int64_t* mats, int64_t m, int64_t r
         q += e[3] * R;
         p += e[2] * R;
     }
+}
+
+static int64_t psgd_add(const float* a, const float* b, float* out, int64_t n) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) { float v = a[i] + b[i]; out[i] = v; bad += psgd_nonfinite(v); }
+    return bad;
+}
+
+/* out = a + b over the whole buffer (n floats; returns its NaN/Inf count) and, in the same pass, p = M Q
+   on the sum as dt_psgd_project computes it (the same bits) */
+int64_t dt_psgd_add_project(const float* a, const float* b, float* out, int64_t n, const int64_t* mats,
+                            int64_t m, int64_t rank, const float* q, float* p, float* scratch) {
+    int64_t bad = 0, pos = 0;
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t* e = mats + 4 * i;
+        int64_t o = e[0];
+        int R = psgd_rank(rank, e[2], e[3]);
+        bad += psgd_add(a + pos, b + pos, out + pos, o - pos);  /* the elements between matrices */
+        switch (R) {
+#define PSGD_CASE(n) case n: bad += psgd_project_one(a + o, b + o, out + o, 1, e[1], e[2], e[3], n, q, p, \
+                                                     scratch); break;
+            PSGD_CASE(1) PSGD_CASE(2) PSGD_CASE(3) PSGD_CASE(4)
+            PSGD_CASE(5) PSGD_CASE(6) PSGD_CASE(7) PSGD_CASE(8)
+#undef PSGD_CASE
+            default: break;
+        }
+        pos = o + e[1];
+        q += e[3] * R;
+        p += e[2] * R;
+    }
+    return bad + psgd_add(a + pos, b + pos, out + pos, n - pos);
 }
 
 /* q (every matrix's cols x r) = M^T P, M read once, row by row; scratch: r * cols floats */
@@ -301,6 +363,7 @@ void dt_psgd_finish(float* acc, float* out, const int64_t* mats, int64_t m, int6
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "dt_psgd_project": (None, [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR]),
+    "dt_psgd_add_project": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR]),
     "dt_psgd_back": (None, [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR]),
     "dt_psgd_finish": (None, [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR]),
 }
