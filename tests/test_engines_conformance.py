@@ -143,6 +143,106 @@ def _mpi_cuda_awareness(b: CommunicationBackend) -> None:
     g.close()
 
 
+class _CountingComm:
+    """A real mpi4py communicator that also logs what each rank hands to Alltoallv/Allgatherv (bytes
+    this rank sends to the others) and which other collectives ran: the wire bytes of an MPIBackend's
+    half-precision sums, measured at the MPI calls rather than taken from the backend's counters."""
+
+    def __init__(self, comm: Any, log: list[tuple[str, int]]) -> None:
+        self._comm, self.log = comm, log
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._comm, name)
+        if not callable(attr) or not name[:1].isupper() or name.startswith(("Get_", "Free")):
+            return attr
+
+        def call(*args: Any, **kw: Any) -> Any:
+            me, p = self._comm.Get_rank(), self._comm.Get_size()
+            plain = (
+                name[1].upper() + name[2:] if name[0] == "I" and name[1].islower() else name
+            )  # Iallgatherv
+            if plain == "Alltoallv":
+                counts = args[0][1][0]
+                self.log.append((plain, sum(counts) - counts[me]))
+            elif plain == "Allgatherv":
+                self.log.append((plain, args[1][1][0][me] * (p - 1)))
+            else:
+                self.log.append((plain, -1))
+            out = attr(*args, **kw)
+            if name == "Dup":
+                return _CountingComm(out, self.log)
+            if name == "Idup":
+                return _CountingComm(out[0], self.log), out[1]
+            return out
+
+        return call
+
+
+def _half_reference(inputs: list[torch.Tensor], avg: bool) -> torch.Tensor:
+    """Every rank's input added in float32 in rank order, divided for AVG, rounded once."""
+    acc = inputs[0].float()
+    for x in inputs[1:]:
+        acc = acc + x.float()
+    return (acc / len(inputs) if avg else acc).to(inputs[0].dtype)
+
+
+def _half_sums(b: CommunicationBackend, timeout: float | None) -> None:
+    """float16/bfloat16 SUM/AVG on MPI: bitwise the float32 sum in rank order rounded once (sizes not
+    divisible by P, one past the CPU block), identical on every rank, non-blocking ones waited in
+    reverse order; on the wire half-precision bytes: all-to-all plus all-gather, no MPI reduction."""
+    from dtlab.backends import MPIBackend
+
+    log: list[tuple[str, int]] = []
+    h = MPIBackend(_CountingComm(b.comm.Dup(), log), timeout=timeout)  # type: ignore[attr-defined]
+    p, me = h.world_size, h.rank
+
+    def inputs(n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+        gens = [torch.Generator().manual_seed(seed + r) for r in range(p)]
+        return [
+            (torch.randn(n, generator=g) * 2.0 ** torch.randint(-6, 6, (n,), generator=g)).to(dtype)
+            for g in gens
+        ]
+
+    for dtype in (torch.float16, torch.bfloat16):
+        for n in (1, 2 * p + 1, 9_999, 2 * p * 2**18 + p - 1):
+            for op in (ReduceOp.SUM, ReduceOp.AVG):
+                xs = inputs(n, dtype, 7 * n)
+                t = xs[me].clone()
+                log.clear()
+                h.stats.reset()
+                h.all_reduce(t, op)
+                want = _half_reference(xs, op is ReduceOp.AVG)
+                if not torch.equal(t, want):
+                    bad = int((t != want).sum())
+                    raise AssertionError(f"all_reduce({dtype}, {op.name}, n={n}): {bad} elements differ")
+                chunk = n // p + (me < n % p)
+                wire = sum(c for kind, c in log if kind in ("Alltoallv", "Allgatherv"))
+                kinds = [kind for kind, _ in log if kind not in ("Dup", "Allgather")]  # + checked mode's
+                if kinds != ["Alltoallv", "Allgatherv"] or wire != 2 * (n - chunk + (p - 1) * chunk):
+                    raise AssertionError(f"all_reduce({dtype}, n={n}) on the wire: {log}")
+                counted = h.stats["all_reduce"].bytes_sent  # the ring formula 2(P-1)/P * 2n bytes
+                if abs(counted - wire) > 2 * (p - 2) or (p == 2 and counted != wire):
+                    raise AssertionError(f"all_reduce({dtype}, n={n}) counted {counted} bytes, sent {wire}")
+        # two non-blocking all-reduces and a reduce-scatter, waited in reverse order; an aliased one
+        xs, ys = inputs(1001, dtype, 1), inputs(p * 333, dtype, 2)
+        a, c = xs[me].clone(), ys[me].clone()
+        out = torch.empty(333, dtype=dtype)
+        works = [h.iall_reduce(a), h.ireduce_scatter(out, ys[me].clone()), h.iall_reduce(c, ReduceOp.AVG)]
+        for w in reversed(works):
+            w.wait()
+        rs = _half_reference(ys, False)[me * 333 : (me + 1) * 333]
+        got = [torch.equal(a, _half_reference(xs, False)), torch.equal(c, _half_reference(ys, True))]
+        if not all(got) or not torch.equal(out, rs):
+            raise AssertionError(f"non-blocking {dtype}: {got}, reduce_scatter {torch.equal(out, rs)}")
+        log.clear()
+        buf = ys[me].clone()
+        h.reduce_scatter(buf[me * 333 : (me + 1) * 333], buf, ReduceOp.SUM)
+        sent = [x for x in log if x[0] != "Allgather"]  # checked mode's agreement aside
+        if not torch.equal(buf[me * 333 : (me + 1) * 333], rs) or sent != [("Alltoallv", 2 * 333 * (p - 1))]:
+            raise AssertionError(f"aliased reduce_scatter({dtype}): {log}")
+    h.close()
+
+
 def _pickled(size: int) -> int:
     import pickle
 
@@ -191,6 +291,11 @@ def engine_world(b: CommunicationBackend, engine: str) -> dict[str, Any]:
         _expect(results, "engine:nccl_refuses_cpu", lambda: _nccl_refuses_cpu(b))
     if engine == "mpi":  # the same suite again with a timeout: every operation non-blocking and polled
         _expect(results, "engine:mpi_cuda_awareness", lambda: _mpi_cuda_awareness(b))
+        for timeout in (None, 60.0):
+            _expect(results, f"engine:mpi_half_sums(timeout={timeout})", lambda t=timeout: _half_sums(b, t))
+        group = b.new_group(list(range(b.world_size - 1)))  # an odd group size (3 of 4)
+        if group is not None and group.world_size > 1:
+            _expect(results, "engine:mpi_half_sums(group)", lambda: _half_sums(group, None))
         from dtlab.backends import MPIBackend
 
         polled = MPIBackend(b.comm.Dup(), timeout=60)  # type: ignore[attr-defined]

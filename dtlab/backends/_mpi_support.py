@@ -1,4 +1,5 @@
-"""Helpers of :mod:`dtlab.backends.mpi`: the lazy mpi4py import, dtype/op tables and request handles."""
+"""Helpers of :mod:`dtlab.backends.mpi`: the lazy mpi4py import, how a tensor is handed to MPI (dtype/op
+tables, zero-copy buffer views, host staging) and request handles."""
 
 from __future__ import annotations
 
@@ -42,9 +43,13 @@ def query_cuda_support(mpi: Any) -> bool:
 
 
 class _Buffers:
-    """Per-communicator tables from torch dtypes and ReduceOps to MPI datatypes and ops."""
+    """How this communicator hands tensors to MPI: tables from torch dtypes and ReduceOps to MPI
+    datatypes and ops, zero-copy views of a tensor's memory, and the host copies MPI needs for CUDA
+    tensors when the library is not CUDA-aware (``cuda_aware``)."""
 
-    def __init__(self, mpi: Any) -> None:
+    def __init__(self, mpi: Any, cuda_aware: bool) -> None:
+        self.cuda_aware = cuda_aware
+        self.fromaddress = mpi.buffer.fromaddress
         self.types = {
             torch.float32: mpi.FLOAT,
             torch.float64: mpi.DOUBLE,
@@ -68,6 +73,46 @@ class _Buffers:
             ReduceOp.PRODUCT: mpi.LAND,
         }
         self.byte = mpi.BYTE
+        self.in_place = mpi.IN_PLACE
+
+    def host(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor MPI reads/writes: ``t`` itself on CPU or CUDA-aware MPI, else a host copy."""
+        if t.is_cpu or self.cuda_aware:
+            return t
+        return t.detach().cpu()
+
+    def raw(self, t: torch.Tensor) -> Any:
+        """Zero-copy view of a contiguous tensor's memory: an MPI buffer over its address on CPU
+        (far cheaper per call than ``tensor.numpy()``), the CUDA array interface on GPU."""
+        if t.is_cpu:
+            return self.fromaddress(t.data_ptr(), t.nbytes)
+        return t.detach().reshape(-1).view(torch.uint8)
+
+    def bytes(self, t: torch.Tensor) -> list[Any]:
+        """``[buffer, MPI.BYTE]``: ``t``'s memory as raw bytes (movement, no arithmetic)."""
+        return [self.raw(t), self.byte]
+
+    def counted(self, t: torch.Tensor, counts: list[int], displs: list[int]) -> list[Any]:
+        """``[buffer, (byte counts, byte displacements), MPI.BYTE]`` for the v-variants, from counts
+        and displacements in elements of ``t``."""
+        es = t.element_size()
+        return [self.raw(t), ([c * es for c in counts], [d * es for d in displs]), self.byte]
+
+    def typed(self, t: torch.Tensor, op: ReduceOp) -> tuple[list[Any], Any]:
+        """``[buffer, MPI datatype]`` and the MPI op for a reduction on ``t``."""
+        ops = self.bool_ops if t.dtype is torch.bool else self.ops
+        mem = self.fromaddress(t.data_ptr(), t.nbytes) if t.is_cpu else t.detach().reshape(-1)
+        return [mem, self.types[t.dtype]], ops[op]
+
+    def reducible(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor MPI reduces: ``t`` itself, or a float32 and/or host copy where MPI needs one."""
+        staged = t.dtype in _STAGED_REDUCTION
+        on_host = t.is_cpu or self.cuda_aware
+        if not staged and on_host:
+            return t
+        return t.detach().to(
+            device=t.device if on_host else "cpu", dtype=torch.float32 if staged else t.dtype
+        )
 
 
 class _MPIWork(Work):

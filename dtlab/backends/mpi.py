@@ -4,9 +4,12 @@ Tensors travel as buffers without copies: a contiguous CPU tensor is handed to M
 its memory (``MPI.buffer.fromaddress``; typed for reductions, raw bytes for movement). What MPI
 lacks is bridged explicitly:
 
-* ``float16``/``bfloat16`` have no MPI datatype in MPICH: movement operations (gather, broadcast,
-  p2p, all-to-all) send their raw bytes; reductions convert to float32, reduce, and round back once
-  (so a float16 sum is *more* accurate than a float16 ring; results are identical on every rank).
+* ``float16``/``bfloat16`` have no MPI datatype MPI can add: movement operations (gather, broadcast,
+  p2p, all-to-all) send their raw bytes. SUM/AVG ``all_reduce``/``reduce_scatter`` move 16-bit values
+  too (an all-to-all of the chunks, a float32 sum on the chunk's owner rounded once, an all-gather:
+  :mod:`dtlab.backends._mpi_half`); ``reduce`` and MIN/MAX/PRODUCT convert to float32, reduce, and
+  round back once. Either way each element is rounded once (a 16-bit ring rounds after every
+  addition) and results are identical on every rank.
 * ``bool`` maps to ``MPI.C_BOOL``; SUM/MAX reduce with logical or, MIN/PRODUCT with logical and
   (what ``torch`` does on bool tensors).
 * ``ReduceOp.AVG`` is SUM followed by a division by the group size.
@@ -30,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtlab.backends._checked import mismatch_hint
-from dtlab.backends._mpi_support import _STAGED_REDUCTION, _Buffers, _import_mpi, _MPIWork, query_cuda_support
+from dtlab.backends._mpi_half import HalfSum
+from dtlab.backends._mpi_support import _Buffers, _import_mpi, _MPIWork, query_cuda_support
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 from dtlab.errors import ArgumentError, CollectiveMismatchError, CollectiveTimeoutError
 
@@ -69,16 +73,17 @@ class MPIBackend(CommunicationBackend):
         self._timeout = timeout
         self._device = torch.device(device)
         self._cuda_aware = query_cuda_support(mpi) if cuda_aware is None else bool(cuda_aware)
-        self._tables = _Buffers(mpi)
+        self._views = _Buffers(mpi, self._cuda_aware)
         self._tag_ub = int(self._comm.Get_attr(mpi.TAG_UB) or 32767)
         self._fromaddress = mpi.buffer.fromaddress
         self._in_place = mpi.IN_PLACE
         # the direct paths (blocking calls on CPU tensors, as little Python as possible): the dtypes MPI
         # reduces as they are (bool needs logical ops, fp16/bf16 a float32 copy); none with a timeout
         self._direct = (
-            {d: t for d, t in self._tables.types.items() if d is not torch.bool} if timeout is None else {}
+            {d: t for d, t in self._views.types.items() if d is not torch.bool} if timeout is None else {}
         )
-        self._ops = self._tables.ops
+        self._ops = self._views.ops
+        self._half = HalfSum(self._comm, self._views, self.wait_request, polled=timeout is not None)
 
     @property
     def device(self) -> torch.device:
@@ -97,39 +102,6 @@ class MPIBackend(CommunicationBackend):
     def cuda_aware(self) -> bool:
         """True when CUDA tensors go to MPI directly, False when they are staged through host memory."""
         return self._cuda_aware
-
-    # ------------------------------------------------------------------ buffers
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        """The tensor MPI reads/writes: ``t`` itself on CPU or CUDA-aware MPI, else a host copy."""
-        if t.is_cpu or self._cuda_aware:
-            return t
-        return t.detach().cpu()
-
-    def _raw(self, t: torch.Tensor) -> Any:
-        """Zero-copy view of a contiguous tensor's memory: an MPI buffer over its address on CPU
-        (far cheaper per call than ``tensor.numpy()``), the CUDA array interface on GPU."""
-        if t.is_cpu:
-            return self._fromaddress(t.data_ptr(), t.nbytes)
-        return t.detach().reshape(-1).view(torch.uint8)
-
-    def _bytes(self, t: torch.Tensor) -> list[Any]:
-        return [self._raw(t), self._tables.byte]
-
-    def _typed(self, t: torch.Tensor, op: ReduceOp) -> tuple[list[Any], Any]:
-        """``[buffer, MPI datatype]`` and the MPI op for a reduction on ``t``."""
-        ops = self._tables.bool_ops if t.dtype is torch.bool else self._tables.ops
-        mem = self._fromaddress(t.data_ptr(), t.nbytes) if t.is_cpu else t.detach().reshape(-1)
-        return [mem, self._tables.types[t.dtype]], ops[op]
-
-    def _reducible(self, t: torch.Tensor) -> torch.Tensor:
-        """The tensor MPI reduces: ``t`` itself, or a float32 and/or host copy where MPI needs one."""
-        staged = t.dtype in _STAGED_REDUCTION
-        on_host = t.is_cpu or self._cuda_aware
-        if not staged and on_host:
-            return t
-        return t.detach().to(
-            device=t.device if on_host else "cpu", dtype=torch.float32 if staged else t.dtype
-        )
 
     def wait_request(self, request: Any, what: str, status: Any = None) -> None:
         if self._timeout is None:
@@ -163,8 +135,11 @@ class MPIBackend(CommunicationBackend):
             if op is _AVG:
                 tensor.div_(self._world_size)
             return
-        work = self._reducible(tensor)
-        spec, mop = self._typed(work, op)
+        if self._half.handles(tensor.dtype, op):  # 16-bit values on the wire
+            self._half.all_reduce(tensor, op, blocking=True)
+            return
+        work = self._views.reducible(tensor)
+        spec, mop = self._views.typed(work, op)
         c = self._comm
         self._run(c.Allreduce, c.Iallreduce, (self._mpi.IN_PLACE, spec, mop), "all_reduce")
         if op is ReduceOp.AVG:
@@ -173,8 +148,10 @@ class MPIBackend(CommunicationBackend):
             tensor.copy_(work)
 
     def _iall_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        work = self._reducible(tensor)
-        spec, mop = self._typed(work, op)
+        if self._half.handles(tensor.dtype, op):
+            return self._half.all_reduce(tensor, op, blocking=False)
+        work = self._views.reducible(tensor)
+        spec, mop = self._views.typed(work, op)
         p = self.world_size
 
         def finish() -> None:
@@ -188,8 +165,8 @@ class MPIBackend(CommunicationBackend):
 
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
         c, mpi = self._comm, self._mpi
-        work = self._reducible(tensor)
-        spec, mop = self._typed(work, op)
+        work = self._views.reducible(tensor)
+        spec, mop = self._views.typed(work, op)
         if self.rank != dst:  # a non-root's tensor is left as it was
             self._run(c.Reduce, c.Ireduce, (spec, None, mop), "reduce", root=dst)
             return
@@ -222,13 +199,15 @@ class MPIBackend(CommunicationBackend):
     def _start_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, blocking: bool
     ) -> Work:
-        src = self._reducible(input)
+        if self._half.handles(input.dtype, op):
+            return self._half.reduce_scatter(output, input, op, blocking)
+        src = self._views.reducible(input)
         aliased = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
-        out = self._reducible(output)
+        out = self._views.reducible(output)
         if out is output and aliased:  # MPI forbids overlapping send and receive buffers
             out = torch.empty_like(output)
-        send, mop = self._typed(src, op)
-        recv, _ = self._typed(out, op)
+        send, mop = self._views.typed(src, op)
+        recv, _ = self._views.typed(out, op)
         p = self.world_size
 
         def finish() -> None:
@@ -250,15 +229,15 @@ class MPIBackend(CommunicationBackend):
     # ------------------------------------------------------------------ movement
     def _gather_buffers(self, output: torch.Tensor, input: torch.Tensor) -> tuple[Any, torch.Tensor, Any]:
         """Send spec (``IN_PLACE`` when input is this rank's chunk of output), receive tensor, finish."""
-        out = self._host(output)
+        out = self._views.host(output)
         n = input.numel() * input.element_size()
         if out is output and output.data_ptr() + self.rank * n == input.data_ptr():
             return self._mpi.IN_PLACE, out, None
-        inp = self._host(input)
+        inp = self._views.host(input)
         if inp is input and input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
             inp = input.clone()  # input overlaps output elsewhere: MPI forbids aliasing
         finish = None if out is output else (lambda: output.copy_(out))
-        return self._bytes(inp), out, finish
+        return self._views.bytes(inp), out, finish
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         if self._timeout is None and output.is_cpu and input.is_cpu:
@@ -270,24 +249,24 @@ class MPIBackend(CommunicationBackend):
                 input.nbytes,
             )
             if o + on <= i or i + n <= o or i == o + self.rank * n:
-                send = self._in_place if i == o + self.rank * n else [fa(i, n), self._tables.byte]
-                self._comm.Allgather(send, [fa(o, on), self._tables.byte])
+                send = self._in_place if i == o + self.rank * n else [fa(i, n), self._views.byte]
+                self._comm.Allgather(send, [fa(o, on), self._views.byte])
                 return
         send, out, finish = self._gather_buffers(output, input)
         c = self._comm
-        self._run(c.Allgather, c.Iallgather, (send, self._bytes(out)), "all_gather")
+        self._run(c.Allgather, c.Iallgather, (send, self._views.bytes(out)), "all_gather")
         if finish is not None:
             finish()
 
     def _iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         send, out, finish = self._gather_buffers(output, input)
-        req = self._comm.Iallgather(send, self._bytes(out))
+        req = self._comm.Iallgather(send, self._views.bytes(out))
         return _MPIWork(self, req, "all_gather", (send, out), finish)
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        buf = self._host(tensor)
+        buf = self._views.host(tensor)
         c = self._comm
-        self._run(c.Bcast, c.Ibcast, (self._bytes(buf),), "broadcast", root=src)
+        self._run(c.Bcast, c.Ibcast, (self._views.bytes(buf),), "broadcast", root=src)
         if buf is not tensor:
             tensor.copy_(buf)
 
@@ -295,14 +274,19 @@ class MPIBackend(CommunicationBackend):
         c, p, es = self._comm, self.world_size, input.element_size()
         counts = torch.zeros(p, dtype=torch.int64)
         mine = torch.tensor([input.numel()], dtype=torch.int64)
-        self._run(c.Allgather, c.Iallgather, (self._bytes(mine), self._bytes(counts)), "all_gather_v(counts)")
+        self._run(
+            c.Allgather,
+            c.Iallgather,
+            (self._views.bytes(mine), self._views.bytes(counts)),
+            "all_gather_v(counts)",
+        )
         sizes = [int(x) for x in counts.tolist()]
-        inp = self._host(input)
+        inp = self._views.host(input)
         out = torch.empty(sum(sizes), dtype=input.dtype, device=inp.device)
         nbytes = [s * es for s in sizes]
         displs = [sum(nbytes[:r]) for r in range(p)]
-        recv = [self._raw(out), (nbytes, displs), self._tables.byte]
-        self._run(c.Allgatherv, c.Iallgatherv, (self._bytes(inp), recv), "all_gather_v")
+        recv = [self._views.raw(out), (nbytes, displs), self._views.byte]
+        self._run(c.Allgatherv, c.Iallgatherv, (self._views.bytes(inp), recv), "all_gather_v")
         return out.to(input.device), sizes
 
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
@@ -311,7 +295,10 @@ class MPIBackend(CommunicationBackend):
         send_n = torch.tensor([t.numel() for t in inputs], dtype=torch.int64)
         sent_to_me = torch.zeros(p, dtype=torch.int64)
         self._run(
-            c.Alltoall, c.Ialltoall, (self._bytes(send_n), self._bytes(sent_to_me)), "all_to_all(counts)"
+            c.Alltoall,
+            c.Ialltoall,
+            (self._views.bytes(send_n), self._views.bytes(sent_to_me)),
+            "all_to_all(counts)",
         )
         errors = [
             f"rank {j} sends {int(sent_to_me[j])} elements but outputs[{j}] has {outputs[j].numel()}"
@@ -320,14 +307,14 @@ class MPIBackend(CommunicationBackend):
         ]
         if errors:
             raise CollectiveMismatchError(f"all_to_all on rank {me}: " + "; ".join(errors))
-        send = torch.cat([self._host(t).reshape(-1) for t in inputs])
+        send = torch.cat([self._views.host(t).reshape(-1) for t in inputs])
         recv = torch.empty(sum(t.numel() for t in outputs), dtype=send.dtype, device=send.device)
         scount = [t.numel() * es for t in inputs]
         rcount = [t.numel() * es for t in outputs]
         sdis = [sum(scount[:j]) for j in range(p)]
         rdis = [sum(rcount[:j]) for j in range(p)]
-        byte = self._tables.byte
-        args = ([self._raw(send), (scount, sdis), byte], [self._raw(recv), (rcount, rdis), byte])
+        byte = self._views.byte
+        args = ([self._views.raw(send), (scount, sdis), byte], [self._views.raw(recv), (rcount, rdis), byte])
         self._run(c.Alltoallv, c.Ialltoallv, args, "all_to_all")
         offset = 0
         for out in outputs:
@@ -344,7 +331,7 @@ class MPIBackend(CommunicationBackend):
             raise ArgumentError(f"{what}: tag={tag} is outside MPI's range [0, {self._tag_ub}]")
 
     def check_received(self, status: Any, buf: torch.Tensor, what: str) -> int:
-        got = status.Get_count(self._tables.byte)
+        got = status.Get_count(self._views.byte)
         want = buf.numel() * buf.element_size()
         source = int(status.Get_source())
         if got != want:
@@ -356,62 +343,52 @@ class MPIBackend(CommunicationBackend):
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self._check_tag(tag, "send")
-        buf = self._host(tensor)
+        buf = self._views.host(tensor)
         if self._timeout is None:
-            self._comm.Send(self._bytes(buf), dst, tag)
+            self._comm.Send(self._views.bytes(buf), dst, tag)
         else:
-            self.wait_request(self._comm.Isend(self._bytes(buf), dst, tag), f"send(dst={dst}, tag={tag})")
+            self.wait_request(
+                self._comm.Isend(self._views.bytes(buf), dst, tag), f"send(dst={dst}, tag={tag})"
+            )
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         return self._irecv(tensor, src, tag).wait() or 0
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         self._check_tag(tag, "isend")
-        buf = self._host(tensor)
-        req = self._comm.Isend(self._bytes(buf), dst, tag)
+        buf = self._views.host(tensor)
+        req = self._comm.Isend(self._views.bytes(buf), dst, tag)
         return _MPIWork(self, req, f"isend(dst={dst}, tag={tag})", (buf,))
 
     def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
         self._check_tag(tag, "recv")
         mpi = self._mpi
-        buf = self._host(tensor)
+        buf = self._views.host(tensor)
         status = mpi.Status()
         source = mpi.ANY_SOURCE if src is None else src
         what = f"recv(src={'any' if src is None else src}, tag={tag})"
-        req = self._comm.Irecv(self._bytes(buf), source, tag)
+        req = self._comm.Irecv(self._views.bytes(buf), source, tag)
         finish = None if buf is tensor else (lambda: tensor.copy_(buf))
         return _MPIWork(self, req, what, (buf,), finish, status)
 
     # ------------------------------------------------------------------ groups
     def _new_group(self, ranks: list[int]) -> CommunicationBackend | None:
-        mpi = self._mpi
         member = self.rank in ranks
-        color = 0 if member else mpi.UNDEFINED
         key = ranks.index(self.rank) if member else 0
-        sub = self._comm.Split(color, key)
-        if not member:
-            return None
-        return MPIBackend(
-            sub,
-            timeout=self._timeout,
-            device=self._device,
-            cuda_aware=self._cuda_aware,
-            stats_parent=self.stats,
-        )
+        sub = self._comm.Split(0 if member else self._mpi.UNDEFINED, key)
+        return self._member(sub) if member else None
 
     def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
         sub = self._comm.Split(self._mpi.UNDEFINED if color is None else color, key)
-        if color is None:
-            return None
-        return MPIBackend(
-            sub,
-            timeout=self._timeout,
-            device=self._device,
-            cuda_aware=self._cuda_aware,
-            stats_parent=self.stats,
-        )
+        return None if color is None else self._member(sub)
+
+    def _member(self, sub: MPI.Comm) -> MPIBackend:
+        """A backend over a sub-communicator of this one, with the same settings, counted in ours."""
+        t, dev, aware = self._timeout, self._device, self._cuda_aware
+        return MPIBackend(sub, timeout=t, device=dev, cuda_aware=aware, stats_parent=self.stats)
 
     def close(self) -> None:
-        """Free a sub-communicator (``COMM_WORLD`` is left to MPI's finalization)."""
+        """Free this backend's communicators (``COMM_WORLD`` itself is left to MPI's finalization)."""
+        self._half.close()
         if self._comm != self._mpi.COMM_WORLD and self._comm != self._mpi.COMM_NULL:
             self._comm.Free()
