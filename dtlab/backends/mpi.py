@@ -73,17 +73,17 @@ class MPIBackend(CommunicationBackend):
         self._timeout = timeout
         self._device = torch.device(device)
         self._cuda_aware = query_cuda_support(mpi) if cuda_aware is None else bool(cuda_aware)
-        self._views = _Buffers(mpi, self._cuda_aware)
+        self._buf = _Buffers(mpi, self._cuda_aware)
         self._tag_ub = int(self._comm.Get_attr(mpi.TAG_UB) or 32767)
         self._fromaddress = mpi.buffer.fromaddress
         self._in_place = mpi.IN_PLACE
         # the direct paths (blocking calls on CPU tensors, as little Python as possible): the dtypes MPI
         # reduces as they are (bool needs logical ops, fp16/bf16 a float32 copy); none with a timeout
         self._direct = (
-            {d: t for d, t in self._views.types.items() if d is not torch.bool} if timeout is None else {}
+            {d: t for d, t in self._buf.types.items() if d is not torch.bool} if timeout is None else {}
         )
-        self._ops = self._views.ops
-        self._half = HalfSum(self._comm, self._views, self.wait_request, polled=timeout is not None)
+        self._ops = self._buf.ops
+        self._half = HalfSum(self._comm, self._buf, self.wait_request, polled=timeout is not None)
 
     @property
     def device(self) -> torch.device:
@@ -138,8 +138,8 @@ class MPIBackend(CommunicationBackend):
         if self._half.handles(tensor.dtype, op):  # 16-bit values on the wire
             self._half.all_reduce(tensor, op, blocking=True)
             return
-        work = self._views.reducible(tensor)
-        spec, mop = self._views.typed(work, op)
+        work = self._buf.reducible(tensor)
+        spec, mop = self._buf.typed(work, op)
         c = self._comm
         self._run(c.Allreduce, c.Iallreduce, (self._mpi.IN_PLACE, spec, mop), "all_reduce")
         if op is ReduceOp.AVG:
@@ -150,8 +150,8 @@ class MPIBackend(CommunicationBackend):
     def _iall_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
         if self._half.handles(tensor.dtype, op):
             return self._half.all_reduce(tensor, op, blocking=False)
-        work = self._views.reducible(tensor)
-        spec, mop = self._views.typed(work, op)
+        work = self._buf.reducible(tensor)
+        spec, mop = self._buf.typed(work, op)
         p = self.world_size
 
         def finish() -> None:
@@ -165,8 +165,8 @@ class MPIBackend(CommunicationBackend):
 
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
         c, mpi = self._comm, self._mpi
-        work = self._views.reducible(tensor)
-        spec, mop = self._views.typed(work, op)
+        work = self._buf.reducible(tensor)
+        spec, mop = self._buf.typed(work, op)
         if self.rank != dst:  # a non-root's tensor is left as it was
             self._run(c.Reduce, c.Ireduce, (spec, None, mop), "reduce", root=dst)
             return
@@ -201,13 +201,13 @@ class MPIBackend(CommunicationBackend):
     ) -> Work:
         if self._half.handles(input.dtype, op):
             return self._half.reduce_scatter(output, input, op, blocking)
-        src = self._views.reducible(input)
+        src = self._buf.reducible(input)
         aliased = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
-        out = self._views.reducible(output)
+        out = self._buf.reducible(output)
         if out is output and aliased:  # MPI forbids overlapping send and receive buffers
             out = torch.empty_like(output)
-        send, mop = self._views.typed(src, op)
-        recv, _ = self._views.typed(out, op)
+        send, mop = self._buf.typed(src, op)
+        recv, _ = self._buf.typed(out, op)
         p = self.world_size
 
         def finish() -> None:
@@ -229,15 +229,15 @@ class MPIBackend(CommunicationBackend):
     # ------------------------------------------------------------------ movement
     def _gather_buffers(self, output: torch.Tensor, input: torch.Tensor) -> tuple[Any, torch.Tensor, Any]:
         """Send spec (``IN_PLACE`` when input is this rank's chunk of output), receive tensor, finish."""
-        out = self._views.host(output)
+        out = self._buf.host(output)
         n = input.numel() * input.element_size()
         if out is output and output.data_ptr() + self.rank * n == input.data_ptr():
             return self._mpi.IN_PLACE, out, None
-        inp = self._views.host(input)
+        inp = self._buf.host(input)
         if inp is input and input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
             inp = input.clone()  # input overlaps output elsewhere: MPI forbids aliasing
         finish = None if out is output else (lambda: output.copy_(out))
-        return self._views.bytes(inp), out, finish
+        return self._buf.bytes(inp), out, finish
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         if self._timeout is None and output.is_cpu and input.is_cpu:
@@ -249,24 +249,24 @@ class MPIBackend(CommunicationBackend):
                 input.nbytes,
             )
             if o + on <= i or i + n <= o or i == o + self.rank * n:
-                send = self._in_place if i == o + self.rank * n else [fa(i, n), self._views.byte]
-                self._comm.Allgather(send, [fa(o, on), self._views.byte])
+                send = self._in_place if i == o + self.rank * n else [fa(i, n), self._buf.byte]
+                self._comm.Allgather(send, [fa(o, on), self._buf.byte])
                 return
         send, out, finish = self._gather_buffers(output, input)
         c = self._comm
-        self._run(c.Allgather, c.Iallgather, (send, self._views.bytes(out)), "all_gather")
+        self._run(c.Allgather, c.Iallgather, (send, self._buf.bytes(out)), "all_gather")
         if finish is not None:
             finish()
 
     def _iall_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         send, out, finish = self._gather_buffers(output, input)
-        req = self._comm.Iallgather(send, self._views.bytes(out))
+        req = self._comm.Iallgather(send, self._buf.bytes(out))
         return _MPIWork(self, req, "all_gather", (send, out), finish)
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        buf = self._views.host(tensor)
+        buf = self._buf.host(tensor)
         c = self._comm
-        self._run(c.Bcast, c.Ibcast, (self._views.bytes(buf),), "broadcast", root=src)
+        self._run(c.Bcast, c.Ibcast, (self._buf.bytes(buf),), "broadcast", root=src)
         if buf is not tensor:
             tensor.copy_(buf)
 
@@ -277,16 +277,16 @@ class MPIBackend(CommunicationBackend):
         self._run(
             c.Allgather,
             c.Iallgather,
-            (self._views.bytes(mine), self._views.bytes(counts)),
+            (self._buf.bytes(mine), self._buf.bytes(counts)),
             "all_gather_v(counts)",
         )
         sizes = [int(x) for x in counts.tolist()]
-        inp = self._views.host(input)
+        inp = self._buf.host(input)
         out = torch.empty(sum(sizes), dtype=input.dtype, device=inp.device)
         nbytes = [s * es for s in sizes]
         displs = [sum(nbytes[:r]) for r in range(p)]
-        recv = [self._views.raw(out), (nbytes, displs), self._views.byte]
-        self._run(c.Allgatherv, c.Iallgatherv, (self._views.bytes(inp), recv), "all_gather_v")
+        recv = [self._buf.raw(out), (nbytes, displs), self._buf.byte]
+        self._run(c.Allgatherv, c.Iallgatherv, (self._buf.bytes(inp), recv), "all_gather_v")
         return out.to(input.device), sizes
 
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
@@ -297,7 +297,7 @@ class MPIBackend(CommunicationBackend):
         self._run(
             c.Alltoall,
             c.Ialltoall,
-            (self._views.bytes(send_n), self._views.bytes(sent_to_me)),
+            (self._buf.bytes(send_n), self._buf.bytes(sent_to_me)),
             "all_to_all(counts)",
         )
         errors = [
@@ -307,14 +307,14 @@ class MPIBackend(CommunicationBackend):
         ]
         if errors:
             raise CollectiveMismatchError(f"all_to_all on rank {me}: " + "; ".join(errors))
-        send = torch.cat([self._views.host(t).reshape(-1) for t in inputs])
+        send = torch.cat([self._buf.host(t).reshape(-1) for t in inputs])
         recv = torch.empty(sum(t.numel() for t in outputs), dtype=send.dtype, device=send.device)
         scount = [t.numel() * es for t in inputs]
         rcount = [t.numel() * es for t in outputs]
         sdis = [sum(scount[:j]) for j in range(p)]
         rdis = [sum(rcount[:j]) for j in range(p)]
-        byte = self._views.byte
-        args = ([self._views.raw(send), (scount, sdis), byte], [self._views.raw(recv), (rcount, rdis), byte])
+        byte = self._buf.byte
+        args = ([self._buf.raw(send), (scount, sdis), byte], [self._buf.raw(recv), (rcount, rdis), byte])
         self._run(c.Alltoallv, c.Ialltoallv, args, "all_to_all")
         offset = 0
         for out in outputs:
@@ -331,7 +331,7 @@ class MPIBackend(CommunicationBackend):
             raise ArgumentError(f"{what}: tag={tag} is outside MPI's range [0, {self._tag_ub}]")
 
     def check_received(self, status: Any, buf: torch.Tensor, what: str) -> int:
-        got = status.Get_count(self._views.byte)
+        got = status.Get_count(self._buf.byte)
         want = buf.numel() * buf.element_size()
         source = int(status.Get_source())
         if got != want:
@@ -343,31 +343,29 @@ class MPIBackend(CommunicationBackend):
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self._check_tag(tag, "send")
-        buf = self._views.host(tensor)
+        buf = self._buf.host(tensor)
         if self._timeout is None:
-            self._comm.Send(self._views.bytes(buf), dst, tag)
+            self._comm.Send(self._buf.bytes(buf), dst, tag)
         else:
-            self.wait_request(
-                self._comm.Isend(self._views.bytes(buf), dst, tag), f"send(dst={dst}, tag={tag})"
-            )
+            self.wait_request(self._comm.Isend(self._buf.bytes(buf), dst, tag), f"send(dst={dst}, tag={tag})")
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         return self._irecv(tensor, src, tag).wait() or 0
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         self._check_tag(tag, "isend")
-        buf = self._views.host(tensor)
-        req = self._comm.Isend(self._views.bytes(buf), dst, tag)
+        buf = self._buf.host(tensor)
+        req = self._comm.Isend(self._buf.bytes(buf), dst, tag)
         return _MPIWork(self, req, f"isend(dst={dst}, tag={tag})", (buf,))
 
     def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
         self._check_tag(tag, "recv")
         mpi = self._mpi
-        buf = self._views.host(tensor)
+        buf = self._buf.host(tensor)
         status = mpi.Status()
         source = mpi.ANY_SOURCE if src is None else src
         what = f"recv(src={'any' if src is None else src}, tag={tag})"
-        req = self._comm.Irecv(self._views.bytes(buf), source, tag)
+        req = self._comm.Irecv(self._buf.bytes(buf), source, tag)
         finish = None if buf is tensor else (lambda: tensor.copy_(buf))
         return _MPIWork(self, req, what, (buf,), finish, status)
 
