@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from dtlab.errors import StrategyError
-from dtlab.models.tensor._plan import DeclaredPlan, HeadsParallel, Plan, PlanDict
+from dtlab.models.tensor._plan import DeclaredPlan, HeadsParallel, Plan, PlanDict, Style
 
 __all__ = ["declared_plan", "gpt2_plan", "hugging_face_plan"]
 
@@ -32,7 +32,7 @@ def gpt2_plan(prefix: str = "transformer.", head: bool = True) -> PlanDict:
     same heads on one rank; its ``split_size`` set to the local width), ``c_proj`` row-parallel, the MLP
     column- then row-parallel, and the head (tied to the embedding) column-parallel with its logits
     gathered. Hugging Face's GPT-2 declares no plan."""
-    plan: dict[str, object] = {
+    plan: dict[str, Style | str] = {
         f"{prefix}wte": "embedding_rowwise",
         f"{prefix}h.*.attn": HeadsParallel(qkv=("c_attn",), out="c_proj", heads="split_size", sections=3),
         f"{prefix}h.*.mlp.c_fc": "colwise",
@@ -40,7 +40,7 @@ def gpt2_plan(prefix: str = "transformer.", head: bool = True) -> PlanDict:
     }
     if head:
         plan["lm_head"] = "colwise_gather_output"
-    return plan  # type: ignore[return-value]
+    return plan
 
 
 def _recipe(module: nn.Module) -> PlanDict | None:

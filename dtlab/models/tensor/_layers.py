@@ -40,9 +40,12 @@ __all__ = [
 AXIS = "tp"
 
 
-def _divisible(n: int, p: int, what: str, hint: str) -> None:
+def check_divisible(n: int, p: int, what: str, hint: str = "") -> None:
+    """``what`` (of size ``n``) splits evenly over ``p`` ranks, or one error saying what to choose."""
     if n % p:
-        raise StrategyError(f"{what} is {n}, not divisible by tp={p}; {hint}")
+        raise StrategyError(
+            f"{what} is {n}, not divisible by tp={p}; {hint or f'choose a tp that divides {n}'}"
+        )
 
 
 def _parameter(
@@ -158,7 +161,7 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         p = group.world_size
-        _divisible(
+        check_divisible(
             out_features,
             p * sections,
             f"ColumnParallelLinear: out_features ({sections} section(s) x tp)",
@@ -246,16 +249,10 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         p = group.world_size
-        _divisible(
-            in_features, p, "RowParallelLinear: in_features", f"choose a tp that divides {in_features}"
-        )
+        check_divisible(in_features, p, "RowParallelLinear: in_features")
         self.in_features, self.out_features = in_features, out_features
-        self.group, self.input_is_parallel, self.sequence_parallel = (
-            group,
-            input_is_parallel,
-            sequence_parallel,
-        )
-        self.transposed = transposed
+        self.group, self.transposed = group, transposed
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.placement = Shard(AXIS, 0 if transposed else 1)
         shape = (in_features // p, out_features) if transposed else (out_features, in_features // p)
         self.weight = _parameter(shape, self.placement, in_features, device, dtype)
@@ -295,9 +292,8 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features} (local {self.in_features // self.group.world_size}), "
-            "out_features="
-            f"{self.out_features}, tp={self.group.world_size}, input_is_parallel={self.input_is_parallel}, "
-            f"sequence_parallel={self.sequence_parallel}"
+            f"out_features={self.out_features}, tp={self.group.world_size}, "
+            f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}"
         )
 
 
@@ -326,7 +322,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"VocabParallelEmbedding: padding_idx={padding_idx} is not an id of the vocabulary "
                 f"[0, {num_embeddings})"
             )
-        _divisible(
+        check_divisible(
             num_embeddings,
             p,
             "VocabParallelEmbedding: the vocabulary (num_embeddings)",

@@ -36,9 +36,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
-import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -48,6 +47,7 @@ from dtlab.models.tensor._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    check_divisible,
     linear_features,
 )
 from dtlab.models.tensor._styles import (
@@ -107,11 +107,7 @@ def _need(module: nn.Module, kind: type[M], name: str, style: Style) -> M:
 
 
 def _check_split(name: str, what: str, size: int, tp: int, hint: str = "") -> None:
-    if size % tp:
-        raise StrategyError(
-            f"tensor-parallel plan: module {name!r}: {what} is {size}, not divisible by tp={tp}; "
-            f"{hint or f'choose a tp that divides {size}'}"
-        )
+    check_divisible(size, tp, f"tensor-parallel plan: module {name!r}: {what}", hint)
 
 
 def _features(module: nn.Module, name: str, style: Style) -> tuple[int, int]:
@@ -154,19 +150,19 @@ def _check_one(name: str, module: nn.Module, style: Style, tp: int) -> None:
             )
         what = "the number of attention heads" if "head" in style.heads else f"its {style.heads!r}"
         _check_split(name, what, heads, tp)
-        features = {
-            c: linear_features(getattr(module, c, None) or nn.Identity()) for c in (*style.qkv, style.out)
-        }
-        for child, found in features.items():
+        features: dict[str, tuple[int, int, bool]] = {}
+        for child in (*style.qkv, style.out):
+            found = linear_features(getattr(module, child, None) or nn.Identity())
             if found is None:
                 raise StrategyError(
                     f"tensor-parallel plan: HeadsParallel needs {name}.{child} to be an nn.Linear or a "
                     f"Conv1D (got {type(getattr(module, child, None)).__name__}); set HeadsParallel(qkv=..., "
                     "out=...)"
                 )
+            features[child] = found
         head_dim = getattr(module, "head_dim", None)
         for child in style.qkv:
-            out = cast(tuple[int, int, bool], features[child])[1]
+            out = features[child][1]
             if out % (style.sections * heads):
                 raise StrategyError(
                     f"tensor-parallel plan: {name}.{child} has {out} output features, not "
@@ -180,9 +176,7 @@ def _check_one(name: str, module: nn.Module, style: Style, tp: int) -> None:
                     section // head_dim,
                     tp,
                 )
-        _check_split(
-            f"{name}.{style.out}", "in_features", cast(tuple[int, int, bool], features[style.out])[0], tp
-        )
+        _check_split(f"{name}.{style.out}", "in_features", features[style.out][0], tp)
 
 
 def _check_whole_heads(root: nn.Module, name: str, module: nn.Module, style: Style, tp: int) -> None:
@@ -191,8 +185,7 @@ def _check_whole_heads(root: nn.Module, name: str, module: nn.Module, style: Sty
     found = linear_features(module)
     if found is None or not isinstance(style, ColwiseParallel | RowwiseParallel):
         return
-    parent_name = name.rpartition(".")[0]
-    head_dim = getattr(root.get_submodule(parent_name) if parent_name else root, "head_dim", None)
+    head_dim = getattr(root.get_submodule(name.rpartition(".")[0]), "head_dim", None)
     features = found[1] // style.sections if isinstance(style, ColwiseParallel) else found[0]
     if not isinstance(head_dim, int) or head_dim <= 0 or features % head_dim:
         return
@@ -254,15 +247,7 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
 
 def _set_child(root: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, new)
-
-
-def _split_output_hook(group: CommunicationBackend) -> Any:
-    def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
-        return scatter_to_sequence(output, group)
-
-    return hook
+    setattr(root.get_submodule(parent_name), child, new)  # "": root itself
 
 
 def apply_plan(
@@ -322,7 +307,7 @@ def apply_plan(
             setattr(module, style.out, row)
             setattr(module, style.heads, getattr(module, style.heads) // group.world_size)
         elif style.split_output:
-            module.register_forward_hook(_split_output_hook(group))
+            module.register_forward_hook(lambda _m, _inputs, out: scatter_to_sequence(out, group))
         else:
             partial.extend(p for p in module.parameters(recurse=True) if p.requires_grad)
     for m in root.modules():
