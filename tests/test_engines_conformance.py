@@ -188,7 +188,7 @@ def _half_reference(inputs: list[torch.Tensor], avg: bool) -> torch.Tensor:
 
 def _half_sums(b: CommunicationBackend, timeout: float | None) -> None:
     """float16/bfloat16 SUM/AVG on MPI: bitwise the float32 sum in rank order rounded once (sizes not
-    divisible by P, one past the CPU block), identical on every rank, non-blocking ones waited in
+    divisible by P, below P), identical on every rank, non-blocking ones waited in
     reverse order; on the wire half-precision bytes: all-to-all plus all-gather, no MPI reduction."""
     from dtlab.backends import MPIBackend
 
@@ -204,7 +204,7 @@ def _half_sums(b: CommunicationBackend, timeout: float | None) -> None:
         ]
 
     for dtype in (torch.float16, torch.bfloat16):
-        for n in (1, 2 * p + 1, 9_999, 2 * p * 2**18 + p - 1):
+        for n in (1, 2 * p + 1, 9_999):
             for op in (ReduceOp.SUM, ReduceOp.AVG):
                 xs = inputs(n, dtype, 7 * n)
                 t = xs[me].clone()
@@ -249,6 +249,23 @@ def _half_sums(b: CommunicationBackend, timeout: float | None) -> None:
         if not torch.equal(buf[me * 333 : (me + 1) * 333], rs) or sent != [("Alltoallv", 2 * 333 * (p - 1))]:
             raise AssertionError(f"aliased reduce_scatter({dtype}): {log}")
     h.close()
+
+
+def test_half_sum_rows_adds_in_float32_in_order_and_rounds_once() -> None:
+    """The local step of MPI's half-precision sums over several CPU blocks (``_BLOCK`` elements each),
+    the output being one of the rows, bitwise equal to the reference; a per-addition rounding fails."""
+    from dtlab.backends._mpi_half import _BLOCK, sum_rows
+
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float16, torch.bfloat16):
+        rows = [(torch.randn(2 * _BLOCK + 3, generator=g) * 64).to(dtype) for _ in range(3)]
+        for divide in (1, 3):
+            want = _half_reference(rows, divide == 3)
+            out = rows[1].clone()
+            sum_rows([rows[0], out, rows[2]], out, divide)
+            assert torch.equal(out, want), (dtype, divide)
+        stepwise = (rows[0] + rows[1]) + rows[2]  # rounded after each addition: differs somewhere
+        assert not torch.equal(stepwise, _half_reference(rows, False)), dtype
 
 
 def _pickled(size: int) -> int:
