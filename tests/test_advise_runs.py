@@ -35,6 +35,19 @@ def _largest_state(measured: list[dict[str, Any]]) -> int:
     return max(got["memory"]["optimizer_state"] for got in measured)
 
 
+def _assert_memory_as_predicted(measured: list[dict[str, Any]], pred: Any) -> None:
+    """Every rank's parameters, gradients and gathered peak as predicted; the largest optimizer state."""
+    predicted = {
+        "parameters": pred.memory.parameters,
+        "gradients": pred.memory.gradients,
+        "optimizer_state": pred.memory.optimizer_state,
+        "peak_gathered_parameters": pred.peak_gathered_parameters,
+    }
+    assert _largest_state(measured) == predicted["optimizer_state"]
+    for rank, got in enumerate(measured):
+        assert _same_memory(got["memory"], predicted) == _same_memory(predicted, predicted), f"rank {rank}"
+
+
 def _config(strategy: str, world: int) -> Any:
     return load_config(
         overrides=[*TINY_LM, *SIZES, f"strategy.model={strategy}", f"backend.world_size={world}"]
@@ -123,15 +136,8 @@ def test_data_parallel_memory_and_bytes_equal_the_run(strategy: str, world: int)
     pred = predict(
         spec, ClusterSpec(ranks=world), plan, config.data.global_batch_size, optimizer=OptimizerSpec()
     )
-    predicted = {
-        "parameters": pred.memory.parameters,
-        "gradients": pred.memory.gradients,
-        "optimizer_state": pred.memory.optimizer_state,
-        "peak_gathered_parameters": pred.peak_gathered_parameters,
-    }
-    assert _largest_state(measured) == predicted["optimizer_state"]
+    _assert_memory_as_predicted(measured, pred)
     for rank, got in enumerate(measured):
-        assert _same_memory(got["memory"], predicted) == _same_memory(predicted, predicted), f"rank {rank}"
         assert got["ops"] == pred.axes["dp"].ops, f"rank {rank}"
         if got["activations"] is not None:
             assert got["activations"] == pytest.approx(pred.memory.activations, rel=0.05)
@@ -260,15 +266,8 @@ def test_tensor_parallel_memory_and_bytes_equal_the_run(shape: dict[str, int], s
     measured = run_world(world, _tensor_steps, shape, strategy)
     plan = Candidate(strategy, dp=shape.get("dp", 1), tp=shape["tp"])  # type: ignore[arg-type]
     pred = predict(TP_SPEC, ClusterSpec(ranks=world), plan, TP_BATCH)
-    predicted = {
-        "parameters": pred.memory.parameters,
-        "gradients": pred.memory.gradients,
-        "optimizer_state": pred.memory.optimizer_state,
-        "peak_gathered_parameters": pred.peak_gathered_parameters,
-    }
-    assert _largest_state(measured) == predicted["optimizer_state"]
+    _assert_memory_as_predicted(measured, pred)
     for rank, got in enumerate(measured):
-        assert _same_memory(got["memory"], predicted) == _same_memory(predicted, predicted), f"rank {rank}"
         for axis in ("dp", "tp"):
             moved = {k: v for k, v in got["ops"][axis].items() if v[1]}  # size-1 groups: 0-byte calls
             assert moved == pred.axes[axis].ops, f"rank {rank} {axis}"

@@ -13,27 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_cases import flat_shard
 from safetensors.torch import load_file
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import consolidate, full_tensors_from_shards, read_checkpoint, save_checkpoint
-from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
 from dtlab.testing import run_world
 
 FULL = {"w": torch.arange(10, dtype=torch.float32).reshape(2, 5), "b": torch.tensor([7.0, 8.0, 9.0])}
-
-
-def _shard(full: dict[str, torch.Tensor], rank: int, world: int, scale: float = 1.0) -> ShardedState:
-    """Flat slices in the format shared by the strategies (metadata['entries'])."""
-    tensors, entries = {}, {}
-    for k, v in full.items():
-        n = v.numel()
-        per = -(-n // world)
-        s, e = min(n, rank * per), min(n, (rank + 1) * per)
-        tensors[k] = v.reshape(-1)[s:e] * scale
-        entries[k] = {"shape": list(v.shape), "dtype": "float32", "start": s, "end": e}
-    return ShardedState(tensors, {"strategy": "test", "world_size": world, "rank": rank, "entries": entries})
 
 
 def _save(
@@ -41,7 +29,7 @@ def _save(
 ) -> str:
     out = ""
     for step in steps:
-        shard = _shard(FULL, backend.rank, backend.world_size, scale=float(step))
+        shard = flat_shard(FULL, backend.rank, backend.world_size, scale=float(step))
         rng = {"torch_cpu": torch.get_rng_state()}
         meta = {"trainer": {"step": step}}
         out = str(save_checkpoint(root, step, backend, shard, None, rng, meta, keep_last, run_tag=tag))
@@ -190,7 +178,7 @@ def test_sigkill_while_saving_leaves_previous_checkpoint_loadable(tmp_path: Path
 
 
 def test_shards_missing_a_range_are_rejected() -> None:
-    shards = [_shard(FULL, 0, 2)]  # rank 1's half is absent
+    shards = [flat_shard(FULL, 0, 2)]  # rank 1's half is absent
     with pytest.raises(CheckpointError, match="cover only"):
         full_tensors_from_shards(shards)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoint_cases import flat_shard
 
 import dtlab.checkpoint.save as save_module
 from dtlab.backends.base import CommunicationBackend
@@ -66,20 +67,9 @@ class FileSystemSteps:
         mp.setattr(Path, "mkdir", self.wrap("mkdir", real_mkdir))
 
 
-def _shard(rank: int, world: int, step: int) -> ShardedState:
-    tensors, entries = {}, {}
-    for k, v in FULL.items():
-        n = v.numel()
-        per = -(-n // world)
-        s, e = min(n, rank * per), min(n, (rank + 1) * per)
-        tensors[k] = v.reshape(-1)[s:e] * step
-        entries[k] = {"shape": list(v.shape), "dtype": "float32", "start": s, "end": e}
-    return ShardedState(tensors, {"strategy": "test", "world_size": world, "rank": rank, "entries": entries})
-
-
 def _save(backend: CommunicationBackend, root: Path, step: int) -> None:
-    shard = _shard(backend.rank, backend.world_size, step)
-    optim = _shard(backend.rank, backend.world_size, -step)
+    shard = flat_shard(FULL, backend.rank, backend.world_size, step)
+    optim = flat_shard(FULL, backend.rank, backend.world_size, -step)
     rank_state = {"marker": torch.tensor([float(step)])}
     # one run saving again and again (its run_tag): a save removes its own run's leftovers, never another's
     meta = {"trainer": {"step": step}}
@@ -150,7 +140,7 @@ def test_a_save_stopped_after_any_file_system_step_loses_nothing_committed(
 
 
 def _save_meta(backend: CommunicationBackend, root: Path, meta: dict[str, Any]) -> None:
-    shard = _shard(backend.rank, backend.world_size, 1)
+    shard = flat_shard(FULL, backend.rank, backend.world_size, 1)
     save_checkpoint(root, 1, backend, shard, None, {}, meta)
 
 

@@ -142,14 +142,8 @@ def test_only_benchmarks_import_the_testing_helpers() -> None:
     assert not bad, f"production code imports dtlab.testing: {bad}"
 
 
-def test_no_import_circles_between_packages() -> None:
-    graph: dict[str, set[str]] = {}
-    for package in ALLOWED:
-        for file in _files(package):
-            for _, module in _runtime_imports(ast.parse(file.read_text())):
-                parts = module.split(".")
-                if parts[0] == "dtlab" and len(parts) > 1 and parts[1] != package and parts[1] in ALLOWED:
-                    graph.setdefault(package, set()).add(parts[1])
+def _assert_no_circle(graph: dict[str, set[str]]) -> None:
+    """Fails naming the first circle found in ``graph`` (node -> the nodes it imports)."""
     done: set[str] = set()
 
     def visit(node: str, path: list[str]) -> None:
@@ -161,8 +155,19 @@ def test_no_import_circles_between_packages() -> None:
             visit(nxt, [*path, node])
         done.add(node)
 
-    for package in sorted(graph):
-        visit(package, [])
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_no_import_circles_between_packages() -> None:
+    graph: dict[str, set[str]] = {}
+    for package in ALLOWED:
+        for file in _files(package):
+            for _, module in _runtime_imports(ast.parse(file.read_text())):
+                parts = module.split(".")
+                if parts[0] == "dtlab" and len(parts) > 1 and parts[1] != package and parts[1] in ALLOWED:
+                    graph.setdefault(package, set()).add(parts[1])
+    _assert_no_circle(graph)
 
 
 # Inside dtlab.models: one subpackage per parallelism, composed in compose/. A subpackage imports the
@@ -210,16 +215,4 @@ def test_no_import_circles_between_modules() -> None:
         for _, module in _runtime_imports(ast.parse(file.read_text())):
             if module in files and module != name:
                 graph.setdefault(name, set()).add(module)
-    done: set[str] = set()
-
-    def visit(node: str, path: list[str]) -> None:
-        if node in path:
-            raise AssertionError(f"import circle: {' -> '.join([*path[path.index(node) :], node])}")
-        if node in done:
-            return
-        for nxt in sorted(graph.get(node, ())):
-            visit(nxt, [*path, node])
-        done.add(node)
-
-    for name in sorted(graph):
-        visit(name, [])
+    _assert_no_circle(graph)

@@ -24,23 +24,14 @@ from dtlab.models import DDPModel
 from dtlab.optimizers import DDPOptimizer
 from dtlab.testing import run_world
 from tests._capped import CAP, _limit, run_cli
+from tests.checkpoint_cases import flat_shard
 
 FULL = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.tensor([7.0, 8.0, 9.0])}
 
 
-def _shard(rank: int, world: int, scale: float) -> ShardedState:
-    tensors, entries = {}, {}
-    for k, v in FULL.items():
-        per = -(-v.numel() // world)
-        s, e = min(v.numel(), rank * per), min(v.numel(), (rank + 1) * per)
-        tensors[k] = v.reshape(-1)[s:e] * scale
-        entries[k] = {"shape": list(v.shape), "dtype": "float32", "start": s, "end": e}
-    return ShardedState(tensors, {"strategy": "test", "world_size": world, "rank": rank, "entries": entries})
-
-
 def _save(backend: CommunicationBackend, root: str) -> None:
     for step in (1, 2):
-        shard = _shard(backend.rank, backend.world_size, float(step))
+        shard = flat_shard(FULL, backend.rank, backend.world_size, float(step))
         meta = {"trainer": {"step": step}}
         save_checkpoint(root, step, backend, shard, None, {"r": torch.zeros(2)}, meta, keep_last=2)
 
