@@ -134,7 +134,7 @@ PSGD_INLINE int64_t psgd_dot_rows(const float* restrict a, const float* restrict
 PSGD_INLINE void psgd_axpy_rows(const float* restrict a, int64_t cols, int64_t len, int NR,
                                 const float* restrict p, int R, float* restrict qt) {
 #ifdef PSGD_AVX2
-    __m256 b[4][PSGD_MAX_RANK];
+    __m256 b[8][PSGD_MAX_RANK];
     for (int t = 0; t < NR; t++) for (int k = 0; k < R; k++) b[t][k] = _mm256_set1_ps(p[t * R + k]);
     int64_t j = 0;
     for (; j + 8 <= len; j += 8) {
@@ -291,8 +291,9 @@ PSGD_INLINE void psgd_back_one(const float* a, int64_t numel, int64_t rows, int6
                           const float* p, float* q, float* qt) {
     memset(qt, 0, (size_t)(R * cols) * sizeof(float));
     int64_t i = 0;
-    for (; i + 4 <= rows && psgd_len(i + 3, cols, numel) == cols; i += 4)
-        psgd_axpy_rows(a + i * cols, cols, cols, 4, p + i * R, R, qt);
+    const int NR = R <= 4 ? 8 : 4;  /* rows per block: fewer passes of the block through the cache */
+    for (; i + NR <= rows && psgd_len(i + NR - 1, cols, numel) == cols; i += NR)
+        psgd_axpy_rows(a + i * cols, cols, cols, NR, p + i * R, R, qt);
     for (; i < rows; i++) psgd_axpy_rows(a + i * cols, cols, psgd_len(i, cols, numel), 1, p + i * R, R, qt);
     psgd_transpose(qt, R, cols, q);
 }
