@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import TypeVar, cast
+from typing import cast
 
 from torch import nn
 
@@ -65,8 +65,6 @@ from dtlab.models.tensor._styles import (
     style_of,
     transformer_plan,
 )
-
-M = TypeVar("M", bound=nn.Module)
 
 __all__ = [
     "ColwiseParallel",
@@ -97,13 +95,11 @@ def splits_logits(root: nn.Module) -> bool:
     return isinstance(last, ColumnParallelLinear) and not last.gather_output
 
 
-def _need(module: nn.Module, kind: type[M], name: str, style: Style) -> M:
-    if not isinstance(module, kind):
-        raise StrategyError(
-            f"tensor-parallel plan: {type(style).__name__} applies to a {kind.__name__}, but module "
-            f"{name!r} is a {type(module).__name__}; fix the pattern that matched it"
-        )
-    return module
+def _mismatch(style: Style, kind: str, name: str, module: nn.Module) -> StrategyError:
+    return StrategyError(
+        f"tensor-parallel plan: {type(style).__name__} applies to a {kind}, but module {name!r} is a "
+        f"{type(module).__name__}; fix the pattern that matched it"
+    )
 
 
 def _check_split(name: str, what: str, size: int, tp: int, hint: str = "") -> None:
@@ -114,10 +110,7 @@ def _features(module: nn.Module, name: str, style: Style) -> tuple[int, int]:
     """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D`` (split alike)."""
     features = linear_features(module)
     if features is None:
-        raise StrategyError(
-            f"tensor-parallel plan: {type(style).__name__} applies to a Linear (nn.Linear or Hugging Face's "
-            f"Conv1D), but module {name!r} is a {type(module).__name__}; fix the pattern that matched it"
-        )
+        raise _mismatch(style, "Linear (nn.Linear or Hugging Face's Conv1D)", name, module)
     return features[0], features[1]
 
 
@@ -133,13 +126,14 @@ def _check_one(name: str, module: nn.Module, style: Style, tp: int) -> None:
     elif isinstance(style, RowwiseParallel):
         _check_split(name, "in_features", _features(module, name, style)[0], tp)
     elif isinstance(style, VocabParallel):
-        emb = _need(module, nn.Embedding, name, style)
+        if not isinstance(module, nn.Embedding):
+            raise _mismatch(style, "Embedding", name, module)
         _check_split(
             name,
             "the vocabulary (num_embeddings)",
-            emb.num_embeddings,
+            module.num_embeddings,
             tp,
-            f"pad the vocabulary to a multiple of {tp} or choose a tp that divides {emb.num_embeddings}",
+            f"pad the vocabulary to a multiple of {tp} or choose a tp that divides {module.num_embeddings}",
         )
     elif isinstance(style, HeadsParallel):
         heads = getattr(module, style.heads, None)

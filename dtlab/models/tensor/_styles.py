@@ -154,9 +154,7 @@ def style_of(value: Style | str, pattern: str) -> Style:
                 f"{sorted(_ALIASES)} or a style object (ColwiseParallel(...), ...)"
             )
         return _ALIASES[value]
-    if not isinstance(
-        value, ColwiseParallel | RowwiseParallel | VocabParallel | HeadsParallel | SequenceParallel
-    ):
+    if not isinstance(value, Style):
         raise StrategyError(
             f"tensor-parallel plan entry {pattern!r}: a style is a string {sorted(_ALIASES)} or a style "
             f"object, got {value!r}"
