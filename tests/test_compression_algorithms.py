@@ -180,7 +180,9 @@ def _bytes_run(backend: CommunicationBackend, comp: Compressor, n: int, steps: i
 def test_measured_bytes_within_the_formulas() -> None:
     n, density = 40000, 0.01
     k, pairs = int(n * density), 8  # bytes per index-value pair
-    flag = 2 * (P - 1) * 4 * P // P  # the non-finite check: P int32 all-reduced
+    # the non-finite check: P int32 all-reduced (Ok-Topk: one int64 more per rank in its size all-gather,
+    # (P - 1) * 8 bytes: the same)
+    flag = 2 * (P - 1) * 4 * P // P
     # Ok-Topk: < 6k(P-1)/P pairs + metadata (count exchanges, boundary all-reduce, 4 histograms)
     meta = 4 * 256 * 4 * 2 * (P - 1) // P + 16 * P * P + flag
     sent = run_world(P, _bytes_run, OkTopk(density=density, warmup_steps=0, tau=4), n, 12)

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.compression.finite import FiniteCheck
 from dtlab.compression.kernels import write_sparse
 from dtlab.compression.state_io import Workspace
 from dtlab.errors import ConfigError, DtlabError
@@ -309,6 +310,21 @@ class Compressor(ABC):
             ex.result_indices = ex.result_indices[keep] - me * n
             ex.result_values = ex.result_values[keep]
         return ex
+
+    def checked_exchange(
+        self,
+        state: dict[str, Any],
+        acc: torch.Tensor,
+        backend: CommunicationBackend,
+        check: FiniteCheck,
+        *,
+        shard: bool,
+    ) -> Exchange:
+        """:meth:`reduce_scatter` (``shard``) or :meth:`all_reduce`, after the non-finite ``check``
+        was decided on every rank. Default: its own all-reduce of the ``P`` counts first; a compressor
+        whose first exchange is a count exchange folds the counts into it instead (Ok-Topk)."""
+        check.exchange(backend)
+        return self.reduce_scatter(state, acc, backend) if shard else self.all_reduce(state, acc, backend)
 
     def at_step(self, step: int) -> Compressor:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         """The configuration in force at compressed iteration ``step`` (counted from the first

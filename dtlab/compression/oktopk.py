@@ -8,8 +8,11 @@ One iteration on a buffer of ``n`` elements, ``k = density * n``:
 2. **Region boundaries.** Every ``tau_prime`` iterations every rank proposes boundaries that cut its
    own selection into ``P`` equal parts; the average of the proposals (one small all-reduce) becomes
    the new boundaries, so each rank owns a region holding about ``1/P`` of the selected values.
-3. **Split and reduce.** Each rank sends the entries of region ``j`` to rank ``j`` (point-to-point,
-   at most 4 peers at a time) and sums what it receives for its own region.
+3. **Split and reduce.** One all-gather of the region sizes (carrying the non-finite check's count
+   as well, :meth:`OkTopk.checked_exchange`: the decision is taken there, before any entry moves,
+   and the thresholds and boundaries change only once the call goes on), then each rank sends the
+   entries of region ``j`` to rank ``j`` (point-to-point, at most 4 peers at a time) and sums what
+   it receives for its own region.
 4. **Global selection.** Every ``tau`` iterations the global threshold is the exact k-th largest
    magnitude of all reduced values (a distributed radix select: four 256-bin histogram all-reduces,
    instead of the reference code's all-gather of every reduced value); in between it is reused and
@@ -43,6 +46,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.base import Exchange, Prefilter, SparseCompressor
+from dtlab.compression.finite import FiniteCheck
 from dtlab.compression.sparse import (
     Magnitudes,
     all_gather_counts,
@@ -122,12 +126,19 @@ class OkTopk(SparseCompressor):
 
         return work.pre.request_sampled(sample_positions(numel, k, t), choose, 2 * k)
 
-    def _local(self, state: dict[str, Any], acc: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:
+    def _local(
+        self, state: dict[str, Any], acc: torch.Tensor, k: int, skip: bool = False
+    ) -> tuple[torch.Tensor, bool, float]:
+        """This iteration's selection: sorted indices, whether the thresholds are recomputed, and the
+        next local threshold (committed by the caller once the call goes on). ``skip``: ``acc`` is
+        not finite and nothing will be sent: no selection is made."""
         recompute = state["t"] % self.tau == 0
         work: Magnitudes = state["work"]
+        if skip:
+            return torch.empty(0, dtype=torch.int64, device=acc.device), recompute, state["local_thr"]
         if recompute:
-            idx, state["local_thr"] = local_topk(acc, k, work)
-            return idx, recompute
+            idx, thr = local_topk(acc, k, work)
+            return idx, recompute, thr
         got = work.pre.take()
         if got is not None:  # the threshold and its selection, from the error-feedback pass
             thr, idx = got
@@ -138,15 +149,17 @@ class OkTopk(SparseCompressor):
             if not _in_range(sample, thr, acc.numel(), k):
                 thr = threshold_of_sample(sample, acc.numel(), k)
             idx = indices_above(acc, thr, 2 * k)
-        state["local_thr"] = _nudge(thr, idx.numel(), k, LOCAL_SCALE, LOCAL_SCALE)
-        return idx, recompute
+        return idx, recompute, _nudge(thr, idx.numel(), k, LOCAL_SCALE, LOCAL_SCALE)
 
-    def _repartition(
+    def _bounds(
         self, state: dict[str, Any], idx: torch.Tensor, n: int, backend: CommunicationBackend
-    ) -> None:
+    ) -> list[int]:
+        """This iteration's region boundaries (committed by the caller once the call goes on): the
+        kept ones, or every ``tau_prime`` iterations the average of every rank's proposal."""
         p = backend.world_size
         if state["bounds"] is not None and state["t"] % self.tau_prime != 0:
-            return
+            bounds: list[int] = state["bounds"]
+            return bounds
         m = idx.numel()
         if m >= p:
             proposal = idx[[m * j // p for j in range(1, p)]].to(torch.int64)
@@ -156,16 +169,57 @@ class OkTopk(SparseCompressor):
         if p > 1:
             backend.all_reduce(proposal, ReduceOp.SUM)
         inner = (proposal.cpu() // p).tolist()
-        state["bounds"] = [0, *[int(b) for b in inner], n]
+        return [0, *[int(b) for b in inner], n]
 
-    def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
-        p, me, n, k = backend.world_size, backend.rank, acc.numel(), self.k(acc.numel())
+    def _split(
+        self,
+        state: dict[str, Any],
+        acc: torch.Tensor,
+        backend: CommunicationBackend,
+        check: FiniteCheck | None,
+        equal: bool,
+    ) -> tuple[torch.Tensor, bool, float, list[int], torch.Tensor, torch.Tensor]:
+        """Local selection, regions and split-and-reduce; ``check``'s count travels with the region
+        sizes and is decided before any entry moves, and only then is the state updated.
+        ``equal``: the strategy's equal shards as regions. Returns ``(idx, recompute, select_s,
+        bounds, ridx, rvals)``."""
+        n, k = acc.numel(), self.k(acc.numel())
         t0 = time.perf_counter()
-        idx, recompute = self._local(state, acc, k)
+        idx, recompute, local_thr = self._local(state, acc, k, check is not None and check.bad > 0)
         select_s = time.perf_counter() - t0
-        self._repartition(state, idx, n, backend)
-        bounds: list[int] = state["bounds"]
-        ridx, rvals = split_and_reduce(backend, acc, idx, bounds)
+        bounds = equal_bounds(n, backend.world_size) if equal else self._bounds(state, idx, n, backend)
+        ridx, rvals = split_and_reduce(backend, acc, idx, bounds, check)
+        state["local_thr"] = local_thr
+        if not equal:
+            state["bounds"] = bounds
+        return idx, recompute, select_s, bounds, ridx, rvals
+
+    def checked_exchange(
+        self,
+        state: dict[str, Any],
+        acc: torch.Tensor,
+        backend: CommunicationBackend,
+        check: FiniteCheck,
+        *,
+        shard: bool,
+    ) -> Exchange:
+        """The non-finite check's counts travel with the split-and-reduce's region sizes: no round
+        of their own."""
+        return (
+            self.reduce_scatter(state, acc, backend, check)
+            if shard
+            else self.all_reduce(state, acc, backend, check)
+        )
+
+    def all_reduce(
+        self,
+        state: dict[str, Any],
+        acc: torch.Tensor,
+        backend: CommunicationBackend,
+        check: FiniteCheck | None = None,
+    ) -> Exchange:
+        p, me, k = backend.world_size, backend.rank, self.k(acc.numel())
+        idx, recompute, select_s, bounds, ridx, rvals = self._split(state, acc, backend, check, False)
         t1 = time.perf_counter()
         counts: list[int] | None = None
         if not recompute:
@@ -187,13 +241,12 @@ class OkTopk(SparseCompressor):
         return Exchange.sparse(gidx, gvals.div_(p), involved, idx.numel(), gidx.numel(), select_s)
 
     def reduce_scatter(
-        self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend
+        self,
+        state: dict[str, Any],
+        acc: torch.Tensor,
+        backend: CommunicationBackend,
+        check: FiniteCheck | None = None,
     ) -> Exchange:
-        p, n, k = backend.world_size, acc.numel(), self.k(acc.numel())
-        t0 = time.perf_counter()
-        idx, _ = self._local(state, acc, k)
-        select_s = time.perf_counter() - t0
-        bounds = equal_bounds(n, p)
-        ridx, rvals = split_and_reduce(backend, acc, idx, bounds)
+        idx, _, select_s, _, ridx, rvals = self._split(state, acc, backend, check, True)
         state["t"] += 1
-        return Exchange.sparse(ridx, rvals.div_(p), idx, idx.numel(), None, select_s)
+        return Exchange.sparse(ridx, rvals.div_(backend.world_size), idx, idx.numel(), None, select_s)

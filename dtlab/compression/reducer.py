@@ -3,9 +3,11 @@
 It is what :class:`~dtlab.optimizers.compression.GradientCompressionOptimizer` plugs into a model
 strategy and what :class:`~dtlab.compression.GradientSynchronizer` uses on its own. Per call:
 
-1. ``acc = grad + residual`` (error feedback), checked for NaN/Inf on every rank (one all-reduce of
-   ``P`` int32 counts, so every rank takes the same decision: raise, or with ``nonfinite="skip"``
-   return NaN gradients so a NaN guard skips the step; the residual is left untouched either way).
+1. ``acc = grad + residual`` (error feedback), checked for NaN/Inf on every rank (an exchange of the
+   ``P`` counts before any payload moves, so every rank takes the same decision: raise, or with
+   ``nonfinite="skip"`` return NaN gradients so a NaN guard skips the step; the residual is left
+   untouched either way). The counts travel in one all-reduce of ``P`` int32, or inside the
+   compressor's first count exchange where it has one (:meth:`Compressor.checked_exchange`, Ok-Topk).
    ``backend`` is the model's data-parallel group: the check decides this group's exchange; on a
    mesh the step-wide decision over every rank is the optimizer's ``grads_are_finite()`` (it spans
    ``model.world_backend``), which sees the NaN gradients and skips the step everywhere;
@@ -37,14 +39,15 @@ from typing import Any, Literal
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
+from dtlab.backends.base import CommunicationBackend, CompletedWork, Work
 from dtlab.compression.base import Compressor, Exchange, Layout, NonFiniteGradientError, dense_exchange
 from dtlab.compression.dense import Dense
 from dtlab.compression.error_feedback import ErrorFeedback
+from dtlab.compression.finite import ExchangeSkipped, FiniteCheck
 from dtlab.compression.state_io import decode_state, encode_state
 from dtlab.compression.stats import StepStatistics
 from dtlab.core.reducer import DenseReducer, GradientReducer
-from dtlab.errors import CheckpointError, ConfigError
+from dtlab.errors import CheckpointError, ConfigError, DtlabError
 
 __all__ = ["CompressedReducer"]
 
@@ -244,16 +247,25 @@ class CompressedReducer(GradientReducer):
         if pre is not None:  # all-reduce: the gradient receives the result, so the pass may zero it
             pre.zero_source, pre.source_zeroed = shard is None, False
         acc, bad = self.error_feedback.accumulate_counted(key, grad, pre)
-        if not self._finite(key, acc, bad):
+        if bad is None:  # a sum is finite unless a value is NaN/Inf (or it overflows: then count exactly)
+            bad = 0 if bool(torch.isfinite(acc.sum())) else int((~torch.isfinite(acc)).sum())
+        check = FiniteCheck(bad, lambda per_rank: self._nonfinite(key, per_rank))
+        try:
+            if warm:
+                check.exchange(self.backend)
+                ex = dense_exchange(acc, self.backend, shard is not None)
+            else:
+                ex = compressor.checked_exchange(state, acc, self.backend, check, shard=shard is not None)
+        except ExchangeSkipped:
             self.error_feedback.discard(key, acc)
             (grad if shard is None else shard).fill_(float("nan"))
             return CompletedWork()
-        if warm:
-            ex = dense_exchange(acc, self.backend, shard is not None)
-        elif shard is None:
-            ex = compressor.all_reduce(state, acc, self.backend)
-        else:
-            ex = compressor.reduce_scatter(state, acc, self.backend)
+        if not check.decided:
+            raise DtlabError(
+                f"{type(compressor).__name__}.checked_exchange returned without deciding the non-finite "
+                "check of its call; call check.exchange(backend) (or check.decide with every rank's "
+                "count) before any payload moves"
+            )
         out = grad.view(-1) if shard is None else shard.view(-1)
         ex.write(out, zeroed=pre is not None and pre.source_zeroed)
         if self.compressor.error_feedback:
@@ -264,18 +276,9 @@ class CompressedReducer(GradientReducer):
         self._record(n, ex, grad, shard, sent0, recv0, t0, dense=warm)
         return CompletedWork()
 
-    def _finite(self, key: str, acc: torch.Tensor, bad: int | None) -> bool:
-        """``bad``: NaN/Inf values of ``acc`` when the error-feedback pass counted them."""
-        p, me = self.backend.world_size, self.backend.rank
-        if bad is None:  # a sum is finite unless a value is NaN/Inf (or it overflows: then count exactly)
-            bad = 0 if bool(torch.isfinite(acc.sum())) else int((~torch.isfinite(acc)).sum())
-        counts = torch.zeros(p, dtype=torch.int32, device=self.backend.device)
-        counts[me] = bad
-        if p > 1:
-            self.backend.all_reduce(counts, ReduceOp.SUM)
-        per_rank = [int(c) for c in counts.cpu().tolist()]
-        if sum(per_rank) == 0:
-            return True
+    def _nonfinite(self, key: str, per_rank: list[int]) -> None:
+        """Every rank's NaN/Inf counts of buffer ``key`` (some nonzero): recorded, then raised under
+        ``nonfinite="raise"``; returns under ``"skip"`` (nothing is sent either way)."""
         where = ", ".join(f"rank {r}: {c}" for r, c in enumerate(per_rank) if c)
         self._stats.nonfinite_values += sum(per_rank)
         self._stats.nonfinite_keys.append(key)
@@ -287,7 +290,6 @@ class CompressedReducer(GradientReducer):
                 key,
                 per_rank,
             )
-        return False
 
     def _record(
         self,

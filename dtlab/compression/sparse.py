@@ -13,6 +13,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
 from dtlab.compression.base import Prefilter
+from dtlab.compression.finite import FiniteCheck
 from dtlab.compression.kernels import gather_abs, indices_above, intersect_sorted, sum_sorted_runs
 from dtlab.compression.state_io import Workspace
 
@@ -213,19 +214,27 @@ def exchange_p2p(
 
 
 def split_and_reduce(
-    backend: CommunicationBackend, acc: torch.Tensor, idx: torch.Tensor, bounds: list[int]
+    backend: CommunicationBackend,
+    acc: torch.Tensor,
+    idx: torch.Tensor,
+    bounds: list[int],
+    check: FiniteCheck | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse reduce-scatter: send each selected entry to the owner of its region and sum there.
 
     ``idx`` are sorted global indices this rank selected; region ``j`` is ``[bounds[j], bounds[j+1])``.
     Returns the owner's reduced entries as (sorted region-local indices, float32 sums); an index
-    appears when any rank sent it.
+    appears when any rank sent it. ``check``: a non-finite check whose count travels with the region
+    sizes (one more integer per rank) and is decided on every rank's counts before any entry moves.
     """
     p, me = backend.world_size, backend.rank
     edges = torch.tensor(bounds, dtype=torch.int64, device=idx.device)
     cuts = torch.searchsorted(idx, edges).tolist()
     sizes = [cuts[j + 1] - cuts[j] for j in range(p)]
-    matrix = all_gather_counts(backend, sizes) if p > 1 else torch.tensor([sizes])
+    extra = [] if check is None else [check.bad]
+    matrix = all_gather_counts(backend, sizes + extra) if p > 1 else torch.tensor([sizes + extra])
+    if check is not None:
+        check.decide(matrix[:, p].tolist())
     sends: list[torch.Tensor | None] = []
     for j in range(p):
         part = idx[cuts[j] : cuts[j + 1]]
