@@ -33,13 +33,16 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.core.rng import seeded_init
 from dtlab.errors import StrategyError
-from dtlab.models.dp._materialize import ParamInitFn, initializer, on_meta, sentinel, untouched
+from dtlab.models.dp._materialize import (
+    ParamInitFn,
+    initializer,
+    on_meta,
+    sentinel,
+    uninitialized_error,
+    untouched,
+)
 
 __all__ = ["MetaWalk"]
-
-
-def _path(module_name: str, tensor_name: str) -> str:
-    return tensor_name if module_name == "<root>" else f"{module_name}.{tensor_name}"
 
 
 @dataclass
@@ -144,42 +147,31 @@ class MetaWalk:
 
     def _step(self, i: int, asking: nn.Module | None, device: torch.device | None) -> None:
         entry = self.entries[i]
-        init = initializer(self.root, entry.module, self.param_init_fn)
-        if init is None:
-            raise StrategyError(
-                f"{self.who}: {_path(entry.name, entry.tensors[0][0])!r} of module {entry.name!r} "
-                f"({type(entry.module).__name__}) is on the meta device and nothing initializes it: "
-                f"{type(entry.module).__name__} has no reset_parameters(); pass param_init_fn=fn (fn(module) "
-                "fills the module's own parameters and buffers in place), or build the module with its "
-                "buffers on the real device (parameters only on meta)"
-            )
+        init = initializer(
+            self.who, self.root, entry.name, entry.module, entry.tensors[0][0], self.param_init_fn
+        )
         if asking is not None and asking is entry.module and self._own_values(i):
             init(entry.module)  # the strategy's whole buffers, checked by the strategy
             self.progress.done.update(id(t) for _, t, _ in entry.tensors)
             return
         saved = [(n, getattr(entry.module, n)) for n, _, _ in entry.tensors]
         for n, t, is_param in entry.tensors:
-            whole = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            sentinel(whole)
+            whole = sentinel(t.shape, t.dtype)
             setattr(
                 entry.module, n, nn.Parameter(whole, requires_grad=t.requires_grad) if is_param else whole
             )
         try:
             init(entry.module)
-            values = [(n, t, getattr(entry.module, n).detach()) for n, t, _ in entry.tensors]
+            values = [(n, t, getattr(entry.module, n).detach(), p) for n, t, p in entry.tensors]
         finally:
             for n, old in saved:
                 setattr(entry.module, n, old)
-        for n, t, value in values:
+        for n, t, value, is_param in values:
             if id(t) in self.progress.done:
                 continue  # tied, initialized by an earlier module: this draw is dropped
             if untouched(value):
-                raise StrategyError(
-                    f"{self.who}: tensor {n!r} of module {entry.name!r} ({type(entry.module).__name__}) was "
-                    "built on the meta device and its initialization left it (partly) uninitialized; pass "
-                    "param_init_fn=fn that fills it in place, or build the module with its buffers on the "
-                    "real device (parameters only on meta)"
-                )
+                kind = "parameter" if is_param else "buffer"
+                raise uninitialized_error(self.who, kind, n, entry.name, entry.module, self.param_init_fn)
             self.progress.done.add(id(t))
             target = self.targets.get((i, n))
             if target is not None:

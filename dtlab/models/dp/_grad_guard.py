@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from dtlab.errors import StrategyError
 
@@ -41,15 +42,8 @@ class ShardedGradient(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        found = next((a for a in args if isinstance(a, ShardedGradient)), None)
-        if found is None and kwargs:
-            found = next((a for a in kwargs.values() if isinstance(a, ShardedGradient)), None)
-        if found is None:
-            for a in args:
-                if isinstance(a, list | tuple):
-                    found = next((b for b in a if isinstance(b, ShardedGradient)), None)
-                    if found is not None:
-                        break
+        leaves = tree_flatten((args, kwargs))[0]
+        found = next((a for a in leaves if isinstance(a, ShardedGradient)), None)
         raise StrategyError(found.message if found is not None else "a sharded gradient was read")
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]

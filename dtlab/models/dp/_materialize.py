@@ -40,6 +40,8 @@ __all__ = [
     "init_empty_weights",
     "initializer",
     "sentinel",
+    "tensor_path",
+    "uninitialized_error",
     "untouched",
 ]
 
@@ -126,10 +128,22 @@ def on_meta(
     return init_seed
 
 
-def initializer(root: nn.Module, mod: nn.Module, param_init_fn: ParamInitFn | None) -> ParamInitFn | None:
-    """What fills ``mod``'s own tensors: ``param_init_fn``; else, in a Hugging Face model (a root with
-    ``_init_weights`` and a ``config``), the model's ``_init_weights(mod)``; else its
-    ``reset_parameters()``."""
+def tensor_path(module_name: str, tensor_name: str) -> str:
+    """A module's own tensor by its name in the whole model (``"<root>"``: the model itself)."""
+    return tensor_name if module_name == "<root>" else f"{module_name}.{tensor_name}"
+
+
+def initializer(
+    who: str,
+    root: nn.Module,
+    mname: str,
+    mod: nn.Module,
+    tname: str,
+    param_init_fn: ParamInitFn | None,
+) -> ParamInitFn:
+    """What fills ``mod``'s own tensors (``tname``: the first of them): ``param_init_fn``; else, in a
+    Hugging Face model (a root with ``_init_weights`` and a ``config``), the model's
+    ``_init_weights(mod)``; else its ``reset_parameters()``; else an error naming the tensor."""
     if param_init_fn is not None:
         return param_init_fn
     hf_init = getattr(root, "_init_weights", None)
@@ -138,17 +152,35 @@ def initializer(root: nn.Module, mod: nn.Module, param_init_fn: ParamInitFn | No
     reset = getattr(mod, "reset_parameters", None)
     if callable(reset):
         return lambda m: reset()  # noqa: ARG005 - the ParamInitFn form
-    return None
+    raise StrategyError(
+        f"{who}: {tensor_path(mname, tname)!r} of module {mname!r} ({type(mod).__name__}) is on the meta "
+        f"device and nothing initializes it: {type(mod).__name__} has no reset_parameters(); pass "
+        "param_init_fn=fn (fn(module) fills the module's own parameters and buffers in place), or build "
+        "the module with its buffers on the real device (parameters only on meta)"
+    )
 
 
-def sentinel(t: torch.Tensor) -> None:
-    """Fill ``t`` with the value that marks it as not initialized yet."""
+def uninitialized_error(
+    who: str, kind: str, tname: str, mname: str, mod: nn.Module, param_init_fn: ParamInitFn | None
+) -> StrategyError:
+    """``kind`` (parameter, buffer) ``tname`` of module ``mname`` still holds the :func:`sentinel`
+    after its initialization."""
+    how = "param_init_fn" if param_init_fn is not None else "its initialization"
+    return StrategyError(
+        f"{who}: {kind} {tname!r} of module {mname!r} ({type(mod).__name__}) was built on the meta device "
+        f"and {how} left it (partly) uninitialized; pass param_init_fn=fn that fills it in place, or build "
+        "the module with its buffers on the real device (parameters only on meta)"
+    )
+
+
+def sentinel(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor on the CPU filled with the value that marks it as not initialized yet."""
+    t = torch.empty(shape, dtype=dtype, device="cpu")
     if t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.fill_(True)
-    else:
-        t.fill_(torch.iinfo(t.dtype).min)
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(torch.iinfo(t.dtype).min)
 
 
 def untouched(t: torch.Tensor) -> bool:
@@ -241,26 +273,14 @@ class MetaInit:
         buffers = [(n, b) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
         if not params and not buffers:
             return
-        init = initializer(self.root, mod, self.param_init_fn)
-        if init is None:
-            tname = f"{mname}.{(params or buffers)[0][0]}"
-            raise StrategyError(
-                f"{self.who}: {tname!r} of module {mname!r} ({type(mod).__name__}) is on the meta device and "
-                f"nothing initializes it: {type(mod).__name__} has no reset_parameters(); pass "
-                "param_init_fn=fn (fn(module) fills the module's own parameters and buffers in place), or "
-                "build the module with its buffers on the real device (parameters only on meta)"
-            )
+        init = initializer(self.who, self.root, mname, mod, (params or buffers)[0][0], self.param_init_fn)
         kept: list[tuple[str, nn.Parameter, torch.Tensor, bool]] = []
         for pname, q in params:
-            whole = torch.empty(self.shapes[id(q)], dtype=q.dtype, device="cpu")
-            sentinel(whole)
             kept.append((pname, q, q.data, id(q) in done))
-            q.data = whole
+            q.data = sentinel(self.shapes[id(q)], q.dtype)
         fresh_buffers = []
         for bname, b in buffers:
-            whole = torch.empty(b.shape, dtype=b.dtype, device="cpu")
-            sentinel(whole)
-            setattr(mod, bname, whole)
+            setattr(mod, bname, sentinel(b.shape, b.dtype))
             fresh_buffers.append(bname)
         init(mod)
         for pname, q, old, seen in kept:
@@ -268,7 +288,7 @@ class MetaInit:
                 q.data = old
                 continue
             if untouched(q.data):
-                raise self._untouched(mname, mod, pname, "parameter")
+                raise uninitialized_error(self.who, "parameter", pname, mname, mod, self.param_init_fn)
             done.add(id(q))
             place = places.get(id(q))
             if place is None:  # frozen: kept whole on every rank
@@ -279,7 +299,7 @@ class MetaInit:
         for bname in fresh_buffers:
             b = getattr(mod, bname)
             if untouched(b):
-                raise self._untouched(mname, mod, bname, "buffer")
+                raise uninitialized_error(self.who, "buffer", bname, mname, mod, self.param_init_fn)
             setattr(mod, bname, b.to(self.device))
 
     @staticmethod
@@ -292,11 +312,3 @@ class MetaInit:
         a, b = max(lo, place.offset), min(hi, place.offset + place.numel)
         if a < b:
             st.shard[a - lo : b - lo].copy_(flat[a - place.offset : b - place.offset])
-
-    def _untouched(self, mname: str, mod: nn.Module, tname: str, kind: str) -> StrategyError:
-        how = "param_init_fn" if self.param_init_fn is not None else "reset_parameters()"
-        return StrategyError(
-            f"{self.who}: {kind} {tname!r} of module {mname!r} ({type(mod).__name__}) was built on the meta "
-            f"device and its {how} left it (partly) uninitialized; pass param_init_fn=fn that fills it in "
-            "place, or build the module with its buffers on the real device (parameters only on meta)"
-        )

@@ -99,10 +99,10 @@ class DDPModel(DataParallelModel):
         self._broadcast_from_rank0([q.data for _, q in self._frozen])
         self._broadcast_from_rank0(list(self.module.buffers()))
         self._slot_of = {id(q): (i, j) for i, u in enumerate(self._units) for j, q in enumerate(u.params)}
-        self._grad_bufs: list[torch.Tensor | None] = [None] * len(self._units)
+        #: each bucket's gradient buffer, ``param.grad`` views into it (none under ZeRO-2: shards only)
+        self._grad_bufs: list[torch.Tensor] = []
         if self._keep_full_grads:
-            for i, u in enumerate(self._units):
-                self._grad_bufs[i] = self._point_grads(i, u.new_flat())
+            self._grad_bufs = [self._point_grads(i, u.new_flat()) for i, u in enumerate(self._units)]
         self._ready: list[set[int]] = [set() for _ in self._units]
         self._next_launch = 0
         self._works: list[tuple[int, Work, Any]] = []
@@ -119,8 +119,7 @@ class DDPModel(DataParallelModel):
         if self._guarded and self._keep_full_grads:  # grads become views of the buckets again
             self._guarded = False
             for i, buf in enumerate(self._grad_bufs):
-                if buf is not None:
-                    self._point_grads(i, buf)
+                self._point_grads(i, buf)
         super()._release_guards()
 
     def _after_sync(self) -> None:
@@ -144,11 +143,8 @@ class DDPModel(DataParallelModel):
 
     def _store_grad(self, i: int, param: nn.Parameter) -> None:
         """Keep ``param.grad`` a view of bucket ``i`` (autograd may have replaced it)."""
-        buf = self._grad_bufs[i]
-        if buf is None:
-            buf = self._grad_bufs[i] = self._point_grads(i, self._units[i].new_flat())
         s = self._units[i].slots[self._slot_of[id(param)][1]]
-        view = buf[s.offset : s.offset + s.numel]
+        view = self._grad_bufs[i][s.offset : s.offset + s.numel]
         grad = param.grad
         if grad is None or grad.data_ptr() != view.data_ptr():
             if grad is not None:
@@ -165,10 +161,7 @@ class DDPModel(DataParallelModel):
             self._next_launch += 1
 
     def _launch(self, i: int) -> tuple[Work, Any]:
-        buf = self._grad_bufs[i]
-        if buf is None:
-            raise RuntimeError(f"bucket {i} has no gradient buffer")  # unreachable by construction
-        return self._reducer.all_reduce(self._units[i].key, buf), None
+        return self._reducer.all_reduce(self._units[i].key, self._grad_bufs[i]), None
 
     def _complete(self, i: int, extra: Any) -> None:
         """Called after bucket ``i``'s reduction finished (ZeRO-2 keeps its shard here)."""
@@ -225,10 +218,10 @@ class DDPModel(DataParallelModel):
         """``(name, gradient)`` of every trainable parameter as views of the gradient buckets, whatever
         ``param.grad`` shows (after a reduce-scatter: a stand-in refusing partial use)."""
         out = []
-        for unit, buf in zip(self._units, self._grad_bufs, strict=True):
-            if buf is not None:
-                for s, q in zip(unit.slots, unit.params, strict=True):
-                    out.append((self._name_of[id(q)], buf[s.offset : s.offset + s.numel].view(s.shape)))
+        for i, buf in enumerate(self._grad_bufs):
+            unit = self._units[i]
+            for s, q in zip(unit.slots, unit.params, strict=True):
+                out.append((self._name_of[id(q)], buf[s.offset : s.offset + s.numel].view(s.shape)))
         return out
 
     # ------------------------------------------------------------------ optimizer protocol
@@ -240,11 +233,8 @@ class DDPModel(DataParallelModel):
         return self._data[self._units.index(unit)][lo:hi]
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        buf = self._grad_bufs[self._units.index(unit)]
         lo, hi = unit.shard_bounds()
-        if buf is None:
-            return torch.zeros(hi - lo, dtype=unit.dtype, device=unit.device)
-        return buf[lo:hi]
+        return self._grad_bufs[self._units.index(unit)][lo:hi]
 
     def gather_updated_shards(self) -> None:
         """After a sharded optimizer step: every rank's updated shard to every rank (all-gather)."""
@@ -255,18 +245,16 @@ class DDPModel(DataParallelModel):
     def zero_grad_buffers(self) -> None:
         self._guarded = False
         for i, buf in enumerate(self._grad_bufs):
-            if buf is not None:
-                buf.zero_()
-                self._point_grads(i, buf)  # grads stay views of the buckets
+            buf.zero_()
+            self._point_grads(i, buf)  # grads stay views of the buckets
         self._grads_synced = False
 
     def scale_grads_(self, factor: float) -> None:
         for buf in self._grad_bufs:
-            if buf is not None:
-                buf.mul_(factor)
+            buf.mul_(factor)
 
     def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        return [b for b in self._grad_bufs if b is not None], True
+        return list(self._grad_bufs), True
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:

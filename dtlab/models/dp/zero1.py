@@ -106,9 +106,8 @@ class ZeRO1Model(DDPModel):
         if factor == 1.0:
             return
         for unit, buf in zip(self._units, self._grad_bufs, strict=True):
-            if buf is not None:
-                lo, hi = unit.shard_bounds()
-                buf[lo:hi].mul_(factor)
+            lo, hi = unit.shard_bounds()
+            buf[lo:hi].mul_(factor)
 
     def _settle(self) -> None:
         """A forward ran but no backward: give the optimizer the averaged slice back."""
@@ -132,10 +131,7 @@ class ZeRO1Model(DDPModel):
     def _launch(self, i: int) -> tuple[Work, Any]:
         if self.gradient_sync == "all_reduce":
             return super()._launch(i)
-        buf = self._grad_bufs[i]
-        if buf is None:
-            raise RuntimeError(f"bucket {i} has no gradient buffer")  # unreachable by construction
-        unit = self._units[i]
+        buf, unit = self._grad_bufs[i], self._units[i]
         out = torch.empty(unit.shard_numel, dtype=buf.dtype, device=buf.device)
         return self._reducer.reduce_scatter(unit.key, buf, out), out
 
@@ -143,8 +139,6 @@ class ZeRO1Model(DDPModel):
         if self.gradient_sync == "all_reduce":
             return
         buf = self._grad_bufs[i]
-        if buf is None:
-            raise RuntimeError(f"bucket {i} has no gradient buffer")  # unreachable by construction
         lo, hi = self._units[i].shard_bounds()
         buf[:lo].zero_()
         buf[hi:].zero_()
@@ -178,7 +172,6 @@ class ZeRO1Model(DDPModel):
             return super().norm_grad_tensors()
         shards = []
         for unit, buf in zip(self._units, self._grad_bufs, strict=True):
-            if buf is not None:
-                lo, hi = unit.shard_bounds()
-                shards.append(buf[lo:hi])
+            lo, hi = unit.shard_bounds()
+            shards.append(buf[lo:hi])
         return shards, False

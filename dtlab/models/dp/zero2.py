@@ -36,28 +36,30 @@ class ZeRO2Model(DDPModel):
     ) -> None:
         super().__init__(module, backend, **options)
         self._grad_shards = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device) for u in self._units]
+        #: each bucket's whole gradient during a synchronized backward, until its reduce-scatter completes
+        self._transient: list[torch.Tensor | None] = [None] * len(self._units)
 
     def _store_grad(self, i: int, param: nn.Parameter) -> None:
         if not self._sync:
             return  # accumulate in param.grad until the synchronized backward
-        buf = self._grad_bufs[i]
+        buf = self._transient[i]
         if buf is None:
-            buf = self._grad_bufs[i] = self._units[i].new_flat()
+            buf = self._transient[i] = self._units[i].new_flat()
         s = self._units[i].slots[self._slot_of[id(param)][1]]
         if param.grad is not None:
             buf[s.offset : s.offset + s.numel].copy_(param.grad.reshape(-1))
             param.grad = None
 
     def _launch(self, i: int) -> tuple[Work, Any]:
-        buf = self._grad_bufs[i]
+        buf = self._transient[i]
         if buf is None:
-            buf = self._grad_bufs[i] = self._units[i].new_flat()
+            buf = self._transient[i] = self._units[i].new_flat()
         out = torch.empty_like(self._grad_shards[i])
         return self._reducer.reduce_scatter(self._units[i].key, buf, out), out
 
     def _complete(self, i: int, extra: Any) -> None:
         self._grad_shards[i].add_(extra)
-        self._grad_bufs[i] = None
+        self._transient[i] = None
 
     def _after_sync(self) -> None:
         self._guard_grads()
@@ -82,5 +84,5 @@ class ZeRO2Model(DDPModel):
 
     def _grad_bytes(self) -> int:
         held = sum(tensor_bytes(g) for g in self._grad_shards)
-        held += sum(tensor_bytes(b) for b in self._grad_bufs)
+        held += sum(tensor_bytes(b) for b in self._transient)
         return held + sum(tensor_bytes(q.grad) for _, q in self._trainable)
