@@ -19,7 +19,7 @@ from dtlab.backends.mesh import Mesh, MeshLike
 from dtlab.core import pairs
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.errors import StrategyError
-from dtlab.models.compose._tied import check_tied, retie, tied_groups
+from dtlab.models.compose._tied import check_tied, retie, tied_groups, touched_layers
 from dtlab.models.compose._tree import StageRoot
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DDPModel
@@ -41,14 +41,7 @@ from dtlab.models.pipeline._ties import CrossTie, aliases_of, cross_ties, init_t
 from dtlab.models.pipeline._trace import TracedStage, traced_stages
 from dtlab.models.tensor._auto import declared_plan
 from dtlab.models.tensor._comm import broadcast_module_state
-from dtlab.models.tensor._plan import (
-    HeadsParallel,
-    Plan,
-    SequenceParallel,
-    Style,
-    apply_plan,
-    resolve_plan,
-)
+from dtlab.models.tensor._plan import Plan, SequenceParallel, apply_plan, resolve_plan
 
 __all__ = [
     "AXES",
@@ -211,7 +204,11 @@ def lay_out(
     if resolved is not None:
         if not on_meta:
             broadcast_module_state(module, tp)  # the data-parallel strategy then broadcasts over dp
-        before = _planned_layers(resolved)
+        before = {  # the layers the plan replaces, by path
+            path: module.get_submodule(path)
+            for path, style in touched_layers(resolved).items()
+            if not isinstance(style, SequenceParallel)
+        }
         partial = apply_plan(module, resolved, tp)
         retie(module, ties)
         swapped = _replaced(module, before)
@@ -237,7 +234,7 @@ def lay_out(
             by_module.setdefault(id(sub), schedule.rank_of(s))
     entries = tensor_entries(module, tp.world_size, owner, by_module)  # before other stages become meta
     shapes = [stage_shapes(stage) for stage in stages]
-    whole = _whole_shapes(module) if isinstance(stages[0], TracedStage) else {}
+    whole = stage_shapes(module, remove_duplicate=False) if isinstance(stages[0], TracedStage) else {}
     mine = schedule.stages_of(pp.rank)
     _release(stages, mine)
     root = StageRoot(module, {s: stages[s] for s in mine})
@@ -262,18 +259,6 @@ def lay_out(
         aliases,
         unwritten,
     )
-
-
-def _planned_layers(resolved: list[tuple[str, nn.Module, Style]]) -> dict[str, nn.Module]:
-    """The layers the tensor plan replaces, by path (a heads-parallel module's projections)."""
-    out: dict[str, nn.Module] = {}
-    for name, mod, style in resolved:
-        if isinstance(style, HeadsParallel):
-            for child in (*style.qkv, style.out):
-                out[f"{name}.{child}"] = mod.get_submodule(child)
-        elif not isinstance(style, SequenceParallel):
-            out[name] = mod
-    return out
 
 
 def _replaced(module: nn.Module, before: dict[str, nn.Module]) -> dict[int, torch.Tensor]:
@@ -305,11 +290,6 @@ def split_stages(
             "as 'model.layers.2'), or give the model a pipeline_blocks() method"
         )
     return list(traced_stages(module, split_points, n))
-
-
-def _whole_shapes(module: nn.Module) -> Shapes:
-    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    return {n: (tuple(t.shape), t.dtype) for n, t in named}
 
 
 def _release(stages: Sequence[nn.Module], mine: Sequence[int]) -> None:

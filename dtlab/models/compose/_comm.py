@@ -4,8 +4,8 @@ the stage messages in ``dtlab.models.pipeline._comm``, the dp reduction in the d
 - :func:`sum_over_tp`: sequence parallelism leaves the gradients of replicated parameters used inside
   the sequence-split region (norms, row-parallel biases) as partial sums over tp: one all-reduce of
   all of them, concatenated;
-- :func:`broadcast_over_pp`: a tensor from the pipeline rank that holds it (the loss of the last
-  stage; the whole model's tensors for ``full_state_dict``).
+- :func:`gather_whole_state`: the whole model's tensors on every rank (tp shards gathered, each
+  tensor broadcast over pp from the pipeline rank holding it).
 
 :func:`grads_of` lists where the synchronized gradients of some parameters lie in a data-parallel
 strategy (for the tp sum and the gradient norm).
@@ -20,12 +20,13 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.placement import Placement, Shard
+from dtlab.models.pipeline._comm import broadcast_over_pp
 from dtlab.models.tensor._comm import gather_over_tp
 
 if TYPE_CHECKING:
     from dtlab.models.dp.data_parallel import DataParallelModel
 
-__all__ = ["broadcast_over_pp", "gather_whole_state", "grads_of", "sum_over_tp"]
+__all__ = ["gather_whole_state", "grads_of", "sum_over_tp"]
 
 
 def sum_over_tp(tensors: Sequence[torch.Tensor], tp: CommunicationBackend) -> None:
@@ -40,25 +41,6 @@ def sum_over_tp(tensors: Sequence[torch.Tensor], tp: CommunicationBackend) -> No
         for t in tensors:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-
-
-def broadcast_over_pp(
-    tensor: torch.Tensor | None,
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    src: int,
-    pp: CommunicationBackend,
-) -> torch.Tensor:
-    """``tensor`` of pipeline rank ``src`` on every pipeline rank (``tensor`` is ignored elsewhere)."""
-    if pp.rank == src:
-        if tensor is None:
-            raise RuntimeError(f"pipeline rank {src} holds no tensor to broadcast")  # unreachable
-        out = tensor.detach().contiguous().clone()
-    else:
-        out = torch.empty(tuple(shape), dtype=dtype, device=pp.device)
-    if pp.world_size > 1:
-        pp.broadcast(out, src)
-    return out
 
 
 def grads_of(

@@ -13,10 +13,9 @@ import torch
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.compose._build import Layout, outer_pack
-from dtlab.models.compose._comm import broadcast_over_pp
 from dtlab.models.compose._stages import StageSpecs, TiedSync
 from dtlab.models.dp.data_parallel import DataParallelModel
-from dtlab.models.pipeline._comm import StageLinks, infer_through_stages
+from dtlab.models.pipeline._comm import StageLinks, broadcast_over_pp, infer_through_stages
 from dtlab.models.pipeline._runtime import StepResult, run_schedule
 from dtlab.models.pipeline._schedules import PipelineSchedule
 from dtlab.models.pipeline._split import TensorSpec

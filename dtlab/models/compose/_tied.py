@@ -28,7 +28,7 @@ from dtlab.models.tensor._plan import (
     VocabParallel,
 )
 
-__all__ = ["Retie", "check_tied", "retie", "tied_groups"]
+__all__ = ["Retie", "check_tied", "retie", "tied_groups", "touched_layers"]
 
 #: ``(linear module name, embedding module name)``: the linear layer's weight becomes the embedding's
 Retie = tuple[str, str]
@@ -48,7 +48,7 @@ def tied_groups(module: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def _touched(resolved: Sequence[tuple[str, nn.Module, Style]]) -> dict[str, Style]:
+def touched_layers(resolved: Sequence[tuple[str, nn.Module, Style]]) -> dict[str, Style]:
     """Module names whose parameters the plan replaces (or marks as partial sums), with the style."""
     out: dict[str, Style] = {}
     for name, _module, style in resolved:
@@ -73,7 +73,7 @@ def _owner(param: str, touched: dict[str, Style]) -> tuple[str, Style] | None:
 def _tensor_ties(
     who: str, groups: list[list[str]], resolved: Sequence[tuple[str, nn.Module, Style]]
 ) -> list[Retie]:
-    touched = _touched(resolved)
+    touched = touched_layers(resolved)
     out: list[Retie] = []
     for names in groups:
         hits = {n: _owner(n, touched) for n in names}

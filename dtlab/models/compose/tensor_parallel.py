@@ -31,9 +31,7 @@ from dtlab.errors import ArgumentError
 from dtlab.models.compose._options import ComposedOptions
 from dtlab.models.compose.hybrid import HybridShardedModel
 from dtlab.models.dp.zero1 import GradientSync
-from dtlab.models.tensor._plan import (
-    Plan,
-)
+from dtlab.models.tensor._plan import Plan
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -72,9 +70,5 @@ class TensorParallelModel(HybridShardedModel):
     ) -> None:
         if plan is not None and tensor_plan is not None:
             raise ArgumentError("TensorParallelModel: pass the plan once, as plan= or as tensor_plan=")
-        chosen: Plan = "auto"
-        if plan is not None:
-            chosen = plan
-        elif tensor_plan is not None:
-            chosen = tensor_plan
+        chosen: Plan = plan if plan is not None else tensor_plan if tensor_plan is not None else "auto"
         super().__init__(module, mesh, "zero1", tensor_plan=chosen, gradient_sync=gradient_sync, **kwargs)

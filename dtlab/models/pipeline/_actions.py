@@ -45,6 +45,17 @@ class Action:
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.micro}"
 
+    def message(self) -> tuple[str, int, int]:
+        """The message a communication action sends or receives: ``(direction, receiving stage,
+        micro-batch)``, the same on both sides."""
+        if self.kind is Kind.SEND_F:
+            return ("F", self.stage + 1, self.micro)
+        if self.kind is Kind.RECV_F:
+            return ("F", self.stage, self.micro)
+        if self.kind is Kind.SEND_B:
+            return ("B", self.stage - 1, self.micro)
+        return ("B", self.stage, self.micro)
+
 
 @dataclass(frozen=True)
 class PipelineSchedule:

@@ -33,7 +33,7 @@ from dtlab.backends.base import CommunicationBackend, P2POp, Work
 from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
 from dtlab.models.pipeline._split import TensorSpec
 
-__all__ = ["StageLinks", "infer_through_stages"]
+__all__ = ["StageLinks", "broadcast_over_pp", "infer_through_stages"]
 
 _TAG_LIMIT = 1 << 15  # MPI guarantees tags up to 32767
 
@@ -79,13 +79,8 @@ class StageLinks:
 
     def _tag(self, a: Action) -> int:
         s = self.schedule
-        forward = a.kind in (Kind.SEND_F, Kind.RECV_F)
-        stage = (
-            (a.stage + 1 if a.kind is Kind.SEND_F else a.stage)
-            if forward
-            else (a.stage - 1 if a.kind is Kind.SEND_B else a.stage)
-        )  # the receiving stage names the message on both sides
-        return ((0 if forward else 1) * s.num_stages * s.m + stage * s.m + a.micro) % _TAG_LIMIT
+        direction, stage, micro = a.message()  # the receiving stage names the message on both sides
+        return ((0 if direction == "F" else 1) * s.num_stages * s.m + stage * s.m + micro) % _TAG_LIMIT
 
     def post(self, j: int, outgoing: Callable[[Action], torch.Tensor]) -> None:
         """Before compute ``j`` (``j`` = the number of computes: after the last): post the sends and
@@ -162,14 +157,24 @@ def infer_through_stages(
                 pp.send(h.to(specs[s].dtype).contiguous(), schedule.rank_of(s + 1), tag=s + 1)
             if s + 1 == n:
                 out = h.to(specs[s].dtype)
-        final = specs[-1]
-        src = schedule.rank_of(n - 1)
-        if pp.rank == src:
-            if out is None:
-                raise RuntimeError(f"pipeline rank {src} ran no last stage")  # unreachable
-            result = out.contiguous()
-        else:
-            result = torch.empty(final.shape, dtype=final.dtype, device=pp.device)
-        if pp.world_size > 1:
-            pp.broadcast(result, src)
-    return result
+        return broadcast_over_pp(out, specs[-1].shape, specs[-1].dtype, schedule.rank_of(n - 1), pp)
+
+
+def broadcast_over_pp(
+    tensor: torch.Tensor | None,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    src: int,
+    pp: CommunicationBackend,
+) -> torch.Tensor:
+    """``tensor`` of pipeline rank ``src`` on every pipeline rank (``tensor`` is ignored elsewhere): the
+    loss of the last stage, an inference's output, the whole model's tensors for ``full_state_dict``."""
+    if pp.rank == src:
+        if tensor is None:
+            raise RuntimeError(f"pipeline rank {src} holds no tensor to broadcast")  # unreachable
+        out = tensor.detach().contiguous().clone()
+    else:
+        out = torch.empty(tuple(shape), dtype=dtype, device=pp.device)
+    if pp.world_size > 1:
+        pp.broadcast(out, src)
+    return out

@@ -179,17 +179,6 @@ class Timeline:
         return 1.0 - busy / (len(self.intervals) * span)
 
 
-def _message(a: Action) -> tuple[str, int, int]:
-    """The message an action sends or receives: (direction, receiving stage, micro-batch)."""
-    if a.kind is Kind.SEND_F:
-        return ("F", a.stage + 1, a.micro)
-    if a.kind is Kind.RECV_F:
-        return ("F", a.stage, a.micro)
-    if a.kind is Kind.SEND_B:
-        return ("B", a.stage - 1, a.micro)
-    return ("B", a.stage, a.micro)
-
-
 def _static_checks(s: PipelineSchedule) -> None:
     sends: dict[tuple[str, int, int], int] = {}
     recvs: dict[tuple[str, int, int], int] = {}
@@ -213,7 +202,7 @@ def _static_checks(s: PipelineSchedule) -> None:
                 done.add(key)
             else:
                 table = sends if a.kind in (Kind.SEND_F, Kind.SEND_B) else recvs
-                msg = _message(a)
+                msg = a.message()
                 if msg in table:
                     raise StrategyError(f"schedule {s.name}: message {msg} is posted twice ({a} on rank {r})")
                 table[msg] = r
@@ -270,7 +259,7 @@ def simulate(
             while pos[r] < len(acts):
                 a = acts[pos[r]]
                 if not a.kind.is_compute:
-                    msg = _message(a)
+                    msg = a.message()
                     if a.kind in (Kind.SEND_F, Kind.SEND_B):
                         sent[msg] = clock[r]
                         order_sent.setdefault((r, s.rank_of(msg[1])), []).append(msg)

@@ -182,10 +182,14 @@ def split_blocks(
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def stage_shapes(stage: nn.Module) -> Shapes:
+def stage_shapes(stage: nn.Module, remove_duplicate: bool = True) -> Shapes:
     """``{name: (shape, dtype)}`` of a stage's parameters and buffers (recorded while they are whole:
-    ZeRO-3/FSDP hold only shards at rest, other ranks' stages are on the meta device)."""
-    named = list(stage.named_parameters()) + list(stage.named_buffers())
+    ZeRO-3/FSDP hold only shards at rest, other ranks' stages are on the meta device); a tied tensor
+    under each of its names unless ``remove_duplicate``."""
+    named = [
+        *stage.named_parameters(remove_duplicate=remove_duplicate),
+        *stage.named_buffers(remove_duplicate=remove_duplicate),
+    ]
     return {n: (tuple(t.shape), t.dtype) for n, t in named}
 
 

@@ -39,6 +39,7 @@ from dtlab.models.pipeline._split import TensorSpec
 __all__ = [
     "Slot",
     "StageEnd",
+    "argument",
     "TracedStage",
     "TracedStructure",
     "first_tensor_slot",
@@ -62,7 +63,8 @@ def first_tensor_slot(args: Sequence[Any], kwargs: dict[str, Any]) -> Slot | Non
     return None
 
 
-def _get(args: Sequence[Any], kwargs: dict[str, Any], slot: Slot) -> Any:
+def argument(args: Sequence[Any], kwargs: dict[str, Any], slot: Slot) -> Any:
+    """A call's argument at ``slot``."""
     return args[slot] if isinstance(slot, int) else kwargs[slot]
 
 
@@ -109,7 +111,7 @@ class _Stub(_Proxy):
         out = run.outputs[self.block_name]
         slot = first_tensor_slot(args, kwargs)
         if isinstance(out, TensorSpec) and slot is not None:
-            first = _get(args, kwargs, slot)
+            first = argument(args, kwargs, slot)
             if tuple(first.shape) == out.shape and first.dtype == out.dtype:
                 return first
         return tree_map(
@@ -130,7 +132,7 @@ class _Exit(_Proxy):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         slot = first_tensor_slot(args, kwargs)
-        raise StageEnd(self.block_name, None if slot is None else _get(args, kwargs, slot))
+        raise StageEnd(self.block_name, None if slot is None else argument(args, kwargs, slot))
 
 
 class _Entry(_Proxy):
@@ -170,7 +172,7 @@ class TracedStage(nn.Module):
         super().__init__()
         self.index, self.last = index, last
         self.names = [b for b in structure.blocks if structure.stage_of.get(b) == index]
-        self.replicated = [b for b in structure.replicated]
+        self.replicated = list(structure.replicated)
         self.entry = structure.points[index - 1] if index > 0 else None
         self.exit = None if last else structure.points[index]
         self.blocks = nn.ModuleList([module.get_submodule(b) for b in [*self.names, *self.replicated]])

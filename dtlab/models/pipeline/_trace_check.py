@@ -29,18 +29,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dtlab.errors import StrategyError
-from dtlab.models.pipeline._split import TensorSpec
-from dtlab.models.pipeline._trace import (
-    Slot,
-    StageEnd,
-    TracedStage,
-    first_tensor_slot,
-    is_stub,
-)
+from dtlab.models.pipeline._split import Shapes, TensorSpec
+from dtlab.models.pipeline._trace import Slot, StageEnd, TracedStage, argument, first_tensor_slot, is_stub
 
 __all__ = ["Trace", "output_tensor", "trace_split"]
-
-Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 #: functions whose result depends on a tensor's shape, dtype or device only
 _SHAPE_ONLY: set[Any] = {
@@ -130,8 +122,7 @@ def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: 
                 if slot is None:
                     raise StrategyError(f"split point {name!r} is called without a tensor argument")
                 slots[name] = slot
-                value = args[slot] if isinstance(slot, int) else kwargs[slot]
-                payload[name] = _spec(value)
+                payload[name] = _spec(argument(args, kwargs, slot))
 
         return hook
 
