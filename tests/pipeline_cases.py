@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from filled import filled
 from torch import nn
 
 from dtlab.backends import Mesh
@@ -33,12 +34,7 @@ def make_mlp(layers: int = 8, seed: int = 0) -> nn.Sequential:
 
 
 def make_lm(seed: int = 0) -> TransformerLM:
-    model = TransformerLM(d_model=16, n_layers=2, n_heads=2, seq_len=8)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return filled(TransformerLM(d_model=16, n_layers=2, n_heads=2, seq_len=8), seed, scale=0.1)
 
 
 def mlp_data(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

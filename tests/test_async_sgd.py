@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from filled import filled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -23,12 +24,7 @@ from dtlab.testing import run_world
 
 
 def make_net(seed: int = 0) -> nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-    with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return net
+    return filled(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), seed, scale=0.5)
 
 
 def batches(steps: int, n: int = 12, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

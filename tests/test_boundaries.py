@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from filled import filled
 from test_strategies_helpers import STRATEGIES, max_rel_error
 from torch import nn
 
@@ -144,12 +145,8 @@ def test_region_boundaries_send_each_index_to_exactly_one_owner() -> None:
 # ------------------------------------------------------------------ empty and one-element shards
 def _odd_module() -> nn.Module:
     """Parameters of 1, 3, 5 and 7 elements: shards of one element, uneven and empty ones."""
-    g = torch.Generator().manual_seed(3)
     module = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 3), nn.Tanh(), nn.Linear(3, 1))
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5 + 0.3)
-    return module
+    return filled(module, 3, scale=0.5, shift=0.3)
 
 
 def _odd_data() -> tuple[torch.Tensor, torch.Tensor]:

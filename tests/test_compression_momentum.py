@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from filled import filled
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -26,12 +27,7 @@ M, LR, K, STEPS, P = 0.9, 0.1, 5, 6, 2
 
 
 def _net() -> nn.Module:
-    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # 83 parameters
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return net
+    return filled(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), 0, scale=0.5)  # 83 parameters
 
 
 def _batch(s: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from typing import Any, get_args
 
 import pytest
 import torch
+from filled import filled
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -116,11 +117,7 @@ def test_trainer_resume_is_exact_for_every_algorithm(
 # ---------------------------------------------------------------- every other compressor, directly
 def _net() -> nn.Module:
     net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 3))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return net
+    return filled(net, 0, scale=0.3)
 
 
 def _build(

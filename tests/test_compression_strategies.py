@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from filled import filled
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -42,11 +43,7 @@ P, STEPS, BATCH, LR = 4, 3, 32, 0.2
 
 def _net() -> nn.Module:
     net = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 24), nn.Tanh(), nn.Linear(24, 3))
-    g = torch.Generator().manual_seed(0)  # not the global RNG: in-memory ranks are threads
-    with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return net
+    return filled(net, 0, scale=0.3)
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from filled import filled
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -106,12 +107,7 @@ def test_kill_one_of_four_then_add_it_back(strategy: str, tmp_path: Path) -> Non
 
 # ---------------------------------------------------------------------------------------- ring copy
 def _net() -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
-    with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return net
+    return filled(nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)), 0, scale=0.3)
 
 
 def _fsdp(backend: CommunicationBackend, member: StaticMember, copy_to: int = 1) -> ElasticOptimizer:

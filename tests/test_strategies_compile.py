@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from filled import filled
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -17,12 +18,7 @@ from dtlab.testing import run_world
 
 
 def _net() -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return net
+    return filled(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), 0, scale=0.3)
 
 
 def _state_dict_checks(backend: CommunicationBackend) -> None:

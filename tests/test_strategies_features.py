@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from filled import filled
 from test_strategies_helpers import (
     OPTIMIZERS,
     STRATEGIES,
@@ -45,12 +46,7 @@ from dtlab.testing import run_world
 
 
 def _mlp(seed: int = 0) -> nn.Module:
-    module = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    return module
+    return filled(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)), seed, scale=0.2)
 
 
 # ---------------------------------------------------------------------------- memory and bytes

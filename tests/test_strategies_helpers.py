@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from filled import filled
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -33,11 +34,7 @@ class Block(nn.Module):
 def make_module(seed: int = 0) -> nn.Module:
     """Values from a private generator: in-memory ranks are threads sharing torch's global RNG."""
     module = nn.Sequential(nn.Linear(IN, HIDDEN), Block(HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
-    return module
+    return filled(module, seed, scale=0.4)
 
 
 def make_data(steps: int, global_batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

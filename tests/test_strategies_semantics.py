@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from filled import filled
 from test_strategies_helpers import STRATEGIES, max_rel_error, optimizer_for, wrap
 from torch import nn
 
@@ -163,11 +164,7 @@ def test_zero1_keeps_the_average_of_its_own_shard() -> None:
 # ---------------------------------------------------------------------------- ZeRO-3 / FSDP options
 def _chain() -> nn.Module:
     module = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])  # 1 056 fp32 elements per layer
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    return module
+    return filled(module, 0, scale=0.2)
 
 
 def _sharded_options(backend: CommunicationBackend, name: str, **kw: Any) -> dict[str, Any]:

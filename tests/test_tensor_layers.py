@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from filled import filled
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -22,14 +23,6 @@ from dtlab.models.tensor._comm import gather_from_sequence, reduce_scatter_to_se
 from dtlab.testing import run_world
 
 
-def _filled(module: nn.Module, seed: int) -> nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen))
-    return module
-
-
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
@@ -37,7 +30,7 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def layers_world(backend: CommunicationBackend, sequence_parallel: bool) -> dict[str, float]:
     p, r = backend.world_size, backend.rank
-    fc1, fc2 = _filled(nn.Linear(8, 24), 0), _filled(nn.Linear(24, 8), 1)
+    fc1, fc2 = filled(nn.Linear(8, 24), 0), filled(nn.Linear(24, 8), 1)
     x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
     ref = fc2(F.gelu(fc1(x)))
     ref.square().sum().backward()
@@ -65,7 +58,7 @@ def layers_world(backend: CommunicationBackend, sequence_parallel: bool) -> dict
     row_w = RowParallelLinear.from_linear(fc2, backend, input_is_parallel=False)
     errs["gathered"] = _err(row_w(F.gelu(col_g(x.detach()))), ref.detach())
     # fused qkv: rank r holds part r of each of the three sections
-    qkv = _filled(nn.Linear(8, 24), 3)
+    qkv = filled(nn.Linear(8, 24), 3)
     fused = ColumnParallelLinear.from_linear(qkv, backend, sections=3)
     want = qkv(x.detach()).view(2, 4, 3, p, -1)[:, :, :, r].reshape(2, 4, -1)
     errs["fused sections"] = _err(fused(x.detach()), want)
@@ -85,7 +78,7 @@ def test_linear_layers_match_nn_linear(world: int, sequence_parallel: bool) -> N
 def embedding_and_loss_world(backend: CommunicationBackend, padding_idx: int | None) -> dict[str, float]:
     p, r = backend.world_size, backend.rank
     gen = torch.Generator().manual_seed(5)
-    emb = _filled(nn.Embedding(16, 6, padding_idx=padding_idx), 4)
+    emb = filled(nn.Embedding(16, 6, padding_idx=padding_idx), 4)
     ids = torch.randint(0, 16, (3, 4), generator=gen)
     if padding_idx is not None:  # the padding row is looked up and gets no gradient, as nn.Embedding's
         ids[0, :2] = padding_idx

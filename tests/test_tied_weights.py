@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from filled import filled
 from torch import nn
 
 from dtlab.backends import Mesh
@@ -41,12 +42,7 @@ class TiedLM(nn.Module):
 
 
 def _model() -> TiedLM:
-    gen = torch.Generator().manual_seed(0)
-    net = TiedLM()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    return net
+    return filled(TiedLM(), 0, scale=0.5)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
