@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from dtlab.backends.base import CommunicationBackend
@@ -70,20 +71,24 @@ def _rounds_world(backend: CommunicationBackend, steps: int) -> list[dict[str, A
     return out
 
 
-def test_oktopk_call_rounds_are_counted_exactly() -> None:
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_oktopk_call_rounds_are_counted_exactly(world_size: int) -> None:
     steps = 1 + 2 * TAU_PRIME + 1
-    for rank in run_world(P, _rounds_world, steps):
+    for rank in run_world(world_size, _rounds_world, steps):
         warm = rank[0]["calls"]  # dense warm-up: the check's all-reduce, then the dense one
         assert warm == {"all_reduce": 2}, warm
         for t, row in enumerate(rank[1:]):  # t: the compressor's own iteration count
             calls = row["calls"]
             p2p = {k: calls.pop(k) for k in ("send", "recv") if k in calls}
-            assert 0 < p2p.get("send", 0) <= 2 * (P - 1) and 0 < p2p.get("recv", 0) <= 2 * (P - 1), p2p
+            assert 0 < p2p.get("send", 0) <= 2 * (world_size - 1) and 0 < p2p.get("recv", 0) <= 2 * (
+                world_size - 1
+            )
             recompute, repartition = t % TAU == 0, t % TAU_PRIME == 0
             # all-gathers: region sizes with the check's count, keep counts (or the radix select's
             # count and the balancing counts), the balanced blocks; all-reduces: boundary proposals,
             # four radix-select histograms; nothing else
-            gathers = 4 if recompute else 3
+            # (two ranks: one point-to-point exchange instead of balancing and the block all-gather)
+            gathers = (4 if recompute else 3) - (world_size == 2)
             reduces = 4 * recompute + repartition
             assert calls == ({"all_gather": gathers} | ({"all_reduce": reduces} if reduces else {})), (
                 t,
@@ -144,3 +149,30 @@ def test_oktopk_nonfinite_is_decided_everywhere_before_anything_moves() -> None:
                 assert len(run["results"]) == len(c["results"]) == 5
                 assert all(torch.equal(a, b) for a, b in zip(c["results"], run["results"], strict=True))
                 assert torch.equal(c["residual"], run["residual"])
+
+
+def _gather_world(backend: CommunicationBackend, counts: list[int]) -> dict[str, Any]:
+    from dtlab.compression.sparse import balanced_all_gather
+
+    me = backend.rank
+    idx = torch.arange(counts[me], dtype=torch.int64) * 7 + 1000 * me
+    vals = torch.arange(counts[me], dtype=torch.float32) + 0.5 * me
+    b0 = backend.stats.bytes_sent
+    gidx, gvals = balanced_all_gather(backend, idx, vals, counts)
+    return {"idx": gidx, "vals": gvals, "sent": backend.stats.bytes_sent - b0}
+
+
+def test_balanced_all_gather_concatenates_in_rank_order_within_its_bytes() -> None:
+    for counts in ([300, 100], [0, 5], [7, 0], [50, 50], [1, 0, 40, 3], [10, 10, 10, 10]):
+        p, total = len(counts), sum(counts)
+        block = -(-total // p)
+        want_idx = torch.cat(
+            [torch.arange(c, dtype=torch.int64) * 7 + 1000 * r for r, c in enumerate(counts)]
+        )
+        want_vals = torch.cat([torch.arange(c, dtype=torch.float32) + 0.5 * r for r, c in enumerate(counts)])
+        for r, got in enumerate(run_world(p, _gather_world, counts)):
+            assert torch.equal(got["idx"], want_idx) and torch.equal(got["vals"], want_vals), (counts, r)
+            excess = max(0, counts[r] - block)  # balancing, then the block all-gather
+            assert got["sent"] <= 8 * (excess + (p - 1) * block), (counts, r, got["sent"])
+            if p == 2:  # one exchange of its own entries
+                assert got["sent"] == 8 * counts[r], (counts, r, got["sent"])

@@ -18,7 +18,7 @@ One iteration on a buffer of ``n`` elements, ``k = density * n``:
    instead of the reference code's all-gather of every reduced value); in between it is reused and
    nudged toward k.
 5. **Balanced all-gather** of the ~k globally selected entries: balanced to ``ceil(T/P)`` per rank,
-   then one fixed-size all-gather.
+   then one fixed-size all-gather (with two ranks one point-to-point exchange of each rank's own).
 
 Guard (not in the reference code): a reused threshold that selects fewer than ``k/2`` or more than
 ``2k`` values is re-evaluated at once instead of at the next periodic re-evaluation (the local one

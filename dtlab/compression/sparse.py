@@ -259,6 +259,10 @@ def balanced_all_gather(
     first sends the parts of its entries that fall into other ranks' blocks (point-to-point), then a
     fixed-size ``all_gather`` of the equal blocks completes the exchange, so no rank's share of the
     gather exceeds ``ceil(T/P)`` entries however unevenly the selection fell on the regions.
+    With two ranks one point-to-point exchange of each rank's own entries does the same in one round
+    instead of two: balancing would send the fuller rank's excess over ``ceil(T/2)`` to the other,
+    which sends it back in its block, so each rank sends at most what it would have sent (its own
+    entries; the fuller one exactly as many, the other without the excess and the padding).
     ``counts``: every rank's number of entries when already known (saves the count exchange).
     """
     p, me = backend.world_size, backend.rank
@@ -269,6 +273,11 @@ def balanced_all_gather(
         return idx[:0], vals[:0]
     if p == 1:
         return idx, vals
+    if p == 2:
+        mine, sizes = pack(idx, vals), [0, 0]
+        sizes[1 - me] = 2 * counts[1 - me]
+        got = exchange_p2p(backend, [mine, mine], sizes)  # in rank order: [rank 0's, rank 1's]
+        return unpack(torch.cat([t for t in got if t is not None]))
     block = -(-total // p)
     starts = [sum(counts[:r]) for r in range(p)]
     mine = pack(idx, vals)
