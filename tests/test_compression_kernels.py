@@ -137,6 +137,12 @@ def test_kernels_equal_fallbacks_bit_for_bit(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(native, plain)
     native, plain = _both(monkeypatch, lambda: K.std_mean(x))
     assert native == pytest.approx(plain, rel=1e-6, abs=1e-9)
+    z = torch.cat([x, torch.tensor([float("inf"), float("nan"), -float("inf"), 0.0])]).view(torch.int32)
+    ref = int(x.abs()[1000:1001].view(torch.int32))  # a positive value's bits: the prefixes of a select
+    for shift, prefix in ((24, 0), (16, ref & ~0xFFFF), (8, ref & ~0xFF), (0, ref)):
+        native, plain = _both(monkeypatch, lambda s=shift, q=prefix: K.radix_histogram(z, s, q))
+        assert torch.equal(native, plain) and int(native.sum()) > 0, shift
+    assert int(K.radix_histogram(z, 24, 0).sum()) == int((z.view(torch.float32) > 0).sum())
     y = torch.randn(x.numel())
     (o_n, b_n, m_n), (o_p, b_p, m_p) = _both(
         monkeypatch, lambda: (out := torch.empty(x.numel()), *K.add_std_mean(x, y, out))

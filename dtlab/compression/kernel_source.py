@@ -270,6 +270,19 @@ int64_t dt_add_sumsq(const float* restrict a, const float* restrict b, float* re
     return bad;
 }
 
+/* hist[d] = how many of the positive floats among x (as int32 bits: 0 < bits <= +inf's; they order
+   like their bits) have the bits above shift + 8 equal to prefix's and the byte at shift equal to d:
+   one round of a radix select */
+void dt_radix_hist(const int32_t* x, int64_t n, int shift, int32_t prefix, int64_t* hist) {
+    uint32_t high = shift >= 24 ? 0u : ~0u << (shift + 8), want = (uint32_t)prefix & high;
+    memset(hist, 0, 256 * sizeof(int64_t));
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = x[i];
+        uint32_t u = (uint32_t)b;
+        if (b > 0 && b <= 0x7f800000 && (u & high) == want) hist[(u >> shift) & 0xffu]++;
+    }
+}
+
 /* out[j] = |x[pos[j]]| (independent loads: the memory system overlaps the misses) */
 void dt_gather_abs(const float* x, const int64_t* pos, int64_t m, float* out) {
     for (int64_t j = 0; j < m; j++) out[j] = fabsf(x[pos[j]]);
@@ -366,4 +379,5 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "dt_add_sumsq": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR]),
     "dt_write_sparse": (None, [_PTR, _I64, _PTR, _PTR, _I64]),
     "dt_merge_runs": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR]),
+    "dt_radix_hist": (None, [_PTR, _I64, ctypes.c_int, ctypes.c_int32, _PTR]),
 }

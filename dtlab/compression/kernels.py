@@ -14,6 +14,7 @@ each torch op is one more pass through memory. The kernels here do several of th
 - :func:`std_mean`: GaussianK's mean and standard deviation in one float64 pass;
 - :func:`add_std_mean`: :func:`add_count_nonfinite` and the :func:`std_mean` of the sum, one pass;
 - :func:`intersect_sorted`: the common elements of two sorted index tensors, by a linear merge;
+- :func:`radix_histogram`: one round of the distributed radix select, without the masks;
 - :func:`qsgd_encode` / :func:`qsgd_decode_mean`: QSGD's stochastic quantization with the residual
   written in place, and the dequantized average of every rank's codes;
 - :func:`cast_with_residual`: ``(x / p)`` in float16/bfloat16 with the residual written in place.
@@ -50,6 +51,7 @@ __all__ = [
     "qsgd_decode_mean",
     "qsgd_encode",
     "qsgd_noise_key",
+    "radix_histogram",
     "std_mean",
     "sum_sorted_runs",
     "write_sparse",
@@ -204,6 +206,21 @@ def std_mean(x: torch.Tensor) -> tuple[float, float]:
     sums = (ctypes.c_double * 2)()
     lib.dt_sum_sumsq(flat.data_ptr(), n, ctypes.addressof(sums))
     return _std_mean_of(float(sums[0]), float(sums[1]), n)
+
+
+def radix_histogram(bits: torch.Tensor, shift: int, prefix: int) -> torch.Tensor:
+    """int64 counts of the 256 values of the byte at ``shift`` among the positive floats of ``bits``
+    (float32 bit patterns as int32; NaN, zeros and negatives left out) whose bits above ``shift + 8``
+    equal ``prefix``'s: one round of a radix select."""
+    lib = native(bits)
+    if lib is None or bits.dtype != torch.int32:
+        bits = bits[(bits > 0) & (bits <= 0x7F800000)]
+        if shift < 24:
+            bits = bits[(bits >> (shift + 8)) == (prefix >> (shift + 8))]
+        return torch.bincount(((bits >> shift) & 0xFF).to(torch.int64), minlength=256)
+    hist = torch.empty(256, dtype=torch.int64)
+    lib.dt_radix_hist(bits.data_ptr(), bits.numel(), shift, prefix, hist.data_ptr())
+    return hist
 
 
 def gather_abs(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

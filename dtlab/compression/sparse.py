@@ -14,7 +14,13 @@ import torch
 from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
 from dtlab.compression.base import Prefilter
 from dtlab.compression.finite import FiniteCheck
-from dtlab.compression.kernels import gather_abs, indices_above, intersect_sorted, sum_sorted_runs
+from dtlab.compression.kernels import (
+    gather_abs,
+    indices_above,
+    intersect_sorted,
+    radix_histogram,
+    sum_sorted_runs,
+)
 from dtlab.compression.state_io import Workspace
 
 __all__ = [
@@ -308,25 +314,24 @@ def distributed_kth_largest(backend: CommunicationBackend, mags: torch.Tensor, k
     256-bin int32 histogram of one byte of the float32 bit pattern (non-negative floats order like
     their int32 bits). With fewer than ``k`` positive values in all, returns the smallest; with none, 0.
     """
-    pos = mags[mags > 0].to(torch.float32).contiguous()
-    p = backend.world_size
-    total = int(all_gather_counts(backend, [pos.numel()]).sum()) if p > 1 else pos.numel()
+    bits = mags.to(torch.float32).contiguous().view(torch.int32)
+    first = radix_histogram(bits, 24, 0)  # the positive values, by their highest byte
+    p, local = backend.world_size, int(first.sum())
+    total = int(all_gather_counts(backend, [local]).sum()) if p > 1 else local
     if total == 0:
         return 0.0
     need = min(k, total)
     if total <= GATHER_BELOW:
+        pos = mags[mags > 0].to(torch.float32).contiguous()
         every = backend.all_gather_v(pos)[0] if p > 1 else pos
         return float(torch.topk(every, need, sorted=False).values.min())
     prefix = 0
-    cand = pos.view(torch.int32)
-    for shift in (24, 16, 8, 0):
-        digits = (cand >> shift) & 0xFF
-        hist = torch.bincount(digits.to(torch.int64), minlength=256).to(torch.int32)
+    for shift in (24, 16, 8, 0):  # each round counts the values whose higher bytes match the prefix
+        hist = (first if shift == 24 else radix_histogram(bits, shift, prefix)).to(torch.int32)
         if p > 1:
             backend.all_reduce(hist, ReduceOp.SUM)
         above = torch.flip(torch.cumsum(torch.flip(hist.to(torch.int64), [0]), 0), [0]).tolist()
         d = max(i for i in range(256) if above[i] >= need)
         need -= above[d] - int(hist[d])
         prefix |= d << shift
-        cand = cand[digits == d]
     return float(torch.tensor([prefix], dtype=torch.int32).view(torch.float32).item())
