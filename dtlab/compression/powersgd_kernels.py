@@ -19,9 +19,10 @@ The factors are laid out as PowerSGD keeps them (every matrix's ``P``, ``rows x 
 other, the ``Q``'s as ``cols x r``), so the bytes sent do not change. The kernels' sums run in a fixed
 order with fused multiply-adds, the fallback's (``torch.mm``: MKL on CPUs) in another, so the two
 differ by float32 round-off (tested to a relative 1e-5 of each result's scale); every rank of a
-machine runs the same one, so the ranks agree bit for bit. The fallback runs for GPU tensors, ranks
-above :data:`~dtlab.compression.powersgd_source.MAX_RANK`, without a C compiler and with
-``DTLAB_NATIVE_KERNELS=0``.
+machine type runs the same one, so the ranks agree bit for bit (ranks on different CPU types, or
+with ``DTLAB_NATIVE_KERNELS`` set differently, agree to round-off, as MKL's would). The fallback
+runs for GPU tensors, ranks above :data:`~dtlab.compression.powersgd_source.MAX_RANK`, without a C
+compiler and with ``DTLAB_NATIVE_KERNELS=0``.
 """
 
 from __future__ import annotations
