@@ -16,7 +16,6 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh, MeshLike
-from dtlab.core import pairs
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.errors import StrategyError
 from dtlab.models.compose._tied import check_tied, retie, tied_groups, touched_layers
@@ -45,7 +44,6 @@ from dtlab.models.tensor._plan import Plan, SequenceParallel, apply_plan, resolv
 
 __all__ = [
     "AXES",
-    "DATA_PARALLEL",
     "DATA_PARALLEL_CLASSES",
     "Entries",
     "Layout",
@@ -63,7 +61,6 @@ DATA_PARALLEL_CLASSES: dict[str, type[DataParallelModel]] = {
     "zero3": ZeRO3Model,
     "fsdp": FSDPModel,
 }
-DATA_PARALLEL = pairs.DATA_PARALLEL
 AXES = ("pp", "dp", "tp")
 
 

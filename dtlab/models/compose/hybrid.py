@@ -46,7 +46,6 @@ from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.compose._build import (
     AXES,
-    DATA_PARALLEL,
     DATA_PARALLEL_CLASSES,
     PipelineArgs,
     as_mesh,
@@ -73,7 +72,7 @@ from dtlab.models.tensor._plan import Plan, splits_logits
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["DATA_PARALLEL", "HybridShardedModel", "as_mesh"]
+__all__ = ["HybridShardedModel"]
 
 
 class HybridShardedModel(OptimizerTarget):
@@ -131,7 +130,7 @@ class HybridShardedModel(OptimizerTarget):
         dp_class = DATA_PARALLEL_CLASSES.get(data_parallel) if isinstance(data_parallel, str) else None
         if dp_class is None:
             raise StrategyError(
-                f"{who}(data_parallel={data_parallel!r}): choose one of {', '.join(DATA_PARALLEL)}"
+                f"{who}(data_parallel={data_parallel!r}): choose one of {', '.join(pairs.DATA_PARALLEL)}"
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"{who} wraps a torch.nn.Module, got {type(module).__name__}")

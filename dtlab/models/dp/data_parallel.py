@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 from torch import nn
@@ -314,15 +314,10 @@ class DataParallelModel(OptimizerTarget):
             "zeros for them"
         )
 
-    def _on_hook(self, fn: Callable[[nn.Parameter], None]) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            fn(p)  # type: ignore[arg-type]
-
-        return hook
-
     def _register_grad_hooks(self, fn: Callable[[nn.Parameter], None]) -> None:
+        hook = cast("Callable[[torch.Tensor], None]", fn)  # torch calls it with the parameter itself
         for _, p in self._trainable:
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_hook(fn)))
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     # ------------------------------------------------------------------ optimizer protocol
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:

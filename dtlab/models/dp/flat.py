@@ -56,10 +56,6 @@ class FlatUnit:
         self.shard_numel = max(1, -(-offset // world_size))
         self.padded = self.shard_numel * world_size
 
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
     def shard_bounds(self, rank: int | None = None) -> tuple[int, int]:
         r = self.rank if rank is None else rank
         return r * self.shard_numel, (r + 1) * self.shard_numel

@@ -23,7 +23,6 @@ spec's buffer, so the sender casts (a no-op when they agree).
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -71,8 +70,7 @@ class StageLinks:
                 self._sends_at[-1].append(a)
             else:
                 spec = self.specs[a.stage - 1] if a.kind is Kind.RECV_F else self.specs[a.stage]
-                nbytes = math.prod(spec.shape) * spec.dtype.itemsize
-                self._planned.append((len(self._sends_at) - 1, a, spec, nbytes))
+                self._planned.append((len(self._sends_at) - 1, a, spec, spec.nbytes))
         self._waiting = 0  # bytes of posted receive buffers not taken yet
         self._recvs: dict[tuple[Kind, int, int], tuple[Work, torch.Tensor]] = {}
         self._sends: list[Work] = []

@@ -15,6 +15,7 @@ micro-batch's shape, computed alike on every rank: nothing is negotiated at run 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,10 +47,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class Stage(nn.Module):
