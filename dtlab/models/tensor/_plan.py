@@ -251,39 +251,33 @@ def apply_plan(
     Returns the replicated parameters whose gradients are partial sums over tp (sequence parallel)."""
     partial: list[nn.Parameter] = []
     shared = SharedInput()  # column-parallel layers reading one tensor all-reduce its gradient once
+
+    def row(linear: nn.Module, sequence_parallel: bool, input_is_parallel: bool = True) -> RowParallelLinear:
+        layer = RowParallelLinear.from_linear(
+            linear, group, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel
+        )
+        if sequence_parallel and layer.bias is not None:  # added after the reduce-scatter
+            partial.append(layer.bias)
+        return layer
+
     for name, module, style in resolved:
         if isinstance(style, ColwiseParallel):
-            _set_child(
-                root,
-                name,
-                ColumnParallelLinear.from_linear(
-                    module,
-                    group,
-                    gather_output=style.gather_output,
-                    sequence_parallel=style.sequence_parallel,
-                    sections=style.sections,
-                ),
-            )
-        elif isinstance(style, RowwiseParallel):
-            row = RowParallelLinear.from_linear(
+            col = ColumnParallelLinear.from_linear(
                 module,
                 group,
-                input_is_parallel=style.input_is_parallel,
+                gather_output=style.gather_output,
                 sequence_parallel=style.sequence_parallel,
+                sections=style.sections,
             )
-            if style.sequence_parallel and row.bias is not None:
-                partial.append(row.bias)
-            _set_child(root, name, row)
+            _set_child(root, name, col)
+        elif isinstance(style, RowwiseParallel):
+            _set_child(root, name, row(module, style.sequence_parallel, style.input_is_parallel))
         elif isinstance(style, VocabParallel):
-            _set_child(
-                root,
-                name,
-                VocabParallelEmbedding.from_embedding(
-                    cast(nn.Embedding, module),  # resolve_plan checked it
-                    group,
-                    sequence_parallel=style.sequence_parallel,
-                ),
+            emb = cast(nn.Embedding, module)  # resolve_plan checked it
+            vocab = VocabParallelEmbedding.from_embedding(
+                emb, group, sequence_parallel=style.sequence_parallel
             )
+            _set_child(root, name, vocab)
         elif isinstance(style, HeadsParallel):
             for child in style.qkv:
                 col = ColumnParallelLinear.from_linear(
@@ -293,12 +287,7 @@ def apply_plan(
                     sequence_parallel=style.sequence_parallel,
                 )
                 setattr(module, child, col)
-            row = RowParallelLinear.from_linear(
-                getattr(module, style.out), group, sequence_parallel=style.sequence_parallel
-            )
-            if style.sequence_parallel and row.bias is not None:
-                partial.append(row.bias)
-            setattr(module, style.out, row)
+            setattr(module, style.out, row(getattr(module, style.out), style.sequence_parallel))
             setattr(module, style.heads, getattr(module, style.heads) // group.world_size)
         elif style.split_output:
             module.register_forward_hook(lambda _m, _inputs, out: scatter_to_sequence(out, group))
