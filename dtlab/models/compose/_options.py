@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from dtlab.models.dp._materialize import ParamInitFn
+from dtlab.models.dp._materialize import MetaOptions
 from dtlab.models.dp._sharded import GatherOptions
 from dtlab.models.dp.ddp import BucketOptions
 from dtlab.models.dp.fsdp import WrapPolicy
@@ -26,17 +26,11 @@ class HybridOptions(BucketOptions, GatherOptions, total=False):
     reshard_after_forward: bool  #: fsdp
 
 
-class PlanOptions(HybridOptions, total=False):
+class PlanOptions(HybridOptions, MetaOptions, total=False):
     """``HybridShardedModel.from_plan``'s ``**kwargs``: the data-parallel strategy's options and the
     meta-device initialization (``init_seed``, ``param_init_fn``, as for HybridShardedModel)."""
 
-    init_seed: int | None
-    param_init_fn: ParamInitFn | None
 
-
-class ComposedOptions(BucketOptions, total=False):
+class ComposedOptions(BucketOptions, MetaOptions, total=False):
     """``TensorParallelModel``'s and ``PipelineParallelModel``'s ``**kwargs``: ZeRO-1's options over dp
     and the meta-device initialization (``init_seed``, ``param_init_fn``, as for HybridShardedModel)."""
-
-    init_seed: int | None
-    param_init_fn: ParamInitFn | None

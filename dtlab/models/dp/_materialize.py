@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import TypedDict, cast
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from dtlab.models.dp._sharded_units import ShardUnit
 
 __all__ = [
     "MetaInit",
+    "MetaOptions",
     "ParamInitFn",
     "check_init_args",
     "init_empty_weights",
@@ -46,6 +47,14 @@ __all__ = [
 ]
 
 ParamInitFn = Callable[[nn.Module], None]
+
+
+class MetaOptions(TypedDict, total=False):
+    """How a module built on the meta device is initialized (``init_seed``, ``param_init_fn``: see
+    :class:`~dtlab.models.ZeRO3Model` and :class:`~dtlab.models.HybridShardedModel`)."""
+
+    init_seed: int | None
+    param_init_fn: ParamInitFn | None
 
 
 @contextmanager

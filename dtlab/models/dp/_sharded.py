@@ -26,7 +26,7 @@ from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
-from dtlab.models.dp._materialize import MetaInit, ParamInitFn
+from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
 from dtlab.models.dp._sharded_gather import UnitGatherer
 from dtlab.models.dp._sharded_hooks import GroupHooks
 from dtlab.models.dp._sharded_units import (
@@ -54,11 +54,8 @@ class GatherOptions(TypedDict, total=False):
     forward_wait_s: float
 
 
-class ShardedOptions(DataParallelOptions, GatherOptions, total=False):
+class ShardedOptions(DataParallelOptions, GatherOptions, MetaOptions, total=False):
     """ZeRO-3's and FSDP's options (see :class:`~dtlab.models.ZeRO3Model`)."""
-
-    init_seed: int | None
-    param_init_fn: ParamInitFn | None
 
 
 class ShardedModel(DataParallelModel):
