@@ -3,7 +3,7 @@
 
 The kernels are plain C (:mod:`~dtlab.compression.kernel_source`,
 :mod:`~dtlab.compression.powersgd_source`) compiled once per machine with the system C compiler
-(``cc``, or ``$CC``; about a second) into one shared library in a cache directory
+(``cc``, or ``$CC``; about 5 s of CPU time) into one shared library in a cache directory
 (``$DTLAB_KERNEL_CACHE``, default ``~/.cache/dtlab/kernels``, keyed by a hash of the source, the flags
 and the CPU) and called through ``ctypes``, which releases the GIL. ``-ffp-contract=off``: no fused
 multiply-add the source does not ask for. Where no compiler can build them (or with
