@@ -16,7 +16,15 @@ from typing import Any
 
 import pytest
 
-PROCESS_WORDS = ("spawn_world", "subprocess", "torchrun", "mpiexec", "Popen", "run_elastic_torchrun")
+PROCESS_WORDS = (
+    "spawn_world",
+    "subprocess",
+    "torchrun",
+    "mpiexec",
+    "Popen",
+    "run_elastic_torchrun",
+    "run_group",
+)
 
 
 def _source(fn: Any) -> str:

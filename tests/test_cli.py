@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import run_group
 
 from dtlab.testing import TINY_LM
 
@@ -20,20 +18,6 @@ SETS = [
     "train.eval_every=3",
     "logging.log_every=3",
 ]
-
-
-def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
-        proc.communicate(timeout=30)
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -49,7 +33,7 @@ def _launch(tmp: Path, launcher: str) -> list[float]:
     else:
         cmd = [str(exe), "-n", "2", sys.executable, "-m", "dtlab", "train"]
         sets.append("backend.name=mpi")
-    proc = _run(cmd + [a for s in sets for a in ("--set", s)])
+    proc = run_group(cmd + [a for s in sets for a in ("--set", s)], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     backend = "GlooBackend x 2" if launcher == "torchrun" else "MPIBackend x 2"
     assert proc.stdout.count("dtlab train: summary") == 1 and backend in proc.stdout  # rank 0 prints

@@ -10,29 +10,17 @@ from typing import Any
 import pytest
 import torch
 from hybrid_cases import train_hybrid
-from test_tensor_helpers import OPTIMIZERS, max_rel_error, train_reference
+from test_tensor_helpers import OPTIMIZERS, Reference, check_parity, train_reference
 
 from dtlab.testing import run_world
 
-TOL = 1e-5
 CUBE = {"pp": 2, "dp": 2, "tp": 2}
-
-Reference = tuple[list[float], dict[str, torch.Tensor]]
 
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, Reference]:
     torch.set_num_threads(1)
     return {opt: train_reference(opt) for opt in OPTIMIZERS}
-
-
-def _check(results: list[Reference], ref: Reference, where: str) -> None:
-    ref_losses, ref_state = ref
-    for rank, (losses, state) in enumerate(results):
-        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-        assert loss_err <= TOL, f"{where}, rank {rank}: loss relative error {loss_err:.2e}"
-        err = max_rel_error(state, ref_state)
-        assert err <= TOL, f"{where}, rank {rank}: parameter relative error {err:.2e}"
 
 
 def _world(shape: dict[str, int]) -> int:
@@ -47,7 +35,7 @@ def test_cube_parity_both_optimizers(data_parallel: str, references: dict[str, R
     """2 x 2 x 2: SGD-momentum with sequence parallelism, AdamW without, 1F1B with 2 micro-batches."""
     for opt, sp in (("sgd", True), ("adamw", False)):
         results = run_world(8, train_hybrid, CUBE, data_parallel, opt, sp, micro_batches=2, timeout=120)
-        _check(results, references[opt], f"2x2x2 {data_parallel}/{opt} sp={sp}")
+        check_parity(results, references[opt], f"2x2x2 {data_parallel}/{opt} sp={sp}")
 
 
 CASES: list[tuple[dict[str, int], str, dict[str, Any]]] = [
@@ -71,7 +59,7 @@ def test_parity_other_strategies_schedules_and_meshes(
     results = run_world(
         _world(shape), train_hybrid, shape, data_parallel, "sgd", True, timeout=120, **pipeline
     )
-    _check(results, references["sgd"], f"{shape} {data_parallel} {pipeline}")
+    check_parity(results, references["sgd"], f"{shape} {data_parallel} {pipeline}")
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
@@ -85,4 +73,4 @@ def test_parity_on_real_engines(backend: str, references: dict[str, Reference]) 
 
     results = spawn_world(4, engine_world, backend=backend, timeout=300)
     for run in results[0]:
-        _check([r[run] for r in results], references[run.split("/")[0]], f"{run} on {backend}")
+        check_parity([r[run] for r in results], references[run.split("/")[0]], f"{run} on {backend}")

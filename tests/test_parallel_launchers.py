@@ -6,13 +6,12 @@ size)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import run_group
 
 from dtlab.config import load_config
 from dtlab.testing import TINY_LM
@@ -49,17 +48,7 @@ def _launch(launcher: str, sets: list[str], timeout: float = 420) -> subprocess.
         cmd = [str(BIN / "mpiexec"), "-n", "4", sys.executable, "-m", "dtlab", "train"]
         sets = [*sets, "backend.name=mpi"]
     cmd += [a for s in sets for a in ("--set", s)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started, by process group
-        proc.communicate(timeout=30)
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_group(cmd, timeout)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

@@ -113,3 +113,26 @@ def max_rel_error(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) 
         float((state[k].double() - ref[k].double()).norm() / ref[k].double().norm().clamp(min=1e-30))
         for k in ref
     )
+
+
+Reference = tuple[list[float], dict[str, torch.Tensor]]
+
+
+def check_parity(results: list[Reference], ref: Reference, where: str, tol: float = 1e-5) -> None:
+    """Every rank's losses and parameters against one process's (relative errors at most ``tol``)."""
+    ref_losses, ref_state = ref
+    for rank, (losses, state) in enumerate(results):
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+        assert loss_err <= tol, f"{where}, rank {rank}: loss relative error {loss_err:.2e}"
+        err = max_rel_error(state, ref_state)
+        assert err <= tol, f"{where}, rank {rank}: parameter relative error {err:.2e}"
+
+
+def clip_reference(norm_type: float) -> tuple[float, TransformerLM]:
+    """One process's gradient norm of one batch (clipped to 0.05) and the model after one SGD step."""
+    net = build(initial_state(), torch.float32)
+    x, y = batch()
+    F.cross_entropy(net(x).reshape(-1, 256), y.reshape(-1)).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05, norm_type))
+    torch.optim.SGD(net.parameters(), lr=0.1).step()
+    return want, net

@@ -7,30 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tensor_helpers import OPTIMIZERS, max_rel_error, train_reference, train_tensor
+from test_tensor_helpers import OPTIMIZERS, check_parity, train_reference, train_tensor
 
 from dtlab.testing import run_world
-
-TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
     torch.set_num_threads(1)
     return {opt: train_reference(opt) for opt in OPTIMIZERS}
-
-
-def _check(
-    results: list[tuple[list[float], dict[str, torch.Tensor]]],
-    ref: tuple[list[float], dict[str, torch.Tensor]],
-    where: str,
-) -> None:
-    ref_losses, ref_state = ref
-    for rank, (losses, state) in enumerate(results):
-        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-        assert loss_err <= TOL, f"{where}, rank {rank}: loss relative error {loss_err:.2e}"
-        err = max_rel_error(state, ref_state)
-        assert err <= TOL, f"{where}, rank {rank}: parameter relative error {err:.2e}"
 
 
 CASES = [
@@ -56,7 +41,7 @@ def test_parity_in_memory(
         world *= size
     for opt in OPTIMIZERS:
         results = run_world(world, train_tensor, shape, opt, sp, strategy, timeout=60)
-        _check(results, references[opt], f"{shape} sp={sp} {strategy}/{opt}")
+        check_parity(results, references[opt], f"{shape} sp={sp} {strategy}/{opt}")
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
@@ -72,4 +57,4 @@ def test_parity_real_engines(
 
     results = spawn_world(2, engine_world, backend=backend, timeout=240)
     for run in results[0]:
-        _check([r[run] for r in results], references[run.split("/")[0]], f"{run} on {backend}")
+        check_parity([r[run] for r in results], references[run.split("/")[0]], f"{run} on {backend}")
