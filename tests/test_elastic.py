@@ -5,22 +5,19 @@ the run_elastic driver's checks, and MPI refused up front."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from filled import filled
+from elastic_cases import elastic_fsdp, full_state
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, load_config
-from dtlab.core.shard_index import ShardIndex
 from dtlab.errors import CheckpointError, ConfigError, RankFailedError, StrategyError
-from dtlab.models import FSDPModel
-from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
+from dtlab.optimizers import DDPOptimizer
 from dtlab.optimizers.elastic import ElasticOptimizer, MemoryCommitStore, StaticMember
 from dtlab.testing import TINY_LM, run_world, spawn_world
 from dtlab.testing.elastic import InMemoryMember, Join, Kill, run_elastic
@@ -106,32 +103,10 @@ def test_kill_one_of_four_then_add_it_back(strategy: str, tmp_path: Path) -> Non
 
 
 # ---------------------------------------------------------------------------------------- ring copy
-def _net() -> nn.Module:
-    return filled(nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)), 0, scale=0.3)
-
-
-def _fsdp(backend: CommunicationBackend, member: StaticMember, copy_to: int = 1) -> ElasticOptimizer:
-    model = FSDPModel(copy.deepcopy(_NET), backend)
-    inner = ZeRO3Optimizer(model, torch.optim.AdamW, lr=0.05)
-    return ElasticOptimizer(inner, commit_every=2, member=member, copy_to=copy_to)
-
-
-_NET = _net()
-
-
-def _full_state(opt: ElasticOptimizer) -> dict[str, torch.Tensor]:
-    """Every rank's model and optimizer shards, gathered and read back as full tensors."""
-    out = {}
-    for kind, shard in (("m", opt.model.sharded_state_dict()), ("o", opt.inner.sharded_state_dict())):
-        index = ShardIndex(opt.model.backend.all_gather_object(shard))
-        out.update({f"{kind}.{k}": index.full(k) for k in index.keys()})
-    return out
-
-
 def _train_and_commit(
     backend: CommunicationBackend, stores: list[MemoryCommitStore], copy_to: int = 1
 ) -> Any:
-    opt = _fsdp(backend, StaticMember(stores[backend.rank]), copy_to)
+    opt = elastic_fsdp(backend, StaticMember(stores[backend.rank]), copy_to)
     g = torch.Generator().manual_seed(backend.rank)
     for step in range(1, 3):
         x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
@@ -142,14 +117,14 @@ def _train_and_commit(
         committed = opt.end_step(step, state={"step": step})
         ring = backend.stats["send"].bytes_sent - sent
     assert committed
-    return _full_state(opt), opt.commit_bytes, ring, stores[backend.rank].nbytes()
+    return full_state(opt), opt.commit_bytes, ring, stores[backend.rank].nbytes()
 
 
 def _restore(backend: CommunicationBackend, stores: list[MemoryCommitStore]) -> Any:
-    opt = _fsdp(backend, StaticMember(stores[backend.rank]))
+    opt = elastic_fsdp(backend, StaticMember(stores[backend.rank]))
     commit = opt.restore()
     assert commit is not None
-    return _full_state(opt), commit.key.step, commit.state, opt.recovery
+    return full_state(opt), commit.key.step, commit.state, opt.recovery
 
 
 def _copy(store: MemoryCommitStore) -> MemoryCommitStore:

@@ -16,19 +16,15 @@ from typing import Any
 
 import pytest
 import torch
-from filled import filled
+from elastic_cases import elastic_fsdp, full_state
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.core.shard_index import ShardIndex
 from dtlab.errors import RankFailedError
-from dtlab.models import FSDPModel
-from dtlab.optimizers import ZeRO3Optimizer
 from dtlab.optimizers.elastic import (
     CommitKey,
     CommitStore,
     DiskCommitStore,
-    ElasticOptimizer,
     MemoryCommitStore,
     StaticMember,
     decode_commit,
@@ -84,27 +80,9 @@ class StoppingStore(CommitStore):
         return self.inner.nbytes()
 
 
-def _net() -> nn.Module:
-    return filled(nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)), 0, scale=0.3)
-
-
-def _elastic(backend: CommunicationBackend, store: CommitStore) -> ElasticOptimizer:
-    model = FSDPModel(_net(), backend)
-    inner = ZeRO3Optimizer(model, torch.optim.AdamW, lr=0.05)
-    return ElasticOptimizer(inner, commit_every=2, member=StaticMember(store))
-
-
-def _full_state(opt: ElasticOptimizer) -> dict[str, torch.Tensor]:
-    out = {}
-    for kind, shard in (("m", opt.model.sharded_state_dict()), ("o", opt.inner.sharded_state_dict())):
-        index = ShardIndex(opt.model.backend.all_gather_object(shard))
-        out.update({f"{kind}.{k}": index.full(k) for k in index.keys()})
-    return out
-
-
 def _train(backend: CommunicationBackend, stores: list[CommitStore], steps: int) -> Any:
     """``steps`` steps committing every 2; the full state after each committed step."""
-    opt = _elastic(backend, stores[backend.rank])
+    opt = elastic_fsdp(backend, StaticMember(stores[backend.rank]))
     g = torch.Generator().manual_seed(backend.rank)
     states = {}
     for step in range(1, steps + 1):
@@ -113,7 +91,7 @@ def _train(backend: CommunicationBackend, stores: list[CommitStore], steps: int)
         nn.functional.mse_loss(opt.model(x), y).backward()
         opt.step()
         if step % 2 == 0:
-            states[step] = _full_state(opt)  # before the commit: a stop there must not matter
+            states[step] = full_state(opt)  # before the commit: a stop there must not matter
         opt.end_step(step, state={"step": step})
     assert opt.commit_count == steps // 2 and opt.last_commit is not None  # what the metrics report
     assert opt.last_commit.step == steps - steps % 2
@@ -121,10 +99,10 @@ def _train(backend: CommunicationBackend, stores: list[CommitStore], steps: int)
 
 
 def _restore(backend: CommunicationBackend, stores: list[CommitStore]) -> Any:
-    opt = _elastic(backend, stores[backend.rank])
+    opt = elastic_fsdp(backend, StaticMember(stores[backend.rank]))
     commit = opt.restore()
     assert commit is not None
-    return commit.key.step, commit.state, _full_state(opt)
+    return commit.key.step, commit.state, full_state(opt)
 
 
 def _newest_complete(stores: Sequence[CommitStore]) -> int:
