@@ -219,16 +219,16 @@ def lay_out(
         return Layout(module, [], [], None, m, entries, _names(module, partial), swapped)
     stages = split_stages(who, module, p * v, args.split_points)
     schedule = build_schedule(args.schedule, p, m, v)  # dry-run: no deadlock, every message matched
-    groups = tied_groups(module)
-    crossing = cross_ties(module, groups, stages, schedule)
-    init_ties(crossing, module, pp, on_meta)  # collective over pp: the copies start equal
     owner: dict[int, int] = {}
-    by_module: dict[int, int] = {}
+    by_module: dict[int, int] = {}  # every module of a stage -> the pipeline rank running it (its first)
     for s, st in enumerate(stages):
         for t in [*st.parameters(), *st.buffers()]:
             owner.setdefault(id(t), schedule.rank_of(s))  # a replicated buffer: saved by its first stage
         for sub in st.modules():
             by_module.setdefault(id(sub), schedule.rank_of(s))
+    groups = tied_groups(module)
+    crossing = cross_ties(module, groups, by_module)
+    init_ties(crossing, module, pp, on_meta)  # collective over pp: the copies start equal
     entries = tensor_entries(module, tp.world_size, owner, by_module)  # before other stages become meta
     shapes = [stage_shapes(stage) for stage in stages]
     whole = stage_shapes(module, remove_duplicate=False) if isinstance(stages[0], TracedStage) else {}

@@ -17,14 +17,13 @@ Checkpoints store a tied weight once, under its first name; the others are recor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.models.pipeline._schedules import PipelineSchedule
 
 __all__ = ["CrossTie", "aliases_of", "cross_ties", "init_ties", "rebind_ties", "sum_tied"]
 
@@ -45,16 +44,10 @@ def aliases_of(groups: Sequence[Sequence[str]]) -> dict[str, str]:
 
 
 def cross_ties(
-    module: nn.Module,
-    groups: Sequence[Sequence[str]],
-    stages: Sequence[nn.Module],
-    schedule: PipelineSchedule,
+    module: nn.Module, groups: Sequence[Sequence[str]], rank_of_module: Mapping[int, int]
 ) -> list[CrossTie]:
-    """The tied parameters whose users are stages on more than one pipeline rank (while whole)."""
-    rank_of_module: dict[int, int] = {}
-    for s, stage in enumerate(stages):
-        for m in stage.modules():
-            rank_of_module.setdefault(id(m), schedule.rank_of(s))
+    """The tied parameters whose users are stages on more than one pipeline rank (while whole;
+    ``rank_of_module``: every stage module's id -> the pipeline rank running it)."""
     out = []
     for names in groups:
         ranks = set()
