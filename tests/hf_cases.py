@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from steps import plain_steps
 from torch import nn
 
 from dtlab.trainers.tasks import logits_of
@@ -99,14 +100,7 @@ def train_steps(
     model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, steps: int, loss_fn: Any = lm_loss
 ) -> list[float]:
     """``steps`` plain steps (forward, backward, step, zero_grad) on one batch; the losses."""
-    losses = []
-    for _ in range(steps):
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return plain_steps(model, opt, [(x, y)] * steps, loss_fn)
 
 
 def save_one_and_sharded(net: Any, root: Path, name: str) -> None:

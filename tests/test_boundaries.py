@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from filled import filled
+from steps import plain_steps
 from test_strategies_helpers import STRATEGIES, max_rel_error
 from torch import nn
 
@@ -176,12 +177,11 @@ def _train_odd(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tenso
     out = {}
     for name in STRATEGIES:
         model, opt = _wrap(name, backend)
-        for s in range(x.shape[0]):
-            # sum over the local samples / the global count: uneven local batches average correctly
-            loss = nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi], reduction="sum") * (p / 12)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        # sum over the local samples / the global count: uneven local batches average correctly
+        batches = zip(x[:, lo:hi], y[:, lo:hi], strict=True)
+        plain_steps(
+            model, opt, batches, lambda out, t: nn.functional.mse_loss(out, t, reduction="sum") * (p / 12)
+        )
         out[name] = model.full_state_dict()
     return out
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from steps import plain_steps
 from test_tensor_helpers import batch, build, initial_state
 
 from dtlab.backends import CommunicationBackend, Mesh, MeshLike
@@ -61,14 +62,7 @@ def _train(mesh: MeshLike) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = TensorParallelModel(build(initial_state(), torch.float32), mesh, transformer_plan())
     opt = DDPOptimizer(model, torch.optim.SGD, lr=0.5)
     x, y = batch()
-    losses = []
-    for _ in range(2):
-        loss = model.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model.full_state_dict()
+    return plain_steps(model, opt, [(x, y)] * 2, model.cross_entropy), model.full_state_dict()
 
 
 def _both(backend: CommunicationBackend) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from steps import plain_steps
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -59,14 +60,7 @@ def _tokens(steps: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, lo: int, hi: int) -> list[float]:
-    losses = []
-    for s in range(x.shape[0]):
-        loss = nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return plain_steps(model, opt, zip(x[:, lo:hi], y[:, lo:hi], strict=True), nn.functional.mse_loss)
 
 
 def _built_both_ways(backend: CommunicationBackend) -> dict[str, Any]:

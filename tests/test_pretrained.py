@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file, save_model
+from steps import plain_steps
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -60,14 +61,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _step_all(model: Any, opt: Any, lo: int, hi: int) -> list[float]:
     x, y = _data()
-    out = []
-    for s in range(3):
-        loss = nn.functional.mse_loss(model(x[s, lo:hi]), y[s, lo:hi])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return plain_steps(model, opt, zip(x[:3, lo:hi], y[:3, lo:hi], strict=True), nn.functional.mse_loss)
 
 
 def _load_everywhere(backend: CommunicationBackend, one: Path, sharded: Path) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from filled import filled
+from steps import plain_steps
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -70,12 +71,8 @@ def train_distributed(
     o = optimizer_for(name, model, opt)
     p, r = backend.world_size, backend.rank
     local = global_batch // p
-    for s in range(steps):
-        xb, yb = x[s, r * local : (r + 1) * local], y[s, r * local : (r + 1) * local]
-        loss = nn.functional.mse_loss(model(xb), yb)
-        loss.backward()
-        o.step()
-        o.zero_grad()
+    mine = slice(r * local, (r + 1) * local)
+    plain_steps(model, o, zip(x[:steps, mine], y[:steps, mine], strict=True), nn.functional.mse_loss)
     return model.full_state_dict()
 
 
@@ -84,11 +81,7 @@ def train_reference(opt: str, steps: int, global_batch: int) -> dict[str, torch.
     module = make_module()
     ocls, kw = OPTIMIZERS[opt]
     o = ocls(module.parameters(), **kw)
-    for s in range(steps):
-        loss = nn.functional.mse_loss(module(x[s]), y[s])
-        loss.backward()
-        o.step()
-        o.zero_grad()
+    plain_steps(module, o, zip(x[:steps], y[:steps], strict=True), nn.functional.mse_loss)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from filled import filled
+from steps import plain_steps
 from torch import nn
 
 from dtlab.backends import Mesh
@@ -56,13 +57,9 @@ def _reference() -> tuple[list[float], torch.Tensor]:
     net = _model()
     opt = torch.optim.AdamW(net.parameters(), lr=0.05)
     x, y = _batch()
-    losses = []
-    for _ in range(STEPS):
-        loss = F.cross_entropy(net(x).reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_steps(
+        net, opt, [(x, y)] * STEPS, lambda out, t: F.cross_entropy(out.reshape(-1, VOCAB), t.reshape(-1))
+    )
     return losses, net.emb.weight.detach().clone()
 
 
@@ -91,13 +88,7 @@ def _train(backend: CommunicationBackend, axes: dict[str, int], data_parallel: s
     x, y = _batch()
     c, dp = mesh.coordinate("dp"), mesh.size("dp")
     xs, ys = x.chunk(dp)[c], y.chunk(dp)[c]
-    losses = []
-    for _ in range(STEPS):
-        loss = model.cross_entropy(model(xs), ys)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_steps(model, opt, [(xs, ys)] * STEPS, model.cross_entropy)
     full = model.full_state_dict()
     return {
         "tied": tied_after_wrap and inner.head.weight is inner.emb.weight,
@@ -184,13 +175,7 @@ def _gpt2_world(backend: CommunicationBackend, config: Any, state: dict[str, tor
     inner = model.dp_strategy.module
     opt = DDPOptimizer(model, torch.optim.AdamW, lr=1e-2)
     x, y = _batch()
-    losses = []
-    for _ in range(STEPS):
-        loss = model.cross_entropy(model(x).logits, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_steps(model, opt, [(x, y)] * STEPS, lambda out, t: model.cross_entropy(out.logits, t))
     return {
         "tied": inner.lm_head.weight is inner.transformer.wte.weight,
         "losses": losses,
@@ -203,13 +188,12 @@ def test_gpt2_tied_head_under_tensor_parallelism_matches_one_process() -> None:
     net = _gpt2(config, state)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     x, y = _batch()
-    ref_losses = []
-    for _ in range(STEPS):
-        loss = F.cross_entropy(net(x).logits.reshape(-1, VOCAB * 2), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = plain_steps(
+        net,
+        opt,
+        [(x, y)] * STEPS,
+        lambda out, t: F.cross_entropy(out.logits.reshape(-1, VOCAB * 2), t.reshape(-1)),
+    )
     ref = net.state_dict()
     for r in run_world(2, _gpt2_world, config, state, timeout=60):
         assert r["tied"]
