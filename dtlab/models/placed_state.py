@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.core.placement import Placement, Replicate, Shard
+from dtlab.core.placement import Placement, Replicate, Shard, placement_of
 from dtlab.core.shard_index import ShardIndex, add_placed_slice, add_slice, even_range, read_placed
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
@@ -142,6 +142,4 @@ def _check_present(index: ShardIndex, key: str, shape: Sequence[int] | None) -> 
 
 def placements_of(tensors: Mapping[str, Any]) -> dict[str, Placement]:
     """``{key: placement}`` of every tensor (``Replicate()`` when none was set)."""
-    from dtlab.core.placement import placement_of
-
     return {k: placement_of(t) for k, t in tensors.items()}
