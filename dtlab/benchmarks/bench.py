@@ -158,98 +158,94 @@ def _run(cmd: list[str], log: Path, timeout: float) -> int:
         return code
 
 
-def _plot_strategies(rows: list[dict[str, Any]], path: Path) -> None:
+#: one panel of a figure: its title, the categories along x, per group its label and value per category
+#: (bars side by side, a missing value drawn as 0), and whether the y axis is logarithmic
+Panel = tuple[str, list[str], list[tuple[str, dict[str, float]]], bool]
+
+
+def _draw(panels: list[list[Panel]], figsize: tuple[float, float], path: Path) -> None:
+    """One row of axes per row of ``panels``, grouped bars in each, written as a PNG to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["engine"], r["model"]) for r in rows})
-    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(1, len(groups))
-    for gi, (engine, model) in enumerate(groups):
-        sel = {r["strategy"]: r for r in rows if (r["engine"], r["model"]) == (engine, model)}
-        xs = [i + gi * width for i in range(len(strategies))]
-        axes[0].bar(
-            xs, [sel[s]["step_ms"] if s in sel else 0 for s in strategies], width, label=f"{engine} {model}"
-        )
-        mem = [sel[s].get("model_state", 0) / 2**20 if s in sel else 0 for s in strategies]
-        axes[1].bar(xs, mem, width, label=f"{engine} {model}")
-    for ax, title in zip(
-        axes, ("step time (ms, median)", "model state per rank, peak in step (MiB)"), strict=True
-    ):
-        ax.set_xticks(
-            [i + width * (len(groups) - 1) / 2 for i in range(len(strategies))], strategies, rotation=30
-        )
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_compression(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def where(r: dict[str, Any]) -> tuple[str, str, int, str]:
-        return r["rate"], r["engine"], r["P"], r.get("semantics", "all_reduce")
-
-    groups = sorted({where(r) for r in rows})
-    algos = list(dict.fromkeys(r["algorithm"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(1, len(groups))
-    for gi, key in enumerate(groups):
-        sel = {r["algorithm"]: r for r in rows if where(r) == key}
-        xs = [i + gi * width for i in range(len(algos))]
-        secs = [sel[a].get("amortised_seconds", sel[a]["seconds"]) * 1e3 if a in sel else 0 for a in algos]
-        # reduce-scatter: Ok-Topk's reduced form (no boundary balancing, no global selection)
-        label = f"{key[0]} {key[1]} P={key[2]}" + (" reduce-scatter" if key[3] == "reduce_scatter" else "")
-        axes[0].bar(xs, secs, width, label=label)
-        sent = [sel[a]["rank0_bytes_sent"] / 1e6 if a in sel else 0 for a in algos]
-        axes[1].bar(xs, sent, width, label=label)
-    for ax, title in zip(axes, ("ms per iteration", "MB sent by rank 0 per iteration"), strict=True):
-        ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(algos))], algos, rotation=30)
-        ax.set_yscale("log")
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_mesh(rows: list[dict[str, Any]], path: Path) -> None:
-    """Step time and state memory per rank for every mesh shape, one bar per strategy, per engine."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    engines = list(dict.fromkeys(r["engine"] for r in rows))
-    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    fig, axes = plt.subplots(len(engines), 2, figsize=(13, 4.2 * len(engines)), squeeze=False)
-    width = 0.8 / max(1, len(strategies))
-    for ei, engine in enumerate(engines):
-        mine = [r for r in rows if r["engine"] == engine]
-        meshes = list(dict.fromkeys(r["mesh"] for r in mine))
-        for si, strategy in enumerate(strategies):
-            sel = {r["mesh"]: r for r in mine if r["strategy"] == strategy}
-            xs = [i + si * width for i in range(len(meshes))]
-            axes[ei][0].bar(xs, [sel[m]["step_ms"] if m in sel else 0 for m in meshes], width, label=strategy)
-            mem = [sel[m]["state"] / 2**20 if m in sel else 0 for m in meshes]
-            axes[ei][1].bar(xs, mem, width, label=strategy)
-        for ax, title in zip(axes[ei], ("step time (ms)", "state per rank (MiB)"), strict=True):
+    fig, axes = plt.subplots(len(panels), len(panels[0]), figsize=figsize, squeeze=False)
+    for row, ax_row in zip(panels, axes, strict=True):
+        for (title, categories, groups, log), ax in zip(row, ax_row, strict=True):
+            width = 0.8 / max(1, len(groups))
+            for gi, (label, values) in enumerate(groups):
+                xs = [i + gi * width for i in range(len(categories))]
+                ax.bar(xs, [values.get(c, 0) for c in categories], width, label=label)
             ax.set_xticks(
-                [i + width * (len(strategies) - 1) / 2 for i in range(len(meshes))], meshes, rotation=30
+                [i + width * (len(groups) - 1) / 2 for i in range(len(categories))], categories, rotation=30
             )
-            ax.set_title(f"{engine}: {title}")
+            if log:
+                ax.set_yscale("log")
+            ax.set_title(title)
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_strategies(rows: list[dict[str, Any]], path: Path) -> None:
+    groups = sorted({(r["engine"], r["model"]) for r in rows})
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    step: list[tuple[str, dict[str, float]]] = []
+    memory: list[tuple[str, dict[str, float]]] = []
+    for engine, model in groups:
+        sel = {r["strategy"]: r for r in rows if (r["engine"], r["model"]) == (engine, model)}
+        step.append((f"{engine} {model}", {s: r["step_ms"] for s, r in sel.items()}))
+        memory.append((f"{engine} {model}", {s: r.get("model_state", 0) / 2**20 for s, r in sel.items()}))
+    panels: list[Panel] = [
+        ("step time (ms, median)", strategies, step, False),
+        ("model state per rank, peak in step (MiB)", strategies, memory, False),
+    ]
+    _draw([panels], (12, 4.5), path)
+
+
+def _plot_compression(rows: list[dict[str, Any]], path: Path) -> None:
+    def where(r: dict[str, Any]) -> tuple[str, str, int, str]:
+        return r["rate"], r["engine"], r["P"], r.get("semantics", "all_reduce")
+
+    algos = list(dict.fromkeys(r["algorithm"] for r in rows))
+    time_ms: list[tuple[str, dict[str, float]]] = []
+    sent: list[tuple[str, dict[str, float]]] = []
+    for key in sorted({where(r) for r in rows}):
+        sel = {r["algorithm"]: r for r in rows if where(r) == key}
+        # reduce-scatter: Ok-Topk's reduced form (no boundary balancing, no global selection)
+        label = f"{key[0]} {key[1]} P={key[2]}" + (" reduce-scatter" if key[3] == "reduce_scatter" else "")
+        time_ms.append((label, {a: r.get("amortised_seconds", r["seconds"]) * 1e3 for a, r in sel.items()}))
+        sent.append((label, {a: r["rank0_bytes_sent"] / 1e6 for a, r in sel.items()}))
+    panels: list[Panel] = [
+        ("ms per iteration", algos, time_ms, True),
+        ("MB sent by rank 0 per iteration", algos, sent, True),
+    ]
+    _draw([panels], (12, 4.5), path)
+
+
+def _plot_mesh(rows: list[dict[str, Any]], path: Path) -> None:
+    """Step time and state memory per rank for every mesh shape, one bar per strategy, per engine."""
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    figure: list[list[Panel]] = []
+    for engine in engines:
+        mine = [r for r in rows if r["engine"] == engine]
+        meshes = list(dict.fromkeys(r["mesh"] for r in mine))
+        step: list[tuple[str, dict[str, float]]] = []
+        state: list[tuple[str, dict[str, float]]] = []
+        for strategy in strategies:
+            sel = {r["mesh"]: r for r in mine if r["strategy"] == strategy}
+            step.append((strategy, {m: r["step_ms"] for m, r in sel.items()}))
+            state.append((strategy, {m: r["state"] / 2**20 for m, r in sel.items()}))
+        figure.append(
+            [
+                (f"{engine}: step time (ms)", meshes, step, False),
+                (f"{engine}: state per rank (MiB)", meshes, state, False),
+            ]
+        )
+    _draw(figure, (13, 4.2 * len(engines)), path)
 
 
 def _one(name: str, engines: list[str], full: bool, out: Path, timeout: float) -> tuple[list[str], bool]:
