@@ -22,10 +22,10 @@ from hf_cases import (
     train_steps,
     worst_loss_error,
 )
+from pretrained_cases import assert_loaded_bitwise, load_into
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.checkpoint import load_pretrained
 from dtlab.core import seeded_init
 from dtlab.models import FSDPModel, ModuleClassPolicy, TensorParallelModel, ZeRO3Model
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
@@ -78,9 +78,7 @@ def _load_all(backend: CommunicationBackend, root: Path) -> dict[str, Any]:
     for name, src, wrap in _cases():
         key = f"{name}/{src}/{wrap}"
         model, opt, net = _wrapped(name, wrap, backend)
-        report = load_pretrained(model, root / f"{name}-{src}")
-        out[f"{key}/report"] = (report.missing, report.unexpected, report.mismatched)
-        out[f"{key}/loaded"] = model.full_state_dict()
+        out[f"{key}/load"] = load_into(model, root / f"{name}-{src}")
         out[f"{key}/buffers"] = {n: b.clone() for n, b in net.named_buffers() if n.endswith("inv_freq")}
         lo, hi = (0, 4) if wrap == "tp2" else (r * 4 // p, (r + 1) * 4 // p)
         out[f"{key}/losses"] = _train(model, opt, lo, hi)
@@ -110,10 +108,7 @@ def test_hugging_face_checkpoints_load_bitwise_into_sharded_models_and_train_lik
             mean = results[0][f"{key}/losses"]
         assert worst_loss_error(mean, ref_losses) <= 1e-5, key
         for res in results:
-            assert res[f"{key}/report"] == ([], [], []), key
-            loaded = res[f"{key}/loaded"]
-            assert sorted(loaded) == sorted(saved), key
-            assert [k for k in saved if not torch.equal(loaded[k], saved[k])] == [], key
+            assert_loaded_bitwise(res[f"{key}/load"], saved, key)
             assert [k for k in buffers if not torch.equal(res[f"{key}/buffers"][k], buffers[k])] == [], key
             for k, v in ref_state.items():
                 rel = rel_error(res[f"{key}/trained"][k], v)

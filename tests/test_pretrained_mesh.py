@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 from hybrid_cases import OPTIMIZER_OF
+from pretrained_cases import assert_loaded_bitwise, load_into
 from safetensors.torch import save_file
 from test_tensor_helpers import OPTIMIZERS, STEPS, batch, build, initial_state, train_reference
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
-from dtlab.checkpoint import consolidate, load_pretrained, save_checkpoint
+from dtlab.checkpoint import consolidate, save_checkpoint
 from dtlab.core import seeded_init
 from dtlab.models import HybridShardedModel, ModuleClassPolicy, ZeRO3Model, transformer_plan
 from dtlab.optimizers import ZeRO3Optimizer
@@ -64,9 +65,7 @@ def _on_mesh(backend: CommunicationBackend, root: Path) -> dict[str, Any]:
                 extra["persistence_threshold"] = 0
             plan = transformer_plan() if shape["tp"] > 1 else None
             model = HybridShardedModel(net, mesh, data_parallel, tensor_plan=plan, **pipeline, **extra)
-            report = load_pretrained(model, root / src)
-            out[f"{key}/report"] = (report.missing, report.unexpected, report.mismatched)
-            out[f"{key}/loaded"] = model.full_state_dict()
+            out[f"{key}/load"] = load_into(model, root / src)
             opt = OPTIMIZER_OF[data_parallel](model, cls, **kwargs)
             x, y = batch()
             dp, coord = mesh.size("dp"), mesh.coordinate("dp")
@@ -95,10 +94,7 @@ def test_tensor_pipeline_and_hybrid_models_load_their_slices_bitwise_and_train_l
             key = f"{name}/{src}"
             for rank, res in enumerate(results):
                 where = f"{key} rank {rank}"
-                assert res[f"{key}/report"] == ([], [], []), where
-                loaded = res[f"{key}/loaded"]
-                assert sorted(loaded) == sorted(state), where
-                assert [k for k in state if not torch.equal(loaded[k], state[k])] == [], where
+                assert_loaded_bitwise(res[f"{key}/load"], state, where)
                 losses = res[f"{key}/losses"]
                 assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-5, (
                     where
@@ -122,18 +118,15 @@ def _save_trained(backend: CommunicationBackend, root: Path) -> dict[str, torch.
     return model.full_state_dict()
 
 
-def _load_consolidated(backend: CommunicationBackend, file: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+def _load_consolidated(backend: CommunicationBackend, file: Path) -> dict[str, Any]:
     with seeded_init(backend.rank + 1):
         net = build(None, torch.float32)
     model = HybridShardedModel(net, Mesh(backend, {"dp": 2, "tp": 2}), "fsdp", tensor_plan=transformer_plan())
-    report = load_pretrained(model, file)
-    return (report.missing, report.unexpected, report.mismatched), model.full_state_dict()
+    return load_into(model, file)
 
 
 def test_a_file_written_by_dtlab_consolidate_loads_slice_by_slice(tmp_path: Path) -> None:
     trained = run_world(2, _save_trained, tmp_path / "ckpt", timeout=120)[0]
     file = consolidate(tmp_path / "ckpt", tmp_path / "full.safetensors")
-    for report, loaded in run_world(4, _load_consolidated, file, timeout=120):
-        assert report == ([], [], [])
-        assert sorted(loaded) == sorted(trained)
-        assert [k for k in trained if not torch.equal(loaded[k], trained[k])] == []
+    for rank, got in enumerate(run_world(4, _load_consolidated, file, timeout=120)):
+        assert_loaded_bitwise(got, trained, f"rank {rank}")
