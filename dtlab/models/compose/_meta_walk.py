@@ -35,9 +35,9 @@ from dtlab.core.rng import seeded_init
 from dtlab.errors import StrategyError
 from dtlab.models.dp._materialize import (
     ParamInitFn,
+    init_whole,
     initializer,
     on_meta,
-    sentinel,
     uninitialized_error,
     untouched,
 )
@@ -154,19 +154,9 @@ class MetaWalk:
             init(entry.module)  # the strategy's whole buffers, checked by the strategy
             self.progress.done.update(id(t) for _, t, _ in entry.tensors)
             return
-        saved = [(n, getattr(entry.module, n)) for n, _, _ in entry.tensors]
-        for n, t, is_param in entry.tensors:
-            whole = sentinel(t.shape, t.dtype)
-            setattr(
-                entry.module, n, nn.Parameter(whole, requires_grad=t.requires_grad) if is_param else whole
-            )
-        try:
-            init(entry.module)
-            values = [(n, t, getattr(entry.module, n).detach(), p) for n, t, p in entry.tensors]
-        finally:
-            for n, old in saved:
-                setattr(entry.module, n, old)
-        for n, t, value, is_param in values:
+        specs = [(n, t.shape, t.dtype, t.requires_grad if p else None) for n, t, p in entry.tensors]
+        values = init_whole(entry.module, specs, init)
+        for (n, t, is_param), value in zip(entry.tensors, values, strict=True):
             if id(t) in self.progress.done:
                 continue  # tied, initialized by an earlier module: this draw is dropped
             if untouched(value):

@@ -39,6 +39,7 @@ __all__ = [
     "ParamInitFn",
     "check_init_args",
     "init_empty_weights",
+    "init_whole",
     "initializer",
     "sentinel",
     "tensor_path",
@@ -192,6 +193,24 @@ def sentinel(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return t.fill_(torch.iinfo(t.dtype).min)
 
 
+def init_whole(
+    mod: nn.Module, tensors: list[tuple[str, torch.Size, torch.dtype, bool | None]], init: ParamInitFn
+) -> list[torch.Tensor]:
+    """``init(mod)`` with each of ``mod``'s own ``tensors`` (name, shape, dtype, and ``requires_grad``
+    for a parameter, None for a buffer) replaced by a whole CPU tensor holding the :func:`sentinel`:
+    the values it leaves, in order; ``mod``'s tensors are restored."""
+    saved = [(n, getattr(mod, n)) for n, _, _, _ in tensors]
+    for n, shape, dtype, grad in tensors:
+        whole = sentinel(shape, dtype)
+        setattr(mod, n, whole if grad is None else nn.Parameter(whole, requires_grad=grad))
+    try:
+        init(mod)
+        return [getattr(mod, n).detach() for n, _, _, _ in tensors]
+    finally:
+        for n, old in saved:
+            setattr(mod, n, old)
+
+
 def untouched(t: torch.Tensor) -> bool:
     """Whether ``t`` still holds the sentinel somewhere (floats: any NaN; integers: all the minimum).
     Floats are checked through their sum first (a scalar), so the check allocates no tensor of ``t``'s
@@ -283,33 +302,27 @@ class MetaInit:
         if not params and not buffers:
             return
         init = initializer(self.who, self.root, mname, mod, (params or buffers)[0][0], self.param_init_fn)
-        kept: list[tuple[str, nn.Parameter, torch.Tensor, bool]] = []
-        for pname, q in params:
-            kept.append((pname, q, q.data, id(q) in done))
-            q.data = sentinel(self.shapes[id(q)], q.dtype)
-        fresh_buffers = []
-        for bname, b in buffers:
-            setattr(mod, bname, sentinel(b.shape, b.dtype))
-            fresh_buffers.append(bname)
-        init(mod)
-        for pname, q, old, seen in kept:
-            if seen:  # tied, initialized by an earlier module: this draw is dropped
-                q.data = old
+        values = init_whole(
+            mod,
+            [(n, self.shapes[id(q)], q.dtype, q.requires_grad) for n, q in params]
+            + [(n, b.shape, b.dtype, None) for n, b in buffers],
+            init,
+        )
+        for (pname, q), value in zip(params, values[: len(params)], strict=True):
+            if id(q) in done:  # tied, initialized by an earlier module: this draw is dropped
                 continue
-            if untouched(q.data):
+            if untouched(value):
                 raise uninitialized_error(self.who, "parameter", pname, mname, mod, self.param_init_fn)
             done.add(id(q))
             place = places.get(id(q))
             if place is None:  # frozen: kept whole on every rank
-                q.data = q.data.to(self.device)
-            else:
-                self._place(q.data.reshape(-1), place)
-                q.data = old  # the unit's binding (a view of its whole buffer, or empty)
-        for bname in fresh_buffers:
-            b = getattr(mod, bname)
-            if untouched(b):
+                q.data = value.to(self.device)
+            else:  # the unit's binding stays (a view of its whole buffer, or empty)
+                self._place(value.reshape(-1), place)
+        for (bname, _), value in zip(buffers, values[len(params) :], strict=True):
+            if untouched(value):
                 raise uninitialized_error(self.who, "buffer", bname, mname, mod, self.param_init_fn)
-            setattr(mod, bname, b.to(self.device))
+            setattr(mod, bname, value.to(self.device))
 
     @staticmethod
     def _place(flat: torch.Tensor, place: _Place) -> None:
