@@ -6,17 +6,19 @@ the run_elastic driver's checks, and MPI refused up front."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from elastic_cases import elastic_fsdp, full_state
+from refusals import refusal_messages
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, load_config
-from dtlab.errors import CheckpointError, ConfigError, RankFailedError, StrategyError
+from dtlab.errors import CheckpointError, ConfigError, RankFailedError
 from dtlab.optimizers import DDPOptimizer
 from dtlab.optimizers.elastic import ElasticOptimizer, MemoryCommitStore, StaticMember
 from dtlab.testing import TINY_LM, run_world, spawn_world
@@ -188,17 +190,7 @@ def _refusals(backend: CommunicationBackend) -> list[str]:
     from dtlab.models import DDPModel
 
     inner = DDPOptimizer(DDPModel(nn.Linear(2, 2), backend), torch.optim.SGD, lr=0.1)
-    out = []
-    for bad in (0, 1.5):
-        try:
-            ElasticOptimizer(inner, commit_every=bad)  # type: ignore[arg-type]
-        except StrategyError as exc:
-            out.append(str(exc))
-    try:
-        ElasticOptimizer(inner, commit_every=2)
-    except StrategyError as exc:
-        out.append(str(exc))
-    return out
+    return refusal_messages(partial(ElasticOptimizer, inner, commit_every=every) for every in (0, 1.5, 2))
 
 
 def test_mpi_is_refused_up_front_with_the_reason() -> None:

@@ -7,16 +7,17 @@ ZeRO-1, and at pp 2 x dp 2 x tp 2 (split at a module name) with both; the tied p
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
 from hf_cases import gpt2, llama, llama_gqa, lm_loss, rel_error, token_batch, train_steps, worst_loss_error
+from refusals import refusal_messages
 from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import StrategyError
 from dtlab.models import HybridShardedModel, TensorParallelModel
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
@@ -134,12 +135,7 @@ def _refusals(backend: CommunicationBackend) -> tuple[list[str], int]:
         (llama_gqa(), {"model.embed_tokens": "embedding_colwise"}),
         (nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), "auto"),
     ]
-    errors = []
-    for net, plan in cases:
-        try:
-            TensorParallelModel(net, backend, plan=plan)
-        except StrategyError as exc:
-            errors.append(str(exc))
+    errors = refusal_messages(partial(TensorParallelModel, net, backend, plan=plan) for net, plan in cases)
     return errors, backend.stats.calls
 
 

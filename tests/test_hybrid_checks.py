@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from hybrid_cases import OPTIMIZER_OF, hybrid_model, train_hybrid
+from refusals import refusal_messages
 from test_tensor_helpers import (
     BATCH,
     CFG,
@@ -25,7 +26,7 @@ from test_tensor_helpers import (
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import RankFailedError, StrategyError
+from dtlab.errors import RankFailedError
 from dtlab.models import HybridShardedModel, transformer_plan
 from dtlab.optimizers import DDPOptimizer, ZeRO2Optimizer
 from dtlab.testing import run_world
@@ -161,7 +162,6 @@ def test_dense_compression_on_the_dp_axis_equals_the_plain_run() -> None:
 
 def refusals_world(backend: CommunicationBackend) -> list[str]:
     mesh = Mesh(backend, {"pp": 2, "tp": 2})
-    errors = []
     attempts = [
         lambda: HybridShardedModel(build(None, torch.float32), mesh, data_parallel="zero9"),
         lambda: HybridShardedModel(build(None, torch.float32), mesh, data_parallel="ddp"),  # no plan
@@ -174,12 +174,7 @@ def refusals_world(backend: CommunicationBackend) -> list[str]:
             lr=0.1,
         ),
     ]
-    for attempt in attempts:
-        try:
-            attempt()
-        except StrategyError as exc:
-            errors.append(str(exc))
-    return errors
+    return refusal_messages(attempts)
 
 
 def test_refusals_name_the_fix() -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 from pipeline_cases import make_lm, pipeline_rank, reference, worst_error
+from refusals import refusal_messages
 
 from dtlab.backends import Mesh
-from dtlab.errors import StrategyError
 from dtlab.models import HybridShardedModel, PipelineParallelModel
 from dtlab.testing import run_world
 
@@ -31,18 +31,14 @@ def test_checkpointed_stages_train_like_one_process_and_hold_less(
 
 
 def _refusals(backend: object) -> list[str]:
-    out = []
-    for attempt in (
-        lambda: PipelineParallelModel(
-            make_lm(), Mesh(backend, {"pp": 2}), "zero_bubble", micro_batches=2, activation_checkpointing=True
-        ),
-        lambda: HybridShardedModel(make_lm(), Mesh(backend, {"dp": 2}), "ddp", activation_checkpointing=True),
-    ):
-        try:
-            attempt()
-        except StrategyError as exc:
-            out.append(str(exc))
-    return out
+    def zero_bubble() -> object:
+        pp, checkpointed = Mesh(backend, {"pp": 2}), {"activation_checkpointing": True}
+        return PipelineParallelModel(make_lm(), pp, "zero_bubble", micro_batches=2, **checkpointed)
+
+    def no_pipeline() -> object:
+        return HybridShardedModel(make_lm(), Mesh(backend, {"dp": 2}), "ddp", activation_checkpointing=True)
+
+    return refusal_messages([zero_bubble, no_pipeline])
 
 
 def test_zero_bubble_and_no_pipeline_are_refused_with_the_fix() -> None:
