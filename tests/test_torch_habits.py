@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from test_strategies_helpers import STRATEGIES, make_module, max_rel_error, wrap
+from torch import nn
 from torch_habits_cases import (
     all_cases,
     clip_case,
@@ -22,6 +23,7 @@ from torch_habits_cases import (
     requires_grad_case,
 )
 
+from dtlab.core.rng import seeded_init
 from dtlab.errors import CollectiveMismatchError
 from dtlab.testing import run_world
 
@@ -136,6 +138,23 @@ def test_zero3_says_when_nothing_is_sharded() -> None:
 
     with pytest.warns(UserWarning, match="persistence_threshold=100000 keeps every parameter whole"):
         run_world(2, build, timeout=30)
+
+
+def test_zero3_names_tied_weights_when_they_keep_everything_whole() -> None:
+    """At persistence_threshold=0 only tied parameters stay whole: the warning names them and the fix
+    (not the threshold, which is already 0)."""
+
+    def build(backend: Any) -> int:
+        with seeded_init(0):
+            emb = nn.Embedding(16, 8)
+            head = nn.Linear(8, 16, bias=False)
+        head.weight = emb.weight
+        wrap("zero3", nn.Sequential(emb, head), backend, persistence_threshold=0)
+        return 0
+
+    with pytest.warns(UserWarning, match=r"threshold=0 \(0.weight\) is used by more than one module") as rec:
+        run_world(2, build, timeout=30)
+    assert all("pass persistence_threshold=0" not in str(w.message) for w in rec)
 
 
 def test_all_habits_on_gloo(

@@ -71,15 +71,7 @@ class ZeRO3Model(ShardedModel):
         self.leaf_modules = tuple(leaf_modules)
         super().__init__(module, backend, reshard_after_forward=True, **options)
         if backend.world_size > 1 and all(st.persistent for st in self._units):
-            largest = max(p.numel() for _, p in self._trainable)
-            warnings.warn(
-                f"ZeRO3Model: persistence_threshold={persistence_threshold} keeps every parameter whole on "
-                f"every rank (the largest has {largest} elements), so nothing is sharded and ZeRO-3 saves "
-                "no parameter memory; pass persistence_threshold=0 (or below the parameters' sizes) to "
-                "shard them",
-                UserWarning,
-                stacklevel=2,
-            )
+            warnings.warn(_nothing_sharded(persistence_threshold, self._trainable), UserWarning, stacklevel=2)
 
     def _plan(self) -> list[tuple[nn.Module, list[UnitPlan]]]:
         names = {id(p): n for n, p in self._trainable}
@@ -109,3 +101,23 @@ class ZeRO3Model(ShardedModel):
                 units.append(UnitPlan(names[id(p)], [(names[id(p)], p)], persistent=keep))
             plan.append((mod, units))
         return plan
+
+
+def _nothing_sharded(threshold: int, trainable: list[tuple[str, nn.Parameter]]) -> str:
+    """Why every parameter stayed whole, and what to change: the threshold, or tied parameters (a
+    parameter used by several modules is kept whole on every rank)."""
+    largest = max(p.numel() for _, p in trainable)
+    above = [n for n, p in trainable if p.numel() > threshold]
+    if not above:
+        fix = f"pass persistence_threshold=0 (or below {largest}, the largest parameter's size)"
+        return (
+            f"ZeRO3Model: persistence_threshold={threshold} keeps every parameter whole on every rank, so "
+            f"nothing is sharded and ZeRO-3 saves no parameter memory; {fix} to shard them"
+        )
+    return (
+        f"ZeRO3Model: every parameter above persistence_threshold={threshold} ({', '.join(above[:4])}"
+        f"{', ...' if len(above) > 4 else ''}) is used by more than one module (tied weights), and ZeRO-3 "
+        "keeps such parameters whole on every rank, so nothing is sharded and ZeRO-3 saves no parameter "
+        "memory; use FSDPModel with a wrap policy whose unit holds every module using them (or ZeRO-3's "
+        "leaf_modules naming a module that holds them all), or untie the weights"
+    )
