@@ -142,6 +142,30 @@ def test_no_sync_accumulation_equals_one_large_batch() -> None:
                 assert gradient_bytes == 0, f"{name} communicated {gradient_bytes} bytes inside no_sync()"
 
 
+def _reduce_inside_no_sync(backend: CommunicationBackend, name: str) -> dict[str, torch.Tensor]:
+    """Both micro-batches' backward inside ``no_sync()``, then ``reduce_accumulated_grads()`` called
+    still inside it: the same step as a synchronized accumulation."""
+    x, y = make_data(1, 16)
+    model = wrap(name, make_module(), backend)
+    opt = optimizer_for(name, model, "adamw")
+    r, local = backend.rank, 16 // backend.world_size
+    with model.no_sync():
+        for half in range(2):
+            lo = r * local + half * local // 2
+            xs, ys = x[0, lo : lo + local // 2], y[0, lo : lo + local // 2]
+            (nn.functional.mse_loss(model(xs), ys) / 2).backward()
+        model.reduce_accumulated_grads()
+    opt.step()
+    return model.full_state_dict()
+
+
+def test_reduce_accumulated_grads_inside_no_sync_reduces_them() -> None:
+    ref = train_reference("adamw", 1, 16)
+    for name in STRATEGIES:
+        for state in run_world(2, _reduce_inside_no_sync, name, timeout=30):
+            assert max_rel_error(state, ref) <= 1e-5, name
+
+
 # ---------------------------------------------------------------------------- checkpoints
 def _train_steps(
     backend: CommunicationBackend, name: str, first: int, last: int, load: Any = None, **kw: Any

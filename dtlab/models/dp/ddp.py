@@ -201,7 +201,18 @@ class DDPModel(DataParallelModel):
         return self._keep_full_grads
 
     def reduce_accumulated_grads(self) -> None:
-        """Every bucket through the reducer now, as a synchronized backward reduces it."""
+        """Every bucket through the reducer now, as a synchronized backward reduces it (inside
+        ``no_sync()`` too: the call itself asks for the reduction)."""
+        prev, self._sync = self._sync, True
+        try:
+            self._reduce_all_buckets()
+        finally:
+            self._sync = prev
+        self._grads_synced = True
+        self._after_sync()
+        self._after_synchronized()
+
+    def _reduce_all_buckets(self) -> None:
         self._reducer.start_step()
         for i, unit in enumerate(self._units):
             for q in unit.params:
@@ -210,9 +221,6 @@ class DDPModel(DataParallelModel):
         for i, work, extra in works:
             work.wait()
             self._complete(i, extra)
-        self._grads_synced = True
-        self._after_sync()
-        self._after_synchronized()
 
     def whole_grads(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, gradient)`` of every trainable parameter as views of the gradient buckets, whatever
