@@ -19,7 +19,10 @@ from dtlab.compression import COMPRESSORS, CompressedReducer, make_compressor
 from dtlab.compression import kernels as K
 from dtlab.testing import run_world
 
-needs_native = pytest.mark.skipif(not K.native_enabled(), reason="no C compiler: only the fallbacks run here")
+needs_native = pytest.mark.skipif(
+    not K.native_enabled(),
+    reason="native kernels off (no C compiler, or DTLAB_NATIVE_KERNELS=0 set): only the fallbacks run here",
+)
 
 
 def _both(monkeypatch: pytest.MonkeyPatch, fn: Callable[[], Any]) -> tuple[Any, Any]:

@@ -12,15 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_compression_kernels import needs_native
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression import CompressedReducer, PowerSGD
 from dtlab.compression import powersgd_kernels as PK
-from dtlab.compression.native import native_enabled
 from dtlab.compression.state_io import Buffers
 from dtlab.testing import run_world
-
-needs_native = pytest.mark.skipif(not native_enabled(), reason="no C compiler: only the fallbacks run here")
 
 # (offset, numel, rows, cols): rows not a multiple of 4, columns not a multiple of 8, a short matrix
 # (a buffer zero-padded to its near-square shape: 71 * 71 > 4993), one too narrow for the rank

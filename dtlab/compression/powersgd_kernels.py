@@ -56,6 +56,17 @@ def _kernel(
     return lib, shapes, max(r * cols for _, cols, r in shapes)
 
 
+def _factors(
+    table: list[list[int]], rank: int, p: torch.Tensor, *qs: torch.Tensor
+) -> list[list[torch.Tensor]]:
+    """The fallbacks' per-matrix views: of the flat ``p`` (each ``rows x r``), then of every flat ``q``
+    (each ``cols x r``)."""
+    shapes = factor_shapes(table, rank)
+    return [split(p, [(rows, r) for rows, _, r in shapes])] + [
+        split(q, [(cols, r) for _, cols, r in shapes]) for q in qs
+    ]
+
+
 def _views(acc: torch.Tensor, mats: list[list[int]], bufs: Buffers) -> list[torch.Tensor]:
     """Every matrix as a ``rows x cols`` view of ``acc`` (a short one copied, zero-padded)."""
     out = []
@@ -93,9 +104,7 @@ def project(
         )
         return
     table: list[list[int]] = mats.tolist()
-    shapes = factor_shapes(table, rank)
-    qs = split(q, [(cols, r) for _, cols, r in shapes])
-    ps = split(p, [(rows, r) for rows, _, r in shapes])
+    ps, qs = _factors(table, rank, p, q)
     # Q as the transposed view of a contiguous r x cols matrix: BLAS streams M once per product
     for m, qi, pi in zip(_views(acc, table, bufs), qs, ps, strict=True):
         torch.mm(m, qi.t().contiguous().t(), out=pi)
@@ -141,9 +150,7 @@ def back(
         )
         return
     table: list[list[int]] = mats.tolist()
-    shapes = factor_shapes(table, rank)
-    ps = split(p, [(rows, r) for rows, _, r in shapes])
-    qs = split(q, [(cols, r) for _, cols, r in shapes])
+    ps, qs = _factors(table, rank, p, q)
     # (P^T M)^T: MKL streams M row by row (M^T P directly was 13x slower)
     for m, pi, qi in zip(_views(acc, table, bufs), ps, qs, strict=True):
         qi.copy_(torch.mm(pi.t().contiguous(), m).t())
@@ -172,10 +179,7 @@ def finish(
         )  # fmt: skip
         return
     table: list[list[int]] = mats.tolist()
-    shapes = factor_shapes(table, rank)
-    ps = split(p, [(rows, r) for rows, _, r in shapes])
-    qls = split(q_local, [(cols, r) for _, cols, r in shapes])
-    qss = split(q_sum, [(cols, r) for _, cols, r in shapes])
+    ps, qls, qss = _factors(table, rank, p, q_local, q_sum)
     for (offset, size, rows, cols), x, ql, qs in zip(table, ps, qls, qss, strict=True):
         seg, dst = acc[offset : offset + size], out[offset : offset + size]
         xp = x / world  # the small factor scaled: no pass of its own
