@@ -1,5 +1,9 @@
 """Model strategies: DDP, ZeRO-1/2/3, FSDP, tensor, pipeline and hybrid (3-D) parallelism."""
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from dtlab.core import pairs
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.shard_index import ShardIndex
 from dtlab.core.state import ShardedState
@@ -16,7 +20,6 @@ from dtlab.models.dp.zero1 import ZeRO1Model
 from dtlab.models.dp.zero2 import ZeRO2Model
 from dtlab.models.dp.zero3 import ZeRO3Model
 from dtlab.models.pipeline import plot_schedule
-from dtlab.models.registry import MODEL_STRATEGIES, get_model_strategy
 from dtlab.models.tensor import (
     ColumnParallelLinear,
     ColwiseParallel,
@@ -66,3 +69,13 @@ __all__ = [
     "transformer_plan",
     "vocab_parallel_cross_entropy",
 ]
+
+#: ``{"ddp": DDPModel, ..., "hybrid": HybridShardedModel}``: the pairing table's class names, in its order
+MODEL_STRATEGIES: Mapping[str, type[ModelStrategy]] = MappingProxyType(
+    {name: globals()[pairs.model_class_name(name)] for name in pairs.model_names()}
+)
+
+
+def get_model_strategy(name: str) -> type[ModelStrategy]:
+    """The model strategy class for ``name`` (case-insensitive; unknown names raise, naming the choices)."""
+    return MODEL_STRATEGIES[pairs.pairing(name).model]

@@ -1,10 +1,5 @@
-"""What every model strategy offers (docs/architecture.md, section "Model strategies").
-
-A model strategy wraps an ``nn.Module``, is itself an ``nn.Module`` (forward works), owns where its
-parameters and gradients live, and sends gradients through its :class:`GradientReducer`.
-:class:`OptimizerTarget` is the part an optimizer strategy drives (the data-parallel strategies and
-the model-parallel composition that uses one of them offer it).
-"""
+"""What every model strategy offers (docs/architecture.md, section "Model strategies"):
+:class:`ModelStrategy`, and :class:`OptimizerTarget`, the part an optimizer strategy drives."""
 
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ from dtlab.errors import ArgumentError, CheckpointError
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit
 
-__all__ = ["AttachedOptimizer", "ModelStrategy", "OptimizerTarget", "ShardedState"]
+__all__ = ["AttachedOptimizer", "ModelStrategy", "OptimizerTarget"]
 
 
 class AttachedOptimizer(Protocol):
@@ -68,7 +63,8 @@ def _check_world(
 
 
 class ModelStrategy(nn.Module):
-    """Base of DDP, ZeRO-1/2/3, FSDP, pipeline, tensor and hybrid model strategies."""
+    """An ``nn.Module`` wrapping ``module`` (forward works) that owns where its parameters and
+    gradients live and sends gradients through its :attr:`gradient_reducer`."""
 
     #: short name used in configs, checkpoints and errors ("ddp", "zero1", ...)
     strategy_name: ClassVar[str] = "base"
@@ -137,8 +133,7 @@ class ModelStrategy(nn.Module):
         ``module.state_dict()``, with no ``module.`` prefix. Collective: every rank calls it (as FSDP2's
         full state dict); :meth:`sharded_state_dict` is this rank's part."""
         out: dict[str, Any] = destination if destination is not None else {}
-        for k, v in self.full_state_dict().items():
-            out[prefix + k] = v
+        out.update({prefix + k: v for k, v in self.full_state_dict().items()})
         return out
 
     def load_state_dict(

@@ -1,11 +1,10 @@
 """Activation checkpointing: chosen submodules keep only their inputs for backward and recompute
-their forward when backward reaches them (``torch.utils.checkpoint``, non-reentrant).
+their forward there (``torch.utils.checkpoint``, non-reentrant).
 
-:func:`checkpoint_modules` changes each module's ``forward`` in place, so parameter names, state dicts
-and checkpoints stay as they were, and every model strategy wraps the result as usual. Under ZeRO-3
-and FSDP the recomputation runs inside the unit's backward, after its parameters were gathered again;
-the non-reentrant checkpoint's own saved-tensor hooks take precedence over the strategy's inside a
-checkpointed module, so the strategy's hooks only see what is saved outside them.
+Only each module's ``forward`` changes, so parameter names and checkpoints stay as they were. Under
+ZeRO-3/FSDP the recomputation runs inside the unit's backward, after its parameters were gathered
+again; inside a checkpointed module the checkpoint's saved-tensor hooks take precedence over the
+strategy's.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Every model strategy's checkpoint state: placed shards in the format every strategy reads.
 
-A data-parallel strategy writes the tensors it holds whole as even flat slices over dp and its
-ZeRO-3/FSDP flat shards as they are. Under the model-parallel composition a rank writes what it holds
-of its stages: a tensor sharded over tp as boxes of the full tensor (its tp shard split once more over
-dp, or the data-parallel strategy's flat shard of it under ZeRO-3/FSDP); a replicated tensor as a flat
-slice, split over the dp x tp ranks of its stage (or written by tp rank 0 only, in the flat shard of
-ZeRO-3/FSDP). Pipeline ranks hold different tensors, so every full tensor is
-covered exactly once and a checkpoint loads under any mesh, any data-parallel strategy, or into the
-plain module (``dtlab/core/shard_index.py``).
+A rank writes what it holds: tensors held whole as even flat slices (over dp, or the dp x tp ranks of
+its stage), ZeRO-3/FSDP flat shards as they are, tensors sharded over tp as boxes of the full tensor.
+Every full tensor is covered exactly once, so a checkpoint loads under any mesh, any data-parallel
+strategy, or into the plain module (``dtlab/core/shard_index.py``).
 """
 
 from __future__ import annotations
@@ -77,18 +73,8 @@ def write_placed_state(
             if slot.name in skip or (not isinstance(placement, Shard) and tp is not None and tp.rank != 0):
                 continue  # another rank's, or the same values on every tp rank: written once
             coord, size = _tp_coord(placement, tp)
-            add_placed_slice(
-                state,
-                slot.name,
-                slot.shape,
-                placement,
-                coord,
-                size,
-                st.unit.dtype,
-                a,
-                b,
-                st.shard[so : so + b - a],
-            )
+            piece = st.shard[so : so + b - a]
+            add_placed_slice(state, slot.name, slot.shape, placement, coord, size, st.unit.dtype, a, b, piece)
     return state
 
 
@@ -106,38 +92,42 @@ def load_placed_state(
     seen: set[int] = set()
     with torch.no_grad():
         for key, t in whole.items():
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            placement = placements.get(key, _WHOLE)
-            coord, size = _tp_coord(placement, tp)
-            _check_present(index, key, None if isinstance(placement, Shard) else t.shape)
-            data = read_placed(index, key, t.shape, placement, coord, size, 0, t.numel())
-            t.data.copy_(data.view(t.shape).to(device=t.device, dtype=t.dtype))
+            if id(t) not in seen:
+                seen.add(id(t))
+                data = _read(index, key, t.shape, placements, tp, 0, t.numel())
+                t.data.copy_(data.view(t.shape).to(device=t.device, dtype=t.dtype))
         for st in flat_units:
             buf = torch.zeros_like(st.shard)
             for slot, a, b, so in st.unit.shard_slots():
-                placement = placements.get(slot.name, _WHOLE)
-                coord, size = _tp_coord(placement, tp)
-                _check_present(index, slot.name, None if isinstance(placement, Shard) else slot.shape)
-                buf[so : so + b - a].copy_(
-                    read_placed(index, slot.name, slot.shape, placement, coord, size, a, b)
-                )
+                buf[so : so + b - a].copy_(_read(index, slot.name, slot.shape, placements, tp, a, b))
             st.shard.copy_(buf)
             if st.flat is not None:
                 dp.all_gather(st.flat, st.shard)
 
 
-def _check_present(index: ShardIndex, key: str, shape: Sequence[int] | None) -> None:
+def _read(
+    index: ShardIndex,
+    key: str,
+    shape: Sequence[int],
+    placements: Mapping[str, Placement],
+    tp: CommunicationBackend | None,
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    """Elements ``[start, end)`` of this rank's local ``key`` (of local ``shape``), checked present
+    (and, unless sharded over tp, of the saved shape)."""
+    placement = placements.get(key, _WHOLE)
     if key not in index:
         raise CheckpointError(
             f"the checkpoint has no entry for {key!r}; it was saved from another model (strategies in it: "
             f"{sorted(index.strategies)})"
         )
-    if shape is not None and index.shape(key) != [int(s) for s in shape]:
+    if not isinstance(placement, Shard) and index.shape(key) != [int(s) for s in shape]:
         raise CheckpointError(
             f"{key!r} has shape {index.shape(key)} in the checkpoint but {list(shape)} in the model"
         )
+    coord, size = _tp_coord(placement, tp)
+    return read_placed(index, key, shape, placement, coord, size, start, end)
 
 
 def placements_of(tensors: Mapping[str, Any]) -> dict[str, Placement]:

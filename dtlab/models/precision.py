@@ -1,11 +1,4 @@
-"""``MixedPrecisionPolicy``: which dtype the parameters compute in, gradients travel in, and outputs
-leave the model in (the three fields of FSDP2's ``MixedPrecisionPolicy``).
-
-The parameters themselves stay in their own dtype (fp32 masters, what the optimizer steps):
-``param_dtype`` is the compute dtype (``torch.autocast``), ``reduce_dtype`` the dtype every model
-strategy sends and sums gradients in (its ``reduce_dtype`` argument), ``output_dtype`` the dtype the
-loss sees. ``None`` leaves each as it is.
-"""
+"""``MixedPrecisionPolicy``: the three dtypes of FSDP2's policy of that name."""
 
 from __future__ import annotations
 
@@ -23,6 +16,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
+    """``param_dtype``: the compute dtype (``torch.autocast``; the parameters stay fp32 masters, what the
+    optimizer steps); ``reduce_dtype``: the dtype every model strategy sends and sums gradients in (its
+    ``reduce_dtype`` argument); ``output_dtype``: the dtype the loss sees. ``None`` leaves each as is."""
+
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None

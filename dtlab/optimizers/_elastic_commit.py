@@ -34,8 +34,8 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint.files import durable_write, fsync_dir
 from dtlab.checkpoint.safe_files import read_inside
 from dtlab.checkpoint.validate import MAX_SHARD_BYTES, MAX_STEP, META_LIMITS, is_int
+from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
-from dtlab.models.base import ShardedState
 from dtlab.untrusted import measure_tree, summary
 
 __all__ = [

@@ -44,8 +44,8 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.checkpoint.agree import agree, read_on_src
+from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError, DtlabError, StrategyError
-from dtlab.models.base import ShardedState
 from dtlab.optimizers._elastic_commit import (
     Commit,
     CommitKey,
