@@ -16,6 +16,7 @@ The parameter bytes held afterwards equal a plainly built and wrapped model's (`
 
 from __future__ import annotations
 
+import copy
 import gc
 from typing import Any
 
@@ -68,11 +69,10 @@ def _build(case: str, net: nn.Module, backend: CommunicationBackend, **kw: Any) 
 SHARDS_FIRST = {"zero3", "fsdp", "tp-fsdp", "dp2xtpxpp2"}
 
 
-def _modules(model: Any) -> list[tuple[int, int, bool]]:
-    """For each module of the whole model with tensors of its own, in registration order: its bytes
-    whole, the bytes this rank keeps of it (its tp slice; 0 for another rank's stage), whether sliced."""
-    with torch.device("meta"):
-        whole = _lm()
+def _modules(whole: nn.Module, model: Any) -> list[tuple[int, int, bool]]:
+    """For each module of the whole model (``whole``, on the meta device) with tensors of its own, in
+    registration order: its bytes whole, the bytes this rank keeps of it (its tp slice; 0 for another
+    rank's stage), whether sliced."""
     held = {n: q for n, q in model.module.named_parameters()}
     out = []
     for mname, mod in whole.named_modules():
@@ -101,12 +101,15 @@ CASES = ["zero3", "fsdp", "tp", "pp", "tp-fsdp", "dp2xtpxpp2"]
 
 
 def _measure(backend: CommunicationBackend) -> dict[str, dict[str, Any]]:
+    # one meta build per rank, copied for each case: a copy of a meta model is the same meta model
+    # (building one on the meta device runs torch's Python decompositions of every initializer: slow)
+    with torch.device("meta"):
+        whole = _lm()
     out = {}
     for case in CASES:
         if case == "dp2xtpxpp2" and backend.world_size < 4:
             continue  # dp2 x tp x pp2 needs 4 ranks or more
-        with torch.device("meta"):
-            net = _lm()
+        net = copy.deepcopy(whole)
         tracker = LiveBytes()
         with tracker:
             model = _build(case, net, backend, init_seed=3)
@@ -117,7 +120,7 @@ def _measure(backend: CommunicationBackend) -> dict[str, dict[str, Any]]:
         out[case] = {
             "peak": tracker.peak,
             "after": tracker.now,
-            "expected": _expected_peak(case, tracker.now, _modules(model)),
+            "expected": _expected_peak(case, tracker.now, _modules(whole, model)),
             "params": (model.memory_report()["parameters"], plain.memory_report()["parameters"]),
         }
     return out
@@ -126,7 +129,14 @@ def _measure(backend: CommunicationBackend) -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_construction_peak_is_the_share_plus_one_module(world: int) -> None:
     """ZeRO-3, FSDP per block, TP, PP, TP over FSDP and dp2 x tp x pp2 (FSDP), each rank of P."""
-    for rank, res in enumerate(run_world(world, _measure)):
+    # the objects alive before the test are never garbage the measurement needs collected: frozen,
+    # they make each rank's full gc.collect() cheap (it walks only the objects made since)
+    gc.freeze()
+    try:
+        results = run_world(world, _measure)
+    finally:
+        gc.unfreeze()
+    for rank, res in enumerate(results):
         assert len(res) == len(CASES) - (world < 4)
         for case, got in res.items():
             where = f"{case} rank {rank}/{world}"
