@@ -122,7 +122,7 @@ ACCEPTED: dict[str, str] = {
         "(data_ptr), which are never below 1, so the first span is never taken for an overlap either way"
     ),
     "dtlab/models/dp/zero2.py:const:self._guarded = False": (
-        "_guarded = True in zero_grad_buffers: it only makes the next forward call clear_guards, which "
+        "_guarded = True in zero_grad_buffers: it only makes the next forward call _release_guards, which "
         "removes gradient stand-ins and nothing else, and zero_grad_buffers has just set every grad "
         "to None: a no-op"
     ),

@@ -1,13 +1,11 @@
 """Stand-ins for ``param.grad`` where a rank holds only part of the synchronized gradient.
 
 After a synchronized backward, ZeRO-1 (reduce-scatter), ZeRO-2, ZeRO-3 and FSDP keep each rank's
-shard of the averaged gradient inside the strategy; ``param.grad`` is not the whole gradient there.
-torch's ``clip_grad_norm_`` / ``clip_grad_value_`` or a plain torch optimizer reading it would
-compute a wrong norm or step nothing without a word. So ``param.grad`` becomes a
-:class:`ShardedGradient`: it has the parameter's shape, dtype and device (``p.grad is not None`` and
-shape checks work) and holds no memory; any operation on it raises a :class:`StrategyError` that
-names the dtlab call doing the same thing right. The model's next forward (or ``zero_grad()``)
-removes it.
+shard of the averaged gradient inside the strategy, where torch's ``clip_grad_norm_`` or a plain torch
+optimizer reading ``param.grad`` would be silently wrong. ``param.grad`` is then a
+:class:`ShardedGradient` of the parameter's shape, dtype and device (``p.grad is not None`` and shape
+checks work) holding no memory, which refuses every operation naming the dtlab call that does it
+right. The model's next forward (or ``zero_grad()``) removes it.
 """
 
 from __future__ import annotations
@@ -15,12 +13,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dtlab.errors import StrategyError
 
-__all__ = ["ShardedGradient", "clear_guards", "guard_grads"]
+__all__ = ["ShardedGradient", "sharded_grad_message"]
 
 
 class ShardedGradient(torch.Tensor):
@@ -50,7 +47,8 @@ class ShardedGradient(torch.Tensor):
         return f"ShardedGradient(shape={tuple(self.shape)}, dtype={self.dtype}: {self.message})"
 
 
-def _message(name: str, model: str, optimizer: str) -> str:
+def sharded_grad_message(name: str, model: str, optimizer: str) -> str:
+    """The refusal of parameter ``name``'s stand-in under ``model``, stepped by ``optimizer``."""
     return (
         f"param.grad of {name!r} is not the whole gradient on this rank under {model}: after the "
         "synchronized backward each rank keeps only its shard of the averaged gradient, inside the "
@@ -63,16 +61,3 @@ def _message(name: str, model: str, optimizer: str) -> str:
         "(the wrapped module called directly) reaches this too: call the wrapper, or opt.zero_grad() "
         "after opt.step()"
     )
-
-
-def guard_grads(named: list[tuple[str, nn.Parameter]], model: str, optimizer: str) -> None:
-    """Put a :class:`ShardedGradient` in the ``.grad`` of every parameter in ``named``."""
-    for name, p in named:
-        p.grad = ShardedGradient(p, _message(name, model, optimizer))
-
-
-def clear_guards(params: list[nn.Parameter]) -> None:
-    """Remove the stand-ins (a real ``.grad`` is left alone)."""
-    for p in params:
-        if isinstance(p.grad, ShardedGradient):
-            p.grad = None

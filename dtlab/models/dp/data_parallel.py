@@ -1,14 +1,12 @@
-"""What DDP, ZeRO-1/2/3 and FSDP share: input checks, the reducer, ``no_sync``, the end-of-backward
-flush, buffer broadcast and the memory report; and what a composition uses a data-parallel strategy
-through (``HybridShardedModel`` wraps each pipeline rank's stages in one): reduce the gradients
-accumulated inside ``no_sync()`` now, run a function after every synchronization, keep sharded units
-gathered for a step, the tensors held whole and the flat shards (for placed checkpoints)."""
+"""What DDP, ZeRO-1/2/3 and FSDP share (input checks, the reducer, ``no_sync``, the end-of-backward
+flush, buffer broadcast, gradient stand-ins), and the methods a composition uses a data-parallel
+strategy through (``HybridShardedModel`` wraps each pipeline rank's stages in one)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 
 import torch
 from torch import nn
@@ -19,19 +17,13 @@ from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
-from dtlab.models.dp._grad_guard import ShardedGradient, clear_guards, guard_grads
+from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message
 from dtlab.models.dp.flat import FlatUnit
 
 if TYPE_CHECKING:
     from dtlab.models.placed_state import FlatShard
 
-__all__ = [
-    "DataParallelModel",
-    "DataParallelOptions",
-    "ReduceOptions",
-    "tensor_bytes",
-    "unique_storage_bytes",
-]
+__all__ = ["DataParallelModel", "DataParallelOptions", "ReduceOptions", "tensor_bytes"]
 
 
 class ReduceOptions(TypedDict, total=False):
@@ -52,17 +44,6 @@ class DataParallelOptions(ReduceOptions, total=False):
 def tensor_bytes(t: torch.Tensor | None) -> int:
     """Bytes ``t`` holds (a :class:`ShardedGradient` stand-in holds none)."""
     return 0 if t is None or isinstance(t, ShardedGradient) else t.numel() * t.element_size()
-
-
-def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t.numel() == 0:
-            continue
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
 
 
 def _check_module(
@@ -170,16 +151,14 @@ class DataParallelModel(OptimizerTarget):
             for t in tensors:
                 if t.numel() == 0:
                     continue
-                if t.is_contiguous():
-                    self.dp_backend.broadcast(t, 0)
-                else:
-                    tmp = t.contiguous()
-                    self.dp_backend.broadcast(tmp, 0)
-                    t.copy_(tmp)
+                dense = t.contiguous()  # ``t`` itself when it is contiguous
+                self.dp_backend.broadcast(dense, 0)
+                if dense is not t:
+                    t.copy_(dense)
 
     def _sync_buffers(self) -> None:
-        if self.broadcast_buffers and self.dp_backend.world_size > 1:
-            self._broadcast_from_rank0([b for b in self.module.buffers() if b is not None])
+        if self.broadcast_buffers:
+            self._broadcast_from_rank0(list(self.module.buffers()))
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -230,10 +209,8 @@ class DataParallelModel(OptimizerTarget):
         """Whether the gradients hold a synchronized backward's average (until the step or zero_grad)."""
         return self._grads_synced
 
-    @property
-    def keeps_whole_grads(self) -> bool:
-        """Whether ``param.grad`` are whole (views of whole buckets: DDP, ZeRO-1), not only flat shards."""
-        return False
+    #: whether ``param.grad`` are whole (views of whole buckets: DDP, ZeRO-1), not only flat shards
+    keeps_whole_grads: ClassVar[bool] = False
 
     def whole_grads(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, gradient)`` of every trainable parameter holding a whole gradient (see
@@ -275,14 +252,18 @@ class DataParallelModel(OptimizerTarget):
     def _guard_grads(self) -> None:
         """After a synchronized backward whose gradients stay sharded: ``param.grad`` refuses use."""
         opt = pairs.optimizer_class_name(pairs.default_optimizer(self.strategy_name))
-        guard_grads(self._trainable, type(self).__name__, opt)
+        for name, p in self._trainable:
+            p.grad = ShardedGradient(p, sharded_grad_message(name, type(self).__name__, opt))
         self._guarded = True
 
     def _release_guards(self) -> None:
-        """Before the next forward or backward: drop the stand-ins put by :meth:`_guard_grads`."""
+        """Before the next forward or backward: drop the stand-ins put by :meth:`_guard_grads` (a real
+        ``.grad`` set since is left alone)."""
         if self._guarded:
             self._guarded = False
-            clear_guards([p for _, p in self._trainable])
+            for _, p in self._trainable:
+                if isinstance(p.grad, ShardedGradient):
+                    p.grad = None
 
     def check_requires_grad(self) -> None:
         """Refuse parameters whose ``requires_grad`` changed after wrapping: the strategy laid out

@@ -1,12 +1,9 @@
 """DDP: replicated parameters, gradients averaged with bucketed all-reduce during backward.
 
-Parameters are laid in flat buckets (``bucket_cap_mb``, in reverse registration order, as gradients
-tend to arrive) and each ``param.grad`` is a view into its bucket's gradient buffer, so autograd
-accumulates straight into the buffer the reducer sends. A per-parameter hook
-(``register_post_accumulate_grad_hook``) counts ready gradients; a full bucket is launched with the
-reducer's non-blocking all-reduce while the rest of backward runs (buckets launch in index order on
-every rank, as the engines require); a callback queued on the autograd engine waits for all of them
-before ``loss.backward()`` returns. ZeRO-1 uses this model unchanged; ZeRO-2 reduce-scatters instead.
+Buckets are flat units of the parameters in reverse registration order (as gradients tend to
+arrive); ``param.grad`` are views into each bucket's gradient buffer, and buckets launch in index
+order on every rank, as the engines require (docs/strategies.md, "How it works"). ZeRO-1 and ZeRO-2
+reuse the buckets and change how each is reduced.
 """
 
 from __future__ import annotations
@@ -20,13 +17,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
-from dtlab.models.dp.data_parallel import (
-    DataParallelModel,
-    DataParallelOptions,
-    ReduceOptions,
-    tensor_bytes,
-    unique_storage_bytes,
-)
+from dtlab.models.dp.data_parallel import DataParallelModel, DataParallelOptions, ReduceOptions, tensor_bytes
 from dtlab.models.dp.flat import FlatUnit
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 
@@ -59,7 +50,7 @@ class DDPModel(DataParallelModel):
     """
 
     strategy_name: ClassVar[str] = "ddp"
-    _keep_full_grads: ClassVar[bool] = True
+    keeps_whole_grads: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -74,35 +65,30 @@ class DDPModel(DataParallelModel):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.bucket_cap_mb = float(bucket_cap_mb)
         cap = int(bucket_cap_mb * 1024 * 1024)
-        p, r = backend.world_size, backend.rank
-        self._units: list[FlatUnit] = []
-        groups: list[list[tuple[str, nn.Parameter]]] = []
-        current: list[tuple[str, nn.Parameter]] = []
+        groups: list[list[tuple[str, nn.Parameter]]] = [[]]
         size = 0
         for name, param in reversed(self._trainable):
             nbytes = tensor_bytes(param)
-            if current and (size + nbytes > cap or current[0][1].dtype != param.dtype):
-                groups.append(current)
-                current, size = [], 0
-            current.append((name, param))
+            if groups[-1] and (size + nbytes > cap or groups[-1][0][1].dtype != param.dtype):
+                groups.append([])
+                size = 0
+            groups[-1].append((name, param))
             size += nbytes
-        groups.append(current)
+        self._units: list[FlatUnit] = []
         self._data: list[torch.Tensor] = []
         for i, group in enumerate(groups):
-            unit = FlatUnit(f"bucket{i}", group, p, r)
+            unit = FlatUnit(f"bucket{i}", group, backend.world_size, backend.rank)
             flat = unit.new_flat()
             unit.copy_params_into(flat)
             self._broadcast_from_rank0([flat])
             unit.bind(flat)
             self._units.append(unit)
             self._data.append(flat)
-        self._broadcast_from_rank0([q.data for _, q in self._frozen])
-        self._broadcast_from_rank0(list(self.module.buffers()))
+        self._broadcast_from_rank0([q.data for _, q in self._frozen] + list(self.module.buffers()))
         self._slot_of = {id(q): (i, j) for i, u in enumerate(self._units) for j, q in enumerate(u.params)}
         #: each bucket's gradient buffer, ``param.grad`` views into it (none under ZeRO-2: shards only)
-        self._grad_bufs: list[torch.Tensor] = []
-        if self._keep_full_grads:
-            self._grad_bufs = [self._point_grads(i, u.new_flat()) for i, u in enumerate(self._units)]
+        self._grad_bufs = [u.new_flat() for u in self._units] if self.keeps_whole_grads else []
+        self._point_grads()
         self._ready: list[set[int]] = [set() for _ in self._units]
         self._next_launch = 0
         self._works: list[tuple[int, Work, Any]] = []
@@ -116,29 +102,25 @@ class DDPModel(DataParallelModel):
         return self.module(*args, **kwargs)
 
     def _release_guards(self) -> None:
-        if self._guarded and self._keep_full_grads:  # grads become views of the buckets again
-            self._guarded = False
-            for i, buf in enumerate(self._grad_bufs):
-                self._point_grads(i, buf)
+        if self._guarded:
+            self._point_grads()
         super()._release_guards()
 
     def _after_sync(self) -> None:
         """A synchronized backward completed (ZeRO-1 and ZeRO-2 guard their sharded gradients)."""
 
-    def _point_grads(self, i: int, buf: torch.Tensor) -> torch.Tensor:
-        for s, q in zip(self._units[i].slots, self._units[i].params, strict=True):
-            q.grad = buf[s.offset : s.offset + s.numel].view(s.shape)
-        return buf
+    def _point_grads(self) -> None:
+        """Make every ``param.grad`` a view of its bucket's gradient buffer (again; none under ZeRO-2)."""
+        for unit, buf in zip(self._units, self._grad_bufs, strict=False):
+            for q, view in zip(unit.params, unit.views(buf), strict=True):
+                q.grad = view
 
     def _on_grad(self, param: nn.Parameter) -> None:
         self._begin_backward()
         i = self._slot_of[id(param)][0]
         self._store_grad(i, param)
-        if not self._sync:
-            return
-        ready = self._ready[i]
-        ready.add(id(param))
-        if len(ready) == len(self._units[i].params):
+        if self._sync:
+            self._ready[i].add(id(param))
             self._launch_ready()
 
     def _store_grad(self, i: int, param: nn.Parameter) -> None:
@@ -152,6 +134,7 @@ class DDPModel(DataParallelModel):
             param.grad = view.view(s.shape)
 
     def _launch_ready(self) -> None:
+        """Launch, in index order, every complete bucket from the next one not launched."""
         units = self._units
         while self._next_launch < len(units) and len(self._ready[self._next_launch]) == len(
             units[self._next_launch].params
@@ -167,24 +150,21 @@ class DDPModel(DataParallelModel):
         """Called after bucket ``i``'s reduction finished (ZeRO-2 keeps its shard here)."""
 
     def _end_backward(self) -> None:
-        if not self._sync:
-            return
-        missing = [
-            self._name_of[id(q)]
-            for i, u in enumerate(self._units)
-            for q in u.params
-            if id(q) not in self._ready[i]
-        ]
+        if self._sync:
+            self._flush(fill_missing=self.find_unused_parameters)
+
+    def _flush(self, fill_missing: bool) -> None:
+        """Launch the buckets not launched yet and wait for all. A parameter that got no gradient is
+        reduced with what its buffer holds if ``fill_missing`` (zeros, or what ``no_sync()`` kept), else
+        it is an error."""
+        missing = [(i, q) for i, u in enumerate(self._units) for q in u.params if id(q) not in self._ready[i]]
         try:
-            if missing:
-                if not self.find_unused_parameters:
-                    raise self._unused_error(missing)
-                for i, u in enumerate(self._units):
-                    for q in u.params:
-                        if id(q) not in self._ready[i]:
-                            self._store_grad(i, q)
-                            self._ready[i].add(id(q))
-                self._launch_ready()
+            if missing and not fill_missing:
+                raise self._unused_error([self._name_of[id(q)] for _, q in missing])
+            for i, q in missing:
+                self._store_grad(i, q)
+                self._ready[i].add(id(q))
+            self._launch_ready()
             for i, work, extra in self._works:
                 work.wait()
                 self._complete(i, extra)
@@ -196,65 +176,45 @@ class DDPModel(DataParallelModel):
             self._next_launch = 0
 
     # ------------------------------------------------------------------ composition
-    @property
-    def keeps_whole_grads(self) -> bool:
-        return self._keep_full_grads
-
     def reduce_accumulated_grads(self) -> None:
-        """Every bucket through the reducer now, as a synchronized backward reduces it (inside
-        ``no_sync()`` too: the call itself asks for the reduction)."""
+        """Every bucket through the reducer now (inside ``no_sync()`` too: the call asks for it)."""
         prev, self._sync = self._sync, True
         try:
-            self._reduce_all_buckets()
+            self._reducer.start_step()
+            self._flush(fill_missing=True)
         finally:
             self._sync = prev
-        self._grads_synced = True
-        self._after_sync()
         self._after_synchronized()
-
-    def _reduce_all_buckets(self) -> None:
-        self._reducer.start_step()
-        for i, unit in enumerate(self._units):
-            for q in unit.params:
-                self._store_grad(i, q)
-        works = [(i, *self._launch(i)) for i in range(len(self._units))]
-        for i, work, extra in works:
-            work.wait()
-            self._complete(i, extra)
 
     def whole_grads(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, gradient)`` of every trainable parameter as views of the gradient buckets, whatever
         ``param.grad`` shows (after a reduce-scatter: a stand-in refusing partial use)."""
-        out = []
-        for i, buf in enumerate(self._grad_bufs):
-            unit = self._units[i]
-            for s, q in zip(unit.slots, unit.params, strict=True):
-                out.append((self._name_of[id(q)], buf[s.offset : s.offset + s.numel].view(s.shape)))
-        return out
+        return [
+            (self._name_of[id(q)], view)
+            for unit, buf in zip(self._units, self._grad_bufs, strict=False)  # none under ZeRO-2
+            for q, view in zip(unit.params, unit.views(buf), strict=True)
+        ]
 
     # ------------------------------------------------------------------ optimizer protocol
     def shard_units(self) -> list[FlatUnit]:
         return list(self._units)
 
     def shard_param(self, unit: FlatUnit) -> torch.Tensor:
-        lo, hi = unit.shard_bounds()
-        return self._data[self._units.index(unit)][lo:hi]
+        return unit.own_shard(self._data[self._units.index(unit)])
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        lo, hi = unit.shard_bounds()
-        return self._grad_bufs[self._units.index(unit)][lo:hi]
+        return unit.own_shard(self._grad_bufs[self._units.index(unit)])
 
     def gather_updated_shards(self) -> None:
         """After a sharded optimizer step: every rank's updated shard to every rank (all-gather)."""
         for unit, flat in zip(self._units, self._data, strict=True):
-            lo, hi = unit.shard_bounds()
-            self.dp_backend.all_gather(flat, flat[lo:hi].clone())
+            self.dp_backend.all_gather(flat, unit.own_shard(flat).clone())
 
     def zero_grad_buffers(self) -> None:
         self._guarded = False
-        for i, buf in enumerate(self._grad_bufs):
+        for buf in self._grad_bufs:
             buf.zero_()
-            self._point_grads(i, buf)  # grads stay views of the buckets
+        self._point_grads()
         self._grads_synced = False
 
     def scale_grads_(self, factor: float) -> None:
@@ -276,7 +236,9 @@ class DDPModel(DataParallelModel):
         load_placed_state(shards, self.whole_state(), [], {}, self.dp_backend)
 
     def memory_report(self) -> dict[str, int]:
-        params = unique_storage_bytes([q for q in self.module.parameters()])
+        # the distinct storages: each bucket (parameters are views into it) and frozen parameter once
+        storages = [q.untyped_storage() for q in self.module.parameters() if q.numel()]
+        params = sum({st.data_ptr(): st.nbytes() for st in storages}.values())
         return {
             "parameters": params,
             "gradients": self._grad_bytes(),

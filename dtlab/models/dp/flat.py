@@ -60,6 +60,15 @@ class FlatUnit:
         r = self.rank if rank is None else rank
         return r * self.shard_numel, (r + 1) * self.shard_numel
 
+    def own_shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``flat`` (a view)."""
+        lo, hi = self.shard_bounds()
+        return flat[lo:hi]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's part of ``flat``, viewed in the parameter's shape."""
+        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+
     def shard_slots(self, rank: int | None = None) -> list[tuple[Slot, int, int, int]]:
         """``(slot, start, end, shard_offset)``: elements ``[start, end)`` of the slot's parameter lie
         at ``shard_offset`` of rank ``rank``'s shard."""
@@ -78,13 +87,13 @@ class FlatUnit:
     def copy_params_into(self, flat: torch.Tensor) -> None:
         """Write the parameters' current values into ``flat`` (padding left as it is)."""
         with torch.no_grad():
-            for s, p in zip(self.slots, self.params, strict=True):
-                flat[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
+            for view, p in zip(self.views(flat), self.params, strict=True):
+                view.copy_(p.detach())
 
     def bind(self, flat: torch.Tensor) -> None:
         """Make every parameter a view into ``flat``."""
-        for s, p in zip(self.slots, self.params, strict=True):
-            p.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+        for view, p in zip(self.views(flat), self.params, strict=True):
+            p.data = view
 
     def unbind(self) -> None:
         """Drop the parameters' storage: each becomes an empty tensor until the next ``bind`` (an
@@ -105,10 +114,9 @@ class FlatUnit:
 
     def grads_into(self, flat: torch.Tensor) -> None:
         """Copy (``None`` -> zeros) every parameter's ``.grad`` into ``flat``; padding zeroed."""
-        for s, p in zip(self.slots, self.params, strict=True):
-            view = flat[s.offset : s.offset + s.numel]
+        for view, p in zip(self.views(flat), self.params, strict=True):
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(p.grad.reshape(-1))
+                view.copy_(p.grad)
         flat[self.numel :].zero_()

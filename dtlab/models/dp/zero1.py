@@ -1,26 +1,11 @@
-"""ZeRO-1: parameters and gradient buffers replicated (as DDP), optimizer state sharded.
+"""ZeRO-1: DDP's whole, persistent gradient buckets for an optimizer whose state is sharded.
 
-The model keeps DDP's persistent, full-size gradient buckets (``param.grad`` are views into them, so
-accumulation inside ``no_sync()`` costs nothing extra) and its bucketed, overlapped launch during
-backward. :class:`~dtlab.optimizers.ZeRO1Optimizer` steps only this rank's ``1/P`` of every bucket and
-all-gathers the updated parameters, so this rank only *needs* the average of its own ``1/P`` of the
-gradient. How the buckets are synchronized is the ``gradient_sync`` option:
-
-- ``"reduce_scatter"`` (default, DeepSpeed's ZeRO-1 traffic): each bucket is reduce-scattered;
-  this rank's slice of the bucket receives the average, the rest of the bucket is zeroed. Per step:
-  reduce-scatter + all-gather of the parameters = ``2(P-1)/P`` of the gradient bytes, as DDP.
-  The bucket then holds the averaged gradient on this rank's shard only (zeros elsewhere), so
-  ``param.grad`` refuses to be read as a whole gradient until the next forward (see
-  :mod:`dtlab.models.dp._grad_guard`); clipping and the finite check work on the shards (a sum over
-  ranks).
-- ``"all_reduce"``: DDP's all-reduce, so every rank holds the whole averaged gradient (for gradient
-  hooks or inspection of ``param.grad``, or a reducer that only offers all-reduce semantics), at
-  ``3(P-1)/P`` of the gradient bytes per step.
-
-Gradients left in place across synchronized backward passes (no ``zero_grad()`` between them) add up
-as in DDP in both modes: with ``"reduce_scatter"`` the next forward scales this rank's averaged slice
-by ``P`` (its term of the next sum; the other ranks hold zeros there) and the next reduction averages
-``old + new``; a backward not preceded by this model's forward is an error then, not a wrong sum.
+``gradient_sync="reduce_scatter"`` (default) leaves each rank the average of its ``1/P`` of every
+bucket (zeros elsewhere, ``param.grad`` refusing use until the next forward), DDP's traffic with the
+parameter all-gather; ``"all_reduce"`` gives every rank the whole average (docs/strategies.md, "When
+to use which"). Gradients kept across synchronized backwards add up as in DDP: the next forward
+scales this rank's averaged slice by ``P`` (its term of the next sum; the others hold zeros there),
+so a backward not preceded by this model's forward is an error then, not a wrong sum.
 """
 
 from __future__ import annotations
@@ -61,15 +46,9 @@ def gradient_sync_for(model: str, chosen: GradientSync | None, optimizer: Attach
 
 
 class ZeRO1Model(DDPModel):
-    """Whole parameters and gradient buffers for an optimizer whose state is sharded.
-
-    Args:
-        module, backend, bucket_cap_mb, reduce_dtype, find_unused_parameters, broadcast_buffers:
-            as for DDPModel.
-        gradient_sync: ``"reduce_scatter"`` (default: each rank receives the average of its shard,
-            ``2(P-1)/P`` per step with the parameter all-gather) or ``"all_reduce"`` (every rank
-            receives the whole average, ``3(P-1)/P`` per step).
-    """
+    """Whole parameters and gradient buffers for an optimizer whose state is sharded; DDPModel's
+    options, and ``gradient_sync``: ``"reduce_scatter"`` (each rank receives the average of its shard,
+    ``2(P-1)/P`` per step with the parameter all-gather) or ``"all_reduce"`` (``3(P-1)/P``)."""
 
     strategy_name: ClassVar[str] = "zero1"
 
@@ -100,14 +79,10 @@ class ZeRO1Model(DDPModel):
         return super().forward(*args, **kwargs)
 
     def _scale_own_slices(self, factor: float) -> None:
-        """Gradients kept across synchronized backwards: this rank's averaged slice x P is its term of
-        the next sum (the other ranks hold zeros there), so the next reduction averages ``old + new``
-        exactly as an all-reduce would; ``/ P`` undoes it when no backward came after the forward."""
-        if factor == 1.0:
-            return
+        """x P before a backward adding to kept gradients (see the module docstring); / P undoes it
+        when no backward came after the forward."""
         for unit, buf in zip(self._units, self._grad_bufs, strict=True):
-            lo, hi = unit.shard_bounds()
-            buf[lo:hi].mul_(factor)
+            unit.own_shard(buf).mul_(factor)
 
     def _settle(self) -> None:
         """A forward ran but no backward: give the optimizer the averaged slice back."""
@@ -139,10 +114,8 @@ class ZeRO1Model(DDPModel):
         if self.gradient_sync == "all_reduce":
             return
         buf = self._grad_bufs[i]
-        lo, hi = self._units[i].shard_bounds()
-        buf[:lo].zero_()
-        buf[hi:].zero_()
-        buf[lo:hi].copy_(extra)
+        buf.zero_()
+        self._units[i].own_shard(buf).copy_(extra)
         self._grad_state = "averaged"
 
     def _after_sync(self) -> None:
@@ -170,8 +143,4 @@ class ZeRO1Model(DDPModel):
         self._settle()
         if self.gradient_sync == "all_reduce":
             return super().norm_grad_tensors()
-        shards = []
-        for unit, buf in zip(self._units, self._grad_bufs, strict=True):
-            lo, hi = unit.shard_bounds()
-            shards.append(buf[lo:hi])
-        return shards, False
+        return [u.own_shard(buf) for u, buf in zip(self._units, self._grad_bufs, strict=True)], False

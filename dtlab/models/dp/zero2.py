@@ -29,7 +29,7 @@ class ZeRO2Model(DDPModel):
     """Reduce-scattered gradients, replicated parameters; same options as DDPModel."""
 
     strategy_name: ClassVar[str] = "zero2"
-    _keep_full_grads: ClassVar[bool] = False
+    keeps_whole_grads: ClassVar[bool] = False
 
     def __init__(
         self, module: nn.Module, backend: CommunicationBackend, **options: Unpack[DDPOptions]
