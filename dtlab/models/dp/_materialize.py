@@ -32,17 +32,16 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from dtlab.core.rng import model_building, seeded_init
 from dtlab.errors import ArgumentError, StrategyError
 from dtlab.models.dp._sharded_units import ShardUnit
+from dtlab.models.dp.flat import Slot
 
 __all__ = [
     "MetaInit",
     "MetaOptions",
     "ParamInitFn",
-    "check_init_args",
     "init_empty_weights",
     "init_whole",
     "initializer",
-    "sentinel",
-    "tensor_path",
+    "on_meta",
     "uninitialized_error",
     "untouched",
 ]
@@ -92,13 +91,6 @@ def init_empty_weights() -> Iterator[None]:
             handle.remove()
 
 
-def check_init_args(who: str, init_seed: object, param_init_fn: object) -> None:
-    if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
-        raise ArgumentError(f"{who}: init_seed must be an int, got {init_seed!r}")
-    if param_init_fn is not None and not callable(param_init_fn):
-        raise ArgumentError(f"{who}: param_init_fn must be a callable taking a module, got {param_init_fn!r}")
-
-
 def on_meta(
     module: nn.Module,
     init_seed: int | None,
@@ -108,10 +100,13 @@ def on_meta(
     misuse: type[ArgumentError] | type[StrategyError] = StrategyError,
 ) -> int | None:
     """``init_seed`` when ``module`` was built on the meta device (every parameter on meta), ``None``
-    when no parameter is:
-    ``who``'s checks of a meta build, raised with the value and the fix (``part``: what each rank
-    initializes; ``misuse``: the error class of init arguments given to a module not on meta)."""
-    check_init_args(who, init_seed, param_init_fn)
+    when no parameter is: ``who``'s checks of a meta build, raised with the value and the fix (``part``:
+    what each rank initializes; ``misuse``: the error class of init arguments given to a module not on
+    meta)."""
+    if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
+        raise ArgumentError(f"{who}: init_seed must be an int, got {init_seed!r}")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ArgumentError(f"{who}: param_init_fn must be a callable taking a module, got {param_init_fn!r}")
     named = list(module.named_parameters())
     meta = [n for n, p in named if p.is_meta]
     if not meta:
@@ -138,11 +133,6 @@ def on_meta(
     return init_seed
 
 
-def tensor_path(module_name: str, tensor_name: str) -> str:
-    """A module's own tensor by its name in the whole model (``"<root>"``: the model itself)."""
-    return tensor_name if module_name == "<root>" else f"{module_name}.{tensor_name}"
-
-
 def initializer(
     who: str,
     root: nn.Module,
@@ -162,8 +152,9 @@ def initializer(
     reset = getattr(mod, "reset_parameters", None)
     if callable(reset):
         return lambda m: reset()  # noqa: ARG005 - the ParamInitFn form
+    path = tname if mname == "<root>" else f"{mname}.{tname}"
     raise StrategyError(
-        f"{who}: {tensor_path(mname, tname)!r} of module {mname!r} ({type(mod).__name__}) is on the meta "
+        f"{who}: {path!r} of module {mname!r} ({type(mod).__name__}) is on the meta "
         f"device and nothing initializes it: {type(mod).__name__} has no reset_parameters(); pass "
         "param_init_fn=fn (fn(module) fills the module's own parameters and buffers in place), or build "
         "the module with its buffers on the real device (parameters only on meta)"
@@ -227,29 +218,15 @@ def untouched(t: torch.Tensor) -> bool:
 
 
 @dataclass
-class _Place:
-    """Where a parameter's values go: its unit and the slot's position in the flat buffer."""
-
-    st: ShardUnit
-    offset: int
-    numel: int
-
-
 class MetaInit:
     """The meta-device parameters and buffers of one module, and how to initialize them."""
 
-    def __init__(
-        self,
-        who: str,
-        seed: int,
-        param_init_fn: ParamInitFn | None,
-        device: torch.device,
-        shapes: dict[int, torch.Size],
-        root: nn.Module,
-    ) -> None:
-        self.who, self.seed, self.param_init_fn, self.device = who, seed, param_init_fn, device
-        self.root = root
-        self.shapes = shapes  # by parameter id: the wrapper empties the parameters it shards
+    who: str
+    seed: int
+    param_init_fn: ParamInitFn | None
+    device: torch.device
+    shapes: dict[int, torch.Size]  #: by parameter id: the wrapper empties the parameters it shards
+    root: nn.Module
 
     @staticmethod
     def prepare(
@@ -279,24 +256,25 @@ class MetaInit:
         shapes = {id(q): q.shape for q in swapped.values()}
         return MetaInit(who, seed, param_init_fn, device, shapes, module)
 
-    def materialize(self, module: nn.Module, units: list[ShardUnit]) -> None:
+    def materialize(self, units: list[ShardUnit]) -> None:
         """Initialize every module's own tensors in registration order and keep this rank's part:
         shards of sharded units, the whole buffer of persistent units, frozen parameters and meta
         buffers whole (on the device)."""
-        places: dict[int, _Place] = {}
-        for st in units:
-            for slot, q in zip(st.unit.slots, st.unit.params, strict=True):
-                places[id(q)] = _Place(st, slot.offset, slot.numel)
+        places = {
+            id(q): (st, slot) for st in units for slot, q in zip(st.unit.slots, st.unit.params, strict=True)
+        }
         done: set[int] = set()
         with torch.no_grad(), seeded_init(self.seed):
-            for mname, mod in module.named_modules(remove_duplicate=True):
+            for mname, mod in self.root.named_modules(remove_duplicate=True):
                 self._init_module(mname or "<root>", mod, places, done)
         for st in units:
             if st.flat is not None:  # persistent: its shard is the slice of the whole buffer
                 lo, hi = st.unit.shard_bounds()
                 st.shard.copy_(st.flat[lo:hi])
 
-    def _init_module(self, mname: str, mod: nn.Module, places: dict[int, _Place], done: set[int]) -> None:
+    def _init_module(
+        self, mname: str, mod: nn.Module, places: dict[int, tuple[ShardUnit, Slot]], done: set[int]
+    ) -> None:
         params = list(mod.named_parameters(recurse=False))
         buffers = [(n, b) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
         if not params and not buffers:
@@ -325,12 +303,11 @@ class MetaInit:
             setattr(mod, bname, value.to(self.device))
 
     @staticmethod
-    def _place(flat: torch.Tensor, place: _Place) -> None:
-        st = place.st
+    def _place(flat: torch.Tensor, place: tuple[ShardUnit, Slot]) -> None:
+        st, slot = place
         if st.flat is not None:
-            st.flat[place.offset : place.offset + place.numel].copy_(flat)
+            st.flat[slot.offset : slot.offset + slot.numel].copy_(flat)
             return
-        lo, hi = st.unit.shard_bounds()
-        a, b = max(lo, place.offset), min(hi, place.offset + place.numel)
-        if a < b:
-            st.shard[a - lo : b - lo].copy_(flat[a - place.offset : b - place.offset])
+        for s, a, b, at in st.unit.shard_slots():
+            if s is slot:
+                st.shard[at : at + b - a].copy_(flat[a:b])

@@ -1,14 +1,11 @@
 """What ZeRO-3 and FSDP share: parameters sharded at rest, gathered on demand, gradients reduce-scattered.
 
 Each :class:`~dtlab.models.dp.flat.FlatUnit` (one per parameter for ZeRO-3, one per wrapped module for
-FSDP) keeps only this rank's shard between uses. A *group* of units is gathered (all-gather into a
-fresh flat buffer the parameters become views of) by its module's forward pre-hook, the next group
-in forward order is prefetched with a non-blocking all-gather, and the group is freed by the forward
-hook when ``reshard_after_forward``. For backward, a hook on the module's outputs gathers the group
-again before its gradients are computed and prefetches the group before it; saved-tensor hooks
-replace every saved tensor that aliases a gathered buffer by a reference, so freeing really releases
-the memory and a missing gather is done on demand instead of reading freed storage. When all of a
-unit's gradients have been accumulated, they are copied into a padded flat buffer, released, and
+FSDP) keeps only this rank's shard between uses; a *group* of units is gathered around its module's
+forward and before its backward (:class:`~dtlab.models.dp._sharded_units.GroupHooks`). Saved-tensor
+hooks replace every saved tensor that aliases a gathered buffer by a reference, so freeing really
+releases the memory and a missing gather is done on demand instead of reading freed storage. When all
+of a unit's gradients have been accumulated, they are copied into a padded flat buffer, released, and
 reduce-scattered into the unit's gradient shard; the unit is freed. A callback queued on the autograd
 engine waits for every reduction before ``loss.backward()`` returns.
 """
@@ -27,14 +24,7 @@ from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
-from dtlab.models.dp._sharded_gather import UnitGatherer
-from dtlab.models.dp._sharded_hooks import GroupHooks
-from dtlab.models.dp._sharded_units import (
-    ShardUnit,
-    UnitPlan,
-    partial_load_error,
-    partial_state_error,
-)
+from dtlab.models.dp._sharded_units import GroupHooks, ShardUnit, UnitGatherer, UnitPlan
 from dtlab.models.dp.data_parallel import DataParallelModel, DataParallelOptions, tensor_bytes
 from dtlab.models.dp.flat import FlatUnit
 from dtlab.models.placed_state import load_placed_state, write_placed_state
@@ -82,20 +72,20 @@ class ShardedModel(DataParallelModel):
         self.forward_wait_s = float(forward_wait_s)
         meta = MetaInit.prepare(module, backend.device, init_seed, param_init_fn, type(self).__name__)
         super().__init__(module, backend, **options)
-        p, r = backend.world_size, backend.rank
         self._at_rest = UnitGatherer(backend, self.forward_wait_s, type(self).__name__)
         self._units = self._at_rest.units
         for gmodule, plans in self._plan():
-            members = [self._new_unit(plan, p, r, fresh=meta is not None) for plan in plans]
+            members = [self._new_unit(plan, fresh=meta is not None) for plan in plans]
             if members:
                 self._at_rest.groups.append(members)
                 self._at_rest.group_modules.append(gmodule)
         self._at_rest.peak = self._last_peak = self._at_rest.gathered_bytes
         if meta is not None:  # built on meta: each rank initializes its own shards, no broadcast
-            meta.materialize(self.module, self._units)
+            meta.materialize(self._units)
         self._broadcast_from_rank0([q.data for _, q in self._frozen])
         self._broadcast_from_rank0(list(self.module.buffers()))
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
+        self._state_of = {id(st.unit): st for st in self._units}
         self._pending: list[tuple[ShardUnit, Work, torch.Tensor]] = []
         self._partial_state_ok = False
         self._hook_handles.append(self.module.register_state_dict_pre_hook(self._refuse_partial_state))
@@ -116,10 +106,10 @@ class ShardedModel(DataParallelModel):
     def _plan(self) -> list[tuple[nn.Module, list[UnitPlan]]]:
         raise NotImplementedError
 
-    def _new_unit(self, plan: UnitPlan, p: int, r: int, fresh: bool = False) -> ShardUnit:
+    def _new_unit(self, plan: UnitPlan, fresh: bool) -> ShardUnit:
         """A new unit (appended to the units) with rank 0's values: this rank's shard kept, the whole
         buffer only if persistent. ``fresh`` (built on meta): zeros, filled by :class:`MetaInit`."""
-        unit = FlatUnit(plan.key, plan.params, p, r)
+        unit = FlatUnit(plan.key, plan.params, self.backend.world_size, self.backend.rank)
         lo, hi = unit.shard_bounds()
         grad = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
         if fresh:
@@ -266,9 +256,6 @@ class ShardedModel(DataParallelModel):
         with self._hooks.suspended():
             yield
 
-    def whole_state(self) -> dict[str, torch.Tensor]:
-        return self._other_state()
-
     def flat_shards(self) -> list[FlatShard]:
         return list(self._units)
 
@@ -276,17 +263,11 @@ class ShardedModel(DataParallelModel):
     def shard_units(self) -> list[FlatUnit]:
         return [st.unit for st in self._units]
 
-    def _state(self, unit: FlatUnit) -> ShardUnit:
-        for st in self._units:
-            if st.unit is unit:
-                return st
-        raise ValueError(f"unit {unit.key} does not belong to this model")
-
     def shard_param(self, unit: FlatUnit) -> torch.Tensor:
-        return self._state(unit).shard
+        return self._state_of[id(unit)].shard
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return self._state(unit).grad_shard
+        return self._state_of[id(unit)].grad_shard
 
     def after_optimizer_step(self) -> None:
         super().after_optimizer_step()
@@ -319,12 +300,24 @@ class ShardedModel(DataParallelModel):
         tensors between uses, so refuse instead of returning them."""
         freed = self._at_rest.freed()
         if freed and not self._partial_state_ok:
-            raise partial_state_error(type(self).__name__, freed, self.backend.world_size)
+            more = " ..." if len(freed) > 3 else ""
+            raise StrategyError(
+                f"{type(self).__name__}.state_dict(): parameters {freed[:3]}{more} ({len(freed)} units) "
+                f"are sharded: this rank holds 1/{self.backend.world_size} of each, so "
+                "state_dict() would return empty tensors. Call model.full_state_dict() on every rank "
+                "(collective; whole tensors keyed like the plain module's state_dict()) or "
+                "model.sharded_state_dict() for this rank's shard (what dtlab.checkpoint saves and loads "
+                "under any world size)"
+            )
 
     def _refuse_partial_load(self, *_: Any, **__: Any) -> None:
         freed = self._at_rest.freed()
         if freed:
-            raise partial_load_error(type(self).__name__, freed)
+            raise StrategyError(
+                f"{type(self).__name__}.load_state_dict(): parameters {freed[:3]} are sharded (empty tensors "
+                "on this rank between uses); load with model.load_sharded_state_dict(shards) or "
+                "dtlab.checkpoint (any world size, any data-parallel strategy)"
+            )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         was = [st.flat is not None for st in self._units]
@@ -336,7 +329,7 @@ class ShardedModel(DataParallelModel):
                 self._at_rest.free(st)
         return out
 
-    def _other_state(self) -> dict[str, torch.Tensor]:
+    def whole_state(self) -> dict[str, torch.Tensor]:
         """Buffers and frozen parameters (kept whole on every rank), keyed like ``state_dict()``."""
         sharded = {id(q) for st in self._units for q in st.unit.params}
         self._partial_state_ok = True  # the sharded entries are dropped right here
@@ -348,7 +341,7 @@ class ShardedModel(DataParallelModel):
 
     def sharded_state_dict(self) -> ShardedState:
         state = new_state(self.strategy_name, self.dp_backend.world_size, self.dp_backend.rank)
-        write_placed_state(state, self._other_state(), self._units, {}, self.dp_backend)
+        write_placed_state(state, self.whole_state(), self._units, {}, self.dp_backend)
         aliases = {  # a tied weight's other names (lm_head.weight): the plain state_dict() has them too
             n: self._name_of[id(q)]
             for n, q in self.module.named_parameters(remove_duplicate=False)
@@ -359,7 +352,7 @@ class ShardedModel(DataParallelModel):
         return state
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
-        load_placed_state(shards, self._other_state(), self._units, {}, self.dp_backend)
+        load_placed_state(shards, self.whole_state(), self._units, {}, self.dp_backend)
 
     def memory_report(self) -> dict[str, int]:
         held = sum(tensor_bytes(st.shard) + tensor_bytes(st.flat) for st in self._units)

@@ -1,25 +1,33 @@
-"""The pieces of ZeRO-3/FSDP's sharded parameters: what a flat unit keeps at rest and while gathered,
-the reference that replaces a saved tensor aliasing a gathered buffer, and the errors of a plain
-``state_dict()`` while parameters are sharded."""
+"""ZeRO-3/FSDP's units between uses (:class:`UnitGatherer`) and their gather hooks (:class:`GroupHooks`).
+
+A unit is gathered by an all-gather into a fresh flat buffer its parameters become views of, and freed
+by dropping that buffer. Saved tensors that alias a gathered buffer are kept as :class:`SavedRef`
+references and re-gathered on unpack. The first gather of an evaluation (no-grad) forward is polled for
+``forward_wait_s`` where the engine's handle can be polled (:attr:`dtlab.backends.types.Work.polls`:
+Gloo and NCCL; the in-memory world names a mismatched call at once; MPI waits as before): a rank that
+evaluates alone (a DDP habit) is named within seconds instead of waiting for the collective timeout.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from dtlab.backends.base import Work
+from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import StrategyError
+from dtlab.models.dp.data_parallel import tensor_bytes
 from dtlab.models.dp.flat import FlatUnit
 
-__all__ = [
-    "SavedRef",
-    "ShardUnit",
-    "UnitPlan",
-    "partial_load_error",
-    "partial_state_error",
-]
+__all__ = ["GroupHooks", "SavedRef", "ShardUnit", "UnitGatherer", "UnitPlan"]
 
 
 @dataclass(frozen=True)
@@ -56,19 +64,200 @@ class SavedRef:
     offset: int
 
 
-def partial_state_error(who: str, freed: list[str], world: int) -> StrategyError:
-    return StrategyError(
-        f"{who}.state_dict(): parameters {freed[:3]}{' ...' if len(freed) > 3 else ''} ({len(freed)} units) "
-        f"are sharded: this rank holds 1/{world} of each, so state_dict() would return empty tensors. Call "
-        "model.full_state_dict() on every rank (collective; whole tensors keyed like the plain module's "
-        "state_dict()) or model.sharded_state_dict() for this rank's shard (what dtlab.checkpoint saves "
-        "and loads under any world size)"
-    )
+class UnitGatherer:
+    """The units of one sharded strategy, grouped by the module whose forward gathers them."""
+
+    def __init__(self, group: CommunicationBackend, forward_wait_s: float, who: str) -> None:
+        self.group = group
+        self.forward_wait_s = forward_wait_s
+        self.who = who
+        self.units: list[ShardUnit] = []
+        self.groups: list[list[ShardUnit]] = []
+        self.group_modules: list[nn.Module] = []
+        self.gathered_bytes = 0
+        self.peak = 0
+        #: inside a forward or backward: freed parameters are empty tensors, not parked
+        self.busy = False
+        #: the next gather is an evaluation forward's first: named if a rank does not join in time
+        self.watch = False
+        self._by_storage: dict[int, ShardUnit] = {}
+
+    def add(self, st: ShardUnit, flat: torch.Tensor | None) -> None:
+        """A new unit: kept gathered in ``flat`` when persistent, parked otherwise."""
+        if flat is not None:
+            st.flat = flat
+            st.unit.bind(flat)
+            self.gathered_bytes += tensor_bytes(flat)
+        else:
+            st.unit.park()
+        self.units.append(st)
+
+    def gather(self, st: ShardUnit, wait: bool = True) -> torch.Tensor:
+        """``st``'s gathered buffer (all-gathered now unless it is already)."""
+        flat = st.flat
+        if flat is None:
+            flat = st.unit.new_flat(zero=False)
+            st.work = self.group.iall_gather(flat, st.shard)
+            st.flat = flat
+            st.unit.bind(flat)
+            self._by_storage[flat.untyped_storage().data_ptr()] = st
+            self.gathered_bytes += tensor_bytes(flat)
+            self.peak = max(self.peak, self.gathered_bytes)
+        if wait and st.work is not None:
+            if self.watch:
+                self.watch = False
+                self._wait_for_every_rank(st.work)
+            st.work.wait()
+            st.work = None
+        return flat
+
+    def _wait_for_every_rank(self, work: Work) -> None:
+        """Return once ``work`` completed; after ``forward_wait_s`` raise an error naming the cause (the
+        caller then stops: the gather is left pending)."""
+        deadline = time.monotonic() + self.forward_wait_s
+        while work.polls and not work.is_completed():
+            if time.monotonic() > deadline:
+                raise StrategyError(
+                    f"{self.who} on rank {self.group.rank}: the forward waited {self.forward_wait_s:g} s "
+                    f"for the other {self.group.world_size - 1} rank(s) of its data-parallel group to "
+                    "gather the parameters. Under a sharded strategy every rank must call forward (each "
+                    "holds 1/P of the parameters), evaluation too: evaluate on every rank (each on its "
+                    "part of the data, then average the metric), or call model.state_dict() on every "
+                    "rank and evaluate a plain copy on one rank. If a rank is legitimately that late, "
+                    "pass a larger forward_wait_s"
+                )
+            time.sleep(0.0005)
+
+    def free(self, st: ShardUnit) -> None:
+        if st.persistent or st.flat is None:
+            return
+        if st.work is not None:
+            st.work.wait()
+            st.work = None
+        self._by_storage.pop(st.flat.untyped_storage().data_ptr(), None)
+        self.gathered_bytes -= tensor_bytes(st.flat)
+        st.flat = None
+        self._rest(st)
+
+    def _rest(self, st: ShardUnit) -> None:
+        """A unit not gathered: inside a forward or backward its parameters are empty tensors (an
+        operation reading one outside its owner's forward fails); between uses they are parked at their
+        logical shape (``numel()``, ``dim()``, ``shape`` as the plain module's, no memory held)."""
+        if self.busy:
+            st.unit.unbind()
+        else:
+            st.unit.park()
+
+    def gather_group(self, gi: int, wait: bool = True) -> None:
+        for st in self.groups[gi]:
+            self.gather(st, wait)
+
+    def set_busy(self, busy: bool) -> None:
+        """Inside a forward or backward or not (see :meth:`_rest`)."""
+        if busy == self.busy:
+            return
+        self.busy = busy
+        for st in self.units:
+            if st.flat is None:
+                self._rest(st)
+
+    def freed(self) -> list[str]:
+        """Keys of the units not gathered now."""
+        return [st.unit.key for st in self.units if st.flat is None]
+
+    def pack(self, t: torch.Tensor, observe: Callable[[torch.Tensor], Any] | None) -> Any:
+        """A saved tensor: a reference when it aliases a gathered buffer, else itself (``observe``d)."""
+        st = None if t.numel() == 0 else self._by_storage.get(t.untyped_storage().data_ptr())
+        if st is None or st.persistent or st.flat is None or t.dtype != st.flat.dtype:
+            if observe is not None:  # kept as it is: the observer counts it
+                observe(t)
+            return t
+        return SavedRef(st.index, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
+
+    def unpack(self, obj: Any) -> torch.Tensor:
+        if isinstance(obj, SavedRef):  # normally gathered already by the pre-backward hook
+            return self.gather(self.units[obj.unit]).as_strided(obj.size, obj.stride, obj.offset)
+        return cast(torch.Tensor, obj)
 
 
-def partial_load_error(who: str, freed: list[str]) -> StrategyError:
-    return StrategyError(
-        f"{who}.load_state_dict(): parameters {freed[:3]} are sharded (empty tensors on this rank between "
-        "uses); load with model.load_sharded_state_dict(shards) or dtlab.checkpoint (any world size, any "
-        "data-parallel strategy)"
-    )
+class GroupHooks:
+    """Each group of ``at_rest`` gathered by its module's forward pre-hook and freed by its forward hook
+    (``reshard_after_forward``), gathered again before its gradients are computed (a hook on the
+    module's outputs, after ``begin_backward()``), and the neighbouring group in forward order
+    prefetched with a non-blocking all-gather (the next one in forward, the previous one in backward)."""
+
+    def __init__(
+        self,
+        at_rest: UnitGatherer,
+        begin_backward: Callable[[], None],
+        reshard_after_forward: bool,
+        prefetch: bool,
+    ) -> None:
+        self.at_rest = at_rest
+        self.begin_backward = begin_backward
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        #: the groups in the order the first forward ran them (prefetching follows it from then on)
+        self.order: list[int] = []
+        self.order_done = False
+        self.for_compile = False
+        self._handles: list[Any] = []
+        self.install()
+
+    def install(self) -> None:
+        """(Re)install the hooks; once ``torch.compile`` is loaded, each runs eagerly (a graph break):
+        they talk to the backend and swap parameter storage, which a compiled graph cannot do."""
+        self.remove()
+        self.for_compile = "torch._dynamo" in sys.modules
+        wrap: Callable[[Any], Any] = torch.compiler.disable if self.for_compile else (lambda fn: fn)
+        for gi, gmod in enumerate(self.at_rest.group_modules):
+            self._handles.append(gmod.register_forward_pre_hook(wrap(partial(self._pre_forward, gi))))
+            self._handles.append(gmod.register_forward_hook(wrap(partial(self._post_forward, gi))))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def before_forward(self) -> None:
+        """A forward starts: reinstall the hooks for ``torch.compile`` if it was loaded after wrapping."""
+        if not self.for_compile and "torch._dynamo" in sys.modules:
+            torch.compiler.disable(self.install)()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        self.remove()
+        try:
+            yield
+        finally:
+            self.install()
+
+    def _neighbour(self, gi: int, step: int) -> int | None:
+        if not self.prefetch or gi not in self.order:
+            return None
+        pos = self.order.index(gi) + step
+        return self.order[pos] if 0 <= pos < len(self.order) else None
+
+    def _pre_forward(self, gi: int, _module: nn.Module, _args: Any) -> None:
+        if not self.order_done and gi not in self.order:
+            self.order.append(gi)
+        self.at_rest.gather_group(gi)
+        nxt = self._neighbour(gi, +1)
+        if nxt is not None and self.order_done:
+            self.at_rest.gather_group(nxt, wait=False)
+
+    def _post_forward(self, gi: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, gi))
+        if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward will free it
+            for st in self.at_rest.groups[gi]:
+                self.at_rest.free(st)
+
+    def _pre_backward(self, gi: int, _grad: torch.Tensor) -> None:
+        self.begin_backward()
+        self.at_rest.gather_group(gi)
+        prev = self._neighbour(gi, -1)
+        if prev is not None and self.reshard_after_forward:
+            self.at_rest.gather_group(prev, wait=False)
