@@ -1,18 +1,6 @@
 """Tensor parallelism's collectives as autograd functions (Megatron's f/g pairs), so backward
 communicates exactly what forward implies.
 
-=========================  ====================================  ====================================
-function                   forward                               backward
-=========================  ====================================  ====================================
-``copy_to_tp``             identity                              all-reduce (sum) over tp
-``reduce_from_tp``         all-reduce (sum) over tp              identity
-``gather_from_tp``         all-gather along the last dim         this rank's chunk of the last dim
-``scatter_to_tp``          this rank's chunk of the last dim     all-gather along the last dim
-``gather_from_sequence``   all-gather along the sequence         reduce-scatter along the sequence
-``reduce_scatter_to_seq``  reduce-scatter along the sequence     all-gather along the sequence
-``scatter_to_sequence``    this rank's chunk of the sequence     all-gather along the sequence
-=========================  ====================================  ====================================
-
 A column-parallel layer's input passes ``copy_to_tp`` (its gradient is a sum over the ranks' parts),
 a row-parallel layer's output ``reduce_from_tp``. Sequence parallelism replaces that pair by
 ``gather_from_sequence`` / ``reduce_scatter_to_seq`` around the norm and dropout regions, which then
@@ -21,10 +9,6 @@ The sequence is dim ``-2`` (``(batch, seq, hidden)`` activations, ``(seq, hidden
 
 Tensors on the ``meta`` device carry no data: the collectives then only compute the output's shape
 (how a pipeline finds the shapes between tensor-parallel stages before any rank computes).
-
-:func:`gather_over_tp` (no autograd) puts a whole tensor together from every tp rank's shard, for
-``full_state_dict``; :func:`broadcast_module_state` gives every tp rank rank 0's values before a plan
-splits the layers.
 """
 
 from __future__ import annotations
@@ -44,6 +28,7 @@ from dtlab.errors import StrategyError
 __all__ = [
     "SharedInput",
     "broadcast_module_state",
+    "check_divisible",
     "copy_to_tp",
     "gather_from_sequence",
     "gather_from_tp",
@@ -116,27 +101,27 @@ def _gather(x: torch.Tensor, group: CommunicationBackend, dim: int) -> torch.Ten
     return out.reshape(p * moved.shape[0], *moved.shape[1:]).movedim(0, dim)
 
 
+def check_divisible(n: int, p: int, what: str, hint: str = "") -> None:
+    """``what`` (of size ``n``) splits evenly over ``p`` ranks, or one error saying what to choose."""
+    if n % p:
+        raise StrategyError(
+            f"{what} is {n}, not divisible by tp={p}; {hint or f'choose a tp that divides {n}'}"
+        )
+
+
 def _chunk(x: torch.Tensor, group: CommunicationBackend, dim: int, what: str) -> torch.Tensor:
     p = group.world_size
     n = x.shape[dim]
-    if n % p:
-        raise StrategyError(
-            f"{what}: dim {dim % x.dim()} of size {n} does not split evenly over tp={p}; "
-            f"use a size divisible by {p}"
-        )
-    c = n // p
-    return x.narrow(dim, group.rank * c, c).contiguous()
+    check_divisible(n, p, f"{what} (dim {dim % x.dim()})", f"use a size divisible by {p}")
+    return x.narrow(dim, group.rank * (n // p), n // p).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, group: CommunicationBackend, dim: int) -> torch.Tensor:
     p = group.world_size
     dim = dim % x.dim()
     n = x.shape[dim]
-    if n % p:
-        raise StrategyError(
-            f"sequence parallelism: the sequence (dim {dim}) has {n} positions, not divisible by tp={p}; "
-            f"use a sequence length divisible by {p}"
-        )
+    what = f"sequence parallelism: the sequence (dim {dim})"
+    check_divisible(n, p, what, f"use a sequence length divisible by {p}")
     moved = x.movedim(dim, 0)
     chunks = moved.reshape(p, n // p, *moved.shape[1:]).contiguous()
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
@@ -145,8 +130,7 @@ def _reduce_scatter(x: torch.Tensor, group: CommunicationBackend, dim: int) -> t
     return out.movedim(0, dim)
 
 
-#: the collectives of the table above, each one side of a pair (forward on ``x``, or backward on its
-#: gradient); the sequence is dim -2, tp's split of features the last dim
+#: one side of a pair each (forward on ``x``, or backward on its gradient)
 _gather_last = partial(_gather, dim=-1)
 _gather_seq = partial(_gather, dim=_SEQ)
 _reduce_scatter_seq = partial(_reduce_scatter, dim=_SEQ)
@@ -158,8 +142,8 @@ class _Ctx(Protocol):
 
 
 class _Conjugate(torch.autograd.Function):
-    """``forward_op`` on the input forward, ``backward_op`` on the output's gradient backward: every
-    pair of the table above is this one function with its two collectives."""
+    """``forward_op`` on the input forward, ``backward_op`` on the output's gradient backward: each
+    public collective below is this one function with its two sides."""
 
     @staticmethod
     def forward(
@@ -220,19 +204,12 @@ def scatter_to_sequence(x: torch.Tensor, group: CommunicationBackend) -> torch.T
 
 def gather_over_tp(local: torch.Tensor, placement: Shard, tp: CommunicationBackend) -> torch.Tensor:
     """The whole tensor from every tp rank's shard ``local`` (collective over ``tp``)."""
-    local = local.detach().contiguous()
     if tp.world_size == 1:
-        return local.clone()
-    gathered = torch.empty((tp.world_size, *local.shape), dtype=local.dtype, device=local.device)
-    tp.all_gather(gathered.view(-1), local.view(-1))
-    full_shape = list(local.shape)
-    full_shape[placement.dim] *= tp.world_size
-    full = torch.empty(full_shape, dtype=local.dtype, device=local.device)
-    for c in range(tp.world_size):
-        parts = gathered[c].chunk(placement.sections, dim=placement.dim)
-        for box, part in zip(placement.boxes(full_shape, c, tp.world_size), parts, strict=True):
-            full[box.slices()] = part
-    return full
+        return local.detach().clone()
+    p, sections = tp.world_size, placement.sections
+    parts = _gather(local.detach(), tp, placement.dim).chunk(p * sections, placement.dim)
+    # gathered in rank order, each rank's part of every section: put each section's parts together
+    return torch.cat([parts[r * sections + k] for k in range(sections) for r in range(p)], placement.dim)
 
 
 def broadcast_module_state(module: nn.Module, group: CommunicationBackend) -> None:

@@ -21,6 +21,7 @@ from dtlab.core.placement import Placement, Replicate, Shard, placement_of, set_
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._comm import (
     SharedInput,
+    check_divisible,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -40,14 +41,6 @@ __all__ = [
 AXIS = "tp"
 
 
-def check_divisible(n: int, p: int, what: str, hint: str = "") -> None:
-    """``what`` (of size ``n``) splits evenly over ``p`` ranks, or one error saying what to choose."""
-    if n % p:
-        raise StrategyError(
-            f"{what} is {n}, not divisible by tp={p}; {hint or f'choose a tp that divides {n}'}"
-        )
-
-
 def _parameter(
     shape: tuple[int, ...],
     placement: Placement,
@@ -64,7 +57,7 @@ def _parameter(
     return t
 
 
-_Layer = TypeVar("_Layer", "ColumnParallelLinear", "RowParallelLinear")
+_Layer = TypeVar("_Layer", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding")
 
 
 def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
@@ -94,36 +87,30 @@ class _LinearOptions(TypedDict):
 
 def _linear_source(linear: nn.Module, layer: str) -> tuple[int, int, _LinearOptions]:
     """``(in_features, out_features, options)`` for the parallel ``layer`` replacing ``linear`` (an
-    ``nn.Linear`` or a ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps): its bias, layout,
-    device and dtype."""
+    ``nn.Linear`` or a ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps)."""
     features = linear_features(linear)
     if features is None:
         raise StrategyError(
             f"{layer} splits an nn.Linear or a Conv1D (weight [in, out]), got {type(linear).__name__}"
         )
     w = cast(nn.Parameter, linear.weight)
-    options = _LinearOptions(
-        bias=getattr(linear, "bias", None) is not None, transposed=features[2], device=w.device, dtype=w.dtype
-    )
+    bias = getattr(linear, "bias", None) is not None
+    options = _LinearOptions(bias=bias, transposed=features[2], device=w.device, dtype=w.dtype)
     return features[0], features[1], options
 
 
-def _load_linear(layer: _Layer, linear: nn.Module, group: CommunicationBackend) -> _Layer:
-    """``layer`` holding this rank's shard of ``linear``'s values, with its ``requires_grad`` flags; the
-    bias split as the layer places it (column-parallel: like the output features) or kept whole."""
-    w = cast(nn.Parameter, linear.weight)
-    bias_in = cast("nn.Parameter | None", getattr(linear, "bias", None))
+def _load(layer: _Layer, source: nn.Module, group: CommunicationBackend) -> _Layer:
+    """``layer`` holding this rank's part of each of ``source``'s parameters (named alike: ``weight``,
+    ``bias``) as its placement says, with their ``requires_grad`` flags."""
     with torch.no_grad():
-        layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
-        if bias_in is not None and layer.bias is not None:
-            bias = bias_in.detach()
-            placement = placement_of(layer.bias)  # column-parallel: Shard(tp, 0, sections); row: Replicate
+        for name, param in layer.named_parameters():
+            whole = source.get_parameter(name)
+            placement = placement_of(param)
             if isinstance(placement, Shard):
-                bias = placement.local_shard(bias, group.rank, group.world_size)
-            layer.bias.copy_(bias)
-    layer.weight.requires_grad_(w.requires_grad)
-    if layer.bias is not None and bias_in is not None:
-        layer.bias.requires_grad_(bias_in.requires_grad)
+                param.copy_(placement.local_shard(whole.detach(), group.rank, group.world_size))
+            else:
+                param.copy_(whole.detach())
+            param.requires_grad_(whole.requires_grad)
     return layer
 
 
@@ -172,12 +159,13 @@ class ColumnParallelLinear(nn.Module):
         self.sections, self.transposed = sections, transposed
         #: shared with the model's other column-parallel layers (one input gradient all-reduce per input)
         self.shared_input: SharedInput | None = None
-        self.placement = Shard(AXIS, 1 if transposed else 0, sections)
         shape = (in_features, out_features // p) if transposed else (out_features // p, in_features)
-        self.weight = _parameter(shape, self.placement, in_features, device, dtype)
-        self.register_parameter("bias", None)
-        if bias:
-            self.bias = _parameter((out_features // p,), Shard(AXIS, 0, sections), in_features, device, dtype)
+        placement = Shard(AXIS, 1 if transposed else 0, sections)
+        self.weight = _parameter(shape, placement, in_features, device, dtype)
+        split = Shard(AXIS, 0, sections)
+        self.register_parameter(
+            "bias", _parameter((out_features // p,), split, in_features, device, dtype) if bias else None
+        )
 
     @classmethod
     def from_linear(
@@ -192,7 +180,7 @@ class ColumnParallelLinear(nn.Module):
         """This rank's shard of ``linear`` (an ``nn.Linear`` or a ``Conv1D``: its values, bias, layout,
         device, dtype and ``requires_grad`` flags); the options as the constructor's."""
         in_features, out_features, options = _linear_source(linear, cls.__name__)
-        layer = cls(
+        new = cls(
             in_features,
             out_features,
             group,
@@ -201,7 +189,7 @@ class ColumnParallelLinear(nn.Module):
             sections=sections,
             **options,
         )
-        return _load_linear(layer, linear, group)
+        return _load(new, linear, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fn = gather_from_sequence if self.sequence_parallel else copy_to_tp
@@ -213,8 +201,7 @@ class ColumnParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features} (local "
             f"{self.out_features // self.group.world_size}), tp={self.group.world_size}, "
-            f"gather_output={self.gather_output}, "
-            f"sequence_parallel={self.sequence_parallel}"
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
         )
 
 
@@ -253,12 +240,11 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.group, self.transposed = group, transposed
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.placement = Shard(AXIS, 0 if transposed else 1)
         shape = (in_features // p, out_features) if transposed else (out_features, in_features // p)
-        self.weight = _parameter(shape, self.placement, in_features, device, dtype)
-        self.register_parameter("bias", None)
-        if bias:
-            self.bias = _parameter((out_features,), Replicate(), in_features, device, dtype)
+        self.weight = _parameter(shape, Shard(AXIS, 0 if transposed else 1), in_features, device, dtype)
+        self.register_parameter(
+            "bias", _parameter((out_features,), Replicate(), in_features, device, dtype) if bias else None
+        )
 
     @classmethod
     def from_linear(
@@ -272,7 +258,7 @@ class RowParallelLinear(nn.Module):
         """This rank's shard of ``linear`` (as :meth:`ColumnParallelLinear.from_linear`; the bias whole:
         it is added once, after the reduction); the options as the constructor's."""
         in_features, out_features, options = _linear_source(linear, cls.__name__)
-        layer = cls(
+        new = cls(
             in_features,
             out_features,
             group,
@@ -280,7 +266,7 @@ class RowParallelLinear(nn.Module):
             sequence_parallel=sequence_parallel,
             **options,
         )
-        return _load_linear(layer, linear, group)
+        return _load(new, linear, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -334,36 +320,29 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group.rank * self.per_rank
         #: the full vocabulary's padding id, and its row here when this rank holds it (its gradient: 0)
         self.padding_idx = padding_idx
-        local_pad = None if padding_idx is None else padding_idx - self.vocab_start
-        self._local_padding_idx = (
-            local_pad if local_pad is not None and 0 <= local_pad < self.per_rank else None
-        )
-        self.placement = Shard(AXIS, 0)
+        local_pad = -1 if padding_idx is None else padding_idx - self.vocab_start
+        self._local_padding_idx = local_pad if 0 <= local_pad < self.per_rank else None
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype))
         with torch.no_grad():
             nn.init.normal_(self.weight)
             if self._local_padding_idx is not None:  # as nn.Embedding: the padding row starts at zero
                 self.weight[self._local_padding_idx].zero_()
-        set_placement(self.weight, self.placement)
+        set_placement(self.weight, Shard(AXIS, 0))
 
     @classmethod
     def from_embedding(
         cls, emb: nn.Embedding, group: CommunicationBackend, *, sequence_parallel: bool = False
     ) -> VocabParallelEmbedding:
         """This rank's rows of ``emb`` (its values, padding id, device, dtype and ``requires_grad``)."""
-        unsupported = {
-            "max_norm": emb.max_norm,
-            "scale_grad_by_freq": emb.scale_grad_by_freq or None,
-            "sparse": emb.sparse or None,
-        }
-        bad = {k: v for k, v in unsupported.items() if v is not None}
+        options = {k: getattr(emb, k) for k in ("max_norm", "scale_grad_by_freq", "sparse")}
+        bad = {k: v for k, v in options.items() if v is not None and v is not False}
         if bad:
             raise StrategyError(
                 f"VocabParallelEmbedding does not support nn.Embedding options {bad}; build the embedding "
                 "without them to split it over tp"
             )
         w = emb.weight
-        layer = cls(
+        new = cls(
             emb.num_embeddings,
             emb.embedding_dim,
             group,
@@ -372,10 +351,7 @@ class VocabParallelEmbedding(nn.Module):
             device=w.device,
             dtype=w.dtype,
         )
-        with torch.no_grad():
-            layer.weight.copy_(layer.placement.local_shard(w.detach(), group.rank, group.world_size))
-        layer.weight.requires_grad_(w.requires_grad)
-        return layer
+        return _load(new, emb, group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         pad = self._local_padding_idx
@@ -385,11 +361,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight, pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return (
-            reduce_scatter_to_seq(out, self.group)
-            if self.sequence_parallel
-            else reduce_from_tp(out, self.group)
-        )
+        return (reduce_scatter_to_seq if self.sequence_parallel else reduce_from_tp)(out, self.group)
 
     def extra_repr(self) -> str:
         return (

@@ -42,12 +42,11 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
-from dtlab.models.tensor._comm import SharedInput, scatter_to_sequence
+from dtlab.models.tensor._comm import SharedInput, check_divisible, scatter_to_sequence
 from dtlab.models.tensor._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    check_divisible,
     linear_features,
 )
 from dtlab.models.tensor._styles import (
