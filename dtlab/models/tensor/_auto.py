@@ -1,18 +1,5 @@
-"""The tensor plan a model declares itself (``plan="auto"``).
-
-In this order:
-
-1. a ``tp_plan(sequence_parallel=False)`` method returning ``{"fqn-pattern": style}`` (dtlab's own
-   ``TransformerLM`` declares its plan this way, like any user model);
-2. Hugging Face's plan: the model's ``tp_plan`` / ``_tp_plan`` mapping (the head's entry and the base
-   model's, prefixed), or ``config.base_model_tp_plan`` under the model's ``base_model_prefix``;
-3. a recipe dtlab keeps for a Hugging Face architecture that declares none (GPT-2:
-   :func:`gpt2_plan`).
-
-Anything else is refused, saying what to pass. The plan's styles are checked by
-:func:`dtlab.models.tensor._plan.resolve_plan` (a Hugging Face style dtlab cannot honour exactly is
-refused there, naming the style and the module).
-"""
+"""The tensor plan a model declares itself (``plan="auto"``): :func:`declared_plan`; its order and
+what each source looks like: docs/your_model.md, "The tensor plan"."""
 
 from __future__ import annotations
 
@@ -68,7 +55,10 @@ def hugging_face_plan(module: nn.Module) -> PlanDict | None:
 
 
 def declared_plan(module: nn.Module, plan: Plan) -> PlanDict:
-    """``plan`` itself, or for ``"auto"`` / a :class:`DeclaredPlan` the one ``module`` declares."""
+    """``plan`` itself, or for ``"auto"`` / a :class:`DeclaredPlan` the one ``module`` declares: its
+    ``tp_plan(sequence_parallel=...)`` method, else Hugging Face's (:func:`hugging_face_plan`), else
+    dtlab's recipe for its architecture (GPT-2: :func:`gpt2_plan`); anything else is refused, saying
+    what to pass. The styles are checked by :func:`dtlab.models.tensor._plan.resolve_plan`."""
     if isinstance(plan, str):
         if plan != "auto":
             raise StrategyError(

@@ -1,35 +1,11 @@
 """Tensor-parallel plans: which submodule becomes which parallel layer.
 
 A plan maps fully qualified module names (``fnmatch`` patterns per dotted part, as torch's
-``parallelize_module``: ``"blocks.*.mlp.0"``) to a style, a string or a style object:
-
-==============  =============================  ===============================================
-string          object                         what it does to the matched module
-==============  =============================  ===============================================
-``"colwise"``   ``ColwiseParallel(...)``       ``nn.Linear`` / ``Conv1D`` -> ``ColumnParallelLinear``
-``"rowwise"``   ``RowwiseParallel(...)``       ``nn.Linear`` / ``Conv1D`` -> ``RowParallelLinear``
-``"vocab"``     ``VocabParallel(...)``         ``nn.Embedding`` -> ``VocabParallelEmbedding``
-``"heads"``     ``HeadsParallel(...)``         an attention module: its qkv projection split per
-                                               head (q, k and v of the same heads on one rank),
-                                               its output projection row-parallel, its head
-                                               count set to the local count
-``"sequence"``  ``SequenceParallel(...)``      a module in the sequence-parallel region (a norm):
-                                               its replicated parameters' gradients are partial
-                                               sums over tp, all-reduced after backward;
-                                               ``split_output=True`` (position embeddings): its
-                                               output keeps this rank's chunk of the sequence
-==============  =============================  ===============================================
-
-Hugging Face's style names mean the same here: ``"colwise"``, ``"rowwise"``,
-``"colwise_gather_output"`` / ``"colwise_rep"`` (``ColwiseParallel(gather_output=True)``),
-``"rowwise_split_input"`` / ``"rowwise_rep"`` (``RowwiseParallel(input_is_parallel=False)``),
-``"embedding_rowwise"`` (``"vocab"``), ``"packed_colwise"`` (``ColwiseParallel(sections=2)``) and
-``"replicate"`` (the module left whole); a Hugging Face style dtlab cannot honour exactly is refused,
-naming the style and the module. Hugging Face's ``Conv1D`` (GPT-2; weight ``[in, out]``) is split like
-the ``nn.Linear`` it is, keeping its layout.
-
-:func:`resolve_plan` checks everything (every pattern matches, types, divisibility by tp) before any
-communication; :func:`apply_plan` then swaps the modules in place.
+``parallelize_module``: ``"blocks.*.mlp.0"``) to a style, a string or a style object
+(:mod:`dtlab.models.tensor._styles`; what each does to its module, under dtlab's and Hugging Face's
+names: docs/your_model.md, "The tensor plan"). :func:`resolve_plan` checks everything (every pattern
+matches, types, divisibility by tp) before any communication; :func:`apply_plan` then swaps the modules
+in place.
 """
 
 from __future__ import annotations
@@ -50,7 +26,6 @@ from dtlab.models.tensor._layers import (
     linear_features,
 )
 from dtlab.models.tensor._styles import (
-    UNCHANGED,
     ColwiseParallel,
     DeclaredPlan,
     HeadsParallel,
@@ -105,25 +80,23 @@ def _check_split(name: str, what: str, size: int, tp: int, hint: str = "") -> No
     check_divisible(size, tp, f"tensor-parallel plan: module {name!r}: {what}", hint)
 
 
-def _features(module: nn.Module, name: str, style: Style) -> tuple[int, int]:
-    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D`` (split alike)."""
-    features = linear_features(module)
-    if features is None:
-        raise _mismatch(style, "Linear (nn.Linear or Hugging Face's Conv1D)", name, module)
-    return features[0], features[1]
-
-
-def _check_one(name: str, module: nn.Module, style: Style, tp: int) -> None:
-    if isinstance(style, ColwiseParallel):
-        out = _features(module, name, style)[1]
-        if out % style.sections:
+def _check_one(root: nn.Module, name: str, module: nn.Module, style: Style, tp: int) -> None:
+    if isinstance(style, ColwiseParallel | RowwiseParallel):
+        features = linear_features(module)
+        if features is None:
+            raise _mismatch(style, "Linear (nn.Linear or Hugging Face's Conv1D)", name, module)
+        if isinstance(style, RowwiseParallel):
+            split, what = features[0], "in_features"
+        elif features[1] % style.sections:
             raise StrategyError(
-                f"tensor-parallel plan: module {name!r}: out_features {out} is not "
+                f"tensor-parallel plan: module {name!r}: out_features {features[1]} is not "
                 f"{style.sections} equal sections"
             )
-        _check_split(name, f"out_features / {style.sections} sections", out // style.sections, tp)
-    elif isinstance(style, RowwiseParallel):
-        _check_split(name, "in_features", _features(module, name, style)[0], tp)
+        else:
+            split, what = features[1] // style.sections, f"out_features / {style.sections} sections"
+        _check_split(name, what, split, tp)
+        head_dim = getattr(root.get_submodule(name.rpartition(".")[0]), "head_dim", None)
+        _check_whole_heads(name, split, head_dim, tp)
     elif isinstance(style, VocabParallel):
         if not isinstance(module, nn.Embedding):
             raise _mismatch(style, "Embedding", name, module)
@@ -135,51 +108,13 @@ def _check_one(name: str, module: nn.Module, style: Style, tp: int) -> None:
             f"pad the vocabulary to a multiple of {tp} or choose a tp that divides {module.num_embeddings}",
         )
     elif isinstance(style, HeadsParallel):
-        heads = getattr(module, style.heads, None)
-        if not isinstance(heads, int):
-            raise StrategyError(
-                f"tensor-parallel plan: HeadsParallel needs module {name!r} to hold its head count in "
-                f"an int attribute {style.heads!r} (got {heads!r}); set HeadsParallel(heads=...)"
-            )
-        what = "the number of attention heads" if "head" in style.heads else f"its {style.heads!r}"
-        _check_split(name, what, heads, tp)
-        features: dict[str, tuple[int, int, bool]] = {}
-        for child in (*style.qkv, style.out):
-            found = linear_features(getattr(module, child, None) or nn.Identity())
-            if found is None:
-                raise StrategyError(
-                    f"tensor-parallel plan: HeadsParallel needs {name}.{child} to be an nn.Linear or a "
-                    f"Conv1D (got {type(getattr(module, child, None)).__name__}); set HeadsParallel(qkv=..., "
-                    "out=...)"
-                )
-            features[child] = found
-        head_dim = getattr(module, "head_dim", None)
-        for child in style.qkv:
-            out = features[child][1]
-            if out % (style.sections * heads):
-                raise StrategyError(
-                    f"tensor-parallel plan: {name}.{child} has {out} output features, not "
-                    f"{style.sections} sections x {heads} ({style.heads}); set HeadsParallel(sections=...)"
-                )
-            section = out // style.sections
-            if isinstance(head_dim, int) and head_dim > 0 and section % head_dim == 0:
-                _check_split(
-                    f"{name}.{child}",
-                    f"the number of attention heads (of {head_dim})",
-                    section // head_dim,
-                    tp,
-                )
-        _check_split(f"{name}.{style.out}", "in_features", features[style.out][0], tp)
+        _check_heads(name, module, style, tp)
 
 
-def _check_whole_heads(root: nn.Module, name: str, module: nn.Module, style: Style, tp: int) -> None:
-    """A projection of an attention module that declares ``head_dim`` (Hugging Face's do) is split in
-    whole heads: grouped-query attention's key/value projections have fewer heads than the queries."""
-    found = linear_features(module)
-    if found is None or not isinstance(style, ColwiseParallel | RowwiseParallel):
-        return
-    head_dim = getattr(root.get_submodule(name.rpartition(".")[0]), "head_dim", None)
-    features = found[1] // style.sections if isinstance(style, ColwiseParallel) else found[0]
+def _check_whole_heads(name: str, features: int, head_dim: object, tp: int) -> None:
+    """A projection (of ``features`` split features) of an attention module that declares ``head_dim``
+    (Hugging Face's do) is split in whole heads: grouped-query attention's key/value projections have
+    fewer heads than the queries."""
     if not isinstance(head_dim, int) or head_dim <= 0 or features % head_dim:
         return
     heads = features // head_dim
@@ -189,6 +124,37 @@ def _check_whole_heads(root: nn.Module, name: str, module: nn.Module, style: Sty
             f"(its module's head_dim; key/value heads under grouped-query attention), not divisible by "
             f"tp={tp}; choose a tp that divides {heads}"
         )
+
+
+def _check_heads(name: str, module: nn.Module, style: HeadsParallel, tp: int) -> None:
+    heads = getattr(module, style.heads, None)
+    if not isinstance(heads, int):
+        raise StrategyError(
+            f"tensor-parallel plan: HeadsParallel needs module {name!r} to hold its head count in "
+            f"an int attribute {style.heads!r} (got {heads!r}); set HeadsParallel(heads=...)"
+        )
+    what = "the number of attention heads" if "head" in style.heads else f"its {style.heads!r}"
+    _check_split(name, what, heads, tp)
+    head_dim = getattr(module, "head_dim", None)
+    for child in (*style.qkv, style.out):
+        features = linear_features(getattr(module, child, None) or nn.Identity())
+        if features is None:
+            raise StrategyError(
+                f"tensor-parallel plan: HeadsParallel needs {name}.{child} to be an nn.Linear or a "
+                f"Conv1D (got {type(getattr(module, child, None)).__name__}); set HeadsParallel(qkv=..., "
+                "out=...)"
+            )
+        section = features[1] // style.sections
+        if child == style.out:
+            _check_split(f"{name}.{child}", "in_features", features[0], tp)
+        elif features[1] % (style.sections * heads):
+            raise StrategyError(
+                f"tensor-parallel plan: {name}.{child} has {features[1]} output features, not "
+                f"{style.sections} sections x {heads} ({style.heads}); set HeadsParallel(sections=...)"
+            )
+        elif isinstance(head_dim, int) and head_dim > 0 and section % head_dim == 0:
+            what = f"the number of attention heads (of {head_dim})"
+            _check_split(f"{name}.{child}", what, section // head_dim, tp)
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -209,9 +175,9 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
     named = list(module.named_modules())
     found: dict[str, tuple[nn.Module, Style, str]] = {}
     for pattern, value in plan.items():
-        if isinstance(value, str) and value in UNCHANGED:
-            continue
         style = style_of(value, pattern)
+        if style is None:
+            continue
         hits = [(n, m) for n, m in named if n and _matches(n, pattern)]
         if not hits:
             sample = [n for n, _ in named if n][:8]
@@ -224,8 +190,7 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
                 raise StrategyError(
                     f"tensor-parallel plan: module {n!r} is matched by both {found[n][2]!r} and {pattern!r}"
                 )
-            _check_one(n, m, style, tp)
-            _check_whole_heads(module, n, m, style, tp)
+            _check_one(module, n, m, style, tp)
             found[n] = (m, style, pattern)
     names = list(found)
     for n in names:  # a swapped module may not contain another planned module
@@ -238,60 +203,46 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
     return [(n, m, s) for n, (m, s, _) in found.items()]
 
 
-def _set_child(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent_name), child, new)  # "": root itself
-
-
 def apply_plan(
     root: nn.Module, resolved: list[tuple[str, nn.Module, Style]], group: CommunicationBackend
 ) -> list[nn.Parameter]:
     """Swap the planned modules of ``root`` in place for their parallel versions (this rank's shards).
     Returns the replicated parameters whose gradients are partial sums over tp (sequence parallel)."""
     partial: list[nn.Parameter] = []
-    shared = SharedInput()  # column-parallel layers reading one tensor all-reduce its gradient once
 
-    def row(linear: nn.Module, sequence_parallel: bool, input_is_parallel: bool = True) -> RowParallelLinear:
-        layer = RowParallelLinear.from_linear(
-            linear, group, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel
-        )
-        if sequence_parallel and layer.bias is not None:  # added after the reduce-scatter
-            partial.append(layer.bias)
-        return layer
+    def swap(name: str, style: ColwiseParallel | RowwiseParallel | VocabParallel) -> None:
+        old, sp = root.get_submodule(name), style.sequence_parallel
+        new: nn.Module
+        if isinstance(style, ColwiseParallel):
+            new = ColumnParallelLinear.from_linear(
+                old, group, gather_output=style.gather_output, sequence_parallel=sp, sections=style.sections
+            )
+        elif isinstance(style, RowwiseParallel):
+            row = RowParallelLinear.from_linear(
+                old, group, input_is_parallel=style.input_is_parallel, sequence_parallel=sp
+            )
+            if sp and row.bias is not None:  # added after the reduce-scatter
+                partial.append(row.bias)
+            new = row
+        else:  # resolve_plan checked it is an nn.Embedding
+            new = VocabParallelEmbedding.from_embedding(cast(nn.Embedding, old), group, sequence_parallel=sp)
+        parent, _, child = name.rpartition(".")
+        setattr(root.get_submodule(parent), child, new)
 
     for name, module, style in resolved:
-        if isinstance(style, ColwiseParallel):
-            col = ColumnParallelLinear.from_linear(
-                module,
-                group,
-                gather_output=style.gather_output,
-                sequence_parallel=style.sequence_parallel,
-                sections=style.sections,
-            )
-            _set_child(root, name, col)
-        elif isinstance(style, RowwiseParallel):
-            _set_child(root, name, row(module, style.sequence_parallel, style.input_is_parallel))
-        elif isinstance(style, VocabParallel):
-            emb = cast(nn.Embedding, module)  # resolve_plan checked it
-            vocab = VocabParallelEmbedding.from_embedding(
-                emb, group, sequence_parallel=style.sequence_parallel
-            )
-            _set_child(root, name, vocab)
-        elif isinstance(style, HeadsParallel):
+        if isinstance(style, HeadsParallel):
+            sp = style.sequence_parallel
             for child in style.qkv:
-                col = ColumnParallelLinear.from_linear(
-                    getattr(module, child),
-                    group,
-                    sections=style.sections,
-                    sequence_parallel=style.sequence_parallel,
-                )
-                setattr(module, child, col)
-            setattr(module, style.out, row(getattr(module, style.out), style.sequence_parallel))
+                swap(f"{name}.{child}", ColwiseParallel(sequence_parallel=sp, sections=style.sections))
+            swap(f"{name}.{style.out}", RowwiseParallel(sequence_parallel=sp))
             setattr(module, style.heads, getattr(module, style.heads) // group.world_size)
+        elif not isinstance(style, SequenceParallel):
+            swap(name, style)
         elif style.split_output:
             module.register_forward_hook(lambda _m, _inputs, out: scatter_to_sequence(out, group))
         else:
             partial.extend(p for p in module.parameters(recurse=True) if p.requires_grad)
+    shared = SharedInput()  # column-parallel layers reading one tensor all-reduce its gradient once
     for m in root.modules():
         if isinstance(m, ColumnParallelLinear):
             m.shared_input = shared

@@ -10,7 +10,6 @@ from typing import Literal
 from dtlab.errors import StrategyError
 
 __all__ = [
-    "UNCHANGED",
     "ColwiseParallel",
     "DeclaredPlan",
     "HeadsParallel",
@@ -89,12 +88,13 @@ class DeclaredPlan:
 #: its ``tp_plan()`` method, Hugging Face's ``_tp_plan`` / ``config.base_model_tp_plan``, or a recipe)
 Plan = PlanDict | DeclaredPlan | Literal["auto"]
 
-_ALIASES: dict[str, Style] = {
+_ALIASES: dict[str, Style | None] = {
     "colwise": ColwiseParallel(),
     "rowwise": RowwiseParallel(),
     "vocab": VocabParallel(),
     "heads": HeadsParallel(),
     "sequence": SequenceParallel(),
+    "replicate": None,  # the module left whole on every rank
     # Hugging Face's style names (transformers' ALL_PARALLEL_STYLES) with the same meaning
     "colwise_gather_output": ColwiseParallel(gather_output=True),
     "colwise_rep": ColwiseParallel(gather_output=True),
@@ -112,24 +112,17 @@ _REFUSED = {
     "SequenceParallel on a plan that is sequence parallel throughout)",
     "replicated_with_grad_allreduce": "its gradient all-reduce over tp",
     "all_reduce": "an all-reduce of a module's output",
-    "local_params": "parameters used as local tensors",
-    "mla_kv_a_proj": "multi-head latent attention's split of the kv projection",
-    "moe_tp_experts": "mixture-of-experts layers",
-    "moe_identity_expert": "mixture-of-experts layers",
-    "grouped_gemm": "mixture-of-experts layers",
-    "ep_dispatch_experts": "expert parallelism",
-    "ep_router": "expert parallelism",
     "gather": "an all-gather of a module's output",
+    "local_params": "parameters used as local tensors",
     "isolated": "an isolated module per rank",
-    "local": "local (DTensor-free) layers",
-    "local_colwise": "local (DTensor-free) layers",
-    "local_rowwise": "local (DTensor-free) layers",
-    "local_packed_rowwise": "local (DTensor-free) layers",
-    "local_packed_colwise": "local (DTensor-free) layers",
+    "mla_kv_a_proj": "multi-head latent attention's split of the kv projection",
+    **dict.fromkeys(["moe_tp_experts", "moe_identity_expert", "grouped_gemm"], "mixture-of-experts layers"),
+    **dict.fromkeys(["ep_dispatch_experts", "ep_router"], "expert parallelism"),
+    **dict.fromkeys(
+        ["local", "local_colwise", "local_rowwise", "local_packed_rowwise", "local_packed_colwise"],
+        "local (DTensor-free) layers",
+    ),
 }
-
-#: styles that leave a module as it is (every rank keeps the whole parameter)
-UNCHANGED = frozenset({"replicate"})
 
 
 def transformer_plan(sequence_parallel: bool = False) -> DeclaredPlan:
@@ -140,30 +133,30 @@ def transformer_plan(sequence_parallel: bool = False) -> DeclaredPlan:
     return DeclaredPlan(bool(sequence_parallel))
 
 
-def style_of(value: Style | str, pattern: str) -> Style:
-    if isinstance(value, str):
-        if value in _REFUSED:
-            raise StrategyError(
-                f"tensor-parallel plan entry {pattern!r}: style {value!r} cannot be honoured exactly "
-                f"({_REFUSED[value]}); give a plan without it (plan={{'fqn-pattern': style}}, styles "
-                f"{sorted(_ALIASES)} or style objects) or leave the module out of the plan"
-            )
-        if value not in _ALIASES:
-            raise StrategyError(
-                f"tensor-parallel plan entry {pattern!r}: unknown style {value!r}; use one of "
-                f"{sorted(_ALIASES)} or a style object (ColwiseParallel(...), ...)"
-            )
-        return _ALIASES[value]
-    if not isinstance(value, Style):
+def style_of(value: Style | str, pattern: str) -> Style | None:
+    """The style plan entry ``pattern: value`` gives (``None``: ``"replicate"``, the module left whole)."""
+    if isinstance(value, Style):
+        return value
+    if not isinstance(value, str):
         raise StrategyError(
             f"tensor-parallel plan entry {pattern!r}: a style is a string {sorted(_ALIASES)} or a style "
             f"object, got {value!r}"
         )
-    return value
+    if value in _REFUSED:
+        raise StrategyError(
+            f"tensor-parallel plan entry {pattern!r}: style {value!r} cannot be honoured exactly "
+            f"({_REFUSED[value]}); give a plan without it (plan={{'fqn-pattern': style}}, styles "
+            f"{sorted(_ALIASES)} or style objects) or leave the module out of the plan"
+        )
+    if value not in _ALIASES:
+        raise StrategyError(
+            f"tensor-parallel plan entry {pattern!r}: unknown style {value!r}; use one of "
+            f"{sorted(_ALIASES)} or a style object (ColwiseParallel(...), ...)"
+        )
+    return _ALIASES[value]
 
 
 def check_style_names(plan: PlanDict) -> None:
     """Every style of ``plan`` is one dtlab honours (before any model is built)."""
     for pattern, value in plan.items():
-        if not (isinstance(value, str) and value in UNCHANGED):
-            style_of(value, pattern)
+        style_of(value, pattern)
