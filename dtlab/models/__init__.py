@@ -10,8 +10,7 @@ from dtlab.core.state import ShardedState
 from dtlab.models.base import ModelStrategy
 from dtlab.models.compose._plan import apply_tensor_plan
 from dtlab.models.compose.hybrid import HybridShardedModel
-from dtlab.models.compose.pipeline_parallel import PipelineParallelModel
-from dtlab.models.compose.tensor_parallel import TensorParallelModel
+from dtlab.models.compose.single_axis import PipelineParallelModel, TensorParallelModel
 from dtlab.models.dp._materialize import init_empty_weights
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DDPModel

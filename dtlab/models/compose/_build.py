@@ -1,13 +1,12 @@
 """How the composition is laid out on a rank, in torchtitan's order, before the data-parallel strategy
-wraps it: the mesh rule, the tensor plan applied (after a tp broadcast of rank 0's values), the model
-split into pipeline stages with other ranks' stages released to the meta device, and what is recorded
-while every tensor is still whole (each tensor's full shape, dtype, owning pipeline rank and placement;
-each stage's shapes for the meta forward).
+wraps it: the mesh rule, the tensor plan applied, the model split into pipeline stages with other
+ranks' stages released to the meta device (this rank's under the whole model's names:
+:class:`StageRoot`), and what is recorded while every tensor is still whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +15,10 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh, MeshLike
-from dtlab.core.placement import Placement, Shard, placement_of
+from dtlab.core.placement import Placement, placement_of
+from dtlab.core.shard_index import full_shape_of
 from dtlab.errors import StrategyError
-from dtlab.models.compose._tied import check_tied, retie, tied_groups, touched_layers
-from dtlab.models.compose._tree import StageRoot
+from dtlab.models.compose._tied import swap_layers, tied_groups
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DDPModel
 from dtlab.models.dp.fsdp import FSDPModel
@@ -39,8 +38,7 @@ from dtlab.models.pipeline._split import (
 from dtlab.models.pipeline._ties import CrossTie, aliases_of, cross_ties, init_ties
 from dtlab.models.pipeline._trace import TracedStage, traced_stages
 from dtlab.models.tensor._auto import declared_plan
-from dtlab.models.tensor._comm import broadcast_module_state
-from dtlab.models.tensor._plan import Plan, SequenceParallel, apply_plan, resolve_plan
+from dtlab.models.tensor._plan import Plan, resolve_plan
 
 __all__ = [
     "AXES",
@@ -48,9 +46,9 @@ __all__ = [
     "Entries",
     "Layout",
     "PipelineArgs",
+    "StageRoot",
     "as_mesh",
     "lay_out",
-    "outer_pack",
 ]
 
 #: the data-parallel strategies the dp axis can run, by name
@@ -67,10 +65,9 @@ AXES = ("pp", "dp", "tp")
 def as_mesh(
     mesh: MeshLike | CommunicationBackend, who: str, axis: str | None, axes: Sequence[str]
 ) -> MeshLike:
-    """The one mesh rule of the model-parallel strategies: a mesh (:class:`Mesh` or any
-    :class:`~dtlab.backends.MeshLike`) whose axes of size > 1 are
-    among ``axes`` (and which has ``axis``, the strategy's own, when given); a plain backend stands for
-    a mesh of that one axis."""
+    """The one mesh rule of the model-parallel strategies: a :class:`~dtlab.backends.MeshLike` whose axes
+    of size > 1 are among ``axes`` (and which has ``axis``, the strategy's own, when given); a plain
+    backend stands for a mesh of that one axis."""
     if isinstance(mesh, CommunicationBackend) and axis is not None:
         mesh = Mesh(mesh, {axis: mesh.world_size})
     if not isinstance(mesh, MeshLike):
@@ -102,23 +99,11 @@ def tensor_entries(
     parameter's: the rank holding the module it is named under), placement."""
     out: Entries = {}
     for key, t in module.state_dict(keep_vars=True).items():
-        placement = placement_of(t)
-        shape = list(t.shape)
-        if isinstance(placement, Shard):
-            shape[placement.dim] *= tp
         rank = owner.get(id(t), 0)
         if by_module is not None:
             rank = by_module.get(id(module.get_submodule(key.rpartition(".")[0])), rank)
-        out[key] = (shape, t.dtype, rank, placement)
+        out[key] = (full_shape_of(t.shape, placement_of(t), tp), t.dtype, rank, placement_of(t))
     return out
-
-
-def outer_pack() -> Callable[[torch.Tensor], Any] | None:
-    """The pack hook of the saved-tensor hooks active around a stage's forward (the pipeline's
-    activation meter), so ZeRO-3/FSDP's own hooks can pass activations on to it."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # noqa: SLF001 - torch's saved-tensor hook stack
-    hooks = top(False) if top is not None else None
-    return None if hooks is None else hooks[0]
 
 
 @dataclass(frozen=True)
@@ -191,24 +176,10 @@ def lay_out(
     pipelined = always_pipelined or p > 1 or v > 1 or m > 1
     _check_pipeline(who, args, p, m, pipelined)
     partial: list[nn.Parameter] = []
-    resolved = (
-        None
-        if tensor_plan is None
-        else resolve_plan(module, declared_plan(module, tensor_plan), tp.world_size)
-    )
-    ties = check_tied(who, module, resolved)  # never silently untied; before any work
     swapped: dict[int, torch.Tensor] = {}
-    if resolved is not None:
-        if not on_meta:
-            broadcast_module_state(module, tp)  # the data-parallel strategy then broadcasts over dp
-        before = {  # the layers the plan replaces, by path
-            path: module.get_submodule(path)
-            for path, style in touched_layers(resolved).items()
-            if not isinstance(style, SequenceParallel)
-        }
-        partial = apply_plan(module, resolved, tp)
-        retie(module, ties)
-        swapped = _replaced(module, before)
+    if tensor_plan is not None:
+        resolved = resolve_plan(module, declared_plan(module, tensor_plan), tp.world_size)
+        partial, swapped = swap_layers(who, module, resolved, tp, broadcast=not on_meta)
     elif tp.world_size > 1:
         raise StrategyError(
             f"{who} on a mesh with tp={tp.world_size} needs a tensor_plan: 'auto' for the plan the module "
@@ -258,16 +229,6 @@ def lay_out(
     )
 
 
-def _replaced(module: nn.Module, before: dict[str, nn.Module]) -> dict[int, torch.Tensor]:
-    """Each replaced layer's parameters (by id) -> the parameter of the same name in its replacement."""
-    out: dict[int, torch.Tensor] = {}
-    for path, old in before.items():
-        new = module.get_submodule(path)
-        for pname, p in old.named_parameters(recurse=False):
-            out.setdefault(id(p), getattr(new, pname))
-    return out
-
-
 def _names(root: nn.Module, params: list[nn.Parameter]) -> set[str]:
     wanted = {id(q) for q in params if q.requires_grad}
     return {n for n, q in root.named_parameters() if id(q) in wanted}
@@ -306,3 +267,53 @@ def _release(stages: Sequence[nn.Module], mine: Sequence[int]) -> None:
     for s, stage in enumerate(stages):
         if s not in mine:
             release(stage)
+
+
+def _ids(module: nn.Module) -> set[int]:
+    return {id(t) for t in [*module.parameters(), *module.buffers()]}
+
+
+def _mirror(into: nn.Module, source: nn.Module, keep: set[int]) -> None:
+    """Register in ``into`` what ``source`` holds of the tensors in ``keep`` (ids), at the same paths:
+    a child whose tensors are all kept is registered itself (so its hooks fire when it runs); a child
+    holding some is mirrored by an empty container, recursively."""
+    for name, p in source.named_parameters(recurse=False):
+        if id(p) in keep:
+            into.register_parameter(name, p)
+    for name, b in source.named_buffers(recurse=False):
+        if id(b) in keep:
+            persistent = name not in getattr(source, "_non_persistent_buffers_set", set())
+            into.register_buffer(name, b, persistent=persistent)
+    for name, child in source.named_children():
+        held = _ids(child)
+        if held <= keep and held:
+            into.add_module(name, child)
+        elif held & keep:
+            sub = nn.Module()
+            into.add_module(name, sub)
+            _mirror(sub, child, keep)
+
+
+class StageRoot(nn.Module):
+    """This rank's pipeline stages, the module the data-parallel strategy wraps: the user's own modules
+    of these stages registered at their paths in the whole model (``state_dict()`` keyed like the plain
+    module; FSDP/ZeRO-3 hooks fire when a stage runs them); the stages themselves are kept outside the
+    module tree, so nothing is registered twice."""
+
+    def __init__(self, module: nn.Module, stages: Mapping[int, nn.Module]) -> None:
+        super().__init__()
+        _mirror(self, module, set().union(*(_ids(stage) for stage in stages.values())))
+        self.__dict__["_run"] = dict(stages)
+
+    def forward(self, x: torch.Tensor, stage: int, *inputs: torch.Tensor) -> Any:
+        """Stage ``stage`` (an index of the whole pipeline) on ``x``; a stage of a model split at module
+        names also takes the micro-batch's model ``inputs`` (its copy of the forward recomputes
+        positions, masks)."""
+        run: dict[int, nn.Module] = self.__dict__["_run"]
+        return run[stage](x, *inputs)
+
+    def train(self, mode: bool = True) -> StageRoot:
+        super().train(mode)
+        for stage in self.__dict__["_run"].values():
+            stage.train(mode)
+        return self

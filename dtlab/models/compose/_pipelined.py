@@ -1,27 +1,39 @@
 """A pipelined composition's step on this rank: each stage called through the data-parallel strategy,
 the schedule run with every backward inside ``no_sync()`` (ZeRO-3/FSDP: each unit gathered once for
 the step), the tied weights summed and the dp reduction after it, the loss broadcast over pp; and
-inference through every stage."""
+inference through every stage. The tensors crossing stage boundaries come, per micro-batch shape, from
+a forward on the meta device (block stages) or the checked trace (a model split at module names, whose
+stages are then told the traced block outputs their stubs return)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
-from dtlab.models.compose._build import Layout, outer_pack
-from dtlab.models.compose._stages import StageSpecs, TiedSync
+from dtlab.models.compose._build import Layout
+from dtlab.models.compose._tied import TiedSync
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.pipeline._comm import StageLinks, broadcast_over_pp, infer_through_stages
 from dtlab.models.pipeline._runtime import StepResult, run_schedule
 from dtlab.models.pipeline._schedules import PipelineSchedule
-from dtlab.models.pipeline._split import TensorSpec
-from dtlab.models.pipeline._trace_check import output_tensor
+from dtlab.models.pipeline._split import Stage, TensorSpec, stage_specs
+from dtlab.models.pipeline._trace import TracedStage
+from dtlab.models.pipeline._trace_check import Trace, output_tensor, trace_split
 
 __all__ = ["PipelineRun"]
+
+
+def _outer_pack() -> Callable[[torch.Tensor], Any] | None:
+    """The pack hook of the saved-tensor hooks active around a stage's forward (the pipeline's
+    activation meter), so ZeRO-3/FSDP's own hooks can pass activations on to it."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # noqa: SLF001 - torch's saved-tensor hook stack
+    hooks = top(False) if top is not None else None
+    return None if hooks is None else hooks[0]
 
 
 class PipelineRun:
@@ -33,30 +45,48 @@ class PipelineRun:
         layout: Layout,
         schedule: PipelineSchedule,
         pp: CommunicationBackend,
-        specs: StageSpecs,
+        module: nn.Module,
         tied: TiedSync,
         checkpointing: bool,
     ) -> None:
         self.dp, self.layout, self.schedule, self.pp = dp, layout, schedule, pp
-        self.specs, self.tied, self.checkpointing = specs, tied, checkpointing
+        self.module = module  # the user's whole module (other stages on meta), for the trace
+        self.tied, self.checkpointing = tied, checkpointing
         self.micro_batches = layout.micro_batches
         #: the last step's compute intervals and activation peak (None before the first step)
         self.last: StepResult | None = None
+        self._specs: dict[TensorSpec, list[TensorSpec]] = {}
+        self._traces: dict[TensorSpec, Trace] = {}
 
     def stage_forward(self, x: torch.Tensor, stage: int, *inputs: torch.Tensor) -> Any:
         """One stage through the data-parallel strategy's forward (its buffers, gathers and hooks); the
         activations ZeRO-3/FSDP's own saved-tensor hooks keep go on to the pipeline's meter. A stage of
         a model split at module names also gets the micro-batch's model ``inputs``."""
         dp = self.dp
-        dp.observe_activation = outer_pack()
+        dp.observe_activation = _outer_pack()
         try:
             return dp(x, stage, *inputs) if self.layout.traced else dp(x, stage)
         finally:
             dp.observe_activation = None
 
     def specs_for(self, sample: torch.Tensor) -> list[TensorSpec]:
-        """Each stage's output spec for micro-batches like ``sample`` (computed once per shape)."""
-        return self.specs(sample, self.dp)
+        """Each stage's output spec for micro-batches like ``sample`` (computed once per shape, alike on
+        every rank)."""
+        key = TensorSpec(tuple(sample.shape), sample.dtype)
+        layout = self.layout
+        if key not in self._specs:
+            with self.dp.gather_hooks_suspended():  # ZeRO-3/FSDP hold only shards at rest
+                if layout.traced:
+                    stages = cast("list[TracedStage]", layout.stages)
+                    trace = trace_split(self.module, stages, layout.whole_shapes, sample)
+                    self._traces[key], self._specs[key] = trace, trace.specs
+                else:
+                    self._specs[key] = stage_specs(cast("list[Stage]", layout.stages), layout.shapes, key)
+        if layout.traced:
+            trace = self._traces[key]
+            for stage in cast("list[TracedStage]", layout.stages):
+                stage.prepare(trace.outputs, trace.slots.get(stage.entry or "", 0))
+        return self._specs[key]
 
     def infer(self, x: torch.Tensor) -> torch.Tensor:
         """Inference through every stage (no autograd across ranks), the output on every pp rank."""

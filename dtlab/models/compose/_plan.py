@@ -14,11 +14,11 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh, MeshLike
 from dtlab.core.plan import AUTO, RunPlan
 from dtlab.errors import ArgumentError, StrategyError
-from dtlab.models.compose._tied import check_tied, retie
+from dtlab.models.compose._tied import swap_layers
 from dtlab.models.pipeline._split import has_blocks, module_blocks
 from dtlab.models.pipeline._trace import traced_structure
 from dtlab.models.tensor._auto import declared_plan
-from dtlab.models.tensor._plan import Plan, PlanDict, apply_plan, resolve_plan, transformer_plan
+from dtlab.models.tensor._plan import Plan, PlanDict, resolve_plan, transformer_plan
 
 __all__ = ["apply_tensor_plan", "check_plan", "plan_arguments", "plan_mesh", "tensor_plan_of"]
 
@@ -51,9 +51,7 @@ def apply_tensor_plan(module: nn.Module, tensor_plan: Plan, group: Communication
     ``group`` holds, ties kept: the composition's tensor-parallel step without its broadcast of rank
     0's values (no communication). On the meta device: the layout a cost model prices."""
     resolved = resolve_plan(module, declared_plan(module, tensor_plan), group.world_size)
-    ties = check_tied("apply_tensor_plan", module, resolved)
-    apply_plan(module, resolved, group)
-    retie(module, ties)
+    swap_layers("apply_tensor_plan", module, resolved, group, broadcast=False)
     return module
 
 

@@ -10,25 +10,38 @@ give each user its own copy; a pipeline puts blocks on different ranks. So, befo
   (:func:`retie`); a tie the plan does not touch stays as it is; any other tie the plan touches is
   refused, naming the tied parameters;
 - a pipeline keeps a parameter used by stages on several ranks tied as Megatron-LM does
-  (:mod:`dtlab.models.pipeline._ties`).
+  (:mod:`dtlab.models.pipeline._ties`; :class:`TiedSync` sums the copies' gradients).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
+from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
+from dtlab.models.dp.zero1 import ZeRO1Model
+from dtlab.models.pipeline._ties import sum_tied
+from dtlab.models.tensor._comm import broadcast_module_state
 from dtlab.models.tensor._plan import (
     ColwiseParallel,
     HeadsParallel,
     SequenceParallel,
     Style,
     VocabParallel,
+    apply_plan,
 )
 
-__all__ = ["Retie", "check_tied", "retie", "tied_groups", "touched_layers"]
+if TYPE_CHECKING:
+    from dtlab.models.compose._build import Layout
+    from dtlab.models.dp.data_parallel import DataParallelModel
+
+__all__ = ["TiedSync", "swap_layers", "tied_groups"]
+
+Resolved = list[tuple[str, nn.Module, Style]]
 
 #: ``(linear module name, embedding module name)``: the linear layer's weight becomes the embedding's
 Retie = tuple[str, str]
@@ -48,7 +61,7 @@ def tied_groups(module: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def touched_layers(resolved: Sequence[tuple[str, nn.Module, Style]]) -> dict[str, Style]:
+def _touched_layers(resolved: Resolved) -> dict[str, Style]:
     """Module names whose parameters the plan replaces (or marks as partial sums), with the style."""
     out: dict[str, Style] = {}
     for name, _module, style in resolved:
@@ -63,20 +76,12 @@ def touched_layers(resolved: Sequence[tuple[str, nn.Module, Style]]) -> dict[str
     return out
 
 
-def _owner(param: str, touched: dict[str, Style]) -> tuple[str, Style] | None:
-    for mod, style in touched.items():
-        if param.startswith(mod + "."):
-            return mod, style
-    return None
-
-
-def _tensor_ties(
-    who: str, groups: list[list[str]], resolved: Sequence[tuple[str, nn.Module, Style]]
-) -> list[Retie]:
-    touched = touched_layers(resolved)
+def _check_tied(who: str, module: nn.Module, touched: dict[str, Style]) -> list[Retie]:
+    """Every tie check, before any communication; returns the ties :func:`_retie` restores after the
+    tensor plan's swap."""
     out: list[Retie] = []
-    for names in groups:
-        hits = {n: _owner(n, touched) for n in names}
+    for names in tied_groups(module):
+        hits = {n: next(((m, st) for m, st in touched.items() if n.startswith(m + ".")), None) for n in names}
         if all(h is None for h in hits.values()):
             continue  # the plan leaves every user whole: still one parameter
         vocab = [(n, h[0]) for n, h in hits.items() if h and isinstance(h[1], VocabParallel)]
@@ -105,20 +110,7 @@ def _tensor_ties(
     return out
 
 
-def check_tied(
-    who: str,
-    module: nn.Module,
-    resolved: Sequence[tuple[str, nn.Module, Style]] | None,
-) -> list[Retie]:
-    """Every tie check, before any communication; returns the ties :func:`retie` restores after the
-    tensor plan's swap."""
-    groups = tied_groups(module)
-    if not groups:
-        return []
-    return _tensor_ties(who, groups, resolved) if resolved else []
-
-
-def retie(root: nn.Module, ties: Sequence[Retie]) -> None:
+def _retie(root: nn.Module, ties: Sequence[Retie]) -> None:
     """After the swap: each column-parallel output layer uses its vocabulary-parallel embedding's
     weight (the same rows of the same tensor), so the two stay one parameter."""
     for linear, embedding in ties:
@@ -134,3 +126,67 @@ def retie(root: nn.Module, ties: Sequence[Retie]) -> None:
                 f"{getattr(emb_weight, 'shape', None)}); {_FIX}"
             )
         lin.weight = emb_weight
+
+
+def swap_layers(
+    who: str, module: nn.Module, resolved: Resolved, tp: CommunicationBackend, broadcast: bool
+) -> tuple[list[nn.Parameter], dict[int, torch.Tensor]]:
+    """The resolved tensor plan applied to ``module`` in place, ties checked before any communication
+    and kept (``broadcast``: rank 0's values over ``tp`` first). Returns the parameters with partial
+    gradients (sequence parallelism) and each replaced parameter (by id) -> the tensor-parallel
+    parameter replacing it."""
+    touched = _touched_layers(resolved)
+    ties = _check_tied(who, module, touched)
+    if broadcast:
+        broadcast_module_state(module, tp)  # the data-parallel strategy then broadcasts over dp
+    before = {
+        path: module.get_submodule(path)
+        for path, st in touched.items()
+        if not isinstance(st, SequenceParallel)
+    }
+    partial = apply_plan(module, resolved, tp)
+    _retie(module, ties)
+    swapped: dict[int, torch.Tensor] = {}
+    for path, old in before.items():
+        new = module.get_submodule(path)
+        for pname, p in old.named_parameters(recurse=False):
+            swapped.setdefault(id(p), getattr(new, pname))
+    return partial, swapped
+
+
+class TiedSync:
+    """The weights tied across pipeline ranks (``layout.ties``) kept in sync: their gradients summed
+    over each tie group before the dp reduction, or after it where the strategy leaves whole averaged
+    gradients, and counted once in the gradient norm."""
+
+    def __init__(self, layout: Layout, root: nn.Module, dp: DataParallelModel) -> None:
+        self.ties, self.dp = layout.ties, dp
+        held = {n for n, _ in root.named_parameters(remove_duplicate=False)}
+        aliases = layout.aliases
+        #: a weight tied across ranks counts once in the norm, on the rank holding its first name
+        self.norm_skip = {n for n in held if n in aliases and aliases[n] not in held}
+        self._names = {id(p): n for n, p in root.named_parameters()}
+        if self.ties:
+            dp.register_post_sync_hook(self.after_reduce)
+
+    def _after(self) -> bool:
+        """Whether the copies are summed after the dp reduction (whole, averaged gradients: DDP and
+        ZeRO-1 all-reducing) rather than before it (slices of the copies at different offsets)."""
+        if isinstance(self.dp, ZeRO1Model):
+            return self.dp.gradient_sync == "all_reduce"
+        return self.dp.keeps_whole_grads
+
+    def before_reduce(self) -> None:
+        """Before the dp reduction: each copy's local accumulated gradient summed over its group."""
+        if self.ties and not self._after():
+            sum_tied(self.ties, [None if t.param is None else t.param.grad for t in self.ties])
+
+    def after_reduce(self) -> None:
+        """After the dp average: each copy's whole gradient summed over its group."""
+        if self._after():
+            grads = dict(self.dp.whole_grads())
+            names = self._names
+            sum_tied(
+                self.ties,
+                [None if t.param is None else grads.get(names.get(id(t.param), "")) for t in self.ties],
+            )

@@ -9,19 +9,10 @@ stage's tensor-parallel shards on ``mesh["dp"]``::
     loss = model.train_step((x, y), model.cross_entropy)        # x, y: this dp rank's share of the batch
     opt.step(); opt.zero_grad()
 
-Any axis may be 1 (or absent). :class:`~dtlab.models.TensorParallelModel` and
-:class:`~dtlab.models.PipelineParallelModel` are this composition with the other axes of size 1 (a ZeRO-1
-dp axis, whose gradient sync the optimizer chooses). The data-parallel strategy is *used*, not
-inherited: ``model.dp_strategy`` (``DDPModel``, ``ZeRO1Model``, ``ZeRO2Model``, ``ZeRO3Model`` or
-``FSDPModel`` over this rank's stages) is driven through its public methods (reduce the accumulated
-gradients now, a hook after every synchronization, keep units gathered for a step, its whole tensors
-and flat shards), and this model offers the optimizer's interface by forwarding to it, so the optimizer
-strategies drive it as they drive that strategy, ``GradientCompressionOptimizer`` swaps its dp reducer,
-and every parameter keeps its placement (clipping, finite checks and checkpoints read them). Without a
-pipeline, gradients are reduced over dp during backward as the strategy does alone; with one,
-``train_step`` runs the schedule with every backward inside ``no_sync()`` and reduces once at the end
-(ZeRO-3/FSDP: each unit gathered once per step and kept for all micro-batches). See
-docs/strategies.md, "Hybrid parallelism".
+The data-parallel strategy (``model.dp_strategy``) is used, not inherited: this model offers the
+optimizer's interface by forwarding to it. Without a pipeline, gradients are reduced during backward
+as the strategy does alone; with one, ``train_step`` runs the schedule inside ``no_sync()`` and reduces
+once at the end. See docs/strategies.md, "Hybrid parallelism", and docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -53,18 +44,18 @@ from dtlab.models.compose._build import (
 )
 from dtlab.models.compose._comm import gather_whole_state, grads_of, sum_over_tp
 from dtlab.models.compose._meta_walk import MetaWalk
-from dtlab.models.compose._options import HybridOptions, PlanOptions
 from dtlab.models.compose._pipelined import PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
-from dtlab.models.compose._stages import StageSpecs, TiedSync
-from dtlab.models.dp._materialize import ParamInitFn
+from dtlab.models.compose._tied import TiedSync
+from dtlab.models.dp._materialize import MetaOptions, ParamInitFn
+from dtlab.models.dp._sharded import GatherOptions
 from dtlab.models.dp.data_parallel import DataParallelModel
+from dtlab.models.dp.ddp import BucketOptions
 from dtlab.models.dp.flat import FlatUnit
-from dtlab.models.dp.zero1 import ZeRO1Model, gradient_sync_for
+from dtlab.models.dp.fsdp import WrapPolicy
+from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
-from dtlab.models.pipeline._split import Stage
 from dtlab.models.pipeline._ties import rebind_ties
-from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.placed_state import load_placed_state, placements_of, write_placed_state
 from dtlab.models.tensor._layers import vocab_parallel_cross_entropy
 from dtlab.models.tensor._plan import Plan, splits_logits
@@ -72,7 +63,23 @@ from dtlab.models.tensor._plan import Plan, splits_logits
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["HybridShardedModel"]
+__all__ = ["HybridOptions", "HybridShardedModel", "PlanOptions"]
+
+
+class HybridOptions(BucketOptions, GatherOptions, total=False):
+    """``HybridShardedModel``'s ``**kwargs``: the options of its ``data_parallel`` choice (each
+    strategy refuses the ones it does not take, as it does alone)."""
+
+    gradient_sync: GradientSync | None  #: zero1 (None: the optimizer's choice)
+    persistence_threshold: int  #: zero3
+    leaf_modules: tuple[type[nn.Module], ...]  #: zero3
+    wrap_policy: WrapPolicy | None  #: fsdp
+    reshard_after_forward: bool  #: fsdp
+
+
+class PlanOptions(HybridOptions, MetaOptions, total=False):
+    """``from_plan``'s ``**kwargs``: the data-parallel strategy's options and the meta-device
+    initialization (``init_seed``, ``param_init_fn``)."""
 
 
 class HybridShardedModel(OptimizerTarget):
@@ -126,7 +133,7 @@ class HybridShardedModel(OptimizerTarget):
         param_init_fn: ParamInitFn | None = None,
         **kwargs: Unpack[HybridOptions],
     ) -> None:
-        who = type(self).__name__ if self.mesh_axis else "HybridShardedModel"
+        who = type(self).__name__
         dp_class = DATA_PARALLEL_CLASSES.get(data_parallel) if isinstance(data_parallel, str) else None
         if dp_class is None:
             raise StrategyError(
@@ -156,7 +163,6 @@ class HybridShardedModel(OptimizerTarget):
         dp = dp_class(root, mesh["dp"], world=mesh.backend, **options)  # 3. data parallelism
         super().__init__(root, mesh["dp"], world=mesh.backend)
         self.__dict__["_dp"] = dp  # used, not registered: its module is this model's module
-        self.__dict__["_user_module"] = module  # not registered: other stages are on the meta device
         self.data_parallel = data_parallel
         self.activation_checkpointing = activation_checkpointing
         self.schedule = layout.schedule
@@ -175,9 +181,8 @@ class HybridShardedModel(OptimizerTarget):
         self._tied = TiedSync(layout, root, dp)  # weights tied across pipeline ranks
         self._pipe = None
         if layout.schedule is not None:
-            specs = StageSpecs(layout, module)
             self._pipe = PipelineRun(
-                dp, layout, layout.schedule, self.pp_group, specs, self._tied, activation_checkpointing
+                dp, layout, layout.schedule, self.pp_group, module, self._tied, activation_checkpointing
             )
 
     @staticmethod
@@ -189,10 +194,7 @@ class HybridShardedModel(OptimizerTarget):
         mesh, plan = plan_mesh(mesh, plan)
         return HybridShardedModel(module, mesh, **plan_arguments(plan), **kwargs)
 
-    @staticmethod
-    def check_plan(module: nn.Module, plan: RunPlan) -> None:
-        """What ``plan`` needs of ``module`` (tensor plan, pipeline blocks), without communication."""
-        check_plan(module, plan)
+    check_plan = staticmethod(check_plan)
 
     # ------------------------------------------------------------------ structure
     @property
@@ -204,11 +206,6 @@ class HybridShardedModel(OptimizerTarget):
     @property
     def pipelined(self) -> bool:
         return self.schedule is not None
-
-    @property
-    def stages(self) -> list[Stage | TracedStage]:
-        """Every pipeline stage in order (other ranks' hold meta tensors); empty without a pipeline."""
-        return list(self._layout.stages)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over the whole vocabulary: vocabulary-parallel when the model's output is
@@ -275,11 +272,6 @@ class HybridShardedModel(OptimizerTarget):
                 "gradients of the last one are still there; call opt.zero_grad() between steps and "
                 "accumulate micro-batches inside model.no_sync()"
             )
-
-    def last_activation_bytes(self) -> int:
-        """The peak bytes of activations this rank held during the last pipelined step."""
-        last = None if self._pipe is None else self._pipe.last
-        return 0 if last is None else last.peak_activation_bytes
 
     def last_timeline(self) -> list[tuple[Action, float, float]]:
         """This rank's measured compute intervals of the last pipelined step (``perf_counter`` seconds)."""
@@ -391,6 +383,6 @@ class HybridShardedModel(OptimizerTarget):
         """The data-parallel strategy's report over this rank's stages and tp shards; with a pipeline,
         ``activations``: the peak bytes of activations held during the last step."""
         report = self.dp_strategy.memory_report()
-        if self.schedule is not None:
-            report["activations"] = self.last_activation_bytes()
+        if self._pipe is not None:
+            report["activations"] = 0 if self._pipe.last is None else self._pipe.last.peak_activation_bytes
         return report
