@@ -1,20 +1,12 @@
-"""Meta-device construction for ZeRO-3 and FSDP: each rank materializes only its own shards.
+"""Meta-device construction for ZeRO-3 and FSDP (each rank materializes only its own shards), and the
+pieces the model-parallel composition's meta walk shares; what it does for the user: docs/big_models.md.
 
-A module built under ``torch.device("meta")`` holds shapes, no values. :class:`MetaInit` first gives
-each meta parameter a one-element placeholder on the backend's device (the wrapper plans its units from
-shapes, dtypes and devices; no value is read), then, once the units exist with zeroed shards, walks
-the modules in registration order (construction order for ``torch.nn`` code) inside
-``seeded_init(init_seed)``: each module's own meta tensors are made whole on the CPU (one module at a
-time), filled with a sentinel, initialized by ``param_init_fn(module)`` or the module's
-``reset_parameters()``, checked (a sentinel left means nothing initialized that tensor: a named
-error), and this rank's slice is copied into its shard; the whole tensors are dropped. Because the
-RNG draws happen on the CPU in the order a plain construction makes them, the result is bitwise the
-model built plainly under ``seeded_init(init_seed)`` and then wrapped, on any world size.
-
-A parameter shared by several modules (tied weights) is initialized by its first module; a later
-module's ``reset_parameters()`` draws into a throwaway tensor (as the plain build drew values the tie
-then discarded). Buffers are best kept from construction (parameters only on the meta device); a
-buffer on meta is initialized like a parameter, or named.
+:class:`MetaInit` first gives each meta parameter a one-element placeholder on the backend's device
+(the wrapper plans its units from shapes, dtypes and devices; no value is read), then, once the units
+exist with zeroed shards, initializes one module's own tensors at a time, whole on the CPU, in
+registration order under ``seeded_init(init_seed)`` and keeps this rank's slice. A tied parameter is
+initialized by its first module; a later module's draw goes into a throwaway tensor (as the plain
+build drew values the tie then discarded).
 """
 
 from __future__ import annotations
@@ -60,13 +52,10 @@ class MetaOptions(TypedDict, total=False):
 @contextmanager
 def init_empty_weights() -> Iterator[None]:
     """Build modules inside the block with their *parameters* on the meta device and everything else
-    real: buffers computed in ``__init__`` (a rotary ``inv_freq``, a causal mask) keep their values,
-    which ``with torch.device("meta"):`` would lose (Accelerate's ``init_empty_weights(include_buffers=
-    False)``). Each parameter is moved to meta as it is registered (one parameter's memory at a time;
-    ``reset_parameters()`` then runs on meta: no values drawn). Only modules built by the thread that
-    entered the block are affected (in-memory ranks are threads), and the block runs alone among model
-    builds of the process (``seeded_init`` blocks: the hook is process-wide state of torch's), so build
-    the model inside it and wrap it after it, as with ``seeded_init``::
+    real (buffers computed in ``__init__`` keep their values; docs/big_models.md). Each parameter is
+    moved to meta as it is registered. Only modules built by the thread that entered the block are
+    affected (in-memory ranks are threads), and the block runs alone among model builds of the process
+    (the hook is process-wide state of torch's), so build the model inside it and wrap it after it::
 
         with dtlab.models.init_empty_weights():
             net = MyModel()
@@ -269,8 +258,7 @@ class MetaInit:
                 self._init_module(mname or "<root>", mod, places, done)
         for st in units:
             if st.flat is not None:  # persistent: its shard is the slice of the whole buffer
-                lo, hi = st.unit.shard_bounds()
-                st.shard.copy_(st.flat[lo:hi])
+                st.shard.copy_(st.unit.own_shard(st.flat))
 
     def _init_module(
         self, mname: str, mod: nn.Module, places: dict[int, tuple[ShardUnit, Slot]], done: set[int]

@@ -1,13 +1,8 @@
 """What ZeRO-3 and FSDP share: parameters sharded at rest, gathered on demand, gradients reduce-scattered.
 
-Each :class:`~dtlab.models.dp.flat.FlatUnit` (one per parameter for ZeRO-3, one per wrapped module for
-FSDP) keeps only this rank's shard between uses; a *group* of units is gathered around its module's
-forward and before its backward (:class:`~dtlab.models.dp._sharded_units.GroupHooks`). Saved-tensor
-hooks replace every saved tensor that aliases a gathered buffer by a reference, so freeing really
-releases the memory and a missing gather is done on demand instead of reading freed storage. When all
-of a unit's gradients have been accumulated, they are copied into a padded flat buffer, released, and
-reduce-scattered into the unit's gradient shard; the unit is freed. A callback queued on the autograd
-engine waits for every reduction before ``loss.backward()`` returns.
+A unit's gradients, once all accumulated, are copied into one padded flat buffer, released, and
+reduce-scattered into the unit's gradient shard; the unit is then freed (docs/strategies.md, "How it
+works", describes the gathering, saved-tensor references and the end-of-backward wait).
 """
 
 from __future__ import annotations
@@ -110,7 +105,6 @@ class ShardedModel(DataParallelModel):
         """A new unit (appended to the units) with rank 0's values: this rank's shard kept, the whole
         buffer only if persistent. ``fresh`` (built on meta): zeros, filled by :class:`MetaInit`."""
         unit = FlatUnit(plan.key, plan.params, self.backend.world_size, self.backend.rank)
-        lo, hi = unit.shard_bounds()
         grad = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
         if fresh:
             flat = unit.new_flat() if plan.persistent else grad.new_zeros(0)
@@ -119,7 +113,7 @@ class ShardedModel(DataParallelModel):
             flat = unit.new_flat()
             unit.copy_params_into(flat)
             self._broadcast_from_rank0([flat])
-            shard = flat[lo:hi].clone()
+            shard = unit.own_shard(flat).clone()
         st = ShardUnit(unit, shard, grad, plan.persistent, len(self._units))
         self._at_rest.add(st, flat if plan.persistent else None)
         return st
@@ -193,7 +187,6 @@ class ShardedModel(DataParallelModel):
             st.grad_shard.add_(out)
 
     def _end_backward(self) -> None:
-        synced = False
         try:
             if self._sync:
                 missing = [
@@ -209,7 +202,6 @@ class ShardedModel(DataParallelModel):
                         self._reduce(st)
                 self._finish_reductions()
                 self._grads_synced = True
-                synced = True
         finally:
             self._pending = []
             for st in self._units:
@@ -217,7 +209,7 @@ class ShardedModel(DataParallelModel):
                 st.reduced = False
                 self._at_rest.free(st)
             self._at_rest.set_busy(False)
-        if synced:
+        if self._sync:  # reached only when the reduction above completed
             self._guard_grads()
 
     # ------------------------------------------------------------------ composition
@@ -239,8 +231,10 @@ class ShardedModel(DataParallelModel):
     @contextlib.contextmanager
     def keep_gathered(self) -> Iterator[None]:
         """Every unit gathered once for the block and kept for all its forwards and backwards (a
-        pipeline step: one all-gather per unit instead of two per micro-batch)."""
+        pipeline step: one all-gather per unit instead of two per micro-batch); freed after it unless
+        gathered before it."""
         held = [st for st in self._units if not st.persistent]
+        was_freed = [st for st in held if st.flat is None]
         try:
             for st in held:
                 self._at_rest.gather(st)
@@ -249,6 +243,7 @@ class ShardedModel(DataParallelModel):
         finally:
             for st in held:
                 st.persistent = False
+            for st in was_freed:
                 self._at_rest.free(st)
 
     @contextlib.contextmanager
@@ -320,14 +315,8 @@ class ShardedModel(DataParallelModel):
             )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        was = [st.flat is not None for st in self._units]
-        for st in self._units:
-            self._at_rest.gather(st)
-        out = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        for st, keep in zip(self._units, was, strict=True):
-            if not keep:
-                self._at_rest.free(st)
-        return out
+        with self.keep_gathered():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def whole_state(self) -> dict[str, torch.Tensor]:
         """Buffers and frozen parameters (kept whole on every rank), keyed like ``state_dict()``."""

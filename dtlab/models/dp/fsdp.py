@@ -1,13 +1,4 @@
-"""FSDP: parameters sharded per wrapped unit, one flat parameter per unit (FSDP1's FlatParameter).
-
-A wrap policy picks the unit modules (:class:`ModuleClassPolicy`, :class:`SizePolicy`, like FSDP2's
-per-module ``fully_shard``); the root module is always a unit and takes the parameters no inner unit
-claims. Each unit's trainable parameters are one flat buffer padded to a multiple of ``P``; this rank
-keeps ``1/P``. A unit is gathered (one all-gather) before its forward, the next unit prefetched, and
-freed after its forward when ``reshard_after_forward`` (else kept until the end of backward); it is
-gathered again before its backward, its gradients reduce-scattered as one flat buffer, then freed.
-Frozen parameters are kept whole on every rank.
-"""
+"""FSDP: parameters sharded per wrapped unit, one flat parameter per unit (FSDP1's FlatParameter)."""
 
 from __future__ import annotations
 
@@ -67,7 +58,10 @@ WrapPolicy = ModuleClassPolicy | SizePolicy
 
 
 class FSDPModel(ShardedModel):
-    """Fully sharded data parallelism with flat parameters per wrapped unit.
+    """Fully sharded data parallelism: a wrap policy picks the unit modules (like FSDP2's per-module
+    ``fully_shard``); the root module is always a unit and takes the parameters no inner unit claims.
+    Each unit's trainable parameters are one flat buffer, this rank keeps ``1/P`` of it; the unit is
+    gathered around its forward and its backward. Frozen parameters are kept whole on every rank.
 
     Args:
         module, backend: as for DDPModel.

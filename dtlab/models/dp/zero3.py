@@ -1,18 +1,9 @@
-"""ZeRO-3: every parameter sharded on its own, gathered on demand around the module that uses it.
-
-Each trainable parameter is one flat unit (padded to a multiple of ``P``); this rank keeps
-``1/P`` of it. The parameters a module owns directly are gathered by its forward pre-hook and freed
-after its forward, gathered again before its backward and freed once their gradients are reduced
-(see :mod:`dtlab.models.dp._sharded`). Parameters with at most ``persistence_threshold`` elements, and
-parameters shared by several modules (tied weights), stay gathered: they are still updated as
-shards (reduce-scatter, step, all-gather after the step). Modules whose forward reads their
-children's parameters directly (``nn.MultiheadAttention`` reads ``out_proj.weight``) are gathered as
-a whole: list such classes in ``leaf_modules``.
-"""
+"""ZeRO-3: every parameter sharded on its own, gathered on demand around the module that uses it."""
 
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
@@ -27,7 +18,10 @@ __all__ = ["ZeRO3Model"]
 
 
 class ZeRO3Model(ShardedModel):
-    """Per-parameter sharding (DeepSpeed ZeRO stage 3).
+    """Per-parameter sharding (DeepSpeed ZeRO stage 3): each trainable parameter is one flat unit, this
+    rank keeps ``1/P`` of it; the parameters a module owns directly are gathered around its forward and
+    its backward. Parameters under ``persistence_threshold`` and parameters shared by several modules
+    (tied weights) stay gathered, still updated as shards (reduce-scatter, step, all-gather).
 
     Args:
         module, backend: as for DDPModel.
@@ -35,7 +29,8 @@ class ZeRO3Model(ShardedModel):
             (default 100_000, DeepSpeed's ``stage3_param_persistence_threshold``); 0 shards everything.
             The config's ``strategy.persistence_threshold`` defaults to 0 instead: its embedded models
             are small, and under 100_000 nothing in them would be sharded.
-        leaf_modules: module classes gathered as one piece with their children.
+        leaf_modules: module classes gathered as one piece with their children (their forward reads
+            their children's parameters: ``nn.MultiheadAttention`` reads ``out_proj.weight``).
         prefetch: all-gather the next module's parameters while the current one computes.
         reduce_dtype, find_unused_parameters, broadcast_buffers: as for DDPModel.
         init_seed: for a module built on the meta device (``with torch.device("meta"):``): each rank
@@ -75,30 +70,24 @@ class ZeRO3Model(ShardedModel):
 
     def _plan(self) -> list[tuple[nn.Module, list[UnitPlan]]]:
         names = {id(p): n for n, p in self._trainable}
-        users: dict[int, int] = {}
         inside_leaf: set[int] = set()
         owned: list[tuple[nn.Module, list[nn.Parameter]]] = []
         for mod in self.module.modules():
             if id(mod) in inside_leaf:
                 continue
-            if isinstance(mod, self.leaf_modules):
+            leaf = isinstance(mod, self.leaf_modules)
+            if leaf:
                 inside_leaf.update(id(m) for m in mod.modules())
-                params = list(mod.parameters())
-            else:
-                params = list(mod.parameters(recurse=False))
-            params = [p for p in params if id(p) in names]
-            for p in params:
-                users[id(p)] = users.get(id(p), 0) + 1
-            owned.append((mod, params))
+            owned.append((mod, [p for p in mod.parameters(recurse=leaf) if id(p) in names]))
+        users = Counter(id(p) for _, params in owned for p in params)
         plan, done = [], set()
         for mod, params in owned:
             units = []
             for p in params:
-                if id(p) in done:
-                    continue
-                done.add(id(p))
-                keep = p.numel() <= self.persistence_threshold or users[id(p)] > 1
-                units.append(UnitPlan(names[id(p)], [(names[id(p)], p)], persistent=keep))
+                if id(p) not in done:
+                    done.add(id(p))
+                    keep = p.numel() <= self.persistence_threshold or users[id(p)] > 1
+                    units.append(UnitPlan(names[id(p)], [(names[id(p)], p)], persistent=keep))
             plan.append((mod, units))
         return plan
 
