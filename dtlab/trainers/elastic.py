@@ -15,19 +15,33 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from dtlab.backends.init import detect_launcher
 from dtlab.config import TrainConfig
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.optimizers.elastic import DiskCommitStore, ElasticMember, ElasticOptimizer, StaticMember
-from dtlab.trainers.saved_state import check_saved_state
+from dtlab.trainers.metrics import MetricsCollector
+from dtlab.trainers.saved_state import Resumable, check_saved_state
 
-if TYPE_CHECKING:
-    from dtlab.trainers.trainer import Trainer
+__all__ = ["ElasticRun", "commit_on_stop", "end_step", "report_restore", "restore_commit", "wrap_elastic"]
 
-__all__ = ["commit_on_stop", "end_step", "report_restore", "restore_commit", "wrap_elastic"]
+
+class ElasticRun(Protocol):
+    """What the elastic helpers read of a run (a Trainer is one): its elastic optimizer (``None``
+    without ``elastic.commit_every``), the step just finished, its metrics (written on rank 0) and the
+    trainer-level state a commit holds."""
+
+    @property
+    def elastic(self) -> ElasticOptimizer | None: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def is_main(self) -> bool: ...
+    @property
+    def metrics(self) -> MetricsCollector: ...
+    def resume_state(self) -> dict[str, Any]: ...
 
 
 def wrap_elastic(
@@ -58,10 +72,10 @@ def wrap_elastic(
     return ElasticOptimizer(optimizer, commit_every=e.commit_every, member=member, copy_to=max(1, per_node))
 
 
-def restore_commit(trainer: Trainer) -> bool:
+def restore_commit(opt: ElasticOptimizer | None, trainer: Resumable) -> bool:
     """Collective: load the last commit the members hold (parameters, optimizer and compression
-    state, LR schedule, data position, counters); ``False`` when there is none."""
-    opt = trainer.elastic
+    state through ``opt``; LR schedule, data position, counters into ``trainer``); ``False`` when
+    there is none (or no ``opt``)."""
     if opt is None:
         return False
     commit = opt.restore()
@@ -87,7 +101,7 @@ def restore_commit(trainer: Trainer) -> bool:
     return True
 
 
-def end_step(trainer: Trainer) -> None:
+def end_step(trainer: ElasticRun) -> None:
     """After each step: commit when due (with the trainer-level state of this very step); rank 0
     logs an ``elastic_commit`` metrics record (seconds, bytes of its commit, bytes held)."""
     opt = trainer.elastic
@@ -101,7 +115,7 @@ def end_step(trainer: Trainer) -> None:
             _log_commit(trainer, opt)
 
 
-def commit_on_stop(trainer: Trainer) -> None:
+def commit_on_stop(trainer: ElasticRun) -> None:
     """Every rank agreed to stop after this step (a signal: torchrun's SIGTERM when a node joins, a
     scheduler's preemption): commit it unless it was just committed, so the restart redoes nothing."""
     opt = trainer.elastic
@@ -111,7 +125,7 @@ def commit_on_stop(trainer: Trainer) -> None:
     _log_commit(trainer, opt)
 
 
-def _log_commit(trainer: Trainer, opt: ElasticOptimizer) -> None:
+def _log_commit(trainer: ElasticRun, opt: ElasticOptimizer) -> None:
     if trainer.is_main:
         record = {"seconds": opt.commit_seconds, "bytes": opt.commit_bytes}
         trainer.metrics.log(
@@ -119,7 +133,7 @@ def _log_commit(trainer: Trainer, opt: ElasticOptimizer) -> None:
         )
 
 
-def report_restore(trainer: Trainer) -> None:
+def report_restore(trainer: ElasticRun) -> None:
     """Rank 0, after a restore: a line on stderr and an ``elastic`` metrics record (with the wall
     time, so a launcher-side measurement can line it up with the moment a rank was lost)."""
     opt = trainer.elastic

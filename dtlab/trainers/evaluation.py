@@ -3,22 +3,45 @@ for classification), the same on every rank."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from dtlab.backends.base import ReduceOp
+from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.config import TrainConfig
 from dtlab.data import fetch
-from dtlab.trainers.tasks import logits_of
+from dtlab.models.base import ModelStrategy
+from dtlab.models.precision import MixedPrecisionPolicy
+from dtlab.trainers.feed import DataFeed
+from dtlab.trainers.tasks import Task, logits_of
 
-if TYPE_CHECKING:
-    from dtlab.trainers.trainer import Trainer
+__all__ = ["EvalRun", "evaluate"]
 
-__all__ = ["evaluate"]
+
+class EvalRun(Protocol):
+    """What evaluation reads of a run (a Trainer is one)."""
+
+    @property
+    def config(self) -> TrainConfig: ...
+    @property
+    def backend(self) -> CommunicationBackend: ...
+    @property
+    def dp(self) -> CommunicationBackend: ...
+    @property
+    def task(self) -> Task: ...
+    @property
+    def model(self) -> ModelStrategy: ...
+    @property
+    def feed(self) -> DataFeed: ...
+    @property
+    def loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]: ...
+    @property
+    def precision(self) -> MixedPrecisionPolicy: ...
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer) -> dict[str, float]:
+def evaluate(trainer: EvalRun) -> dict[str, float]:
     """Mean loss (and accuracy for classification) over ``train.eval_batches`` held-out batches.
 
     Every rank runs the same number of equal batches (sharded strategies gather in forward); each

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -39,11 +39,20 @@ from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.checkpoint.files import step_dir_name
 
 if TYPE_CHECKING:
+    from dtlab.config import TrainConfig
+    from dtlab.trainers.metrics import MetricsCollector
     from dtlab.trainers.progress import ProgressBar
     from dtlab.trainers.result import TrainResult
-    from dtlab.trainers.trainer import Trainer
 
-__all__ = ["EXIT_STATUS", "StopRequest", "agreed_stop", "exit_on_signals", "preempt", "stop_on_signals"]
+__all__ = [
+    "EXIT_STATUS",
+    "PreemptedRun",
+    "StopRequest",
+    "agreed_stop",
+    "exit_on_signals",
+    "preempt",
+    "stop_on_signals",
+]
 
 #: exit status of ``dtlab train`` after a clean stop on a signal: 128 + the signal number
 EXIT_STATUS = {"SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}
@@ -172,7 +181,23 @@ def agreed_stop(backend: CommunicationBackend, stop: StopRequest) -> str | None:
     return next((r for r in reasons if r), "stop request")
 
 
-def preempt(trainer: Trainer, stop: StopRequest, result: TrainResult, bar: ProgressBar) -> bool:
+class PreemptedRun(Protocol):
+    """What :func:`preempt` reads of a run (a Trainer is one) and the final checkpoint it asks for."""
+
+    @property
+    def config(self) -> TrainConfig: ...
+    @property
+    def backend(self) -> CommunicationBackend: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def is_main(self) -> bool: ...
+    @property
+    def metrics(self) -> MetricsCollector: ...
+    def save_checkpoint(self) -> Path: ...
+
+
+def preempt(trainer: PreemptedRun, stop: StopRequest, result: TrainResult, bar: ProgressBar) -> bool:
     """Collective, at a step boundary: ``False`` while no rank's ``stop`` is set; else every rank stops
     here, after a final checkpoint when ``checkpoint.dir`` is set (unless this step was just saved),
     with ``result.preempted_by``, a ``preempted_by`` metrics record and lines on rank 0's stderr."""

@@ -5,21 +5,31 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Any, TextIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint.safe_files import replace_file
-from dtlab.trainers.metrics import clean
+from dtlab.config import TrainConfig
+from dtlab.core.plan import RunPlan
+from dtlab.models.base import ModelStrategy
+from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.trainers.construction import Construction
+from dtlab.trainers.guard import NonFiniteGuard
+from dtlab.trainers.metrics import MetricsCollector, clean
+from dtlab.trainers.scaler import DynamicLossScaler
+from dtlab.trainers.tasks import Task
 
 if TYPE_CHECKING:
     from dtlab.trainers.progress import ProgressBar
     from dtlab.trainers.result import TrainResult
-    from dtlab.trainers.trainer import Trainer
 
 __all__ = [
+    "ReportRun",
     "format_record",
     "header",
     "log_skipped",
@@ -33,10 +43,51 @@ __all__ = [
 ]
 
 
-def memory_report(trainer: Trainer) -> dict[str, int]:
+class ReportRun(Protocol):
+    """What the records, console lines and summary read of a run (a Trainer is one); read only."""
+
+    @property
+    def config(self) -> TrainConfig: ...
+    @property
+    def backend(self) -> CommunicationBackend: ...
+    @property
+    def dp(self) -> CommunicationBackend: ...
+    @property
+    def plan(self) -> RunPlan: ...
+    @property
+    def task(self) -> Task: ...
+    @property
+    def num_parameters(self) -> int: ...
+    @property
+    def construction(self) -> Construction: ...
+    @property
+    def model(self) -> ModelStrategy: ...
+    @property
+    def optimizer(self) -> OptimizerStrategy: ...
+    @property
+    def scheduler(self) -> Any: ...
+    @property
+    def guard(self) -> NonFiniteGuard: ...
+    @property
+    def scaler(self) -> DynamicLossScaler | None: ...
+    @property
+    def overflow_steps(self) -> list[int]: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def start_step(self) -> int: ...
+    @property
+    def is_main(self) -> bool: ...
+    @property
+    def metrics(self) -> MetricsCollector: ...
+    @property
+    def run_dir(self) -> Path | None: ...
+
+
+def memory_report(model: ModelStrategy, optimizer: OptimizerStrategy) -> dict[str, int]:
     """Bytes this rank holds (parameters, gradients, optimizer state, ...), from the strategies."""
-    report = dict(trainer.model.memory_report())
-    opt_report = getattr(trainer.optimizer, "memory_report", None)
+    report = dict(model.memory_report())
+    opt_report = getattr(optimizer, "memory_report", None)
     if callable(opt_report):
         report.update({k: v for k, v in opt_report().items() if v})
     return {k: int(v) for k, v in report.items()}
@@ -47,7 +98,7 @@ def _numbers(stats: dict[str, Any]) -> dict[str, float]:
 
 
 def step_record(
-    trainer: Trainer,
+    trainer: ReportRun,
     window: dict[str, float],
     loss: float | None,
     norm: float | None,
@@ -60,7 +111,7 @@ def step_record(
     steps = max(1.0, window["steps"])
     dt = (now - window["t"]) / steps
     comm = (b.stats.seconds - window["comm"]) / steps
-    mine = {"bytes_sent": b.stats.bytes_sent, "memory": memory_report(trainer)}
+    mine = {"bytes_sent": b.stats.bytes_sent, "memory": memory_report(trainer.model, trainer.optimizer)}
     everyone = b.all_gather_object(mine)
     g = trainer.config.data.global_batch_size
     rec: dict[str, Any] = {
@@ -91,7 +142,7 @@ def step_record(
     return rec
 
 
-def _compression_variant(trainer: Trainer) -> str | None:
+def _compression_variant(trainer: ReportRun) -> str | None:
     if trainer.config.compression.algorithm == "none":
         return None
     stats = getattr(trainer.optimizer, "statistics", None) or trainer.model.gradient_reducer.step_statistics()
@@ -99,7 +150,7 @@ def _compression_variant(trainer: Trainer) -> str | None:
     return variant if isinstance(variant, str) else None
 
 
-def _mesh(trainer: Trainer) -> str | None:
+def _mesh(trainer: ReportRun) -> str | None:
     """``pp 2 x dp 1 x tp 2 (hybrid)`` for a model-parallel run; None otherwise (the row is left out)."""
     mesh = getattr(trainer.model, "mesh", None)
     if mesh is None:
@@ -107,12 +158,12 @@ def _mesh(trainer: Trainer) -> str | None:
     return " x ".join(f"{a} {n}" for a, n in mesh.shape.items()) + f" ({trainer.model.strategy_name})"
 
 
-def summary_rows(trainer: Trainer, result: TrainResult, seconds: float, sent0: int) -> dict[str, Any]:
+def summary_rows(trainer: ReportRun, result: TrainResult, seconds: float, sent0: int) -> dict[str, Any]:
     c = trainer.config
     steps_run = result.final_step - result.start_step
     samples = steps_run * c.data.global_batch_size
     prof = result.profile
-    mem = memory_report(trainer)
+    mem = memory_report(trainer.model, trainer.optimizer)
     rows: dict[str, Any] = {
         "task": trainer.task.name,
         "strategy": f"{c.strategy.model} model / {c.strategy.optimizer_name} optimizer"
@@ -152,7 +203,7 @@ def _percent(fraction: float | None) -> str | None:
     return None if fraction is None else f"{100 * fraction:.1f}%"
 
 
-def _last_sent_mb(trainer: Trainer, sent0: int) -> str:
+def _last_sent_mb(trainer: ReportRun, sent0: int) -> str:
     """MB sent as the last step line says it (``format_record``): the largest rank, cumulative."""
     for rec in reversed(trainer.metrics.records):
         sent = rec.get("bytes_sent_per_rank")
@@ -161,7 +212,7 @@ def _last_sent_mb(trainer: Trainer, sent0: int) -> str:
     return f"{(trainer.backend.stats.bytes_sent - sent0) / 1e6:.1f}"  # nothing logged: this rank's
 
 
-def _plan(trainer: Trainer) -> str:
+def _plan(trainer: ReportRun) -> str:
     """Precision, accumulation, compression and elastic commits, as the config sets them."""
     c = trainer.config
     comp: str = c.compression.algorithm
@@ -241,7 +292,7 @@ def print_tables(*tables: Table, file: TextIO | None = None) -> None:
         console.print(table)
 
 
-def log_skipped(self: Trainer, bar: ProgressBar) -> None:
+def log_skipped(self: ReportRun, bar: ProgressBar) -> None:
     """A skipped step gets its own metrics record and console line at once (rank 0)."""
     g = self.guard
     if self.scaler is not None and self.overflow_steps and self.overflow_steps[-1] == self.step:
@@ -260,7 +311,7 @@ def log_skipped(self: Trainer, bar: ProgressBar) -> None:
         )
 
 
-def header(self: Trainer) -> str:
+def header(self: ReportRun) -> str:
     """The first console line of a run: the task, the strategies and mesh, the backend, the plan."""
     c, t = self.config, self.task
     what = f"{t.name} ({self.num_parameters:,} parameters)"
@@ -277,7 +328,7 @@ def header(self: Trainer) -> str:
     )
 
 
-def write_profile(self: Trainer, result: TrainResult) -> None:
+def write_profile(self: ReportRun, result: TrainResult) -> None:
     """``profile.json`` and ``loss.png`` in the run directory (rank 0): the profile and the summary of
     ``result``, the loss curves of its metrics (``logging.plot``)."""
     run_dir = self.run_dir

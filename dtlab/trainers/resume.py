@@ -12,7 +12,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import read_checkpoint
@@ -23,15 +23,16 @@ from dtlab.checkpoint.lock import LockOwner
 from dtlab.checkpoint.resume import Check, find_resume_checkpoint
 from dtlab.config import TrainConfig
 from dtlab.errors import CheckpointError, DtlabError
+from dtlab.models.base import ModelStrategy
+from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.trainers.build import optimizer_record, plain_value
+from dtlab.trainers.metrics import MetricsCollector
 from dtlab.trainers.ownership import another_run
-from dtlab.trainers.saved_state import check_saved_state
+from dtlab.trainers.saved_state import Resumable, check_saved_state
 from dtlab.trainers.state import restore_rng
 
-if TYPE_CHECKING:
-    from dtlab.trainers.trainer import Trainer
-
 __all__ = [
+    "Restorable",
     "Resumed",
     "choose_checkpoint",
     "foreign_steps_note",
@@ -41,6 +42,20 @@ __all__ = [
     "restore",
     "restore_agreed",
 ]
+
+
+class Restorable(Resumable, Protocol):
+    """What a checkpoint is restored into (a Trainer is one): the trainer-level state, the model and
+    optimizer strategies, on this rank of ``backend``, as ``config`` asks."""
+
+    @property
+    def config(self) -> TrainConfig: ...
+    @property
+    def backend(self) -> CommunicationBackend: ...
+    @property
+    def model(self) -> ModelStrategy: ...
+    @property
+    def optimizer(self) -> OptimizerStrategy: ...
 
 
 @dataclass
@@ -197,14 +212,17 @@ def _optimizer_notes(config: TrainConfig, ckpt: LoadedCheckpoint) -> tuple[list[
 
 
 def _apply_config_hyperparameters(
-    trainer: Trainer, changed: dict[str, Any], fresh_base: list[float], saved_base: list[float]
+    optimizer: OptimizerStrategy,
+    sched: Any,
+    changed: dict[str, Any],
+    fresh_base: list[float],
+    saved_base: list[float],
 ) -> None:
     """After loading optimizer and scheduler state: the hyperparameters the config changed in every
     param group (unchanged ones keep the loaded values, which a scheduler may drive, e.g. OneCycleLR's
     beta1), and the learning rate rescaled by the scheduler's base rate built from this config over
     the saved one (``lr`` for the built-in schedules; ``max_lr / div_factor`` for OneCycleLR)."""
-    groups = trainer.optimizer.optimizer.param_groups
-    sched = trainer.scheduler
+    groups = optimizer.optimizer.param_groups
     for i, (group, last) in enumerate(zip(groups, sched.get_last_lr(), strict=True)):
         for k, v in changed.items():
             if k != "lr" and k in group:
@@ -223,7 +241,7 @@ def _apply_config_hyperparameters(
         sched._last_lr = [g["lr"] for g in groups]  # noqa: SLF001 - torch's LRScheduler keeps the last rates there (get_last_lr() reads it)
 
 
-def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
+def restore(trainer: Restorable, ckpt: LoadedCheckpoint) -> list[str]:
     """Load everything a checkpoint holds into ``trainer`` (parameters, optimizer unless
     ``checkpoint.reset_optimizer``, schedule, data position, guard and early-stopping counters, RNG
     states at the same world size); returns notes on what differs (optimizer hyperparameters)."""
@@ -245,7 +263,7 @@ def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
     fresh_base = [float(x) for x in getattr(trainer.scheduler, "base_lrs", [])]
     trainer.scheduler.load_state_dict(sched)
     saved_base = [float(x) for x in sched.get("base_lrs", [])]
-    _apply_config_hyperparameters(trainer, changed, fresh_base, saved_base)
+    _apply_config_hyperparameters(trainer.optimizer, trainer.scheduler, changed, fresh_base, saved_base)
     try:
         trainer.feed.load_state_dict(ckpt.meta["data_position"])
     except (ValueError, KeyError) as exc:
@@ -260,7 +278,7 @@ def restore(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
     return notes
 
 
-def restore_agreed(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
+def restore_agreed(trainer: Restorable, ckpt: LoadedCheckpoint) -> list[str]:
     """Collective :func:`restore`: a rank whose restore fails (a shard that does not fit its part of
     the model) is named on every rank at once, and every rank raises."""
     notes: list[str] = []
@@ -273,16 +291,19 @@ def restore_agreed(trainer: Trainer, ckpt: LoadedCheckpoint) -> list[str]:
     return notes
 
 
-def report_resume(trainer: Trainer) -> None:
-    """Rank 0: each note as a warning, a line naming the checkpoint taken, a metrics record."""
-    if not trainer.is_main or not (trainer.resumed_from or trainer.resume_notes):
+def report_resume(
+    metrics: MetricsCollector, resumed_from: str | None, notes: list[str], start_step: int
+) -> None:
+    """Rank 0 calls it: each note as a warning, a line naming the checkpoint taken (``resumed_from``,
+    at ``start_step``), a metrics record; nothing when there is neither."""
+    if not (resumed_from or notes):
         return
     log = logging.getLogger("dtlab.trainers")
-    for note in trainer.resume_notes:
+    for note in notes:
         log.warning("dtlab: %s", note)
-    if trainer.resumed_from:
-        print(f"dtlab: resumed from {trainer.resumed_from} (step {trainer.start_step})", file=sys.stderr)
-    record: dict[str, Any] = {"step": trainer.start_step, "resumed_from": trainer.resumed_from}
-    if trainer.resume_notes:
-        record["resume_notes"] = trainer.resume_notes
-    trainer.metrics.log(record)
+    if resumed_from:
+        print(f"dtlab: resumed from {resumed_from} (step {start_step})", file=sys.stderr)
+    record: dict[str, Any] = {"step": start_step, "resumed_from": resumed_from}
+    if notes:
+        record["resume_notes"] = notes
+    metrics.log(record)

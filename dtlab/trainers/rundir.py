@@ -15,15 +15,13 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint.agree import agree
+from dtlab.config import TrainConfig
 from dtlab.errors import UnsafePathError
 from dtlab.trainers.metrics import MetricsCollector
-
-if TYPE_CHECKING:
-    from dtlab.trainers.trainer import Trainer
 
 __all__ = ["TIME_FORMAT", "choose_run_dir", "open_metrics", "template_root", "update_latest"]
 
@@ -78,13 +76,15 @@ def update_latest(run_dir: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def open_metrics(trainer: Trainer, recorded: str | None) -> tuple[Path | None, MetricsCollector]:
+def open_metrics(
+    config: TrainConfig, backend: CommunicationBackend, resumed: bool, recorded: str | None
+) -> tuple[Path | None, MetricsCollector]:
     """Collective: the run directory (chosen on rank 0, the same on every rank) and the metrics
-    collector writing there on rank 0, with the configured sinks (TensorBoard, W&B, CSV)."""
+    collector writing there on rank 0, with the configured sinks (TensorBoard, W&B, CSV).
+    ``resumed``: the run starts past step 0; ``recorded``: the run directory its checkpoint names."""
     from dtlab.trainers.sinks import build_sinks
 
-    log, backend = trainer.config.logging, trainer.backend
-    resumed = trainer.start_step > 0
+    log, is_main = config.logging, backend.rank == 0
     chosen = None
     if backend.rank == 0:
         path = choose_run_dir(log.run_dir, resumed, recorded)
@@ -94,13 +94,13 @@ def open_metrics(trainer: Trainer, recorded: str | None) -> tuple[Path | None, M
     sinks: list[Any] = []
     problem = None
     try:
-        if path is not None and trainer.is_main:
+        if path is not None and is_main:
             path.mkdir(parents=True, exist_ok=True)
             update_latest(path)
-            sinks = build_sinks(trainer.config, path)
+            sinks = build_sinks(config, path)
         metrics = MetricsCollector(
             path / METRICS if path is not None else None,
-            enabled=trainer.is_main,
+            enabled=is_main,
             append=resumed,  # a resumed run continues its file; a fresh run has a directory of its own
             sinks=sinks,
         )

@@ -12,16 +12,36 @@ checkpoint is named by. Every problem is one :class:`~dtlab.errors.CheckpointErr
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dtlab.checkpoint.validate import MAX_STEP, is_int
 from dtlab.errors import CheckpointError
+from dtlab.trainers.feed import DataFeed
+from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
+from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.untrusted import summary
 
-if TYPE_CHECKING:
-    from dtlab.trainers.trainer import Trainer
+__all__ = ["Resumable", "check_saved_state"]
 
-__all__ = ["check_saved_state"]
+
+class Resumable(Protocol):
+    """The trainer-level state a checkpoint or an elastic commit keeps (a Trainer is one): the parts
+    are loaded in place; a restore sets ``step`` and ``start_step``."""
+
+    step: int
+    start_step: int
+
+    @property
+    def scheduler(self) -> Any: ...  # a torch LR scheduler (or what a scheduler_factory returned)
+    @property
+    def feed(self) -> DataFeed: ...
+    @property
+    def guard(self) -> NonFiniteGuard: ...
+    @property
+    def early(self) -> EarlyStopping: ...
+    @property
+    def scaler(self) -> DynamicLossScaler | None: ...
+
 
 _MAX_ITEMS = 1_000_000
 _INT = 2**63
@@ -65,19 +85,19 @@ def _like(saved: Any, ref: Any, path: str) -> str | None:
     return None  # a live value of another kind (a tensor in a scheduler's state): not saved as JSON
 
 
-def _known(saved: Any, trainer: Trainer) -> Any:
+def _known(saved: Any, scheduler: Any) -> Any:
     """The saved scheduler state without keys another torch version keeps and this one does not
     (harmless: restored as unused attributes); a key naming an attribute of the live scheduler that is
     not state (``optimizer``) stays, and is refused."""
     if not isinstance(saved, dict):
         return saved
-    live = trainer.scheduler.state_dict()
-    return {k: v for k, v in saved.items() if k in live or hasattr(trainer.scheduler, str(k))}
+    live = scheduler.state_dict()
+    return {k: v for k, v in saved.items() if k in live or hasattr(scheduler, str(k))}
 
 
-def check_saved_state(trainer: Trainer, state: Any, step: int, where: str) -> None:
+def check_saved_state(live: Resumable, state: Any, step: int, where: str) -> None:
     """``state`` (a ``meta.json`` or an elastic commit's state, saved at ``step``) against what
-    ``trainer`` would save now; a :class:`CheckpointError` naming ``where`` and the field."""
+    ``live`` would save now; a :class:`CheckpointError` naming ``where`` and the field."""
     if not isinstance(state, dict) or not isinstance(state.get("trainer"), dict):
         raise CheckpointError(
             f"{where} holds no trainer state (written by save_checkpoint outside the Trainer?); the "
@@ -90,13 +110,13 @@ def check_saved_state(trainer: Trainer, state: Any, step: int, where: str) -> No
     elif t["step"] != step:
         problem = f"trainer.step={t['step']}, but the checkpoint is of step {step}"
     parts: list[tuple[str, Any, Any]] = [
-        ("trainer.scheduler", _known(t.get("scheduler"), trainer), trainer.scheduler.state_dict()),
-        ("trainer.guard", t.get("guard"), trainer.guard.state_dict()),
-        ("trainer.early_stopping", t.get("early_stopping"), trainer.early.state_dict()),
-        ("data_position", state.get("data_position"), trainer.feed.state_dict()),
+        ("trainer.scheduler", _known(t.get("scheduler"), live.scheduler), live.scheduler.state_dict()),
+        ("trainer.guard", t.get("guard"), live.guard.state_dict()),
+        ("trainer.early_stopping", t.get("early_stopping"), live.early.state_dict()),
+        ("data_position", state.get("data_position"), live.feed.state_dict()),
     ]
-    if trainer.scaler is not None and t.get("loss_scaler") is not None:
-        parts.append(("trainer.loss_scaler", t["loss_scaler"], trainer.scaler.state_dict()))
+    if live.scaler is not None and t.get("loss_scaler") is not None:
+        parts.append(("trainer.loss_scaler", t["loss_scaler"], live.scaler.state_dict()))
     for name, saved, ref in parts:
         if problem is None:
             problem = _like(saved, ref, name) if saved is not None else f"{name} is missing"

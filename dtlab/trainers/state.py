@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from dtlab.config import TrainConfig
 from dtlab.trainers.build import optimizer_record
-
-if TYPE_CHECKING:
-    from dtlab.trainers.trainer import Trainer
+from dtlab.trainers.saved_state import Resumable
 
 __all__ = ["capture_rng", "restore_rng", "scheduler_state", "trainer_state"]
 
@@ -46,29 +45,32 @@ def scheduler_state(scheduler: Any) -> dict[str, Any]:
     return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
 
 
-def trainer_state(trainer: Trainer) -> dict[str, Any]:
-    """What ``meta.json`` holds of a Trainer: the run, strategy, config, optimizer record, data
-    position, step, scheduler, guard, loss scaler and early-stopping state (all JSON)."""
+def trainer_state(
+    live: Resumable, config: TrainConfig, run_id: str, resumed_from: str | None, run_dir: Path | None
+) -> dict[str, Any]:
+    """What ``meta.json`` holds of a Trainer: the run (``run_id``, the checkpoint it resumed from, its
+    run directory), strategy, config, optimizer record, data position, step, scheduler, guard, loss
+    scaler and early-stopping state (all JSON)."""
     return {
         # which run wrote this step, and from what it resumed: how a resume tells a save interrupted
         # before ``latest`` moved from another run's step directory (dtlab/checkpoint/resume.py)
         "run": {
-            "id": trainer.run_id,
-            "resumed_from": str(Path(trainer.resumed_from).resolve()) if trainer.resumed_from else None,
-            "run_dir": str(trainer.run_dir.resolve()) if trainer.run_dir is not None else None,
+            "id": run_id,
+            "resumed_from": str(Path(resumed_from).resolve()) if resumed_from else None,
+            "run_dir": str(run_dir.resolve()) if run_dir is not None else None,
         },
         "strategy": {
-            "model": trainer.config.strategy.model,
-            "optimizer": trainer.config.strategy.optimizer_name,
+            "model": config.strategy.model,
+            "optimizer": config.strategy.optimizer_name,
         },
-        "config": trainer.config.to_dict(),
-        "optimizer": optimizer_record(trainer.config),
-        "data_position": trainer.feed.state_dict(),
+        "config": config.to_dict(),
+        "optimizer": optimizer_record(config),
+        "data_position": live.feed.state_dict(),
         "trainer": {
-            "step": trainer.step,
-            "scheduler": scheduler_state(trainer.scheduler),
-            "guard": trainer.guard.state_dict(),
-            "loss_scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
-            "early_stopping": trainer.early.state_dict(),
+            "step": live.step,
+            "scheduler": scheduler_state(live.scheduler),
+            "guard": live.guard.state_dict(),
+            "loss_scaler": live.scaler.state_dict() if live.scaler is not None else None,
+            "early_stopping": live.early.state_dict(),
         },
     }

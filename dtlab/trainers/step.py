@@ -7,20 +7,60 @@ loss scaling, clipping by the global norm, the optimizer step and the LR schedul
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
-from dtlab.backends.base import ReduceOp
+from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.config import TrainConfig
+from dtlab.models.base import ModelStrategy
+from dtlab.models.precision import MixedPrecisionPolicy
+from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.trainers.feed import DataFeed
+from dtlab.trainers.guard import NonFiniteGuard
 from dtlab.trainers.labels import explain_loss_error
+from dtlab.trainers.profiler import Profiler
+from dtlab.trainers.scaler import DynamicLossScaler
 
-if TYPE_CHECKING:
-    from dtlab.trainers.trainer import Trainer
-
-__all__ = ["train_step"]
+__all__ = ["StepRun", "train_step"]
 
 
-def _micro_step(trainer: Trainer, batch: Any, k: int) -> float:
+class StepRun(Protocol):
+    """What one optimizer step reads of a run (a Trainer is one): ``step`` is the last step done;
+    the guard, the loss scaler and ``overflow_steps`` (fp16 steps skipped) are updated in place."""
+
+    @property
+    def config(self) -> TrainConfig: ...
+    @property
+    def backend(self) -> CommunicationBackend: ...
+    @property
+    def dp(self) -> CommunicationBackend: ...
+    @property
+    def model(self) -> ModelStrategy: ...
+    @property
+    def optimizer(self) -> OptimizerStrategy: ...
+    @property
+    def scheduler(self) -> Any: ...
+    @property
+    def feed(self) -> DataFeed: ...
+    @property
+    def loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]: ...
+    @property
+    def precision(self) -> MixedPrecisionPolicy: ...
+    @property
+    def scaler(self) -> DynamicLossScaler | None: ...
+    @property
+    def guard(self) -> NonFiniteGuard: ...
+    @property
+    def profiler(self) -> Profiler: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def overflow_steps(self) -> list[int]: ...
+
+
+def _micro_step(trainer: StepRun, batch: Any, k: int) -> float:
     """Forward and backward of one micro-batch through ``model.train_step`` (a pipeline runs its
     schedule there); the loss is divided by the accumulation steps before backward."""
     x, y = batch  # on this rank's device already (DataFeed)
@@ -46,7 +86,7 @@ def _micro_step(trainer: Trainer, batch: Any, k: int) -> float:
         return float(trainer.model.train_step((x, y), scaled)) / (factor * accum)
 
 
-def train_step(trainer: Trainer) -> tuple[bool, float | None, float | None]:
+def train_step(trainer: StepRun) -> tuple[bool, float | None, float | None]:
     """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm).
 
     Every rank runs every backward (a non-finite loss gives non-finite gradients, which the

@@ -195,10 +195,13 @@ class Trainer:
             note = foreign_steps_note(config, self.owned_steps)
             if note:
                 self.resume_notes.append(note)
-        restore_commit(self)  # elastic: the last commit, newer than any checkpoint
+        restore_commit(self.elastic, self)  # elastic: the last commit, newer than any checkpoint
         #: this run's directory (a fresh one per run; a resume continues its own): trainers/rundir.py
-        self.run_dir, self.metrics = open_metrics(self, self._recorded_run_dir)
-        report_resume(self)
+        self.run_dir, self.metrics = open_metrics(
+            config, backend, self.start_step > 0, self._recorded_run_dir
+        )
+        if self.is_main:
+            report_resume(self.metrics, self.resumed_from, self.resume_notes, self.start_step)
         report_restore(self)
 
     # ------------------------------------------------------------------ one step
@@ -216,7 +219,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def resume_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the Trainer itself (step, schedule, guards, data position)."""
-        return trainer_state(self)
+        return trainer_state(self, self.config, self.run_id, self.resumed_from, self.run_dir)
 
     def save_checkpoint(self) -> Path:
         c = self.config.checkpoint
