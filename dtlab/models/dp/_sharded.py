@@ -83,8 +83,8 @@ class ShardedModel(DataParallelModel):
         self._state_of = {id(st.unit): st for st in self._units}
         self._pending: list[tuple[ShardUnit, Work, torch.Tensor]] = []
         self._partial_state_ok = False
-        self._hook_handles.append(self.module.register_state_dict_pre_hook(self._refuse_partial_state))
-        self._hook_handles.append(self.module.register_load_state_dict_pre_hook(self._refuse_partial_load))
+        self.module.register_state_dict_pre_hook(self._refuse_partial_state)
+        self.module.register_load_state_dict_pre_hook(self._refuse_partial_load)
         self._hooks = GroupHooks(
             self._at_rest, self._begin_backward, bool(reshard_after_forward), bool(prefetch)
         )

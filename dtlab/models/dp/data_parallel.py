@@ -18,7 +18,6 @@ from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message
-from dtlab.models.dp.flat import FlatUnit
 
 if TYPE_CHECKING:
     from dtlab.models.placed_state import FlatShard
@@ -120,7 +119,6 @@ class DataParallelModel(OptimizerTarget):
         self._grads_synced = False
         self._optimizer_ref: AttachedOptimizer | None = None
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-        self._hook_handles: list[Any] = []
         self._guarded = False
         self._post_sync: list[Callable[[], None]] = []
         #: strategies with their own saved-tensor hooks (ZeRO-3, FSDP) pass every activation they keep
@@ -298,7 +296,7 @@ class DataParallelModel(OptimizerTarget):
     def _register_grad_hooks(self, fn: Callable[[nn.Parameter], None]) -> None:
         hook = cast("Callable[[torch.Tensor], None]", fn)  # torch calls it with the parameter itself
         for _, p in self._trainable:
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+            p.register_post_accumulate_grad_hook(hook)
 
     # ------------------------------------------------------------------ optimizer protocol
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -319,9 +317,6 @@ class DataParallelModel(OptimizerTarget):
                 f"{who}.step() found no synchronized gradients: call loss.backward() outside no_sync() "
                 "(after the forward of this model) before step(), and zero_grad() after it"
             )
-
-    def shard_units(self) -> list[FlatUnit]:
-        raise StrategyError(f"{type(self).__name__} does not shard its parameters")
 
     def after_optimizer_step(self) -> None:
         self._grads_synced = False

@@ -46,19 +46,19 @@ class FlatUnit:
         self.params = [p for _, p in named_params]
         self.dtype = named_params[0][1].dtype
         self.device = named_params[0][1].device
-        self.world_size, self.rank = world_size, rank
-        slots, offset = [], 0
+        self.rank = rank
+        self.slots: list[Slot] = []
+        offset = 0
         for name, p in named_params:
-            slots.append(Slot(name, p.shape, offset, p.numel()))
+            self.slots.append(Slot(name, p.shape, offset, p.numel()))
             offset += p.numel()
-        self.slots: list[Slot] = slots
         self.numel = offset
         self.shard_numel = max(1, -(-offset // world_size))
         self.padded = self.shard_numel * world_size
 
-    def shard_bounds(self, rank: int | None = None) -> tuple[int, int]:
-        r = self.rank if rank is None else rank
-        return r * self.shard_numel, (r + 1) * self.shard_numel
+    def shard_bounds(self) -> tuple[int, int]:
+        """This rank's elements ``[lo, hi)`` of the flat buffer."""
+        return self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
 
     def own_shard(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``flat`` (a view)."""
@@ -69,16 +69,12 @@ class FlatUnit:
         """Each parameter's part of ``flat``, viewed in the parameter's shape."""
         return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
 
-    def shard_slots(self, rank: int | None = None) -> list[tuple[Slot, int, int, int]]:
+    def shard_slots(self) -> list[tuple[Slot, int, int, int]]:
         """``(slot, start, end, shard_offset)``: elements ``[start, end)`` of the slot's parameter lie
-        at ``shard_offset`` of rank ``rank``'s shard."""
-        lo, hi = self.shard_bounds(rank)
-        out = []
-        for s in self.slots:
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a < b:
-                out.append((s, a - s.offset, b - s.offset, a - lo))
-        return out
+        at ``shard_offset`` of this rank's shard."""
+        lo, hi = self.shard_bounds()
+        spans = [(s, max(lo, s.offset), min(hi, s.offset + s.numel)) for s in self.slots]
+        return [(s, a - s.offset, b - s.offset, a - lo) for s, a, b in spans if a < b]
 
     def new_flat(self, zero: bool = True) -> torch.Tensor:
         make = torch.zeros if zero else torch.empty

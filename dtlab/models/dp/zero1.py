@@ -34,15 +34,13 @@ def gradient_sync_for(model: str, chosen: GradientSync | None, optimizer: Attach
     all-reduce for the others. A reduce-scatter chosen for an optimizer that steps whole gradients is
     refused, naming both."""
     wants: GradientSync = "reduce_scatter" if optimizer.strategy_name == "zero1" else "all_reduce"
-    if chosen is None:
-        return wants
     if chosen == "reduce_scatter" and wants != "reduce_scatter":
         raise StrategyError(
             f"{model}(gradient_sync='reduce_scatter') leaves each rank only its shard of "
             f"the averaged gradient, which {type(optimizer).__name__} cannot step; use ZeRO1Optimizer "
             "or gradient_sync='all_reduce' (or leave it unset)"
         )
-    return chosen
+    return chosen or wants
 
 
 class ZeRO1Model(DDPModel):
@@ -106,9 +104,8 @@ class ZeRO1Model(DDPModel):
     def _launch(self, i: int) -> tuple[Work, Any]:
         if self.gradient_sync == "all_reduce":
             return super()._launch(i)
-        buf, unit = self._grad_bufs[i], self._units[i]
-        out = torch.empty(unit.shard_numel, dtype=buf.dtype, device=buf.device)
-        return self._reducer.reduce_scatter(unit.key, buf, out), out
+        out = self._grad_bufs[i].new_empty(self._units[i].shard_numel)
+        return self._reducer.reduce_scatter(self._units[i].key, self._grad_bufs[i], out), out
 
     def _complete(self, i: int, extra: Any) -> None:
         if self.gradient_sync == "all_reduce":

@@ -1,10 +1,8 @@
 """ZeRO-2: parameters replicated; gradients reduce-scattered so each rank keeps only its shard.
 
-Buckets are DDP's flat buffers padded to a multiple of ``P``. During a synchronized backward each
-gradient is copied into its bucket's transient buffer and released at once (``param.grad = None``);
-a full bucket is reduce-scattered (non-blocking) into this rank's persistent gradient shard, and the
-transient buffer is dropped when that completes. Inside ``no_sync()`` gradients accumulate in
-``param.grad`` as usual (full size: accumulation costs full gradient memory until the next sync).
+During a synchronized backward each gradient is copied into its DDP bucket's transient buffer and
+released at once; a full bucket is reduce-scattered into this rank's persistent gradient shard and
+its buffer dropped. Inside ``no_sync()`` gradients accumulate whole in ``param.grad``.
 """
 
 from __future__ import annotations
