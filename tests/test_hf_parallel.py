@@ -143,7 +143,8 @@ def test_what_auto_cannot_honour_is_refused_before_any_call() -> None:
     errors, calls = run_world(4, _refusals, timeout=60)[0]
     needles = [
         "'model.layers.0.self_attn.k_proj' projects 2 attention heads of 8",
-        "'transformer.h.0.attn.c_attn': the number of attention heads (of 8) is 2, not divisible by tp=4",
+        "'transformer.h.0.attn.c_attn' projects 2 attention heads of 8 (its module's head_dim; key/value "
+        "heads under grouped-query attention), not divisible by tp=4",
         "entry 'model.embed_tokens': style 'embedding_colwise' cannot be honoured exactly",
         "plan='auto': Sequential declares no tensor plan",
     ]

@@ -216,17 +216,13 @@ def broadcast_module_state(module: nn.Module, group: CommunicationBackend) -> No
     """Every parameter and buffer of ``module`` takes group rank 0's values (one message per dtype)."""
     if group.world_size == 1:
         return
-    seen: set[int] = set()
+    unique = {id(t): t for t in module.state_dict(keep_vars=True).values() if t.numel()}  # tied: once
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in module.state_dict(keep_vars=True).values():
-        if id(t) not in seen and t.numel():
-            seen.add(id(t))
-            by_dtype.setdefault(t.dtype, []).append(t)
+    for t in unique.values():
+        by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
         for tensors in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
             group.broadcast(flat, 0)
-            offset = 0
-            for t in tensors:
-                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                t.data.copy_(part.view_as(t))

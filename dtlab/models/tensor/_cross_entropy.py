@@ -53,9 +53,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: _Ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, idx, mine, valid, count = ctx.saved_tensors
         grad = softmax.clone()  # the saved softmax stays intact for a retained graph
-        rows = grad.view(-1, grad.shape[-1])
-        flat = torch.arange(rows.shape[0], device=grad.device)
-        rows[flat, idx.reshape(-1)] -= mine.reshape(-1).to(grad.dtype)
+        grad.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))  # minus the one-hot
         grad.mul_(valid.unsqueeze(-1).to(grad.dtype))
         grad.mul_(g / count.clamp(min=1))
         return grad.to(ctx.in_dtype), None, None, None

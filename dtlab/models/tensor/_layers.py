@@ -66,37 +66,38 @@ def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
     sizes in ``nx`` and ``nf``); ``None`` for anything else."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, False
-    w, nx, nf = getattr(module, "weight", None), getattr(module, "nx", None), getattr(module, "nf", None)
-    if (
-        type(module).__name__ == "Conv1D"
-        and isinstance(w, nn.Parameter)
-        and isinstance(nx, int)
-        and isinstance(nf, int)
-        and tuple(w.shape) == (nx, nf)
-    ):
-        return nx, nf, True
+    w, sizes = getattr(module, "weight", None), (getattr(module, "nx", None), getattr(module, "nf", None))
+    if type(module).__name__ == "Conv1D" and isinstance(w, nn.Parameter) and tuple(w.shape) == sizes:
+        return w.shape[0], w.shape[1], True
     return None
 
 
 class _LinearOptions(TypedDict):
+    in_features: int
+    out_features: int
     bias: bool
     transposed: bool
     device: torch.device
     dtype: torch.dtype
 
 
-def _linear_source(linear: nn.Module, layer: str) -> tuple[int, int, _LinearOptions]:
-    """``(in_features, out_features, options)`` for the parallel ``layer`` replacing ``linear`` (an
-    ``nn.Linear`` or a ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps)."""
+def _linear_source(linear: nn.Module, layer: str) -> _LinearOptions:
+    """The constructor options of the parallel ``layer`` replacing ``linear`` (an ``nn.Linear`` or a
+    ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps)."""
     features = linear_features(linear)
     if features is None:
         raise StrategyError(
             f"{layer} splits an nn.Linear or a Conv1D (weight [in, out]), got {type(linear).__name__}"
         )
     w = cast(nn.Parameter, linear.weight)
-    bias = getattr(linear, "bias", None) is not None
-    options = _LinearOptions(bias=bias, transposed=features[2], device=w.device, dtype=w.dtype)
-    return features[0], features[1], options
+    return _LinearOptions(
+        in_features=features[0],
+        out_features=features[1],
+        bias=getattr(linear, "bias", None) is not None,
+        transposed=features[2],
+        device=w.device,
+        dtype=w.dtype,
+    )
 
 
 def _load(layer: _Layer, source: nn.Module, group: CommunicationBackend) -> _Layer:
@@ -179,11 +180,9 @@ class ColumnParallelLinear(nn.Module):
     ) -> ColumnParallelLinear:
         """This rank's shard of ``linear`` (an ``nn.Linear`` or a ``Conv1D``: its values, bias, layout,
         device, dtype and ``requires_grad`` flags); the options as the constructor's."""
-        in_features, out_features, options = _linear_source(linear, cls.__name__)
+        options = _linear_source(linear, cls.__name__)
         new = cls(
-            in_features,
-            out_features,
-            group,
+            group=group,
             gather_output=gather_output,
             sequence_parallel=sequence_parallel,
             sections=sections,
@@ -257,14 +256,9 @@ class RowParallelLinear(nn.Module):
     ) -> RowParallelLinear:
         """This rank's shard of ``linear`` (as :meth:`ColumnParallelLinear.from_linear`; the bias whole:
         it is added once, after the reduction); the options as the constructor's."""
-        in_features, out_features, options = _linear_source(linear, cls.__name__)
+        options = _linear_source(linear, cls.__name__)
         new = cls(
-            in_features,
-            out_features,
-            group,
-            input_is_parallel=input_is_parallel,
-            sequence_parallel=sequence_parallel,
-            **options,
+            group=group, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel, **options
         )
         return _load(new, linear, group)
 

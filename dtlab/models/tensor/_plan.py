@@ -108,7 +108,7 @@ def _check_one(root: nn.Module, name: str, module: nn.Module, style: Style, tp: 
             f"pad the vocabulary to a multiple of {tp} or choose a tp that divides {module.num_embeddings}",
         )
     elif isinstance(style, HeadsParallel):
-        _check_heads(name, module, style, tp)
+        _check_heads(root, name, module, style, tp)
 
 
 def _check_whole_heads(name: str, features: int, head_dim: object, tp: int) -> None:
@@ -126,7 +126,7 @@ def _check_whole_heads(name: str, features: int, head_dim: object, tp: int) -> N
         )
 
 
-def _check_heads(name: str, module: nn.Module, style: HeadsParallel, tp: int) -> None:
+def _check_heads(root: nn.Module, name: str, module: nn.Module, style: HeadsParallel, tp: int) -> None:
     heads = getattr(module, style.heads, None)
     if not isinstance(heads, int):
         raise StrategyError(
@@ -135,26 +135,19 @@ def _check_heads(name: str, module: nn.Module, style: HeadsParallel, tp: int) ->
         )
     what = "the number of attention heads" if "head" in style.heads else f"its {style.heads!r}"
     _check_split(name, what, heads, tp)
-    head_dim = getattr(module, "head_dim", None)
-    for child in (*style.qkv, style.out):
-        features = linear_features(getattr(module, child, None) or nn.Identity())
-        if features is None:
+    for child, part in style.parts():
+        projection = getattr(module, child, None)
+        if not isinstance(projection, nn.Module) or (features := linear_features(projection)) is None:
             raise StrategyError(
                 f"tensor-parallel plan: HeadsParallel needs {name}.{child} to be an nn.Linear or a "
-                f"Conv1D (got {type(getattr(module, child, None)).__name__}); set HeadsParallel(qkv=..., "
-                "out=...)"
+                f"Conv1D (got {type(projection).__name__}); set HeadsParallel(qkv=..., out=...)"
             )
-        section = features[1] // style.sections
-        if child == style.out:
-            _check_split(f"{name}.{child}", "in_features", features[0], tp)
-        elif features[1] % (style.sections * heads):
+        if isinstance(part, ColwiseParallel) and features[1] % (style.sections * heads):
             raise StrategyError(
                 f"tensor-parallel plan: {name}.{child} has {features[1]} output features, not "
                 f"{style.sections} sections x {heads} ({style.heads}); set HeadsParallel(sections=...)"
             )
-        elif isinstance(head_dim, int) and head_dim > 0 and section % head_dim == 0:
-            what = f"the number of attention heads (of {head_dim})"
-            _check_split(f"{name}.{child}", what, section // head_dim, tp)
+        _check_one(root, f"{name}.{child}", projection, part, tp)  # its split, in whole heads
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -231,10 +224,8 @@ def apply_plan(
 
     for name, module, style in resolved:
         if isinstance(style, HeadsParallel):
-            sp = style.sequence_parallel
-            for child in style.qkv:
-                swap(f"{name}.{child}", ColwiseParallel(sequence_parallel=sp, sections=style.sections))
-            swap(f"{name}.{style.out}", RowwiseParallel(sequence_parallel=sp))
+            for child, part in style.parts():
+                swap(f"{name}.{child}", part)
             setattr(module, style.heads, getattr(module, style.heads) // group.world_size)
         elif not isinstance(style, SequenceParallel):
             swap(name, style)

@@ -1,5 +1,5 @@
-"""The styles of a tensor plan (what each string or style object does to a module: see
-:mod:`dtlab.models.tensor._plan`), Hugging Face's style names, the ones refused, and the plan types."""
+"""The styles of a tensor plan (what each string or style object does to a module: docs/your_model.md,
+"The tensor plan"), Hugging Face's style names, the ones refused, and the plan types."""
 
 from __future__ import annotations
 
@@ -63,6 +63,12 @@ class HeadsParallel:
     heads: str = "n_heads"
     sections: int = 3
     sequence_parallel: bool = False
+
+    def parts(self) -> list[tuple[str, ColwiseParallel | RowwiseParallel]]:
+        """Its projections and the style each is split by: the input ones per head, the output by rows."""
+        sp = self.sequence_parallel
+        qkv = ColwiseParallel(sequence_parallel=sp, sections=self.sections)
+        return [*((name, qkv) for name in self.qkv), (self.out, RowwiseParallel(sequence_parallel=sp))]
 
 
 @dataclass(frozen=True)
