@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:
-    from dtlab.config import OptimizerConfig
+if TYPE_CHECKING:  # the config section where it is defined (``dtlab.config`` imports this module)
+    from dtlab.config_sections.optimizer import OptimizerConfig
 
 __all__ = ["build_scheduler", "check_torch_scheduler", "lr_factor", "torch_scheduler_names"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dtlab.core.plan import RunPlan
 from dtlab.errors import ArgumentError, ConfigError, StrategyError
@@ -21,10 +21,11 @@ from dtlab.errors import ArgumentError, ConfigError, StrategyError
 if TYPE_CHECKING:
     from torch import nn
 
-    from dtlab.config import TrainConfig
+    from dtlab.config_sections import DataConfig, ElasticConfig, ModelConfig, ParallelConfig, StrategyConfig
 
 __all__ = [
     "CONFIG_NAMES",
+    "PlanSections",
     "builtin_model",
     "check_mesh_size",
     "check_parallel",
@@ -54,7 +55,23 @@ CONFIG_NAMES: Mapping[str, str] = MappingProxyType(
 )
 
 
-def run_plan(config: TrainConfig, world_size: int | None = None) -> RunPlan:
+class PlanSections(Protocol):
+    """The sections of a config the run plan reads (a :class:`dtlab.config.TrainConfig` is one; this
+    module is below ``dtlab.config``, which checks its plan with it)."""
+
+    @property
+    def strategy(self) -> StrategyConfig: ...
+    @property
+    def parallel(self) -> ParallelConfig: ...
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def elastic(self) -> ElasticConfig: ...
+
+
+def run_plan(config: PlanSections, world_size: int | None = None) -> RunPlan:
     """The config's run plan (every cross-field check made once, a :class:`ConfigError` naming the
     fields); with ``world_size``: resolved on that world and the global batch checked against it."""
     par, s = config.parallel, config.strategy
@@ -82,7 +99,7 @@ def run_plan(config: TrainConfig, world_size: int | None = None) -> RunPlan:
     return plan
 
 
-def tensor_plan_setting(config: TrainConfig) -> str | dict[str, str]:
+def tensor_plan_setting(config: PlanSections) -> str | dict[str, str]:
     """``parallel.plan``: ``"auto"`` or the mapping of module pattern to style (read from the
     ``.yaml``/``.toml`` file it names)."""
     plan = config.parallel.plan
@@ -100,7 +117,7 @@ def tensor_plan_setting(config: TrainConfig) -> str | dict[str, str]:
     return data
 
 
-def _check_tensor_plan(config: TrainConfig) -> None:
+def _check_tensor_plan(config: PlanSections) -> None:
     """A plan given in the config needs tp > 1, and every style in it is one dtlab honours."""
     par = config.parallel
     if par.plan == "auto":
@@ -120,7 +137,7 @@ def _check_tensor_plan(config: TrainConfig) -> None:
         raise ConfigError(f"parallel.plan: {exc}") from None
 
 
-def builtin_model(config: TrainConfig) -> nn.Module:
+def builtin_model(config: PlanSections) -> nn.Module:
     """``model.name=transformer_lm`` as the config sizes it, on the meta device (no memory, no RNG)."""
     import torch
 
@@ -131,7 +148,7 @@ def builtin_model(config: TrainConfig) -> nn.Module:
         return TransformerLM(m.d_model, m.n_layers, m.n_heads, m.seq_len, m.dropout)
 
 
-def check_parallel(config: TrainConfig) -> None:
+def check_parallel(config: PlanSections) -> None:
     """Everything about the run plan that does not depend on the world size."""
     plan = run_plan(config)
     par, m = config.parallel, config.model
@@ -182,7 +199,7 @@ def check_model_fits(plan: RunPlan, module: nn.Module) -> None:
         ) from None
 
 
-def check_tensor_plan_fits(config: TrainConfig, module: nn.Module) -> None:
+def check_tensor_plan_fits(config: PlanSections, module: nn.Module) -> None:
     """Your model (``model.factory``, built once before any rank starts) against the tensor plan:
     every pattern matches, whole heads (grouped-query attention's key/value heads too) and a vocabulary
     that split over ``parallel.tp``; a :class:`ConfigError` naming the module and the sizes."""
@@ -199,6 +216,6 @@ def check_tensor_plan_fits(config: TrainConfig, module: nn.Module) -> None:
     check_model_fits(tensor_only, module)
 
 
-def check_mesh_size(config: TrainConfig, world_size: int) -> None:
+def check_mesh_size(config: PlanSections, world_size: int) -> None:
     """The mesh fills the world and the global batch splits over dp ranks (and micro-batches)."""
     run_plan(config, world_size)

@@ -233,9 +233,7 @@ ANNOTATION_ONLY_EDGES: set[tuple[str, str]] = {
     ("dtlab.backends._mpi_support", "dtlab.backends.mpi"),
     ("dtlab.backends._torch_dist_p2p", "dtlab.backends.torch_dist"),
     ("dtlab.backends._torch_dist_support", "dtlab.backends.torch_dist"),
-    ("dtlab.lr_schedule", "dtlab.config"),
     ("dtlab.models.compose._tied", "dtlab.models.compose._build"),
-    ("dtlab.parallel_config", "dtlab.config"),
 }
 
 
