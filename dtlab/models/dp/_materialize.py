@@ -70,10 +70,8 @@ def init_empty_weights() -> Iterator[None]:
         empty.__dict__.update(param.__dict__)
         return empty
 
-    with model_building():
-        handle = register_module_parameter_registration_hook(
-            cast(Callable[..., None], to_meta)
-        )  # may return one
+    with model_building():  # torch types the hook as returning None; it may return a parameter
+        handle = register_module_parameter_registration_hook(cast(Callable[..., None], to_meta))
         try:
             yield
         finally:

@@ -95,13 +95,12 @@ class ZeRO3Model(ShardedModel):
 def _nothing_sharded(threshold: int, trainable: list[tuple[str, nn.Parameter]]) -> str:
     """Why every parameter stayed whole, and what to change: the threshold, or tied parameters (a
     parameter used by several modules is kept whole on every rank)."""
-    largest = max(p.numel() for _, p in trainable)
     above = [n for n, p in trainable if p.numel() > threshold]
     if not above:
-        fix = f"pass persistence_threshold=0 (or below {largest}, the largest parameter's size)"
         return (
             f"ZeRO3Model: persistence_threshold={threshold} keeps every parameter whole on every rank, so "
-            f"nothing is sharded and ZeRO-3 saves no parameter memory; {fix} to shard them"
+            "nothing is sharded and ZeRO-3 saves no parameter memory; pass persistence_threshold=0 (or "
+            f"below {max(p.numel() for _, p in trainable)}, the largest parameter's size) to shard them"
         )
     return (
         f"ZeRO3Model: every parameter above persistence_threshold={threshold} ({', '.join(above[:4])}"
