@@ -229,10 +229,6 @@ def _module_graph(annotations: bool) -> dict[str, set[str]]:
 ANNOTATION_ONLY_EDGES: set[tuple[str, str]] = {
     ("dtlab.backends._engine", "dtlab.backends.base"),
     ("dtlab.backends._groups", "dtlab.backends.base"),
-    ("dtlab.backends._inmemory_rendezvous", "dtlab.backends.inmemory"),
-    ("dtlab.backends._mpi_support", "dtlab.backends.mpi"),
-    ("dtlab.backends._torch_dist_p2p", "dtlab.backends.torch_dist"),
-    ("dtlab.backends._torch_dist_support", "dtlab.backends.torch_dist"),
     ("dtlab.models.compose._tied", "dtlab.models.compose._build"),
 }
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dtlab.backends._inmemory_ops import describe_call, leader_mode
 from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError, WorldAbortedError
 
-if TYPE_CHECKING:
-    from dtlab.backends.inmemory import InMemoryWorld
-
-__all__ = ["Lock", "Rendezvous", "Slot"]
+__all__ = ["Lock", "Rendezvous", "Slot", "World"]
 
 Lock = Any  # threading.Lock instances (the type is private in typeshed)
 _POLL_S = 0.5  # longest sleep between re-checks of abort / exited peers (they also wake waiters)
@@ -41,6 +38,26 @@ class Slot:
         self.waiters: list[Lock] = []
 
 
+class World(Protocol):
+    """The shared state ranks meet in (an :class:`~dtlab.backends.inmemory.InMemoryWorld` is one):
+    ``slots``, ``waiting``, ``failure`` and ``exited`` are read and changed holding ``mutex``, and
+    ``wake`` releases a slot's waiters."""
+
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def mutex(self) -> Lock: ...
+    @property
+    def slots(self) -> dict[tuple[Any, ...], Slot]: ...
+    @property
+    def waiting(self) -> set[Lock]: ...
+    @property
+    def failure(self) -> tuple[int, BaseException] | None: ...
+    @property
+    def exited(self) -> set[int]: ...
+    def wake(self, waiters: list[Lock]) -> None: ...
+
+
 class Rendezvous:
     """One rank's meeting point with the other ranks of its group in ``world``.
 
@@ -48,7 +65,7 @@ class Rendezvous:
     members as world ranks, in group-rank order; ``rank`` is this rank's index in ``ranks``.
     """
 
-    def __init__(self, world: InMemoryWorld, key: tuple[Any, ...], ranks: tuple[int, ...], rank: int) -> None:
+    def __init__(self, world: World, key: tuple[Any, ...], ranks: tuple[int, ...], rank: int) -> None:
         self.world, self.key, self.ranks, self.rank = world, key, ranks, rank
 
     @property

@@ -4,15 +4,12 @@ tables, zero-copy buffer views, host staging) and request handles."""
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from dtlab.backends.base import ReduceOp, Work
 from dtlab.errors import BackendInitError
-
-if TYPE_CHECKING:
-    from dtlab.backends.mpi import MPIBackend
 
 _STAGED_REDUCTION = (torch.float16, torch.bfloat16)
 
@@ -115,12 +112,20 @@ class _Buffers:
         )
 
 
+class Requests(Protocol):
+    """How a request handle completes (an :class:`~dtlab.backends.mpi.MPIBackend` is one): wait
+    within the backend's timeout, and check a receive's size against its buffer (its source rank)."""
+
+    def wait_request(self, request: Any, what: str, status: Any = None) -> None: ...
+    def check_received(self, status: Any, buf: torch.Tensor, what: str) -> int: ...
+
+
 class _MPIWork(Work):
     """A pending MPI request; ``finish`` (copy back, divide for AVG) runs once after completion."""
 
     def __init__(
         self,
-        backend: MPIBackend,
+        backend: Requests,
         request: Any,
         what: str,
         keep: tuple[Any, ...] = (),

@@ -8,18 +8,23 @@ so a timeout or a dead peer names the message (peer and tag).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
-from dtlab.backends._torch_dist_support import _BatchWork, _DistWork, to_global, to_local
+from dtlab.backends._torch_dist_support import Failures, _BatchWork, _DistWork, to_global, to_local
 from dtlab.backends.types import P2POp, Work
 
-if TYPE_CHECKING:
-    from dtlab.backends.torch_dist import TorchDistBackend
+__all__ = ["Peers", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
-__all__ = ["batch_isend_irecv", "irecv", "isend", "recv", "send"]
+
+class Peers(Failures, Protocol):
+    """One rank of a process group (a :class:`~dtlab.backends.torch_dist.TorchDistBackend` is one):
+    its ``group`` (None: the default group) and how it reports an engine error."""
+
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
 
 
 def _what(kind: str, peer: int | None, tag: int) -> str:
@@ -28,7 +33,7 @@ def _what(kind: str, peer: int | None, tag: int) -> str:
     return f"{kind}({side}={'any' if peer is None else peer}, tag={tag})"
 
 
-def send(backend: TorchDistBackend, tensor: torch.Tensor, dst: int, tag: int) -> None:
+def send(backend: Peers, tensor: torch.Tensor, dst: int, tag: int) -> None:
     group = backend.group
     try:
         dist.send(tensor, to_global(group, dst), group=group, tag=tag)
@@ -36,7 +41,7 @@ def send(backend: TorchDistBackend, tensor: torch.Tensor, dst: int, tag: int) ->
         backend.raise_failure(exc, _what("send", dst, tag))
 
 
-def recv(backend: TorchDistBackend, tensor: torch.Tensor, src: int | None, tag: int) -> int:
+def recv(backend: Peers, tensor: torch.Tensor, src: int | None, tag: int) -> int:
     group = backend.group
     try:
         peer = None if src is None else to_global(group, src)
@@ -46,13 +51,13 @@ def recv(backend: TorchDistBackend, tensor: torch.Tensor, src: int | None, tag: 
     return to_local(group, source) if src is None else src
 
 
-def isend(backend: TorchDistBackend, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+def isend(backend: Peers, tensor: torch.Tensor, dst: int, tag: int) -> Work:
     group = backend.group
     work = dist.isend(tensor, to_global(group, dst), group=group, tag=tag)
     return _DistWork(backend, work, _what("isend", dst, tag))
 
 
-def irecv(backend: TorchDistBackend, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+def irecv(backend: Peers, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
     group = backend.group
     peer = None if src is None else to_global(group, src)
     work = dist.irecv(tensor, peer, group=group, tag=tag)
@@ -62,7 +67,7 @@ def irecv(backend: TorchDistBackend, tensor: torch.Tensor, src: int | None, tag:
     return _DistWork(backend, work, what, lambda: src)
 
 
-def batch_isend_irecv(backend: TorchDistBackend, ops: list[P2POp]) -> list[Work]:
+def batch_isend_irecv(backend: Peers, ops: list[P2POp]) -> list[Work]:
     """``torch.distributed.batch_isend_irecv``: NCCL coalesces the batch into one group launch
     (then every op's handle waits for the whole batch), gloo posts each op."""
     group = backend.group

@@ -4,15 +4,12 @@ process-group calls and group creation with dtlab's own unique names."""
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar, NoReturn, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from dtlab.backends.base import ReduceOp, Work
-
-if TYPE_CHECKING:
-    from dtlab.backends.torch_dist import TorchDistBackend
 
 _OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -42,10 +39,17 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)
 
 
+class Failures(Protocol):
+    """How an engine error is reported (a :class:`~dtlab.backends.torch_dist.TorchDistBackend` does
+    it): a timeout or a lost peer as :class:`~dtlab.errors.CollectiveTimeoutError` naming ``what``."""
+
+    def raise_failure(self, exc: RuntimeError, what: str) -> NoReturn: ...
+
+
 class _DistWork(Work):
     polls: ClassVar[bool] = True
 
-    def __init__(self, backend: TorchDistBackend, work: Any, what: str, finish: Any = None) -> None:
+    def __init__(self, backend: Failures, work: Any, what: str, finish: Any = None) -> None:
         self._backend, self._work, self._what, self._finish = backend, work, what, finish
         self._done = False
         self._result: int | None = None
