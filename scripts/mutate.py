@@ -120,11 +120,6 @@ ACCEPTED: dict[str, str] = {
         "reach starts at [0, 1] instead of [0, 0]: the reach is compared with memory addresses "
         "(data_ptr), which are never below 1, so the first span is never taken for an overlap either way"
     ),
-    "dtlab/models/dp/zero2.py:const:self._guarded = False": (
-        "_guarded = True in zero_grad_buffers: it only makes the next forward call _release_guards, which "
-        "removes gradient stand-ins and nothing else, and zero_grad_buffers has just set every grad "
-        "to None: a no-op"
-    ),
     "dtlab/core/shard_index.py:arith:n += 1": (
         "n -= 1 numbers the extra pieces of one tensor #-1, #-2, ... instead of #1, #2, ...: the "
         "names only need to be unique, readers go by each entry's 'key'"

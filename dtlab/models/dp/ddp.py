@@ -88,6 +88,8 @@ class DDPModel(DataParallelModel):
         self._slot_of = {id(q): (i, j) for i, u in enumerate(self._units) for j, q in enumerate(u.params)}
         #: each bucket's gradient buffer, ``param.grad`` views into it (none under ZeRO-2: shards only)
         self._grad_bufs = [u.new_flat() for u in self._units] if self.keeps_whole_grads else []
+        #: the tensors holding the synchronized gradient: the buckets (ZeRO-2: this rank's shards)
+        self._synced_grads = self._grad_bufs
         self._point_grads()
         self._ready: list[set[int]] = [set() for _ in self._units]
         self._next_launch = 0
@@ -102,7 +104,7 @@ class DDPModel(DataParallelModel):
         return self.module(*args, **kwargs)
 
     def _release_guards(self) -> None:
-        if self._guarded:
+        if self._guarded and self.keeps_whole_grads:
             self._point_grads()
         super()._release_guards()
 
@@ -110,8 +112,8 @@ class DDPModel(DataParallelModel):
         """A synchronized backward completed (ZeRO-1 and ZeRO-2 guard their sharded gradients)."""
 
     def _point_grads(self) -> None:
-        """Make every ``param.grad`` a view of its bucket's gradient buffer (again; none under ZeRO-2)."""
-        for unit, buf in zip(self._units, self._grad_bufs, strict=False):
+        """Make every ``param.grad`` a view of its bucket's gradient buffer (again)."""
+        for unit, buf in zip(self._units, self._grad_bufs, strict=True):
             for q, view in zip(unit.params, unit.views(buf), strict=True):
                 q.grad = view
 
@@ -212,17 +214,17 @@ class DDPModel(DataParallelModel):
 
     def zero_grad_buffers(self) -> None:
         self._guarded = False
-        for buf in self._grad_bufs:
-            buf.zero_()
+        for g in self._synced_grads:
+            g.zero_()
         self._point_grads()
         self._grads_synced = False
 
     def scale_grads_(self, factor: float) -> None:
-        for buf in self._grad_bufs:
-            buf.mul_(factor)
+        for g in self._synced_grads:
+            g.mul_(factor)
 
     def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        return list(self._grad_bufs), True
+        return list(self._synced_grads), self.keeps_whole_grads
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -248,4 +250,4 @@ class DDPModel(DataParallelModel):
         }
 
     def _grad_bytes(self) -> int:
-        return sum(tensor_bytes(b) for b in self._grad_bufs)
+        return sum(tensor_bytes(g) for g in self._synced_grads)

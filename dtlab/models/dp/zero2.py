@@ -33,54 +33,40 @@ class ZeRO2Model(DDPModel):
         self, module: nn.Module, backend: CommunicationBackend, **options: Unpack[DDPOptions]
     ) -> None:
         super().__init__(module, backend, **options)
-        self._grad_shards = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device) for u in self._units]
-        #: each bucket's whole gradient during a synchronized backward, until its reduce-scatter completes
-        self._transient: list[torch.Tensor | None] = [None] * len(self._units)
+        self._synced_grads = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device) for u in self._units]
+        #: bucket index -> its whole gradient during a synchronized backward, until its reduce-scatter
+        #: completes (every bucket launched has one: its parameters' gradients were copied in first)
+        self._transient: dict[int, torch.Tensor] = {}
 
     def _store_grad(self, i: int, param: nn.Parameter) -> None:
         if not self._sync:
             return  # accumulate in param.grad until the synchronized backward
-        buf = self._transient[i]
-        if buf is None:
-            buf = self._transient[i] = self._units[i].new_flat()
+        if i not in self._transient:
+            self._transient[i] = self._units[i].new_flat()
         s = self._units[i].slots[self._slot_of[id(param)][1]]
         if param.grad is not None:
-            buf[s.offset : s.offset + s.numel].copy_(param.grad.reshape(-1))
+            self._transient[i][s.offset : s.offset + s.numel].copy_(param.grad.reshape(-1))
             param.grad = None
 
     def _launch(self, i: int) -> tuple[Work, Any]:
-        buf = self._transient[i]
-        if buf is None:
-            buf = self._transient[i] = self._units[i].new_flat()
-        out = torch.empty_like(self._grad_shards[i])
-        return self._reducer.reduce_scatter(self._units[i].key, buf, out), out
+        out = torch.empty_like(self._synced_grads[i])
+        return self._reducer.reduce_scatter(self._units[i].key, self._transient[i], out), out
 
     def _complete(self, i: int, extra: Any) -> None:
-        self._grad_shards[i].add_(extra)
-        self._transient[i] = None
+        self._synced_grads[i].add_(extra)
+        del self._transient[i]
 
     def _after_sync(self) -> None:
         self._guard_grads()
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return self._grad_shards[self._units.index(unit)]
+        return self._synced_grads[self._units.index(unit)]
 
-    def zero_grad_buffers(self) -> None:
-        self._guarded = False
-        for g in self._grad_shards:
-            g.zero_()
+    def _point_grads(self) -> None:
+        """No whole buffers: ``param.grad`` is None (``no_sync()`` accumulates whole gradients there)."""
         for _, q in self._trainable:
             q.grad = None
-        self._grads_synced = False
-
-    def scale_grads_(self, factor: float) -> None:
-        for g in self._grad_shards:
-            g.mul_(factor)
-
-    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        return list(self._grad_shards), False
 
     def _grad_bytes(self) -> int:
-        held = sum(tensor_bytes(g) for g in self._grad_shards)
-        held += sum(tensor_bytes(b) for b in self._transient)
-        return held + sum(tensor_bytes(q.grad) for _, q in self._trainable)
+        held = sum(tensor_bytes(b) for b in self._transient.values())
+        return super()._grad_bytes() + held + sum(tensor_bytes(q.grad) for _, q in self._trainable)
