@@ -117,32 +117,25 @@ class FSDPModel(ShardedModel):
     def _plan(self) -> list[tuple[nn.Module, list[UnitPlan]]]:
         names = {id(p): n for n, p in self._trainable}
         units = self._unit_modules()
+
+        def collect(mod: nn.Module) -> list[nn.Parameter]:
+            """``mod``'s trainable parameters and those of its children not in an inner unit."""
+            own = [p for p in mod.parameters(recurse=False) if id(p) in names]
+            return own + [p for child in mod.children() if id(child) not in units for p in collect(child)]
+
         owner: dict[int, str] = {}
         plan = []
-
-        def collect(mod: nn.Module, into: list[tuple[str, nn.Parameter]], unit_name: str) -> None:
-            for p in mod.parameters(recurse=False):
-                if id(p) not in names:
-                    continue
-                if id(p) in owner:
-                    if owner[id(p)] != unit_name:
-                        raise StrategyError(
-                            f"FSDPModel: parameter {names[id(p)]!r} is shared by units {owner[id(p)]!r} and "
-                            f"{unit_name!r}; a tied parameter must live in one unit: change the wrap policy "
-                            "so one unit contains both users"
-                        )
-                    continue
-                owner[id(p)] = unit_name
-                into.append((names[id(p)], p))
-            for child in mod.children():
-                if id(child) not in units:
-                    collect(child, into, unit_name)
-
         for mname, mod in self.module.named_modules():
             if id(mod) not in units:
                 continue
             uname = mname or "<root>"
-            params: list[tuple[str, nn.Parameter]] = []
-            collect(mod, params, uname)
-            plan.append((mod, [UnitPlan(uname, params)] if params else []))
+            params = list({id(p): p for p in collect(mod)}.values())  # a parameter used twice: once
+            for p in params:
+                if owner.setdefault(id(p), uname) != uname:
+                    raise StrategyError(
+                        f"FSDPModel: parameter {names[id(p)]!r} is shared by units {owner[id(p)]!r} and "
+                        f"{uname!r}; a tied parameter must live in one unit: change the wrap policy so one "
+                        "unit contains both users"
+                    )
+            plan.append((mod, [UnitPlan(uname, [(names[id(p)], p) for p in params])] if params else []))
         return plan
