@@ -57,7 +57,7 @@ from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.pipeline._ties import rebind_ties
 from dtlab.models.placed_state import load_placed_state, placements_of, write_placed_state
-from dtlab.models.tensor._layers import vocab_parallel_cross_entropy
+from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
 from dtlab.models.tensor._plan import Plan, splits_logits
 
 if TYPE_CHECKING:

@@ -3,12 +3,8 @@ file holds: docs/architecture.md, section "Model strategies"); :class:`~dtlab.mo
 applies a plan."""
 
 from dtlab.models.tensor._auto import gpt2_plan, hugging_face_plan
-from dtlab.models.tensor._layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
-)
+from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
+from dtlab.models.tensor._layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from dtlab.models.tensor._plan import (
     ColwiseParallel,
     HeadsParallel,

@@ -1,6 +1,6 @@
-"""Tensor-parallel layers (Megatron-LM's): column- and row-parallel linear layers, a vocabulary-parallel
-embedding and the vocabulary-parallel cross-entropy. Each holds only this rank's shard; the
-communication is in :mod:`dtlab.models.tensor._comm`.
+"""Tensor-parallel layers (Megatron-LM's): column- and row-parallel linear layers and a
+vocabulary-parallel embedding. Each holds only this rank's shard; the communication is in
+:mod:`dtlab.models.tensor._comm`.
 
 Each layer is built from the plain layer it replaces (``from_linear`` / ``from_embedding``), keeps its
 parameter names (``weight``, ``bias``) so ``state_dict()`` keys do not change, and records every
@@ -29,14 +29,8 @@ from dtlab.models.tensor._comm import (
     reduce_scatter_to_seq,
     scatter_to_tp,
 )
-from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
 
-__all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "vocab_parallel_cross_entropy",
-]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
 AXIS = "tp"
 
@@ -51,8 +45,7 @@ def _parameter(
     """A parameter initialised as ``nn.Linear``'s (uniform in ``1/sqrt(fan_in)``), placed."""
     t = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-    with torch.no_grad():
-        t.uniform_(-bound, bound)
+    nn.init.uniform_(t, -bound, bound)
     set_placement(t, placement)
     return t
 

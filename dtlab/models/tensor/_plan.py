@@ -152,10 +152,8 @@ _REFUSED = {
 
 
 def transformer_plan(sequence_parallel: bool = False) -> DeclaredPlan:
-    """The plan the model declares (``module.tp_plan(sequence_parallel=...)``); for dtlab's built-in
-    ``TransformerLM``: attention heads and MLP split, the token embedding vocabulary-parallel, the head
-    column-parallel (vocabulary-split logits for ``vocab_parallel_cross_entropy``, never gathered),
-    optionally sequence parallel."""
+    """The plan the model declares (``module.tp_plan(sequence_parallel=...)``: dtlab's ``TransformerLM``
+    declares Megatron's layout, its logits split over the vocabulary), optionally sequence parallel."""
     return DeclaredPlan(bool(sequence_parallel))
 
 
