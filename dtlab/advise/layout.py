@@ -14,8 +14,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from dtlab.advise.spec import ModelSpec
 from dtlab.backends.inmemory import InMemoryWorld
@@ -71,7 +73,7 @@ def transformer_model(spec: ModelSpec, tp: int = 1, base: TransformerLM | None =
     rank 0 of ``tp`` holds it: its own tensor plan (``tp_plan()``) applied by the strategies' code.
     ``base``: that model already built for ``spec`` (whole; copied, not changed)."""
     if base is None:
-        with torch.device("meta"):
+        with torch.device("meta"), _ShapesOnly():
             base = TransformerLM(
                 spec.hidden,
                 spec.layers,
@@ -83,8 +85,44 @@ def transformer_model(spec: ModelSpec, tp: int = 1, base: TransformerLM | None =
     elif tp > 1:
         base = copy.deepcopy(base)
     if tp > 1:
-        apply_tensor_plan(base, transformer_plan(), InMemoryWorld(tp).backend(0))  # no communication
+        with _ShapesOnly():
+            apply_tensor_plan(base, transformer_plan(), InMemoryWorld(tp).backend(0))  # no communication
     return base
+
+
+#: initializers that only write values (``torch.nn.init``'s and the tensor methods they end in)
+_INITIALIZERS = frozenset(
+    {
+        torch.nn.init.normal_,
+        torch.nn.init.uniform_,
+        torch.nn.init.trunc_normal_,
+        torch.nn.init.kaiming_uniform_,
+        torch.nn.init.kaiming_normal_,
+        torch.nn.init.xavier_uniform_,
+        torch.nn.init.xavier_normal_,
+        torch.nn.init.zeros_,
+        torch.nn.init.ones_,
+        torch.nn.init.constant_,
+        torch.Tensor.normal_,
+        torch.Tensor.uniform_,
+        torch.Tensor.zero_,
+        torch.Tensor.fill_,
+    }
+)
+
+
+class _ShapesOnly(TorchFunctionMode):
+    """Initializers of meta tensors skipped (a meta tensor holds no values; on the meta device each
+    random initializer runs torch's Python decomposition, most of a model build's time). Every shape,
+    module and parameter is made as without it. Per thread, as every torch function mode."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _INITIALIZERS:
+            tensor = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by name
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
 
 
 def transformer_tensors(
