@@ -366,6 +366,9 @@ def _errors(backend: CommunicationBackend) -> None:
         FSDPModel(tied, backend, wrap_policy=ModuleClassPolicy((nn.Linear,)))
     with pytest.raises(TypeError, match="list of every saved rank"):
         model.load_sharded_state_dict(model.sharded_state_dict())  # type: ignore[arg-type]
+    other = FSDPModel(make_module(), backend).shard_units()[0]
+    with pytest.raises(ValueError, match="does not belong to this model"):
+        FSDPModel(make_module(), backend).shard_param(other)
 
 
 def test_bad_input_errors() -> None:

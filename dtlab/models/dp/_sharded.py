@@ -258,11 +258,16 @@ class ShardedModel(DataParallelModel):
     def shard_units(self) -> list[FlatUnit]:
         return [st.unit for st in self._units]
 
+    def _state(self, unit: FlatUnit) -> ShardUnit:
+        if id(unit) not in self._state_of:
+            raise ValueError(f"unit {unit.key} does not belong to this model: pass one of its shard_units()")
+        return self._state_of[id(unit)]
+
     def shard_param(self, unit: FlatUnit) -> torch.Tensor:
-        return self._state_of[id(unit)].shard
+        return self._state(unit).shard
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return self._state_of[id(unit)].grad_shard
+        return self._state(unit).grad_shard
 
     def after_optimizer_step(self) -> None:
         super().after_optimizer_step()
