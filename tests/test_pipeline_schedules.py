@@ -8,8 +8,7 @@ import dataclasses
 import pytest
 
 from dtlab.errors import ArgumentError, StrategyError
-from dtlab.models.pipeline import plot_schedule
-from dtlab.models.pipeline._schedules import (
+from dtlab.models.pipeline import (
     SCHEDULES,
     Action,
     Kind,
@@ -17,6 +16,7 @@ from dtlab.models.pipeline._schedules import (
     build_schedule,
     check_schedule_args,
     dry_run,
+    plot_schedule,
     simulate,
 )
 

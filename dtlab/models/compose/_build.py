@@ -16,6 +16,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh, MeshLike
 from dtlab.core.placement import Placement, placement_of
+from dtlab.core.plan import check_schedule_args
 from dtlab.core.shard_index import full_shape_of
 from dtlab.errors import StrategyError
 from dtlab.models.compose._tied import swap_layers, tied_groups
@@ -26,7 +27,7 @@ from dtlab.models.dp.zero1 import ZeRO1Model
 from dtlab.models.dp.zero2 import ZeRO2Model
 from dtlab.models.dp.zero3 import ZeRO3Model
 from dtlab.models.pipeline._runtime import check_stage_checkpointing
-from dtlab.models.pipeline._schedules import PipelineSchedule, build_schedule, check_schedule_args
+from dtlab.models.pipeline._schedules import PipelineSchedule, build_schedule
 from dtlab.models.pipeline._split import (
     Shapes,
     Stage,

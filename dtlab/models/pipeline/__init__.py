@@ -2,15 +2,15 @@
 each file holds: docs/architecture.md, section "Model strategies");
 :class:`~dtlab.models.PipelineParallelModel` runs them."""
 
+from dtlab.core.pairs import SCHEDULES
+from dtlab.core.plan import check_schedule_args
 from dtlab.models.pipeline._plot import plot_schedule
 from dtlab.models.pipeline._schedules import (
-    SCHEDULES,
     Action,
     Kind,
     PipelineSchedule,
     Timeline,
     build_schedule,
-    check_schedule_args,
     dry_run,
     simulate,
 )

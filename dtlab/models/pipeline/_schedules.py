@@ -1,87 +1,122 @@
-"""Pipeline schedules as data: per-rank action lists, built, checked by a dry run, and timed.
+"""Pipeline schedules as data: per-rank action lists, built, checked by a dry run, and timed
+(docs/strategies.md, "Schedules").
 
 A schedule for ``p`` pipeline ranks, ``m`` micro-batches and ``v`` stages per rank (``S = p * v``
-stages; stage ``s`` lives on rank ``s % p``, so rank ``r`` holds stages ``r, r + p, ...``, Megatron's
-virtual-stage layout) is one tuple of :class:`Action` per rank. Compute actions: ``F`` (forward),
-``B`` (full backward), ``I`` (input-gradient only) and ``W`` (weight-gradient only, after its ``I``).
-Communication actions (added after the compute order is made): ``SEND_F(s, i)`` sends stage ``s``'s
-output for micro-batch ``i`` to stage ``s + 1``, matched by ``RECV_F(s + 1, i)``; ``SEND_B(s, i)``
-sends the gradient of stage ``s``'s input to stage ``s - 1``, matched by ``RECV_B(s - 1, i)``. A send
-is placed right after the compute that made it; a receive one compute ahead of the compute that needs
-it (so its message can arrive while the rank computes), so the communication between two computes of
-a rank is posted as one batch: the sends of the last compute and the receive of the one after the
-next. Neighbouring stages on the same rank (only when ``p = 1``) hand tensors over locally.
-
-:func:`dry_run` executes the lists symbolically before any compute: sends never block, a receive
-completes once its matching send is posted. It checks that every send has exactly one receive, that
-each backward follows its forward and each ``W`` its ``I``, that every rank runs every micro-batch of
-its stages exactly once, that no rank waits forever (a deadlock is reported with every rank's blocked
-action) and that messages between two ranks are received in the order they are sent (NCCL matches
-point-to-point messages by order). :func:`simulate` does the same with durations and returns the
-planned timeline and its idle (bubble) fraction.
-
-The rules a schedule's ``(p, m, v)`` must satisfy are checked by :func:`check_schedule_args`:
-``p, m, v >= 1``; ``gpipe``, ``1f1b`` and ``zero_bubble`` run one stage per rank (``v = 1``);
-``interleaved_1f1b`` needs ``v >= 2`` and ``m`` a multiple of ``p`` (Megatron's rule: micro-batches go
-through the chunks in groups of ``p``). Fewer micro-batches than ranks is allowed everywhere else.
+stages; stage ``s`` lives on rank ``s % p``, Megatron's virtual-stage layout) is one tuple of
+:class:`Action` per rank. Compute actions: ``F`` (forward), ``B`` (full backward), ``I``
+(input-gradient only) and ``W`` (weight-gradient only, after its ``I``). Communication actions:
+``SEND_F(s, i)`` sends stage ``s``'s output for micro-batch ``i`` to stage ``s + 1``, matched by
+``RECV_F(s + 1, i)``; ``SEND_B(s, i)`` sends the gradient of stage ``s``'s input to stage ``s - 1``,
+matched by ``RECV_B(s - 1, i)``. A send is placed right after the compute that made it, a receive one
+compute ahead of the compute that needs it. Neighbouring stages on one rank (only when ``p = 1``)
+hand tensors over locally. :func:`dry_run` executes the lists symbolically (sends never block, a
+receive completes once its send is posted); :func:`simulate` does the same with durations.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from dtlab.core.plan import check_schedule_args
 from dtlab.errors import StrategyError
-from dtlab.models.pipeline._actions import SCHEDULES, Action, Kind, PipelineSchedule
 
-__all__ = [
-    "SCHEDULES",
-    "Action",
-    "Kind",
-    "PipelineSchedule",
-    "Timeline",
-    "build_schedule",
-    "check_schedule_args",
-    "dry_run",
-    "simulate",
-]
+__all__ = ["Action", "Kind", "PipelineSchedule", "Timeline", "build_schedule", "dry_run", "simulate"]
+
+
+class Kind(enum.Enum):
+    """What an action does."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - the schedule vocabulary (input-gradient)
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    __hash__ = object.__hash__
+
+    @property
+    def is_compute(self) -> bool:
+        return self in _COMPUTE
+
+
+_COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+
+
+@dataclass(frozen=True)
+class Action:
+    """``kind`` on ``stage`` for micro-batch ``micro``; printed as torch's ``"1F3"`` (stage 1, F, mb 3)."""
+
+    kind: Kind
+    stage: int
+    micro: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.micro}"
+
+    def message(self) -> tuple[str, int, int]:
+        """The message a communication action sends or receives: ``(direction, receiving stage,
+        micro-batch)``, the same on both sides."""
+        shift = {Kind.SEND_F: 1, Kind.SEND_B: -1}.get(self.kind, 0)
+        return ("F" if self.kind in (Kind.SEND_F, Kind.RECV_F) else "B", self.stage + shift, self.micro)
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A whole schedule: ``actions[r]`` is rank ``r``'s ordered action list (compute and p2p)."""
+
+    name: str
+    p: int
+    m: int
+    v: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return self.p * self.v
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.p
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(c * self.p + rank for c in range(self.v))
+
+    def compute(self, rank: int) -> tuple[Action, ...]:
+        """Rank ``rank``'s compute actions in order (no communication)."""
+        return tuple(a for a in self.actions[rank] if a.kind.is_compute)
+
+    def in_flight(self, rank: int) -> int:
+        """Most micro-batches whose forward ran on ``rank`` and whose backward (or ``I``) has not, at
+        any point of the schedule (GPipe: ``m`` on every rank; 1F1B: ``min(p - rank, m)``)."""
+        live = peak = 0
+        for a in self.compute(rank):
+            if a.kind is Kind.F:
+                live += 1
+                peak = max(peak, live)
+            elif a.kind in (Kind.B, Kind.I):
+                live -= 1
+        return peak
 
 
 # ---------------------------------------------------------------------------------------- generators
-def _gpipe(p: int, m: int, r: int) -> list[Action]:  # noqa: ARG001 - every builder takes (p, m, r)
-    return [Action(Kind.F, r, i) for i in range(m)] + [Action(Kind.B, r, i) for i in range(m)]
-
-
-def _one_f_one_b(p: int, m: int, r: int) -> list[Action]:
-    """Warm-up of ``min(p - r, m)`` forwards (DeepSpeed's ``num_pipe_buffers``, torch's
-    ``warmup_chunks``), then one backward and one forward alternately, then the remaining backwards."""
-    warm = min(p - r, m)
+def _one_f_one_b(m: int, r: int, warm: int, split: bool) -> list[Action]:
+    """``warm`` forwards, then one backward and one forward alternately, then the remaining backwards:
+    GPipe with ``warm = m``; 1F1B with ``warm = min(p - r, m)`` (DeepSpeed's ``num_pipe_buffers``,
+    torch's ``warmup_chunks``). With ``split`` (ZB-H1) each backward is an ``I``; rank ``r`` holds back
+    its first ``r`` weight-gradients (each later ``I`` is followed by the oldest pending ``W``) and runs
+    the ``r`` it holds at the end, filling the time it would otherwise wait."""
     ops = [Action(Kind.F, r, i) for i in range(warm)]
     for b in range(m):
-        ops.append(Action(Kind.B, r, b))
+        ops.append(Action(Kind.I if split else Kind.B, r, b))
         if warm + b < m:
             ops.append(Action(Kind.F, r, warm + b))
-    return ops
-
-
-def _zero_bubble_h1(p: int, m: int, r: int) -> list[Action]:
-    """ZB-H1: 1F1B's order with each backward split into ``I`` and ``W``; rank ``r`` holds back its
-    first ``r`` weight-gradients (each later ``I`` is followed by the oldest pending ``W``) and runs
-    the ``r`` it holds at the end, filling the time it would otherwise wait. Peak in-flight
-    micro-batches stay 1F1B's ``min(p - r, m)``."""
-    warm = min(p - r, m)
-    ops = [Action(Kind.F, r, i) for i in range(warm)]
-    next_w = 0
-    for b in range(m):
-        ops.append(Action(Kind.I, r, b))
-        if warm + b < m:
-            ops.append(Action(Kind.F, r, warm + b))
-        if b >= r:
-            ops.append(Action(Kind.W, r, next_w))
-            next_w += 1
-    ops.extend(Action(Kind.W, r, i) for i in range(next_w, m))
-    return ops
+        if split and b >= r:
+            ops.append(Action(Kind.W, r, b - r))
+    return ops + [Action(Kind.W, r, i) for i in range(max(m - r, 0), m) if split]
 
 
 def _interleaved(p: int, m: int, v: int, r: int) -> list[Action]:
@@ -108,49 +143,38 @@ def _interleaved(p: int, m: int, v: int, r: int) -> list[Action]:
 
 
 def _with_communication(compute: list[Action], p: int, num_stages: int, r: int) -> tuple[Action, ...]:
-    """Sends right after the compute that made them; each receive one compute ahead of the compute
-    that needs it (in the batch posted before the previous compute, so the message can arrive while
-    that compute runs), receives in the order the computes consume them."""
-    last = num_stages - 1
+    """Sends right after the compute that made them; each receive posted before the compute ahead of
+    the compute that needs it (so the message can arrive while that compute runs), in the order the
+    computes consume them."""
+
+    def remote(stage: int) -> bool:
+        return 0 <= stage < num_stages and stage % p != r
+
     recvs: list[list[Action]] = []
     sends: list[list[Action]] = []
     for a in compute:
-        s, i = a.stage, a.micro
-        rv, sd = [], []
-        if a.kind is Kind.F and s > 0 and (s - 1) % p != r:
-            rv.append(Action(Kind.RECV_F, s, i))
-        if a.kind in (Kind.B, Kind.I) and s < last and (s + 1) % p != r:
-            rv.append(Action(Kind.RECV_B, s, i))
-        if a.kind is Kind.F and s < last and (s + 1) % p != r:
-            sd.append(Action(Kind.SEND_F, s, i))
-        if a.kind in (Kind.B, Kind.I) and s > 0 and (s - 1) % p != r:
-            sd.append(Action(Kind.SEND_B, s, i))
-        recvs.append(rv)
-        sends.append(sd)
-    out: list[Action] = []
+        s, i, ahead = a.stage, a.micro, 1 if a.kind is Kind.F else -1  # F: from s - 1 to s + 1; B, I: back
+        links = a.kind is not Kind.W
+        recv, send = (Kind.RECV_F, Kind.SEND_F) if a.kind is Kind.F else (Kind.RECV_B, Kind.SEND_B)
+        recvs.append([Action(recv, s, i)] if links and remote(s - ahead) else [])
+        sends.append([Action(send, s, i)] if links and remote(s + ahead) else [])
+    recvs.append([])  # none after the last compute
+    out = list(recvs[0])
     for k, a in enumerate(compute):
-        if k == 0:
-            out += recvs[0]
-        if k + 1 < len(compute):
-            out += recvs[k + 1]  # posted now, waited for at compute k + 1
-        out.append(a)
-        out += sends[k]
+        out += [*recvs[k + 1], a, *sends[k]]
     return tuple(out)
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
-    """The schedule ``name`` for ``p`` ranks, ``m`` micro-batches and ``v`` stages per rank, dry-run."""
+    """The schedule ``name`` for ``p`` ranks, ``m`` micro-batches and ``v`` stages per rank, dry-run
+    (``(p, m, v)`` checked first by :func:`~dtlab.core.plan.check_schedule_args`)."""
     check_schedule_args(name, p, m, v)
-    per_rank: list[tuple[Action, ...]] = []
+    per_rank = []
     for r in range(p):
-        if name == "gpipe":
-            compute = _gpipe(p, m, r)
-        elif name == "1f1b":
-            compute = _one_f_one_b(p, m, r)
-        elif name == "zero_bubble":
-            compute = _zero_bubble_h1(p, m, r)
-        else:
+        if name == "interleaved_1f1b":
             compute = _interleaved(p, m, v, r)
+        else:
+            compute = _one_f_one_b(m, r, m if name == "gpipe" else min(p - r, m), name == "zero_bubble")
         per_rank.append(_with_communication(compute, p, p * v, r))
     schedule = PipelineSchedule(name, p, m, v, tuple(per_rank))
     dry_run(schedule)

@@ -1,15 +1,11 @@
-"""Splitting a module into pipeline stages, deterministically on every rank.
+"""Splitting a module with blocks into pipeline stages, deterministically on every rank.
 
-A pipelined module is an ``nn.Sequential`` (its children are the blocks) or any module with a
-``pipeline_blocks()`` method returning its ordered ``(name, block)`` pairs, each block taking one tensor
-and returning one tensor (``TransformerLM`` offers one: embedding, each transformer block, final norm
-with the head). Every parameter and buffer must belong to a block (none silently dropped); a buffer
-to one block only; a parameter used by blocks of several stages is tied across them
-(:mod:`dtlab.models.pipeline._ties`). Any other module is split at module names
-(:mod:`dtlab.models.pipeline._trace`). Stage boundaries are block names (``split_points``: where a
-stage begins, torch's ``SplitPoint.BEGINNING``), by default a split balanced by parameter count.
-Shapes and dtypes of the tensors between stages come from a forward on the meta device with the
-micro-batch's shape, computed alike on every rank: nothing is negotiated at run time.
+The blocks are an ``nn.Sequential``'s children or the ``(name, block)`` pairs of a ``pipeline_blocks()``
+method, each one tensor in and one tensor out, together covering every parameter and buffer
+(docs/strategies.md, "Stages"); a parameter used by blocks of several stages is tied across them
+(:mod:`dtlab.models.pipeline._ties`). A module without blocks is split at module names
+(:mod:`dtlab.models.pipeline._trace`). The tensors between stages come from a forward on the meta
+device with the micro-batch's shape, alike on every rank: nothing is negotiated at run time.
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ __all__ = [
     "Stage",
     "TensorSpec",
     "balanced_split",
+    "check_split_count",
     "has_blocks",
     "module_blocks",
     "split_blocks",
@@ -44,6 +41,10 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tuple(tensor.shape), tensor.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -115,18 +116,12 @@ def module_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-def _numel(block: nn.Module) -> int:
-    return sum(p.numel() for p in block.parameters())
-
-
 def balanced_split(sizes: Sequence[int], stages: int) -> list[int]:
     """Start index of each of ``stages`` contiguous, non-empty groups of ``sizes`` minimising the
     largest group's sum (ties: the latest cut, so a parameterless block such as an activation stays
     with the layer before it). Deterministic, so every rank computes the same."""
     n = len(sizes)
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
+    prefix = list(itertools.accumulate(sizes, initial=0))
     inf = float("inf")
     # best[k][i]: the smallest largest-sum splitting the first i blocks into k groups
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -136,13 +131,25 @@ def balanced_split(sizes: Sequence[int], stages: int) -> list[int]:
         for i in range(k, n - (stages - k) + 1):
             for j in range(k - 1, i):
                 cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost <= best[k][i]:  # ties: the latest cut, so parameterless blocks stay behind
+                if cost <= best[k][i]:  # ties: the latest cut
                     best[k][i], cut[k][i] = cost, j
     starts, i = [], n
     for k in range(stages, 0, -1):
         i = cut[k][i]
         starts.append(i)
     return starts[::-1]
+
+
+def check_split_count(split_points: Sequence[str], stages: int, what: str) -> list[str]:
+    """``split_points`` as a list, refused unless there is one per stage after the first (``what``
+    they are, for the message)."""
+    points = list(split_points)
+    if len(points) != stages - 1:
+        raise StrategyError(
+            f"{stages} pipeline stages need {stages - 1} split points ({what} where stages 1..{stages - 1} "
+            f"begin), got {len(points)}: {points}"
+        )
+    return points
 
 
 def split_blocks(
@@ -156,14 +163,9 @@ def split_blocks(
             "(pp size x stages_per_rank); use fewer stages or a module with more blocks"
         )
     if split_points is None:
-        starts = balanced_split([_numel(b) for _, b in blocks], stages)
+        starts = balanced_split([sum(p.numel() for p in b.parameters()) for _, b in blocks], stages)
     else:
-        points = list(split_points)
-        if len(points) != stages - 1:
-            raise StrategyError(
-                f"{stages} pipeline stages need {stages - 1} split points (the block names where stages 1.."
-                f"{stages - 1} begin), got {len(points)}: {points}"
-            )
+        points = check_split_count(split_points, stages, "the block names")
         unknown = [p for p in points if p not in names]
         if unknown:
             raise StrategyError(f"split points {unknown} name no pipeline block; the blocks are {names}")
@@ -213,6 +215,6 @@ def stage_specs(stages: Sequence[Stage], shapes: Sequence[Shapes], sample: Tenso
                     f"pipeline stage {stage.index} ({stage.names[-1]}) returns a {type(y).__name__}; every "
                     "block must return one tensor"
                 )
-            out.append(TensorSpec(tuple(y.shape), y.dtype))
+            out.append(TensorSpec.of(y))
             x = y
     return out

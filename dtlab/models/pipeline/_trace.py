@@ -1,25 +1,14 @@
-"""Splitting any model at module names: every stage runs the model's own forward.
+"""Splitting any model at module names: every stage runs the model's own forward (docs/your_model.md,
+"How it splits").
 
-``split_points=["model.layers.2"]`` names the modules where stages 1.. begin. The *blocks* are the
-children of the modules on the paths from the root to the split points (for a Llama:
-``model.embed_tokens``, ``model.rotary_emb``, ``model.layers.0`` .. ``model.layers.3``, ``model.norm``,
-``lm_head``); those paths (the root, ``model``, ``model.layers``) are the *glue*, whose own forward
-builds positions, masks and rotary tables and calls the blocks. A block with parameters belongs to the
-stage its place in the module tree gives it (registration order, checked against the call order by
-the first step's trace); a block without parameters (a rotary embedding, a dropout, an activation) is
-*replicated*: it runs wherever the glue calls it, its buffers are held by every stage using it and
-saved once.
-
-Stage ``k`` is a shallow copy of the glue whose children are: its own blocks (the user's modules, so
-their hooks fire), the replicated blocks, a :class:`_Stub` for each block of an earlier stage (zeros
-shaped like that block's output in the trace, or its first input when they have one shape), and an
-:class:`_Exit` for each block of a later stage (the first one called ends the stage: its first tensor
-argument, the hidden state, goes to the next stage). Its split point is an :class:`_Entry`, which puts
-the received hidden state in place of that argument. Each stage is called with the micro-batch's model
-inputs (every pipeline rank has the batch), so the glue computes positions and masks as the whole model
-does. That nothing a stub returns reaches a stage's own blocks or its output, and that the call order
-fits the split, is checked on the meta device before the first step
-(:mod:`dtlab.models.pipeline._trace_check`).
+``split_points=["model.layers.2"]`` names the modules where stages 1.. begin. The *glue* is the modules
+on the paths from the root to the split points (their forward builds positions, masks and rotary
+tables and calls the blocks); the *blocks* are the glue's other children. A block with parameters
+belongs to the stage its place in the module tree gives it; one without is *replicated* (it runs
+wherever the glue calls it). Stage ``k`` is a shallow copy of the glue whose children are its own and
+the replicated blocks (the user's modules, so their hooks fire), a :class:`_Stub` for each block of an
+earlier stage, an :class:`_Exit` for each block of a later stage and an :class:`_Entry` at its split
+point. The trace (:mod:`dtlab.models.pipeline._trace_check`) checks the split before the first step.
 """
 
 from __future__ import annotations
@@ -31,19 +20,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_map_only
 
 from dtlab.errors import StrategyError
-from dtlab.models.pipeline._split import TensorSpec
+from dtlab.models.pipeline._split import TensorSpec, check_split_count
 
 __all__ = [
     "Slot",
     "StageEnd",
-    "argument",
     "TracedStage",
     "TracedStructure",
-    "first_tensor_slot",
-    "is_stub",
+    "first_tensor",
     "traced_stages",
     "traced_structure",
 ]
@@ -52,20 +39,10 @@ __all__ = [
 Slot = int | str
 
 
-def first_tensor_slot(args: Sequence[Any], kwargs: dict[str, Any]) -> Slot | None:
-    """The first tensor among a call's positional, then keyword, arguments."""
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return i
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            return k
-    return None
-
-
-def argument(args: Sequence[Any], kwargs: dict[str, Any], slot: Slot) -> Any:
-    """A call's argument at ``slot``."""
-    return args[slot] if isinstance(slot, int) else kwargs[slot]
+def first_tensor(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Slot, torch.Tensor] | None:
+    """The slot and value of the first tensor among a call's positional, then keyword, arguments."""
+    named: list[tuple[Slot, Any]] = [*enumerate(args), *kwargs.items()]
+    return next(((slot, a) for slot, a in named if isinstance(a, torch.Tensor)), None)
 
 
 class StageEnd(BaseException):
@@ -109,30 +86,20 @@ class _Stub(_Proxy):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run: _Run = self.__dict__["_run"]
         out = run.outputs[self.block_name]
-        slot = first_tensor_slot(args, kwargs)
-        if isinstance(out, TensorSpec) and slot is not None:
-            first = argument(args, kwargs, slot)
-            if tuple(first.shape) == out.shape and first.dtype == out.dtype:
-                return first
-        return tree_map(
-            lambda s: (
-                torch.zeros(s.shape, dtype=s.dtype, device=run.device) if isinstance(s, TensorSpec) else s
-            ),
-            out,
+        first = first_tensor(args, kwargs)
+        if first is not None and TensorSpec.of(first[1]) == out:
+            return first[1]
+        return tree_map_only(
+            TensorSpec, lambda s: torch.zeros(s.shape, dtype=s.dtype, device=run.device), out
         )
-
-
-def is_stub(module: nn.Module) -> bool:
-    """Whether ``module`` stands in a stage's glue for a block of an earlier stage."""
-    return isinstance(module, _Stub)
 
 
 class _Exit(_Proxy):
     """A block of a later stage: calling it ends this stage with its first tensor argument."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        slot = first_tensor_slot(args, kwargs)
-        raise StageEnd(self.block_name, None if slot is None else argument(args, kwargs, slot))
+        first = first_tensor(args, kwargs)
+        raise StageEnd(self.block_name, None if first is None else first[1])
 
 
 class _Entry(_Proxy):
@@ -177,14 +144,7 @@ class TracedStage(nn.Module):
         self.exit = None if last else structure.points[index]
         self.blocks = nn.ModuleList([module.get_submodule(b) for b in [*self.names, *self.replicated]])
         self.__dict__["_run"] = _Run()
-        copies = _copy_glue(module, structure, index, self.__dict__["_run"])
-        self.__dict__["_glue"] = copies
-
-    @property
-    def glue(self) -> nn.Module:
-        """This stage's copy of the model's root (its forward is the model's own)."""
-        root: nn.Module = self.__dict__["_glue"][""]
-        return root
+        self.__dict__["_glue"] = _copy_glue(module, structure, index, self.__dict__["_run"])
 
     def prepare(self, outputs: dict[str, Any], slot: Slot) -> None:
         """Before a call: the traced output structures of the blocks and the hidden state's slot in the
@@ -192,16 +152,16 @@ class TracedStage(nn.Module):
         run: _Run = self.__dict__["_run"]
         run.outputs, run.slot = outputs, slot
 
-    def proxies(self) -> list[nn.Module]:
-        """The stand-ins in this stage's copy of the glue (stubs, entry, exits)."""
-        return [m for g in self.__dict__["_glue"].values() for m in g.children() if isinstance(m, _Proxy)]
+    def stubs(self) -> list[nn.Module]:
+        """The stand-ins in this stage's copy of the glue for blocks of earlier stages."""
+        return [m for g in self.__dict__["_glue"].values() for m in g.children() if isinstance(m, _Stub)]
 
     def forward(self, x: torch.Tensor, inputs: torch.Tensor) -> Any:
         run: _Run = self.__dict__["_run"]
         run.received = x if self.index > 0 else None
         run.device = inputs.device
         try:
-            out = self.glue(inputs)
+            out = self.__dict__["_glue"][""](inputs)  # the model's own forward
         except StageEnd as end:
             if end.name != self.exit or not isinstance(end.payload, torch.Tensor):
                 raise StrategyError(
@@ -243,13 +203,8 @@ def _children(module: nn.Module, path: str) -> Iterator[tuple[str, str, nn.Modul
 
 def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int) -> TracedStructure:
     """Blocks and their stages for ``split_points`` (checked: existing, in order, not nested)."""
-    points = list(split_points)
     kind = type(module).__name__
-    if len(points) != stages - 1:
-        raise StrategyError(
-            f"{stages} pipeline stages need {stages - 1} split points (module names of {kind} where stages "
-            f"1..{stages - 1} begin), got {len(points)}: {points}"
-        )
+    points = check_split_count(split_points, stages, f"module names of {kind}")
     names = {n for n, _ in module.named_modules()}
     unknown = [p for p in points if not p or p not in names]
     if unknown:

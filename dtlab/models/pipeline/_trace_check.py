@@ -1,19 +1,14 @@
-"""The trace of a model split at module names, for one micro-batch shape.
+"""The trace of a model split at module names, for one micro-batch shape (docs/your_model.md).
 
 Run alike on every rank before the first step with that shape (so every rank refuses together), on the
-micro-batch itself with every parameter a zero broadcast to its recorded shape (one element of memory
-each; buffers this rank holds keep their values): values that steer the forward's control flow
-(positions, masks, packed-sequence checks) are the real ones, and no rank needs another's weights.
+micro-batch itself with every parameter a zero broadcast to its recorded shape (buffers this rank holds
+keep their values), so values that steer the forward (positions, masks) are the real ones:
 
-1. the whole model's forward with hooks on its blocks: the
-   call order (a block of an earlier stage called after one of a later stage is refused: the split
-   does not fit the forward), each block's output structure (what a stub returns) and where the
-   hidden state is among each split point's arguments, with its shape (the message between stages);
-2. each stage alone, as it will run, with every value a stub returns *marked*: a torch-function mode
-   marks whatever is computed from a marked tensor (not shapes: ``empty_like``, ``size`` ...), and a
-   marked tensor reaching one of the stage's own blocks (other than the hidden state it receives) or
-   the stage's output is refused, naming the block, the argument and the stub it comes from. So a
-   stage never silently computes from zeros standing for another stage's values.
+1. the whole model's forward with hooks on its blocks: the call order must fit the split; each block's
+   output structure (what a stub returns) and the hidden state's slot and spec at each split point;
+2. each stage alone, as it will run, with what its stubs return *marked* (and whatever is computed from
+   a marked tensor, shape-only functions aside): a marked tensor reaching one of the stage's own blocks
+   or its output is refused, naming the block, the argument and the stub it comes from.
 """
 
 from __future__ import annotations
@@ -26,11 +21,11 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from dtlab.errors import StrategyError
 from dtlab.models.pipeline._split import Shapes, TensorSpec
-from dtlab.models.pipeline._trace import Slot, StageEnd, TracedStage, argument, first_tensor_slot, is_stub
+from dtlab.models.pipeline._trace import Slot, TracedStage, first_tensor
 
 __all__ = ["Trace", "output_tensor", "trace_split"]
 
@@ -66,10 +61,6 @@ def output_tensor(out: Any) -> torch.Tensor | None:
     return logits if isinstance(logits, torch.Tensor) else None
 
 
-def _spec(t: Any) -> Any:
-    return TensorSpec(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
-
-
 class _Runner(nn.Module):
     """Holds the user's module, so ``functional_call`` swaps its tensors while ``fn`` runs."""
 
@@ -101,8 +92,7 @@ def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: 
     points = [s.entry for s in stages[1:] if s.entry is not None]
     blocks = [*owner, *stages[0].replicated]
     outputs: dict[str, Any] = {}
-    slots: dict[str, Slot] = {}
-    payload: dict[str, TensorSpec] = {}
+    slots: dict[str, tuple[Slot, TensorSpec]] = {}  # split point -> the hidden state's slot and spec
     latest: list[tuple[int, str]] = [(0, "")]
     kind = type(module).__name__
 
@@ -118,17 +108,16 @@ def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: 
                     )
                 latest.append((stage, name))
             if name in points and name not in slots:
-                slot = first_tensor_slot(args, kwargs)
-                if slot is None:
+                first = first_tensor(args, kwargs)
+                if first is None:
                     raise StrategyError(f"split point {name!r} is called without a tensor argument")
-                slots[name] = slot
-                payload[name] = _spec(argument(args, kwargs, slot))
+                slots[name] = (first[0], TensorSpec.of(first[1]))
 
         return hook
 
     def after(name: str) -> Callable[..., None]:
         def hook(_m: nn.Module, _a: Any, _k: Any, out: Any) -> None:
-            outputs.setdefault(name, tree_map(_spec, out))
+            outputs.setdefault(name, tree_map_only(torch.Tensor, TensorSpec.of, out))
 
         return hook
 
@@ -151,8 +140,8 @@ def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: 
             f"{kind} returns a {type(out).__name__}; a pipeline's last stage needs a tensor or an output "
             "with logits (the loss function receives it)"
         )
-    specs = [payload[p] for p in points] + [_spec(last)]
-    return Trace(specs, outputs, slots)
+    specs = [slots[p][1] for p in points] + [TensorSpec.of(last)]
+    return Trace(specs, outputs, {p: slot for p, (slot, _) in slots.items()})
 
 
 class _Marks(TorchFunctionMode):
@@ -193,10 +182,9 @@ def _check_stage(
     """Step 2: one stage as it will run, with what its stubs return marked."""
     marks = _Marks()
     handles = []
-    for proxy in stage.proxies():
-        if is_stub(proxy):
-            name = str(proxy.block_name)
-            handles.append(proxy.register_forward_hook(lambda _m, _a, out, n=name: marks.mark(out, n)))
+    for stub in stage.stubs():
+        name = str(stub.block_name)
+        handles.append(stub.register_forward_hook(lambda _m, _a, out, n=name: marks.mark(out, n)))
 
     def guard(name: str) -> Callable[..., None]:
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -217,10 +205,7 @@ def _check_stage(
 
     def run(xx: torch.Tensor, ii: torch.Tensor) -> Any:
         with marks:
-            try:
-                out = stage(xx, ii)
-            except StageEnd as end:  # unreachable: the stage catches its own
-                raise StrategyError(f"pipeline stage {stage.index} ended at {end.name!r}") from None
+            out = stage(xx, ii)
         origin = marks.origin(out)
         if origin is not None:
             raise StrategyError(
