@@ -85,7 +85,7 @@ class PipelineRun:
         if layout.traced:
             trace = self._traces[key]
             for stage in cast("list[TracedStage]", layout.stages):
-                stage.prepare(trace.outputs, trace.slots.get(stage.entry or "", 0))
+                stage.prepare(trace.outputs, trace.slots)
         return self._specs[key]
 
     def infer(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,24 +1,15 @@
 """Activations and their gradients between pipeline stages: the schedule's p2p actions posted as batches.
 
-The communication actions a rank meets between two computes are posted together with one
-:meth:`~dtlab.backends.base.CommunicationBackend.batch_isend_irecv` (the sends of the last compute and
-the receives due next), so no engine can deadlock on the order of posting. The schedule places each
-receive one compute ahead of the compute that needs it, the latest it may be posted; the runtime posts
-the later receives earlier still, in order, while their waiting buffers fit in ``RECEIVE_AHEAD_BYTES``
-(small messages: every receive of the step in the first batch). Gloo moves a message's bytes only once
-its receive is posted (a rendezvous): a receive posted after its send costs a notification round trip
-between the two ranks' I/O threads on the critical path, while one posted before lets the sender write
-the bytes at once; on a loaded machine that round trip costs more than a small stage's compute.
-Receives keep the schedule's order, so the order of the messages between two ranks (NCCL matches by
-it) is unchanged, and a receive posted earlier can only complete its message sooner. A receive is
-waited for right before the compute that needs it; sends are waited for at the end of the step (the
-dry run has checked that every receive gets its send, so waiting then cannot hang). Receive buffers are
-allocated from the stage boundary's :class:`TensorSpec`, the same on every rank. Each message has its
-own tag (direction, stage, micro-batch).
-
-Every message travels in its boundary's spec dtype (the meta forward's, outside autocast): under
-bf16/fp16 autocast a stage may end in a low-precision op on one rank while its peer allocated the
-spec's buffer, so the sender casts (a no-op when they agree).
+The communication actions a rank meets between two computes are posted as one
+:meth:`~dtlab.backends.base.CommunicationBackend.batch_isend_irecv`, so no engine can deadlock on the
+order of posting. Later receives are posted earlier still, in order, while their buffers fit in
+:data:`RECEIVE_AHEAD_BYTES`: gloo moves a message's bytes only once its receive is posted, and a
+receive posted after its send costs a round trip between the two ranks on the critical path
+(docs/strategies.md, "Schedules"). Receives keep the schedule's order, so the order of the messages
+between two ranks (NCCL matches by it) is unchanged. A receive is waited for right before the compute
+that needs it, sends at the end of the step (the dry run has checked that every receive gets its
+send). Each message has its own tag and travels in its boundary's :class:`TensorSpec` dtype (the meta
+forward's, outside autocast), cast by the sender, so autocast on either side cannot mismatch it.
 """
 
 from __future__ import annotations
@@ -62,18 +53,24 @@ class StageLinks:
         # the sends the schedule places right before compute j (the last entry: after the last compute),
         # and every receive in order with the compute before which the schedule places it
         self._sends_at: list[list[Action]] = [[]]
-        self._planned: deque[tuple[int, Action, TensorSpec, int]] = deque()
+        self._planned: deque[tuple[int, Action]] = deque()
         for a in schedule.actions[pp.rank]:
             if a.kind.is_compute:
                 self._sends_at.append([])
             elif a.kind in (Kind.SEND_F, Kind.SEND_B):
                 self._sends_at[-1].append(a)
             else:
-                spec = self.specs[a.stage - 1] if a.kind is Kind.RECV_F else self.specs[a.stage]
-                self._planned.append((len(self._sends_at) - 1, a, spec, spec.nbytes))
+                self._planned.append((len(self._sends_at) - 1, a))
         self._waiting = 0  # bytes of posted receive buffers not taken yet
         self._recvs: dict[tuple[Kind, int, int], tuple[Work, torch.Tensor]] = {}
         self._sends: list[Work] = []
+
+    def _route(self, a: Action) -> tuple[int, TensorSpec]:
+        """The peer rank of communication action ``a`` and the spec of its message."""
+        direction, stage, _ = a.message()  # the receiving stage
+        sender = stage - 1 if direction == "F" else stage + 1
+        peer = sender if a.kind in (Kind.RECV_F, Kind.RECV_B) else stage
+        return self.schedule.rank_of(peer), self.specs[min(stage, sender)]
 
     def _tag(self, a: Action) -> int:
         s = self.schedule
@@ -86,32 +83,26 @@ class StageLinks:
         ``ahead_bytes``, as one batch; ``outgoing(action)`` gives a send's tensor."""
         ops: list[P2POp] = []
         for a in self._sends_at[j]:
-            peer_stage = a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1
-            spec = self.specs[a.stage] if a.kind is Kind.SEND_F else self.specs[a.stage - 1]
-            out = outgoing(a).to(spec.dtype).contiguous()
-            ops.append(P2POp.send(out, self.schedule.rank_of(peer_stage), self._tag(a)))
-        recv_keys: list[tuple[tuple[Kind, int, int], torch.Tensor]] = []
-        planned = self._planned
-        while planned:
-            at, a, spec, nbytes = planned[0]
-            if at > j and self._waiting + nbytes > self.ahead_bytes:
+            peer, spec = self._route(a)
+            ops.append(P2POp.send(outgoing(a).to(spec.dtype).contiguous(), peer, self._tag(a)))
+        sends = len(ops)
+        received: list[tuple[tuple[Kind, int, int], torch.Tensor]] = []
+        while self._planned:
+            at, a = self._planned[0]
+            peer, spec = self._route(a)
+            if at > j and self._waiting + spec.nbytes > self.ahead_bytes:
                 break
-            planned.popleft()
-            peer_stage = a.stage - 1 if a.kind is Kind.RECV_F else a.stage + 1
+            self._planned.popleft()
             buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.pp.device)
-            ops.append(P2POp.recv(buf, self.schedule.rank_of(peer_stage), self._tag(a)))
-            recv_keys.append(((a.kind, a.stage, a.micro), buf))
-            self._waiting += nbytes
+            ops.append(P2POp.recv(buf, peer, self._tag(a)))
+            received.append(((a.kind, a.stage, a.micro), buf))
+            self._waiting += spec.nbytes
         if not ops:
             return
-        works = self.pp.batch_isend_irecv(ops)
-        it = iter(recv_keys)
-        for op, work in zip(ops, works, strict=True):
-            if op.kind == "send":
-                self._sends.append(work)
-            else:
-                key, buf = next(it)
-                self._recvs[key] = (work, buf)
+        works = self.pp.batch_isend_irecv(ops)  # in the order of ops: the sends, then the receives
+        self._sends += works[:sends]
+        for (key, buf), work in zip(received, works[sends:], strict=True):
+            self._recvs[key] = (work, buf)
 
     def take(self, kind: Kind, stage: int, micro: int) -> torch.Tensor:
         """Wait for the receive ``kind`` (``RECV_F``/``RECV_B``) of ``stage``, ``micro`` and return it."""
@@ -125,8 +116,6 @@ class StageLinks:
         for w in self._sends:
             w.wait()
         self._sends = []
-        if self._recvs:  # unreachable after a dry-run schedule; say so rather than leave them dangling
-            raise RuntimeError(f"pipeline step ended with receives never used: {sorted(self._recvs)}")
 
 
 def infer_through_stages(

@@ -11,7 +11,13 @@ from dtlab.models.pipeline._schedules import Kind, PipelineSchedule, Timeline, b
 
 __all__ = ["plot_schedule"]
 
-_COLOURS = {Kind.F: "#4C72B0", Kind.B: "#55A868", Kind.I: "#55A868", Kind.W: "#DD8452"}
+#: each compute kind's colour and legend label
+_STYLE = {
+    Kind.F: ("#4C72B0", "forward (F)"),
+    Kind.B: ("#55A868", "backward (B)"),
+    Kind.I: ("#55A868", "input gradient (I)"),
+    Kind.W: ("#DD8452", "weight gradient (W)"),
+}
 
 
 def plot_schedule(
@@ -53,8 +59,8 @@ def plot_schedule(
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.55 * p * len(panels) + 1.3), squeeze=False)
     for ax, (label, timeline) in zip(axes[:, 0], panels, strict=True):
         _draw(ax, built, timeline)
-        makespan = timeline.makespan
-        ax.set_title(f"{label}: makespan {makespan:.3g}, idle {100 * timeline.bubble():.1f}%", fontsize=9)
+        span, idle = timeline.makespan, 100 * timeline.bubble()
+        ax.set_title(f"{label}: makespan {span:.3g}, idle {idle:.1f}%", fontsize=9)
     _legend(axes[0, 0], built, planned)
     name = title or f"{built.name}  p={p}  m={m}" + (f"  v={built.v}" if built.v > 1 else "")
     fig.suptitle(name, fontsize=11)
@@ -67,16 +73,14 @@ def plot_schedule(
 
 
 def _draw(ax: Any, s: PipelineSchedule, timeline: Timeline) -> None:
-    starts = [iv[0][1] for iv in timeline.intervals if iv]
-    t0 = min(starts) if starts else 0.0
+    t0 = min((iv[0][1] for iv in timeline.intervals if iv), default=0.0)
     for r, intervals in enumerate(timeline.intervals):
         for a, start, end in intervals:
-            chunk = a.stage // s.p
-            alpha = 1.0 - 0.45 * chunk / max(1, s.v - 1) if s.v > 1 else 1.0
+            alpha = 1.0 - 0.45 * (a.stage // s.p) / (s.v - 1) if s.v > 1 else 1.0  # later chunks lighter
             ax.broken_barh(
                 [(start - t0, end - start)],
                 (r - 0.4, 0.8),
-                facecolors=_COLOURS[a.kind],
+                facecolors=_STYLE[a.kind][0],
                 alpha=alpha,
                 edgecolor="black",
                 linewidth=0.4,
@@ -91,20 +95,14 @@ def _draw(ax: Any, s: PipelineSchedule, timeline: Timeline) -> None:
     ax.set_xlabel("time")
 
 
-_NAMES = {
-    Kind.F: "forward (F)",
-    Kind.B: "backward (B)",
-    Kind.I: "input gradient (I)",
-    Kind.W: "weight gradient (W)",
-}
-
-
 def _legend(ax: Any, s: PipelineSchedule, timeline: Timeline) -> None:
     """What each colour is (the kinds this schedule runs), and what lighter means with several chunks."""
     from matplotlib.patches import Patch
 
     kinds = {a.kind for intervals in timeline.intervals for a, _, _ in intervals}
-    handles = [Patch(facecolor=_COLOURS[k], edgecolor="black", label=_NAMES[k]) for k in Kind if k in kinds]
+    handles = [
+        Patch(facecolor=c, edgecolor="black", label=name) for k, (c, name) in _STYLE.items() if k in kinds
+    ]
     if s.v > 1:
         handles.append(Patch(facecolor="white", edgecolor="black", label="lighter: a later stage chunk"))
     label = "label: micro-batch" + (".stage" if s.v > 1 else "")

@@ -1,16 +1,11 @@
 """Running one rank's share of a pipeline schedule: forwards, backwards, input- and weight-gradients.
 
-The compute actions of :mod:`dtlab.models.pipeline._schedules` are executed in order; before each,
-:class:`~dtlab.models.pipeline._comm.StageLinks` posts the communication the schedule places there
-as one batch (and receives due a few computes later). The gradient contract: the last stage computes
-``loss_fn(output, targets) / m`` for each micro-batch and runs backward from it, so the accumulated
-gradients equal those of the mean loss over the whole batch (never scaled after the fact).
-
-Activation memory is counted from the tensors (:class:`ActivationMeter`): for each micro-batch on each
-stage, the storages autograd saves during its forward (parameters and the batch itself excluded), its
-input and its output,
-from the end of its forward until its backward (for zero-bubble: what its ``I`` leaves for ``W`` until
-``W``); a storage held by two micro-batch records (a local hand-over between stages) counts once.
+The rank's compute actions run in order; before each, :class:`~dtlab.models.pipeline._comm.StageLinks`
+posts the communication the schedule places there. The last stage runs backward from
+``loss_fn(output, targets) / m`` per micro-batch, so the accumulated gradients are those of the mean
+loss over the whole batch (never scaled after the fact). Activation memory is counted from the tensors
+(:class:`ActivationMeter`, docs/strategies.md, "What it costs"); a storage held by two micro-batch
+records (a local hand-over between stages) counts once.
 """
 
 from __future__ import annotations
@@ -38,10 +33,8 @@ class ActivationMeter:
 
     def __init__(self, excluded: set[int]) -> None:
         self.excluded = excluded  # storage data pointers of parameters
-        self.current = self.peak = 0
-        self._held: dict[Key, dict[int, int]] = {}
-        self._refs: dict[int, int] = {}
-        self._sizes: dict[int, int] = {}
+        self.peak = 0
+        self._held: dict[Key, dict[int, int]] = {}  # storage data pointer -> bytes
 
     def _add(self, key: Key, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -61,26 +54,17 @@ class ActivationMeter:
             yield
 
     def hold(self, key: Key, tensors: Sequence[torch.Tensor]) -> None:
-        """Record ``tensors`` for ``key`` as well, then count everything recorded for it."""
+        """Record ``tensors`` for ``key`` as well, then count everything recorded (each storage once)."""
         for t in tensors:
             self._add(key, t)
-        for ptr, nbytes in self._held.get(key, {}).items():
-            if self._refs.get(ptr, 0) == 0:
-                self.current += nbytes
-                self._sizes[ptr] = nbytes
-            self._refs[ptr] = self._refs.get(ptr, 0) + 1
-        self.peak = max(self.peak, self.current)
+        union = {ptr: nbytes for held in self._held.values() for ptr, nbytes in held.items()}
+        self.peak = max(self.peak, sum(union.values()))
 
     def release(self, key: Key) -> None:
-        for ptr in self._held.pop(key, {}):
-            self._refs[ptr] -= 1
-            if self._refs[ptr] == 0:
-                del self._refs[ptr]
-                self.current -= self._sizes.pop(ptr)
+        self._held.pop(key, None)
 
     def replace(self, key: Key, storages: dict[int, int]) -> None:
         """After ``I``: ``key`` now holds only ``storages`` (what its ``W`` needs)."""
-        self.release(key)
         self._held[key] = {p: n for p, n in storages.items() if p not in self.excluded}
         self.hold(key, [])
 
@@ -109,19 +93,20 @@ class _Step:
     checkpointing: bool
     xs: dict[Key, torch.Tensor] = field(default_factory=dict)  # stage inputs, until their backward
     ys: dict[Key, torch.Tensor] = field(default_factory=dict)  # outputs (last stage: the scaled loss)
-    to_send: dict[Key, torch.Tensor] = field(default_factory=dict)  # input-gradients for their SEND_B
-    local_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # handed over on this rank (p = 1)
+    #: the gradient of each stage's output from the next stage's backward, sent (SEND_B) or handed over
+    grads: dict[Key, torch.Tensor] = field(default_factory=dict)
     deferred: dict[Key, WeightGradients] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
 
     def outgoing(self, a: Action) -> torch.Tensor:
         if a.kind is Kind.SEND_F:
             return self.ys[(a.stage, a.micro)].detach()
-        return self.to_send.pop((a.stage, a.micro))
+        return self.grads.pop((a.stage - 1, a.micro))
 
     def forward(self, a: Action, x: torch.Tensor, target: torch.Tensor) -> None:
         key, last = (a.stage, a.micro), self.schedule.num_stages - 1
-        store = self.deferred.setdefault(key, WeightGradients()) if _splits(self.schedule) else None
+        splits = self.schedule.name == "zero_bubble"
+        store = self.deferred.setdefault(key, WeightGradients()) if splits else None
         with (
             self.meter.saving(key),
             SplitLinearMode(store) if store is not None else contextlib.nullcontext(),
@@ -135,13 +120,22 @@ class _Step:
         if a.stage == last:
             self.loss_sum = y.detach() if self.loss_sum is None else self.loss_sum + y.detach()
 
+    def stage_input(self, a: Action, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        if a.stage == 0:
+            return inputs[a.micro]
+        if self.schedule.rank_of(a.stage - 1) != self.rank and self.links is not None:
+            x = self.links.take(Kind.RECV_F, a.stage, a.micro)
+        else:
+            x = self.ys[(a.stage - 1, a.micro)].detach()
+        return x.requires_grad_(x.is_floating_point())
+
     def output_grad(self, a: Action) -> torch.Tensor | None:
         key = (a.stage, a.micro)
         if a.stage == self.schedule.num_stages - 1:
             return None
         if self.schedule.rank_of(a.stage + 1) != self.rank and self.links is not None:
             return self.links.take(Kind.RECV_B, *key)
-        return self.local_grads.pop(key)
+        return self.grads.pop(key)
 
     def backward(self, a: Action, grad: torch.Tensor | None) -> None:
         key = (a.stage, a.micro)
@@ -149,11 +143,7 @@ class _Step:
         if y.requires_grad:
             torch.autograd.backward(y, grad)
         if a.stage > 0:
-            g = x.grad if x.grad is not None else torch.zeros_like(x)
-            if self.schedule.rank_of(a.stage - 1) != self.rank:
-                self.to_send[key] = g
-            else:
-                self.local_grads[(a.stage - 1, a.micro)] = g
+            self.grads[(a.stage - 1, a.micro)] = x.grad if x.grad is not None else torch.zeros_like(x)
         if a.kind is Kind.I:
             self.meter.replace(key, self.deferred[key].held_storages())
         else:
@@ -181,20 +171,17 @@ def run_schedule(
     checkpointing: bool = False,
 ) -> StepResult:
     """Execute ``schedule.actions[rank]`` with this rank's ``stages`` (each called with its input and the
-    micro-batch's index) on the micro-batches. With
-    ``checkpointing`` each stage's forward keeps only its input and recomputes the rest in its
-    backward (``torch.utils.checkpoint``, non-reentrant)."""
+    micro-batch's index) on the micro-batches. With ``checkpointing`` each stage's forward keeps only
+    its input and recomputes the rest in its backward (``torch.utils.checkpoint``, non-reentrant)."""
     step = _Step(schedule, rank, stages, links, loss_fn, ActivationMeter(excluded_storages), checkpointing)
     timeline: list[tuple[Action, float, float]] = []
     computes = schedule.compute(rank)
-    if links is None and len(computes) < len(schedule.actions[rank]):  # unreachable: p = 1 has no messages
-        raise StrategyError(f"pipeline rank {rank} got communication actions without a pp group")
     for j, a in enumerate(computes):
         if links is not None:
             links.post(j, step.outgoing)
         t0 = perf_counter()  # compute intervals start once the inputs have arrived
         if a.kind is Kind.F:
-            x = _stage_input(schedule, rank, a, inputs, step.ys, links)
+            x = step.stage_input(a, inputs)
             t0 = perf_counter()
             step.forward(a, x, targets[a.micro])
         elif a.kind in (Kind.B, Kind.I):
@@ -209,27 +196,6 @@ def run_schedule(
         links.post(len(computes), step.outgoing)
         links.finish()
     return StepResult(step.loss_sum, step.meter.peak, timeline)
-
-
-def _splits(schedule: PipelineSchedule) -> bool:
-    return schedule.name == "zero_bubble"
-
-
-def _stage_input(
-    schedule: PipelineSchedule,
-    rank: int,
-    a: Action,
-    inputs: Sequence[torch.Tensor],
-    ys: dict[Key, torch.Tensor],
-    links: StageLinks | None,
-) -> torch.Tensor:
-    if a.stage == 0:
-        return inputs[a.micro]
-    if schedule.rank_of(a.stage - 1) != rank and links is not None:
-        x = links.take(Kind.RECV_F, a.stage, a.micro)
-    else:
-        x = ys[(a.stage - 1, a.micro)].detach()
-    return x.requires_grad_(x.is_floating_point())
 
 
 def check_stage_checkpointing(enabled: bool, schedule: str, owner: str) -> None:

@@ -1,18 +1,11 @@
 """A weight tied across pipeline stages (GPT-2's ``wte`` on the first stage, ``lm_head`` on the last),
-kept tied as Megatron-LM keeps its embedding: every pipeline rank using it holds a copy, the copies
-start equal (a broadcast from the first of them over their *tie group*), and their gradients are
-summed over the tie group before the optimizer step, so identical updates keep them bitwise equal.
-
-Where the sum happens depends on how the data-parallel strategy leaves the gradients:
-
-- whole, averaged gradients (DDP; ZeRO-1 all-reducing): after the dp average, the whole gradient of
-  each copy is summed over the tie group (the same two numbers added on every copy);
-- anything else (ZeRO-1 reduce-scattering, ZeRO-2, ZeRO-3, FSDP: each dp rank keeps a slice, and the
-  slices of the copies lie at different offsets of different buffers): the local accumulated gradient
-  of each copy is summed over the tie group *before* the dp reduction, which then reduces equal values.
-
-Checkpoints store a tied weight once, under its first name; the others are recorded as aliases
-(``metadata["tied"]``), which the checkpoint index resolves, so the checkpoint loads anywhere.
+kept tied as Megatron-LM keeps its embedding (docs/your_model.md, "Tied weights across stages"): every
+pipeline rank using it holds a copy, the copies start equal (a broadcast from the first of them over
+their *tie group*), and their gradients are summed over the tie group before the optimizer step, so
+identical updates keep them bitwise equal. The sum comes after the dp average where the strategy
+leaves whole, averaged gradients (DDP; ZeRO-1 all-reducing), and before the dp reduction otherwise
+(each dp rank keeps a slice, and the slices of the copies lie at different offsets). Checkpoints store
+a tied weight once, under its first name, with the others as aliases (``metadata["tied"]``).
 """
 
 from __future__ import annotations
@@ -50,11 +43,8 @@ def cross_ties(
     ``rank_of_module``: every stage module's id -> the pipeline rank running it)."""
     out = []
     for names in groups:
-        ranks = set()
-        for name in names:
-            owner = module.get_submodule(name.rpartition(".")[0])
-            if id(owner) in rank_of_module:
-                ranks.add(rank_of_module[id(owner)])
+        owners = [id(module.get_submodule(name.rpartition(".")[0])) for name in names]
+        ranks = {rank_of_module[o] for o in owners if o in rank_of_module}
         if len(ranks) > 1:
             out.append(CrossTie(list(names), sorted(ranks)))
     return out

@@ -146,11 +146,11 @@ class TracedStage(nn.Module):
         self.__dict__["_run"] = _Run()
         self.__dict__["_glue"] = _copy_glue(module, structure, index, self.__dict__["_run"])
 
-    def prepare(self, outputs: dict[str, Any], slot: Slot) -> None:
-        """Before a call: the traced output structures of the blocks and the hidden state's slot in the
-        split point's arguments (from the trace for this input shape)."""
+    def prepare(self, outputs: dict[str, Any], slots: dict[str, Slot]) -> None:
+        """Before a call: the traced output structures of the blocks and where the hidden state is among
+        each split point's arguments (from the trace for this input shape)."""
         run: _Run = self.__dict__["_run"]
-        run.outputs, run.slot = outputs, slot
+        run.outputs, run.slot = outputs, slots.get(self.entry or "", 0)
 
     def stubs(self) -> list[nn.Module]:
         """The stand-ins in this stage's copy of the glue for blocks of earlier stages."""

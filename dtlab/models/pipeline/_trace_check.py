@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -96,36 +97,30 @@ def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: 
     latest: list[tuple[int, str]] = [(0, "")]
     kind = type(module).__name__
 
-    def before(name: str) -> Callable[..., None]:
-        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            stage = owner.get(name)
-            if stage is not None:
-                if stage < latest[-1][0]:
-                    raise StrategyError(
-                        f"{kind}'s forward calls {name!r} (pipeline stage {stage}) after {latest[-1][1]!r} "
-                        f"(stage {latest[-1][0]}): the split points do not follow the forward's order. "
-                        "Choose split points in call order, or give the model a pipeline_blocks() method"
-                    )
-                latest.append((stage, name))
-            if name in points and name not in slots:
-                first = first_tensor(args, kwargs)
-                if first is None:
-                    raise StrategyError(f"split point {name!r} is called without a tensor argument")
-                slots[name] = (first[0], TensorSpec.of(first[1]))
+    def before(name: str, _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        stage = owner.get(name)
+        if stage is not None:
+            if stage < latest[-1][0]:
+                raise StrategyError(
+                    f"{kind}'s forward calls {name!r} (pipeline stage {stage}) after {latest[-1][1]!r} "
+                    f"(stage {latest[-1][0]}): the split points do not follow the forward's order. "
+                    "Choose split points in call order, or give the model a pipeline_blocks() method"
+                )
+            latest.append((stage, name))
+        if name in points and name not in slots:
+            first = first_tensor(args, kwargs)
+            if first is None:
+                raise StrategyError(f"split point {name!r} is called without a tensor argument")
+            slots[name] = (first[0], TensorSpec.of(first[1]))
 
-        return hook
-
-    def after(name: str) -> Callable[..., None]:
-        def hook(_m: nn.Module, _a: Any, _k: Any, out: Any) -> None:
-            outputs.setdefault(name, tree_map_only(torch.Tensor, TensorSpec.of, out))
-
-        return hook
+    def after(name: str, _m: nn.Module, _a: Any, _k: Any, out: Any) -> None:
+        outputs.setdefault(name, tree_map_only(torch.Tensor, TensorSpec.of, out))
 
     handles = []
     for b in blocks:
         m = module.get_submodule(b)
-        handles.append(m.register_forward_pre_hook(before(b), with_kwargs=True))
-        handles.append(m.register_forward_hook(after(b), with_kwargs=True))
+        handles.append(m.register_forward_pre_hook(partial(before, b), with_kwargs=True))
+        handles.append(m.register_forward_hook(partial(after, b), with_kwargs=True))
     try:
         out = _on_zeros(module, shapes, module, x)
     finally:
@@ -178,7 +173,7 @@ class _Marks(TorchFunctionMode):
 
 def _check_stage(
     stage: TracedStage, module: nn.Module, shapes: Shapes, x: torch.Tensor, inputs: torch.Tensor
-) -> Any:
+) -> None:
     """Step 2: one stage as it will run, with what its stubs return marked."""
     marks = _Marks()
     handles = []
@@ -186,24 +181,20 @@ def _check_stage(
         name = str(stub.block_name)
         handles.append(stub.register_forward_hook(lambda _m, _a, out, n=name: marks.mark(out, n)))
 
-    def guard(name: str) -> Callable[..., None]:
-        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            named = [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]
-            for arg, value in named:
-                origin = marks.origin(value)
-                if origin is not None:
-                    raise StrategyError(
-                        f"pipeline stage {stage.index}: {name!r} gets {arg!r} computed from {origin!r}, a "
-                        "block of an earlier stage on another rank; only the hidden state at the split point "
-                        "crosses stages. Split elsewhere, or give the model a pipeline_blocks() method"
-                    )
-
-        return hook
+    def guard(name: str, _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for arg, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+            origin = marks.origin(value)
+            if origin is not None:
+                raise StrategyError(
+                    f"pipeline stage {stage.index}: {name!r} gets {arg!r} computed from {origin!r}, a "
+                    "block of an earlier stage on another rank; only the hidden state at the split point "
+                    "crosses stages. Split elsewhere, or give the model a pipeline_blocks() method"
+                )
 
     for name, block in zip(stage.names, stage.blocks, strict=False):
-        handles.append(block.register_forward_pre_hook(guard(name), with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(partial(guard, name), with_kwargs=True))
 
-    def run(xx: torch.Tensor, ii: torch.Tensor) -> Any:
+    def run(xx: torch.Tensor, ii: torch.Tensor) -> None:
         with marks:
             out = stage(xx, ii)
         origin = marks.origin(out)
@@ -212,10 +203,9 @@ def _check_stage(
                 f"pipeline stage {stage.index}'s output is computed from {origin!r}, a block of an earlier "
                 "stage; split elsewhere, or give the model a pipeline_blocks() method"
             )
-        return out
 
     try:
-        return _on_zeros(module, shapes, run, x, inputs)
+        _on_zeros(module, shapes, run, x, inputs)
     finally:
         for h in handles:
             h.remove()
@@ -238,7 +228,7 @@ def trace_split(
             "module names needs a forward whose shapes do not depend on the weights' values"
         ) from exc
     for stage in stages:
-        stage.prepare(trace.outputs, trace.slots.get(stage.entry or "", 0))
+        stage.prepare(trace.outputs, trace.slots)
         if stage.index:
             prev = trace.specs[stage.index - 1]
             x = torch.zeros(prev.shape, dtype=prev.dtype, device=inputs.device)

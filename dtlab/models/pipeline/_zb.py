@@ -1,16 +1,12 @@
-"""Zero-bubble's backward split: input-gradients now (``I``), weight-gradients later (``W``).
+"""Zero-bubble's backward split: input-gradients now (``I``), weight-gradients later (``W``), the split
+of the Zero Bubble paper (Qi et al., 2023; docs/strategies.md, "Schedules").
 
 During a zero-bubble stage's forward, every ``F.linear`` whose weight is a trainable leaf runs as
-:class:`_SplitLinear` (a thread-local ``TorchFunctionMode``, so other in-memory ranks are untouched).
-Its backward returns the input-gradient only and keeps ``(input, output-gradient)`` in the
-micro-batch's :class:`WeightGradients`; ``W`` later computes ``grad_out^T @ input`` (and the bias sum)
-into ``param.grad``, the split of the Zero Bubble paper (Qi et al., 2023). Everything that is not a
-linear layer (norms, embeddings) gets its gradient during ``I``, as it costs little.
-
-A custom autograd function can split its own backward the same way: its forward asks for
-:func:`weight_gradient_queue` (the micro-batch's ``W`` queue under zero-bubble, else None; the mode
-answers it) and its ``backward`` computes the input-gradient and hands its weight-gradient work to
-:func:`defer_weight_gradient`, which runs it at that ``W`` or at once.
+:class:`_SplitLinear` (a thread-local ``TorchFunctionMode``, so other in-memory ranks are untouched):
+its backward returns the input-gradient and keeps ``(input, output-gradient)`` in the micro-batch's
+:class:`WeightGradients` for ``W``. Other layers (norms, embeddings) get their gradients during ``I``.
+A custom autograd function takes part through :func:`weight_gradient_queue` and
+:func:`defer_weight_gradient`.
 """
 
 from __future__ import annotations
@@ -50,12 +46,8 @@ class WeightGradients:
 
     def held_storages(self) -> dict[int, int]:
         """Storages this work holds (data pointer -> bytes): the inputs and output-gradients kept."""
-        out: dict[int, int] = {}
-        for x, g, _, _ in self.pending:
-            for t in (x, g):
-                st = t.untyped_storage()
-                out[st.data_ptr()] = st.nbytes()
-        return out
+        kept = [t.untyped_storage() for x, g, _, _ in self.pending for t in (x, g)]
+        return {st.data_ptr(): st.nbytes() for st in kept}
 
     def run(self) -> None:
         """Accumulate every kept weight-gradient into its parameter's ``.grad`` (in place)."""
