@@ -65,17 +65,14 @@ class StageLinks:
         self._recvs: dict[tuple[Kind, int, int], tuple[Work, torch.Tensor]] = {}
         self._sends: list[Work] = []
 
-    def _route(self, a: Action) -> tuple[int, TensorSpec]:
-        """The peer rank of communication action ``a`` and the spec of its message."""
-        direction, stage, _ = a.message()  # the receiving stage
-        sender = stage - 1 if direction == "F" else stage + 1
-        peer = sender if a.kind in (Kind.RECV_F, Kind.RECV_B) else stage
-        return self.schedule.rank_of(peer), self.specs[min(stage, sender)]
-
-    def _tag(self, a: Action) -> int:
+    def _route(self, a: Action) -> tuple[int, TensorSpec, int]:
+        """The peer rank of communication action ``a``, the spec of its message and the message's tag."""
         s = self.schedule
         direction, stage, micro = a.message()  # the receiving stage names the message on both sides
-        return ((0 if direction == "F" else 1) * s.num_stages * s.m + stage * s.m + micro) % _TAG_LIMIT
+        sender = stage - 1 if direction == "F" else stage + 1
+        peer = sender if a.kind in (Kind.RECV_F, Kind.RECV_B) else stage
+        tag = ((0 if direction == "F" else 1) * s.num_stages * s.m + stage * s.m + micro) % _TAG_LIMIT
+        return s.rank_of(peer), self.specs[min(stage, sender)], tag
 
     def post(self, j: int, outgoing: Callable[[Action], torch.Tensor]) -> None:
         """Before compute ``j`` (``j`` = the number of computes: after the last): post the sends and
@@ -83,18 +80,18 @@ class StageLinks:
         ``ahead_bytes``, as one batch; ``outgoing(action)`` gives a send's tensor."""
         ops: list[P2POp] = []
         for a in self._sends_at[j]:
-            peer, spec = self._route(a)
-            ops.append(P2POp.send(outgoing(a).to(spec.dtype).contiguous(), peer, self._tag(a)))
+            peer, spec, tag = self._route(a)
+            ops.append(P2POp.send(outgoing(a).to(spec.dtype).contiguous(), peer, tag))
         sends = len(ops)
         received: list[tuple[tuple[Kind, int, int], torch.Tensor]] = []
         while self._planned:
             at, a = self._planned[0]
-            peer, spec = self._route(a)
+            peer, spec, tag = self._route(a)
             if at > j and self._waiting + spec.nbytes > self.ahead_bytes:
                 break
             self._planned.popleft()
             buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.pp.device)
-            ops.append(P2POp.recv(buf, peer, self._tag(a)))
+            ops.append(P2POp.recv(buf, peer, tag))
             received.append(((a.kind, a.stage, a.micro), buf))
             self._waiting += spec.nbytes
         if not ops:

@@ -223,6 +223,13 @@ def _static_checks(s: PipelineSchedule) -> None:
                     raise StrategyError(
                         f"schedule {s.name}: rank {r} runs {a} before its input-gradient {a.stage}I{a.micro}"
                     )
+                src = a.stage - 1 if a.kind is Kind.F else a.stage + 1  # the stage handing over its input
+                if a.kind is not Kind.W and 0 <= src < s.num_stages and s.rank_of(src) == r:
+                    kinds = (Kind.F,) if a.kind is Kind.F else (Kind.B, Kind.I)
+                    if not any((k, src, a.micro) in done for k in kinds):
+                        raise StrategyError(
+                            f"schedule {s.name}: rank {r} runs {a} before stage {src} handed it over"
+                        )
                 done.add(key)
             else:
                 table = sends if a.kind in (Kind.SEND_F, Kind.SEND_B) else recvs
@@ -245,14 +252,12 @@ def _static_checks(s: PipelineSchedule) -> None:
 
 
 def _needs(s: PipelineSchedule, r: int, a: Action) -> tuple[str, int, int] | None:
-    """The message compute ``a`` on rank ``r`` waits for, as ``(direction, stage, micro)``: direction
-    ``"F"``/``"B"`` for a message, ``"local-F"``/``"local-B"`` for a hand-over from a stage of the same
-    rank (only when ``p = 1``); None when it needs nothing."""
-    last = s.num_stages - 1
-    if a.kind is Kind.F and a.stage > 0:
-        return ("F" if s.rank_of(a.stage - 1) != r else "local-F", a.stage, a.micro)
-    if a.kind in (Kind.B, Kind.I) and a.stage < last:
-        return ("B" if s.rank_of(a.stage + 1) != r else "local-B", a.stage, a.micro)
+    """The message compute ``a`` on rank ``r`` waits for, as :meth:`Action.message` names it; None when
+    it needs none (a first forward, a last backward, or a hand-over from a stage of the same rank)."""
+    if a.kind is Kind.F and a.stage > 0 and s.rank_of(a.stage - 1) != r:
+        return ("F", a.stage, a.micro)
+    if a.kind in (Kind.B, Kind.I) and a.stage < s.num_stages - 1 and s.rank_of(a.stage + 1) != r:
+        return ("B", a.stage, a.micro)
     return None
 
 
@@ -271,7 +276,6 @@ def simulate(
     clock = [0.0] * p
     sent: dict[tuple[str, int, int], float] = {}  # message -> time its send was posted
     posted: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]
-    finished: list[dict[tuple[Kind, int, int], float]] = [{} for _ in range(p)]
     order_sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     order_recv: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     timeline = Timeline([[] for _ in range(p)])
@@ -294,8 +298,8 @@ def simulate(
                     pos[r] += 1
                     continue
                 need = _needs(s, r, a)
-                ready = clock[r]
-                if need is not None and need[0] in ("F", "B"):
+                ready = clock[r]  # a hand-over on this rank was computed before
+                if need is not None:
                     if need not in posted[r]:
                         raise StrategyError(
                             f"schedule {s.name}: rank {r} runs {a} without posting the receive of its input"
@@ -303,20 +307,8 @@ def simulate(
                     if need not in sent:
                         break  # blocked on the peer
                     ready = max(ready, sent[need])
-                elif need is not None:
-                    src = a.stage - 1 if need[0] == "local-F" else a.stage + 1
-                    kinds = (Kind.F,) if need[0] == "local-F" else (Kind.B, Kind.I)
-                    local = [
-                        finished[r][(k, src, a.micro)] for k in kinds if (k, src, a.micro) in finished[r]
-                    ]
-                    if not local:
-                        raise StrategyError(
-                            f"schedule {s.name}: rank {r} runs {a} before stage {src} handed it over"
-                        )
-                    ready = max(ready, local[0])
                 end = ready + (cost[a.kind] if duration is None else duration(r, a))
                 timeline.intervals[r].append((a, ready, end))
-                finished[r][(a.kind, a.stage, a.micro)] = end
                 clock[r] = end
                 pos[r] += 1
                 progress = True

@@ -122,8 +122,7 @@ class TracedStructure:
     """The split of a whole model at module names (the same on every rank)."""
 
     points: list[str]  #: split points, in order
-    blocks: list[str]  #: every block, in registration order
-    stage_of: dict[str, int]  #: block -> the stage owning it (blocks with parameters)
+    stage_of: dict[str, int]  #: block -> the stage owning it (blocks with parameters, in module order)
     replicated: list[str]  #: blocks without parameters, run wherever the glue calls them
     glue: set[str]  #: the modules on the paths to the split points, and containers among their children
 
@@ -138,7 +137,7 @@ class TracedStage(nn.Module):
     def __init__(self, index: int, module: nn.Module, structure: TracedStructure, last: bool) -> None:
         super().__init__()
         self.index, self.last = index, last
-        self.names = [b for b in structure.blocks if structure.stage_of.get(b) == index]
+        self.names = [b for b, stage in structure.stage_of.items() if stage == index]
         self.replicated = list(structure.replicated)
         self.entry = structure.points[index - 1] if index > 0 else None
         self.exit = None if last else structure.points[index]
@@ -258,7 +257,7 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
             stage_of[b] = sum(1 for s in starts if s <= i)
         else:
             replicated.append(b)
-    return TracedStructure(points, blocks, stage_of, replicated, glue)
+    return TracedStructure(points, stage_of, replicated, glue)
 
 
 def _copy_glue(module: nn.Module, st: TracedStructure, k: int, run: _Run) -> dict[str, nn.Module]:
