@@ -227,8 +227,6 @@ def _module_graph(annotations: bool) -> dict[str, set[str]]:
 # edge, each checked to be annotation-only and still there (remove a row once its import is gone); no
 # other circle may appear.
 ANNOTATION_ONLY_EDGES: set[tuple[str, str]] = {
-    ("dtlab.backends._engine", "dtlab.backends.base"),
-    ("dtlab.backends._groups", "dtlab.backends.base"),
     ("dtlab.models.compose._tied", "dtlab.models.compose._build"),
 }
 

@@ -1,8 +1,9 @@
 """``Engine``: what a concrete backend implements, under :class:`~dtlab.backends.base.CommunicationBackend`.
 
-An engine (in-memory, MPI, torch.distributed) gives the device and the ``_``-prefixed hooks below,
-which move data with arguments already checked; the public operations (``base.py``, ``_p2p.py``,
-``_objects.py``, ``_groups.py``) check, call a hook and count bytes. The hooks with a body are
+An engine (in-memory, MPI, torch.distributed) gives the device and the ``_``-prefixed hooks below
+(and ``_new_group``, declared in ``_groups.py`` beside the type of group it makes), which move data
+with arguments already checked; the public operations (``base.py``, ``_p2p.py``, ``_objects.py``,
+``_groups.py``) check, call a hook and count bytes. The hooks with a body are
 defaults an engine may replace where it does better (non-blocking collectives that overlap, a
 coalesced batch of point-to-point operations, its own byte count for a padded all-gather).
 """
@@ -17,7 +18,6 @@ import torch
 from dtlab.backends.types import CompletedWork, P2POp, ReduceOp, Work
 
 if TYPE_CHECKING:
-    from dtlab.backends.base import CommunicationBackend
     from dtlab.backends.stats import CommStats
 
 __all__ = ["Engine", "finish_reduction"]
@@ -104,9 +104,6 @@ class Engine(ABC):
 
     @abstractmethod
     def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work: ...
-
-    @abstractmethod
-    def _new_group(self, ranks: list[int]) -> CommunicationBackend | None: ...
 
     # ------------------------------------------------------------------ defaults an engine may replace
     def _batch_isend_irecv(self, ops: list[P2POp]) -> list[Work]:

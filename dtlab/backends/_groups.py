@@ -1,18 +1,32 @@
 """``new_group`` and ``split`` of :class:`~dtlab.backends.base.CommunicationBackend` (a part of it): argument
-checks, checked mode and its inheritance; the engines make the groups (``_new_group``, ``_split``)."""
+checks, checked mode and its inheritance; the engines make the groups (``_new_group``, ``_split``).
+
+The part is generic in the type of group it makes (``base.py`` binds it to ``CommunicationBackend``):
+all it needs of a group is :class:`Group`, so it does not import the class it is a part of.
+"""
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from dtlab.backends._engine import Engine
 from dtlab.errors import ArgumentError
 
-if TYPE_CHECKING:
-    from dtlab.backends.base import CommunicationBackend
+__all__ = ["Group", "GroupMaking", "split_members"]
 
-__all__ = ["GroupMaking", "split_members"]
+
+class Group(Protocol):
+    """What the part needs of a group it made: checked mode, which the group inherits."""
+
+    @property
+    def check_collectives(self) -> bool: ...
+    @check_collectives.setter
+    def check_collectives(self, on: bool) -> None: ...
+
+
+G = TypeVar("G", bound=Group)
 
 
 def split_members(pairs: Sequence[tuple[int | None, int]], color: int) -> list[int]:
@@ -20,10 +34,11 @@ def split_members(pairs: Sequence[tuple[int | None, int]], color: int) -> list[i
     return sorted((r for r, (c, _) in enumerate(pairs) if c == color), key=lambda r: (pairs[r][1], r))
 
 
-class GroupMaking(Engine):
-    """Sub-groups; an engine implements ``_new_group`` and may replace the ``_split`` default."""
+class GroupMaking(Engine, Generic[G]):
+    """Sub-groups (of type ``G``); an engine implements ``_new_group`` and may replace the ``_split``
+    default."""
 
-    def new_group(self, ranks: Sequence[int]) -> CommunicationBackend | None:
+    def new_group(self, ranks: Sequence[int]) -> G | None:
         """Called by every rank; members get a backend with ranks renumbered in the given order."""
         members = [int(r) for r in ranks]
         if not members:
@@ -37,7 +52,7 @@ class GroupMaking(Engine):
             self._agree(("new_group",))
         return self._inherit(self._new_group(members))
 
-    def split(self, color: int | None, key: int = 0) -> CommunicationBackend | None:
+    def split(self, color: int | None, key: int = 0) -> G | None:
         """MPI ``Comm_Split``: the ranks that pass the same ``color`` form one group, numbered by
         ``(key, rank)``; ``color=None``: this rank joins no group and gets None.
 
@@ -50,16 +65,21 @@ class GroupMaking(Engine):
             self._agree(("split",))
         return self._inherit(self._split(color, key))
 
-    def _inherit(self, group: CommunicationBackend | None) -> CommunicationBackend | None:
+    def _inherit(self, group: G | None) -> G | None:
         if group is not None:
             group.check_collectives = self._checked
         return group
 
-    # ------------------------------------------------------------------ engine default
-    def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
+    # ------------------------------------------------------------------ engine hook and default
+    @abstractmethod
+    def _new_group(self, ranks: list[int]) -> G | None:
+        """This rank's backend in the group of ``ranks`` (ranks of this backend, in the group's order),
+        None on a rank outside it; every rank of this backend calls it."""
+
+    def _split(self, color: int | None, key: int) -> G | None:
         """Default: exchange the pairs, then one ``new_group`` per color (engines do better)."""
         pairs, _ = self._all_gather_object((color, key))
-        mine: CommunicationBackend | None = None
+        mine: G | None = None
         for c in sorted({c for c, _ in pairs if c is not None}):
             group = self._new_group(split_members(pairs, c))
             if c == color:

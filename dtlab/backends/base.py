@@ -36,7 +36,9 @@ __all__ = [
 ]
 
 
-class CommunicationBackend(ArgumentChecks, CallChecks, ObjectExchange, GroupMaking, PointToPoint):
+class CommunicationBackend(
+    ArgumentChecks, CallChecks, ObjectExchange, GroupMaking["CommunicationBackend"], PointToPoint
+):
     """Collectives, point-to-point and object exchange among ``world_size`` ranks.
 
     Vocabulary and in-place contracts follow ``torch.distributed``. Byte counters follow the ring
