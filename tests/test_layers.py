@@ -208,13 +208,14 @@ def _module_name(file: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _module_graph(annotations: bool) -> dict[str, set[str]]:
-    """Module -> the dtlab modules it imports (``from package import module`` names the module)."""
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the dtlab modules it imports, ``if TYPE_CHECKING:`` too (``from package import
+    module`` names the module)."""
     files = {_module_name(f): f for f in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, file in files.items():
         tree = ast.parse(file.read_text())
-        imported = {module for _, module in _runtime_imports(tree, annotations)}
+        imported = {module for _, module in _runtime_imports(tree, annotations=True)}
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module in imported:
                 imported |= {f"{node.module}.{alias.name}" for alias in node.names}
@@ -222,25 +223,12 @@ def _module_graph(annotations: bool) -> dict[str, set[str]]:
     return graph
 
 
-# Circles closed only by an annotation import (``if TYPE_CHECKING:``): a private part of a backend, of
-# the config or of the model-parallel composition naming the class it is a part of. Listed edge by
-# edge, each checked to be annotation-only and still there (remove a row once its import is gone); no
-# other circle may appear.
-ANNOTATION_ONLY_EDGES: set[tuple[str, str]] = {
-    ("dtlab.models.compose._tied", "dtlab.models.compose._build"),
-}
-
-
 def test_no_import_circles_between_modules() -> None:
     """No module imports another that imports it back, directly or around a circle, counting imports
     inside functions (a lazy import is still a circle: config <-> parallel_config) and annotation
-    imports (trainer <-> the helpers that took the whole Trainer), but the listed annotation edges."""
-    runtime, graph = _module_graph(annotations=False), _module_graph(annotations=True)
-    for importer, imported in sorted(ANNOTATION_ONLY_EDGES):
-        assert imported in graph[importer], f"{importer} no longer imports {imported}: drop the row"
-        assert imported not in runtime[importer], f"{importer} imports {imported} at run time"
-        graph[importer].discard(imported)
-    _assert_no_circle(graph)  # holds every run-time import
+    imports (a private part of a backend, of the config or of the composition naming the class it is a
+    part of; it takes a Protocol beside it, explicit arguments or a type parameter instead)."""
+    _assert_no_circle(_module_graph())
 
 
 # The Trainer's helpers take what they need (explicit arguments or a Protocol beside them), never
@@ -249,7 +237,7 @@ TRAINER_IMPORTERS = {"dtlab.trainers", "dtlab.trainers.launch"}
 
 
 def test_trainer_helpers_do_not_import_the_trainer() -> None:
-    graph = _module_graph(annotations=True)
+    graph = _module_graph()
     importers = {name for name, imported in graph.items() if "dtlab.trainers.trainer" in imported}
     helpers = {name for name in importers if name.startswith("dtlab.trainers")}
     assert helpers == TRAINER_IMPORTERS, f"modules of dtlab.trainers importing the Trainer: {sorted(helpers)}"

@@ -24,7 +24,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.dp.zero1 import ZeRO1Model
-from dtlab.models.pipeline._ties import sum_tied
+from dtlab.models.pipeline._ties import CrossTie, sum_tied
 from dtlab.models.tensor._comm import broadcast_module_state
 from dtlab.models.tensor._plan import (
     ColwiseParallel,
@@ -36,7 +36,6 @@ from dtlab.models.tensor._plan import (
 )
 
 if TYPE_CHECKING:
-    from dtlab.models.compose._build import Layout
     from dtlab.models.dp.data_parallel import DataParallelModel
 
 __all__ = ["TiedSync", "swap_layers", "tied_groups"]
@@ -155,14 +154,15 @@ def swap_layers(
 
 
 class TiedSync:
-    """The weights tied across pipeline ranks (``layout.ties``) kept in sync: their gradients summed
-    over each tie group before the dp reduction, or after it where the strategy leaves whole averaged
-    gradients, and counted once in the gradient norm."""
+    """The weights tied across pipeline ranks (``ties``; ``aliases``: a tied parameter's other names ->
+    its first) kept in sync: their gradients summed over each tie group before the dp reduction, or
+    after it where the strategy leaves whole averaged gradients, and counted once in the gradient norm."""
 
-    def __init__(self, layout: Layout, root: nn.Module, dp: DataParallelModel) -> None:
-        self.ties, self.dp = layout.ties, dp
+    def __init__(
+        self, ties: list[CrossTie], aliases: dict[str, str], root: nn.Module, dp: DataParallelModel
+    ) -> None:
+        self.ties, self.dp = ties, dp
         held = {n for n, _ in root.named_parameters(remove_duplicate=False)}
-        aliases = layout.aliases
         #: a weight tied across ranks counts once in the norm, on the rank holding its first name
         self.norm_skip = {n for n in held if n in aliases and aliases[n] not in held}
         self._names = {id(p): n for n, p in root.named_parameters()}

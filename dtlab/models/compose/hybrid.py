@@ -178,7 +178,7 @@ class HybridShardedModel(OptimizerTarget):
         if self._partial and self.tp_group.world_size > 1:
             dp.register_post_sync_hook(self._sum_partial)
         rebind_ties(layout.ties, root)
-        self._tied = TiedSync(layout, root, dp)  # weights tied across pipeline ranks
+        self._tied = TiedSync(layout.ties, layout.aliases, root, dp)  # weights tied across pipeline ranks
         self._pipe = None
         if layout.schedule is not None:
             self._pipe = PipelineRun(
