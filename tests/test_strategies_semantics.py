@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from filled import filled
-from test_strategies_helpers import STRATEGIES, max_rel_error, optimizer_for, wrap
+from test_strategies_helpers import OPTIMIZERS, STRATEGIES, max_rel_error, optimizer_for, wrap
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -231,3 +231,35 @@ def test_reduce_dtype_sets_the_dtype_on_the_wire() -> None:
     with pytest.raises(RankFailedError) as info:
         run_world(1, _wire_bytes, "ddp", torch.int32)
     assert "reduce_dtype must be a floating-point" in str(info.value.__cause__)
+
+
+# ---------------------------------------------------------------------------- a .grad from before wrapping
+def _grad_before_wrapping(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    xs, w, b, stale = (torch.randn(shape, generator=g) for shape in ((2, 4, 5), (2, 5), (2,), (2, 5)))
+    out = {}
+    for name in ("plain", *STRATEGIES):
+        module = nn.Sequential(nn.Linear(5, 2))
+        with torch.no_grad():
+            module[0].weight.copy_(w)
+            module[0].bias.copy_(b)
+        module[0].weight.grad = stale.clone()  # a backward on the plain module, no zero_grad since
+        if name == "plain":  # kept, it adds into the first step (torch's DDP keeps it in its bucket)
+            ocls, kw = OPTIMIZERS["sgd_plain"]
+            opt: Any = ocls(module.parameters(), **kw)
+            (module(xs[0]).sum() + module(xs[1]).sum()).div(2).backward()
+            opt.step()
+            out[name] = {k: v.clone() for k, v in module.state_dict().items()}
+            continue
+        model = wrap(name, module, backend)
+        opt = optimizer_for(name, model, "sgd_plain")
+        model(xs[backend.rank]).sum().backward()
+        opt.step()
+        out[name] = model.full_state_dict()
+    return out
+
+
+def test_a_grad_left_from_before_wrapping_adds_into_the_first_step_as_under_torch_ddp() -> None:
+    for res in run_world(2, _grad_before_wrapping, timeout=60):
+        for name in STRATEGIES:
+            assert max_rel_error(res[name], res["plain"]) <= 1e-6, name

@@ -90,7 +90,12 @@ class DDPModel(DataParallelModel):
         self._grad_bufs = [u.new_flat() for u in self._units] if self.keeps_whole_grads else []
         #: the tensors holding the synchronized gradient: the buckets (ZeRO-2: this rank's shards)
         self._synced_grads = self._grad_bufs
-        self._point_grads()
+        # a .grad left from before wrapping adds into the first synchronized gradient, as under torch's
+        # DDP: copied into its bucket here (ZeRO-2 leaves it in param.grad, as inside no_sync())
+        for unit, buf in zip(self._units, self._grad_bufs, strict=False):
+            unit.grads_into(buf)
+        if self.keeps_whole_grads:
+            self._point_grads()
         self._ready: list[set[int]] = [set() for _ in self._units]
         self._next_launch = 0
         self._works: list[tuple[int, Work, Any]] = []
