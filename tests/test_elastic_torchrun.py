@@ -32,7 +32,15 @@ def test_torchrun_two_agents_shrink_and_grow_back(tmp_path: Path) -> None:
     ]
     run = tmp_path / "run"
     nodes = {n: tmp_path / f"node-{n}" for n in ("a", "b")}
-    launch = [*common, "backend.name=gloo", "backend.timeout=60", f"logging.run_dir={run}"]
+    # no loss.png (matplotlib on each world's way out: seconds per restart; tests/test_run_logging.py
+    # checks the plot)
+    launch = [
+        *common,
+        "backend.name=gloo",
+        "backend.timeout=60",
+        f"logging.run_dir={run}",
+        "logging.plot=false",
+    ]
     with TorchrunJob([WORKER, "0.3", "0.05", *launch], tmp_path / "agents") as job:
         try:
             out = shrink_and_grow(

@@ -71,7 +71,9 @@ def test_first_host_of_a_node_list(nodelist: str, first: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ a real Slurm
-SETS = [*TINY_LM, "train.steps=4", "train.eval_every=0", "logging.log_every=1", "logging.progress=false"]
+# no loss.png: four runs' matplotlib on two cores, seconds; tests/test_run_logging.py checks the plot
+SETS = [*TINY_LM, "train.steps=4", "train.eval_every=0", "logging.log_every=1", "logging.progress=false",
+        "logging.plot=false"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
