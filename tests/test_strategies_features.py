@@ -366,9 +366,11 @@ def _errors(backend: CommunicationBackend) -> None:
         FSDPModel(tied, backend, wrap_policy=ModuleClassPolicy((nn.Linear,)))
     with pytest.raises(TypeError, match="list of every saved rank"):
         model.load_sharded_state_dict(model.sharded_state_dict())  # type: ignore[arg-type]
-    other = FSDPModel(make_module(), backend).shard_units()[0]
-    with pytest.raises(ValueError, match="does not belong to this model"):
-        FSDPModel(make_module(), backend).shard_param(other)
+    for name in STRATEGIES:  # a unit of another model (an optimizer built on another wrapper)
+        other, mine = wrap(name, make_module(), backend), wrap(name, make_module(), backend)
+        for read in (mine.shard_param, mine.shard_grad):
+            with pytest.raises(ValueError, match="does not belong to this model"):
+                read(other.shard_units()[0])
 
 
 def test_bad_input_errors() -> None:

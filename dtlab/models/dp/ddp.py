@@ -206,11 +206,18 @@ class DDPModel(DataParallelModel):
     def shard_units(self) -> list[FlatUnit]:
         return list(self._units)
 
+    def _bucket(self, unit: FlatUnit) -> int:
+        """``unit``'s index among the buckets (a unit of another model refused, naming it)."""
+        for i, mine in enumerate(self._units):
+            if mine is unit:
+                return i
+        raise ValueError(f"unit {unit.key} does not belong to this model: pass one of its shard_units()")
+
     def shard_param(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.own_shard(self._data[self._units.index(unit)])
+        return unit.own_shard(self._data[self._bucket(unit)])
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.own_shard(self._grad_bufs[self._units.index(unit)])
+        return unit.own_shard(self._grad_bufs[self._bucket(unit)])
 
     def gather_updated_shards(self) -> None:
         """After a sharded optimizer step: every rank's updated shard to every rank (all-gather)."""

@@ -60,7 +60,7 @@ class ZeRO2Model(DDPModel):
         self._guard_grads()
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return self._synced_grads[self._units.index(unit)]
+        return self._synced_grads[self._bucket(unit)]
 
     def _point_grads(self) -> None:
         """No whole buffers: ``param.grad`` is None (``no_sync()`` accumulates whole gradients there)."""
