@@ -17,6 +17,7 @@ SETS = [
     *TINY_LM,
     "train.eval_every=3",
     "logging.log_every=3",
+    "logging.plot=false",  # no loss.png: matplotlib, seconds per run (tests/test_run_logging.py checks it)
 ]
 
 

@@ -112,7 +112,8 @@ def _sigterm_mid_run(tmp: Path, launcher: str) -> tuple[int, str, int]:
     """Start ``dtlab train`` (1000 steps) under ``launcher``, SIGTERM it once 3 steps are logged;
     returns (exit status, stderr, the step it stopped after)."""
     run, ck = tmp / "run", tmp / "ck"
-    sets = [*SETS, "train.steps=1000", f"logging.run_dir={run}", f"checkpoint.dir={ck}"]
+    # no loss.png on the way out (matplotlib, seconds; tests/test_run_logging.py checks the plot)
+    sets = [*SETS, "train.steps=1000", f"logging.run_dir={run}", f"checkpoint.dir={ck}", "logging.plot=false"]
     train = ["-m", "dtlab", "train"]
     if launcher == "torchrun":
         cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", *train]

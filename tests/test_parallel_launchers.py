@@ -27,6 +27,7 @@ SETS = [
     "train.eval_every=0",
     "logging.progress=false",
     "logging.log_every=1",
+    "logging.plot=false",  # no loss.png: matplotlib, seconds per run (tests/test_run_logging.py checks it)
 ]
 MESHES = {
     "tp2 x pp2": [
