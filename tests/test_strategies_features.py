@@ -406,6 +406,35 @@ def test_wrap_policies_and_reshard_after_forward() -> None:
     assert gathers == ["2"]  # reshard_after_forward=False: one gather per unit per step
 
 
+def _held(model: Any) -> int:
+    return int(model.memory_report()["parameters"])
+
+
+def _keep_gathered(backend: CommunicationBackend) -> list[int]:
+    seen = []
+    for name in ("zero3", "fsdp"):
+        model = wrap(name, make_module(), backend)
+        with model.keep_gathered():
+            seen.append(_held(model) - _held(wrap(name, make_module(), backend)))
+        seen.append(_held(model) - _held(wrap(name, make_module(), backend)))  # what it gathered, it frees
+    model = wrap("fsdp", make_module(), backend, reshard_after_forward=False)
+    at_rest = _held(model)
+    loss = model(torch.randn(4, 6)).sum()  # gathered until its backward
+    gathered = _held(model)
+    with model.keep_gathered():  # a pipeline step; a checkpoint save inside a forward
+        model.full_state_dict()
+    seen.append(_held(model) - gathered)  # gathered before the block: kept for the backward
+    loss.backward()
+    return [*seen, _held(model) - at_rest, int(gathered > at_rest)]
+
+
+def test_keep_gathered_frees_afterwards_only_what_it_gathered() -> None:
+    seen = run_world(2, _keep_gathered)[0]
+    zero3_in, zero3_after, fsdp_in, fsdp_after, kept, after_backward, gathered = seen
+    assert zero3_in > 0 and fsdp_in > 0 and gathered
+    assert [zero3_after, fsdp_after, kept, after_backward] == [0, 0, 0, 0]
+
+
 class Stacked(nn.Module):
     """Layers in an nn.ModuleList: each below the size threshold, the list above it."""
 
