@@ -28,18 +28,10 @@ from dtlab.models.dp.zero2 import ZeRO2Model
 from dtlab.models.dp.zero3 import ZeRO3Model
 from dtlab.models.pipeline._runtime import check_stage_checkpointing
 from dtlab.models.pipeline._schedules import PipelineSchedule, build_schedule
-from dtlab.models.pipeline._split import (
-    Shapes,
-    Stage,
-    has_blocks,
-    module_blocks,
-    split_blocks,
-    stage_shapes,
-)
+from dtlab.models.pipeline._split import Shapes, Stage, has_blocks, module_blocks, split_blocks, stage_shapes
 from dtlab.models.pipeline._ties import CrossTie, aliases_of, cross_ties, init_ties
 from dtlab.models.pipeline._trace import TracedStage, traced_stages
-from dtlab.models.tensor._auto import declared_plan
-from dtlab.models.tensor._plan import Plan, resolve_plan
+from dtlab.models.tensor._plan import Plan
 
 __all__ = [
     "AXES",
@@ -179,8 +171,7 @@ def lay_out(
     partial: list[nn.Parameter] = []
     swapped: dict[int, torch.Tensor] = {}
     if tensor_plan is not None:
-        resolved = resolve_plan(module, declared_plan(module, tensor_plan), tp.world_size)
-        partial, swapped = swap_layers(who, module, resolved, tp, broadcast=not on_meta)
+        partial, swapped = swap_layers(who, module, tensor_plan, tp, broadcast=not on_meta)
     elif tp.world_size > 1:
         raise StrategyError(
             f"{who} on a mesh with tp={tp.world_size} needs a tensor_plan: 'auto' for the plan the module "
@@ -214,19 +205,9 @@ def lay_out(
         )
     aliases = aliases_of(groups)
     unwritten = {k for k in root.state_dict(keep_vars=True) if k in aliases or entries[k][2] != pp.rank}
+    names = _names(root, partial)
     return Layout(
-        root,
-        stages,
-        shapes,
-        schedule,
-        m,
-        entries,
-        _names(root, partial),
-        swapped,
-        whole,
-        crossing,
-        aliases,
-        unwritten,
+        root, stages, shapes, schedule, m, entries, names, swapped, whole, crossing, aliases, unwritten
     )
 
 

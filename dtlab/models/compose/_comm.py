@@ -1,15 +1,6 @@
 """The composition's own communication (the layers' collectives are in ``dtlab.models.tensor._comm``,
-the stage messages in ``dtlab.models.pipeline._comm``, the dp reduction in the data-parallel strategies):
-
-- :func:`sum_over_tp`: sequence parallelism leaves the gradients of replicated parameters used inside
-  the sequence-split region (norms, row-parallel biases) as partial sums over tp: one all-reduce of
-  all of them, concatenated;
-- :func:`gather_whole_state`: the whole model's tensors on every rank (tp shards gathered, each
-  tensor broadcast over pp from the pipeline rank holding it).
-
-:func:`grads_of` lists where the synchronized gradients of some parameters lie in a data-parallel
-strategy (for the tp sum and the gradient norm).
-"""
+the stage messages in ``dtlab.models.pipeline._comm``, the dp reduction in the data-parallel
+strategies), and where a strategy's synchronized gradients lie (:func:`grads_of`)."""
 
 from __future__ import annotations
 
@@ -30,7 +21,9 @@ __all__ = ["gather_whole_state", "grads_of", "sum_over_tp"]
 
 
 def sum_over_tp(tensors: Sequence[torch.Tensor], tp: CommunicationBackend) -> None:
-    """Replace each tensor by its sum over ``tp`` (in place; one all-reduce of them concatenated)."""
+    """Replace each tensor by its sum over ``tp`` (in place; one all-reduce of them concatenated):
+    sequence parallelism leaves the gradients of replicated parameters used inside the sequence-split
+    region (norms, row-parallel biases) as partial sums over tp."""
     tensors = [t for t in tensors if t.numel()]
     if tp.world_size == 1 or not tensors:
         return

@@ -1,30 +1,20 @@
 """Meta-device construction under the model-parallel composition (tensor, pipeline, hybrid).
 
-The whole model is built on the meta device; the tensor plan swaps its layers for tensor-parallel ones
-(on meta, this rank's shapes) and the pipeline keeps this rank's stages. :class:`MetaWalk` then walks
-the *original* modules of the whole model in registration order inside ``seeded_init(init_seed)``,
-one module at a time: its own tensors are made whole on the CPU (full shapes), filled with a sentinel,
-initialized by ``param_init_fn``, the Hugging Face model's ``_init_weights`` or the module's
-``reset_parameters()``, checked (a sentinel left is a named error, on every rank alike), and only
-what this rank holds is kept: its tensor-parallel slice (the placement's ``local_shard``) of a tensor
-of its own stages; the rest is dropped. Every rank draws the numbers of the whole model in the order a
-plain construction draws them, so the result is bitwise the model built plainly under
-``seeded_init(init_seed)`` and then wrapped.
-
-Where the values go depends on the data-parallel strategy:
-
-- DDP, ZeRO-1, ZeRO-2 (each rank holds its stages' tp shards whole): :meth:`MetaWalk.run` swaps the
-  values into this rank's parameters and buffers (``torch.utils.swap_tensors``: the objects, their
-  placements and ties stay) before the strategy wraps the module;
-- ZeRO-3 and FSDP (shards of them): the strategy's own meta construction calls :meth:`MetaWalk.fill`
-  as its ``param_init_fn`` for each of its modules in registration order; the walk advances to that
-  module, and the strategy keeps only its flat shard. A module whose values are its own (not split by
-  tp) is initialized in place in the strategy's buffers, with no copy.
+The whole model is built on the meta device and laid out (tensor plan swapped on meta, this rank's
+stages kept). :class:`MetaWalk` then walks the *original* modules of the whole model in registration
+order inside ``seeded_init(init_seed)``, one at a time: its own tensors are made whole on the CPU,
+initialized and checked as ``dtlab.models.dp._materialize`` does, and only what this rank holds is
+kept (the tp slice of a tensor of its own stages). Every rank draws the whole model's numbers in the
+order a plain construction draws them, so the result is bitwise the model built plainly under
+``seeded_init(init_seed)`` and wrapped. Under DDP, ZeRO-1/2 :meth:`MetaWalk.run` swaps the values into
+this rank's tensors before the strategy wraps the module; under ZeRO-3/FSDP the strategy's own meta
+construction calls :meth:`MetaWalk.fill` as its ``param_init_fn`` (in the same module order) and keeps
+only its flat shard.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,7 +27,6 @@ from dtlab.models.dp._materialize import (
     ParamInitFn,
     init_whole,
     initializer,
-    on_meta,
     uninitialized_error,
     untouched,
 )
@@ -63,13 +52,6 @@ class _Target:
     placement: Placement
 
 
-@dataclass
-class _Progress:
-    next: int = 0
-    done: set[int] = field(default_factory=set)  # ids of original tensors already initialized
-    pending: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-
-
 class MetaWalk:
     """The whole model's meta tensors, in registration order, and where this rank keeps each."""
 
@@ -86,16 +68,9 @@ class MetaWalk:
         self.targets: dict[tuple[int, str], _Target] = {}
         self.wanted: dict[int, list[int]] = {}  # id(root module) -> entries that feed it
         self.tp_rank, self.tp_size = 0, 1
-        self.progress = _Progress()
-
-    @staticmethod
-    def prepare(
-        module: nn.Module, init_seed: int | None, param_init_fn: ParamInitFn | None, who: str
-    ) -> MetaWalk | None:
-        """``None`` when no parameter of ``module`` is on meta (then init_seed/param_init_fn are an
-        error); the walk otherwise (every parameter must be on meta, and init_seed given)."""
-        seed = on_meta(module, init_seed, param_init_fn, who, "its part")
-        return None if seed is None else MetaWalk(who, module, seed, param_init_fn)
+        self.next = 0  # the next entry to initialize
+        self.done: set[int] = set()  # ids of original tensors already initialized
+        self.pending: dict[tuple[int, str], torch.Tensor] = {}  # values for a module ZeRO-3/FSDP asks later
 
     def bind(self, root: nn.Module, swapped: dict[int, torch.Tensor], tp: CommunicationBackend) -> None:
         """Where this rank keeps each original tensor: in ``root`` (its stages, after the tensor plan),
@@ -113,33 +88,30 @@ class MetaWalk:
                     self.wanted.setdefault(id(hit[0]), []).append(i)
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
 
-    # ------------------------------------------------------------------ the walk
     def run(self, device: torch.device) -> None:
         """Walk every module; this rank's tensors get their values (swapped in, on ``device``)."""
         with torch.no_grad(), seeded_init(self.seed):
-            while self.progress.next < len(self.entries):
-                self._step(self.progress.next, None, device)
-                self.progress.next += 1
+            for i in range(len(self.entries)):
+                self._step(i, None, device)
 
     def fill(self, mod: nn.Module) -> None:
         """The ``param_init_fn`` given to ZeRO-3/FSDP (inside their ``seeded_init``): advance the walk to
         the last module feeding ``mod`` and fill ``mod``'s own tensors (the strategy's whole buffers)."""
         feeding = self.wanted.get(id(mod), [])
         with torch.no_grad():
-            while feeding and self.progress.next <= max(feeding):
-                self._step(self.progress.next, mod, None)
-                self.progress.next += 1
-            for (mid, name), value in list(self.progress.pending.items()):
+            while feeding and self.next <= max(feeding):
+                self._step(self.next, mod, None)
+                self.next += 1
+            for mid, name in list(self.pending):
                 if mid == id(mod):
-                    getattr(mod, name).copy_(value)
-                    del self.progress.pending[(mid, name)]
+                    getattr(mod, name).copy_(self.pending.pop((mid, name)))
 
     def _own_values(self, i: int) -> bool:
         """Whether entry ``i``'s tensors are all kept whole in the module itself (nothing to slice)."""
         entry = self.entries[i]
         for n, t, _ in entry.tensors:
             target = self.targets.get((i, n))
-            if id(t) in self.progress.done or target is None:
+            if id(t) in self.done or target is None:
                 return False
             if target.module is not entry.module or target.name != n or isinstance(target.placement, Shard):
                 return False
@@ -152,17 +124,17 @@ class MetaWalk:
         )
         if asking is not None and asking is entry.module and self._own_values(i):
             init(entry.module)  # the strategy's whole buffers, checked by the strategy
-            self.progress.done.update(id(t) for _, t, _ in entry.tensors)
+            self.done.update(id(t) for _, t, _ in entry.tensors)
             return
         specs = [(n, t.shape, t.dtype, t.requires_grad if p else None) for n, t, p in entry.tensors]
         values = init_whole(entry.module, specs, init)
         for (n, t, is_param), value in zip(entry.tensors, values, strict=True):
-            if id(t) in self.progress.done:
+            if id(t) in self.done:
                 continue  # tied, initialized by an earlier module: this draw is dropped
             if untouched(value):
                 kind = "parameter" if is_param else "buffer"
                 raise uninitialized_error(self.who, kind, n, entry.name, entry.module, self.param_init_fn)
-            self.progress.done.add(id(t))
+            self.done.add(id(t))
             target = self.targets.get((i, n))
             if target is not None:
                 copied_now = device is None and target.module is asking  # copied, not kept
@@ -183,7 +155,7 @@ class MetaWalk:
             if target.module is asking:
                 current.copy_(value)
             else:  # asked for later (the strategy walks the same order; kept until then)
-                self.progress.pending[(id(target.module), target.name)] = value
+                self.pending[(id(target.module), target.name)] = value
             return
         value = value.to(device)
         if isinstance(current, nn.Parameter):

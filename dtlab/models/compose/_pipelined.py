@@ -7,7 +7,7 @@ stages are then told the traced block outputs their stubs return)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -114,19 +114,20 @@ class PipelineRun:
                 )
 
     def step(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
-        sync: bool,
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor]
     ) -> torch.Tensor:
-        """The schedule on ``(inputs, targets)`` (checked by :meth:`check_batch`), then, when ``sync``,
-        the tied weights' sum and the dp reduction; the batch's mean loss on every pipeline rank."""
+        """The schedule on ``(inputs, targets)`` (checked by :meth:`check_batch`), then, unless inside
+        ``no_sync()``, the tied weights' sum and the dp reduction; the batch's mean loss on every
+        pipeline rank."""
         micro_in, micro_tg = inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)
         specs = self.specs_for(micro_in[0])
         pp, plan, dp = self.pp, self.schedule, self.dp
+        sync = dp.require_backward_grad_sync
         links = StageLinks(pp, plan, specs) if pp.world_size > 1 else None
-        calls = {s: self._stage_call(s, micro_in) for s in plan.stages_of(pp.rank)}
+        calls = {
+            s: lambda x, micro, s=s: self.stage_forward(x, s, micro_in[micro])
+            for s in plan.stages_of(pp.rank)
+        }
         with dp.keep_gathered():  # ZeRO-3/FSDP: each unit gathered once per step
             excluded = {t.untyped_storage().data_ptr() for t in [*dp.module.parameters(), inputs, targets]}
             with dp.no_sync():
@@ -148,9 +149,3 @@ class PipelineRun:
         last = plan.rank_of(plan.num_stages - 1)
         loss = None if result.loss is None else result.loss.reshape(1).float()
         return broadcast_over_pp(loss, (1,), torch.float32, last, pp)[0]
-
-    def _stage_call(self, s: int, micro_in: Sequence[torch.Tensor]) -> Callable[[torch.Tensor, int], Any]:
-        def call(x: torch.Tensor, micro: int) -> Any:
-            return self.stage_forward(x, s, micro_in[micro])
-
-        return call

@@ -50,8 +50,7 @@ def apply_tensor_plan(module: nn.Module, tensor_plan: Plan, group: Communication
     """``module`` with its planned layers swapped in place for the ones rank ``group.rank`` of
     ``group`` holds, ties kept: the composition's tensor-parallel step without its broadcast of rank
     0's values (no communication). On the meta device: the layout a cost model prices."""
-    resolved = resolve_plan(module, declared_plan(module, tensor_plan), group.world_size)
-    swap_layers("apply_tensor_plan", module, resolved, group, broadcast=False)
+    swap_layers("apply_tensor_plan", module, tensor_plan, group, broadcast=False)
     return module
 
 

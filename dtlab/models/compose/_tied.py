@@ -7,7 +7,7 @@ give each user its own copy; a pipeline puts blocks on different ranks. So, befo
 - tensor parallelism keeps the tie when the plan splits the copies the same way: an ``nn.Embedding``
   made ``"vocab"`` and an ``nn.Linear`` made ``"colwise"`` (one section) share the weight's dim 0 (the
   vocabulary) identically, so after the swap the linear layer is given the embedding's shard
-  (:func:`retie`); a tie the plan does not touch stays as it is; any other tie the plan touches is
+  (:func:`_retie`); a tie the plan does not touch stays as it is; any other tie the plan touches is
   refused, naming the tied parameters;
 - a pipeline keeps a parameter used by stages on several ranks tied as Megatron-LM does
   (:mod:`dtlab.models.pipeline._ties`; :class:`TiedSync` sums the copies' gradients).
@@ -25,14 +25,17 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.dp.zero1 import ZeRO1Model
 from dtlab.models.pipeline._ties import CrossTie, sum_tied
+from dtlab.models.tensor._auto import declared_plan
 from dtlab.models.tensor._comm import broadcast_module_state
 from dtlab.models.tensor._plan import (
     ColwiseParallel,
     HeadsParallel,
+    Plan,
     SequenceParallel,
     Style,
     VocabParallel,
     apply_plan,
+    resolve_plan,
 )
 
 if TYPE_CHECKING:
@@ -83,20 +86,11 @@ def _check_tied(who: str, module: nn.Module, touched: dict[str, Style]) -> list[
         hits = {n: next(((m, st) for m, st in touched.items() if n.startswith(m + ".")), None) for n in names}
         if all(h is None for h in hits.values()):
             continue  # the plan leaves every user whole: still one parameter
-        vocab = [(n, h[0]) for n, h in hits.items() if h and isinstance(h[1], VocabParallel)]
-        col = [
-            (n, h[0])
-            for n, h in hits.items()
-            if h and isinstance(h[1], ColwiseParallel) and h[1].sections == 1
-        ]
-        if (
-            len(names) == 2
-            and len(vocab) == 1
-            and len(col) == 1
-            and vocab[0][0] == vocab[0][1] + ".weight"
-            and col[0][0] == col[0][1] + ".weight"
-        ):
-            out.append((col[0][1], vocab[0][1]))
+        weights = [h for n, h in hits.items() if h and n == h[0] + ".weight"]  # a layer's own weight
+        vocab = [m for m, st in weights if isinstance(st, VocabParallel)]
+        col = [m for m, st in weights if isinstance(st, ColwiseParallel) and st.sections == 1]
+        if len(names) == 2 and len(vocab) == 1 and len(col) == 1:
+            out.append((col[0], vocab[0]))
             continue
         how = ", ".join(
             f"{n}: {type(h[1]).__name__} on {h[0]!r}" if h else f"{n}: not in the plan"
@@ -128,12 +122,13 @@ def _retie(root: nn.Module, ties: Sequence[Retie]) -> None:
 
 
 def swap_layers(
-    who: str, module: nn.Module, resolved: Resolved, tp: CommunicationBackend, broadcast: bool
+    who: str, module: nn.Module, plan: Plan, tp: CommunicationBackend, broadcast: bool
 ) -> tuple[list[nn.Parameter], dict[int, torch.Tensor]]:
-    """The resolved tensor plan applied to ``module`` in place, ties checked before any communication
-    and kept (``broadcast``: rank 0's values over ``tp`` first). Returns the parameters with partial
-    gradients (sequence parallelism) and each replaced parameter (by id) -> the tensor-parallel
-    parameter replacing it."""
+    """``plan`` (``"auto"``: the one the module declares) applied to ``module`` in place, every check
+    and the ties' made before any communication, ties kept (``broadcast``: rank 0's values over ``tp``
+    first). Returns the parameters with partial gradients (sequence parallelism) and each replaced
+    parameter (by id) -> the tensor-parallel parameter replacing it."""
+    resolved = resolve_plan(module, declared_plan(module, plan), tp.world_size)
     touched = _touched_layers(resolved)
     ties = _check_tied(who, module, touched)
     if broadcast:

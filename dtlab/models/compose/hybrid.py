@@ -35,19 +35,13 @@ from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
-from dtlab.models.compose._build import (
-    AXES,
-    DATA_PARALLEL_CLASSES,
-    PipelineArgs,
-    as_mesh,
-    lay_out,
-)
+from dtlab.models.compose._build import AXES, DATA_PARALLEL_CLASSES, PipelineArgs, as_mesh, lay_out
 from dtlab.models.compose._comm import gather_whole_state, grads_of, sum_over_tp
 from dtlab.models.compose._meta_walk import MetaWalk
 from dtlab.models.compose._pipelined import PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._tied import TiedSync
-from dtlab.models.dp._materialize import MetaOptions, ParamInitFn
+from dtlab.models.dp._materialize import MetaOptions, ParamInitFn, on_meta
 from dtlab.models.dp._sharded import GatherOptions
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import BucketOptions
@@ -99,10 +93,9 @@ class HybridShardedModel(OptimizerTarget):
         schedule, micro_batches, split_points, stages_per_rank: as for ``PipelineParallelModel``; a
             pipeline runs when pp > 1, stages_per_rank > 1 or micro_batches > 1.
         init_seed: for a module built on the meta device (``with torch.device("meta"):``): each rank
-            walks the whole model's modules in registration order under ``seeded_init(init_seed)``,
-            initializes each one whole on the CPU (one at a time) and keeps only its part (its stages,
-            their tp slices, and under zero3/fsdp their dp shards): bitwise the model built plainly
-            under ``seeded_init(init_seed)`` and wrapped, for modules that draw in ``reset_parameters()``.
+            initializes only its part (its stages, their tp slices, under zero3/fsdp their dp shards),
+            bitwise the model built plainly under ``seeded_init(init_seed)`` and wrapped (see
+            :mod:`dtlab.models.compose._meta_walk`).
         param_init_fn: ``fn(module)`` filling a module's own parameters and meta buffers in place,
             instead of its ``reset_parameters()`` (a Hugging Face model's ``_init_weights`` by default).
         **kwargs: the data-parallel strategy's own options (``bucket_cap_mb``, ``gradient_sync`` for
@@ -143,7 +136,8 @@ class HybridShardedModel(OptimizerTarget):
             raise TypeError(f"{who} wraps a torch.nn.Module, got {type(module).__name__}")
         mesh = as_mesh(mesh, who, self.mesh_axis, self.mesh_axes)
         args = PipelineArgs(schedule, micro_batches, split_points, stages_per_rank, activation_checkpointing)
-        walk = MetaWalk.prepare(module, init_seed, param_init_fn, who)  # built on meta: init_seed
+        seed = on_meta(module, init_seed, param_init_fn, who, "its part")  # None: not built on meta
+        walk = None if seed is None else MetaWalk(who, module, seed, param_init_fn)
         layout = lay_out(who, module, mesh, tensor_plan, args, self.always_pipelined, walk is not None)
         options: dict[str, Any] = dict(kwargs)  # the strategy's own options, as its constructor takes them
         chosen_sync = options.get("gradient_sync") if data_parallel == "zero1" else None
@@ -173,9 +167,9 @@ class HybridShardedModel(OptimizerTarget):
         self._layout, self._placements = layout, placements
         self._chosen_sync = chosen_sync
         self._span = mesh["dp", "tp"]
-        self._partial = layout.partial
-        self._sync = True
-        if self._partial and self.tp_group.world_size > 1:
+        #: sequence parallelism's parameters with partial gradients over tp
+        self._partial = layout.partial if self.tp_group.world_size > 1 else set()
+        if self._partial:
             dp.register_post_sync_hook(self._sum_partial)
         rebind_ties(layout.ties, root)
         self._tied = TiedSync(layout.ties, layout.aliases, root, dp)  # weights tied across pipeline ranks
@@ -225,12 +219,8 @@ class HybridShardedModel(OptimizerTarget):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes (or pipelined steps) inside the block accumulate gradients locally."""
-        prev, self._sync = self._sync, False
-        try:
-            with self.dp_strategy.no_sync():
-                yield
-        finally:
-            self._sync = prev
+        with self.dp_strategy.no_sync():
+            yield
 
     # ------------------------------------------------------------------ forward and step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -258,7 +248,7 @@ class HybridShardedModel(OptimizerTarget):
         inputs, targets = batch
         self._pipe.check_batch(type(self).__name__, inputs, targets)
         self._check_partial_fresh()
-        return self._pipe.step(inputs, targets, loss_fn, self._sync)
+        return self._pipe.step(inputs, targets, loss_fn)
 
     def _sum_partial(self) -> None:
         """Sequence parallelism: replicated parameters used on a chunk of the sequence have partial
@@ -266,7 +256,8 @@ class HybridShardedModel(OptimizerTarget):
         sum_over_tp(grads_of(self.dp_strategy, self._partial.__contains__), self.tp_group)
 
     def _check_partial_fresh(self) -> None:
-        if self._sync and self._partial and self.tp_group.world_size > 1 and self.dp_strategy.grads_synced:
+        dp = self.dp_strategy
+        if self._partial and dp.require_backward_grad_sync and dp.grads_synced:
             raise StrategyError(
                 f"{type(self).__name__} with sequence parallelism: a synchronized step started while the "
                 "gradients of the last one are still there; call opt.zero_grad() between steps and "

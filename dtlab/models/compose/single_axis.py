@@ -36,6 +36,8 @@ class ComposedOptions(BucketOptions, MetaOptions, total=False):
     """The ``**kwargs`` of both: ZeRO-1's options over dp and the meta-device initialization
     (``init_seed``, ``param_init_fn``, as for HybridShardedModel)."""
 
+    gradient_sync: GradientSync | None  #: None: the optimizer's choice
+
 
 class TensorParallelModel(HybridShardedModel):
     """Tensor parallelism (Megatron-LM's) over ``mesh["tp"]``, ZeRO-1 over an optional ``mesh["dp"]``.
@@ -62,13 +64,12 @@ class TensorParallelModel(HybridShardedModel):
         plan: Plan | None = None,
         *,
         tensor_plan: Plan | None = None,
-        gradient_sync: GradientSync | None = None,
         **kwargs: Unpack[ComposedOptions],
     ) -> None:
         if plan is not None and tensor_plan is not None:
             raise ArgumentError("TensorParallelModel: pass the plan once, as plan= or as tensor_plan=")
         chosen: Plan = plan if plan is not None else tensor_plan if tensor_plan is not None else "auto"
-        super().__init__(module, mesh, "zero1", tensor_plan=chosen, gradient_sync=gradient_sync, **kwargs)
+        super().__init__(module, mesh, "zero1", tensor_plan=chosen, **kwargs)
 
 
 class PipelineParallelModel(HybridShardedModel):
@@ -101,7 +102,6 @@ class PipelineParallelModel(HybridShardedModel):
         split_points: Sequence[str] | None = None,
         stages_per_rank: int = 1,
         *,
-        gradient_sync: GradientSync | None = None,
         activation_checkpointing: bool = False,
         **kwargs: Unpack[ComposedOptions],
     ) -> None:
@@ -114,6 +114,5 @@ class PipelineParallelModel(HybridShardedModel):
             split_points=split_points,
             stages_per_rank=stages_per_rank,
             activation_checkpointing=activation_checkpointing,
-            gradient_sync=gradient_sync,
             **kwargs,
         )
