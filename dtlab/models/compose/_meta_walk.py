@@ -88,11 +88,18 @@ class MetaWalk:
                     self.wanted.setdefault(id(hit[0]), []).append(i)
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
 
-    def run(self, device: torch.device) -> None:
-        """Walk every module; this rank's tensors get their values (swapped in, on ``device``)."""
+    def run(self, root: nn.Module, device: torch.device) -> None:
+        """Walk every module; this rank's tensors (in ``root``) get their values, swapped in on
+        ``device``; none may be left on meta (each is named)."""
         with torch.no_grad(), seeded_init(self.seed):
             for i in range(len(self.entries)):
                 self._step(i, None, device)
+        left = [n for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
+        if left:
+            raise StrategyError(
+                f"{self.who}: {left[:4]} of this rank were built on the meta device and nothing gave them "
+                "values; pass param_init_fn=fn that fills them, or build them on the real device"
+            )
 
     def fill(self, mod: nn.Module) -> None:
         """The ``param_init_fn`` given to ZeRO-3/FSDP (inside their ``seeded_init``): advance the walk to
@@ -164,12 +171,3 @@ class MetaWalk:
             current.__dict__.update(attrs)  # the placement stays on the (same) parameter object
         else:
             setattr(target.module, target.name, value)
-
-    def check_materialized(self, root: nn.Module) -> None:
-        """After :meth:`run`: no tensor of this rank is left on meta (each is named)."""
-        left = [n for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
-        if left:
-            raise StrategyError(
-                f"{self.who}: {left[:4]} of this rank were built on the meta device and nothing gave them "
-                "values; pass param_init_fn=fn that fills them, or build them on the real device"
-            )

@@ -149,8 +149,7 @@ class HybridShardedModel(OptimizerTarget):
             if data_parallel in ("zero3", "fsdp"):
                 options.update(init_seed=walk.seed, param_init_fn=walk.fill)
             else:
-                walk.run(mesh.backend.device)
-                walk.check_materialized(root)
+                walk.run(root, mesh.backend.device)
         #: whether the output (the logits) is split over tp: cross_entropy is then vocabulary-parallel
         self.logits_split = splits_logits(module)  # the whole model: the same on every pipeline rank
         placements = placements_of(root.state_dict(keep_vars=True))  # before ZeRO-3/FSDP shard them
