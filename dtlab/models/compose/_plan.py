@@ -12,8 +12,8 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh, MeshLike
-from dtlab.core.plan import AUTO, RunPlan
-from dtlab.errors import ArgumentError, StrategyError
+from dtlab.core.plan import RunPlan
+from dtlab.errors import StrategyError
 from dtlab.models.compose._tied import swap_layers
 from dtlab.models.pipeline._split import has_blocks, module_blocks
 from dtlab.models.pipeline._trace import traced_structure
@@ -24,13 +24,11 @@ __all__ = ["apply_tensor_plan", "check_plan", "plan_arguments", "plan_mesh", "te
 
 
 def tensor_plan_of(plan: RunPlan) -> Plan:
-    """The plan's tensor plan as the strategies take it: the one the module declares for ``"auto"``."""
-    spec = plan.tensor_plan
-    if isinstance(spec, Mapping):  # each style is checked when the plan is resolved
-        return cast(PlanDict, dict(spec))
-    if spec == AUTO:
-        return transformer_plan(plan.sequence_parallel)
-    raise ArgumentError(f"RunPlan.tensor_plan={spec!r}: give 'auto' or a {{'fqn-pattern': style}} mapping")
+    """The plan's tensor plan as the strategies take it: the one the module declares for ``"auto"``
+    (``RunPlan`` checked it is ``"auto"`` or a mapping; each style is checked when it is resolved)."""
+    if isinstance(plan.tensor_plan, Mapping):
+        return cast(PlanDict, dict(plan.tensor_plan))
+    return transformer_plan(plan.sequence_parallel)
 
 
 def check_plan(module: nn.Module, plan: RunPlan) -> None:
