@@ -22,25 +22,19 @@ from dtlab.config import TrainConfig
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.optimizers.elastic import DiskCommitStore, ElasticMember, ElasticOptimizer, StaticMember
-from dtlab.trainers.metrics import MetricsCollector
+from dtlab.trainers.run_view import Progress
 from dtlab.trainers.saved_state import Resumable, check_saved_state
 
 __all__ = ["ElasticRun", "commit_on_stop", "end_step", "report_restore", "restore_commit", "wrap_elastic"]
 
 
-class ElasticRun(Protocol):
+class ElasticRun(Progress, Protocol):
     """What the elastic helpers read of a run (a Trainer is one): its elastic optimizer (``None``
     without ``elastic.commit_every``), the step just finished, its metrics (written on rank 0) and the
     trainer-level state a commit holds."""
 
     @property
     def elastic(self) -> ElasticOptimizer | None: ...
-    @property
-    def step(self) -> int: ...
-    @property
-    def is_main(self) -> bool: ...
-    @property
-    def metrics(self) -> MetricsCollector: ...
     def resume_state(self) -> dict[str, Any]: ...
 
 

@@ -3,41 +3,23 @@ for classification), the same on every rank."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.config import TrainConfig
+from dtlab.backends.base import ReduceOp
 from dtlab.data import fetch
-from dtlab.models.base import ModelStrategy
-from dtlab.models.precision import MixedPrecisionPolicy
-from dtlab.trainers.feed import DataFeed
+from dtlab.trainers.run_view import ForwardRun
 from dtlab.trainers.tasks import Task, logits_of
 
 __all__ = ["EvalRun", "evaluate"]
 
 
-class EvalRun(Protocol):
+class EvalRun(ForwardRun, Protocol):
     """What evaluation reads of a run (a Trainer is one)."""
 
     @property
-    def config(self) -> TrainConfig: ...
-    @property
-    def backend(self) -> CommunicationBackend: ...
-    @property
-    def dp(self) -> CommunicationBackend: ...
-    @property
     def task(self) -> Task: ...
-    @property
-    def model(self) -> ModelStrategy: ...
-    @property
-    def feed(self) -> DataFeed: ...
-    @property
-    def loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]: ...
-    @property
-    def precision(self) -> MixedPrecisionPolicy: ...
 
 
 @torch.no_grad()

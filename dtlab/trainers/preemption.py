@@ -37,10 +37,10 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.checkpoint.files import step_dir_name
+from dtlab.trainers.run_view import Progress
 
 if TYPE_CHECKING:
     from dtlab.config import TrainConfig
-    from dtlab.trainers.metrics import MetricsCollector
     from dtlab.trainers.progress import ProgressBar
     from dtlab.trainers.result import TrainResult
 
@@ -181,19 +181,13 @@ def agreed_stop(backend: CommunicationBackend, stop: StopRequest) -> str | None:
     return next((r for r in reasons if r), "stop request")
 
 
-class PreemptedRun(Protocol):
+class PreemptedRun(Progress, Protocol):
     """What :func:`preempt` reads of a run (a Trainer is one) and the final checkpoint it asks for."""
 
     @property
     def config(self) -> TrainConfig: ...
     @property
     def backend(self) -> CommunicationBackend: ...
-    @property
-    def step(self) -> int: ...
-    @property
-    def is_main(self) -> bool: ...
-    @property
-    def metrics(self) -> MetricsCollector: ...
     def save_checkpoint(self) -> Path: ...
 
 

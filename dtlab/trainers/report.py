@@ -12,15 +12,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint.safe_files import replace_file
-from dtlab.config import TrainConfig
 from dtlab.core.plan import RunPlan
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.trainers.construction import Construction
 from dtlab.trainers.guard import NonFiniteGuard
-from dtlab.trainers.metrics import MetricsCollector, clean
+from dtlab.trainers.metrics import clean
+from dtlab.trainers.run_view import Progress, RunCore
 from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.tasks import Task
 
@@ -43,15 +42,9 @@ __all__ = [
 ]
 
 
-class ReportRun(Protocol):
+class ReportRun(RunCore, Progress, Protocol):
     """What the records, console lines and summary read of a run (a Trainer is one); read only."""
 
-    @property
-    def config(self) -> TrainConfig: ...
-    @property
-    def backend(self) -> CommunicationBackend: ...
-    @property
-    def dp(self) -> CommunicationBackend: ...
     @property
     def plan(self) -> RunPlan: ...
     @property
@@ -60,8 +53,6 @@ class ReportRun(Protocol):
     def num_parameters(self) -> int: ...
     @property
     def construction(self) -> Construction: ...
-    @property
-    def model(self) -> ModelStrategy: ...
     @property
     def optimizer(self) -> OptimizerStrategy: ...
     @property
@@ -73,13 +64,7 @@ class ReportRun(Protocol):
     @property
     def overflow_steps(self) -> list[int]: ...
     @property
-    def step(self) -> int: ...
-    @property
     def start_step(self) -> int: ...
-    @property
-    def is_main(self) -> bool: ...
-    @property
-    def metrics(self) -> MetricsCollector: ...
     @property
     def run_dir(self) -> Path | None: ...
 

@@ -23,11 +23,11 @@ from dtlab.checkpoint.lock import LockOwner
 from dtlab.checkpoint.resume import Check, find_resume_checkpoint
 from dtlab.config import TrainConfig
 from dtlab.errors import CheckpointError, DtlabError
-from dtlab.models.base import ModelStrategy
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.trainers.build import optimizer_record, plain_value
 from dtlab.trainers.metrics import MetricsCollector
 from dtlab.trainers.ownership import another_run
+from dtlab.trainers.run_view import RunCore
 from dtlab.trainers.saved_state import Resumable, check_saved_state
 from dtlab.trainers.state import restore_rng
 
@@ -44,16 +44,10 @@ __all__ = [
 ]
 
 
-class Restorable(Resumable, Protocol):
+class Restorable(Resumable, RunCore, Protocol):
     """What a checkpoint is restored into (a Trainer is one): the trainer-level state, the model and
     optimizer strategies, on this rank of ``backend``, as ``config`` asks."""
 
-    @property
-    def config(self) -> TrainConfig: ...
-    @property
-    def backend(self) -> CommunicationBackend: ...
-    @property
-    def model(self) -> ModelStrategy: ...
     @property
     def optimizer(self) -> OptimizerStrategy: ...
 

@@ -7,47 +7,29 @@ loss scaling, clipping by the global norm, the optimizer step and the LR schedul
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.config import TrainConfig
-from dtlab.models.base import ModelStrategy
-from dtlab.models.precision import MixedPrecisionPolicy
+from dtlab.backends.base import ReduceOp
 from dtlab.optimizers.base import OptimizerStrategy
-from dtlab.trainers.feed import DataFeed
 from dtlab.trainers.guard import NonFiniteGuard
 from dtlab.trainers.labels import explain_loss_error
 from dtlab.trainers.profiler import Profiler
+from dtlab.trainers.run_view import ForwardRun
 from dtlab.trainers.scaler import DynamicLossScaler
 
 __all__ = ["StepRun", "train_step"]
 
 
-class StepRun(Protocol):
+class StepRun(ForwardRun, Protocol):
     """What one optimizer step reads of a run (a Trainer is one): ``step`` is the last step done;
     the guard, the loss scaler and ``overflow_steps`` (fp16 steps skipped) are updated in place."""
 
     @property
-    def config(self) -> TrainConfig: ...
-    @property
-    def backend(self) -> CommunicationBackend: ...
-    @property
-    def dp(self) -> CommunicationBackend: ...
-    @property
-    def model(self) -> ModelStrategy: ...
-    @property
     def optimizer(self) -> OptimizerStrategy: ...
     @property
     def scheduler(self) -> Any: ...
-    @property
-    def feed(self) -> DataFeed: ...
-    @property
-    def loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]: ...
-    @property
-    def precision(self) -> MixedPrecisionPolicy: ...
     @property
     def scaler(self) -> DynamicLossScaler | None: ...
     @property
