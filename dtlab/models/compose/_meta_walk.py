@@ -23,13 +23,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.core.rng import seeded_init
 from dtlab.errors import StrategyError
-from dtlab.models.dp._materialize import (
-    ParamInitFn,
-    init_whole,
-    initializer,
-    uninitialized_error,
-    untouched,
-)
+from dtlab.models.dp._materialize import OwnTensor, ParamInitFn, init_checked, initializer, own_tensors
 
 __all__ = ["MetaWalk"]
 
@@ -40,7 +34,7 @@ class _Entry:
 
     name: str
     module: nn.Module
-    tensors: list[tuple[str, torch.Tensor, bool]]  #: (own name, the original meta tensor, is a parameter)
+    tensors: list[OwnTensor]  #: the original meta tensors
 
 
 @dataclass(frozen=True)
@@ -59,11 +53,7 @@ class MetaWalk:
         self.who, self.root, self.seed, self.param_init_fn = who, module, seed, param_init_fn
         self.entries: list[_Entry] = []
         for mname, mod in module.named_modules():
-            own: list[tuple[str, torch.Tensor, bool]] = [
-                (n, p, True) for n, p in mod.named_parameters(recurse=False)
-            ]
-            own += [(n, b, False) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
-            if own:
+            if own := own_tensors(mod):
                 self.entries.append(_Entry(mname or "<root>", mod, own))
         self.targets: dict[tuple[int, str], _Target] = {}
         self.wanted: dict[int, list[int]] = {}  # id(root module) -> entries that feed it
@@ -126,22 +116,17 @@ class MetaWalk:
 
     def _step(self, i: int, asking: nn.Module | None, device: torch.device | None) -> None:
         entry = self.entries[i]
-        init = initializer(
-            self.who, self.root, entry.name, entry.module, entry.tensors[0][0], self.param_init_fn
-        )
         if asking is not None and asking is entry.module and self._own_values(i):
+            init = initializer(
+                self.who, self.root, entry.name, entry.module, entry.tensors[0][0], self.param_init_fn
+            )
             init(entry.module)  # the strategy's whole buffers, checked by the strategy
             self.done.update(id(t) for _, t, _ in entry.tensors)
             return
-        specs = [(n, t.shape, t.dtype, t.requires_grad if p else None) for n, t, p in entry.tensors]
-        values = init_whole(entry.module, specs, init)
-        for (n, t, is_param), value in zip(entry.tensors, values, strict=True):
-            if id(t) in self.done:
-                continue  # tied, initialized by an earlier module: this draw is dropped
-            if untouched(value):
-                kind = "parameter" if is_param else "buffer"
-                raise uninitialized_error(self.who, kind, n, entry.name, entry.module, self.param_init_fn)
-            self.done.add(id(t))
+        fresh = init_checked(
+            self.who, self.root, entry.name, entry.module, entry.tensors, self.param_init_fn, self.done, {}
+        )
+        for (n, _, _), value in fresh:
             target = self.targets.get((i, n))
             if target is not None:
                 copied_now = device is None and target.module is asking  # copied, not kept

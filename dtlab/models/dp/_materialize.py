@@ -12,7 +12,7 @@ build drew values the tie then discarded).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypedDict, cast
@@ -29,16 +29,17 @@ from dtlab.models.dp.flat import Slot
 __all__ = [
     "MetaInit",
     "MetaOptions",
+    "OwnTensor",
     "ParamInitFn",
+    "init_checked",
     "init_empty_weights",
-    "init_whole",
     "initializer",
     "on_meta",
-    "uninitialized_error",
-    "untouched",
+    "own_tensors",
 ]
 
 ParamInitFn = Callable[[nn.Module], None]
+OwnTensor = tuple[str, torch.Tensor, bool]  #: (own name in its module, the tensor, is a parameter)
 
 
 class MetaOptions(TypedDict, total=False):
@@ -148,20 +149,13 @@ def initializer(
     )
 
 
-def uninitialized_error(
-    who: str, kind: str, tname: str, mname: str, mod: nn.Module, param_init_fn: ParamInitFn | None
-) -> StrategyError:
-    """``kind`` (parameter, buffer) ``tname`` of module ``mname`` still holds the :func:`sentinel`
-    after its initialization."""
-    how = "param_init_fn" if param_init_fn is not None else "its initialization"
-    return StrategyError(
-        f"{who}: {kind} {tname!r} of module {mname!r} ({type(mod).__name__}) was built on the meta device "
-        f"and {how} left it (partly) uninitialized; pass param_init_fn=fn that fills it in place, or build "
-        "the module with its buffers on the real device (parameters only on meta)"
-    )
+def own_tensors(mod: nn.Module) -> list[OwnTensor]:
+    """``mod``'s own parameters, then its own buffers on the meta device: what a meta build fills."""
+    own: list[OwnTensor] = [(n, p, True) for n, p in mod.named_parameters(recurse=False)]
+    return own + [(n, b, False) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
 
 
-def sentinel(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def _sentinel(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A new tensor on the CPU filled with the value that marks it as not initialized yet."""
     t = torch.empty(shape, dtype=dtype, device="cpu")
     if t.is_floating_point() or t.is_complex():
@@ -171,25 +165,51 @@ def sentinel(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return t.fill_(torch.iinfo(t.dtype).min)
 
 
-def init_whole(
-    mod: nn.Module, tensors: list[tuple[str, torch.Size, torch.dtype, bool | None]], init: ParamInitFn
-) -> list[torch.Tensor]:
-    """``init(mod)`` with each of ``mod``'s own ``tensors`` (name, shape, dtype, and ``requires_grad``
-    for a parameter, None for a buffer) replaced by a whole CPU tensor holding the :func:`sentinel`:
-    the values it leaves, in order; ``mod``'s tensors are restored."""
-    saved = [(n, getattr(mod, n)) for n, _, _, _ in tensors]
-    for n, shape, dtype, grad in tensors:
-        whole = sentinel(shape, dtype)
-        setattr(mod, n, whole if grad is None else nn.Parameter(whole, requires_grad=grad))
+def init_checked(
+    who: str,
+    root: nn.Module,
+    mname: str,
+    mod: nn.Module,
+    own: list[OwnTensor],
+    param_init_fn: ParamInitFn | None,
+    done: set[int],
+    shapes: Mapping[int, torch.Size],
+) -> list[tuple[OwnTensor, torch.Tensor]]:
+    """Run :func:`initializer` on ``mod`` with its ``own`` tensors (non-empty) replaced by whole CPU
+    tensors holding the :func:`_sentinel` (a parameter's shape from ``shapes`` by id where given), then
+    restore them. Returns each tensor with the value it got, except parameters in ``done`` (tied,
+    initialized by an earlier module: this draw is dropped); the others join ``done``. A value still
+    holding the sentinel is refused, naming the tensor and the fix."""
+    init = initializer(who, root, mname, mod, own[0][0], param_init_fn)
+    saved = [(n, getattr(mod, n)) for n, _, _ in own]
+    for n, t, is_param in own:
+        whole = _sentinel(shapes.get(id(t), t.shape), t.dtype)
+        setattr(mod, n, nn.Parameter(whole, requires_grad=t.requires_grad) if is_param else whole)
     try:
         init(mod)
-        return [getattr(mod, n).detach() for n, _, _, _ in tensors]
+        values = [getattr(mod, n).detach() for n, _, _ in own]
     finally:
         for n, old in saved:
             setattr(mod, n, old)
+    fresh: list[tuple[OwnTensor, torch.Tensor]] = []
+    for (n, t, is_param), value in zip(own, values, strict=True):
+        if is_param and id(t) in done:
+            continue
+        if _untouched(value):
+            how = "param_init_fn" if param_init_fn is not None else "its initialization"
+            raise StrategyError(
+                f"{who}: {'parameter' if is_param else 'buffer'} {n!r} of module {mname!r} "
+                f"({type(mod).__name__}) was built on the meta device and {how} left it (partly) "
+                "uninitialized; pass param_init_fn=fn that fills it in place, or build the module with its "
+                "buffers on the real device (parameters only on meta)"
+            )
+        if is_param:
+            done.add(id(t))
+        fresh.append(((n, t, is_param), value))
+    return fresh
 
 
-def untouched(t: torch.Tensor) -> bool:
+def _untouched(t: torch.Tensor) -> bool:
     """Whether ``t`` still holds the sentinel somewhere (floats: any NaN; integers: all the minimum).
     Floats are checked through their sum first (a scalar), so the check allocates no tensor of ``t``'s
     size unless the sum is NaN."""
@@ -261,32 +281,19 @@ class MetaInit:
     def _init_module(
         self, mname: str, mod: nn.Module, places: dict[int, tuple[ShardUnit, Slot]], done: set[int]
     ) -> None:
-        params = list(mod.named_parameters(recurse=False))
-        buffers = [(n, b) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
-        if not params and not buffers:
+        own = own_tensors(mod)
+        if not own:
             return
-        init = initializer(self.who, self.root, mname, mod, (params or buffers)[0][0], self.param_init_fn)
-        values = init_whole(
-            mod,
-            [(n, self.shapes[id(q)], q.dtype, q.requires_grad) for n, q in params]
-            + [(n, b.shape, b.dtype, None) for n, b in buffers],
-            init,
-        )
-        for (pname, q), value in zip(params, values[: len(params)], strict=True):
-            if id(q) in done:  # tied, initialized by an earlier module: this draw is dropped
-                continue
-            if untouched(value):
-                raise uninitialized_error(self.who, "parameter", pname, mname, mod, self.param_init_fn)
-            done.add(id(q))
-            place = places.get(id(q))
-            if place is None:  # frozen: kept whole on every rank
-                q.data = value.to(self.device)
+        for (name, t, is_param), value in init_checked(
+            self.who, self.root, mname, mod, own, self.param_init_fn, done, self.shapes
+        ):
+            place = places.get(id(t))
+            if not is_param:
+                setattr(mod, name, value.to(self.device))
+            elif place is None:  # frozen: kept whole on every rank
+                t.data = value.to(self.device)
             else:  # the unit's binding stays (a view of its whole buffer, or empty)
                 self._place(value.reshape(-1), place)
-        for (bname, _), value in zip(buffers, values[len(params) :], strict=True):
-            if untouched(value):
-                raise uninitialized_error(self.who, "buffer", bname, mname, mod, self.param_init_fn)
-            setattr(mod, bname, value.to(self.device))
 
     @staticmethod
     def _place(flat: torch.Tensor, place: tuple[ShardUnit, Slot]) -> None:
