@@ -9,12 +9,12 @@ strategy, or into the plain module (``dtlab/core/shard_index.py``).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.core.placement import Placement, Replicate, Shard, placement_of
+from dtlab.core.placement import Placement, Replicate, Shard
 from dtlab.core.shard_index import ShardIndex, add_placed_slice, add_slice, even_range, read_placed
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
@@ -22,7 +22,7 @@ from dtlab.errors import CheckpointError
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit
 
-__all__ = ["FlatShard", "load_placed_state", "placements_of", "write_placed_state"]
+__all__ = ["FlatShard", "load_placed_state", "write_placed_state"]
 
 _WHOLE = Replicate()
 
@@ -128,8 +128,3 @@ def _read(
         )
     coord, size = _tp_coord(placement, tp)
     return read_placed(index, key, shape, placement, coord, size, start, end)
-
-
-def placements_of(tensors: Mapping[str, Any]) -> dict[str, Placement]:
-    """``{key: placement}`` of every tensor (``Replicate()`` when none was set)."""
-    return {k: placement_of(t) for k, t in tensors.items()}

@@ -29,7 +29,7 @@ from dtlab.models.dp.zero3 import ZeRO3Model
 from dtlab.models.pipeline._runtime import check_stage_checkpointing
 from dtlab.models.pipeline._schedules import PipelineSchedule, build_schedule
 from dtlab.models.pipeline._split import Shapes, Stage, has_blocks, module_blocks, split_blocks, stage_shapes
-from dtlab.models.pipeline._ties import CrossTie, aliases_of, cross_ties, init_ties
+from dtlab.models.pipeline._ties import CrossTie, cross_ties, init_ties
 from dtlab.models.pipeline._trace import TracedStage, traced_stages
 from dtlab.models.tensor._plan import Plan
 
@@ -203,7 +203,7 @@ def lay_out(
             f"pipeline rank {pp.rank} holds stages {list(mine)} with no trainable parameters; move the "
             "split points so every rank has some"
         )
-    aliases = aliases_of(groups)
+    aliases = {n: names[0] for names in groups for n in names[1:]}  # other name -> first name
     unwritten = {k for k in root.state_dict(keep_vars=True) if k in aliases or entries[k][2] != pp.rank}
     names = _names(root, partial)
     return Layout(

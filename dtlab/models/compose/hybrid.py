@@ -28,7 +28,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import MeshLike
 from dtlab.core import pairs
-from dtlab.core.placement import Placement, Shard, counts_in_norm
+from dtlab.core.placement import Placement, Shard, counts_in_norm, placement_of
 from dtlab.core.plan import RunPlan
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.shard_index import new_state
@@ -50,7 +50,7 @@ from dtlab.models.dp.fsdp import WrapPolicy
 from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.pipeline._ties import rebind_ties
-from dtlab.models.placed_state import load_placed_state, placements_of, write_placed_state
+from dtlab.models.placed_state import load_placed_state, write_placed_state
 from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
 from dtlab.models.tensor._plan import Plan, splits_logits
 
@@ -152,7 +152,8 @@ class HybridShardedModel(OptimizerTarget):
                 walk.run(root, mesh.backend.device)
         #: whether the output (the logits) is split over tp: cross_entropy is then vocabulary-parallel
         self.logits_split = splits_logits(module)  # the whole model: the same on every pipeline rank
-        placements = placements_of(root.state_dict(keep_vars=True))  # before ZeRO-3/FSDP shard them
+        state = root.state_dict(keep_vars=True)  # placements read before ZeRO-3/FSDP shard the tensors
+        placements = {k: placement_of(t) for k, t in state.items()}
         dp = dp_class(root, mesh["dp"], world=mesh.backend, **options)  # 3. data parallelism
         super().__init__(root, mesh["dp"], world=mesh.backend)
         self.__dict__["_dp"] = dp  # used, not registered: its module is this model's module

@@ -18,7 +18,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 
-__all__ = ["CrossTie", "aliases_of", "cross_ties", "init_ties", "rebind_ties", "sum_tied"]
+__all__ = ["CrossTie", "cross_ties", "init_ties", "rebind_ties", "sum_tied"]
 
 
 @dataclass
@@ -29,11 +29,6 @@ class CrossTie:
     ranks: list[int]  #: the pipeline ranks holding a copy, in order
     group: CommunicationBackend | None = None  #: over ``ranks`` (None on other ranks)
     param: nn.Parameter | None = None  #: this rank's copy
-
-
-def aliases_of(groups: Sequence[Sequence[str]]) -> dict[str, str]:
-    """``{other name: first name}`` of every tied parameter."""
-    return {n: names[0] for names in groups for n in names[1:]}
 
 
 def cross_ties(
