@@ -34,22 +34,38 @@ def _source(fn: Any) -> str:
         return ""
 
 
-def _starts_processes(fn: FunctionType, module: ModuleType | None, depth: int = 2) -> bool:
-    if any(w in _source(fn) for w in PROCESS_WORDS):
-        return True
+def _starts_processes(
+    fn: FunctionType,
+    module: ModuleType | None,
+    seen: dict[tuple[FunctionType, str, int], bool],
+    depth: int = 2,
+) -> bool:
+    """``seen``: the answers so far in this collection (``inspect.getsource`` is slow: once per function,
+    not once per word and per test)."""
+    key = (fn, getattr(module, "__name__", ""), depth)
+    if key not in seen:
+        source = _source(fn)
+        seen[key] = any(w in source for w in PROCESS_WORDS) or _calls_one(fn, module, seen, depth)
+    return seen[key]
+
+
+def _calls_one(
+    fn: FunctionType, module: ModuleType | None, seen: dict[tuple[FunctionType, str, int], bool], depth: int
+) -> bool:
     if depth == 0 or module is None:
         return False
     names = set(getattr(fn, "__code__", None).co_names) if hasattr(fn, "__code__") else set()
     for name in names:
         called = getattr(module, name, None)
         if isinstance(called, FunctionType) and called.__module__ == module.__name__:
-            if _starts_processes(called, module, depth - 1):
+            if _starts_processes(called, module, seen, depth - 1):
                 return True
     return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seen: dict[tuple[FunctionType, str, int], bool] = {}
     for item in items:
         fn = getattr(item, "function", None)
-        if isinstance(fn, FunctionType) and _starts_processes(fn, getattr(item, "module", None)):
+        if isinstance(fn, FunctionType) and _starts_processes(fn, getattr(item, "module", None), seen):
             item.add_marker(pytest.mark.xdist_group("processes"))
