@@ -1,15 +1,15 @@
-"""The composition's own communication (the layers' collectives are in ``dtlab.models.tensor._comm``,
-the stage messages in ``dtlab.models.pipeline._comm``, the dp reduction in the data-parallel
-strategies), and where a strategy's synchronized gradients lie (:func:`grads_of`)."""
+"""The composition's own communication (the layers' collectives and the sequence-parallel sum are in
+``dtlab.models.tensor._comm``, the stage messages in ``dtlab.models.pipeline._comm``, the dp reduction
+in the data-parallel strategies), and where a strategy's synchronized gradients lie (:func:`grads_of`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement, Shard
 from dtlab.models.pipeline._comm import broadcast_over_pp
 from dtlab.models.tensor._comm import gather_over_tp
@@ -17,23 +17,7 @@ from dtlab.models.tensor._comm import gather_over_tp
 if TYPE_CHECKING:
     from dtlab.models.dp.data_parallel import DataParallelModel
 
-__all__ = ["gather_whole_state", "grads_of", "sum_over_tp"]
-
-
-def sum_over_tp(tensors: Sequence[torch.Tensor], tp: CommunicationBackend) -> None:
-    """Replace each tensor by its sum over ``tp`` (in place; one all-reduce of them concatenated):
-    sequence parallelism leaves the gradients of replicated parameters used inside the sequence-split
-    region (norms, row-parallel biases) as partial sums over tp."""
-    tensors = [t for t in tensors if t.numel()]
-    if tp.world_size == 1 or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    tp.all_reduce(flat, ReduceOp.SUM)
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+__all__ = ["gather_whole_state", "grads_of"]
 
 
 def grads_of(

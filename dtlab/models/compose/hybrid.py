@@ -36,7 +36,7 @@ from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.compose._build import AXES, DATA_PARALLEL_CLASSES, PipelineArgs, as_mesh, lay_out
-from dtlab.models.compose._comm import gather_whole_state, grads_of, sum_over_tp
+from dtlab.models.compose._comm import gather_whole_state, grads_of
 from dtlab.models.compose._meta_walk import MetaWalk
 from dtlab.models.compose._pipelined import PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
@@ -51,6 +51,7 @@ from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.pipeline._ties import rebind_ties
 from dtlab.models.placed_state import load_placed_state, write_placed_state
+from dtlab.models.tensor._comm import sum_over_tp
 from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
 from dtlab.models.tensor._plan import Plan, splits_logits
 

@@ -14,7 +14,7 @@ Tensors on the ``meta`` device carry no data: the collectives then only compute 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Protocol, cast
 
@@ -37,6 +37,7 @@ __all__ = [
     "reduce_scatter_to_seq",
     "scatter_to_sequence",
     "scatter_to_tp",
+    "sum_over_tp",
 ]
 
 _SEQ = -2
@@ -212,6 +213,15 @@ def gather_over_tp(local: torch.Tensor, placement: Shard, tp: CommunicationBacke
     return torch.cat([parts[r * sections + k] for k in range(sections) for r in range(p)], placement.dim)
 
 
+def _through_flat(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], object]) -> None:
+    """``collective`` on the tensors concatenated (one message), the result copied back into each."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    collective(flat)
+    with torch.no_grad():
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            t.copy_(part.view_as(t))
+
+
 def broadcast_module_state(module: nn.Module, group: CommunicationBackend) -> None:
     """Every parameter and buffer of ``module`` takes group rank 0's values (one message per dtype)."""
     if group.world_size == 1:
@@ -220,9 +230,14 @@ def broadcast_module_state(module: nn.Module, group: CommunicationBackend) -> No
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in unique.values():
         by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for tensors in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            group.broadcast(flat, 0)
-            for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-                t.data.copy_(part.view_as(t))
+    for tensors in by_dtype.values():
+        _through_flat(tensors, lambda flat: group.broadcast(flat, 0))
+
+
+def sum_over_tp(tensors: Sequence[torch.Tensor], tp: CommunicationBackend) -> None:
+    """Replace each tensor by its sum over ``tp`` (in place; one all-reduce of them concatenated):
+    sequence parallelism leaves the gradients of replicated parameters used inside the sequence-split
+    region (norms, row-parallel biases) as partial sums over tp."""
+    tensors = [t for t in tensors if t.numel()]
+    if tp.world_size > 1 and tensors:
+        _through_flat(tensors, lambda flat: tp.all_reduce(flat, ReduceOp.SUM))
