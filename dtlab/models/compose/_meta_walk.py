@@ -3,7 +3,7 @@
 The whole model is built on the meta device and laid out (tensor plan swapped on meta, this rank's
 stages kept). :class:`MetaWalk` then walks the *original* modules of the whole model in registration
 order inside ``seeded_init(init_seed)``, one at a time: its own tensors are made whole on the CPU,
-initialized and checked as ``dtlab.models.dp._materialize`` does, and only what this rank holds is
+initialized and checked by ``dtlab.models.dp._materialize.MetaFill``, and only what this rank holds is
 kept (the tp slice of a tensor of its own stages). Every rank draws the whole model's numbers in the
 order a plain construction draws them, so the result is bitwise the model built plainly under
 ``seeded_init(init_seed)`` and wrapped. Under DDP, ZeRO-1/2 :meth:`MetaWalk.run` swaps the values into
@@ -23,7 +23,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.core.rng import seeded_init
 from dtlab.errors import StrategyError
-from dtlab.models.dp._materialize import OwnTensor, ParamInitFn, init_checked, initializer, own_tensors
+from dtlab.models.dp._materialize import MetaFill, OwnTensor, ParamInitFn, own_tensors
 
 __all__ = ["MetaWalk"]
 
@@ -50,7 +50,7 @@ class MetaWalk:
     """The whole model's meta tensors, in registration order, and where this rank keeps each."""
 
     def __init__(self, who: str, module: nn.Module, seed: int, param_init_fn: ParamInitFn | None) -> None:
-        self.who, self.root, self.seed, self.param_init_fn = who, module, seed, param_init_fn
+        self.how, self.seed = MetaFill(who, module, param_init_fn), seed
         self.entries: list[_Entry] = []
         for mname, mod in module.named_modules():
             if own := own_tensors(mod):
@@ -87,8 +87,8 @@ class MetaWalk:
         left = [n for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
         if left:
             raise StrategyError(
-                f"{self.who}: {left[:4]} of this rank were built on the meta device and nothing gave them "
-                "values; pass param_init_fn=fn that fills them, or build them on the real device"
+                f"{self.how.who}: {left[:4]} of this rank were built on the meta device and nothing gave "
+                "them values; pass param_init_fn=fn that fills them, or build them on the real device"
             )
 
     def fill(self, mod: nn.Module) -> None:
@@ -117,16 +117,11 @@ class MetaWalk:
     def _step(self, i: int, asking: nn.Module | None, device: torch.device | None) -> None:
         entry = self.entries[i]
         if asking is not None and asking is entry.module and self._own_values(i):
-            init = initializer(
-                self.who, self.root, entry.name, entry.module, entry.tensors[0][0], self.param_init_fn
-            )
+            init = self.how.initializer(entry.name, entry.module, entry.tensors[0][0])
             init(entry.module)  # the strategy's whole buffers, checked by the strategy
             self.done.update(id(t) for _, t, _ in entry.tensors)
             return
-        fresh = init_checked(
-            self.who, self.root, entry.name, entry.module, entry.tensors, self.param_init_fn, self.done, {}
-        )
-        for (n, _, _), value in fresh:
+        for (n, _, _), value in self.how.init_checked(entry.name, entry.module, entry.tensors, self.done, {}):
             target = self.targets.get((i, n))
             if target is not None:
                 copied_now = device is None and target.module is asking  # copied, not kept

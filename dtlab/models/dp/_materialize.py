@@ -29,11 +29,10 @@ from dtlab.models.dp.flat import Slot
 __all__ = [
     "MetaInit",
     "MetaOptions",
+    "MetaFill",
     "OwnTensor",
     "ParamInitFn",
-    "init_checked",
     "init_empty_weights",
-    "initializer",
     "on_meta",
     "own_tensors",
 ]
@@ -121,34 +120,6 @@ def on_meta(
     return init_seed
 
 
-def initializer(
-    who: str,
-    root: nn.Module,
-    mname: str,
-    mod: nn.Module,
-    tname: str,
-    param_init_fn: ParamInitFn | None,
-) -> ParamInitFn:
-    """What fills ``mod``'s own tensors (``tname``: the first of them): ``param_init_fn``; else, in a
-    Hugging Face model (a root with ``_init_weights`` and a ``config``), the model's
-    ``_init_weights(mod)``; else its ``reset_parameters()``; else an error naming the tensor."""
-    if param_init_fn is not None:
-        return param_init_fn
-    hf_init = getattr(root, "_init_weights", None)
-    if callable(hf_init) and hasattr(root, "config"):
-        return hf_init  # type: ignore[no-any-return]
-    reset = getattr(mod, "reset_parameters", None)
-    if callable(reset):
-        return lambda m: reset()  # noqa: ARG005 - the ParamInitFn form
-    path = tname if mname == "<root>" else f"{mname}.{tname}"
-    raise StrategyError(
-        f"{who}: {path!r} of module {mname!r} ({type(mod).__name__}) is on the meta "
-        f"device and nothing initializes it: {type(mod).__name__} has no reset_parameters(); pass "
-        "param_init_fn=fn (fn(module) fills the module's own parameters and buffers in place), or build "
-        "the module with its buffers on the real device (parameters only on meta)"
-    )
-
-
 def own_tensors(mod: nn.Module) -> list[OwnTensor]:
     """``mod``'s own parameters, then its own buffers on the meta device: what a meta build fills."""
     own: list[OwnTensor] = [(n, p, True) for n, p in mod.named_parameters(recurse=False)]
@@ -163,50 +134,6 @@ def _sentinel(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     if t.dtype == torch.bool:
         return t.fill_(True)
     return t.fill_(torch.iinfo(t.dtype).min)
-
-
-def init_checked(
-    who: str,
-    root: nn.Module,
-    mname: str,
-    mod: nn.Module,
-    own: list[OwnTensor],
-    param_init_fn: ParamInitFn | None,
-    done: set[int],
-    shapes: Mapping[int, torch.Size],
-) -> list[tuple[OwnTensor, torch.Tensor]]:
-    """Run :func:`initializer` on ``mod`` with its ``own`` tensors (non-empty) replaced by whole CPU
-    tensors holding the :func:`_sentinel` (a parameter's shape from ``shapes`` by id where given), then
-    restore them. Returns each tensor with the value it got, except parameters in ``done`` (tied,
-    initialized by an earlier module: this draw is dropped); the others join ``done``. A value still
-    holding the sentinel is refused, naming the tensor and the fix."""
-    init = initializer(who, root, mname, mod, own[0][0], param_init_fn)
-    saved = [(n, getattr(mod, n)) for n, _, _ in own]
-    for n, t, is_param in own:
-        whole = _sentinel(shapes.get(id(t), t.shape), t.dtype)
-        setattr(mod, n, nn.Parameter(whole, requires_grad=t.requires_grad) if is_param else whole)
-    try:
-        init(mod)
-        values = [getattr(mod, n).detach() for n, _, _ in own]
-    finally:
-        for n, old in saved:
-            setattr(mod, n, old)
-    fresh: list[tuple[OwnTensor, torch.Tensor]] = []
-    for (n, t, is_param), value in zip(own, values, strict=True):
-        if is_param and id(t) in done:
-            continue
-        if _untouched(value):
-            how = "param_init_fn" if param_init_fn is not None else "its initialization"
-            raise StrategyError(
-                f"{who}: {'parameter' if is_param else 'buffer'} {n!r} of module {mname!r} "
-                f"({type(mod).__name__}) was built on the meta device and {how} left it (partly) "
-                "uninitialized; pass param_init_fn=fn that fills it in place, or build the module with its "
-                "buffers on the real device (parameters only on meta)"
-            )
-        if is_param:
-            done.add(id(t))
-        fresh.append(((n, t, is_param), value))
-    return fresh
 
 
 def _untouched(t: torch.Tensor) -> bool:
@@ -224,16 +151,85 @@ def _untouched(t: torch.Tensor) -> bool:
     return bool((t == torch.iinfo(t.dtype).min).all())
 
 
+@dataclass(frozen=True)
+class MetaFill:
+    """How a model built on the meta device fills a module's own tensors: ``who`` names the model in
+    errors, ``root`` is the whole model (a Hugging Face root brings ``_init_weights``)."""
+
+    who: str
+    root: nn.Module
+    param_init_fn: ParamInitFn | None
+
+    def initializer(self, mname: str, mod: nn.Module, tname: str) -> ParamInitFn:
+        """What fills ``mod``'s own tensors (``tname``: the first of them): ``param_init_fn``; else, in a
+        Hugging Face model (a root with ``_init_weights`` and a ``config``), the model's
+        ``_init_weights(mod)``; else its ``reset_parameters()``; else an error naming the tensor."""
+        if self.param_init_fn is not None:
+            return self.param_init_fn
+        hf_init = getattr(self.root, "_init_weights", None)
+        if callable(hf_init) and hasattr(self.root, "config"):
+            return hf_init  # type: ignore[no-any-return]
+        reset = getattr(mod, "reset_parameters", None)
+        if callable(reset):
+            return lambda m: reset()  # noqa: ARG005 - the ParamInitFn form
+        path = tname if mname == "<root>" else f"{mname}.{tname}"
+        raise StrategyError(
+            f"{self.who}: {path!r} of module {mname!r} ({type(mod).__name__}) is on the meta "
+            f"device and nothing initializes it: {type(mod).__name__} has no reset_parameters(); pass "
+            "param_init_fn=fn (fn(module) fills the module's own parameters and buffers in place), or "
+            "build the module with its buffers on the real device (parameters only on meta)"
+        )
+
+    def init_checked(
+        self,
+        mname: str,
+        mod: nn.Module,
+        own: list[OwnTensor],
+        done: set[int],
+        shapes: Mapping[int, torch.Size],
+    ) -> list[tuple[OwnTensor, torch.Tensor]]:
+        """Run :meth:`initializer` on ``mod`` with its ``own`` tensors (non-empty) replaced by whole CPU
+        tensors holding the :func:`_sentinel` (a parameter's shape from ``shapes`` by id where given),
+        then restore them. Returns each tensor with the value it got, except parameters in ``done``
+        (tied, initialized by an earlier module: this draw is dropped); the others join ``done``. A
+        value still holding the sentinel is refused, naming the tensor and the fix."""
+        init = self.initializer(mname, mod, own[0][0])
+        saved = [(n, getattr(mod, n)) for n, _, _ in own]
+        for n, t, is_param in own:
+            whole = _sentinel(shapes.get(id(t), t.shape), t.dtype)
+            setattr(mod, n, nn.Parameter(whole, requires_grad=t.requires_grad) if is_param else whole)
+        try:
+            init(mod)
+            values = [getattr(mod, n).detach() for n, _, _ in own]
+        finally:
+            for n, old in saved:
+                setattr(mod, n, old)
+        fresh: list[tuple[OwnTensor, torch.Tensor]] = []
+        for (n, t, is_param), value in zip(own, values, strict=True):
+            if is_param and id(t) in done:
+                continue
+            if _untouched(value):
+                how = "param_init_fn" if self.param_init_fn is not None else "its initialization"
+                raise StrategyError(
+                    f"{self.who}: {'parameter' if is_param else 'buffer'} {n!r} of module {mname!r} "
+                    f"({type(mod).__name__}) was built on the meta device and {how} left it (partly) "
+                    "uninitialized; pass param_init_fn=fn that fills it in place, or build the module with "
+                    "its buffers on the real device (parameters only on meta)"
+                )
+            if is_param:
+                done.add(id(t))
+            fresh.append(((n, t, is_param), value))
+        return fresh
+
+
 @dataclass
 class MetaInit:
     """The meta-device parameters and buffers of one module, and how to initialize them."""
 
-    who: str
+    fill: MetaFill
     seed: int
-    param_init_fn: ParamInitFn | None
     device: torch.device
     shapes: dict[int, torch.Size]  #: by parameter id: the wrapper empties the parameters it shards
-    root: nn.Module
 
     @staticmethod
     def prepare(
@@ -261,7 +257,7 @@ class MetaInit:
                     if not b.is_meta and b.device != device:
                         setattr(mod, bname, b.to(device))
         shapes = {id(q): q.shape for q in swapped.values()}
-        return MetaInit(who, seed, param_init_fn, device, shapes, module)
+        return MetaInit(MetaFill(who, module, param_init_fn), seed, device, shapes)
 
     def materialize(self, units: list[ShardUnit]) -> None:
         """Initialize every module's own tensors in registration order and keep this rank's part:
@@ -272,7 +268,7 @@ class MetaInit:
         }
         done: set[int] = set()
         with torch.no_grad(), seeded_init(self.seed):
-            for mname, mod in self.root.named_modules(remove_duplicate=True):
+            for mname, mod in self.fill.root.named_modules(remove_duplicate=True):
                 self._init_module(mname or "<root>", mod, places, done)
         for st in units:
             if st.flat is not None:  # persistent: its shard is the slice of the whole buffer
@@ -284,9 +280,7 @@ class MetaInit:
         own = own_tensors(mod)
         if not own:
             return
-        for (name, t, is_param), value in init_checked(
-            self.who, self.root, mname, mod, own, self.param_init_fn, done, self.shapes
-        ):
+        for (name, t, is_param), value in self.fill.init_checked(mname, mod, own, done, self.shapes):
             place = places.get(id(t))
             if not is_param:
                 setattr(mod, name, value.to(self.device))
