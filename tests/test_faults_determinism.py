@@ -3,6 +3,7 @@ threads sharing torch's global RNG, and a task built inside each rank's function
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import torch
@@ -11,9 +12,12 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, load_config
 from dtlab.core import seeded_init
+from dtlab.core.plan import RunPlan
 from dtlab.data import TensorDataset
+from dtlab.models import HybridShardedModel
 from dtlab.testing import run_world
 from dtlab.trainers import Task, Trainer
+from dtlab.zoo import TransformerLM
 
 
 def _net() -> nn.Module:  # big enough that building it takes a while: concurrent builds overlap
@@ -61,3 +65,18 @@ def test_seeded_init_in_concurrent_threads_builds_the_same_model() -> None:
     assert len(got) == 20
     for sd in got:
         assert all(torch.equal(sd[k], want[k]) for k in want)
+
+
+def test_splitting_a_model_over_tp_and_dp_draws_nothing_from_the_global_rng() -> None:
+    """A rank wrapping its model draws nothing from torch's global RNG: a draw there, outside the lock,
+    lands in the middle of another rank's build under seeded_init and changes that rank's model (each
+    tensor-parallel layer used to initialise itself before taking the source's values)."""
+    with seeded_init(0):
+        net = TransformerLM(32, 2, 2, 16)  # embedding, fused qkv, MLP and head: every tp layer kind
+    before = torch.get_rng_state()
+
+    def body(backend: CommunicationBackend) -> None:
+        HybridShardedModel.from_plan(copy.deepcopy(net), backend, RunPlan("zero1", tp=2))
+
+    run_world(4, body, timeout=60)
+    assert torch.equal(torch.get_rng_state(), before)

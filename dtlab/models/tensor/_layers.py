@@ -33,6 +33,7 @@ from dtlab.models.tensor._comm import (
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
 AXIS = "tp"
+META = torch.device("meta")
 
 
 def _parameter(
@@ -88,23 +89,31 @@ def _linear_source(linear: nn.Module, layer: str) -> _LinearOptions:
         out_features=features[1],
         bias=getattr(linear, "bias", None) is not None,
         transposed=features[2],
-        device=w.device,
+        device=META,  # built empty, then filled by _load on the source's device
         dtype=w.dtype,
     )
 
 
 def _load(layer: _Layer, source: nn.Module, group: CommunicationBackend) -> _Layer:
-    """``layer`` holding this rank's part of each of ``source``'s parameters (named alike: ``weight``,
-    ``bias``) as its placement says, with their ``requires_grad`` flags."""
+    """``layer``, built on the meta device, holding this rank's part of each of ``source``'s parameters
+    (named alike: ``weight``, ``bias``) as its placement says, on the device of ``source``'s weight,
+    with their ``requires_grad`` flags.
+
+    Built on the meta device, the layer's constructor draws nothing from torch's global RNG: in-memory
+    ranks are threads sharing it, and a draw here (outside any lock) would change the values another
+    rank is building under ``dtlab.core.seeded_init`` at that moment."""
+    device = source.get_parameter("weight").device
     with torch.no_grad():
-        for name, param in layer.named_parameters():
+        for name, empty in list(layer.named_parameters(recurse=False)):
             whole = source.get_parameter(name)
-            placement = placement_of(param)
+            placement = placement_of(empty)
+            param = nn.Parameter(torch.empty_like(empty, device=device), requires_grad=whole.requires_grad)
             if isinstance(placement, Shard):
                 param.copy_(placement.local_shard(whole.detach(), group.rank, group.world_size))
             else:
                 param.copy_(whole.detach())
-            param.requires_grad_(whole.requires_grad)
+            set_placement(param, placement)
+            layer.register_parameter(name, param)
     return layer
 
 
@@ -335,7 +344,7 @@ class VocabParallelEmbedding(nn.Module):
             group,
             sequence_parallel=sequence_parallel,
             padding_idx=emb.padding_idx,
-            device=w.device,
+            device=META,  # built empty, then filled by _load on the source's device
             dtype=w.dtype,
         )
         return _load(new, emb, group)
