@@ -64,6 +64,7 @@ def test_wheel_installed_elsewhere_runs_the_benchmarks_and_the_digits_example(tm
         "train.eval_every=6",
         "optimizer.warmup_steps=1",
         "compression.dense_warmup_steps=2",
+        "logging.plot=false",  # no loss.png: matplotlib, seconds per run (tests/test_run_logging.py)
     ]
     out = _run([sys.executable, "train_oktopk.py", *short], user, env)
     dense, oktopk = (line.split() for line in out.splitlines()[1:3])
