@@ -5,6 +5,8 @@ ZeRO-3/FSDP prefetch change what is gathered, and ``reduce_dtype`` sets the dtyp
 
 from __future__ import annotations
 
+import io
+from functools import partial
 from typing import Any
 
 import pytest
@@ -263,3 +265,73 @@ def test_a_grad_left_from_before_wrapping_adds_into_the_first_step_as_under_torc
     for res in run_world(2, _grad_before_wrapping, timeout=60):
         for name in STRATEGIES:
             assert max_rel_error(res[name], res["plain"]) <= 1e-6, name
+
+
+# ---------------------------------------------------------------------------- wrapping a module again
+def _rewrap(backend: CommunicationBackend) -> dict[str, Any]:
+    """Wrap, backward, zero_grad, then wrap the same module again (as the requires_grad error advises):
+    the newest wrapper owns the module (DDP, ZeRO-1/2) or the second wrap is refused (ZeRO-3/FSDP)."""
+    g = torch.Generator().manual_seed(11)
+    xs = torch.randn(2, 4, 5, generator=g)
+    values = [torch.randn(shape, generator=g) for shape in ((4, 5), (4,), (2, 4), (2,))]
+
+    def module() -> nn.Module:
+        m = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+        with torch.no_grad():
+            for p, v in zip(m.parameters(), values, strict=True):
+                p.copy_(v)
+        return m
+
+    plain = module()
+    ocls, kw = OPTIMIZERS["sgd_plain"]
+    plain_opt = ocls(plain.parameters(), **kw)
+    (plain(xs[0]).sum() + plain(xs[1]).sum()).div(2).backward()
+    plain_opt.step()
+    out: dict[str, Any] = {"plain": {k: v.clone() for k, v in plain.state_dict().items()}}
+    x = xs[backend.rank]
+    for name in STRATEGIES:
+        m = module()
+        first = wrap(name, m, backend)
+        opt1 = optimizer_for(name, first, "sgd_plain")
+        before = backend.stats.calls
+        first(x).sum().backward()
+        one_wrap = backend.stats.calls - before
+        opt1.zero_grad()
+        res: dict[str, Any] = {"one_wrap": one_wrap}
+        try:
+            second = wrap(name, m, backend)
+        except StrategyError as exc:  # ZeRO-3/FSDP: the module's parameters are the first one's shards
+            res["refused"] = str(exc)
+            model, opt = first, opt1  # the first wrapper is left working
+        else:
+            model, opt = second, optimizer_for(name, second, "sgd_plain")
+            torch.save(m, io.BytesIO())  # the owner's mark on the parameters does not stop pickling
+            calls = {"forward": partial(first, x), "step": opt1.step, "zero_grad": opt1.zero_grad}
+            for what, call in calls.items():
+                try:
+                    call()
+                except StrategyError as exc:
+                    res[f"old_{what}"] = str(exc)
+        before = backend.stats.calls
+        model(x).sum().backward()
+        res["collectives"] = backend.stats.calls - before
+        opt.step()
+        res["state"] = model.full_state_dict()
+        out[name] = res
+    return out
+
+
+def test_a_module_wrapped_again_is_owned_by_the_newest_wrapper_or_refused() -> None:
+    for res in run_world(2, _rewrap, timeout=60):
+        for name in STRATEGIES:
+            r = res[name]
+            assert max_rel_error(r["state"], res["plain"]) <= 1e-6, f"{name}: gradients of one wrap"
+            assert r["collectives"] == r["one_wrap"] > 0, f"{name}: {r['collectives']} vs {r['one_wrap']}"
+            if name in ("zero3", "fsdp"):
+                assert "already wrapped" in r.get("refused", ""), name
+                assert "full_state_dict()" in r["refused"] and "fresh module" in r["refused"], r["refused"]
+                continue
+            for what in ("forward", "step", "zero_grad"):
+                msg = r.get(f"old_{what}", "")
+                assert "replaced by a newer wrapper of the same module" in msg, f"{name} {what}: {msg!r}"
+                assert "use the new one" in msg, msg

@@ -47,6 +47,7 @@ class ShardedModel(DataParallelModel):
     """Base of ZeRO3Model and FSDPModel; subclasses provide ``_plan()``."""
 
     strategy_name: ClassVar[str] = "sharded"
+    shards_at_rest: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message
+from dtlab.models.dp._owner import Ownership
 
 if TYPE_CHECKING:
     from dtlab.models.placed_state import FlatShard
@@ -110,6 +111,11 @@ class DataParallelModel(OptimizerTarget):
             raise ValueError(
                 f"reduce_dtype must be a floating-point torch.dtype or None, got {reduce_dtype!r}"
             )
+        #: the claim on the module's parameters: the newest wrapper of them owns them (claimed with the
+        #: gradient hooks); a module another wrapper keeps sharded is refused here, before any change
+        self._owner = Ownership(type(self).__name__, module.parameters(), self.shards_at_rest)
+        self._owner.check_free()
+        self.register_forward_pre_hook(self._check_owner)
         self._reducer: GradientReducer = DenseReducer(backend, reduce_dtype)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -207,6 +213,13 @@ class DataParallelModel(OptimizerTarget):
         """Whether the gradients hold a synchronized backward's average (until the step or zero_grad)."""
         return self._grads_synced
 
+    #: whether the parameters are kept as flat shards (ZeRO-3, FSDP): no newer wrapper can take them over
+    shards_at_rest: ClassVar[bool] = False
+
+    def _check_owner(self, *_: Any) -> None:
+        """Before a forward: refuse it once a newer wrapper of the same module took it over."""
+        self._owner.check("forward")
+
     #: whether ``param.grad`` are whole (views of whole buckets: DDP, ZeRO-1), not only flat shards
     keeps_whole_grads: ClassVar[bool] = False
 
@@ -295,14 +308,16 @@ class DataParallelModel(OptimizerTarget):
 
     def _register_grad_hooks(self, fn: Callable[[nn.Parameter], None]) -> None:
         hook = cast("Callable[[torch.Tensor], None]", fn)  # torch calls it with the parameter itself
+        self._owner.claim()  # a previous wrapper of these parameters stops reducing their gradients
         for _, p in self._trainable:
-            p.register_post_accumulate_grad_hook(hook)
+            self._owner.keep(p.register_post_accumulate_grad_hook(hook))
 
     # ------------------------------------------------------------------ optimizer protocol
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self._trainable)
 
     def attach_optimizer(self, optimizer: AttachedOptimizer) -> None:
+        self._owner.check("an optimizer")
         if self._optimizer_ref is not None and self._optimizer_ref is not optimizer:
             raise StrategyError(
                 f"{type(self).__name__} already has an optimizer strategy "
@@ -311,6 +326,7 @@ class DataParallelModel(OptimizerTarget):
         self._optimizer_ref = optimizer
 
     def check_grads_ready(self, who: str) -> None:
+        self._owner.check(f"{who}.step()")
         self.check_requires_grad()
         if not self._grads_synced:
             raise StrategyError(

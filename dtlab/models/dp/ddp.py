@@ -185,6 +185,7 @@ class DDPModel(DataParallelModel):
     # ------------------------------------------------------------------ composition
     def reduce_accumulated_grads(self) -> None:
         """Every bucket through the reducer now (inside ``no_sync()`` too: the call asks for it)."""
+        self._owner.check("reduce_accumulated_grads()")
         prev, self._sync = self._sync, True
         try:
             self._reducer.start_step()
@@ -225,6 +226,7 @@ class DDPModel(DataParallelModel):
             self.dp_backend.all_gather(flat, unit.own_shard(flat).clone())
 
     def zero_grad_buffers(self) -> None:
+        self._owner.check("zero_grad()")  # it would point param.grad back into its own buffers
         self._guarded = False
         for g in self._synced_grads:
             g.zero_()

@@ -1,0 +1,105 @@
+"""Which data-parallel wrapper owns a module's parameters: the newest one, as torch users expect.
+
+Each parameter carries a weak reference to the :class:`Ownership` of the wrapper that hooked it. A new
+wrapper of the same parameters takes them over: the old wrapper's gradient hooks are removed (so each
+gradient is reduced once, by the new wrapper) and the old wrapper refuses further use. A wrapper that
+keeps the parameters as flat shards (ZeRO-3, FSDP) cannot hand them over (each rank holds only its
+shard), so wrapping its module again is refused.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from dtlab.errors import StrategyError
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+__all__ = ["Ownership"]
+
+#: the attribute of a parameter holding the :class:`_Mark` of the wrapper that hooked it
+_MARK = "_dtlab_owner"
+
+
+class _Mark:
+    """A weak reference to an :class:`Ownership`; pickled (``torch.save(module)``) as a mark to nobody."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, owner: Ownership | None = None) -> None:
+        self._ref = None if owner is None else weakref.ref(owner)
+
+    def __reduce__(self) -> tuple[type[_Mark], tuple[()]]:
+        return (_Mark, ())
+
+    def owner(self) -> Ownership | None:
+        return None if self._ref is None else self._ref()
+
+
+class Ownership:
+    """The claim of the wrapper ``who`` on ``params`` and the hooks it put on them."""
+
+    def __init__(self, who: str, params: Iterable[nn.Parameter], keeps_shards: bool) -> None:
+        self.who = who
+        self.keeps_shards = keeps_shards
+        self._params = {id(p): p for p in params}
+        self._handles: list[RemovableHandle] = []
+        #: the class name of the wrapper that took the parameters over (None: still the owner)
+        self.replaced_by: str | None = None
+
+    def owns(self, param: nn.Parameter) -> bool:
+        return self.replaced_by is None and self._params.get(id(param)) is param
+
+    def _previous(self) -> list[Ownership]:
+        """The live wrappers owning any of these parameters (a copied marker is not ownership)."""
+        found: dict[int, Ownership] = {}
+        for p in self._params.values():
+            mark = getattr(p, _MARK, None)
+            old = mark.owner() if isinstance(mark, _Mark) else None
+            if old is not None and old is not self and old.owns(p):
+                found[id(old)] = old
+        return list(found.values())
+
+    def check_free(self) -> None:
+        """Refuse (before the new wrapper changes anything) parameters another wrapper keeps sharded."""
+        for old in self._previous():
+            if old.keeps_shards:
+                raise StrategyError(
+                    f"{self.who}: the module is already wrapped by a {old.who}, which keeps its parameters "
+                    "as flat shards (each rank holds only its part), so it cannot be wrapped again. Build "
+                    f"the new wrapper from a fresh module, or call full_state_dict() on the {old.who} (every "
+                    "rank) and load it into a fresh module (module.load_state_dict(state)) to wrap that"
+                )
+
+    def claim(self) -> None:
+        """Take the parameters over: every previous owner's hooks are removed and it refuses use."""
+        self.check_free()
+        for old in self._previous():
+            old.give_up(self.who)
+        mark = _Mark(self)
+        for p in self._params.values():
+            setattr(p, _MARK, mark)
+
+    def keep(self, handle: RemovableHandle) -> None:
+        """A hook this wrapper put on its parameters, removed when a newer wrapper takes them over."""
+        self._handles.append(handle)
+
+    def give_up(self, by: str) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.replaced_by = by
+
+    def check(self, what: str) -> None:
+        """Refuse ``what`` (forward, step, ...) once a newer wrapper owns the parameters."""
+        if self.replaced_by is not None:
+            raise StrategyError(
+                f"{self.who}: this wrapper was replaced by a newer wrapper of the same module (a "
+                f"{self.replaced_by} took its parameters over, and it alone reduces their gradients now), "
+                f"so it refuses {what}; use the new one (and an optimizer built on it)"
+            )
