@@ -11,7 +11,6 @@ norm, head).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,8 +70,9 @@ def flat(key: str, numel: int, ranks: int, persistent: bool = False, members: Se
 def transformer_model(spec: ModelSpec, tp: int = 1, base: TransformerLM | None = None) -> TransformerLM:
     """dtlab's ``TransformerLM`` with ``spec``'s sizes on the meta device (no memory), as tensor-parallel
     rank 0 of ``tp`` holds it: its own tensor plan (``tp_plan()``) applied by the strategies' code.
-    ``base``: that model already built for ``spec`` (whole; copied, not changed)."""
-    if base is None:
+    ``base``: that model already built for ``spec`` (whole), returned for ``tp`` = 1 and never changed
+    (for ``tp`` > 1 a fresh build, its initializers skipped, costs less than a copy of it)."""
+    if base is None or tp > 1:
         with torch.device("meta"), _ShapesOnly():
             base = TransformerLM(
                 spec.hidden,
@@ -82,8 +82,6 @@ def transformer_model(spec: ModelSpec, tp: int = 1, base: TransformerLM | None =
                 vocab=spec.vocab,
                 tie_embeddings=spec.tied_embeddings,
             )
-    elif tp > 1:
-        base = copy.deepcopy(base)
     if tp > 1:
         with _ShapesOnly():
             apply_tensor_plan(base, transformer_plan(), InMemoryWorld(tp).backend(0))  # no communication
