@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo")
+# MinJobAge=0: finished jobs' records are kept (the cluster lives for one test module), so `sbatch
+# --wait` polls every 2 s; with records purged after MinJobAge (300 s by default) it backs off to 8 s
+# and then 32 s, and a job done after 10 s was seen done only at 42 s
 CONF = """ClusterName=dtlabtest
 FirstJobId={first_job}
 SlurmctldHost={host}(127.0.0.1)
@@ -38,6 +41,7 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 MpiDefault=none
 ReturnToService=2
+MinJobAge=0
 SchedulerType=sched/builtin
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
