@@ -98,10 +98,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"[mesh] {engine}: {len(plans)} configurations on {world} ranks", file=sys.stderr, flush=True)
         results: list[list[list[dict[str, Any]]]] = [[] for _ in configs]  # config -> round -> ranks
         if engine == "inmemory":
-            torch.set_num_threads(1)
-            for _ in range(args.rounds):  # interleaved, so drift in the machine's load hits all alike
-                for i, c in enumerate(configs):
-                    results[i].append(run_world(world, measure, c, args.steps, args.warmup, timeout=600))
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # one thread per rank, as a spawned rank has; restored after
+            try:
+                for _ in range(args.rounds):  # interleaved, so drift in the machine's load hits all alike
+                    for i, c in enumerate(configs):
+                        results[i].append(run_world(world, measure, c, args.steps, args.warmup, timeout=600))
+            finally:
+                torch.set_num_threads(threads)
         else:
             per_rank = spawn_world(
                 world,
