@@ -113,7 +113,13 @@ def requires_grad_case(backend: CommunicationBackend, name: str) -> dict[str, st
             nn.functional.mse_loss(model(xb), yb).backward()
             opt.step()
 
-        out[flip] = _raises(step, "before wrapping")
+        # the advice fits the strategy: ZeRO-3/FSDP hold flat shards, so a new wrapper needs a whole module
+        advice = (
+            "to change which parameters train, load full_state_dict()"
+            if name in ("zero3", "fsdp")
+            else ("rebuild the wrapper")
+        )
+        out[flip] = _raises(step, f"before wrapping it ({advice}")
     return out
 
 

@@ -292,9 +292,16 @@ class DataParallelModel(OptimizerTarget):
                 f"{type(self).__name__}: {'; '.join(what)}. The strategy lays out gradient buffers and "
                 "shards for the parameters that require grad when it wraps the module, so a change "
                 "after wrapping would leave a parameter untrained or hang the reduction. Set "
-                "requires_grad on the plain module before wrapping it (rebuild the wrapper after "
-                "changing which parameters train)"
+                f"requires_grad on the plain module before wrapping it ({self._rewrap_advice()})"
             )
+
+    def _rewrap_advice(self) -> str:
+        if self.shards_at_rest:  # its parameters are flat shards: a new wrapper needs a whole module
+            return (
+                "to change which parameters train, load full_state_dict() (every rank) into a fresh "
+                "module, set requires_grad there and wrap that"
+            )
+        return "rebuild the wrapper after changing which parameters train"
 
     def _unused_error(self, missing: list[str]) -> StrategyError:
         self.check_requires_grad()
