@@ -5,7 +5,7 @@ cd "$(dirname "$0")"
 scripts/venv.sh
 scripts/slurm-packages.sh  # slurm-wlm + munge for tests/test_slurm.py where apt-get and root allow
 export PATH="$PWD/.venv/bin:$PATH"
-ruff check dtlab tests examples
+ruff check dtlab tests examples scripts
 ruff format --check dtlab
 mypy dtlab
 # two workers: process-starting tests one at a time on one of them (tests/conftest.py), in-memory

@@ -116,7 +116,7 @@ DESELECT = [
 
 #: equivalent mutants, ``path:operator:the line before`` (lines move) -> why no test can tell them apart
 ACCEPTED: dict[str, str] = {
-    "dtlab/backends/_inmemory_ops.py:const:reach = [0, 0]  # the furthest end seen so far of an output span and of an input span": (
+    "dtlab/backends/_inmemory_ops.py:const:reach = [0, 0]  # the furthest end seen so far of an output span and of an input span": (  # noqa: E501 (the line's text, matched exactly)
         "reach starts at [0, 1] instead of [0, 0]: the reach is compared with memory addresses "
         "(data_ptr), which are never below 1, so the first span is never taken for an overlap either way"
     ),
@@ -346,7 +346,7 @@ def _survivors(results: list[Path]) -> dict[tuple[str, str, str, str], int]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", nargs="*", help="files to mutate (default: every file in TESTS)")
     ap.add_argument("--per-file", type=int, default=6, help="mutants per file, a seeded sample (0: all)")
@@ -366,19 +366,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--report", type=Path, help="summarise an earlier --json (with ACCEPTED as it is now), run nothing"
     )
-    args = ap.parse_args(argv)
-    if args.report:
-        if args.report.suffix == ".jsonl":  # the lines of a run that did not finish
-            rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
-            data = {"wall_seconds": float("nan"), "mutants": rows}
-        else:
-            data = json.loads(args.report.read_text())
-        done = [Mutant(**{k: v for k, v in row.items() if k != "id"}) for row in data["mutants"]]
-        for m in done:
-            if m.status == "survived" and m.text_key in ACCEPTED:
-                m.status = "accepted"
-        return _summary(done, sorted({m.path for m in done}), data["wall_seconds"], args)
+    return ap
 
+
+def _report(args: argparse.Namespace) -> int:
+    """Summarise an earlier --json (or the .partial.jsonl of a run that did not finish)."""
+    if args.report.suffix == ".jsonl":  # the lines of a run that did not finish
+        rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+        data = {"wall_seconds": float("nan"), "mutants": rows}
+    else:
+        data = json.loads(args.report.read_text())
+    done = [Mutant(**{k: v for k, v in row.items() if k != "id"}) for row in data["mutants"]]
+    for m in done:
+        if m.status == "survived" and m.text_key in ACCEPTED:
+            m.status = "accepted"
+    return _summary(done, sorted({m.path for m in done}), data["wall_seconds"], args)
+
+
+def _plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[list[str], list[Mutant]]:
+    """The files to mutate and the mutants chosen in them, as the arguments ask."""
     files = args.files or list(TESTS)
     wanted = _survivors(args.survivors_of) if args.survivors_of else None
     if wanted is not None:
@@ -403,6 +409,15 @@ def main(argv: list[str] | None = None) -> int:
         chosen.sort(key=lambda m: m.line)
         print(f"{f}: {len(found)} sites, {len(chosen)} mutants; tests: {' '.join(TESTS[f])}", flush=True)
         plan += chosen
+    return files, plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.report:
+        return _report(args)
+    files, plan = _plan(args, ap)
     if args.list:
         for m in plan:
             print(f"  {m.id}: {m.before}  ->  {m.after}")
