@@ -168,6 +168,20 @@ def test_plan_errors_name_module_size_and_tp(
     assert isinstance(info.value.__cause__, StrategyError)
 
 
+def buffer_bias_world(backend: CommunicationBackend) -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    bias = net[2].bias.detach().clone()
+    del net[2].bias
+    net[2].register_buffer("bias", bias)  # a fixed offset: a buffer, not a parameter
+    TensorParallelModel(net, Mesh(backend, {"tp": 2}), plan={"0": "colwise", "2": "rowwise"})
+
+
+def test_a_buffer_bias_in_the_plan_is_named_before_any_swap() -> None:
+    with pytest.raises(RankFailedError, match=r"module '2': its 'bias' is a buffer.*nn.Parameter") as info:
+        run_world(2, buffer_bias_world)
+    assert isinstance(info.value.__cause__, StrategyError)
+
+
 def test_mesh_without_tp_and_wrong_optimizer_pairing() -> None:
     def no_tp(backend: CommunicationBackend) -> None:
         TensorParallelModel(TransformerLM(**CFG), Mesh(backend, {"dp": 2}), transformer_plan())  # type: ignore[arg-type]

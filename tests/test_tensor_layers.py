@@ -140,3 +140,40 @@ def test_layer_errors() -> None:
 
     with pytest.raises(RankFailedError, match=r"\[0, 9\].*vocabulary is 8"):
         run_world(2, bad_targets)
+
+
+def _buffer_bias_linear() -> nn.Linear:
+    """An nn.Linear whose bias is a buffer (a fixed offset, not trained) instead of a parameter."""
+    linear = nn.Linear(4, 4)
+    bias = linear.bias.detach().clone()
+    del linear.bias
+    linear.register_buffer("bias", bias)
+    return linear
+
+
+def test_a_buffer_or_plain_tensor_in_place_of_a_parameter_is_refused() -> None:
+    """Only parameters are split (as torch's parallelize_module); the error names the attribute and the
+    fix instead of torch's bare AttributeError."""
+
+    def column(b: CommunicationBackend) -> None:
+        ColumnParallelLinear.from_linear(_buffer_bias_linear(), b)
+
+    with pytest.raises(RankFailedError, match=r"'bias' is a buffer \(Linear\).*make it an nn.Parameter"):
+        run_world(2, column)
+
+    def row(b: CommunicationBackend) -> None:
+        RowParallelLinear.from_linear(_buffer_bias_linear(), b)
+
+    with pytest.raises(RankFailedError, match=r"RowParallelLinear.*'bias' is a buffer") as info:
+        run_world(2, row)
+    assert isinstance(info.value.__cause__, StrategyError)
+
+    def embedding(b: CommunicationBackend) -> None:
+        emb = nn.Embedding(8, 4)
+        table = emb.weight.detach().clone()
+        del emb.weight
+        emb.weight = table  # type: ignore[assignment]
+        VocabParallelEmbedding.from_embedding(emb, b)
+
+    with pytest.raises(RankFailedError, match=r"'weight' is a plain tensor attribute.*tensor-parallel plan"):
+        run_world(2, embedding)

@@ -61,7 +61,7 @@ def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, False
     w, sizes = getattr(module, "weight", None), (getattr(module, "nx", None), getattr(module, "nf", None))
-    if type(module).__name__ == "Conv1D" and isinstance(w, nn.Parameter) and tuple(w.shape) == sizes:
+    if type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and tuple(w.shape) == sizes:
         return w.shape[0], w.shape[1], True
     return None
 
@@ -94,6 +94,22 @@ def _linear_source(linear: nn.Module, layer: str) -> _LinearOptions:
     )
 
 
+def check_parameters(source: nn.Module, where: str) -> None:
+    """Refuse a layer whose ``weight`` or ``bias`` is a tensor but not an ``nn.Parameter`` (a buffer or
+    a plain attribute): the parallel layer splits, trains and checkpoints parameters only (as torch's
+    ``parallelize_module``, which distributes parameters and leaves such a tensor whole, unsplit)."""
+    buffers = {n for n, _ in source.named_buffers(recurse=False)}
+    for attr in ("weight", "bias"):
+        value = getattr(source, attr, None)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            kind = "a buffer" if attr in buffers else "a plain tensor attribute"
+            raise StrategyError(
+                f"{where}: its {attr!r} is {kind} ({type(source).__name__}), not an nn.Parameter, so it "
+                "cannot be split over tp; make it an nn.Parameter (requires_grad=False keeps it frozen) "
+                "or leave this module out of the tensor-parallel plan"
+            )
+
+
 def _load(layer: _Layer, source: nn.Module, group: CommunicationBackend) -> _Layer:
     """``layer``, built on the meta device, holding this rank's part of each of ``source``'s parameters
     (named alike: ``weight``, ``bias``) as its placement says, on the device of ``source``'s weight,
@@ -102,6 +118,7 @@ def _load(layer: _Layer, source: nn.Module, group: CommunicationBackend) -> _Lay
     Built on the meta device, the layer's constructor draws nothing from torch's global RNG: in-memory
     ranks are threads sharing it, and a draw here (outside any lock) would change the values another
     rank is building under ``dtlab.core.seeded_init`` at that moment."""
+    check_parameters(source, f"{type(layer).__name__}: the {type(source).__name__} it replaces")
     device = source.get_parameter("weight").device
     with torch.no_grad():
         for name, empty in list(layer.named_parameters(recurse=False)):

@@ -24,6 +24,7 @@ from dtlab.models.tensor._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    check_parameters,
     linear_features,
 )
 
@@ -237,6 +238,8 @@ def _check_one(root: nn.Module, name: str, module: nn.Module, style: Style, tp: 
         )
     elif isinstance(style, HeadsParallel):
         _check_heads(root, name, module, style, tp)
+    if isinstance(style, ColwiseParallel | RowwiseParallel | VocabParallel):  # swapped: its parameters split
+        check_parameters(module, f"tensor-parallel plan: module {name!r}")
 
 
 def _check_whole_heads(name: str, features: int, head_dim: object, tp: int) -> None:
