@@ -335,3 +335,46 @@ def test_a_module_wrapped_again_is_owned_by_the_newest_wrapper_or_refused() -> N
                 msg = r.get(f"old_{what}", "")
                 assert "replaced by a newer wrapper of the same module" in msg, f"{name} {what}: {msg!r}"
                 assert "use the new one" in msg, msg
+
+
+# ---------------------------------------------------------------------------- after a refused backward
+class _TwoBranches(nn.Module):
+    """Two small layers in one gradient bucket; each step uses one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_a: bool) -> torch.Tensor:
+        return (self.a if use_a else self.b)(x)
+
+
+def _after_unused_error(backend: CommunicationBackend, name: str) -> dict[str, torch.Tensor]:
+    """A synchronized backward using only ``a`` is refused (``b`` got no gradient); the user catches it
+    and continues with a step using only ``b``, accumulated in ``no_sync()`` and reduced with
+    ``reduce_accumulated_grads()`` (which reduces zeros for ``a``): nothing of the refused step stays."""
+    with seeded_init(0):
+        module = _TwoBranches()
+    model = wrap(name, module, backend)
+    opt = optimizer_for(name, model, "sgd_plain")
+    x = torch.ones(2, 4)
+    with pytest.raises(StrategyError, match="find_unused_parameters=True"):
+        model(x, True).sum().backward()
+    opt.zero_grad()
+    with model.no_sync():
+        model(x, False).sum().backward()
+    model.reduce_accumulated_grads()
+    opt.step()
+    return model.full_state_dict()
+
+
+def test_a_step_after_a_refused_backward_equals_plain_training() -> None:
+    with seeded_init(0):
+        plain = _TwoBranches()
+    plain(torch.ones(2, 4), False).sum().backward()  # the same on both ranks: their average
+    torch.optim.SGD(plain.parameters(), lr=OPTIMIZERS["sgd_plain"][1]["lr"]).step()
+    ref = plain.state_dict()
+    for name in STRATEGIES:
+        for state in run_world(2, _after_unused_error, name, timeout=30):
+            assert max_rel_error(state, ref) <= 1e-6, name

@@ -48,6 +48,12 @@ class ZeRO2Model(DDPModel):
             self._transient[i][s.offset : s.offset + s.numel].copy_(param.grad.reshape(-1))
             param.grad = None
 
+    def _flush(self, fill_missing: bool) -> None:
+        try:
+            super()._flush(fill_missing)
+        finally:  # after an error mid-flush: no half-filled bucket is reused by a later reduction
+            self._transient.clear()
+
     def _launch(self, i: int) -> tuple[Work, Any]:
         out = torch.empty_like(self._synced_grads[i])
         return self._reducer.reduce_scatter(self._units[i].key, self._transient[i], out), out
