@@ -201,9 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         if argv is None and args.command == "train":  # the program, not a call from Python
-            from dtlab.trainers.preemption import exit_on_signals
+            from dtlab.trainers.preemption import finish_process
 
-            exit_on_signals()  # a signal during the interpreter's teardown: exit 128+n at once
+            finish_process()  # a signal during the teardown exits at once; a teardown without a full gc
 
 
 if __name__ == "__main__":

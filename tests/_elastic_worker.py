@@ -14,7 +14,7 @@ import time
 import torch
 
 from dtlab.config import load_config
-from dtlab.trainers import StopRequest, build_task, run_training, stop_on_signals
+from dtlab.trainers import StopRequest, build_task, finish_process, run_training, stop_on_signals
 
 
 def main() -> None:
@@ -27,8 +27,11 @@ def main() -> None:
         time.sleep(delay)
         return base.loss_fn(logits, targets)
 
-    with stop_on_signals(StopRequest()) as stop:  # as dtlab train: SIGTERM stops at a step boundary
-        run_training(config, task=dataclasses.replace(base, loss_fn=paced), stop=stop)
+    try:
+        with stop_on_signals(StopRequest()) as stop:  # as dtlab train: SIGTERM stops at a step boundary
+            run_training(config, task=dataclasses.replace(base, loss_fn=paced), stop=stop)
+    finally:
+        finish_process()  # as dtlab train: no full gc in the teardown torchrun's restart waits for
 
 
 if __name__ == "__main__":

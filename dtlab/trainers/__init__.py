@@ -3,7 +3,7 @@
 from dtlab.trainers.guard import EarlyStopping, NonFiniteError, NonFiniteGuard
 from dtlab.trainers.launch import run_training
 from dtlab.trainers.metrics import MetricsCollector
-from dtlab.trainers.preemption import StopRequest, stop_on_signals
+from dtlab.trainers.preemption import StopRequest, finish_process, stop_on_signals
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.tasks import Task, build_task
 from dtlab.trainers.trainer import Trainer, TrainResult
@@ -19,6 +19,7 @@ __all__ = [
     "TrainResult",
     "Trainer",
     "build_task",
+    "finish_process",
     "run_training",
     "stop_on_signals",
 ]
