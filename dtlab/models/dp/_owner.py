@@ -77,8 +77,8 @@ class Ownership:
                 )
 
     def claim(self) -> None:
-        """Take the parameters over: every previous owner's hooks are removed and it refuses use."""
-        self.check_free()
+        """Take the parameters over (after :meth:`check_free`, which the wrapper calls before any change):
+        every previous owner's hooks are removed and it refuses use."""
         for old in self._previous():
             old.give_up(self.who)
         mark = _Mark(self)
