@@ -117,9 +117,9 @@ def _chunk(x: torch.Tensor, group: CommunicationBackend, dim: int, what: str) ->
     return x.narrow(dim, group.rank * (n // p), n // p).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, group: CommunicationBackend, dim: int) -> torch.Tensor:
+def _reduce_scatter_seq(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     p = group.world_size
-    dim = dim % x.dim()
+    dim = _SEQ % x.dim()
     n = x.shape[dim]
     what = f"sequence parallelism: the sequence (dim {dim})"
     check_divisible(n, p, what, f"use a sequence length divisible by {p}")
@@ -134,7 +134,6 @@ def _reduce_scatter(x: torch.Tensor, group: CommunicationBackend, dim: int) -> t
 #: one side of a pair each (forward on ``x``, or backward on its gradient)
 _gather_last = partial(_gather, dim=-1)
 _gather_seq = partial(_gather, dim=_SEQ)
-_reduce_scatter_seq = partial(_reduce_scatter, dim=_SEQ)
 
 
 class _Ctx(Protocol):

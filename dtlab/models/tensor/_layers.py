@@ -10,7 +10,7 @@ parameter's placement (:mod:`dtlab.core.placement`).
 from __future__ import annotations
 
 import math
-from typing import TypedDict, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,7 @@ def _parameter(
 
 
 _Layer = TypeVar("_Layer", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding")
+_Linear = TypeVar("_Linear", "ColumnParallelLinear", "RowParallelLinear")
 
 
 def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
@@ -64,34 +65,6 @@ def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
     if type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and tuple(w.shape) == sizes:
         return w.shape[0], w.shape[1], True
     return None
-
-
-class _LinearOptions(TypedDict):
-    in_features: int
-    out_features: int
-    bias: bool
-    transposed: bool
-    device: torch.device
-    dtype: torch.dtype
-
-
-def _linear_source(linear: nn.Module, layer: str) -> _LinearOptions:
-    """The constructor options of the parallel ``layer`` replacing ``linear`` (an ``nn.Linear`` or a
-    ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps)."""
-    features = linear_features(linear)
-    if features is None:
-        raise StrategyError(
-            f"{layer} splits an nn.Linear or a Conv1D (weight [in, out]), got {type(linear).__name__}"
-        )
-    w = cast(nn.Parameter, linear.weight)
-    return _LinearOptions(
-        in_features=features[0],
-        out_features=features[1],
-        bias=getattr(linear, "bias", None) is not None,
-        transposed=features[2],
-        device=META,  # built empty, then filled by _load on the source's device
-        dtype=w.dtype,
-    )
 
 
 def check_parameters(source: nn.Module, where: str) -> None:
@@ -132,6 +105,30 @@ def _load(layer: _Layer, source: nn.Module, group: CommunicationBackend) -> _Lay
             set_placement(param, placement)
             layer.register_parameter(name, param)
     return layer
+
+
+def _from_linear(
+    cls: type[_Linear], linear: nn.Module, group: CommunicationBackend, **options: Any
+) -> _Linear:
+    """``cls`` (a parallel linear layer built with ``options``) holding this rank's shard of ``linear``
+    (an ``nn.Linear`` or a ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps)."""
+    features = linear_features(linear)
+    if features is None:
+        raise StrategyError(
+            f"{cls.__name__} splits an nn.Linear or a Conv1D (weight [in, out]), got {type(linear).__name__}"
+        )
+    in_features, out_features, transposed = features
+    new = cls(
+        in_features,
+        out_features,
+        group,
+        bias=getattr(linear, "bias", None) is not None,
+        transposed=transposed,
+        device=META,  # built empty, then filled by _load on the source's device
+        dtype=cast(torch.Tensor, linear.weight).dtype,
+        **options,
+    )
+    return _load(new, linear, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -199,15 +196,14 @@ class ColumnParallelLinear(nn.Module):
     ) -> ColumnParallelLinear:
         """This rank's shard of ``linear`` (an ``nn.Linear`` or a ``Conv1D``: its values, bias, layout,
         device, dtype and ``requires_grad`` flags); the options as the constructor's."""
-        options = _linear_source(linear, cls.__name__)
-        new = cls(
-            group=group,
+        return _from_linear(
+            cls,
+            linear,
+            group,
             gather_output=gather_output,
             sequence_parallel=sequence_parallel,
             sections=sections,
-            **options,
         )
-        return _load(new, linear, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fn = gather_from_sequence if self.sequence_parallel else copy_to_tp
@@ -275,11 +271,9 @@ class RowParallelLinear(nn.Module):
     ) -> RowParallelLinear:
         """This rank's shard of ``linear`` (as :meth:`ColumnParallelLinear.from_linear`; the bias whole:
         it is added once, after the reduction); the options as the constructor's."""
-        options = _linear_source(linear, cls.__name__)
-        new = cls(
-            group=group, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel, **options
+        return _from_linear(
+            cls, linear, group, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel
         )
-        return _load(new, linear, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

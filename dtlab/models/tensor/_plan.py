@@ -316,9 +316,8 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
                 )
             _check_one(module, n, m, style, tp)
             found[n] = (m, style, pattern)
-    names = list(found)
-    for n in names:  # a swapped module may not contain another planned module
-        inner = [o for o in names if o != n and o.startswith(n + ".")]
+    for n in found:  # a swapped module may not contain another planned module
+        inner = [o for o in found if o.startswith(n + ".")]
         if inner and not isinstance(found[n][1], SequenceParallel):
             raise StrategyError(
                 f"tensor-parallel plan: {n!r} is swapped as a whole but the plan also names modules inside "
@@ -350,8 +349,7 @@ def apply_plan(
             new = row
         else:  # resolve_plan checked it is an nn.Embedding
             new = VocabParallelEmbedding.from_embedding(cast(nn.Embedding, old), group, sequence_parallel=sp)
-        parent, _, child = name.rpartition(".")
-        setattr(root.get_submodule(parent), child, new)
+        root.set_submodule(name, new)
 
     for name, module, style in resolved:
         if isinstance(style, HeadsParallel):
