@@ -84,7 +84,7 @@ def _identity(x: torch.Tensor, _group: CommunicationBackend) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
-    out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+    out = x.clone(memory_format=torch.contiguous_format)  # a new tensor: never the input's storage
     if not out.is_meta:
         group.all_reduce(out, ReduceOp.SUM)
     return out
