@@ -8,21 +8,19 @@ works", describes the gathering, saved-tensor references and the end-of-backward
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
-from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
 from dtlab.models.dp._sharded_units import GroupHooks, ShardUnit, UnitGatherer, UnitPlan
 from dtlab.models.dp.data_parallel import DataParallelModel, DataParallelOptions, tensor_bytes
 from dtlab.models.dp.flat import FlatUnit
-from dtlab.models.placed_state import load_placed_state, write_placed_state
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -115,7 +113,7 @@ class ShardedModel(DataParallelModel):
             unit.copy_params_into(flat)
             self._broadcast_from_rank0([flat])
             shard = unit.own_shard(flat).clone()
-        st = ShardUnit(unit, shard, grad, plan.persistent, len(self._units))
+        st = ShardUnit(unit, shard, grad, plan.persistent)
         self._at_rest.add(st, flat if plan.persistent else None)
         return st
 
@@ -320,10 +318,6 @@ class ShardedModel(DataParallelModel):
                 "dtlab.checkpoint (any world size, any data-parallel strategy)"
             )
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        with self.keep_gathered():
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
     def whole_state(self) -> dict[str, torch.Tensor]:
         """Buffers and frozen parameters (kept whole on every rank), keyed like ``state_dict()``."""
         sharded = {id(q) for st in self._units for q in st.unit.params}
@@ -346,18 +340,9 @@ class ShardedModel(DataParallelModel):
             state.metadata["aliases"] = aliases
         return state
 
-    def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
-        load_placed_state(shards, self.whole_state(), self._units, {}, self.dp_backend)
-
-    def memory_report(self) -> dict[str, int]:
+    def _held_bytes(self) -> tuple[int, int, int]:
         held = sum(tensor_bytes(st.shard) + tensor_bytes(st.flat) for st in self._units)
         held += sum(tensor_bytes(q) for _, q in self._frozen)
         grads = sum(tensor_bytes(st.grad_shard) for st in self._units)
         grads += sum(tensor_bytes(q.grad) for _, q in self._trainable)
-        return {
-            "parameters": held,
-            "gradients": grads,
-            "optimizer_state": self._optimizer_bytes(),
-            "buffers": self._buffer_bytes(),
-            "peak_gathered_parameters": self._last_peak,
-        }
+        return held, grads, self._last_peak

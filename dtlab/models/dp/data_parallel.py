@@ -5,7 +5,7 @@ strategy through (``HybridShardedModel`` wraps each pipeline rank's stages in on
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 
 import torch
@@ -15,10 +15,13 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.core import pairs
 from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer
+from dtlab.core.shard_index import new_state
+from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message
 from dtlab.models.dp._owner import Ownership
+from dtlab.models.placed_state import load_placed_state, write_placed_state
 
 if TYPE_CHECKING:
     from dtlab.models.placed_state import FlatShard
@@ -350,10 +353,30 @@ class DataParallelModel(OptimizerTarget):
     def placed(self, name: str) -> tuple[Placement, int, int]:  # noqa: ARG002 - every parameter of a data-parallel strategy is replicated
         return Replicate(), 0, 1
 
-    # ------------------------------------------------------------------ memory
-    def _optimizer_bytes(self) -> int:
-        opt = self._optimizer_ref
-        return 0 if opt is None else opt.state_bytes()
+    # ------------------------------------------------------------------ state and memory
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        with self.keep_gathered():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
-    def _buffer_bytes(self) -> int:
-        return sum(tensor_bytes(b) for b in self.module.buffers())
+    def sharded_state_dict(self) -> ShardedState:
+        state = new_state(self.strategy_name, self.dp_backend.world_size, self.dp_backend.rank)
+        return write_placed_state(state, self.whole_state(), self.flat_shards(), {}, self.dp_backend)
+
+    def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
+        load_placed_state(shards, self.whole_state(), self.flat_shards(), {}, self.dp_backend)
+
+    def memory_report(self) -> dict[str, int]:
+        params, grads, peak = self._held_bytes()
+        opt = self._optimizer_ref
+        return {
+            "parameters": params,
+            "gradients": grads,
+            "optimizer_state": 0 if opt is None else opt.state_bytes(),
+            "buffers": sum(tensor_bytes(b) for b in self.module.buffers()),
+            "peak_gathered_parameters": peak,
+        }
+
+    def _held_bytes(self) -> tuple[int, int, int]:
+        """Bytes of the parameters and the gradients this rank holds, and the peak of gathered
+        parameters in the last step."""
+        raise NotImplementedError

@@ -8,18 +8,14 @@ reuse the buckets and change how each is reduced.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
-from dtlab.core.shard_index import new_state
-from dtlab.core.state import ShardedState
 from dtlab.models.dp.data_parallel import DataParallelModel, DataParallelOptions, ReduceOptions, tensor_bytes
 from dtlab.models.dp.flat import FlatUnit
-from dtlab.models.placed_state import load_placed_state, write_placed_state
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -240,28 +236,12 @@ class DDPModel(DataParallelModel):
     def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
         return list(self._synced_grads), self.keeps_whole_grads
 
-    # ------------------------------------------------------------------ state
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
-    def sharded_state_dict(self) -> ShardedState:
-        state = new_state(self.strategy_name, self.dp_backend.world_size, self.dp_backend.rank)
-        return write_placed_state(state, self.module.state_dict(), [], {}, self.dp_backend)
-
-    def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
-        load_placed_state(shards, self.whole_state(), [], {}, self.dp_backend)
-
-    def memory_report(self) -> dict[str, int]:
+    # ------------------------------------------------------------------ memory
+    def _held_bytes(self) -> tuple[int, int, int]:
         # the distinct storages: each bucket (parameters are views into it) and frozen parameter once
         storages = [q.untyped_storage() for q in self.module.parameters() if q.numel()]
         params = sum({st.data_ptr(): st.nbytes() for st in storages}.values())
-        return {
-            "parameters": params,
-            "gradients": self._grad_bytes(),
-            "optimizer_state": self._optimizer_bytes(),
-            "buffers": self._buffer_bytes(),
-            "peak_gathered_parameters": params,
-        }
+        return params, self._grad_bytes(), params
 
     def _grad_bytes(self) -> int:
         return sum(tensor_bytes(g) for g in self._synced_grads)
