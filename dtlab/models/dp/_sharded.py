@@ -329,8 +329,7 @@ class ShardedModel(DataParallelModel):
         return {k: t for k, t in state.items() if id(t) not in sharded}
 
     def sharded_state_dict(self) -> ShardedState:
-        state = new_state(self.strategy_name, self.dp_backend.world_size, self.dp_backend.rank)
-        write_placed_state(state, self.whole_state(), self._units, {}, self.dp_backend)
+        state = super().sharded_state_dict()
         aliases = {  # a tied weight's other names (lm_head.weight): the plain state_dict() has them too
             n: self._name_of[id(q)]
             for n, q in self.module.named_parameters(remove_duplicate=False)

@@ -47,7 +47,6 @@ class ShardUnit:
     shard: torch.Tensor
     grad_shard: torch.Tensor
     persistent: bool
-    index: int
     flat: torch.Tensor | None = None
     work: Work | None = None
     ready: set[int] = field(default_factory=set)
@@ -58,7 +57,7 @@ class ShardUnit:
 class SavedRef:
     """A saved tensor that aliases a gathered buffer: re-gathered on unpack."""
 
-    unit: int
+    unit: ShardUnit
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
@@ -172,11 +171,11 @@ class UnitGatherer:
             if observe is not None:  # kept as it is: the observer counts it
                 observe(t)
             return t
-        return SavedRef(st.index, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
+        return SavedRef(st, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     def unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, SavedRef):  # normally gathered already by the pre-backward hook
-            return self.gather(self.units[obj.unit]).as_strided(obj.size, obj.stride, obj.offset)
+            return self.gather(obj.unit).as_strided(obj.size, obj.stride, obj.offset)
         return cast(torch.Tensor, obj)
 
 
