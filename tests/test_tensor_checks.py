@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Shard, placement_of
 from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import TensorParallelModel, transformer_plan
+from dtlab.models.tensor import hugging_face_plan
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
 from dtlab.testing import run_world
 from dtlab.trainers.models import TransformerLM
@@ -239,3 +241,18 @@ def test_the_model_declares_its_plan() -> None:
     with pytest.raises(RankFailedError, match=r"Sequential declares no tensor plan \(a tp_plan\(") as info:
         run_world(2, undeclared)
     assert isinstance(info.value.__cause__, StrategyError)
+
+
+def test_a_plan_only_in_the_config_is_read_under_the_base_model_prefix() -> None:
+    """Hugging Face models whose plan is only in ``config.base_model_tp_plan`` (no ``tp_plan`` or
+    ``_tp_plan`` on the model, as in older transformers): its patterns name the base model's modules, so
+    a model holding the base model under ``base_model_prefix`` gets them under that prefix."""
+    config = SimpleNamespace(base_model_tp_plan={"layers.*.up": "colwise"})
+    base = torch.nn.Module()
+    base.config = config
+    base.base_model_prefix = "model"
+    outer = torch.nn.Module()
+    outer.config, outer.base_model_prefix, outer.model = config, "model", base
+    assert hugging_face_plan(outer) == {"model.layers.*.up": "colwise"}
+    assert hugging_face_plan(base) == {"layers.*.up": "colwise"}
+    assert hugging_face_plan(torch.nn.Linear(2, 2)) is None
