@@ -129,8 +129,12 @@ class ShardedModel(DataParallelModel):
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._at_rest.unpack):
                 out = self.module(*args, **kwargs)
-        except RuntimeError as exc:
+        except BaseException as exc:
             freed = self._at_rest.freed()
+            if not self._in_backward:  # no backward of this forward will come to free what it gathered
+                self._at_rest.free_after_error()
+            if type(exc) is not RuntimeError:  # the user's exception, an out-of-memory error: as raised
+                raise
             raise StrategyError(
                 f"{type(self).__name__}: the wrapped module's forward failed: {exc}\n"
                 f"If an operation received an empty (0-element) tensor, it read a sharded parameter "
@@ -203,17 +207,30 @@ class ShardedModel(DataParallelModel):
                 self._grads_synced = True
         finally:
             self._pending = []
-            for st in self._units:
-                st.ready.clear()
-                st.reduced = False
-                self._at_rest.free(st)
-            self._at_rest.set_busy(False)
+            self._free_all()
         if self._sync:  # reached only when the reduction above completed
             self._guard_grads()
+
+    def _abandon_backward(self) -> None:
+        try:
+            for _, work, _ in self._pending:
+                work.wait()  # nothing adds into a gradient shard once zero_grad() cleared it
+        finally:
+            self._pending = []
+            self._free_all()
+
+    def _free_all(self) -> None:
+        """The end of a backward: every unit not kept gathered freed, the per-step state cleared."""
+        for st in self._units:
+            st.ready.clear()
+            st.reduced = False
+            self._at_rest.free(st)
+        self._at_rest.set_busy(False)
 
     # ------------------------------------------------------------------ composition
     def reduce_accumulated_grads(self) -> None:
         """Every unit's accumulated gradient reduce-scattered into its shard now."""
+        self.check_backward_finished("reduce_accumulated_grads()")
         self._reducer.start_step()
         try:
             for st in self._units:
@@ -279,6 +296,7 @@ class ShardedModel(DataParallelModel):
         self._last_peak, self._at_rest.peak = self._at_rest.peak, self._at_rest.gathered_bytes
 
     def zero_grad_buffers(self) -> None:
+        self._forget_raised_backward()
         self._guarded = False
         for st in self._units:
             st.grad_shard.zero_()

@@ -79,6 +79,8 @@ class UnitGatherer:
         self.busy = False
         #: the next gather is an evaluation forward's first: named if a rank does not join in time
         self.watch = False
+        #: the unit whose watched gather the other ranks did not join in time (its gather left pending)
+        self.unjoined: ShardUnit | None = None
         self._by_storage: dict[int, ShardUnit] = {}
 
     def add(self, st: ShardUnit, flat: torch.Tensor | None) -> None:
@@ -105,7 +107,9 @@ class UnitGatherer:
         if wait and st.work is not None:
             if self.watch:
                 self.watch = False
+                self.unjoined = st
                 self._wait_for_every_rank(st.work)
+                self.unjoined = None
             st.work.wait()
             st.work = None
         return flat
@@ -137,6 +141,13 @@ class UnitGatherer:
         self.gathered_bytes -= tensor_bytes(st.flat)
         st.flat = None
         self._rest(st)
+
+    def free_after_error(self) -> None:
+        """After a forward that raised: every unit it gathered (or prefetched) freed, but one whose
+        gather the other ranks did not join (waiting for it would hang)."""
+        for st in self.units:
+            if st is not self.unjoined or st.work is None:
+                self.free(st)
 
     def _rest(self, st: ShardUnit) -> None:
         """A unit not gathered: inside a forward or backward its parameters are empty tensors (an

@@ -125,6 +125,8 @@ class DataParallelModel(OptimizerTarget):
         self._name_of = {id(p): n for n, p in self._trainable}
         self._sync = True
         self._in_backward = False
+        #: a backward pass raised after some gradient hooks ran: the gradients are partial until zero_grad()
+        self._raised_backward = False
         self._grads_synced = False
         self._optimizer_ref: AttachedOptimizer | None = None
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
@@ -220,8 +222,40 @@ class DataParallelModel(OptimizerTarget):
     shards_at_rest: ClassVar[bool] = False
 
     def _check_owner(self, *_: Any) -> None:
-        """Before a forward: refuse it once a newer wrapper of the same module took it over."""
+        """Before a forward: refuse it once a newer wrapper of the same module took it over, or while the
+        gradients are partial after a backward that raised (an evaluation forward only cleans up)."""
         self._owner.check("forward")
+        self.check_backward_finished("the forward" if torch.is_grad_enabled() else None)
+
+    # ------------------------------------------------------------------ a backward that raised
+    def check_backward_finished(self, refused: str | None) -> None:
+        """Refuse ``refused`` (a forward, a step; None: only clean up) after a backward that raised
+        partway. Such a backward never reaches its end (autograd runs the queued end-of-backward
+        callback only when the whole pass succeeds): outside any backward its bookkeeping is found still
+        open here, so the reductions it launched are waited for (every rank raised at the same point and
+        launched the same ones), gathered units freed and per-step state cleared; the gradients stay
+        partial until ``zero_grad()``."""
+        if self._in_backward and torch._C._current_graph_task_id() == -1:  # noqa: SLF001 - torch's query (torch.utils.checkpoint uses it): -1 outside any backward pass
+            self._in_backward = False
+            self._raised_backward = True
+            self._abandon_backward()
+        if self._raised_backward and refused is not None:
+            raise StrategyError(
+                f"{type(self).__name__} on rank {self.dp_backend.rank}: a backward pass raised partway (an "
+                "exception from an autograd Function, a tensor hook or an out-of-memory error in backward) "
+                "after some gradients were produced and some reduced, so the gradients are partial and "
+                f"{refused} is refused. Call opt.zero_grad() on every rank to skip that batch, as plain "
+                "training would, then go on with the next one"
+            )
+
+    def _forget_raised_backward(self) -> None:
+        """``zero_grad()``: a backward that raised is cleaned up and its partial gradients dropped."""
+        self.check_backward_finished(None)
+        self._raised_backward = False
+
+    def _abandon_backward(self) -> None:
+        """Wait for what a backward that raised launched and clear its per-step state."""
+        raise NotImplementedError
 
     #: whether ``param.grad`` are whole (views of whole buckets: DDP, ZeRO-1), not only flat shards
     keeps_whole_grads: ClassVar[bool] = False
@@ -337,6 +371,7 @@ class DataParallelModel(OptimizerTarget):
 
     def check_grads_ready(self, who: str) -> None:
         self._owner.check(f"{who}.step()")
+        self.check_backward_finished(f"{who}.step()")
         self.check_requires_grad()
         if not self._grads_synced:
             raise StrategyError(

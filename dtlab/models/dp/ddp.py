@@ -178,10 +178,20 @@ class DDPModel(DataParallelModel):
             self._ready = [set() for _ in self._units]
             self._next_launch = 0
 
+    def _abandon_backward(self) -> None:
+        try:
+            for _, work, _ in self._works:
+                work.wait()  # nothing writes into a bucket once zero_grad() cleared it
+        finally:
+            self._works = []
+            self._ready = [set() for _ in self._units]
+            self._next_launch = 0
+
     # ------------------------------------------------------------------ composition
     def reduce_accumulated_grads(self) -> None:
         """Every bucket through the reducer now (inside ``no_sync()`` too: the call asks for it)."""
         self._owner.check("reduce_accumulated_grads()")
+        self.check_backward_finished("reduce_accumulated_grads()")
         prev, self._sync = self._sync, True
         try:
             self._reducer.start_step()
@@ -223,6 +233,7 @@ class DDPModel(DataParallelModel):
 
     def zero_grad_buffers(self) -> None:
         self._owner.check("zero_grad()")  # it would point param.grad back into its own buffers
+        self._forget_raised_backward()
         self._guarded = False
         for g in self._synced_grads:
             g.zero_()

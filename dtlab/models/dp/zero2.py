@@ -54,6 +54,12 @@ class ZeRO2Model(DDPModel):
         finally:  # after an error mid-flush: no half-filled bucket is reused by a later reduction
             self._transient.clear()
 
+    def _abandon_backward(self) -> None:
+        try:
+            super()._abandon_backward()
+        finally:
+            self._transient.clear()
+
     def _launch(self, i: int) -> tuple[Work, Any]:
         out = torch.empty_like(self._synced_grads[i])
         return self._reducer.reduce_scatter(self._units[i].key, self._transient[i], out), out
