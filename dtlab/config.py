@@ -88,7 +88,7 @@ class TrainConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _old_spellings(cls, values: Any) -> Any:
+    def _old_spellings(cls, values: Any) -> Any:  # the tree as parsed, not yet validated
         return translate_old_spellings(values)
 
     @model_validator(mode="after")
@@ -156,28 +156,28 @@ def check_world_size(config: TrainConfig, world_size: int) -> None:
     check_mesh_size(config, world_size)
 
 
-def _fields_at(loc: tuple[Any, ...]) -> list[str]:
-    model: Any = TrainConfig
+def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
+    section: type[BaseModel] = TrainConfig
     for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
+        field = section.model_fields.get(part) if isinstance(part, str) else None
         if field is None or not (
             isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
         ):
             break
-        model = field.annotation
-    return list(model.model_fields)
+        section = field.annotation
+    return list(section.model_fields)
 
 
-def _is_section(loc: tuple[Any, ...]) -> bool:
+def _is_section(loc: tuple[int | str, ...]) -> bool:
     """Whether ``loc`` names the whole config or one of its sections (not a field)."""
-    model: Any = TrainConfig
+    section: type[BaseModel] = TrainConfig
     for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
+        field = section.model_fields.get(part) if isinstance(part, str) else None
         if field is None or not (
             isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
         ):
             return False
-        model = field.annotation
+        section = field.annotation
     return True
 
 

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from dtlab.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["check_timeout", "check_world_size"]
 
 
-def check_world_size(caller: str, world_size: Any) -> None:
+def check_world_size(caller: str, world_size: object) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise ArgumentTypeError(
             f"{caller}: world_size must be an int, got {world_size!r} ({type(world_size).__name__}); "
@@ -21,7 +20,7 @@ def check_world_size(caller: str, world_size: Any) -> None:
         raise ArgumentError(f"{caller}: world_size must be >= 1, got {world_size}")
 
 
-def check_timeout(caller: str, name: str, timeout: Any) -> None:
+def check_timeout(caller: str, name: str, timeout: object) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise ArgumentTypeError(
             f"{caller}: {name} must be a number of seconds, got {timeout!r} ({type(timeout).__name__})"

@@ -36,6 +36,7 @@ from dtlab.backends._checked import mismatch_hint
 from dtlab.backends._mpi_half import HalfSum
 from dtlab.backends._mpi_support import _Buffers, _import_mpi, _MPIWork, query_cuda_support
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
+from dtlab.backends.stats import CommStats
 from dtlab.errors import ArgumentError, CollectiveMismatchError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class MPIBackend(CommunicationBackend):
         timeout: float | None = None,
         device: str | torch.device = "cpu",
         cuda_aware: bool | None = None,
-        stats_parent: Any = None,
+        stats_parent: CommStats | None = None,
     ) -> None:
         mpi = _import_mpi()
         if timeout is not None and timeout <= 0:

@@ -13,7 +13,7 @@ timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); torchrun then ends the job with a
 from __future__ import annotations
 
 import datetime
-from typing import Any, ClassVar, NoReturn
+from typing import ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from dtlab.backends._torch_dist_support import (
     to_global,
 )
 from dtlab.backends.base import CommunicationBackend, P2POp, ReduceOp, Work, split_members
+from dtlab.backends.stats import CommStats
 from dtlab.errors import ArgumentError, BackendInitError, CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = ["GlooBackend", "NCCLBackend", "TorchDistBackend"]
@@ -55,7 +56,7 @@ class TorchDistBackend(CommunicationBackend):
         *,
         device: str | torch.device = "cpu",
         timeout: float = 300.0,
-        stats_parent: Any = None,
+        stats_parent: CommStats | None = None,
         name: str = "dtlab",
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():

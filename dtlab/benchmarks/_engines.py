@@ -26,7 +26,13 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
+    import torch
+
+    from dtlab.backends.base import CommunicationBackend
+
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -36,9 +42,13 @@ POINT_BUDGET_S = 1.5  # seconds of timed calls per (op, size), both variants
 MAX_ROUNDS = 400
 
 
-def _raw_calls(b: Any, op: str, full: Any, shard: Any) -> Callable[[], None]:
+def _raw_calls(
+    b: CommunicationBackend, op: str, full: torch.Tensor, shard: torch.Tensor
+) -> Callable[[], None]:
     """The raw engine's call for ``op`` on the same tensors dtlab uses."""
-    if type(b).__name__ == "MPIBackend":
+    from dtlab.backends import MPIBackend
+
+    if isinstance(b, MPIBackend):
         from mpi4py import MPI
 
         comm, a, s = b.comm, full.numpy(), shard.numpy()
@@ -58,7 +68,9 @@ def _raw_calls(b: Any, op: str, full: Any, shard: Any) -> Callable[[], None]:
     return lambda: ag(full, shard)
 
 
-def _dtlab_calls(b: Any, op: str, full: Any, shard: Any) -> Callable[[], None]:
+def _dtlab_calls(
+    b: CommunicationBackend, op: str, full: torch.Tensor, shard: torch.Tensor
+) -> Callable[[], None]:
     if op == "all_reduce":
         return lambda: b.all_reduce(full)
     if op == "reduce_scatter":
@@ -66,7 +78,7 @@ def _dtlab_calls(b: Any, op: str, full: Any, shard: Any) -> Callable[[], None]:
     return lambda: b.all_gather(full, shard)
 
 
-def _slowest(b: Any, seconds: float) -> float:
+def _slowest(b: CommunicationBackend, seconds: float) -> float:
     import torch
 
     from dtlab.backends import ReduceOp
@@ -77,7 +89,13 @@ def _slowest(b: Any, seconds: float) -> float:
 
 
 def bench_rank(
-    b: Any, ops: list[str], sizes: list[int], iters: int, repeats: int, threads: int, checked: bool = False
+    b: CommunicationBackend,
+    ops: list[str],
+    sizes: list[int],
+    iters: int,
+    repeats: int,
+    threads: int,
+    checked: bool = False,
 ) -> list[dict[str, Any]]:
     """Runs on every rank of the world; returns the rows (the same on every rank). ``checked``: also
     time dtlab's calls in checked mode (``check_collectives``), in the same rounds."""

@@ -10,8 +10,10 @@ from typing import Any
 import torch
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.backends.mesh import MeshLike
 from dtlab.config import TrainConfig
 from dtlab.data import TensorDataset
+from dtlab.models import ModelStrategy
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
 from dtlab.trainers.parallel import parallel_loss
 from dtlab.trainers.tasks import Task, cross_entropy_loss
@@ -34,9 +36,9 @@ def _task(config: TrainConfig) -> Task:
     )
 
 
-def _groups(model: Any) -> dict[str, CommunicationBackend]:
-    mesh = getattr(model, "mesh", None)
-    if mesh is None:
+def _groups(model: ModelStrategy) -> dict[str, CommunicationBackend]:
+    mesh = getattr(model, "mesh", None)  # the strategies built over a mesh show it
+    if not isinstance(mesh, MeshLike):
         return {"dp": model.dp_backend}
     return {a: mesh[a] for a in AXES}
 

@@ -13,12 +13,17 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
+    import torch
+
+    from dtlab.backends.base import CommunicationBackend
 
 Step = Callable[[], float]
 
 
-def plain_step(loss_of: Callable[[], Any], opt: Any) -> Step:
+def plain_step(loss_of: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> Step:
     """A step: ``loss_of()`` (forward and loss), backward, ``opt.step()``, ``opt.zero_grad()``; the loss."""
 
     def step() -> float:
@@ -31,7 +36,7 @@ def plain_step(loss_of: Callable[[], Any], opt: Any) -> Step:
     return step
 
 
-def timed(backend: Any, step: Step) -> float:
+def timed(backend: CommunicationBackend, step: Step) -> float:
     """One step after a barrier; its time as the slowest rank's (the same on every rank)."""
     import torch
 
@@ -46,7 +51,7 @@ def timed(backend: Any, step: Step) -> float:
 
 
 def alternate(
-    backend: Any, variants: dict[str, Step], rounds: int, steps: int, warmup: int
+    backend: CommunicationBackend, variants: dict[str, Step], rounds: int, steps: int, warmup: int
 ) -> dict[str, list[float]]:
     """Each variant's step times, in order: ``warmup`` untimed steps each, then ``rounds`` rounds of one
     block of ``steps`` timed steps per variant, the order of the blocks reversed every other round."""
@@ -61,7 +66,7 @@ def alternate(
     return times
 
 
-def measure(backend: Any, variants: dict[str, Step], args: dict[str, Any]) -> dict[str, Any]:
+def measure(backend: CommunicationBackend, variants: dict[str, Step], args: dict[str, Any]) -> dict[str, Any]:
     """Each variant's first step's loss (``"first_loss"``, a check that they train the same model), then
     :func:`alternate` with ``args``' ``rounds``, ``steps`` and ``warmup`` (``"times"``)."""
     first_loss = {name: step() for name, step in variants.items()}

@@ -16,7 +16,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.benchmarks._strategies_models import build, loss_fn
 from dtlab.core import pairs
 from dtlab.models import ModuleClassPolicy, get_model_strategy
-from dtlab.optimizers import default_optimizer_strategy
+from dtlab.optimizers import OptimizerStrategy, default_optimizer_strategy
 
 __all__ = ["DTLAB", "DTLAB_EXTRA", "TORCH", "Run"]
 
@@ -57,12 +57,12 @@ class Run:
         self.rss_before = _status_kib("VmRSS")
         _reset_peak()
         module, unit_cls, self.batch = build(model)
-        self.dist_opt: Any = None
+        self.dist_opt: OptimizerStrategy | None = None  # a dtlab pair's optimizer strategy
         if strategy == "torch_ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             self.model: nn.Module = DistributedDataParallel(module)
-            self.opt: Any = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+            self.opt: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         elif strategy == "torch_fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard

@@ -23,15 +23,15 @@ from typing import Any
 import torch
 
 from dtlab.advise import Candidate, ClusterSpec, ModelSpec, predict
-from dtlab.backends import Mesh
-from dtlab.config import load_config
+from dtlab.backends import CommunicationBackend, Mesh
+from dtlab.config import TrainConfig, load_config
 from dtlab.core import pairs
-from dtlab.models import PipelineParallelModel, TensorParallelModel, transformer_plan
-from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
+from dtlab.models import ModelStrategy, PipelineParallelModel, TensorParallelModel, transformer_plan
+from dtlab.optimizers import DDPOptimizer, OptimizerStrategy, ZeRO1Optimizer
 from dtlab.testing import TINY_LM, run_world
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
 from dtlab.trainers.models import TransformerLM
-from dtlab.trainers.tasks import build_task, cross_entropy_loss
+from dtlab.trainers.tasks import Task, build_task, cross_entropy_loss
 
 SIZES = ["model.n_layers=2", "model.seq_len=16", "data.global_batch_size=8", "optimizer.name=adamw"]
 SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=2, seq_len=16)
@@ -67,12 +67,17 @@ class SavedBytes:
 
 
 def _two_steps(
-    model: Any, opt: Any, loss_fn: Callable[..., torch.Tensor], groups: dict[str, Any], dp: Any, seq: int
+    model: ModelStrategy,
+    opt: OptimizerStrategy,
+    loss_fn: Callable[..., torch.Tensor],
+    groups: dict[str, CommunicationBackend],
+    dp: CommunicationBackend,
+    seq: int,
 ) -> dict[str, Any]:
     """Two steps on this replica's share of the batch; the second one is measured."""
     g = torch.Generator().manual_seed(100 + dp.rank)
     local = BATCH // dp.world_size
-    hooks = getattr(model, "strategy_name", "") not in ("zero3", "fsdp")
+    hooks = model.strategy_name not in ("zero3", "fsdp")
     acts = None
     for step in range(2):
         x = torch.randint(0, 256, (local, seq), generator=g)
@@ -94,13 +99,13 @@ def _two_steps(
     return {"memory": opt.memory_report(), "bytes": sent, "activations": acts}
 
 
-def _data_parallel(backend: Any, config: Any, task: Any) -> dict[str, Any]:
+def _data_parallel(backend: CommunicationBackend, config: TrainConfig, task: Task) -> dict[str, Any]:
     model, _ = build_model_strategy(config, backend, task)
     opt = build_optimizer_strategy(config, model)
     return _two_steps(model, opt, cross_entropy_loss, {"dp": backend}, backend, config.model.seq_len)
 
 
-def _tensor_parallel(backend: Any, shape: dict[str, int], strategy: str) -> dict[str, Any]:
+def _tensor_parallel(backend: CommunicationBackend, shape: dict[str, int], strategy: str) -> dict[str, Any]:
     mesh = Mesh(backend, shape)
     s = TP_SPEC
     with torch.random.fork_rng(devices=[]):
@@ -111,7 +116,7 @@ def _tensor_parallel(backend: Any, shape: dict[str, int], strategy: str) -> dict
     return _two_steps(model, opt, model.cross_entropy, groups, mesh["dp"], s.seq_len)
 
 
-def _pipeline(backend: Any, spec: ModelSpec, plan: Candidate) -> dict[str, Any]:
+def _pipeline(backend: CommunicationBackend, spec: ModelSpec, plan: Candidate) -> dict[str, Any]:
     mesh = Mesh(backend, {"pp": plan.pp, "dp": plan.dp})
     with torch.random.fork_rng(devices=[]):
         net = TransformerLM(spec.hidden, spec.layers, spec.heads, spec.seq_len)

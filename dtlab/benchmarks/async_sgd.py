@@ -37,6 +37,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core import seeded_init
 from dtlab.data import load_digits_dataset
+from dtlab.errors import ArgumentError
 from dtlab.models import DDPModel
 from dtlab.optimizers import AsyncSGDOptimizer, DDPOptimizer
 from dtlab.trainers.models import DigitsCNN
@@ -92,13 +93,14 @@ def run_variant(
     workers = b.world_size - 1
     net = build(seed)
     log: list[tuple[float, float]] = []
-    opt: Any = None
+    ddp: DDPOptimizer | None = None  # the ddp variant, on the workers
+    async_opt: AsyncSGDOptimizer | None = None  # the other variants, on every rank
     if variant == "ddp":
         if workers_group is not None:
-            opt = DDPOptimizer(DDPModel(net, workers_group), torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+            ddp = DDPOptimizer(DDPModel(net, workers_group), torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     else:
         staleness = None if variant is None else int(variant)
-        opt = AsyncSGDOptimizer(
+        async_opt = AsyncSGDOptimizer(
             net, b, torch.optim.SGD, lr=LR, momentum=MOMENTUM, staleness=staleness, num_servers=1
         )
     b.barrier()
@@ -112,22 +114,22 @@ def run_variant(
                 idx = order[i * BATCH : (i + 1) * BATCH]
                 if b.rank == SLOW:
                     time.sleep(delay)
-                if variant == "ddp":
-                    opt.zero_grad()
-                    loss = opt.model.train_step((x[idx], y[idx]), nn.functional.cross_entropy)
-                    opt.step()
-                else:
-                    loss = nn.functional.cross_entropy(opt.module(x[idx]), y[idx])
+                if ddp is not None:
+                    ddp.zero_grad()
+                    loss = ddp.model.train_step((x[idx], y[idx]), nn.functional.cross_entropy)
+                    ddp.step()
+                elif async_opt is not None:
+                    loss = nn.functional.cross_entropy(async_opt.module(x[idx]), y[idx])
                     loss.backward()
-                    opt.step()
+                    async_opt.step()
                 log.append((time.perf_counter() - start, loss.detach().item()))
-        if variant != "ddp":
-            opt.finish()
-    elif variant != "ddp":
-        opt.serve()
+        if async_opt is not None:
+            async_opt.finish()
+    elif async_opt is not None:
+        async_opt.serve()
     end = time.perf_counter() - start
-    stats = opt.stats() if variant != "ddp" else {}
-    if variant == "ddp":  # the workers' replica travels to rank 0, which evaluates
+    stats = async_opt.stats() if async_opt is not None else {}
+    if async_opt is None:  # ddp: the workers' replica travels to rank 0, which evaluates
         flat = torch.nn.utils.parameters_to_vector(net.parameters()).detach().clone()
         if b.rank == 1:
             b.send(flat, 0, tag=11)
@@ -136,7 +138,7 @@ def run_variant(
             torch.nn.utils.vector_to_parameters(flat, net.parameters())
         state = net.state_dict()
     else:
-        state = opt.full_state_dict()
+        state = async_opt.full_state_dict()
     everyone = b.all_gather_object({"end": end, "log": log, "stats": stats})
     if b.rank != 0:
         return None
@@ -158,7 +160,11 @@ def run_variant(
 
 
 def bench_world(
-    b: CommunicationBackend, variants: list[Any], seeds: list[int], epochs: int, delay_ms: float | None
+    b: CommunicationBackend,
+    variants: list[str | int | None],
+    seeds: list[int],
+    epochs: int,
+    delay_ms: float | None,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     full = load_digits_dataset()
@@ -166,7 +172,9 @@ def bench_world(
     data = {"x": train.inputs, "y": train.targets, "tx": held.inputs, "ty": held.targets}
     from dtlab.backends import MPIBackend
 
-    timed = MPIBackend(b.comm.Dup(), timeout=600.0)  # type: ignore[attr-defined]
+    if not isinstance(b, MPIBackend):
+        raise ArgumentError(f"the async SGD benchmark runs on MPI (backend='mpi'), got {type(b).__name__}")
+    timed = MPIBackend(b.comm.Dup(), timeout=600.0)
     group = timed.new_group(list(range(1, b.world_size)))
     delay = calibrate(timed, data["x"], data["y"]) if delay_ms is None else delay_ms / 1000
     rows = []
@@ -264,7 +272,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write the rows (with the loss logs) here")
     ap.add_argument("--plot", type=Path, default=None, help="write the figure here (PNG)")
     args = ap.parse_args()
-    variants: list[Any] = []
+    variants: list[str | int | None] = []
     for v in args.variants.split(","):
         v = v.strip().lower()
         if v not in ("ddp", "none") and not v.isdigit():

@@ -38,16 +38,21 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.benchmarks._hf_llama import llama_config
+
+if TYPE_CHECKING:  # imported where used: the parent process never imports torch
+    import torch
+
+    from dtlab.backends.base import CommunicationBackend
 
 
 def _config(args: dict[str, Any]) -> Any:
     return llama_config(args, bos_token_id=0, eos_token_id=0)  # as many key/value heads as heads
 
 
-def _batch(args: dict[str, Any]) -> tuple[Any, Any]:
+def _batch(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     seqs = torch.randint(
@@ -56,7 +61,7 @@ def _batch(args: dict[str, Any]) -> tuple[Any, Any]:
     return seqs[:, :-1], seqs[:, 1:]
 
 
-def _loss(net: Any, x: Any, y: Any) -> Any:
+def _loss(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     import torch
 
     logits = net(x).logits
@@ -67,7 +72,7 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
 
 
-def _write(backend: Any, args: dict[str, Any], folder: str) -> dict[str, Any]:  # noqa: ARG001 - spawn_world's signature
+def _write(backend: CommunicationBackend, args: dict[str, Any], folder: str) -> dict[str, Any]:  # noqa: ARG001 - spawn_world's signature
     import torch
     import transformers
 
@@ -92,7 +97,7 @@ def _write(backend: Any, args: dict[str, Any], folder: str) -> dict[str, Any]:  
     }
 
 
-def _train(backend: Any, args: dict[str, Any], folder: str) -> dict[str, Any]:
+def _train(backend: CommunicationBackend, args: dict[str, Any], folder: str) -> dict[str, Any]:
     import torch
     import transformers
     from torch import nn

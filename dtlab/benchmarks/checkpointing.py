@@ -16,21 +16,22 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core import seeded_init
-from dtlab.models import DDPModel, FSDPModel, ModuleClassPolicy, ZeRO3Model
+from dtlab.models import DDPModel, FSDPModel, ModelStrategy, ModuleClassPolicy, ZeRO3Model
 from dtlab.models.checkpointing import checkpoint_modules
 from dtlab.testing import run_world
 from dtlab.trainers.tasks import cross_entropy_loss
 from dtlab.zoo import Block, TransformerLM
 
 
-def peak_allocated(fn: Any) -> int:
+def peak_allocated(fn: Callable[[], object]) -> int:
     """Peak of the CPU allocator's total allocated bytes while ``fn`` runs, above its start."""
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
@@ -41,7 +42,7 @@ def peak_allocated(fn: Any) -> int:
         prof.export_chrome_trace(str(path))
         events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "[memory]"]
     start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
-    return cast(int, max(e["args"]["Total Allocated"] for e in events) - start)
+    return int(max(e["args"]["Total Allocated"] for e in events) - start)
 
 
 def _rank(backend: CommunicationBackend, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -57,13 +58,13 @@ def _rank(backend: CommunicationBackend, args: argparse.Namespace) -> list[dict[
             if ckpt:
                 checkpoint_modules(net, (Block,))
             if strategy == "ddp":
-                model: Any = DDPModel(net, backend)
+                model: ModelStrategy = DDPModel(net, backend)
             elif strategy == "zero3":
                 model = ZeRO3Model(net, backend, persistence_threshold=0)
             else:
                 model = FSDPModel(net, backend, wrap_policy=ModuleClassPolicy((Block,)))
 
-            def step(model: Any = model) -> None:
+            def step(model: ModelStrategy = model) -> None:
                 cross_entropy_loss(model(x), y).backward()
                 model.zero_grad(set_to_none=True)
 

@@ -20,17 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.benchmarks._hf_llama import LLAMA_KEYS, add_llama_args, llama, lm_loss, token_batch
 from dtlab.benchmarks._paired import add_timing_args, measure, print_against_torch
+
+if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
+    from dtlab.backends.base import CommunicationBackend
 
 
 def _split(args: dict[str, Any]) -> str:
     return f"model.layers.{args['layers'] // 2}"
 
 
-def _dtlab_step(backend: Any, args: dict[str, Any]) -> Callable[[], float]:
+def _dtlab_step(backend: CommunicationBackend, args: dict[str, Any]) -> Callable[[], float]:
     import torch
 
     from dtlab.models import PipelineParallelModel
@@ -55,7 +58,7 @@ def _dtlab_step(backend: Any, args: dict[str, Any]) -> Callable[[], float]:
     return step
 
 
-def _torch_step(backend: Any, args: dict[str, Any]) -> Callable[[], float]:
+def _torch_step(backend: CommunicationBackend, args: dict[str, Any]) -> Callable[[], float]:
     """torch's traced pipeline of the same model: ``pipeline()`` splits it at the same module,
     ``build_stage`` gives this rank's stage, ``Schedule1F1B`` runs it."""
     import torch
@@ -88,7 +91,7 @@ def _torch_step(backend: Any, args: dict[str, Any]) -> Callable[[], float]:
     return step
 
 
-def bench_world(backend: Any, args: dict[str, Any]) -> dict[str, Any]:
+def bench_world(backend: CommunicationBackend, args: dict[str, Any]) -> dict[str, Any]:
     """One rank: both variants, alternating blocks; per-step times (the slowest rank's)."""
     import torch
 

@@ -21,13 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.benchmarks._hf_llama import LLAMA_KEYS, add_llama_args, llama, lm_loss, token_batch
 from dtlab.benchmarks._paired import add_timing_args, measure, plain_step, print_against_torch
 
+if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
+    from torch.distributed.tensor.parallel import ParallelStyle
 
-def _dtlab_step(backend: Any, args: dict[str, Any]) -> Callable[[], float]:
+    from dtlab.backends.base import CommunicationBackend
+
+
+def _dtlab_step(backend: CommunicationBackend, args: dict[str, Any]) -> Callable[[], float]:
     import torch
 
     from dtlab.models import TensorParallelModel
@@ -40,7 +45,7 @@ def _dtlab_step(backend: Any, args: dict[str, Any]) -> Callable[[], float]:
 
 
 #: Hugging Face's style names as torch's styles (the ones Llama's plan uses)
-def _torch_style(name: str) -> Any:
+def _torch_style(name: str) -> ParallelStyle:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -81,7 +86,7 @@ def _profile(step: Callable[[], float], steps: int) -> str:
     return table
 
 
-def bench_world(backend: Any, args: dict[str, Any]) -> dict[str, Any]:
+def bench_world(backend: CommunicationBackend, args: dict[str, Any]) -> dict[str, Any]:
     """One rank: both variants, alternating blocks; per-step times (the slowest rank's)."""
     import torch
 

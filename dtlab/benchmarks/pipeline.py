@@ -33,9 +33,17 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.benchmarks._paired import measure, round_ratios
+
+if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
+    import torch
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    from dtlab.backends.base import CommunicationBackend
+    from dtlab.models import PipelineParallelModel
+    from dtlab.optimizers import DDPOptimizer
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))
 
@@ -79,7 +87,7 @@ def _sleep_model(blocks: int, seconds: float) -> Any:
     return nn.Sequential(*[SleepBlock() for _ in range(blocks)])
 
 
-def bubble_world(backend: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+def bubble_world(backend: CommunicationBackend, args: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
 
     from dtlab.models import PipelineParallelModel
@@ -194,7 +202,7 @@ def _mlp(layers: int, width: int) -> Any:
     return nn.Sequential(*mods)
 
 
-def torch_world(backend: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+def torch_world(backend: CommunicationBackend, args: dict[str, Any]) -> list[dict[str, Any]]:
     import copy
 
     import torch
@@ -231,7 +239,7 @@ def torch_world(backend: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         )
         dt_opt = DDPOptimizer(dt_model, torch.optim.SGD, lr=0.01)
 
-        def dtlab_step(model: Any = dt_model, opt: Any = dt_opt) -> float:
+        def dtlab_step(model: PipelineParallelModel = dt_model, opt: DDPOptimizer = dt_opt) -> float:
             loss = model.train_step((x, y), F.mse_loss)
             opt.step()
             opt.zero_grad()
@@ -252,14 +260,21 @@ def torch_world(backend: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         params = [q for st in pipe_stages for q in st.submod.parameters()]
         t_opt = torch.optim.SGD(params, lr=0.01)
         if schedule == "gpipe":
-            sched: Any = ScheduleGPipe(pipe_stages[0], m, loss_fn=F.mse_loss)
+            sched: PipelineScheduleSingle | PipelineScheduleMulti = ScheduleGPipe(
+                pipe_stages[0], m, loss_fn=F.mse_loss
+            )
         elif schedule == "1f1b":
             sched = Schedule1F1B(pipe_stages[0], m, loss_fn=F.mse_loss)
         else:
             sched = ScheduleInterleaved1F1B(list[Any](pipe_stages), m, loss_fn=F.mse_loss)
         first, last = 0 in mine, stages - 1 in mine
 
-        def torch_step(sched: Any = sched, opt: Any = t_opt, first: bool = first, last: bool = last) -> float:
+        def torch_step(
+            sched: PipelineScheduleSingle | PipelineScheduleMulti = sched,
+            opt: torch.optim.Optimizer = t_opt,
+            first: bool = first,
+            last: bool = last,
+        ) -> float:
             losses: list[Any] = []
             feed = (x,) if first else ()
             sched.step(*feed, target=y if last else None, losses=losses, return_outputs=False)

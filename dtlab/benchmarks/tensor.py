@@ -21,9 +21,14 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.benchmarks._paired import add_timing_args, alternate, plain_step, quartiles
+
+if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from dtlab.backends.base import CommunicationBackend
 
 
 def _model(args: dict[str, Any]) -> Any:
@@ -47,7 +52,9 @@ def _data(args: dict[str, Any]) -> tuple[Any, Any]:
     return torch.randint(0, 256, shape, generator=gen), torch.randint(0, 256, shape, generator=gen)
 
 
-def _dtlab_step(backend: Any, args: dict[str, Any], sp: bool) -> tuple[Callable[[], float], Any]:
+def _dtlab_step(
+    backend: CommunicationBackend, args: dict[str, Any], sp: bool
+) -> tuple[Callable[[], float], CommunicationBackend]:
     import torch
 
     from dtlab.backends import Mesh
@@ -87,7 +94,7 @@ def _torch_step(args: dict[str, Any]) -> tuple[Callable[[], float], Callable[[],
             block.attn.qkv.bias.copy_(block.attn.qkv.bias[order])
             block.attn.n_heads //= tp
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-    plan: dict[str, Any] = {
+    plan: dict[str, ParallelStyle] = {
         "tok": RowwiseParallel(input_layouts=Replicate()),
         "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
@@ -132,7 +139,7 @@ def _torch_step(args: dict[str, Any]) -> tuple[Callable[[], float], Callable[[],
     return step, count
 
 
-def bench_world(backend: Any, args: dict[str, Any], with_torch: bool) -> dict[str, Any]:
+def bench_world(backend: CommunicationBackend, args: dict[str, Any], with_torch: bool) -> dict[str, Any]:
     """One rank of one engine's world: every variant, alternating blocks; per-step times and bytes."""
     import torch
 

@@ -49,7 +49,7 @@ COMPRESSORS: Mapping[str, tuple[type[Compressor], Mapping[str, Any]]] = MappingP
 )
 
 
-def make_compressor(name: str, **options: Any) -> Compressor:
+def make_compressor(name: str, **options: Any) -> Compressor:  # Any: each compressor's own keywords
     """The compressor ``name`` (a key of :data:`COMPRESSORS`) built from the ``options`` it takes;
     options it does not have (``tau`` for ``topka``, ``density`` for ``qsgd``) are ignored, so one set
     of settings can build any of them."""

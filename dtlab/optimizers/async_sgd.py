@@ -67,7 +67,7 @@ class AsyncSGDOptimizer:
         *,
         staleness: int | None = 0,
         num_servers: int = 1,
-        **optimizer_kwargs: Any,
+        **optimizer_kwargs: Any,  # Any: optimizer_cls's own keywords
     ) -> None:
         _check_arguments(backend, optimizer_cls, staleness, num_servers, optimizer_kwargs)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
