@@ -85,16 +85,13 @@ def as_mesh(
 Entries = dict[str, tuple[list[int], torch.dtype, int, Placement]]
 
 
-def tensor_entries(
-    module: nn.Module, tp: int, owner: dict[int, int], by_module: dict[int, int] | None = None
-) -> Entries:
-    """Every tensor of the whole model: full shape, dtype, the pipeline rank holding it (a tied
-    parameter's: the rank holding the module it is named under), placement."""
+def tensor_entries(module: nn.Module, tp: int, owner: dict[int, int], by_module: dict[int, int]) -> Entries:
+    """Every tensor of the whole model: full shape, dtype, the pipeline rank holding it (``by_module``:
+    the rank running the module it is named under, which a tied parameter's name follows; else
+    ``owner``: the rank of the first stage holding the tensor; else 0), placement."""
     out: Entries = {}
     for key, t in module.state_dict(keep_vars=True).items():
-        rank = owner.get(id(t), 0)
-        if by_module is not None:
-            rank = by_module.get(id(module.get_submodule(key.rpartition(".")[0])), rank)
+        rank = by_module.get(id(module.get_submodule(key.rpartition(".")[0])), owner.get(id(t), 0))
         out[key] = (full_shape_of(t.shape, placement_of(t), tp), t.dtype, rank, placement_of(t))
     return out
 
@@ -178,7 +175,7 @@ def lay_out(
             "declares (its tp_plan() method, Hugging Face's _tp_plan), or {'fqn-pattern': style}"
         )
     if not pipelined:
-        entries = tensor_entries(module, tp.world_size, {})
+        entries = tensor_entries(module, tp.world_size, {}, {})
         return Layout(module, [], [], None, m, entries, _names(module, partial), swapped)
     stages = split_stages(who, module, p * v, args.split_points)
     schedule = build_schedule(args.schedule, p, m, v)  # dry-run: no deadlock, every message matched

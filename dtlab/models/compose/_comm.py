@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.core.placement import Placement, Shard
+from dtlab.core.placement import Shard
+from dtlab.models.compose._build import Entries
 from dtlab.models.pipeline._comm import broadcast_over_pp
 from dtlab.models.tensor._comm import gather_over_tp
 
@@ -37,10 +38,7 @@ def grads_of(
 
 
 def gather_whole_state(
-    local: Mapping[str, torch.Tensor],
-    entries: Mapping[str, tuple[list[int], torch.dtype, int, Placement]],
-    tp: CommunicationBackend,
-    pp: CommunicationBackend,
+    local: Mapping[str, torch.Tensor], entries: Entries, tp: CommunicationBackend, pp: CommunicationBackend
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the whole model on every rank, from each pipeline rank's ``local`` tensors (whole
     over dp): tp shards gathered, then each tensor broadcast from the pipeline rank holding it."""

@@ -60,7 +60,7 @@ class MetaWalk:
         self.tp_rank, self.tp_size = 0, 1
         self.next = 0  # the next entry to initialize
         self.done: set[int] = set()  # ids of original tensors already initialized
-        self.pending: dict[tuple[int, str], torch.Tensor] = {}  # values for a module ZeRO-3/FSDP asks later
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}  # by module id: values ZeRO-3/FSDP asks later
 
     def bind(self, root: nn.Module, swapped: dict[int, torch.Tensor], tp: CommunicationBackend) -> None:
         """Where this rank keeps each original tensor: in ``root`` (its stages, after the tensor plan),
@@ -99,9 +99,8 @@ class MetaWalk:
             while feeding and self.next <= max(feeding):
                 self._step(self.next, mod, None)
                 self.next += 1
-            for mid, name in list(self.pending):
-                if mid == id(mod):
-                    getattr(mod, name).copy_(self.pending.pop((mid, name)))
+            for name, value in self.pending.pop(id(mod), {}).items():
+                getattr(mod, name).copy_(value)
 
     def _own_values(self, i: int) -> bool:
         """Whether entry ``i``'s tensors are all kept whole in the module itself (nothing to slice)."""
@@ -142,7 +141,7 @@ class MetaWalk:
             if target.module is asking:
                 current.copy_(value)
             else:  # asked for later (the strategy walks the same order; kept until then)
-                self.pending[(id(target.module), target.name)] = value
+                self.pending.setdefault(id(target.module), {})[target.name] = value
             return
         value = value.to(device)
         if isinstance(current, nn.Parameter):

@@ -24,7 +24,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.dp.zero1 import ZeRO1Model
-from dtlab.models.pipeline._ties import CrossTie, sum_tied
+from dtlab.models.pipeline._ties import CrossTie, rebind_ties, sum_tied
 from dtlab.models.tensor._auto import declared_plan
 from dtlab.models.tensor._comm import broadcast_module_state
 from dtlab.models.tensor._plan import (
@@ -157,6 +157,7 @@ class TiedSync:
         self, ties: list[CrossTie], aliases: dict[str, str], root: nn.Module, dp: DataParallelModel
     ) -> None:
         self.ties, self.dp = ties, dp
+        rebind_ties(ties, root)  # a strategy built from the meta device gives its parameters new objects
         held = {n for n, _ in root.named_parameters(remove_duplicate=False)}
         #: a weight tied across ranks counts once in the norm, on the rank holding its first name
         self.norm_skip = {n for n in held if n in aliases and aliases[n] not in held}

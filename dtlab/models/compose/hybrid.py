@@ -1,18 +1,12 @@
 """The one model-parallel composition (torchtitan's order): pipeline stages over ``mesh["pp"]``,
 tensor-parallel layers inside each stage over ``mesh["tp"]``, then a data-parallel strategy over each
-stage's tensor-parallel shards on ``mesh["dp"]``::
-
-    mesh = Mesh(backend, {"pp": 2, "dp": 2, "tp": 2})
-    model = HybridShardedModel(TransformerLM(...), mesh, data_parallel="fsdp",
-                               tensor_plan=transformer_plan(), schedule="1f1b", micro_batches=4)
-    opt = ZeRO3Optimizer(model, torch.optim.AdamW, lr=3e-4)     # zero3 and fsdp; ddp -> DDPOptimizer ...
-    loss = model.train_step((x, y), model.cross_entropy)        # x, y: this dp rank's share of the batch
-    opt.step(); opt.zero_grad()
+stage's tensor-parallel shards on ``mesh["dp"]`` (a worked example: docs/strategies.md, "Hybrid
+parallelism"; where each decision is made: docs/architecture.md).
 
 The data-parallel strategy (``model.dp_strategy``) is used, not inherited: this model offers the
 optimizer's interface by forwarding to it. Without a pipeline, gradients are reduced during backward
 as the strategy does alone; with one, ``train_step`` runs the schedule inside ``no_sync()`` and reduces
-once at the end. See docs/strategies.md, "Hybrid parallelism", and docs/architecture.md.
+once at the end.
 """
 
 from __future__ import annotations
@@ -49,7 +43,6 @@ from dtlab.models.dp.flat import FlatUnit
 from dtlab.models.dp.fsdp import WrapPolicy
 from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
-from dtlab.models.pipeline._ties import rebind_ties
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 from dtlab.models.tensor._comm import sum_over_tp
 from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
@@ -172,7 +165,6 @@ class HybridShardedModel(OptimizerTarget):
         self._partial = layout.partial if self.tp_group.world_size > 1 else set()
         if self._partial:
             dp.register_post_sync_hook(self._sum_partial)
-        rebind_ties(layout.ties, root)
         self._tied = TiedSync(layout.ties, layout.aliases, root, dp)  # weights tied across pipeline ranks
         self._pipe = None
         if layout.schedule is not None:

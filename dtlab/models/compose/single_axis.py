@@ -1,13 +1,8 @@
 """Tensor parallelism and pipeline parallelism alone: :class:`HybridShardedModel` with the other
 model-parallel axis of size 1 and ZeRO-1 over ``dp`` (``DDPOptimizer`` or ``ZeRO1Optimizer`` drives it;
 ``gradient_sync=None`` lets the optimizer choose all-reduce or reduce-scatter). A plain backend is
-taken as a mesh of the class's own axis::
-
-    model = TensorParallelModel(TransformerLM(...), Mesh(backend, {"dp": 2, "tp": 2}), plan="auto")
-    loss = model.cross_entropy(model(x), y)     # vocabulary-parallel: the logits stay split
-
-    model = PipelineParallelModel(net, Mesh(backend, {"pp": 2, "dp": 2}), schedule="1f1b", micro_batches=8)
-    loss = model.train_step((x, y), loss_fn)    # the batch's mean loss on every pipeline rank
+taken as a mesh of the class's own axis. Worked examples: docs/strategies.md, "Tensor parallelism" and
+"Pipeline parallelism".
 """
 
 from __future__ import annotations
