@@ -125,19 +125,16 @@ def infer_through_stages(
     """Inference through every stage without autograd: this rank runs its stages (``run_stage(h,
     s)``), activations go to the next stage's rank, and the last stage's output reaches every pp rank.
     Messages are cast to their spec dtype, so autocast on either side cannot mismatch them."""
-    n = len(specs)
+    n, me = len(specs), pp.rank
     out: torch.Tensor | None = None
     with torch.no_grad():
         h = x
-        for s in range(n):
-            owner = schedule.rank_of(s)
-            if owner != pp.rank:
-                continue
-            if s > 0 and schedule.rank_of(s - 1) != owner:
+        for s in schedule.stages_of(me):  # in stage order
+            if s > 0 and schedule.rank_of(s - 1) != me:
                 h = torch.empty(specs[s - 1].shape, dtype=specs[s - 1].dtype, device=pp.device)
                 pp.recv(h, schedule.rank_of(s - 1), tag=s)
             h = run_stage(h, s)
-            if s + 1 < n and schedule.rank_of(s + 1) != owner:
+            if s + 1 < n and schedule.rank_of(s + 1) != me:
                 pp.send(h.to(specs[s].dtype).contiguous(), schedule.rank_of(s + 1), tag=s + 1)
             if s + 1 == n:
                 out = h.to(specs[s].dtype)

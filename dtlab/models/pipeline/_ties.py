@@ -2,10 +2,8 @@
 kept tied as Megatron-LM keeps its embedding (docs/your_model.md, "Tied weights across stages"): every
 pipeline rank using it holds a copy, the copies start equal (a broadcast from the first of them over
 their *tie group*), and their gradients are summed over the tie group before the optimizer step, so
-identical updates keep them bitwise equal. The sum comes after the dp average where the strategy
-leaves whole, averaged gradients (DDP; ZeRO-1 all-reducing), and before the dp reduction otherwise
-(each dp rank keeps a slice, and the slices of the copies lie at different offsets). Checkpoints store
-a tied weight once, under its first name, with the others as aliases (``metadata["tied"]``).
+identical updates keep them bitwise equal (when the sum comes, before or after the dp reduction:
+:class:`~dtlab.models.compose._tied.TiedSync`).
 """
 
 from __future__ import annotations

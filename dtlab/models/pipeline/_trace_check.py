@@ -31,18 +31,20 @@ from dtlab.models.pipeline._trace import Slot, TracedStage, first_tensor
 __all__ = ["Trace", "output_tensor", "trace_split"]
 
 #: functions whose result depends on a tensor's shape, dtype or device only
-_SHAPE_ONLY: set[Any] = {
-    torch.empty_like,
-    torch.zeros_like,
-    torch.ones_like,
-    torch.full_like,
-    torch.Tensor.size,
-    torch.Tensor.dim,
-    torch.Tensor.new_empty,
-    torch.Tensor.new_zeros,
-    torch.Tensor.new_ones,
-    torch.Tensor.new_full,
-}
+_SHAPE_ONLY: frozenset[Any] = frozenset(
+    {
+        torch.empty_like,
+        torch.zeros_like,
+        torch.ones_like,
+        torch.full_like,
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.new_empty,
+        torch.Tensor.new_zeros,
+        torch.Tensor.new_ones,
+        torch.Tensor.new_full,
+    }
+)
 
 
 @dataclass
