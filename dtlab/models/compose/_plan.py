@@ -64,8 +64,8 @@ def plan_mesh(mesh: MeshLike | CommunicationBackend, plan: RunPlan) -> tuple[Mes
     resolved = plan.resolve(world.world_size)
     if not isinstance(mesh, MeshLike):
         return Mesh(world, resolved.mesh_shape), resolved
-    sizes = {a: mesh.size(a) for a in ("pp", "dp", "tp")}
-    if sizes != resolved.mesh_shape or any(mesh.size(a) > 1 for a in mesh.axis_names if a not in sizes):
+    # the resolved sizes fill the world, so a mesh with them has no other axis above 1
+    if {a: mesh.size(a) for a in resolved.mesh_shape} != resolved.mesh_shape:
         raise StrategyError(
             f"HybridShardedModel.from_plan: the mesh {mesh.shape} does not have the plan's sizes "
             f"{resolved.mesh_shape}; build Mesh(backend, plan.resolve(world_size).mesh_shape) or pass the "
