@@ -63,11 +63,6 @@ class ActivationMeter:
     def release(self, key: Key) -> None:
         self._held.pop(key, None)
 
-    def replace(self, key: Key, storages: dict[int, int]) -> None:
-        """After ``I``: ``key`` now holds only ``storages`` (what its ``W`` needs)."""
-        self._held[key] = {p: n for p, n in storages.items() if p not in self.excluded}
-        self.hold(key, [])
-
 
 @dataclass
 class StepResult:
@@ -144,10 +139,9 @@ class _Step:
             torch.autograd.backward(y, grad)
         if a.stage > 0:
             self.grads[(a.stage - 1, a.micro)] = x.grad if x.grad is not None else torch.zeros_like(x)
-        if a.kind is Kind.I:
-            self.meter.replace(key, self.deferred[key].held_storages())
-        else:
-            self.meter.release(key)
+        self.meter.release(key)
+        if a.kind is Kind.I:  # until its W, the key holds what the W needs
+            self.meter.hold(key, self.deferred[key].held_tensors())
 
 
 def _mean_loss(loss: object) -> torch.Tensor:

@@ -44,10 +44,9 @@ class WeightGradients:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self.deferred: list[Callable[[], None]] = []
 
-    def held_storages(self) -> dict[int, int]:
-        """Storages this work holds (data pointer -> bytes): the inputs and output-gradients kept."""
-        kept = [t.untyped_storage() for x, g, _, _ in self.pending for t in (x, g)]
-        return {st.data_ptr(): st.nbytes() for st in kept}
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors this work keeps until it runs: the inputs and output-gradients of its layers."""
+        return [t for x, g, _, _ in self.pending for t in (x, g)]
 
     def run(self) -> None:
         """Accumulate every kept weight-gradient into its parameter's ``.grad`` (in place)."""
