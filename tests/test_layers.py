@@ -133,6 +133,32 @@ def test_every_package_and_module_has_a_row() -> None:
     assert _packages() == set(ALLOWED), f"missing rows: {sorted(_packages() - set(ALLOWED))}"
 
 
+def _documented_table() -> dict[str, set[str]]:
+    """docs/architecture.md's import table: package -> the packages its row names (parentheses are
+    comments; "nothing from dtlab" names none)."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    start = text.index("| package | may import (besides itself) |")
+    rows: dict[str, set[str]] = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        packages, allowed = line.split("|")[1:3]
+        while re.search(r"\([^()]*\)", allowed):
+            allowed = re.sub(r"\([^()]*\)", "", allowed)
+        for package in re.findall(r"`([\w.]+)`", packages):
+            rows[package] = set(re.findall(r"`([\w.]+)`", allowed))
+    return rows
+
+
+def test_documented_import_table_is_the_enforced_one() -> None:
+    documented = _documented_table()
+    assert set(documented) == set(ALLOWED), f"rows differ: {sorted(set(documented) ^ set(ALLOWED))}"
+    wrong = {
+        p: sorted(documented[p] ^ (ALLOWED[p] - {p})) for p in ALLOWED if documented[p] != ALLOWED[p] - {p}
+    }
+    assert not wrong, f"docs/architecture.md's import table is not ALLOWED (the names in one only): {wrong}"
+
+
 def test_only_benchmarks_import_the_testing_helpers() -> None:
     """Production code runs without dtlab.testing (the in-memory engine is dtlab.backends.threads)."""
     bad = [
