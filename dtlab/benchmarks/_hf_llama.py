@@ -4,7 +4,11 @@ its token batch and its loss; the sizes come from a dict of the benchmark's argu
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
+    import torch
+    import transformers
 
 #: the argument names :func:`add_llama_args` adds (``--kv-heads`` as ``kv_heads``)
 LLAMA_KEYS = ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "batch", "seq")
@@ -22,7 +26,7 @@ def add_llama_args(parser: argparse.ArgumentParser, layers: int) -> None:
     parser.add_argument("--seq", type=int, default=128)
 
 
-def llama_config(args: dict[str, Any], **extra: Any) -> Any:
+def llama_config(args: dict[str, Any], **extra: Any) -> transformers.LlamaConfig:
     """A ``LlamaConfig`` of ``args``' sizes (``kv_heads``: ``heads`` when absent); ``extra``: more fields."""
     import transformers
 
@@ -38,7 +42,7 @@ def llama_config(args: dict[str, Any], **extra: Any) -> Any:
     return transformers.LlamaConfig(**(fields | extra))
 
 
-def llama(args: dict[str, Any], **extra: Any) -> Any:
+def llama(args: dict[str, Any], **extra: Any) -> transformers.LlamaForCausalLM:
     """The model, its values drawn from seed 0 (torch's global RNG forked: left as it was)."""
     import torch
     import transformers
@@ -48,7 +52,7 @@ def llama(args: dict[str, Any], **extra: Any) -> Any:
         return transformers.LlamaForCausalLM(llama_config(args, **extra))
 
 
-def token_batch(args: dict[str, Any]) -> tuple[Any, Any]:
+def token_batch(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """``args["batch"]`` sequences of ``args["seq"]`` tokens and their next tokens (seed 1)."""
     import torch
 
@@ -57,7 +61,7 @@ def token_batch(args: dict[str, Any]) -> tuple[Any, Any]:
     return seqs[:, :-1], seqs[:, 1:]
 
 
-def lm_loss(output: Any, y: Any) -> Any:
+def lm_loss(output: Any, y: torch.Tensor) -> torch.Tensor:  # output: a tensor, a model output, a tuple
     """Cross entropy of the logits (a tensor, an output's ``.logits`` or a traced stage's first output)."""
     import torch.nn.functional as F
 

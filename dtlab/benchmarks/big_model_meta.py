@@ -44,11 +44,12 @@ from dtlab.benchmarks._hf_llama import llama_config
 
 if TYPE_CHECKING:  # imported where used: the parent process never imports torch
     import torch
+    import transformers
 
     from dtlab.backends.base import CommunicationBackend
 
 
-def _config(args: dict[str, Any]) -> Any:
+def _config(args: dict[str, Any]) -> transformers.LlamaConfig:
     return llama_config(args, bos_token_id=0, eos_token_id=0)  # as many key/value heads as heads
 
 
