@@ -49,7 +49,7 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble",
 
 
 # ---------------------------------------------------------------------------------------------- bubble
-def _sleep_model(blocks: int, seconds: float) -> Any:
+def _sleep_model(blocks: int, seconds: float) -> torch.nn.Sequential:
     import torch
     from torch import nn
 
@@ -187,12 +187,12 @@ def run_bubble(ns: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- torch
-def _mlp(layers: int, width: int) -> Any:
+def _mlp(layers: int, width: int) -> torch.nn.Sequential:
     import torch
     from torch import nn
 
     gen = torch.Generator().manual_seed(0)
-    mods: list[Any] = []
+    mods: list[nn.Module] = []
     for _ in range(layers):
         lin = nn.Linear(width, width)
         with torch.no_grad():

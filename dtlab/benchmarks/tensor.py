@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # imported where used: the command line parses its arguments 
     from dtlab.backends.base import CommunicationBackend
 
 
-def _model(args: dict[str, Any]) -> Any:
+def _model(args: dict[str, Any]) -> Any:  # Any: _torch_step edits its blocks' attributes
     import torch
 
     from dtlab.trainers.models import TransformerLM
