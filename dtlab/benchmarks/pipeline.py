@@ -290,6 +290,9 @@ def torch_world(backend: CommunicationBackend, args: dict[str, Any]) -> list[dic
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """Lower quartile, median, upper quartile (one value: itself three times, as a single round gives)."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
     q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
     return q1, q2, q3
 
