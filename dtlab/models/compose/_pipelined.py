@@ -55,6 +55,8 @@ class PipelineRun:
         self.micro_batches = layout.micro_batches
         #: the last step's compute intervals and activation peak (None before the first step)
         self.last: StepResult | None = None
+        #: the exception a step's schedule raised on this rank (None: none since the last zero_grad())
+        self.failed: str | None = None
         self._specs: dict[TensorSpec, list[TensorSpec]] = {}
         self._traces: dict[TensorSpec, Trace] = {}
 
@@ -102,6 +104,32 @@ class PipelineRun:
 
         return infer_through_stages(x, run, specs, self.schedule, self.pp)
 
+    def _check_not_failed(self) -> None:
+        """Refuse a step after one whose schedule raised (a forward, loss or backward of a micro-batch):
+        with one stage per rank after ``zero_grad()`` (the micro-batches before it left gradients);
+        across pipeline ranks always, the stages no longer agree on the next message."""
+        if self.failed is None:
+            return
+        if self.pp.world_size == 1:
+            raise StrategyError(
+                f"train_step: the last step raised inside its pipeline schedule ({self.failed}), after the "
+                "micro-batches before it accumulated their gradients; call opt.zero_grad() on every rank "
+                "to skip that batch, then go on"
+            )
+        raise StrategyError(
+            f"train_step: an earlier step raised inside the pipeline schedule on this rank ({self.failed}). "
+            "The other pipeline ranks were left waiting for its activations or gradients (or it for "
+            "theirs), so the stages no longer agree on the next message and the pipeline cannot go on: "
+            "restart from the last checkpoint. To skip a bad batch under a pipeline, let train_step finish "
+            "on every rank and decide together after it: if not opt.grads_are_finite() (or not "
+            "opt.agree(your_check)), call opt.zero_grad() instead of opt.step()"
+        )
+
+    def zero_grad(self) -> None:
+        """``opt.zero_grad()``: with one stage per rank, a step whose schedule raised is skipped."""
+        if self.pp.world_size == 1:
+            self.failed = None
+
     def check_batch(self, who: str, inputs: Any, targets: Any) -> None:
         m = self.micro_batches
         for what, t in (("inputs", inputs), ("targets", targets)):
@@ -119,6 +147,7 @@ class PipelineRun:
         """The schedule on ``(inputs, targets)`` (checked by :meth:`check_batch`), then, unless inside
         ``no_sync()``, the tied weights' sum and the dp reduction; the batch's mean loss on every
         pipeline rank."""
+        self._check_not_failed()
         micro_in, micro_tg = inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)
         specs = self.specs_for(micro_in[0])
         pp, plan, dp = self.pp, self.schedule, self.dp
@@ -131,17 +160,21 @@ class PipelineRun:
         with dp.keep_gathered():  # ZeRO-3/FSDP: each unit gathered once per step
             excluded = {t.untyped_storage().data_ptr() for t in [*dp.module.parameters(), inputs, targets]}
             with dp.no_sync():
-                result = run_schedule(
-                    plan,
-                    pp.rank,
-                    calls,
-                    links,
-                    micro_in,
-                    micro_tg,
-                    loss_fn,
-                    excluded,
-                    checkpointing=self.checkpointing,
-                )
+                try:
+                    result = run_schedule(
+                        plan,
+                        pp.rank,
+                        calls,
+                        links,
+                        micro_in,
+                        micro_tg,
+                        loss_fn,
+                        excluded,
+                        checkpointing=self.checkpointing,
+                    )
+                except BaseException as exc:
+                    self.failed = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    raise
             self.last = result
             if sync:
                 self.tied.before_reduce()

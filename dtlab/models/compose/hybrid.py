@@ -301,6 +301,8 @@ class HybridShardedModel(OptimizerTarget):
 
     def zero_grad_buffers(self) -> None:
         self.dp_strategy.zero_grad_buffers()
+        if self._pipe is not None:
+            self._pipe.zero_grad()
 
     def scale_grads_(self, factor: float) -> None:
         self.dp_strategy.scale_grads_(factor)
