@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from dtlab.advise.activations import Held, stage_activations
 from dtlab.advise.layout import Tensor
 from dtlab.advise.spec import Candidate, ModelSpec
+from dtlab.models.pipeline._schedules import compute_order
 from dtlab.models.pipeline._split import balanced_split
 
 __all__ = ["StageShape", "activation_peak", "pipeline_ops", "split_stages"]
@@ -84,34 +85,9 @@ def _held(spec: ModelSpec, stage: StageShape, sequences: int, c: Candidate, e: i
 
 
 def _order(c: Candidate, rank: int) -> list[tuple[str, int, int]]:
-    """This rank's compute order ``(kind, chunk, micro)``, as ``build_schedule(...).compute(rank)``."""
-    p, m, v, r = c.pp, c.micro_batches, c.stages_per_rank, rank
-    if c.schedule == "gpipe":
-        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
-    if c.schedule == "interleaved_1f1b":
-        total = m * v
-        warm = min(2 * (p - r - 1) + (v - 1) * p, total)
-
-        def micro(k: int) -> int:
-            return (k // (p * v)) * p + k % p
-
-        fwd = [("F", (k // p) % v, micro(k)) for k in range(total)]
-        bwd = [("B", v - 1 - (k // p) % v, micro(k)) for k in range(total)]
-        ops = fwd[:warm]
-        for j in range(total - warm):
-            ops += [fwd[warm + j], bwd[j]]
-        return ops + bwd[total - warm :]
-    warm = min(p - r, m)
-    ops = [("F", 0, i) for i in range(warm)]
-    zero_bubble, next_w = c.schedule == "zero_bubble", 0
-    for b in range(m):
-        ops.append(("I" if zero_bubble else "B", 0, b))
-        if warm + b < m:
-            ops.append(("F", 0, warm + b))
-        if zero_bubble and b >= r:
-            ops.append(("W", 0, next_w))
-            next_w += 1
-    return ops + [("W", 0, i) for i in range(next_w, m)] if zero_bubble else ops
+    """This rank's compute order ``(kind, chunk, micro)``: the schedule's own generator, unchecked."""
+    ops = compute_order(c.schedule, c.pp, c.micro_batches, c.stages_per_rank, rank)
+    return [(a.kind.value, a.stage // c.pp, a.micro) for a in ops]
 
 
 def _steady(c: Candidate) -> Candidate:

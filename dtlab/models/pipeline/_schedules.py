@@ -22,7 +22,16 @@ from dataclasses import dataclass, field
 from dtlab.core.plan import check_schedule_args
 from dtlab.errors import StrategyError
 
-__all__ = ["Action", "Kind", "PipelineSchedule", "Timeline", "build_schedule", "dry_run", "simulate"]
+__all__ = [
+    "Action",
+    "Kind",
+    "PipelineSchedule",
+    "Timeline",
+    "build_schedule",
+    "compute_order",
+    "dry_run",
+    "simulate",
+]
 
 
 class Kind(enum.Enum):
@@ -165,17 +174,19 @@ def _with_communication(compute: list[Action], p: int, num_stages: int, r: int) 
     return tuple(out)
 
 
+def compute_order(name: str, p: int, m: int, v: int, r: int) -> list[Action]:
+    """Rank ``r``'s computations (no sends or receives) in schedule ``name``, unchecked: what
+    ``build_schedule(name, p, m, v).compute(r)`` holds once ``(p, m, v)`` passed its checks."""
+    if name == "interleaved_1f1b":
+        return _interleaved(p, m, v, r)
+    return _one_f_one_b(m, r, m if name == "gpipe" else min(p - r, m), name == "zero_bubble")
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
     """The schedule ``name`` for ``p`` ranks, ``m`` micro-batches and ``v`` stages per rank, dry-run
     (``(p, m, v)`` checked first by :func:`~dtlab.core.plan.check_schedule_args`)."""
     check_schedule_args(name, p, m, v)
-    per_rank = []
-    for r in range(p):
-        if name == "interleaved_1f1b":
-            compute = _interleaved(p, m, v, r)
-        else:
-            compute = _one_f_one_b(m, r, m if name == "gpipe" else min(p - r, m), name == "zero_bubble")
-        per_rank.append(_with_communication(compute, p, p * v, r))
+    per_rank = [_with_communication(compute_order(name, p, m, v, r), p, p * v, r) for r in range(p)]
     schedule = PipelineSchedule(name, p, m, v, tuple(per_rank))
     dry_run(schedule)
     return schedule
