@@ -191,25 +191,31 @@ class ShardedModel(DataParallelModel):
 
     def _end_backward(self) -> None:
         try:
-            if self._sync:
-                missing = [
-                    self._name_of[id(q)]
-                    for st in self._units
-                    for q in st.unit.params
-                    if id(q) not in st.ready
-                ]
-                if missing and not self.find_unused_parameters:
-                    raise self._unused_error(missing)
-                for st in self._units:  # deferred (find_unused) or incomplete: fixed unit order
-                    if not st.reduced:
-                        self._reduce(st)
-                self._finish_reductions()
-                self._grads_synced = True
+            super()._end_backward()
+        finally:
+            self._free_all()
+
+    def _flush(self, fill_missing: bool) -> None:
+        missing = [
+            self._name_of[id(q)] for st in self._units for q in st.unit.params if id(q) not in st.ready
+        ]
+        try:
+            if missing and not fill_missing:
+                raise self._unused_error(missing)
+            for st in self._units:  # deferred (find_unused), incomplete or accumulated: fixed unit order
+                if not st.reduced:
+                    self._reduce(st)
+            self._finish_reductions()
+            self._grads_synced = True
         finally:
             self._pending = []
-            self._free_all()
-        if self._sync:  # reached only when the reduction above completed
-            self._guard_grads()
+            for st in self._units:
+                st.reduced = False
+
+    def _after_synchronized(self) -> None:
+        """After the units are freed (a parameter has its logical shape again): guard ``param.grad``."""
+        self._guard_grads()
+        super()._after_synchronized()
 
     def _abandon_backward(self) -> None:
         try:
@@ -228,22 +234,6 @@ class ShardedModel(DataParallelModel):
         self._at_rest.set_busy(False)
 
     # ------------------------------------------------------------------ composition
-    def reduce_accumulated_grads(self) -> None:
-        """Every unit's accumulated gradient reduce-scattered into its shard now."""
-        self.check_backward_finished("reduce_accumulated_grads()")
-        self._reducer.start_step()
-        try:
-            for st in self._units:
-                self._reduce(st)
-            self._finish_reductions()
-        finally:
-            self._pending = []
-            for st in self._units:
-                st.reduced = False
-        self._grads_synced = True
-        self._guard_grads()
-        self._after_synchronized()
-
     @contextlib.contextmanager
     def keep_gathered(self) -> Iterator[None]:
         """Every unit gathered once for the block and kept for all its forwards and backwards (a

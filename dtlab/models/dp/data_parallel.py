@@ -209,6 +209,7 @@ class DataParallelModel(OptimizerTarget):
             self._after_synchronized()
 
     def _after_synchronized(self) -> None:
+        """The gradients are synchronized (ZeRO-1/2/3 and FSDP guard their shards first)."""
         for fn in self._post_sync:
             fn()
 
@@ -272,8 +273,17 @@ class DataParallelModel(OptimizerTarget):
 
     def reduce_accumulated_grads(self) -> None:
         """Average now, over the dp group through the reducer, the gradients accumulated by backward
-        passes inside ``no_sync()`` (a pipeline schedule's), as a synchronized backward would."""
-        raise NotImplementedError
+        passes inside ``no_sync()`` (a pipeline schedule's), as a synchronized backward would (inside
+        ``no_sync()`` too: the call asks for it)."""
+        self._owner.check("reduce_accumulated_grads()")
+        self.check_backward_finished("reduce_accumulated_grads()")
+        prev, self._sync = self._sync, True
+        try:
+            self._reducer.start_step()
+            self._flush(fill_missing=True)
+        finally:
+            self._sync = prev
+        self._after_synchronized()
 
     @contextlib.contextmanager
     def keep_gathered(self) -> Iterator[None]:
@@ -295,6 +305,13 @@ class DataParallelModel(OptimizerTarget):
         return []
 
     def _end_backward(self) -> None:
+        if self._sync:
+            self._flush(fill_missing=self.find_unused_parameters)
+
+    def _flush(self, fill_missing: bool) -> None:
+        """Reduce every gradient not reduced yet and wait for all. A parameter that got no gradient is
+        reduced with what it holds if ``fill_missing`` (zeros, or what ``no_sync()`` kept), else it
+        is an error."""
         raise NotImplementedError
 
     def _guard_grads(self) -> None:

@@ -109,9 +109,6 @@ class DDPModel(DataParallelModel):
             self._point_grads()
         super()._release_guards()
 
-    def _after_sync(self) -> None:
-        """A synchronized backward completed (ZeRO-1 and ZeRO-2 guard their sharded gradients)."""
-
     def _point_grads(self) -> None:
         """Make every ``param.grad`` a view of its bucket's gradient buffer (again)."""
         for unit, buf in zip(self._units, self._grad_bufs, strict=True):
@@ -152,14 +149,9 @@ class DDPModel(DataParallelModel):
     def _complete(self, i: int, extra: Any) -> None:
         """Called after bucket ``i``'s reduction finished (ZeRO-2 keeps its shard here)."""
 
-    def _end_backward(self) -> None:
-        if self._sync:
-            self._flush(fill_missing=self.find_unused_parameters)
-
     def _flush(self, fill_missing: bool) -> None:
-        """Launch the buckets not launched yet and wait for all. A parameter that got no gradient is
-        reduced with what its buffer holds if ``fill_missing`` (zeros, or what ``no_sync()`` kept), else
-        it is an error."""
+        """Launch the buckets not launched yet and wait for all (a parameter that got no gradient: what
+        its buffer holds if ``fill_missing``)."""
         missing = [(i, q) for i, u in enumerate(self._units) for q in u.params if id(q) not in self._ready[i]]
         try:
             if missing and not fill_missing:
@@ -172,7 +164,6 @@ class DDPModel(DataParallelModel):
                 work.wait()
                 self._complete(i, extra)
             self._grads_synced = True
-            self._after_sync()
         finally:
             self._works = []
             self._ready = [set() for _ in self._units]
@@ -188,18 +179,6 @@ class DDPModel(DataParallelModel):
             self._next_launch = 0
 
     # ------------------------------------------------------------------ composition
-    def reduce_accumulated_grads(self) -> None:
-        """Every bucket through the reducer now (inside ``no_sync()`` too: the call asks for it)."""
-        self._owner.check("reduce_accumulated_grads()")
-        self.check_backward_finished("reduce_accumulated_grads()")
-        prev, self._sync = self._sync, True
-        try:
-            self._reducer.start_step()
-            self._flush(fill_missing=True)
-        finally:
-            self._sync = prev
-        self._after_synchronized()
-
     def whole_grads(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, gradient)`` of every trainable parameter as views of the gradient buckets, whatever
         ``param.grad`` shows (after a reduce-scatter: a stand-in refusing partial use)."""

@@ -115,9 +115,10 @@ class ZeRO1Model(DDPModel):
         self._units[i].own_shard(buf).copy_(extra)
         self._grad_state = "averaged"
 
-    def _after_sync(self) -> None:
+    def _after_synchronized(self) -> None:
         if self.gradient_sync == "reduce_scatter":  # param.grad holds only this rank's slice
             self._guard_grads()
+        super()._after_synchronized()
 
     def reduce_accumulated_grads(self) -> None:
         if self._grad_state == "rescaled":  # kept gradients (x P), summed anew with the new ones

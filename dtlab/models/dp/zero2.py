@@ -68,8 +68,9 @@ class ZeRO2Model(DDPModel):
         self._synced_grads[i].add_(extra)
         del self._transient[i]
 
-    def _after_sync(self) -> None:
+    def _after_synchronized(self) -> None:
         self._guard_grads()
+        super()._after_synchronized()
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
         return self._synced_grads[self._bucket(unit)]
