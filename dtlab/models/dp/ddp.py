@@ -165,18 +165,20 @@ class DDPModel(DataParallelModel):
                 self._complete(i, extra)
             self._grads_synced = True
         finally:
-            self._works = []
-            self._ready = [set() for _ in self._units]
-            self._next_launch = 0
+            self._end_step()
 
     def _abandon_backward(self) -> None:
         try:
             for _, work, _ in self._works:
                 work.wait()  # nothing writes into a bucket once zero_grad() cleared it
         finally:
-            self._works = []
-            self._ready = [set() for _ in self._units]
-            self._next_launch = 0
+            self._end_step()
+
+    def _end_step(self) -> None:
+        """A reduction ended, completed or not: no bucket is ready or launched (ZeRO-2: nor filled)."""
+        self._works = []
+        self._ready = [set() for _ in self._units]
+        self._next_launch = 0
 
     # ------------------------------------------------------------------ composition
     def whole_grads(self) -> list[tuple[str, torch.Tensor]]:

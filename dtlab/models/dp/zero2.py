@@ -48,17 +48,9 @@ class ZeRO2Model(DDPModel):
             self._transient[i][s.offset : s.offset + s.numel].copy_(param.grad.reshape(-1))
             param.grad = None
 
-    def _flush(self, fill_missing: bool) -> None:
-        try:
-            super()._flush(fill_missing)
-        finally:  # after an error mid-flush: no half-filled bucket is reused by a later reduction
-            self._transient.clear()
-
-    def _abandon_backward(self) -> None:
-        try:
-            super()._abandon_backward()
-        finally:
-            self._transient.clear()
+    def _end_step(self) -> None:
+        super()._end_step()
+        self._transient.clear()  # also after an error: no half-filled bucket is reused by a later reduction
 
     def _launch(self, i: int) -> tuple[Work, Any]:
         out = torch.empty_like(self._synced_grads[i])
