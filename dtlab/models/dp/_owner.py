@@ -1,4 +1,5 @@
-"""Which data-parallel wrapper owns a module's parameters: the newest one, as torch users expect.
+"""Which modules a data-parallel wrapper takes (:func:`check_module`), and which wrapper owns a module's
+parameters: the newest one, as torch users expect.
 
 Each parameter carries a weak reference to the :class:`Ownership` of the wrapper that hooked it. A new
 wrapper of the same parameters takes them over: the old wrapper's gradient hooks are removed (so each
@@ -15,12 +16,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Ownership"]
+__all__ = ["Ownership", "check_module"]
 
 #: the attribute of a parameter holding the :class:`_Mark` of the wrapper that hooked it
 _MARK = "_dtlab_owner"
@@ -103,3 +105,48 @@ class Ownership:
                 f"{self.replaced_by} took its parameters over, and it alone reduces their gradients now), "
                 f"so it refuses {what}; use the new one (and an optimizer built on it)"
             )
+
+
+def check_module(
+    module: nn.Module, backend: CommunicationBackend, who: str
+) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s trainable parameters; refuses a module the data-parallel wrapper ``who`` cannot take."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{who} wraps a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(backend, CommunicationBackend):
+        raise TypeError(f"{who} needs a dtlab CommunicationBackend, got {type(backend).__name__}")
+    named = list(module.named_parameters())
+    if not named:
+        raise StrategyError(
+            f"{who}: the module {type(module).__name__} has no parameters, so there is nothing to train "
+            "or synchronize; wrap a module that has parameters"
+        )
+    devices: dict[str, list[str]] = {}
+    for n, p in named:
+        devices.setdefault(str(p.device), []).append(n)
+    if len(devices) > 1:
+        listing = "; ".join(f"{d}: {names[:3]}" for d, names in devices.items())
+        raise StrategyError(
+            f"{who}: parameters are on mixed devices ({listing}); move the whole module to one device "
+            f"with module.to({str(backend.device)!r}) before wrapping it"
+        )
+    device = named[0][1].device
+    if device.type == "meta":
+        raise StrategyError(
+            f"{who}: the parameters of {type(module).__name__} are on the meta device; {who} keeps the "
+            "whole model on every rank, so build the module plainly (under dtlab.core.seeded_init(seed)), "
+            "or wrap it in ZeRO3Model/FSDPModel with init_seed=<int> (each rank initializes its shards; "
+            "TensorParallelModel, PipelineParallelModel and HybridShardedModel take init_seed too)"
+        )
+    if device.type != backend.device.type:
+        raise StrategyError(
+            f"{who}: parameters are on {device} but the backend {backend.name} works on {backend.device}; "
+            f"call module.to({str(backend.device)!r}) before wrapping it"
+        )
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise StrategyError(
+            f"{who}: every parameter of {type(module).__name__} has requires_grad=False; there are no "
+            "gradients to synchronize (unfreeze some parameters or do not wrap the module)"
+        )
+    return trainable

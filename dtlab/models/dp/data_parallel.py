@@ -20,7 +20,7 @@ from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message
-from dtlab.models.dp._owner import Ownership
+from dtlab.models.dp._owner import Ownership, check_module
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 
 if TYPE_CHECKING:
@@ -49,50 +49,6 @@ def tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None or isinstance(t, ShardedGradient) else t.numel() * t.element_size()
 
 
-def _check_module(
-    module: nn.Module, backend: CommunicationBackend, who: str
-) -> list[tuple[str, nn.Parameter]]:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{who} wraps a torch.nn.Module, got {type(module).__name__}")
-    if not isinstance(backend, CommunicationBackend):
-        raise TypeError(f"{who} needs a dtlab CommunicationBackend, got {type(backend).__name__}")
-    named = list(module.named_parameters())
-    if not named:
-        raise StrategyError(
-            f"{who}: the module {type(module).__name__} has no parameters, so there is nothing to train "
-            "or synchronize; wrap a module that has parameters"
-        )
-    devices: dict[str, list[str]] = {}
-    for n, p in named:
-        devices.setdefault(str(p.device), []).append(n)
-    if len(devices) > 1:
-        listing = "; ".join(f"{d}: {names[:3]}" for d, names in devices.items())
-        raise StrategyError(
-            f"{who}: parameters are on mixed devices ({listing}); move the whole module to one device "
-            f"with module.to({str(backend.device)!r}) before wrapping it"
-        )
-    device = named[0][1].device
-    if device.type == "meta":
-        raise StrategyError(
-            f"{who}: the parameters of {type(module).__name__} are on the meta device; {who} keeps the "
-            "whole model on every rank, so build the module plainly (under dtlab.core.seeded_init(seed)), "
-            "or wrap it in ZeRO3Model/FSDPModel with init_seed=<int> (each rank initializes its shards; "
-            "TensorParallelModel, PipelineParallelModel and HybridShardedModel take init_seed too)"
-        )
-    if device.type != backend.device.type:
-        raise StrategyError(
-            f"{who}: parameters are on {device} but the backend {backend.name} works on {backend.device}; "
-            f"call module.to({str(backend.device)!r}) before wrapping it"
-        )
-    trainable = [(n, p) for n, p in named if p.requires_grad]
-    if not trainable:
-        raise StrategyError(
-            f"{who}: every parameter of {type(module).__name__} has requires_grad=False; there are no "
-            "gradients to synchronize (unfreeze some parameters or do not wrap the module)"
-        )
-    return trainable
-
-
 class DataParallelModel(OptimizerTarget):
     """Base of the five data-parallel model strategies (see DDPModel and friends for the options)."""
 
@@ -107,7 +63,7 @@ class DataParallelModel(OptimizerTarget):
         world: CommunicationBackend | None = None,
     ) -> None:
         super().__init__(module, backend, world=world)
-        self._trainable = _check_module(module, backend, type(self).__name__)
+        self._trainable = check_module(module, backend, type(self).__name__)
         if reduce_dtype is not None and not (
             isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
         ):
