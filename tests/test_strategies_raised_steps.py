@@ -7,6 +7,7 @@ ZeRO-3/FSDP free the units the raised step gathered (counted in bytes, exactly).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,9 @@ from test_tensor_helpers import max_rel_error as lm_rel_error
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.compression import TopkA
 from dtlab.errors import CollectiveTimeoutError, StrategyError
+from dtlab.optimizers import GradientCompressionOptimizer
 from dtlab.testing import run_world
 
 STEPS, BAD, BATCH = 4, 1, 4
@@ -158,6 +161,100 @@ def test_a_caught_exception_skips_the_batch_like_plain_training(name: str, case:
                 if case != "backward_function" and case != "backward_hook":
                     assert res["parameters_after_raise"] == rest, (case, res["parameters_after_raise"], rest)
                 assert res["parameters_recovered"] == rest, (case, res["parameters_recovered"], rest)
+
+
+def _accumulating(backend: CommunicationBackend, name: str) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Gradient accumulation: the second micro-batch's backward raises partway inside ``no_sync()``;
+    refused until zero_grad(), then two steps of two micro-batches (one in no_sync(), one synchronized)."""
+    x, y = make_data(STEPS, BATCH)
+    module = make_module()
+    trap = Trap()
+    module[1].register_forward_hook(trap.after_block)
+    model = wrap(name, module, backend, **_options(name))
+    opt = optimizer_for(name, model, "sgd")
+    r = backend.rank
+    loss = nn.functional.mse_loss
+    with model.no_sync():
+        loss(model(x[0, 2 * r : 2 * r + 1]), y[0, 2 * r : 2 * r + 1]).backward()
+        trap.case = "backward_function"
+        with pytest.raises(BadBatch):
+            loss(model(x[0, 2 * r + 1 : 2 * r + 2]), y[0, 2 * r + 1 : 2 * r + 2]).backward()
+        trap.case = None
+    refused = []
+    try:
+        model(x[0, :1])
+    except StrategyError as exc:
+        refused.append(str(exc))
+    opt.zero_grad()
+    for step in (1, 2):
+        for m in (0, 1):
+            rows = slice(2 * r + m, 2 * r + m + 1)
+            with model.no_sync() if m == 0 else contextlib.nullcontext():
+                loss(model(x[step, rows]), y[step, rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    return refused, model.full_state_dict()
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_backward_raising_inside_no_sync_is_refused_until_zero_grad(name: str) -> None:
+    x, y = make_data(STEPS, BATCH)
+    module = make_module()
+    ocls, kw = OPTIMIZERS["sgd"]
+    opt = ocls(module.parameters(), **kw)
+    for step in (1, 2):
+        for m in (0, 1):  # each micro-batch: one row of each rank's two, averaged over the ranks
+            nn.functional.mse_loss(module(x[step, [m, 2 + m]]), y[step, [m, 2 + m]]).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for rank, (refused, state) in enumerate(run_world(2, _accumulating, name, timeout=30)):
+        assert len(refused) == 1 and "opt.zero_grad()" in refused[0], refused
+        err = max_rel_error(state, ref)
+        assert err <= 1e-5, f"{name} rank {rank}: off by {err:.3g}"
+
+
+def _compressed(backend: CommunicationBackend, name: str, where: str) -> dict[str, Any]:
+    """Under gradient compression with error feedback, the buffers a raised backward already reduced
+    changed their residuals: refused (naming clear_state() and the checkpoint) until clear_state(); a
+    backward raising before any buffer was reduced (in the last layer) changes nothing and needs only
+    zero_grad(). ``where``: the Block (after the last layer's bucket/unit was reduced) or the last layer."""
+    x, y = make_data(STEPS, BATCH)
+    module = make_module()
+    trap = Trap()
+    module[1 if where == "block" else 3].register_forward_hook(trap.after_block)
+    model = wrap(name, module, backend, **_options(name))
+    opt = GradientCompressionOptimizer(optimizer_for(name, model, "sgd"), TopkA(density=0.3), dense_below=0)
+    mine = slice(2 * backend.rank, 2 * backend.rank + 2)
+    seen = []
+    for step in range(STEPS):
+        trap.case = "backward_function" if step == BAD else None
+        try:
+            nn.functional.mse_loss(model(x[step, mine]), y[step, mine]).backward()
+        except BadBatch:
+            trap.case = None
+            opt.zero_grad()
+            try:  # the next reduction is refused, and every later one until clear_state()
+                for _ in range(2):
+                    nn.functional.mse_loss(model(x[step, mine]), y[step, mine]).backward()
+                    opt.zero_grad()
+            except StrategyError as exc:
+                seen.append(str(exc))
+            model.gradient_reducer.clear_state()
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+    return {"seen": seen, "finite": all(bool(v.isfinite().all()) for v in model.full_state_dict().values())}
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp"])
+def test_a_raised_backward_under_compression_is_refused_until_the_reducer_state_is_cleared(name: str) -> None:
+    for res in run_world(2, _compressed, name, "block", timeout=30):
+        assert len(res["seen"]) == 1 and res["finite"], res["seen"]
+        assert all("clear_state()" in m and "checkpoint" in m for m in res["seen"]), res["seen"]
+    for res in run_world(2, _compressed, name, "last_layer", timeout=30):
+        assert res["seen"] == [] and res["finite"]
 
 
 # ---------------------------------------------------------------------------- the composed model

@@ -47,7 +47,7 @@ from dtlab.compression.finite import ExchangeSkipped, FiniteCheck
 from dtlab.compression.state_io import decode_state, encode_state
 from dtlab.compression.stats import StepStatistics
 from dtlab.core.reducer import DenseReducer, GradientReducer
-from dtlab.errors import CheckpointError, ConfigError, DtlabError
+from dtlab.errors import CheckpointError, ConfigError, DtlabError, StrategyError
 
 __all__ = ["CompressedReducer"]
 
@@ -92,6 +92,8 @@ class CompressedReducer(GradientReducer):
         self._steps: dict[str, int] = {}
         self._numels: dict[str, int] = {}  # compressed buffers seen (or restored) and their sizes
         self._restored: dict[str, dict[str, Any]] = {}  # loaded compressor state, applied on first use
+        self._touched: list[str] = []  # buffers whose state the calls since start_step() changed
+        self._discarded: list[str] = []  # the touched buffers of a backward that raised (see discard_step)
         self._stats = StepStatistics(
             compressor.name, compressor.reduce_scatter_variant, compressor.warmup_steps
         )
@@ -106,12 +108,32 @@ class CompressedReducer(GradientReducer):
         return self._run(key, grad, shard)
 
     def start_step(self) -> None:
+        self._touched = []
         self._stats = StepStatistics(
             self.compressor.name, self.compressor.reduce_scatter_variant, self.compressor.warmup_steps
         )
 
     def step_statistics(self) -> dict[str, Any]:
         return self._stats.as_dict()
+
+    def discard_step(self) -> None:
+        """The backward since :meth:`start_step` raised partway: the buffers it already reduced changed
+        their residuals (velocities) and iteration counts, which would carry part of the skipped batch
+        into later steps, so every later call is refused until :meth:`clear_state` or
+        :meth:`load_state_dict`. Nothing changed if it raised before any buffer was reduced."""
+        if self._touched:
+            self._discarded, self._touched = self._touched, []
+
+    def _refuse_discarded(self) -> None:
+        if self._discarded:
+            raise StrategyError(
+                f"compressed reducer on rank {self.backend.rank}: a synchronized backward raised partway "
+                f"after buffer(s) {self._discarded[:5]} went through {self.compressor.name}, changing their "
+                "error-feedback residuals and iteration counts, so going on would carry part of the skipped "
+                "batch into later steps. Restore the last checkpoint (it holds this reducer's state), or "
+                "call model.gradient_reducer.clear_state() on every rank to restart error feedback from "
+                "zero, then opt.zero_grad() and go on"
+            )
 
     def iteration(self, key: str) -> int:
         """How many times buffer ``key`` has been reduced (warm-up included)."""
@@ -174,6 +196,7 @@ class CompressedReducer(GradientReducer):
         self._steps.clear()
         self._numels.clear()
         self._restored.clear()
+        self._discarded = []
 
     def _check_size(self, key: str, n: int) -> None:
         expected = self._numels.setdefault(key, n)
@@ -219,10 +242,13 @@ class CompressedReducer(GradientReducer):
         return (p - 1) * n // p if shard is not None else 2 * (p - 1) * n // p
 
     def _run(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None) -> Work:
+        self._refuse_discarded()
         stats, t0 = self.backend.stats, time.perf_counter()
         sent0, recv0 = stats.bytes_sent, stats.bytes_received
         n = grad.numel()
         if isinstance(self.compressor, Dense) or n < self.dense_below:
+            if self.momentum_correction is not None:
+                self._touched.append(key)
             self.error_feedback.momentum_step(key, grad)
             work = (
                 self._dense.all_reduce(key, grad)
@@ -260,6 +286,7 @@ class CompressedReducer(GradientReducer):
             self.error_feedback.discard(key, acc)
             (grad if shard is None else shard).fill_(float("nan"))
             return CompletedWork()
+        self._touched.append(key)  # the exchange ran: the residual and iteration count change below
         if not check.decided:
             raise DtlabError(
                 f"{type(compressor).__name__}.checked_exchange returned without deciding the non-finite "

@@ -48,6 +48,11 @@ class GradientReducer(ABC):
     def start_step(self) -> None:  # noqa: B027 - optional hook
         """Called by the strategy before the first gradient of a step is reduced."""
 
+    def discard_step(self) -> None:  # noqa: B027 - optional hook
+        """Called by the strategy when the synchronized backward that called :meth:`start_step` raised
+        partway (its gradients are dropped): a reducer keeping state across steps undoes what that
+        backward's calls changed, or refuses its later calls, naming the fix."""
+
 
 class DenseReducer(GradientReducer):
     """Uncompressed reduction; ``reduce_dtype`` (e.g. ``torch.float32`` for bf16 parameters) sets the

@@ -83,6 +83,7 @@ class DataParallelModel(OptimizerTarget):
         self._in_backward = False
         #: a backward pass raised after some gradient hooks ran: the gradients are partial until zero_grad()
         self._raised_backward = False
+        self._backward_synced = False  # whether the last backward started synchronized
         self._grads_synced = False
         self._optimizer_ref: AttachedOptimizer | None = None
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
@@ -151,6 +152,7 @@ class DataParallelModel(OptimizerTarget):
         if self._in_backward:
             return
         self._in_backward = True
+        self._backward_synced = self._sync
         if self._sync:  # a no_sync() backward reduces nothing: not a step for the reducer
             self._reducer.start_step()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_guarded)  # noqa: SLF001 - torch's way to run after the whole backward (as torch DDP does)
@@ -196,6 +198,8 @@ class DataParallelModel(OptimizerTarget):
             self._in_backward = False
             self._raised_backward = True
             self._abandon_backward()
+            if self._backward_synced:  # a reducer keeping state across steps undoes that step or refuses
+                self._reducer.discard_step()
         if self._raised_backward and refused is not None:
             raise StrategyError(
                 f"{type(self).__name__} on rank {self.dp_backend.rank}: a backward pass raised partway (an "
