@@ -163,6 +163,40 @@ def test_a_caught_exception_skips_the_batch_like_plain_training(name: str, case:
                 assert res["parameters_recovered"] == rest, (case, res["parameters_recovered"], rest)
 
 
+def _kept_for_backward(backend: CommunicationBackend) -> dict[str, int]:
+    """FSDP with reshard_after_forward=False keeps each unit gathered from its forward to its backward:
+    when the loss raises in between, the next forward reuses them (no extra gather) and zero_grad()
+    frees them; zero_grad() between a forward and its backward only costs a re-gather."""
+    x, y = make_data(STEPS, BATCH)
+    model = wrap("fsdp", make_module(), backend, reshard_after_forward=False)
+    opt = optimizer_for("fsdp", model, "sgd")
+    out = {"rest": _at_rest_bytes(model)}
+    loss = nn.functional.mse_loss
+    model(x[0, :2])  # the loss raised: no backward
+    out["after_raise"] = model.memory_report()["parameters"]
+    before = backend.stats["all_gather"].calls
+    loss(model(x[1, :2]), y[1, :2]).backward()
+    out["gathers_reusing"] = backend.stats["all_gather"].calls - before
+    opt.step()
+    opt.zero_grad()
+    before = backend.stats["all_gather"].calls
+    loss(model(x[1, :2]), y[1, :2]).backward()
+    out["gathers_normal"] = backend.stats["all_gather"].calls - before
+    opt.zero_grad()
+    model(x[0, :2])
+    opt.zero_grad()
+    out["after_zero_grad"] = model.memory_report()["parameters"]
+    return out
+
+
+def test_units_kept_for_a_backward_that_never_came_are_reused_or_freed_by_zero_grad() -> None:
+    for res in run_world(2, _kept_for_backward, timeout=30):
+        assert res["after_raise"] > res["rest"], res  # every unit still gathered for its backward
+        assert res["gathers_reusing"] == 0, res  # reused by the next forward and backward
+        assert res["gathers_normal"] == 3, res  # one per Linear unit, kept from forward to backward
+        assert res["after_zero_grad"] == res["rest"], res
+
+
 def _accumulating(backend: CommunicationBackend, name: str) -> tuple[list[str], dict[str, torch.Tensor]]:
     """Gradient accumulation: the second micro-batch's backward raises partway inside ``no_sync()``;
     refused until zero_grad(), then two steps of two micro-batches (one in no_sync(), one synchronized)."""

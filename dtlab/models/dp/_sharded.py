@@ -287,6 +287,8 @@ class ShardedModel(DataParallelModel):
 
     def zero_grad_buffers(self) -> None:
         self._forget_raised_backward()
+        if not self._in_backward:  # what a forward kept gathered for a backward that never came (its
+            self._free_all()  # loss raised, reshard_after_forward=False); a backward re-gathers it
         self._guarded = False
         for st in self._units:
             st.grad_shard.zero_()

@@ -184,10 +184,10 @@ class DataParallelModel(OptimizerTarget):
         """Before a forward: refuse it once a newer wrapper of the same module took it over, or while the
         gradients are partial after a backward that raised (an evaluation forward only cleans up)."""
         self._owner.check("forward")
-        self.check_backward_finished("the forward" if torch.is_grad_enabled() else None)
+        self._check_backward_finished("the forward" if torch.is_grad_enabled() else None)
 
     # ------------------------------------------------------------------ a backward that raised
-    def check_backward_finished(self, refused: str | None) -> None:
+    def _check_backward_finished(self, refused: str | None) -> None:
         """Refuse ``refused`` (a forward, a step; None: only clean up) after a backward that raised
         partway. Such a backward never reaches its end (autograd runs the queued end-of-backward
         callback only when the whole pass succeeds): outside any backward its bookkeeping is found still
@@ -204,14 +204,14 @@ class DataParallelModel(OptimizerTarget):
             raise StrategyError(
                 f"{type(self).__name__} on rank {self.dp_backend.rank}: a backward pass raised partway (an "
                 "exception from an autograd Function, a tensor hook or an out-of-memory error in backward) "
-                "after some gradients were produced and some reduced, so the gradients are partial and "
-                f"{refused} is refused. Call opt.zero_grad() on every rank to skip that batch, as plain "
-                "training would, then go on with the next one"
+                "after some gradients were produced (and, outside no_sync(), some reduced), so the "
+                f"gradients are partial and {refused} is refused. Call opt.zero_grad() on every rank to "
+                "skip that batch, as plain training would, then go on with the next one"
             )
 
     def _forget_raised_backward(self) -> None:
         """``zero_grad()``: a backward that raised is cleaned up and its partial gradients dropped."""
-        self.check_backward_finished(None)
+        self._check_backward_finished(None)
         self._raised_backward = False
 
     def _abandon_backward(self) -> None:
@@ -236,7 +236,7 @@ class DataParallelModel(OptimizerTarget):
         passes inside ``no_sync()`` (a pipeline schedule's), as a synchronized backward would (inside
         ``no_sync()`` too: the call asks for it)."""
         self._owner.check("reduce_accumulated_grads()")
-        self.check_backward_finished("reduce_accumulated_grads()")
+        self._check_backward_finished("reduce_accumulated_grads()")
         prev, self._sync = self._sync, True
         try:
             self._reducer.start_step()
@@ -348,7 +348,7 @@ class DataParallelModel(OptimizerTarget):
 
     def check_grads_ready(self, who: str) -> None:
         self._owner.check(f"{who}.step()")
-        self.check_backward_finished(f"{who}.step()")
+        self._check_backward_finished(f"{who}.step()")
         self.check_requires_grad()
         if not self._grads_synced:
             raise StrategyError(
