@@ -24,6 +24,7 @@ from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.optimizers.elastic import DiskCommitStore, ElasticMember, ElasticOptimizer, StaticMember
 from dtlab.trainers.run_view import Progress
 from dtlab.trainers.saved_state import Resumable, check_saved_state
+from dtlab.trainers.scheduler import load_scheduler_state
 
 __all__ = ["ElasticRun", "commit_on_stop", "end_step", "report_restore", "restore_commit", "wrap_elastic"]
 
@@ -79,10 +80,7 @@ def restore_commit(opt: ElasticOptimizer | None, trainer: Resumable) -> bool:
     # the same commit on every rank: a crafted state fails alike everywhere, before anything is loaded
     check_saved_state(trainer, state, commit.key.step, f"the elastic commit of step {commit.key.step}")
     t = state["trainer"]
-    sched = dict(t["scheduler"])
-    if hasattr(trainer.scheduler, "lr_lambdas"):
-        sched["lr_lambdas"] = [None] * len(trainer.scheduler.lr_lambdas)
-    trainer.scheduler.load_state_dict(sched)
+    load_scheduler_state(trainer.scheduler, t["scheduler"])
     for group, lr in zip(opt.optimizer.param_groups, trainer.scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
     try:

@@ -17,8 +17,9 @@ from dtlab.trainers.construction import model_init
 from dtlab.trainers.custom import task_from_objects
 from dtlab.trainers.preemption import StopRequest
 from dtlab.trainers.preflight import check_paths
+from dtlab.trainers.scheduler import SchedulerFactory, check_scheduler_factory
 from dtlab.trainers.tasks import Task, build_task, check_task
-from dtlab.trainers.trainer import SchedulerFactory, Trainer, TrainResult
+from dtlab.trainers.trainer import Trainer, TrainResult
 
 __all__ = ["launcher_detected", "resolve_backend_name", "run_training"]
 
@@ -75,6 +76,8 @@ def run_training(
         if task is not None:
             raise TypeError("run_training: pass either task or model/train_data/eval_data/loss_fn, not both")
         task = task_from_objects(config, model, train_data, eval_data, loss_fn)
+    if scheduler_factory is not None:  # a scheduler instead of a function building one: refused here
+        check_scheduler_factory(scheduler_factory)
     model_init(config, run_plan(config))  # model.init=meta where every rank holds the whole model: refused
     name = resolve_backend_name(config)
     if name == "inmemory":

@@ -21,6 +21,7 @@ from dtlab.trainers.guard import NonFiniteGuard
 from dtlab.trainers.metrics import clean
 from dtlab.trainers.run_view import Progress, RunCore
 from dtlab.trainers.scaler import DynamicLossScaler
+from dtlab.trainers.scheduler import LRSchedulerLike
 from dtlab.trainers.tasks import Task
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class ReportRun(RunCore, Progress, Protocol):
     @property
     def optimizer(self) -> OptimizerStrategy: ...
     @property
-    def scheduler(self) -> Any: ...
+    def scheduler(self) -> LRSchedulerLike: ...
     @property
     def guard(self) -> NonFiniteGuard: ...
     @property

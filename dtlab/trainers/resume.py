@@ -29,6 +29,12 @@ from dtlab.trainers.metrics import MetricsCollector
 from dtlab.trainers.ownership import another_run
 from dtlab.trainers.run_view import RunCore
 from dtlab.trainers.saved_state import Resumable, check_saved_state
+from dtlab.trainers.scheduler import (
+    LRSchedulerLike,
+    load_scheduler_state,
+    scheduler_base_rates,
+    set_scheduler_rates,
+)
 from dtlab.trainers.state import restore_rng
 
 __all__ = [
@@ -207,7 +213,7 @@ def _optimizer_notes(config: TrainConfig, ckpt: LoadedCheckpoint) -> tuple[list[
 
 def _apply_config_hyperparameters(
     optimizer: OptimizerStrategy,
-    sched: Any,
+    sched: LRSchedulerLike,
     changed: dict[str, Any],
     fresh_base: list[float],
     saved_base: list[float],
@@ -229,10 +235,7 @@ def _apply_config_hyperparameters(
         group["lr"] = last * (new / old)
         if "initial_lr" in group:
             group["initial_lr"] = new
-    if fresh_base and hasattr(sched, "base_lrs"):
-        sched.base_lrs = list(fresh_base)
-    if hasattr(sched, "_last_lr"):
-        sched._last_lr = [g["lr"] for g in groups]  # noqa: SLF001 - torch's LRScheduler keeps the last rates there (get_last_lr() reads it)
+    set_scheduler_rates(sched, fresh_base, [g["lr"] for g in groups])
 
 
 def restore(trainer: Restorable, ckpt: LoadedCheckpoint) -> list[str]:
@@ -251,12 +254,8 @@ def restore(trainer: Restorable, ckpt: LoadedCheckpoint) -> list[str]:
     trainer.model.load_sharded_state_dict(ckpt.model)
     if ckpt.optim is not None and not trainer.config.checkpoint.reset_optimizer:
         trainer.optimizer.load_sharded_state_dict(ckpt.optim)
-    sched = dict(t["scheduler"])
-    if hasattr(trainer.scheduler, "lr_lambdas"):
-        sched["lr_lambdas"] = [None] * len(trainer.scheduler.lr_lambdas)
-    fresh_base = [float(x) for x in getattr(trainer.scheduler, "base_lrs", [])]
-    trainer.scheduler.load_state_dict(sched)
-    saved_base = [float(x) for x in sched.get("base_lrs", [])]
+    fresh_base = scheduler_base_rates(trainer.scheduler.state_dict())  # built from this run's config
+    saved_base = scheduler_base_rates(load_scheduler_state(trainer.scheduler, t["scheduler"]))
     _apply_config_hyperparameters(trainer.optimizer, trainer.scheduler, changed, fresh_base, saved_base)
     try:
         trainer.feed.load_state_dict(ckpt.meta["data_position"])

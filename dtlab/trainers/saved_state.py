@@ -19,6 +19,7 @@ from dtlab.errors import CheckpointError
 from dtlab.trainers.feed import DataFeed
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
 from dtlab.trainers.scaler import DynamicLossScaler
+from dtlab.trainers.scheduler import LRSchedulerLike
 from dtlab.untrusted import summary
 
 __all__ = ["Resumable", "check_saved_state"]
@@ -32,7 +33,7 @@ class Resumable(Protocol):
     start_step: int
 
     @property
-    def scheduler(self) -> Any: ...  # a torch LR scheduler (or what a scheduler_factory returned)
+    def scheduler(self) -> LRSchedulerLike: ...
     @property
     def feed(self) -> DataFeed: ...
     @property
@@ -85,7 +86,7 @@ def _like(saved: Any, ref: Any, path: str) -> str | None:
     return None  # a live value of another kind (a tensor in a scheduler's state): not saved as JSON
 
 
-def _known(saved: Any, scheduler: Any) -> Any:
+def _known(saved: Any, scheduler: LRSchedulerLike) -> Any:
     """The saved scheduler state without keys another torch version keeps and this one does not
     (harmless: restored as unused attributes); a key naming an attribute of the live scheduler that is
     not state (``optimizer``) stays, and is refused."""

@@ -13,8 +13,9 @@ import torch
 from dtlab.config import TrainConfig
 from dtlab.trainers.build import optimizer_record
 from dtlab.trainers.saved_state import Resumable
+from dtlab.trainers.scheduler import scheduler_state
 
-__all__ = ["capture_rng", "restore_rng", "scheduler_state", "trainer_state"]
+__all__ = ["capture_rng", "restore_rng", "trainer_state"]
 
 
 def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
@@ -38,11 +39,6 @@ def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
     if "numpy" in state:
         vals = [int(v) for v in state["numpy"].tolist()]
         np.random.set_state(("MT19937", np.array(vals[1:], dtype=np.uint32), vals[0], 0, 0.0))
-
-
-def scheduler_state(scheduler: Any) -> dict[str, Any]:
-    # LambdaLR's lr_lambdas are code (rebuilt from the config), not state
-    return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
 
 
 def trainer_state(

@@ -18,6 +18,7 @@ from dtlab.trainers.labels import explain_loss_error
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.run_view import ForwardRun
 from dtlab.trainers.scaler import DynamicLossScaler
+from dtlab.trainers.scheduler import LRSchedulerLike
 
 __all__ = ["StepRun", "train_step"]
 
@@ -29,7 +30,7 @@ class StepRun(ForwardRun, Protocol):
     @property
     def optimizer(self) -> OptimizerStrategy: ...
     @property
-    def scheduler(self) -> Any: ...
+    def scheduler(self) -> LRSchedulerLike: ...
     @property
     def scaler(self) -> DynamicLossScaler | None: ...
     @property

@@ -57,13 +57,18 @@ from dtlab.trainers.resume import (
 from dtlab.trainers.rundir import open_metrics
 from dtlab.trainers.saved_state import check_saved_state
 from dtlab.trainers.scaler import DynamicLossScaler
-from dtlab.trainers.state import capture_rng, scheduler_state, trainer_state
+from dtlab.trainers.scheduler import (
+    LRSchedulerLike,
+    SchedulerFactory,
+    check_scheduler,
+    check_scheduler_factory,
+    scheduler_state,
+)
+from dtlab.trainers.state import capture_rng, trainer_state
 from dtlab.trainers.step import train_step
 from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss
 
 __all__ = ["SchedulerFactory", "TrainResult", "Trainer"]
-
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 class Trainer:
@@ -142,11 +147,13 @@ class Trainer:
         if self.elastic is not None:
             self.optimizer = self.elastic
         local_opt = self.optimizer.optimizer
-        self.scheduler = (
-            scheduler_factory(local_opt)
-            if scheduler_factory
-            else build_scheduler(local_opt, config.optimizer, config.train.steps)
-        )
+        #: stepped once per applied optimizer step; a scheduler_factory's value is checked here
+        self.scheduler: LRSchedulerLike
+        if scheduler_factory is not None:
+            check_scheduler_factory(scheduler_factory)
+            self.scheduler = check_scheduler(scheduler_factory(local_opt))
+        else:
+            self.scheduler = build_scheduler(local_opt, config.optimizer, config.train.steps)
         if config.checkpoint.dir is not None:  # refuse now, not at the first save after hours of training
             check_json(
                 scheduler_state(self.scheduler), f"the LR scheduler's state ({type(self.scheduler).__name__})"
