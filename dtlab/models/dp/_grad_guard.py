@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from dtlab.errors import StrategyError
 
-__all__ = ["ShardedGradient", "sharded_grad_message"]
+__all__ = ["ShardedGradient", "sharded_grad_message", "tensor_bytes"]
 
 
 class ShardedGradient(torch.Tensor):
@@ -61,3 +61,8 @@ def sharded_grad_message(name: str, model: str, optimizer: str) -> str:
         "(the wrapped module called directly) reaches this too: call the wrapper, or opt.zero_grad() "
         "after opt.step()"
     )
+
+
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    """Bytes ``t`` holds (a :class:`ShardedGradient` stand-in holds none)."""
+    return 0 if t is None or isinstance(t, ShardedGradient) else t.numel() * t.element_size()

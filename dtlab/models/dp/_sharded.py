@@ -17,9 +17,11 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
+from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
 from dtlab.models.dp._sharded_units import GroupHooks, ShardUnit, UnitGatherer, UnitPlan
-from dtlab.models.dp.data_parallel import DataParallelModel, DataParallelOptions, tensor_bytes
+from dtlab.models.dp.data_parallel import DataParallelModel
+from dtlab.models.dp.ddp import DataParallelOptions
 from dtlab.models.dp.flat import FlatUnit
 
 if TYPE_CHECKING:
@@ -80,6 +82,7 @@ class ShardedModel(DataParallelModel):
         self._broadcast_from_rank0(list(self.module.buffers()))
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
         self._state_of = {id(st.unit): st for st in self._units}
+        self._synced_grads = [st.grad_shard for st in self._units]
         self._pending: list[tuple[ShardUnit, Work, torch.Tensor]] = []
         self._partial_state_ok = False
         self.module.register_state_dict_pre_hook(self._refuse_partial_state)
@@ -286,22 +289,9 @@ class ShardedModel(DataParallelModel):
         self._last_peak, self._at_rest.peak = self._at_rest.peak, self._at_rest.gathered_bytes
 
     def zero_grad_buffers(self) -> None:
-        self._forget_raised_backward()
+        super().zero_grad_buffers()  # a backward that raised is cleaned up first
         if not self._in_backward:  # what a forward kept gathered for a backward that never came (its
             self._free_all()  # loss raised, reshard_after_forward=False); a backward re-gathers it
-        self._guarded = False
-        for st in self._units:
-            st.grad_shard.zero_()
-            for q in st.unit.params:
-                q.grad = None
-        self._grads_synced = False
-
-    def scale_grads_(self, factor: float) -> None:
-        for st in self._units:
-            st.grad_shard.mul_(factor)
-
-    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        return [st.grad_shard for st in self._units], False
 
     # ------------------------------------------------------------------ state
     def _refuse_partial_state(self, *_: Any) -> None:

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import StrategyError
-from dtlab.models.dp.data_parallel import tensor_bytes
+from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp.flat import FlatUnit
 
 __all__ = ["GroupHooks", "SavedRef", "ShardUnit", "UnitGatherer", "UnitPlan"]

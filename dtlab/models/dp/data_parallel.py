@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -19,34 +19,14 @@ from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
-from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message
+from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message, tensor_bytes
 from dtlab.models.dp._owner import Ownership, check_module
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 
 if TYPE_CHECKING:
     from dtlab.models.placed_state import FlatShard
 
-__all__ = ["DataParallelModel", "DataParallelOptions", "ReduceOptions", "tensor_bytes"]
-
-
-class ReduceOptions(TypedDict, total=False):
-    """The options every data-parallel strategy takes but ``world`` (a composition passes its mesh's
-    backend as ``world``): see :class:`~dtlab.models.DDPModel`."""
-
-    reduce_dtype: torch.dtype | None
-    find_unused_parameters: bool
-    broadcast_buffers: bool
-
-
-class DataParallelOptions(ReduceOptions, total=False):
-    """The options every data-parallel strategy takes (see :class:`~dtlab.models.DDPModel`)."""
-
-    world: CommunicationBackend | None
-
-
-def tensor_bytes(t: torch.Tensor | None) -> int:
-    """Bytes ``t`` holds (a :class:`ShardedGradient` stand-in holds none)."""
-    return 0 if t is None or isinstance(t, ShardedGradient) else t.numel() * t.element_size()
+__all__ = ["DataParallelModel"]
 
 
 class DataParallelModel(OptimizerTarget):
@@ -88,6 +68,9 @@ class DataParallelModel(OptimizerTarget):
         self._optimizer_ref: AttachedOptimizer | None = None
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self._guarded = False
+        #: the tensors holding the synchronized gradient: DDP's and ZeRO-1's whole buckets, else this
+        #: rank's shards
+        self._synced_grads: list[torch.Tensor] = []
         self._post_sync: list[Callable[[], None]] = []
         #: strategies with their own saved-tensor hooks (ZeRO-3, FSDP) pass every activation they keep
         #: to this function (a pipeline's activation meter around the forward); None: nobody asks
@@ -358,6 +341,27 @@ class DataParallelModel(OptimizerTarget):
 
     def after_optimizer_step(self) -> None:
         self._grads_synced = False
+
+    def zero_grad_buffers(self) -> None:
+        self._owner.check("zero_grad()")  # it would point param.grad back into its own buffers
+        self._forget_raised_backward()
+        self._guarded = False
+        for g in self._synced_grads:
+            g.zero_()
+        self._point_grads()
+        self._grads_synced = False
+
+    def _point_grads(self) -> None:
+        """After ``zero_grad()``: ``param.grad`` is None (DDP, ZeRO-1: a view of its bucket again)."""
+        for _, q in self._trainable:
+            q.grad = None
+
+    def scale_grads_(self, factor: float) -> None:
+        for g in self._synced_grads:
+            g.mul_(factor)
+
+    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        return list(self._synced_grads), self.keeps_whole_grads
 
     def grad_norm_group(self) -> CommunicationBackend:
         return self.dp_backend

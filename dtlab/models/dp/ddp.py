@@ -8,19 +8,35 @@ reuse the buckets and change how each is reduced.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
-from dtlab.models.dp.data_parallel import DataParallelModel, DataParallelOptions, ReduceOptions, tensor_bytes
+from dtlab.models.dp._grad_guard import tensor_bytes
+from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.flat import FlatUnit
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["BucketOptions", "DDPModel", "DDPOptions"]
+__all__ = ["BucketOptions", "DDPModel", "DDPOptions", "DataParallelOptions", "ReduceOptions"]
+
+
+class ReduceOptions(TypedDict, total=False):
+    """The options every data-parallel strategy takes but ``world`` (a composition passes its mesh's
+    backend as ``world``): see :class:`~dtlab.models.DDPModel`."""
+
+    reduce_dtype: torch.dtype | None
+    find_unused_parameters: bool
+    broadcast_buffers: bool
+
+
+class DataParallelOptions(ReduceOptions, total=False):
+    """The options every data-parallel strategy takes (see :class:`~dtlab.models.DDPModel`)."""
+
+    world: CommunicationBackend | None
 
 
 class BucketOptions(ReduceOptions, total=False):
@@ -84,7 +100,6 @@ class DDPModel(DataParallelModel):
         self._slot_of = {id(q): (i, j) for i, u in enumerate(self._units) for j, q in enumerate(u.params)}
         #: each bucket's gradient buffer, ``param.grad`` views into it (none under ZeRO-2: shards only)
         self._grad_bufs = [u.new_flat() for u in self._units] if self.keeps_whole_grads else []
-        #: the tensors holding the synchronized gradient: the buckets (ZeRO-2: this rank's shards)
         self._synced_grads = self._grad_bufs
         # a .grad left from before wrapping adds into the first synchronized gradient, as under torch's
         # DDP: copied into its bucket here (ZeRO-2 leaves it in param.grad, as inside no_sync())
@@ -211,22 +226,6 @@ class DDPModel(DataParallelModel):
         """After a sharded optimizer step: every rank's updated shard to every rank (all-gather)."""
         for unit, flat in zip(self._units, self._data, strict=True):
             self.dp_backend.all_gather(flat, unit.own_shard(flat).clone())
-
-    def zero_grad_buffers(self) -> None:
-        self._owner.check("zero_grad()")  # it would point param.grad back into its own buffers
-        self._forget_raised_backward()
-        self._guarded = False
-        for g in self._synced_grads:
-            g.zero_()
-        self._point_grads()
-        self._grads_synced = False
-
-    def scale_grads_(self, factor: float) -> None:
-        for g in self._synced_grads:
-            g.mul_(factor)
-
-    def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        return list(self._synced_grads), self.keeps_whole_grads
 
     # ------------------------------------------------------------------ memory
     def _held_bytes(self) -> tuple[int, int, int]:

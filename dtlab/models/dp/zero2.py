@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
-from dtlab.models.dp.data_parallel import tensor_bytes
+from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp.ddp import DDPModel, DDPOptions
 from dtlab.models.dp.flat import FlatUnit
 
