@@ -13,6 +13,7 @@ from dtlab.models.pipeline import (
     Action,
     Kind,
     PipelineSchedule,
+    Timeline,
     build_schedule,
     check_schedule_args,
     dry_run,
@@ -171,3 +172,33 @@ def test_plot_schedule_writes_png(tmp_path) -> None:
     assert out2.stat().st_size > 1000
     with pytest.raises(ArgumentError, match="built for p=2, m=3, not p=2, m=4"):
         plot_schedule(built, 2, 4, tmp_path / "x.png")
+
+
+def test_dry_run_finds_a_compute_on_the_wrong_rank_twice_or_before_its_hand_over() -> None:
+    """A hand-made schedule (``PipelineSchedule`` of ``Action`` lists) checked by ``dry_run``."""
+    g = build_schedule("gpipe", 2, 1)
+    rows = list(g.actions)
+    rows[0] = (*rows[0], Action(Kind.F, 1, 0))  # stage 1 lives on rank 1
+    with pytest.raises(
+        StrategyError, match=r"rank 0 runs 1F0, a stage of rank 1 \(stage s runs on rank s % p,"
+    ):
+        dry_run(dataclasses.replace(g, actions=tuple(rows)))
+    one = build_schedule("gpipe", 1, 1)  # 0F0 0B0
+    twice = (one.actions[0][0], *one.actions[0])
+    with pytest.raises(StrategyError, match=r"rank 0 runs 0F0 twice; .* remove the second"):
+        dry_run(dataclasses.replace(one, actions=(twice,)))
+    il = build_schedule("interleaved_1f1b", 1, 1, 2)  # 0F0 1F0 1B0 0B0: stages 0 and 1 both on rank 0
+    assert [str(a) for a in il.actions[0]] == ["0F0", "1F0", "1B0", "0B0"]
+    with pytest.raises(StrategyError, match="runs 1F0 before stage 0 handed it over; run 0F0 before it"):
+        dry_run(_swap(il, 0, 0, 1))
+    with pytest.raises(StrategyError, match=r"runs 0B0 before stage 1 handed it over; run 1B0 \(or 1I0\)"):
+        dry_run(_swap(il, 0, 2, 3))
+
+
+def test_dry_run_finds_a_compute_before_its_receive_is_posted() -> None:
+    g = build_schedule("gpipe", 2, 1)  # rank 1: RECV_F(1, 0), 1F0, 1B0, SEND_B(1, 0)
+    assert g.actions[1][0] == Action(Kind.RECV_F, 1, 0)
+    with pytest.raises(StrategyError, match=r"runs 1F0 without posting the receive .*; post RECV_F\(1, 0\)"):
+        dry_run(_swap(g, 1, 0, 1))
+    assert simulate(build_schedule("gpipe", 1, 1)).bubble() == 0.0
+    assert Timeline().bubble() == 0.0 and Timeline().makespan == 0.0  # nothing planned: no idle time

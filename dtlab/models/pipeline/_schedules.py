@@ -223,11 +223,15 @@ def _static_checks(s: PipelineSchedule) -> None:
             if a.kind.is_compute:
                 if s.rank_of(a.stage) != r:
                     raise StrategyError(
-                        f"schedule {s.name}: rank {r} runs {a}, a stage of rank {s.rank_of(a.stage)}"
+                        f"schedule {s.name}: rank {r} runs {a}, a stage of rank {s.rank_of(a.stage)} (stage "
+                        f"s runs on rank s % p, p={s.p}); move it to rank {s.rank_of(a.stage)}'s list"
                     )
                 key = (a.kind, a.stage, a.micro)
                 if key in done:
-                    raise StrategyError(f"schedule {s.name}: rank {r} runs {a} twice")
+                    raise StrategyError(
+                        f"schedule {s.name}: rank {r} runs {a} twice; each computation of a stage and "
+                        "micro-batch runs once: remove the second"
+                    )
                 if a.kind in (Kind.B, Kind.I) and (Kind.F, a.stage, a.micro) not in done:
                     raise StrategyError(f"schedule {s.name}: rank {r} runs {a} before its forward")
                 if a.kind is Kind.W and (Kind.I, a.stage, a.micro) not in done:
@@ -238,8 +242,14 @@ def _static_checks(s: PipelineSchedule) -> None:
                 if a.kind is not Kind.W and 0 <= src < s.num_stages and s.rank_of(src) == r:
                     kinds = (Kind.F,) if a.kind is Kind.F else (Kind.B, Kind.I)
                     if not any((k, src, a.micro) in done for k in kinds):
+                        before = (
+                            f"{src}F{a.micro}"
+                            if a.kind is Kind.F
+                            else f"{src}B{a.micro} (or {src}I{a.micro})"
+                        )
                         raise StrategyError(
-                            f"schedule {s.name}: rank {r} runs {a} before stage {src} handed it over"
+                            f"schedule {s.name}: rank {r} runs {a} before stage {src} handed it over; run "
+                            f"{before} before it"
                         )
                 done.add(key)
             else:
@@ -312,8 +322,10 @@ def simulate(
                 ready = clock[r]  # a hand-over on this rank was computed before
                 if need is not None:
                     if need not in posted[r]:
+                        recv = Action(Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B, a.stage, a.micro)
                         raise StrategyError(
-                            f"schedule {s.name}: rank {r} runs {a} without posting the receive of its input"
+                            f"schedule {s.name}: rank {r} runs {a} without posting the receive of its input; "
+                            f"post {recv.kind.name}({recv.stage}, {recv.micro}) before it"
                         )
                     if need not in sent:
                         break  # blocked on the peer

@@ -88,14 +88,24 @@ def module_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
             f"{type(module).__name__} has neither. Wrap its layers in nn.Sequential or add pipeline_blocks()"
         )
     if not blocks:
-        raise StrategyError(f"{type(module).__name__} has no blocks to split into pipeline stages")
+        raise StrategyError(
+            f"{type(module).__name__} has no blocks to split into pipeline stages (an empty nn.Sequential, "
+            "or pipeline_blocks() returned nothing); give it its layers as blocks"
+        )
     names = [n for n, _ in blocks]
     if len(set(names)) != len(names):
-        raise StrategyError(f"pipeline block names must be unique, got {names}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise StrategyError(
+            f"pipeline block names must be unique, got {names} ({twice} more than once); give each "
+            "(name, block) pair of pipeline_blocks() its own name, e.g. the block's attribute path"
+        )
     owner: dict[int, str] = {}
     for name, block in blocks:
         if not isinstance(block, nn.Module):
-            raise StrategyError(f"pipeline block {name!r} is a {type(block).__name__}, not an nn.Module")
+            raise StrategyError(
+                f"pipeline block {name!r} is a {type(block).__name__}, not an nn.Module; wrap it in a "
+                "module whose forward calls it, or fold it into the forward of the block before it"
+            )
         for t in block.parameters():
             owner.setdefault(id(t), name)  # a tied parameter: each stage using it keeps a copy in sync
         for b in block.buffers():
@@ -213,7 +223,8 @@ def stage_specs(stages: Sequence[Stage], shapes: Sequence[Shapes], sample: Tenso
             if not isinstance(y, torch.Tensor):
                 raise StrategyError(
                     f"pipeline stage {stage.index} ({stage.names[-1]}) returns a {type(y).__name__}; every "
-                    "block must return one tensor"
+                    "block must return one tensor: wrap a block returning several values in a module "
+                    "returning the one the next block takes (e.g. an LSTM's output, lstm(x)[0])"
                 )
             out.append(TensorSpec.of(y))
             x = y

@@ -165,7 +165,9 @@ class TracedStage(nn.Module):
             if end.name != self.exit or not isinstance(end.payload, torch.Tensor):
                 raise StrategyError(
                     f"pipeline stage {self.index} ended at {end.name!r} with "
-                    f"{type(end.payload).__name__}, expected split point {self.exit!r} with a tensor"
+                    f"{type(end.payload).__name__}, expected split point {self.exit!r} with a tensor: the "
+                    f"forward calls {end.name!r}, a block of a later stage, before {self.exit!r}; split at "
+                    "the module of each stage the forward calls first"
                 ) from None
             return end.payload
         finally:
@@ -173,7 +175,7 @@ class TracedStage(nn.Module):
         if not self.last:
             raise StrategyError(
                 f"pipeline stage {self.index}: the model's forward returned without calling split point "
-                f"{self.exit!r}; split at modules the forward calls"
+                f"{self.exit!r} on this input; split at modules the forward calls on every input"
             )
         return out
 
@@ -239,6 +241,13 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
                 blocks.append(child_path)
 
     walk("")
+    containers = [p for p in points if p not in blocks]  # an nn.ModuleList / nn.ModuleDict never runs
+    if containers:
+        items = [b for b in blocks if b.startswith(containers[0] + ".")][:3]
+        raise StrategyError(
+            f"split points {containers} are containers of {kind} (nn.ModuleList or nn.ModuleDict), which "
+            f"the forward never calls itself; split at one of their items, e.g. {items}"
+        )
     empty = [p for p in points if not any(True for _ in module.get_submodule(p).parameters())]
     if empty:
         raise StrategyError(

@@ -112,7 +112,11 @@ def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: 
         if name in points and name not in slots:
             first = first_tensor(args, kwargs)
             if first is None:
-                raise StrategyError(f"split point {name!r} is called without a tensor argument")
+                raise StrategyError(
+                    f"split point {name!r} is called without a tensor argument (the hidden state must be "
+                    "one of its arguments itself, not inside a list or dict); split at a module taking it "
+                    "as a tensor"
+                )
             slots[name] = (first[0], TensorSpec.of(first[1]))
 
     def after(name: str, _m: nn.Module, _a: Any, _k: Any, out: Any) -> None:
