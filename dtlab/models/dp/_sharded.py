@@ -132,7 +132,7 @@ class ShardedModel(DataParallelModel):
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._at_rest.unpack):
                 out = self.module(*args, **kwargs)
-        except BaseException as exc:
+        except Exception as exc:  # not an interrupt: waiting for a collective could then block the exit
             freed = self._at_rest.freed()
             if not self._in_backward:  # no backward of this forward will come to free what it gathered
                 self._at_rest.free_after_error()
