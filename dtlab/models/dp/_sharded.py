@@ -122,9 +122,6 @@ class ShardedModel(DataParallelModel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hooks.before_forward()
-        if torch.is_grad_enabled():
-            self._release_guards()
-        self._sync_buffers()
         self._at_rest.watch = (
             not torch.is_grad_enabled() and not self._in_backward and self.forward_wait_s > 0
         )
@@ -320,13 +317,12 @@ class ShardedModel(DataParallelModel):
 
     def whole_state(self) -> dict[str, torch.Tensor]:
         """Buffers and frozen parameters (kept whole on every rank), keyed like ``state_dict()``."""
-        sharded = {id(q) for st in self._units for q in st.unit.params}
         self._partial_state_ok = True  # the sharded entries are dropped right here
         try:
             state = self.module.state_dict(keep_vars=True)
         finally:
             self._partial_state_ok = False
-        return {k: t for k, t in state.items() if id(t) not in sharded}
+        return {k: t for k, t in state.items() if id(t) not in self._unit_of}
 
     def sharded_state_dict(self) -> ShardedState:
         state = super().sharded_state_dict()

@@ -54,7 +54,7 @@ class DataParallelModel(OptimizerTarget):
         #: gradient hooks); a module another wrapper keeps sharded is refused here, before any change
         self._owner = Ownership(type(self).__name__, module.parameters(), self.shards_at_rest)
         self._owner.check_free()
-        self.register_forward_pre_hook(self._check_owner)
+        self.register_forward_pre_hook(self._before_forward)
         self._reducer: GradientReducer = DenseReducer(backend, reduce_dtype)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -104,10 +104,6 @@ class DataParallelModel(OptimizerTarget):
                 self.dp_backend.broadcast(dense, 0)
                 if dense is not t:
                     t.copy_(dense)
-
-    def _sync_buffers(self) -> None:
-        if self.broadcast_buffers:
-            self._broadcast_from_rank0(list(self.module.buffers()))
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -163,11 +159,16 @@ class DataParallelModel(OptimizerTarget):
     #: whether the parameters are kept as flat shards (ZeRO-3, FSDP): no newer wrapper can take them over
     shards_at_rest: ClassVar[bool] = False
 
-    def _check_owner(self, *_: Any) -> None:
+    def _before_forward(self, *_: Any) -> None:
         """Before a forward: refuse it once a newer wrapper of the same module took it over, or while the
-        gradients are partial after a backward that raised (an evaluation forward only cleans up)."""
+        gradients are partial after a backward that raised (an evaluation forward only cleans up); drop
+        the gradient stand-ins before a forward with gradients; broadcast rank 0's buffers."""
         self._owner.check("forward")
         self._check_backward_finished("the forward" if torch.is_grad_enabled() else None)
+        if torch.is_grad_enabled():
+            self._release_guards()
+        if self.broadcast_buffers:
+            self._broadcast_from_rank0(list(self.module.buffers()))
 
     # ------------------------------------------------------------------ a backward that raised
     def _check_backward_finished(self, refused: str | None) -> None:

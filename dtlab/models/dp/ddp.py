@@ -113,12 +113,6 @@ class DDPModel(DataParallelModel):
         self._register_grad_hooks(self._on_grad)
 
     # ------------------------------------------------------------------ forward / backward
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
-            self._release_guards()
-        self._sync_buffers()
-        return self.module(*args, **kwargs)
-
     def _release_guards(self) -> None:
         if self._guarded and self.keeps_whole_grads:
             self._point_grads()

@@ -94,11 +94,10 @@ class FSDPModel(ShardedModel):
 
     def _unit_modules(self) -> set[int]:
         wrapped: set[int] = set()
-        trainable = {id(p) for _, p in self._trainable}
 
         def visit(mod: nn.Module) -> int:
             """Post-order: returns the trainable parameters under ``mod`` not in an inner unit."""
-            count = sum(p.numel() for p in mod.parameters(recurse=False) if id(p) in trainable)
+            count = sum(p.numel() for p in mod.parameters(recurse=False) if id(p) in self._name_of)
             for child in mod.children():
                 count += visit(child)
             if (
