@@ -78,8 +78,7 @@ class ShardedModel(DataParallelModel):
         self._at_rest.peak = self._last_peak = self._at_rest.gathered_bytes
         if meta is not None:  # built on meta: each rank initializes its own shards, no broadcast
             meta.materialize(self._units)
-        self._broadcast_from_rank0([q.data for _, q in self._frozen])
-        self._broadcast_from_rank0(list(self.module.buffers()))
+        self._broadcast_from_rank0([q.data for _, q in self._frozen] + list(self.module.buffers()))
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
         self._state_of = {id(st.unit): st for st in self._units}
         self._synced_grads = [st.grad_shard for st in self._units]

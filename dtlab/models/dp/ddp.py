@@ -86,17 +86,14 @@ class DDPModel(DataParallelModel):
                 size = 0
             groups[-1].append((name, param))
             size += nbytes
-        self._units: list[FlatUnit] = []
-        self._data: list[torch.Tensor] = []
-        for i, group in enumerate(groups):
-            unit = FlatUnit(f"bucket{i}", group, backend.world_size, backend.rank)
-            flat = unit.new_flat()
+        self._units = [
+            FlatUnit(f"bucket{i}", g, backend.world_size, backend.rank) for i, g in enumerate(groups)
+        ]
+        self._data = [u.new_flat() for u in self._units]
+        for unit, flat in zip(self._units, self._data, strict=True):
             unit.copy_params_into(flat)
-            self._broadcast_from_rank0([flat])
-            unit.bind(flat)
-            self._units.append(unit)
-            self._data.append(flat)
-        self._broadcast_from_rank0([q.data for _, q in self._frozen] + list(self.module.buffers()))
+            unit.bind(flat)  # the parameters are views of the bucket: the broadcast below updates them
+        self._broadcast_from_rank0([*self._data, *(q.data for _, q in self._frozen), *self.module.buffers()])
         self._slot_of = {id(q): (i, j) for i, u in enumerate(self._units) for j, q in enumerate(u.params)}
         #: each bucket's gradient buffer, ``param.grad`` views into it (none under ZeRO-2: shards only)
         self._grad_bufs = [u.new_flat() for u in self._units] if self.keeps_whole_grads else []
