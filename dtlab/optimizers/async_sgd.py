@@ -45,6 +45,7 @@ from dtlab.optimizers._async_comm import (
     peer_lost,
 )
 from dtlab.optimizers._async_server import ShardServer
+from dtlab.optimizers._backward_watch import BackwardWatch
 
 __all__ = ["AsyncSGDOptimizer"]
 
@@ -86,6 +87,7 @@ class AsyncSGDOptimizer:
         c = self._unit.shard_numel
         self._check_agreement(module)
         self._server: ShardServer | None = None
+        self._watch: BackwardWatch | None = None  # a worker's: refuses partial gradients (a raised backward)
         self._finished = False
         self._clock = 0
         self.pushes = self.pulls = self.waits = 0
@@ -105,6 +107,9 @@ class AsyncSGDOptimizer:
             self._flat_grad = self._unit.new_flat()
             self._messages = [PushMessage(c, self._unit.dtype, backend.device) for _ in range(num_servers)]
             self._note = Note(self.num_workers, backend.device)
+            self._watch = BackwardWatch(
+                module, [p for _, p in named], f"AsyncSGDOptimizer worker rank {backend.rank}"
+            )
         self._share_parameters()  # the clock-0 read
         self._bytes0 = _p2p_bytes(backend)
 
@@ -148,8 +153,11 @@ class AsyncSGDOptimizer:
 
     # ------------------------------------------------------------------ worker
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the replica's gradients (``step()`` also clears them after pushing)."""
+        """Clear the replica's gradients (``step()`` also clears them after pushing); after a backward
+        that raised partway, this drops its partial gradients (the bad batch is skipped)."""
         self.module.zero_grad(set_to_none=set_to_none)
+        if self._watch is not None:
+            self._watch.forget()
 
     def step(self) -> None:
         """Push this worker's gradients (``None``: zeros) and pull parameters for the next clock."""
@@ -158,6 +166,8 @@ class AsyncSGDOptimizer:
             raise StrategyError(
                 f"AsyncSGDOptimizer: worker rank {self.backend.rank} called step() after finish()"
             )
+        if self._watch is not None:  # a worker's (checked above): partial gradients are never pushed
+            self._watch.check("step()")
         self._unit.grads_into(self._flat_grad)
         c = self._unit.shard_numel
         sends: list[Work] = []
