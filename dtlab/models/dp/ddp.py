@@ -211,7 +211,8 @@ class DDPModel(DataParallelModel):
         return unit.own_shard(self._data[self._bucket(unit)])
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.own_shard(self._grad_bufs[self._bucket(unit)])
+        grad = self._synced_grads[self._bucket(unit)]  # ZeRO-2: this rank's shard already
+        return unit.own_shard(grad) if self.keeps_whole_grads else grad
 
     def gather_updated_shards(self) -> None:
         """After a sharded optimizer step: every rank's updated shard to every rank (all-gather)."""

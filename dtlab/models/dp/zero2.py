@@ -15,7 +15,6 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp.ddp import DDPModel, DDPOptions
-from dtlab.models.dp.flat import FlatUnit
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -63,9 +62,6 @@ class ZeRO2Model(DDPModel):
     def _after_synchronized(self) -> None:
         self._guard_grads()
         super()._after_synchronized()
-
-    def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return self._synced_grads[self._bucket(unit)]
 
     def _point_grads(self) -> None:
         """No whole buffers: ``param.grad`` is None (``no_sync()`` accumulates whole gradients there)."""
