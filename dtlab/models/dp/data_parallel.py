@@ -1,6 +1,6 @@
-"""What DDP, ZeRO-1/2/3 and FSDP share (input checks, the reducer, ``no_sync``, the end-of-backward
-flush, buffer broadcast, gradient stand-ins), and the methods a composition uses a data-parallel
-strategy through (``HybridShardedModel`` wraps each pipeline rank's stages in one)."""
+"""What DDP, ZeRO-1/2/3 and FSDP share (the reducer, ``no_sync``, the end-of-backward flush, buffer
+broadcast, gradient stand-ins and buffers, state and memory reports), and the methods a composition uses
+a data-parallel strategy through (``HybridShardedModel`` wraps each pipeline rank's stages in one)."""
 
 from __future__ import annotations
 
