@@ -119,20 +119,21 @@ class CompressedReducer(GradientReducer):
     def discard_step(self) -> None:
         """The backward since :meth:`start_step` raised partway: the buffers it already reduced changed
         their residuals (velocities) and iteration counts, which would carry part of the skipped batch
-        into later steps, so every later call is refused until :meth:`clear_state` or
+        into later steps, so every later reduction and :meth:`state_dict` (a checkpoint, an elastic
+        commit: loading it would bring them back) are refused until :meth:`clear_state` or
         :meth:`load_state_dict`. Nothing changed if it raised before any buffer was reduced."""
         if self._touched:
             self._discarded, self._touched = self._touched, []
 
-    def _refuse_discarded(self) -> None:
+    def _refuse_discarded(self, refused: str) -> None:
         if self._discarded:
             raise StrategyError(
                 f"compressed reducer on rank {self.backend.rank}: a synchronized backward raised partway "
                 f"after buffer(s) {self._discarded[:5]} went through {self.compressor.name}, changing their "
-                "error-feedback residuals and iteration counts, so going on would carry part of the skipped "
-                "batch into later steps. Restore the last checkpoint (it holds this reducer's state), or "
-                "call model.gradient_reducer.clear_state() on every rank to restart error feedback from "
-                "zero, then opt.zero_grad() and go on"
+                f"error-feedback residuals and iteration counts, so {refused} is refused: it would carry "
+                "part of the skipped batch into later steps. Restore the last checkpoint (it holds this "
+                "reducer's state), or call model.gradient_reducer.clear_state() on every rank to restart "
+                "error feedback from zero, then opt.zero_grad() and go on"
             )
 
     def iteration(self, key: str) -> int:
@@ -143,7 +144,9 @@ class CompressedReducer(GradientReducer):
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's state: tensors (residuals ``residual.<key>``, compressor tensors
         ``state.<key>/<field>``, momentum-correction velocities ``velocity.<key>``) and JSON
-        metadata ``{"buffers": {key: {numel, iterations, state}}}``."""
+        metadata ``{"buffers": {key: {numel, iterations, state}}}``. Refused after a backward that
+        raised partway changed some of it (see :meth:`discard_step`)."""
+        self._refuse_discarded("saving this state (a checkpoint, an elastic commit)")
         tensors: dict[str, torch.Tensor] = {}
         buffers: dict[str, Any] = {}
         for key in sorted(self._numels):
@@ -242,7 +245,7 @@ class CompressedReducer(GradientReducer):
         return (p - 1) * n // p if shard is not None else 2 * (p - 1) * n // p
 
     def _run(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None) -> Work:
-        self._refuse_discarded()
+        self._refuse_discarded("the next reduction")
         stats, t0 = self.backend.stats, time.perf_counter()
         sent0, recv0 = stats.bytes_sent, stats.bytes_received
         n = grad.numel()

@@ -376,6 +376,7 @@ class DataParallelModel(OptimizerTarget):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def sharded_state_dict(self) -> ShardedState:
+        self._check_backward_finished(None)  # a backward that raised is noticed: its reducer step discarded
         state = new_state(self.strategy_name, self.dp_backend.world_size, self.dp_backend.rank)
         return write_placed_state(state, self.whole_state(), self.flat_shards(), {}, self.dp_backend)
 
