@@ -58,6 +58,8 @@ class MetricsCollector:
         self.keep = keep
         self.sinks = list(sinks) if enabled else []
         self.records: list[dict[str, Any]] = []
+        #: close() was called: nothing more is written (a Trainer's next fit() opens a new collector)
+        self.closed = False
         self._file: IO[str] | None = None
         if self.path is not None and enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +77,7 @@ class MetricsCollector:
         return cast(dict[str, Any], rec)
 
     def close(self) -> None:
+        self.closed = True
         if self._file is not None:
             self._file.close()
             self._file = None

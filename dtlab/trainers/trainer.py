@@ -289,6 +289,9 @@ class Trainer:
         if self.is_main and cfg.logging.progress:
             bar.print_line(header(self))
         t_start = time.perf_counter()
+        if self.metrics.closed:  # an earlier fit() ended (or raised): this one appends to the run's files
+            recorded = None if self.run_dir is None else str(self.run_dir)
+            self.run_dir, self.metrics = open_metrics(cfg, self.backend, True, recorded)
         self.model.train()
         self.dir_hold.acquire()  # again when an earlier fit() released it
         if self.stop is not None:  # an exit on a repeated signal releases the lock first
