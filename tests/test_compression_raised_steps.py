@@ -18,7 +18,7 @@ from test_strategies_raised_steps import SMALL_BUCKETS
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.compression import OkTopk
+from dtlab.compression import NonFiniteGradientError, OkTopk
 from dtlab.errors import StrategyError
 from dtlab.optimizers import ElasticOptimizer, GradientCompressionOptimizer
 from dtlab.testing import run_world
@@ -31,6 +31,7 @@ CASES = {
     "loss": (1, "loss"),
     "backward_first": (3, "backward_function"),
     "backward_partway": (1, "backward_function"),
+    "nonfinite": (1, "nan_input"),  # the reducer's own NonFiniteGradientError, at the first buffer
 }
 
 
@@ -48,14 +49,16 @@ def _train(b: CommunicationBackend, name: str, case: str | None, elastic: bool =
     if elastic:
         opt = ElasticOptimizer(opt, commit_every=1)
     mine = slice(2 * b.rank, 2 * b.rank + 2)
-    out: dict[str, Any] = {"refused": []}
+    out: dict[str, Any] = {"refused": [], "raised": None}
     for step in range(STEPS):
         if step == BAD and case is None:
             continue
-        trap.case = what if step == BAD else None
+        trap.case = what if step == BAD and what != "nan_input" else None
+        nan = step == BAD and what == "nan_input"
         try:
-            trap.loss(model(x[step, mine]), y[step, mine]).backward()
-        except BadBatch:
+            trap.loss(model(x[step, mine] * (float("nan") if nan else 1.0)), y[step, mine]).backward()
+        except (BadBatch, NonFiniteGradientError) as exc:
+            out["raised"] = type(exc).__name__
             trap.case = None
             for _ in range(2 if elastic else 0):  # a commit would keep the changed residuals: refused
                 try:  # before opt.zero_grad() (the model notices the raised backward) and after it
@@ -103,6 +106,7 @@ def test_a_caught_exception_under_ok_topk_skips_the_batch(name: str, case: str) 
     for rank, res in enumerate(run_world(2, _train, name, case, timeout=30)):
         err = max_rel_error(res["state"], want[rank])
         assert err <= 1e-6, f"{name} {case} rank {rank}: off by {err:.3g}"
+        assert res["raised"] == ("NonFiniteGradientError" if case == "nonfinite" else "BadBatch")
         assert [w for w, _ in res["refused"]] == (["reduction"] if refused else []), res["refused"]
         for _, msg in res["refused"]:
             assert "clear_state()" in msg and "checkpoint" in msg, msg
