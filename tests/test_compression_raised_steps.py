@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 from raised_cases import BAD, STEPS, BadBatch, Trap
-from test_strategies_helpers import make_data, make_module, max_rel_error, optimizer_for, wrap
-from test_strategies_raised_steps import SMALL_BUCKETS
+from test_strategies_helpers import STRATEGIES, make_data, make_module, max_rel_error, optimizer_for, wrap
+from test_strategies_raised_steps import _options
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -43,7 +43,7 @@ def _train(b: CommunicationBackend, name: str, case: str | None, elastic: bool =
     trap = Trap()
     where, what = CASES[case or "forward"]
     module[where].register_forward_hook(trap.after_block)
-    model = wrap(name, module, b, **({"bucket_cap_mb": SMALL_BUCKETS} if name != "fsdp" else {}))
+    model = wrap(name, module, b, **_options(name))
     compressor = OkTopk(density=0.3, warmup_steps=1, tau=2, tau_prime=2)
     opt: Any = GradientCompressionOptimizer(optimizer_for(name, model, "sgd"), compressor, dense_below=0)
     if elastic:
@@ -83,7 +83,7 @@ def _train(b: CommunicationBackend, name: str, case: str | None, elastic: bool =
 
 def _reference(backend: CommunicationBackend, name: str, restart: bool) -> dict[str, torch.Tensor]:
     x, y = make_data(STEPS, BATCH)
-    model = wrap(name, make_module(), backend, **({"bucket_cap_mb": SMALL_BUCKETS} if name != "fsdp" else {}))
+    model = wrap(name, make_module(), backend, **_options(name))
     compressor = OkTopk(density=0.3, warmup_steps=1, tau=2, tau_prime=2)
     opt = GradientCompressionOptimizer(optimizer_for(name, model, "sgd"), compressor, dense_below=0)
     mine = slice(2 * backend.rank, 2 * backend.rank + 2)
@@ -99,7 +99,7 @@ def _reference(backend: CommunicationBackend, name: str, restart: bool) -> dict[
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp"])
+@pytest.mark.parametrize("name", STRATEGIES)
 def test_a_caught_exception_under_ok_topk_skips_the_batch(name: str, case: str) -> None:
     refused = case == "backward_partway"
     want = run_world(2, _reference, name, refused, timeout=30)
