@@ -65,7 +65,8 @@ def _fit(b: CommunicationBackend, strategy: str, case: str, run_dir: str) -> dic
     except BadBatch:
         out["raised"] = trainer.step  # the step it raised in is not counted
         trap.case = None
-        trainer.fit()
+        again = trainer.fit()
+        out["again"] = (again.start_step, again.final_step, again.summary["steps"])
     out["step"] = trainer.step
     out["state"] = trainer.model.full_state_dict()
     out["skipped"] = list(trainer.guard.skipped_steps)
@@ -87,6 +88,7 @@ def test_fit_again_after_a_raised_step_equals_the_guard_skipping_it(
     got = run_world(2, _fit, strategy, case, str(tmp_path / "run"), timeout=60)
     for rank, res in enumerate(got):
         assert res["raised"] == BAD and res["step"] == STEPS, res
+        assert res["again"] == (BAD, STEPS, f"{BAD} -> {STEPS}"), res["again"]  # what the second fit() ran
         for k, v in want[rank]["state"].items():
             assert torch.allclose(res["state"][k], v, rtol=1e-5, atol=1e-7), (strategy, case, rank, k)
     assert _logged_steps(tmp_path / "run") == list(range(1, STEPS + 1))  # the second fit() logged too

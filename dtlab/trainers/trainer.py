@@ -275,14 +275,12 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg = self.config
         result = TrainResult(
-            start_step=self.start_step,
+            start_step=self.step,  # the resumed step on the first fit(); where the last one stopped after
             rank=self.backend.rank,
             resumed_from=self.resumed_from,
             resume_notes=list(self.resume_notes),
         )
-        bar = ProgressBar(
-            cfg.train.steps, enabled=self.is_main and cfg.logging.progress, initial=self.start_step
-        )
+        bar = ProgressBar(cfg.train.steps, enabled=self.is_main and cfg.logging.progress, initial=self.step)
         window: dict[str, float] = {"t": time.perf_counter(), "steps": 0, "comm": self.backend.stats.seconds}
         sent0 = self.backend.stats.bytes_sent
         logged = 0  # result.losses already in a metrics record
