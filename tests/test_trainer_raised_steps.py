@@ -1,11 +1,11 @@
-"""The Trainer when a step raises on every rank (the user's loss function, a custom autograd Function
-in backward): the Trainer catches nothing, so the exception leaves ``fit()`` on every rank, with the
-data position past the bad batch and the step not counted. Calling ``fit()`` again goes on (each step
-starts with ``opt.zero_grad()``, which drops a raised backward's partial gradients) and equals a run in
-which that batch's loss was NaN and the Trainer's non-finite guard skipped the step; metrics are still
-written. Under Ok-Topk, after a backward that raised once a compressed bucket was reduced, the next
-fit() stops at its first step with the reducer's refusal naming clear_state() (that step's batch is
-consumed too); after it, fit() goes on."""
+"""The Trainer when a step raises on every rank (the user's loss function, the forward, a custom
+autograd Function in backward): the Trainer catches nothing, so the exception leaves ``fit()`` on every
+rank, with the data position past the bad batch and the step not counted. Calling ``fit()`` again goes
+on (each step starts with ``opt.zero_grad()``, which drops a raised backward's partial gradients) and
+equals a run in which that batch's loss was NaN and the Trainer's non-finite guard skipped the step;
+metrics are still written. Under Ok-Topk, after a backward that raised once a compressed bucket was
+reduced, the next fit() stops at its first step with the reducer's refusal naming clear_state() (that
+step's batch is consumed too); after it, fit() goes on."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def _logged_steps(run_dir: Path) -> list[int]:
     return sorted(r["step"] for r in lines if "loss" in r)
 
 
-@pytest.mark.parametrize("case", ["loss", "backward_function"])
+@pytest.mark.parametrize("case", ["forward", "loss", "backward_function"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_fit_again_after_a_raised_step_equals_the_guard_skipping_it(
     strategy: str, case: str, tmp_path: Path
