@@ -13,6 +13,8 @@ everything above (compression, models, optimizers, checkpoints, the config) can 
   each parameter lives on a mesh (read by clipping, finite checks, memory reports, checkpoints);
 - :mod:`dtlab.core.pairs`: which model strategy pairs with which optimizer strategy (no torch, so
   the config can read it without importing torch);
+- :mod:`dtlab.core.backward`: :class:`~dtlab.core.backward.BackwardPass`, whether a backward pass that
+  reached a strategy's gradient hooks finished or raised partway (its gradients then partial);
 - :mod:`dtlab.core.rng`: :func:`seeded_init`, reproducible model initialisation from torch's global
   RNG when in-memory ranks (threads) build models at once.
 

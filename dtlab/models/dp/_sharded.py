@@ -122,7 +122,7 @@ class ShardedModel(DataParallelModel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hooks.before_forward()
         self._at_rest.watch = (
-            not torch.is_grad_enabled() and not self._in_backward and self.forward_wait_s > 0
+            not torch.is_grad_enabled() and not self._backward.open and self.forward_wait_s > 0
         )
         self._at_rest.set_busy(True)
         try:
@@ -130,7 +130,7 @@ class ShardedModel(DataParallelModel):
                 out = self.module(*args, **kwargs)
         except Exception as exc:  # not an interrupt: waiting for a collective could then block the exit
             freed = self._at_rest.freed()
-            if not self._in_backward:  # no backward of this forward will come to free what it gathered
+            if not self._backward.open:  # no backward of this forward will come to free what it gathered
                 self._at_rest.free_after_error()
             if type(exc) is not RuntimeError:  # the user's exception, an out-of-memory error: as raised
                 raise
@@ -143,7 +143,7 @@ class ShardedModel(DataParallelModel):
             ) from exc
         finally:
             self._at_rest.watch = False
-            self._at_rest.set_busy(self._in_backward)
+            self._at_rest.set_busy(self._backward.open)
         self._hooks.order_done = True
         return out
 
@@ -151,7 +151,7 @@ class ShardedModel(DataParallelModel):
         return self._at_rest.pack(t, self.observe_activation)
 
     def _begin_backward(self) -> None:
-        if not self._in_backward:
+        if not self._backward.open:
             self._at_rest.set_busy(True)
         super()._begin_backward()
 
@@ -286,7 +286,7 @@ class ShardedModel(DataParallelModel):
 
     def zero_grad_buffers(self) -> None:
         super().zero_grad_buffers()  # a backward that raised is cleaned up first
-        if not self._in_backward:  # what a forward kept gathered for a backward that never came (its
+        if not self._backward.open:  # what a forward kept gathered for a backward that never came (its
             self._free_all()  # loss raised, reshard_after_forward=False); a backward re-gathers it
 
     # ------------------------------------------------------------------ state

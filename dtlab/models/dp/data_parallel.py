@@ -13,6 +13,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core import pairs
+from dtlab.core.backward import BackwardPass
 from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.shard_index import new_state
@@ -60,9 +61,7 @@ class DataParallelModel(OptimizerTarget):
         self.broadcast_buffers = bool(broadcast_buffers)
         self._name_of = {id(p): n for n, p in self._trainable}
         self._sync = True
-        self._in_backward = False
-        #: a backward pass raised after some gradient hooks ran: the gradients are partial until zero_grad()
-        self._raised_backward = False
+        self._backward = BackwardPass()  # open from the first gradient hook; raised partway: partial grads
         self._backward_synced = False  # whether the last backward started synchronized
         self._grads_synced = False
         self._optimizer_ref: AttachedOptimizer | None = None
@@ -128,20 +127,18 @@ class DataParallelModel(OptimizerTarget):
 
     def _begin_backward(self) -> None:
         """First gradient hook of a backward pass: queue the end-of-backward flush once."""
-        if self._in_backward:
+        if not self._backward.begin(self._end_backward_guarded):
             return
-        self._in_backward = True
         self._backward_synced = self._sync
         if self._sync:  # a no_sync() backward reduces nothing: not a step for the reducer
             self._reducer.start_step()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_guarded)  # noqa: SLF001 - torch's way to run after the whole backward (as torch DDP does)
 
     def _end_backward_guarded(self) -> None:
         synced = self._sync
         try:
             self._end_backward()
         finally:
-            self._in_backward = False
+            self._backward.end()
         if synced:
             self._after_synchronized()
 
@@ -178,25 +175,17 @@ class DataParallelModel(OptimizerTarget):
         open here, so the reductions it launched are waited for (every rank raised at the same point and
         launched the same ones), gathered units freed and per-step state cleared; the gradients stay
         partial until ``zero_grad()``."""
-        if self._in_backward and torch._C._current_graph_task_id() == -1:  # noqa: SLF001 - torch's query (torch.utils.checkpoint uses it): -1 outside any backward pass
-            self._in_backward = False
-            self._raised_backward = True
+        if self._backward.found_raised():
             self._abandon_backward()
             if self._backward_synced:  # a reducer keeping state across steps undoes that step or refuses
                 self._reducer.discard_step()
-        if self._raised_backward and refused is not None:
-            raise StrategyError(
-                f"{type(self).__name__} on rank {self.dp_backend.rank}: a backward pass raised partway (an "
-                "exception from an autograd Function, a tensor hook or an out-of-memory error in backward) "
-                "after some gradients were produced (and, outside no_sync(), some reduced), so the "
-                f"gradients are partial and {refused} is refused. Call opt.zero_grad() on every rank to "
-                "skip that batch, as plain training would, then go on with the next one"
-            )
+        produced = "some gradients were produced (and, outside no_sync(), some reduced)"
+        self._backward.refuse(f"{type(self).__name__} on rank {self.dp_backend.rank}", refused, produced)
 
     def _forget_raised_backward(self) -> None:
         """``zero_grad()``: a backward that raised is cleaned up and its partial gradients dropped."""
         self._check_backward_finished(None)
-        self._raised_backward = False
+        self._backward.forget()
 
     def _abandon_backward(self) -> None:
         """Wait for what a backward that raised launched and clear its per-step state."""

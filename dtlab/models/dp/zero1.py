@@ -89,7 +89,7 @@ class ZeRO1Model(DDPModel):
             self._grad_state = "averaged"
 
     def _begin_backward(self) -> None:
-        if not self._in_backward:
+        if not self._backward.open:
             if self._grad_state == "averaged":
                 raise StrategyError(
                     f"ZeRO1Model on rank {self.dp_backend.rank}: a backward pass started while the gradient "

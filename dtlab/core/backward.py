@@ -1,0 +1,62 @@
+"""Whether a backward pass that reached a strategy's gradient hooks finished or raised partway.
+
+Autograd runs a callback queued during a backward only when the whole pass succeeds. So a pass whose
+callback has not run, found outside any backward, raised partway: the gradients it produced are
+partial, and using them (a step, a reduction, the next backward adding into them) would carry part of
+a skipped batch. The data-parallel model strategies and ``AsyncSGDOptimizer`` keep one
+:class:`BackwardPass` each and refuse until ``zero_grad()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dtlab.errors import StrategyError
+
+__all__ = ["BackwardPass"]
+
+
+class BackwardPass:
+    """``open``: a backward reached the hooks and has not finished; ``raised``: one raised partway, and
+    the gradients stay partial until :meth:`forget`."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.raised = False
+
+    def begin(self, at_end: Callable[[], None]) -> bool:
+        """From a gradient hook: the first one of a pass queues ``at_end`` (which calls :meth:`end`)
+        and returns True; the later ones return False."""
+        if self.open:
+            return False
+        self.open = True
+        torch.autograd.Variable._execution_engine.queue_callback(at_end)  # noqa: SLF001 - torch's way to run after the whole backward (as torch DDP does)
+        return True
+
+    def end(self) -> None:
+        """The pass finished (its queued callback ran)."""
+        self.open = False
+
+    def found_raised(self) -> bool:
+        """True once for a pass found still open outside any backward: it raised partway."""
+        if self.open and torch._C._current_graph_task_id() == -1:  # noqa: SLF001 - torch's query (torch.utils.checkpoint uses it): -1 outside any backward pass
+            self.open, self.raised = False, True
+            return True
+        return False
+
+    def refuse(self, who: str, refused: str | None, produced: str = "some gradients were produced") -> None:
+        """Raise, naming ``refused`` (a forward, a step; None: refuse nothing), while the gradients are
+        partial; ``produced``: what the pass did before it raised."""
+        if self.raised and refused is not None:
+            raise StrategyError(
+                f"{who}: a backward pass raised partway (an exception from an autograd Function, a tensor "
+                f"hook or an out-of-memory error in backward) after {produced}, so the gradients are "
+                f"partial and {refused} is refused. Call opt.zero_grad() on every rank where it raised to "
+                "skip that batch, as plain training would, then go on with the next one"
+            )
+
+    def forget(self) -> None:
+        """``zero_grad()``: the partial gradients are dropped."""
+        self.raised = False
