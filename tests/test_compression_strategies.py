@@ -21,6 +21,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression import (
     QSGD,
+    CompressedReducer,
     Compressor,
     Dense,
     GaussianK,
@@ -221,3 +222,29 @@ def test_checkpoint_resume_keeps_residuals_and_remove_restores_the_reducer() -> 
         assert r["keys"] and r["same_residuals"] and r["same_params"]
         assert r["memory"]["compression_residuals"] > 0
         assert r["inner"] == "ZeRO2Optimizer" and r["reducer_back"] == "DenseReducer"
+
+
+def _statistics_per_step(backend: CommunicationBackend) -> list[tuple[int, int]]:
+    """A CompressedReducer set on the model itself (no GradientCompressionOptimizer restarting its step
+    after each opt.step()): reduce_accumulated_grads() starts a step, as a synchronized backward does."""
+    model = DDPModel(_net(), backend, bucket_cap_mb=0.002)
+    model.gradient_reducer = CompressedReducer(backend, TopkA(density=0.3), dense_below=0)
+    x, y = _data(backend.rank)
+    out = []
+    for sync in (False, False, True):
+        if sync:
+            nn.functional.cross_entropy(model(x), y).backward()
+        else:
+            with model.no_sync():
+                nn.functional.cross_entropy(model(x), y).backward()
+            model.reduce_accumulated_grads()
+        stats = model.gradient_reducer.step_statistics()
+        out.append((stats["calls"], stats["numel"]))
+        model.zero_grad_buffers()
+    return out
+
+
+def test_reduce_accumulated_grads_starts_a_step_of_the_reducer() -> None:
+    numel = sum(p.numel() for p in _net().parameters())
+    for res in run_world(2, _statistics_per_step, timeout=30):  # (calls, elements) of one step each
+        assert res[0] == res[1] == res[2] and res[0][0] > 1 and res[0][1] >= numel, res

@@ -9,6 +9,7 @@ import pytest
 import torch
 from filled import filled
 from test_strategies_helpers import (
+    IN,
     OPTIMIZERS,
     STRATEGIES,
     Block,
@@ -53,6 +54,7 @@ def _mlp(seed: int = 0) -> nn.Module:
 def _one_step_report(backend: CommunicationBackend, name: str) -> dict[str, Any]:
     kw: dict[str, Any] = {"wrap_policy": ModuleClassPolicy((nn.Linear,))} if name == "fsdp" else {}
     model = wrap(name, _mlp(), backend, **kw)
+    no_optimizer = model.memory_report()["optimizer_state"]
     opt = optimizer_for(name, model, "adamw")
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(backend.rank))
     backend.stats.reset()
@@ -63,7 +65,8 @@ def _one_step_report(backend: CommunicationBackend, name: str) -> dict[str, Any]
     opt.zero_grad()
     units = [u.numel for u in model.shard_units()]
     pieces = [b - a for u in model.shard_units() for _, a, b, _ in u.shard_slots()]
-    return {"report": opt.memory_report(), "sent": sent, "kinds": kinds, "units": units, "pieces": pieces}
+    out = {"report": opt.memory_report(), "sent": sent, "kinds": kinds, "units": units, "pieces": pieces}
+    return out | {"no_optimizer": no_optimizer}
 
 
 def test_memory_exact_and_bytes_match_cost_model() -> None:
@@ -75,6 +78,7 @@ def test_memory_exact_and_bytes_match_cost_model() -> None:
     for name in STRATEGIES:  # the four keys, plus buffers (docs/architecture.md, "Model strategies")
         keys = {"parameters", "gradients", "optimizer_state", "peak_gathered_parameters", "buffers"}
         assert set(res[name]["report"]) == keys, name
+        assert res[name]["no_optimizer"] == 0, name  # before an optimizer strategy is attached
     # DDP holds everything whole (buckets padded to a multiple of P: here no padding is needed)
     assert ddp["parameters"] == ddp["gradients"] == ddp["peak_gathered_parameters"] == grad_bytes
     assert ddp["optimizer_state"] == 2 * grad_bytes + 4 * 4  # exp_avg + exp_avg_sq + a step per param
@@ -142,9 +146,10 @@ def test_no_sync_accumulation_equals_one_large_batch() -> None:
                 assert gradient_bytes == 0, f"{name} communicated {gradient_bytes} bytes inside no_sync()"
 
 
-def _reduce_inside_no_sync(backend: CommunicationBackend, name: str) -> dict[str, torch.Tensor]:
+def _reduce_inside_no_sync(backend: CommunicationBackend, name: str) -> tuple[dict[str, torch.Tensor], bool]:
     """Both micro-batches' backward inside ``no_sync()``, then ``reduce_accumulated_grads()`` called
-    still inside it: the same step as a synchronized accumulation."""
+    still inside it: the same step as a synchronized accumulation, and ``param.grad`` refuses reads
+    where the reduced gradient stays sharded, as after a synchronized backward."""
     x, y = make_data(1, 16)
     model = wrap(name, make_module(), backend)
     opt = optimizer_for(name, model, "adamw")
@@ -155,15 +160,22 @@ def _reduce_inside_no_sync(backend: CommunicationBackend, name: str) -> dict[str
             xs, ys = x[0, lo : lo + local // 2], y[0, lo : lo + local // 2]
             (nn.functional.mse_loss(model(xs), ys) / 2).backward()
         model.reduce_accumulated_grads()
+    refused = []
+    for q in model.module.parameters():
+        try:
+            q.grad.sum()
+        except StrategyError:
+            refused.append(q)
     opt.step()
-    return model.full_state_dict()
+    return model.full_state_dict(), len(refused) == len(list(model.module.parameters()))
 
 
 def test_reduce_accumulated_grads_inside_no_sync_reduces_them() -> None:
     ref = train_reference("adamw", 1, 16)
     for name in STRATEGIES:
-        for state in run_world(2, _reduce_inside_no_sync, name, timeout=30):
+        for state, guarded in run_world(2, _reduce_inside_no_sync, name, timeout=30):
             assert max_rel_error(state, ref) <= 1e-5, name
+            assert guarded == (name != "ddp"), name
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -348,6 +360,10 @@ def _errors(backend: CommunicationBackend) -> None:
         FSDPModel(frozen, backend)
     model = ZeRO2Model(make_module(), backend)
     opt = ZeRO2Optimizer(model, torch.optim.AdamW, lr=0.1)
+    with pytest.raises(StrategyError, match=r"step\(\) found no synchronized gradients"):
+        opt.step()
+    model(torch.ones(2, IN)).sum().backward()
+    opt.zero_grad()  # the synchronized gradients are dropped: nothing to step on
     with pytest.raises(StrategyError, match=r"step\(\) found no synchronized gradients"):
         opt.step()
     with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer class"):

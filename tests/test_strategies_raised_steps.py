@@ -3,8 +3,9 @@ plain training over the same batches minus the bad one, for every data-parallel 
 with the exception raised partway through backward (a custom autograd Function, a tensor hook),
 partway through the forward, or in the loss function. After a backward raised partway the gradients
 are partial: forward, backward and step are refused until ``opt.zero_grad()``, as the error says
-(inside ``no_sync()`` too; under gradient compression until the reducer's state is cleared).
-ZeRO-3/FSDP free the units the raised step gathered (counted in bytes, exactly)."""
+(inside ``no_sync()`` too; under gradient compression until the reducer's state is cleared, when
+a buffer's reduction changed its state). What the raised backward launched is waited for before
+``zero_grad()`` returns. ZeRO-3/FSDP free the units the raised step gathered (counted in bytes, exactly)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from test_strategies_helpers import (
 )
 from torch import nn
 
-from dtlab.backends.base import CommunicationBackend
+from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.compression import TopkA
+from dtlab.core.reducer import DenseReducer
 from dtlab.errors import StrategyError
 from dtlab.optimizers import GradientCompressionOptimizer
 from dtlab.testing import run_world
@@ -69,6 +71,7 @@ def _skip_one(backend: CommunicationBackend, name: str, opt_name: str, case: str
             if case.startswith("backward"):  # partial gradients: refused until zero_grad()
                 with torch.no_grad():
                     model(x[0, mine])  # an evaluation forward is not refused (it reads no gradient)
+                out["parameters_after_eval"] = model.memory_report()["parameters"]  # and cleans up
                 for what, call in (("forward", lambda: model(x[0, mine])), ("step", opt.step)):
                     try:
                         call()
@@ -116,6 +119,8 @@ def test_a_caught_exception_skips_the_batch_like_plain_training(name: str, case:
                 assert res["parameters_at_rest"] == rest
                 if case != "backward_function" and case != "backward_hook":
                     assert res["parameters_after_raise"] == rest, (case, res["parameters_after_raise"], rest)
+                else:
+                    assert res["parameters_after_eval"] == rest, (case, res["parameters_after_eval"], rest)
                 assert res["parameters_recovered"] == rest, (case, res["parameters_recovered"], rest)
 
 
@@ -155,7 +160,8 @@ def test_units_kept_for_a_backward_that_never_came_are_reused_or_freed_by_zero_g
 
 def _accumulating(backend: CommunicationBackend, name: str) -> tuple[list[str], dict[str, torch.Tensor]]:
     """Gradient accumulation: the second micro-batch's backward raises partway inside ``no_sync()``;
-    refused until zero_grad(), then two steps of two micro-batches (one in no_sync(), one synchronized)."""
+    a forward and reduce_accumulated_grads() refused until zero_grad(), then two steps of two
+    micro-batches (one in no_sync(), one synchronized)."""
     x, y = make_data(STEPS, BATCH)
     module = make_module()
     trap = Trap()
@@ -171,10 +177,11 @@ def _accumulating(backend: CommunicationBackend, name: str) -> tuple[list[str], 
             loss(model(x[0, 2 * r + 1 : 2 * r + 2]), y[0, 2 * r + 1 : 2 * r + 2]).backward()
         trap.case = None
     refused = []
-    try:
-        model(x[0, :1])
-    except StrategyError as exc:
-        refused.append(str(exc))
+    for call in (lambda: model(x[0, :1]), model.reduce_accumulated_grads):
+        try:
+            call()
+        except StrategyError as exc:
+            refused.append(str(exc))
     opt.zero_grad()
     for step in (1, 2):
         for m in (0, 1):
@@ -199,12 +206,65 @@ def test_a_backward_raising_inside_no_sync_is_refused_until_zero_grad(name: str)
         opt.zero_grad()
     ref = {k: v.detach().clone() for k, v in module.state_dict().items()}
     for rank, (refused, state) in enumerate(run_world(2, _accumulating, name, timeout=30)):
-        assert len(refused) == 1 and "opt.zero_grad()" in refused[0], refused
+        assert len(refused) == 2 and all("opt.zero_grad()" in m for m in refused), refused
         err = max_rel_error(state, ref)
         assert err <= 1e-5, f"{name} rank {rank}: off by {err:.3g}"
 
 
-def _compressed(backend: CommunicationBackend, name: str, where: str) -> dict[str, Any]:
+class _CountedWork(Work):
+    def __init__(self, inner: Work, waited: list[Work]) -> None:
+        self.inner, self.waited = inner, waited
+
+    def wait(self) -> int | None:
+        self.waited.append(self)
+        return self.inner.wait()
+
+
+class _CountingReducer(DenseReducer):
+    """The strategies' own reduction, keeping every work it hands out and those waited for."""
+
+    def __init__(self, backend: CommunicationBackend) -> None:
+        super().__init__(backend)
+        self.launched: list[Work] = []
+        self.waited: list[Work] = []
+
+    def all_reduce(self, key: str, grad: torch.Tensor) -> Work:
+        return self._counted(super().all_reduce(key, grad))
+
+    def reduce_scatter(self, key: str, grad: torch.Tensor, shard: torch.Tensor) -> Work:
+        return self._counted(super().reduce_scatter(key, grad, shard))
+
+    def _counted(self, work: Work) -> Work:
+        self.launched.append(_CountedWork(work, self.waited))
+        return self.launched[-1]
+
+
+def _waited(backend: CommunicationBackend, name: str) -> tuple[int, int]:
+    """A backward raising partway: what it launched is waited for before zero_grad() returns (an
+    asynchronous engine would otherwise write the reduction into the buffers zero_grad() cleared)."""
+    x, y = make_data(STEPS, BATCH)
+    module = make_module()
+    trap = Trap()
+    module[1].register_forward_hook(trap.after_block)
+    model = wrap(name, module, backend, **_options(name))
+    model.gradient_reducer = reducer = _CountingReducer(backend)
+    opt = optimizer_for(name, model, "sgd")
+    trap.case = "backward_function"
+    with pytest.raises(BadBatch):
+        nn.functional.mse_loss(model(x[0, :2]), y[0, :2]).backward()
+    opt.zero_grad()
+    return len(reducer.launched), len({id(w) for w in reducer.waited})
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_what_a_raised_backward_launched_is_waited_for_by_zero_grad(name: str) -> None:
+    for launched, waited in run_world(2, _waited, name, timeout=30):
+        assert launched > 0 and waited == launched, (launched, waited)
+
+
+def _compressed(
+    backend: CommunicationBackend, name: str, where: str, momentum: float | None = None, dense_below: int = 0
+) -> dict[str, Any]:
     """Under gradient compression with error feedback, the buffers a raised backward already reduced
     changed their residuals: refused (naming clear_state() and the checkpoint) until clear_state(); a
     backward raising before any buffer was reduced (in the last layer) changes nothing and needs only
@@ -214,7 +274,10 @@ def _compressed(backend: CommunicationBackend, name: str, where: str) -> dict[st
     trap = Trap()
     module[1 if where == "block" else 3].register_forward_hook(trap.after_block)
     model = wrap(name, module, backend, **_options(name))
-    opt = GradientCompressionOptimizer(optimizer_for(name, model, "sgd"), TopkA(density=0.3), dense_below=0)
+    inner = optimizer_for(name, model, "sgd" if momentum is None else "sgd_plain")
+    opt = GradientCompressionOptimizer(
+        inner, TopkA(density=0.3), dense_below=dense_below, momentum_correction=momentum
+    )
     mine = slice(2 * backend.rank, 2 * backend.rank + 2)
     seen = []
     for step in range(STEPS):
@@ -245,3 +308,13 @@ def test_a_raised_backward_under_compression_is_refused_until_the_reducer_state_
         assert all("clear_state()" in m and "checkpoint" in m for m in res["seen"]), res["seen"]
     for res in run_world(2, _compressed, name, "last_layer", timeout=30):
         assert res["seen"] == [] and res["finite"]
+
+
+def test_a_raised_backward_over_dense_buffers_is_refused_only_under_momentum_correction() -> None:
+    """Buffers below ``dense_below`` go through the dense path: it keeps no state, so a backward raising
+    after one of them was reduced needs only zero_grad(), but with momentum correction the dense path
+    updated the buffer's velocity: refused until clear_state()."""
+    for res in run_world(2, _compressed, "ddp", "block", None, 10**6, timeout=30):
+        assert res["seen"] == [] and res["finite"], res["seen"]
+    for res in run_world(2, _compressed, "ddp", "block", 0.9, 10**6, timeout=30):
+        assert len(res["seen"]) == 1 and "clear_state()" in res["seen"][0] and res["finite"], res["seen"]

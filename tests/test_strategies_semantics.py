@@ -35,13 +35,19 @@ def _net(seed: int, width: int = 8) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------- construction, full state
-def _from_rank0(backend: CommunicationBackend, name: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _from_rank0(
+    backend: CommunicationBackend, name: str
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, Any]:
     model = wrap(name, _net(seed=10 + backend.rank), backend)  # every rank builds different values
     full = model.full_state_dict()
     model.eval()
     with torch.no_grad():
         out = model(torch.ones(4, 5))
-    return full, out
+        model.train()
+        model(torch.full((4, 5), float(backend.rank)))  # each rank's running statistics move apart
+        model.eval()
+        model(torch.ones(4, 5))  # every forward starts from rank 0's buffers
+    return full, out, model.module[1].running_mean.clone()
 
 
 def test_every_replica_starts_from_rank0_and_full_state_loads_into_a_plain_module() -> None:
@@ -50,7 +56,11 @@ def test_every_replica_starts_from_rank0_and_full_state_loads_into_a_plain_modul
     with torch.no_grad():
         expected_out = expected(torch.ones(4, 5))
     for name in STRATEGIES:
-        for rank, (full, out) in enumerate(run_world(3, _from_rank0, name, timeout=30)):
+        results = run_world(3, _from_rank0, name, timeout=30)
+        means = [r[2] for r in results]
+        assert not torch.equal(means[0], expected[1].running_mean), name  # the training forward moved it
+        assert all(torch.equal(m, means[0]) for m in means), f"{name}: buffers not rank 0's: {means}"
+        for rank, (full, out, _) in enumerate(results):
             assert list(full) == list(expected.state_dict()), f"{name}: keys differ from state_dict()"
             plain = _net(seed=99)
             plain.load_state_dict(full)  # strict: exactly the plain module's keys and shapes
@@ -306,7 +316,12 @@ def _rewrap(backend: CommunicationBackend) -> dict[str, Any]:
         else:
             model, opt = second, optimizer_for(name, second, "sgd_plain")
             torch.save(m, io.BytesIO())  # the owner's mark on the parameters does not stop pickling
-            calls = {"forward": partial(first, x), "step": opt1.step, "zero_grad": opt1.zero_grad}
+            calls = {
+                "forward": partial(first, x),
+                "step": opt1.step,
+                "zero_grad": opt1.zero_grad,
+                "reduce_accumulated_grads": first.reduce_accumulated_grads,
+            }
             for what, call in calls.items():
                 try:
                     call()
@@ -331,7 +346,7 @@ def test_a_module_wrapped_again_is_owned_by_the_newest_wrapper_or_refused() -> N
                 assert "already wrapped" in r.get("refused", ""), name
                 assert "full_state_dict()" in r["refused"] and "fresh module" in r["refused"], r["refused"]
                 continue
-            for what in ("forward", "step", "zero_grad"):
+            for what in ("forward", "step", "zero_grad", "reduce_accumulated_grads"):
                 msg = r.get(f"old_{what}", "")
                 assert "replaced by a newer wrapper of the same module" in msg, f"{name} {what}: {msg!r}"
                 assert "use the new one" in msg, msg

@@ -56,6 +56,12 @@ class HalveEvery:
         self.count = int(state_dict["count"])
 
 
+class LastLrAsList(HalveEvery):
+    """The rates kept in an attribute named like the method: not callable."""
+
+    get_last_lr = (0.1,)  # type: ignore[assignment]
+
+
 def _forgot_return(opt: torch.optim.Optimizer) -> Any:
     """A factory that builds the scheduler and forgets to return it (typed ``-> Any``: mypy would
     refuse a factory typed ``-> None``)."""
@@ -79,6 +85,11 @@ def test_what_is_not_a_scheduler_is_refused_when_the_trainer_is_built(tmp_path: 
         ArgumentTypeError, match=r"returned <SGD>, not an LR scheduler: it has no get_last_lr\(\)"
     ):
         check_scheduler(opt)
+    # get_last_lr as a list instead of a method: isinstance() of the Protocol only sees the name
+    with pytest.raises(
+        ArgumentTypeError, match=r"returned <LastLrAsList>, not an LR scheduler: it has no get_last_lr"
+    ):
+        check_scheduler(LastLrAsList(opt, 2))
     # an LRScheduler subclass, but its step needs a metric the Trainer does not pass
     with pytest.raises(ArgumentTypeError, match=r"ReduceLROnPlateau, whose step\(\) needs metrics"):
         check_scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
@@ -126,6 +137,8 @@ def test_rates_set_after_a_resume_are_what_the_scheduler_reports_and_schedules_f
     fresh_opt.step()
     fresh.step()
     assert fresh.get_last_lr() == pytest.approx([0.05 / 5])  # on from the new base rate
+    set_scheduler_rates(fresh, [], [0.01])  # no base rates given: only the last rates are set
+    assert fresh.state_dict()["base_lrs"] == [0.05] and fresh.get_last_lr() == [0.01]
     own = HalveEvery(_sgd(), 2)
     set_scheduler_rates(own, [0.05], [0.01])  # neither entry in its state: left as it is
     assert own.get_last_lr() == [0.1] and own.state_dict() == {"count": 0}
