@@ -165,8 +165,8 @@ ACCEPTED: dict[str, str] = {
         "differs only when the threshold needs all 50 steps, and the selection is valid either way"
     ),
     "dtlab/models/dp/data_parallel.py:const:self._backward_synced = False  # whether the last backward started synchronized": (  # noqa: E501
-        "the initial value is never read: _backward_synced is read only while _in_backward is set, and "
-        "the one place that sets _in_backward sets _backward_synced on the next line"
+        "the initial value is never read: _backward_synced is read only after a backward that began "
+        "and raised, and _begin_backward sets it right after beginning that backward"
     ),
     "dtlab/models/dp/data_parallel.py:const:self._guarded = False": (
         "_guarded left True makes the next forward run _release_guards again, which only drops "
