@@ -100,8 +100,14 @@ TESTS: dict[str, list[str]] = {
     "dtlab/optimizers/_sharded.py": _STRATEGY,
     "dtlab/optimizers/ddp.py": _STRATEGY,
     "dtlab/optimizers/elastic.py": ["tests/test_elastic_crash_points.py", "tests/test_elastic.py"],
+    "dtlab/core/backward.py": [
+        "tests/test_strategies_raised_steps.py",
+        "tests/test_async_sgd_raised.py",
+        "tests/test_compression_strategies.py::test_reduce_accumulated_grads_starts_a_step_of_the_reducer",
+    ],
     "dtlab/compression/reducer.py": [
         "tests/test_strategies_raised_steps.py",
+        "tests/test_compression_raised_steps.py",
         "tests/test_compression_strategies.py",
         "tests/test_compression_momentum.py",
     ],
