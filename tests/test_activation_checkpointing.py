@@ -10,6 +10,16 @@ from typing import Any
 
 import pytest
 import torch
+from steps import plain_steps
+from test_strategies_helpers import (
+    OPTIMIZERS,
+    STRATEGIES,
+    make_data,
+    make_module,
+    max_rel_error,
+    optimizer_for,
+    wrap,
+)
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import load_config
@@ -119,3 +129,54 @@ def test_trainer_switch_and_its_refusal() -> None:
     digits = ["model.name=digits_cnn", "data.dataset=digits", "strategy.activation_checkpointing=true"]
     with pytest.raises(ConfigError, match="each block of the built-in transformer"):
         load_config(overrides=[*base, *digits])  # before anything is built
+
+
+class _TorchCheckpoint(torch.nn.Module):
+    """The user's own ``torch.utils.checkpoint`` around one layer, reentrant or not."""
+
+    def __init__(self, inner: torch.nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def _checkpointed(where: int, reentrant: bool) -> torch.nn.Module:
+    module = make_module()
+    module[where] = _TorchCheckpoint(module[where], reentrant)  # type: ignore[index]
+    return module
+
+
+_PLACES = [(where, reentrant) for where in (1, 3) for reentrant in (True, False)]
+
+
+def _torch_checkpoint_runs(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
+    x, y = make_data(3, 8)
+    mine = slice(backend.rank * 4, backend.rank * 4 + 4)
+    out = {}
+    for name in STRATEGIES:
+        for where, reentrant in _PLACES:
+            small = {"bucket_cap_mb": 1e-4} if name in ("ddp", "zero1", "zero2") else {}  # several buckets
+            model = wrap(name, _checkpointed(where, reentrant), backend, **small)
+            opt = optimizer_for(name, model, "sgd_plain")
+            plain_steps(model, opt, zip(x[:, mine], y[:, mine], strict=True), torch.nn.functional.mse_loss)
+            out[f"{name} layer {where} reentrant={reentrant}"] = model.full_state_dict()
+    return out
+
+
+def test_torch_checkpoint_reentrant_or_not_trains_like_plain_under_every_strategy() -> None:
+    """A reentrant checkpoint runs its segment's backward as a backward of its own, which ends first: a
+    strategy must end its backward with the user's (around the last layer, the first gradients come
+    from inside the segment). Before, every strategy but FSDP refused it as unused parameters."""
+    x, y = make_data(3, 8)
+    want = {}
+    for where, reentrant in _PLACES:
+        module = _checkpointed(where, reentrant)
+        opt = torch.optim.SGD(module.parameters(), **OPTIMIZERS["sgd_plain"][1])
+        plain_steps(module, opt, zip(x, y, strict=True), torch.nn.functional.mse_loss)
+        want[(where, reentrant)] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for got in run_world(2, _torch_checkpoint_runs, timeout=120):
+        for key, state in got.items():
+            _, _, where, flag = key.split()
+            assert max_rel_error(state, want[(int(where), flag == "reentrant=True")]) < 1e-5, key

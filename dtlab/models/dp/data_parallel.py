@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core import pairs
@@ -56,6 +57,7 @@ class DataParallelModel(OptimizerTarget):
         self._owner = Ownership(type(self).__name__, module.parameters(), self.shards_at_rest)
         self._owner.check_free()
         self.register_forward_pre_hook(self._before_forward)
+        self.register_forward_hook(self._after_forward)
         self._reducer: GradientReducer = DenseReducer(backend, reduce_dtype)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -125,8 +127,21 @@ class DataParallelModel(OptimizerTarget):
         finally:
             self._sync = prev
 
+    def _after_forward(self, _m: nn.Module, _a: Any, out: Any) -> None:
+        """A hook on the outputs begins the backward where it starts: the end-of-backward flush is then
+        queued on the user's backward, not on a nested one (``checkpoint(..., use_reentrant=True)``
+        runs its segment's backward as a backward of its own, which ends first)."""
+        if torch.is_grad_enabled():
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._output_grad)
+
+    def _output_grad(self, _grad: torch.Tensor) -> None:
+        self._begin_backward()
+
     def _begin_backward(self) -> None:
-        """First gradient hook of a backward pass: queue the end-of-backward flush once."""
+        """An output's or a parameter's first gradient hook of a backward pass: queue the
+        end-of-backward flush once."""
         if not self._backward.begin(self._end_backward_guarded):
             return
         self._backward_synced = self._sync
