@@ -134,14 +134,10 @@ class DataParallelModel(OptimizerTarget):
         if torch.is_grad_enabled():
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._output_grad)
-
-    def _output_grad(self, _grad: torch.Tensor) -> None:
-        self._begin_backward()
+                    t.register_hook(lambda _grad: self._begin_backward())
 
     def _begin_backward(self) -> None:
-        """An output's or a parameter's first gradient hook of a backward pass: queue the
-        end-of-backward flush once."""
+        """A backward's first gradient hook (an output's or a parameter's): queue its end flush once."""
         if not self._backward.begin(self._end_backward_guarded):
             return
         self._backward_synced = self._sync
