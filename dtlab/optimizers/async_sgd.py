@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
-from dtlab.errors import ArgumentError, CollectiveTimeoutError, StrategyError
+from dtlab.errors import CollectiveTimeoutError, StrategyError
 from dtlab.models.dp.flat import FlatUnit
+from dtlab.optimizers._async_checks import check_arguments
 from dtlab.optimizers._async_comm import (
     ABORT,
     FINISH,
@@ -70,7 +71,7 @@ class AsyncSGDOptimizer:
         num_servers: int = 1,
         **optimizer_kwargs: Any,  # Any: optimizer_cls's own keywords
     ) -> None:
-        _check_arguments(backend, optimizer_cls, staleness, num_servers, optimizer_kwargs)
+        check_arguments(backend, optimizer_cls, staleness, num_servers, optimizer_kwargs)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise StrategyError("AsyncSGDOptimizer: the module has no trainable parameters")
@@ -377,32 +378,3 @@ class AsyncSGDOptimizer:
 
 def _p2p_bytes(backend: CommunicationBackend) -> tuple[int, int]:
     return backend.stats["send"].bytes_sent, backend.stats["recv"].bytes_received
-
-
-def _check_arguments(
-    backend: CommunicationBackend,
-    optimizer_cls: type[torch.optim.Optimizer],
-    staleness: int | None,
-    num_servers: int,
-    optimizer_kwargs: dict[str, Any],
-) -> None:
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise TypeError(
-            "AsyncSGDOptimizer takes a torch.optim.Optimizer class (e.g. torch.optim.SGD) and its keyword "
-            f"arguments, got {optimizer_cls!r}"
-        )
-    if "params" in optimizer_kwargs:
-        raise TypeError("AsyncSGDOptimizer: do not pass params=; each server optimizes its own shard")
-    bad = isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0
-    if staleness is not None and bad:
-        raise ArgumentError(
-            f"AsyncSGDOptimizer: staleness must be an int >= 0 (0: synchronous) or None (fully "
-            f"asynchronous), got {staleness!r}"
-        )
-    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
-        raise ArgumentError(f"AsyncSGDOptimizer: num_servers must be an int >= 1, got {num_servers!r}")
-    if num_servers >= backend.world_size:
-        raise ArgumentError(
-            f"AsyncSGDOptimizer: num_servers={num_servers} leaves no worker in a world of "
-            f"{backend.world_size} ranks; use at most {backend.world_size - 1} servers (or more ranks)"
-        )
