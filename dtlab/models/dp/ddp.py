@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.errors import StrategyError
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.flat import FlatUnit
@@ -124,6 +125,15 @@ class DDPModel(DataParallelModel):
     def _on_grad(self, param: nn.Parameter) -> None:
         self._begin_backward()
         i = self._slot_of[id(param)][0]
+        if self._sync and id(param) in self._ready[i]:  # its bucket may be averaged already: refuse
+            name = self._name_of[id(param)]
+            raise StrategyError(
+                f"{type(self).__name__} on rank {self.dp_backend.rank}: parameter {name!r} received its "
+                "gradient twice in one backward pass: it is used both inside and outside a "
+                "torch.utils.checkpoint(..., use_reentrant=True) segment, whose backward runs as a backward "
+                "of its own, so the second part would be added to an average already taken. Pass "
+                "use_reentrant=False (torch's recommended mode), or use dtlab's checkpoint_modules()"
+            )
         self._store_grad(i, param)
         if self._sync:
             self._ready[i].add(id(param))
