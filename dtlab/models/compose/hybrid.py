@@ -35,6 +35,7 @@ from dtlab.models.compose._meta_walk import MetaWalk
 from dtlab.models.compose._pipelined import PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._tied import TiedSync
+from dtlab.models.compose._tp_grads import TensorParallelGrads
 from dtlab.models.dp._materialize import MetaOptions, ParamInitFn, on_meta
 from dtlab.models.dp._sharded import GatherOptions
 from dtlab.models.dp.data_parallel import DataParallelModel
@@ -166,6 +167,8 @@ class HybridShardedModel(OptimizerTarget):
         if self._partial:
             dp.register_post_sync_hook(self._sum_partial)
         self._tied = TiedSync(layout.ties, layout.aliases, root, dp)  # weights tied across pipeline ranks
+        split = {n for n, pl in placements.items() if isinstance(pl, Shard) and dp.keeps_whole_grads}
+        self._tp_grads = TensorParallelGrads(dp, split if self.tp_group.world_size > 1 else set(), who)
         self._pipe = None
         if layout.schedule is not None:
             self._pipe = PipelineRun(
@@ -219,6 +222,7 @@ class HybridShardedModel(OptimizerTarget):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Without a pipeline: the data-parallel strategy's forward. With one: inference through every
         stage (no autograd across ranks), the output on every pp rank; training runs ``train_step``."""
+        self._tp_grads.release()
         if self._pipe is None:
             if torch.is_grad_enabled():
                 self._check_partial_fresh()
@@ -236,6 +240,7 @@ class HybridShardedModel(OptimizerTarget):
         """One step on ``(inputs, targets)`` (this dp rank's share); with a pipeline, its schedule (each
         micro-batch loss / m before backward), then the dp reduction (unless inside ``no_sync()``).
         Returns the batch's mean loss on every rank of the stage's pipeline."""
+        self._tp_grads.release()
         if self._pipe is None:
             return super().train_step(batch, loss_fn)
         inputs, targets = batch

@@ -1,0 +1,98 @@
+"""``param.grad`` of a tensor-parallel parameter refuses norms: the norm of a shard is not the norm of
+the gradient.
+
+Under DDP and ZeRO-1 with all-reduce, ``param.grad`` of a parameter split over ``tp`` is this rank's
+piece of the averaged gradient (a view of its bucket). Element-wise use is right on a piece (torch's
+``clip_grad_value_``, indexing, in-place writes, a copy), but torch's ``clip_grad_norm_`` over
+``model.parameters()`` would take each tp rank's partial norm: a norm that differs from one process's
+and a clip coefficient that differs between tp ranks, so their replicated parameters drift apart.
+After each synchronization such a ``param.grad`` is a :class:`TensorParallelGradient` wrapping that
+view: every operation runs on the view but a norm, which raises naming ``opt.clip_grad_norm_``. The
+model's next forward (or ``zero_grad()``) puts the view back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from dtlab.errors import StrategyError
+from dtlab.models.dp.data_parallel import DataParallelModel
+
+__all__ = ["TensorParallelGradient", "TensorParallelGrads"]
+
+_NORMS = {torch.ops.aten.linalg_vector_norm, torch.ops.aten.norm, torch.ops.aten._foreach_norm}  # noqa: SLF001 - torch's op namespace
+
+
+class TensorParallelGradient(torch.Tensor):
+    """A view of this rank's piece of a tp-split gradient that refuses norms (see the module docstring)."""
+
+    piece: torch.Tensor
+    message: str
+    __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl  # noqa: SLF001 - torch's API for a wrapper tensor subclass
+
+    @staticmethod
+    def __new__(cls, piece: torch.Tensor, message: str) -> TensorParallelGradient:
+        made = torch.Tensor._make_wrapper_subclass(  # noqa: SLF001 - torch's API for a wrapper tensor subclass
+            cls, piece.shape, dtype=piece.dtype, device=piece.device, requires_grad=False
+        )
+        out: TensorParallelGradient = made
+        out.piece, out.message = piece, message
+        return out
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        def unwrap(a: Any) -> Any:
+            if isinstance(a, TensorParallelGradient):
+                if func.overloadpacket in _NORMS:
+                    raise StrategyError(a.message)
+                return a.piece
+            return a
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"TensorParallelGradient({self.piece!r})"
+
+
+def _message(name: str, who: str) -> str:
+    return (
+        f"param.grad of {name!r} is this rank's tensor-parallel piece of the gradient under {who}: its "
+        "norm is not the gradient's, so torch.nn.utils.clip_grad_norm_(model.parameters(), ...) would clip "
+        "each tp rank by a different partial norm (a wrong step, replicated parameters drifting apart). "
+        "Clip with opt.clip_grad_norm_(max_norm) (the global norm over the whole mesh, as one process's), "
+        "or opt.clip_grad_value_(value); element-wise use of param.grad (clip_grad_value_, copies, "
+        "in-place writes) works on the piece"
+    )
+
+
+class TensorParallelGrads:
+    """Wraps the ``.grad`` of the tp-split parameters ``split`` after each synchronization of ``dp``
+    (where they are whole views: DDP, ZeRO-1 with all-reduce) and unwraps them on :meth:`release`."""
+
+    def __init__(self, dp: DataParallelModel, split: set[str], who: str) -> None:
+        self._params = [(n, p) for n, p in dp.trainable_parameters() if n in split]
+        self._who = who
+        self._wrapped: list[tuple[nn.Parameter, TensorParallelGradient]] = []
+        if self._params:
+            dp.register_post_sync_hook(self.guard)
+
+    def guard(self) -> None:
+        for name, p in self._params:
+            g = p.grad
+            if g is not None and type(g) is torch.Tensor:  # not a stand-in of a sharded gradient
+                wrapped = TensorParallelGradient(g, _message(name, self._who))
+                p.grad = wrapped
+                self._wrapped.append((p, wrapped))
+
+    def release(self) -> None:
+        """Before a forward: the views again (a ``.grad`` set since, or None, is left alone)."""
+        for p, wrapped in self._wrapped:
+            if p.grad is wrapped:
+                p.grad = wrapped.piece
+        self._wrapped.clear()

@@ -1,0 +1,160 @@
+"""A torch user's habits under tensor parallelism (tp=2 and dp2 x tp2, 4 in-memory ranks, DDPOptimizer
+and ZeRO1Optimizer): each equals one process on the global batch after 3 SGD steps, or is refused
+naming the fix. torch's ``clip_grad_norm_`` over ``model.parameters()`` under DDPOptimizer used to take
+each tp rank's partial norm (max abs error 4.3e-4 after 3 steps, tp ranks clipped differently); it is
+now refused naming ``opt.clip_grad_norm_``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dtlab.backends import Mesh
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models import TensorParallelModel
+from dtlab.models.tensor import ColwiseParallel, RowwiseParallel
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer
+from dtlab.testing import run_world
+
+STEPS, LR = 3, 0.1
+PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel(), "head": ColwiseParallel(gather_output=True)}
+
+
+class Net(nn.Module):
+    """A replicated input layer, a column/row-parallel block (optionally in a checkpoint) with a
+    residual, a column-parallel head gathering its output (optionally in a checkpoint)."""
+
+    def __init__(self, block: bool | None = None, last: bool | None = None) -> None:
+        super().__init__()
+        self.emb, self.fc1 = nn.Linear(8, 16), nn.Linear(16, 32)
+        self.fc2, self.head = nn.Linear(32, 16), nn.Linear(16, 4)
+        self.reentrant_block, self.reentrant_last = block, last
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        r = self.reentrant_block
+        h = h + (self.block(h) if r is None else checkpoint(self.block, h, use_reentrant=r))
+        r = self.reentrant_last
+        return self.head(h) if r is None else checkpoint(self.head, h, use_reentrant=r)
+
+
+def build(**kw: bool | None) -> Net:
+    net = Net(**kw)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return net
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, habit: str, dp: int = 1, c: int = 0) -> None:
+    """STEPS steps on this replica's part of each global batch, with one habit."""
+    sync: Callable[[], Any] = getattr(model, "no_sync", contextlib.nullcontext)
+    for s in range(STEPS):
+        x, y = (t.chunk(dp)[c] for t in data(s))
+        if habit == "accumulate":  # 2 micro-batches, the first inside no_sync()
+            with sync():
+                (F.cross_entropy(model(x[: len(x) // 2]), y[: len(y) // 2]) / 2).backward()
+            (F.cross_entropy(model(x[len(x) // 2 :]), y[len(y) // 2 :]) / 2).backward()
+        else:
+            if habit == "eval":  # inference between steps: eval() + no_grad(), then train()
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                model.train()
+            F.cross_entropy(model(x), y).backward()
+        if habit == "clip_value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        opt.step()
+        opt.zero_grad(set_to_none=habit != "zero_keep")
+
+
+def reference(habit: str, **kw: bool | None) -> dict[str, torch.Tensor]:
+    net = build(**kw)
+    train(net, torch.optim.SGD(net.parameters(), lr=LR), habit)
+    return net.state_dict()
+
+
+CASES: list[tuple[str, dict[str, bool | None]]] = [
+    ("plain", {"block": True}),  # reentrant checkpoint around the column/row-parallel block
+    ("plain", {"block": False}),
+    ("plain", {"last": True}),  # around the last (column-parallel) layer, whose gradients come first
+    ("eval", {}),
+    ("zero_keep", {}),  # zero_grad(set_to_none=False)
+    ("accumulate", {}),
+]
+
+
+def habits_world(backend: CommunicationBackend, shape: dict[str, int]) -> dict[str, Any]:
+    mesh = Mesh(backend, shape)
+    dp, c = mesh.size("dp"), mesh.coordinate("dp")
+    out: dict[str, Any] = {}
+    for strategy in (DDPOptimizer, ZeRO1Optimizer):
+        for habit, kw in CASES:
+            model = TensorParallelModel(build(**kw), mesh, plan=PLAN)
+            train(model, strategy(model, torch.optim.SGD, lr=LR), habit, dp, c)
+            out[f"{strategy.__name__}/{habit}/{kw}"] = model.full_state_dict()
+    # clipping under DDPOptimizer: torch's clip_grad_value_ is element-wise, right on each piece
+    model = TensorParallelModel(build(), mesh, plan=PLAN)
+    train(model, DDPOptimizer(model, torch.optim.SGD, lr=LR), "clip_value", dp, c)
+    out["clip_value"] = model.full_state_dict()
+    # torch's clip_grad_norm_ would take this rank's partial norm: refused; opt.clip_grad_norm_ is right
+    model = TensorParallelModel(build(), mesh, plan=PLAN)
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    x, y = (t.chunk(dp)[c] for t in data(0))
+    F.cross_entropy(model(x), y).backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        out["torch_norm"] = "ran"
+    except StrategyError as exc:
+        out["torch_norm"] = str(exc)
+    grad = model.module.fc1.weight.grad
+    assert grad is not None
+    out["piece"] = (tuple(grad.shape), float(grad[0, 0]), grad.clone().shape)  # element-wise use works
+    out["norm"] = float(opt.clip_grad_norm_(0.05))
+    opt.step()
+    out["clipped"] = model.full_state_dict()
+    return out
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
+    err = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert err <= 1e-5, f"{where}: max abs error {err:.2e}"
+
+
+def test_torch_habits_equal_one_process_or_are_refused() -> None:
+    torch.set_num_threads(1)
+    refs = {f"{h}/{kw}": reference(h, **kw) for h, kw in CASES}
+    clip_value = reference("clip_value")
+    net = build()
+    x, y = data(0)
+    F.cross_entropy(net(x), y).backward()
+    want_norm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05))
+    torch.optim.SGD(net.parameters(), lr=LR).step()
+    for shape in ({"tp": 2}, {"dp": 2, "tp": 2}):
+        world = 2 * shape.get("dp", 1)
+        for rank, out in enumerate(run_world(world, habits_world, shape, timeout=120)):
+            where = f"{shape} rank {rank}"
+            for name in (DDPOptimizer.__name__, ZeRO1Optimizer.__name__):
+                for case, ref in refs.items():
+                    _close(out[f"{name}/{case}"], ref, f"{where} {name}/{case}")
+            _close(out["clip_value"], clip_value, f"{where} clip_grad_value_")
+            assert "opt.clip_grad_norm_" in out["torch_norm"], f"{where}: {out['torch_norm']}"
+            assert out["piece"][0] == out["piece"][2] == (16, 16), where
+            assert abs(out["norm"] - want_norm) <= 1e-5 * want_norm, f"{where}: {out['norm']} != {want_norm}"
+            _close(out["clipped"], net.state_dict(), f"{where} opt.clip_grad_norm_")
