@@ -59,7 +59,8 @@ def sharded_grad_message(name: str, model: str, optimizer: str) -> str:
         "torch.optim.AdamW(model.parameters(), lr=...)) (it takes your torch optimizer and its param "
         "groups). A backward pass whose forward did not run before it through the model strategy "
         "(the wrapped module called directly) reaches this too: call the wrapper, or opt.zero_grad() "
-        "after opt.step()"
+        "after opt.step(); so does a second backward over one forward (after backward(retain_graph=True)): "
+        "add the losses and call backward() once per forward"
     )
 
 

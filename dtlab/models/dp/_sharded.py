@@ -17,6 +17,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
+from dtlab.models.dp._grad_call import autograd_grad_message, grads_returned
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
 from dtlab.models.dp._sharded_units import GroupHooks, ShardUnit, UnitGatherer, UnitPlan
@@ -151,6 +152,8 @@ class ShardedModel(DataParallelModel):
         return self._at_rest.pack(t, self.observe_activation)
 
     def _begin_backward(self) -> None:
+        if not self._backward.open and grads_returned(p for _, p in self._trainable):
+            raise StrategyError(autograd_grad_message(type(self).__name__, self.dp_backend.rank))
         if not self._backward.open:
             self._at_rest.set_busy(True)
         super()._begin_backward()

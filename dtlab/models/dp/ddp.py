@@ -15,6 +15,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import StrategyError
+from dtlab.models.dp._grad_call import fills_grads
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.flat import FlatUnit
@@ -121,6 +122,14 @@ class DDPModel(DataParallelModel):
         for unit, buf in zip(self._units, self._grad_bufs, strict=True):
             for q, view in zip(unit.params, unit.views(buf), strict=True):
                 q.grad = view
+
+    def _fills_no_grads(self) -> bool:
+        """A backward beginning that fills no ``.grad`` (``torch.autograd.grad``): nothing to reduce."""
+        return not self._backward.open and not fills_grads(p for _, p in self._trainable)
+
+    def _begin_backward(self) -> None:
+        if not self._fills_no_grads():  # a gradient penalty's autograd.grad pass is not synchronized
+            super()._begin_backward()
 
     def _on_grad(self, param: nn.Parameter) -> None:
         self._begin_backward()

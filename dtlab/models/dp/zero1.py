@@ -89,14 +89,17 @@ class ZeRO1Model(DDPModel):
             self._grad_state = "averaged"
 
     def _begin_backward(self) -> None:
+        if self._fills_no_grads():  # torch.autograd.grad: nothing to reduce, the buckets untouched
+            return
         if not self._backward.open:
             if self._grad_state == "averaged":
                 raise StrategyError(
                     f"ZeRO1Model on rank {self.dp_backend.rank}: a backward pass started while the gradient "
                     "buckets hold the last synchronized (reduce-scattered) gradients and this model's "
-                    "forward did not run before it (was the wrapped module called directly?). Call "
-                    "opt.zero_grad() after opt.step(), run the forward through the ZeRO1Model, or pass "
-                    "gradient_sync='all_reduce'"
+                    "forward did not run before it (was the wrapped module called directly, or is it a "
+                    "second backward over one forward, after backward(retain_graph=True)?). Call "
+                    "opt.zero_grad() after opt.step(), run the forward through the ZeRO1Model, add the "
+                    "losses and call backward() once per forward, or pass gradient_sync='all_reduce'"
                 )
             self._grad_state = "local"
         super()._begin_backward()

@@ -1,0 +1,53 @@
+"""Whether the backward now running fills ``.grad``: ``torch.autograd.grad(...)`` does not.
+
+A gradient penalty takes ``torch.autograd.grad(loss, params, create_graph=True)`` first, then calls
+``backward()`` on a loss built from those gradients. The first pass fills no ``.grad`` (torch's engine
+hands the gradients back instead), so a data-parallel strategy has nothing to reduce in it; the
+second pass is the one that accumulates, and the one to synchronize.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+__all__ = ["autograd_grad_message", "fills_grads", "grads_returned"]
+
+
+def _runs(p: torch.Tensor) -> bool | None:
+    """Whether the running backward accumulates into ``p.grad``; ``None`` inside ``torch.autograd.grad``
+    asked for ``p`` (torch's engine refuses the question for a leaf it hands a gradient back for)."""
+    will_run = torch._C._will_engine_execute_node  # noqa: SLF001 - torch's engine query (as its FSDP uses)
+    try:
+        return bool(will_run(get_gradient_edge(p).node))
+    except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()"
+        return None
+
+
+def fills_grads(params: Iterable[torch.Tensor]) -> bool:
+    """Called inside a backward: whether it accumulates into the ``.grad`` of any of ``params``
+    (``False`` inside ``torch.autograd.grad``)."""
+    for p in params:
+        if p.requires_grad:  # one frozen after wrapping is refused elsewhere, naming requires_grad
+            runs = _runs(p)
+            if runs is None or runs:
+                return bool(runs)
+    return False
+
+
+def grads_returned(params: Iterable[torch.Tensor]) -> bool:
+    """Called inside a backward: whether it is ``torch.autograd.grad(..., params)`` (any of them)."""
+    return any(p.requires_grad and _runs(p) is None for p in params)
+
+
+def autograd_grad_message(model: str, rank: int) -> str:
+    """The refusal of ``torch.autograd.grad`` through a strategy that gathers its parameters per use."""
+    return (
+        f"{model} on rank {rank}: torch.autograd.grad() asked for gradients of the model's parameters (a "
+        "gradient penalty?). It fills no .grad, and this strategy's parameters are gathered for one "
+        "backward and freed, so a second backward through create_graph=True gradients cannot reach them. "
+        "Use DDPModel, ZeRO1Model or ZeRO2Model for gradient penalties (they skip the autograd.grad pass "
+        "and synchronize the backward() after it), or compute the gradient with loss.backward()"
+    )

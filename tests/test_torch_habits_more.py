@@ -1,0 +1,172 @@
+"""More torch habits under DDP, ZeRO-1/2/3 and FSDP on 2 in-memory ranks: each equals one process on
+the global batch, or stops with an error naming the fix. Habits: a gradient penalty
+(``torch.autograd.grad(..., create_graph=True)`` then ``backward()``), two backward passes over one
+forward (``retain_graph=True``), the module called twice per step (through the wrapper, or inside its
+own forward), ``zero_grad(set_to_none=False)``, an evaluation forward between steps, training in
+``eval()`` mode, param groups with their own lr and weight decay, ``model.load_state_dict`` mid-run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from filled import filled
+from test_strategies_helpers import (
+    HIDDEN,
+    IN,
+    OUT,
+    STRATEGIES,
+    Block,
+    make_data,
+    make_module,
+    max_rel_error,
+    wrap,
+)
+from torch import nn
+from torch.nn import functional as F
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
+from dtlab.testing import run_world
+
+STEPS, GLOBAL_BATCH = 3, 8
+HALVES = [slice(0, GLOBAL_BATCH // 2), slice(GLOBAL_BATCH // 2, GLOBAL_BATCH)]
+Model = Any
+Params = Callable[[], list[torch.Tensor]]
+
+
+class Twice(nn.Module):
+    """One block applied twice in its own forward (its parameters are used twice per step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = Block(HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blk(self.blk(x))
+
+
+def module_for(habit: str) -> nn.Module:
+    if habit == "twice_inside":
+        return filled(nn.Sequential(nn.Linear(IN, HIDDEN), Twice(), nn.Linear(HIDDEN, OUT)), 0, scale=0.4)
+    return make_module()
+
+
+def optimizer(habit: str, named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    if habit != "groups":
+        return torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if n.endswith("weight")], "lr": 0.02, "weight_decay": 0.3},
+            {"params": [p for n, p in named if n.endswith("bias")], "lr": 0.005, "weight_decay": 0.0},
+        ],
+        lr=0.01,
+    )
+
+
+def penalized(model: Model, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(model(x), y)
+    grads = torch.autograd.grad(loss, params(), create_graph=True)
+    return loss + 0.1 * sum((g**2).sum() for g in grads)
+
+
+def one_step(
+    habit: str, model: Model, params: Params, x: torch.Tensor, y: torch.Tensor, parts: list[slice]
+) -> None:
+    """One step's backward over ``parts`` of the batch (one per rank; the reference sums the ranks')."""
+    n = len(parts)
+    if habit == "penalty":  # each rank's penalty is on its own gradient, as under torch DDP
+        (sum(penalized(model, params, x[p], y[p]) for p in parts) / n).backward()
+    elif habit == "siamese":
+        for p in parts:
+            (F.mse_loss(model(x[p]) * model(x[p] * 0.5), y[p]) / n).backward()
+    elif habit == "retain":
+        loss = sum(F.mse_loss(model(x[p]), y[p]) for p in parts) / n
+        loss.backward(retain_graph=True)
+        loss.backward()
+    else:
+        if habit == "eval_between":
+            model.eval()
+            with torch.no_grad():
+                model(x[parts[0]])
+            model.train()
+        if habit == "train_false":
+            model.train(False)
+        (sum(F.mse_loss(model(x[p]), y[p]) for p in parts) / n).backward()
+
+
+def train(habit: str, model: Model, opt: torch.optim.Optimizer, params: Params, parts: list[slice]) -> None:
+    xs, ys = make_data(STEPS, GLOBAL_BATCH)
+    for s in range(STEPS):
+        one_step(habit, model, params, xs[s], ys[s], parts)
+        opt.step()
+        opt.zero_grad(set_to_none=habit != "set_to_none_false")
+        if habit == "load_mid" and s == 0:
+            model.load_state_dict(make_module(7).state_dict())
+
+
+def reference(habit: str) -> dict[str, torch.Tensor]:
+    module = module_for(habit)
+    opt = optimizer(habit, list(module.named_parameters()))
+    train(
+        habit, module, opt, lambda: list(module.parameters()), HALVES if habit == "penalty" else [slice(None)]
+    )
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def case(backend: CommunicationBackend, habits: list[str]) -> dict[str, dict[str, Any]]:
+    """Every habit under every strategy on this rank: the full state, or the error it stopped with."""
+    torch.set_num_threads(1)
+    out: dict[str, dict[str, Any]] = {}
+    for habit in habits:
+        for name in STRATEGIES:
+            model = wrap(name, module_for(habit), backend)
+            ocls = {"ddp": DDPOptimizer, "zero1": ZeRO1Optimizer, "zero2": ZeRO2Optimizer}.get(
+                name, ZeRO3Optimizer
+            )
+            opt = ocls(model, optimizer(habit, list(model.module.named_parameters())))
+            try:
+                train(habit, model, opt, lambda m=model: list(m.parameters()), [HALVES[backend.rank]])
+                out.setdefault(habit, {})[name] = model.full_state_dict()
+            except StrategyError as e:
+                out.setdefault(habit, {})[name] = str(e)
+    return out
+
+
+def check(results: list[dict[str, dict[str, Any]]], habit: str, refused: dict[str, str]) -> None:
+    ref = reference(habit)
+    for rank, res in enumerate(results):
+        for name in STRATEGIES:
+            got, where = res[habit][name], f"{habit}/{name} rank {rank}"
+            if name in refused:
+                assert isinstance(got, str) and refused[name] in got, f"{where}: {got}"
+            else:
+                assert not isinstance(got, str), f"{where}: {got}"
+                assert max_rel_error(got, ref) <= 1e-5, where
+
+
+def test_gradient_penalty_and_two_backwards_per_forward() -> None:
+    """autograd.grad fills no .grad: DDP/ZeRO-1/2 skip it and synchronize the backward after it (they
+    refused it as 'no gradient' before); ZeRO-3/FSDP refuse it. retain_graph: DDP adds both passes as
+    torch does; the others refuse naming the fix."""
+    results = run_world(2, case, ["penalty", "retain"], timeout=60)
+    check(results, "penalty", {"zero3": "torch.autograd.grad() asked", "fsdp": "torch.autograd.grad() asked"})
+    again = "retain_graph=True"
+    check(results, "retain", {"zero1": again, "zero2": again, "zero3": again, "fsdp": again})
+
+
+def test_ordinary_habits_equal_one_process() -> None:
+    habits = [
+        "siamese",
+        "twice_inside",
+        "set_to_none_false",
+        "eval_between",
+        "train_false",
+        "groups",
+        "load_mid",
+    ]
+    results = run_world(2, case, habits, timeout=60)
+    for habit in habits:
+        check(results, habit, {})
