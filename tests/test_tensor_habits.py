@@ -2,7 +2,8 @@
 and ZeRO1Optimizer): each equals one process on the global batch after 3 SGD steps, or is refused
 naming the fix. torch's ``clip_grad_norm_`` over ``model.parameters()`` under DDPOptimizer used to take
 each tp rank's partial norm (max abs error 4.3e-4 after 3 steps, tp ranks clipped differently); it is
-now refused naming ``opt.clip_grad_norm_``."""
+now refused naming ``opt.clip_grad_norm_``. Also: eval() with dropout gives the plain module's output,
+and ``sum(p.numel() for p in model.parameters())`` counts this rank's pieces (full_state_dict: all)."""
 
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ class Net(nn.Module):
     """A replicated input layer, a column/row-parallel block (optionally in a checkpoint) with a
     residual, a column-parallel head gathering its output (optionally in a checkpoint)."""
 
-    def __init__(self, block: bool | None = None, last: bool | None = None) -> None:
+    def __init__(self, block: bool | None = None, last: bool | None = None, drop: float = 0.0) -> None:
         super().__init__()
+        self.drop = nn.Dropout(drop)
         self.emb, self.fc1 = nn.Linear(8, 16), nn.Linear(16, 32)
         self.fc2, self.head = nn.Linear(32, 16), nn.Linear(16, 4)
         self.reentrant_block, self.reentrant_last = block, last
 
     def block(self, h: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(h)))
+        return self.drop(self.fc2(F.gelu(self.fc1(h))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
@@ -48,7 +50,7 @@ class Net(nn.Module):
         return self.head(h) if r is None else checkpoint(self.head, h, use_reentrant=r)
 
 
-def build(**kw: bool | None) -> Net:
+def build(**kw: Any) -> Net:
     net = Net(**kw)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -129,6 +131,18 @@ def habits_world(backend: CommunicationBackend, shape: dict[str, int]) -> dict[s
     out["norm"] = float(opt.clip_grad_norm_(0.05))
     opt.step()
     out["clipped"] = model.full_state_dict()
+    # eval() with dropout: the plain module's eval output; train() reaches the module again
+    model = TensorParallelModel(build(drop=0.5), mesh, plan=PLAN)
+    model.eval()
+    with torch.no_grad():
+        out["eval_out"] = model(data(0)[0])
+    model.train()
+    out["train_again"] = model.module.drop.training
+    # counting parameters: this rank's pieces; the full count from full_state_dict()
+    out["count"] = (
+        sum(p.numel() for p in model.parameters()),
+        sum(v.numel() for v in model.full_state_dict().values()),
+    )
     return out
 
 
@@ -146,6 +160,11 @@ def test_torch_habits_equal_one_process_or_are_refused() -> None:
     F.cross_entropy(net(x), y).backward()
     want_norm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05))
     torch.optim.SGD(net.parameters(), lr=LR).step()
+    with torch.no_grad():
+        eval_out = build(drop=0.5).eval()(x)
+    n_full = sum(p.numel() for p in net.parameters())
+    split = ("fc1.weight", "fc1.bias", "fc2.weight", "head.weight", "head.bias")
+    want_local = n_full - sum(p.numel() // 2 for n, p in net.named_parameters() if n in split)
     for shape in ({"tp": 2}, {"dp": 2, "tp": 2}):
         world = 2 * shape.get("dp", 1)
         for rank, out in enumerate(run_world(world, habits_world, shape, timeout=120)):
@@ -158,3 +177,5 @@ def test_torch_habits_equal_one_process_or_are_refused() -> None:
             assert out["piece"][0] == out["piece"][2] == (16, 16), where
             assert abs(out["norm"] - want_norm) <= 1e-5 * want_norm, f"{where}: {out['norm']} != {want_norm}"
             _close(out["clipped"], net.state_dict(), f"{where} opt.clip_grad_norm_")
+            assert float((out["eval_out"] - eval_out).abs().max()) <= 1e-5 and out["train_again"], where
+            assert out["count"] == (want_local, n_full), f"{where}: {out['count']}"
