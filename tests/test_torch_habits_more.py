@@ -55,6 +55,8 @@ def module_for(habit: str) -> nn.Module:
 
 
 def optimizer(habit: str, named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    if habit == "add_group":  # the biases join after the first step
+        return torch.optim.SGD([p for n, p in named if n.endswith("weight")], lr=0.1, momentum=0.9)
     if habit != "groups":
         return torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9)
     return torch.optim.AdamW(
@@ -79,6 +81,13 @@ def one_step(
     n = len(parts)
     if habit == "penalty":  # each rank's penalty is on its own gradient, as under torch DDP
         (sum(penalized(model, params, x[p], y[p]) for p in parts) / n).backward()
+    elif habit == "input_grad":  # an adversarial step: the input's gradient, then the model's
+        advs = []
+        for p in parts:
+            xp = x[p].clone().requires_grad_(True)
+            (gx,) = torch.autograd.grad(F.mse_loss(model(xp), y[p]), xp)
+            advs.append((xp + 0.1 * gx.sign()).detach())
+        (sum(F.mse_loss(model(a), y[p]) for a, p in zip(advs, parts, strict=True)) / n).backward()
     elif habit == "siamese":
         for p in parts:
             (F.mse_loss(model(x[p]) * model(x[p] * 0.5), y[p]) / n).backward()
@@ -105,6 +114,13 @@ def train(habit: str, model: Model, opt: torch.optim.Optimizer, params: Params, 
         opt.zero_grad(set_to_none=habit != "set_to_none_false")
         if habit == "load_mid" and s == 0:
             model.load_state_dict(make_module(7).state_dict())
+        if habit == "add_group" and s == 0:
+            named = list(getattr(model, "module", model).named_parameters())
+            opt.add_param_group({"params": [p for n, p in named if n.endswith("bias")], "lr": 0.03})
+        if habit == "add_group" and not hasattr(model, "module"):
+            # the strategies' zero_grad() clears every trainable parameter's gradient, torch's only its
+            # groups': one process matches them when it clears the rest too (docs/strategies.md)
+            model.zero_grad()
 
 
 def reference(habit: str) -> dict[str, torch.Tensor]:
@@ -151,8 +167,10 @@ def test_gradient_penalty_and_two_backwards_per_forward() -> None:
     """autograd.grad fills no .grad: DDP/ZeRO-1/2 skip it and synchronize the backward after it (they
     refused it as 'no gradient' before); ZeRO-3/FSDP refuse it. retain_graph: DDP adds both passes as
     torch does; the others refuse naming the fix."""
-    results = run_world(2, case, ["penalty", "retain"], timeout=60)
+    results = run_world(2, case, ["penalty", "input_grad", "retain"], timeout=60)
     check(results, "penalty", {"zero3": "torch.autograd.grad() asked", "fsdp": "torch.autograd.grad() asked"})
+    inputs = "torch.autograd.grad(loss, inputs)"
+    check(results, "input_grad", {"zero3": inputs, "fsdp": inputs})
     again = "retain_graph=True"
     check(results, "retain", {"zero1": again, "zero2": again, "zero3": again, "fsdp": again})
 

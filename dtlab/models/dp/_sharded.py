@@ -197,6 +197,16 @@ class ShardedModel(DataParallelModel):
         finally:
             self._free_all()
 
+    def _unused_error(self, missing: list[str]) -> StrategyError:
+        err = super()._unused_error(missing)
+        if len(missing) < len(self._trainable):
+            return err
+        return StrategyError(
+            f"{err}. No parameter got one: if this was torch.autograd.grad(loss, inputs) (an input "
+            f"gradient), {type(self).__name__} does not support it, its parameters being gathered for one "
+            "backward; DDPModel, ZeRO1Model and ZeRO2Model skip such a pass"
+        )
+
     def _flush(self, fill_missing: bool) -> None:
         missing = [
             self._name_of[id(q)] for st in self._units for q in st.unit.params if id(q) not in st.ready
