@@ -81,6 +81,14 @@ def one_step(
     n = len(parts)
     if habit == "penalty":  # each rank's penalty is on its own gradient, as under torch DDP
         (sum(penalized(model, params, x[p], y[p]) for p in parts) / n).backward()
+    elif habit == "input_penalty":  # WGAN-GP's: the output's gradient in the input, kept in the graph
+        total = torch.zeros(())
+        for p in parts:
+            xp = x[p].clone().requires_grad_(True)
+            out = model(xp)
+            (gx,) = torch.autograd.grad(out.sum(), xp, create_graph=True)
+            total = total + F.mse_loss(out, y[p]) + 0.5 * ((gx.norm(dim=1) - 1) ** 2).mean()
+        (total / n).backward()
     elif habit == "input_grad":  # an adversarial step: the input's gradient, then the model's
         advs = []
         for p in parts:
@@ -127,7 +135,11 @@ def reference(habit: str) -> dict[str, torch.Tensor]:
     module = module_for(habit)
     opt = optimizer(habit, list(module.named_parameters()))
     train(
-        habit, module, opt, lambda: list(module.parameters()), HALVES if habit == "penalty" else [slice(None)]
+        habit,
+        module,
+        opt,
+        lambda: list(module.parameters()),
+        HALVES if habit in ("penalty", "input_penalty") else [slice(None)],
     )
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -167,10 +179,11 @@ def test_gradient_penalty_and_two_backwards_per_forward() -> None:
     """autograd.grad fills no .grad: DDP/ZeRO-1/2 skip it and synchronize the backward after it (they
     refused it as 'no gradient' before); ZeRO-3/FSDP refuse it. retain_graph: DDP adds both passes as
     torch does; the others refuse naming the fix."""
-    results = run_world(2, case, ["penalty", "input_grad", "retain"], timeout=60)
+    results = run_world(2, case, ["penalty", "input_grad", "input_penalty", "retain"], timeout=60)
     check(results, "penalty", {"zero3": "torch.autograd.grad() asked", "fsdp": "torch.autograd.grad() asked"})
     inputs = "torch.autograd.grad(loss, inputs)"
     check(results, "input_grad", {"zero3": inputs, "fsdp": inputs})
+    check(results, "input_penalty", {"zero3": inputs, "fsdp": inputs})
     again = "retain_graph=True"
     check(results, "retain", {"zero1": again, "zero2": again, "zero3": again, "fsdp": again})
 
