@@ -179,3 +179,38 @@ def test_torch_habits_equal_one_process_or_are_refused() -> None:
             _close(out["clipped"], net.state_dict(), f"{where} opt.clip_grad_norm_")
             assert float((out["eval_out"] - eval_out).abs().max()) <= 1e-5 and out["train_again"], where
             assert out["count"] == (want_local, n_full), f"{where}: {out['count']}"
+
+
+def pipeline_world(
+    backend: CommunicationBackend, torch_clip: bool
+) -> tuple[float | str, dict[str, torch.Tensor]]:
+    """pp=2 under DDP: one step of the built-in transformer clipped by torch's clip_grad_norm_ over
+    model.parameters() (each rank holds only its stage's: refused) or by opt.clip_grad_norm_."""
+    from hybrid_cases import hybrid_model
+    from test_tensor_helpers import batch
+
+    model = hybrid_model(backend, {"pp": 2}, "ddp", micro_batches=2)
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    model.train_step(batch(), model.cross_entropy)
+    try:
+        if torch_clip:
+            norm: float | str = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        else:
+            norm = float(opt.clip_grad_norm_(0.05))
+    except StrategyError as exc:
+        return str(exc), {}
+    opt.step()
+    return norm, model.full_state_dict()
+
+
+def test_torch_clip_grad_norm_on_a_pipeline_rank_is_refused() -> None:
+    """Before: each stage clipped by its own norm (0.091 and 0.230 against one process's 0.247)."""
+    from test_tensor_helpers import clip_reference
+
+    torch.set_num_threads(1)
+    want, net = clip_reference(2.0)
+    for rank, (norm, _) in enumerate(run_world(2, pipeline_world, True, timeout=60)):
+        assert isinstance(norm, str) and "opt.clip_grad_norm_" in norm, f"rank {rank}: {norm}"
+    for rank, (norm, state) in enumerate(run_world(2, pipeline_world, False, timeout=60)):
+        assert isinstance(norm, float) and abs(norm - want) <= 1e-5 * want, f"rank {rank}: {norm} != {want}"
+        _close(state, net.state_dict(), f"pp=2 rank {rank} opt.clip_grad_norm_")

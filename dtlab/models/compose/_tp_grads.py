@@ -1,14 +1,15 @@
-"""``param.grad`` of a tensor-parallel parameter refuses norms: the norm of a shard is not the norm of
-the gradient.
+"""``param.grad`` of a tensor-parallel parameter (of every parameter on a pipeline rank) refuses norms:
+the norm of a shard (of one stage's parameters) is not the norm of the gradient.
 
 Under DDP and ZeRO-1 with all-reduce, ``param.grad`` of a parameter split over ``tp`` is this rank's
 piece of the averaged gradient (a view of its bucket). Element-wise use is right on a piece (torch's
 ``clip_grad_value_``, indexing, in-place writes, a copy), but torch's ``clip_grad_norm_`` over
 ``model.parameters()`` would take each tp rank's partial norm: a norm that differs from one process's
 and a clip coefficient that differs between tp ranks, so their replicated parameters drift apart.
-After each synchronization such a ``param.grad`` is a :class:`TensorParallelGradient` wrapping that
-view: every operation runs on the view but a norm, which raises naming ``opt.clip_grad_norm_``. The
-model's next forward (or ``zero_grad()``) puts the view back.
+On a pipeline rank the same holds for every parameter: ``model.parameters()`` has gradients for this
+rank's stages only. After each synchronization such a ``param.grad`` is a
+:class:`TensorParallelGradient` wrapping that view: every operation runs on the view but a norm, which
+raises naming ``opt.clip_grad_norm_``. The model's next forward (or ``zero_grad()``) puts the view back.
 """
 
 from __future__ import annotations
@@ -60,11 +61,18 @@ class TensorParallelGradient(torch.Tensor):
         return f"TensorParallelGradient({self.piece!r})"
 
 
-def _message(name: str, who: str) -> str:
+def _message(name: str, who: str, staged: bool) -> str:
+    what = (
+        "on this pipeline rank, which holds only its stages' parameters: the norm over model.parameters() "
+        "misses the other stages', so torch.nn.utils.clip_grad_norm_(model.parameters(), ...) would clip "
+        "each stage by a different partial norm (a wrong step)"
+        if staged
+        else "this rank's tensor-parallel piece of the gradient: its norm is not the gradient's, so "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) would clip each tp rank by a different "
+        "partial norm (a wrong step, replicated parameters drifting apart)"
+    )
     return (
-        f"param.grad of {name!r} is this rank's tensor-parallel piece of the gradient under {who}: its "
-        "norm is not the gradient's, so torch.nn.utils.clip_grad_norm_(model.parameters(), ...) would clip "
-        "each tp rank by a different partial norm (a wrong step, replicated parameters drifting apart). "
+        f"param.grad of {name!r} under {who} is {what}. "
         "Clip with opt.clip_grad_norm_(max_norm) (the global norm over the whole mesh, as one process's), "
         "or opt.clip_grad_value_(value); element-wise use of param.grad (clip_grad_value_, copies, "
         "in-place writes) works on the piece"
@@ -72,12 +80,13 @@ def _message(name: str, who: str) -> str:
 
 
 class TensorParallelGrads:
-    """Wraps the ``.grad`` of the tp-split parameters ``split`` after each synchronization of ``dp``
-    (where they are whole views: DDP, ZeRO-1 with all-reduce) and unwraps them on :meth:`release`."""
+    """Wraps the ``.grad`` of the tp-split parameters ``split`` (all parameters where ``staged``: a
+    pipeline rank) after each synchronization of ``dp`` (where they are whole views: DDP, ZeRO-1 with
+    all-reduce) and unwraps them on :meth:`release`."""
 
-    def __init__(self, dp: DataParallelModel, split: set[str], who: str) -> None:
-        self._params = [(n, p) for n, p in dp.trainable_parameters() if n in split]
-        self._who = who
+    def __init__(self, dp: DataParallelModel, split: set[str], who: str, staged: bool) -> None:
+        self._params = [(n, p) for n, p in dp.trainable_parameters() if staged or n in split]
+        self._who, self._staged = who, staged
         self._wrapped: list[tuple[nn.Parameter, TensorParallelGradient]] = []
         if self._params:
             dp.register_post_sync_hook(self.guard)
@@ -86,7 +95,7 @@ class TensorParallelGrads:
         for name, p in self._params:
             g = p.grad
             if g is not None and type(g) is torch.Tensor:  # not a stand-in of a sharded gradient
-                wrapped = TensorParallelGradient(g, _message(name, self._who))
+                wrapped = TensorParallelGradient(g, _message(name, self._who, self._staged))
                 p.grad = wrapped
                 self._wrapped.append((p, wrapped))
 

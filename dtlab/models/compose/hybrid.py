@@ -167,8 +167,10 @@ class HybridShardedModel(OptimizerTarget):
         if self._partial:
             dp.register_post_sync_hook(self._sum_partial)
         self._tied = TiedSync(layout.ties, layout.aliases, root, dp)  # weights tied across pipeline ranks
-        split = {n for n, pl in placements.items() if isinstance(pl, Shard) and dp.keeps_whole_grads}
-        self._tp_grads = TensorParallelGrads(dp, split if self.tp_group.world_size > 1 else set(), who)
+        whole, tp_split = dp.keeps_whole_grads, self.tp_group.world_size > 1  # param.grad: views to guard
+        split = {n for n, pl in placements.items() if isinstance(pl, Shard) and whole and tp_split}
+        staged = self.pp_group.world_size > 1 and whole
+        self._tp_grads = TensorParallelGrads(dp, split, who, staged)
         self._pipe = None
         if layout.schedule is not None:
             self._pipe = PipelineRun(
