@@ -3,13 +3,15 @@ the global batch, or stops with an error naming the fix. Habits: a gradient pena
 (``torch.autograd.grad(..., create_graph=True)`` then ``backward()``), two backward passes over one
 forward (``retain_graph=True``), the module called twice per step (through the wrapper, or inside its
 own forward), ``zero_grad(set_to_none=False)``, an evaluation forward between steps, training in
-``eval()`` mode, param groups with their own lr and weight decay, ``model.load_state_dict`` mid-run."""
+``eval()`` mode, param groups with their own lr and weight decay, ``opt.add_param_group`` and
+``model.load_state_dict`` mid-run, ``backward(create_graph=True)``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from filled import filled
 from test_strategies_helpers import (
@@ -96,6 +98,8 @@ def one_step(
             (gx,) = torch.autograd.grad(F.mse_loss(model(xp), y[p]), xp)
             advs.append((xp + 0.1 * gx.sign()).detach())
         (sum(F.mse_loss(model(a), y[p]) for a, p in zip(advs, parts, strict=True)) / n).backward()
+    elif habit == "create_graph":  # torch warns of a reference cycle; the step is what counts here
+        (sum(F.mse_loss(model(x[p]), y[p]) for p in parts) / n).backward(create_graph=True)
     elif habit == "siamese":
         for p in parts:
             (F.mse_loss(model(x[p]) * model(x[p] * 0.5), y[p]) / n).backward()
@@ -188,6 +192,7 @@ def test_gradient_penalty_and_two_backwards_per_forward() -> None:
     check(results, "retain", {"zero1": again, "zero2": again, "zero3": again, "fsdp": again})
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_ordinary_habits_equal_one_process() -> None:
     habits = [
         "siamese",
@@ -196,7 +201,9 @@ def test_ordinary_habits_equal_one_process() -> None:
         "eval_between",
         "train_false",
         "groups",
+        "add_group",
         "load_mid",
+        "create_graph",
     ]
     results = run_world(2, case, habits, timeout=60)
     for habit in habits:

@@ -109,10 +109,12 @@ class FlatUnit:
             p.data = one.expand(s.shape)
 
     def grads_into(self, flat: torch.Tensor) -> None:
-        """Copy (``None`` -> zeros) every parameter's ``.grad`` into ``flat``; padding zeroed."""
-        for view, p in zip(self.views(flat), self.params, strict=True):
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-        flat[self.numel :].zero_()
+        """Copy (``None`` -> zeros) every parameter's ``.grad`` into ``flat``; padding zeroed. Values
+        only: under ``backward(create_graph=True)`` the gradients carry a graph the reduction drops."""
+        with torch.no_grad():
+            for view, p in zip(self.views(flat), self.params, strict=True):
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+            flat[self.numel :].zero_()
