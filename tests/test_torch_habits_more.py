@@ -126,6 +126,8 @@ def train(habit: str, model: Model, opt: torch.optim.Optimizer, params: Params, 
         opt.zero_grad(set_to_none=habit != "set_to_none_false")
         if habit == "load_mid" and s == 0:
             model.load_state_dict(make_module(7).state_dict())
+        if habit == "inner_load" and s == 0:  # the wrapped module's own load_state_dict
+            getattr(model, "module", model).load_state_dict(make_module(7).state_dict())
         if habit == "add_group" and s == 0:
             named = list(getattr(model, "module", model).named_parameters())
             opt.add_param_group({"params": [p for n, p in named if n.endswith("bias")], "lr": 0.03})
@@ -183,13 +185,17 @@ def test_gradient_penalty_and_two_backwards_per_forward() -> None:
     """autograd.grad fills no .grad: DDP/ZeRO-1/2 skip it and synchronize the backward after it (they
     refused it as 'no gradient' before); ZeRO-3/FSDP refuse it. retain_graph: DDP adds both passes as
     torch does; the others refuse naming the fix."""
-    results = run_world(2, case, ["penalty", "input_grad", "input_penalty", "retain"], timeout=60)
+    results = run_world(
+        2, case, ["penalty", "input_grad", "input_penalty", "retain", "inner_load"], timeout=60
+    )
     check(results, "penalty", {"zero3": "torch.autograd.grad() asked", "fsdp": "torch.autograd.grad() asked"})
     inputs = "torch.autograd.grad(loss, inputs)"
     check(results, "input_grad", {"zero3": inputs, "fsdp": inputs})
     check(results, "input_penalty", {"zero3": inputs, "fsdp": inputs})
     again = "retain_graph=True"
     check(results, "retain", {"zero1": again, "zero2": again, "zero3": again, "fsdp": again})
+    wrapper = "through the wrapper, model.load_state_dict(state)"
+    check(results, "inner_load", {"zero3": wrapper, "fsdp": wrapper})
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")

@@ -323,8 +323,10 @@ class ShardedModel(DataParallelModel):
         if freed:
             raise StrategyError(
                 f"{type(self).__name__}.load_state_dict(): parameters {freed[:3]} are sharded (empty tensors "
-                "on this rank between uses); load with model.load_sharded_state_dict(shards) or "
-                "dtlab.checkpoint (any world size, any data-parallel strategy)"
+                "on this rank between uses); load a full state dict through the wrapper, "
+                "model.load_state_dict(state) on every rank (not model.module.load_state_dict), or "
+                "shards with model.load_sharded_state_dict(shards) or dtlab.checkpoint (any world size, "
+                "any data-parallel strategy)"
             )
 
     def whole_state(self) -> dict[str, torch.Tensor]:
