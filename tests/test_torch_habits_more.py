@@ -100,6 +100,14 @@ def one_step(
         (sum(F.mse_loss(model(a), y[p]) for a, p in zip(advs, parts, strict=True)) / n).backward()
     elif habit == "create_graph":  # torch warns of a reference cycle; the step is what counts here
         (sum(F.mse_loss(model(x[p]), y[p]) for p in parts) / n).backward(create_graph=True)
+    elif (
+        habit == "target_no_grad"
+    ):  # a target from the same model under no_grad, between forward and backward
+        for p in parts:
+            out = model(x[p])
+            with torch.no_grad():
+                target = model(x[p] * 0.5)
+            (F.mse_loss(out, target + y[p]) / n).backward()
     elif habit == "siamese":
         for p in parts:
             (F.mse_loss(model(x[p]) * model(x[p] * 0.5), y[p]) / n).backward()
@@ -202,6 +210,7 @@ def test_gradient_penalty_and_two_backwards_per_forward() -> None:
 def test_ordinary_habits_equal_one_process() -> None:
     habits = [
         "siamese",
+        "target_no_grad",
         "twice_inside",
         "set_to_none_false",
         "eval_between",
