@@ -8,57 +8,22 @@ piece of the averaged gradient (a view of its bucket). Element-wise use is right
 and a clip coefficient that differs between tp ranks, so their replicated parameters drift apart.
 On a pipeline rank the same holds for every parameter: ``model.parameters()`` has gradients for this
 rank's stages only. After each synchronization such a ``param.grad`` is a
-:class:`TensorParallelGradient` wrapping that view: every operation runs on the view but a norm, which
-raises naming ``opt.clip_grad_norm_``. The model's next forward (or ``zero_grad()``) puts the view back.
+:class:`~dtlab.models.dp._grad_guard.GradientStandIn` wrapping that view: every operation runs on the
+view but a norm, which raises naming ``opt.clip_grad_norm_``. The model's next forward (or
+``zero_grad()``) puts the view back.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from dtlab.errors import StrategyError
+from dtlab.models.dp._grad_guard import GradientStandIn
 from dtlab.models.dp.data_parallel import DataParallelModel
 
-__all__ = ["TensorParallelGradient", "TensorParallelGrads"]
+__all__ = ["TensorParallelGrads"]
 
-_NORMS = {torch.ops.aten.linalg_vector_norm, torch.ops.aten.norm, torch.ops.aten._foreach_norm}  # noqa: SLF001 - torch's op namespace
-
-
-class TensorParallelGradient(torch.Tensor):
-    """A view of this rank's piece of a tp-split gradient that refuses norms (see the module docstring)."""
-
-    piece: torch.Tensor
-    message: str
-    __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl  # noqa: SLF001 - torch's API for a wrapper tensor subclass
-
-    @staticmethod
-    def __new__(cls, piece: torch.Tensor, message: str) -> TensorParallelGradient:
-        made = torch.Tensor._make_wrapper_subclass(  # noqa: SLF001 - torch's API for a wrapper tensor subclass
-            cls, piece.shape, dtype=piece.dtype, device=piece.device, requires_grad=False
-        )
-        out: TensorParallelGradient = made
-        out.piece, out.message = piece, message
-        return out
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        def unwrap(a: Any) -> Any:
-            if isinstance(a, TensorParallelGradient):
-                if func.overloadpacket in _NORMS:
-                    raise StrategyError(a.message)
-                return a.piece
-            return a
-
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
-
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        return f"TensorParallelGradient({self.piece!r})"
+_NORMS = frozenset({torch.ops.aten.linalg_vector_norm, torch.ops.aten.norm, torch.ops.aten._foreach_norm})  # noqa: SLF001 - torch's op namespace
 
 
 def _message(name: str, who: str, staged: bool) -> str:
@@ -85,17 +50,19 @@ class TensorParallelGrads:
     all-reduce) and unwraps them on :meth:`release`."""
 
     def __init__(self, dp: DataParallelModel, split: set[str], who: str, staged: bool) -> None:
-        self._params = [(n, p) for n, p in dp.trainable_parameters() if staged or n in split]
-        self._who, self._staged = who, staged
-        self._wrapped: list[tuple[nn.Parameter, TensorParallelGradient]] = []
+        #: each guarded parameter and its refusal, written once
+        self._params = [
+            (p, _message(n, who, staged)) for n, p in dp.trainable_parameters() if staged or n in split
+        ]
+        self._wrapped: list[tuple[nn.Parameter, GradientStandIn]] = []
         if self._params:
             dp.register_post_sync_hook(self.guard)
 
     def guard(self) -> None:
-        for name, p in self._params:
+        for p, message in self._params:
             g = p.grad
             if g is not None and type(g) is torch.Tensor:  # not a stand-in of a sharded gradient
-                wrapped = TensorParallelGradient(g, _message(name, self._who, self._staged))
+                wrapped = GradientStandIn(g, message, piece=g, refused=_NORMS)
                 p.grad = wrapped
                 self._wrapped.append((p, wrapped))
 

@@ -13,38 +13,65 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_map
 
 from dtlab.errors import StrategyError
 
-__all__ = ["ShardedGradient", "sharded_grad_message", "tensor_bytes"]
+__all__ = ["GradientStandIn", "ShardedGradient", "sharded_grad_message", "tensor_bytes"]
 
 
-class ShardedGradient(torch.Tensor):
-    """A ``param.grad`` that refuses every operation, naming the fix (see the module docstring)."""
+class GradientStandIn(torch.Tensor):
+    """A ``param.grad`` stand-in of the parameter's shape, dtype and device. Without ``piece`` it holds no
+    memory and refuses every operation; with one, every operation runs on ``piece`` but those in
+    ``refused`` (torch ops' overload packets). A refusal raises a StrategyError with ``message``, which
+    names the fix."""
 
+    piece: torch.Tensor | None
     message: str
-    __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl  # noqa: SLF001 - torch's API for a tensor subclass holding no storage
+    refused: frozenset[Any]
+    __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl  # noqa: SLF001 - torch's API for a wrapper tensor subclass
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, message: str) -> ShardedGradient:
-        made = torch.Tensor._make_wrapper_subclass(  # noqa: SLF001 - torch's API for a tensor subclass holding no storage
+    def __new__(
+        cls,
+        like: torch.Tensor,
+        message: str,
+        piece: torch.Tensor | None = None,
+        refused: frozenset[Any] = frozenset(),
+    ) -> GradientStandIn:
+        made = torch.Tensor._make_wrapper_subclass(  # noqa: SLF001 - torch's API for a wrapper tensor subclass
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
         )
-        out: ShardedGradient = made
-        out.message = message
+        out: GradientStandIn = made
+        out.piece, out.message, out.refused = piece, message, refused
         return out
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        leaves = tree_flatten((args, kwargs))[0]
-        found = next((a for a in leaves if isinstance(a, ShardedGradient)), None)
-        raise StrategyError(found.message if found is not None else "a sharded gradient was read")
+        def unwrap(a: Any) -> Any:
+            if isinstance(a, GradientStandIn):
+                if a.piece is None or func.overloadpacket in a.refused:
+                    raise StrategyError(a.message)
+                return a.piece
+            return a
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        return f"ShardedGradient(shape={tuple(self.shape)}, dtype={self.dtype}: {self.message})"
+        held = f"shape={tuple(self.shape)}, dtype={self.dtype}" if self.piece is None else repr(self.piece)
+        return f"{type(self).__name__}({held}: {self.message})"
+
+
+class ShardedGradient(GradientStandIn):
+    """Where a rank holds only a shard of the synchronized gradient: refuses every operation (see the
+    module docstring)."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, message: str) -> ShardedGradient:
+        out: ShardedGradient = GradientStandIn.__new__(cls, like, message)  # type: ignore[assignment]
+        return out
 
 
 def sharded_grad_message(name: str, model: str, optimizer: str) -> str:
