@@ -26,20 +26,27 @@ def _runs(p: torch.Tensor) -> bool | None:
         return None
 
 
-def fills_grads(params: Iterable[torch.Tensor]) -> bool:
-    """Called inside a backward: whether it accumulates into the ``.grad`` of any of ``params``
-    (``False`` inside ``torch.autograd.grad``)."""
+def _first_answer(params: Iterable[torch.Tensor]) -> bool | None:
+    """The first parameter's answer to :func:`_runs` that is not False (False: none): True in a backward
+    that accumulates, None inside ``torch.autograd.grad`` asked for that parameter. One answer settles
+    it: no ``.grad`` is accumulated inside ``torch.autograd.grad``, so both cannot occur in one pass."""
     for p in params:
         if p.requires_grad:  # one frozen after wrapping is refused elsewhere, naming requires_grad
             runs = _runs(p)
             if runs is None or runs:
-                return bool(runs)
+                return runs
     return False
+
+
+def fills_grads(params: Iterable[torch.Tensor]) -> bool:
+    """Called inside a backward: whether it accumulates into the ``.grad`` of any of ``params``
+    (``False`` inside ``torch.autograd.grad``)."""
+    return _first_answer(params) is True
 
 
 def grads_returned(params: Iterable[torch.Tensor]) -> bool:
     """Called inside a backward: whether it is ``torch.autograd.grad(..., params)`` (any of them)."""
-    return any(p.requires_grad and _runs(p) is None for p in params)
+    return _first_answer(params) is None
 
 
 def autograd_grad_message(model: str, rank: int) -> str:
