@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from time import perf_counter
+from typing import NoReturn, SupportsIndex
 
 import torch
 
@@ -23,7 +24,7 @@ from dtlab.backends._objects import ObjectExchange
 from dtlab.backends._p2p import PointToPoint
 from dtlab.backends.stats import CommStats
 from dtlab.backends.types import SUPPORTED_DTYPES, CompletedWork, P2POp, ReduceOp, Work
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, StrategyError
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -67,6 +68,18 @@ class CommunicationBackend(
         self._inline_checks = all(
             getattr(cls, name) is getattr(CommunicationBackend, name)
             for name in ("_check_tensor", "_check_op", "_check_reduce_scatter", "_check_all_gather")
+        )
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        """A backend is this rank's link to the others: ``copy.deepcopy`` or pickling (``torch.save``)
+        of an object holding one is refused, naming the values to copy instead."""
+        raise StrategyError(
+            f"{type(self).__name__} (rank {self.rank} of {self.world_size}) cannot be copied or pickled: "
+            "copy.deepcopy, AveragedModel or torch.save reached it through an object holding it (a module "
+            "a strategy rebuilt: ZeRO-3/FSDP units, tensor-parallel layers; a Mesh). Copy the values, not "
+            "the model: model.state_dict() (every rank calls it) gives the whole tensors; an EMA of them: "
+            "ema[k].lerp_(v, 1 - decay) for k, v in model.state_dict().items() after each step "
+            "(docs/porting.md, 'EMA / SWA / copying a wrapped model')"
         )
 
     # ------------------------------------------------------------------ identity (rank etc.: _engine.py)

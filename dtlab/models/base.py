@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol, SupportsIndex
 
 import torch
 from torch import nn
@@ -17,12 +17,12 @@ from dtlab.core.placement import Placement
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.shard_index import add_slice, new_state
 from dtlab.core.state import ShardedState
-from dtlab.errors import ArgumentError, CheckpointError
+from dtlab.errors import ArgumentError, CheckpointError, StrategyError
 
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit
 
-__all__ = ["AttachedOptimizer", "ModelStrategy", "OptimizerTarget"]
+__all__ = ["AttachedOptimizer", "ModelStrategy", "OptimizerTarget", "copy_refused"]
 
 
 class AttachedOptimizer(Protocol):
@@ -60,6 +60,31 @@ def _check_world(
             "build both on the same engine"
         )
     return world
+
+
+def copy_refused(who: str, rank: int, module_copies: bool) -> StrategyError:
+    """The error for a copy or a pickle (``copy.deepcopy``, ``AveragedModel(model)``, timm's
+    ``ModelEmaV2``, ``torch.save(model)``) of the wrapper ``who`` or of a module whose hooks belong to
+    it: the copy would share or duplicate rank ``rank``'s backend and the hooks feeding it.
+    ``module_copies``: ``model.module`` holds the whole parameters and no hook (DDP, ZeRO-1/2)."""
+    if module_copies:
+        fix = (
+            "copy the plain module instead: AveragedModel(model.module) or copy.deepcopy(model.module) "
+            "(whole parameters, the same on every rank, no hook of the wrapper); save with "
+            "torch.save(model.state_dict())"
+        )
+    else:
+        fix = (
+            "its module holds only this rank's part of the parameters, so average the whole weights: "
+            "ema = model.state_dict() on every rank, then after each step ema[k].lerp_(v, 1 - decay) for "
+            "k, v in model.state_dict().items(); or this rank's piece, model.sharded_state_dict() "
+            "(docs/porting.md, 'EMA / SWA / copying a wrapped model')"
+        )
+    return StrategyError(
+        f"{who} cannot be copied or pickled, nor its module (copy.deepcopy, "
+        "torch.optim.swa_utils.AveragedModel(model), timm's ModelEmaV2, torch.save(model)): the copy "
+        f"would share or duplicate rank {rank}'s communication backend and the hooks feeding it; {fix}"
+    )
 
 
 class ModelStrategy(nn.Module):
@@ -104,6 +129,14 @@ class ModelStrategy(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    #: whether ``module`` holds the whole parameters and no hook of the strategy (DDP, ZeRO-1/2): a
+    #: copy of it is a plain model
+    module_copies: ClassVar[bool] = False
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        """Copying or pickling the wrapper is refused, naming what to copy instead (:func:`copy_refused`)."""
+        raise copy_refused(type(self).__name__, self.world_backend.rank, self.module_copies)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

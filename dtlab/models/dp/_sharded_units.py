@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any, NoReturn, SupportsIndex, cast
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import StrategyError
+from dtlab.models.base import copy_refused
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp.flat import FlatUnit
 
@@ -190,6 +191,23 @@ class UnitGatherer:
         return cast(torch.Tensor, obj)
 
 
+class _GatherHook:
+    """One of :class:`GroupHooks`' module hooks, run eagerly under ``torch.compile`` (a graph break).
+    Copying or pickling the module it is on is refused: the copy would gather into these shards."""
+
+    __slots__ = ("fn", "group", "who")
+
+    def __init__(self, fn: Callable[..., Any], eager: bool, group: CommunicationBackend, who: str) -> None:
+        self.fn = torch.compiler.disable(fn) if eager else fn
+        self.group, self.who = group, who
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise copy_refused(self.who, self.group.rank, False)
+
+
 class GroupHooks:
     """Each group of ``at_rest`` gathered by its module's forward pre-hook and freed by its forward hook
     (``reshard_after_forward``), gathered again before its gradients are computed (a hook on the
@@ -219,10 +237,15 @@ class GroupHooks:
         they talk to the backend and swap parameter storage, which a compiled graph cannot do."""
         self.remove()
         self.for_compile = "torch._dynamo" in sys.modules
-        wrap: Callable[[Any], Any] = torch.compiler.disable if self.for_compile else (lambda fn: fn)
-        for gi, gmod in enumerate(self.at_rest.group_modules):
-            self._handles.append(gmod.register_forward_pre_hook(wrap(partial(self._pre_forward, gi))))
-            self._handles.append(gmod.register_forward_hook(wrap(partial(self._post_forward, gi))))
+        at = self.at_rest
+        for gi, gmod in enumerate(at.group_modules):
+            for register, fn in (
+                (gmod.register_forward_pre_hook, self._pre_forward),
+                (gmod.register_forward_hook, self._post_forward),
+            ):
+                self._handles.append(
+                    register(_GatherHook(partial(fn, gi), self.for_compile, at.group, at.who))
+                )
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -65,6 +65,7 @@ class DDPModel(DataParallelModel):
 
     strategy_name: ClassVar[str] = "ddp"
     keeps_whole_grads: ClassVar[bool] = True
+    module_copies: ClassVar[bool] = True
 
     def __init__(
         self,
