@@ -6,6 +6,7 @@ from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.optimizers.compression import GradientCompressionOptimizer as GradientCompressionOptimizer
 from dtlab.optimizers.ddp import DDPOptimizer
 from dtlab.optimizers.elastic import ElasticOptimizer
+from dtlab.optimizers.grad_scaler import GradScaler
 from dtlab.optimizers.registry import (
     OPTIMIZER_STRATEGIES,
     default_optimizer_strategy,
@@ -20,6 +21,7 @@ __all__ = [
     "DDPOptimizer",
     "DataParallelOptimizer",
     "ElasticOptimizer",
+    "GradScaler",
     "OPTIMIZER_STRATEGIES",
     "OptimizerStrategy",
     "ZeRO1Optimizer",

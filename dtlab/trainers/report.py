@@ -16,11 +16,11 @@ from dtlab.checkpoint.safe_files import replace_file
 from dtlab.core.plan import RunPlan
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.optimizers.grad_scaler import DynamicLossScaler
 from dtlab.trainers.construction import Construction
 from dtlab.trainers.guard import NonFiniteGuard
 from dtlab.trainers.metrics import clean
 from dtlab.trainers.run_view import Progress, RunCore
-from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.scheduler import LRSchedulerLike
 from dtlab.trainers.tasks import Task
 

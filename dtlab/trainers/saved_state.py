@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 from dtlab.checkpoint.validate import MAX_STEP, is_int
 from dtlab.errors import CheckpointError
+from dtlab.optimizers.grad_scaler import DynamicLossScaler
 from dtlab.trainers.feed import DataFeed
 from dtlab.trainers.guard import EarlyStopping, NonFiniteGuard
-from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.scheduler import LRSchedulerLike
 from dtlab.untrusted import summary
 

@@ -13,11 +13,11 @@ import torch
 
 from dtlab.backends.base import ReduceOp
 from dtlab.optimizers.base import OptimizerStrategy
+from dtlab.optimizers.grad_scaler import DynamicLossScaler
 from dtlab.trainers.guard import NonFiniteGuard
 from dtlab.trainers.labels import explain_loss_error
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.run_view import ForwardRun
-from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.scheduler import LRSchedulerLike
 
 __all__ = ["StepRun", "train_step"]

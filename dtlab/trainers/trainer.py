@@ -26,6 +26,7 @@ from dtlab.config import TrainConfig, check_world_size
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.lr_schedule import build_scheduler
 from dtlab.optimizers.elastic import ElasticMember
+from dtlab.optimizers.grad_scaler import DynamicLossScaler
 from dtlab.parallel_config import run_plan
 from dtlab.trainers.build import build_model, build_optimizer_strategy, precision_policy
 from dtlab.trainers.custom import task_from_objects
@@ -56,7 +57,6 @@ from dtlab.trainers.resume import (
 )
 from dtlab.trainers.rundir import open_metrics
 from dtlab.trainers.saved_state import check_saved_state
-from dtlab.trainers.scaler import DynamicLossScaler
 from dtlab.trainers.scheduler import (
     LRSchedulerLike,
     SchedulerFactory,
@@ -181,7 +181,7 @@ class Trainer:
         self.profiler = Profiler(backend.stats)
         self.step = 0
         self.start_step = 0
-        #: fp16: dynamic loss scaling agreed by every rank (trainers/scaler.py)
+        #: fp16: dynamic loss scaling agreed by every rank (optimizers/grad_scaler.py)
         self.scaler = DynamicLossScaler() if config.train.precision == "fp16" else None
         self.overflow_steps: list[int] = []
         if self.scaler is not None and not callable(getattr(self.model, "scale_grads_", None)):

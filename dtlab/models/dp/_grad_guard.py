@@ -5,7 +5,8 @@ shard of the averaged gradient inside the strategy, where torch's ``clip_grad_no
 optimizer reading ``param.grad`` would be silently wrong. ``param.grad`` is then a
 :class:`ShardedGradient` of the parameter's shape, dtype and device (``p.grad is not None`` and shape
 checks work) holding no memory, which refuses every operation naming the dtlab call that does it
-right. The model's next forward (or ``zero_grad()``) removes it.
+right. The model's next forward (or ``zero_grad()``) removes it. Every stand-in (the composition's too)
+refuses torch ``GradScaler``'s unscale, naming ``dtlab.optimizers.GradScaler``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ from torch.utils._pytree import tree_map
 from dtlab.errors import StrategyError
 
 __all__ = ["GradientStandIn", "ShardedGradient", "sharded_grad_message", "tensor_bytes"]
+
+
+_AMP_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_
+_AMP_MESSAGE = (
+    "torch.amp.GradScaler checks param.grad on this rank only, which here is part of the gradient (a "
+    "shard, a tensor-parallel piece or one pipeline stage's): an overflow elsewhere would go unseen, "
+    "ranks would step or skip apart and their loss scales drift. Use dtlab.optimizers.GradScaler, torch's "
+    "calls with every rank agreeing: scaler = GradScaler(init_scale=...); scaler.scale(loss).backward(); "
+    "scaler.unscale_(opt); opt.clip_grad_norm_(max_norm); scaler.step(opt); scaler.update()"
+)
 
 
 class GradientStandIn(torch.Tensor):
@@ -50,6 +61,9 @@ class GradientStandIn(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if func.overloadpacket is _AMP_UNSCALE:  # torch.amp.GradScaler: a check of this rank's part only
+            raise StrategyError(_AMP_MESSAGE)
+
         def unwrap(a: Any) -> Any:
             if isinstance(a, GradientStandIn):
                 if a.piece is None or func.overloadpacket in a.refused:
