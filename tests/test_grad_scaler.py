@@ -2,9 +2,10 @@
 clip, step, update) on 2 in-memory ranks equals one process running torch's GradScaler on the global
 batch, under DDP, ZeRO-1/2/3, FSDP, tensor parallelism (tp=2) and a pipeline (pp=2): the same weights
 after every step, the same scale sequence and the same skipped step, with an overflow in one
-parameter's gradient on rank 1 only (a rank checking its own part would step while the other skips).
-torch's own GradScaler is refused wherever a rank holds part of the gradient, naming
-dtlab.optimizers.GradScaler."""
+parameter's gradient on rank 1 only (under tp: in rank 1's piece; a rank checking its own part would
+step while the other skips). Clipping to 0.5 acts at every step (global norms 1.2 to 8.2), so the
+gradients must be unscaled before it. torch's own GradScaler is refused wherever a rank holds part of
+the gradient, naming dtlab.optimizers.GradScaler."""
 
 from __future__ import annotations
 
