@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from sync_bn_cases import compare as sync_bn_compare
+from sync_bn_cases import reference as sync_bn_reference
 from test_strategies_helpers import STRATEGIES, make_module, max_rel_error, wrap
 from torch import nn
 from torch_habits_cases import (
@@ -165,7 +167,7 @@ def test_all_habits_on_gloo(
     from dtlab.testing import spawn_world
 
     results = spawn_world(2, all_cases, backend="gloo", timeout=240)
-    sync_ref = grad_sync_reference()
+    sync_ref, bn_ref = grad_sync_reference(), sync_bn_reference(2)
     for rank, res in enumerate(results):
         for name in STRATEGIES:
             where = f"{name} on gloo, rank {rank}"
@@ -174,6 +176,9 @@ def test_all_habits_on_gloo(
             check_grad_sync(res[f"grad_sync/{name}"], sync_ref, where)
             check_counts(res[f"counts/{name}"], where)
             check_groups(res[f"groups/{name}/lambda"], grouped["lambda"], f"{where} lambda")
+        assert res["sync_bn/initialized"] is True
+        for name in ("ddp", "fsdp"):  # SyncBatchNorm: tests/test_sync_batchnorm.py
+            sync_bn_compare(res[f"sync_bn/{name}"], bn_ref, 2, f"{name} SyncBatchNorm on gloo, rank {rank}")
     # rank 0 evaluated alone while rank 1 had left: named after forward_wait_s (3 s), not 300 s
     alone = results[0]["one_rank_eval/zero3"]
     assert alone["named"] is True and alone["seconds"] < 10, alone

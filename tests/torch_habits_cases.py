@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from sync_bn_cases import distributed as sync_bn_case
 from test_strategies_helpers import STRATEGIES, make_data, make_module, wrap
 from torch import nn
 
@@ -304,6 +305,11 @@ def all_cases(backend: CommunicationBackend) -> dict[str, Any]:
         out[f"grad_sync/{name}"] = grad_sync_case(backend, name)
         out[f"counts/{name}"] = counts_case(backend, name)
         out[f"groups/{name}/lambda"] = groups_case(backend, name, "lambda")
+    # SyncBatchNorm with torch.distributed initialized: dtlab's sync replaces torch's (which would
+    # sync over WORLD, and on a CPU refuse to)
+    out["sync_bn/initialized"] = torch.distributed.is_initialized()
+    for name in ("ddp", "fsdp"):
+        out[f"sync_bn/{name}"] = sync_bn_case(backend, name)
     # last: rank 0's forward leaves an all-gather pending that nothing else may meet
     out["one_rank_eval/zero3"] = one_rank_eval_case(backend, "zero3", "rejoin")
     return out

@@ -38,6 +38,7 @@ from dtlab.models.compose._tied import TiedSync
 from dtlab.models.compose._tp_grads import TensorParallelGrads
 from dtlab.models.dp._materialize import MetaOptions, ParamInitFn, on_meta
 from dtlab.models.dp._sharded import GatherOptions
+from dtlab.models.dp._sync_bn import refuse_sync_batch_norm
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import BucketOptions
 from dtlab.models.dp.flat import FlatUnit
@@ -134,6 +135,8 @@ class HybridShardedModel(OptimizerTarget):
         seed = on_meta(module, init_seed, param_init_fn, who, "its part")  # None: not built on meta
         walk = None if seed is None else MetaWalk(who, module, seed, param_init_fn)
         layout = lay_out(who, module, mesh, tensor_plan, args, self.always_pipelined, walk is not None)
+        if layout.schedule is not None or mesh.size("tp") > 1:  # SyncBatchNorm syncs over dp alone
+            refuse_sync_batch_norm(module, who, "in a pipeline (one micro-batch's) or split over tp")
         options: dict[str, Any] = dict(kwargs)  # the strategy's own options, as its constructor takes them
         chosen_sync = options.get("gradient_sync") if data_parallel == "zero1" else None
         if data_parallel == "zero1":

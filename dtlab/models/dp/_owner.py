@@ -1,5 +1,6 @@
 """Which modules a data-parallel wrapper takes (:func:`check_module`), and which wrapper owns a module's
-parameters: the newest one, as torch users expect.
+parameters, and over whose group its ``nn.SyncBatchNorm`` layers synchronize: the newest one, as torch
+users expect.
 
 Each parameter carries a weak reference to the :class:`Ownership` of the wrapper that hooked it. A new
 wrapper of the same parameters takes them over: the old wrapper's gradient hooks are removed (so each
@@ -11,13 +12,13 @@ shard), so wrapping its module again is refused.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
+from dtlab.models.dp._sync_bn import DataParallelBatchNorm, sync_batch_norms
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -44,12 +45,15 @@ class _Mark:
 
 
 class Ownership:
-    """The claim of the wrapper ``who`` on ``params`` and the hooks it put on them."""
+    """The claim of the wrapper ``who`` (over ``group``) on ``module``'s parameters and the hooks it put
+    on them; its SyncBatchNorm layers are refused here if dtlab cannot synchronize them as asked."""
 
-    def __init__(self, who: str, params: Iterable[nn.Parameter], keeps_shards: bool) -> None:
+    def __init__(self, who: str, module: nn.Module, group: CommunicationBackend, keeps_shards: bool) -> None:
         self.who = who
         self.keeps_shards = keeps_shards
-        self._params = {id(p): p for p in params}
+        self._params = {id(p): p for p in module.parameters()}
+        self._group = group
+        self._batch_norms = sync_batch_norms(module, who)
         self._handles: list[RemovableHandle] = []
         #: the class name of the wrapper that took the parameters over (None: still the owner)
         self.replaced_by: str | None = None
@@ -80,9 +84,11 @@ class Ownership:
 
     def claim(self) -> None:
         """Take the parameters over (after :meth:`check_free`, which the wrapper calls before any change):
-        every previous owner's hooks are removed and it refuses use."""
+        every previous owner's hooks are removed and it refuses use; SyncBatchNorm syncs over our group."""
         for old in self._previous():
             old.give_up(self.who)
+        for bn in self._batch_norms:
+            vars(bn)["forward"] = DataParallelBatchNorm(bn, self._group)
         mark = _Mark(self)
         for p in self._params.values():
             setattr(p, _MARK, mark)

@@ -54,7 +54,7 @@ class DataParallelModel(OptimizerTarget):
             )
         #: the claim on the module's parameters: the newest wrapper of them owns them (claimed with the
         #: gradient hooks); a module another wrapper keeps sharded is refused here, before any change
-        self._owner = Ownership(type(self).__name__, module.parameters(), self.shards_at_rest)
+        self._owner = Ownership(type(self).__name__, module, backend, self.shards_at_rest)
         self._owner.check_free()
         self.register_forward_pre_hook(self._before_forward)
         self.register_forward_hook(self._after_forward)

@@ -1,0 +1,175 @@
+"""torch's ``nn.SyncBatchNorm`` under a data-parallel strategy: batch statistics over the strategy's
+data-parallel group through dtlab's collectives, so on every engine (in-memory, MPI, Gloo, NCCL).
+
+torch's own layer synchronizes only when ``torch.distributed`` is initialized (over its WORLD group or
+the ``process_group`` given, and only on GPUs); otherwise it is a local BatchNorm. The wrapper that
+owns the module (``_owner.py``: the newest) sets each layer's ``forward`` to a
+:class:`DataParallelBatchNorm` of its dp group: torch's forward with the statistics of the whole
+batch (one all-gather of each rank's mean, variance and count, as torch does, so ranks may hold
+unequal batches) and, in backward, one all-reduce of the sums of ``dy`` and ``dy * (x - mean)``.
+Evaluation runs torch's forward (running statistics, no communication), and nothing is synchronized
+twice when torch.distributed is initialized too. See docs/strategies.md, "BatchNorm and SyncBatchNorm".
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+
+__all__ = ["DataParallelBatchNorm", "refuse_sync_batch_norm", "sync_batch_norms"]
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if x.element_size() < 4 else x.dtype
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """Batch normalization over the batches of every rank of ``group`` (torch's ``sync_batch_norm``,
+    in plain tensor operations: torch's fused kernels exist for GPUs only)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        eps: float,
+        momentum: float,
+        group: CommunicationBackend,
+    ) -> torch.Tensor:
+        channels, acc = x.shape[1], _stats_dtype(x)
+        dims = [0, *range(2, x.dim())]
+        count = x.numel() // max(channels, 1)
+        local = torch.zeros(2 * channels + 1, dtype=acc, device=x.device)
+        if count:  # an empty batch takes part with a count of 0
+            var, mean = torch.var_mean(x.to(acc), dims, correction=0)
+            local = torch.cat([mean, var, local.new_full((1,), count)])
+        rows = torch.empty(group.world_size * local.numel(), dtype=acc, device=x.device)
+        group.all_gather(rows, local)
+        means, variances, counts = rows.view(group.world_size, -1).split([channels, channels, 1], dim=1)
+        total = float(counts.sum())
+        if total <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got {int(total)} over the "
+                f"{group.world_size} ranks of the data-parallel group (input size {list(x.shape)} here)"
+            )
+        mean = (counts * means).sum(0) / total
+        var = (counts * (variances + (means - mean) ** 2)).sum(0) / total
+        invstd = torch.rsqrt(var + eps)
+        with torch.no_grad():
+            if running_mean is not None and running_var is not None:
+                running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+                running_var.lerp_((var * total / (total - 1)).to(running_var.dtype), momentum)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.group, ctx.total = group, total
+        return _affine((x.to(acc) - _c(mean, x)) * _c(invstd, x), weight, bias).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        dims = [0, *range(2, x.dim())]
+        xmu, dy_ = x.to(mean.dtype) - _c(mean, x), dy.to(mean.dtype)
+        sums = torch.cat([dy_.sum(dims), (dy_ * xmu).sum(dims)])  # this rank's sum_dy, sum_dy_xmu
+        grad_w = grad_b = grad_x = None
+        if weight is not None:  # this rank's part, averaged with the other gradients by the strategy
+            grad_w = (sums[mean.numel() :] * invstd).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            grad_b = sums[: mean.numel()].to(weight.dtype, copy=True) if ctx.needs_input_grad[2] else None
+        if ctx.needs_input_grad[0]:  # every rank alike: the same graph (grad_b copied out of sums)
+            ctx.group.all_reduce(sums)
+            sum_dy, sum_dy_xmu = (sums / ctx.total).split(mean.numel())
+            scale = invstd if weight is None else invstd * weight.to(mean.dtype)
+            inner = dy_ - _c(sum_dy, x) - xmu * _c(invstd * invstd * sum_dy_xmu, x)
+            grad_x = (inner * _c(scale, x)).to(x.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _c(per_channel: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``per_channel`` shaped to broadcast over ``x``'s channel dimension."""
+    return per_channel.view(1, -1, *([1] * (x.dim() - 2)))
+
+
+def _affine(normed: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight is not None:
+        normed = normed * _c(weight.to(normed.dtype), normed)
+    return normed if bias is None else normed + _c(bias.to(normed.dtype), normed)
+
+
+class DataParallelBatchNorm:
+    """``bn.forward`` while a data-parallel strategy owns ``bn``: in training, torch's SyncBatchNorm
+    with its statistics over ``group``; otherwise (or ``group`` None: a module unpickled) torch's own."""
+
+    __slots__ = ("bn", "group")
+
+    def __init__(self, bn: nn.SyncBatchNorm, group: CommunicationBackend | None) -> None:
+        self.bn = bn
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        bn = self.bn
+        if self.group is None or not bn.training:
+            return nn.SyncBatchNorm.forward(bn, x)  # evaluation: no communication, as in torch
+        bn._check_input_dim(x)  # noqa: SLF001 - torch's own check of its layer
+        factor = 0.0 if bn.momentum is None else bn.momentum
+        if bn.track_running_stats and bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+            factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else factor
+        running = (bn.running_mean, bn.running_var) if bn.track_running_stats else (None, None)
+        if self.group.world_size == 1:
+            return F.batch_norm(x, *running, bn.weight, bn.bias, True, factor, bn.eps)
+        args = (x, bn.weight, bn.bias, *running, bn.eps, factor, self.group)
+        out: torch.Tensor = _SyncBatchNorm.apply(*args)  # type: ignore[no-untyped-call]
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DataParallelBatchNorm:
+        """A copy of the module (an EMA model) syncs over the same group, which is not copied."""
+        return DataParallelBatchNorm(copy.deepcopy(self.bn, memo), self.group)
+
+    def __reduce__(self) -> tuple[type[DataParallelBatchNorm], tuple[nn.SyncBatchNorm, None]]:
+        """Pickled (``torch.save(module)``) without the group: torch's own forward."""
+        return (DataParallelBatchNorm, (self.bn, None))
+
+
+def sync_batch_norms(module: nn.Module, who: str) -> list[nn.SyncBatchNorm]:
+    """The ``nn.SyncBatchNorm`` layers of ``module``; refuses one dtlab cannot synchronize as asked."""
+    found = []
+    for name, m in module.named_modules():
+        if not isinstance(m, nn.SyncBatchNorm):
+            continue
+        patched = m.__dict__.get("forward")
+        if type(m).forward is not nn.SyncBatchNorm.forward or not (
+            patched is None or isinstance(patched, DataParallelBatchNorm)
+        ):
+            raise StrategyError(
+                f"{who}: the nn.SyncBatchNorm {name!r} has its own forward ({type(m).__name__}); {who} "
+                "synchronizes SyncBatchNorm by running torch's forward with its statistics over the "
+                "data-parallel group, which would replace yours. Use nn.SyncBatchNorm itself"
+            )
+        if m.process_group is not None:
+            raise StrategyError(
+                f"{who}: the nn.SyncBatchNorm {name!r} was given a process_group; {who} computes its "
+                "statistics over the data-parallel group it was built on. Convert with "
+                "nn.SyncBatchNorm.convert_sync_batchnorm(model) (process_group=None)"
+            )
+        found.append(m)
+    return found
+
+
+def refuse_sync_batch_norm(module: nn.Module, who: str, why: str) -> None:
+    """Refuse ``nn.SyncBatchNorm`` in ``module`` where its statistics cannot be the batch's: ``why``."""
+    names = [n for n, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if names:
+        raise StrategyError(
+            f"{who}: {names[:3]} {'is an' if len(names) == 1 else 'are'} nn.SyncBatchNorm, whose "
+            f"statistics would not be the batch's {why}. dtlab synchronizes SyncBatchNorm under data "
+            "parallelism alone (DDPModel, ZeRO1/2/3Model, FSDPModel): use one of those, or nn.BatchNorm "
+            "(per-rank statistics)"
+        )
