@@ -49,6 +49,8 @@ def _expected(p: int, n_layers: int, sp: bool) -> dict[str, dict[str, int]]:
     all_reduce = 2 * (p - 1) * act // p  # ring all-reduce, per rank
     half = (p - 1) * act // p  # all-gather or reduce-scatter of the same tensor
     loss = 3 * [2 * (p - 1) * b * s * F32 // p]  # max, target logit, sum of exp: one scalar per position
+    # the tp ranks' agreement on the forward's inputs and on the loss's targets: 6 int64 each
+    loss += 2 * [2 * (p - 1) * 6 * 8 // p]
     if not sp:  # embedding forward, 4 per block (2 forward, 2 backward), the head's input in backward
         calls = [all_reduce] * (1 + 4 * n_layers + 1) + loss
         return {"all_reduce": {"calls": len(calls), "bytes_sent": sum(calls), "bytes_received": sum(calls)}}

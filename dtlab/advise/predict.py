@@ -18,6 +18,7 @@ from dtlab.advise.pipeline import StageShape, activation_peak, pipeline_ops, spl
 from dtlab.advise.precision import Precision
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions
 from dtlab.advise.steptime import (
+    add_batch_checks,
     collective,
     dp_wait,
     on_node,
@@ -273,6 +274,7 @@ def predict(
             for kind, (calls, nbytes) in one.items():
                 prev = ops.get(kind, (0, 0))
                 ops[kind] = (prev[0] + calls * c.micro_batches, prev[1] + nbytes * c.micro_batches)
+        add_batch_checks(ops, c.tp, passes)
         costs.append(cost)
         tp_ops.append(ops)
         stage_mem.append(Memory(cost.parameters, cost.gradients, cost.optimizer_state, acts.kept,

@@ -9,7 +9,15 @@ from dtlab.advise.pipeline import StageShape
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec
 from dtlab.advise.timing import AXIS_EXTENT, PassTimes, comm_seconds, inside_node, pass_times
 
-__all__ = ["collective", "dp_wait", "on_node", "rank_times", "recomputed_all_reduces", "tensor_parallel_ops"]
+__all__ = [
+    "add_batch_checks",
+    "collective",
+    "dp_wait",
+    "on_node",
+    "rank_times",
+    "recomputed_all_reduces",
+    "tensor_parallel_ops",
+]
 
 
 def tensor_parallel_ops(
@@ -44,6 +52,13 @@ def tensor_parallel_ops(
         calls += 3
         nbytes += 3 * (2 * (tp - 1) * (n * 4) // tp)
     return {"all_reduce": (calls, nbytes)}
+
+
+def add_batch_checks(ops: Ops, tp: int, steps: int) -> None:
+    """Each ``train_step``'s check that the tp ranks were given one batch: an all-reduce of 6 int64."""
+    if tp > 1:
+        calls, nbytes = ops.get("all_reduce", (0, 0))
+        ops["all_reduce"] = (calls + steps, nbytes + steps * (2 * (tp - 1) * 48 // tp))
 
 
 def recomputed_all_reduces(blocks: int, first: bool, last: bool, checkpointing: str) -> int:

@@ -46,6 +46,7 @@ from dtlab.models.dp.fsdp import WrapPolicy
 from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.placed_state import load_placed_state, write_placed_state
+from dtlab.models.tensor._agree import SameOnTp
 from dtlab.models.tensor._comm import sum_over_tp
 from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
 from dtlab.models.tensor._plan import Plan, splits_logits
@@ -162,6 +163,7 @@ class HybridShardedModel(OptimizerTarget):
         self.mesh = mesh
         self.tp_group: CommunicationBackend = mesh["tp"]
         self.pp_group: CommunicationBackend = mesh["pp"]
+        self._same_on_tp = SameOnTp(who, self.tp_group, mesh.ranks("tp"))  # tp ranks' inputs must agree
         self._layout, self._placements = layout, placements
         self._chosen_sync = chosen_sync
         self._span = mesh["dp", "tp"]
@@ -205,6 +207,7 @@ class HybridShardedModel(OptimizerTarget):
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over the whole vocabulary: vocabulary-parallel when the model's output is
         split over tp (``logits_split``), else ``F.cross_entropy`` of the whole logits."""
+        self._same_on_tp("targets", [("targets", targets)])
         if self.logits_split:
             return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -228,6 +231,7 @@ class HybridShardedModel(OptimizerTarget):
         """Without a pipeline: the data-parallel strategy's forward. With one: inference through every
         stage (no autograd across ranks), the output on every pp rank; training runs ``train_step``."""
         self._tp_grads.release()
+        self._same_on_tp("inputs", [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()])
         if self._pipe is None:
             if torch.is_grad_enabled():
                 self._check_partial_fresh()
@@ -246,12 +250,13 @@ class HybridShardedModel(OptimizerTarget):
         micro-batch loss / m before backward), then the dp reduction (unless inside ``no_sync()``).
         Returns the batch's mean loss on every rank of the stage's pipeline."""
         self._tp_grads.release()
-        if self._pipe is None:
-            return super().train_step(batch, loss_fn)
-        inputs, targets = batch
-        self._pipe.check_batch(type(self).__name__, inputs, targets)
-        self._check_partial_fresh()
-        return self._pipe.step(inputs, targets, loss_fn)
+        with self._same_on_tp.step(batch):
+            if self._pipe is None:
+                return super().train_step(batch, loss_fn)
+            inputs, targets = batch
+            self._pipe.check_batch(type(self).__name__, inputs, targets)
+            self._check_partial_fresh()
+            return self._pipe.step(inputs, targets, loss_fn)
 
     def _sum_partial(self) -> None:
         """Sequence parallelism: replicated parameters used on a chunk of the sequence have partial

@@ -1,0 +1,158 @@
+"""Every rank of a tensor-parallel group must be given the same batch: the ranks compute one model
+together, each on its slice of the layers, so a batch that differs between them (data sharded by the
+global rank, torch DDP's habit) mixes their activations in every all-reduce and lets the replicated
+parameters drift apart, silently. :func:`check_same_on_tp` refuses it on every rank of the group.
+
+Each rank reduces its inputs to three integers: a digest of their structure (names, shapes, dtypes,
+plain Python values) and two checksums of their bits (every tensor's memory read as 16-bit integers:
+their sum and their sum weighted by position, 1..65,521 repeating, added up exactly, so equal inputs
+give equal numbers on every device, thread count and reduction order; the weights catch a batch whose
+samples come in another order). One all-reduce (max of the numbers and of their
+negatives: the group's max and min) tells every rank whether they agree; only when they do not, the
+ranks exchange their descriptions to name who differs from tp rank 0, and in what.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.errors import StrategyError
+
+__all__ = ["SameOnTp", "check_same_on_tp"]
+
+_PERIOD = 65521  # position weights 1..65521 (prime): |word * weight| < 2**31
+_CHUNK = 32 * _PERIOD  # words read at a time (bounds the float64 copy: 16 MiB)
+_MOD = (1 << 31) - 1  # each checksum modulo this prime before the tensors' are combined
+_DEPTH = 4  # nesting of lists, tuples and dicts looked into
+_PLAIN = (bool, int, float, str, type(None))
+
+#: a leaf of the inputs: (name, tensor) or (name, description of a non-tensor value)
+Leaf = tuple[str, "torch.Tensor | str"]
+
+
+def _leaves(name: str, value: Any, out: list[Leaf], depth: int = 0) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append((name, value))
+    elif isinstance(value, (list, tuple)) and depth < _DEPTH:
+        for i, v in enumerate(value):
+            _leaves(f"{name}[{i}]", v, out, depth + 1)
+    elif isinstance(value, Mapping) and depth < _DEPTH:
+        for k, v in value.items():
+            _leaves(f"{name}[{k!r}]", v, out, depth + 1)
+    else:
+        out.append((name, repr(value)[:80] if isinstance(value, _PLAIN) else type(value).__name__))
+
+
+def _checksums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of ``t``'s memory as 16-bit words (bytes for 1-byte dtypes) and that sum weighted by
+    position (1..65,521, repeating). Exact: each row of 65,521 words is summed in float64, where every
+    partial sum is an integer below 2**47 (exact in any order, on any device), then the rows in int64."""
+    if t.is_meta or t.layout != torch.strided or t.is_quantized or t.numel() == 0:
+        zero = torch.zeros((), dtype=torch.int64)  # no bits to read: the structure covers shape and dtype
+        return zero, zero
+    flat = t.detach().reshape(-1)
+    words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+    width = min(words.numel(), _PERIOD)
+    weights = torch.arange(1, width + 1, dtype=torch.float64, device=t.device)
+    total = weighted = torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), _CHUNK):  # a whole number of rows at a time
+        chunk = words[start : start + _CHUNK].to(torch.float64)
+        whole = chunk.numel() // width * width
+        rows, tail = chunk[:whole].view(-1, width), chunk[whole:]
+        sums = torch.cat([rows.sum(1), tail.sum().reshape(1)]).to(torch.int64)
+        dots = torch.cat([rows @ weights, (tail @ weights[: tail.numel()]).reshape(1)]).to(torch.int64)
+        total, weighted = total + sums.sum(), weighted + dots.sum()
+    return total, weighted
+
+
+def _describe(leaf: Leaf) -> str:
+    """A leaf without its name: shape and dtype of a tensor, else the value's description."""
+    value = leaf[1]
+    return f"shape {tuple(value.shape)}, {value.dtype}" if isinstance(value, torch.Tensor) else value
+
+
+#: one rank's view of its inputs: per leaf its name, description and checksums
+Seen = list[tuple[str, str, list[int]]]
+
+
+def _difference(mine: Seen, first: Seen) -> str:
+    """How one rank's inputs differ from tp rank 0's: the names, or the first leaf that differs."""
+    if [n for n, _, _ in mine] != [n for n, _, _ in first]:
+        return f"its inputs are {[n for n, _, _ in mine]}, tp rank 0's {[n for n, _, _ in first]}"
+    for (name, desc, sums), (_, desc0, sums0) in zip(mine, first, strict=True):
+        if desc != desc0:
+            return f"{name} is {desc}, on tp rank 0 {desc0}"
+        if sums != sums0:
+            return f"{name} has other values (same {desc})"
+    return "the checksums differ"  # unreachable: equal descriptions and sums give equal digests
+
+
+def check_same_on_tp(
+    who: str, what: str, named: Sequence[tuple[str, Any]], group: CommunicationBackend, ranks: Sequence[int]
+) -> None:
+    """Raise :class:`StrategyError` on every rank of ``group`` (the tp group, world ranks ``ranks``)
+    unless every rank passed the same ``named`` values (tensors, nested in lists/tuples/dicts, and plain
+    Python values): the same names, shapes, dtypes and bits. Collective over ``group``."""
+    leaves: list[Leaf] = []
+    for name, value in named:
+        _leaves(name, value, leaves)
+    tensors = [(i, v) for i, (_, v) in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    sums = [tuple(s.to(group.device) for s in _checksums(t)) for _, t in tensors]
+    structure = "\n".join(f"{leaf[0]}: {_describe(leaf)}" for leaf in leaves).encode()
+    digest = int.from_bytes(hashlib.blake2b(structure, digest_size=7).digest(), "little")
+    fp = torch.zeros(3, dtype=torch.int64, device=group.device)
+    fp[0] = digest
+    if sums:
+        weights = torch.tensor([i + 1 for i, _ in tensors], dtype=torch.int64, device=group.device)
+        stacked = torch.stack([torch.stack(pair) for pair in sums]).remainder(_MOD)  # (tensors, 2)
+        fp[1:] = (stacked * weights.unsqueeze(1)).sum(0)
+    both = torch.cat([fp, -fp])
+    group.all_reduce(both, ReduceOp.MAX)
+    if torch.equal(both[:3], -both[3:]):
+        return
+    by_leaf = {i: [int(s) for s in pair] for (i, _), pair in zip(tensors, sums, strict=True)}
+    mine = [(leaf[0], _describe(leaf), by_leaf.get(i, [])) for i, leaf in enumerate(leaves)]
+    every = group.all_gather_object(mine)
+    differing = [
+        f"tp rank {r} (world rank {ranks[r]}): {_difference(d, every[0])}"
+        for r, d in enumerate(every)
+        if d != every[0]
+    ]
+    raise StrategyError(
+        f"{who}: the ranks of a tensor-parallel group were given different {what}; "
+        f"{'; '.join(differing)} (tp rank 0 is world rank {ranks[0]}). Every rank of a tp group computes "
+        "the same model on the same batch, each on its slice of the layers: give every tp rank the same "
+        "batch (inputs and targets), sharding the data by the dp coordinate, not by the global rank: "
+        'part mesh.coordinate("dp") of mesh.size("dp"), e.g. dtlab.data.DistributedSampler(dataset, '
+        'num_replicas=mesh.size("dp"), rank=mesh.coordinate("dp"))'
+    )
+
+
+class SameOnTp:
+    """A model's check of what it is given against its tp group (nothing when tp = 1): called with the
+    inputs of ``forward``, the targets of a loss and the batch of ``train_step``, which checks its
+    whole batch once (:meth:`step`: the forward and loss inside it are not checked again)."""
+
+    def __init__(self, who: str, group: CommunicationBackend, ranks: Sequence[int]) -> None:
+        self.who, self.group, self.ranks = who, group, list(ranks)
+        self._inside = False
+
+    def __call__(self, what: str, named: Sequence[tuple[str, Any]]) -> None:
+        if self.group.world_size > 1 and not self._inside:
+            check_same_on_tp(self.who, what, named, self.group, self.ranks)
+
+    @contextlib.contextmanager
+    def step(self, batch: tuple[Any, Any]) -> Iterator[None]:
+        """Check ``(inputs, targets)``, then run the step without checking again."""
+        self("batches", [("inputs", batch[0]), ("targets", batch[1])])
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False

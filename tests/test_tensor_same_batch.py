@@ -1,0 +1,157 @@
+"""Every rank of a tensor-parallel group must be given the same batch. Data sharded by the global rank
+(torch DDP's habit) gave each tp rank its own batch and trained on: the replicated parameters drifted
+apart between tp ranks (full_state_dict summed to 14.407 on rank 0, 14.265 on rank 1 after one SGD
+step at tp=2), no error. Now forward, the loss and train_step refuse inputs that differ over the tp
+group (values, order, shape, dtype, names) with one StrategyError on every rank of the group, naming
+the ranks and the fix; the same batch on every tp rank still trains as one process does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from hybrid_cases import hybrid_model
+from test_tensor_habits import LR, PLAN, build, data
+from test_tensor_helpers import batch
+
+from dtlab.backends import Mesh
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models import TensorParallelModel
+from dtlab.models.tensor._agree import check_same_on_tp
+from dtlab.optimizers import DDPOptimizer
+from dtlab.testing import run_world
+
+FIX = 'num_replicas=mesh.size("dp"), rank=mesh.coordinate("dp")'
+
+
+def refusal(fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except StrategyError as e:
+        return str(e)
+    return "accepted"
+
+
+def one_process_step(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    net = build()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    F.cross_entropy(net(x), y).backward()
+    opt.step()
+    return net.state_dict()
+
+
+def tp_world(backend: CommunicationBackend, shape: dict[str, int]) -> dict[str, Any]:
+    mesh = Mesh(backend, shape)
+    model = TensorParallelModel(build(), mesh, plan=PLAN)
+    x, y = data(0)
+    r, tp, dp, c = backend.rank, mesh.coordinate("tp"), mesh.size("dp"), mesh.coordinate("dp")
+    out: dict[str, Any] = {"by_global_rank": refusal(lambda: model(x.chunk(backend.world_size)[r]))}
+    if shape == {"tp": 2}:
+        out |= {
+            "rows_swapped": refusal(lambda: model(x.flip(0) if tp else x)),
+            "one_ulp": refusal(lambda: model(torch.where(x == x[2, 3], x.nextafter(x + 1), x) if tp else x)),
+            "shape": refusal(lambda: model(x[: 4 + tp])),
+            "dtype": refusal(lambda: model(x.double() if tp else x)),
+            "keyword": refusal(lambda: model(x) if tp else model(x=x)),
+            "loss_targets": refusal(lambda: model.cross_entropy(model(x), y.roll(tp))),
+            "step_targets": refusal(lambda: model.train_step((x, y.roll(tp)), F.cross_entropy)),
+            "same_view": refusal(
+                lambda: model(x.t().contiguous().t() if tp else x)
+            ),  # same bits, other strides
+        }
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    xs, ys = x.chunk(dp)[c], y.chunk(dp)[c]  # the fix: sharded by the dp coordinate
+    model.cross_entropy(model(xs), ys).backward()
+    opt.step()
+    out["state"] = model.full_state_dict()
+    return out
+
+
+def test_tp_ranks_given_other_batches_are_refused_on_every_rank() -> None:
+    reference = one_process_step(*data(0))
+    for shape in ({"tp": 2}, {"dp": 2, "tp": 2}):
+        results = run_world(2 * shape.get("dp", 1), tp_world, shape, timeout=60)
+        for rank, got in enumerate(results):
+            message = got.pop("by_global_rank")
+            assert "given different inputs" in message and FIX in message, (shape, rank, message)
+            first = rank - rank % 2  # the group's tp rank 0
+            assert f"tp rank 1 (world rank {first + 1}): args[0] has other values" in message
+            assert f"tp rank 0 is world rank {first}" in message
+            for k, v in got.pop("state").items():  # the fix: the same batch on every tp rank
+                torch.testing.assert_close(v, reference[k], rtol=1e-5, atol=1e-6, msg=f"{shape} {k}")
+        if shape == {"tp": 2}:
+            assert results[0] == results[1]  # every check on both ranks, the same message
+            got = results[0]
+            assert got["same_view"] == "accepted"
+            assert "args[0] has other values (same shape (8, 8), torch.float32)" in got["rows_swapped"]
+            assert "args[0] has other values" in got["one_ulp"]
+            assert (
+                "args[0] is shape (5, 8), torch.float32, on tp rank 0 shape (4, 8), torch.float32"
+                in got["shape"]
+            )
+            assert (
+                "args[0] is shape (8, 8), torch.float64, on tp rank 0 shape (8, 8), torch.float32"
+                in got["dtype"]
+            )
+            assert "its inputs are ['args[0]'], tp rank 0's ['x']" in got["keyword"]
+            assert (
+                "different targets; tp rank 1 (world rank 1): targets has other values" in got["loss_targets"]
+            )
+            assert (
+                "different batches; tp rank 1 (world rank 1): targets has other values" in got["step_targets"]
+            )
+
+
+def pipeline_world(backend: CommunicationBackend) -> dict[str, str]:
+    """pp2 x tp2: the first stage takes the inputs, the last the targets; both checked on every stage."""
+    model = hybrid_model(backend, {"pp": 2, "tp": 2}, "ddp")
+    x, y = batch()
+    mine = batch(seed=10 + backend.rank)
+    return {
+        "by_global_rank": refusal(lambda: model.train_step(mine, model.cross_entropy)),
+        "targets": refusal(
+            lambda: model.train_step((x, y.roll(model.mesh.coordinate("tp"))), model.cross_entropy)
+        ),
+        "same": refusal(lambda: model.train_step((x, y), model.cross_entropy)),
+    }
+
+
+def test_pipeline_stages_refuse_batches_that_differ_over_tp() -> None:
+    for rank, got in enumerate(run_world(4, pipeline_world, timeout=60)):
+        first = rank - rank % 2
+        assert f"tp rank 1 (world rank {first + 1}): inputs has other values" in got["by_global_rank"], rank
+        assert FIX in got["by_global_rank"]
+        assert f"tp rank 1 (world rank {first + 1}): targets has other values" in got["targets"], rank
+        assert got["same"] == "accepted"
+
+
+def exact_world(backend: CommunicationBackend) -> dict[str, str]:
+    """Equal bits pass whatever their layout; one flipped bit, another order or another Python value
+    is caught."""
+    base = torch.randn(6, 5, generator=torch.Generator().manual_seed(3))
+    r = backend.rank
+    nested = {"a": [base.bfloat16(), torch.tensor(True)], "n": 3, "e": torch.empty(0, 2)}
+
+    def check(*named: tuple[str, Any]) -> str:
+        return refusal(lambda: check_same_on_tp("M", "inputs", named, backend, [0, 1]))
+
+    flipped = base.clone()
+    flipped.view(torch.int32)[4, 1] ^= 1 << 9  # one bit of one float
+    return {
+        "equal": check(("x", base.t().contiguous().t() if r else base), ("k", nested), ("s", base[1, 1])),
+        "bit": check(("x", flipped if r else base)),
+        "order": check(("x", base[:, [1, 0, 2, 3, 4]] if r else base)),
+        "python": check(("k", {**nested, "n": 3 + r})),
+        "meta": check(("x", torch.empty(3, device="meta"))),
+    }
+
+
+def test_the_fingerprint_is_exact() -> None:
+    for got in run_world(2, exact_world, timeout=60):
+        assert got["equal"] == got["meta"] == "accepted"
+        assert "x has other values (same shape (6, 5), torch.float32)" in got["bit"]
+        assert "x has other values" in got["order"]
+        assert "k['n'] is 4, on tp rank 0 3" in got["python"]
