@@ -31,6 +31,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.compose._build import AXES, DATA_PARALLEL_CLASSES, PipelineArgs, as_mesh, lay_out
 from dtlab.models.compose._comm import gather_whole_state, grads_of
+from dtlab.models.compose._habits import PartialState, check_call, missing_attribute
 from dtlab.models.compose._meta_walk import MetaWalk
 from dtlab.models.compose._pipelined import PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
@@ -181,6 +182,8 @@ class HybridShardedModel(OptimizerTarget):
             self._pipe = PipelineRun(
                 dp, layout, layout.schedule, self.pp_group, module, self._tied, activation_checkpointing
             )
+        sharded = tp_split and any(isinstance(pl, Shard) for pl in placements.values())
+        self._own_state = PartialState(module, who, sharded, self.pp_group.world_size > 1)
 
     @staticmethod
     def from_plan(
@@ -226,6 +229,15 @@ class HybridShardedModel(OptimizerTarget):
         with self.dp_strategy.no_sync():
             yield
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as exc:  # what the plain model has: say how to reach it (or why not)
+            own = self.__dict__.get("_own_state")
+            if own is None:
+                raise
+            raise missing_attribute(type(self).__name__, own.module, name, self.pipelined, exc) from None
+
     # ------------------------------------------------------------------ forward and step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Without a pipeline: the data-parallel strategy's forward. With one: inference through every
@@ -233,6 +245,7 @@ class HybridShardedModel(OptimizerTarget):
         self._tp_grads.release()
         self._same_on_tp("inputs", [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()])
         if self._pipe is None:
+            check_call(type(self).__name__, args, kwargs, False, self.logits_split)
             if torch.is_grad_enabled():
                 self._check_partial_fresh()
             return self.dp_strategy(*args, **kwargs)
@@ -242,6 +255,7 @@ class HybridShardedModel(OptimizerTarget):
                 "loss_fn), which runs the schedule; forward() is inference only: call model.eval() or run it "
                 "under torch.no_grad()"
             )
+        check_call(type(self).__name__, args, kwargs, True, False)
         (x,) = args
         return self._pipe.infer(x)
 
@@ -352,7 +366,7 @@ class HybridShardedModel(OptimizerTarget):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor of the whole model, keyed like the module's ``state_dict()``, on every rank
         (collective: gathers over dp under ZeRO-3/FSDP, over tp for its shards, over pp for stages)."""
-        local = self.dp_strategy.full_state_dict()
+        local = self._own_state.read(self.dp_strategy.full_state_dict)
         return gather_whole_state(local, self._layout.entries, self.tp_group, self.pp_group)
 
     def sharded_state_dict(self) -> ShardedState:
@@ -364,7 +378,7 @@ class HybridShardedModel(OptimizerTarget):
             state.metadata["tied"] = dict(self._layout.aliases)  # stored once, under the first name
         return write_placed_state(
             state,
-            dp.whole_state(),
+            self._own_state.read(dp.whole_state),
             dp.flat_shards(),
             self._placements,
             self.dp_backend,
@@ -376,9 +390,8 @@ class HybridShardedModel(OptimizerTarget):
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
         """Load from any saved mesh and strategy (or a plain module's full tensors)."""
         dp = self.dp_strategy
-        load_placed_state(
-            shards, dp.whole_state(), dp.flat_shards(), self._placements, self.dp_backend, self.tp_group
-        )
+        whole = self._own_state.read(dp.whole_state)
+        load_placed_state(shards, whole, dp.flat_shards(), self._placements, self.dp_backend, self.tp_group)
 
     def memory_report(self) -> dict[str, int]:
         """The data-parallel strategy's report over this rank's stages and tp shards; with a pipeline,

@@ -149,6 +149,11 @@ def _mean_loss(loss: object) -> torch.Tensor:
         raise StrategyError(
             f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got "
             f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+            + (
+                "; the model gets no labels here (output.loss is None): use output.logits"
+                if loss is None
+                else ""
+            )
         )
     return loss.reshape(())
 

@@ -1,0 +1,96 @@
+"""What a user reaches for on a model-parallel model as on the plain (Hugging Face) model, refused with
+the fix where it would silently do something else: the wrapped module's own ``state_dict()`` (and so
+``save_pretrained``) while this rank holds only its part, keyword inputs a pipeline would drop,
+``labels=`` on logits split over tp, and the plain model's attributes asked of the wrapper."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from torch import nn
+
+from dtlab.errors import StrategyError
+
+__all__ = ["PartialState", "check_call", "missing_attribute"]
+
+T = TypeVar("T")
+
+_SAVE = (
+    "gather the whole state on every rank, state = model.state_dict() (collective), then write it from "
+    "one rank: hf_model.save_pretrained(path, state_dict=state, is_main_process=rank == 0) on the model "
+    "you wrapped, or save with dtlab.checkpoint"
+)
+
+
+class PartialState:
+    """Refuses ``state_dict()`` of the user's ``module`` where a rank holds only part of it (tp shards, or
+    its pipeline stages with the others' tensors on the meta device) but for the composition's own reads
+    (:meth:`read`): Hugging Face's ``save_pretrained()`` would write that part as the whole model."""
+
+    def __init__(self, module: nn.Module, who: str, sharded: bool, staged: bool) -> None:
+        self.module, self.who, self.open = module, who, False
+        self.part = "this rank's pipeline stages" if staged else "its tp shards" if sharded else ""
+        module.register_state_dict_pre_hook(self._refuse)
+
+    def _refuse(self, *_: Any) -> None:
+        if self.part and not self.open:  # part "": the module is whole on this rank
+            raise StrategyError(
+                f"{self.who}: the wrapped module's own state_dict() (which save_pretrained() calls) holds "
+                f"only {self.part}; saved as the whole model it would be a wrong checkpoint. To save: {_SAVE}"
+            )
+
+    def read(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (the data-parallel strategy's read of the module's state) with the module open."""
+        self.open = True
+        try:
+            return fn()
+        finally:
+            self.open = False
+
+
+def check_call(who: str, args: tuple[Any, ...], kwargs: dict[str, Any], pipelined: bool, split: bool) -> None:
+    """Refuse a forward call whose arguments would be dropped or misread: a pipeline's inference takes
+    one positional tensor (the input ids; nothing else reaches the stages); ``labels=`` asks the model
+    for its own loss, which sees 1/tp of the vocabulary when the logits are ``split`` over tp."""
+    if pipelined and (kwargs or len(args) != 1):
+        raise StrategyError(
+            f"{who}: a pipeline's forward() takes the input ids as its one positional argument (got "
+            f"{len(args)} positional, keyword {sorted(kwargs)}); the stages run the model with its defaults "
+            "for everything else, so an attention_mask, labels= or other input would be silently left out. "
+            "Call model(input_ids); pad on the right with labels -100 on the pads (a causal model's "
+            "other positions never see them) and compute the loss from the logits; or run the plain "
+            "model, loaded from model.state_dict()"
+        )
+    if split and "labels" in kwargs:
+        raise StrategyError(
+            f"{who}: labels= asks the model for its own loss, but this tensor plan leaves the logits split "
+            "over tp (the head 'colwise'): that loss would see 1/tp of the vocabulary. Leave labels out "
+            "and use model.cross_entropy(out.logits[:, :-1], labels[:, 1:]) (vocabulary-parallel; labels "
+            "-100 left out of the mean), or gather the head's output in the plan ('colwise_gather_output')"
+        )
+
+
+def missing_attribute(
+    who: str, user: nn.Module, name: str, pipelined: bool, exc: AttributeError
+) -> AttributeError:
+    """The error for ``model.<name>`` the wrapper lacks: where the model it wraps has it, how to reach
+    it (or why not); else ``exc`` itself."""
+    if name.startswith("_") or not hasattr(user, name):
+        return exc
+    if name == "save_pretrained":
+        fix = _SAVE
+    elif name == "generate" and pipelined:
+        fix = (
+            "a pipeline does not generate; model(input_ids) under model.eval() and torch.no_grad() gives the "
+            "last stage's logits; to generate, load model.state_dict() (every rank) into the plain model"
+        )
+    elif name in ("resize_token_embeddings", "tie_weights"):
+        fix = "call it on the plain model before wrapping it (the strategy lays out the parameters it finds)"
+    elif name == "generate":
+        fix = "call model.module.generate(...) on every rank with the same inputs, in eval mode under no_grad"
+    elif pipelined:
+        fix = "use it on the model you wrapped (model.module holds only this rank's stages)"
+    else:
+        fix = f"use model.module.{name}"
+    return AttributeError(f"{who} has no attribute {name!r} (the model it wraps has): {fix}")

@@ -1,0 +1,189 @@
+"""Hugging Face habits on model-parallel models, on 2 in-memory ranks against one process on the same
+global batch: ``labels=`` and a padded ``attention_mask`` under tensor parallelism (the head gathered:
+equal; split: refused, and ``model.cross_entropy`` leaves labels -100 out of the mean as one process
+does); ``generate`` through ``model.module``; ``save_pretrained`` refused on a rank's part and the
+documented way (the gathered state) reloading bitwise; under a pipeline, keyword inputs refused, the
+loss over labels -100 the mean of the micro-batches' means, and the global token mean by the documented
+loss. Tiny configs in memory (no network)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import LLAMA_PLAN, VOCAB, llama, rel_error, token_batch, transformers_module
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models import PipelineParallelModel, TensorParallelModel
+from dtlab.optimizers import DDPOptimizer
+from dtlab.testing import run_world
+
+STEPS, LR, MICRO = 2, 0.1, 2
+
+
+def _net(layers: int) -> nn.Module:
+    """A tiny Llama in float64 (``use_cache`` left at Hugging Face's default, True)."""
+    return llama(layers=layers).double()
+
+
+def _state(layers: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(layers)
+    net = _net(layers)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def _built(layers: int, state: dict[str, torch.Tensor]) -> nn.Module:
+    net = _net(layers)
+    net.load_state_dict(state)
+    return net
+
+
+def _padded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4 rows padded on the right (rows 1 and 3), their mask and labels (-100 on the pads)."""
+    x, _ = token_batch(4, seed=3)
+    mask = torch.ones_like(x)
+    mask[1, 5:] = 0
+    mask[3, 2:] = 0
+    return x, mask, x.masked_fill(mask == 0, -100)
+
+
+def shifted_mean(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal loss: position t predicts label t + 1, labels -100 left out of the mean."""
+    logits = out.logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+
+
+def _sgd(model: Any, loss_of: Any) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _tensor_parallel(
+    backend: CommunicationBackend, state: dict[str, torch.Tensor], root: Path
+) -> dict[str, Any]:
+    x, mask, labels = _padded()
+    split = TensorParallelModel(_built(2, state), backend, plan={**LLAMA_PLAN, "lm_head": "colwise"})
+    with pytest.raises(StrategyError, match=r"model.cross_entropy\(out.logits\[:, :-1\], labels\[:, 1:\]\)"):
+        split(x, labels=labels)
+    split_ce = split.cross_entropy(split(x, attention_mask=mask).logits[:, :-1], labels[:, 1:]).item()
+    model = TensorParallelModel(_built(2, state), backend, plan="auto")  # the head gathered
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(x, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with pytest.raises(AttributeError, match=r"model.module.generate\(...\) on every rank"):
+        model.generate  # noqa: B018 - the attribute's error is the check
+    with pytest.raises(AttributeError, match=r"use model.module.config"):
+        model.config  # noqa: B018
+    with pytest.raises(StrategyError, match="holds only its tp shards"):
+        model.module.save_pretrained(root / "wrong")
+    model.eval()
+    with torch.no_grad():
+        generated = model.module.generate(
+            x[:, :3], attention_mask=mask[:, :3], max_new_tokens=3, do_sample=False
+        )
+    state_now = model.state_dict()  # collective: every rank
+    model.module.save_pretrained(root / "tp", state_dict=dict(state_now), is_main_process=backend.rank == 0)
+    return {"split_ce": split_ce, "losses": losses, "state": state_now, "generated": generated}
+
+
+def _global_mean(count: int) -> Any:
+    """The documented loss for the global token mean under a pipeline of ``MICRO`` micro-batches (one dp
+    rank): each micro-batch's sum over ``count``, the batch's non-ignored tokens, times ``MICRO``."""
+
+    def loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+        logits = out.logits[:, :-1]
+        summed = F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1), reduction="sum")
+        return summed * MICRO / count
+
+    return loss
+
+
+def _pipeline(backend: CommunicationBackend, state: dict[str, torch.Tensor], root: Path) -> dict[str, Any]:
+    x, mask, labels = _padded()
+    out: dict[str, Any] = {}
+    count = int((labels[:, 1:] != -100).sum())
+    for name, loss_fn in (("micro_mean", shifted_mean), ("global_mean", _global_mean(count))):
+        net = _built(4, state)
+        model = PipelineParallelModel(net, backend, micro_batches=MICRO, split_points=["model.layers.2"])
+        opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+        losses = []
+        for _ in range(STEPS):
+            losses.append(model.train_step((x, labels), loss_fn).item())
+            opt.step()
+            opt.zero_grad()
+        out[name] = (losses, model.state_dict())
+    model.eval()
+    with torch.no_grad(), pytest.raises(StrategyError, match=r"keyword \['attention_mask'\]"):
+        model(x, attention_mask=mask)
+    with pytest.raises(StrategyError, match="holds only this rank's pipeline stages"):
+        net.state_dict()
+    whole = model.state_dict()
+    net.save_pretrained(root / "pp", state_dict=whole, is_main_process=backend.rank == 0)
+    return out
+
+
+def _world(
+    backend: CommunicationBackend, states: dict[int, dict[str, torch.Tensor]], root: Path
+) -> dict[str, Any]:
+    return {"tp": _tensor_parallel(backend, states[2], root), "pp": _pipeline(backend, states[4], root)}
+
+
+def test_hugging_face_habits_equal_one_process_or_are_refused_with_the_fix(tmp_path: Path) -> None:
+    transformers = transformers_module()
+    states = {2: _state(2), 4: _state(4)}
+    x, mask, labels = _padded()
+    got = run_world(2, _world, states, tmp_path, timeout=120)
+    # tensor parallelism: labels= and the mask as one process; generate through model.module
+    one = _built(2, states[2])
+    with torch.no_grad():
+        want_ce = shifted_mean(one(x, attention_mask=mask), labels).item()
+    want = _sgd(one, lambda: one(x, attention_mask=mask, labels=labels).loss)
+    one.eval()
+    with torch.no_grad():
+        want_gen = one.generate(x[:, :3], attention_mask=mask[:, :3], max_new_tokens=3, do_sample=False)
+    for r in got:
+        tp = r["tp"]
+        assert abs(tp["split_ce"] - want_ce) <= 1e-6 * want_ce
+        assert max(abs(a - b) / b for a, b in zip(tp["losses"], want, strict=True)) <= 1e-6
+        assert max(rel_error(tp["state"][k], v) for k, v in one.state_dict().items()) <= 1e-6
+        assert torch.equal(tp["generated"], want_gen)
+    # a pipeline: the mean of the micro-batches' means (as torch DDP averages its ranks' means), and the
+    # global token mean by the documented loss
+    for name, micro in (("micro_mean", MICRO), ("global_mean", 1)):
+        ref = _built(4, states[4])
+
+        def loss(ref: nn.Module = ref, micro: int = micro) -> torch.Tensor:
+            parts = zip(x.chunk(micro), labels.chunk(micro), strict=True)
+            return sum(
+                (shifted_mean(ref(xc), yc) / micro for xc, yc in parts), torch.zeros((), dtype=torch.float64)
+            )
+
+        want = _sgd(ref, loss)
+        for r in got:
+            losses, state = r["pp"][name]
+            assert max(abs(a - b) / b for a, b in zip(losses, want, strict=True)) <= 1e-6, name
+            assert max(rel_error(state[k], v) for k, v in ref.state_dict().items()) <= 1e-6, name
+    # save_pretrained with the gathered state reloads bitwise into the plain model
+    for folder, state in (("tp", got[0]["tp"]["state"]), ("pp", got[0]["pp"]["global_mean"][1])):
+        back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.float64)
+        assert all(torch.equal(back.state_dict()[k], v) for k, v in state.items()), folder
