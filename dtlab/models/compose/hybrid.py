@@ -53,7 +53,7 @@ from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
 from dtlab.models.tensor._plan import Plan, splits_logits
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    from typing_extensions import Self, Unpack
 
 __all__ = ["HybridOptions", "HybridShardedModel", "PlanOptions"]
 
@@ -206,6 +206,14 @@ class HybridShardedModel(OptimizerTarget):
     @property
     def pipelined(self) -> bool:
         return self.schedule is not None
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> Self:
+        """``nn.Module.apply`` over this rank's stages through the data-parallel strategy (ZeRO-3/FSDP
+        gather each module's parameters around ``fn``), then ``fn(self)``. Collective over dp."""
+        dp = self.dp_strategy
+        dp.apply(lambda m: None if m is dp else fn(m))
+        fn(self)
+        return self
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over the whole vocabulary: vocabulary-parallel when the model's output is

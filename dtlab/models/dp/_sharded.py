@@ -8,7 +8,7 @@ works", describes the gathering, saved-tensor references and the end-of-backward
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import torch
@@ -21,12 +21,13 @@ from dtlab.models.dp._grad_call import autograd_grad_message, grads_returned
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
 from dtlab.models.dp._sharded_units import GroupHooks, ShardUnit, UnitGatherer, UnitPlan
+from dtlab.models.dp._writes import ParamWrites
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DataParallelOptions
 from dtlab.models.dp.flat import FlatUnit
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    from typing_extensions import Self, Unpack
 
     from dtlab.models.placed_state import FlatShard
 
@@ -82,6 +83,7 @@ class ShardedModel(DataParallelModel):
         self._broadcast_from_rank0([q.data for _, q in self._frozen] + list(self.module.buffers()))
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
         self._state_of = {id(st.unit): st for st in self._units}
+        self._writes = ParamWrites(self._at_rest, self._unit_of, type(self).__name__)
         self._synced_grads = [st.grad_shard for st in self._units]
         self._pending: list[tuple[ShardUnit, Work, torch.Tensor]] = []
         self._partial_state_ok = False
@@ -121,6 +123,7 @@ class ShardedModel(DataParallelModel):
         return st
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._writes.check("the forward")
         self._hooks.before_forward()
         self._at_rest.watch = (
             not torch.is_grad_enabled() and not self._backward.open and self.forward_wait_s > 0
@@ -251,6 +254,7 @@ class ShardedModel(DataParallelModel):
         """Every unit gathered once for the block and kept for all its forwards and backwards (a
         pipeline step: one all-gather per unit instead of two per micro-batch); freed after it unless
         gathered before it."""
+        self._writes.check("gathering the parameters")
         held = [st for st in self._units if not st.persistent]
         was_freed = [st for st in held if st.flat is None]
         try:
@@ -269,6 +273,29 @@ class ShardedModel(DataParallelModel):
         with self._hooks.suspended():
             yield
 
+    # ------------------------------------------------------------------ writes after wrapping
+    def apply(self, fn: Callable[[nn.Module], None]) -> Self:
+        """``nn.Module.apply``: ``fn(m)`` for every submodule, children first, then the wrapper, with
+        ``m``'s own parameters gathered (one module's units at a time); each rank keeps its shard of
+        what ``fn`` wrote. Collective: every rank calls it (docs/strategies.md, initializing after
+        wrapping)."""
+        self._owner.check("model.apply(fn)")
+        self._writes.apply(self.module, fn)
+        fn(self)
+        return self
+
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
+        """Every parameter whole inside the block (the whole model gathered, as FSDP1's); with
+        ``writeback`` each rank keeps its shard of what the block wrote, else writes are dropped.
+        Collective: every rank enters it."""
+        self._owner.check("summon_full_params()")
+        persistent = {id(st) for st in self._units if st.persistent}
+        with self.keep_gathered():
+            yield
+            if writeback:
+                self._writes.write_back(self._units, persistent)
+
     def flat_shards(self) -> list[FlatShard]:
         return list(self._units)
 
@@ -286,6 +313,10 @@ class ShardedModel(DataParallelModel):
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
         return self._state(unit).grad_shard
+
+    def check_grads_ready(self, who: str) -> None:
+        super().check_grads_ready(who)
+        self._writes.settle(f"{who}.step()")
 
     def after_optimizer_step(self) -> None:
         super().after_optimizer_step()
@@ -329,6 +360,10 @@ class ShardedModel(DataParallelModel):
                 "any data-parallel strategy)"
             )
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        self._writes.check("full_state_dict()")
+        return super().full_state_dict()
+
     def whole_state(self) -> dict[str, torch.Tensor]:
         """Buffers and frozen parameters (kept whole on every rank), keyed like ``state_dict()``."""
         self._partial_state_ok = True  # the sharded entries are dropped right here
@@ -339,6 +374,7 @@ class ShardedModel(DataParallelModel):
         return {k: t for k, t in state.items() if id(t) not in self._unit_of}
 
     def sharded_state_dict(self) -> ShardedState:
+        self._writes.settle("sharded_state_dict()")
         state = super().sharded_state_dict()
         aliases = {  # a tied weight's other names (lm_head.weight): the plain state_dict() has them too
             n: self._name_of[id(q)]

@@ -55,6 +55,8 @@ class FlatUnit:
         self.numel = offset
         self.shard_numel = max(1, -(-offset // world_size))
         self.padded = self.shard_numel * world_size
+        #: while parked, one element per parameter under its stand-in (see :meth:`park`)
+        self.marker = torch.empty(0, dtype=self.dtype, device=self.device)
 
     def shard_bounds(self) -> tuple[int, int]:
         """This rank's elements ``[lo, hi)`` of the flat buffer."""
@@ -100,13 +102,14 @@ class FlatUnit:
 
     def park(self) -> None:
         """Drop the parameters' storage but keep their logical shape: each becomes a stand-in of its
-        shape, dtype and device over one shared element (NaN for floating dtypes), so ``numel()``,
-        ``dim()`` and ``shape`` are the module's while no memory is held; writing into one fails."""
-        one = torch.full(
-            (), float("nan") if self.dtype.is_floating_point else 0, dtype=self.dtype, device=self.device
-        )
-        for s, p in zip(self.slots, self.params, strict=True):
-            p.data = one.expand(s.shape)
+        shape, dtype and device over its own element of :attr:`marker` (NaN for floating dtypes), so
+        ``numel()``, ``dim()`` and ``shape`` are the module's while no memory is held. An operation
+        writing several elements into one fails; a fill (``fill_``, ``zero_``) lands in the marker,
+        where :class:`~dtlab.models.dp._writes.ParamWrites` finds it."""
+        fill = float("nan") if self.dtype.is_floating_point else 0
+        self.marker = torch.full((len(self.params),), fill, dtype=self.dtype, device=self.device)
+        for i, (s, p) in enumerate(zip(self.slots, self.params, strict=True)):
+            p.data = self.marker[i].expand(s.shape)
 
     def grads_into(self, flat: torch.Tensor) -> None:
         """Copy (``None`` -> zeros) every parameter's ``.grad`` into ``flat``; padding zeroed. Values

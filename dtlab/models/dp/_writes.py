@@ -1,0 +1,127 @@
+"""In-place writes into ZeRO-3/FSDP parameters outside a forward (an init after wrapping).
+
+Between uses a sharded parameter is parked (:meth:`FlatUnit.park`): a stand-in of its shape over one
+NaN element of its unit's ``marker``, and the values live in each rank's shard. :class:`ParamWrites`
+lands the writes made through the wrapper (``model.apply(fn)``, ``summon_full_params()``) in every
+rank's shard, and refuses by name those made into a stand-in, which the next gather would drop
+(``model.module.apply(fn)``, ``p.zero_()``), at the next use of the parameters. A parameter kept
+gathered (ZeRO-3's persistent ones) takes any write, as under DDP: its shard is refreshed from it
+before the optimizer or a checkpoint reads it (:meth:`ParamWrites.settle`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+
+import torch
+from torch import nn
+
+from dtlab.errors import StrategyError
+from dtlab.models.dp._sharded_units import ShardUnit, UnitGatherer
+
+__all__ = ["ParamWrites"]
+
+_APPLY = "model.apply(fn)"
+
+
+class ParamWrites:
+    """Writes into the parameters of ``at_rest``'s units (``unit_of``: parameter id -> its unit)."""
+
+    def __init__(self, at_rest: UnitGatherer, unit_of: Mapping[int, ShardUnit], who: str) -> None:
+        self.at_rest = at_rest
+        self.unit_of = unit_of
+        self.who = who
+
+    def check(self, when: str, units: list[ShardUnit] | None = None) -> None:
+        """Refuse writes into parked stand-ins of ``units`` (default: all) since they were parked: one
+        read of their markers together (on an accelerator, one synchronization with the host)."""
+        if self.at_rest.busy:  # inside a forward or backward the units not gathered hold no stand-in
+            return
+        parked = [st for st in (self.at_rest.units if units is None else units) if st.flat is None]
+        if not parked:
+            return
+        marks = torch.cat([st.unit.marker for st in parked])
+        if not bool(marks.isnan().logical_not_().any()):
+            return
+        names = []
+        for st in parked:
+            hit = st.unit.marker.isnan().logical_not_().tolist()
+            names += [s.name for s, h in zip(st.unit.slots, hit, strict=True) if h]
+            if any(hit):
+                st.unit.park()  # a fresh stand-in: the values are the shard's, as before the write
+        raise StrategyError(self._message(when, names))
+
+    def _message(self, when: str, names: list[str]) -> str:
+        hint = (
+            " (model.apply(fn) gathers for fn(m) the parameters m owns itself: for an fn writing into "
+            "another module's parameters, call it inside with model.summon_full_params(): ...)"
+            if when == _APPLY
+            else ""
+        )
+        more = " ..." if len(names) > 5 else ""
+        return (
+            f"{self.who} on rank {self.at_rest.group.rank}: {when} found parameters {names[:5]}{more} "
+            f"({len(names)} in all) written in place while sharded, so the write was lost: between uses "
+            f"each rank keeps 1/{self.at_rest.group.world_size} of them and a parameter is a stand-in "
+            "of its shape (model.module.apply(fn), p.fill_(), p.zero_() or p.data.zero_() write only "
+            f"that). Write through the wrapper, on every rank: model.apply(fn){hint}, or inside "
+            "with model.summon_full_params(): ...; or initialize before wrapping, or load values with "
+            "model.load_state_dict(state). Other in-place writes on a stand-in (mul_, copy_, normal_) "
+            "stop with torch's 'more than one element of the written-to tensor refers to a single "
+            "memory location': the same fix"
+        )
+
+    def settle(self, when: str) -> None:
+        """Before the optimizer or a checkpoint reads the shards: writes into stand-ins refused, the
+        shards of the units kept gathered refreshed from their whole values (written or not)."""
+        self.check(when)
+        with torch.no_grad():
+            for st in self.at_rest.units:
+                if st.persistent and st.flat is not None and st.work is None:
+                    st.shard.copy_(st.unit.own_shard(st.flat))
+
+    def write_back(self, units: list[ShardUnit], persistent: Collection[int]) -> None:
+        """Each rank keeps its shard of the gathered ``units``' values; those in ``persistent`` (ids),
+        which stay gathered, are all-gathered again so every rank holds the same whole values."""
+        with torch.no_grad():
+            for st in units:
+                if st.flat is not None:
+                    st.shard.copy_(st.unit.own_shard(st.flat))
+                    if id(st) in persistent:
+                        self.at_rest.group.all_gather(st.flat, st.shard)
+
+    def apply(self, module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
+        """``nn.Module.apply(fn)`` over ``module``: ``fn(m)`` for every submodule, children first, with
+        the units holding ``m``'s own parameters gathered (at most one module's units at a time, kept
+        across modules that share them: an FSDP unit is gathered once for its members), then written
+        back. The gathers depend on the module tree only, so every rank runs the same collectives."""
+        held: list[ShardUnit] = []
+
+        def visit(m: nn.Module) -> None:
+            for child in m.children():
+                visit(child)
+            own = (self.unit_of.get(id(p)) for p in m.parameters(recurse=False))
+            self._hold(held, list({id(st): st for st in own if st is not None}.values()))
+            fn(m)
+
+        try:
+            visit(module)
+        except BaseException:
+            for st in held:  # nothing written back after an error (a collective other ranks may skip)
+                self.at_rest.free(st)
+            raise
+        self._hold(held, [])
+        self.check(_APPLY)
+
+    def _hold(self, held: list[ShardUnit], need: list[ShardUnit]) -> None:
+        """Write back and free the ``held`` units not in ``need``, gather those of ``need`` not held."""
+        keep, have = {id(st) for st in need}, {id(st) for st in held}
+        done = [st for st in held if id(st) not in keep]
+        self.write_back(done, {id(st) for st in done if st.persistent})
+        for st in done:
+            self.at_rest.free(st)
+        new = [st for st in need if id(st) not in have]
+        self.check(_APPLY, new)  # a write into one since it was parked would be dropped by the gather
+        for st in new:
+            self.at_rest.gather(st)
+        held[:] = need

@@ -1,0 +1,207 @@
+"""Initializing ZeRO-3/FSDP parameters after wrapping, on 2 in-memory ranks: ``model.apply(fn)`` and
+``summon_full_params()`` equal ``fn`` applied to the plain module (constant and seeded random inits,
+then training steps), gathering one module's parameters at a time; writes into a sharded parameter's
+stand-in (``model.module.apply(fn)``, ``p.zero_()``, ``p.data.fill_()``) stop at the next forward,
+state dict or step with an error naming them; ZeRO-3's parameters kept whole take direct writes;
+``HybridShardedModel.apply`` goes through its ZeRO-3/FSDP strategy."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from test_strategies_helpers import Block, make_data, make_module, max_rel_error, wrap
+from test_tensor_helpers import build, initial_state
+from torch import nn
+from torch.nn import functional as F
+
+from dtlab.backends import Mesh
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models import HybridShardedModel, ZeRO3Model
+from dtlab.optimizers import ZeRO3Optimizer
+from dtlab.testing import run_world
+
+SHARDED = ("zero3", "fsdp")
+STEPS = 2
+
+
+def init_const(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        with torch.no_grad():
+            m.weight.fill_(0.5)
+            m.bias.zero_()
+
+
+def init_random(g: torch.Generator, m: nn.Module) -> None:
+    """Draws from ``g`` (never torch's global RNG, which in-memory ranks share)."""
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, std=0.3, generator=g)
+        if m.bias is not None:
+            nn.init.uniform_(m.bias, -0.1, 0.1, generator=g)
+
+
+def touch_child(m: nn.Module) -> None:
+    """Writes into a child's parameter (not the module's own)."""
+    if isinstance(m, Block):
+        with torch.no_grad():
+            m.fc.weight.fill_(0.25)
+
+
+def state(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def trained(model: Any, opt: Any, rank: int, world: int) -> dict[str, torch.Tensor]:
+    x, y = make_data(STEPS, 8)
+    mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    for i in range(STEPS):
+        F.mse_loss(model(x[i, mine]), y[i, mine]).backward()
+        opt.step()
+        opt.zero_grad()
+    return state(model)
+
+
+def plain(fn: Any = None, train: bool = False) -> dict[str, torch.Tensor]:
+    module = make_module()
+    if fn is not None:
+        module.apply(fn)
+    if train:
+        return trained(module, torch.optim.SGD(module.parameters(), lr=0.1), 0, 1)
+    return state(module)
+
+
+def gathered_names(model: Any) -> set[str]:
+    """Parameters holding values now (a parked one reads NaN: its stand-in)."""
+    return {n for n, p in model.module.named_parameters() if not bool(p.isnan().all())}
+
+
+def writes_through_wrapper(backend: CommunicationBackend) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in SHARDED:
+        model = wrap(name, make_module(), backend)
+        seen: list[tuple[set[str], set[str]]] = []
+
+        def record(m: nn.Module, model: Any = model, seen: list[tuple[set[str], set[str]]] = seen) -> None:
+            own = {n for n, p in model.module.named_parameters() if any(p is q for q in m.parameters(False))}
+            seen.append((own, gathered_names(model)))
+            init_const(m)
+
+        model.apply(record)
+        out[f"{name}/gathered"] = seen
+        out[f"{name}/const"] = state(model)
+        out[f"{name}/const+train"] = trained(
+            model, ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1), backend.rank, backend.world_size
+        )
+        g = torch.Generator().manual_seed(7)  # every rank the same draws: one process's values
+        out[f"{name}/random"] = state(wrap(name, make_module(), backend).apply(partial(init_random, g)))
+        for writeback in (True, False):
+            model = wrap(name, make_module(), backend)
+            with torch.no_grad(), model.summon_full_params(writeback=writeback):
+                for p in model.parameters():
+                    p.mul_(2.0)
+                model.module[1].apply(touch_child)  # any write while summoned, the child's too
+            out[f"{name}/summon/{writeback}"] = state(model)
+    return out
+
+
+def test_apply_and_summon_equal_one_process() -> None:
+    results = run_world(2, writes_through_wrapper, timeout=120)
+    doubled = {k: v * 2 for k, v in plain().items()}
+    doubled["1.fc.weight"].fill_(0.25)
+    for rank, out in enumerate(results):
+        for name in SHARDED:
+            assert max_rel_error(out[f"{name}/const"], plain(init_const)) == 0, (rank, name)
+            assert max_rel_error(out[f"{name}/const+train"], plain(init_const, train=True)) < 1e-6
+            g = torch.Generator().manual_seed(7)
+            assert max_rel_error(out[f"{name}/random"], plain(partial(init_random, g))) == 0, name
+            assert max_rel_error(out[f"{name}/summon/True"], doubled) == 0, name
+            assert max_rel_error(out[f"{name}/summon/False"], plain()) == 0, name
+        # ZeRO-3 (every parameter its own unit): fn(m) sees exactly m's own parameters gathered
+        assert all(own == now for own, now in out["zero3/gathered"]), out["zero3/gathered"]
+        # FSDP (units: Block and each Linear, the root): at most m's unit, never the whole model
+        assert all(own <= now and len(now) <= 2 for own, now in out["fsdp/gathered"])
+
+
+def lost_writes(backend: CommunicationBackend) -> dict[str, Any]:
+    x, y = make_data(1, 8)
+    out: dict[str, Any] = {}
+
+    def caught(key: str, fn: Any) -> None:
+        try:
+            fn()
+            out[key] = "no error"
+        except StrategyError as exc:
+            out[key] = str(exc)
+
+    for name in SHARDED:
+        model = wrap(name, make_module(), backend)
+        model.module.apply(init_const)
+        caught(f"{name}/module.apply", lambda model=model: model(x[0]))
+        out[f"{name}/after"] = state(model)  # the error restored the stand-ins: usable again
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        caught(f"{name}/zero_", model.full_state_dict)
+        model.module[3].bias.data.fill_(1.0)
+        caught(f"{name}/data.fill_", model.sharded_state_dict)
+        opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
+        F.mse_loss(model(x[0]), y[0]).backward()
+        with torch.no_grad():
+            model.module[0].bias.zero_()
+        caught(f"{name}/step", opt.step)
+        caught(f"{name}/child", lambda model=model: model.apply(touch_child))
+    return out
+
+
+def test_writes_into_stand_ins_are_refused_by_name() -> None:
+    for rank, out in enumerate(run_world(2, lost_writes, timeout=120)):
+        for name in SHARDED:
+            who = {"zero3": "ZeRO3Model", "fsdp": "FSDPModel"}[name]
+            msg = out[f"{name}/module.apply"]
+            assert f"{who} on rank {rank}: the forward found parameters ['0.weight', '0.bias'" in msg
+            assert "model.apply(fn)" in msg and "summon_full_params" in msg
+            assert max_rel_error(out[f"{name}/after"], plain()) == 0
+            assert "full_state_dict() found parameters ['0.weight'" in out[f"{name}/zero_"]
+            assert "(6 in all)" in out[f"{name}/zero_"]
+            assert "sharded_state_dict() found parameters ['3.bias'] (1 in all)" in out[f"{name}/data.fill_"]
+            assert "ZeRO3Optimizer.step() found parameters ['0.bias'] (1 in all)" in out[f"{name}/step"]
+            child = out[f"{name}/child"]
+            assert "model.apply(fn) found parameters ['1.fc.weight']" in child, child
+            assert "the parameters m owns itself" in child
+
+
+def init_bias(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        with torch.no_grad():
+            m.bias.fill_(0.1)
+
+
+def persistent_writes(backend: CommunicationBackend) -> dict[str, torch.Tensor]:
+    model = ZeRO3Model(make_module(), backend, persistence_threshold=30)  # biases kept whole
+    model.module.apply(init_bias)
+    return trained(model, ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1), backend.rank, backend.world_size)
+
+
+def test_zero3_parameters_kept_whole_take_direct_writes() -> None:
+    for out in run_world(2, persistent_writes, timeout=60):
+        assert max_rel_error(out, plain(init_bias, train=True)) < 1e-6
+
+
+def hybrid_apply(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for dp in SHARDED:
+        extra: dict[str, Any] = {"persistence_threshold": 0} if dp == "zero3" else {}
+        net = build(initial_state(), torch.float32)
+        model = HybridShardedModel(net, Mesh(backend, {"dp": 2}), data_parallel=dp, **extra)
+        out[dp] = state(model.apply(partial(init_random, torch.Generator().manual_seed(3))))
+    return out
+
+
+def test_hybrid_apply_goes_through_its_sharded_strategy() -> None:
+    reference = build(initial_state(), torch.float32)
+    reference.apply(partial(init_random, torch.Generator().manual_seed(3)))
+    for out in run_world(2, hybrid_apply, timeout=120):
+        for dp in SHARDED:
+            assert max_rel_error(out[dp], state(reference)) == 0, dp
