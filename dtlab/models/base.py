@@ -81,7 +81,7 @@ def copy_refused(who: str, rank: int, module_copies: bool) -> StrategyError:
             "(docs/porting.md, 'EMA / SWA / copying a wrapped model')"
         )
     return StrategyError(
-        f"{who} cannot be copied or pickled, nor its module (copy.deepcopy, "
+        f"{who} cannot be copied or pickled{'' if module_copies else ', nor its module'} (copy.deepcopy, "
         "torch.optim.swa_utils.AveragedModel(model), timm's ModelEmaV2, torch.save(model)): the copy "
         f"would share or duplicate rank {rank}'s communication backend and the hooks feeding it; {fix}"
     )

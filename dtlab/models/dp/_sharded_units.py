@@ -192,8 +192,9 @@ class UnitGatherer:
 
 
 class _GatherHook:
-    """One of :class:`GroupHooks`' module hooks, run eagerly under ``torch.compile`` (a graph break).
-    Copying or pickling the module it is on is refused: the copy would gather into these shards."""
+    """One of :class:`GroupHooks`' module hooks (``eager``: once ``torch.compile`` is loaded, run eagerly,
+    a graph break). Copying or pickling the module it is on is refused: the copy would gather into
+    these shards."""
 
     __slots__ = ("fn", "group", "who")
 
