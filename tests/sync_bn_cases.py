@@ -35,8 +35,8 @@ def make_module(sync: bool) -> nn.Module:
     return nn.SyncBatchNorm.convert_sync_batchnorm(m) if sync else m
 
 
-def make_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
+def make_data(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(STEPS, 8, 2, 3, 3, generator=g) * 2 + 1
     return x, torch.randn(STEPS, 8, 3, generator=g), torch.randn(4, 2, 3, 3, generator=g)
 
@@ -59,10 +59,10 @@ def run(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, scale: float) ->
     return {"outs": outs, "xgrads": xgrads}
 
 
-def reference(world: int) -> dict[str, Any]:
+def reference(world: int, seed: int = 3) -> dict[str, Any]:
     """One process, plain BatchNorm, the global batch; the loss divided by ``world`` as the strategies
     average their gradients."""
-    x, y, x_eval = make_data()
+    x, y, x_eval = make_data(seed)
     m = make_module(sync=False)
     res = run(m, torch.optim.SGD(m.parameters(), lr=LR), x, y, 1 / world)
     res["state"] = {k: v.clone() for k, v in m.state_dict().items()}
@@ -74,12 +74,13 @@ def reference(world: int) -> dict[str, Any]:
 OPTIMIZERS = {"ddp": DDPOptimizer, "zero1": ZeRO1Optimizer, "zero2": ZeRO2Optimizer}
 
 
-def distributed(backend: CommunicationBackend, name: str) -> dict[str, Any]:
-    x, y, x_eval = make_data()
+def distributed(backend: CommunicationBackend, name: str, seed: int = 3, **kw: Any) -> dict[str, Any]:
+    """``name`` over ``backend`` (``kw``: its options) on this rank's part of the global batch."""
+    x, y, x_eval = make_data(seed)
     sizes = SPLITS[backend.world_size]
     lo = sum(sizes[: backend.rank])
     mine = slice(lo, lo + sizes[backend.rank])
-    model = wrap(name, make_module(sync=True), backend)
+    model = wrap(name, make_module(sync=True), backend, **kw)
     opt = OPTIMIZERS.get(name, ZeRO3Optimizer)(model, torch.optim.SGD, lr=LR)
     res = run(model, opt, x[:, mine], y[:, mine], 1.0)
     res["state"] = model.full_state_dict()

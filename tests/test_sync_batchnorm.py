@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-from sync_bn_cases import LR, SPLITS, compare, distributed, make_data, make_module, reference, run
+from sync_bn_cases import LR, SPLITS, compare, distributed, make_data, make_module, reference, rel, run
 from test_strategies_helpers import STRATEGIES, wrap
 from torch import nn
 
+from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
-from dtlab.models import PipelineParallelModel
+from dtlab.models import HybridShardedModel, PipelineParallelModel, TensorParallelModel
 from dtlab.optimizers import DDPOptimizer
 from dtlab.testing import run_world
 
@@ -35,6 +36,30 @@ def test_sync_batchnorm_is_the_global_batch_norm(name: str, references: dict[int
             compare(res, references[world], world, f"{name}, {world} ranks, rank {rank}")
 
 
+def on_mesh(backend: CommunicationBackend) -> dict[str, Any]:
+    """A 2 x 2 mesh: each tp coordinate trains on a global batch of its own over its dp group, so the
+    statistics must be the dp group's, not the world's."""
+    mesh = Mesh(backend, {"dp": 2, "tp": 2})
+    return distributed(mesh["dp"], "zero2", seed=3 + mesh.coordinate("tp"), world=mesh.backend)
+
+
+def test_statistics_over_the_dp_group_of_a_mesh() -> None:
+    refs = [reference(2, seed=3 + tp) for tp in (0, 1)]
+    for rank, res in enumerate(run_world(4, on_mesh, timeout=60)):
+        compare(res, refs[rank % 2], 2, f"zero2 over mesh['dp'], rank {rank}")
+
+
+def hybrid_dp_only(backend: CommunicationBackend) -> tuple[torch.Tensor, slice]:
+    model = HybridShardedModel(make_module(sync=True), Mesh(backend, {"dp": 2}), data_parallel="zero1")
+    mine = slice(0, 3) if backend.rank == 0 else slice(3, 8)
+    return model(make_data()[0][0, mine]).detach(), mine
+
+
+def test_the_composition_with_dp_alone_synchronizes(references: dict[int, dict[str, Any]]) -> None:
+    for out, mine in run_world(2, hybrid_dp_only, timeout=60):
+        assert rel(out, references[2]["outs"][0][mine]) < 1e-5
+
+
 def refusals(backend: CommunicationBackend) -> dict[str, str]:
     class OwnForward(nn.SyncBatchNorm):
         def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -46,6 +71,7 @@ def refusals(backend: CommunicationBackend) -> dict[str, str]:
         "process_group": lambda: wrap("ddp", grouped, backend),
         "own_forward": lambda: wrap("zero3", nn.Sequential(nn.Linear(2, 2), OwnForward(2)), backend),
         "pipeline": lambda: PipelineParallelModel(make_module(sync=True), backend, micro_batches=2),
+        "tensor": lambda: TensorParallelModel(make_module(sync=True), backend, tensor_plan={"4": "colwise"}),
     }
     for what, build in cases.items():
         with pytest.raises(StrategyError) as info:
@@ -58,8 +84,8 @@ def test_what_cannot_be_synchronized_is_refused() -> None:
     for res in run_world(2, refusals, timeout=60):
         assert "'1' was given a process_group" in res["process_group"], res
         assert "has its own forward (OwnForward)" in res["own_forward"], res
-        assert "nn.SyncBatchNorm, whose statistics" in res["pipeline"], res
-        assert "micro-batch" in res["pipeline"], res
+        assert "under a pipeline: its statistics would be each micro-batch's" in res["pipeline"], res
+        assert "are nn.SyncBatchNorm, not synchronized under tp" in res["tensor"], res
 
 
 def plain_batchnorm(backend: CommunicationBackend) -> tuple[torch.Tensor, torch.Tensor]:

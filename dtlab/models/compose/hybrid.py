@@ -138,7 +138,7 @@ class HybridShardedModel(OptimizerTarget):
         walk = None if seed is None else MetaWalk(who, module, seed, param_init_fn)
         layout = lay_out(who, module, mesh, tensor_plan, args, self.always_pipelined, walk is not None)
         if layout.schedule is not None or mesh.size("tp") > 1:  # SyncBatchNorm syncs over dp alone
-            refuse_sync_batch_norm(module, who, "in a pipeline (one micro-batch's) or split over tp")
+            refuse_sync_batch_norm(module, who, "tp" if layout.schedule is None else "a pipeline")
         options: dict[str, Any] = dict(kwargs)  # the strategy's own options, as its constructor takes them
         chosen_sync = options.get("gradient_sync") if data_parallel == "zero1" else None
         if data_parallel == "zero1":

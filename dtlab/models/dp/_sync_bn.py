@@ -163,13 +163,14 @@ def sync_batch_norms(module: nn.Module, who: str) -> list[nn.SyncBatchNorm]:
     return found
 
 
-def refuse_sync_batch_norm(module: nn.Module, who: str, why: str) -> None:
-    """Refuse ``nn.SyncBatchNorm`` in ``module`` where its statistics cannot be the batch's: ``why``."""
+def refuse_sync_batch_norm(module: nn.Module, who: str, under: str) -> None:
+    """Refuse ``nn.SyncBatchNorm`` in ``module`` under ``under`` (``"a pipeline"`` or ``"tp"``)."""
     names = [n for n, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
     if names:
+        why = "each micro-batch's" if under == "a pipeline" else "those of activations tp may split"
         raise StrategyError(
-            f"{who}: {names[:3]} {'is an' if len(names) == 1 else 'are'} nn.SyncBatchNorm, whose "
-            f"statistics would not be the batch's {why}. dtlab synchronizes SyncBatchNorm under data "
-            "parallelism alone (DDPModel, ZeRO1/2/3Model, FSDPModel): use one of those, or nn.BatchNorm "
-            "(per-rank statistics)"
+            f"{who}: {names[:3]} {'is an' if len(names) == 1 else 'are'} nn.SyncBatchNorm, not synchronized "
+            f"under {under}: its statistics would be {why}, not the batch's. dtlab synchronizes "
+            "SyncBatchNorm under data parallelism alone (DDPModel, ZeRO1/2/3Model, FSDPModel, or this "
+            "model with tp = pp = 1 and one micro-batch): use that, or nn.BatchNorm (per-rank statistics)"
         )
