@@ -49,10 +49,18 @@ class PartialState:
             self.open = False
 
 
-def check_call(who: str, args: tuple[Any, ...], kwargs: dict[str, Any], pipelined: bool, split: bool) -> None:
-    """Refuse a forward call whose arguments would be dropped or misread: a pipeline's inference takes
-    one positional tensor (the input ids; nothing else reaches the stages); ``labels=`` asks the model
-    for its own loss, which sees 1/tp of the vocabulary when the logits are ``split`` over tp."""
+def check_call(
+    who: str, args: tuple[Any, ...], kwargs: dict[str, Any], pipelined: bool, split: bool, training: bool
+) -> None:
+    """Refuse a forward call that would not do what it does on the plain model: a pipeline trains
+    through ``train_step`` (``training``: in training mode with autograd on) and its inference takes one
+    positional tensor (the input ids; nothing else reaches the stages); ``labels=`` asks the model for
+    its own loss, which sees 1/tp of the vocabulary when the logits are ``split`` over tp."""
+    if pipelined and training:
+        raise StrategyError(
+            f"{who} with a pipeline trains through train_step((inputs, targets), loss_fn), which runs the "
+            "schedule; forward() is inference only: call model.eval() or run it under torch.no_grad()"
+        )
     if pipelined and (kwargs or len(args) != 1):
         raise StrategyError(
             f"{who}: a pipeline's forward() takes the input ids as its one positional argument (got "

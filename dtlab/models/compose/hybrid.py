@@ -252,18 +252,12 @@ class HybridShardedModel(OptimizerTarget):
         stage (no autograd across ranks), the output on every pp rank; training runs ``train_step``."""
         self._tp_grads.release()
         self._same_on_tp("inputs", [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()])
+        training = self.training and torch.is_grad_enabled()
+        check_call(type(self).__name__, args, kwargs, self._pipe is not None, self.logits_split, training)
         if self._pipe is None:
-            check_call(type(self).__name__, args, kwargs, False, self.logits_split)
             if torch.is_grad_enabled():
                 self._check_partial_fresh()
             return self.dp_strategy(*args, **kwargs)
-        if self.training and torch.is_grad_enabled():
-            raise StrategyError(
-                f"{type(self).__name__} with a pipeline trains through train_step((inputs, targets), "
-                "loss_fn), which runs the schedule; forward() is inference only: call model.eval() or run it "
-                "under torch.no_grad()"
-            )
-        check_call(type(self).__name__, args, kwargs, True, False)
         (x,) = args
         return self._pipe.infer(x)
 
