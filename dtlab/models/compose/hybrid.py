@@ -207,11 +207,8 @@ class HybridShardedModel(OptimizerTarget):
     def pipelined(self) -> bool:
         return self.schedule is not None
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> Self:
-        """``nn.Module.apply`` over this rank's stages through the data-parallel strategy (ZeRO-3/FSDP
-        gather each module's parameters around ``fn``), then ``fn(self)``. Collective over dp."""
-        dp = self.dp_strategy
-        dp.apply(lambda m: None if m is dp else fn(m))
+    def apply(self, fn: Callable[[nn.Module], None]) -> Self:  # through dp: ZeRO-3/FSDP gather around fn
+        self.dp_strategy.apply(lambda m: None if m is self.dp_strategy else fn(m))
         fn(self)
         return self
 
@@ -378,16 +375,9 @@ class HybridShardedModel(OptimizerTarget):
         state.metadata["data_parallel"] = self.data_parallel
         if self._layout.aliases:
             state.metadata["tied"] = dict(self._layout.aliases)  # stored once, under the first name
-        return write_placed_state(
-            state,
-            self._own_state.read(dp.whole_state),
-            dp.flat_shards(),
-            self._placements,
-            self.dp_backend,
-            self.tp_group,
-            self._span,
-            skip=self._layout.unwritten,
-        )
+        whole = self._own_state.read(dp.whole_state)
+        where = (self._placements, self.dp_backend, self.tp_group, self._span)
+        return write_placed_state(state, whole, dp.flat_shards(), *where, skip=self._layout.unwritten)
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
         """Load from any saved mesh and strategy (or a plain module's full tensors)."""
