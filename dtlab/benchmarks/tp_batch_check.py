@@ -1,0 +1,115 @@
+"""What the tensor-parallel batch check costs: every rank of a tp group checks that it was given the
+same batch (one all-reduce of a 3-integer fingerprint per forward, loss or train_step; the fingerprint
+reads every input bit once). Step time with and without it, in the same processes, on the built-in
+transformer at tp=2 (Gloo by default):
+
+    .venv/bin/python -m dtlab.benchmarks.tp_batch_check
+    .venv/bin/python -m dtlab.benchmarks.tp_batch_check --d-model 512 --batch 8 --seq 256 --engine mpi
+
+Variants, alternating in blocks (``dtlab.benchmarks._paired``; each step timed as the slowest rank's):
+``checked``: ``model.cross_entropy(model(x), y)`` (two checks: the inputs, the targets), backward,
+AdamW step; ``unchecked``: the same model and optimizer reached past the check
+(``vocab_parallel_cross_entropy(model.dp_strategy(x), y, mesh["tp"])``); ``check``: one check of
+``(x, y)`` alone; ``check, images``: one check of an image batch (``--images`` x 3 x 224 x 224 fp32),
+to show the cost of reading large inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import TYPE_CHECKING, Any
+
+from dtlab.benchmarks._paired import add_timing_args, alternate, plain_step, quartiles, round_ratios
+
+if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
+    from dtlab.backends.base import CommunicationBackend
+
+
+def bench_world(backend: CommunicationBackend, args: dict[str, Any]) -> dict[str, Any]:
+    """One rank: the variants in alternating blocks; their step times."""
+    import torch
+
+    from dtlab.backends import Mesh
+    from dtlab.models import TensorParallelModel, transformer_plan
+    from dtlab.models.tensor import vocab_parallel_cross_entropy
+    from dtlab.models.tensor._agree import check_same_on_tp
+    from dtlab.optimizers import DDPOptimizer
+    from dtlab.zoo import TransformerLM
+
+    torch.set_num_threads(args["threads"])
+    mesh = Mesh(backend, {"tp": backend.world_size})
+    tp, ranks = mesh["tp"], mesh.ranks("tp")
+    gen = torch.Generator().manual_seed(0)
+    net = TransformerLM(args["d_model"], args["layers"], args["heads"], args["seq"])
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    model = TensorParallelModel(net, mesh, plan=transformer_plan())
+    opt = DDPOptimizer(model, torch.optim.AdamW, lr=1e-4)
+    shape = (args["batch"], args["seq"])
+    x, y = torch.randint(0, 256, shape, generator=gen), torch.randint(0, 256, shape, generator=gen)
+    images = torch.randn(args["images"], 3, 224, 224, generator=gen)
+
+    def check(named: list[tuple[str, Any]]) -> float:
+        check_same_on_tp("bench", "inputs", named, tp, ranks)
+        return 0.0
+
+    variants = {
+        "checked": plain_step(lambda: model.cross_entropy(model(x), y), opt),
+        "unchecked": plain_step(lambda: vocab_parallel_cross_entropy(model.dp_strategy(x), y, tp), opt),
+        "check": lambda: check([("x", x), ("y", y)]),
+        "check, images": lambda: check([("images", images)]),
+    }
+    return {"times": alternate(backend, variants, args["rounds"], args["steps"], args["warmup"])}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--engine", default="gloo", choices=("gloo", "mpi", "inmemory"))
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--images", type=int, default=32, help="images in the image batch checked alone")
+    add_timing_args(parser, steps=5, rounds=8)
+    ns = parser.parse_args(argv)
+    keys = ("d_model", "layers", "heads", "batch", "seq", "images", "steps", "rounds", "warmup", "threads")
+    args = {k: getattr(ns, k) for k in keys}
+
+    from dtlab.testing import run_world, spawn_world
+
+    if ns.engine == "inmemory":
+        res = run_world(ns.tp, bench_world, args, timeout=1800)[0]
+    else:
+        res = spawn_world(ns.tp, bench_world, args, backend=ns.engine, timeout=1800, check_collectives=False)[
+            0
+        ]
+    times: dict[str, list[float]] = res["times"]
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    print(f"\n{ns.engine}, tp={ns.tp}; " + ", ".join(f"{k}={v}" for k, v in args.items()) + "\n")
+    print("| variant | median (IQR) | against an unchecked step (medians) |")
+    print("|---|---:|---:|")
+    for name, ts in times.items():
+        lo, hi = quartiles(ts)
+        vs = {"checked": f"{med[name] / med['unchecked']:.3f}x", "unchecked": "1"}.get(
+            name, f"{100 * med[name] / med['unchecked']:.2f}% of it"
+        )
+        print(f"| {name} | {1e3 * med[name]:.2f} ms ({1e3 * lo:.2f}-{1e3 * hi:.2f}) | {vs} |")
+    paired = round_ratios(times["checked"], times["unchecked"], args["steps"])
+    lo, hi = quartiles(paired)
+    print(
+        f"\nchecked / unchecked per round (block medians): median {statistics.median(paired):.3f} "
+        f"(IQR {lo:.3f}-{hi:.3f}) over {len(paired)} rounds"
+    )
+    if ns.json is not None:
+        ns.json.write_text(json.dumps({"args": vars(ns) | {"json": str(ns.json)}, "times": times}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
