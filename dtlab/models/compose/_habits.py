@@ -5,11 +5,13 @@ the fix where it would silently do something else: the wrapped module's own ``st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from torch import nn
 
+from dtlab.backends.mesh import MeshLike
+from dtlab.core.placement import Placement, Shard
 from dtlab.errors import StrategyError
 
 __all__ = ["PartialState", "check_call", "missing_attribute"]
@@ -28,9 +30,19 @@ class PartialState:
     its pipeline stages with the others' tensors on the meta device) but for the composition's own reads
     (:meth:`read`): Hugging Face's ``save_pretrained()`` would write that part as the whole model."""
 
-    def __init__(self, module: nn.Module, who: str, sharded: bool, staged: bool) -> None:
-        self.module, self.who, self.open = module, who, False
-        self.part = "this rank's pipeline stages" if staged else "its tp shards" if sharded else ""
+    def __init__(
+        self,
+        module: nn.Module,
+        who: str,
+        placements: Mapping[str, Placement],
+        mesh: MeshLike,
+        pipelined: bool,
+    ) -> None:
+        self.module, self.who, self.open, self.pipelined = module, who, False, pipelined
+        sharded = mesh.size("tp") > 1 and any(isinstance(pl, Shard) for pl in placements.values())
+        self.part = (
+            "this rank's pipeline stages" if mesh.size("pp") > 1 else "its tp shards" if sharded else ""
+        )
         module.register_state_dict_pre_hook(self._refuse)
 
     def _refuse(self, *_: Any) -> None:
@@ -79,13 +91,12 @@ def check_call(
         )
 
 
-def missing_attribute(
-    who: str, user: nn.Module, name: str, pipelined: bool, exc: AttributeError
-) -> AttributeError:
-    """The error for ``model.<name>`` the wrapper lacks: where the model it wraps has it, how to reach
-    it (or why not); else ``exc`` itself."""
-    if name.startswith("_") or not hasattr(user, name):
+def missing_attribute(who: str, own: PartialState | None, name: str, exc: AttributeError) -> AttributeError:
+    """The error for ``model.<name>`` the wrapper ``who`` lacks: where the model it wraps (``own.module``)
+    has it, how to reach it (or why not); else ``exc`` itself."""
+    if own is None or name.startswith("_") or not hasattr(own.module, name):
         return exc
+    pipelined = own.pipelined
     if name == "save_pretrained":
         fix = _SAVE
     elif name == "generate" and pipelined:

@@ -182,8 +182,7 @@ class HybridShardedModel(OptimizerTarget):
             self._pipe = PipelineRun(
                 dp, layout, layout.schedule, self.pp_group, module, self._tied, activation_checkpointing
             )
-        sharded = tp_split and any(isinstance(pl, Shard) for pl in placements.values())
-        self._own_state = PartialState(module, who, sharded, self.pp_group.world_size > 1)
+        self._own_state = PartialState(module, who, placements, mesh, pipelined=layout.schedule is not None)
 
     @staticmethod
     def from_plan(
@@ -237,11 +236,8 @@ class HybridShardedModel(OptimizerTarget):
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
-        except AttributeError as exc:  # what the plain model has: say how to reach it (or why not)
-            own = self.__dict__.get("_own_state")
-            if own is None:
-                raise
-            raise missing_attribute(type(self).__name__, own.module, name, self.pipelined, exc) from None
+        except AttributeError as exc:  # what the plain model has: how to reach it (or why not)
+            raise missing_attribute(type(self).__name__, self.__dict__.get("_own_state"), name, exc) from None
 
     # ------------------------------------------------------------------ forward and step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
