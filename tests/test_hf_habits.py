@@ -18,7 +18,7 @@ from hf_cases import LLAMA_PLAN, VOCAB, llama, rel_error, token_batch, transform
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import StrategyError
+from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import PipelineParallelModel, TensorParallelModel
 from dtlab.optimizers import DDPOptimizer
 from dtlab.testing import run_world
@@ -137,6 +137,10 @@ def _pipeline(backend: CommunicationBackend, state: dict[str, torch.Tensor], roo
         model(x, attention_mask=mask)
     with pytest.raises(StrategyError, match="holds only this rank's pipeline stages"):
         net.state_dict()
+    with pytest.raises(AttributeError, match="a pipeline does not generate"):
+        model.generate  # noqa: B018 - the attribute's error is the check
+    with pytest.raises(AttributeError, match=r"use it on the model you wrapped \(model.module holds only"):
+        model.config  # noqa: B018
     whole = model.state_dict()
     net.save_pretrained(root / "pp", state_dict=whole, is_main_process=backend.rank == 0)
     return out
@@ -187,3 +191,18 @@ def test_hugging_face_habits_equal_one_process_or_are_refused_with_the_fix(tmp_p
     for folder, state in (("tp", got[0]["tp"]["state"]), ("pp", got[0]["pp"]["global_mean"][1])):
         back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.float64)
         assert all(torch.equal(back.state_dict()[k], v) for k, v in state.items()), folder
+
+
+def _loss_of_the_output(backend: CommunicationBackend, state: dict[str, torch.Tensor]) -> None:
+    x, _, labels = _padded()
+    model = PipelineParallelModel(
+        _built(4, state), backend, micro_batches=MICRO, split_points=["model.layers.2"]
+    )
+    model.train_step((x, labels), lambda out, _: out.loss)
+
+
+def test_a_pipeline_loss_fn_returning_the_outputs_loss_is_refused_saying_why() -> None:
+    with pytest.raises(
+        RankFailedError, match=r"gets no labels here \(output.loss is None\): use output.logits"
+    ):
+        run_world(2, _loss_of_the_output, _state(4))
