@@ -103,6 +103,10 @@ def writes_through_wrapper(backend: CommunicationBackend) -> dict[str, Any]:
                     p.mul_(2.0)
                 model.module[1].apply(touch_child)  # any write while summoned, the child's too
             out[f"{name}/summon/{writeback}"] = state(model)
+        model, g = wrap(name, make_module(), backend), torch.Generator().manual_seed(7)
+        with model.summon_full_params():
+            model.module.apply(partial(init_random, g))
+        out[f"{name}/summon/random"] = state(model)
     return out
 
 
@@ -118,6 +122,8 @@ def test_apply_and_summon_equal_one_process() -> None:
             assert max_rel_error(out[f"{name}/random"], plain(partial(init_random, g))) == 0, name
             assert max_rel_error(out[f"{name}/summon/True"], doubled) == 0, name
             assert max_rel_error(out[f"{name}/summon/False"], plain()) == 0, name
+            g = torch.Generator().manual_seed(7)
+            assert max_rel_error(out[f"{name}/summon/random"], plain(partial(init_random, g))) == 0
         # ZeRO-3 (every parameter its own unit): fn(m) sees exactly m's own parameters gathered
         assert all(own == now for own, now in out["zero3/gathered"]), out["zero3/gathered"]
         # FSDP (units: Block and each Linear, the root): at most m's unit, never the whole model

@@ -31,10 +31,15 @@ class ParamWrites:
         self.at_rest = at_rest
         self.unit_of = unit_of
         self.who = who
+        self._eager: Callable[[str, list[ShardUnit] | None], None] = torch.compiler.disable(self._check)
 
     def check(self, when: str, units: list[ShardUnit] | None = None) -> None:
         """Refuse writes into parked stand-ins of ``units`` (default: all) since they were parked: one
-        read of their markers together (on an accelerator, one synchronization with the host)."""
+        read of their markers together (on an accelerator, one synchronization with the host); run
+        eagerly inside a compiled forward (a read on the host, no graph of it)."""
+        self._eager(when, units)
+
+    def _check(self, when: str, units: list[ShardUnit] | None) -> None:
         if self.at_rest.busy:  # inside a forward or backward the units not gathered hold no stand-in
             return
         parked = [st for st in (self.at_rest.units if units is None else units) if st.flat is None]
