@@ -244,9 +244,9 @@ class HybridShardedModel(OptimizerTarget):
         """Without a pipeline: the data-parallel strategy's forward. With one: inference through every
         stage (no autograd across ranks), the output on every pp rank; training runs ``train_step``."""
         self._tp_grads.release()
-        self._same_on_tp("inputs", [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()])
         training = self.training and torch.is_grad_enabled()
         check_call(type(self).__name__, args, kwargs, self._pipe is not None, self.logits_split, training)
+        self._same_on_tp("inputs", [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()])
         if self._pipe is None:
             if torch.is_grad_enabled():
                 self._check_partial_fresh()
