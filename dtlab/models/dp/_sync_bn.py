@@ -31,8 +31,8 @@ def _stats_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _SyncBatchNorm(torch.autograd.Function):
-    """Batch normalization over the batches of every rank of ``group`` (torch's ``sync_batch_norm``,
-    in plain tensor operations: torch's fused kernels exist for GPUs only)."""
+    """Batch normalization over the batches of every rank of ``group`` (torch's ``sync_batch_norm``
+    with kernels every device has: torch's own exist for GPUs only)."""
 
     @staticmethod
     def forward(
@@ -47,11 +47,10 @@ class _SyncBatchNorm(torch.autograd.Function):
         group: CommunicationBackend,
     ) -> torch.Tensor:
         channels, acc = x.shape[1], _stats_dtype(x)
-        dims = [0, *range(2, x.dim())]
         count = x.numel() // max(channels, 1)
         local = torch.zeros(2 * channels + 1, dtype=acc, device=x.device)
         if count:  # an empty batch takes part with a count of 0
-            var, mean = torch.var_mean(x.to(acc), dims, correction=0)
+            var, mean = torch.var_mean(x.to(acc), [0, *range(2, x.dim())], correction=0)
             local = torch.cat([mean, var, local.new_full((1,), count)])
         rows = torch.empty(group.world_size * local.numel(), dtype=acc, device=x.device)
         group.all_gather(rows, local)
@@ -64,43 +63,42 @@ class _SyncBatchNorm(torch.autograd.Function):
             )
         mean = (counts * means).sum(0) / total
         var = (counts * (variances + (means - mean) ** 2)).sum(0) / total
-        invstd = torch.rsqrt(var + eps)
         with torch.no_grad():
             if running_mean is not None and running_var is not None:
                 running_mean.lerp_(mean.to(running_mean.dtype), momentum)
                 running_var.lerp_((var * total / (total - 1)).to(running_var.dtype), momentum)
-        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.save_for_backward(x, weight, mean, torch.rsqrt(var + eps))
         ctx.group, ctx.total = group, total
-        return _affine((x.to(acc) - _c(mean, x)) * _c(invstd, x), weight, bias).to(x.dtype)
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)  # normalized with these statistics
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, mean, invstd = ctx.saved_tensors
-        dims = [0, *range(2, x.dim())]
-        xmu, dy_ = x.to(mean.dtype) - _c(mean, x), dy.to(mean.dtype)
-        sums = torch.cat([dy_.sum(dims), (dy_ * xmu).sum(dims)])  # this rank's sum_dy, sum_dy_xmu
+        # this rank's sums of dy * (x - mean) * invstd and of dy: its weight and bias gradients
+        dw, db = torch.zeros_like(mean), torch.zeros_like(mean)
+        if x.numel():  # (the kernel divides by the count)
+            _, dw, db = torch.ops.aten.native_batch_norm_backward(
+                dy, x, weight, None, None, mean, invstd, True, 0.0, [False, True, True]
+            )
         grad_w = grad_b = grad_x = None
         if weight is not None:  # this rank's part, averaged with the other gradients by the strategy
-            grad_w = (sums[mean.numel() :] * invstd).to(weight.dtype) if ctx.needs_input_grad[1] else None
-            grad_b = sums[: mean.numel()].to(weight.dtype, copy=True) if ctx.needs_input_grad[2] else None
-        if ctx.needs_input_grad[0]:  # every rank alike: the same graph (grad_b copied out of sums)
+            grad_w = dw.to(weight.dtype, copy=True) if ctx.needs_input_grad[1] else None
+            grad_b = db.to(weight.dtype, copy=True) if ctx.needs_input_grad[2] else None
+        if ctx.needs_input_grad[0]:  # every rank alike: the same graph
+            sums = torch.cat([db, dw / invstd])  # sum_dy, sum_dy_xmu
             ctx.group.all_reduce(sums)
-            sum_dy, sum_dy_xmu = (sums / ctx.total).split(mean.numel())
-            scale = invstd if weight is None else invstd * weight.to(mean.dtype)
-            inner = dy_ - _c(sum_dy, x) - xmu * _c(invstd * invstd * sum_dy_xmu, x)
-            grad_x = (inner * _c(scale, x)).to(x.dtype)
+            mean_dy, mean_dy_xmu = (sums / ctx.total).split(mean.numel())
+            scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+            slope = -scale * invstd * invstd * mean_dy_xmu  # dx = scale * (dy - mean_dy) + slope * xmu
+            xmu = x - _c(mean, x)
+            grad_x = torch.addcmul(_c(-scale * mean_dy, x), xmu, _c(slope, x)).addcmul_(dy, _c(scale, x))
+            grad_x = grad_x.to(x.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def _c(per_channel: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``per_channel`` shaped to broadcast over ``x``'s channel dimension."""
     return per_channel.view(1, -1, *([1] * (x.dim() - 2)))
-
-
-def _affine(normed: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    if weight is not None:
-        normed = normed * _c(weight.to(normed.dtype), normed)
-    return normed if bias is None else normed + _c(bias.to(normed.dtype), normed)
 
 
 class DataParallelBatchNorm:
