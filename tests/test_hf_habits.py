@@ -80,7 +80,9 @@ def _tensor_parallel(
     split = TensorParallelModel(_built(2, state), backend, plan={**LLAMA_PLAN, "lm_head": "colwise"})
     with pytest.raises(StrategyError, match=r"model.cross_entropy\(out.logits\[:, :-1\], labels\[:, 1:\]\)"):
         split(x, labels=labels)
-    split_ce = split.cross_entropy(split(x, attention_mask=mask).logits[:, :-1], labels[:, 1:]).item()
+    logits = split(x, attention_mask=mask).logits[:, :-1]
+    split_ce = split.cross_entropy(logits, labels[:, 1:]).item()
+    none_left = split.cross_entropy(logits, torch.full_like(labels[:, 1:], -100)).item()  # F's: NaN
     model = TensorParallelModel(_built(2, state), backend, plan="auto")  # the head gathered
     opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
     losses = []
@@ -103,7 +105,13 @@ def _tensor_parallel(
         )
     state_now = model.state_dict()  # collective: every rank
     model.module.save_pretrained(root / "tp", state_dict=dict(state_now), is_main_process=backend.rank == 0)
-    return {"split_ce": split_ce, "losses": losses, "state": state_now, "generated": generated}
+    return {
+        "split_ce": split_ce,
+        "none_left": none_left,
+        "losses": losses,
+        "state": state_now,
+        "generated": generated,
+    }
 
 
 def _global_mean(count: int) -> Any:
@@ -168,6 +176,7 @@ def test_hugging_face_habits_equal_one_process_or_are_refused_with_the_fix(tmp_p
     for r in got:
         tp = r["tp"]
         assert abs(tp["split_ce"] - want_ce) <= 1e-6 * want_ce
+        assert tp["none_left"] == 0.0  # every label -100: no token to average, the loss 0 (documented)
         assert max(abs(a - b) / b for a, b in zip(tp["losses"], want, strict=True)) <= 1e-6
         assert max(rel_error(tp["state"][k], v) for k, v in one.state_dict().items()) <= 1e-6
         assert torch.equal(tp["generated"], want_gen)
