@@ -96,6 +96,10 @@ def _tensor_parallel(
         model.generate  # noqa: B018 - the attribute's error is the check
     with pytest.raises(AttributeError, match=r"use model.module.config"):
         model.config  # noqa: B018
+    with pytest.raises(
+        AttributeError, match=r"count the plain model before wrapping it \(this rank's module"
+    ):
+        model.num_parameters()
     with pytest.raises(StrategyError, match="holds only its tp shards"):
         model.module.save_pretrained(root / "wrong")
     model.eval()

@@ -106,6 +106,8 @@ def missing_attribute(who: str, own: PartialState | None, name: str, exc: Attrib
         )
     elif name in ("resize_token_embeddings", "tie_weights"):
         fix = "call it on the plain model before wrapping it (the strategy lays out the parameters it finds)"
+    elif name == "num_parameters" and own.part:
+        fix = f"count the plain model before wrapping it (this rank's module holds only {own.part})"
     elif name == "generate":
         fix = "call model.module.generate(...) on every rank with the same inputs, in eval mode under no_grad"
     elif pipelined:
