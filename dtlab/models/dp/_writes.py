@@ -11,6 +11,7 @@ before the optimizer or a checkpoint reads it (:meth:`ParamWrites.settle`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Collection, Mapping
 
 import torch
@@ -31,12 +32,17 @@ class ParamWrites:
         self.at_rest = at_rest
         self.unit_of = unit_of
         self.who = who
-        self._eager: Callable[[str, list[ShardUnit] | None], None] = torch.compiler.disable(self._check)
+        self._eager: Callable[[str, list[ShardUnit] | None], None] | None = None
 
     def check(self, when: str, units: list[ShardUnit] | None = None) -> None:
         """Refuse writes into parked stand-ins of ``units`` (default: all) since they were parked: one
         read of their markers together (on an accelerator, one synchronization with the host); run
         eagerly inside a compiled forward (a read on the host, no graph of it)."""
+        if "torch._dynamo" not in sys.modules:  # torch.compile not loaded (disable() would load it)
+            self._check(when, units)
+            return
+        if self._eager is None:
+            self._eager = torch.compiler.disable(self._check)
         self._eager(when, units)
 
     def _check(self, when: str, units: list[ShardUnit] | None) -> None:
