@@ -74,16 +74,21 @@ def reference(world: int, seed: int = 3) -> dict[str, Any]:
 OPTIMIZERS = {"ddp": DDPOptimizer, "zero1": ZeRO1Optimizer, "zero2": ZeRO2Optimizer}
 
 
-def distributed(backend: CommunicationBackend, name: str, seed: int = 3, **kw: Any) -> dict[str, Any]:
+def distributed(
+    backend: CommunicationBackend, name: str, seed: int = 3, compile_module: bool = False, **kw: Any
+) -> dict[str, Any]:
     """``name`` over ``backend`` (``kw``: its options) on this rank's part of the global batch."""
     x, y, x_eval = make_data(seed)
     sizes = SPLITS[backend.world_size]
     lo = sum(sizes[: backend.rank])
     mine = slice(lo, lo + sizes[backend.rank])
-    model = wrap(name, make_module(sync=True), backend, **kw)
+    module = make_module(sync=True)
+    if compile_module:
+        module = torch.compile(module, backend="aot_eager")  # type: ignore[assignment]
+    model = wrap(name, module, backend, **kw)
     opt = OPTIMIZERS.get(name, ZeRO3Optimizer)(model, torch.optim.SGD, lr=LR)
     res = run(model, opt, x[:, mine], y[:, mine], 1.0)
-    res["state"] = model.full_state_dict()
+    res["state"] = {k.removeprefix("_orig_mod."): v for k, v in model.full_state_dict().items()}
     model.eval()
     gathers = backend.stats["all_gather"].calls
     res["eval"] = model(x_eval).detach()

@@ -122,3 +122,13 @@ def test_copies_of_the_module() -> None:
     (copied0, pickled0), (copied1, pickled1) = run_world(2, copies, timeout=60)
     assert torch.equal(copied0, copied1)  # the statistics of both ranks' batches
     assert not torch.equal(pickled0, pickled1)
+
+
+def compiled(backend: CommunicationBackend) -> dict[str, Any]:
+    """``torch.compile`` (dynamo; aot_eager keeps it cheap) leaves the synchronized layers eager."""
+    return distributed(backend, "ddp", compile_module=True)
+
+
+def test_compiled_module(references: dict[int, dict[str, Any]]) -> None:
+    for rank, res in enumerate(run_world(2, compiled, timeout=120)):
+        compare(res, references[2], 2, f"compiled, rank {rank}")

@@ -14,6 +14,7 @@ twice when torch.distributed is initialized too. See docs/strategies.md, "BatchN
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,6 +97,15 @@ class _SyncBatchNorm(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
+def _apply(*args: Any) -> torch.Tensor:
+    out: torch.Tensor = _SyncBatchNorm.apply(*args)  # type: ignore[no-untyped-call]
+    return out
+
+
+#: eager under ``torch.compile`` (a graph break): the collectives are not traced
+_sync_batch_norm: Callable[..., torch.Tensor] = torch.compiler.disable(_apply)
+
+
 def _c(per_channel: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``per_channel`` shaped to broadcast over ``x``'s channel dimension."""
     return per_channel.view(1, -1, *([1] * (x.dim() - 2)))
@@ -123,9 +133,7 @@ class DataParallelBatchNorm:
         running = (bn.running_mean, bn.running_var) if bn.track_running_stats else (None, None)
         if self.group.world_size == 1:
             return F.batch_norm(x, *running, bn.weight, bn.bias, True, factor, bn.eps)
-        args = (x, bn.weight, bn.bias, *running, bn.eps, factor, self.group)
-        out: torch.Tensor = _SyncBatchNorm.apply(*args)  # type: ignore[no-untyped-call]
-        return out
+        return _sync_batch_norm(x, bn.weight, bn.bias, *running, bn.eps, factor, self.group)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DataParallelBatchNorm:
         """A copy of the module (an EMA model) syncs over the same group, which is not copied."""
