@@ -27,10 +27,6 @@ from dtlab.errors import StrategyError
 __all__ = ["DataParallelBatchNorm", "refuse_sync_batch_norm", "sync_batch_norms"]
 
 
-def _stats_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float32 if x.element_size() < 4 else x.dtype
-
-
 class _SyncBatchNorm(torch.autograd.Function):
     """Batch normalization over the batches of every rank of ``group`` (torch's ``sync_batch_norm``
     with kernels every device has: torch's own exist for GPUs only)."""
@@ -47,7 +43,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         momentum: float,
         group: CommunicationBackend,
     ) -> torch.Tensor:
-        channels, acc = x.shape[1], _stats_dtype(x)
+        channels, acc = x.shape[1], torch.float32 if x.element_size() < 4 else x.dtype
         count = x.numel() // max(channels, 1)
         local = torch.zeros(2 * channels + 1, dtype=acc, device=x.device)
         if count:  # an empty batch takes part with a count of 0
@@ -97,13 +93,8 @@ class _SyncBatchNorm(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-def _apply(*args: Any) -> torch.Tensor:
-    out: torch.Tensor = _SyncBatchNorm.apply(*args)  # type: ignore[no-untyped-call]
-    return out
-
-
 #: eager under ``torch.compile`` (a graph break): the collectives are not traced
-_sync_batch_norm: Callable[..., torch.Tensor] = torch.compiler.disable(_apply)
+_sync_batch_norm: Callable[..., torch.Tensor] = torch.compiler.disable(_SyncBatchNorm.apply)
 
 
 def _c(per_channel: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
