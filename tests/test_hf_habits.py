@@ -145,8 +145,10 @@ def _pipeline(backend: CommunicationBackend, state: dict[str, torch.Tensor], roo
             opt.zero_grad()
         out[name] = (losses, model.state_dict())
     model.eval()
-    with torch.no_grad(), pytest.raises(StrategyError, match=r"keyword \['attention_mask'\]"):
-        model(x, attention_mask=mask)
+    with torch.no_grad():
+        out["logits"] = model(x)  # inference through the stages: the last stage's logits on every rank
+        with pytest.raises(StrategyError, match=r"keyword \['attention_mask'\]"):
+            model(x, attention_mask=mask)
     with pytest.raises(StrategyError, match="holds only this rank's pipeline stages"):
         net.state_dict()
     with pytest.raises(AttributeError, match="a pipeline does not generate"):
@@ -200,6 +202,9 @@ def test_hugging_face_habits_equal_one_process_or_are_refused_with_the_fix(tmp_p
             losses, state = r["pp"][name]
             assert max(abs(a - b) / b for a, b in zip(losses, want, strict=True)) <= 1e-6, name
             assert max(rel_error(state[k], v) for k, v in ref.state_dict().items()) <= 1e-6, name
+    with torch.no_grad():  # the trained global-mean model's inference, as the plain model's
+        want_logits = ref.eval()(x).logits
+    assert all(rel_error(r["pp"]["logits"], want_logits) <= 1e-6 for r in got)
     # save_pretrained with the gathered state reloads bitwise into the plain model
     for folder, state in (("tp", got[0]["tp"]["state"]), ("pp", got[0]["pp"]["global_mean"][1])):
         back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.float64)

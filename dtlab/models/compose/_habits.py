@@ -27,8 +27,9 @@ _SAVE = (
 
 class PartialState:
     """Refuses ``state_dict()`` of the user's ``module`` where a rank holds only part of it (tp shards, or
-    its pipeline stages with the others' tensors on the meta device) but for the composition's own reads
-    (:meth:`read`): Hugging Face's ``save_pretrained()`` would write that part as the whole model."""
+    its pipeline stages with the others' tensors on the meta device) but for the composition's own copy
+    (:meth:`read`) and the live tensors (``keep_vars=True``, where dtlab reads each rank's part): Hugging
+    Face's ``save_pretrained()`` would write that part as the whole model."""
 
     def __init__(
         self,
@@ -45,15 +46,15 @@ class PartialState:
         )
         module.register_state_dict_pre_hook(self._refuse)
 
-    def _refuse(self, *_: Any) -> None:
-        if self.part and not self.open:  # part "": the module is whole on this rank
+    def _refuse(self, _module: nn.Module, _prefix: str, keep_vars: bool) -> None:
+        if self.part and not self.open and not keep_vars:
             raise StrategyError(
                 f"{self.who}: the wrapped module's own state_dict() (which save_pretrained() calls) holds "
                 f"only {self.part}; saved as the whole model it would be a wrong checkpoint. To save: {_SAVE}"
             )
 
     def read(self, fn: Callable[[], T]) -> T:
-        """``fn()`` (the data-parallel strategy's read of the module's state) with the module open."""
+        """``fn()`` (the data-parallel strategy's copy of the module's state) with the module open."""
         self.open = True
         try:
             return fn()

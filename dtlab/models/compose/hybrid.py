@@ -371,14 +371,14 @@ class HybridShardedModel(OptimizerTarget):
         state.metadata["data_parallel"] = self.data_parallel
         if self._layout.aliases:
             state.metadata["tied"] = dict(self._layout.aliases)  # stored once, under the first name
-        whole = self._own_state.read(dp.whole_state)
+        whole = dp.whole_state()
         where = (self._placements, self.dp_backend, self.tp_group, self._span)
         return write_placed_state(state, whole, dp.flat_shards(), *where, skip=self._layout.unwritten)
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
         """Load from any saved mesh and strategy (or a plain module's full tensors)."""
         dp = self.dp_strategy
-        whole = self._own_state.read(dp.whole_state)
+        whole = dp.whole_state()
         load_placed_state(shards, whole, dp.flat_shards(), self._placements, self.dp_backend, self.tp_group)
 
     def memory_report(self) -> dict[str, int]:
