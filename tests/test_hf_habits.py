@@ -19,7 +19,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import RankFailedError, StrategyError
-from dtlab.models import PipelineParallelModel, TensorParallelModel
+from dtlab.models import DDPModel, PipelineParallelModel, TensorParallelModel
 from dtlab.optimizers import DDPOptimizer
 from dtlab.testing import run_world
 
@@ -118,14 +118,14 @@ def _tensor_parallel(
     }
 
 
-def _global_mean(count: int) -> Any:
-    """The documented loss for the global token mean under a pipeline of ``MICRO`` micro-batches (one dp
-    rank): each micro-batch's sum over ``count``, the batch's non-ignored tokens, times ``MICRO``."""
+def _global_mean(count: int, times: int) -> Any:
+    """The documented loss for the global token mean: each call's sum over ``count``, the whole batch's
+    non-ignored tokens, times ``times`` (micro-batches x dp ranks: the averages it undoes)."""
 
     def loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
         logits = out.logits[:, :-1]
         summed = F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1), reduction="sum")
-        return summed * MICRO / count
+        return summed * times / count
 
     return loss
 
@@ -134,7 +134,7 @@ def _pipeline(backend: CommunicationBackend, state: dict[str, torch.Tensor], roo
     x, mask, labels = _padded()
     out: dict[str, Any] = {}
     count = int((labels[:, 1:] != -100).sum())
-    for name, loss_fn in (("micro_mean", shifted_mean), ("global_mean", _global_mean(count))):
+    for name, loss_fn in (("micro_mean", shifted_mean), ("global_mean", _global_mean(count, MICRO))):
         net = _built(4, state)
         model = PipelineParallelModel(net, backend, micro_batches=MICRO, split_points=["model.layers.2"])
         opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
@@ -160,10 +160,27 @@ def _pipeline(backend: CommunicationBackend, state: dict[str, torch.Tensor], roo
     return out
 
 
+def _data_parallel(backend: CommunicationBackend, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """DDP over 2 ranks, each its half of the batch: each rank's mean (torch DDP's habit), and the
+    documented loss for the global token mean (each rank's sum times dp over the batch's count)."""
+    x, _, labels = _padded()
+    xs, ys = x.chunk(2)[backend.rank], labels.chunk(2)[backend.rank]
+    count = int((labels[:, 1:] != -100).sum())
+    out = {}
+    for name, loss_fn in (("micro_mean", shifted_mean), ("global_mean", _global_mean(count, 2))):
+        model = DDPModel(_built(2, state), backend)
+        out[name] = (
+            _sgd(model, lambda model=model, loss_fn=loss_fn: loss_fn(model(xs), ys)),
+            model.state_dict(),
+        )
+    return out
+
+
 def _world(
     backend: CommunicationBackend, states: dict[int, dict[str, torch.Tensor]], root: Path
 ) -> dict[str, Any]:
-    return {"tp": _tensor_parallel(backend, states[2], root), "pp": _pipeline(backend, states[4], root)}
+    tp, dp = _tensor_parallel(backend, states[2], root), _data_parallel(backend, states[2])
+    return {"tp": tp, "dp": dp, "pp": _pipeline(backend, states[4], root)}
 
 
 def test_hugging_face_habits_equal_one_process_or_are_refused_with_the_fix(tmp_path: Path) -> None:
@@ -188,8 +205,13 @@ def test_hugging_face_habits_equal_one_process_or_are_refused_with_the_fix(tmp_p
         assert torch.equal(tp["generated"], want_gen)
     # a pipeline: the mean of the micro-batches' means (as torch DDP averages its ranks' means), and the
     # global token mean by the documented loss
-    for name, micro in (("micro_mean", MICRO), ("global_mean", 1)):
-        ref = _built(4, states[4])
+    for kind, layers, name, micro in (
+        ("dp", 2, "micro_mean", 2),
+        ("dp", 2, "global_mean", 1),
+        ("pp", 4, "micro_mean", MICRO),
+        ("pp", 4, "global_mean", 1),
+    ):
+        ref = _built(layers, states[layers])
 
         def loss(ref: nn.Module = ref, micro: int = micro) -> torch.Tensor:
             parts = zip(x.chunk(micro), labels.chunk(micro), strict=True)
@@ -199,9 +221,10 @@ def test_hugging_face_habits_equal_one_process_or_are_refused_with_the_fix(tmp_p
 
         want = _sgd(ref, loss)
         for r in got:
-            losses, state = r["pp"][name]
-            assert max(abs(a - b) / b for a, b in zip(losses, want, strict=True)) <= 1e-6, name
-            assert max(rel_error(state[k], v) for k, v in ref.state_dict().items()) <= 1e-6, name
+            losses, state = r[kind][name]
+            if kind == "pp":  # the loss over the batch (a dp rank's: over its shard)
+                assert max(abs(a - b) / b for a, b in zip(losses, want, strict=True)) <= 1e-6, name
+            assert max(rel_error(state[k], v) for k, v in ref.state_dict().items()) <= 1e-6, (kind, name)
     with torch.no_grad():  # the trained global-mean model's inference, as the plain model's
         want_logits = ref.eval()(x).logits
     assert all(rel_error(r["pp"]["logits"], want_logits) <= 1e-6 for r in got)
