@@ -102,6 +102,10 @@ def _tensor_parallel(
         model.num_parameters()
     with pytest.raises(StrategyError, match="holds only its tp shards"):
         model.module.save_pretrained(root / "wrong")
+    with pytest.raises(
+        StrategyError, match=r"through the wrapper on every rank, model.load_state_dict\(state\)"
+    ):
+        model.module.load_state_dict(state)
     model.eval()
     with torch.no_grad():
         generated = model.module.generate(

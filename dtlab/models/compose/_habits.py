@@ -26,10 +26,11 @@ _SAVE = (
 
 
 class PartialState:
-    """Refuses ``state_dict()`` of the user's ``module`` where a rank holds only part of it (tp shards, or
-    its pipeline stages with the others' tensors on the meta device) but for the composition's own copy
-    (:meth:`read`) and the live tensors (``keep_vars=True``, where dtlab reads each rank's part): Hugging
-    Face's ``save_pretrained()`` would write that part as the whole model."""
+    """Refuses ``state_dict()`` of the user's ``module`` where a rank holds only part of it (tp shards,
+    or its pipeline stages with the others' tensors on the meta device) but for the composition's own
+    copy (:meth:`read`) and the live tensors (``keep_vars=True``, where dtlab reads each rank's part):
+    Hugging Face's ``save_pretrained()`` would write that part as the whole model. Over tp shards its
+    ``load_state_dict()`` too (whole tensors into shards)."""
 
     def __init__(
         self,
@@ -45,6 +46,8 @@ class PartialState:
             "this rank's pipeline stages" if mesh.size("pp") > 1 else "its tp shards" if sharded else ""
         )
         module.register_state_dict_pre_hook(self._refuse)
+        if sharded:  # whole tensors into tp shards (torch's size mismatch, or a silent slice)
+            module.register_load_state_dict_pre_hook(self._refuse_load)
 
     def _refuse(self, _module: nn.Module, _prefix: str, keep_vars: bool) -> None:
         if self.part and not self.open and not keep_vars:
@@ -52,6 +55,14 @@ class PartialState:
                 f"{self.who}: the wrapped module's own state_dict() (which save_pretrained() calls) holds "
                 f"only {self.part}; saved as the whole model it would be a wrong checkpoint. To save: {_SAVE}"
             )
+
+    def _refuse_load(self, *_: Any) -> None:
+        raise StrategyError(
+            f"{self.who}: the wrapped module's own load_state_dict() would load whole tensors into "
+            f"{self.part}; load through the wrapper on every rank, model.load_state_dict(state) (whole "
+            "tensors keyed like the plain model's; each rank keeps its part), or a Hugging Face folder "
+            "with dtlab.checkpoint.load_pretrained(model, path)"
+        )
 
     def read(self, fn: Callable[[], T]) -> T:
         """``fn()`` (the data-parallel strategy's copy of the module's state) with the module open."""
