@@ -159,6 +159,10 @@ def _pipeline(backend: CommunicationBackend, state: dict[str, torch.Tensor], roo
         model.generate  # noqa: B018 - the attribute's error is the check
     with pytest.raises(AttributeError, match=r"use it on the model you wrapped \(model.module holds only"):
         model.config  # noqa: B018
+    with pytest.raises(
+        AttributeError, match=r"is this rank's stages \(StageRoot\), which have no 'generate'"
+    ):
+        model.module.generate  # noqa: B018
     whole = model.state_dict()
     net.save_pretrained(root / "pp", state_dict=whole, is_main_process=backend.rank == 0)
     return out

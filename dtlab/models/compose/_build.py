@@ -283,6 +283,19 @@ class StageRoot(nn.Module):
         super().__init__()
         _mirror(self, module, set().union(*(_ids(stage) for stage in stages.values())))
         self.__dict__["_run"] = dict(stages)
+        self.__dict__["_whole"] = module  # not registered: whose attributes a user may ask this for
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as exc:
+            whole = self.__dict__.get("_whole")
+            if whole is None or name.startswith("_") or not hasattr(whole, name):
+                raise
+            raise AttributeError(
+                f"model.module under a pipeline is this rank's stages (StageRoot), which have no {name!r}; "
+                "it is on the model you wrapped (model.generate, model.save_pretrained, ... name their fix)"
+            ) from exc
 
     def forward(self, x: torch.Tensor, stage: int, *inputs: torch.Tensor) -> Any:
         """Stage ``stage`` (an index of the whole pipeline) on ``x``; a stage of a model split at module
