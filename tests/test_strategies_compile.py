@@ -1,5 +1,6 @@
 """ZeRO-3/FSDP ``state_dict()`` never hands out empty tensors, and ``torch.compile``d modules train under
-DDP, ZeRO-3 and FSDP (compiled before or after wrapping) to the same parameters as without compiling."""
+DDP, ZeRO-3 and FSDP (compiled before or after wrapping) to the same parameters as without compiling
+(DDP with BatchNorm buffers, broadcast before each forward, too)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from dtlab.optimizers import default_optimizer_strategy
 from dtlab.testing import run_world
 
 
-def _net() -> nn.Module:
-    return filled(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), 0, scale=0.3)
+def _net(norm: bool = False) -> nn.Module:
+    """``norm``: a BatchNorm with running statistics, buffers DDP broadcasts before each forward."""
+    mid = nn.BatchNorm1d(16) if norm else nn.Identity()
+    return filled(nn.Sequential(nn.Linear(8, 16), mid, nn.ReLU(), nn.Linear(16, 4)), 0, scale=0.3)
 
 
 def _state_dict_checks(backend: CommunicationBackend) -> None:
@@ -54,8 +57,10 @@ def test_state_dict_is_whole_and_loads_into_a_wrapped_model() -> None:
     run_world(2, _state_dict_checks, timeout=60)
 
 
-def _train(backend: CommunicationBackend, strategy: str, compiled: str) -> dict[str, torch.Tensor]:
-    net = _net()
+def _train(
+    backend: CommunicationBackend, strategy: str, compiled: str, norm: bool
+) -> dict[str, torch.Tensor]:
+    net = _net(norm)
     if compiled == "module":
         net = torch.compile(net, backend="aot_eager")  # type: ignore[assignment]
     if strategy == "ddp":
@@ -77,16 +82,18 @@ def _train(backend: CommunicationBackend, strategy: str, compiled: str) -> dict[
 
 def _compile_checks(backend: CommunicationBackend) -> list[str]:
     done = []
-    for strategy, compiled in (("ddp", "module"), ("zero3", "module"), ("fsdp", "strategy")):
-        ref, got = _train(backend, strategy, "no"), _train(backend, strategy, compiled)
+    # ddp/strategy/norm: the buffer broadcast before each forward runs eagerly (it was traced and failed)
+    cases = (("ddp", "module", False), ("zero3", "module", False), ("fsdp", "strategy", False))
+    for strategy, compiled, norm in (*cases, ("ddp", "strategy", True)):
+        ref, got = _train(backend, strategy, "no", norm), _train(backend, strategy, compiled, norm)
         assert got.keys() == ref.keys()
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-7, msg=f"{strategy} {k}")
-        done.append(f"{strategy}/{compiled}")
+        done.append(f"{strategy}/{compiled}" + ("/norm" if norm else ""))
     return done
 
 
 def test_compiled_module_trains_like_eager_under_ddp_zero3_and_fsdp() -> None:
     pytest.importorskip("torch._dynamo")
     done = run_world(2, _compile_checks, timeout=240)
-    assert done[0] == ["ddp/module", "zero3/module", "fsdp/strategy"]
+    assert done[0] == ["ddp/module", "zero3/module", "fsdp/strategy", "ddp/strategy/norm"]

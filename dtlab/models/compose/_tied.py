@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.broadcast import broadcast_from_rank0
 from dtlab.errors import StrategyError
 from dtlab.models.dp.zero1 import ZeRO1Model
 from dtlab.models.pipeline._ties import CrossTie, rebind_ties, sum_tied
 from dtlab.models.tensor._auto import declared_plan
-from dtlab.models.tensor._comm import broadcast_module_state
 from dtlab.models.tensor._plan import (
     ColwiseParallel,
     HeadsParallel,
@@ -132,7 +132,9 @@ def swap_layers(
     touched = _touched_layers(resolved)
     ties = _check_tied(who, module, touched)
     if broadcast:
-        broadcast_module_state(module, tp)  # the data-parallel strategy then broadcasts over dp
+        broadcast_from_rank0(
+            module.state_dict(keep_vars=True).values(), tp
+        )  # the data-parallel strategy then broadcasts over dp
     before = {
         path: module.get_submodule(path)
         for path, st in touched.items()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.core.broadcast import broadcast_from_rank0
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.dp._grad_call import autograd_grad_message, grads_returned
@@ -80,7 +81,7 @@ class ShardedModel(DataParallelModel):
         self._at_rest.peak = self._last_peak = self._at_rest.gathered_bytes
         if meta is not None:  # built on meta: each rank initializes its own shards, no broadcast
             meta.materialize(self._units)
-        self._broadcast_from_rank0([q.data for _, q in self._frozen] + list(self.module.buffers()))
+        broadcast_from_rank0([q.data for _, q in self._frozen] + list(self.module.buffers()), self.dp_backend)
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
         self._state_of = {id(st.unit): st for st in self._units}
         self._writes = ParamWrites(self._at_rest, self._unit_of, type(self).__name__)
@@ -116,7 +117,7 @@ class ShardedModel(DataParallelModel):
         else:
             flat = unit.new_flat()
             unit.copy_params_into(flat)
-            self._broadcast_from_rank0([flat])
+            broadcast_from_rank0([flat], self.dp_backend)
             shard = unit.own_shard(flat).clone()
         st = ShardUnit(unit, shard, grad, plan.persistent)
         self._at_rest.add(st, flat if plan.persistent else None)

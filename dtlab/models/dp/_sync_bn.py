@@ -14,6 +14,7 @@ twice when torch.distributed is initialized too. See docs/strategies.md, "BatchN
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -93,10 +94,6 @@ class _SyncBatchNorm(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-#: eager under ``torch.compile`` (a graph break): the collectives are not traced
-_sync_batch_norm: Callable[..., torch.Tensor] = torch.compiler.disable(_SyncBatchNorm.apply)
-
-
 def _c(per_channel: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``per_channel`` shaped to broadcast over ``x``'s channel dimension."""
     return per_channel.view(1, -1, *([1] * (x.dim() - 2)))
@@ -106,11 +103,21 @@ class DataParallelBatchNorm:
     """``bn.forward`` while a data-parallel strategy owns ``bn``: in training, torch's SyncBatchNorm
     with its statistics over ``group``; otherwise (or ``group`` None: a module unpickled) torch's own."""
 
-    __slots__ = ("bn", "group")
+    __slots__ = ("bn", "eager", "group")
 
     def __init__(self, bn: nn.SyncBatchNorm, group: CommunicationBackend | None) -> None:
         self.bn = bn
         self.group = group
+        self.eager: Callable[..., torch.Tensor] | None = None
+
+    def _sync_batch_norm(self) -> Callable[..., torch.Tensor]:
+        """The synchronized function; once ``torch.compile`` is loaded, run eagerly (a graph break: the
+        collectives are not traced). Not before: ``disable()`` would load it (seconds)."""
+        if "torch._dynamo" not in sys.modules:
+            return _SyncBatchNorm.apply
+        if self.eager is None:
+            self.eager = torch.compiler.disable(_SyncBatchNorm.apply)
+        return self.eager
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.bn
@@ -124,7 +131,7 @@ class DataParallelBatchNorm:
         running = (bn.running_mean, bn.running_var) if bn.track_running_stats else (None, None)
         if self.group.world_size == 1:
             return F.batch_norm(x, *running, bn.weight, bn.bias, True, factor, bn.eps)
-        return _sync_batch_norm(x, bn.weight, bn.bias, *running, bn.eps, factor, self.group)
+        return self._sync_batch_norm()(x, bn.weight, bn.bias, *running, bn.eps, factor, self.group)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DataParallelBatchNorm:
         """A copy of the module (an EMA model) syncs over the same group, which is not copied."""

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core import pairs
 from dtlab.core.backward import BackwardPass
+from dtlab.core.broadcast import broadcast_from_rank0
 from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.shard_index import new_state
@@ -93,19 +94,6 @@ class DataParallelModel(OptimizerTarget):
             )
         self._reducer = reducer
 
-    # ------------------------------------------------------------------ shared pieces
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        if self.dp_backend.world_size == 1:
-            return
-        with torch.no_grad():
-            for t in tensors:
-                if t.numel() == 0:
-                    continue
-                dense = t.contiguous()  # ``t`` itself when it is contiguous
-                self.dp_backend.broadcast(dense, 0)
-                if dense is not t:
-                    t.copy_(dense)
-
     @property
     def require_backward_grad_sync(self) -> bool:
         """torch DDP's switch: ``False`` makes the following backward passes accumulate locally (as
@@ -176,7 +164,7 @@ class DataParallelModel(OptimizerTarget):
         if torch.is_grad_enabled():
             self._release_guards()
         if self.broadcast_buffers:
-            self._broadcast_from_rank0(list(self.module.buffers()))
+            broadcast_from_rank0(self.module.buffers(), self.dp_backend)
 
     # ------------------------------------------------------------------ a backward that raised
     def _check_backward_finished(self, refused: str | None) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.core.broadcast import broadcast_from_rank0
 from dtlab.errors import StrategyError
 from dtlab.models.dp._grad_call import fills_grads
 from dtlab.models.dp._grad_guard import tensor_bytes
@@ -96,7 +97,9 @@ class DDPModel(DataParallelModel):
         for unit, flat in zip(self._units, self._data, strict=True):
             unit.copy_params_into(flat)
             unit.bind(flat)  # the parameters are views of the bucket: the broadcast below updates them
-        self._broadcast_from_rank0([*self._data, *(q.data for _, q in self._frozen), *self.module.buffers()])
+        broadcast_from_rank0(
+            [*self._data, *(q.data for _, q in self._frozen), *self.module.buffers()], self.dp_backend
+        )
         self._slot_of = {id(q): (i, j) for i, u in enumerate(self._units) for j, q in enumerate(u.params)}
         #: each bucket's gradient buffer, ``param.grad`` views into it (none under ZeRO-2: shards only)
         self._grad_bufs = [u.new_flat() for u in self._units] if self.keeps_whole_grads else []

@@ -19,7 +19,6 @@ from functools import partial
 from typing import Protocol, cast
 
 import torch
-from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.placement import Shard
@@ -27,7 +26,6 @@ from dtlab.errors import StrategyError
 
 __all__ = [
     "SharedInput",
-    "broadcast_module_state",
     "check_divisible",
     "copy_to_tp",
     "gather_from_sequence",
@@ -219,18 +217,6 @@ def _through_flat(tensors: list[torch.Tensor], collective: Callable[[torch.Tenso
     with torch.no_grad():
         for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
             t.copy_(part.view_as(t))
-
-
-def broadcast_module_state(module: nn.Module, group: CommunicationBackend) -> None:
-    """Every parameter and buffer of ``module`` takes group rank 0's values (one message per dtype)."""
-    if group.world_size == 1:
-        return
-    unique = {id(t): t for t in module.state_dict(keep_vars=True).values() if t.numel()}  # tied: once
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in unique.values():
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for tensors in by_dtype.values():
-        _through_flat(tensors, lambda flat: group.broadcast(flat, 0))
 
 
 def sum_over_tp(tensors: Sequence[torch.Tensor], tp: CommunicationBackend) -> None:
