@@ -98,12 +98,16 @@ def _storage_after_step(backend: CommunicationBackend, name: str) -> tuple[int, 
     opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
     model(torch.randn(4, 6, generator=torch.Generator().manual_seed(0))).sum().backward()
     opt.step()
-    # what the tensors really hold beyond the one shared element a parked parameter stands on (its
-    # logical shape kept between uses, see docs/strategies.md)
-    held = sum(max(0, q.untyped_storage().nbytes() - q.element_size()) for q in net.parameters())
+    def held_beyond_markers() -> int:
+        """What the parameters' storages hold beyond the one element each parked parameter stands on
+        (its logical shape kept between uses, see docs/strategies.md; one marker per unit)."""
+        storages = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for q in net.parameters()}
+        return sum(storages.values()) - sum(q.element_size() for q in net.parameters())
+
+    held = held_beyond_markers()
     state = model.full_state_dict()  # gathers every unit, then frees them again
     assert sum(t.numel() for t in state.values()) * 4 == full
-    held += sum(max(0, q.untyped_storage().nbytes() - q.element_size()) for q in net.parameters())
+    held += held_beyond_markers()
     assert [tuple(q.shape) for q in net.parameters()] == [(8, 6), (8,), (3, 8), (3,)]
     return held, full
 
