@@ -98,6 +98,7 @@ def _storage_after_step(backend: CommunicationBackend, name: str) -> tuple[int, 
     opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
     model(torch.randn(4, 6, generator=torch.Generator().manual_seed(0))).sum().backward()
     opt.step()
+
     def held_beyond_markers() -> int:
         """What the parameters' storages hold beyond the one element each parked parameter stands on
         (its logical shape kept between uses, see docs/strategies.md; one marker per unit)."""
