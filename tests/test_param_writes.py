@@ -195,6 +195,35 @@ def test_zero3_parameters_kept_whole_take_direct_writes() -> None:
         assert max_rel_error(out, plain(init_bias, train=True)) < 1e-6
 
 
+def rank_writes(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
+    """Each rank writes its own value into the parameters kept whole (the biases), through the wrapper."""
+
+    def fill(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            with torch.no_grad():
+                m.bias.fill_(backend.rank + 1.0)
+
+    out = {}
+    for how in ("apply", "summon"):
+        model = ZeRO3Model(make_module(), backend, persistence_threshold=30)  # biases kept whole
+        if how == "apply":
+            model.apply(fill)
+        else:
+            with model.summon_full_params():
+                model.module.apply(fill)
+        out[how] = {k: v for k, v in state(model).items() if k.endswith("bias")}
+    return out
+
+
+def test_zero3_parameters_kept_whole_agree_after_writes_through_the_wrapper() -> None:
+    """Each rank keeps its shard of its own write, then every rank holds the same whole values."""
+    ranks = run_world(2, rank_writes, timeout=60)
+    for how in ("apply", "summon"):
+        assert max_rel_error(ranks[0][how], ranks[1][how]) == 0, how
+        values = torch.cat([v.reshape(-1) for v in ranks[0][how].values()])
+        assert set(values.tolist()) == {1.0, 2.0}, how
+
+
 def hybrid_apply(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for dp in SHARDED:

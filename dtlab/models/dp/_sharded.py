@@ -84,7 +84,7 @@ class ShardedModel(DataParallelModel):
         broadcast_from_rank0([q.data for _, q in self._frozen] + list(self.module.buffers()), self.dp_backend)
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
         self._state_of = {id(st.unit): st for st in self._units}
-        self._writes = ParamWrites(self._at_rest, self._unit_of, type(self).__name__)
+        self._writes = ParamWrites(self._at_rest, self._unit_of)
         self._synced_grads = [st.grad_shard for st in self._units]
         self._pending: list[tuple[ShardUnit, Work, torch.Tensor]] = []
         self._partial_state_ok = False
@@ -291,11 +291,10 @@ class ShardedModel(DataParallelModel):
         ``writeback`` each rank keeps its shard of what the block wrote, else writes are dropped.
         Collective: every rank enters it."""
         self._owner.check("summon_full_params()")
-        persistent = {id(st) for st in self._units if st.persistent}
         with self.keep_gathered():
             yield
             if writeback:
-                self._writes.write_back(self._units, persistent)
+                self._writes.write_back(self._units)
 
     def flat_shards(self) -> list[FlatShard]:
         return list(self._units)

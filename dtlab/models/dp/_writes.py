@@ -12,7 +12,7 @@ before the optimizer or a checkpoint reads it (:meth:`ParamWrites.settle`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -28,10 +28,9 @@ _APPLY = "model.apply(fn)"
 class ParamWrites:
     """Writes into the parameters of ``at_rest``'s units (``unit_of``: parameter id -> its unit)."""
 
-    def __init__(self, at_rest: UnitGatherer, unit_of: Mapping[int, ShardUnit], who: str) -> None:
+    def __init__(self, at_rest: UnitGatherer, unit_of: Mapping[int, ShardUnit]) -> None:
         self.at_rest = at_rest
         self.unit_of = unit_of
-        self.who = who
         self._eager: Callable[[str, list[ShardUnit] | None], None] | None = None
 
     def check(self, when: str, units: list[ShardUnit] | None = None) -> None:
@@ -70,10 +69,11 @@ class ParamWrites:
             else ""
         )
         more = " ..." if len(names) > 5 else ""
+        at = self.at_rest
         return (
-            f"{self.who} on rank {self.at_rest.group.rank}: {when} found parameters {names[:5]}{more} "
+            f"{at.who} on rank {at.group.rank}: {when} found parameters {names[:5]}{more} "
             f"({len(names)} in all) written in place while sharded, so the write was lost: between uses "
-            f"each rank keeps 1/{self.at_rest.group.world_size} of them and a parameter is a stand-in "
+            f"each rank keeps 1/{at.group.world_size} of them and a parameter is a stand-in "
             "of its shape (model.module.apply(fn), p.fill_(), p.zero_() or p.data.zero_() write only "
             f"that). Write through the wrapper, on every rank: model.apply(fn){hint}, or inside "
             "with model.summon_full_params(): ...; or initialize before wrapping, or load values with "
@@ -91,14 +91,14 @@ class ParamWrites:
                 if st.persistent and st.flat is not None and st.work is None:
                     st.shard.copy_(st.unit.own_shard(st.flat))
 
-    def write_back(self, units: list[ShardUnit], persistent: Collection[int]) -> None:
-        """Each rank keeps its shard of the gathered ``units``' values; those in ``persistent`` (ids),
-        which stay gathered, are all-gathered again so every rank holds the same whole values."""
+    def write_back(self, units: list[ShardUnit]) -> None:
+        """Each rank keeps its shard of the gathered ``units``' values; the persistent ones, which stay
+        gathered, are all-gathered again so every rank holds the same whole values."""
         with torch.no_grad():
             for st in units:
                 if st.flat is not None:
                     st.shard.copy_(st.unit.own_shard(st.flat))
-                    if id(st) in persistent:
+                    if st.persistent:
                         self.at_rest.group.all_gather(st.flat, st.shard)
 
     def apply(self, module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
@@ -128,7 +128,7 @@ class ParamWrites:
         """Write back and free the ``held`` units not in ``need``, gather those of ``need`` not held."""
         keep, have = {id(st) for st in need}, {id(st) for st in held}
         done = [st for st in held if id(st) not in keep]
-        self.write_back(done, {id(st) for st in done if st.persistent})
+        self.write_back(done)
         for st in done:
             self.at_rest.free(st)
         new = [st for st in need if id(st) not in have]
