@@ -1,14 +1,9 @@
 """torch's ``nn.SyncBatchNorm`` under a data-parallel strategy: batch statistics over the strategy's
-data-parallel group through dtlab's collectives, so on every engine (in-memory, MPI, Gloo, NCCL).
-
+data-parallel group through dtlab's collectives, so on every engine (in-memory, MPI, Gloo, NCCL):
 torch's own layer synchronizes only when ``torch.distributed`` is initialized (over its WORLD group or
-the ``process_group`` given, and only on GPUs); otherwise it is a local BatchNorm. The wrapper that
-owns the module (``_owner.py``: the newest) sets each layer's ``forward`` to a
-:class:`DataParallelBatchNorm` of its dp group: torch's forward with the statistics of the whole
-batch (one all-gather of each rank's mean, variance and count, as torch does, so ranks may hold
-unequal batches) and, in backward, one all-reduce of the sums of ``dy`` and ``dy * (x - mean)``.
-Evaluation runs torch's forward (running statistics, no communication), and nothing is synchronized
-twice when torch.distributed is initialized too. See docs/strategies.md, "BatchNorm and SyncBatchNorm".
+the ``process_group`` given, and only on GPUs), else it is a local BatchNorm. The wrapper that owns
+the module (``_owner.py``: the newest) sets each layer's ``forward`` to a
+:class:`DataParallelBatchNorm` of its dp group. See docs/strategies.md, "BatchNorm and SyncBatchNorm".
 """
 
 from __future__ import annotations
@@ -30,7 +25,9 @@ __all__ = ["DataParallelBatchNorm", "refuse_sync_batch_norm", "sync_batch_norms"
 
 class _SyncBatchNorm(torch.autograd.Function):
     """Batch normalization over the batches of every rank of ``group`` (torch's ``sync_batch_norm``
-    with kernels every device has: torch's own exist for GPUs only)."""
+    with kernels every device has: torch's own exist for GPUs only). Forward all-gathers each rank's
+    mean, variance and count, as torch does (ranks may hold unequal batches); backward all-reduces the
+    sums of ``dy`` and ``dy * (x - mean)``."""
 
     @staticmethod
     def forward(
@@ -101,7 +98,8 @@ def _c(per_channel: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 class DataParallelBatchNorm:
     """``bn.forward`` while a data-parallel strategy owns ``bn``: in training, torch's SyncBatchNorm
-    with its statistics over ``group``; otherwise (or ``group`` None: a module unpickled) torch's own."""
+    with its statistics over ``group`` (never torch's sync too, when torch.distributed is initialized);
+    otherwise (or ``group`` None: a module unpickled) torch's own: running statistics, no communication."""
 
     __slots__ = ("bn", "eager", "group")
 

@@ -1,15 +1,11 @@
 """Every rank of a tensor-parallel group must be given the same batch: the ranks compute one model
 together, each on its slice of the layers, so a batch that differs between them (data sharded by the
 global rank, torch DDP's habit) mixes their activations in every all-reduce and lets the replicated
-parameters drift apart, silently. :func:`check_same_on_tp` refuses it on every rank of the group.
-
-Each rank reduces its inputs to three integers: a digest of their structure (names, shapes, dtypes,
-plain Python values) and two checksums of their bits (every tensor's memory read as 16-bit integers:
-their sum and their sum weighted by position, 1..65,521 repeating, added up exactly, so equal inputs
-give equal numbers on every device, thread count and reduction order; the weights catch a batch whose
-samples come in another order). One all-reduce (max of the numbers and of their
-negatives: the group's max and min) tells every rank whether they agree; only when they do not, the
-ranks exchange their descriptions to name who differs from tp rank 0, and in what.
+parameters drift apart, silently. :func:`check_same_on_tp` refuses it on every rank of the group:
+one all-reduce of three integers per rank (a digest of the inputs' structure and two exact checksums
+of their bits, :func:`_checksums`); only when they differ do the ranks exchange descriptions of their
+inputs, to name who differs from tp rank 0, and in what. How and its limits: docs/strategies.md,
+"Every tp rank gets the same batch".
 """
 
 from __future__ import annotations
@@ -51,8 +47,9 @@ def _leaves(name: str, value: Any, out: list[Leaf], depth: int = 0) -> None:
 
 def _checksums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sum of ``t``'s memory as 16-bit words (bytes for 1-byte dtypes) and that sum weighted by
-    position (1..65,521, repeating). Exact: each row of 65,521 words is summed in float64, where every
-    partial sum is an integer below 2**47 (exact in any order, on any device), then the rows in int64."""
+    position (1..65,521, repeating: a batch whose samples come in another order differs). Exact, so
+    equal on every device, thread count and reduction order: each row of 65,521 words is summed in
+    float64, where every partial sum is an integer below 2**47, then the rows in int64."""
     if t.is_meta or t.layout != torch.strided or t.is_quantized or t.numel() == 0:
         zero = torch.zeros((), dtype=torch.int64)  # no bits to read: the structure covers shape and dtype
         return zero, zero
@@ -113,7 +110,7 @@ def check_same_on_tp(
         stacked = torch.stack([torch.stack(pair) for pair in sums]).remainder(_MOD)  # (tensors, 2)
         fp[1:] = (stacked * weights.unsqueeze(1)).sum(0)
     both = torch.cat([fp, -fp])
-    group.all_reduce(both, ReduceOp.MAX)
+    group.all_reduce(both, ReduceOp.MAX)  # the group's max and (negated) min: equal when all agree
     if torch.equal(both[:3], -both[3:]):
         return
     by_leaf = {i: [int(s) for s in pair] for (i, _), pair in zip(tensors, sums, strict=True)}
