@@ -131,10 +131,8 @@ def swap_layers(
     resolved = resolve_plan(module, declared_plan(module, plan), tp.world_size)
     touched = _touched_layers(resolved)
     ties = _check_tied(who, module, touched)
-    if broadcast:
-        broadcast_from_rank0(
-            module.state_dict(keep_vars=True).values(), tp
-        )  # the data-parallel strategy then broadcasts over dp
+    if broadcast:  # the data-parallel strategy then broadcasts over dp
+        broadcast_from_rank0(module.state_dict(keep_vars=True).values(), tp)
     before = {
         path: module.get_submodule(path)
         for path, st in touched.items()
