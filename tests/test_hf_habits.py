@@ -100,6 +100,10 @@ def _tensor_parallel(
         AttributeError, match=r"count the plain model before wrapping it \(this rank's module"
     ):
         model.num_parameters()
+    with pytest.raises(AttributeError, match=r"then write it from one rank: hf_model.save_pretrained"):
+        model.save_pretrained  # noqa: B018
+    with pytest.raises(AttributeError, match="call it on the plain model before wrapping it"):
+        model.resize_token_embeddings  # noqa: B018
     with pytest.raises(StrategyError, match="holds only its tp shards"):
         model.module.save_pretrained(root / "wrong")
     with pytest.raises(
