@@ -9,6 +9,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import ArgumentError
+from dtlab.optimizers._groups import refuse_sparse_only
 
 __all__ = ["check_arguments"]
 
@@ -25,6 +26,7 @@ def check_arguments(
             "AsyncSGDOptimizer takes a torch.optim.Optimizer class (e.g. torch.optim.SGD) and its keyword "
             f"arguments, got {optimizer_cls!r}"
         )
+    refuse_sparse_only("AsyncSGDOptimizer", optimizer_cls)
     if "params" in optimizer_kwargs:
         raise TypeError("AsyncSGDOptimizer: do not pass params=; each server optimizes its own shard")
     bad = isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0

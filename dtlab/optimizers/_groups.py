@@ -54,6 +54,17 @@ class Entry:
     group: int
 
 
+def refuse_sparse_only(who: str, cls: type[torch.optim.Optimizer]) -> None:
+    """Refuse torch.optim.SparseAdam: every strategy hands the optimizer dense gradients."""
+    if issubclass(cls, torch.optim.SparseAdam):
+        raise StrategyError(
+            f"{who}: {cls.__name__} steps sparse gradients only, but dtlab reduces every gradient densely "
+            "(an nn.Embedding(sparse=True) gradient is summed into a dense buffer), so it would get dense "
+            "ones; use torch.optim.Adam or AdamW (they update every row each step, SparseAdam only the rows "
+            "looked up), or torch.optim.SGD (the same updates as with sparse gradients)"
+        )
+
+
 def spec_of(
     who: str,
     optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer,
@@ -84,6 +95,7 @@ def spec_of(
             "lr=...), with any param groups) or a torch.optim.Optimizer class and its keyword "
             f"arguments (torch.optim.AdamW, lr=...), got {optimizer!r}"
         )
+    refuse_sparse_only(who, type(template))
     groups = [dict(g) for g in template.param_groups]
     for g in groups:
         g["params"] = list(g["params"])

@@ -29,7 +29,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import CollectiveTimeoutError, StrategyError
-from dtlab.models.dp.flat import FlatUnit
+from dtlab.models.dp.flat import FlatUnit, check_real
 from dtlab.optimizers._async_checks import check_arguments
 from dtlab.optimizers._async_comm import (
     ABORT,
@@ -72,6 +72,7 @@ class AsyncSGDOptimizer:
         **optimizer_kwargs: Any,  # Any: optimizer_cls's own keywords
     ) -> None:
         check_arguments(backend, optimizer_cls, staleness, num_servers, optimizer_kwargs)
+        check_real("AsyncSGDOptimizer", module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise StrategyError("AsyncSGDOptimizer: the module has no trainable parameters")

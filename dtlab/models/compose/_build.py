@@ -22,6 +22,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.compose._tied import swap_layers, tied_groups
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DDPModel
+from dtlab.models.dp.flat import check_real
 from dtlab.models.dp.fsdp import FSDPModel
 from dtlab.models.dp.zero1 import ZeRO1Model
 from dtlab.models.dp.zero2 import ZeRO2Model
@@ -165,6 +166,8 @@ def lay_out(
     m = p if args.micro_batches is None else args.micro_batches
     pipelined = always_pipelined or p > 1 or v > 1 or m > 1
     _check_pipeline(who, args, p, m, pipelined)
+    if tp.world_size * p > 1:  # the dp strategy checks its own group
+        check_real(who, module)
     partial: list[nn.Parameter] = []
     swapped: dict[int, torch.Tensor] = {}
     if tensor_plan is not None:

@@ -19,6 +19,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.dp._sync_bn import DataParallelBatchNorm, sync_batch_norms
+from dtlab.models.dp.flat import check_real
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -149,6 +150,8 @@ def check_module(
             f"{who}: parameters are on {device} but the backend {backend.name} works on {backend.device}; "
             f"call module.to({str(backend.device)!r}) before wrapping it"
         )
+    if backend.world_size > 1:
+        check_real(who, module)
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
         raise StrategyError(

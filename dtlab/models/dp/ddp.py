@@ -19,7 +19,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.dp._grad_call import fills_grads
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp.data_parallel import DataParallelModel
-from dtlab.models.dp.flat import FlatUnit
+from dtlab.models.dp.flat import FlatUnit, copy_grad
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -157,9 +157,9 @@ class DDPModel(DataParallelModel):
         s = self._units[i].slots[self._slot_of[id(param)][1]]
         view = self._grad_bufs[i][s.offset : s.offset + s.numel]
         grad = param.grad
-        if grad is None or grad.data_ptr() != view.data_ptr():
+        if grad is None or grad.is_sparse or grad.data_ptr() != view.data_ptr():
             if grad is not None:
-                view.copy_(grad.reshape(-1))
+                copy_grad(view.view(s.shape), grad)
             param.grad = view.view(s.shape)
 
     def _launch_ready(self) -> None:

@@ -14,7 +14,32 @@ from torch import nn
 
 from dtlab.errors import StrategyError
 
-__all__ = ["FlatUnit", "Slot"]
+__all__ = ["FlatUnit", "Slot", "check_real", "copy_grad"]
+
+
+def copy_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
+    """Write ``grad`` into ``view`` (a parameter's place in a flat buffer, in its shape). A sparse
+    gradient (``nn.Embedding(sparse=True)``) is added into zeros: the buffers are dense."""
+    if grad.layout == torch.strided:
+        view.copy_(grad)
+    else:
+        view.zero_().add_(grad)
+
+
+def check_real(who: str, module: nn.Module) -> None:
+    """Refuse complex parameters and buffers: the communication engines move real dtypes only."""
+    found = [
+        f"{n!r} ({t.dtype})"
+        for n, t in [*module.named_parameters(), *module.named_buffers()]
+        if t.is_complex()
+    ]
+    if found:
+        raise StrategyError(
+            f"{who}: {', '.join(found[:5])}{' ...' if len(found) > 5 else ''} holds complex numbers, which "
+            "dtlab's communication engines cannot broadcast or reduce (they move real dtypes). Store it "
+            "as real pairs and view it as complex in forward: self.w = nn.Parameter(torch.view_as_real(w)), "
+            "then torch.view_as_complex(self.w) (torch's optimizers step a complex parameter as such pairs)"
+        )
 
 
 @dataclass(frozen=True)
@@ -119,5 +144,5 @@ class FlatUnit:
                 if p.grad is None:
                     view.zero_()
                 else:
-                    view.copy_(p.grad)
+                    copy_grad(view, p.grad)
             flat[self.numel :].zero_()

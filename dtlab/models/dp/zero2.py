@@ -15,6 +15,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp.ddp import DDPModel, DDPOptions
+from dtlab.models.dp.flat import copy_grad
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -44,7 +45,7 @@ class ZeRO2Model(DDPModel):
             self._transient[i] = self._units[i].new_flat()
         s = self._units[i].slots[self._slot_of[id(param)][1]]
         if param.grad is not None:
-            self._transient[i][s.offset : s.offset + s.numel].copy_(param.grad.reshape(-1))
+            copy_grad(self._transient[i][s.offset : s.offset + s.numel].view(s.shape), param.grad)
             param.grad = None
 
     def _end_step(self) -> None:
