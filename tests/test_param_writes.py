@@ -195,8 +195,9 @@ def test_zero3_parameters_kept_whole_take_direct_writes() -> None:
         assert max_rel_error(out, plain(init_bias, train=True)) < 1e-6
 
 
-def rank_writes(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
-    """Each rank writes its own value into the parameters kept whole (the biases), through the wrapper."""
+def rank_writes(backend: CommunicationBackend) -> dict[str, Any]:
+    """Each rank writes its own value into the parameters kept whole (the biases), through the wrapper;
+    ``summon/gathers``: all-gathers in a summon_full_params() block, and the model's units."""
 
     def fill(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
@@ -209,8 +210,10 @@ def rank_writes(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tens
         if how == "apply":
             model.apply(fill)
         else:
+            before = backend.stats["all_gather"].calls
             with model.summon_full_params():
                 model.module.apply(fill)
+            out["summon/gathers"] = (backend.stats["all_gather"].calls - before, len(model.flat_shards()))
         out[how] = {k: v for k, v in state(model).items() if k.endswith("bias")}
     return out
 
@@ -218,6 +221,8 @@ def rank_writes(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tens
 def test_zero3_parameters_kept_whole_agree_after_writes_through_the_wrapper() -> None:
     """Each rank keeps its shard of its own write, then every rank holds the same whole values."""
     ranks = run_world(2, rank_writes, timeout=60)
+    gathers, units = ranks[0]["summon/gathers"]
+    assert gathers == units  # each sharded unit gathered once, each kept whole all-gathered again once
     for how in ("apply", "summon"):
         assert max_rel_error(ranks[0][how], ranks[1][how]) == 0, how
         values = torch.cat([v.reshape(-1) for v in ranks[0][how].values()])

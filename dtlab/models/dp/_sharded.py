@@ -291,10 +291,11 @@ class ShardedModel(DataParallelModel):
         ``writeback`` each rank keeps its shard of what the block wrote, else writes are dropped.
         Collective: every rank enters it."""
         self._owner.check("summon_full_params()")
+        persistent = {id(st) for st in self._units if st.persistent}
         with self.keep_gathered():
             yield
             if writeback:
-                self._writes.write_back(self._units)
+                self._writes.write_back(self._units, persistent)
 
     def flat_shards(self) -> list[FlatShard]:
         return list(self._units)

@@ -12,7 +12,7 @@ before the optimizer or a checkpoint reads it (:meth:`ParamWrites.settle`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import nn
@@ -91,14 +91,15 @@ class ParamWrites:
                 if st.persistent and st.flat is not None and st.work is None:
                     st.shard.copy_(st.unit.own_shard(st.flat))
 
-    def write_back(self, units: list[ShardUnit]) -> None:
-        """Each rank keeps its shard of the gathered ``units``' values; the persistent ones, which stay
-        gathered, are all-gathered again so every rank holds the same whole values."""
+    def write_back(self, units: list[ShardUnit], persistent: Collection[int]) -> None:
+        """Each rank keeps its shard of the gathered ``units``' values; those in ``persistent`` (ids),
+        which stay gathered, are all-gathered again so every rank holds the same whole values (ids taken
+        before ``keep_gathered()``, which marks every unit persistent while it runs)."""
         with torch.no_grad():
             for st in units:
                 if st.flat is not None:
                     st.shard.copy_(st.unit.own_shard(st.flat))
-                    if st.persistent:
+                    if id(st) in persistent:
                         self.at_rest.group.all_gather(st.flat, st.shard)
 
     def apply(self, module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
@@ -128,7 +129,7 @@ class ParamWrites:
         """Write back and free the ``held`` units not in ``need``, gather those of ``need`` not held."""
         keep, have = {id(st) for st in need}, {id(st) for st in held}
         done = [st for st in held if id(st) not in keep]
-        self.write_back(done)
+        self.write_back(done, {id(st) for st in done if st.persistent})
         for st in done:
             self.at_rest.free(st)
         new = [st for st in need if id(st) not in have]
