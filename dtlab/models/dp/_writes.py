@@ -110,14 +110,12 @@ class ParamWrites:
         held: list[ShardUnit] = []
 
         def visit(m: nn.Module) -> None:
-            for child in m.children():
-                visit(child)
             own = (self.unit_of.get(id(p)) for p in m.parameters(recurse=False))
             self._hold(held, list({id(st): st for st in own if st is not None}.values()))
             fn(m)
 
         try:
-            visit(module)
+            module.apply(visit)  # torch's order: children first
         except BaseException:
             for st in held:  # nothing written back after an error (a collective other ranks may skip)
                 self.at_rest.free(st)
