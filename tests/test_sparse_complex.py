@@ -16,7 +16,7 @@ from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
-from dtlab.compression import Dense
+from dtlab.compression import Dense, GradientSynchronizer
 from dtlab.models import HybridShardedModel, PipelineParallelModel, TensorParallelModel
 from dtlab.optimizers import (
     AsyncSGDOptimizer,
@@ -104,6 +104,14 @@ def _train(name: str, backend: CommunicationBackend) -> dict[str, Any]:
             xs, ys = x[s, coord * share : (coord + 1) * share], y[s, coord * share : (coord + 1) * share]
             with model.no_sync():
                 (mse(model(xs[: share // 2]), ys[: share // 2]) / 2).backward()
+            if name == "zero2":  # the sparse gradient kept in no_sync() counts its rows and indices
+                held = [p.grad for p in model.module.parameters() if p.grad is not None]
+                out["sparse_bytes"] = model.memory_report()["gradients"] - sum(
+                    g.numel() * 4 for g in [*held, *model.norm_grad_tensors()[0]] if not g.is_sparse
+                )
+                out["sparse_expected"] = sum(
+                    g._values().numel() * 4 + g._indices().numel() * 8 for g in held if g.is_sparse
+                )
             (mse(model(xs[share // 2 :]), ys[share // 2 :]) / 2).backward()
         if name == "ddp":  # what the optimizer sees, and what it costs
             grad = model.module[0].emb.weight.grad
@@ -162,9 +170,22 @@ def _refusals(backend: CommunicationBackend) -> dict[str, list[str]]:
 NAMES = (*STRATEGIES, "tensor", "pipeline", "hybrid", "elastic", "compression")
 
 
+def _synchronizer(backend: CommunicationBackend) -> list[bool]:
+    """GradientSynchronizer (a user's own loop) averages a sparse gradient into a dense one."""
+    x, y = data()
+    net = make()
+    mse(net(x[0, backend.rank :: 2]), y[0, backend.rank :: 2]).backward()
+    grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+    mine = {n: g.to_dense() for n, g in grads.items()}
+    every = backend.all_gather_object(mine)
+    got = GradientSynchronizer(Dense(), backend).sync(grads)
+    return [torch.allclose(got[n], (every[0][n] + every[1][n]) / 2, atol=1e-7) for n in grads]
+
+
 def _world(backend: CommunicationBackend) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {name: _train(name, backend) for name in NAMES}
+    out["synchronizer"] = _synchronizer(backend)
     out["async"] = {"state": _async(backend)}
     out["refused"] = _refusals(backend)
     return out
@@ -183,6 +204,8 @@ def test_sparse_gradients_train_exactly_and_the_rest_is_refused_clearly() -> Non
         # dense reduction (5 parameters of the model, float32)
         assert res["ddp"]["dense_grad"]
         assert res["ddp"]["grad_bytes"] == 4 * sum(v.numel() for v in ref.values())
+        assert 0 < res["zero2"]["sparse_bytes"] == res["zero2"]["sparse_expected"], res["zero2"]
+        assert res["synchronizer"] == [True] * 6, res["synchronizer"]
         adam, cplx = res["refused"]["sparse_adam"], res["refused"]["complex"]
         assert len(adam) == 3 and all("SparseAdam steps sparse gradients only" in m for m in adam), adam
         assert all("torch.optim.Adam" in m for m in adam), adam

@@ -12,7 +12,8 @@
 All gradients are flattened into one float32 buffer (as the Ok-Topk reference code merges them), so
 ``k = density * total elements`` and the selection is global over the model. The buffer's layout
 (each gradient's offset and shape) goes to the compressor, so PowerSGD approximates every matrix on
-its own. Returns averaged gradients (sum / P), shaped and typed like the inputs. ``statistics`` holds
+its own. Returns averaged gradients (sum / P), shaped and typed like the inputs (dense, a sparse
+gradient included). ``statistics`` holds
 the last call's figures.
 """
 
@@ -93,7 +94,7 @@ class GradientSynchronizer:
     def sync(self, named_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Return ``{name: averaged gradient}`` for every input (new tensors; inputs are not modified)."""
         layout = self._validate(named_grads)
-        flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in named_grads.values()])
+        flat = torch.cat([g.detach().to_dense().reshape(-1).to(torch.float32) for g in named_grads.values()])
         self.reducer.start_step()
         self.reducer.all_reduce(KEY, flat).wait()
         self.statistics = self.reducer.step_statistics()

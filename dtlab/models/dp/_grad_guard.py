@@ -106,5 +106,7 @@ def sharded_grad_message(name: str, model: str, optimizer: str) -> str:
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:
-    """Bytes ``t`` holds (a :class:`ShardedGradient` stand-in holds none)."""
+    """Bytes ``t`` holds (a :class:`ShardedGradient` stand-in none; a sparse gradient its rows, indices)."""
+    if t is not None and t.is_sparse:
+        return tensor_bytes(t._values()) + tensor_bytes(t._indices())  # noqa: SLF001 - torch's sparse API
     return 0 if t is None or isinstance(t, ShardedGradient) else t.numel() * t.element_size()
