@@ -28,13 +28,13 @@ _MOD = (1 << 31) - 1  # each checksum modulo this prime before the tensors' are 
 _DEPTH = 4  # nesting of lists, tuples and dicts looked into
 _PLAIN = (bool, int, float, str, type(None))
 
-#: a leaf of the inputs: (name, tensor) or (name, description of a non-tensor value)
-Leaf = tuple[str, "torch.Tensor | str"]
+#: a leaf of the inputs: its name, its description (a tensor's shape and dtype) and the tensor, if one
+Leaf = tuple[str, str, "torch.Tensor | None"]
 
 
 def _leaves(name: str, value: Any, out: list[Leaf], depth: int = 0) -> None:
     if isinstance(value, torch.Tensor):
-        out.append((name, value))
+        out.append((name, f"shape {tuple(value.shape)}, {value.dtype}", value))
     elif isinstance(value, (list, tuple)) and depth < _DEPTH:
         for i, v in enumerate(value):
             _leaves(f"{name}[{i}]", v, out, depth + 1)
@@ -42,7 +42,7 @@ def _leaves(name: str, value: Any, out: list[Leaf], depth: int = 0) -> None:
         for k, v in value.items():
             _leaves(f"{name}[{k!r}]", v, out, depth + 1)
     else:
-        out.append((name, repr(value)[:80] if isinstance(value, _PLAIN) else type(value).__name__))
+        out.append((name, repr(value)[:80] if isinstance(value, _PLAIN) else type(value).__name__, None))
 
 
 def _checksums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +66,6 @@ def _checksums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dots = torch.cat([rows @ weights, (tail @ weights[: tail.numel()]).reshape(1)]).to(torch.int64)
         total, weighted = total + sums.sum(), weighted + dots.sum()
     return total, weighted
-
-
-def _describe(leaf: Leaf) -> str:
-    """A leaf without its name: shape and dtype of a tensor, else the value's description."""
-    value = leaf[1]
-    return f"shape {tuple(value.shape)}, {value.dtype}" if isinstance(value, torch.Tensor) else value
 
 
 #: one rank's view of its inputs: per leaf its name, description and checksums
@@ -99,9 +93,9 @@ def check_same_on_tp(
     leaves: list[Leaf] = []
     for name, value in named:
         _leaves(name, value, leaves)
-    tensors = [(i, v) for i, (_, v) in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    tensors = [(i, t) for i, (_, _, t) in enumerate(leaves) if t is not None]
     sums = [tuple(s.to(group.device) for s in _checksums(t)) for _, t in tensors]
-    structure = "\n".join(f"{leaf[0]}: {_describe(leaf)}" for leaf in leaves).encode()
+    structure = "\n".join(f"{name}: {desc}" for name, desc, _ in leaves).encode()
     digest = int.from_bytes(hashlib.blake2b(structure, digest_size=7).digest(), "little")
     fp = torch.zeros(3, dtype=torch.int64, device=group.device)
     fp[0] = digest
@@ -114,7 +108,7 @@ def check_same_on_tp(
     if torch.equal(both[:3], -both[3:]):
         return
     by_leaf = {i: [int(s) for s in pair] for (i, _), pair in zip(tensors, sums, strict=True)}
-    mine = [(leaf[0], _describe(leaf), by_leaf.get(i, [])) for i, leaf in enumerate(leaves)]
+    mine = [(name, desc, by_leaf.get(i, [])) for i, (name, desc, _) in enumerate(leaves)]
     every = group.all_gather_object(mine)
     differing = [
         f"tp rank {r} (world rank {ranks[r]}): {_difference(d, every[0])}"
