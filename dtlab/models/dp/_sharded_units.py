@@ -196,17 +196,17 @@ class _GatherHook:
     a graph break). Copying or pickling the module it is on is refused: the copy would gather into
     these shards."""
 
-    __slots__ = ("fn", "group", "who")
+    __slots__ = ("at", "fn")
 
-    def __init__(self, fn: Callable[..., Any], eager: bool, group: CommunicationBackend, who: str) -> None:
+    def __init__(self, fn: Callable[..., Any], eager: bool, at: UnitGatherer) -> None:
         self.fn = torch.compiler.disable(fn) if eager else fn
-        self.group, self.who = group, who
+        self.at = at
 
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        raise copy_refused(self.who, self.group.rank, False)
+        raise copy_refused(self.at.who, self.at.group.rank, False)
 
 
 class GroupHooks:
@@ -244,9 +244,7 @@ class GroupHooks:
                 (gmod.register_forward_pre_hook, self._pre_forward),
                 (gmod.register_forward_hook, self._post_forward),
             ):
-                self._handles.append(
-                    register(_GatherHook(partial(fn, gi), self.for_compile, at.group, at.who))
-                )
+                self._handles.append(register(_GatherHook(partial(fn, gi), self.for_compile, at)))
 
     def remove(self) -> None:
         for handle in self._handles:
