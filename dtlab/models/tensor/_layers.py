@@ -4,7 +4,8 @@ vocabulary-parallel embedding. Each holds only this rank's shard; the communicat
 
 Each layer is built from the plain layer it replaces (``from_linear`` / ``from_embedding``), keeps its
 parameter names (``weight``, ``bias``) so ``state_dict()`` keys do not change, and records every
-parameter's placement (:mod:`dtlab.core.placement`).
+parameter's placement (:mod:`dtlab.core.placement`). They subclass ``nn.Linear`` / ``nn.Embedding``
+(torch's DTensor tensor parallelism keeps the module's type), so code walking modules by type finds them.
 """
 
 from __future__ import annotations
@@ -37,18 +38,31 @@ META = torch.device("meta")
 
 
 def _parameter(
-    shape: tuple[int, ...],
-    placement: Placement,
-    fan_in: int,
-    device: torch.device | str | None,
-    dtype: torch.dtype | None,
+    shape: tuple[int, ...], placement: Placement, device: torch.device | str | None, dtype: torch.dtype | None
 ) -> nn.Parameter:
-    """A parameter initialised as ``nn.Linear``'s (uniform in ``1/sqrt(fan_in)``), placed."""
+    """An uninitialized parameter of this rank's ``shape``, placed."""
     t = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-    nn.init.uniform_(t, -bound, bound)
     set_placement(t, placement)
     return t
+
+
+def _reset_linear(layer: ColumnParallelLinear | RowParallelLinear) -> None:
+    """``nn.Linear``'s initialization (uniform in ``1/sqrt(fan_in)``) with the whole layer's fan-in;
+    each rank draws its own pieces (not one process's values: initialize before wrapping for those)."""
+    bound = 1.0 / math.sqrt(layer.in_features) if layer.in_features > 0 else 0.0
+    for p in (layer.weight, layer.bias):
+        if p is not None:
+            nn.init.uniform_(p, -bound, bound)
+
+
+def _check_shard(layer: nn.Module, weight: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Refuse a ``weight`` resized after the split by code that took the layer for a plain one."""
+    if tuple(weight.shape) != shape:
+        raise StrategyError(
+            f"{type(layer).__name__}: its weight is {tuple(weight.shape)}, not this rank's shard {shape} of "
+            "the layer split over tp (something resized or replaced it after the split, e.g. "
+            "resize_token_embeddings on the wrapped module); resize the plain model before wrapping it"
+        )
 
 
 _Layer = TypeVar("_Layer", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding")
@@ -70,7 +84,12 @@ def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
 def check_parameters(source: nn.Module, where: str) -> None:
     """Refuse a layer whose ``weight`` or ``bias`` is a tensor but not an ``nn.Parameter`` (a buffer or
     a plain attribute): the parallel layer splits, trains and checkpoints parameters only (as torch's
-    ``parallelize_module``, which distributes parameters and leaves such a tensor whole, unsplit)."""
+    ``parallelize_module``, which distributes parameters and leaves such a tensor whole, unsplit); and
+    a layer already split over tp (a module wrapped twice)."""
+    if isinstance(source, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
+        raise StrategyError(
+            f"{where}: it is already split over tp ({type(source).__name__}); wrap the plain module once"
+        )
     buffers = {n for n, _ in source.named_buffers(recurse=False)}
     for attr in ("weight", "bias"):
         value = getattr(source, attr, None)
@@ -131,8 +150,11 @@ def _from_linear(
     return _load(new, linear, group)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(nn.Linear):
     """``y = x A^T + b`` with the output features split over tp: this rank holds ``out/tp`` rows of A.
+    An ``nn.Linear`` whose ``in_features`` / ``out_features`` are the whole layer's and whose ``weight``
+    and ``bias`` are this rank's pieces (``transposed``: laid out ``[in, out]`` as the ``Conv1D`` it
+    replaces); ``reset_parameters()`` draws them as ``nn.Linear`` does, with the whole fan-in.
 
     Args:
         in_features, out_features: the full layer's sizes (``out_features`` divisible by tp x sections).
@@ -146,8 +168,6 @@ class ColumnParallelLinear(nn.Module):
             each split over tp, so rank r holds part r of every section.
         transposed: the weight is laid out ``[in, out]`` (Hugging Face's ``Conv1D``), split along dim 1.
     """
-
-    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -163,7 +183,7 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would build the whole weight
         p = group.world_size
         check_divisible(
             out_features,
@@ -176,13 +196,14 @@ class ColumnParallelLinear(nn.Module):
         self.sections, self.transposed = sections, transposed
         #: shared with the model's other column-parallel layers (one input gradient all-reduce per input)
         self.shared_input: SharedInput | None = None
-        shape = (in_features, out_features // p) if transposed else (out_features // p, in_features)
-        placement = Shard(AXIS, 1 if transposed else 0, sections)
-        self.weight = _parameter(shape, placement, in_features, device, dtype)
-        split = Shard(AXIS, 0, sections)
-        self.register_parameter(
-            "bias", _parameter((out_features // p,), split, in_features, device, dtype) if bias else None
-        )
+        o = out_features // p
+        self.local_shape = (in_features, o) if transposed else (o, in_features)
+        self.weight = _parameter(self.local_shape, Shard(AXIS, int(transposed), sections), device, dtype)
+        b = _parameter((o,), Shard(AXIS, 0, sections), device, dtype) if bias else None
+        self.register_parameter("bias", b)
+        self.reset_parameters()
+
+    reset_parameters = _reset_linear
 
     @classmethod
     def from_linear(
@@ -206,6 +227,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_shard(self, self.weight, self.local_shape)
         fn = gather_from_sequence if self.sequence_parallel else copy_to_tp
         x = fn(x, self.group) if self.shared_input is None else self.shared_input(x, self.group, fn)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
@@ -219,8 +241,9 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Linear):
     """``y = x A^T + b`` with the input features split over tp: this rank holds ``in/tp`` columns of A.
+    An ``nn.Linear`` as :class:`ColumnParallelLinear` is (whole sizes, this rank's ``weight``).
 
     Args:
         in_features, out_features: the full layer's sizes (``in_features`` divisible by tp).
@@ -232,8 +255,6 @@ class RowParallelLinear(nn.Module):
             all-reducing it; the bias gradient is then a partial sum that the model all-reduces.
         transposed: the weight is laid out ``[in, out]`` (Hugging Face's ``Conv1D``), split along dim 0.
     """
-
-    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -248,17 +269,21 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would build the whole weight
         p = group.world_size
         check_divisible(in_features, p, "RowParallelLinear: in_features")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.transposed = group, transposed
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        shape = (in_features // p, out_features) if transposed else (out_features, in_features // p)
-        self.weight = _parameter(shape, Shard(AXIS, 0 if transposed else 1), in_features, device, dtype)
+        i = in_features // p
+        self.local_shape = (i, out_features) if transposed else (out_features, i)
+        self.weight = _parameter(self.local_shape, Shard(AXIS, int(not transposed)), device, dtype)
         self.register_parameter(
-            "bias", _parameter((out_features,), Replicate(), in_features, device, dtype) if bias else None
+            "bias", _parameter((out_features,), Replicate(), device, dtype) if bias else None
         )
+        self.reset_parameters()
+
+    reset_parameters = _reset_linear
 
     @classmethod
     def from_linear(
@@ -276,6 +301,7 @@ class RowParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_shard(self, self.weight, self.local_shape)
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight)
@@ -290,11 +316,13 @@ class RowParallelLinear(nn.Module):
         )
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(nn.Embedding):
     """An embedding table split by rows (the vocabulary) over tp: rank r holds ids ``[r*V/tp, (r+1)*V/tp)``.
 
     Each rank looks up the ids it holds (zeros for the others) and the partial rows are summed over tp
-    (all-reduce), or reduce-scattered along the sequence with ``sequence_parallel``.
+    (all-reduce), or reduce-scattered along the sequence with ``sequence_parallel``. An ``nn.Embedding``:
+    ``num_embeddings`` is the whole vocabulary, ``weight`` this rank's rows and ``padding_idx`` (given as
+    an id of the vocabulary) the padding row in ``weight`` where this rank holds it, else ``None``.
     """
 
     def __init__(
@@ -308,7 +336,7 @@ class VocabParallelEmbedding(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Embedding's: it would build the whole table
         p = group.world_size
         if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
             raise StrategyError(
@@ -322,19 +350,14 @@ class VocabParallelEmbedding(nn.Module):
             f"pad the vocabulary to a multiple of {p} or choose a tp that divides {num_embeddings}",
         )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
         self.group, self.sequence_parallel = group, sequence_parallel
         self.per_rank = num_embeddings // p
         self.vocab_start = group.rank * self.per_rank
-        #: the full vocabulary's padding id, and its row here when this rank holds it (its gradient: 0)
-        self.padding_idx = padding_idx
         local_pad = -1 if padding_idx is None else padding_idx - self.vocab_start
-        self._local_padding_idx = local_pad if 0 <= local_pad < self.per_rank else None
-        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype))
-        with torch.no_grad():
-            nn.init.normal_(self.weight)
-            if self._local_padding_idx is not None:  # as nn.Embedding: the padding row starts at zero
-                self.weight[self._local_padding_idx].zero_()
-        set_placement(self.weight, Shard(AXIS, 0))
+        self.padding_idx = local_pad if 0 <= local_pad < self.per_rank else None  # its gradient: 0
+        self.weight = _parameter((self.per_rank, embedding_dim), Shard(AXIS, 0), device, dtype)
+        self.reset_parameters()  # nn.Embedding's: normal, the padding row zero
 
     @classmethod
     def from_embedding(
@@ -348,7 +371,6 @@ class VocabParallelEmbedding(nn.Module):
                 f"VocabParallelEmbedding does not support nn.Embedding options {bad}; build the embedding "
                 "without them to split it over tp"
             )
-        w = emb.weight
         new = cls(
             emb.num_embeddings,
             emb.embedding_dim,
@@ -356,12 +378,13 @@ class VocabParallelEmbedding(nn.Module):
             sequence_parallel=sequence_parallel,
             padding_idx=emb.padding_idx,
             device=META,  # built empty, then filled by _load on the source's device
-            dtype=w.dtype,
+            dtype=emb.weight.dtype,
         )
         return _load(new, emb, group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pad = self._local_padding_idx
+        _check_shard(self, self.weight, (self.per_rank, self.embedding_dim))
+        pad = self.padding_idx
         if self.group.world_size == 1:
             return F.embedding(ids, self.weight, pad)
         local = ids - self.vocab_start
