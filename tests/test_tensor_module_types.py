@@ -188,9 +188,9 @@ def hf_world(backend: CommunicationBackend) -> dict[str, Any]:
     emb = inner.get_input_embeddings()
     pad = emb.padding_idx
     out: dict[str, Any] = {
-        "linear_max": max(float(w.abs().max()) for w in linears),
+        "linear_max": max(float(w.detach().abs().max()) for w in linears),
         "padding_idx": pad,
-        "padding_row": None if pad is None else float(emb.weight[pad].abs().max()),
+        "padding_row": None if pad is None else float(emb.weight[pad].detach().abs().max()),
     }
     inner.resize_token_embeddings(40)
     try:
