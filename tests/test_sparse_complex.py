@@ -150,6 +150,50 @@ class Complex(nn.Module):
         return (self.lin(x).to(torch.complex64) @ self.w).abs()
 
 
+class FrozenComplex(nn.Module):
+    """Complex tensors that need no reduction: a frozen parameter and a buffer (rotary tables)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin = filled(nn.Linear(3, 4), 2)
+        value = torch.polar(torch.ones(4, 4), torch.arange(16.0).view(4, 4)) * (rank == 0)
+        self.f = nn.Parameter(value, requires_grad=False)  # rank 1 starts wrong: rank 0's values come
+        self.register_buffer("rot", value.conj().resolve_conj())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x).to(torch.complex64) @ (self.f * self.rot)).abs()
+
+
+def _frozen_complex(name: str, backend: CommunicationBackend) -> dict[str, torch.Tensor]:
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(3))
+    if name == "tensor":
+        model: Any = TensorParallelModel(
+            FrozenComplex(backend.rank), backend, {"lin": "colwise_gather_output"}
+        )
+        opt: Any = ZeRO1Optimizer(model, torch.optim.SGD, lr=LR)
+        mine = x
+    else:
+        model = wrap(name, FrozenComplex(backend.rank), backend)
+        opt = OPTIMIZER_OF.get(name, ZeRO3Optimizer)(model, torch.optim.SGD, lr=LR)
+        mine = x[backend.rank :: 2]
+    for _ in range(2):
+        model(mine).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict()
+
+
+def _frozen_complex_reference() -> dict[str, torch.Tensor]:
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(3))
+    net = FrozenComplex(0)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for _ in range(2):
+        net(x[[0, 2, 1, 3]]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return net.state_dict()
+
+
 def _refusals(backend: CommunicationBackend) -> dict[str, list[str]]:
     mesh = Mesh(backend, {"pp": 2})
     sparse_adam: list[Callable[[], object]] = [
@@ -186,6 +230,7 @@ def _world(backend: CommunicationBackend) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {name: _train(name, backend) for name in NAMES}
     out["synchronizer"] = _synchronizer(backend)
+    out["frozen_complex"] = {n: _frozen_complex(n, backend) for n in (*STRATEGIES, "tensor")}
     out["async"] = {"state": _async(backend)}
     out["refused"] = _refusals(backend)
     return out
@@ -205,6 +250,10 @@ def test_sparse_gradients_train_exactly_and_the_rest_is_refused_clearly() -> Non
         assert res["ddp"]["dense_grad"]
         assert res["ddp"]["grad_bytes"] == 4 * sum(v.numel() for v in ref.values())
         assert 0 < res["zero2"]["sparse_bytes"] == res["zero2"]["sparse_expected"], res["zero2"]
+        for name, got in res["frozen_complex"].items():  # broadcast as real pairs, never reduced
+            want = _frozen_complex_reference()
+            assert set(got) == set(want), name
+            assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-6, name
         assert res["synchronizer"] == [True] * 6, res["synchronizer"]
         adam, cplx = res["refused"]["sparse_adam"], res["refused"]["complex"]
         assert len(adam) == 3 and all("SparseAdam steps sparse gradients only" in m for m in adam), adam

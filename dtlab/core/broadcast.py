@@ -34,7 +34,10 @@ def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group: CommunicationBa
 def _broadcast(tensors: Iterable[torch.Tensor], group: CommunicationBackend) -> None:
     together: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     with torch.no_grad():
-        for t in {id(t): t for t in tensors if t.numel()}.values():
+        # a complex tensor travels as its real pairs (the engines move real dtypes), written in place
+        for t in {
+            id(t): torch.view_as_real(t) if t.is_complex() else t for t in tensors if t.numel()
+        }.values():
             if t.numel() >= ALONE and t.is_contiguous():
                 group.broadcast(t.detach(), 0)
             else:

@@ -72,10 +72,10 @@ class AsyncSGDOptimizer:
         **optimizer_kwargs: Any,  # Any: optimizer_cls's own keywords
     ) -> None:
         check_arguments(backend, optimizer_cls, staleness, num_servers, optimizer_kwargs)
-        check_real("AsyncSGDOptimizer", module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise StrategyError("AsyncSGDOptimizer: the module has no trainable parameters")
+        check_real("AsyncSGDOptimizer", named)
         self.module = module
         self.backend = backend
         self.staleness = staleness

@@ -167,7 +167,7 @@ def lay_out(
     pipelined = always_pipelined or p > 1 or v > 1 or m > 1
     _check_pipeline(who, args, p, m, pipelined)
     if tp.world_size * p > 1:  # the dp strategy checks its own group
-        check_real(who, module)
+        check_real(who, [(n, q) for n, q in module.named_parameters() if q.requires_grad])
     partial: list[nn.Parameter] = []
     swapped: dict[int, torch.Tensor] = {}
     if tensor_plan is not None:

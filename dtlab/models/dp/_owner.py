@@ -150,9 +150,9 @@ def check_module(
             f"{who}: parameters are on {device} but the backend {backend.name} works on {backend.device}; "
             f"call module.to({str(backend.device)!r}) before wrapping it"
         )
-    if backend.world_size > 1:
-        check_real(who, module)
     trainable = [(n, p) for n, p in named if p.requires_grad]
+    if backend.world_size > 1:
+        check_real(who, trainable)
     if not trainable:
         raise StrategyError(
             f"{who}: every parameter of {type(module).__name__} has requires_grad=False; there are no "

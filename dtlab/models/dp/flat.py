@@ -7,6 +7,7 @@ The parameters become views into the buffer (``bind``), so the module computes o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -26,17 +27,13 @@ def copy_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
         view.zero_().add_(grad)
 
 
-def check_real(who: str, module: nn.Module) -> None:
-    """Refuse complex parameters and buffers: the communication engines move real dtypes only."""
-    found = [
-        f"{n!r} ({t.dtype})"
-        for n, t in [*module.named_parameters(), *module.named_buffers()]
-        if t.is_complex()
-    ]
+def check_real(who: str, trainable: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """Refuse complex trainable parameters: the engines reduce real dtypes only."""
+    found = [f"{n!r} ({p.dtype})" for n, p in trainable if p.is_complex()]
     if found:
         raise StrategyError(
-            f"{who}: {', '.join(found[:5])}{' ...' if len(found) > 5 else ''} holds complex numbers, which "
-            "dtlab's communication engines cannot broadcast or reduce (they move real dtypes). Store it "
+            f"{who}: {', '.join(found[:5])}{' ...' if len(found) > 5 else ''} holds complex numbers, whose "
+            "gradient dtlab's communication engines cannot reduce (they move real dtypes). Store it "
             "as real pairs and view it as complex in forward: self.w = nn.Parameter(torch.view_as_real(w)), "
             "then torch.view_as_complex(self.w) (torch's optimizers step a complex parameter as such pairs)"
         )
