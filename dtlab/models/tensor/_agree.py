@@ -2,10 +2,10 @@
 together, each on its slice of the layers, so a batch that differs between them (data sharded by the
 global rank, torch DDP's habit) mixes their activations in every all-reduce and lets the replicated
 parameters drift apart, silently. :func:`check_same_on_tp` refuses it on every rank of the group:
-one all-reduce of three integers per rank (a digest of the inputs' structure and two exact checksums
-of their bits, :func:`_checksums`); only when they differ do the ranks exchange descriptions of their
-inputs, to name who differs from tp rank 0, and in what. How and its limits: docs/strategies.md,
-"Every tp rank gets the same batch".
+one all-reduce of each rank's three-integer fingerprint (a digest of the inputs' structure and two
+exact checksums of their bits, :func:`_checksums`); only when they differ do the ranks exchange
+descriptions of their inputs, to name who differs from tp rank 0, and in what. How and its limits:
+docs/strategies.md, "Every tp rank gets the same batch".
 """
 
 from __future__ import annotations
