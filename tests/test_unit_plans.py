@@ -71,7 +71,7 @@ def _mid_backward(backend: CommunicationBackend) -> tuple[int, int, int]:
     model = ZeRO2Model(net, backend, bucket_cap_mb=0.0002)  # ~200-byte buckets: several in flight
     seen: list[int] = []
     first = net[0].weight  # its gradient comes last: every other bucket is launched by then
-    first.register_post_accumulate_grad_hook(lambda p: seen.append(model.memory_report()["gradients"]))
+    first.register_hook(lambda _g: seen.append(model.memory_report()["gradients"]))
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(backend.rank))
     model(x).square().mean().backward()
     full = sum(4 * q.numel() for q in net.parameters())

@@ -131,13 +131,15 @@ def swap_layers(
     resolved = resolve_plan(module, declared_plan(module, plan), tp.world_size)
     touched = _touched_layers(resolved)
     ties = _check_tied(who, module, touched)
-    if broadcast:  # the data-parallel strategy then broadcasts over dp
-        broadcast_from_rank0(module.state_dict(keep_vars=True).values(), tp)
     before = {
         path: module.get_submodule(path)
         for path, st in touched.items()
         if not isinstance(st, SequenceParallel)
     }
+    for path, old in before.items():
+        _check_replaceable(who, path, old)
+    if broadcast:  # the data-parallel strategy then broadcasts over dp
+        broadcast_from_rank0(module.state_dict(keep_vars=True).values(), tp)
     partial = apply_plan(module, resolved, tp)
     _retie(module, ties)
     swapped: dict[int, torch.Tensor] = {}
@@ -146,6 +148,40 @@ def swap_layers(
         for pname, p in old.named_parameters(recurse=False):
             swapped.setdefault(id(p), getattr(new, pname))
     return partial, swapped
+
+
+#: where torch keeps the hooks each registering call adds, on a module and on a tensor
+_MODULE_HOOKS = {
+    "register_forward_pre_hook": "_forward_pre_hooks",
+    "register_forward_hook": "_forward_hooks",
+    "register_full_backward_pre_hook": "_backward_pre_hooks",
+    "register_full_backward_hook": "_backward_hooks",
+}
+_TENSOR_HOOKS = {
+    "register_hook": "_backward_hooks",
+    "register_post_accumulate_grad_hook": "_post_accumulate_grad_hooks",
+}
+
+
+def _check_replaceable(who: str, path: str, layer: nn.Module) -> None:
+    """Refuse a layer the plan replaces carrying hooks of the user's (on it or its parameters), which the
+    parallel layer would silently drop."""
+    hooks = [  # torch keeps a module's and a tensor's hooks in private dicts only
+        *(f"{call} ({path})" for call, k in _MODULE_HOOKS.items() if getattr(layer, k)),
+        *(
+            f"{call} ({path}.{n})"
+            for n, q in layer.named_parameters(recurse=False)
+            for call, k in _TENSOR_HOOKS.items()
+            if getattr(q, k, None)
+        ),
+    ]
+    if hooks:
+        raise StrategyError(
+            f"{who}: the tensor plan replaces {path!r} by a tensor-parallel layer, so your hooks on it "
+            f"({', '.join(hooks)}) would silently never run. Register them after wrapping, "
+            f"on model.module.get_submodule({path!r}) or its parameters: they then see this rank's "
+            "piece of the output and of the gradient"
+        )
 
 
 class TiedSync:

@@ -53,6 +53,7 @@ class Ownership:
         self.who = who
         self.keeps_shards = keeps_shards
         self._params = {id(p): p for p in module.parameters()}
+        self._names = {id(p): n for n, p in module.named_parameters()}
         self._group = group
         self._batch_norms = sync_batch_norms(module, who)
         self._handles: list[RemovableHandle] = []
@@ -73,7 +74,9 @@ class Ownership:
         return list(found.values())
 
     def check_free(self) -> None:
-        """Refuse (before the new wrapper changes anything) parameters another wrapper keeps sharded."""
+        """Refuse (before the new wrapper changes anything) parameters another wrapper keeps sharded, and
+        post-accumulate-grad hooks of the user's (see :meth:`check`)."""
+        self._refuse_foreign_hooks("to wrap the module", [h for o in self._previous() for h in o.handles])
         for old in self._previous():
             if old.keeps_shards:
                 raise StrategyError(
@@ -94,6 +97,11 @@ class Ownership:
         for p in self._params.values():
             setattr(p, _MARK, mark)
 
+    @property
+    def handles(self) -> list[RemovableHandle]:
+        """The hooks this wrapper put on its parameters."""
+        return list(self._handles)
+
     def keep(self, handle: RemovableHandle) -> None:
         """A hook this wrapper put on its parameters, removed when a newer wrapper takes them over."""
         self._handles.append(handle)
@@ -112,6 +120,26 @@ class Ownership:
                 f"{self.replaced_by} took its parameters over, and it alone reduces their gradients now), "
                 f"so it refuses {what}; use the new one (and an optimizer built on it)"
             )
+        self._refuse_foreign_hooks(what, self.handles)
+
+    def _refuse_foreign_hooks(self, what: str, ours: list[RemovableHandle]) -> None:
+        """Refuse a post-accumulate-grad hook on a trainable parameter that is not this wrapper's: it
+        would see this rank's gradient before the average (or, under the sharding strategies, after the
+        strategy took it into its shards), so "optimizer in backward" would step each rank apart."""
+        known = {h.id for h in ours}
+        for key, p in self._params.items():
+            hooks = p._post_accumulate_grad_hooks  # noqa: SLF001 - torch lists them nowhere public
+            if p.requires_grad and hooks and set(hooks) - known:
+                raise StrategyError(
+                    f"{self.who} refuses {what}: parameter {self._names[key]!r} has a hook of yours from "
+                    "register_post_accumulate_grad_hook. It would run on this rank's own gradient before "
+                    "the strategy averages it over the ranks (or find it already taken into the "
+                    "strategy's shards), so an optimizer step in it ('optimizer in backward') would move "
+                    "each rank's copy its own way. Remove it (handle.remove()) and step after backward "
+                    "with the optimizer strategy, opt.step() (the reduction already overlaps the "
+                    "backward); to watch or change a gradient use p.register_hook(fn): it sees this "
+                    "rank's gradient before the reduction and what it returns is what gets averaged"
+                )
 
 
 def check_module(

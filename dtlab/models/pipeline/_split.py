@@ -218,7 +218,9 @@ def stage_specs(stages: Sequence[Stage], shapes: Sequence[Shapes], sample: Tenso
                     f"the shape of pipeline stage {stage.index}'s output ({stage.names[0]} .. "
                     f"{stage.names[-1]}) could not be computed by a forward on the meta device with input "
                     f"{tuple(x.shape)} {x.dtype}: {type(exc).__name__}: {exc}. Stages must be shape-static "
-                    "(no data-dependent control flow, .item() or host copies)"
+                    "(no data-dependent control flow, .item() or host copies); your forward hooks run in "
+                    "this forward too: one reading values (activation statistics) returns on meta tensors "
+                    "first, if out.is_meta: return"
                 ) from exc
             if not isinstance(y, torch.Tensor):
                 raise StrategyError(
