@@ -2,12 +2,14 @@
 under DDP, ZeRO-1/2/3 and FSDP, tensor parallelism (tp=2) and a pipeline (pp=2), each trains to the
 same parameters or is refused naming the fix. Gradient hooks (``p.register_hook``) before and after
 wrapping, module forward/backward hooks (activation statistics), ``weight_norm`` / ``orthogonal`` /
-``spectral_norm``, ``torch.func.functional_call`` (MAML's inner step), and the refusals: a
-``register_post_accumulate_grad_hook`` of the user's ("optimizer in backward"), hooks or a
-parametrization on a layer the tensor plan replaces, a value-reading hook in a pipeline's meta forward."""
+``spectral_norm``, pruning (``torch.nn.utils.prune``), ``torch.func.functional_call`` (MAML's inner
+step), and the refusals: a ``register_post_accumulate_grad_hook`` of the user's ("optimizer in
+backward"), hooks or a parametrization on a layer the tensor plan replaces, a value-reading hook in a
+pipeline's meta forward."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from test_strategies_helpers import STRATEGIES, make_data, make_module, max_rel_
 from test_tensor_habits import LR, PLAN, build, data
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.utils import parametrizations
+from torch.nn.utils import parametrizations, prune
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
@@ -48,18 +50,24 @@ def module_for(habit: str) -> nn.Module:
     if habit in ("hooks_before", "stats"):
         for p in module.parameters():
             p.register_hook(halve)
+    if habit == "prune":  # a forward pre-hook computes each weight from weight_orig and weight_mask
+        prune.l1_unstructured(module[0], "weight", amount=0.3)
+        prune.l1_unstructured(module[1].fc, "weight", amount=0.3)
     if habit == "pah_before":
         module[0].weight.register_post_accumulate_grad_hook(lambda _p: None)
     return module
 
 
 def record(module: nn.Module, stats: Stats) -> None:
-    """Activation statistics: each Linear's output norm and its output gradient's norm."""
+    """Activation statistics: each Linear's output norm, weight sum (ZeRO-3/FSDP free the weight after
+    the forward: the sum shows a hook reading it runs first) and output gradient's norm."""
+
+    def forward(m: nn.Module, _a: Any, o: torch.Tensor, n: str) -> None:
+        stats.extend((("f", n, float(o.detach().norm())), ("w", n, float(m.weight.detach().sum()))))
+
     for name, m in module.named_modules():
         if isinstance(m, nn.Linear):
-            m.register_forward_hook(
-                lambda _m, _a, o, n=name: stats.append(("f", n, float(o.detach().norm())))
-            )
+            m.register_forward_hook(partial(forward, n=name))
             m.register_full_backward_hook(
                 lambda _m, _gi, go, n=name: stats.append(("b", n, float(go[0].norm())))
             )
@@ -141,11 +149,13 @@ def dp_world(backend: CommunicationBackend, habits: list[str]) -> dict[str, Any]
 def test_hooks_and_parametrizations_under_data_parallel_strategies() -> None:
     """Gradient hooks run before the reduction (so the halved gradient is what gets averaged, as under
     torch DDP), once per step, before or after wrapping, ZeRO-3/FSDP's re-bound parameters included;
-    statistics hooks see what one process sees on the rank's half; parametrized layers train alike;
+    statistics hooks see what one process sees on the rank's half; parametrized and pruned layers train
+    alike (ZeRO-3/FSDP gather before a forward pre-hook registered before wrapping runs, prune's, and
+    free after a forward hook registered after wrapping: both read freed weights before);
     MAML through functional_call equals torch DDP's meaning under DDP/ZeRO-1/2 and is refused under
     ZeRO-3/FSDP. A post-accumulate-grad hook of the user's was silently wrong under DDP/ZeRO-1 (each
     rank stepping on its own gradient, 0.39 relative error) and a raw TypeError under ZeRO-2/3/FSDP."""
-    ok = ["hooks_before", "hooks_after", "stats", "parametrized", "maml"]
+    ok = ["hooks_before", "hooks_after", "stats", "prune", "parametrized", "maml"]
     habits = [*ok, "pah_before", "pah_after"]
     results = run_world(2, dp_world, habits, timeout=120)
     for habit in ok:
@@ -158,9 +168,9 @@ def test_hooks_and_parametrizations_under_data_parallel_strategies() -> None:
                     continue
                 assert not isinstance(got, str), f"{where}: {got}"
                 assert max_rel_error(got[0], ref) <= 1e-6, where
-                if habit == "stats":  # 3 Linears, a forward and a backward record each, every step
-                    assert len(got[1]) == 6 * STEPS, where
-                    for (k, n, v), (k0, n0, v0) in zip(got[1][:6], first_step_stats(rank), strict=True):
+                if habit == "stats":  # 3 Linears, 2 forward and 1 backward records each, every step
+                    assert len(got[1]) == 9 * STEPS, where
+                    for (k, n, v), (k0, n0, v0) in zip(got[1][:9], first_step_stats(rank), strict=True):
                         assert (k, n) == (k0, n0) and abs(v - v0) <= 1e-5 * abs(v0), where
     for res in results:
         for name in STRATEGIES:

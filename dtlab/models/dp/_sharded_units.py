@@ -239,12 +239,11 @@ class GroupHooks:
         self.remove()
         self.for_compile = "torch._dynamo" in sys.modules
         at = self.at_rest
-        for gi, gmod in enumerate(at.group_modules):
-            for register, fn in (
-                (gmod.register_forward_pre_hook, self._pre_forward),
-                (gmod.register_forward_hook, self._post_forward),
-            ):
-                self._handles.append(register(_GatherHook(partial(fn, gi), self.for_compile, at)))
+        for gi, gmod in enumerate(at.group_modules):  # gathered before the user's pre-hooks run
+            hook = _GatherHook(partial(self._pre_forward, gi), self.for_compile, at)
+            self._handles.append(gmod.register_forward_pre_hook(hook, prepend=True))
+            hook = _GatherHook(partial(self._post_forward, gi), self.for_compile, at)
+            self._handles.append(gmod.register_forward_hook(hook))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -270,7 +269,11 @@ class GroupHooks:
         pos = self.order.index(gi) + step
         return self.order[pos] if 0 <= pos < len(self.order) else None
 
-    def _pre_forward(self, gi: int, _module: nn.Module, _args: Any) -> None:
+    def _pre_forward(self, gi: int, module: nn.Module, _args: Any) -> None:
+        # freed after the user's forward hooks, those registered after wrapping too (torch runs them in
+        # the order of this dict)
+        hooks, free = module._forward_hooks, self._handles[2 * gi + 1].id  # noqa: SLF001
+        hooks[free] = hooks.pop(free)
         if not self.order_done and gi not in self.order:
             self.order.append(gi)
         self.at_rest.gather_group(gi)
