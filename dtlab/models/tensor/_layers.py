@@ -16,7 +16,6 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement, Replicate, Shard, placement_of, set_placement
@@ -96,15 +95,10 @@ def check_parameters(source: nn.Module, where: str) -> None:
         value = getattr(source, attr, None)
         if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
             kind = "a buffer" if attr in buffers else "a plain tensor attribute"
-            fix = "make it an nn.Parameter (requires_grad=False keeps it frozen)"
-            if parametrize.is_parametrized(source, attr):  # weight_norm, spectral_norm, orthogonal, ...
-                kind, fix = (
-                    "computed by a parametrization",
-                    f"bake it in before wrapping, parametrize.remove_parametrizations(layer, {attr!r}),",
-                )
             raise StrategyError(
                 f"{where}: its {attr!r} is {kind} ({type(source).__name__}), not an nn.Parameter, so it "
-                f"cannot be split over tp; {fix} or leave this module out of the tensor-parallel plan"
+                "cannot be split over tp; make it an nn.Parameter (requires_grad=False keeps it frozen) "
+                "or leave this module out of the tensor-parallel plan"
             )
 
 
