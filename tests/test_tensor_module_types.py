@@ -177,7 +177,7 @@ def test_split_layers_keep_their_types_for_init_and_param_groups() -> None:
 def hf_world(backend: CommunicationBackend) -> dict[str, Any]:
     from hf_cases import LLAMA_PLAN, llama, token_batch
 
-    net = llama(pad_token_id=20)  # id 20: row 4 of tp rank 1's half of the 32 ids
+    net = llama(layers=1, pad_token_id=20)  # id 20: row 4 of tp rank 1's half of the 32 ids
     with torch.no_grad():
         for p in net.parameters():
             p.fill_(1.0)
