@@ -90,6 +90,9 @@ def train(
     if habit == "hooks_after":
         for p in inner.parameters():
             p.register_hook(halve)
+    if habit == "clamp":  # on each rank's own gradient, before the average (as under torch DDP)
+        for p in inner.parameters():
+            p.register_hook(lambda g: g.clamp(-0.05, 0.05))
     if habit == "stats":
         record(inner, stats)
     if habit == "pah_after":
@@ -97,10 +100,12 @@ def train(
     xs, ys = make_data(STEPS, GLOBAL_BATCH)
     for s in range(STEPS):
         if habit == "maml":  # each rank adapts on its own tasks, as under torch DDP
-            loss = sum(maml_loss(model, xs[s][p], ys[s][p]) for p in parts) / len(parts)
-        else:
-            loss = F.mse_loss(model(xs[s][parts[0]]), ys[s][parts[0]])
-        loss.backward()
+            (sum(maml_loss(model, xs[s][p], ys[s][p]) for p in parts) / len(parts)).backward()
+        else:  # one process: each half's backward, the clamped gradients averaged
+            for p in parts:
+                F.mse_loss(model(xs[s][p]), ys[s][p]).backward()
+            for q in inner.parameters() if len(parts) > 1 else []:
+                q.grad = None if q.grad is None else q.grad / len(parts)
         opt.step()
         opt.zero_grad()
     return stats
@@ -113,7 +118,7 @@ def reference(habit: str) -> dict[str, torch.Tensor]:
         module,
         torch.optim.SGD(module.parameters(), lr=0.1),
         module,
-        HALVES if habit == "maml" else [slice(None)],
+        HALVES if habit in ("maml", "clamp") else [slice(None)],
     )
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -147,15 +152,16 @@ def dp_world(backend: CommunicationBackend, habits: list[str]) -> dict[str, Any]
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the input needs no gradient
 def test_hooks_and_parametrizations_under_data_parallel_strategies() -> None:
-    """Gradient hooks run before the reduction (so the halved gradient is what gets averaged, as under
-    torch DDP), once per step, before or after wrapping, ZeRO-3/FSDP's re-bound parameters included;
+    """Gradient hooks run before the reduction (so the halved gradient is what gets averaged, and a
+    clamp acts on each rank's own gradient, as under torch DDP), once per step, before or after
+    wrapping, ZeRO-3/FSDP's re-bound parameters included;
     statistics hooks see what one process sees on the rank's half; parametrized and pruned layers train
     alike (ZeRO-3/FSDP gather before a forward pre-hook registered before wrapping runs, prune's, and
     free after a forward hook registered after wrapping: both read freed weights before);
     MAML through functional_call equals torch DDP's meaning under DDP/ZeRO-1/2 and is refused under
     ZeRO-3/FSDP. A post-accumulate-grad hook of the user's was silently wrong under DDP/ZeRO-1 (each
     rank stepping on its own gradient, 0.39 relative error) and a raw TypeError under ZeRO-2/3/FSDP."""
-    ok = ["hooks_before", "hooks_after", "stats", "prune", "parametrized", "maml"]
+    ok = ["hooks_before", "hooks_after", "clamp", "stats", "prune", "parametrized", "maml"]
     habits = [*ok, "pah_before", "pah_after"]
     results = run_world(2, dp_world, habits, timeout=120)
     for habit in ok:
