@@ -57,6 +57,7 @@ class Ownership:
         self._group = group
         self._batch_norms = sync_batch_norms(module, who)
         self._handles: list[RemovableHandle] = []
+        self._ids: set[int] = set()
         #: the class name of the wrapper that took the parameters over (None: still the owner)
         self.replaced_by: str | None = None
 
@@ -76,7 +77,7 @@ class Ownership:
     def check_free(self) -> None:
         """Refuse (before the new wrapper changes anything) parameters another wrapper keeps sharded, and
         post-accumulate-grad hooks of the user's (see :meth:`check`)."""
-        self._refuse_foreign_hooks("to wrap the module", [h for o in self._previous() for h in o.handles])
+        self._refuse_foreign_hooks("to wrap the module", {i for o in self._previous() for i in o.hook_ids})
         for old in self._previous():
             if old.keeps_shards:
                 raise StrategyError(
@@ -98,18 +99,19 @@ class Ownership:
             setattr(p, _MARK, mark)
 
     @property
-    def handles(self) -> list[RemovableHandle]:
-        """The hooks this wrapper put on its parameters."""
-        return list(self._handles)
+    def hook_ids(self) -> set[int]:
+        """The ids of the hooks this wrapper put on its parameters."""
+        return self._ids
 
     def keep(self, handle: RemovableHandle) -> None:
         """A hook this wrapper put on its parameters, removed when a newer wrapper takes them over."""
         self._handles.append(handle)
+        self._ids.add(handle.id)
 
     def give_up(self, by: str) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._ids = [], set()
         self.replaced_by = by
 
     def check(self, what: str) -> None:
@@ -120,16 +122,15 @@ class Ownership:
                 f"{self.replaced_by} took its parameters over, and it alone reduces their gradients now), "
                 f"so it refuses {what}; use the new one (and an optimizer built on it)"
             )
-        self._refuse_foreign_hooks(what, self.handles)
+        self._refuse_foreign_hooks(what, self._ids)
 
-    def _refuse_foreign_hooks(self, what: str, ours: list[RemovableHandle]) -> None:
+    def _refuse_foreign_hooks(self, what: str, ours: set[int]) -> None:
         """Refuse a post-accumulate-grad hook on a trainable parameter that is not this wrapper's: it
         would see this rank's gradient before the average (or, under the sharding strategies, after the
         strategy took it into its shards), so "optimizer in backward" would step each rank apart."""
-        known = {h.id for h in ours}
         for key, p in self._params.items():
             hooks = p._post_accumulate_grad_hooks  # noqa: SLF001 - torch lists them nowhere public
-            if p.requires_grad and hooks and set(hooks) - known:
+            if p.requires_grad and hooks and not hooks.keys() <= ours:
                 raise StrategyError(
                     f"{self.who} refuses {what}: parameter {self._names[key]!r} has a hook of yours from "
                     "register_post_accumulate_grad_hook. It would run on this rank's own gradient before "
