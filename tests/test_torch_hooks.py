@@ -280,7 +280,9 @@ def test_hooks_and_parametrizations_under_tensor_and_pipeline_parallelism() -> N
             assert "would silently never run" in res[case] and "after wrapping" in res[case], res[case]
         assert "register_hook (fc1.weight)" in res["param_hook"], res["param_hook"]
         assert "register_forward_hook (fc2)" in res["module_hook"], res["module_hook"]
-        assert "(ParametrizedLinear)" in res["weight_norm"], res["weight_norm"]  # leave it out of the plan
+        assert (
+            "(ParametrizedLinear)" in res["weight_norm"] and "remove_parametrizations()" in res["weight_norm"]
+        )
         for case in ("hooks_after", "weight_norm_unplanned"):
             assert max_rel_error(res[case], tp_reference(case)) <= 1e-6, case
     ref = reference("hooks_after")  # gradient hooks registered before wrapping

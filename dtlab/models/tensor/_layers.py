@@ -82,10 +82,7 @@ def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
 
 
 def check_parameters(source: nn.Module, where: str) -> None:
-    """Refuse a layer whose ``weight`` or ``bias`` is a tensor but not an ``nn.Parameter`` (a buffer or
-    a plain attribute): the parallel layer splits, trains and checkpoints parameters only (as torch's
-    ``parallelize_module``, which distributes parameters and leaves such a tensor whole, unsplit); and
-    a layer already split over tp (a module wrapped twice)."""
+    """Refuse a layer already split over tp, or a ``weight``/``bias`` that is not an ``nn.Parameter``."""
     if isinstance(source, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
         raise StrategyError(
             f"{where}: it is already split over tp ({type(source).__name__}); wrap the plain module once"
@@ -95,10 +92,12 @@ def check_parameters(source: nn.Module, where: str) -> None:
         value = getattr(source, attr, None)
         if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
             kind = "a buffer" if attr in buffers else "a plain tensor attribute"
+            fix = "make it an nn.Parameter (requires_grad=False keeps it frozen)"
+            if nn.utils.parametrize.is_parametrized(source, attr):  # weight_norm, spectral_norm, ...
+                kind, fix = "a parametrization's output", "remove_parametrizations() before wrapping"
             raise StrategyError(
                 f"{where}: its {attr!r} is {kind} ({type(source).__name__}), not an nn.Parameter, so it "
-                "cannot be split over tp; make it an nn.Parameter (requires_grad=False keeps it frozen) "
-                "or leave this module out of the tensor-parallel plan"
+                f"cannot be split over tp; {fix} or leave this module out of the tensor-parallel plan"
             )
 
 
