@@ -22,7 +22,14 @@ from dtlab.errors import ArgumentError, CheckpointError, StrategyError
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit
 
-__all__ = ["AttachedOptimizer", "ModelStrategy", "OptimizerTarget", "copy_refused"]
+__all__ = [
+    "AttachedOptimizer",
+    "ModelStrategy",
+    "OptimizerTarget",
+    "WrappedAs",
+    "conversion_refused",
+    "copy_refused",
+]
 
 
 class AttachedOptimizer(Protocol):
@@ -87,6 +94,36 @@ def copy_refused(who: str, rank: int, module_copies: bool) -> StrategyError:
     )
 
 
+def conversion_refused(who: str, name: str, was: torch.Tensor, now: torch.Tensor, how: str) -> StrategyError:
+    """The error for a change of parameter ``name``'s dtype or device (from ``was``'s to ``now``'s)
+    after the wrapper ``who`` laid out its buffers and shards; ``how``: where the change was found."""
+    target = str(now.dtype) if now.dtype != was.dtype else repr(str(now.device))
+    return StrategyError(
+        f"{who}: {how} parameter {name!r} from {was.dtype} on {was.device} to {now.dtype} on {now.device} "
+        "after wrapping (model.double(), .half(), .to(dtype or device), on the wrapper or on "
+        "model.module). The strategy lays out its gradient buffers and shards in the parameters' dtype "
+        "and device when it wraps the module, so training on would fail or be silently wrong. Convert "
+        f"the plain module before wrapping it, e.g. {who}(module.to({target}), backend); for mixed "
+        "precision keep float32 parameters and compute under torch.autocast (or the Trainer's "
+        "MixedPrecisionPolicy; reduce_dtype= narrows the gradient reduction), docs/strategies.md"
+    )
+
+
+class WrappedAs:
+    """Each parameter of ``module`` with an empty tensor of its dtype and device when the wrapper ``who``
+    laid out its buffers and shards: :meth:`check` refuses a later ``model.module.double()`` / ``.to()``
+    (the wrapper's own conversions are refused before any change, by :meth:`ModelStrategy._apply`)."""
+
+    def __init__(self, who: str, module: nn.Module) -> None:
+        self.who = who
+        self._params = [(n, p, p.new_empty(0)) for n, p in module.named_parameters()]
+
+    def check(self) -> None:
+        for name, p, was in self._params:
+            if p.dtype != was.dtype or p.device != was.device:
+                raise conversion_refused(self.who, name, was, p, "model.module converted")
+
+
 class ModelStrategy(nn.Module):
     """An ``nn.Module`` wrapping ``module`` (forward works) that owns where its parameters and
     gradients live and sends gradients through its :attr:`gradient_reducer`."""
@@ -103,6 +140,8 @@ class ModelStrategy(nn.Module):
         #: code outside the strategy asks for :attr:`dp_backend` or :attr:`world_backend` instead
         self.backend = backend
         self._world = _check_world(world, backend, type(self).__name__)
+        #: refuses ``model.module.double()`` / ``.to()`` at the next use (checked by the subclasses)
+        self._wrapped_as = WrappedAs(type(self).__name__, module)
 
     @property
     @abstractmethod
@@ -133,6 +172,21 @@ class ModelStrategy(nn.Module):
     #: whether ``module`` holds the whole parameters and no hook of the strategy (DDP, ZeRO-1/2): a
     #: copy of it is a plain model
     module_copies: ClassVar[bool] = False
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``model.double()``, ``.half()``, ``.to(...)``, ``.cuda()``: refused, before anything changes,
+        if ``fn`` changes a parameter's dtype or device (probed on an empty tensor of each parameter's
+        dtype and device); a conversion that changes no parameter (``model.float()`` on a float32
+        model, ``model.to("cpu")`` on CPU, a buffer's dtype alone) runs as on a plain module."""
+        probed: set[tuple[torch.dtype, torch.device]] = set()
+        for name, p in self.module.named_parameters():
+            if (p.dtype, p.device) not in probed:
+                probed.add((p.dtype, p.device))
+                was = torch.empty(0, dtype=p.dtype, device=p.device)
+                now = fn(was)
+                if now.dtype != was.dtype or now.device != was.device:
+                    raise conversion_refused(type(self).__name__, name, was, now, "refused converting")
+        return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         """Copying or pickling the wrapper is refused, naming what to copy instead (:func:`copy_refused`)."""

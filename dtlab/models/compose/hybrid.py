@@ -252,6 +252,7 @@ class HybridShardedModel(OptimizerTarget):
                 self._check_partial_fresh()
             return self.dp_strategy(*args, **kwargs)
         (x,) = args
+        self._wrapped_as.check()
         return self._pipe.infer(x)
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
@@ -263,6 +264,7 @@ class HybridShardedModel(OptimizerTarget):
             if self._pipe is None:
                 return super().train_step(batch, loss_fn)
             inputs, targets = batch
+            self._wrapped_as.check()  # on every rank before the schedule: a refusal in it would hang
             self._pipe.check_batch(type(self).__name__, inputs, targets)
             self._check_partial_fresh()
             return self._pipe.step(inputs, targets, loss_fn)

@@ -256,6 +256,7 @@ class ShardedModel(DataParallelModel):
         pipeline step: one all-gather per unit instead of two per micro-batch); freed after it unless
         gathered before it."""
         self._writes.check("gathering the parameters")
+        self._wrapped_as.check()  # a gather would undo model.module.double() silently
         held = [st for st in self._units if not st.persistent]
         was_freed = [st for st in held if st.flat is None]
         try:
@@ -281,6 +282,7 @@ class ShardedModel(DataParallelModel):
         what ``fn`` wrote. Collective: every rank calls it (docs/strategies.md, initializing after
         wrapping)."""
         self._owner.check("model.apply(fn)")
+        self._wrapped_as.check()
         self._writes.apply(self.module, fn)
         fn(self)
         return self

@@ -160,6 +160,7 @@ class DataParallelModel(OptimizerTarget):
         gradients are partial after a backward that raised (an evaluation forward only cleans up); drop
         the gradient stand-ins before a forward with gradients; broadcast rank 0's buffers."""
         self._owner.check("forward")
+        self._wrapped_as.check()
         self._check_backward_finished("the forward" if torch.is_grad_enabled() else None)
         if torch.is_grad_enabled():
             self._release_guards()
@@ -322,6 +323,7 @@ class DataParallelModel(OptimizerTarget):
         self._owner.check(f"{who}.step()")
         self._check_backward_finished(f"{who}.step()")
         self.check_requires_grad()
+        self._wrapped_as.check()
         if not self._grads_synced:
             raise StrategyError(
                 f"{who}.step() found no synchronized gradients: call loss.backward() outside no_sync() "
