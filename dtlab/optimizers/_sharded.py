@@ -35,8 +35,9 @@ class ShardedOptimizer(DataParallelOptimizer):
         out = []
         for unit in model.shard_units():
             shard = model.shard_param(unit)
+            param_of = {id(s): q for s, q in zip(unit.slots, unit.params, strict=True)}
             for slot, a, b, off in unit.shard_slots():
-                p = unit.params[unit.slots.index(slot)]
+                p = param_of[id(slot)]
                 if id(p) in indexed:
                     i, gi, name = indexed[id(p)]
                     view = shard[off : off + b - a]
@@ -50,8 +51,9 @@ class ShardedOptimizer(DataParallelOptimizer):
         out = []
         for unit in model.shard_units():
             g = model.shard_grad(unit)
+            param_of = {id(s): q for s, q in zip(unit.slots, unit.params, strict=True)}
             for slot, a, b, off in unit.shard_slots():
-                grads[id(unit.params[unit.slots.index(slot)])] = g[off : off + b - a]
+                grads[id(param_of[id(slot)])] = g[off : off + b - a]
         for e in self._entries:
             out.append(grads[id(e.param)])
         return out

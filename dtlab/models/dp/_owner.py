@@ -12,6 +12,8 @@ shard), so wrapping its module again is refused.
 from __future__ import annotations
 
 import weakref
+from itertools import chain
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -28,6 +30,9 @@ __all__ = ["Ownership", "check_module"]
 
 #: the attribute of a parameter holding the :class:`_Mark` of the wrapper that hooked it
 _MARK = "_dtlab_owner"
+
+#: a parameter's post-accumulate-grad hooks (None or a dict by handle id); torch lists them nowhere public
+_HOOKS = attrgetter("_post_accumulate_grad_hooks")
 
 
 class _Mark:
@@ -127,9 +132,14 @@ class Ownership:
     def _refuse_foreign_hooks(self, what: str, ours: set[int]) -> None:
         """Refuse a post-accumulate-grad hook on a trainable parameter that is not this wrapper's: it
         would see this rank's gradient before the average (or, under the sharding strategies, after the
-        strategy took it into its shards), so "optimizer in backward" would step each rank apart."""
+        strategy took it into its shards), so "optimizer in backward" would step each rank apart.
+
+        It runs at every forward and step: first one pass in C over every hook id on the parameters
+        (none foreign: done), then, only when some hook is not ours, the per-parameter search."""
+        if ours.issuperset(chain.from_iterable(filter(None, map(_HOOKS, self._params.values())))):
+            return
         for key, p in self._params.items():
-            hooks = p._post_accumulate_grad_hooks  # noqa: SLF001 - torch lists them nowhere public
+            hooks = _HOOKS(p)
             if p.requires_grad and hooks and not hooks.keys() <= ours:
                 raise StrategyError(
                     f"{self.who} refuses {what}: parameter {self._names[key]!r} has a hook of yours from "

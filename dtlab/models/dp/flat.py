@@ -130,8 +130,8 @@ class FlatUnit:
         where :class:`~dtlab.models.dp._writes.ParamWrites` finds it."""
         fill = float("nan") if self.dtype.is_floating_point else 0
         self.marker = torch.full((len(self.params),), fill, dtype=self.dtype, device=self.device)
-        for i, (s, p) in enumerate(zip(self.slots, self.params, strict=True)):
-            p.data = self.marker[i].expand(s.shape)
+        for one, s, p in zip(self.marker.unbind(), self.slots, self.params, strict=True):
+            p.data = one.expand(s.shape)
 
     def grads_into(self, flat: torch.Tensor) -> None:
         """Copy (``None`` -> zeros) every parameter's ``.grad`` into ``flat``; padding zeroed. Values
