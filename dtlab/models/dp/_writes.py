@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Collection, Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -86,10 +87,12 @@ class ParamWrites:
         """Before the optimizer or a checkpoint reads the shards: writes into stand-ins refused, the
         shards of the units kept gathered refreshed from their whole values (written or not)."""
         self.check(when)
-        with torch.no_grad():
-            for st in self.at_rest.units:
-                if st.persistent and st.flat is not None and st.work is None:
-                    st.shard.copy_(st.unit.own_shard(st.flat))
+        kept = [st for st in self.at_rest.units if st.persistent and st.flat is not None and st.work is None]
+        if kept:  # one call for all (ZeRO-3 keeps every small parameter gathered: often most units)
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [st.shard for st in kept], [st.unit.own_shard(cast(torch.Tensor, st.flat)) for st in kept]
+                )
 
     def write_back(self, units: list[ShardUnit], persistent: Collection[int]) -> None:
         """Each rank keeps its shard of the gathered ``units``' values; those in ``persistent`` (ids),
