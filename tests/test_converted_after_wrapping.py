@@ -2,7 +2,9 @@
 wrapper or on ``model.module``) is refused with one error naming the parameter, both dtypes and the fix,
 on 2 in-memory ranks under DDP, ZeRO-1/2/3, FSDP, tensor and pipeline parallelism; conversions that
 change nothing train as one process does. (Before: a raw torch error under DDP/ZeRO-1, a wrong result
-under ZeRO-2, the conversion silently ignored under ZeRO-3/FSDP.)"""
+under ZeRO-2, the conversion silently ignored under ZeRO-3/FSDP.) Converted and back
+(``model.module.double().float()``): ZeRO-1/2 refuse the step (the parameters left the buckets their
+optimizer steps: 0.29 relative error before), DDP, ZeRO-3 and FSDP train as one process."""
 
 from __future__ import annotations
 
@@ -89,6 +91,12 @@ def dp_world(backend: CommunicationBackend) -> dict[str, Any]:
         out[f"{name}/module"] = outcome(model, x.double())
         out[f"{name}/module_state"] = outcome(model.full_state_dict)
         out[f"{name}/module_step"] = outcome(opt.step)
+        # converted and back: the parameters are new tensors (of the wrapped dtype)
+        model = wrap(name, make_module(), backend)
+        opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.SGD, lr=LR)
+        model.module.double().float()
+        out[f"{name}/back"] = outcome(train, backend, model, opt)
+        out[f"{name}/back_trained"] = dict(model.state_dict())
     return out
 
 
@@ -126,6 +134,12 @@ def test_converting_a_wrapped_model_is_refused_under_data_parallel_strategies() 
                 got = res[f"{name}/{what}"]
                 said = f"{cls}: model.module converted parameter '0.weight' from torch.float32 on cpu to"
                 assert f"{said} torch.float64 on cpu" in got, (where, what, got)
+            got = res[f"{name}/back"]
+            if name in ("zero1", "zero2"):  # their optimizer steps the bucket the parameter left
+                assert f"{cls}: parameter '3.bias' no longer lives in the bucket" in got, (where, got)
+            else:  # DDP steps the parameters; ZeRO-3/FSDP gather them into place
+                assert got == "ran", (where, got)
+                assert max_rel_error(res[f"{name}/back_trained"], ref) <= 1e-5, where
 
 
 def tp_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -234,6 +234,18 @@ class DDPModel(DataParallelModel):
         return unit.own_shard(self._data[self._bucket(unit)])
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
+        """Before a sharded optimizer's step: refused when a parameter no longer lives in its bucket
+        (that step updates the bucket, not such a parameter)."""
+        bucket = self._data[self._bucket(unit)].untyped_storage().data_ptr()
+        moved = [self._name_of[id(q)] for q in unit.params if q.untyped_storage().data_ptr() != bucket]
+        if moved:
+            raise StrategyError(
+                f"{type(self).__name__}: parameter {moved[0]!r} no longer lives in the bucket laid out when "
+                "the module was wrapped: its .data was replaced after wrapping (model.module.double() then "
+                ".float(), p.data = t, ...). The sharded optimizer steps the bucket, so that parameter would "
+                "silently never change. Write values in place (with torch.no_grad(): p.copy_(t)) or change "
+                "the plain module before wrapping it"
+            )
         grad = self._synced_grads[self._bucket(unit)]  # ZeRO-2: this rank's shard already
         return unit.own_shard(grad) if self.keeps_whole_grads else grad
 
