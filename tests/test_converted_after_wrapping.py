@@ -180,7 +180,7 @@ def test_converting_is_refused_under_tensor_and_pipeline_parallelism() -> None:
             )
             assert res[f"{kind}/dtypes"] == {torch.float32} and res[f"{kind}/step"] == "ran", where
             got = res[f"{kind}/module"]
-            assert "model.module converted parameter" in got and "to torch.bfloat16 on cpu" in got, (
+            assert f"{cls}: model.module converted parameter" in got and "to torch.bfloat16 on cpu" in got, (
                 where,
                 got,
             )

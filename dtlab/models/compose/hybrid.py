@@ -247,12 +247,12 @@ class HybridShardedModel(OptimizerTarget):
         training = self.training and torch.is_grad_enabled()
         check_call(type(self).__name__, args, kwargs, self._pipe is not None, self.logits_split, training)
         self._same_on_tp("inputs", [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()])
+        self._wrapped_as.check()  # named as this class (and before a schedule, where a refusal would hang)
         if self._pipe is None:
             if torch.is_grad_enabled():
                 self._check_partial_fresh()
             return self.dp_strategy(*args, **kwargs)
         (x,) = args
-        self._wrapped_as.check()
         return self._pipe.infer(x)
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
