@@ -35,9 +35,7 @@ class ShardedOptimizer(DataParallelOptimizer):
         out = []
         for unit in model.shard_units():
             shard = model.shard_param(unit)
-            param_of = {id(s): q for s, q in zip(unit.slots, unit.params, strict=True)}
-            for slot, a, b, off in unit.shard_slots():
-                p = param_of[id(slot)]
+            for p, slot, a, b, off in unit.shard_params():
                 if id(p) in indexed:
                     i, gi, name = indexed[id(p)]
                     view = shard[off : off + b - a]
@@ -51,9 +49,8 @@ class ShardedOptimizer(DataParallelOptimizer):
         out = []
         for unit in model.shard_units():
             g = model.shard_grad(unit)
-            param_of = {id(s): q for s, q in zip(unit.slots, unit.params, strict=True)}
-            for slot, a, b, off in unit.shard_slots():
-                grads[id(param_of[id(slot)])] = g[off : off + b - a]
+            for p, _, a, b, off in unit.shard_params():
+                grads[id(p)] = g[off : off + b - a]
         for e in self._entries:
             out.append(grads[id(e.param)])
         return out

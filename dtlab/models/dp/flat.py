@@ -100,6 +100,16 @@ class FlatUnit:
         spans = [(s, max(lo, s.offset), min(hi, s.offset + s.numel)) for s in self.slots]
         return [(s, a - s.offset, b - s.offset, a - lo) for s, a, b in spans if a < b]
 
+    def shard_params(self) -> list[tuple[nn.Parameter, Slot, int, int, int]]:
+        """:meth:`shard_slots` with each slot's parameter first: ``(param, slot, start, end, offset)``."""
+        lo, hi = self.shard_bounds()
+        out = []
+        for p, s in zip(self.params, self.slots, strict=True):
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                out.append((p, s, a - s.offset, b - s.offset, a - lo))
+        return out
+
     def new_flat(self, zero: bool = True) -> torch.Tensor:
         make = torch.zeros if zero else torch.empty
         return make(self.padded, dtype=self.dtype, device=self.device)
