@@ -117,8 +117,18 @@ class WrappedAs:
     def __init__(self, who: str, module: nn.Module) -> None:
         self.who = who
         self._params = [(n, p, p.new_empty(0)) for n, p in module.named_parameters()]
+        self._tensors = [p for _, p, _ in self._params]
+        self._key = self._now()
+
+    def _now(self) -> tuple[list[torch.dtype], list[int], list[bool]]:
+        """Every parameter's dtype, device index (-1: CPU) and whether on meta: read without building a
+        ``torch.device`` per parameter (each ``.device`` read costs about 0.2 us; this runs per forward)."""
+        ps = self._tensors
+        return [p.dtype for p in ps], list(map(torch.Tensor.get_device, ps)), [p.is_meta for p in ps]
 
     def check(self) -> None:
+        if self._now() == self._key:
+            return
         for name, p, was in self._params:
             if p.dtype != was.dtype or p.device != was.device:
                 raise conversion_refused(self.who, name, was, p, "model.module converted")
