@@ -134,6 +134,12 @@ TESTS: dict[str, list[str]] = {
         "tests/test_hybrid_raised_steps.py",
         "tests/test_hybrid_checks.py",
     ],
+    "dtlab/models/tensor/_agree.py": ["tests/test_tensor_same_batch.py"],
+    "dtlab/models/dp/_sync_bn.py": ["tests/test_sync_batchnorm.py"],
+    "dtlab/models/dp/_writes.py": ["tests/test_param_writes.py"],
+    "dtlab/core/broadcast.py": ["tests/test_buffer_broadcast.py", "tests/test_sparse_complex.py"],
+    "dtlab/optimizers/grad_scaler.py": ["tests/test_grad_scaler.py"],
+    "dtlab/models/base.py": ["tests/test_converted_after_wrapping.py", "tests/test_ema_copy.py"],
     "dtlab/trainers/feed.py": [
         "tests/test_accumulation_scale.py::test_trainer_accumulation_keeps_the_gradient_scale",
         "tests/test_trainer_parts.py",
@@ -150,6 +156,23 @@ DESELECT = [
 
 #: equivalent mutants, ``path:operator:the line before`` (lines move) -> why no test can tell them apart
 ACCEPTED: dict[str, str] = {
+    "dtlab/models/tensor/_agree.py:arith:total, weighted = total + sums.sum(), weighted + dots.sum()": (
+        "the plain checksum negated: every rank computes the same function of its bits, so equal batches "
+        "still give equal numbers and a changed word still changes them (the comparison is equality)"
+    ),
+    "dtlab/core/broadcast.py:const:for t, part in zip(same, flat.split([t.numel() for t in same]), strict=True):": (  # noqa: E501 (the line's text, matched exactly)
+        "zip(..., strict=False): the parts are split by the tensors' own sizes, so the lengths always agree"
+    ),
+    "dtlab/models/base.py:const:self._params = [(n, p, p.new_empty(0)) for n, p in module.named_parameters()]": (  # noqa: E501 (the line's text, matched exactly)
+        "new_empty(1): only the probe's dtype and device are read, never its size"
+    ),
+    "dtlab/models/base.py:stmt:probed.add((p.dtype, p.device))": (
+        "a cache of the (dtype, device) pairs already probed: without it each parameter is probed again, "
+        "with the same answer"
+    ),
+    "dtlab/models/base.py:const:was = torch.empty(0, dtype=p.dtype, device=p.device)": (
+        "empty(1): the conversion is probed for the dtype and device it gives, not the size"
+    ),
     "dtlab/backends/_inmemory_ops.py:const:reach = [0, 0]  # the furthest end seen so far of an output span and of an input span": (  # noqa: E501 (the line's text, matched exactly)
         "reach starts at [0, 1] instead of [0, 0]: the reach is compared with memory addresses "
         "(data_ptr), which are never below 1, so the first span is never taken for an overlap either way"

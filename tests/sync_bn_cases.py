@@ -16,7 +16,7 @@ from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3
 
 STEPS, LR = 2, 0.01
 #: per-rank batch sizes of the global batch: unequal, and at 3 ranks one rank with none
-SPLITS = {2: (3, 5), 3: (0, 3, 5)}
+SPLITS = {1: (8,), 2: (3, 5), 3: (0, 3, 5)}  # 1 rank: torch's own batch norm path
 
 
 def make_module(sync: bool) -> nn.Module:

@@ -49,6 +49,23 @@ def touch_child(m: nn.Module) -> None:
             m.fc.weight.fill_(0.25)
 
 
+class Scaled(nn.Module):
+    """A model whose root holds a parameter of its own (visited last by ``apply``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.scale = make_module(), nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.scale
+
+
+def fill_scale(m: nn.Module) -> None:
+    if isinstance(m, Scaled):
+        with torch.no_grad():
+            m.scale.fill_(2.0)
+
+
 def state(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -107,6 +124,9 @@ def writes_through_wrapper(backend: CommunicationBackend) -> dict[str, Any]:
         with model.summon_full_params():
             model.module.apply(partial(init_random, g))
         out[f"{name}/summon/random"] = state(model)
+        model = wrap(name, Scaled(), backend).apply(fill_scale)  # the root's own: the last one written
+        out[f"{name}/root_left"] = gathered_names(model)  # every unit written back and freed
+        out[f"{name}/root"] = state(model)
     return out
 
 
@@ -124,6 +144,8 @@ def test_apply_and_summon_equal_one_process() -> None:
             assert max_rel_error(out[f"{name}/summon/False"], plain()) == 0, name
             g = torch.Generator().manual_seed(7)
             assert max_rel_error(out[f"{name}/summon/random"], plain(partial(init_random, g))) == 0
+            assert torch.equal(out[f"{name}/root"]["scale"], torch.full((3,), 2.0)), name
+            assert out[f"{name}/root_left"] == set(), (name, out[f"{name}/root_left"])
         # ZeRO-3 (every parameter its own unit): fn(m) sees exactly m's own parameters gathered
         assert all(own == now for own, now in out["zero3/gathered"]), out["zero3/gathered"]
         # FSDP (units: Block and each Linear, the root): at most m's unit, never the whole model
