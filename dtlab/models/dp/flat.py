@@ -96,9 +96,7 @@ class FlatUnit:
     def shard_slots(self) -> list[tuple[Slot, int, int, int]]:
         """``(slot, start, end, shard_offset)``: elements ``[start, end)`` of the slot's parameter lie
         at ``shard_offset`` of this rank's shard."""
-        lo, hi = self.shard_bounds()
-        spans = [(s, max(lo, s.offset), min(hi, s.offset + s.numel)) for s in self.slots]
-        return [(s, a - s.offset, b - s.offset, a - lo) for s, a, b in spans if a < b]
+        return [(s, a, b, off) for _, s, a, b, off in self.shard_params()]
 
     def shard_params(self) -> list[tuple[nn.Parameter, Slot, int, int, int]]:
         """:meth:`shard_slots` with each slot's parameter first: ``(param, slot, start, end, offset)``."""
