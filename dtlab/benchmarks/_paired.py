@@ -100,6 +100,20 @@ def add_timing_args(parser: argparse.ArgumentParser, steps: int, rounds: int) ->
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
 
 
+#: the tensor-parallel transformer's shape, as :func:`add_tp_transformer_args` reads it
+TP_TRANSFORMER = ("d_model", "layers", "heads", "batch", "seq")
+
+
+def add_tp_transformer_args(parser: argparse.ArgumentParser) -> None:
+    """``--tp --d-model --layers --heads --batch --seq``: the built-in transformer at tensor parallelism."""
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+
+
 def print_against_torch(title: str, res: dict[str, Any], steps: int) -> None:
     """The table of ``res["times"]`` (per variant) against the variant ``"torch"``, with each variant's
     ``res["first_loss"]``, and dtlab's per-round ratio to torch."""

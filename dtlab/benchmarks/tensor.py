@@ -23,7 +23,14 @@ import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dtlab.benchmarks._paired import add_timing_args, alternate, plain_step, quartiles
+from dtlab.benchmarks._paired import (
+    TP_TRANSFORMER,
+    add_timing_args,
+    add_tp_transformer_args,
+    alternate,
+    plain_step,
+    quartiles,
+)
 
 if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -168,18 +175,10 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--engines", default="gloo,mpi")
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
+    add_tp_transformer_args(parser)
     add_timing_args(parser, steps=5, rounds=6)
     ns = parser.parse_args(argv)
-    args = {
-        k: getattr(ns, k)
-        for k in ("d_model", "layers", "heads", "batch", "seq", "steps", "rounds", "warmup", "threads")
-    }
+    args = {k: getattr(ns, k) for k in (*TP_TRANSFORMER, "steps", "rounds", "warmup", "threads")}
 
     from dtlab.testing import spawn_world
 

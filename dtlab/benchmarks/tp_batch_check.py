@@ -21,7 +21,15 @@ import json
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from dtlab.benchmarks._paired import add_timing_args, alternate, plain_step, quartiles, round_ratios
+from dtlab.benchmarks._paired import (
+    TP_TRANSFORMER,
+    add_timing_args,
+    add_tp_transformer_args,
+    alternate,
+    plain_step,
+    quartiles,
+    round_ratios,
+)
 
 if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
     from dtlab.backends.base import CommunicationBackend
@@ -70,16 +78,11 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--engine", default="gloo", choices=("gloo", "mpi", "inmemory"))
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
+    add_tp_transformer_args(parser)
     parser.add_argument("--images", type=int, default=32, help="images in the image batch checked alone")
     add_timing_args(parser, steps=5, rounds=8)
     ns = parser.parse_args(argv)
-    keys = ("d_model", "layers", "heads", "batch", "seq", "images", "steps", "rounds", "warmup", "threads")
+    keys = (*TP_TRANSFORMER, "images", "steps", "rounds", "warmup", "threads")
     args = {k: getattr(ns, k) for k in keys}
 
     from dtlab.testing import run_world, spawn_world
