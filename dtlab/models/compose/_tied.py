@@ -24,6 +24,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.broadcast import broadcast_from_rank0
 from dtlab.errors import StrategyError
+from dtlab.models.dp._owner import MODULE_HOOKS, TENSOR_HOOKS
 from dtlab.models.dp.zero1 import ZeRO1Model
 from dtlab.models.pipeline._ties import CrossTie, rebind_ties, sum_tied
 from dtlab.models.tensor._auto import declared_plan
@@ -150,29 +151,16 @@ def swap_layers(
     return partial, swapped
 
 
-#: where torch keeps the hooks each registering call adds, on a module and on a tensor
-_MODULE_HOOKS = {
-    "register_forward_pre_hook": "_forward_pre_hooks",
-    "register_forward_hook": "_forward_hooks",
-    "register_full_backward_pre_hook": "_backward_pre_hooks",
-    "register_full_backward_hook": "_backward_hooks",
-}
-_TENSOR_HOOKS = {
-    "register_hook": "_backward_hooks",
-    "register_post_accumulate_grad_hook": "_post_accumulate_grad_hooks",
-}
-
-
 def _check_replaceable(who: str, path: str, layer: nn.Module) -> None:
     """Refuse a layer the plan replaces carrying hooks of the user's (on it or its parameters), which the
     parallel layer would silently drop."""
-    hooks = [  # torch keeps a module's and a tensor's hooks in private dicts only
-        *(f"{call} ({path})" for call, k in _MODULE_HOOKS.items() if getattr(layer, k)),
+    hooks = [
+        *(f"{call} ({path})" for call, read in MODULE_HOOKS.items() if read(layer)),
         *(
             f"{call} ({path}.{n})"
             for n, q in layer.named_parameters(recurse=False)
-            for call, k in _TENSOR_HOOKS.items()
-            if getattr(q, k, None)
+            for call, read in TENSOR_HOOKS.items()
+            if read(q)
         ),
     ]
     if hooks:

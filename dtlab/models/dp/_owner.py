@@ -12,9 +12,10 @@ shard), so wrapping its module again is refused.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from itertools import chain
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -26,13 +27,25 @@ from dtlab.models.dp.flat import check_real
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Ownership", "check_module"]
+__all__ = ["MODULE_HOOKS", "TENSOR_HOOKS", "Ownership", "check_module"]
 
 #: the attribute of a parameter holding the :class:`_Mark` of the wrapper that hooked it
 _MARK = "_dtlab_owner"
 
-#: a parameter's post-accumulate-grad hooks (None or a dict by handle id); torch lists them nowhere public
-_HOOKS = attrgetter("_post_accumulate_grad_hooks")
+#: where torch keeps the hooks: each registering call -> a reader of the hooks it added to a module or
+#: a tensor (a dict by handle id; a tensor's is None before its first), private attributes torch lists
+#: nowhere public; every check of a user's hooks reads them through these
+MODULE_HOOKS: dict[str, Callable[[Any], dict[int, Any]]] = {
+    "register_forward_pre_hook": attrgetter("_forward_pre_hooks"),
+    "register_forward_hook": attrgetter("_forward_hooks"),
+    "register_full_backward_pre_hook": attrgetter("_backward_pre_hooks"),
+    "register_full_backward_hook": attrgetter("_backward_hooks"),
+}
+TENSOR_HOOKS: dict[str, Callable[[Any], dict[int, Any] | None]] = {
+    "register_hook": attrgetter("_backward_hooks"),
+    "register_post_accumulate_grad_hook": attrgetter("_post_accumulate_grad_hooks"),
+}
+_HOOKS = TENSOR_HOOKS["register_post_accumulate_grad_hook"]
 
 
 class _Mark:

@@ -26,6 +26,7 @@ from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import StrategyError
 from dtlab.models.base import copy_refused
 from dtlab.models.dp._grad_guard import tensor_bytes
+from dtlab.models.dp._owner import MODULE_HOOKS
 from dtlab.models.dp.flat import FlatUnit
 
 __all__ = ["GroupHooks", "SavedRef", "ShardUnit", "UnitGatherer", "UnitPlan"]
@@ -272,7 +273,7 @@ class GroupHooks:
     def _pre_forward(self, gi: int, module: nn.Module, _args: Any) -> None:
         # freed after the user's forward hooks, those registered after wrapping too (torch runs them in
         # the order of this dict)
-        hooks, free = module._forward_hooks, self._handles[2 * gi + 1].id  # noqa: SLF001
+        hooks, free = MODULE_HOOKS["register_forward_hook"](module), self._handles[2 * gi + 1].id
         hooks[free] = hooks.pop(free)
         if not self.order_done and gi not in self.order:
             self.order.append(gi)
