@@ -251,11 +251,11 @@ class ShardedModel(DataParallelModel):
 
     # ------------------------------------------------------------------ composition
     @contextlib.contextmanager
-    def keep_gathered(self) -> Iterator[None]:
+    def keep_gathered(self, when: str = "gathering the parameters") -> Iterator[None]:
         """Every unit gathered once for the block and kept for all its forwards and backwards (a
         pipeline step: one all-gather per unit instead of two per micro-batch); freed after it unless
         gathered before it."""
-        self._writes.check("gathering the parameters")
+        self._writes.check(when)
         self._wrapped_as.check()  # a gather would undo model.module.double() silently
         held = [st for st in self._units if not st.persistent]
         was_freed = [st for st in held if st.flat is None]
@@ -362,10 +362,6 @@ class ShardedModel(DataParallelModel):
                 "shards with model.load_sharded_state_dict(shards) or dtlab.checkpoint (any world size, "
                 "any data-parallel strategy)"
             )
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        self._writes.check("full_state_dict()")
-        return super().full_state_dict()
 
     def whole_state(self) -> dict[str, torch.Tensor]:
         """Buffers and frozen parameters (kept whole on every rank), keyed like ``state_dict()``."""

@@ -219,8 +219,9 @@ class DataParallelModel(OptimizerTarget):
         self._after_synchronized()
 
     @contextlib.contextmanager
-    def keep_gathered(self) -> Iterator[None]:
-        """Inside the block, parameters sharded at rest stay gathered after their first use."""
+    def keep_gathered(self, when: str = "gathering the parameters") -> Iterator[None]:  # noqa: ARG002 - ZeRO-3/FSDP's
+        """Inside the block, parameters sharded at rest stay gathered after their first use (``when``: the
+        use named if a write into a parked parameter is found first)."""
         yield
 
     @contextlib.contextmanager
@@ -362,7 +363,7 @@ class DataParallelModel(OptimizerTarget):
 
     # ------------------------------------------------------------------ state and memory
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        with self.keep_gathered():
+        with self.keep_gathered("full_state_dict()"):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def sharded_state_dict(self) -> ShardedState:
