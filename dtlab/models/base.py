@@ -112,13 +112,23 @@ def conversion_refused(who: str, name: str, was: torch.Tensor, now: torch.Tensor
 class WrappedAs:
     """Each parameter of ``module`` with an empty tensor of its dtype and device when the wrapper ``who``
     laid out its buffers and shards: :meth:`check` refuses a later ``model.module.double()`` / ``.to()``
-    (the wrapper's own conversions are refused before any change, by :meth:`ModelStrategy._apply`)."""
+    (the wrapper's own conversions are refused before any change, by :meth:`ModelStrategy._apply`).
+    ``with wrapped_as:`` checks once for the block and skips the checks inside it (a composition's
+    forward or pipelined step, around its data-parallel strategy's forward of each stage)."""
 
     def __init__(self, who: str, module: nn.Module) -> None:
         self.who = who
         self._params = [(n, p, p.new_empty(0)) for n, p in module.named_parameters()]
         self._tensors = [p for _, p, _ in self._params]
         self._key = self._now()
+        self._held = 0
+
+    def __enter__(self) -> None:
+        self.check()
+        self._held += 1
+
+    def __exit__(self, *_: object) -> None:
+        self._held -= 1
 
     def _now(self) -> tuple[list[torch.dtype], list[int], list[bool]]:
         """Every parameter's dtype, device index (-1: CPU) and whether on meta: read without building a
@@ -127,7 +137,7 @@ class WrappedAs:
         return [p.dtype for p in ps], list(map(torch.Tensor.get_device, ps)), [p.is_meta for p in ps]
 
     def check(self) -> None:
-        if self._now() == self._key:
+        if self._held or self._now() == self._key:
             return
         for name, p, was in self._params:
             if p.dtype != was.dtype or p.device != was.device:
@@ -178,6 +188,12 @@ class ModelStrategy(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def _check_as_outer(self, inner: ModelStrategy) -> None:
+        """Share the dtype/device check of ``inner``, which wraps the same module (a composition's
+        data-parallel strategy), named as this class: one snapshot, one check per forward."""
+        self._wrapped_as = inner._wrapped_as
+        self._wrapped_as.who = type(self).__name__
 
     #: whether ``module`` holds the whole parameters and no hook of the strategy (DDP, ZeRO-1/2): a
     #: copy of it is a plain model

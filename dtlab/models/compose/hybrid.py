@@ -157,6 +157,7 @@ class HybridShardedModel(OptimizerTarget):
         dp = dp_class(root, mesh["dp"], world=mesh.backend, **options)  # 3. data parallelism
         super().__init__(root, mesh["dp"], world=mesh.backend)
         self.__dict__["_dp"] = dp  # used, not registered: its module is this model's module
+        self._check_as_outer(dp)  # model.module converted: refused once per forward, named as this class
         self.data_parallel = data_parallel
         self.activation_checkpointing = activation_checkpointing
         self.schedule = layout.schedule
@@ -247,13 +248,13 @@ class HybridShardedModel(OptimizerTarget):
         training = self.training and torch.is_grad_enabled()
         check_call(type(self).__name__, args, kwargs, self._pipe is not None, self.logits_split, training)
         self._same_on_tp("inputs", [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()])
-        self._wrapped_as.check()  # named as this class (and before a schedule, where a refusal would hang)
-        if self._pipe is None:
-            if torch.is_grad_enabled():
-                self._check_partial_fresh()
-            return self.dp_strategy(*args, **kwargs)
-        (x,) = args
-        return self._pipe.infer(x)
+        with self._wrapped_as:  # checked here only (before a schedule, where a refusal would hang)
+            if self._pipe is None:
+                if torch.is_grad_enabled():
+                    self._check_partial_fresh()
+                return self.dp_strategy(*args, **kwargs)
+            (x,) = args
+            return self._pipe.infer(x)
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """One step on ``(inputs, targets)`` (this dp rank's share); with a pipeline, its schedule (each
@@ -264,10 +265,10 @@ class HybridShardedModel(OptimizerTarget):
             if self._pipe is None:
                 return super().train_step(batch, loss_fn)
             inputs, targets = batch
-            self._wrapped_as.check()  # on every rank before the schedule: a refusal in it would hang
-            self._pipe.check_batch(type(self).__name__, inputs, targets)
-            self._check_partial_fresh()
-            return self._pipe.step(inputs, targets, loss_fn)
+            with self._wrapped_as:  # checked on every rank before the schedule: a refusal in it would hang
+                self._pipe.check_batch(type(self).__name__, inputs, targets)
+                self._check_partial_fresh()
+                return self._pipe.step(inputs, targets, loss_fn)
 
     def _sum_partial(self) -> None:
         """Sequence parallelism: replicated parameters used on a chunk of the sequence have partial
