@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
-from dtlab.core.plan import RunPlan
+from dtlab.core.plan import RunPlan, TpBatchCheck
 from dtlab.errors import ArgumentError, ConfigError, StrategyError
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ CONFIG_NAMES: Mapping[str, str] = MappingProxyType(
         "micro_batches": "parallel.micro_batches",
         "stages_per_rank": "parallel.stages_per_rank",
         "split_points": "parallel.split_points",
+        "tp_batch_check": "parallel.tp_batch_check",
         "world": "backend.world_size or the launcher",
         "global_batch": "data.global_batch_size",
         "accumulation_steps": "data.accumulation_steps",
@@ -88,6 +89,7 @@ def run_plan(config: PlanSections, world_size: int | None = None) -> RunPlan:
             stages_per_rank=par.stages_per_rank,
             split_points=None if par.split_points is None else tuple(par.split_points),
             activation_checkpointing=s.activation_checkpointing,
+            tp_batch_check=TpBatchCheck(par.tp_batch_check, par.tp_batch_check_first),
             names=CONFIG_NAMES,
         )
         if world_size is None:

@@ -3,13 +3,19 @@
 apart between tp ranks (full_state_dict summed to 14.407 on rank 0, 14.265 on rank 1 after one SGD
 step at tp=2), no error. Now forward, the loss and train_step refuse inputs that differ over the tp
 group (values, order, shape, dtype, names) with one StrategyError on every rank of the group, naming
-the ranks and the fix; the same batch on every tp rank still trains as one process does."""
+the ranks and the fix; the same batch on every tp rank still trains as one process does.
+
+How often is the model's tp_batch_check (TpBatchCheck): "always" (default), "first" (the first N calls
+of each of forward, the loss, train_step) or "never" (no collective); counted here as the tp group's
+all-reduces per step, the config's choice reaching the model through the run plan."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hybrid_cases import hybrid_model
@@ -18,10 +24,12 @@ from test_tensor_helpers import batch
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import StrategyError
-from dtlab.models import TensorParallelModel
+from dtlab.config import from_dict
+from dtlab.errors import ArgumentError, ConfigError, StrategyError
+from dtlab.models import HybridShardedModel, TensorParallelModel, TpBatchCheck
 from dtlab.models.tensor._agree import check_same_on_tp
 from dtlab.optimizers import DDPOptimizer
+from dtlab.parallel_config import run_plan
 from dtlab.testing import run_world
 
 FIX = 'num_replicas=mesh.size("dp"), rank=mesh.coordinate("dp")'
@@ -43,6 +51,57 @@ def one_process_step(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor
     return net.state_dict()
 
 
+def policy_world(backend: CommunicationBackend, mesh: Mesh) -> dict[str, Any]:
+    """The tp group's collectives per step under each tp_batch_check; batches sharded by the global
+    rank (``mine``: differs between the tp ranks) where no check is due."""
+    x, y = data(0)
+    r, group = backend.rank, mesh["tp"]
+    same, mine = (x[:4], y[:4]), (x.chunk(2)[r], y.chunk(2)[r])
+
+    def steps(
+        model: HybridShardedModel, *batches: tuple[torch.Tensor, torch.Tensor], fused: bool = False
+    ) -> list[Any]:
+        opt, counts = DDPOptimizer(model, torch.optim.SGD, lr=LR), []
+        for bx, by in batches:
+            before = group.stats.calls
+            opt.zero_grad()
+            try:
+                if fused:
+                    model.train_step((bx, by), model.cross_entropy)  # backward inside
+                else:
+                    model.cross_entropy(model(bx), by).backward()
+            except StrategyError as e:
+                counts.append(str(e))
+                continue
+            opt.step()
+            counts.append(group.stats.calls - before)
+        return counts
+
+    def tp(choice: TpBatchCheck | str) -> TensorParallelModel:
+        return TensorParallelModel(build(), mesh, plan=PLAN, tp_batch_check=choice)  # type: ignore[arg-type]
+
+    config = from_dict({"parallel": {"tp": 2, "tp_batch_check": "never"}})
+    plan = replace(run_plan(config, backend.world_size), tensor_plan=PLAN)
+    before = backend.stats.calls
+    try:
+        tp("sometimes")
+        bad = "accepted"
+    except ArgumentError as e:
+        bad = str(e)
+    return {
+        "bad": (bad, backend.stats.calls - before),
+        "mixed": refusal(lambda: tp("never" if mesh.coordinate("tp") else "always")),
+        "always": steps(tp("always"), same, same),
+        "never": steps(tp("never"), mine, mine),
+        "first": steps(tp("first"), same, same, same, mine),
+        "first, differing": steps(tp("first"), mine, same),
+        "always, fused": steps(tp("always"), same, same, fused=True),
+        "never, fused": steps(tp("never"), mine, mine, fused=True),
+        "first 2, fused": steps(tp(TpBatchCheck("first", first=2)), same, same, same, mine, fused=True),
+        "config": (plan.tp_batch_check, steps(HybridShardedModel.from_plan(build(), mesh, plan), mine, mine)),
+    }
+
+
 def tp_world(backend: CommunicationBackend, shape: dict[str, int]) -> dict[str, Any]:
     mesh = Mesh(backend, shape)
     model = TensorParallelModel(build(), mesh, plan=PLAN)
@@ -61,6 +120,7 @@ def tp_world(backend: CommunicationBackend, shape: dict[str, int]) -> dict[str, 
             "same_view": refusal(
                 lambda: model(x.t().contiguous().t() if tp else x)
             ),  # same bits, other strides
+            "policies": policy_world(backend, mesh),
         }
     opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
     xs, ys = x.chunk(dp)[c], y.chunk(dp)[c]  # the fix: sharded by the dp coordinate
@@ -103,6 +163,50 @@ def test_tp_ranks_given_other_batches_are_refused_on_every_rank() -> None:
             assert (
                 "different batches; tp rank 1 (world rank 1): targets has other values" in got["step_targets"]
             )
+            check_policies(got["policies"])
+
+
+def check_policies(got: dict[str, Any]) -> None:
+    """Collectives over tp per step: the model's own (n: forward and loss, f: train_step) plus one
+    all-reduce per check; "never" trains on batches that differ, "first" checks the first batch(es) only."""
+    bad, calls = got["bad"]
+    assert "TensorParallelModel(tp_batch_check='sometimes'): give one of 'always', 'first', 'never'" in bad
+    assert calls == 0  # refused before any communication
+    assert "built with different tp_batch_check policies" in got["mixed"]
+    assert "tp rank 1 (world rank 1): TpBatchCheck(when='never', first=1)" in got["mixed"]
+    n, f = got["never"][0], got["never, fused"][0]
+    assert got["never"] == [n, n] and got["never, fused"] == [f, f]  # trained on differing batches
+    assert got["always"] == [n + 2, n + 2]  # the inputs' check and the targets'
+    assert got["first"] == [n + 2, n, n, n]  # the last batch differs: no longer checked
+    refused, after = got["first, differing"]
+    assert "given different inputs" in refused and FIX in refused
+    assert after == n + 1  # the forward is no longer checked; the loss's first targets are
+    assert got["always, fused"] == [f + 1, f + 1]  # one check of the whole batch
+    assert got["first 2, fused"] == [f + 1, f + 1, f, f]
+    assert got["config"] == (TpBatchCheck("never"), [n, n])
+
+
+def test_tp_batch_check_policies_are_checked_before_use() -> None:
+    assert TpBatchCheck() == TpBatchCheck("always", 1)
+    for kwargs, says in [
+        ({"when": "sometimes"}, "TpBatchCheck(when='sometimes'): choose one of 'always', 'first', 'never'"),
+        ({"when": "first", "first": 0}, "TpBatchCheck.first must be an integer >= 1, got 0"),
+        ({"when": "never", "first": 3}, "first counts the calls checked with when='first'"),
+    ]:
+        with pytest.raises(ArgumentError, match=says.replace("(", r"\(").replace(")", r"\)")):
+            TpBatchCheck(**kwargs)
+    config = from_dict({"parallel": {"tp": 2, "tp_batch_check": "first", "tp_batch_check_first": 3}})
+    assert run_plan(config).tp_batch_check == TpBatchCheck("first", first=3)
+    assert run_plan(from_dict({})).tp_batch_check == TpBatchCheck()
+    for parallel, says in [
+        ({"tp_batch_check": "sometimes"}, "parallel.tp_batch_check='sometimes' is not allowed: Input should "
+         "be 'always', 'first' or 'never'"),
+        ({"tp_batch_check_first": 2}, "parallel.tp_batch_check_first=2 counts the batches checked with "
+         "parallel.tp_batch_check=first, got parallel.tp_batch_check=always"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as info:
+            from_dict({"parallel": parallel})
+        assert says in str(info.value)
 
 
 def pipeline_world(backend: CommunicationBackend) -> dict[str, str]:

@@ -1,17 +1,18 @@
 """What the tensor-parallel batch check costs: every rank of a tp group checks that it was given the
 same batch (one all-reduce of a 3-integer fingerprint per forward, loss or train_step; the fingerprint
-reads every input bit once). Step time with and without it, in the same processes, on the built-in
-transformer at tp=2 (Gloo by default):
+reads every input bit once). Step time with ``tp_batch_check="always"`` (the default) and ``"never"``,
+in the same processes, on the built-in transformer at tp=2 (Gloo by default):
 
     .venv/bin/python -m dtlab.benchmarks.tp_batch_check
     .venv/bin/python -m dtlab.benchmarks.tp_batch_check --d-model 512 --batch 8 --seq 256 --engine mpi
 
 Variants, alternating in blocks (``dtlab.benchmarks._paired``; each step timed as the slowest rank's):
-``checked``: ``model.cross_entropy(model(x), y)`` (two checks: the inputs, the targets), backward,
-AdamW step; ``unchecked``: the same model and optimizer reached past the check
-(``vocab_parallel_cross_entropy(model.dp_strategy(x), y, mesh["tp"])``); ``check``: one check of
-``(x, y)`` alone; ``check, images``: one check of an image batch (``--images`` x 3 x 224 x 224 fp32),
-to show the cost of reading large inputs.
+``always``: ``model.cross_entropy(model(x), y)`` (two checks: the inputs, the targets), backward,
+AdamW step; ``never``: the same on a second model, equal to the first, built with
+``tp_batch_check="never"`` (its own optimizer; ``"first"`` is this after its first step);
+``check``: one check of ``(x, y)`` alone; ``check, images``: one check of an image batch
+(``--images`` x 3 x 224 x 224 fp32), to show the cost of reading large inputs. Also the tp group's
+collectives (calls, bytes) in the first two steps under each choice.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dtlab.benchmarks._paired import (
@@ -33,15 +35,20 @@ from dtlab.benchmarks._paired import (
 
 if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
     from dtlab.backends.base import CommunicationBackend
+    from dtlab.core.plan import TpBatchCheckWhen
+
+CHOICES: tuple[TpBatchCheckWhen, ...] = ("always", "first", "never")  # each a model's tp_batch_check
 
 
 def bench_world(backend: CommunicationBackend, args: dict[str, Any]) -> dict[str, Any]:
-    """One rank: the variants in alternating blocks; their step times."""
+    """One rank: the variants in alternating blocks, their step times; the tp group's collectives in
+    the first two steps of a model built with each ``tp_batch_check``."""
+    import copy
+
     import torch
 
     from dtlab.backends import Mesh
     from dtlab.models import TensorParallelModel, transformer_plan
-    from dtlab.models.tensor import vocab_parallel_cross_entropy
     from dtlab.models.tensor._agree import check_same_on_tp
     from dtlab.optimizers import DDPOptimizer
     from dtlab.zoo import TransformerLM
@@ -54,8 +61,8 @@ def bench_world(backend: CommunicationBackend, args: dict[str, Any]) -> dict[str
     with torch.no_grad():
         for p in net.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    model = TensorParallelModel(net, mesh, plan=transformer_plan())
-    opt = DDPOptimizer(model, torch.optim.AdamW, lr=1e-4)
+    plan = transformer_plan()
+    models = {c: TensorParallelModel(copy.deepcopy(net), mesh, plan=plan, tp_batch_check=c) for c in CHOICES}
     shape = (args["batch"], args["seq"])
     x, y = torch.randint(0, 256, shape, generator=gen), torch.randint(0, 256, shape, generator=gen)
     images = torch.randn(args["images"], 3, 224, 224, generator=gen)
@@ -64,13 +71,24 @@ def bench_world(backend: CommunicationBackend, args: dict[str, Any]) -> dict[str
         check_same_on_tp("bench", "inputs", named, tp, ranks)
         return 0.0
 
+    def step_of(m: TensorParallelModel) -> Callable[[], float]:
+        return plain_step(lambda: m.cross_entropy(m(x), y), DDPOptimizer(m, torch.optim.AdamW, lr=1e-4))
+
+    steps = {c: step_of(m) for c, m in models.items()}
+    collectives: dict[str, list[tuple[int, int]]] = {c: [] for c in CHOICES}
+    for c, step in steps.items():  # the tp group's collectives in each of the first two steps
+        for _ in range(2):
+            calls, sent = tp.stats.calls, tp.stats.bytes_sent
+            step()
+            collectives[c].append((tp.stats.calls - calls, tp.stats.bytes_sent - sent))
     variants = {
-        "checked": plain_step(lambda: model.cross_entropy(model(x), y), opt),
-        "unchecked": plain_step(lambda: vocab_parallel_cross_entropy(model.dp_strategy(x), y, tp), opt),
+        "always": steps["always"],
+        "never": steps["never"],
         "check": lambda: check([("x", x), ("y", y)]),
         "check, images": lambda: check([("images", images)]),
     }
-    return {"times": alternate(backend, variants, args["rounds"], args["steps"], args["warmup"])}
+    times = alternate(backend, variants, args["rounds"], args["steps"], args["warmup"])
+    return {"times": times, "collectives": collectives}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,22 +114,26 @@ def main(argv: list[str] | None = None) -> None:
     times: dict[str, list[float]] = res["times"]
     med = {n: statistics.median(ts) for n, ts in times.items()}
     print(f"\n{ns.engine}, tp={ns.tp}; " + ", ".join(f"{k}={v}" for k, v in args.items()) + "\n")
-    print("| variant | median (IQR) | against an unchecked step (medians) |")
+    print('| variant | median (IQR) | against a step with tp_batch_check="never" (medians) |')
     print("|---|---:|---:|")
     for name, ts in times.items():
         lo, hi = quartiles(ts)
-        vs = {"checked": f"{med[name] / med['unchecked']:.3f}x", "unchecked": "1"}.get(
-            name, f"{100 * med[name] / med['unchecked']:.2f}% of it"
+        vs = {"always": f"{med[name] / med['never']:.3f}x", "never": "1"}.get(
+            name, f"{100 * med[name] / med['never']:.2f}% of it"
         )
         print(f"| {name} | {1e3 * med[name]:.2f} ms ({1e3 * lo:.2f}-{1e3 * hi:.2f}) | {vs} |")
-    paired = round_ratios(times["checked"], times["unchecked"], args["steps"])
+    print("\n| tp_batch_check | collectives over tp, step 1 (calls, bytes sent) | step 2 |\n|---|---:|---:|")
+    for choice, (one, two) in res["collectives"].items():
+        print(f"| {choice} | {one[0]}, {one[1]:,} | {two[0]}, {two[1]:,} |")
+    paired = round_ratios(times["always"], times["never"], args["steps"])
     lo, hi = quartiles(paired)
     print(
-        f"\nchecked / unchecked per round (block medians): median {statistics.median(paired):.3f} "
+        f"\nalways / never per round (block medians): median {statistics.median(paired):.3f} "
         f"(IQR {lo:.3f}-{hi:.3f}) over {len(paired)} rounds"
     )
     if ns.json is not None:
-        ns.json.write_text(json.dumps({"args": vars(ns) | {"json": str(ns.json)}, "times": times}, indent=1))
+        out = {"args": vars(ns) | {"json": str(ns.json)}, "times": times, "collectives": res["collectives"]}
+        ns.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

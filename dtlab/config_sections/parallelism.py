@@ -129,6 +129,23 @@ class ParallelConfig(Section):
     #: Face's ``_tp_plan``, dtlab's GPT-2 recipe), a ``.yaml``/``.toml`` file, or a mapping of module
     #: pattern to style, e.g. ``{"layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise"}``
     plan: str | dict[str, str] = "auto"
+    #: how often every tp rank's batch is compared with the others' (one small all-reduce each, tp > 1):
+    #: ``always`` (every batch), ``first`` (the first ``tp_batch_check_first`` training batches, micro-
+    #: batches with accumulation, and as many evaluation batches: catches data sharded by the global
+    #: rank), ``never`` (no check, no collective: a data pipeline known to be right)
+    tp_batch_check: Literal["always", "first", "never"] = "always"
+    #: with ``tp_batch_check=first``: how many batches are checked
+    tp_batch_check_first: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _first_needs_first(self) -> ParallelConfig:
+        if self.tp_batch_check_first != 1 and self.tp_batch_check != "first":
+            raise ValueError(
+                f"parallel.tp_batch_check_first={self.tp_batch_check_first} counts the batches checked with "
+                f"parallel.tp_batch_check=first, got parallel.tp_batch_check={self.tp_batch_check}; set "
+                "tp_batch_check=first or leave tp_batch_check_first at 1"
+            )
+        return self
 
     @field_validator("plan")
     @classmethod

@@ -22,11 +22,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Literal, cast, get_args
 
 from dtlab.core.pairs import DATA_PARALLEL, SCHEDULES
 from dtlab.errors import ArgumentError
 
-__all__ = ["AUTO", "RunPlan", "TensorPlanSpec", "check_schedule_args"]
+__all__ = ["AUTO", "TP_BATCH_CHECKS", "RunPlan", "TensorPlanSpec", "TpBatchCheck", "check_schedule_args"]
 
 #: the tensor plan the model declares (its ``tp_plan()``, Hugging Face's ``_tp_plan``)
 AUTO = "auto"
@@ -38,6 +39,56 @@ def _positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ArgumentError(f"{name} must be an integer >= 1, got {value!r}")
     return value
+
+
+#: how often a tensor-parallel model checks its tp group's batches (:class:`TpBatchCheck`)
+TpBatchCheckWhen = Literal["always", "first", "never"]
+TP_BATCH_CHECKS: tuple[str, ...] = get_args(TpBatchCheckWhen)
+
+
+@dataclass(frozen=True)
+class TpBatchCheck:
+    """How often a model with tensor parallelism checks that every rank of its tp group was given the
+    same batch (docs/strategies.md, "Every tp rank gets the same batch"; one small all-reduce each).
+
+    ``when``: ``"always"`` (default): every forward, loss (``model.cross_entropy``) and ``train_step``;
+    ``"first"``: the first ``first`` calls of each of the three (``first=1``: the first step, whichever
+    way the loop is written; data sharded by the global rank differs from the first batch on);
+    ``"never"``: no check and no collective (Megatron-LM's and torchtitan's behaviour), for a data
+    pipeline known to be right. Decided from these two values and the calls alone, never from the
+    data: ranks given the same policy check the same calls (the check is a collective; a rank that
+    skipped it while another waited would hang), and a model compares its ranks' policies once, when
+    it is built. Where a policy is taken, its ``when`` alone is too (``tp_batch_check="never"``).
+    """
+
+    when: TpBatchCheckWhen = "always"
+    #: with ``when="first"``: how many calls of each kind are checked
+    first: int = 1
+
+    def __post_init__(self) -> None:
+        if self.when not in TP_BATCH_CHECKS:
+            raise ArgumentError(
+                f"TpBatchCheck(when={self.when!r}): choose one of {', '.join(map(repr, TP_BATCH_CHECKS))}"
+            )
+        _positive_int(self.first, "TpBatchCheck.first")
+        if self.first != 1 and self.when != "first":
+            raise ArgumentError(
+                f"TpBatchCheck(when={self.when!r}, first={self.first}): first counts the calls checked "
+                "with when='first'; use when='first' or leave first at 1"
+            )
+
+    @classmethod
+    def of(cls, value: object, who: str) -> TpBatchCheck:
+        """``value`` as a policy: a :class:`TpBatchCheck` or one of :data:`TP_BATCH_CHECKS` (``"first"``:
+        ``first=1``); anything else raises, naming ``who``'s argument and the choices."""
+        if isinstance(value, TpBatchCheck):
+            return value
+        if isinstance(value, str) and value in TP_BATCH_CHECKS:
+            return cls(cast(TpBatchCheckWhen, value))
+        raise ArgumentError(
+            f"{who}(tp_batch_check={value!r}): give one of {', '.join(map(repr, TP_BATCH_CHECKS))} or a "
+            "TpBatchCheck(when, first=N)"
+        )
 
 
 def check_schedule_args(name: str, p: int, m: int, v: int = 1) -> None:
@@ -82,7 +133,8 @@ class RunPlan:
     tensor-parallel ranks (tp innermost), ``data_parallel`` over the dp axis (a name of
     :data:`dtlab.core.pairs.DATA_PARALLEL`), the tensor plan (``"auto"``: the one the model declares),
     a pipeline ``schedule`` over ``micro_batches`` (default ``pp``) with ``stages_per_rank`` chunks per
-    rank, cut at ``split_points`` (block names; ``None``: balanced by parameters). Pipeline settings
+    rank, cut at ``split_points`` (block names; ``None``: balanced by parameters), and how often the
+    tp ranks' batches are compared (``tp_batch_check``, a :class:`TpBatchCheck`). Pipeline settings
     need ``pp > 1``; ``sequence_parallel`` needs ``tp > 1``. ``dp=None``: what the world leaves
     (:meth:`resolve`). Invalid combinations raise :class:`~dtlab.errors.ArgumentError` at construction.
     ``names`` (not compared): how messages spell each field (the config passes ``parallel.tp``, ...).
@@ -99,11 +151,13 @@ class RunPlan:
     stages_per_rank: int = 1
     split_points: tuple[str, ...] | None = None
     activation_checkpointing: bool = False
+    tp_batch_check: TpBatchCheck = TpBatchCheck()
     names: Mapping[str, str] = field(default_factory=lambda: PYTHON_NAMES, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.split_points is not None and not isinstance(self.split_points, tuple):
             object.__setattr__(self, "split_points", tuple(self.split_points))
+        object.__setattr__(self, "tp_batch_check", TpBatchCheck.of(self.tp_batch_check, "RunPlan"))
         self._check_fields()
         if self.pp == 1:
             self._check_no_pipeline()

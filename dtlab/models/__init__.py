@@ -4,6 +4,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from dtlab.core import pairs
+from dtlab.core.plan import TpBatchCheck
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.shard_index import ShardIndex
 from dtlab.core.state import ShardedState
@@ -54,6 +55,7 @@ __all__ = [
     "ShardedState",
     "SizePolicy",
     "TensorParallelModel",
+    "TpBatchCheck",
     "VocabParallel",
     "VocabParallelEmbedding",
     "WrapPolicy",

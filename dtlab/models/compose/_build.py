@@ -15,6 +15,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import Mesh, MeshLike
+from dtlab.core import pairs
 from dtlab.core.placement import Placement, placement_of
 from dtlab.core.plan import check_schedule_args
 from dtlab.core.shard_index import full_shape_of
@@ -42,6 +43,7 @@ __all__ = [
     "PipelineArgs",
     "StageRoot",
     "as_mesh",
+    "data_parallel_choice",
     "lay_out",
 ]
 
@@ -54,6 +56,23 @@ DATA_PARALLEL_CLASSES: dict[str, type[DataParallelModel]] = {
     "fsdp": FSDPModel,
 }
 AXES = ("pp", "dp", "tp")
+
+
+def data_parallel_choice(
+    who: str, data_parallel: object, kwargs: Mapping[str, Any]
+) -> tuple[type[DataParallelModel], dict[str, Any], Any]:
+    """The strategy class ``data_parallel`` names (anything else raises, naming the choices), its
+    options as its constructor takes them (ZeRO-1 all-reduces unless told) and the ``gradient_sync``
+    chosen (ZeRO-1; ``None``: the optimizer's choice)."""
+    dp_class = DATA_PARALLEL_CLASSES.get(data_parallel) if isinstance(data_parallel, str) else None
+    if dp_class is None:
+        choices = ", ".join(pairs.DATA_PARALLEL)
+        raise StrategyError(f"{who}(data_parallel={data_parallel!r}): choose one of {choices}")
+    options = dict(kwargs)
+    chosen_sync = options.get("gradient_sync") if data_parallel == "zero1" else None
+    if data_parallel == "zero1":
+        options["gradient_sync"] = chosen_sync or "all_reduce"
+    return dp_class, options, chosen_sync
 
 
 def as_mesh(

@@ -81,6 +81,7 @@ def plan_arguments(plan: RunPlan) -> dict[str, Any]:
         "tensor_plan": tensor_plan_of(plan) if plan.tp > 1 else None,
         # without a pipeline the composition refuses it, naming the fix (checkpoint blocks first)
         "activation_checkpointing": plan.activation_checkpointing,
+        "tp_batch_check": plan.tp_batch_check,
     }
     if plan.pp > 1:
         args.update(

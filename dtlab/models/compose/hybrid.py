@@ -23,13 +23,13 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import MeshLike
 from dtlab.core import pairs
 from dtlab.core.placement import Placement, Shard, counts_in_norm, placement_of
-from dtlab.core.plan import RunPlan
+from dtlab.core.plan import RunPlan, TpBatchCheck, TpBatchCheckWhen
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
-from dtlab.models.compose._build import AXES, DATA_PARALLEL_CLASSES, PipelineArgs, as_mesh, lay_out
+from dtlab.models.compose._build import AXES, PipelineArgs, as_mesh, data_parallel_choice, lay_out
 from dtlab.models.compose._comm import gather_whole_state, grads_of
 from dtlab.models.compose._habits import PartialState, check_call, missing_attribute
 from dtlab.models.compose._meta_walk import MetaWalk
@@ -96,6 +96,9 @@ class HybridShardedModel(OptimizerTarget):
             :mod:`dtlab.models.compose._meta_walk`).
         param_init_fn: ``fn(module)`` filling a module's own parameters and meta buffers in place,
             instead of its ``reset_parameters()`` (a Hugging Face model's ``_init_weights`` by default).
+        tp_batch_check: how often the tp ranks' batches are compared (one small all-reduce each):
+            ``"always"`` (default), ``"first"`` (the first step), ``"never"``, or a
+            :class:`~dtlab.core.plan.TpBatchCheck` (``TpBatchCheck("first", first=N)``).
         **kwargs: the data-parallel strategy's own options (``bucket_cap_mb``, ``gradient_sync`` for
             zero1 (default: the optimizer's choice), ``wrap_policy`` for fsdp, ``persistence_threshold``
             for zero3, ``reduce_dtype``, ...).
@@ -122,14 +125,12 @@ class HybridShardedModel(OptimizerTarget):
         *,
         init_seed: int | None = None,
         param_init_fn: ParamInitFn | None = None,
+        tp_batch_check: TpBatchCheck | TpBatchCheckWhen = "always",
         **kwargs: Unpack[HybridOptions],
     ) -> None:
         who = type(self).__name__
-        dp_class = DATA_PARALLEL_CLASSES.get(data_parallel) if isinstance(data_parallel, str) else None
-        if dp_class is None:
-            raise StrategyError(
-                f"{who}(data_parallel={data_parallel!r}): choose one of {', '.join(pairs.DATA_PARALLEL)}"
-            )
+        dp_class, options, chosen_sync = data_parallel_choice(who, data_parallel, kwargs)
+        batch_check = TpBatchCheck.of(tp_batch_check, who)
         if not isinstance(module, nn.Module):
             raise TypeError(f"{who} wraps a torch.nn.Module, got {type(module).__name__}")
         mesh = as_mesh(mesh, who, self.mesh_axis, self.mesh_axes)
@@ -139,10 +140,6 @@ class HybridShardedModel(OptimizerTarget):
         layout = lay_out(who, module, mesh, tensor_plan, args, self.always_pipelined, walk is not None)
         if layout.schedule is not None or mesh.size("tp") > 1:  # SyncBatchNorm syncs over dp alone
             refuse_sync_batch_norm(module, who, "tp" if layout.schedule is None else "a pipeline")
-        options: dict[str, Any] = dict(kwargs)  # the strategy's own options, as its constructor takes them
-        chosen_sync = options.get("gradient_sync") if data_parallel == "zero1" else None
-        if data_parallel == "zero1":
-            options["gradient_sync"] = chosen_sync or "all_reduce"
         root = layout.root
         if walk is not None:  # each rank materializes only its stages' tp shards (and dp shards)
             walk.bind(root, layout.swapped, mesh["tp"])
@@ -165,7 +162,7 @@ class HybridShardedModel(OptimizerTarget):
         self.mesh = mesh
         self.tp_group: CommunicationBackend = mesh["tp"]
         self.pp_group: CommunicationBackend = mesh["pp"]
-        self._same_on_tp = SameOnTp(who, self.tp_group, mesh.ranks("tp"))  # tp ranks' inputs must agree
+        self._same_on_tp = SameOnTp(who, self.tp_group, mesh.ranks("tp"), batch_check)  # tp: same batches
         self._layout, self._placements = layout, placements
         self._chosen_sync = chosen_sync
         self._span = mesh["dp", "tp"]

@@ -14,6 +14,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import MeshLike
+from dtlab.core.plan import TpBatchCheck, TpBatchCheckWhen
 from dtlab.errors import ArgumentError
 from dtlab.models.compose.hybrid import HybridShardedModel
 from dtlab.models.dp._materialize import MetaOptions
@@ -44,6 +45,9 @@ class TensorParallelModel(HybridShardedModel):
             Face's ``_tp_plan`` / ``config.base_model_tp_plan``, dtlab's recipe for GPT-2); or
             ``{"fqn-pattern": style}`` (see :mod:`dtlab.models.tensor._plan`; Hugging Face's style names
             are accepted). Checked before any communication. ``tensor_plan=`` is the same argument.
+        tp_batch_check: how often the tp ranks' batches are compared (docs/strategies.md, "Every tp
+            rank gets the same batch"): ``"always"`` (default), ``"first"`` (the first step),
+            ``"never"``, or a :class:`~dtlab.core.plan.TpBatchCheck` (``TpBatchCheck("first", first=N)``).
         gradient_sync, bucket_cap_mb, reduce_dtype, find_unused_parameters, broadcast_buffers: as for
             ZeRO1Model.
     """
@@ -59,12 +63,13 @@ class TensorParallelModel(HybridShardedModel):
         plan: Plan | None = None,
         *,
         tensor_plan: Plan | None = None,
+        tp_batch_check: TpBatchCheck | TpBatchCheckWhen = "always",
         **kwargs: Unpack[ComposedOptions],
     ) -> None:
         if plan is not None and tensor_plan is not None:
             raise ArgumentError("TensorParallelModel: pass the plan once, as plan= or as tensor_plan=")
         chosen: Plan = plan if plan is not None else tensor_plan if tensor_plan is not None else "auto"
-        super().__init__(module, mesh, "zero1", tensor_plan=chosen, **kwargs)
+        super().__init__(module, mesh, "zero1", tensor_plan=chosen, tp_batch_check=tp_batch_check, **kwargs)
 
 
 class PipelineParallelModel(HybridShardedModel):

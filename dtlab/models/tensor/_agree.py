@@ -4,7 +4,8 @@ global rank, torch DDP's habit) mixes their activations in every all-reduce and 
 parameters drift apart, silently. :func:`check_same_on_tp` refuses it on every rank of the group:
 one all-reduce of each rank's three-integer fingerprint (a digest of the inputs' structure and two
 exact checksums of their bits, :func:`_checksums`); only when they differ do the ranks exchange
-descriptions of their inputs, to name who differs from tp rank 0, and in what. How and its limits:
+descriptions of their inputs, to name who differs from tp rank 0, and in what. :class:`SameOnTp` makes
+it at the calls a :class:`~dtlab.core.plan.TpBatchCheck` asks for. How and its limits:
 docs/strategies.md, "Every tp rank gets the same batch".
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.core.plan import TP_BATCH_CHECKS, TpBatchCheck
 from dtlab.errors import StrategyError
 
 __all__ = ["SameOnTp", "check_same_on_tp"]
@@ -128,14 +130,49 @@ def check_same_on_tp(
 class SameOnTp:
     """A model's check of what it is given against its tp group (nothing when tp = 1): called with the
     inputs of ``forward``, the targets of a loss and the batch of ``train_step``, which checks its
-    whole batch once (:meth:`step`: the forward and loss inside it are not checked again)."""
+    whole batch once (:meth:`step`: the forward and loss inside it are not checked again).
 
-    def __init__(self, who: str, group: CommunicationBackend, ranks: Sequence[int]) -> None:
-        self.who, self.group, self.ranks = who, group, list(ranks)
+    How often follows ``policy`` (:class:`~dtlab.core.plan.TpBatchCheck`) and nothing else: ``"first"``
+    counts the checks of each kind (inputs, targets, batches), which every rank of the group makes in
+    the same order (the model's own tp collectives need the same calls), so every rank decides alike.
+    Building it compares the ranks' policies (one all-reduce of 4 int64 over the group): a rank given
+    another policy would skip a collective the others wait in."""
+
+    def __init__(
+        self, who: str, group: CommunicationBackend, ranks: Sequence[int], policy: TpBatchCheck
+    ) -> None:
+        self.who, self.group, self.ranks, self.policy = who, group, list(ranks), policy
         self._inside = False
+        self._made: dict[str, int] = {}  # checks made so far, by kind (inputs, targets, batches)
+        if group.world_size > 1:
+            self._agree_on_policy()
+
+    def _agree_on_policy(self) -> None:
+        mine = [TP_BATCH_CHECKS.index(self.policy.when), self.policy.first]
+        both = torch.tensor([*mine, *(-v for v in mine)], dtype=torch.int64, device=self.group.device)
+        self.group.all_reduce(both, ReduceOp.MAX)
+        if torch.equal(both[:2], -both[2:]):
+            return
+        every = self.group.all_gather_object(self.policy)
+        policies = "; ".join(f"tp rank {r} (world rank {self.ranks[r]}): {p}" for r, p in enumerate(every))
+        raise StrategyError(
+            f"{self.who}: the ranks of a tensor-parallel group were built with different tp_batch_check "
+            f"policies, {policies}. The check is a collective: a rank that skips it while another checks "
+            "would hang; pass the same tp_batch_check on every rank"
+        )
+
+    def _due(self, what: str) -> bool:
+        """Whether this call is checked (the same answer on every rank of the group)."""
+        when = self.policy.when
+        if when == "first":
+            made = self._made.get(what, 0)
+            if made >= self.policy.first:
+                return False
+            self._made[what] = made + 1
+        return when != "never"
 
     def __call__(self, what: str, named: Sequence[tuple[str, Any]]) -> None:
-        if self.group.world_size > 1 and not self._inside:
+        if self.group.world_size > 1 and not self._inside and self._due(what):
             check_same_on_tp(self.who, what, named, self.group, self.ranks)
 
     @contextlib.contextmanager
