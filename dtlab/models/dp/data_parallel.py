@@ -22,6 +22,7 @@ from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
+from dtlab.models.dp._added import WrappedParams
 from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message, tensor_bytes
 from dtlab.models.dp._owner import Ownership, check_module
 from dtlab.models.placed_state import load_placed_state, write_placed_state
@@ -69,6 +70,8 @@ class DataParallelModel(OptimizerTarget):
         self._grads_synced = False
         self._optimizer_ref: AttachedOptimizer | None = None
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        #: refuses a step once trainable parameters were added to the module (a LoRA adapter)
+        self._wrapped_params = WrappedParams(type(self).__name__, module, self.shards_at_rest)
         self._guarded = False
         #: the tensors holding the synchronized gradient: DDP's and ZeRO-1's whole buckets, else this
         #: rank's shards
@@ -292,6 +295,7 @@ class DataParallelModel(OptimizerTarget):
         return "rebuild the wrapper after changing which parameters train"
 
     def _unused_error(self, missing: list[str]) -> StrategyError:
+        self._wrapped_params.check()  # a layer replaced after wrapping: its new parameters named
         self.check_requires_grad()
         return StrategyError(
             f"{type(self).__name__} on rank {self.dp_backend.rank}: parameters received no gradient in this "
@@ -323,6 +327,7 @@ class DataParallelModel(OptimizerTarget):
     def check_grads_ready(self, who: str) -> None:
         self._owner.check(f"{who}.step()")
         self._check_backward_finished(f"{who}.step()")
+        self._wrapped_params.check()
         self.check_requires_grad()
         self._wrapped_as.check()
         if not self._grads_synced:
