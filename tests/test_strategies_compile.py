@@ -1,6 +1,7 @@
 """ZeRO-3/FSDP ``state_dict()`` never hands out empty tensors, and ``torch.compile``d modules train under
 DDP, ZeRO-3 and FSDP (compiled before or after wrapping) to the same parameters as without compiling
-(DDP with BatchNorm buffers, broadcast before each forward, too)."""
+(DDP with BatchNorm buffers, broadcast before each forward, too), and so does a compiled
+``TensorParallelModel`` (it stopped with dynamo's raw error tracing into the backend's collective)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 from filled import filled
 from torch import nn
 
+from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import CheckpointError, StrategyError
-from dtlab.models import DDPModel, FSDPModel, ModuleClassPolicy, ZeRO3Model
-from dtlab.optimizers import default_optimizer_strategy
+from dtlab.models import DDPModel, FSDPModel, ModuleClassPolicy, TensorParallelModel, ZeRO3Model
+from dtlab.optimizers import DDPOptimizer, default_optimizer_strategy
 from dtlab.testing import run_world
 
 
@@ -97,3 +99,34 @@ def test_compiled_module_trains_like_eager_under_ddp_zero3_and_fsdp() -> None:
     pytest.importorskip("torch._dynamo")
     done = run_world(2, _compile_checks, timeout=240)
     assert done[0] == ["ddp/module", "zero3/module", "fsdp/strategy", "ddp/strategy/norm"]
+
+
+STEPS = 1
+
+
+def _tensor_parallel(backend: CommunicationBackend, compiled: bool) -> dict[str, torch.Tensor]:
+    """tp=2 over a column/row-parallel block and a column-parallel head gathering its output (each
+    tensor-parallel collective runs eagerly: a graph break at each)."""
+    from test_tensor_habits import LR, PLAN, build, data
+
+    torch.set_num_threads(1)
+    model = TensorParallelModel(build(), Mesh(backend, {"tp": 2}), plan=PLAN, tp_batch_check="never")
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    run = torch.compile(model, backend="eager") if compiled else model
+    for step in range(STEPS):
+        x, y = data(step)
+        nn.functional.cross_entropy(run(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict()
+
+
+def _tp_checks(backend: CommunicationBackend) -> None:
+    ref, got = _tensor_parallel(backend, False), _tensor_parallel(backend, True)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-7, msg=f"tp {k}")
+
+
+def test_compiled_tensor_parallel_model_trains_like_eager() -> None:
+    pytest.importorskip("torch._dynamo")
+    run_world(2, _tp_checks, timeout=240)

@@ -159,7 +159,10 @@ def _conjugate(x: torch.Tensor, group: CommunicationBackend, forward_op: Op, bac
     """``x`` itself over one rank (nothing to communicate either way)."""
     if group.world_size == 1:
         return x
-    y = _Conjugate.apply(x, group, forward_op, backward_op)  # type: ignore[no-untyped-call]
+    apply = _Conjugate.apply
+    if torch.compiler.is_compiling():  # traced by torch.compile: a graph break, the collective runs eagerly
+        apply = torch.compiler.disable(apply)
+    y = apply(x, group, forward_op, backward_op)  # type: ignore[no-untyped-call]
     return cast(torch.Tensor, y)
 
 
