@@ -6,7 +6,10 @@ optimizer reading ``param.grad`` would be silently wrong. ``param.grad`` is then
 :class:`ShardedGradient` of the parameter's shape, dtype and device (``p.grad is not None`` and shape
 checks work) holding no memory, which refuses every operation naming the dtlab call that does it
 right. The model's next forward (or ``zero_grad()``) removes it. Every stand-in (the composition's too)
-refuses torch ``GradScaler``'s unscale, naming ``dtlab.optimizers.GradScaler``.
+refuses torch ``GradScaler``'s unscale, naming ``dtlab.optimizers.GradScaler``. Zeroing a
+:class:`ShardedGradient` (``module.zero_grad(set_to_none=False)``, a plain optimizer's ``zero_grad``)
+only marks it ``zeroed``: the strategy then drops the gradient it stands for, as torch would
+(:mod:`dtlab.models.dp._cleared`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ __all__ = ["GradientStandIn", "ShardedGradient", "sharded_grad_message", "tensor
 
 
 _AMP_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_
+_ZERO = (torch.ops.aten.zero_, torch.ops.aten._foreach_zero_)
 _AMP_MESSAGE = (
     "torch.amp.GradScaler checks param.grad on this rank only, which here is part of the gradient (a "
     "shard, a tensor-parallel piece or one pipeline stage's): an overflow elsewhere would go unseen, "
@@ -63,6 +67,12 @@ class GradientStandIn(torch.Tensor):
     ) -> Any:
         if func.overloadpacket is _AMP_UNSCALE:  # torch.amp.GradScaler: a check of this rank's part only
             raise StrategyError(_AMP_MESSAGE)
+        if func.overloadpacket in _ZERO:  # zero_grad(set_to_none=False): the gradient is to be dropped
+            found = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+            if all(isinstance(t, ShardedGradient) for t in found):
+                for t in found:
+                    t.zeroed = True
+                return None if isinstance(args[0], list | tuple) else args[0]
 
         def unwrap(a: Any) -> Any:
             if isinstance(a, GradientStandIn):
@@ -79,12 +89,15 @@ class GradientStandIn(torch.Tensor):
 
 
 class ShardedGradient(GradientStandIn):
-    """Where a rank holds only a shard of the synchronized gradient: refuses every operation (see the
-    module docstring)."""
+    """Where a rank holds only a shard of the synchronized gradient: refuses every operation but
+    zeroing, which sets ``zeroed`` (see the module docstring)."""
+
+    zeroed: bool
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, message: str) -> ShardedGradient:
         out: ShardedGradient = GradientStandIn.__new__(cls, like, message)  # type: ignore[assignment]
+        out.zeroed = False
         return out
 
 

@@ -23,6 +23,7 @@ from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.dp._added import WrappedParams
+from dtlab.models.dp._cleared import adopt_cleared
 from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message, tensor_bytes
 from dtlab.models.dp._owner import Ownership, check_module
 from dtlab.models.placed_state import load_placed_state, write_placed_state
@@ -165,6 +166,7 @@ class DataParallelModel(OptimizerTarget):
         self._owner.check("forward")
         self._wrapped_as.check()
         self._check_backward_finished("the forward" if torch.is_grad_enabled() else None)
+        adopt_cleared(self._guarded, type(self).__name__, self._trainable, self.zero_grad_buffers)
         if torch.is_grad_enabled():
             self._release_guards()
         if self.broadcast_buffers:
@@ -330,6 +332,7 @@ class DataParallelModel(OptimizerTarget):
         self._wrapped_params.check()
         self.check_requires_grad()
         self._wrapped_as.check()
+        adopt_cleared(self._guarded, type(self).__name__, self._trainable, self.zero_grad_buffers)
         if not self._grads_synced:
             raise StrategyError(
                 f"{who}.step() found no synchronized gradients: call loss.backward() outside no_sync() "
