@@ -21,6 +21,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.dp._grad_call import autograd_grad_message, grads_returned
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
+from dtlab.models.dp._routing import same_gathers
 from dtlab.models.dp._sharded_units import GroupHooks, ShardUnit, UnitGatherer, UnitPlan
 from dtlab.models.dp._writes import ParamWrites
 from dtlab.models.dp.data_parallel import DataParallelModel
@@ -218,6 +219,8 @@ class ShardedModel(DataParallelModel):
         try:
             if missing and not fill_missing:
                 raise self._unused_error(missing)
+            if self.find_unused_parameters:  # ranks that ran different modules gathered mixed shards
+                same_gathers(self.dp_backend, self._at_rest.take_trace(), type(self).__name__)
             for st in self._units:  # deferred (find_unused), incomplete or accumulated: fixed unit order
                 if not st.reduced:
                     self._reduce(st)

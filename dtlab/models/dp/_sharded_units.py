@@ -84,6 +84,9 @@ class UnitGatherer:
         #: the unit whose watched gather the other ranks did not join in time (its gather left pending)
         self.unjoined: ShardUnit | None = None
         self._by_storage: dict[int, ShardUnit] = {}
+        #: which units were gathered, in order, since :meth:`take_trace` (ranks running other modules differ)
+        self.trace = 0
+        self._index: dict[int, int] = {}
 
     def add(self, st: ShardUnit, flat: torch.Tensor | None) -> None:
         """A new unit: kept gathered in ``flat`` when persistent, parked otherwise."""
@@ -93,6 +96,7 @@ class UnitGatherer:
             self.gathered_bytes += tensor_bytes(flat)
         else:
             st.unit.park()
+        self._index[id(st)] = len(self.units)
         self.units.append(st)
 
     def gather(self, st: ShardUnit, wait: bool = True) -> torch.Tensor:
@@ -101,6 +105,7 @@ class UnitGatherer:
         if flat is None:
             flat = st.unit.new_flat(zero=False)
             st.work = self.group.iall_gather(flat, st.shard)
+            self.trace = (self.trace * 131 + self._index[id(st)] + 1) % 2_147_483_647
             st.flat = flat
             st.unit.bind(flat)
             self._by_storage[flat.untyped_storage().data_ptr()] = st
@@ -115,6 +120,11 @@ class UnitGatherer:
             st.work.wait()
             st.work = None
         return flat
+
+    def take_trace(self) -> int:
+        """The fingerprint of the gathers since the last call (a float64 holds it exactly)."""
+        trace, self.trace = self.trace, 0
+        return trace
 
     def _wait_for_every_rank(self, work: Work) -> None:
         """Return once ``work`` completed; after ``forward_wait_s`` raise an error naming the cause (the
