@@ -335,6 +335,12 @@ class OptimizerTarget(ModelStrategy):
     def zero_grad_buffers(self) -> None:
         """Zero the synchronized gradients (buffers keep their memory)."""
 
+    def unused_params(self) -> frozenset[int]:
+        """``id``s of the trainable parameters no rank computed a gradient for since the last
+        ``zero_grad_buffers()`` (``find_unused_parameters=True``): the optimizer strategy leaves them
+        out, as torch's optimizers skip a ``.grad`` of None."""
+        return frozenset()
+
     @abstractmethod
     def scale_grads_(self, factor: float) -> None:
         """Multiply the synchronized gradients by ``factor`` (clipping)."""

@@ -55,9 +55,9 @@ class ShardedOptimizer(DataParallelOptimizer):
             out.append(grads[id(e.param)])
         return out
 
-    def _step_local(self) -> None:
+    def _step_local(self, skip: frozenset[int]) -> None:
         for e, g in zip(self._entries, self._grads(), strict=True):
-            e.tensor.grad = g
+            e.tensor.grad = None if id(e.param) in skip else g  # torch's optimizer skips None
         try:
             self._opt.step()
         finally:

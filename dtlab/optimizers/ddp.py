@@ -45,5 +45,12 @@ class DDPOptimizer(DataParallelOptimizer):
     def _needed_pieces(self) -> list[list[Piece]]:
         return [[Piece(e.name, e.shape, 0, e.numel, 0)] for e in self._entries]
 
-    def _step_local(self) -> None:
-        self._opt.step()
+    def _step_local(self, skip: frozenset[int]) -> None:
+        held = [(e.param, e.param.grad) for e in self._entries if id(e.param) in skip]
+        for p, _ in held:  # torch's optimizer skips a .grad of None
+            p.grad = None
+        try:
+            self._opt.step()
+        finally:
+            for p, g in held:
+                p.grad = g

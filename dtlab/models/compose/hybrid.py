@@ -323,6 +323,9 @@ class HybridShardedModel(OptimizerTarget):
     def gather_updated_shards(self) -> None:
         self.dp_strategy.gather_updated_shards()
 
+    def unused_params(self) -> frozenset[int]:
+        return self.dp_strategy.unused_params()
+
     def zero_grad_buffers(self) -> None:
         self.dp_strategy.zero_grad_buffers()
         if self._pipe is not None:

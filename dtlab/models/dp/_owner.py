@@ -27,7 +27,7 @@ from dtlab.models.dp.flat import check_real
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["MODULE_HOOKS", "TENSOR_HOOKS", "Ownership", "check_module"]
+__all__ = ["MODULE_HOOKS", "TENSOR_HOOKS", "Ownership", "check_module", "rewrap_advice"]
 
 #: the attribute of a parameter holding the :class:`_Mark` of the wrapper that hooked it
 _MARK = "_dtlab_owner"
@@ -211,3 +211,13 @@ def check_module(
             "gradients to synchronize (unfreeze some parameters or do not wrap the module)"
         )
     return trainable
+
+
+def rewrap_advice(shards_at_rest: bool) -> str:
+    """How to change which parameters train once a module is wrapped."""
+    if shards_at_rest:  # its parameters are flat shards: a new wrapper needs a whole module
+        return (
+            "to change which parameters train, load full_state_dict() (every rank) into a fresh "
+            "module, set requires_grad there and wrap that"
+        )
+    return "rebuild the wrapper after changing which parameters train"

@@ -25,7 +25,8 @@ from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.dp._added import WrappedParams
 from dtlab.models.dp._cleared import adopt_cleared
 from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message, tensor_bytes
-from dtlab.models.dp._owner import Ownership, check_module
+from dtlab.models.dp._owner import Ownership, check_module, rewrap_advice
+from dtlab.models.dp._unused import UsedParams, unused_error
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 
 if TYPE_CHECKING:
@@ -78,6 +79,10 @@ class DataParallelModel(OptimizerTarget):
         #: rank's shards
         self._synced_grads: list[torch.Tensor] = []
         self._post_sync: list[Callable[[], None]] = []
+        #: find_unused_parameters: what no rank used since zero_grad(), left out of the step as in torch
+        self._used = UsedParams(self._trainable, backend) if self.find_unused_parameters else None
+        if self._used is not None:
+            self._post_sync.append(self._used.sync)
         #: strategies with their own saved-tensor hooks (ZeRO-3, FSDP) pass every activation they keep
         #: to this function (a pipeline's activation meter around the forward); None: nobody asks
         self.observe_activation: Callable[[torch.Tensor], Any] | None = None
@@ -285,31 +290,19 @@ class DataParallelModel(OptimizerTarget):
                 f"{type(self).__name__}: {'; '.join(what)}. The strategy lays out gradient buffers and "
                 "shards for the parameters that require grad when it wraps the module, so a change "
                 "after wrapping would leave a parameter untrained or hang the reduction. Set "
-                f"requires_grad on the plain module before wrapping it ({self._rewrap_advice()})"
+                f"requires_grad on the plain module before wrapping it ({rewrap_advice(self.shards_at_rest)})"
             )
-
-    def _rewrap_advice(self) -> str:
-        if self.shards_at_rest:  # its parameters are flat shards: a new wrapper needs a whole module
-            return (
-                "to change which parameters train, load full_state_dict() (every rank) into a fresh "
-                "module, set requires_grad there and wrap that"
-            )
-        return "rebuild the wrapper after changing which parameters train"
 
     def _unused_error(self, missing: list[str]) -> StrategyError:
         self._wrapped_params.check()  # a layer replaced after wrapping: its new parameters named
         self.check_requires_grad()
-        return StrategyError(
-            f"{type(self).__name__} on rank {self.dp_backend.rank}: parameters received no gradient in this "
-            f"backward pass: {missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all). "
-            "Every rank must reduce the same gradients or the job hangs; make them take part in the "
-            "loss, freeze them (requires_grad=False) or pass find_unused_parameters=True to reduce "
-            "zeros for them"
-        )
+        return unused_error(type(self).__name__, self.dp_backend.rank, missing)
 
     def _register_grad_hooks(self, fn: Callable[[nn.Parameter], None]) -> None:
         hook = cast("Callable[[torch.Tensor], None]", fn)  # torch calls it with the parameter itself
         self._owner.claim()  # a previous wrapper of these parameters stops reducing their gradients
+        if self._used is not None:
+            hook = cast("Callable[[torch.Tensor], None]", self._used.marking(fn))
         for _, p in self._trainable:
             self._owner.keep(p.register_post_accumulate_grad_hook(hook))
 
@@ -350,6 +343,11 @@ class DataParallelModel(OptimizerTarget):
             g.zero_()
         self._point_grads()
         self._grads_synced = False
+        if self._used is not None:
+            self._used.clear()
+
+    def unused_params(self) -> frozenset[int]:
+        return frozenset() if self._used is None else self._used.unused
 
     def _point_grads(self) -> None:
         """After ``zero_grad()``: ``param.grad`` is None (DDP, ZeRO-1: a view of its bucket again)."""

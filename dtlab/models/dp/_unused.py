@@ -1,0 +1,62 @@
+"""Parameters no rank computed a gradient for (``find_unused_parameters=True``).
+
+torch's optimizers skip a parameter whose ``.grad`` is None: no momentum, no weight decay, no Adam
+step. One process leaves that ``.grad`` None (after ``zero_grad()``) for a parameter its loss did not
+reach, and so does torch's DDP when no rank reached it (it all-reduces a map of the parameters each rank
+used). The strategies reduce zeros for such a parameter; :class:`UsedParams` marks the parameters that
+got a gradient on this rank since ``zero_grad()`` and, after each synchronization, all-reduces the marks
+(MAX, one float64 per trainable parameter), so the optimizer strategy leaves out those no rank used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.errors import StrategyError
+
+__all__ = ["UsedParams", "unused_error"]
+
+
+class UsedParams:
+    """Which of ``trainable`` got a gradient since ``zero_grad()``, here and on any rank of ``group``."""
+
+    def __init__(self, trainable: Sequence[tuple[str, nn.Parameter]], group: CommunicationBackend) -> None:
+        self._params = [p for _, p in trainable]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._group = group
+        self._marks = [p.grad is not None for p in self._params]  # a .grad from before wrapping counts
+        #: ids of the parameters no rank used, as of the last synchronization
+        self.unused: frozenset[int] = frozenset()
+
+    def marking(self, fn: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+        """``fn`` as a gradient hook that marks its parameter used first."""
+
+        def hook(param: nn.Parameter) -> None:
+            self._marks[self._index[id(param)]] = True
+            fn(param)
+
+        return hook
+
+    def sync(self) -> None:
+        """After a synchronization: the parameters no rank used since ``zero_grad()`` (collective)."""
+        buf = torch.tensor(self._marks, dtype=torch.float64, device=self._group.device)
+        self._group.all_reduce(buf, ReduceOp.MAX)
+        self.unused = frozenset(id(p) for p, used in zip(self._params, buf.tolist(), strict=True) if not used)
+
+    def clear(self) -> None:
+        self._marks = [False] * len(self._params)
+        self.unused = frozenset()
+
+
+def unused_error(who: str, rank: int, missing: list[str]) -> StrategyError:
+    """The refusal of parameters that got no gradient in a synchronized backward."""
+    return StrategyError(
+        f"{who} on rank {rank}: parameters received no gradient in this backward pass: "
+        f"{missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all). Every rank must "
+        "reduce the same gradients or the job hangs; make them take part in the loss, freeze them "
+        "(requires_grad=False) or pass find_unused_parameters=True to reduce zeros for them"
+    )
