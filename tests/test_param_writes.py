@@ -3,7 +3,8 @@
 then training steps), gathering one module's parameters at a time; writes into a sharded parameter's
 stand-in (``model.module.apply(fn)``, ``p.zero_()``, ``p.data.fill_()``) stop at the next forward,
 state dict or step with an error naming them; ZeRO-3's parameters kept whole take direct writes;
-``HybridShardedModel.apply`` goes through its ZeRO-3/FSDP strategy."""
+``p.data = t`` (``vector_to_parameters``) lands in the shards; ``HybridShardedModel.apply`` goes
+through its ZeRO-3/FSDP strategy."""
 
 from __future__ import annotations
 
@@ -267,3 +268,50 @@ def test_hybrid_apply_goes_through_its_sharded_strategy() -> None:
     for out in run_world(2, hybrid_apply, timeout=120):
         for dp in SHARDED:
             assert max_rel_error(out[dp], state(reference)) == 0, dp
+
+
+def replaced_data(backend: CommunicationBackend) -> dict[str, Any]:
+    """``p.data = t`` on every parameter: by ``torch.nn.utils.vector_to_parameters`` (then training), by
+    hand (read back at once), and a tensor of another shape (refused). ZeRO-3 with a threshold keeping
+    the small parameters whole (``zero3_kept``) has both kinds."""
+    out: dict[str, Any] = {}
+    vec = torch.nn.utils.parameters_to_vector(make_module(7).parameters())
+    for name in (*SHARDED, "zero3_kept"):
+        kw = {"persistence_threshold": 20} if name == "zero3_kept" else {}
+        model = wrap(name.removesuffix("_kept"), make_module(), backend, **kw)
+        opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
+        torch.nn.utils.vector_to_parameters(vec, model.parameters())
+        out[f"{name}/vector"] = trained(model, opt, backend.rank, backend.world_size)
+        for p, q in zip(model.parameters(), make_module(5).parameters(), strict=True):
+            p.data = q.detach().clone()
+        out[f"{name}/assigned"] = state(model)
+        model.module[3].bias.data = torch.zeros(2)
+        try:
+            model(make_data(1, 2)[0][0])
+            out[f"{name}/shape"] = "ran"
+        except StrategyError as exc:
+            out[f"{name}/shape"] = str(exc)
+    return out
+
+
+def test_replacing_data_lands_in_the_shards() -> None:
+    """Before: the next gather (or the step of the shards) dropped the new values silently, 1.48 relative
+    error after 2 steps (0.66 with the small parameters kept whole)."""
+    module = make_module()
+    torch.nn.utils.vector_to_parameters(
+        torch.nn.utils.parameters_to_vector(make_module(7).parameters()), module.parameters()
+    )
+    ref = trained(module, torch.optim.SGD(module.parameters(), lr=0.1), 0, 1)
+    for res in run_world(2, replaced_data, timeout=60):
+        for name in (*SHARDED, "zero3_kept"):
+            assert max_rel_error(res[f"{name}/vector"], ref) <= 1e-6, name
+            assert max_rel_error(res[f"{name}/assigned"], plain_of(5)) == 0, name
+            got = res[f"{name}/shape"]
+            assert (
+                "'3.bias' had its .data replaced (p.data = t) after wrapping by a tensor of shape (2,)" in got
+            ), got
+            assert "p.copy_(t)" in got, got
+
+
+def plain_of(seed: int) -> dict[str, torch.Tensor]:
+    return state(make_module(seed))

@@ -33,6 +33,7 @@ class ParamWrites:
         self.at_rest = at_rest
         self.unit_of = unit_of
         self._eager: Callable[[str, list[ShardUnit] | None], None] | None = None
+        self._all: tuple[list[ShardUnit], list[nn.Parameter]] | None = None
 
     def check(self, when: str, units: list[ShardUnit] | None = None) -> None:
         """Refuse writes into parked stand-ins of ``units`` (default: all) since they were parked: one
@@ -48,7 +49,15 @@ class ParamWrites:
     def _check(self, when: str, units: list[ShardUnit] | None) -> None:
         if self.at_rest.busy:  # inside a forward or backward the units not gathered hold no stand-in
             return
-        parked = [st for st in (self.at_rest.units if units is None else units) if st.flat is None]
+        chosen = self.at_rest.units if units is None else units
+        self._refuse_fills(when, [st for st in chosen if st.flat is None])
+        ptrs = [x for st in chosen for x in st.unit.ptrs]
+        if list(map(torch.Tensor.data_ptr, self._params(chosen))) != ptrs:  # one pass over all of them
+            for st in chosen:
+                if st.work is None and st.unit.ptrs != [p.data_ptr() for p in st.unit.params]:
+                    self._adopt_replaced(st)
+
+    def _refuse_fills(self, when: str, parked: list[ShardUnit]) -> None:
         if not parked:
             return
         marks = torch.cat([st.unit.marker for st in parked])
@@ -61,6 +70,55 @@ class ParamWrites:
             if any(hit):
                 st.unit.park()  # a fresh stand-in: the values are the shard's, as before the write
         raise StrategyError(self._message(when, names))
+
+    def _params(self, units: list[ShardUnit]) -> list[nn.Parameter]:
+        """The parameters of ``units`` in order (all units' kept: this runs at every forward)."""
+        if units is not self.at_rest.units:
+            return [p for st in units for p in st.unit.params]
+        if self._all is None or len(self._all[0]) != len(units):
+            self._all = (list(units), [p for st in units for p in st.unit.params])
+        return self._all[1]
+
+    def _adopt_replaced(self, st: ShardUnit) -> None:
+        """``p.data = t`` (``torch.nn.utils.vector_to_parameters``, a model average written back) on a
+        parameter of ``st`` since it was parked or gathered: the parameter no longer views the unit, and
+        the next gather (or the optimizer's step of the shard) would drop ``t``. ``t``'s values become
+        the parameter's, this rank's shard of them (every rank replaces it, as every rank writes under
+        DDP), and the parameter views the unit again."""
+        u = st.unit
+        replaced = [
+            (i, p) for i, (p, was) in enumerate(zip(u.params, u.ptrs, strict=True)) if p.data_ptr() != was
+        ]
+        if any(p.dtype != u.dtype or p.device != u.device for _, p in replaced):
+            return  # converted (model.module.double()): WrappedAs refuses it, naming both dtypes
+        wrong = [(i, p) for i, p in replaced if p.shape != u.slots[i].shape]
+        if wrong:
+            (i, p) = wrong[0]
+            raise StrategyError(
+                f"{self.at_rest.who}: parameter {u.slots[i].name!r} had its .data replaced (p.data = t) "
+                f"after wrapping by a tensor of shape {tuple(p.shape)}, not its {tuple(u.slots[i].shape)}; "
+                "the strategy keeps it as a shard of that shape. Write values of the parameter's shape "
+                "(p.data = t or, better, with torch.no_grad(): p.copy_(t)), or change the plain module "
+                "before wrapping it"
+            )
+        with torch.no_grad():
+            if st.flat is None:  # parked: a whole buffer for this write only, this rank's shard kept
+                # all NaN: a copy of the stand-in itself (model.module.double().float()), not a write
+                replaced = [
+                    (i, p) for i, p in replaced if not (u.dtype.is_floating_point and p.isnan().all())
+                ]
+                flat = u.new_flat()
+                u.own_shard(flat).copy_(st.shard)
+                views = u.views(flat)
+                for i, p in replaced:
+                    views[i].copy_(p.data)
+                st.shard.copy_(u.own_shard(flat))
+                u.park()  # fresh stand-ins (fills into the old marker were refused before)
+            else:  # gathered (kept whole): its shard is refreshed from the buffer before it is read
+                views = u.views(st.flat)
+                for i, p in replaced:
+                    views[i].copy_(p.data)
+                u.bind(st.flat)
 
     def _message(self, when: str, names: list[str]) -> str:
         hint = (

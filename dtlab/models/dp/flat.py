@@ -79,6 +79,8 @@ class FlatUnit:
         self.padded = self.shard_numel * world_size
         #: while parked, one element per parameter under its stand-in (see :meth:`park`)
         self.marker = torch.empty(0, dtype=self.dtype, device=self.device)
+        #: each parameter's data pointer as the last bind/park/unbind left it: another means ``p.data = t``
+        self.ptrs: list[int] = []
 
     def shard_bounds(self) -> tuple[int, int]:
         """This rank's elements ``[lo, hi)`` of the flat buffer."""
@@ -122,6 +124,7 @@ class FlatUnit:
         """Make every parameter a view into ``flat``."""
         for view, p in zip(self.views(flat), self.params, strict=True):
             p.data = view
+        self.ptrs = [p.data_ptr() for p in self.params]
 
     def unbind(self) -> None:
         """Drop the parameters' storage: each becomes an empty tensor until the next ``bind`` (an
@@ -129,6 +132,7 @@ class FlatUnit:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
+        self.ptrs = [p.data_ptr() for p in self.params]
 
     def park(self) -> None:
         """Drop the parameters' storage but keep their logical shape: each becomes a stand-in of its
@@ -140,6 +144,7 @@ class FlatUnit:
         self.marker = torch.full((len(self.params),), fill, dtype=self.dtype, device=self.device)
         for one, s, p in zip(self.marker.unbind(), self.slots, self.params, strict=True):
             p.data = one.expand(s.shape)
+        self.ptrs = [p.data_ptr() for p in self.params]
 
     def grads_into(self, flat: torch.Tensor) -> None:
         """Copy (``None`` -> zeros) every parameter's ``.grad`` into ``flat``; padding zeroed. Values
