@@ -65,6 +65,21 @@ def refuse_sparse_only(who: str, cls: type[torch.optim.Optimizer]) -> None:
         )
 
 
+def refuse_closure_driven(who: str, cls: type[torch.optim.Optimizer]) -> None:
+    """Refuse torch.optim.LBFGS: its step calls the closure several times and searches along the
+    whole gradient vector; an optimizer strategy steps once per synchronized backward, over this
+    rank's pieces (torch's LBFGS under it stopped with a raw TypeError, closure missing)."""
+    if issubclass(cls, torch.optim.LBFGS):
+        raise StrategyError(
+            f"{who}: {cls.__name__} evaluates its closure several times within one step and searches "
+            "along the whole gradient, while an optimizer strategy steps once after each synchronized "
+            "backward, over this rank's pieces (shards under ZeRO), so it cannot drive it. Under DDPModel "
+            "step a plain torch.optim.LBFGS(model.parameters(), ...) with your closure yourself: every "
+            "rank holds the whole averaged gradient there, so it runs as on one process. Under ZeRO-1/2/3 "
+            "and FSDP use a first-order optimizer (SGD, Adam, AdamW)"
+        )
+
+
 def spec_of(
     who: str,
     optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer,
@@ -96,6 +111,7 @@ def spec_of(
             f"arguments (torch.optim.AdamW, lr=...), got {optimizer!r}"
         )
     refuse_sparse_only(who, type(template))
+    refuse_closure_driven(who, type(template))
     groups = [dict(g) for g in template.param_groups]
     for g in groups:
         g["params"] = list(g["params"])
