@@ -23,6 +23,7 @@ from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
 from dtlab.models.dp._routing import same_gathers
 from dtlab.models.dp._sharded_units import GroupHooks, ShardUnit, UnitGatherer, UnitPlan
+from dtlab.models.dp._unused import none_got_one
 from dtlab.models.dp._writes import ParamWrites
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DataParallelOptions
@@ -89,6 +90,7 @@ class ShardedModel(DataParallelModel):
         self._synced_grads = [st.grad_shard for st in self._units]
         self._pending: list[tuple[ShardUnit, Work, torch.Tensor]] = []
         self._partial_state_ok = False
+        self._frozen_pass = False
         self.module.register_state_dict_pre_hook(self._refuse_partial_state)
         self.module.register_load_state_dict_pre_hook(self._refuse_partial_load)
         self._hooks = GroupHooks(
@@ -161,6 +163,11 @@ class ShardedModel(DataParallelModel):
             raise StrategyError(autograd_grad_message(type(self).__name__, self.dp_backend.rank))
         if not self._backward.open:
             self._at_rest.set_busy(True)
+            # every parameter frozen now (a GAN's discriminator in the generator's step): nothing to
+            # reduce, the pass runs as inside no_sync() (DDP, ZeRO-1/2 skip it too)
+            frozen = bool(self._trainable) and not any(p.requires_grad for _, p in self._trainable)
+            self._frozen_pass = self._sync and frozen
+            self._sync = self._sync and not self._frozen_pass
         super()._begin_backward()
 
     # ------------------------------------------------------------------ gradients
@@ -201,16 +208,11 @@ class ShardedModel(DataParallelModel):
             super()._end_backward()
         finally:
             self._free_all()
+            self._sync, self._frozen_pass = self._sync or self._frozen_pass, False
 
     def _unused_error(self, missing: list[str]) -> StrategyError:
         err = super()._unused_error(missing)
-        if len(missing) < len(self._trainable):
-            return err
-        return StrategyError(
-            f"{err}. No parameter got one: if this was torch.autograd.grad(loss, inputs) (an input "
-            f"gradient), {type(self).__name__} does not support it, its parameters being gathered for one "
-            "backward; DDPModel, ZeRO1Model and ZeRO2Model skip such a pass"
-        )
+        return err if len(missing) < len(self._trainable) else none_got_one(err, type(self).__name__)
 
     def _flush(self, fill_missing: bool) -> None:
         missing = [
@@ -373,6 +375,7 @@ class ShardedModel(DataParallelModel):
             state = self.module.state_dict(keep_vars=True)
         finally:
             self._partial_state_ok = False
+        self._frozen_pass = False
         return {k: t for k, t in state.items() if id(t) not in self._unit_of}
 
     def sharded_state_dict(self) -> ShardedState:

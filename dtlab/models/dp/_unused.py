@@ -18,7 +18,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.errors import StrategyError
 
-__all__ = ["UsedParams", "unused_error"]
+__all__ = ["UsedParams", "none_got_one", "unused_error"]
 
 
 class UsedParams:
@@ -59,4 +59,13 @@ def unused_error(who: str, rank: int, missing: list[str]) -> StrategyError:
         f"{missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all). Every rank must "
         "reduce the same gradients or the job hangs; make them take part in the loss, freeze them "
         "(requires_grad=False) or pass find_unused_parameters=True to reduce zeros for them"
+    )
+
+
+def none_got_one(err: StrategyError, who: str) -> StrategyError:
+    """ZeRO-3/FSDP's :func:`unused_error` when no parameter got a gradient."""
+    return StrategyError(
+        f"{err}. No parameter got one: if this was torch.autograd.grad(loss, inputs) (an input "
+        f"gradient), {who} does not support it, its parameters being gathered for one "
+        "backward; DDPModel, ZeRO1Model and ZeRO2Model skip such a pass"
     )
