@@ -11,7 +11,6 @@ before the optimizer or a checkpoint reads it (:meth:`ParamWrites.settle`).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Collection, Mapping
 from typing import cast
 
@@ -32,19 +31,16 @@ class ParamWrites:
     def __init__(self, at_rest: UnitGatherer, unit_of: Mapping[int, ShardUnit]) -> None:
         self.at_rest = at_rest
         self.unit_of = unit_of
-        self._eager: Callable[[str, list[ShardUnit] | None], None] | None = None
         self._all: tuple[list[ShardUnit], list[nn.Parameter]] | None = None
 
     def check(self, when: str, units: list[ShardUnit] | None = None) -> None:
         """Refuse writes into parked stand-ins of ``units`` (default: all) since they were parked: one
         read of their markers together (on an accelerator, one synchronization with the host); run
         eagerly inside a compiled forward (a read on the host, no graph of it)."""
-        if "torch._dynamo" not in sys.modules:  # torch.compile not loaded (disable() would load it)
+        if torch.compiler.is_compiling():  # traced: a graph break, run eagerly (nothing cached on self,
+            torch.compiler.disable(self._check)(when, units)  # which a second compiled model misread)
+        else:
             self._check(when, units)
-            return
-        if self._eager is None:
-            self._eager = torch.compiler.disable(self._check)
-        self._eager(when, units)
 
     def _check(self, when: str, units: list[ShardUnit] | None) -> None:
         if self.at_rest.busy:  # inside a forward or backward the units not gathered hold no stand-in
