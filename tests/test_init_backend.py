@@ -101,22 +101,37 @@ def _cuda() -> bool:
 
 
 SCRIPT = """
-import sys, torch
+import os, sys, torch
 torch.set_num_threads(1)
 from dtlab.backends import init_backend
 b = init_backend(timeout=60, check_collectives=True if sys.argv[1:] == ["checked"] else None)
+import torch.distributed.nn.functional  # what building a torch.optim optimizer imports (torch._dynamo)
 t = torch.ones(3) * (b.rank + 1)
 b.all_reduce(t)
 line = f"{type(b).__name__} rank={b.rank} size={b.world_size} sum={t[0].item():g}"
 print(line + f" checked={b.check_collectives}", flush=True)
 b.close()
+
+
+def name(task):
+    try:
+        with open(f"/proc/self/task/{task}/comm") as f:
+            return f.read()
+    except OSError:  # the thread ended meanwhile
+        return ""
+
+
+left = [n for n in map(name, os.listdir("/proc/self/task")) if "gloo" in n]
+print(f"rank={b.rank} gloo threads after close: {len(left)}", flush=True)
 """
 
 
 def test_one_script_three_launchers(tmp_path: Path) -> None:
     """The same file under python, torchrun and mpiexec picks in-memory, gloo and MPI by itself; checked
     mode comes from init_backend's argument (torchrun), the environment (mpiexec) or is off (python
-    with DTLAB_CHECK_COLLECTIVES=0: the in-memory world checks every call anyway)."""
+    with DTLAB_CHECK_COLLECTIVES=0: the in-memory world checks every call anyway). After ``close()``
+    no gloo thread is left, even though the script imported, after the group was made, the torch
+    module whose defaults bind the default group (as building an optimizer does)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     bindir = Path(sys.executable).parent
@@ -156,3 +171,6 @@ def test_one_script_three_launchers(tmp_path: Path) -> None:
             re.findall(r"\w+Backend rank=\d+ size=\d+ sum=\d+ checked=(?:True|False)", proc.stdout)
         )  # ranks' lines may interleave
         assert proc.returncode == 0 and lines == want[name], (name, proc.stdout[-2000:], proc.stderr[-2000:])
+        # close() ended the process group: no gloo thread is left for the interpreter's teardown
+        left = re.findall(r"gloo threads after close: (\d+)", proc.stdout)
+        assert left == ["0"] * len(want[name]), (name, proc.stdout[-2000:])

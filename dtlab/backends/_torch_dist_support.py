@@ -34,6 +34,24 @@ def to_local(group: dist.ProcessGroup | None, global_rank: int) -> int:
     return global_rank if group is None else dist.get_group_rank(group, global_rank)
 
 
+def import_default_group_binders() -> None:
+    """Import, before ``init_process_group``, the torch module that binds the default group at import.
+
+    ``torch.distributed.nn.functional`` declares its collectives with ``group=group.WORLD`` defaults,
+    evaluated when the module is first imported. Building a ``torch.optim`` optimizer imports it
+    (through ``torch._dynamo``), after the group exists: those defaults then hold the default process
+    group past ``destroy_process_group``, and gloo's worker threads with it, until the interpreter's
+    teardown. A worker that releases a finished work's tensors then needs the GIL, which a finalizing
+    interpreter refuses by ending the thread inside C++ code: the process aborts ("terminate called
+    without an active exception"). Imported first, the defaults are None, and ``close`` ends the group
+    and joins its threads while the interpreter is alive.
+    """
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except ImportError:  # pragma: no cover - a torch build without it: nothing binds the group
+        pass
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-d view: gloo's flat collectives need matching 1-d buffers (a 0-d one crashes it)."""
     return t if t.dim() == 1 else t.view(-1)

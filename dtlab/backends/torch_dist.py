@@ -32,6 +32,7 @@ from dtlab.backends._torch_dist_support import (
     _flat,
     _reduce_scatter_flat,
     _wait_direct,
+    import_default_group_binders,
     to_global,
 )
 from dtlab.backends.base import CommunicationBackend, P2POp, ReduceOp, Work, split_members
@@ -98,6 +99,7 @@ class TorchDistBackend(CommunicationBackend):
         # no device_id: a bound device makes torch create sub-groups by ncclCommSplit of the default
         # group, which every process of the job must enter, while dtlab's groups are made by the
         # members of their parent group only (groups of groups)
+        import_default_group_binders()  # so that close() ends the default group (and gloo's threads)
         dist.init_process_group(
             cls.engine,
             init_method=init_method or f"tcp://{master_addr}:{master_port}",
