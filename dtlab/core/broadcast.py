@@ -1,5 +1,6 @@
 """Tensors set to rank 0's values over a group, in place: what a model strategy does with the buffers
-before each forward (torch DDP's ``broadcast_buffers``) and with parameters when it wraps a module.
+before each forward with gradients (torch DDP's ``broadcast_buffers``) and with parameters when it
+wraps a module.
 
 Small tensors travel together, one message per dtype and device (a model with 50 BatchNorm layers
 sends 1 message per forward, not 150); a large contiguous one (a DDP bucket) goes alone, with no copy.

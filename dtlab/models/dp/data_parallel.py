@@ -167,15 +167,16 @@ class DataParallelModel(OptimizerTarget):
     def _before_forward(self, *_: Any) -> None:
         """Before a forward: refuse it once a newer wrapper of the same module took it over, or while the
         gradients are partial after a backward that raised (an evaluation forward only cleans up); drop
-        the gradient stand-ins before a forward with gradients; broadcast rank 0's buffers."""
+        the gradient stand-ins before a forward with gradients, and broadcast rank 0's buffers then (as
+        torch's DDP: a forward under no_grad communicates nothing, so one rank may evaluate alone)."""
         self._owner.check("forward")
         self._wrapped_as.check()
         self._check_backward_finished("the forward" if torch.is_grad_enabled() else None)
         adopt_cleared(self._guarded, type(self).__name__, self._trainable, self.zero_grad_buffers)
         if torch.is_grad_enabled():
             self._release_guards()
-        if self.broadcast_buffers:
-            broadcast_from_rank0(self.module.buffers(), self.dp_backend)
+            if self.broadcast_buffers:
+                broadcast_from_rank0(self.module.buffers(), self.dp_backend)
 
     # ------------------------------------------------------------------ a backward that raised
     def _check_backward_finished(self, refused: str | None) -> None:

@@ -61,7 +61,8 @@ class DDPModel(DataParallelModel):
         bucket_cap_mb: gradient bucket size in MiB (default 25, like torch DDP).
         reduce_dtype: dtype gradients travel and are summed in (e.g. ``torch.float32`` for bf16 params).
         find_unused_parameters: reduce zeros for parameters that got no gradient instead of raising.
-        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks every forward.
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks every forward
+            with gradients (a forward under no_grad communicates nothing, as torch's DDP).
     """
 
     strategy_name: ClassVar[str] = "ddp"
