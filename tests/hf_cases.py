@@ -118,3 +118,31 @@ def worst_loss_error(got: list[float], want: list[float]) -> float:
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Relative error of ``got`` against ``want`` (norm of the difference over ``want``'s)."""
     return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def family(name: str, **extra: Any) -> nn.Module:
+    """A tiny causal language model of another family (``VOCAB`` tokens, ``SEQ`` positions, 2 layers,
+    hidden 32, 4 heads; 2 key/value heads where the family has grouped-query attention), no dropout:
+    ``"qwen2"`` (q, k and v with biases), ``"phi3"`` (fused ``qkv_proj`` and ``gate_up_proj``),
+    ``"neox"`` (GPT-NeoX: a fused ``query_key_value`` laid out head by head, partial rotary) or
+    ``"gemma"`` (its head tied to a scaled embedding)."""
+    transformers = transformers_module()
+    sizes: dict[str, Any] = {
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": SEQ, "use_cache": False,
+    }  # fmt: skip
+    if name == "neox":
+        config = transformers.GPTNeoXConfig(**sizes, rotary_pct=0.5, hidden_dropout=0.0, **extra)
+        net: nn.Module = transformers.GPTNeoXForCausalLM(config)
+        return net
+    sizes["num_key_value_heads"] = 2
+    if name == "phi3":
+        fields = {"pad_token_id": 0, "eos_token_id": 0, "bos_token_id": 0, "resid_pdrop": 0.0, **extra}
+        net = transformers.Phi3ForCausalLM(transformers.Phi3Config(**sizes, **fields))
+        return net
+    kinds = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM")}
+    config_class, model_class = kinds[name]
+    if name == "gemma":
+        sizes["head_dim"] = 8  # Gemma's default is 256
+    net = getattr(transformers, model_class)(getattr(transformers, config_class)(**sizes, **extra))
+    return net

@@ -30,6 +30,7 @@ from dtlab.models.tensor._comm import (
     reduce_scatter_to_seq,
     scatter_to_tp,
 )
+from dtlab.models.tensor._sources import check_forward, embedding_scale, linear_features
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
@@ -69,24 +70,13 @@ _Layer = TypeVar("_Layer", "ColumnParallelLinear", "RowParallelLinear", "VocabPa
 _Linear = TypeVar("_Linear", "ColumnParallelLinear", "RowParallelLinear")
 
 
-def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
-    """``(in_features, out_features, transposed)`` of a linear layer: an ``nn.Linear`` (weight
-    ``[out, in]``) or Hugging Face's ``Conv1D`` (GPT-2's: weight ``[in, out]``, ``y = x W + b``, its
-    sizes in ``nx`` and ``nf``); ``None`` for anything else."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features, False
-    w, sizes = getattr(module, "weight", None), (getattr(module, "nx", None), getattr(module, "nf", None))
-    if type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and tuple(w.shape) == sizes:
-        return w.shape[0], w.shape[1], True
-    return None
-
-
 def check_parameters(source: nn.Module, where: str) -> None:
     """Refuse a layer already split over tp, or a ``weight``/``bias`` that is not an ``nn.Parameter``."""
     if isinstance(source, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
         raise StrategyError(
             f"{where}: it is already split over tp ({type(source).__name__}); wrap the plain module once"
         )
+    check_forward(source, where)
     buffers = {n for n, _ in source.named_buffers(recurse=False)}
     for attr in ("weight", "bias"):
         value = getattr(source, attr, None)
@@ -356,6 +346,8 @@ class VocabParallelEmbedding(nn.Embedding):
         local_pad = -1 if padding_idx is None else padding_idx - self.vocab_start
         self.padding_idx = local_pad if 0 <= local_pad < self.per_rank else None  # its gradient: 0
         self.weight = _parameter((self.per_rank, embedding_dim), Shard(AXIS, 0), device, dtype)
+        self.register_buffer("embed_scale", None, persistent=False)  # a scaled embedding's: from_embedding
+        self.scale, self.scale_cast = cast(float | None, None), False  # its float scale, its cast
         self.reset_parameters()  # nn.Embedding's: normal, the padding row zero
 
     @classmethod
@@ -379,18 +371,27 @@ class VocabParallelEmbedding(nn.Embedding):
             device=META,  # built empty, then filled by _load on the source's device
             dtype=emb.weight.dtype,
         )
+        if scaled := embedding_scale(emb):  # Hugging Face's scaled embedding: its buffer itself or float
+            new.register_buffer("embed_scale", scaled[0], persistent=False)
+            new.scale, new.scale_cast = scaled[1:]
         return _load(new, emb, group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         _check_shard(self, self.weight, (self.per_rank, self.embedding_dim))
         pad = self.padding_idx
         if self.group.world_size == 1:
-            return F.embedding(ids, self.weight, pad)
+            return self._scaled(F.embedding(ids, self.weight, pad))
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight, pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return (reduce_scatter_to_seq if self.sequence_parallel else reduce_from_tp)(out, self.group)
+        reduce = reduce_scatter_to_seq if self.sequence_parallel else reduce_from_tp
+        return self._scaled(reduce(out, self.group))
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:  # as the scaled embedding it replaces
+        if isinstance(scale := self.embed_scale, torch.Tensor):
+            return rows * (scale.to(self.weight.dtype) if self.scale_cast else scale)
+        return rows if self.scale is None else rows * self.scale
 
     def extra_repr(self) -> str:
         return (

@@ -20,13 +20,14 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._comm import SharedInput, check_divisible, scatter_to_sequence
+from dtlab.models.tensor._fused import check_fused
 from dtlab.models.tensor._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     check_parameters,
-    linear_features,
 )
+from dtlab.models.tensor._sources import linear_features
 
 __all__ = [
     "ColwiseParallel",
@@ -315,6 +316,8 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
                     f"tensor-parallel plan: module {n!r} is matched by both {found[n][2]!r} and {pattern!r}"
                 )
             _check_one(module, n, m, style, tp)
+            if isinstance(style, ColwiseParallel):
+                check_fused(module, n, style.gather_output, style.sections)
             found[n] = (m, style, pattern)
     for n in found:  # a swapped module may not contain another planned module
         inner = [o for o in found if o.startswith(n + ".")]

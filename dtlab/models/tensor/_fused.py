@@ -1,0 +1,59 @@
+"""Hugging Face's fused projections, which a plain column split gets silently wrong.
+
+Some Hugging Face models compute several projections with one ``nn.Linear`` and slice its output:
+Phi-3's ``qkv_proj`` (``[q | k | v]``, of unequal widths under grouped-query attention, sliced at the
+widths its config gives) and ``gate_up_proj`` (``[gate | up]``, halved with ``chunk(2)``), GPT-2's
+``c_attn``, Falcon's and Bloom's ``query_key_value``. A ``colwise`` split hands rank r the r-th
+contiguous part of that output, and the model slices its local output at the whole model's widths:
+rank 0 of a ``[gate | up]`` split at tp=2 takes the two halves of ``gate`` as gate and up, and trains,
+wrongly. :func:`check_fused` refuses such a split before any communication, naming the styles that are
+exact: the output gathered (``colwise_gather_output``, Hugging Face's own plan for Phi-3), each section
+split (``packed_colwise`` for ``[gate | up]``), or dtlab's per-head recipe (``plan="auto"`` on GPT-2).
+GPT-NeoX's ``query_key_value`` is laid out head by head (``[q k v]`` of head 0, then head 1, ...) and
+its attention infers the head count: a ``colwise`` split there holds whole heads and is exact.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dtlab.errors import StrategyError
+
+__all__ = ["check_fused"]
+
+_QKV = "[q | k | v] (the model slices q, k and v at the whole model's widths)"
+#: the last name part -> (what its output is, the sections a column split may keep, the exact fix)
+_FUSED: dict[str, tuple[str, int | None, str]] = {
+    "qkv_proj": (_QKV, None, ""),
+    "Wqkv": (_QKV, None, ""),
+    "W_pack": (_QKV, None, ""),
+    "c_attn": (_QKV, None, "; on GPT-2, plan='auto' splits it per head (dtlab's recipe, HeadsParallel)"),
+    "query_key_value": (_QKV, None, ""),
+    "gate_up_proj": (
+        "[gate | up] (the model halves it with chunk(2))",
+        2,
+        "; or 'packed_colwise' (gate and up each split over tp) with 'rowwise' on the projection after it",
+    ),
+}
+#: model types whose projection of that name is laid out head by head, its head count inferred
+_PER_HEAD = {"query_key_value": {"gpt_neox"}}
+
+
+def check_fused(root: nn.Module, name: str, gather_output: bool, sections: int) -> None:
+    """Refuse a column split of a Hugging Face model's (``root`` has ``config.model_type``) fused
+    projection ``name`` that leaves its output split in other sections than the model slices."""
+    model_type = getattr(getattr(root, "config", None), "model_type", None)
+    last = name.rpartition(".")[2]
+    if gather_output or not isinstance(model_type, str) or last not in _FUSED:
+        return
+    what, keeps, fix = _FUSED[last]
+    if sections == keeps or model_type in _PER_HEAD.get(last, set()):
+        return
+    style = "colwise" if sections == 1 else f"a column split in {sections} sections"
+    raise StrategyError(
+        f"tensor-parallel plan: module {name!r} of {type(root).__name__} is a fused projection whose "
+        f"output is {what}: {style} would give each rank the wrong heads or halves (wrong results, or "
+        "a shape error inside the model). Use "
+        "'colwise_gather_output' on it and 'rowwise_split_input' on the projection reading its output "
+        f"(Hugging Face's own plan for Phi-3){fix}; or leave it out of the plan"
+    )
