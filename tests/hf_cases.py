@@ -124,16 +124,20 @@ def family(name: str, **extra: Any) -> nn.Module:
     """A tiny causal language model of another family (``VOCAB`` tokens, ``SEQ`` positions, 2 layers,
     hidden 32, 4 heads; 2 key/value heads where the family has grouped-query attention), no dropout:
     ``"qwen2"`` (q, k and v with biases), ``"phi3"`` (fused ``qkv_proj`` and ``gate_up_proj``),
-    ``"neox"`` (GPT-NeoX: a fused ``query_key_value`` laid out head by head, partial rotary) or
-    ``"gemma"`` (its head tied to a scaled embedding)."""
+    ``"neox"`` (GPT-NeoX: a fused ``query_key_value`` laid out head by head, partial rotary),
+    ``"gemma"`` (its head tied to a scaled embedding) or ``"bert"`` (a masked-LM encoder)."""
     transformers = transformers_module()
     sizes: dict[str, Any] = {
         "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "max_position_embeddings": SEQ, "use_cache": False,
     }  # fmt: skip
+    if name == "bert":
+        fields = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **extra}
+        net: nn.Module = transformers.BertForMaskedLM(transformers.BertConfig(**sizes, **fields))
+        return net
     if name == "neox":
         config = transformers.GPTNeoXConfig(**sizes, rotary_pct=0.5, hidden_dropout=0.0, **extra)
-        net: nn.Module = transformers.GPTNeoXForCausalLM(config)
+        net = transformers.GPTNeoXForCausalLM(config)
         return net
     sizes["num_key_value_heads"] = 2
     if name == "phi3":

@@ -3,7 +3,8 @@ own ``base_model_tp_plan``), against one process on the same batch after 2 SGD s
 (q, k and v with biases, grouped-query attention), Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``:
 its plan gathers them; ``packed_colwise`` by hand splits ``[gate | up]`` exactly), GPT-NeoX (a fused
 ``query_key_value`` laid out head by head, partial rotary) and Gemma (its head tied to an embedding
-scaled by sqrt(hidden): the split embedding keeps the scale, also built on the meta device). What
+scaled by sqrt(hidden): the split embedding keeps the scale, also built on the meta device), and BERT
+(no plan of its own: dtlab's recipe ``bert_plan()`` splits its encoder layers). What
 would be silently wrong is refused before any call: a plain column split of a fused projection, and a
 linear or embedding subclass whose own forward the split layer would not run. One in-memory world of 2
 ranks for all; tiny configs (no network). ZeRO-3, FSDP, pipelines and meta builds of these families:
@@ -32,7 +33,7 @@ LR, STEPS = 0.5, 2
 PHI3_PACKED = {"model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"}
 #: (family, plan): Hugging Face's own plans, and Phi-3's MLP split by sections by hand
 CASES: list[tuple[str, Any]] = [("qwen2", "auto"), ("phi3", "auto"), ("phi3", PHI3_PACKED)]
-CASES += [("neox", "auto"), ("gemma", "auto")]
+CASES += [("neox", "auto"), ("gemma", "auto"), ("bert", "auto")]
 
 
 def _built(name: str) -> nn.Module:

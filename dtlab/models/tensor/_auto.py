@@ -10,7 +10,7 @@ from torch import nn
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._plan import DeclaredPlan, HeadsParallel, Plan, PlanDict, Style
 
-__all__ = ["declared_plan", "gpt2_plan", "hugging_face_plan"]
+__all__ = ["bert_plan", "declared_plan", "gpt2_plan", "hugging_face_plan"]
 
 
 def gpt2_plan(prefix: str = "transformer.", head: bool = True) -> PlanDict:
@@ -30,8 +30,26 @@ def gpt2_plan(prefix: str = "transformer.", head: bool = True) -> PlanDict:
     return plan
 
 
+def bert_plan(prefix: str = "bert.") -> PlanDict:
+    """BERT (``BertForMaskedLM`` and the other heads over ``bert``; ``prefix=""`` for ``BertModel``): each
+    encoder layer's query, key and value column-parallel (whole heads per rank: its attention infers the
+    head count), its attention output row-parallel, the intermediate column- then the output
+    row-parallel. The embeddings, pooler and heads stay whole: the masked-LM head's decoder shares its
+    bias with ``cls.predictions.bias``, a parameter of the head itself, which no split keeps tied.
+    Hugging Face's BERT declares no plan."""
+    layer = f"{prefix}encoder.layer.*."
+    plan: dict[str, Style | str] = {
+        f"{layer}attention.self.{p}": "colwise" for p in ("query", "key", "value")
+    }
+    plan.update({f"{layer}attention.output.dense": "rowwise", f"{layer}intermediate.dense": "colwise"})
+    plan[f"{layer}output.dense"] = "rowwise"
+    return plan
+
+
 def _recipe(module: nn.Module) -> PlanDict | None:
     model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if model_type == "bert":
+        return bert_plan("bert." if isinstance(getattr(module, "bert", None), nn.Module) else "")
     if model_type == "gpt2":
         if isinstance(getattr(module, "transformer", None), nn.Module):
             return gpt2_plan("transformer.", isinstance(getattr(module, "lm_head", None), nn.Module))
@@ -57,7 +75,8 @@ def hugging_face_plan(module: nn.Module) -> PlanDict | None:
 def declared_plan(module: nn.Module, plan: Plan) -> PlanDict:
     """``plan`` itself, or for ``"auto"`` / a :class:`DeclaredPlan` the one ``module`` declares: its
     ``tp_plan(sequence_parallel=...)`` method, else Hugging Face's (:func:`hugging_face_plan`), else
-    dtlab's recipe for its architecture (GPT-2: :func:`gpt2_plan`); anything else is refused, saying
+    dtlab's recipe for its architecture (GPT-2: :func:`gpt2_plan`, BERT: :func:`bert_plan`); anything
+    else is refused, saying
     what to pass. The styles are checked by :func:`dtlab.models.tensor._plan.resolve_plan`."""
     if isinstance(plan, str):
         if plan != "auto":
