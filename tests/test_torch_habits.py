@@ -182,6 +182,11 @@ def test_all_habits_on_gloo(
     # rank 0 evaluated alone while rank 1 had left: named after forward_wait_s (3 s), not 300 s
     alone = results[0]["one_rank_eval/zero3"]
     assert alone["named"] is True and alone["seconds"] < 10, alone
+    # rank 0 saved alone (if rank == 0: torch.save(model.state_dict())): named after 1 s; it hung before
+    alone = results[0]["one_rank_state/fsdp"]
+    assert alone["named"] is True and alone["seconds"] < 5, alone
+    said = alone["message"]
+    assert "model.state_dict() waited 1 s" in said and "if rank == 0: torch.save(sd" in said, said
 
 
 class _Tied(torch.nn.Module):

@@ -272,26 +272,35 @@ def counts_case(backend: CommunicationBackend, name: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- one-rank evaluation
-def one_rank_eval_case(backend: CommunicationBackend, name: str, other: str = "leave") -> dict[str, Any]:
-    """Rank 0 alone evaluates (a DDP habit); the other ranks ``leave`` (return) or wait at a
-    ``barrier``. Under ZeRO-3/FSDP the forward must stop with an error naming the cause, quickly."""
+def one_rank_eval_case(
+    backend: CommunicationBackend, name: str, other: str = "leave", call: str = "forward"
+) -> dict[str, Any]:
+    """Rank 0 alone evaluates (a DDP habit), or with ``call="state_dict"`` saves (``if rank == 0:
+    torch.save(model.state_dict(), path)``); the other ranks ``leave`` (return) or wait at a
+    ``barrier``. Under ZeRO-3/FSDP the forward or state dict must stop with an error naming the cause,
+    quickly (it hung for the collective timeout before on Gloo and NCCL)."""
     backend.check_collectives = False  # a user's default (spawned test worlds check every call)
-    model = wrap(name, make_module(), backend, forward_wait_s=3.0)
+    wait = 3.0 if call == "forward" else 1.0
+    model = wrap(name, make_module(), backend, forward_wait_s=wait)
     xb, _ = _batch(backend, 0)
     if backend.rank != 0:
         if other == "barrier":
             backend.barrier()
         elif other == "rejoin":  # come back after rank 0 gave up, to meet its pending gather: the
-            time.sleep(6.0)  # world then closes cleanly (a test's choreography, not a user's)
+            time.sleep(2 * wait)  # world then closes cleanly (a test's choreography, not a user's)
             unit = model.shard_units()[0]
             backend.all_gather(unit.new_flat(), model.shard_param(unit))
         return {}
     t0 = time.monotonic()
     try:
-        with torch.no_grad():
-            model(xb)
+        if call == "forward":
+            with torch.no_grad():
+                model(xb)
+        else:
+            model.state_dict()
     except StrategyError as exc:
-        return {"named": "every rank must call forward" in str(exc), "seconds": time.monotonic() - t0}
+        said = f"every rank must call {'forward' if call == 'forward' else 'it'}"
+        return {"named": said in str(exc), "seconds": time.monotonic() - t0, "message": str(exc)}
     return {"named": False, "seconds": time.monotonic() - t0}
 
 
@@ -310,8 +319,9 @@ def all_cases(backend: CommunicationBackend) -> dict[str, Any]:
     out["sync_bn/initialized"] = torch.distributed.is_initialized()
     for name in ("ddp", "fsdp"):
         out[f"sync_bn/{name}"] = sync_bn_case(backend, name)
-    # last: rank 0's forward leaves an all-gather pending that nothing else may meet
+    # last: rank 0's forward (then state dict) leaves an all-gather pending that nothing else may meet
     out["one_rank_eval/zero3"] = one_rank_eval_case(backend, "zero3", "rejoin")
+    out["one_rank_state/fsdp"] = one_rank_eval_case(backend, "fsdp", "rejoin", "state_dict")
     return out
 
 

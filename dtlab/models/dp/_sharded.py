@@ -193,11 +193,10 @@ class ShardedModel(DataParallelModel):
         self._finish_reductions(keep=1)
 
     def _finish_reductions(self, keep: int = 0) -> None:
-        """Wait for the reductions started first until at most ``keep`` are in flight, adding each
-        result into its unit's gradient shard. An engine that overlaps keeps a reduction's input (the
-        unit's whole flat gradient) until it is waited for: waiting for the previous one when the next
-        starts (as torch's FSDP2) bounds the whole gradients alive in backward to two units, whatever
-        the number of units."""
+        """Wait for the reductions started first until at most ``keep`` are in flight, adding each result into
+        its unit's gradient shard. An engine that overlaps keeps a reduction's input (the unit's whole flat
+        gradient) until it is waited for: waiting for the previous one when the next starts (as torch's FSDP2)
+        bounds the whole gradients alive in backward to two units, whatever the number of units."""
         while len(self._pending) > keep:
             st, work, out = self._pending.pop(0)
             work.wait()
@@ -282,10 +281,9 @@ class ShardedModel(DataParallelModel):
 
     # ------------------------------------------------------------------ writes after wrapping
     def apply(self, fn: Callable[[nn.Module], None]) -> Self:
-        """``nn.Module.apply``: ``fn(m)`` for every submodule, children first, then the wrapper, with
-        ``m``'s own parameters gathered (one module's units at a time); each rank keeps its shard of
-        what ``fn`` wrote. Collective: every rank calls it (docs/strategies.md, initializing after
-        wrapping)."""
+        """``nn.Module.apply``: ``fn(m)`` for every submodule, children first, then the wrapper, with ``m``'s
+        own parameters gathered (one module's units at a time); each rank keeps its shard of what ``fn``
+        wrote. Collective: every rank calls it (docs/strategies.md, initializing after wrapping)."""
         self._owner.check("model.apply(fn)")
         self._wrapped_as.check()
         self._writes.apply(self.module, fn)
@@ -294,9 +292,8 @@ class ShardedModel(DataParallelModel):
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
-        """Every parameter whole inside the block (the whole model gathered, as FSDP1's); with
-        ``writeback`` each rank keeps its shard of what the block wrote, else writes are dropped.
-        Collective: every rank enters it."""
+        """Every parameter whole inside the block (the whole model gathered, as FSDP1's); with ``writeback``
+        each rank keeps its shard of what the block wrote, else writes are dropped. Every rank enters it."""
         self._owner.check("summon_full_params()")
         persistent = {id(st) for st in self._units if st.persistent}
         with self.keep_gathered():
@@ -367,6 +364,10 @@ class ShardedModel(DataParallelModel):
                 "shards with model.load_sharded_state_dict(shards) or dtlab.checkpoint (any world size, "
                 "any data-parallel strategy)"
             )
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:  # a rank saving alone is named (watched gather)
+        with self._at_rest.watched("model.state_dict()", not self._backward.open and self.forward_wait_s > 0):
+            return super().full_state_dict()
 
     def whole_state(self) -> dict[str, torch.Tensor]:
         """Buffers and frozen parameters (kept whole on every rank), keyed like ``state_dict()``."""

@@ -83,6 +83,8 @@ class UnitGatherer:
         self.watch = False
         #: the unit whose watched gather the other ranks did not join in time (its gather left pending)
         self.unjoined: ShardUnit | None = None
+        #: the call whose first gather is watched ("forward", or the state dict's)
+        self.watching = "forward"
         self._by_storage: dict[int, ShardUnit] = {}
         #: which units were gathered, in order, since :meth:`take_trace` (ranks running other modules differ)
         self.trace = 0
@@ -132,20 +134,42 @@ class UnitGatherer:
         deadline = time.monotonic() + self.forward_wait_s
         while work.polls and not work.is_completed():
             if time.monotonic() > deadline:
-                raise StrategyError(
-                    f"{self.who} on rank {self.group.rank}: the forward waited {self.forward_wait_s:g} s "
-                    f"for the other {self.group.world_size - 1} rank(s) of its data-parallel group to "
-                    "gather the parameters. Under a sharded strategy every rank must call forward (each "
-                    "holds 1/P of the parameters), evaluation too: evaluate on every rank (each on its "
-                    "part of the data, then average the metric), or call model.state_dict() on every "
-                    "rank and evaluate a plain copy on one rank. If a rank is legitimately that late, "
-                    "pass a larger forward_wait_s"
-                )
+                raise StrategyError(self._unjoined_message())
             time.sleep(0.0005)
 
+    def _unjoined_message(self) -> str:
+        who = f"{self.who} on rank {self.group.rank}"
+        waited = (
+            f"waited {self.forward_wait_s:g} s for the other {self.group.world_size - 1} rank(s) of its "
+            "data-parallel group to gather the parameters. Under a sharded strategy every rank must call"
+        )
+        if self.watching != "forward":
+            return (
+                f"{who}: {self.watching} {waited} it (each holds 1/P of the parameters), saving too: call "
+                "sd = model.state_dict() on every rank, then save on one (if rank == 0: torch.save(sd, "
+                "path)), or save each rank's shard with dtlab.checkpoint. If a rank is legitimately that "
+                "late, pass a larger forward_wait_s"
+            )
+        return (
+            f"{who}: the forward {waited} forward (each holds 1/P of the parameters), evaluation too: "
+            "evaluate on every rank (each on its part of the data, then average the metric), or call "
+            "model.state_dict() on every rank and evaluate a plain copy on one rank. If a rank is "
+            "legitimately that late, pass a larger forward_wait_s"
+        )
+
+    @contextlib.contextmanager
+    def watched(self, call: str, enabled: bool) -> Iterator[None]:
+        """The first gather inside the block is watched (see :meth:`_wait_for_every_rank`), named as
+        ``call``: a rank calling a collective method alone (saving on rank 0 only) is named."""
+        self.watch, self.watching = enabled, call
+        try:
+            yield
+        finally:
+            self.watch, self.watching = False, "forward"
+
     def free(self, st: ShardUnit) -> None:
-        if st.persistent or st.flat is None:
-            return
+        if st.persistent or st.flat is None or (st is self.unjoined and st.work is not None):
+            return  # (the last: a gather the other ranks did not join, after its error: waiting would hang)
         if st.work is not None:
             st.work.wait()
             st.work = None
