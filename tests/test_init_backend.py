@@ -106,10 +106,13 @@ torch.set_num_threads(1)
 from dtlab.backends import init_backend
 b = init_backend(timeout=60, check_collectives=True if sys.argv[1:] == ["checked"] else None)
 import torch.distributed.nn.functional  # what building a torch.optim optimizer imports (torch._dynamo)
+g = b.new_group(list(range(b.world_size)))  # a sub-group, still referenced after its close()
+g.barrier()
 t = torch.ones(3) * (b.rank + 1)
 b.all_reduce(t)
 line = f"{type(b).__name__} rank={b.rank} size={b.world_size} sum={t[0].item():g}"
 print(line + f" checked={b.check_collectives}", flush=True)
+g.close()
 b.close()
 
 
@@ -123,6 +126,11 @@ def name(task):
 
 left = [n for n in map(name, os.listdir("/proc/self/task")) if "gloo" in n]
 print(f"rank={b.rank} gloo threads after close: {len(left)}", flush=True)
+if type(g).__name__ == "GlooBackend":
+    try:
+        g.barrier()
+    except Exception as exc:
+        print(f"closed group: {type(exc).__name__}: {exc}", flush=True)
 """
 
 
@@ -130,8 +138,8 @@ def test_one_script_three_launchers(tmp_path: Path) -> None:
     """The same file under python, torchrun and mpiexec picks in-memory, gloo and MPI by itself; checked
     mode comes from init_backend's argument (torchrun), the environment (mpiexec) or is off (python
     with DTLAB_CHECK_COLLECTIVES=0: the in-memory world checks every call anyway). After ``close()``
-    no gloo thread is left, even though the script imported, after the group was made, the torch
-    module whose defaults bind the default group (as building an optimizer does)."""
+    no gloo thread is left, though the script still holds a closed sub-group and imported, after the
+    default group was made, the torch module whose defaults bind it (as building an optimizer does)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     bindir = Path(sys.executable).parent
@@ -174,3 +182,5 @@ def test_one_script_three_launchers(tmp_path: Path) -> None:
         # close() ended the process group: no gloo thread is left for the interpreter's teardown
         left = re.findall(r"gloo threads after close: (\d+)", proc.stdout)
         assert left == ["0"] * len(want[name]), (name, proc.stdout[-2000:])
+        if name == "torchrun":  # a closed torch.distributed group says so instead of running
+            assert proc.stdout.count("closed group: BackendInitError: GlooBackend(rank=") == 2, proc.stdout

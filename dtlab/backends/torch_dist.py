@@ -65,14 +65,15 @@ class TorchDistBackend(CommunicationBackend):
                 f"{type(self).__name__} needs an initialized torch.distributed: use "
                 f"dtlab.backends.init_backend('{self.engine}') or {type(self).__name__}.start(...)"
             )
-        self._group = None if group is dist.group.WORLD else group  # None: the default group
-        super().__init__(dist.get_rank(self._group), dist.get_world_size(self._group), stats_parent)
+        self._pg = None if group is dist.group.WORLD else group  # None: the default group
+        self._closed = False
+        super().__init__(dist.get_rank(self._pg), dist.get_world_size(self._pg), stats_parent)
         self._device = torch.device(device)
         self._timeout = float(timeout)
-        self._is_world = self._group is None
+        self._is_world = self._pg is None
         self._name = name  # the group's name in the store, the same on every member
         self._groups_made = 0
-        self._direct = _direct_calls(self._group)
+        self._direct = _direct_calls(self._pg)
 
     @classmethod
     def start(
@@ -122,6 +123,15 @@ class TorchDistBackend(CommunicationBackend):
     def group(self) -> dist.ProcessGroup | None:
         """The underlying ``torch.distributed`` process group (None: the default group)."""
         return self._group
+
+    @property
+    def _group(self) -> dist.ProcessGroup | None:
+        if self._closed:  # its process group is destroyed and dropped: nothing to run on
+            raise BackendInitError(
+                f"{self!r} is closed: close() destroyed its process group; make a new group "
+                "(new_group/split of an open backend) or start a new backend"
+            )
+        return self._pg
 
     @property
     def timeout(self) -> float:
@@ -325,17 +335,24 @@ class TorchDistBackend(CommunicationBackend):
         """Destroy this backend's process group (the default group: ``destroy_process_group()``).
 
         Collective: every rank of the group calls it. A barrier first, so that no rank tears its
-        connections down while a peer still uses them (gloo aborts the process then).
+        connections down while a peer still uses them (gloo aborts the process then). A second call
+        does nothing.
         """
-        if dist.is_initialized():
+        if self._closed:
+            return
+        if dist.is_initialized():  # else the default group's close() destroyed every group already
             try:
-                dist.barrier(group=self._group)
+                dist.barrier(group=self._pg)
             except RuntimeError:  # a peer is gone already: nothing left to wait for
                 pass
-            dist.destroy_process_group(None if self._is_world else self._group)
-        # drop the direct handle to the process group too, so that it is destroyed here, with its
-        # worker threads joined, and not during interpreter shutdown
+            dist.destroy_process_group(None if self._is_world else self._pg)
+        # drop this backend's handles to the process group too (the direct calls' bound methods, a
+        # sub-group itself), so that it is destroyed here, with gloo's worker threads joined, and not
+        # during the interpreter's teardown, where a worker that still releases a finished work's
+        # tensors needs the GIL and aborts the process; a closed backend's operations raise
+        self._closed = True
         self._direct = None
+        self._pg = None
 
 
 class GlooBackend(TorchDistBackend):
