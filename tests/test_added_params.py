@@ -4,14 +4,16 @@ frozen there) train exactly under DDP, ZeRO-1/2/3, FSDP and tensor parallelism. 
 ``model.module`` after wrapping they were trained on no rank (the optimizer strategy steps the
 parameters the wrapper was built on: 0.060 relative error after 3 steps under every strategy, the
 adapters still at their initial values); a parametrization registered after wrapping (its
-``original`` parameters) was the same. Now the step refuses them by name, with the fix."""
+``original`` parameters) was the same. Now the step refuses them by name, with the fix; a layer
+replaced before the optimizer strategy is built is named there (it was called a stranger to the
+module)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from test_strategies_helpers import STRATEGIES, make_data, make_module, max_rel_error, wrap
+from test_strategies_helpers import HIDDEN, OUT, STRATEGIES, make_data, make_module, max_rel_error, wrap
 from test_tensor_habits import LR, PLAN, build, data
 from torch import nn
 from torch.nn import functional as F
@@ -75,19 +77,21 @@ def reference() -> dict[str, torch.Tensor]:
 def dp_world(backend: CommunicationBackend) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    for when in ("before", "after", "parametrized"):
+    for when in ("before", "after", "parametrized", "replaced"):
         for name in STRATEGIES:
             module = make_module()
             freeze_base(module)
             if when == "before":
                 adapt(module)
             model = wrap(name, module, backend)
-            opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.SGD, lr=0.1)
-            if when == "after":
-                adapt(model.module)
-            if when == "parametrized":  # after the optimizer strategy: weight_norm's original0/1
-                parametrizations.weight_norm(model.module[3])
             try:
+                if when == "replaced":  # a new head, then the optimizer strategy
+                    model.module[3] = nn.Linear(HIDDEN, OUT)
+                opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.SGD, lr=0.1)
+                if when == "after":
+                    adapt(model.module)
+                if when == "parametrized":  # after the optimizer strategy: weight_norm's original0/1
+                    parametrizations.weight_norm(model.module[3])
                 train(model, opt, HALVES[backend.rank])
                 out[f"{when}/{name}"] = model.full_state_dict()
             except StrategyError as exc:
@@ -148,6 +152,8 @@ def test_adapters_added_before_wrapping_train_exactly_and_after_are_refused() ->
             assert fix in got, f"{where}: {got}"
             got = res[f"parametrized/{name}"]
             assert isinstance(got, str) and ADDED in got and "3.parametrizations.weight.original0" in got, got
+            got = res[f"replaced/{name}"]  # named when the optimizer strategy is built on the wrapper
+            assert "parameters ['3.weight', '3.bias']" in got and "are no longer in its module" in got, got
     ref = tp_reference()
     for res in run_world(2, tp_world, timeout=120):
         assert max_rel_error(res["before"], ref) <= 1e-6

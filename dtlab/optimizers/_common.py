@@ -79,6 +79,14 @@ class DataParallelOptimizer(OptimizerStrategy):
         self.model = model
         self._ready = False
         self._module_params = {id(p) for p in model.module.parameters()}
+        gone = [n for n, p in model.trainable_parameters() if id(p) not in self._module_params]
+        if gone:  # else add_param_group would call them strangers to the module, hiding why
+            raise StrategyError(
+                f"{me}: parameters {gone[:5]} of {type(model).__name__} are no longer in its module: a layer "
+                "of model.module was replaced after wrapping (a LoRA wrapper, a new head), whose new "
+                "parameters the wrapper would never average. Make the change on the plain module before "
+                "wrapping it"
+            )
         spec = spec_of(me, optimizer, kwargs, [p for _, p in model.trainable_parameters()])
         torch.optim.Optimizer.__init__(self, spec.groups, spec.defaults)
         self._entries = self._build()
