@@ -43,10 +43,10 @@ def _from_rank0(
     model.eval()
     with torch.no_grad():
         out = model(torch.ones(4, 5))
-        model.train()
-        model(torch.full((4, 5), float(backend.rank)))  # each rank's running statistics move apart
-        model.eval()
-        model(torch.ones(4, 5))  # every forward starts from rank 0's buffers
+    model.train()
+    model(torch.full((4, 5), float(backend.rank)))  # each rank's running statistics move apart
+    model.eval()
+    model(torch.ones(4, 5))  # every forward with gradients starts from rank 0's buffers (torch DDP's)
     return full, out, model.module[1].running_mean.clone()
 
 

@@ -212,3 +212,35 @@ def test_a_pipeline_with_find_unused_parameters_leaves_an_unused_parameter_out()
     for rank, res in enumerate(run_world(2, pipeline_world, timeout=60)):
         for where, got in res.items():
             assert max_rel_error(got, ref) <= 1e-6, f"{where} rank {rank}"
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.h1, self.h2 = nn.Linear(4, 6), nn.Linear(6, 2), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.body(x))
+        return self.h1(h), self.h2(h)
+
+
+def two_backwards_world(backend: CommunicationBackend) -> dict[str, str]:
+    """``l1.backward(retain_graph=True); l2.backward()`` over one forward, each loss on one head."""
+    x, y = data()
+    out = {}
+    for name in STRATEGIES:
+        model = wrap(name, filled(_TwoHeads(), 0, scale=0.4), backend)
+        a, b = model(x[0, :4])
+        try:
+            F.mse_loss(a, y[0, :4]).backward(retain_graph=True)
+            F.mse_loss(b, -y[0, :4]).backward()
+            out[name] = "ran"
+        except StrategyError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_two_backwards_over_one_forward_name_adding_the_losses() -> None:
+    for res in run_world(2, two_backwards_world, timeout=60):
+        for name, msg in res.items():
+            assert "'h2.weight'" in msg and "(l1 + l2).backward()" in msg, f"{name}: {msg}"

@@ -58,7 +58,9 @@ def unused_error(who: str, rank: int, missing: list[str]) -> StrategyError:
         f"{who} on rank {rank}: parameters received no gradient in this backward pass: "
         f"{missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all). Every rank must "
         "reduce the same gradients or the job hangs; make them take part in the loss, freeze them "
-        "(requires_grad=False) or pass find_unused_parameters=True to reduce zeros for them"
+        "(requires_grad=False) or pass find_unused_parameters=True to reduce zeros for them. If this "
+        "backward is one of several over one forward (l1.backward(retain_graph=True); l2.backward()), "
+        "add the losses and call backward() once: (l1 + l2).backward()"
     )
 
 
