@@ -1,7 +1,8 @@
 """Hugging Face families under dtlab's strategies, each against one process on the same global batch.
 
-    python examples/hf_families.py                 # every family, every strategy (about a minute)
-    python examples/hf_families.py gemma phi3      # some families
+    OMP_NUM_THREADS=1 python examples/hf_families.py           # every family, every strategy
+    OMP_NUM_THREADS=1 python examples/hf_families.py Gemma Phi-3   # some families
+    OMP_NUM_THREADS=1 python examples/hf_families.py --hybrid      # the meshes, on 4 and 8 ranks
 
 Each family is a tiny model built from its config (no network, no weights: 2 layers, hidden 32,
 4 heads, 64 tokens), float32, no dropout. Every strategy runs on 2 in-memory ranks: tensor parallel
@@ -13,11 +14,14 @@ arithmetic, so its value is round-off), or what refused the run. "meta": the mod
 device and wrapped with ``init_seed`` under tp=2 (ZeRO-3 where tp is refused): whether it holds
 bitwise the model ZeRO-3 builds from the same seed, its buffers equal a plain build's, and its loss
 is the plain model's on that state. The table in docs/your_model.md, "Hugging Face families", is
-this program's output.
+this program's output. ``--hybrid``: each family with a tensor plan under dp 2 x tp 2 (FSDP) and
+pp 2 x dp 2 x tp 2 (FSDP, ZeRO-1) against one process, and built on meta under pp 2 x dp 2 x tp 2
+against ZeRO-3's build from the same seed.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,11 +31,19 @@ import torch.nn.functional as F
 import transformers as hf
 from torch import nn
 
+from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.rng import seeded_init
 from dtlab.errors import DtlabError
-from dtlab.models import FSDPModel, ModuleClassPolicy, PipelineParallelModel, TensorParallelModel, ZeRO3Model
-from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
+from dtlab.models import (
+    FSDPModel,
+    HybridShardedModel,
+    ModuleClassPolicy,
+    PipelineParallelModel,
+    TensorParallelModel,
+    ZeRO3Model,
+)
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
 VOCAB, SEQ, LR, STEPS = 64, 8, 0.5, 2
@@ -201,6 +213,82 @@ def meta_cell(name: str, tp_cell: str) -> str:
     return f"{verdict} ({how}: state = ZeRO-3's {same}, buffers {bufs}, loss {loss:.6f} vs {want:.6f})"
 
 
+def hybrid(backend: CommunicationBackend, name: str, axes: dict[str, int], dp: str, meta: bool) -> Any:
+    """The trained full state on a mesh, or (``meta``) the state built on meta with ``init_seed``."""
+    if meta:
+        with torch.device("meta"):
+            net = FAMILIES[name][0]().eval()
+    else:
+        net = build(name)
+    layer = next(type(m) for m in net.modules() if type(m).__name__ == FAMILIES[name][1])
+    options: dict[str, Any] = {"init_seed": 3} if meta else {}
+    if "pp" in axes:
+        options.update(split_points=[FAMILIES[name][2]], micro_batches=2)
+    if dp == "fsdp":
+        options["wrap_policy"] = ModuleClassPolicy((layer,))
+    mesh = Mesh(backend, axes)
+    model = HybridShardedModel(net, mesh, dp, tensor_plan="auto", **options)
+    if meta:
+        return model.full_state_dict()
+    opt = (ZeRO3Optimizer if dp == "fsdp" else ZeRO1Optimizer)(model, torch.optim.SGD, lr=LR)
+    x, y = batch()
+    x, y = x.chunk(mesh.size("dp"))[mesh.coordinate("dp")], y.chunk(mesh.size("dp"))[mesh.coordinate("dp")]
+    for _ in range(STEPS):
+        if model.pipelined:
+            model.train_step((x, y), loss_of)
+        else:
+            loss_of(call(model, name, x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict()
+
+
+def zero3_on_meta(backend: CommunicationBackend, name: str) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        net = FAMILIES[name][0]().eval()
+    state: dict[str, torch.Tensor] = ZeRO3Model(
+        net, backend, persistence_threshold=0, init_seed=3
+    ).full_state_dict()
+    return state
+
+
+def main_hybrid(names: list[str]) -> None:
+    meshes = [
+        ({"dp": 2, "tp": 2}, "fsdp"),
+        ({"pp": 2, "dp": 2, "tp": 2}, "fsdp"),
+        ({"pp": 2, "dp": 2, "tp": 2}, "zero1"),
+    ]
+    print(
+        "| family | "
+        + " | ".join(f"{'x'.join(f'{k}{v}' for k, v in a.items())} {dp}" for a, dp in meshes)
+        + " | meta pp2xdp2xtp2 fsdp |"
+    )
+    print("|---" * (len(meshes) + 2) + "|")
+    for name in names:
+        want, cells = one_process(name), []
+        for axes, dp in meshes:
+            try:
+                states = run_world(math.prod(axes.values()), hybrid, name, axes, dp, False, timeout=300)
+            except Exception as exc:  # what stopped the run is the cell
+                cells.append(refused(exc))
+                continue
+            worst = max(
+                float((s[k] - v).norm() / v.norm())
+                for s in states
+                for k, v in want.items()
+                if v.is_floating_point() and float(v.norm()) > 1e-2
+            )
+            cells.append(f"{worst:.1e}")
+        try:
+            reference = run_world(2, zero3_on_meta, name, timeout=300)[0]
+            states = run_world(8, hybrid, name, {"pp": 2, "dp": 2, "tp": 2}, "fsdp", True, timeout=300)
+            same = all(torch.equal(s[k], v) for s in states for k, v in reference.items())
+            cells.append("= ZeRO-3's, bitwise" if same else "DIFFERS")
+        except Exception as exc:
+            cells.append(refused(exc))
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main(names: list[str]) -> None:
     print("| family | " + " | ".join(STRATEGIES) + " | meta |")
     print("|---" * (len(STRATEGIES) + 2) + "|")
@@ -212,4 +300,8 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(FAMILIES))
+    args = [a for a in sys.argv[1:] if a != "--hybrid"]
+    if "--hybrid" in sys.argv:
+        main_hybrid(args or [n for n in FAMILIES if n != "T5"])  # T5 has no tensor plan
+    else:
+        main(args or list(FAMILIES))

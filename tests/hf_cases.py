@@ -125,7 +125,9 @@ def family(name: str, **extra: Any) -> nn.Module:
     hidden 32, 4 heads; 2 key/value heads where the family has grouped-query attention), no dropout:
     ``"qwen2"`` (q, k and v with biases), ``"phi3"`` (fused ``qkv_proj`` and ``gate_up_proj``),
     ``"neox"`` (GPT-NeoX: a fused ``query_key_value`` laid out head by head, partial rotary),
-    ``"gemma"`` (its head tied to a scaled embedding) or ``"bert"`` (a masked-LM encoder)."""
+    ``"gemma"`` (its head tied to a scaled embedding), ``"bert"`` (a masked-LM encoder), ``"bart"``
+    (an encoder-decoder; its decoder reads the input ids shifted right) or ``"t5"`` (an encoder-decoder
+    with a position bias per head)."""
     transformers = transformers_module()
     sizes: dict[str, Any] = {
         "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -134,6 +136,21 @@ def family(name: str, **extra: Any) -> nn.Module:
     if name == "bert":
         fields = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **extra}
         net: nn.Module = transformers.BertForMaskedLM(transformers.BertConfig(**sizes, **fields))
+        return net
+    if name == "bart":
+        config = transformers.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=SEQ,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False, **extra,
+        )  # fmt: skip
+        net = transformers.BartForConditionalGeneration(config)
+        return net
+    if name == "t5":
+        config = transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+            decoder_start_token_id=0, use_cache=False, **extra,
+        )  # fmt: skip
+        net = transformers.T5ForConditionalGeneration(config)
         return net
     if name == "neox":
         config = transformers.GPTNeoXConfig(**sizes, rotary_pct=0.5, hidden_dropout=0.0, **extra)

@@ -4,11 +4,14 @@ own ``base_model_tp_plan``), against one process on the same batch after 2 SGD s
 its plan gathers them; ``packed_colwise`` by hand splits ``[gate | up]`` exactly), GPT-NeoX (a fused
 ``query_key_value`` laid out head by head, partial rotary) and Gemma (its head tied to an embedding
 scaled by sqrt(hidden): the split embedding keeps the scale, also built on the meta device), and BERT
-(no plan of its own: dtlab's recipe ``bert_plan()`` splits its encoder layers). What
+and BART (no plan of their own: dtlab's recipes ``bert_plan()``, ``bart_plan()`` split their layers);
+a scale given as a float (BART's ``scale_embedding``) is kept by the split embedding too. What
 would be silently wrong is refused before any call: a plain column split of a fused projection, and a
-linear or embedding subclass whose own forward the split layer would not run. One in-memory world of 2
-ranks for all; tiny configs (no network). ZeRO-3, FSDP, pipelines and meta builds of these families:
-docs/your_model.md, "Hugging Face families" (the probe there runs them all)."""
+linear or embedding subclass whose own forward the split layer would not run; so is what would stop
+inside the model with a raw shape error (T5's heads split, its per-head position bias whole) or at
+the first state read with a raw KeyError (a pipeline of BART, whose root holds a buffer). One
+in-memory world of 2 ranks for all; tiny configs (no network). ZeRO-3, FSDP, pipelines and meta
+builds of these families: docs/your_model.md, "Hugging Face families" (examples/hf_families.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.rng import seeded_init
-from dtlab.models import TensorParallelModel, ZeRO3Model
+from dtlab.models import PipelineParallelModel, TensorParallelModel, ZeRO3Model
 from dtlab.optimizers import DDPOptimizer
 from dtlab.testing import run_world
 
@@ -33,7 +36,7 @@ LR, STEPS = 0.5, 2
 PHI3_PACKED = {"model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"}
 #: (family, plan): Hugging Face's own plans, and Phi-3's MLP split by sections by hand
 CASES: list[tuple[str, Any]] = [("qwen2", "auto"), ("phi3", "auto"), ("phi3", PHI3_PACKED)]
-CASES += [("neox", "auto"), ("gemma", "auto"), ("bert", "auto")]
+CASES += [("neox", "auto"), ("gemma", "auto"), ("bert", "auto"), ("bart", "auto")]
 
 
 def _built(name: str) -> nn.Module:
@@ -108,8 +111,11 @@ class _Clipped(nn.Embedding):
         return super().forward(ids).clamp(-1, 1)
 
 
-def _refusals(backend: CommunicationBackend) -> tuple[list[str], int]:
+def _refusals(backend: CommunicationBackend) -> tuple[list[str], int, float]:
     from hf_cases import gpt2
+    from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
+
+    from dtlab.models import VocabParallelEmbedding
 
     layers = "model.layers.*"
     cases: list[tuple[nn.Module, Any]] = [
@@ -117,15 +123,25 @@ def _refusals(backend: CommunicationBackend) -> tuple[list[str], int]:
         (family("phi3"), {f"{layers}.self_attn.qkv_proj": "colwise"}),
         (family("phi3"), {f"{layers}.self_attn.qkv_proj": "packed_colwise"}),
         (gpt2(), {"transformer.h.*.attn.c_attn": "colwise"}),
+        (family("t5"), {"encoder.block.*.layer.0.SelfAttention.q": "colwise"}),
         (nn.Sequential(nn.Linear(8, 8), _Shifted(8, 8)), {"0": "colwise", "1": "rowwise"}),
         (nn.Sequential(_Clipped(VOCAB, 8)), {"0": "embedding_rowwise"}),
     ]
-    errors = refusal_messages(partial(TensorParallelModel, net, backend, plan=plan) for net, plan in cases)
-    return errors, backend.stats.calls
+    attempts: list[Any] = [partial(TensorParallelModel, net, backend, plan=plan) for net, plan in cases]
+    # a Hugging Face model whose root holds a buffer (BART's final_logits_bias), split at module names
+    attempts.append(partial(PipelineParallelModel, family("bart"), backend, split_points=["model.decoder"]))
+    errors = refusal_messages(attempts)
+    calls = backend.stats.calls
+    with seeded_init(0):
+        scaled = BartScaledWordEmbedding(VOCAB, 8, padding_idx=1, embed_scale=2.5)
+    ids = torch.arange(VOCAB).reshape(4, -1)
+    split = VocabParallelEmbedding.from_embedding(scaled, backend)
+    return errors, calls, (split(ids) - scaled(ids)).abs().max().item()
 
 
 def test_what_would_be_silently_wrong_is_refused_before_any_call() -> None:
-    errors, calls = run_world(2, _refusals, timeout=60)[0]
+    errors, calls, scaled_error = run_world(2, _refusals, timeout=60)[0]
+    assert scaled_error == 0.0  # BART's float scale kept, bitwise
     needles = [
         "'model.layers.0.mlp.gate_up_proj' of Phi3ForCausalLM is a fused projection whose output is "
         "[gate | up] (the model halves it with chunk(2)): colwise would give each rank the wrong heads "
@@ -134,8 +150,10 @@ def test_what_would_be_silently_wrong_is_refused_before_any_call() -> None:
         "[q | k | v]",
         "a column split in 2 sections would give",
         "'transformer.h.0.attn.c_attn' of GPT2LMHeadModel is a fused projection",
+        "'encoder.block.0.layer.0.SelfAttention.q' splits the heads of T5Attention, whose position bias",
         "_Shifted overrides Linear.forward, which the tensor-parallel layer replacing it would not run",
         "_Clipped overrides Embedding.forward",
+        "buffers ['final_logits_bias'] belong to BartForConditionalGeneration's glue",
     ]
     assert len(errors) == len(needles), errors
     for needle, error in zip(needles, errors, strict=True):

@@ -228,6 +228,21 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
             f"parameters {direct} belong to {kind}'s glue (a module on the path to a split point), which "
             "every stage runs; split at other modules, or give the model a pipeline_blocks() method"
         )
+    held = []  # its forward reads them on every stage, but no stage holds them: saved, moved, built by none
+    for g in sorted(glue):
+        mod = module.get_submodule(g)
+        temporary = mod._non_persistent_buffers_set  # noqa: SLF001 (torch's own attribute)
+        held += [
+            f"{g}.{n}" if g else n
+            for n, b in mod.named_buffers(recurse=False)
+            if b.is_meta or n not in temporary
+        ]
+    if held:
+        raise StrategyError(
+            f"buffers {held} belong to {kind}'s glue (a module on the path to a split point), which no "
+            "stage holds (a checkpoint, the state and a meta build would leave them out); split at other "
+            "modules, or give the model a pipeline_blocks() method"
+        )
     blocks: list[str] = []
 
     def walk(path: str) -> None:

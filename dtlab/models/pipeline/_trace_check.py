@@ -231,7 +231,9 @@ def trace_split(
         raise StrategyError(
             f"{type(module).__name__}'s forward could not be traced with zero weights on input "
             f"{tuple(sample.shape)} {sample.dtype} ({type(exc).__name__}: {exc}); a pipeline split at "
-            "module names needs a forward whose shapes do not depend on the weights' values"
+            "module names calls the model with that one tensor alone, so it needs a forward that runs on "
+            "it (an encoder-decoder that needs decoder inputs does not: give it a pipeline_blocks() "
+            "method) and whose shapes do not depend on the weights' values"
         ) from exc
     for stage in stages:
         stage.prepare(trace.outputs, trace.slots)

@@ -2,7 +2,7 @@
 file holds: docs/architecture.md, section "Model strategies"); :class:`~dtlab.models.TensorParallelModel`
 applies a plan."""
 
-from dtlab.models.tensor._auto import bert_plan, gpt2_plan, hugging_face_plan
+from dtlab.models.tensor._auto import bart_plan, bert_plan, gpt2_plan, hugging_face_plan
 from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
 from dtlab.models.tensor._layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from dtlab.models.tensor._plan import (
@@ -27,6 +27,7 @@ __all__ = [
     "Style",
     "VocabParallel",
     "VocabParallelEmbedding",
+    "bart_plan",
     "bert_plan",
     "gpt2_plan",
     "hugging_face_plan",

@@ -10,7 +10,7 @@ from torch import nn
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._plan import DeclaredPlan, HeadsParallel, Plan, PlanDict, Style
 
-__all__ = ["bert_plan", "declared_plan", "gpt2_plan", "hugging_face_plan"]
+__all__ = ["bart_plan", "bert_plan", "declared_plan", "gpt2_plan", "hugging_face_plan"]
 
 
 def gpt2_plan(prefix: str = "transformer.", head: bool = True) -> PlanDict:
@@ -46,10 +46,26 @@ def bert_plan(prefix: str = "bert.") -> PlanDict:
     return plan
 
 
+def bart_plan(prefix: str = "model.") -> PlanDict:
+    """BART (``BartForConditionalGeneration``; ``prefix=""`` for ``BartModel``): in every encoder and
+    decoder layer each attention's q, k and v column-parallel (its attention infers the head count), its
+    ``out_proj`` row-parallel, ``fc1`` column- and ``fc2`` row-parallel. The shared embedding (tied to
+    the encoder's, the decoder's and the head) and the head stay whole. BART declares no plan."""
+    plan: dict[str, Style | str] = {}
+    for part, attentions in (("encoder", ("self_attn",)), ("decoder", ("self_attn", "encoder_attn"))):
+        layer = f"{prefix}{part}.layers.*."
+        for att in attentions:
+            plan.update({f"{layer}{att}.{p}_proj": "colwise" for p in "qkv"})
+            plan[f"{layer}{att}.out_proj"] = "rowwise"
+        plan.update({f"{layer}fc1": "colwise", f"{layer}fc2": "rowwise"})
+    return plan
+
+
 def _recipe(module: nn.Module) -> PlanDict | None:
     model_type = getattr(getattr(module, "config", None), "model_type", None)
-    if model_type == "bert":
-        return bert_plan("bert." if isinstance(getattr(module, "bert", None), nn.Module) else "")
+    if model_type in ("bert", "bart"):
+        recipe, prefix = (bert_plan, "bert") if model_type == "bert" else (bart_plan, "model")
+        return recipe(f"{prefix}." if isinstance(getattr(module, prefix, None), nn.Module) else "")
     if model_type == "gpt2":
         if isinstance(getattr(module, "transformer", None), nn.Module):
             return gpt2_plan("transformer.", isinstance(getattr(module, "lm_head", None), nn.Module))
@@ -75,8 +91,8 @@ def hugging_face_plan(module: nn.Module) -> PlanDict | None:
 def declared_plan(module: nn.Module, plan: Plan) -> PlanDict:
     """``plan`` itself, or for ``"auto"`` / a :class:`DeclaredPlan` the one ``module`` declares: its
     ``tp_plan(sequence_parallel=...)`` method, else Hugging Face's (:func:`hugging_face_plan`), else
-    dtlab's recipe for its architecture (GPT-2: :func:`gpt2_plan`, BERT: :func:`bert_plan`); anything
-    else is refused, saying
+    dtlab's recipe for its architecture (GPT-2: :func:`gpt2_plan`, BERT: :func:`bert_plan`, BART:
+    :func:`bart_plan`); anything else is refused, saying
     what to pass. The styles are checked by :func:`dtlab.models.tensor._plan.resolve_plan`."""
     if isinstance(plan, str):
         if plan != "auto":

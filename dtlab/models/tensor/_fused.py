@@ -11,6 +11,10 @@ exact: the output gathered (``colwise_gather_output``, Hugging Face's own plan f
 split (``packed_colwise`` for ``[gate | up]``), or dtlab's per-head recipe (``plan="auto"`` on GPT-2).
 GPT-NeoX's ``query_key_value`` is laid out head by head (``[q k v]`` of head 0, then head 1, ...) and
 its attention infers the head count: a ``colwise`` split there holds whole heads and is exact.
+
+T5's attention adds a learned position bias with a column per head (``relative_attention_bias``, an
+embedding computed once per stack and passed to every layer): splitting its heads leaves the bias with
+all of them, a shape error inside the model; :func:`check_head_bias` refuses it, naming what splits.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from torch import nn
 
 from dtlab.errors import StrategyError
 
-__all__ = ["check_fused"]
+__all__ = ["check_fused", "check_head_bias"]
 
 _QKV = "[q | k | v] (the model slices q, k and v at the whole model's widths)"
 #: the last name part -> (what its output is, the sections a column split may keep, the exact fix)
@@ -39,12 +43,12 @@ _FUSED: dict[str, tuple[str, int | None, str]] = {
 _PER_HEAD = {"query_key_value": {"gpt_neox"}}
 
 
-def check_fused(root: nn.Module, name: str, gather_output: bool, sections: int) -> None:
-    """Refuse a column split of a Hugging Face model's (``root`` has ``config.model_type``) fused
-    projection ``name`` that leaves its output split in other sections than the model slices."""
+def check_fused(root: nn.Module, name: str, sections: int) -> None:
+    """Refuse a column split (its output not gathered) of a Hugging Face model's (``root`` has
+    ``config.model_type``) fused projection ``name`` in other sections than the model slices."""
     model_type = getattr(getattr(root, "config", None), "model_type", None)
     last = name.rpartition(".")[2]
-    if gather_output or not isinstance(model_type, str) or last not in _FUSED:
+    if not isinstance(model_type, str) or last not in _FUSED:
         return
     what, keeps, fix = _FUSED[last]
     if sections == keeps or model_type in _PER_HEAD.get(last, set()):
@@ -56,4 +60,20 @@ def check_fused(root: nn.Module, name: str, gather_output: bool, sections: int) 
         "a shape error inside the model). Use "
         "'colwise_gather_output' on it and 'rowwise_split_input' on the projection reading its output "
         f"(Hugging Face's own plan for Phi-3){fix}; or leave it out of the plan"
+    )
+
+
+def check_head_bias(root: nn.Module, name: str, attention: nn.Module) -> None:
+    """Refuse splitting the heads (``name``: its projection, or itself under ``heads``) of a Hugging Face
+    attention module with a position bias per head (T5's, which has ``has_relative_attention_bias``)."""
+    model_type = getattr(getattr(root, "config", None), "model_type", None)
+    if not isinstance(model_type, str) or not hasattr(attention, "has_relative_attention_bias"):
+        return
+    raise StrategyError(
+        f"tensor-parallel plan: {name!r} splits the heads of {type(attention).__name__}, whose position "
+        "bias (relative_attention_bias: an embedding with a column per head, computed once per stack "
+        "and added to every layer's scores) would keep every head against this rank's part, and no "
+        "style splits that embedding by heads; leave the attention modules out of the plan (the "
+        "feed-forward layers split exactly: 'colwise' on DenseReluDense.wi (wi_0, wi_1), 'rowwise' "
+        "on DenseReluDense.wo)"
     )

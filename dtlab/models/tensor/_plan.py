@@ -20,7 +20,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._comm import SharedInput, check_divisible, scatter_to_sequence
-from dtlab.models.tensor._fused import check_fused
+from dtlab.models.tensor._fused import check_fused, check_head_bias
 from dtlab.models.tensor._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -316,8 +316,11 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
                     f"tensor-parallel plan: module {n!r} is matched by both {found[n][2]!r} and {pattern!r}"
                 )
             _check_one(module, n, m, style, tp)
-            if isinstance(style, ColwiseParallel):
-                check_fused(module, n, style.gather_output, style.sections)
+            if isinstance(style, ColwiseParallel) and not style.gather_output:
+                check_fused(module, n, style.sections)
+                check_head_bias(module, n, module.get_submodule(n.rpartition(".")[0]))
+            elif isinstance(style, HeadsParallel):
+                check_head_bias(module, n, m)
             found[n] = (m, style, pattern)
     for n in found:  # a swapped module may not contain another planned module
         inner = [o for o in found if o.startswith(n + ".")]
