@@ -235,18 +235,27 @@ class DDPModel(DataParallelModel):
         return unit.own_shard(self._data[self._bucket(unit)])
 
     def shard_grad(self, unit: FlatUnit) -> torch.Tensor:
-        """Before a sharded optimizer's step: refused when a parameter no longer lives in its bucket
-        (that step updates the bucket, not such a parameter)."""
-        bucket = self._data[self._bucket(unit)].untyped_storage().data_ptr()
-        moved = [self._name_of[id(q)] for q in unit.params if q.untyped_storage().data_ptr() != bucket]
-        if moved:
+        """Before a sharded optimizer's step, which updates the bucket: a parameter whose ``.data`` was
+        replaced since wrapping (``p.data = t`` on every rank, ``vector_to_parameters``) is written into
+        its place in the bucket and views it again, as under DDP; one of another shape is refused."""
+        data = self._data[self._bucket(unit)]
+        bucket = data.untyped_storage().data_ptr()
+        moved = [(i, q) for i, q in enumerate(unit.params) if q.untyped_storage().data_ptr() != bucket]
+        wrong = [self._name_of[id(q)] for i, q in moved if q.shape != unit.slots[i].shape]
+        if wrong:
             raise StrategyError(
-                f"{type(self).__name__}: parameter {moved[0]!r} no longer lives in the bucket laid out when "
-                "the module was wrapped: its .data was replaced after wrapping (model.module.double() then "
-                ".float(), p.data = t, ...). The sharded optimizer steps the bucket, so that parameter would "
-                "silently never change. Write values in place (with torch.no_grad(): p.copy_(t)) or change "
-                "the plain module before wrapping it"
+                f"{type(self).__name__}: parameter {wrong[0]!r} no longer lives in the bucket laid out when "
+                "the module was wrapped: its .data was replaced after wrapping by a tensor of another shape. "
+                "The sharded optimizer steps the bucket, so that parameter would silently never change. "
+                "Write values of its shape (with torch.no_grad(): p.copy_(t)) or change the plain module "
+                "before wrapping it"
             )
+        if moved:
+            views = unit.views(data)
+            with torch.no_grad():
+                for i, q in moved:
+                    views[i].copy_(q)
+                    q.data = views[i]
         grad = self._synced_grads[self._bucket(unit)]  # ZeRO-2: this rank's shard already
         return unit.own_shard(grad) if self.keeps_whole_grads else grad
 
