@@ -74,6 +74,14 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], str, str, bool]] = {
         lambda: hf.GemmaForCausalLM(hf.GemmaConfig(**GQA, head_dim=8)), "GemmaDecoderLayer", "model.layers.1",
         False,
     ),
+    "Qwen3": (
+        lambda: hf.Qwen3ForCausalLM(hf.Qwen3Config(**GQA, head_dim=8)),
+        "Qwen3DecoderLayer", "model.layers.1", False,
+    ),
+    "Gemma3": (
+        lambda: hf.Gemma3ForCausalLM(hf.Gemma3TextConfig(**GQA, head_dim=8, sliding_window=4)),
+        "Gemma3DecoderLayer", "model.layers.1", False,
+    ),
     "BERT": (
         lambda: hf.BertForMaskedLM(
             hf.BertConfig(**SIZES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

@@ -125,9 +125,10 @@ def family(name: str, **extra: Any) -> nn.Module:
     hidden 32, 4 heads; 2 key/value heads where the family has grouped-query attention), no dropout:
     ``"qwen2"`` (q, k and v with biases), ``"phi3"`` (fused ``qkv_proj`` and ``gate_up_proj``),
     ``"neox"`` (GPT-NeoX: a fused ``query_key_value`` laid out head by head, partial rotary),
-    ``"gemma"`` (its head tied to a scaled embedding), ``"bert"`` (a masked-LM encoder), ``"bart"``
-    (an encoder-decoder; its decoder reads the input ids shifted right) or ``"t5"`` (an encoder-decoder
-    with a position bias per head)."""
+    ``"gemma"`` (its head tied to a scaled embedding), ``"qwen3"`` (a norm per head on q and k),
+    ``"cohere"`` (``use_qk_norm=True``: a LayerNorm table per head), ``"bert"`` (a masked-LM encoder),
+    ``"bart"`` (an encoder-decoder; its decoder reads the input ids shifted right) or ``"t5"`` (an
+    encoder-decoder with a position bias per head)."""
     transformers = transformers_module()
     sizes: dict[str, Any] = {
         "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -161,9 +162,12 @@ def family(name: str, **extra: Any) -> nn.Module:
         fields = {"pad_token_id": 0, "eos_token_id": 0, "bos_token_id": 0, "resid_pdrop": 0.0, **extra}
         net = transformers.Phi3ForCausalLM(transformers.Phi3Config(**sizes, **fields))
         return net
-    kinds = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM")}
+    kinds = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "cohere": ("CohereConfig", "CohereForCausalLM"),
+    }  # fmt: skip
     config_class, model_class = kinds[name]
-    if name == "gemma":
-        sizes["head_dim"] = 8  # Gemma's default is 256
+    if name in ("gemma", "qwen3"):
+        sizes["head_dim"] = 8  # their defaults are 256 and 128
     net = getattr(transformers, model_class)(getattr(transformers, config_class)(**sizes, **extra))
     return net

@@ -3,12 +3,15 @@ own ``base_model_tp_plan``), against one process on the same batch after 2 SGD s
 (q, k and v with biases, grouped-query attention), Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``:
 its plan gathers them; ``packed_colwise`` by hand splits ``[gate | up]`` exactly), GPT-NeoX (a fused
 ``query_key_value`` laid out head by head, partial rotary) and Gemma (its head tied to an embedding
-scaled by sqrt(hidden): the split embedding keeps the scale, also built on the meta device), and BERT
+scaled by sqrt(hidden): the split embedding keeps the scale, also built on the meta device), Qwen3 (a
+norm per head on q and k: Hugging Face's ``replicated_with_grad_allreduce``, its gradient summed over
+tp), and BERT
 and BART (no plan of their own: dtlab's recipes ``bert_plan()``, ``bart_plan()`` split their layers);
 a scale given as a float (BART's ``scale_embedding``) is kept by the split embedding too. What
 would be silently wrong is refused before any call: a plain column split of a fused projection, and a
 linear or embedding subclass whose own forward the split layer would not run; so is what would stop
-inside the model with a raw shape error (T5's heads split, its per-head position bias whole) or at
+inside the model with a raw shape error (T5's heads split, its per-head position bias whole; Cohere's
+heads split, its q/k LayerNorm with a row per head whole) or at
 the first state read with a raw KeyError (a pipeline of BART, whose root holds a buffer). One
 in-memory world of 2 ranks for all; tiny configs (no network). ZeRO-3, FSDP, pipelines and meta
 builds of these families: docs/your_model.md, "Hugging Face families" (examples/hf_families.py)."""
@@ -36,7 +39,7 @@ LR, STEPS = 0.5, 2
 PHI3_PACKED = {"model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"}
 #: (family, plan): Hugging Face's own plans, and Phi-3's MLP split by sections by hand
 CASES: list[tuple[str, Any]] = [("qwen2", "auto"), ("phi3", "auto"), ("phi3", PHI3_PACKED)]
-CASES += [("neox", "auto"), ("gemma", "auto"), ("bert", "auto"), ("bart", "auto")]
+CASES += [("neox", "auto"), ("gemma", "auto"), ("qwen3", "auto"), ("bert", "auto"), ("bart", "auto")]
 
 
 def _built(name: str) -> nn.Module:
@@ -124,6 +127,7 @@ def _refusals(backend: CommunicationBackend) -> tuple[list[str], int, float]:
         (family("phi3"), {f"{layers}.self_attn.qkv_proj": "packed_colwise"}),
         (gpt2(), {"transformer.h.*.attn.c_attn": "colwise"}),
         (family("t5"), {"encoder.block.*.layer.0.SelfAttention.q": "colwise"}),
+        (family("cohere", use_qk_norm=True), "auto"),
         (nn.Sequential(nn.Linear(8, 8), _Shifted(8, 8)), {"0": "colwise", "1": "rowwise"}),
         (nn.Sequential(_Clipped(VOCAB, 8)), {"0": "embedding_rowwise"}),
     ]
@@ -151,6 +155,7 @@ def test_what_would_be_silently_wrong_is_refused_before_any_call() -> None:
         "a column split in 2 sections would give",
         "'transformer.h.0.attn.c_attn' of GPT2LMHeadModel is a fused projection",
         "'encoder.block.0.layer.0.SelfAttention.q' splits the heads of T5Attention, whose position bias",
+        "'model.layers.0.self_attn.q_proj' splits the 4 heads of CohereAttention, whose q_norm.weight (4, 8)",
         "_Shifted overrides Linear.forward, which the tensor-parallel layer replacing it would not run",
         "_Clipped overrides Embedding.forward",
         "buffers ['final_logits_bias'] belong to BartForConditionalGeneration's glue",

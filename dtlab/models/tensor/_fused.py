@@ -15,6 +15,8 @@ its attention infers the head count: a ``colwise`` split there holds whole heads
 T5's attention adds a learned position bias with a column per head (``relative_attention_bias``, an
 embedding computed once per stack and passed to every layer): splitting its heads leaves the bias with
 all of them, a shape error inside the model; :func:`check_head_bias` refuses it, naming what splits.
+So does a table per head beside the projections (Cohere's q/k LayerNorm, weight ``(heads, head_dim)``):
+:func:`check_head_tables`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 from dtlab.errors import StrategyError
 
-__all__ = ["check_fused", "check_head_bias"]
+__all__ = ["check_fused", "check_head_bias", "check_head_tables"]
 
 _QKV = "[q | k | v] (the model slices q, k and v at the whole model's widths)"
 #: the last name part -> (what its output is, the sections a column split may keep, the exact fix)
@@ -77,3 +79,27 @@ def check_head_bias(root: nn.Module, name: str, attention: nn.Module) -> None:
         "feed-forward layers split exactly: 'colwise' on DenseReluDense.wi (wi_0, wi_1), 'rowwise' "
         "on DenseReluDense.wo)"
     )
+
+
+def check_head_tables(root: nn.Module, name: str, attention: nn.Module, features: int) -> None:
+    """Refuse a column split of projection ``name`` (``features`` output features) of a Hugging Face
+    attention module that declares ``head_dim`` and holds, in a module beside its projections, a
+    parameter of 2 or more dims with one dim per head of that projection (left whole: every head's
+    entries against this rank's heads)."""
+    model_type = getattr(getattr(root, "config", None), "model_type", None)
+    head_dim = getattr(attention, "head_dim", None)
+    if not isinstance(model_type, str) or not isinstance(head_dim, int) or head_dim <= 0:
+        return
+    heads = features // head_dim
+    for child, module in attention.named_children():
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+            continue
+        for pname, p in module.named_parameters():
+            if p.dim() >= 2 and heads in p.shape:
+                raise StrategyError(
+                    f"tensor-parallel plan: {name!r} splits the {heads} heads of {type(attention).__name__}, "
+                    f"whose {child}.{pname} {tuple(p.shape)} holds an entry per head and stays whole (a "
+                    "shape error inside the model, or the wrong heads' entries); no style splits it by "
+                    "heads: leave this attention's projections out of the plan (e.g. Cohere: "
+                    "use_qk_norm=False has no such table)"
+                )

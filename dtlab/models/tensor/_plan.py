@@ -20,7 +20,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._comm import SharedInput, check_divisible, scatter_to_sequence
-from dtlab.models.tensor._fused import check_fused, check_head_bias
+from dtlab.models.tensor._fused import check_fused, check_head_bias, check_head_tables
 from dtlab.models.tensor._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -130,6 +130,9 @@ _ALIASES: dict[str, Style | None] = {
     "rowwise_rep": RowwiseParallel(input_is_parallel=False),
     "embedding_rowwise": VocabParallel(),
     "packed_colwise": ColwiseParallel(sections=2),  # a fused [gate | up] projection, each part split
+    # a module left whole whose parameters' gradients are partial over tp (Qwen3's per-head q_norm sees
+    # this rank's heads): summed over tp, as sequence parallelism's norms
+    "replicated_with_grad_allreduce": SequenceParallel(),
 }
 
 #: Hugging Face styles dtlab cannot honour exactly, and why (refused, naming the module)
@@ -138,7 +141,6 @@ _REFUSED = {
     "packed_rowwise": "a packed projection's input is two fused parts",
     "sequence_parallel": "Hugging Face's sequence parallelism is not dtlab's (use dtlab's "
     "SequenceParallel on a plan that is sequence parallel throughout)",
-    "replicated_with_grad_allreduce": "its gradient all-reduce over tp",
     "all_reduce": "an all-reduce of a module's output",
     "gather": "an all-gather of a module's output",
     "local_params": "parameters used as local tensors",
@@ -318,7 +320,10 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
             _check_one(module, n, m, style, tp)
             if isinstance(style, ColwiseParallel) and not style.gather_output:
                 check_fused(module, n, style.sections)
-                check_head_bias(module, n, module.get_submodule(n.rpartition(".")[0]))
+                attention = module.get_submodule(n.rpartition(".")[0])
+                check_head_bias(module, n, attention)
+                if features := linear_features(m):  # checked by _check_one
+                    check_head_tables(module, n, attention, features[1])
             elif isinstance(style, HeadsParallel):
                 check_head_bias(module, n, m)
             found[n] = (m, style, pattern)
