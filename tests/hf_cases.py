@@ -126,7 +126,8 @@ def family(name: str, **extra: Any) -> nn.Module:
     ``"qwen2"`` (q, k and v with biases), ``"phi3"`` (fused ``qkv_proj`` and ``gate_up_proj``),
     ``"neox"`` (GPT-NeoX: a fused ``query_key_value`` laid out head by head, partial rotary),
     ``"gemma"`` (its head tied to a scaled embedding), ``"qwen3"`` (a norm per head on q and k),
-    ``"cohere"`` (``use_qk_norm=True``: a LayerNorm table per head), ``"bert"`` (a masked-LM encoder),
+    ``"cohere"`` (``use_qk_norm=True``: a LayerNorm table per head), ``"stablelm"`` (``qk_layernorm=True``:
+    a LayerNorm per head), ``"bert"`` (a masked-LM encoder),
     ``"bart"`` (an encoder-decoder; its decoder reads the input ids shifted right) or ``"t5"`` (an
     encoder-decoder with a position bias per head)."""
     transformers = transformers_module()
@@ -165,6 +166,7 @@ def family(name: str, **extra: Any) -> nn.Module:
     kinds = {
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "cohere": ("CohereConfig", "CohereForCausalLM"),
+        "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
     }  # fmt: skip
     config_class, model_class = kinds[name]
     if name in ("gemma", "qwen3"):

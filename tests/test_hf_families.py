@@ -11,7 +11,8 @@ a scale given as a float (BART's ``scale_embedding``) is kept by the split embed
 would be silently wrong is refused before any call: a plain column split of a fused projection, and a
 linear or embedding subclass whose own forward the split layer would not run; so is what would stop
 inside the model with a raw shape error (T5's heads split, its per-head position bias whole; Cohere's
-heads split, its q/k LayerNorm with a row per head whole) or at
+heads split, its q/k LayerNorm with a row per head whole; StableLM's, its list of per-head norms
+whole) or at
 the first state read with a raw KeyError (a pipeline of BART, whose root holds a buffer). One
 in-memory world of 2 ranks for all; tiny configs (no network). ZeRO-3, FSDP, pipelines and meta
 builds of these families: docs/your_model.md, "Hugging Face families" (examples/hf_families.py)."""
@@ -29,7 +30,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.rng import seeded_init
-from dtlab.models import PipelineParallelModel, TensorParallelModel, ZeRO3Model
+from dtlab.models import HeadsParallel, PipelineParallelModel, TensorParallelModel, ZeRO3Model
 from dtlab.optimizers import DDPOptimizer
 from dtlab.testing import run_world
 
@@ -121,6 +122,9 @@ def _refusals(backend: CommunicationBackend) -> tuple[list[str], int, float]:
     from dtlab.models import VocabParallelEmbedding
 
     layers = "model.layers.*"
+    stablelm_heads = HeadsParallel(
+        qkv=("q_proj", "k_proj", "v_proj"), out="o_proj", heads="num_heads", sections=1
+    )
     cases: list[tuple[nn.Module, Any]] = [
         (family("phi3"), {f"{layers}.mlp.gate_up_proj": "colwise", f"{layers}.mlp.down_proj": "rowwise"}),
         (family("phi3"), {f"{layers}.self_attn.qkv_proj": "colwise"}),
@@ -128,6 +132,7 @@ def _refusals(backend: CommunicationBackend) -> tuple[list[str], int, float]:
         (gpt2(), {"transformer.h.*.attn.c_attn": "colwise"}),
         (family("t5"), {"encoder.block.*.layer.0.SelfAttention.q": "colwise"}),
         (family("cohere", use_qk_norm=True), "auto"),
+        (family("stablelm", qk_layernorm=True), {f"{layers}.self_attn": stablelm_heads}),
         (nn.Sequential(nn.Linear(8, 8), _Shifted(8, 8)), {"0": "colwise", "1": "rowwise"}),
         (nn.Sequential(_Clipped(VOCAB, 8)), {"0": "embedding_rowwise"}),
     ]
@@ -156,6 +161,7 @@ def test_what_would_be_silently_wrong_is_refused_before_any_call() -> None:
         "'transformer.h.0.attn.c_attn' of GPT2LMHeadModel is a fused projection",
         "'encoder.block.0.layer.0.SelfAttention.q' splits the heads of T5Attention, whose position bias",
         "'model.layers.0.self_attn.q_proj' splits the 4 heads of CohereAttention, whose q_norm.weight (4, 8)",
+        "'model.layers.0.self_attn' splits the 4 heads of StableLmAttention, whose q_layernorm.norms (4,)",
         "_Shifted overrides Linear.forward, which the tensor-parallel layer replacing it would not run",
         "_Clipped overrides Embedding.forward",
         "buffers ['final_logits_bias'] belong to BartForConditionalGeneration's glue",

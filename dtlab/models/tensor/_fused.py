@@ -81,25 +81,30 @@ def check_head_bias(root: nn.Module, name: str, attention: nn.Module) -> None:
     )
 
 
-def check_head_tables(root: nn.Module, name: str, attention: nn.Module, features: int) -> None:
-    """Refuse a column split of projection ``name`` (``features`` output features) of a Hugging Face
-    attention module that declares ``head_dim`` and holds, in a module beside its projections, a
-    parameter of 2 or more dims with one dim per head of that projection (left whole: every head's
-    entries against this rank's heads)."""
+def check_head_tables(root: nn.Module, name: str, attention: nn.Module, heads: int) -> None:
+    """Refuse splitting the ``heads`` heads (of projection ``name``, or of ``attention`` itself under the
+    ``heads`` style) of a Hugging Face attention module that holds, in a module beside its projections,
+    a parameter of 2 or more dims with one dim per head (Cohere's q/k LayerNorm) or a list of one
+    module per head (StableLM's per-head LayerNorms, zipped with the heads it is given): left whole,
+    every head's entries would meet this rank's heads."""
     model_type = getattr(getattr(root, "config", None), "model_type", None)
-    head_dim = getattr(attention, "head_dim", None)
-    if not isinstance(model_type, str) or not isinstance(head_dim, int) or head_dim <= 0:
+    if not isinstance(model_type, str) or heads <= 1:
         return
-    heads = features // head_dim
     for child, module in attention.named_children():
         if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
             continue
-        for pname, p in module.named_parameters():
-            if p.dim() >= 2 and heads in p.shape:
-                raise StrategyError(
-                    f"tensor-parallel plan: {name!r} splits the {heads} heads of {type(attention).__name__}, "
-                    f"whose {child}.{pname} {tuple(p.shape)} holds an entry per head and stays whole (a "
-                    "shape error inside the model, or the wrong heads' entries); no style splits it by "
-                    "heads: leave this attention's projections out of the plan (e.g. Cohere: "
-                    "use_qk_norm=False has no such table)"
-                )
+        tables = [(f"{child}.{n}", tuple(p.shape)) for n, p in module.named_parameters() if p.dim() >= 2]
+        lists = [
+            (f"{child}.{n}".rstrip("."), (len(m),))
+            for n, m in module.named_modules()
+            if isinstance(m, nn.ModuleList)
+        ]
+        hit = next(((what, shape) for what, shape in [*tables, *lists] if heads in shape), None)
+        if hit is not None:
+            raise StrategyError(
+                f"tensor-parallel plan: {name!r} splits the {heads} heads of {type(attention).__name__}, "
+                f"whose {hit[0]} {hit[1]} holds an entry per head and stays whole (a shape error inside "
+                "the model, or the wrong heads' entries); no style splits it by heads: leave this "
+                "attention's projections out of the plan (e.g. Cohere: use_qk_norm=False has no such "
+                "table)"
+            )

@@ -322,10 +322,12 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
                 check_fused(module, n, style.sections)
                 attention = module.get_submodule(n.rpartition(".")[0])
                 check_head_bias(module, n, attention)
-                if features := linear_features(m):  # checked by _check_one
-                    check_head_tables(module, n, attention, features[1])
+                head_dim, features = getattr(attention, "head_dim", None), linear_features(m)
+                if isinstance(head_dim, int) and head_dim > 0 and features:  # Hugging Face's declare it
+                    check_head_tables(module, n, attention, features[1] // head_dim)
             elif isinstance(style, HeadsParallel):
                 check_head_bias(module, n, m)
+                check_head_tables(module, n, m, getattr(m, style.heads))
             found[n] = (m, style, pattern)
     for n in found:  # a swapped module may not contain another planned module
         inner = [o for o in found if o.startswith(n + ".")]
