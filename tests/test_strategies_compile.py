@@ -1,10 +1,12 @@
 """ZeRO-3/FSDP ``state_dict()`` never hands out empty tensors, and ``torch.compile``d modules train under
 DDP, ZeRO-3 and FSDP (compiled before or after wrapping) to the same parameters as without compiling
 (DDP with BatchNorm buffers, broadcast before each forward, too), and so does a compiled
-``TensorParallelModel`` (it stopped with dynamo's raw error tracing into the backend's collective)."""
+``TensorParallelModel`` (it stopped with dynamo's raw error tracing into the backend's collective),
+its tp batch check on (one graph break, not traced: no more graphs than without the check)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -111,27 +113,44 @@ def test_compiled_module_trains_like_eager_under_ddp_zero3_and_fsdp() -> None:
 STEPS = 1
 
 
-def _tensor_parallel(backend: CommunicationBackend, compiled: bool) -> dict[str, torch.Tensor]:
+def _tensor_parallel(
+    backend: CommunicationBackend, compiled: bool, when: str = "always"
+) -> tuple[dict[str, torch.Tensor], int]:
     """tp=2 over a column/row-parallel block and a column-parallel head gathering its output (each
-    tensor-parallel collective runs eagerly: a graph break at each)."""
+    tensor-parallel collective and the tp batch check run eagerly: a graph break at each); the
+    parameters after the steps and how many graphs were compiled."""
     from test_tensor_habits import LR, PLAN, build, data
 
     torch.set_num_threads(1)
-    model = TensorParallelModel(build(), Mesh(backend, {"tp": 2}), plan=PLAN, tp_batch_check="never")
+    graphs: list[object] = []
+
+    def counted(gm: torch.fx.GraphModule, _: object) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    model = TensorParallelModel(build(), Mesh(backend, {"tp": 2}), plan=PLAN, tp_batch_check=when)
     opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
-    run = torch.compile(model, backend="eager") if compiled else model
+    run = torch.compile(model, backend=counted) if compiled else model
     for step in range(STEPS):
         x, y = data(step)
         nn.functional.cross_entropy(run(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return model.full_state_dict()
+    compiled_graphs = len(graphs)
+    if compiled and when == "always":  # checked eagerly inside the compiled forward: a differing batch
+        x, _ = data(backend.rank + 1)
+        with pytest.raises(StrategyError, match="different inputs"):
+            run(x)
+    return model.full_state_dict(), compiled_graphs
 
 
 def _tp_checks(backend: CommunicationBackend) -> None:
-    ref, got = _tensor_parallel(backend, False), _tensor_parallel(backend, True)
+    (ref, _), (got, checked) = _tensor_parallel(backend, False), _tensor_parallel(backend, True)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-7, msg=f"tp {k}")
+    _, unchecked = _tensor_parallel(backend, True, "never")
+    # the batch check is one graph break, not traced (it split the forward into twice the graphs)
+    assert checked == unchecked, (checked, unchecked)
 
 
 def test_compiled_tensor_parallel_model_trains_like_eager() -> None:

@@ -172,6 +172,12 @@ class SameOnTp:
         return when != "never"
 
     def __call__(self, what: str, named: Sequence[tuple[str, Any]]) -> None:
+        if torch.compiler.is_compiling():  # traced: one graph break, checked eagerly (not cached on self)
+            torch.compiler.disable(self._check)(what, named)
+        else:
+            self._check(what, named)
+
+    def _check(self, what: str, named: Sequence[tuple[str, Any]]) -> None:
         if self.group.world_size > 1 and not self._inside and self._due(what):
             check_same_on_tp(self.who, what, named, self.group, self.ranks)
 
