@@ -4,7 +4,8 @@ generator's step through ``D(fake)``, each optimizer clearing its own gradients 
 discriminator frozen for the generator's step (pix2pix's ``set_requires_grad(netD, False)``) and
 unfrozen after it: DDP, ZeRO-1 and ZeRO-2 skip that backward for D (it fills no ``.grad``), ZeRO-3 and
 FSDP refused it, naming ``requires_grad`` changed after wrapping and a fix that does not apply; they now
-run it without reducing as well. Both exact under the five strategies."""
+run it without reducing as well. Both exact under the five strategies. A frozen pass that raised partway
+leaves the model synchronizing the next backward."""
 
 from __future__ import annotations
 
@@ -73,6 +74,34 @@ def reference(freeze: bool) -> dict[str, torch.Tensor]:
     return states(g, d)
 
 
+class Raises(torch.autograd.Function):
+    """Identity whose backward raises: a backward that stops partway through the model's pass."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("raised in backward")
+
+
+def after_a_raised_frozen_pass(model: Any, opt: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A backward through the frozen model raising partway, then an ordinary step (unfrozen)."""
+    for p in getattr(model, "module", model).parameters():
+        p.requires_grad_(False)
+    try:
+        model(Raises.apply(x.clone().requires_grad_())).sum().backward()
+    except RuntimeError:
+        pass
+    for p in getattr(model, "module", model).parameters():
+        p.requires_grad_(True)
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    return dict(getattr(model, "full_state_dict", model.state_dict)())
+
+
 def world(backend: CommunicationBackend) -> dict[str, Any]:
     torch.set_num_threads(1)
     z, real = data()
@@ -89,13 +118,26 @@ def world(backend: CommunicationBackend) -> dict[str, Any]:
                 out[f"{name}/{freeze}"] = states(g, d)
             except StrategyError as exc:
                 out[f"{name}/{freeze}"] = str(exc)
+        d = wrap(name, discriminator(), backend)
+        opt = OPTIMIZERS.get(name, ZeRO3Optimizer)(d, torch.optim.SGD, lr=0.1)
+        try:
+            out[f"{name}/raised"] = after_a_raised_frozen_pass(d, opt, real[0, mine])
+        except StrategyError as exc:
+            out[f"{name}/raised"] = str(exc)
     return out
 
 
 def test_a_gan_loop_with_the_discriminator_frozen_or_not_equals_one_process() -> None:
     refs = {freeze: reference(freeze) for freeze in (False, True)}
+    plain = discriminator()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    after_raised = after_a_raised_frozen_pass(plain, opt, data()[1][0])
     for rank, res in enumerate(run_world(2, world, timeout=60)):
         for name in STRATEGIES:
+            # a frozen pass that raised did not leave the model synchronizing no more
+            got = res[f"{name}/raised"]
+            assert not isinstance(got, str), f"{name} rank {rank}: {got}"
+            assert max_rel_error(got, after_raised) <= 1e-6, f"{name} rank {rank}"
             for freeze in (False, True):
                 got, where = res[f"{name}/{freeze}"], f"{name} freeze={freeze} rank {rank}"
                 assert not isinstance(got, str), f"{where}: {got}"

@@ -244,6 +244,7 @@ class ShardedModel(DataParallelModel):
         finally:
             self._pending = []
             self._free_all()
+            self._sync, self._frozen_pass = self._sync or self._frozen_pass, False  # else no_sync() for good
 
     def _free_all(self) -> None:
         """The end of a backward: every unit not kept gathered freed, the per-step state cleared."""
@@ -376,7 +377,6 @@ class ShardedModel(DataParallelModel):
             state = self.module.state_dict(keep_vars=True)
         finally:
             self._partial_state_ok = False
-        self._frozen_pass = False
         return {k: t for k, t in state.items() if id(t) not in self._unit_of}
 
     def sharded_state_dict(self) -> ShardedState:
