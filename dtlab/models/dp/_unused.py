@@ -29,8 +29,9 @@ class UsedParams:
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._group = group
         self._marks = [p.grad is not None for p in self._params]  # a .grad from before wrapping counts
-        #: ids of the parameters no rank used, as of the last synchronization
-        self.unused: frozenset[int] = frozenset()
+        #: ids of the parameters no rank used since ``zero_grad()``, as of the last synchronization (all
+        #: but those with a .grad before one: ``zero_grad(set_to_none=False)`` then keeps none of them)
+        self.unused = self._unmarked()
 
     def marking(self, fn: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
         """``fn`` as a gradient hook that marks its parameter used first."""
@@ -45,11 +46,15 @@ class UsedParams:
         """After a synchronization: the parameters no rank used since ``zero_grad()`` (collective)."""
         buf = torch.tensor(self._marks, dtype=torch.float64, device=self._group.device)
         self._group.all_reduce(buf, ReduceOp.MAX)
-        self.unused = frozenset(id(p) for p, used in zip(self._params, buf.tolist(), strict=True) if not used)
+        self._marks = [bool(used) for used in buf.tolist()]
+        self.unused = self._unmarked()
 
     def clear(self) -> None:
         self._marks = [False] * len(self._params)
-        self.unused = frozenset()
+        self.unused = self._unmarked()
+
+    def _unmarked(self) -> frozenset[int]:
+        return frozenset(id(p) for p, used in zip(self._params, self._marks, strict=True) if not used)
 
 
 def unused_error(who: str, rank: int, missing: list[str]) -> StrategyError:
