@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from dtlab.config_sections.base import Section, one_of
 from dtlab.config_sections.spellings import accept_old_names, old_model_spelling
 from dtlab.core import pairs
+from dtlab.core.plan import TpBatchCheckWhen
 
 #: strategy names, from the pairing table (dtlab.core.pairs), in the order messages list them:
 #: ``strategy.model`` is the data-parallel strategy over the dp axis (the whole world without a mesh)
@@ -133,7 +134,7 @@ class ParallelConfig(Section):
     #: ``always`` (every batch), ``first`` (the first ``tp_batch_check_first`` training batches, micro-
     #: batches with accumulation, and as many evaluation batches: catches data sharded by the global
     #: rank), ``never`` (no check, no collective: a data pipeline known to be right)
-    tp_batch_check: Literal["always", "first", "never"] = "always"
+    tp_batch_check: TpBatchCheckWhen = "always"
     #: with ``tp_batch_check=first``: how many batches are checked
     tp_batch_check_first: int = Field(default=1, ge=1)
 
