@@ -31,7 +31,7 @@ class ParamWrites:
     def __init__(self, at_rest: UnitGatherer, unit_of: Mapping[int, ShardUnit]) -> None:
         self.at_rest = at_rest
         self.unit_of = unit_of
-        self._all: tuple[list[ShardUnit], list[nn.Parameter]] | None = None
+        self._all: tuple[int, list[nn.Parameter]] | None = None  # (units, their parameters)
 
     def check(self, when: str, units: list[ShardUnit] | None = None) -> None:
         """Refuse writes into parked stand-ins of ``units`` (default: all) since they were parked: one
@@ -71,8 +71,8 @@ class ParamWrites:
         """The parameters of ``units`` in order (all units' kept: this runs at every forward)."""
         if units is not self.at_rest.units:
             return [p for st in units for p in st.unit.params]
-        if self._all is None or len(self._all[0]) != len(units):
-            self._all = (list(units), [p for st in units for p in st.unit.params])
+        if self._all is None or self._all[0] != len(units):  # units are only ever added
+            self._all = (len(units), [p for st in units for p in st.unit.params])
         return self._all[1]
 
     def _adopt_replaced(self, st: ShardUnit) -> None:

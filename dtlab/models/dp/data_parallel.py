@@ -300,10 +300,9 @@ class DataParallelModel(OptimizerTarget):
         return unused_error(type(self).__name__, self.dp_backend.rank, missing)
 
     def _register_grad_hooks(self, fn: Callable[[nn.Parameter], None]) -> None:
-        hook = cast("Callable[[torch.Tensor], None]", fn)  # torch calls it with the parameter itself
         self._owner.claim()  # a previous wrapper of these parameters stops reducing their gradients
-        if self._used is not None:
-            hook = cast("Callable[[torch.Tensor], None]", self._used.marking(fn))
+        marked = fn if self._used is None else self._used.marking(fn)
+        hook = cast("Callable[[torch.Tensor], None]", marked)  # torch calls it with the parameter itself
         for _, p in self._trainable:
             self._owner.keep(p.register_post_accumulate_grad_hook(hook))
 
