@@ -332,8 +332,9 @@ class OptimizerTarget(ModelStrategy):
         every rank (ZeRO-1/2); nothing where the strategy gathers on demand."""
 
     @abstractmethod
-    def zero_grad_buffers(self) -> None:
-        """Zero the synchronized gradients (buffers keep their memory)."""
+    def zero_grad_buffers(self, set_to_none: bool = True) -> None:
+        """Zero the synchronized gradients (buffers keep their memory); ``set_to_none``: torch's, for
+        :meth:`unused_params` (with ``False`` a parameter that had a gradient is stepped with zeros)."""
 
     def unused_params(self) -> frozenset[int]:
         """``id``s of the trainable parameters no rank computed a gradient for since the last

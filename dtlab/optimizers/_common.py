@@ -94,8 +94,6 @@ class DataParallelOptimizer(OptimizerStrategy):
         #: this rank's optimizer state (keyed by the pieces the local optimizer steps)
         self.state = self._opt.state
         self._seen: list[dict[str, Any]] = [{} for _ in self.param_groups]
-        #: parameters whose gradient zero_grad(set_to_none=False) zeroed: stepped even if unused since
-        self._kept: frozenset[int] = frozenset()
         self._sync_groups()
         self._ready = True
         model.attach_optimizer(self)
@@ -169,7 +167,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         self._sync_groups()
         model = self.dp_model
         model.check_grads_ready(type(self).__name__)
-        self._step_local(model.unused_params() - self._kept)  # what no rank used: left out, as torch
+        self._step_local(model.unused_params())  # without a gradient (no rank used it): left out, as torch
         model.after_optimizer_step()
         return loss
 
@@ -180,12 +178,7 @@ class DataParallelOptimizer(OptimizerStrategy):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the synchronized gradients (bucket buffers and shards keep their memory). As in torch, a
         parameter whose gradient ``set_to_none=False`` zeroed is stepped from then on, used or not."""
-        model = self.dp_model
-        if set_to_none:
-            self._kept = frozenset()
-        else:
-            self._kept |= {id(e.param) for e in self._entries} - model.unused_params()
-        model.zero_grad_buffers()
+        self.dp_model.zero_grad_buffers(set_to_none)
 
     # ------------------------------------------------------------------ torch's state dict
     def state_dict(self) -> dict[str, Any]:

@@ -326,8 +326,8 @@ class HybridShardedModel(OptimizerTarget):
     def unused_params(self) -> frozenset[int]:
         return self.dp_strategy.unused_params()
 
-    def zero_grad_buffers(self) -> None:
-        self.dp_strategy.zero_grad_buffers()
+    def zero_grad_buffers(self, set_to_none: bool = True) -> None:
+        self.dp_strategy.zero_grad_buffers(set_to_none)
         if self._pipe is not None:
             self._pipe.zero_grad()
 

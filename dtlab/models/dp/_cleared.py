@@ -23,11 +23,11 @@ __all__ = ["adopt_cleared"]
 
 
 def adopt_cleared(
-    guarded: bool, who: str, trainable: Sequence[tuple[str, nn.Parameter]], zero_all: Callable[[], None]
+    guarded: bool, who: str, trainable: Sequence[tuple[str, nn.Parameter]], zero_all: Callable[[bool], None]
 ) -> None:
-    """While ``guarded`` (the stand-ins are in place): ``zero_all()`` when every stand-in of
-    ``trainable`` was set to None or zeroed since the synchronized backward; refuse (``who``: the
-    strategy) when only some were."""
+    """While ``guarded`` (the stand-ins are in place): ``zero_all(set_to_none)`` when every stand-in of
+    ``trainable`` was set to None or zeroed since the synchronized backward (``set_to_none``: some were
+    set to None); refuse (``who``: the strategy) when only some were."""
     if not guarded:
         return
     cleared = [
@@ -36,7 +36,7 @@ def adopt_cleared(
     if not cleared:
         return
     if len(cleared) == len(trainable):
-        zero_all()
+        zero_all(any(p.grad is None for _, p in trainable))
         return
     kept = len(trainable) - len(cleared)
     raise StrategyError(

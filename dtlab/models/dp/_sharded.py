@@ -334,8 +334,8 @@ class ShardedModel(DataParallelModel):
                 self.dp_backend.all_gather(st.flat, st.shard)
         self._last_peak, self._at_rest.peak = self._at_rest.peak, self._at_rest.gathered_bytes
 
-    def zero_grad_buffers(self) -> None:
-        super().zero_grad_buffers()  # a backward that raised is cleaned up first
+    def zero_grad_buffers(self, set_to_none: bool = True) -> None:
+        super().zero_grad_buffers(set_to_none)  # a backward that raised is cleaned up first
         if not self._backward.open:  # what a forward kept gathered for a backward that never came (its
             self._free_all()  # loss raised, reshard_after_forward=False); a backward re-gathers it
 

@@ -29,8 +29,11 @@ class UsedParams:
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._group = group
         self._marks = [p.grad is not None for p in self._params]  # a .grad from before wrapping counts
-        #: ids of the parameters no rank used since ``zero_grad()``, as of the last synchronization (all
-        #: but those with a .grad before one: ``zero_grad(set_to_none=False)`` then keeps none of them)
+        #: ids of the parameters whose gradient ``zero_grad(set_to_none=False)`` zeroed after they had one:
+        #: torch steps them (with zeros) from then on, used or not, until a ``set_to_none=True``
+        self._kept: frozenset[int] = frozenset()
+        #: ids of the parameters without a gradient (no rank used them since ``zero_grad()``, none kept),
+        #: as of the last synchronization or ``zero_grad()``: the same on every rank
         self.unused = self._unmarked()
 
     def marking(self, fn: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
@@ -49,12 +52,16 @@ class UsedParams:
         self._marks = [bool(used) for used in buf.tolist()]
         self.unused = self._unmarked()
 
-    def clear(self) -> None:
+    def clear(self, set_to_none: bool) -> None:
+        """``zero_grad()``: with ``set_to_none=False`` what had a gradient keeps a zero one, as in torch."""
+        had = frozenset(map(id, self._params)) - self.unused
+        self._kept = frozenset() if set_to_none else had
         self._marks = [False] * len(self._params)
         self.unused = self._unmarked()
 
     def _unmarked(self) -> frozenset[int]:
-        return frozenset(id(p) for p, used in zip(self._params, self._marks, strict=True) if not used)
+        marks = zip(self._params, self._marks, strict=True)
+        return frozenset(id(p) for p, used in marks if not used and id(p) not in self._kept)
 
 
 def unused_error(who: str, rank: int, missing: list[str]) -> StrategyError:

@@ -335,7 +335,7 @@ class DataParallelModel(OptimizerTarget):
     def after_optimizer_step(self) -> None:
         self._grads_synced = False
 
-    def zero_grad_buffers(self) -> None:
+    def zero_grad_buffers(self, set_to_none: bool = True) -> None:
         self._owner.check("zero_grad()")  # it would point param.grad back into its own buffers
         self._forget_raised_backward()
         self._guarded = False
@@ -344,7 +344,7 @@ class DataParallelModel(OptimizerTarget):
         self._point_grads()
         self._grads_synced = False
         if self._used is not None:
-            self._used.clear()
+            self._used.clear(set_to_none)
 
     def unused_params(self) -> frozenset[int]:
         return frozenset() if self._used is None else self._used.unused

@@ -128,8 +128,8 @@ class ZeRO1Model(DDPModel):
             self._grad_state = "local"
         super().reduce_accumulated_grads()
 
-    def zero_grad_buffers(self) -> None:
-        super().zero_grad_buffers()
+    def zero_grad_buffers(self, set_to_none: bool = True) -> None:
+        super().zero_grad_buffers(set_to_none)
         self._grad_state = "local"
 
     def check_grads_ready(self, who: str) -> None:
