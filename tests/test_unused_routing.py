@@ -135,6 +135,7 @@ RUNS = [
     ("sgd", False, False, False),
     ("adamw", False, True, False),
     ("adamw", False, False, True),
+    ("adamw", True, False, True),
 ]
 STRATEGY_OPTIMIZERS: dict[str, Any] = {"ddp": DDPOptimizer, "zero1": ZeRO1Optimizer, "zero2": ZeRO2Optimizer}
 

@@ -52,6 +52,12 @@ class UsedParams:
         self._marks = [bool(used) for used in buf.tolist()]
         self.unused = self._unmarked()
 
+    def forget(self, param: nn.Parameter) -> None:
+        """``param.grad`` was set to None outside ``zero_grad()`` (``model.zero_grad()`` under DDP) and
+        ``param`` got no gradient since: none here, as in torch."""
+        self._marks[self._index[id(param)]] = False
+        self._kept -= {id(param)}
+
     def clear(self, set_to_none: bool) -> None:
         """``zero_grad()``: with ``set_to_none=False`` what had a gradient keeps a zero one, as in torch."""
         had = frozenset(map(id, self._params)) - self.unused

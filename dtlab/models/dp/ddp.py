@@ -161,6 +161,10 @@ class DDPModel(DataParallelModel):
         if grad is None or grad.is_sparse or grad.data_ptr() != view.data_ptr():
             if grad is not None:
                 copy_grad(view.view(s.shape), grad)
+            else:  # set to None since (model.zero_grad()) and unused: no gradient, not the bucket's last
+                view.zero_()
+                if self._used is not None:
+                    self._used.forget(param)
             param.grad = view.view(s.shape)
 
     def _launch_ready(self) -> None:
