@@ -6,7 +6,8 @@ parameters the wrapper was built on: 0.060 relative error after 3 steps under ev
 adapters still at their initial values); a parametrization registered after wrapping (its
 ``original`` parameters) was the same. Now the step refuses them by name, with the fix; a layer
 replaced before the optimizer strategy is built is named there (it was called a stranger to the
-module)."""
+module). Also refused: an adapter built before wrapping and put in after, and adapters added frozen
+(their steps run) then unfrozen."""
 
 from __future__ import annotations
 
@@ -77,12 +78,13 @@ def reference() -> dict[str, torch.Tensor]:
 def dp_world(backend: CommunicationBackend) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    for when in ("before", "after", "parametrized", "replaced"):
+    for when in ("before", "after", "parametrized", "replaced", "prebuilt", "unfrozen"):
         for name in STRATEGIES:
             module = make_module()
             freeze_base(module)
             if when == "before":
                 adapt(module)
+            prebuilt = LoRA(module[0]) if when == "prebuilt" else None  # put in after wrapping
             model = wrap(name, module, backend)
             try:
                 if when == "replaced":  # a new head, then the optimizer strategy
@@ -92,6 +94,16 @@ def dp_world(backend: CommunicationBackend) -> dict[str, Any]:
                     adapt(model.module)
                 if when == "parametrized":  # after the optimizer strategy: weight_norm's original0/1
                     parametrizations.weight_norm(model.module[3])
+                if prebuilt is not None:  # no parameter is registered when it is put in
+                    model.module[0] = prebuilt
+                if when == "unfrozen":  # added frozen: the steps run; unfrozen later: refused
+                    adapt(model.module)
+                    adapters = [p for n, p in model.module.named_parameters() if n.endswith((".a", ".b"))]
+                    for p in adapters:
+                        p.requires_grad_(False)
+                    train(model, opt, HALVES[backend.rank])
+                    for p in adapters:
+                        p.requires_grad_(True)
                 train(model, opt, HALVES[backend.rank])
                 out[f"{when}/{name}"] = model.full_state_dict()
             except StrategyError as exc:
@@ -152,6 +164,10 @@ def test_adapters_added_before_wrapping_train_exactly_and_after_are_refused() ->
             assert fix in got, f"{where}: {got}"
             got = res[f"parametrized/{name}"]
             assert isinstance(got, str) and ADDED in got and "3.parametrizations.weight.original0" in got, got
+            got = res[f"prebuilt/{name}"]
+            assert isinstance(got, str) and ADDED in got and "['0.a', '0.b']" in got, f"{where}: {got}"
+            got = res[f"unfrozen/{name}"]
+            assert isinstance(got, str) and ADDED in got and "['0.a', '0.b', '1.fc.a', '1.fc.b']" in got, got
             got = res[f"replaced/{name}"]  # named when the optimizer strategy is built on the wrapper
             assert "parameters ['3.weight', '3.bias']" in got and "are no longer in its module" in got, got
     ref = tp_reference()
