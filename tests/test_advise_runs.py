@@ -16,6 +16,7 @@ import torch
 from dtlab.advise import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions, predict
 from dtlab.advise.activations import block_bytes_per_token
 from dtlab.config import StrategyConfig, load_config
+from dtlab.errors import ArgumentError
 from dtlab.testing import TINY_LM, run_world
 from dtlab.trainers.build import build_model_strategy, build_optimizer_strategy
 from dtlab.trainers.tasks import build_task, cross_entropy_loss
@@ -297,6 +298,12 @@ def test_checkpointed_blocks_under_tensor_parallelism_equal_the_run(
     pred = predict(spec, ClusterSpec(ranks=world), plan, TP_BATCH)
     if shape == {"tp": 2}:  # 2 blocks: 13 all-reduces without checkpointing, 2 more with it, 1 check
         assert pred.axes["tp"].ops == {"all_reduce": (16, 198_192)}
+        for when in ("first", "never"):  # the steady step of a model built so: no check (48 bytes)
+            options = StrategyOptions(tp_batch_check=when)
+            other = predict(spec, ClusterSpec(ranks=world), plan, TP_BATCH, options=options)
+            assert other.axes["tp"].ops == {"all_reduce": (15, 198_192 - 48)}, when
+        with pytest.raises(ArgumentError, match="tp_batch_check must be one of 'always', 'first', 'never'"):
+            StrategyOptions(tp_batch_check="sometimes")  # type: ignore[arg-type]
     for rank, got in enumerate(measured):
         moved = _as_train_step({k: v for k, v in got["ops"]["tp"].items() if v[1]}, shape["tp"])
         assert moved == pred.axes["tp"].ops, f"rank {rank}"

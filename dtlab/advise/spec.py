@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dtlab.core import pairs
-from dtlab.core.plan import RunPlan
+from dtlab.core.plan import TP_BATCH_CHECKS, RunPlan, TpBatchCheckWhen
 from dtlab.errors import ArgumentError
 
 __all__ = [
@@ -212,9 +212,17 @@ class StrategyOptions:
     reshard_after_forward: bool = True
     prefetch: bool = True
     gradient_sync: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+    #: ``parallel.tp_batch_check``: "always" counts the check's all-reduce in every step; "first" and
+    #: "never" none (the steady step: "first" checks only the first steps)
+    tp_batch_check: TpBatchCheckWhen = "always"
 
     def __post_init__(self) -> None:
         _positive("StrategyOptions", bucket_cap_mb=self.bucket_cap_mb)
+        if self.tp_batch_check not in TP_BATCH_CHECKS:
+            raise ArgumentError(
+                f"StrategyOptions.tp_batch_check must be one of {', '.join(map(repr, TP_BATCH_CHECKS))}, "
+                f"got {self.tp_batch_check!r}"
+            )
         if self.gradient_sync not in ("reduce_scatter", "all_reduce"):
             raise ArgumentError(
                 "StrategyOptions.gradient_sync must be 'reduce_scatter' or 'all_reduce', got "

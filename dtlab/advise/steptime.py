@@ -54,9 +54,10 @@ def tensor_parallel_ops(
     return {"all_reduce": (calls, nbytes)}
 
 
-def add_batch_checks(ops: Ops, tp: int, steps: int) -> None:
-    """Each ``train_step``'s check that the tp ranks were given one batch: an all-reduce of 6 int64."""
-    if tp > 1:
+def add_batch_checks(ops: Ops, tp: int, steps: int, when: str = "always") -> None:
+    """Each ``train_step``'s check that the tp ranks were given one batch: an all-reduce of 6 int64
+    (``tp_batch_check="always"``; with "first" or "never" a steady step checks nothing)."""
+    if tp > 1 and when == "always":
         calls, nbytes = ops.get("all_reduce", (0, 0))
         ops["all_reduce"] = (calls + steps, nbytes + steps * (2 * (tp - 1) * 48 // tp))
 
