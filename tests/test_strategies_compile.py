@@ -149,8 +149,10 @@ def _tp_checks(backend: CommunicationBackend) -> None:
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-7, msg=f"tp {k}")
     _, unchecked = _tensor_parallel(backend, True, "never")
-    # the batch check is one graph break, not traced (it split the forward into twice the graphs)
-    assert checked == unchecked, (checked, unchecked)
+    # the batch check is one graph break, not traced (traced, it made 13-18 graphs against 9). The
+    # in-memory ranks are threads sharing dynamo's cache, so one rank may compile a graph more or less
+    # than alone (10 against 9 seen once): two graphs of slack
+    assert checked <= unchecked + 2, (checked, unchecked)
 
 
 def test_compiled_tensor_parallel_model_trains_like_eager() -> None:
