@@ -17,6 +17,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from dtlab.core.traced import eager_when_traced
 from dtlab.errors import StrategyError
 from dtlab.models.dp._sharded_units import ShardUnit, UnitGatherer
 
@@ -37,10 +38,7 @@ class ParamWrites:
         """Refuse writes into parked stand-ins of ``units`` (default: all) since they were parked: one
         read of their markers together (on an accelerator, one synchronization with the host); run
         eagerly inside a compiled forward (a read on the host, no graph of it)."""
-        if torch.compiler.is_compiling():  # traced: a graph break, run eagerly (nothing cached on self,
-            torch.compiler.disable(self._check)(when, units)  # which a second compiled model misread)
-        else:
-            self._check(when, units)
+        eager_when_traced(self._check)(when, units)
 
     def _check(self, when: str, units: list[ShardUnit] | None) -> None:
         if self.at_rest.busy:  # inside a forward or backward the units not gathered hold no stand-in

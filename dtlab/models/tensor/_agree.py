@@ -20,6 +20,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.plan import TP_BATCH_CHECKS, TpBatchCheck
+from dtlab.core.traced import eager_when_traced
 from dtlab.errors import StrategyError
 
 __all__ = ["SameOnTp", "check_same_on_tp"]
@@ -172,10 +173,7 @@ class SameOnTp:
         return when != "never"
 
     def __call__(self, what: str, named: Sequence[tuple[str, Any]]) -> None:
-        if torch.compiler.is_compiling():  # traced: one graph break, checked eagerly (not cached on self)
-            torch.compiler.disable(self._check)(what, named)
-        else:
-            self._check(what, named)
+        eager_when_traced(self._check)(what, named)  # traced: one graph break, checked eagerly
 
     def _check(self, what: str, named: Sequence[tuple[str, Any]]) -> None:
         if self.group.world_size > 1 and not self._inside and self._due(what):

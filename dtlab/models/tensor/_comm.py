@@ -22,6 +22,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.placement import Shard
+from dtlab.core.traced import eager_when_traced
 from dtlab.errors import StrategyError
 
 __all__ = [
@@ -159,9 +160,7 @@ def _conjugate(x: torch.Tensor, group: CommunicationBackend, forward_op: Op, bac
     """``x`` itself over one rank (nothing to communicate either way)."""
     if group.world_size == 1:
         return x
-    apply = _Conjugate.apply
-    if torch.compiler.is_compiling():  # traced by torch.compile: a graph break, the collective runs eagerly
-        apply = torch.compiler.disable(apply)
+    apply = eager_when_traced(_Conjugate.apply)  # traced: a graph break, the collective runs eagerly
     y = apply(x, group, forward_op, backward_op)  # type: ignore[no-untyped-call]
     return cast(torch.Tensor, y)
 
