@@ -4,6 +4,7 @@ pipeline formulas against dtlab's schedules, placement, the search and the comma
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -195,6 +196,31 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ClusterSpec.ranks must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["advise", "--memory-gb", "0.000001"]) == 1
     assert "none of the" in capsys.readouterr().err
+
+
+def test_cli_tp_batch_check(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tp-batch-check`` is StrategyOptions.tp_batch_check: "always" counts one all-reduce of 6
+    int64 per step over tp, "first" and "never" none; anything else is refused by name."""
+    flags = ["advise", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--ranks", "2"]
+    flags += ["--global-batch", "4", "--plan", "strategy=ddp,tp=2", "--top", "1", "--json"]
+    tp = {}
+    for when in ("always", "first", "never", None):
+        assert main([*flags, *(["--tp-batch-check", when] if when else [])]) == 0
+        count, sent = json.loads(capsys.readouterr().out)["plan"]["axes"]["tp"]["ops"]["all_reduce"]
+        tp[when] = (count, sent)
+    assert tp[None] == tp["always"] == (tp["never"][0] + 1, tp["never"][1] + 48)
+    assert tp["first"] == tp["never"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*flags, "--tp-batch-check", "sometimes"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    # argparse's wording (quotes around the choices differ between Python versions)
+    assert re.search(r"--tp-batch-check: invalid choice: '?sometimes'? \(choose from '?always'?, '?first'?, "
+                     r"'?never'?\)", err), err  # fmt: skip
+    assert "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["advise", "--help"])
+    assert "--tp-batch-check {always,first,never}" in capsys.readouterr().out
 
 
 def test_a_shared_memo_changes_no_prediction() -> None:

@@ -12,7 +12,16 @@ from dtlab.advise.precision import PRECISIONS, Precision
 from dtlab.advise.predict import predict
 from dtlab.advise.render import advice_json, advice_table, print_table
 from dtlab.advise.search import Limits, advise, runnable
-from dtlab.advise.spec import CHECKPOINTING, DP_STRATEGIES, SCHEDULES, ClusterSpec, ModelSpec, OptimizerSpec
+from dtlab.advise.spec import (
+    CHECKPOINTING,
+    DP_STRATEGIES,
+    SCHEDULES,
+    ClusterSpec,
+    ModelSpec,
+    OptimizerSpec,
+    StrategyOptions,
+)
+from dtlab.core.plan import TP_BATCH_CHECKS
 from dtlab.errors import ArgumentError
 
 __all__ = ["add_advise_parser", "run_advise"]
@@ -117,6 +126,14 @@ def add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="sequences per micro-batch to consider, comma-separated (default: every size dividing "
         "the batch per dp rank; the rest of it is accumulated or pipelined)",
     )
+    t.add_argument(
+        "--tp-batch-check",
+        choices=TP_BATCH_CHECKS,
+        default="always",
+        help="how often the models compare the tp ranks' batches (dtlab train's parallel.tp_batch_check): "
+        "always counts the check's all-reduce in every step; first and never count none, the steady "
+        "step of a model built with them (default %(default)s)",
+    )
     t.add_argument("--runnable-only", action="store_true", help="only plans dtlab's strategies run today")
     t.add_argument(
         "--plan",
@@ -217,12 +234,14 @@ def run_advise(args: argparse.Namespace) -> int:
         raise ArgumentError(f"--top must be >= 0 (0: all), got {args.top}")
     precision = Precision.named(args.precision)
     optimizer = OptimizerSpec(args.optimizer)
+    options = StrategyOptions(tp_batch_check=args.tp_batch_check)
     plan = parse_plan(args.plan, cluster.ranks, args.global_batch) if args.plan else None
     result = advise(
         spec,
         cluster,
         args.global_batch,
         optimizer=optimizer,
+        options=options,
         precision=precision,
         runnable_only=args.runnable_only,
         limits=_limits(args),
@@ -235,6 +254,7 @@ def run_advise(args: argparse.Namespace) -> int:
             plan,
             args.global_batch,
             optimizer=optimizer,
+            options=options,
             precision=precision,
             runnable=runnable(plan, spec, precision),
         )
