@@ -17,6 +17,8 @@ everything above (compression, models, optimizers, checkpoints, the config) can 
   reached a strategy's gradient hooks finished or raised partway (its gradients then partial);
 - :mod:`dtlab.core.rng`: :func:`seeded_init`, reproducible model initialisation from torch's global
   RNG when in-memory ranks (threads) build models at once.
+- :mod:`dtlab.core.torch_private`: the one place torch's private attributes of modules and tensors
+  are read (its hook dicts, a module's non-persistent buffers).
 
 The names below are imported on first use, so ``import dtlab.core.pairs`` does not import torch.
 """

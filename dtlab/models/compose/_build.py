@@ -19,6 +19,7 @@ from dtlab.core import pairs
 from dtlab.core.placement import Placement, placement_of
 from dtlab.core.plan import check_schedule_args
 from dtlab.core.shard_index import full_shape_of
+from dtlab.core.torch_private import non_persistent_buffers
 from dtlab.errors import StrategyError
 from dtlab.models.compose._tied import swap_layers, tied_groups
 from dtlab.models.dp.data_parallel import DataParallelModel
@@ -281,10 +282,10 @@ def _mirror(into: nn.Module, source: nn.Module, keep: set[int]) -> None:
     for name, p in source.named_parameters(recurse=False):
         if id(p) in keep:
             into.register_parameter(name, p)
+    temporary = non_persistent_buffers(source)
     for name, b in source.named_buffers(recurse=False):
         if id(b) in keep:
-            persistent = name not in getattr(source, "_non_persistent_buffers_set", set())
-            into.register_buffer(name, b, persistent=persistent)
+            into.register_buffer(name, b, persistent=name not in temporary)
     for name, child in source.named_children():
         held = _ids(child)
         if held <= keep and held:

@@ -23,8 +23,8 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.broadcast import broadcast_from_rank0
+from dtlab.core.torch_private import MODULE_HOOKS, TENSOR_HOOKS
 from dtlab.errors import StrategyError
-from dtlab.models.dp._owner import MODULE_HOOKS, TENSOR_HOOKS
 from dtlab.models.dp.zero1 import ZeRO1Model
 from dtlab.models.pipeline._ties import CrossTie, rebind_ties, sum_tied
 from dtlab.models.tensor._auto import declared_plan

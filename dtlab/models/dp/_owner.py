@@ -12,14 +12,13 @@ shard), so wrapping its module again is refused.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from itertools import chain
-from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.torch_private import MODULE_HOOKS, TENSOR_HOOKS
 from dtlab.errors import StrategyError
 from dtlab.models.dp._sync_bn import DataParallelBatchNorm, sync_batch_norms
 from dtlab.models.dp.flat import check_real
@@ -32,19 +31,6 @@ __all__ = ["MODULE_HOOKS", "TENSOR_HOOKS", "Ownership", "check_module", "rewrap_
 #: the attribute of a parameter holding the :class:`_Mark` of the wrapper that hooked it
 _MARK = "_dtlab_owner"
 
-#: where torch keeps the hooks: each registering call -> a reader of the hooks it added to a module or
-#: a tensor (a dict by handle id; a tensor's is None before its first), private attributes torch lists
-#: nowhere public; every check of a user's hooks reads them through these
-MODULE_HOOKS: dict[str, Callable[[Any], dict[int, Any]]] = {
-    "register_forward_pre_hook": attrgetter("_forward_pre_hooks"),
-    "register_forward_hook": attrgetter("_forward_hooks"),
-    "register_full_backward_pre_hook": attrgetter("_backward_pre_hooks"),
-    "register_full_backward_hook": attrgetter("_backward_hooks"),
-}
-TENSOR_HOOKS: dict[str, Callable[[Any], dict[int, Any] | None]] = {
-    "register_hook": attrgetter("_backward_hooks"),
-    "register_post_accumulate_grad_hook": attrgetter("_post_accumulate_grad_hooks"),
-}
 _HOOKS = TENSOR_HOOKS["register_post_accumulate_grad_hook"]
 
 

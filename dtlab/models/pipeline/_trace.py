@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from dtlab.core.torch_private import non_persistent_buffers
 from dtlab.errors import StrategyError
 from dtlab.models.pipeline._split import TensorSpec, check_split_count
 
@@ -231,7 +232,7 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
     held = []  # its forward reads them on every stage, but no stage holds them: saved, moved, built by none
     for g in sorted(glue):
         mod = module.get_submodule(g)
-        temporary = mod._non_persistent_buffers_set  # noqa: SLF001 (torch's own attribute)
+        temporary = non_persistent_buffers(mod)
         held += [
             f"{g}.{n}" if g else n
             for n, b in mod.named_buffers(recurse=False)
