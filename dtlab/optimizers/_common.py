@@ -3,15 +3,14 @@ the finite-gradient consensus and the reshardable optimizer-state format (see dt
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from dtlab.backends.base import ReduceOp
 from dtlab.core import pairs
+from dtlab.core.placement import Shard
 from dtlab.core.shard_index import (
     ShardIndex,
     add_placed_slice,
@@ -23,7 +22,10 @@ from dtlab.core.shard_index import (
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models.base import ModelStrategy, OptimizerTarget
+from dtlab.optimizers._clip import clip_by_global_norm
+from dtlab.optimizers._elementwise import check_elementwise
 from dtlab.optimizers._groups import Entry, check_groups, jsonable, make_local, spec_of, sync_groups
+from dtlab.optimizers._state_view import StateView, replace_state
 from dtlab.optimizers._torch_state import full_state, load_full_state
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.untrusted import summary
@@ -90,9 +92,10 @@ class DataParallelOptimizer(OptimizerStrategy):
         spec = spec_of(me, optimizer, kwargs, [p for _, p in model.trainable_parameters()])
         torch.optim.Optimizer.__init__(self, spec.groups, spec.defaults)
         self._entries = self._build()
+        self._kind = self._pieces_kind()
+        if self._kind is not None:  # Adafactor, Muon, LAMB... would step each piece its own way
+            check_elementwise(me, spec, self.param_groups, model.dp_backend.device, flat=self._kind == "flat")
         self._opt = make_local(spec, me, self.param_groups, self._entries)
-        #: this rank's optimizer state (keyed by the pieces the local optimizer steps)
-        self.state = self._opt.state
         self._seen: list[dict[str, Any]] = [{} for _ in self.param_groups]
         self._sync_groups()
         self._ready = True
@@ -102,6 +105,29 @@ class DataParallelOptimizer(OptimizerStrategy):
 
     def _model_hint(self) -> str:
         return pairs.model_class_name(self.compatible_models[0]) if self.compatible_models else "DDPModel"
+
+    @property  # type: ignore[override]
+    def state(self) -> StateView:
+        """This rank's optimizer state, keyed by the tensors the local optimizer steps (the parameters
+        under DDP; pieces of shards otherwise, where ``opt.state[param]`` is refused naming the fix)."""
+        refused = frozenset(self._module_params) if self._kind == "flat" else frozenset()
+        return StateView(self._opt, refused, type(self).__name__)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if self._ready:  # torch's __init__ sets it first: the local optimizer's is the state
+            replace_state(self._opt, value, [e.tensor for e in self._entries], type(self).__name__)
+
+    def _pieces_kind(self) -> str | None:
+        """``"flat"`` when the local optimizer steps flat shards of parameters, ``"slices"`` when
+        tensor-parallel slices (a parameter placed ``Shard`` over an axis of size > 1), ``None`` when
+        whole parameters."""
+        model = self.dp_model
+        for name, _ in model.trainable_parameters():
+            placement, _, size = model.placed(name)
+            if isinstance(placement, Shard) and size > 1:
+                return "slices"
+        return None
 
     def _build(self) -> list[Entry]:
         """The pieces this rank steps, for every parameter of every group (see :class:`Entry`)."""
@@ -234,33 +260,14 @@ class DataParallelOptimizer(OptimizerStrategy):
             seen.update({k: v for k, v in g.items() if k != "params"})
 
     # ------------------------------------------------------------------ norms and consensus
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        if not (isinstance(max_norm, int | float) and max_norm > 0):
-            raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
-        norm_type = float(norm_type)
-        if not (norm_type > 0):
-            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-        model = self.dp_model
-        tensors, replicated = model.norm_grad_tensors()
-        device = model.dp_backend.device
-        if math.isinf(norm_type):
-            local = max((t.detach().abs().max().double() for t in tensors if t.numel()), default=None)
-            total = torch.zeros(1, dtype=torch.float64, device=device) if local is None else local.reshape(1)
-            if not replicated:
-                model.grad_norm_group().all_reduce(total, ReduceOp.MAX)
-            norm = total[0]
-        else:
-            acc = torch.zeros(1, dtype=torch.float64, device=device)
-            for t in tensors:
-                if t.numel():
-                    acc += t.detach().double().abs().pow(norm_type).sum()
-            if not replicated:
-                model.grad_norm_group().all_reduce(acc, ReduceOp.SUM)
-            norm = acc[0].pow(1.0 / norm_type)
-        coef = float(max_norm) / (float(norm) + 1e-6)
-        if coef < 1.0:
-            model.scale_grads_(coef)
-        return norm.float()
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,  # noqa: ARG002 - torch's argument; the norm is computed per tensor
+    ) -> torch.Tensor:
+        return clip_by_global_norm(self.dp_model, max_norm, norm_type, error_if_nonfinite)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every synchronized gradient to ``[-clip_value, clip_value]`` (torch's

@@ -22,7 +22,16 @@ import torch
 from dtlab.errors import CheckpointError, StrategyError
 from dtlab.untrusted import summary
 
-__all__ = ["Entry", "OptimizerSpec", "check_groups", "jsonable", "make_local", "spec_of", "sync_groups"]
+__all__ = [
+    "Entry",
+    "OptimizerSpec",
+    "check_groups",
+    "constructor_defaults",
+    "jsonable",
+    "make_local",
+    "spec_of",
+    "sync_groups",
+]
 
 _MISSING = object()
 
@@ -118,6 +127,15 @@ def spec_of(
     return OptimizerSpec(type(template), dict(template.defaults), groups, state)
 
 
+def constructor_defaults(spec: OptimizerSpec) -> dict[str, Any]:
+    """The defaults ``spec.cls``'s constructor takes: every group carries all its options; the
+    constructor gets those it names (AdamW's defaults hold decoupled_weight_decay, which
+    AdamW.__init__ does not take)."""
+    accepted = inspect.signature(spec.cls.__init__).parameters
+    takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
+    return {k: v for k, v in spec.defaults.items() if takes_any or k in accepted}
+
+
 def make_local(
     spec: OptimizerSpec, who: str, groups: list[dict[str, Any]], entries: list[Entry]
 ) -> torch.optim.Optimizer:
@@ -130,12 +148,7 @@ def make_local(
         for gi, g in enumerate(groups)
     ]
     try:
-        accepted = inspect.signature(spec.cls.__init__).parameters
-        takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
-        # every group carries all its options; the constructor gets those it names (AdamW's defaults
-        # hold decoupled_weight_decay, which AdamW.__init__ does not take)
-        defaults = {k: v for k, v in spec.defaults.items() if takes_any or k in accepted}
-        return spec.cls(local_groups, **defaults)
+        return spec.cls(local_groups, **constructor_defaults(spec))
     except TypeError as exc:
         raise StrategyError(
             f"{who} rebuilds {spec.cls.__name__} over this rank's pieces as "

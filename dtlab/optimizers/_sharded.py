@@ -4,9 +4,10 @@ The model strategy lays parameters in flat units padded to a multiple of ``P`` (
 :mod:`dtlab.models.dp.flat`); this rank's optimizer steps element ``[r*c, (r+1)*c)`` of each unit with
 the matching gradient shard, so its state is ``1/P`` of the replicated optimizer's. Element-wise
 optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...) give the same result as on whole parameters;
-optimizers whose update couples elements of one parameter (LAMB's trust ratio, Adafactor, Shampoo)
-would not, and are not supported. Each param group of the user's optimizer is one group of the local
-optimizer, over this rank's slices of that group's parameters (views into the shard), so every group
+optimizers whose update couples elements of one parameter (LAMB's trust ratio, Adafactor, Muon,
+Shampoo) would not, and are refused when the optimizer strategy is built
+(:mod:`dtlab.optimizers._elementwise`). Each param group of the user's optimizer is one group of the
+local optimizer, over this rank's slices of that group's parameters (views into the shard), so every group
 keeps its own options.
 """
 
@@ -28,6 +29,9 @@ class ShardedOptimizer(DataParallelOptimizer):
     strategy_name: ClassVar[str] = "zero"
 
     _sharded_state: ClassVar[bool] = True
+
+    def _pieces_kind(self) -> str | None:
+        return "flat"
 
     def _build(self) -> list[Entry]:
         model = self.dp_model

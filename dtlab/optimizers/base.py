@@ -44,10 +44,18 @@ class OptimizerStrategy(torch.optim.Optimizer, ABC):
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
     @abstractmethod
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
         """Clip by the global norm of the model's (synchronized) gradients; returns that norm. A data-
         parallel strategy sums shards over ``model.dp_backend`` (each data-parallel group holds one
-        whole model); strategies that split parameters over other axes add those axes."""
+        whole model); strategies that split parameters over other axes add those axes. torch's
+        ``clip_grad_norm_`` arguments: ``error_if_nonfinite`` raises torch's RuntimeError on every rank
+        when the global norm is NaN or infinite; ``foreach`` is accepted and changes nothing."""
 
     @abstractmethod
     def grads_are_finite(self) -> bool:

@@ -140,8 +140,14 @@ class GradientCompressionOptimizer(WrappingStrategy):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return self.inner.clip_grad_norm_(max_norm, norm_type)
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        return self.inner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
 
     def grads_are_finite(self) -> bool:
         return self.inner.grads_are_finite()

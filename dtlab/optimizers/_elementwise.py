@@ -1,0 +1,104 @@
+"""Whether a torch optimizer may step pieces of parameters: the check behind every optimizer strategy
+whose local optimizer steps flat shards (ZeRO-1/2/3, FSDP) or tensor-parallel slices.
+
+Stepping a piece gives the update of the whole parameter only when each element's update depends on
+that element alone (SGD, Adam, AdamW, RMSprop, Adagrad, Rprop, ...). torch's Adafactor factors its
+second moment over a matrix's rows and columns and scales by the parameter's RMS, Muon orthogonalizes
+the whole matrix, LAMB/LARS scale by per-parameter norms: on a piece each would step silently
+differently, or (Muon on a 1-D shard) stop with its own error. The check runs the user's class, with
+each group's options, on a small matrix whole and as pieces, for two steps on the same gradients, and
+refuses the class when the results differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtlab.errors import StrategyError
+from dtlab.optimizers._groups import OptimizerSpec, constructor_defaults
+
+__all__ = ["check_elementwise"]
+
+_ROWS, _COLS, _STEPS, _LR = 4, 6, 2, 1e-2
+#: how far (relative to how far the steps moved the matrix) the pieces may end from the whole: float64
+#: rounding of an element-wise update, or float32 for an optimizer that does not take float64
+_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def _steps(
+    spec: OptimizerSpec, options: dict[str, Any], params: list[torch.Tensor], grads: list[list[torch.Tensor]]
+) -> None:
+    """``_STEPS`` steps of ``spec.cls`` with one group's options (at a learning rate that moves the
+    matrix: a schedule may start at 0) over ``params``, with the gradients ``grads[step]``."""
+    opts = {k: v for k, v in options.items() if k != "params"}
+    if "lr" in opts:
+        opts["lr"] = _LR
+    defaults = {**constructor_defaults(spec), **({"lr": _LR} if "lr" in spec.defaults else {})}
+    opt = spec.cls([{**opts, "params": params}], **defaults)
+    for gs in grads:
+        for p, g in zip(params, gs, strict=True):
+            p.grad = g.clone()
+        opt.step()
+
+
+def _split(t: torch.Tensor, flat: bool) -> list[torch.Tensor]:
+    """Two flat pieces cutting a row when ``flat``, else two blocks of rows (tensor parallelism)."""
+    if flat:
+        return [t.reshape(-1)[: _COLS + 1], t.reshape(-1)[_COLS + 1 :]]
+    return [t[: _ROWS // 2], t[_ROWS // 2 :]]
+
+
+def _problem(spec: OptimizerSpec, options: dict[str, Any], device: torch.device, flat: bool) -> str | None:
+    """Why stepping pieces differs from stepping the whole matrix, or None when it does not (or when
+    the class cannot step the probe matrix whole either: nothing to compare)."""
+    for dtype, tolerance in _TOLERANCE.items():
+        gen = torch.Generator().manual_seed(0)
+        start = torch.randn(_ROWS, _COLS, generator=gen, dtype=torch.float64)
+        grads = [torch.randn(_ROWS, _COLS, generator=gen, dtype=torch.float64) for _ in range(_STEPS)]
+        start, grads = start.to(device, dtype), [g.to(device, dtype) for g in grads]
+        whole = start.clone().requires_grad_(True)
+        try:
+            _steps(spec, options, [whole], [[g] for g in grads])
+        except Exception:  # e.g. a fused kernel without float64: try float32
+            continue
+        pieces = [p.clone().requires_grad_(True) for p in _split(start, flat)]
+        try:
+            _steps(spec, options, pieces, [_split(g, flat) for g in grads])
+        except Exception as exc:  # the class refuses pieces (Muon: 2-D parameters only)
+            return f"stepping pieces failed: {type(exc).__name__}: {exc}"
+        joined = torch.cat([p.detach().reshape(-1) for p in pieces]).reshape(_ROWS, _COLS)
+        moved = float((whole.detach() - start).abs().max())
+        off = float((whole.detach() - joined).abs().max())
+        if moved > 0 and off > tolerance * moved:
+            return (
+                f"its update of an element depends on other elements of the parameter (on a {_ROWS}x{_COLS} "
+                f"matrix stepped in two pieces, {_STEPS} steps moved it {moved:.3g} and the pieces ended "
+                f"{off:.3g} away from the whole)"
+            )
+        return None
+    return None
+
+
+def check_elementwise(
+    who: str, spec: OptimizerSpec, groups: list[dict[str, Any]], device: torch.device, flat: bool
+) -> None:
+    """Refuse ``spec``'s optimizer class, naming it and the fix, when stepping pieces of a parameter
+    (flat shards when ``flat``, else tensor-parallel row blocks) differs from stepping it whole, with
+    the options of any of ``groups``. Deterministic: every rank decides the same."""
+    what = (
+        "flat shards of every parameter (ZeRO-1/2/3, FSDP)"
+        if flat
+        else "tensor-parallel pieces of parameters"
+    )
+    for gi, options in enumerate(groups):
+        problem = _problem(spec, options, device, flat)
+        if problem is not None:
+            raise StrategyError(
+                f"{who}: {spec.cls.__name__} (param group {gi}) cannot step {what}: {problem}. Only "
+                "element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, Rprop, NAdam, RAdam, ...) "
+                "give the same step on a piece as on the whole parameter. Use DDPModel with DDPOptimizer "
+                "(whole parameters on every rank) for this optimizer, or an element-wise one under this "
+                "strategy"
+            )
