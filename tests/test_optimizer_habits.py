@@ -11,6 +11,9 @@ in-memory ranks against one process on the global batch (3 steps), or refused wi
   step never read, under every strategy (3.1e-2 relative error after 3 AdamW steps): it now resets.
 - ``opt.state[p]`` under ZeRO/FSDP gave an empty dict (``KeyError`` on reading ``exp_avg``): refused
   naming the fix; under DDP it is the parameter's state, as in torch.
+- torch's Adafactor on a pipeline rank (pp=2, DDPOptimizer: each stage's whole parameters) was refused
+  with an error about ``clip_grad_norm_`` (its row norms met the guard on ``param.grad``): it now
+  equals one process.
 - ``opt.clip_grad_norm_(max_norm, error_if_nonfinite=True)`` raised a raw ``TypeError``: it takes torch's
   arguments and raises torch's RuntimeError on every rank when the global norm is not finite.
 """
@@ -28,7 +31,7 @@ from torch.nn import functional as F
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
-from dtlab.models import TensorParallelModel
+from dtlab.models import PipelineParallelModel, TensorParallelModel
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -139,6 +142,21 @@ def _tp(backend: CommunicationBackend, cls: type[torch.optim.Optimizer], ocls: t
     return "trained"
 
 
+def _pp(backend: CommunicationBackend, ocls: type[Any]) -> Any:
+    """torch's Adafactor on a pipeline rank (pp=2): whole parameters of its stages."""
+    model = PipelineParallelModel(make_module(), Mesh(backend, {"pp": 2}), micro_batches=2)
+    try:
+        opt = ocls(model, torch.optim.Adafactor, lr=0.01)
+        xs, ys = make_data(STEPS, GLOBAL_BATCH)
+        for s in range(STEPS):
+            model.train_step((xs[s], ys[s]), F.mse_loss)
+            opt.step()
+            opt.zero_grad()
+    except StrategyError as exc:
+        return str(exc)
+    return model.full_state_dict()
+
+
 def world(backend: CommunicationBackend) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -158,6 +176,7 @@ def world(backend: CommunicationBackend) -> dict[str, Any]:
     for cls in (torch.optim.Adafactor, torch.optim.Muon):
         out[f"tp/{cls.__name__}"] = _tp(backend, cls, DDPOptimizer)
     out["tp/AdamW"] = _tp(backend, torch.optim.AdamW, ZeRO1Optimizer)
+    out["pp/ddp"], out["pp/zero1"] = _pp(backend, DDPOptimizer), _pp(backend, ZeRO1Optimizer)
     return out
 
 
@@ -198,3 +217,5 @@ def test_optimizer_habits_equal_one_process_or_are_refused() -> None:
             got = res[f"tp/{cls}"]
             assert isinstance(got, str) and "tensor-parallel pieces" in got and REFUSED in got, got
         assert res["tp/AdamW"] == "trained"
+        assert max_rel_error(res["pp/ddp"], adafactor) <= 1e-5  # a stage's whole parameters
+        assert isinstance(res["pp/zero1"], str) and REFUSED in res["pp/zero1"], res["pp/zero1"]

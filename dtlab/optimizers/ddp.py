@@ -6,6 +6,7 @@ from typing import ClassVar
 
 from dtlab.core import pairs
 from dtlab.core.shard_index import even_range
+from dtlab.models.dp._grad_guard import GradientStandIn
 from dtlab.optimizers._common import DataParallelOptimizer, Piece
 from dtlab.optimizers._groups import Entry
 
@@ -49,8 +50,21 @@ class DDPOptimizer(DataParallelOptimizer):
         held = [(e.param, e.param.grad) for e in self._entries if id(e.param) in skip]
         for p, _ in held:  # torch's optimizer skips a .grad of None
             p.grad = None
+        # a pipeline rank's (a tp piece's) .grad refuses norms, meant for clip_grad_norm_ over
+        # model.parameters(); the optimizer's own norms of one parameter (Adafactor's row norms on a
+        # stage's whole parameter) are right: it steps the gradients themselves
+        guarded = [
+            (e.param, g)
+            for e in self._entries
+            if isinstance(g := e.param.grad, GradientStandIn) and g.piece is not None
+        ]
+        for p, g in guarded:
+            p.grad = g.piece
         try:
             self._opt.step()
         finally:
             for p, g in held:
                 p.grad = g
+            for p, g in guarded:
+                if p.grad is g.piece:
+                    p.grad = g
