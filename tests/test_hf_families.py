@@ -41,11 +41,31 @@ PHI3_PACKED = {"model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layer
 #: (family, plan): Hugging Face's own plans, and Phi-3's MLP split by sections by hand
 CASES: list[tuple[str, Any]] = [("qwen2", "auto"), ("phi3", "auto"), ("phi3", PHI3_PACKED)]
 CASES += [("neox", "auto"), ("gemma", "auto"), ("qwen3", "auto"), ("bert", "auto"), ("bart", "auto")]
+CASES += [("qwen3-affine", "auto")]
+
+
+class _AffineNorm(nn.Module):
+    """Qwen3's q/k norm with one (2, head_dim) table for every head, its scale and shift: a dim of 2,
+    the key/value head count, by coincidence."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.stack([torch.ones(head_dim), torch.full((head_dim,), 0.1)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x * self.table[0] + self.table[1]
 
 
 def _built(name: str) -> nn.Module:
     with seeded_init(0):
-        return family(name)
+        if name != "qwen3-affine":
+            return family(name)
+        net = family("qwen3")
+        for layer in net.model.layers:
+            head_dim = layer.self_attn.head_dim
+            layer.self_attn.q_norm, layer.self_attn.k_norm = _AffineNorm(head_dim), _AffineNorm(head_dim)
+        return net
 
 
 def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -133,6 +153,10 @@ def _refusals(backend: CommunicationBackend) -> tuple[list[str], int, float]:
         (family("t5"), {"encoder.block.*.layer.0.SelfAttention.q": "colwise"}),
         (family("cohere", use_qk_norm=True), "auto"),
         (family("stablelm", qk_layernorm=True), {f"{layers}.self_attn": stablelm_heads}),
+        (
+            _built("qwen3-affine"),
+            {f"{layers}.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+        ),
         (nn.Sequential(nn.Linear(8, 8), _Shifted(8, 8)), {"0": "colwise", "1": "rowwise"}),
         (nn.Sequential(_Clipped(VOCAB, 8)), {"0": "embedding_rowwise"}),
     ]
@@ -162,6 +186,9 @@ def test_what_would_be_silently_wrong_is_refused_before_any_call() -> None:
         "'encoder.block.0.layer.0.SelfAttention.q' splits the heads of T5Attention, whose position bias",
         "'model.layers.0.self_attn.q_proj' splits the 4 heads of CohereAttention, whose q_norm.weight (4, 8)",
         "'model.layers.0.self_attn' splits the 4 heads of StableLmAttention, whose q_layernorm.norms (4,)",
+        # its tables left whole without their gradient summed over tp: each rank's would hold its heads' part
+        "'model.layers.0.self_attn.k_proj' splits the 2 heads of Qwen3Attention, whose q_norm.table (2, 8) "
+        "holds an entry per head",
         "_Shifted overrides Linear.forward, which the tensor-parallel layer replacing it would not run",
         "_Clipped overrides Embedding.forward",
         "buffers ['final_logits_bias'] belong to BartForConditionalGeneration's glue",
@@ -170,4 +197,8 @@ def test_what_would_be_silently_wrong_is_refused_before_any_call() -> None:
     for needle, error in zip(needles, errors, strict=True):
         assert needle in error, (needle, error)
     assert "'packed_colwise'" in errors[0] and "plan='auto' splits it per head" in errors[3]
+    assert (
+        "If 'q_norm' is one table every head uses" in errors[7]
+        and "'replicated_with_grad_allreduce'" in errors[7]
+    )
     assert calls == 0

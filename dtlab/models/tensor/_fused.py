@@ -21,6 +21,8 @@ So does a table per head beside the projections (Cohere's q/k LayerNorm, weight 
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 from torch import nn
 
 from dtlab.errors import StrategyError
@@ -81,17 +83,21 @@ def check_head_bias(root: nn.Module, name: str, attention: nn.Module) -> None:
     )
 
 
-def check_head_tables(root: nn.Module, name: str, attention: nn.Module, heads: int) -> None:
+def check_head_tables(
+    root: nn.Module, name: str, attention: nn.Module, heads: int, summed: AbstractSet[int] = frozenset()
+) -> None:
     """Refuse splitting the ``heads`` heads (of projection ``name``, or of ``attention`` itself under the
     ``heads`` style) of a Hugging Face attention module that holds, in a module beside its projections,
     a parameter of 2 or more dims with one dim per head (Cohere's q/k LayerNorm) or a list of one
     module per head (StableLM's per-head LayerNorms, zipped with the heads it is given): left whole,
-    every head's entries would meet this rank's heads."""
+    every head's entries would meet this rank's heads. A module the plan leaves whole with its gradient
+    summed over tp (``summed``: ids of the modules planned ``replicated_with_grad_allreduce``) is one
+    table every head uses, as the plan says: a dim of it that equals the head count is not a head's."""
     model_type = getattr(getattr(root, "config", None), "model_type", None)
     if not isinstance(model_type, str) or heads <= 1:
         return
     for child, module in attention.named_children():
-        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D" or id(module) in summed:
             continue
         tables = [(f"{child}.{n}", tuple(p.shape)) for n, p in module.named_parameters() if p.dim() >= 2]
         lists = [
@@ -106,5 +112,7 @@ def check_head_tables(root: nn.Module, name: str, attention: nn.Module, heads: i
                 f"whose {hit[0]} {hit[1]} holds an entry per head and stays whole (a shape error inside "
                 "the model, or the wrong heads' entries); no style splits it by heads: leave this "
                 "attention's projections out of the plan (e.g. Cohere: use_qk_norm=False has no such "
-                "table)"
+                f"table). If {child!r} is one table every head uses (a dim of {heads} by coincidence), "
+                "plan it 'replicated_with_grad_allreduce' (left whole, its gradient summed over tp, as "
+                "each rank's heads give only their part of it)"
             )

@@ -301,6 +301,13 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
         )
     named = list(module.named_modules())
     found: dict[str, tuple[nn.Module, Style, str]] = {}
+    summed = {  # left whole, gradient summed over tp: one table for every head (check_head_tables)
+        id(m)
+        for p, v in plan.items()
+        if isinstance(style_of(v, p), SequenceParallel)
+        for n, m in named
+        if _matches(n, p)
+    }
     for pattern, value in plan.items():
         style = style_of(value, pattern)
         if style is None:
@@ -324,10 +331,10 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
                 check_head_bias(module, n, attention)
                 head_dim, features = getattr(attention, "head_dim", None), linear_features(m)
                 if isinstance(head_dim, int) and head_dim > 0 and features:  # Hugging Face's declare it
-                    check_head_tables(module, n, attention, features[1] // head_dim)
+                    check_head_tables(module, n, attention, features[1] // head_dim, summed)
             elif isinstance(style, HeadsParallel):
                 check_head_bias(module, n, m)
-                check_head_tables(module, n, m, getattr(m, style.heads))
+                check_head_tables(module, n, m, getattr(m, style.heads), summed)
             found[n] = (m, style, pattern)
     for n in found:  # a swapped module may not contain another planned module
         inner = [o for o in found if o.startswith(n + ".")]
