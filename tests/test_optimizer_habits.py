@@ -14,6 +14,8 @@ in-memory ranks against one process on the global batch (3 steps), or refused wi
 - torch's Adafactor on a pipeline rank (pp=2, DDPOptimizer: each stage's whole parameters) was refused
   with an error about ``clip_grad_norm_`` (its row norms met the guard on ``param.grad``): it now
   equals one process.
+- Muon on the matrices and AdamW on the rest (two torch optimizers): under DDP, AdamW in the optimizer
+  strategy and Muon plain equal one process; under ZeRO the plain one is refused at its step.
 - ``opt.clip_grad_norm_(max_norm, error_if_nonfinite=True)`` raised a raw ``TypeError``: it takes torch's
   arguments and raises torch's RuntimeError on every rank when the global norm is not finite.
 """
@@ -157,6 +159,26 @@ def _pp(backend: CommunicationBackend, ocls: type[Any]) -> Any:
     return model.full_state_dict()
 
 
+def two_optimizers(model: Any, name: str | None, part: slice) -> Any:
+    """Muon on the matrices and AdamW on the rest: under DDP AdamW in the optimizer strategy and Muon
+    plain (docs/porting.md); ``name`` None: one process, both plain."""
+    params = list(getattr(model, "module", model).parameters())
+    muon = torch.optim.Muon([p for p in params if p.dim() == 2], lr=0.02)
+    adamw = torch.optim.AdamW([p for p in params if p.dim() < 2], lr=0.01)
+    opt = adamw if name is None else OPT.get(name, ZeRO3Optimizer)(model, adamw)
+    xs, ys = make_data(STEPS, GLOBAL_BATCH)
+    try:
+        for s in range(STEPS):
+            F.mse_loss(model(xs[s][part]), ys[s][part]).backward()
+            muon.step()
+            opt.step()
+            opt.zero_grad()
+            muon.zero_grad()
+    except StrategyError as exc:
+        return str(exc)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def world(backend: CommunicationBackend) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -176,6 +198,9 @@ def world(backend: CommunicationBackend) -> dict[str, Any]:
     for cls in (torch.optim.Adafactor, torch.optim.Muon):
         out[f"tp/{cls.__name__}"] = _tp(backend, cls, DDPOptimizer)
     out["tp/AdamW"] = _tp(backend, torch.optim.AdamW, ZeRO1Optimizer)
+    half = slice(backend.rank * GLOBAL_BATCH // 2, (backend.rank + 1) * GLOBAL_BATCH // 2)
+    for name in ("ddp", "zero2"):
+        out[f"two/{name}"] = two_optimizers(wrap(name, make_module(), backend), name, half)
     out["pp/ddp"], out["pp/zero1"] = _pp(backend, DDPOptimizer), _pp(backend, ZeRO1Optimizer)
     return out
 
@@ -217,5 +242,7 @@ def test_optimizer_habits_equal_one_process_or_are_refused() -> None:
             got = res[f"tp/{cls}"]
             assert isinstance(got, str) and "tensor-parallel pieces" in got and REFUSED in got, got
         assert res["tp/AdamW"] == "trained"
+        assert max_rel_error(res["two/ddp"], two_optimizers(make_module(), None, slice(None))) <= 1e-5
+        assert "param.grad of '0.weight' is not the whole gradient" in res["two/zero2"], res["two/zero2"]
         assert max_rel_error(res["pp/ddp"], adafactor) <= 1e-5  # a stage's whole parameters
         assert isinstance(res["pp/zero1"], str) and REFUSED in res["pp/zero1"], res["pp/zero1"]
