@@ -22,6 +22,7 @@ from dtlab.models.dp._grad_call import autograd_grad_message, grads_returned
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
 from dtlab.models.dp._routing import same_gathers
+from dtlab.models.dp._saved_params import SavedTensors
 from dtlab.models.dp._sharded_units import GroupHooks, ShardUnit, UnitGatherer, UnitPlan
 from dtlab.models.dp._unused import none_got_one
 from dtlab.models.dp._writes import ParamWrites
@@ -87,6 +88,7 @@ class ShardedModel(DataParallelModel):
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
         self._state_of = {id(st.unit): st for st in self._units}
         self._writes = ParamWrites(self._at_rest, self._unit_of)
+        self._saved = SavedTensors(self._at_rest, self._unit_of, lambda: self.observe_activation)
         self._synced_grads = [st.grad_shard for st in self._units]
         self._pending: list[tuple[ShardUnit, Work, torch.Tensor]] = []
         self._partial_state_ok = False
@@ -134,7 +136,7 @@ class ShardedModel(DataParallelModel):
         )
         self._at_rest.set_busy(True)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._at_rest.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack):
                 out = self.module(*args, **kwargs)
         except Exception as exc:  # not an interrupt: waiting for a collective could then block the exit
             freed = self._at_rest.freed()
@@ -154,9 +156,6 @@ class ShardedModel(DataParallelModel):
             self._at_rest.set_busy(self._backward.open)
         self._hooks.order_done = True
         return out
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        return self._at_rest.pack(t, self.observe_activation)
 
     def _begin_backward(self) -> None:
         if not self._backward.open and grads_returned(p for _, p in self._trainable):
