@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -38,6 +38,10 @@ def _custom_function_saves(frame: FrameType | None) -> bool:
         return False
     cls = frame.f_locals.get("cls")
     return isinstance(cls, type) and not cls.__module__.startswith(_OWN)
+
+
+def _unwrap(a: Any) -> Any:
+    return a.elem if isinstance(a, SavedParameter) else a
 
 
 class SavedParameter(torch.Tensor):
@@ -69,11 +73,9 @@ class SavedParameter(torch.Tensor):
     ) -> Any:
         if func is _DETACH and isinstance(args[0], SavedParameter):  # torch wrapping the unpacked tensor
             return SavedParameter(args[0].param, args[0].elem)
-
-        def unwrap(a: Any) -> Any:
-            return a.elem if isinstance(a, SavedParameter) else a
-
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if kwargs or any(isinstance(a, list | tuple) for a in args):  # cat([...]), out=: the general walk
+            return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs or {}))
+        return func(*(a.elem if isinstance(a, SavedParameter) else a for a in args))
 
     @property
     def grad(self) -> torch.Tensor | None:
@@ -98,22 +100,18 @@ class _ParamRef:
 class SavedTensors:
     """The pack and unpack hooks of one ZeRO-3/FSDP model (``unit_of``: each trainable parameter's unit)."""
 
-    def __init__(
-        self,
-        at_rest: UnitGatherer,
-        unit_of: dict[int, ShardUnit],
-        observer: Callable[[], Callable[[torch.Tensor], Any] | None],
-    ) -> None:
+    def __init__(self, at_rest: UnitGatherer, unit_of: dict[int, ShardUnit]) -> None:
         self.at_rest = at_rest
         self.unit_of = unit_of
-        #: the model's ``observe_activation`` now (a pipeline's activation meter sets it around a forward)
-        self.observer = observer
+        #: the model's ``observe_activation`` for the forward running (a pipeline's activation meter)
+        self.observe: Callable[[torch.Tensor], Any] | None = None
 
     def pack(self, t: torch.Tensor) -> Any:
         """The pack hook (called by autograd: frame 1 is the code that made it save ``t``)."""
-        if isinstance(t, nn.Parameter) and id(t) in self.unit_of and _custom_function_saves(sys._getframe(1)):  # noqa: SLF001 - the saving frame
-            return _ParamRef(self.unit_of[id(t)], t)
-        return self.at_rest.pack(t, self.observer())
+        st = self.unit_of.get(id(t))  # the parameter itself (the ids of live objects differ)
+        if st is not None and _custom_function_saves(sys._getframe(1)):  # noqa: SLF001 - the saving frame
+            return _ParamRef(st, cast(nn.Parameter, t))
+        return self.at_rest.pack(t, self.observe)
 
     def unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, _ParamRef):  # normally gathered already by the pre-backward hook

@@ -88,7 +88,7 @@ class ShardedModel(DataParallelModel):
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
         self._state_of = {id(st.unit): st for st in self._units}
         self._writes = ParamWrites(self._at_rest, self._unit_of)
-        self._saved = SavedTensors(self._at_rest, self._unit_of, lambda: self.observe_activation)
+        self._saved = SavedTensors(self._at_rest, self._unit_of)
         self._synced_grads = [st.grad_shard for st in self._units]
         self._pending: list[tuple[ShardUnit, Work, torch.Tensor]] = []
         self._partial_state_ok = False
@@ -135,6 +135,7 @@ class ShardedModel(DataParallelModel):
             not torch.is_grad_enabled() and not self._backward.open and self.forward_wait_s > 0
         )
         self._at_rest.set_busy(True)
+        self._saved.observe = self.observe_activation
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack):
                 out = self.module(*args, **kwargs)
