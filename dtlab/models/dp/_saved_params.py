@@ -46,24 +46,17 @@ def _unwrap(a: Any) -> Any:
 
 class SavedParameter(torch.Tensor):
     """A sharded parameter as a custom Function's ``ctx.saved_tensors`` gives it back: the gathered values
-    (``elem``), with ``.grad`` read and written on the parameter itself."""
+    (``elem``, whose storage it shares; every operation runs on ``elem``), with ``.grad`` read and written
+    on the parameter itself."""
 
     param: nn.Parameter
     elem: torch.Tensor
-    __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl  # noqa: SLF001 - torch's API for a wrapper tensor subclass
+    __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl  # noqa: SLF001 - torch's API for a tensor subclass
 
     @staticmethod
     def __new__(cls, param: nn.Parameter, elem: torch.Tensor) -> SavedParameter:
-        made = torch.Tensor._make_wrapper_subclass(  # noqa: SLF001 - torch's API for a wrapper tensor subclass
-            cls,
-            elem.shape,
-            strides=elem.stride(),
-            storage_offset=elem.storage_offset(),
-            dtype=elem.dtype,
-            device=elem.device,
-            requires_grad=False,
-        )
-        out: SavedParameter = made
+        # a subclass over elem's storage (data_ptr() works: a Triton or C++ kernel reading it is served)
+        out: SavedParameter = torch.Tensor._make_subclass(cls, elem)  # noqa: SLF001 - torch's API for a tensor subclass
         out.param, out.elem = param, elem
         return out
 
