@@ -129,9 +129,10 @@ def pipeline_ops(
 ) -> dict[str, tuple[int, int]]:
     """What ``rank`` sends over the pp axis in a step: every stage it holds but the last sends its output
     forward, every one but the first its input-gradient back, once per micro-batch (``b s h`` values
-    of ``e`` bytes each); then the last stage broadcasts the 4-byte loss along the chain that ends on
-    the rank before it. ``tied``: bytes of a tied embedding's gradient, which the first and the last
-    rank sum with one all-reduce between the two of them (Megatron-LM's embedding group)."""
+    of ``e`` bytes each); then one all-reduce over pp of ``1 + p`` float32 values (the last stage's
+    loss and each rank's count of parameters no micro-batch used, refused if any). ``tied``: bytes of a
+    tied embedding's gradient, which the first and the last rank sum with one all-reduce between the
+    two of them (Megatron-LM's embedding group)."""
     p, v, m = c.pp, c.stages_per_rank, c.micro_batches
     if p == 1:
         return {}
@@ -140,10 +141,8 @@ def pipeline_ops(
     msgs = m * (sum(1 for s in stages if s < last) + sum(1 for s in stages if s > 0))
     size = sequences * spec.seq_len * spec.hidden * e
     root = last % p
-    out = {
-        "send": (msgs, msgs * size),
-        "broadcast": (1, 0 if rank == (root - 1) % p else 4),
-    }
+    counted = 2 * (p - 1) * 4 * (1 + p) // p  # an all-reduce of n bytes counts 2 (p - 1) n / p
+    out = {"send": (msgs, msgs * size), "all_reduce": (1, counted)}
     if tied and rank in (0, root):
-        out["all_reduce"] = (1, tied)
+        out["all_reduce"] = (2, counted + tied)
     return out

@@ -1,9 +1,10 @@
 """A pipelined composition's step on this rank: each stage called through the data-parallel strategy,
 the schedule run with every backward inside ``no_sync()`` (ZeRO-3/FSDP: each unit gathered once for
-the step), the tied weights summed and the dp reduction after it, the loss broadcast over pp; and
-inference through every stage. The tensors crossing stage boundaries come, per micro-batch shape, from
-a forward on the meta device (block stages) or the checked trace (a model split at module names, whose
-stages are then told the traced block outputs their stubs return)."""
+the step), then one all-reduce over pp of the loss and of each rank's count of parameters no
+micro-batch used (refused on every pipeline rank without ``find_unused_parameters``), the tied weights
+summed and the dp reduction; and inference through every stage. The tensors crossing stage boundaries
+come, per micro-batch shape, from a forward on the meta device (block stages) or the checked trace (a
+model split at module names, whose stages are then told the traced block outputs their stubs return)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.compose._build import Layout
 from dtlab.models.compose._tied import TiedSync
+from dtlab.models.dp._unused import stage_unused_error
 from dtlab.models.dp.data_parallel import DataParallelModel
-from dtlab.models.pipeline._comm import StageLinks, broadcast_over_pp, infer_through_stages
+from dtlab.models.pipeline._comm import StageLinks, infer_through_stages, loss_and_counts_over_pp
 from dtlab.models.pipeline._runtime import StepResult, run_schedule
 from dtlab.models.pipeline._schedules import PipelineSchedule
 from dtlab.models.pipeline._split import Stage, TensorSpec, stage_specs
@@ -142,11 +144,15 @@ class PipelineRun:
                 )
 
     def step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[[Any, Any], torch.Tensor]
+        self,
+        who: str,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
     ) -> torch.Tensor:
         """The schedule on ``(inputs, targets)`` (checked by :meth:`check_batch`), then, unless inside
         ``no_sync()``, the tied weights' sum and the dp reduction; the batch's mean loss on every
-        pipeline rank."""
+        pipeline rank (``who``: the model, named in a refusal)."""
         self._check_not_failed()
         micro_in, micro_tg = inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)
         specs = self.specs_for(micro_in[0])
@@ -176,9 +182,14 @@ class PipelineRun:
                     self.failed = f"{type(exc).__name__}: {str(exc)[:200]}"
                     raise
             self.last = result
+            # parameters no micro-batch used since zero_grad(): refused on every pipeline rank before
+            # reducing (with find_unused_parameters they are left out of the step instead)
+            unused = dp.unused_here() if sync and not dp.find_unused_parameters else []
+            loss, per_rank = loss_and_counts_over_pp(result.loss, len(unused), pp)
+            if any(per_rank):
+                dp.check_requires_grad()  # one frozen after wrapping: named as such
+                raise stage_unused_error(f"{who}.train_step", pp.rank, unused, per_rank)
             if sync:
                 self.tied.before_reduce()
                 dp.reduce_accumulated_grads()
-        last = plan.rank_of(plan.num_stages - 1)
-        loss = None if result.loss is None else result.loss.reshape(1).float()
-        return broadcast_over_pp(loss, (1,), torch.float32, last, pp)[0]
+        return loss[0]

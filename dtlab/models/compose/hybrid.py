@@ -265,7 +265,7 @@ class HybridShardedModel(OptimizerTarget):
             with self._wrapped_as:  # checked on every rank before the schedule: a refusal in it would hang
                 self._pipe.check_batch(type(self).__name__, inputs, targets)
                 self._check_partial_fresh()
-                return self._pipe.step(inputs, targets, loss_fn)
+                return self._pipe.step(type(self).__name__, inputs, targets, loss_fn)
 
     def _sum_partial(self) -> None:
         """Sequence parallelism: replicated parameters used on a chunk of the sequence have partial

@@ -6,6 +6,11 @@ reach, and so does torch's DDP when no rank reached it (it all-reduces a map of 
 used). The strategies reduce zeros for such a parameter; :class:`UsedParams` marks the parameters that
 got a gradient on this rank since ``zero_grad()`` and, after each synchronization, all-reduces the marks
 (MAX, one float64 per trainable parameter), so the optimizer strategy leaves out those no rank used.
+
+Without ``find_unused_parameters`` the marks stay local: a pipeline's step, which reduces its
+accumulated gradients once at the end, refuses parameters no micro-batch used on every pipeline rank
+before reducing (:meth:`UsedParams.unused_here`, :func:`stage_unused_error`), rather than step them
+with zeros.
 """
 
 from __future__ import annotations
@@ -18,16 +23,20 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.errors import StrategyError
 
-__all__ = ["UsedParams", "none_got_one", "unused_error"]
+__all__ = ["UsedParams", "none_got_one", "stage_unused_error", "unused_error"]
 
 
 class UsedParams:
-    """Which of ``trainable`` got a gradient since ``zero_grad()``, here and on any rank of ``group``."""
+    """Which of ``trainable`` got a gradient since ``zero_grad()``, here and (``shared``: the marks
+    all-reduced by :meth:`sync`) on any rank of ``group``."""
 
-    def __init__(self, trainable: Sequence[tuple[str, nn.Parameter]], group: CommunicationBackend) -> None:
+    def __init__(
+        self, trainable: Sequence[tuple[str, nn.Parameter]], group: CommunicationBackend, shared: bool
+    ) -> None:
+        self._names = [n for n, _ in trainable]
         self._params = [p for _, p in trainable]
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._group = group
+        self._group, self._shared = group, shared
         self._marks = [p.grad is not None for p in self._params]  # a .grad from before wrapping counts
         #: ids of the parameters whose gradient ``zero_grad(set_to_none=False)`` zeroed after they had one:
         #: torch steps them (with zeros) from then on, used or not, until a ``set_to_none=True``
@@ -59,11 +68,22 @@ class UsedParams:
         self._kept -= {id(param)}
 
     def clear(self, set_to_none: bool) -> None:
-        """``zero_grad()``: with ``set_to_none=False`` what had a gradient keeps a zero one, as in torch."""
-        had = frozenset(map(id, self._params)) - self.unused
-        self._kept = frozenset() if set_to_none else had
+        """``zero_grad()``: with ``set_to_none=False`` what had a gradient keeps a zero one, as in torch
+        (``shared``: on any rank as of the last synchronization, the same on every rank; else here)."""
+        if set_to_none:
+            self._kept = frozenset()
+        else:
+            had_none = self.unused if self._shared else self._unmarked()
+            self._kept = frozenset(map(id, self._params)) - had_none
         self._marks = [False] * len(self._params)
-        self.unused = self._unmarked()
+        if self._shared:
+            self.unused = self._unmarked()
+
+    def unused_here(self) -> list[str]:
+        """The names of the parameters that got no gradient on this rank since ``zero_grad()`` (nor keep
+        a zero one from ``zero_grad(set_to_none=False)``): torch would leave their ``.grad`` None."""
+        here = self._unmarked()
+        return [n for n, p in zip(self._names, self._params, strict=True) if id(p) in here]
 
     def _unmarked(self) -> frozenset[int]:
         marks = zip(self._params, self._marks, strict=True)
@@ -88,4 +108,19 @@ def none_got_one(err: StrategyError, who: str) -> StrategyError:
         f"{err}. No parameter got one: if this was torch.autograd.grad(loss, inputs) (an input "
         f"gradient), {who} does not support it, its parameters being gathered for one "
         "backward; DDPModel, ZeRO1Model and ZeRO2Model skip such a pass"
+    )
+
+
+def stage_unused_error(who: str, pp_rank: int, mine: list[str], per_rank: list[int]) -> StrategyError:
+    """A pipeline step's refusal, raised on every pipeline rank: ``per_rank[r]`` parameters of pipeline
+    rank ``r`` got no gradient from any micro-batch since ``zero_grad()`` (``mine``: this rank's)."""
+    ranks = [r for r, n in enumerate(per_rank) if n]
+    here = f"{mine[:10]}{' ...' if len(mine) > 10 else ''}" if mine else "none here"
+    return StrategyError(
+        f"{who} on pipeline rank {pp_rank}: {sum(per_rank)} parameters of pipeline rank(s) {ranks} "
+        f"received no gradient from any micro-batch of this step ({here}; each rank names its own). "
+        "Reduced, their zero gradients would be stepped (momentum and weight decay move them) where "
+        "torch leaves their .grad None and skips them; make them take part in the loss, freeze them "
+        "(requires_grad=False) or pass find_unused_parameters=True to leave them out of the step as "
+        "torch does (one small all-reduce per step)"
     )

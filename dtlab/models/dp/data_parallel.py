@@ -79,9 +79,10 @@ class DataParallelModel(OptimizerTarget):
         #: rank's shards
         self._synced_grads: list[torch.Tensor] = []
         self._post_sync: list[Callable[[], None]] = []
-        #: find_unused_parameters: what no rank used since zero_grad(), left out of the step as in torch
-        self._used = UsedParams(self._trainable, backend) if self.find_unused_parameters else None
-        if self._used is not None:
+        #: what got a gradient since zero_grad() here (a pipeline refuses the rest) or, all-reduced with
+        #: find_unused_parameters, on any rank (what none used is left out of the step, as in torch)
+        self._used = UsedParams(self._trainable, backend, self.find_unused_parameters)
+        if self.find_unused_parameters:
             self._post_sync.append(self._used.sync)
         #: strategies with their own saved-tensor hooks (ZeRO-3, FSDP) pass every activation they keep
         #: to this function (a pipeline's activation meter around the forward); None: nobody asks
@@ -105,8 +106,7 @@ class DataParallelModel(OptimizerTarget):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """torch DDP's switch: ``False`` makes the following backward passes accumulate locally (as
-        inside :meth:`no_sync`) until it is set back to ``True``."""
+        """torch DDP's switch: ``False``: backward passes accumulate locally (as in :meth:`no_sync`)."""
         return self._sync
 
     @require_backward_grad_sync.setter
@@ -301,8 +301,7 @@ class DataParallelModel(OptimizerTarget):
 
     def _register_grad_hooks(self, fn: Callable[[nn.Parameter], None]) -> None:
         self._owner.claim()  # a previous wrapper of these parameters stops reducing their gradients
-        marked = fn if self._used is None else self._used.marking(fn)
-        hook = cast("Callable[[torch.Tensor], None]", marked)  # torch calls it with the parameter itself
+        hook = cast("Callable[[torch.Tensor], None]", self._used.marking(fn))  # called with the parameter
         for _, p in self._trainable:
             self._owner.keep(p.register_post_accumulate_grad_hook(hook))
 
@@ -343,11 +342,14 @@ class DataParallelModel(OptimizerTarget):
             g.zero_()
         self._point_grads()
         self._grads_synced = False
-        if self._used is not None:
-            self._used.clear(set_to_none)
+        self._used.clear(set_to_none)
 
     def unused_params(self) -> frozenset[int]:
-        return frozenset() if self._used is None else self._used.unused
+        return self._used.unused if self.find_unused_parameters else frozenset()
+
+    def unused_here(self) -> list[str]:
+        """The trainable parameters no backward on this rank gave a gradient since ``zero_grad()``."""
+        return self._used.unused_here()
 
     def _point_grads(self) -> None:
         """After ``zero_grad()``: ``param.grad`` is None (DDP, ZeRO-1: a view of its bucket again)."""

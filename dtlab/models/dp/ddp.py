@@ -161,10 +161,8 @@ class DDPModel(DataParallelModel):
         if grad is None or grad.is_sparse or grad.data_ptr() != view.data_ptr():
             if grad is not None:
                 copy_grad(view.view(s.shape), grad)
-            else:  # set to None since (model.zero_grad()) and unused: no gradient, not the bucket's last
+            else:  # set to None since (model.zero_grad()): no gradient, not the bucket's last
                 view.zero_()
-                if self._used is not None:
-                    self._used.forget(param)
             param.grad = view.view(s.shape)
 
     def _launch_ready(self) -> None:
@@ -191,6 +189,8 @@ class DDPModel(DataParallelModel):
             if missing and not fill_missing:
                 raise self._unused_error([self._name_of[id(q)] for _, q in missing])
             for i, q in missing:
+                if q.grad is None and self.keeps_whole_grads:  # set to None since (model.zero_grad())
+                    self._used.forget(q)
                 self._store_grad(i, q)
                 self._ready[i].add(id(q))
             self._launch_ready()

@@ -23,7 +23,7 @@ from dtlab.backends.base import CommunicationBackend, P2POp, Work
 from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
 from dtlab.models.pipeline._split import TensorSpec
 
-__all__ = ["StageLinks", "broadcast_over_pp", "infer_through_stages"]
+__all__ = ["StageLinks", "broadcast_over_pp", "infer_through_stages", "loss_and_counts_over_pp"]
 
 _TAG_LIMIT = 1 << 15  # MPI guarantees tags up to 32767
 
@@ -159,3 +159,18 @@ def broadcast_over_pp(
     if pp.world_size > 1:
         pp.broadcast(out, src)
     return out
+
+
+def loss_and_counts_over_pp(
+    loss: torch.Tensor | None, count: int, pp: CommunicationBackend
+) -> tuple[torch.Tensor, list[int]]:
+    """The loss of the rank holding it (``loss``, None elsewhere) on every pipeline rank, with every
+    rank's ``count`` (indexed by pipeline rank): one all-reduce (sum) of ``1 + pp`` float32 values,
+    each rank adding zeros but for its own slot (``x + 0`` is exact: the loss arrives bit for bit)."""
+    buf = torch.zeros(1 + pp.world_size, dtype=torch.float32, device=pp.device)
+    if loss is not None:
+        buf[0] = loss.detach().reshape(())
+    buf[1 + pp.rank] = count
+    if pp.world_size > 1:
+        pp.all_reduce(buf)
+    return buf[:1].clone(), [int(c) for c in buf[1:].tolist()]
