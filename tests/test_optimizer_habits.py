@@ -16,6 +16,9 @@ in-memory ranks against one process on the global batch (3 steps), or refused wi
   equals one process.
 - Muon on the matrices and AdamW on the rest (two torch optimizers): under DDP, AdamW in the optimizer
   strategy and Muon plain equal one process; under ZeRO the plain one is refused at its step.
+- Hooks registered on the torch optimizer instance before handing it over (``register_step_post_hook``:
+  an EMA update; state-dict hooks) were silently dropped, and the strategy's own state-dict hooks never
+  ran: now carried over and run as torch runs them; torch's global step hooks saw every step twice.
 - ``opt.clip_grad_norm_(max_norm, error_if_nonfinite=True)`` raised a raw ``TypeError``: it takes torch's
   arguments and raises torch's RuntimeError on every rank when the global norm is not finite.
 """
@@ -179,6 +182,44 @@ def two_optimizers(model: Any, name: str | None, part: slice) -> Any:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def hooks_case(backend: CommunicationBackend, name: str) -> list[str]:
+    """Hooks registered on the torch optimizer instance before it is handed to the strategy (an EMA
+    updated from a step post-hook), and state-dict hooks on the strategy: what ran, in order."""
+    seen: list[str] = []
+    model = wrap(name, make_module(), backend)
+    inst = torch.optim.AdamW(model.module.parameters(), lr=0.01)
+    inst.register_step_pre_hook(lambda o, a, k: seen.append(f"pre {type(o).__name__}"))
+    inst.register_step_post_hook(lambda o, a, k: seen.append("post"))
+    inst.register_state_dict_post_hook(lambda o, sd: seen.append(f"sd {len(sd['param_groups'])}"))
+    inst.register_load_state_dict_pre_hook(lambda o, sd: seen.append("load_pre"))
+    opt = OPT.get(name, ZeRO3Optimizer)(model, inst)
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("load_post"))
+    xs, ys = make_data(STEPS, GLOBAL_BATCH)
+    for s in range(2):
+        F.mse_loss(model(xs[s]), ys[s]).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.load_state_dict(opt.state_dict())
+    return seen
+
+
+def global_hook_case(backend: CommunicationBackend, name: str) -> list[str]:
+    """torch's global step hook (one rank: the hook dict is process-wide) sees each step once."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    seen: list[str] = []
+    handle = register_optimizer_step_post_hook(lambda o, a, k: seen.append(type(o).__name__))
+    try:
+        model = wrap(name, make_module(), backend)
+        opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.AdamW, lr=0.01)
+        xs, ys = make_data(STEPS, GLOBAL_BATCH)
+        F.mse_loss(model(xs[0]), ys[0]).backward()
+        opt.step()
+    finally:
+        handle.remove()
+    return seen
+
+
 def world(backend: CommunicationBackend) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -201,6 +242,8 @@ def world(backend: CommunicationBackend) -> dict[str, Any]:
     half = slice(backend.rank * GLOBAL_BATCH // 2, (backend.rank + 1) * GLOBAL_BATCH // 2)
     for name in ("ddp", "zero2"):
         out[f"two/{name}"] = two_optimizers(wrap(name, make_module(), backend), name, half)
+    for name in ("ddp", "zero2"):
+        out[f"hooks/{name}"] = hooks_case(backend, name)
     out["pp/ddp"], out["pp/zero1"] = _pp(backend, DDPOptimizer), _pp(backend, ZeRO1Optimizer)
     return out
 
@@ -244,5 +287,16 @@ def test_optimizer_habits_equal_one_process_or_are_refused() -> None:
         assert res["tp/AdamW"] == "trained"
         assert max_rel_error(res["two/ddp"], two_optimizers(make_module(), None, slice(None))) <= 1e-5
         assert "param.grad of '0.weight' is not the whole gradient" in res["two/zero2"], res["two/zero2"]
+        for name, cls in (("ddp", "DDPOptimizer"), ("zero2", "ZeRO2Optimizer")):
+            want = [f"pre {cls}", "post"] * 2 + ["sd 1", "load_pre", "load_post"]
+            assert res[f"hooks/{name}"] == want, (name, res[f"hooks/{name}"])
         assert max_rel_error(res["pp/ddp"], adafactor) <= 1e-5  # a stage's whole parameters
         assert isinstance(res["pp/zero1"], str) and REFUSED in res["pp/zero1"], res["pp/zero1"]
+
+
+def test_torch_global_step_hooks_see_each_step_once() -> None:
+    """The local optimizer over this rank's pieces steps without them (it fired them too: twice per step,
+    and the element-wise check's probe steps at construction)."""
+    for name in ("ddp", "zero1"):
+        (seen,) = run_world(1, global_hook_case, name, timeout=30)
+        assert seen == [{"ddp": "DDPOptimizer", "zero1": "ZeRO1Optimizer"}[name]], seen

@@ -5,12 +5,13 @@ file reads them through these, so a torch release that renames one is fixed here
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
-__all__ = ["MODULE_HOOKS", "TENSOR_HOOKS", "non_persistent_buffers"]
+__all__ = ["MODULE_HOOKS", "OPTIMIZER_HOOKS", "TENSOR_HOOKS", "non_persistent_buffers", "unhooked_step"]
 
 #: where torch keeps the hooks: each registering call -> a reader of the hooks it added to a module or
 #: a tensor (a dict by handle id; a tensor's is None before its first); every check of a user's hooks
@@ -25,6 +26,27 @@ TENSOR_HOOKS: dict[str, Callable[[Any], dict[int, Any] | None]] = {
     "register_hook": attrgetter("_backward_hooks"),
     "register_post_accumulate_grad_hook": attrgetter("_post_accumulate_grad_hooks"),
 }
+
+#: the same for a torch optimizer's own hooks (``torch.optim.Optimizer.register_*_hook``)
+OPTIMIZER_HOOKS: dict[str, Callable[[Any], dict[int, Any]]] = {
+    "register_step_pre_hook": attrgetter("_optimizer_step_pre_hooks"),
+    "register_step_post_hook": attrgetter("_optimizer_step_post_hooks"),
+    "register_state_dict_pre_hook": attrgetter("_optimizer_state_dict_pre_hooks"),
+    "register_state_dict_post_hook": attrgetter("_optimizer_state_dict_post_hooks"),
+    "register_load_state_dict_pre_hook": attrgetter("_optimizer_load_state_dict_pre_hooks"),
+    "register_load_state_dict_post_hook": attrgetter("_optimizer_load_state_dict_post_hooks"),
+}
+
+
+def unhooked_step(optimizer: Any) -> Callable[[], Any]:
+    """``optimizer.step`` without the hooks torch wraps around it (the global ones of
+    ``torch.optim.optimizer.register_optimizer_step_*_hook`` and the instance's): torch marks the
+    wrapped ``step`` of a class ``hooked`` and keeps the unwrapped one as ``__wrapped__``."""
+    step = type(optimizer).step
+    inner = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    if inner is None:
+        return cast("Callable[[], Any]", optimizer.step)
+    return partial(inner, optimizer)
 
 
 def non_persistent_buffers(module: nn.Module) -> frozenset[str]:

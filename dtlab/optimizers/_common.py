@@ -25,6 +25,7 @@ from dtlab.models.base import ModelStrategy, OptimizerTarget
 from dtlab.optimizers._clip import clip_by_global_norm
 from dtlab.optimizers._elementwise import check_elementwise
 from dtlab.optimizers._groups import Entry, check_groups, jsonable, make_local, spec_of, sync_groups
+from dtlab.optimizers._hooks import carry_hooks, load_with_hooks, state_dict_with_hooks
 from dtlab.optimizers._state_view import StateView, replace_state
 from dtlab.optimizers._torch_state import full_state, load_full_state
 from dtlab.optimizers.base import OptimizerStrategy
@@ -101,7 +102,8 @@ class DataParallelOptimizer(OptimizerStrategy):
         self._ready = True
         model.attach_optimizer(self)
         if spec.state is not None:  # the user's optimizer came with state (e.g. a plain checkpoint)
-            self.load_state_dict(spec.state)
+            self._load_state_dict(spec.state)  # its load hooks ran when the user loaded it
+        carry_hooks(spec.hooks, self)  # the user's instance's hooks act on this optimizer now
 
     def _model_hint(self) -> str:
         return pairs.model_class_name(self.compatible_models[0]) if self.compatible_models else "DDPModel"
@@ -209,7 +211,11 @@ class DataParallelOptimizer(OptimizerStrategy):
     # ------------------------------------------------------------------ torch's state dict
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state keyed like the plain torch optimizer's ``state_dict()`` (a plain
-        script loads it); collective under ZeRO-1/2/3 and FSDP (every rank calls)."""
+        script loads it); collective under ZeRO-1/2/3 and FSDP (every rank calls). torch's state-dict
+        hooks run around it."""
+        return state_dict_with_hooks(self, self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
         self._sync_groups()
         groups, i = [], 0
         for g in self.param_groups:
@@ -224,7 +230,10 @@ class DataParallelOptimizer(OptimizerStrategy):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a plain torch optimizer's ``state_dict()`` (or this one's): the same groups with the
-        same number of parameters; each rank keeps the slice it steps."""
+        same number of parameters; each rank keeps the slice it steps. torch's load hooks run around it."""
+        load_with_hooks(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         me = type(self).__name__
         saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(saved, list) or len(saved) != len(self.param_groups):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dtlab.core.torch_private import unhooked_step
 from dtlab.errors import StrategyError
 from dtlab.optimizers._groups import OptimizerSpec, constructor_defaults
 
@@ -37,10 +38,11 @@ def _steps(
         opts["lr"] = _LR
     defaults = {**constructor_defaults(spec), **({"lr": _LR} if "lr" in spec.defaults else {})}
     opt = spec.cls([{**opts, "params": params}], **defaults)
+    step = unhooked_step(opt)  # torch's global step hooks see no probe
     for gs in grads:
         for p, g in zip(params, gs, strict=True):
             p.grad = g.clone()
-        opt.step()
+        step()
 
 
 def _split(t: torch.Tensor, flat: bool) -> list[torch.Tensor]:

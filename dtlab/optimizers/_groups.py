@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dtlab.errors import CheckpointError, StrategyError
+from dtlab.optimizers._hooks import carried_hooks
 from dtlab.untrusted import summary
 
 __all__ = [
@@ -39,12 +40,15 @@ _MISSING = object()
 @dataclass(frozen=True)
 class OptimizerSpec:
     """What the strategy rebuilds over this rank's pieces: the class, its defaults, the groups (over
-    the module's parameters) and the state the user's instance already had (a torch state dict)."""
+    the module's parameters), the state the user's instance already had (a torch state dict) and the
+    hooks registered on it."""
 
     cls: type[torch.optim.Optimizer]
     defaults: dict[str, Any]
     groups: list[dict[str, Any]]
     state: dict[str, Any] | None
+    #: ``(registering method, hook)`` of the hooks registered on the user's instance
+    hooks: list[tuple[str, Any]]
 
 
 @dataclass
@@ -124,7 +128,8 @@ def spec_of(
     groups = [dict(g) for g in template.param_groups]
     for g in groups:
         g["params"] = list(g["params"])
-    return OptimizerSpec(type(template), dict(template.defaults), groups, state)
+    hooks = carried_hooks(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else []
+    return OptimizerSpec(type(template), dict(template.defaults), groups, state, hooks)
 
 
 def constructor_defaults(spec: OptimizerSpec) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import torch
 
 from dtlab.optimizers._common import DataParallelOptimizer
 from dtlab.optimizers._groups import Entry
+from dtlab.optimizers._hooks import local_step
 
 __all__ = ["ShardedOptimizer"]
 
@@ -63,7 +64,7 @@ class ShardedOptimizer(DataParallelOptimizer):
         for e, g in zip(self._entries, self._grads(), strict=True):
             e.tensor.grad = None if id(e.param) in skip else g  # torch's optimizer skips None
         try:
-            self._opt.step()
+            local_step(self._opt)
         finally:
             for e in self._entries:
                 e.tensor.grad = None

@@ -9,6 +9,7 @@ from dtlab.core.shard_index import even_range
 from dtlab.models.dp._grad_guard import GradientStandIn
 from dtlab.optimizers._common import DataParallelOptimizer, Piece
 from dtlab.optimizers._groups import Entry
+from dtlab.optimizers._hooks import local_step
 
 __all__ = ["DDPOptimizer"]
 
@@ -61,7 +62,7 @@ class DDPOptimizer(DataParallelOptimizer):
         for p, g in guarded:
             p.grad = g.piece
         try:
-            self._opt.step()
+            local_step(self._opt)
         finally:
             for p, g in held:
                 p.grad = g
