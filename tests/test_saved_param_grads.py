@@ -4,7 +4,10 @@ one process on the global batch (3 AdamW steps). ZeRO-3 and FSDP hand ``ctx.save
 their saved-tensor hooks, which torch rewraps as a new tensor: the write used to land on that copy and
 the gradient was lost silently (0.06 relative error here). Also: the same function returning the
 gradient instead, the weight used twice in one forward (two writes into one ``.grad``), gradient
-accumulation under ``no_sync()``, and ZeRO-3's persistent (small) parameters."""
+accumulation under ``no_sync()``, ZeRO-3's persistent (small) parameters, and the fused module under
+reentrant activation checkpointing (its recomputation saves the parameter itself, outside the
+strategy's hooks; non-reentrant checkpointing hands the function a recomputed copy in one process too,
+so the write is lost there under every strategy, as in torch)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from filled import filled
 from test_strategies_helpers import STRATEGIES, max_rel_error, optimizer_for, wrap
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.models import ModuleClassPolicy
@@ -69,8 +73,15 @@ class Fused(nn.Module):
         return self.fn.apply(torch.tanh(self.fn.apply(x, self.weight)), self.weight)
 
 
-def make(fn: Any) -> nn.Module:
-    return filled(nn.Sequential(nn.Linear(IN, DIM), Fused(fn), nn.Linear(DIM, 3)), 0, scale=0.4)
+class CheckpointedFused(Fused):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(super().forward, x, use_reentrant=True)
+        return out
+
+
+def make(fn: Any, reentrant_checkpoint: bool = False) -> nn.Module:
+    fused = CheckpointedFused(fn) if reentrant_checkpoint else Fused(fn)
+    return filled(nn.Sequential(nn.Linear(IN, DIM), fused, nn.Linear(DIM, 3)), 0, scale=0.4)
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,13 +119,18 @@ def world(backend: CommunicationBackend) -> dict[str, Any]:
         for name in STRATEGIES
         for fn, micro in ((WritesGrad, 1), (ReturnsGrad, 1), (WritesGrad, 2))
     ]
+    runs += [
+        (f"{name}/checkpointed", name, "checkpointed", 1, policy if name == "fsdp" else {})
+        for name in ("ddp", "zero3", "fsdp")
+    ]
     # ZeRO-3 keeps parameters up to its threshold whole (persistent: the fused weight), the rest sharded
     runs.append(
         ("zero3-persistent/WritesGrad/micro1", "zero3", WritesGrad, 1, {"persistence_threshold": DIM * DIM})
     )
     out: dict[str, Any] = {}
     for key, name, fn, micro, kw in runs:
-        model = wrap(name, make(fn), backend, **kw)
+        module = make(WritesGrad, reentrant_checkpoint=True) if fn == "checkpointed" else make(fn)
+        model = wrap(name, module, backend, **kw)
         out[key] = train(model, optimizer_for(name, model, "adamw"), x, y, micro)
     return out
 
@@ -130,6 +146,6 @@ def test_a_function_writing_a_saved_weights_grad_equals_one_process() -> None:
         <= 1e-6
     )
     for rank, res in enumerate(run_world(2, world, timeout=90)):
-        assert len(res) == 3 * len(STRATEGIES) + 1
+        assert len(res) == 3 * len(STRATEGIES) + 4
         for key, got in res.items():
             assert max_rel_error(got, ref) <= 1e-5, f"{key} rank {rank}: {max_rel_error(got, ref)}"
