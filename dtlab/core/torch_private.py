@@ -11,7 +11,14 @@ from typing import Any, cast
 
 from torch import nn
 
-__all__ = ["MODULE_HOOKS", "OPTIMIZER_HOOKS", "TENSOR_HOOKS", "non_persistent_buffers", "unhooked_step"]
+__all__ = [
+    "MODULE_HOOKS",
+    "OPTIMIZER_HOOKS",
+    "TENSOR_HOOKS",
+    "non_persistent_buffers",
+    "quiet_scheduler_checks",
+    "unhooked_step",
+]
 
 #: where torch keeps the hooks: each registering call -> a reader of the hooks it added to a module or
 #: a tensor (a dict by handle id; a tensor's is None before its first); every check of a user's hooks
@@ -47,6 +54,14 @@ def unhooked_step(optimizer: Any) -> Callable[[], Any]:
     if inner is None:
         return cast("Callable[[], Any]", optimizer.step)
     return partial(inner, optimizer)
+
+
+def quiet_scheduler_checks(optimizer: Any, step: Callable[..., Any]) -> None:
+    """torch's LR schedulers wrap ``optimizer.step`` and warn at their first step when it was replaced
+    since (their wrapper is marked ``_wrapped_by_lr_sched``) or never called (``optimizer._opt_called``):
+    mark ``step``, the replacement, and ``optimizer`` as stepped (another object steps for it)."""
+    setattr(step, "_wrapped_by_lr_sched", True)  # noqa: B010 - torch's marker on a function
+    setattr(optimizer, "_opt_called", True)  # noqa: B010 - torch's flag on the optimizer
 
 
 def non_persistent_buffers(module: nn.Module) -> frozenset[str]:

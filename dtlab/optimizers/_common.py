@@ -25,6 +25,7 @@ from dtlab.models.base import ModelStrategy, OptimizerTarget
 from dtlab.optimizers._clip import clip_by_global_norm
 from dtlab.optimizers._elementwise import check_elementwise
 from dtlab.optimizers._groups import Entry, check_groups, jsonable, make_local, spec_of, sync_groups
+from dtlab.optimizers._handed import hand_over
 from dtlab.optimizers._hooks import carry_hooks, load_with_hooks, state_dict_with_hooks
 from dtlab.optimizers._state_view import StateView, replace_state
 from dtlab.optimizers._torch_state import full_state, load_full_state
@@ -104,6 +105,8 @@ class DataParallelOptimizer(OptimizerStrategy):
         if spec.state is not None:  # the user's optimizer came with state (e.g. a plain checkpoint)
             self._load_state_dict(spec.state)  # its load hooks ran when the user loaded it
         carry_hooks(spec.hooks, self)  # the user's instance's hooks act on this optimizer now
+        if isinstance(optimizer, torch.optim.Optimizer):
+            hand_over(optimizer, me)  # its step() and state dicts refuse, naming this optimizer's
 
     def _model_hint(self) -> str:
         return pairs.model_class_name(self.compatible_models[0]) if self.compatible_models else "DDPModel"

@@ -125,7 +125,11 @@ def spec_of(
         )
     refuse_sparse_only(who, type(template))
     refuse_closure_driven(who, type(template))
-    groups = [dict(g) for g in template.param_groups]
+    # the user's instance: its own group dicts, so what changes them later (a scheduler built on it,
+    # optimizer.param_groups[i]["lr"] = x) changes the strategy's (optimizers/_handed.py)
+    groups = (
+        list(template.param_groups) if template is optimizer else [dict(g) for g in template.param_groups]
+    )
     for g in groups:
         g["params"] = list(g["params"])
     hooks = carried_hooks(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else []

@@ -1,0 +1,40 @@
+"""The torch optimizer instance a user hands to an optimizer strategy
+(``opt = ZeRO1Optimizer(model, optimizer)``): its param groups are the strategy's own (the same dicts),
+so a scheduler built on it before handing it over (``get_linear_schedule_with_warmup(optimizer, ...)``)
+and ``optimizer.param_groups[i]["lr"] = x`` act on the strategy, as on one process (a copy of the
+groups ignored them: 0.11 relative error after 3 steps). The strategy steps a local optimizer of the
+same class over this rank's pieces, so the instance holds no state from then on: stepping it, saving or
+loading its state dict, or adding a group to it would be a silent no-op (a checkpoint without the
+optimizer state) or a raw error, and is refused naming the strategy's call."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import torch
+
+from dtlab.core.torch_private import quiet_scheduler_checks
+from dtlab.errors import StrategyError
+
+__all__ = ["hand_over"]
+
+_REFUSED = ("step", "state_dict", "load_state_dict", "add_param_group")
+
+
+def hand_over(optimizer: torch.optim.Optimizer, who: str) -> None:
+    """Make ``optimizer``'s own ``step``, ``state_dict``, ``load_state_dict`` and ``add_param_group``
+    refuse, naming ``who``'s (the strategy's) instead; ``zero_grad`` and its param groups keep working."""
+    name = type(optimizer).__name__
+    for call in _REFUSED:
+
+        def refused(*_args: Any, call: str = call, **_kwargs: Any) -> NoReturn:
+            raise StrategyError(
+                f"{name}.{call}() on the torch optimizer handed to {who}: the strategy steps a {name} of "
+                "its own over this rank's pieces, so this instance holds no optimizer state. Call "
+                f"{call}() on the strategy: opt = {who}(model, optimizer); opt.{call}(...) (schedulers and "
+                "param_groups edits on this instance still act: its param groups are the strategy's)"
+            )
+
+        setattr(optimizer, call, refused)
+        if call == "step":  # a scheduler built on it steps with the strategy, without torch's warnings
+            quiet_scheduler_checks(optimizer, refused)
