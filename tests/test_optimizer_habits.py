@@ -58,6 +58,21 @@ ELEMENTWISE: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 REFUSED = "element-wise optimizers"
 
 
+class Lamb(torch.optim.Optimizer):
+    """A user's own layer-wise optimizer: the step scaled by the parameter's norm over its gradient's."""
+
+    def __init__(self, params: Any, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    trust = float(p.norm() / (p.grad.norm() + 1e-6))
+                    p.add_(p.grad, alpha=-group["lr"] * trust)
+
+
 def loop(model: Any, opt: torch.optim.Optimizer, part: slice, habit: str = "") -> None:
     xs, ys = make_data(STEPS, GLOBAL_BATCH)
     for s in range(STEPS):
@@ -250,6 +265,34 @@ def handed_case(backend: CommunicationBackend | None, name: str | None) -> Any:
     return state, refused
 
 
+def grouped(named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if n.endswith("weight")], "lr": 0.02, "weight_decay": 0.3},
+            {"params": [p for n, p in named if n.endswith("bias")], "lr": 0.005},
+        ],
+        lr=0.01,
+    )
+
+
+def pp_groups(backend: CommunicationBackend, after: bool) -> Any:
+    """Param groups on a pipeline rank, built from the plain module before wrapping (refused: another
+    stage's parameters are not this rank's) or from ``model.module`` after."""
+    module = make_module()
+    before = list(module.named_parameters())
+    model = PipelineParallelModel(module, Mesh(backend, {"pp": 2}), micro_batches=2)
+    try:
+        opt = DDPOptimizer(model, grouped(list(model.module.named_parameters()) if after else before))
+    except StrategyError as exc:
+        return str(exc)
+    xs, ys = make_data(STEPS, GLOBAL_BATCH)
+    for s in range(STEPS):
+        model.train_step((xs[s], ys[s]), F.mse_loss)
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict()
+
+
 def world(backend: CommunicationBackend) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -264,6 +307,7 @@ def world(backend: CommunicationBackend) -> dict[str, Any]:
         out[f"handed/{name}"] = handed_case(backend, name)
     for name in ("zero2", "fsdp"):
         out[f"muon/{name}"] = _train(backend, name, torch.optim.Muon, {"lr": 0.01})
+        out[f"lamb/{name}"] = _train(backend, name, Lamb, {"lr": 0.01})
         for opt, (cls, kw) in ELEMENTWISE.items():
             out[f"{opt}/{name}"] = _train(backend, name, cls, kw)
     out["muon/ddp"] = _train(backend, "ddp", torch.optim.Muon, {"lr": 0.01})
@@ -275,6 +319,7 @@ def world(backend: CommunicationBackend) -> dict[str, Any]:
         out[f"two/{name}"] = two_optimizers(wrap(name, make_module(), backend), name, half)
     for name in ("ddp", "zero2"):
         out[f"hooks/{name}"] = hooks_case(backend, name)
+    out["pp/groups_before"], out["pp/groups_after"] = pp_groups(backend, False), pp_groups(backend, True)
     out["pp/ddp"], out["pp/zero1"] = _pp(backend, DDPOptimizer), _pp(backend, ZeRO1Optimizer)
     return out
 
@@ -313,6 +358,8 @@ def test_optimizer_habits_equal_one_process_or_are_refused() -> None:
         for name in ("zero2", "fsdp"):
             got = res[f"muon/{name}"]
             assert isinstance(got, str) and "Muon" in got and "stepping pieces failed" in got, got
+            got = res[f"lamb/{name}"]
+            assert isinstance(got, str) and "Lamb (param group 0)" in got and REFUSED in got, got
             for opt in ELEMENTWISE:
                 assert max_rel_error(res[f"{opt}/{name}"], refs[opt]) <= 1e-5, f"{opt} {name} rank {rank}"
         assert max_rel_error(res["muon/ddp"], muon) <= 1e-5
@@ -325,6 +372,11 @@ def test_optimizer_habits_equal_one_process_or_are_refused() -> None:
         for name, cls in (("ddp", "DDPOptimizer"), ("zero2", "ZeRO2Optimizer")):
             want = [f"pre {cls}", "post"] * 2 + ["sd 1", "load_pre", "load_post"]
             assert res[f"hooks/{name}"] == want, (name, res[f"hooks/{name}"])
+        assert "build the groups after wrapping" in res["pp/groups_before"], res["pp/groups_before"]
+        module = make_module()
+        one = grouped(list(module.named_parameters()))
+        loop(module, one, slice(None))
+        assert max_rel_error(res["pp/groups_after"], module.state_dict()) <= 1e-5
         assert max_rel_error(res["pp/ddp"], adafactor) <= 1e-5  # a stage's whole parameters
         assert isinstance(res["pp/zero1"], str) and REFUSED in res["pp/zero1"], res["pp/zero1"]
 

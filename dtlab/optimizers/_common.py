@@ -160,8 +160,9 @@ class DataParallelOptimizer(OptimizerStrategy):
             raise StrategyError(
                 f"{type(self).__name__}: param group {len(self.param_groups)} holds tensors that are not "
                 f"parameters of the wrapped module (shapes {strangers[:3]}); build the torch optimizer on "
-                "the module's parameters (module.parameters() or model.parameters(), before or after "
-                "wrapping)"
+                "model.parameters() (a data-parallel strategy keeps the module's own: before wrapping works "
+                "too; tensor and pipeline parallelism hold this rank's slices or stages, new parameters: "
+                "build the groups after wrapping, e.g. from model.module.named_parameters())"
             )
         super().add_param_group(param_group)
         if self._ready:
