@@ -19,6 +19,8 @@ everything above (compression, models, optimizers, checkpoints, the config) can 
   RNG when in-memory ranks (threads) build models at once.
 - :mod:`dtlab.core.torch_private`: the one place torch's private attributes of modules and tensors
   are read (its hook dicts, a module's non-persistent buffers).
+- :mod:`dtlab.core.saved_params`: :class:`SavedParameter`, a parameter a user's custom autograd
+  Function saved, handed back through saved-tensor hooks with ``.grad`` the parameter's.
 
 The names below are imported on first use, so ``import dtlab.core.pairs`` does not import torch.
 """

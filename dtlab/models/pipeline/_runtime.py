@@ -5,19 +5,25 @@ posts the communication the schedule places there. The last stage runs backward 
 ``loss_fn(output, targets) / m`` per micro-batch, so the accumulated gradients are those of the mean
 loss over the whole batch (never scaled after the fact). Activation memory is counted from the tensors
 (:class:`ActivationMeter`, docs/strategies.md, "What it costs"); a storage held by two micro-batch
-records (a local hand-over between stages) counts once.
+records (a local hand-over between stages) counts once. A parameter a user's custom autograd Function
+saves comes back from the meter's hooks as a :class:`~dtlab.core.saved_params.SavedParameter`, so a
+``backward`` writing its ``.grad`` by hand writes the parameter's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dtlab.core.saved_params import SavedParameter, custom_function_saves
 from dtlab.errors import StrategyError
 from dtlab.models.pipeline._comm import StageLinks
 from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
@@ -46,11 +52,21 @@ class ActivationMeter:
     def saving(self, key: Key) -> Iterator[None]:
         """Inside: every tensor autograd saves is recorded for ``key``."""
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor) -> Any:
+            # a parameter a user's Function saves (its storage is not counted): kept as itself, handed
+            # back as a SavedParameter (torch rewraps what an unpack hook returns: a .grad written on
+            # it would be lost)
+            if (
+                t.requires_grad
+                and t.is_leaf
+                and custom_function_saves(sys._getframe(1))  # noqa: SLF001 - the saving frame
+                and isinstance(t, nn.Parameter)
+            ):
+                return _Kept(t)
             self._add(key, t)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
 
     def hold(self, key: Key, tensors: Sequence[torch.Tensor]) -> None:
@@ -62,6 +78,19 @@ class ActivationMeter:
 
     def release(self, key: Key) -> None:
         self._held.pop(key, None)
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A parameter a custom Function saved (see :meth:`ActivationMeter.saving`)."""
+
+    param: nn.Parameter
+
+
+def _unpack(obj: Any) -> torch.Tensor:
+    if isinstance(obj, _Kept):
+        return SavedParameter(obj.param, obj.param.detach())
+    return obj  # type: ignore[no-any-return]
 
 
 @dataclass
