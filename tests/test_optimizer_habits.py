@@ -387,3 +387,32 @@ def test_torch_global_step_hooks_see_each_step_once() -> None:
     for name in ("ddp", "zero1"):
         (seen,) = run_world(1, global_hook_case, name, timeout=30)
         assert seen == [{"ddp": "DDPOptimizer", "zero1": "ZeRO1Optimizer"}[name]], seen
+
+
+def _save_on_rank_0(backend: CommunicationBackend, name: str) -> str:
+    """``if rank == 0: torch.save(opt.state_dict(), path)`` (a DDP habit) while rank 1 goes on."""
+    backend.check_collectives = False  # a user's default
+    model = wrap(name, make_module(), backend)
+    opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.AdamW, lr=0.01)
+    xs, ys = make_data(1, GLOBAL_BATCH)
+    F.mse_loss(model(xs[0]), ys[0]).backward()
+    opt.step()
+    if backend.rank != 0:
+        return "left"
+    try:
+        opt.state_dict()
+    except StrategyError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_optimizer_state_dict_on_one_rank_names_the_fix() -> None:
+    """Under ZeRO-1/2 (whole parameters: model.state_dict() is local) opt.state_dict() is collective; on
+    rank 0 alone it ended in the backend's bare collective timeout (300 s on Gloo): now that error names
+    the fix. DDP's is local: it saves."""
+    for name in ("ddp", "zero1", "zero2"):
+        said = run_world(2, _save_on_rank_0, name, timeout=30)[0]
+        if name == "ddp":
+            assert said == "saved"
+        else:
+            assert "every rank must call it" in said and "if rank == 0: torch.save(sd, path)" in said, said

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dtlab.errors import StrategyError
+from dtlab.errors import CollectiveTimeoutError, StrategyError
 from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers._groups import Entry
 
@@ -88,7 +88,16 @@ def _gathered_state(
     backend = model.dp_backend
     out: dict[int, dict[str, Any]] = {}
     all_kinds: dict[int, dict[str, str]] = {}
-    for theirs, their_scalars in backend.all_gather_object((kinds, scalars)):
+    try:
+        gathered = backend.all_gather_object((kinds, scalars))
+    except CollectiveTimeoutError as exc:  # a DDP habit: if rank == 0: torch.save(opt.state_dict())
+        raise StrategyError(
+            f"{who}.state_dict() on rank {backend.rank} timed out waiting for the other ranks: each holds "
+            "1/P of the optimizer state, so every rank must call it. Call sd = opt.state_dict() on every "
+            f"rank, then save on one (if rank == 0: torch.save(sd, path)), or save each rank's shard with "
+            f"dtlab.checkpoint ({exc})"
+        ) from exc
+    for theirs, their_scalars in gathered:
         for ui, ks in theirs.items():
             all_kinds.setdefault(ui, {}).update(ks)
         for i, st in their_scalars.items():
