@@ -54,9 +54,11 @@ def load_with_hooks(
 
 
 def local_step(local: torch.optim.Optimizer) -> None:
-    """Step the local optimizer; without torch's global hooks unless it has hooks of its own (registered
-    on ``opt.optimizer``), which then run as torch runs them, global ones included."""
-    if any(read(local) for call, read in OPTIMIZER_HOOKS.items() if call.startswith("register_step")):
+    """Step the local optimizer; without torch's global hooks unless it has hooks of its own or a step
+    of its own (registered on ``opt.optimizer``, or a scheduler built on it wrapping its step), which
+    then run as torch runs them, global ones included."""
+    own = any(read(local) for call, read in OPTIMIZER_HOOKS.items() if call.startswith("register_step"))
+    if own or "step" in vars(local):
         local.step()
     else:
         unhooked_step(local)()
