@@ -51,6 +51,12 @@ def _expected(p: int, n_layers: int, sp: bool) -> dict[str, dict[str, int]]:
     loss = 3 * [2 * (p - 1) * b * s * F32 // p]  # max, target logit, sum of exp: one scalar per position
     # the tp ranks' agreement on the forward's inputs and on the loss's targets: 6 int64 each
     loss += 2 * [2 * (p - 1) * 6 * 8 // p]
+    # after the first synchronized backward, the gradients of the parameters left whole (and not summed
+    # over tp) compared over tp: 6 float64 per parameter (without sequence parallelism the position
+    # embedding, per block 2 norms' weight and bias and 2 row biases, the final norm's weight and bias;
+    # with it the position embedding alone), once
+    compared = 1 if sp else 6 * n_layers + 3
+    loss += [2 * (p - 1) * compared * 6 * 8 // p]
     if not sp:  # embedding forward, 4 per block (2 forward, 2 backward), the head's input in backward
         calls = [all_reduce] * (1 + 4 * n_layers + 1) + loss
         return {"all_reduce": {"calls": len(calls), "bytes_sent": sum(calls), "bytes_received": sum(calls)}}

@@ -168,22 +168,30 @@ def test_tp_ranks_given_other_batches_are_refused_on_every_rank() -> None:
 
 def check_policies(got: dict[str, Any]) -> None:
     """Collectives over tp per step: the model's own (n: forward and loss, f: train_step) plus one
-    all-reduce per check; "never" trains on batches that differ, "first" checks the first batch(es) only."""
+    all-reduce per check (and one at the first synchronized backward, comparing the replicated
+    parameters' gradients); "never" trains on batches that differ after the first step, "first"
+    checks the first batch(es) only."""
     bad, calls = got["bad"]
     assert "TensorParallelModel(tp_batch_check='sometimes'): give one of 'always', 'first', 'never'" in bad
     assert calls == 0  # refused before any communication
     assert "built with different tp_batch_check policies" in got["mixed"]
     assert "tp rank 1 (world rank 1): TpBatchCheck(when='never', first=1)" in got["mixed"]
-    n, f = got["never"][0], got["never, fused"][0]
-    assert got["never"] == [n, n] and got["never, fused"] == [f, f]  # trained on differing batches
-    assert got["always"] == [n + 2, n + 2]  # the inputs' check and the targets'
-    assert got["first"] == [n + 2, n, n, n]  # the last batch differs: no longer checked
+    n, f = got["first"][1], got["first 2, fused"][2]  # the model's own collectives per step
+    # + 1 at the first synchronized backward: the replicated parameters' gradients compared over tp,
+    # which refuses batches that differ between the tp ranks there when nothing compared them before
+    never = [got["never"], got["never, fused"], got["config"][1]]
+    for (refused, after), own in zip(never, [n, f, n], strict=True):
+        assert "differ between the ranks of the tensor-parallel group" in refused, refused
+        assert "given different batches (tp_batch_check='never' did not compare them)" in refused
+        assert after == own  # compared once: later batches that differ train on unchecked
+    assert got["always"] == [n + 3, n + 2]  # the inputs' check and the targets'
+    assert got["first"] == [n + 3, n, n, n]  # the last batch differs: no longer checked
     refused, after = got["first, differing"]
     assert "given different inputs" in refused and FIX in refused
-    assert after == n + 1  # the forward is no longer checked; the loss's first targets are
-    assert got["always, fused"] == [f + 1, f + 1]  # one check of the whole batch
-    assert got["first 2, fused"] == [f + 1, f + 1, f, f]
-    assert got["config"] == (TpBatchCheck("never"), [n, n])
+    assert after == n + 2  # the forward is no longer checked; the loss's first targets are, and the grads
+    assert got["always, fused"] == [f + 2, f + 1]  # one check of the whole batch
+    assert got["first 2, fused"] == [f + 2, f + 1, f, f]
+    assert got["config"][0] == TpBatchCheck("never")
 
 
 def test_tp_batch_check_policies_are_checked_before_use() -> None:

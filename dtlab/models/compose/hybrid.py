@@ -35,6 +35,7 @@ from dtlab.models.compose._habits import PartialState, check_call, missing_attri
 from dtlab.models.compose._meta_walk import MetaWalk
 from dtlab.models.compose._pipelined import PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
+from dtlab.models.compose._same_grads import SameReplicatedGrads
 from dtlab.models.compose._tied import TiedSync
 from dtlab.models.compose._tp_grads import TensorParallelGrads
 from dtlab.models.dp._materialize import MetaOptions, ParamInitFn, on_meta
@@ -171,6 +172,8 @@ class HybridShardedModel(OptimizerTarget):
         if self._partial:
             dp.register_post_sync_hook(self._sum_partial)
         self._tied = TiedSync(layout.ties, layout.aliases, root, dp)  # weights tied across pipeline ranks
+        # parameters left whole get the same gradient on every tp rank: compared after the first backward
+        SameReplicatedGrads(dp, placements, self._partial, mesh["tp"], mesh["pp"], who, batch_check.when)
         whole, tp_split = dp.keeps_whole_grads, self.tp_group.world_size > 1  # param.grad: views to guard
         split = {n for n, pl in placements.items() if isinstance(pl, Shard) and whole and tp_split}
         staged = self.pp_group.world_size > 1 and whole

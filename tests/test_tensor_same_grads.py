@@ -1,0 +1,208 @@
+"""A parameter the tensor plan leaves whole but that is used on the activations the plan splits gets
+only each tp rank's share of its gradient; nothing summed it over tp, so each rank stepped its copy
+with another partial gradient and trained on, silently: Qwen3 at tp=2 under its own
+``base_model_tp_plan`` without the ``q_norm``/``k_norm`` entries (which Hugging Face marks
+``replicated_with_grad_allreduce``) matched one process's losses to 1e-6 while ``q_norm.weight`` was
+off by 8e-4 / 1.2e-3 relative on the two tp ranks after 2 SGD steps, the ranks' copies 3.3e-3 apart.
+Now the gradients of every parameter left whole are compared over tp after the first synchronized
+backward (a fingerprint, one all-reduce) and a difference is refused on every rank, naming the
+parameters and the plan entries that fix it; an input-side norm (whole gradient on every rank) is not
+refused, and the same scale marked ``replicated_with_grad_allreduce`` trains as one process does.
+Also under ZeRO-2 and FSDP over dp (the gradients compared from dp shards), with a pipeline (every
+stage refuses with the one that found it) and for a gradient that is zero at the first step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from hf_cases import family, token_batch, train_steps
+from torch import nn
+
+from dtlab.backends import Mesh
+from dtlab.backends.base import CommunicationBackend
+from dtlab.core.rng import seeded_init
+from dtlab.errors import StrategyError
+from dtlab.models import HybridShardedModel, TensorParallelModel
+from dtlab.optimizers import DDPOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
+from dtlab.testing import run_world
+
+LR, STEPS, DIM, HEADS, HEAD_DIM = 0.5, 3, 8, 4, 4
+FIX = "'replicated_with_grad_allreduce'"
+
+
+class _HeadScale(nn.Module):
+    """One (head_dim,) scale for every head of its input (a per-head norm's weight, without the norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(HEAD_DIM, dtype=torch.float64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h.unflatten(-1, (-1, HEAD_DIM)) * self.weight).flatten(-2)
+
+
+class _Block(nn.Module):
+    """``x + down(scale(up(norm(x))))``: the norm before the split (whole gradient on every tp rank),
+    the scale on the split heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM, dtype=torch.float64)
+        self.up = nn.Linear(DIM, HEADS * HEAD_DIM, dtype=torch.float64)
+        self.scale = _HeadScale()
+        self.down = nn.Linear(HEADS * HEAD_DIM, DIM, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.scale(self.up(self.norm(x))))
+
+
+def _net(zero_down: bool = False) -> nn.Sequential:
+    with seeded_init(0):
+        net = nn.Sequential(_Block(), _Block())
+    if zero_down:  # the scale's gradient is 0 at the first step (down's weight is), partial after
+        for block in net:
+            nn.init.zeros_(block.down.weight)
+    return net
+
+
+def _plan(marked: tuple[int, ...] = ()) -> dict[str, str]:
+    plan = {f"{i}.{n}": s for i in (0, 1) for n, s in (("up", "colwise"), ("down", "rowwise"))}
+    return plan | {f"{i}.scale": "replicated_with_grad_allreduce" for i in marked}
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 8, 3, DIM, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def _one_process() -> dict[str, torch.Tensor]:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    x, y = _batch()
+    train_steps(net, opt, x, y, STEPS, F.mse_loss)
+    return net.state_dict()
+
+
+def _steps(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> str:
+    """``STEPS`` steps; the refusal's message (with the step it came at), or ``"trained"``."""
+    for step in range(STEPS):
+        try:
+            F.mse_loss(model(x), y).backward()
+        except StrategyError as exc:
+            return f"step {step}: {exc}"
+        opt.step()
+        opt.zero_grad()
+    return "trained"
+
+
+def _tp2_world(backend: CommunicationBackend) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    x, y = _batch()
+    # Qwen3 with its own plan less the q/k norms' entries (the plan a user might write by hand)
+    with seeded_init(0):
+        qwen3 = family("qwen3")
+    hand = {f"model.{k}": v for k, v in qwen3.config.base_model_tp_plan.items() if "norm" not in k}
+    model = TensorParallelModel(qwen3, backend, plan=hand)
+    ids, targets = token_batch(4, seed=1)
+    try:
+        train_steps(model, DDPOptimizer(model, torch.optim.SGD, lr=LR), ids, targets, 2)
+        out["qwen3"] = "trained"
+    except StrategyError as exc:
+        out["qwen3"] = str(exc)
+    # a plain module: the scale unplanned, then marked; the scale's gradient 0 at the first step
+    for key, net, plan in [
+        ("plain", _net(), _plan()),
+        ("marked", _net(), _plan((0, 1))),
+        ("zero first", _net(zero_down=True), _plan()),
+    ]:
+        model = TensorParallelModel(net, backend, plan=plan)
+        backend.stats.reset()
+        out[key] = _steps(model, DDPOptimizer(model, torch.optim.SGD, lr=LR), x, y)
+        out[key + "/state"] = model.full_state_dict() if out[key] == "trained" else None
+    # the cost, once: the marked model's first synchronized backward against its second
+    model = TensorParallelModel(_net(), backend, plan=_plan((0, 1)))
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    out["cost"] = []
+    for _ in range(3):
+        before = backend.stats.snapshot().get("all_reduce", {"calls": 0, "bytes_sent": 0})
+        F.mse_loss(model(x), y).backward()
+        after = backend.stats.snapshot()["all_reduce"]
+        out["cost"].append((after["calls"] - before["calls"], after["bytes_sent"] - before["bytes_sent"]))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def test_a_partial_gradient_of_a_whole_parameter_is_refused_on_every_tp_rank() -> None:
+    results = run_world(2, _tp2_world, timeout=120)
+    ref = _one_process()
+    for rank, res in enumerate(results):
+        qwen3 = res["qwen3"]
+        assert "'model.layers.0.self_attn.q_norm.weight'" in qwen3, (rank, qwen3)
+        assert "differ between the ranks of the tensor-parallel group" in qwen3
+        assert f"'model.layers.*.self_attn.q_norm': {FIX}" in qwen3
+        assert f"'model.layers.*.self_attn.k_norm': {FIX}" in qwen3
+        assert "input_layernorm" not in qwen3 and "plan='auto'" in qwen3
+        plain = res["plain"]
+        assert plain.startswith("step 0: TensorParallelModel: after the synchronized backward"), plain
+        assert "'0.scale.weight'" in plain and "'1.scale.weight'" in plain and "norm.weight" not in plain
+        assert f"{{'*.scale': {FIX}}}" in plain
+        assert "dropout" not in plain and "tp_batch_check" not in plain  # no other cause to name
+        assert res["marked"] == "trained"
+        for k, v in ref.items():
+            assert torch.allclose(res["marked/state"][k], v, rtol=1e-12, atol=1e-12), (rank, k)
+        assert res["zero first"].startswith("step 1: "), res["zero first"]  # compared again at the 2nd
+        assert "'0.scale.weight'" in res["zero first"]
+        # the marked model: 2 blocks x (norm weight, bias, down's bias) compared, 48 bytes each, once
+        (calls0, sent0), (calls1, sent1), (calls2, sent2) = res["cost"]
+        assert (calls0 - calls1, sent0 - sent1) == (1, 6 * 48), res["cost"]
+        assert (calls1, sent1) == (calls2, sent2)
+
+
+def _mesh_world(backend: CommunicationBackend) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    x, y = _batch()
+    ref_x, ref_y = x, y
+    for key, axes, dp, driver, marked in [
+        ("zero2", {"dp": 2, "tp": 2}, "zero2", ZeRO2Optimizer, ()),
+        ("fsdp", {"dp": 2, "tp": 2}, "fsdp", ZeRO3Optimizer, ()),
+        ("zero2 marked", {"dp": 2, "tp": 2}, "zero2", ZeRO2Optimizer, (0, 1)),
+        ("pp", {"pp": 2, "tp": 2}, "ddp", DDPOptimizer, (1,)),
+    ]:
+        mesh = Mesh(backend, axes)
+        model = HybridShardedModel(_net(), mesh, dp, tensor_plan=_plan(marked))
+        opt = driver(model, torch.optim.SGD, lr=LR)
+        if "pp" in axes:
+            try:
+                for _ in range(STEPS):
+                    model.train_step((ref_x, ref_y), F.mse_loss)
+                    opt.step()
+                    opt.zero_grad()
+                out[key] = "trained"
+            except StrategyError as exc:
+                out[key] = str(exc)
+            continue
+        c = mesh.coordinate("dp")
+        out[key] = _steps(model, opt, x.chunk(2)[c], y.chunk(2)[c])
+        out[key + "/state"] = model.full_state_dict() if out[key] == "trained" else None
+    return out
+
+
+def test_sharded_over_dp_and_pipelined_every_rank_refuses() -> None:
+    """ZeRO-2 and FSDP over dp compare the gradients from each dp rank's shards; a pipeline's stage
+    without a difference refuses with the one that found it (no rank left waiting)."""
+    results = run_world(4, _mesh_world, timeout=180)
+    ref = _one_process()
+    for rank, res in enumerate(results):
+        for key in ("zero2", "fsdp"):
+            assert res[key].startswith("step 0: HybridShardedModel: after the synchronized"), (rank, key)
+            assert "'0.scale.weight'" in res[key] and f"{{'*.scale': {FIX}}}" in res[key], (rank, key)
+        assert res["zero2 marked"] == "trained"
+        for k, v in ref.items():
+            assert torch.allclose(res["zero2 marked/state"][k], v, rtol=1e-12, atol=1e-12), (rank, k)
+        stage = rank // 2  # pp is the outer axis
+        want = "'0.scale.weight'" if stage == 0 else "on another pipeline stage"
+        assert want in res["pp"], (rank, res["pp"])
