@@ -354,31 +354,32 @@ def test_a_module_wrapped_again_is_owned_by_the_newest_wrapper_or_refused() -> N
 
 # ---------------------------------------------------------------------------- after a refused backward
 class _TwoBranches(nn.Module):
-    """Two small layers in one gradient bucket; each step uses one of them."""
+    """Two small layers in one gradient bucket; each step uses those it is told (``"a"``, ``"ab"``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(4, 4)
         self.b = nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor, use_a: bool) -> torch.Tensor:
-        return (self.a if use_a else self.b)(x)
+    def forward(self, x: torch.Tensor, use: str) -> torch.Tensor:
+        return sum((getattr(self, name)(x) for name in use), torch.zeros(()))
 
 
 def _after_unused_error(backend: CommunicationBackend, name: str) -> dict[str, torch.Tensor]:
     """A synchronized backward using only ``a`` is refused (``b`` got no gradient); the user catches it
-    and continues with a step using only ``b``, accumulated in ``no_sync()`` and reduced with
-    ``reduce_accumulated_grads()`` (which reduces zeros for ``a``): nothing of the refused step stays."""
+    and continues with a step using both, accumulated in ``no_sync()`` and reduced with
+    ``reduce_accumulated_grads()``: nothing of the refused step stays (``a``'s gradient from it would
+    be added)."""
     with seeded_init(0):
         module = _TwoBranches()
     model = wrap(name, module, backend)
     opt = optimizer_for(name, model, "sgd_plain")
     x = torch.ones(2, 4)
     with pytest.raises(StrategyError, match="find_unused_parameters=True"):
-        model(x, True).sum().backward()
+        model(x, "a").sum().backward()
     opt.zero_grad()
     with model.no_sync():
-        model(x, False).sum().backward()
+        model(x, "ab").sum().backward()
     model.reduce_accumulated_grads()
     opt.step()
     return model.full_state_dict()
@@ -387,7 +388,7 @@ def _after_unused_error(backend: CommunicationBackend, name: str) -> dict[str, t
 def test_a_step_after_a_refused_backward_equals_plain_training() -> None:
     with seeded_init(0):
         plain = _TwoBranches()
-    plain(torch.ones(2, 4), False).sum().backward()  # the same on both ranks: their average
+    plain(torch.ones(2, 4), "ab").sum().backward()  # the same on both ranks: their average
     torch.optim.SGD(plain.parameters(), lr=OPTIMIZERS["sgd_plain"][1]["lr"]).step()
     ref = plain.state_dict()
     for name in STRATEGIES:

@@ -72,6 +72,7 @@ SKIPPING = [("a", "a"), ("none", "none"), ("both", "both")]
 OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01}),
+    "adamw_wd": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
 }
 
 

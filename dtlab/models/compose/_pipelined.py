@@ -191,5 +191,5 @@ class PipelineRun:
                 raise stage_unused_error(f"{who}.train_step", pp.rank, unused, per_rank)
             if sync:
                 self.tied.before_reduce()
-                dp.reduce_accumulated_grads()
+                dp.reduce_accumulated_grads(unused_checked=True)  # checked above, over pp
         return loss[0]

@@ -7,10 +7,12 @@ used). The strategies reduce zeros for such a parameter; :class:`UsedParams` mar
 got a gradient on this rank since ``zero_grad()`` and, after each synchronization, all-reduces the marks
 (MAX, one float64 per trainable parameter), so the optimizer strategy leaves out those no rank used.
 
-Without ``find_unused_parameters`` the marks stay local: a pipeline's step, which reduces its
-accumulated gradients once at the end, refuses parameters no micro-batch used on every pipeline rank
-before reducing (:meth:`UsedParams.unused_here`, :func:`stage_unused_error`), rather than step them
-with zeros.
+Without ``find_unused_parameters`` the marks stay local: gradients accumulated inside ``no_sync()``
+and reduced at once, by a pipeline's step or by ``reduce_accumulated_grads()`` called by the user, are
+refused before reducing when a parameter got none since ``zero_grad()`` (:meth:`UsedParams.unused_here`)
+rather than stepped with zeros: on every pipeline rank (:func:`stage_unused_error`, the counts carried
+by the loss's all-reduce), on every rank of the dp group (:meth:`UsedParams.refuse_unused`, one
+all-reduce of a count per rank).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.errors import StrategyError
 
-__all__ = ["UsedParams", "none_got_one", "stage_unused_error", "unused_error"]
+__all__ = ["UsedParams", "accumulated_unused_error", "none_got_one", "stage_unused_error", "unused_error"]
 
 
 class UsedParams:
@@ -79,11 +81,36 @@ class UsedParams:
         if self._shared:
             self.unused = self._unmarked()
 
-    def unused_here(self) -> list[str]:
+    def unused_here(self, whole_grads: bool) -> list[str]:
         """The names of the parameters that got no gradient on this rank since ``zero_grad()`` (nor keep
-        a zero one from ``zero_grad(set_to_none=False)``): torch would leave their ``.grad`` None."""
+        a zero one from ``zero_grad(set_to_none=False)``): torch would leave their ``.grad`` None.
+        ``whole_grads`` (DDP, ZeRO-1: ``zero_grad()`` points ``.grad`` into the bucket and a backward
+        puts it back there): a ``.grad`` of None was set to None since (``model.zero_grad()``), and no
+        backward gave one after, so it is none either, marked or not."""
         here = self._unmarked()
-        return [n for n, p in zip(self._names, self._params, strict=True) if id(p) in here]
+        return [
+            n
+            for n, p in zip(self._names, self._params, strict=True)
+            if id(p) in here or (whole_grads and p.grad is None)
+        ]
+
+    def refuse_unused(self, who: str, whole_grads: bool, checks: Sequence[Callable[[], None]]) -> None:
+        """Before reducing gradients accumulated inside ``no_sync()`` without ``find_unused_parameters``:
+        refuse on every rank of the group when any rank holds a parameter without a gradient
+        (:meth:`unused_here`), each naming its own, after ``checks`` (which may raise a more precise
+        error: a parameter frozen after wrapping). Collective: one all-reduce of a float32 per rank, so
+        ranks that disagree (a parameter skipped on some only) all refuse instead of some waiting in the
+        reduction."""
+        mine = self.unused_here(whole_grads)
+        counts = torch.zeros(self._group.world_size, dtype=torch.float32, device=self._group.device)
+        counts[self._group.rank] = len(mine)
+        if self._group.world_size > 1:
+            self._group.all_reduce(counts)
+        per_rank = [int(c) for c in counts.tolist()]
+        if any(per_rank):
+            for check in checks:
+                check()
+            raise accumulated_unused_error(who, self._group.rank, mine, per_rank)
 
     def _unmarked(self) -> frozenset[int]:
         marks = zip(self._params, self._marks, strict=True)
@@ -123,4 +150,19 @@ def stage_unused_error(who: str, pp_rank: int, mine: list[str], per_rank: list[i
         "torch leaves their .grad None and skips them; make them take part in the loss, freeze them "
         "(requires_grad=False) or pass find_unused_parameters=True to leave them out of the step as "
         "torch does (one small all-reduce per step)"
+    )
+
+
+def accumulated_unused_error(who: str, rank: int, mine: list[str], per_rank: list[int]) -> StrategyError:
+    """``reduce_accumulated_grads()``'s refusal, raised on every rank of the dp group: ``per_rank[r]``
+    parameters of rank ``r`` got no gradient since ``zero_grad()`` (``mine``: this rank's)."""
+    ranks = [r for r, n in enumerate(per_rank) if n]
+    here = f"{mine[:10]}{' ...' if len(mine) > 10 else ''}" if mine else "none here"
+    return StrategyError(
+        f"{who}.reduce_accumulated_grads() on rank {rank}: parameters received no gradient from any "
+        f"backward since zero_grad() on rank(s) {ranks} ({here}; each rank names its own). Reduced, "
+        "their zero gradients would be stepped (momentum and weight decay move them) where torch "
+        "leaves their .grad None and skips them; nothing was reduced. Make them take part in the loss, "
+        "freeze them (requires_grad=False) before wrapping, or pass find_unused_parameters=True to "
+        "leave out of the step those no rank used, as torch does"
     )

@@ -206,8 +206,7 @@ class DataParallelModel(OptimizerTarget):
     keeps_whole_grads: ClassVar[bool] = False
 
     def whole_grads(self) -> list[tuple[str, torch.Tensor]]:
-        """``(name, gradient)`` of every trainable parameter holding a whole gradient (see
-        :attr:`keeps_whole_grads`)."""
+        """``(name, gradient)`` of each trainable parameter with a whole one (:attr:`keeps_whole_grads`)."""
         return [(n, p.grad) for n, p in self._trainable if p.grad is not None]
 
     def register_post_sync_hook(self, fn: Callable[[], None]) -> None:
@@ -215,12 +214,16 @@ class DataParallelModel(OptimizerTarget):
         :meth:`reduce_accumulated_grads`), e.g. a sum over another mesh axis."""
         self._post_sync.append(fn)
 
-    def reduce_accumulated_grads(self) -> None:
-        """Average now, over the dp group through the reducer, the gradients accumulated by backward
-        passes inside ``no_sync()`` (a pipeline schedule's), as a synchronized backward would (inside
-        ``no_sync()`` too: the call asks for it)."""
+    def reduce_accumulated_grads(self, *, unused_checked: bool = False) -> None:
+        """Average now, over the dp group through the reducer, the gradients accumulated inside
+        ``no_sync()`` (a pipeline schedule's), as a synchronized backward would (inside ``no_sync()`` too).
+        Without ``find_unused_parameters`` a parameter that got no gradient since ``zero_grad()`` on any
+        rank is refused first on every rank, unless ``unused_checked`` (by a pipeline's step)."""
         self._owner.check("reduce_accumulated_grads()")
         self._check_backward_finished("reduce_accumulated_grads()")
+        if not (self.find_unused_parameters or unused_checked):  # a layer replaced or frozen: named first
+            checks = (self._wrapped_params.check, self.check_requires_grad)
+            self._used.refuse_unused(type(self).__name__, self.keeps_whole_grads, checks)
         prev, self._sync = self._sync, True
         try:
             self._reducer.start_step()
@@ -241,8 +244,7 @@ class DataParallelModel(OptimizerTarget):
         yield
 
     def whole_state(self) -> dict[str, torch.Tensor]:
-        """The tensors this rank holds whole, keyed like ``module.state_dict()`` (all of them, but
-        for the parameters ZeRO-3/FSDP shard)."""
+        """The tensors held whole here, keyed like ``module.state_dict()`` (not ZeRO-3/FSDP's shards)."""
         return dict(self.module.state_dict(keep_vars=True))
 
     def flat_shards(self) -> list[FlatShard]:
@@ -255,8 +257,7 @@ class DataParallelModel(OptimizerTarget):
 
     def _flush(self, fill_missing: bool) -> None:
         """Reduce every gradient not reduced yet and wait for all. A parameter that got no gradient is
-        reduced with what it holds if ``fill_missing`` (zeros, or what ``no_sync()`` kept), else it
-        is an error."""
+        reduced with what it holds if ``fill_missing`` (zeros, or what ``no_sync()`` kept), else refused."""
         raise NotImplementedError
 
     def _guard_grads(self) -> None:
@@ -349,7 +350,7 @@ class DataParallelModel(OptimizerTarget):
 
     def unused_here(self) -> list[str]:
         """The trainable parameters no backward on this rank gave a gradient since ``zero_grad()``."""
-        return self._used.unused_here()
+        return self._used.unused_here(self.keeps_whole_grads)
 
     def _point_grads(self) -> None:
         """After ``zero_grad()``: ``param.grad`` is None (DDP, ZeRO-1: a view of its bucket again)."""
@@ -394,6 +395,5 @@ class DataParallelModel(OptimizerTarget):
         }
 
     def _held_bytes(self) -> tuple[int, int, int]:
-        """Bytes of the parameters and the gradients this rank holds, and the peak of gathered
-        parameters in the last step."""
+        """Bytes of the parameters and gradients held here, and the peak of gathered ones in the last step."""
         raise NotImplementedError

@@ -123,10 +123,10 @@ class ZeRO1Model(DDPModel):
             self._guard_grads()
         super()._after_synchronized()
 
-    def reduce_accumulated_grads(self) -> None:
+    def reduce_accumulated_grads(self, *, unused_checked: bool = False) -> None:
         if self._grad_state == "rescaled":  # kept gradients (x P), summed anew with the new ones
             self._grad_state = "local"
-        super().reduce_accumulated_grads()
+        super().reduce_accumulated_grads(unused_checked=unused_checked)
 
     def zero_grad_buffers(self, set_to_none: bool = True) -> None:
         super().zero_grad_buffers(set_to_none)
