@@ -10,7 +10,6 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.core import pairs
-from dtlab.core.placement import Shard
 from dtlab.core.shard_index import (
     ShardIndex,
     add_placed_slice,
@@ -23,8 +22,16 @@ from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models.base import ModelStrategy, OptimizerTarget
 from dtlab.optimizers._clip import clip_by_global_norm
-from dtlab.optimizers._elementwise import check_elementwise
-from dtlab.optimizers._groups import Entry, check_groups, jsonable, make_local, spec_of, sync_groups
+from dtlab.optimizers._elementwise import check_elementwise, steps_slices
+from dtlab.optimizers._groups import (
+    Entry,
+    check_groups,
+    jsonable,
+    make_local,
+    spec_of,
+    strangers_message,
+    sync_groups,
+)
 from dtlab.optimizers._handed import hand_over
 from dtlab.optimizers._hooks import carry_hooks, load_with_hooks, state_dict_with_hooks
 from dtlab.optimizers._state_view import StateView, replace_state
@@ -127,12 +134,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         """``"flat"`` when the local optimizer steps flat shards of parameters, ``"slices"`` when
         tensor-parallel slices (a parameter placed ``Shard`` over an axis of size > 1), ``None`` when
         whole parameters."""
-        model = self.dp_model
-        for name, _ in model.trainable_parameters():
-            placement, _, size = model.placed(name)
-            if isinstance(placement, Shard) and size > 1:
-                return "slices"
-        return None
+        return "slices" if steps_slices(self.dp_model) else None
 
     def _build(self) -> list[Entry]:
         """The pieces this rank steps, for every parameter of every group (see :class:`Entry`)."""
@@ -157,13 +159,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         plist = [params] if isinstance(params, torch.Tensor) else list(params or [])
         strangers = [tuple(p.shape) for p in plist if id(p) not in self._module_params]
         if strangers:
-            raise StrategyError(
-                f"{type(self).__name__}: param group {len(self.param_groups)} holds tensors that are not "
-                f"parameters of the wrapped module (shapes {strangers[:3]}); build the torch optimizer on "
-                "model.parameters() (a data-parallel strategy keeps the module's own: before wrapping works "
-                "too; tensor and pipeline parallelism hold this rank's slices or stages, new parameters: "
-                "build the groups after wrapping, e.g. from model.module.named_parameters())"
-            )
+            raise StrategyError(strangers_message(type(self).__name__, len(self.param_groups), strangers))
         super().add_param_group(param_group)
         if self._ready:
             gi = len(self.param_groups) - 1

@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from dtlab.core.placement import Shard
 from dtlab.core.torch_private import unhooked_step
 from dtlab.errors import StrategyError
+from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers._groups import OptimizerSpec, constructor_defaults
 
-__all__ = ["check_elementwise"]
+__all__ = ["check_elementwise", "steps_slices"]
 
 _ROWS, _COLS, _STEPS, _LR = 4, 6, 2, 1e-2
 #: how far (relative to how far the steps moved the matrix) the pieces may end from the whole: float64
@@ -104,3 +106,13 @@ def check_elementwise(
                 "(whole parameters on every rank) for this optimizer, or an element-wise one under this "
                 "strategy"
             )
+
+
+def steps_slices(model: OptimizerTarget) -> bool:
+    """True when some trainable parameter of ``model`` is this rank's slice of a tensor split over an
+    axis of size > 1 (tensor parallelism): an optimizer stepping the parameters steps pieces."""
+    for name, _ in model.trainable_parameters():
+        placement, _, size = model.placed(name)
+        if isinstance(placement, Shard) and size > 1:
+            return True
+    return False

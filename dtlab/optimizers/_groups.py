@@ -31,6 +31,7 @@ __all__ = [
     "jsonable",
     "make_local",
     "spec_of",
+    "strangers_message",
     "sync_groups",
 ]
 
@@ -91,6 +92,20 @@ def refuse_closure_driven(who: str, cls: type[torch.optim.Optimizer]) -> None:
             "rank holds the whole averaged gradient there, so it runs as on one process. Under ZeRO-1/2/3 "
             "and FSDP use a first-order optimizer (SGD, Adam, AdamW)"
         )
+
+
+def strangers_message(who: str, group: int, shapes: list[tuple[int, ...]]) -> str:
+    """Why param group ``group`` holding tensors that are not the wrapped module's parameters
+    (``shapes``) is refused, and the fixes."""
+    return (
+        f"{who}: param group {group} holds tensors that are not parameters of the wrapped module (shapes "
+        f"{shapes[:3]}); build the torch optimizer on model.parameters() (a data-parallel strategy keeps "
+        "the module's own: before wrapping works too; tensor and pipeline parallelism hold this rank's "
+        "slices or stages, new parameters: build the groups after wrapping, e.g. from "
+        "model.module.named_parameters()). An optimizer strategy drives one wrapped model: for "
+        "parameters of two wrapped models (an encoder and a head), wrap one module holding both "
+        "(nn.ModuleDict), or give each its own optimizer strategy"
+    )
 
 
 def spec_of(
