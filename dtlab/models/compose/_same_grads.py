@@ -174,9 +174,10 @@ class SameReplicatedGrads:
             how = type(getattr(reducer, "compressor", None) or reducer).__name__
             causes.append(
                 f"the dp axis compresses the gradients ({how}): "
-                "each tp rank's buckets hold its own tp shards beside the whole parameters, so a lossy "
-                "compressor keeps other parts of them on each tp rank; under tensor parallelism reduce the "
-                "dp axis uncompressed (or with Dense)"
+                "each tp rank's buckets hold its own tp shards beside the whole parameters, so a compressor "
+                "that selects or rounds per bucket (top-k, QSGD) treats their gradients differently on each "
+                "tp rank; under tensor parallelism reduce the dp axis uncompressed or with one that keeps "
+                "them equal (Dense, RandomK, PowerSGD, a cast to fp16/bf16)"
             )
         causes.append(
             "the parameter is used on activations the plan splits (a norm applied per head after a "
