@@ -416,3 +416,29 @@ def test_optimizer_state_dict_on_one_rank_names_the_fix() -> None:
             assert said == "saved"
         else:
             assert "every rank must call it" in said and "if rank == 0: torch.save(sd, path)" in said, said
+
+
+def _plateau(backend: CommunicationBackend, name: str) -> str:
+    """ReduceLROnPlateau stepped with each rank's own loss: the ranks' learning rates part."""
+    model = wrap(name, make_module(), backend)
+    opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.SGD, lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.1)
+    xs, ys = make_data(STEPS, GLOBAL_BATCH)
+    for s in range(STEPS):
+        F.mse_loss(model(xs[s]), ys[s]).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step(10.0 + s if backend.rank == 0 else 10.0 - s)  # rank 0's metric worsens, rank 1's not
+    try:
+        opt.state_dict()
+    except StrategyError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_options_that_differ_between_ranks_are_named_when_gathered() -> None:
+    """Under ZeRO/FSDP each rank stepped its shard with its own learning rate, silently; opt.state_dict()
+    gathers from every rank anyway and now names the difference (DDP's is local: not checked)."""
+    for name in ("zero2", "fsdp"):
+        for said in run_world(2, _plateau, name, timeout=30):
+            assert "param group 0's 'lr' is 0.001" in said and "but 0.1 on rank 1" in said, said

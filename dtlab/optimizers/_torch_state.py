@@ -15,7 +15,7 @@ import torch
 
 from dtlab.errors import CollectiveTimeoutError, StrategyError
 from dtlab.models.base import OptimizerTarget
-from dtlab.optimizers._groups import Entry
+from dtlab.optimizers._groups import Entry, jsonable
 
 __all__ = ["full_state", "load_full_state"]
 
@@ -88,8 +88,9 @@ def _gathered_state(
     backend = model.dp_backend
     out: dict[int, dict[str, Any]] = {}
     all_kinds: dict[int, dict[str, str]] = {}
+    options = [jsonable(g) for g in local.param_groups]  # the strategy's, synchronized at state_dict()
     try:
-        gathered = backend.all_gather_object((kinds, scalars))
+        gathered = backend.all_gather_object((kinds, scalars, options))
     except CollectiveTimeoutError as exc:  # a DDP habit: if rank == 0: torch.save(opt.state_dict())
         raise StrategyError(
             f"{who}.state_dict() on rank {backend.rank} timed out waiting for the other ranks: each holds "
@@ -97,7 +98,8 @@ def _gathered_state(
             f"rank, then save on one (if rank == 0: torch.save(sd, path)), or save each rank's shard with "
             f"dtlab.checkpoint ({exc})"
         ) from exc
-    for theirs, their_scalars in gathered:
+    _check_same_options([g for _, _, g in gathered], who)
+    for theirs, their_scalars, _ in gathered:
         for ui, ks in theirs.items():
             all_kinds.setdefault(ui, {}).update(ks)
         for i, st in their_scalars.items():
@@ -124,6 +126,25 @@ def _gathered_state(
                 if i is not None:
                     out.setdefault(i, {})[k] = whole[s.offset : s.offset + s.numel].view(s.shape).clone()
     return dict(sorted(out.items()))
+
+
+def _check_same_options(options: list[list[dict[str, Any]]], who: str) -> None:
+    """Refuse, on every rank alike, param-group options that differ between the ranks of one data-parallel
+    group: each stepped its shard with its own (a scheduler stepped with a per-rank value)."""
+    for r, theirs in enumerate(options):
+        for gi, (a, b) in enumerate(zip(options[0], theirs, strict=True)):
+            differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            if differ:
+                k = differ[0]
+                raise StrategyError(
+                    f"{who}.state_dict(): param group {gi}'s {k!r} is {a.get(k)!r} on rank 0 but "
+                    f"{b.get(k)!r} on rank {r}: each rank stepped its shard with its own options. Every rank "
+                    "must set the "
+                    "same: a scheduler stepped with a value each rank computed on its own data "
+                    "(ReduceLROnPlateau(opt).step(this rank's validation loss)) or on one rank only changes "
+                    "them on some ranks; average the metric over the ranks first and step schedulers on "
+                    "every rank"
+                )
 
 
 def load_full_state(
