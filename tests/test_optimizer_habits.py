@@ -21,7 +21,9 @@ in-memory ranks against one process on the global batch (3 steps), or refused wi
   instance's own ``step()`` and ``state_dict()`` (no state: a checkpoint without it) are refused.
 - Hooks registered on the torch optimizer instance before handing it over (``register_step_post_hook``:
   an EMA update; state-dict hooks) were silently dropped, and the strategy's own state-dict hooks never
-  ran: now carried over and run as torch runs them; torch's global step hooks saw every step twice.
+  ran: now carried over and run as torch runs them (global hooks: tests/test_optimizer_state_habits.py).
+- Param groups built on the plain module before wrapping a pipeline: refused naming the fix (groups
+  from ``model.module`` after wrapping), which equals one process; a user's own LAMB class refused.
 - ``opt.clip_grad_norm_(max_norm, error_if_nonfinite=True)`` raised a raw ``TypeError``: it takes torch's
   arguments and raises torch's RuntimeError on every rank when the global norm is not finite.
 """
@@ -221,23 +223,6 @@ def hooks_case(backend: CommunicationBackend, name: str) -> list[str]:
     return seen
 
 
-def global_hook_case(backend: CommunicationBackend, name: str) -> list[str]:
-    """torch's global step hook (one rank: the hook dict is process-wide) sees each step once."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    seen: list[str] = []
-    handle = register_optimizer_step_post_hook(lambda o, a, k: seen.append(type(o).__name__))
-    try:
-        model = wrap(name, make_module(), backend)
-        opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.AdamW, lr=0.01)
-        xs, ys = make_data(STEPS, GLOBAL_BATCH)
-        F.mse_loss(model(xs[0]), ys[0]).backward()
-        opt.step()
-    finally:
-        handle.remove()
-    return seen
-
-
 def handed_case(backend: CommunicationBackend | None, name: str | None) -> Any:
     """A scheduler built on the torch optimizer before it is handed to the strategy (``name`` None: one
     process, nothing handed); then the handed instance's own step() and state_dict()."""
@@ -379,66 +364,3 @@ def test_optimizer_habits_equal_one_process_or_are_refused() -> None:
         assert max_rel_error(res["pp/groups_after"], module.state_dict()) <= 1e-5
         assert max_rel_error(res["pp/ddp"], adafactor) <= 1e-5  # a stage's whole parameters
         assert isinstance(res["pp/zero1"], str) and REFUSED in res["pp/zero1"], res["pp/zero1"]
-
-
-def test_torch_global_step_hooks_see_each_step_once() -> None:
-    """The local optimizer over this rank's pieces steps without them (it fired them too: twice per step,
-    and the element-wise check's probe steps at construction)."""
-    for name in ("ddp", "zero1"):
-        (seen,) = run_world(1, global_hook_case, name, timeout=30)
-        assert seen == [{"ddp": "DDPOptimizer", "zero1": "ZeRO1Optimizer"}[name]], seen
-
-
-def _save_on_rank_0(backend: CommunicationBackend, name: str) -> str:
-    """``if rank == 0: torch.save(opt.state_dict(), path)`` (a DDP habit) while rank 1 goes on."""
-    backend.check_collectives = False  # a user's default
-    model = wrap(name, make_module(), backend)
-    opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.AdamW, lr=0.01)
-    xs, ys = make_data(1, GLOBAL_BATCH)
-    F.mse_loss(model(xs[0]), ys[0]).backward()
-    opt.step()
-    if backend.rank != 0:
-        return "left"
-    try:
-        opt.state_dict()
-    except StrategyError as exc:
-        return str(exc)
-    return "saved"
-
-
-def test_optimizer_state_dict_on_one_rank_names_the_fix() -> None:
-    """Under ZeRO-1/2 (whole parameters: model.state_dict() is local) opt.state_dict() is collective; on
-    rank 0 alone it ended in the backend's bare collective timeout (300 s on Gloo): now that error names
-    the fix. DDP's is local: it saves."""
-    for name in ("ddp", "zero1", "zero2"):
-        said = run_world(2, _save_on_rank_0, name, timeout=30)[0]
-        if name == "ddp":
-            assert said == "saved"
-        else:
-            assert "every rank must call it" in said and "if rank == 0: torch.save(sd, path)" in said, said
-
-
-def _plateau(backend: CommunicationBackend, name: str) -> str:
-    """ReduceLROnPlateau stepped with each rank's own loss: the ranks' learning rates part."""
-    model = wrap(name, make_module(), backend)
-    opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.SGD, lr=0.1)
-    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.1)
-    xs, ys = make_data(STEPS, GLOBAL_BATCH)
-    for s in range(STEPS):
-        F.mse_loss(model(xs[s]), ys[s]).backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step(10.0 + s if backend.rank == 0 else 10.0 - s)  # rank 0's metric worsens, rank 1's not
-    try:
-        opt.state_dict()
-    except StrategyError as exc:
-        return str(exc)
-    return "saved"
-
-
-def test_options_that_differ_between_ranks_are_named_when_gathered() -> None:
-    """Under ZeRO/FSDP each rank stepped its shard with its own learning rate, silently; opt.state_dict()
-    gathers from every rank anyway and now names the difference (DDP's is local: not checked)."""
-    for name in ("zero2", "fsdp"):
-        for said in run_world(2, _plateau, name, timeout=30):
-            assert "param group 0's 'lr' is 0.001" in said and "but 0.1 on rank 1" in said, said

@@ -1,0 +1,100 @@
+"""Optimizer-state habits under the data-parallel strategies on in-memory ranks: torch's global step
+hooks see each step once (the strategy's local optimizer fired them too, twice per step);
+``if rank == 0: torch.save(opt.state_dict())`` under ZeRO-1/2 (whole parameters, so
+``model.state_dict()`` is local) ends in an error naming the fix instead of the backend's bare
+collective timeout; ``ReduceLROnPlateau`` stepped with each rank's own loss (each rank stepping its
+shard with its own learning rate, silently) is named by ``opt.state_dict()`` under ZeRO/FSDP."""
+
+from __future__ import annotations
+
+import torch
+from test_strategies_helpers import make_data, make_module, wrap
+from torch.nn import functional as F
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
+from dtlab.testing import run_world
+
+STEPS, GLOBAL_BATCH = 3, 8
+OPT = {"ddp": DDPOptimizer, "zero1": ZeRO1Optimizer, "zero2": ZeRO2Optimizer}
+
+
+def global_hook_case(backend: CommunicationBackend, name: str) -> list[str]:
+    """torch's global step hook (one rank: the hook dict is process-wide) sees each step once."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    seen: list[str] = []
+    handle = register_optimizer_step_post_hook(lambda o, a, k: seen.append(type(o).__name__))
+    try:
+        model = wrap(name, make_module(), backend)
+        opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.AdamW, lr=0.01)
+        xs, ys = make_data(STEPS, GLOBAL_BATCH)
+        F.mse_loss(model(xs[0]), ys[0]).backward()
+        opt.step()
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_torch_global_step_hooks_see_each_step_once() -> None:
+    """The local optimizer over this rank's pieces steps without them (it fired them too: twice per step,
+    and the element-wise check's probe steps at construction)."""
+    for name in ("ddp", "zero1"):
+        (seen,) = run_world(1, global_hook_case, name, timeout=30)
+        assert seen == [{"ddp": "DDPOptimizer", "zero1": "ZeRO1Optimizer"}[name]], seen
+
+
+def _save_on_rank_0(backend: CommunicationBackend, name: str) -> str:
+    """``if rank == 0: torch.save(opt.state_dict(), path)`` (a DDP habit) while rank 1 goes on."""
+    backend.check_collectives = False  # a user's default
+    model = wrap(name, make_module(), backend)
+    opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.AdamW, lr=0.01)
+    xs, ys = make_data(1, GLOBAL_BATCH)
+    F.mse_loss(model(xs[0]), ys[0]).backward()
+    opt.step()
+    if backend.rank != 0:
+        return "left"
+    try:
+        opt.state_dict()
+    except StrategyError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_optimizer_state_dict_on_one_rank_names_the_fix() -> None:
+    """Under ZeRO-1/2 (whole parameters: model.state_dict() is local) opt.state_dict() is collective; on
+    rank 0 alone it ended in the backend's bare collective timeout (300 s on Gloo): now that error names
+    the fix. DDP's is local: it saves."""
+    for name in ("ddp", "zero1", "zero2"):
+        said = run_world(2, _save_on_rank_0, name, timeout=30)[0]
+        if name == "ddp":
+            assert said == "saved"
+        else:
+            assert "every rank must call it" in said and "if rank == 0: torch.save(sd, path)" in said, said
+
+
+def _plateau(backend: CommunicationBackend, name: str) -> str:
+    """ReduceLROnPlateau stepped with each rank's own loss: the ranks' learning rates part."""
+    model = wrap(name, make_module(), backend)
+    opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.SGD, lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.1)
+    xs, ys = make_data(STEPS, GLOBAL_BATCH)
+    for s in range(STEPS):
+        F.mse_loss(model(xs[s]), ys[s]).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step(10.0 + s if backend.rank == 0 else 10.0 - s)  # rank 0's metric worsens, rank 1's not
+    try:
+        opt.state_dict()
+    except StrategyError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_options_that_differ_between_ranks_are_named_when_gathered() -> None:
+    """Under ZeRO/FSDP each rank stepped its shard with its own learning rate, silently; opt.state_dict()
+    gathers from every rank anyway and now names the difference (DDP's is local: not checked)."""
+    for name in ("zero2", "fsdp"):
+        for said in run_world(2, _plateau, name, timeout=30):
+            assert "param group 0's 'lr' is 0.001" in said and "but 0.1 on rank 1" in said, said
