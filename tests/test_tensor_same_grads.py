@@ -9,7 +9,8 @@ backward (a fingerprint, one all-reduce) and a difference is refused on every ra
 parameters and the plan entries that fix it; an input-side norm (whole gradient on every rank) is not
 refused, and the same scale marked ``replicated_with_grad_allreduce`` trains as one process does.
 Also under ZeRO-2 and FSDP over dp (the gradients compared from dp shards), with a pipeline (every
-stage refuses with the one that found it) and for a gradient that is zero at the first step."""
+stage refuses with the one that found it), for a gradient that is zero at the first step, and with
+dropout where the model is not split on in-memory ranks (other masks on each tp rank: named first)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hf_cases import family, token_batch, train_steps
+from hf_cases import SEQ, family, token_batch, train_steps
 from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.rng import seeded_init
 from dtlab.errors import StrategyError
-from dtlab.models import HybridShardedModel, TensorParallelModel
+from dtlab.models import HybridShardedModel, TensorParallelModel, transformer_plan
 from dtlab.optimizers import DDPOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
+from dtlab.zoo import TransformerLM
 
 LR, STEPS, DIM, HEADS, HEAD_DIM = 0.5, 3, 8, 4, 4
 FIX = "'replicated_with_grad_allreduce'"
@@ -122,6 +124,15 @@ def _tp2_world(backend: CommunicationBackend) -> dict[str, Any]:
         backend.stats.reset()
         out[key] = _steps(model, DDPOptimizer(model, torch.optim.SGD, lr=LR), x, y)
         out[key + "/state"] = model.full_state_dict() if out[key] == "trained" else None
+    # dropout where the model is not split: in-memory ranks share one generator, so their masks differ
+    with seeded_init(0):
+        lm = TransformerLM(d_model=16, n_layers=1, n_heads=2, seq_len=SEQ, dropout=0.1)
+    model = TensorParallelModel(lm, backend, plan=transformer_plan())
+    try:
+        train_steps(model, DDPOptimizer(model, torch.optim.SGD, lr=LR), ids, targets, 1, model.cross_entropy)
+        out["dropout"] = "trained"
+    except StrategyError as exc:
+        out["dropout"] = str(exc)
     # the cost, once: the marked model's first synchronized backward against its second
     model = TensorParallelModel(_net(), backend, plan=_plan((0, 1)))
     opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
@@ -154,6 +165,9 @@ def test_a_partial_gradient_of_a_whole_parameter_is_refused_on_every_tp_rank() -
         assert res["marked"] == "trained"
         for k, v in ref.items():
             assert torch.allclose(res["marked/state"][k], v, rtol=1e-12, atol=1e-12), (rank, k)
+        dropout = res["dropout"]
+        assert "Possible causes: the tp ranks drew different dropout masks" in dropout, dropout
+        assert "(modules ['blocks.0.drop'] have p > 0)" in dropout and "; or if none of these, " in dropout
         assert res["zero first"].startswith("step 1: "), res["zero first"]  # compared again at the 2nd
         assert "'0.scale.weight'" in res["zero first"]
         # the marked model: 2 blocks x (norm weight, bias, down's bias) compared, 48 bytes each, once

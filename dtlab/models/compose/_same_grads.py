@@ -179,12 +179,6 @@ class SameReplicatedGrads:
                 "tp rank; under tensor parallelism reduce the dp axis uncompressed or with one that keeps "
                 "them equal (Dense, RandomK, PowerSGD, a cast to fp16/bf16)"
             )
-        causes.append(
-            "the parameter is used on activations the plan splits (a norm applied per head after a "
-            "column-split projection, a scale or bias on a column-parallel layer's output), so each tp "
-            f"rank's backward gives only its share of its gradient: {fix}; a Hugging Face model's own plan "
-            "(plan='auto') marks such modules"
-        )
         dropouts = [
             n
             for n, m in self._dp.module.named_modules()
@@ -201,6 +195,13 @@ class SameReplicatedGrads:
                 f"the tp ranks were given different batches (tp_batch_check={self._batch_check!r} did not "
                 "compare them): give every tp rank the same batch, sharding the data by the dp coordinate"
             )
+        causes.append(
+            ("if none of these, " if causes else "")
+            + "the parameter is used on activations the plan splits (a norm applied per head after a "
+            "column-split projection, a scale or bias on a column-parallel layer's output), so each tp "
+            f"rank's backward gives only its share of its gradient: {fix}; a Hugging Face model's own plan "
+            "(plan='auto') marks such modules"
+        )
         return (
             f"{self._who}: after the synchronized backward, {what}. Each tp rank holds the whole parameter "
             "and would step it with its own gradient, so the copies would drift apart (a silently wrong "
