@@ -8,7 +8,7 @@ Now the gradients of every parameter left whole are compared over tp after the f
 backward (a fingerprint, one all-reduce) and a difference is refused on every rank, naming the
 parameters and the plan entries that fix it; an input-side norm (whole gradient on every rank) is not
 refused, and the same scale marked ``replicated_with_grad_allreduce`` trains as one process does.
-Also under ZeRO-2 and FSDP over dp (the gradients compared from dp shards), with a pipeline (every
+Also under ZeRO-1, ZeRO-2 and FSDP over dp (the gradients compared from dp shards), with a pipeline (every
 stage refuses with the one that found it), for a gradient that is zero at the first step, and with
 dropout where the model is not split on in-memory ranks (other masks on each tp rank: named first)."""
 
@@ -26,7 +26,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.core.rng import seeded_init
 from dtlab.errors import StrategyError
 from dtlab.models import HybridShardedModel, TensorParallelModel, transformer_plan
-from dtlab.optimizers import DDPOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 from dtlab.zoo import TransformerLM
 
@@ -181,6 +181,7 @@ def _mesh_world(backend: CommunicationBackend) -> dict[str, Any]:
     x, y = _batch()
     ref_x, ref_y = x, y
     for key, axes, dp, driver, marked in [
+        ("zero1", {"dp": 2, "tp": 2}, "zero1", ZeRO1Optimizer, ()),  # reduce-scattered over dp
         ("zero2", {"dp": 2, "tp": 2}, "zero2", ZeRO2Optimizer, ()),
         ("fsdp", {"dp": 2, "tp": 2}, "fsdp", ZeRO3Optimizer, ()),
         ("zero2 marked", {"dp": 2, "tp": 2}, "zero2", ZeRO2Optimizer, (0, 1)),
@@ -206,12 +207,13 @@ def _mesh_world(backend: CommunicationBackend) -> dict[str, Any]:
 
 
 def test_sharded_over_dp_and_pipelined_every_rank_refuses() -> None:
-    """ZeRO-2 and FSDP over dp compare the gradients from each dp rank's shards; a pipeline's stage
-    without a difference refuses with the one that found it (no rank left waiting)."""
+    """ZeRO-1 (reduce-scatter), ZeRO-2 and FSDP over dp compare the gradients from each dp rank's
+    shards; a pipeline's stage without a difference refuses with the one that found it (no rank left
+    waiting)."""
     results = run_world(4, _mesh_world, timeout=180)
     ref = _one_process()
     for rank, res in enumerate(results):
-        for key in ("zero2", "fsdp"):
+        for key in ("zero1", "zero2", "fsdp"):
             assert res[key].startswith("step 0: HybridShardedModel: after the synchronized"), (rank, key)
             assert "'0.scale.weight'" in res[key] and f"{{'*.scale': {FIX}}}" in res[key], (rank, key)
         assert res["zero2 marked"] == "trained"
