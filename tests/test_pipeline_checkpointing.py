@@ -1,15 +1,25 @@
 """Activation checkpointing per pipeline stage: each stage keeps only its input per micro-batch and
 recomputes its forward in its backward. Same losses and parameters as one process (the parity bar),
-fewer activation bytes held than without, and zero-bubble refused with the reason."""
+fewer activation bytes held than without, the stages recomputed under ZeRO-3/FSDP too, and
+zero-bubble refused with the reason."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
+from filled import filled
 from pipeline_cases import make_lm, pipeline_rank, reference, worst_error
 from refusals import refusal_messages
+from test_strategies_helpers import max_rel_error
+from torch import nn
+from torch.nn import functional as F
 
 from dtlab.backends import Mesh
+from dtlab.backends.base import CommunicationBackend
 from dtlab.models import HybridShardedModel, PipelineParallelModel
+from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
 
@@ -46,3 +56,63 @@ def test_zero_bubble_and_no_pipeline_are_refused_with_the_fix() -> None:
     assert len(errors) == 2, errors
     assert "use gpipe, 1f1b or interleaved_1f1b with checkpointing" in errors[0]
     assert "checkpoint_modules(module" in errors[1]
+
+
+class _Counted(nn.Module):
+    """Counts its forwards (a checkpointed stage's backward runs it again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = nn.Linear(6, 6), 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(h))
+
+
+def _counted() -> nn.Sequential:
+    return filled(nn.Sequential(nn.Linear(4, 6), _Counted(), _Counted(), nn.Linear(6, 2)), 0, scale=0.4)
+
+
+def _counted_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(2, 8, 4, generator=g), torch.randn(2, 8, 2, generator=g)
+
+
+def _sharded_checkpointing(backend: CommunicationBackend) -> dict[str, Any]:
+    """pp=2, checkpointed stages under DDP, ZeRO-3 and FSDP: each stage's forwards counted, then the
+    trained parameters."""
+    torch.set_num_threads(1)
+    x, y = _counted_data()
+    out: dict[str, Any] = {}
+    for dp in ("ddp", "zero3", "fsdp"):
+        net = _counted()
+        model = HybridShardedModel(
+            net, Mesh(backend, {"pp": 2}), dp, micro_batches=2, schedule="1f1b", activation_checkpointing=True
+        )
+        opt = (DDPOptimizer if dp == "ddp" else ZeRO3Optimizer)(model, torch.optim.AdamW, lr=0.01)
+        for s in range(2):
+            model.train_step((x[s], y[s]), F.mse_loss)
+            opt.step()
+            opt.zero_grad()
+        out[dp] = ([m.calls for m in net if isinstance(m, _Counted)], model.full_state_dict())
+    return out
+
+
+def test_checkpointed_stages_recompute_under_zero3_and_fsdp() -> None:
+    """ZeRO-3/FSDP's saved-tensor hooks, inside the stage's checkpoint, used to keep every activation
+    themselves: nothing recomputed, nothing saved (each stage forward ran once per micro-batch, while
+    the meter counted only the stage inputs); they now hand the activations to the checkpoint's hooks."""
+    x, y = _counted_data()
+    net = _counted()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    for s in range(2):
+        F.mse_loss(net(x[s]), y[s]).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    for rank, res in enumerate(run_world(2, _sharded_checkpointing, timeout=60)):
+        ddp_calls = res["ddp"][0]
+        for dp, (calls, state) in res.items():
+            assert calls == ddp_calls, (dp, rank, calls, ddp_calls)
+            assert max_rel_error(state, ref) <= 1e-5, (dp, rank)

@@ -12,6 +12,7 @@ process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, ClassVar
 
@@ -19,7 +20,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["SavedParameter", "custom_function_saves"]
+__all__ = ["SavedHooks", "SavedParameter", "custom_function_saves"]
+
+#: a pair of saved-tensor hooks, ``(pack, unpack)``
+SavedHooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
 _APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
 _DETACH = torch.ops.aten.detach.default

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.saved_params import SavedHooks
 from dtlab.errors import StrategyError
 from dtlab.models.compose._build import Layout
 from dtlab.models.compose._tied import TiedSync
@@ -30,12 +31,13 @@ from dtlab.models.pipeline._trace_check import Trace, output_tensor, trace_split
 __all__ = ["PipelineRun"]
 
 
-def _outer_pack() -> Callable[[torch.Tensor], Any] | None:
-    """The pack hook of the saved-tensor hooks active around a stage's forward (the pipeline's
-    activation meter), so ZeRO-3/FSDP's own hooks can pass activations on to it."""
+def _outer_hooks() -> SavedHooks | None:
+    """The saved-tensor hooks active around a stage's forward (the pipeline's activation meter, or the
+    stage's activation checkpointing), so ZeRO-3/FSDP's own hooks hand them the activations they keep:
+    a checkpointed stage then keeps only its input and recomputes the rest, as under DDP."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # noqa: SLF001 - torch's saved-tensor hook stack
     hooks = top(False) if top is not None else None
-    return None if hooks is None else hooks[0]
+    return None if hooks is None else (hooks[0], hooks[1])
 
 
 class PipelineRun:
@@ -64,14 +66,15 @@ class PipelineRun:
 
     def stage_forward(self, x: torch.Tensor, stage: int, *inputs: torch.Tensor) -> Any:
         """One stage through the data-parallel strategy's forward (its buffers, gathers and hooks); the
-        activations ZeRO-3/FSDP's own saved-tensor hooks keep go on to the pipeline's meter. A stage of
-        a model split at module names also gets the micro-batch's model ``inputs``."""
+        activations ZeRO-3/FSDP's own saved-tensor hooks keep go on to the hooks around the stage (the
+        pipeline's meter, or its checkpointing). A stage of a model split at module names also gets the
+        micro-batch's model ``inputs``."""
         dp = self.dp
-        dp.observe_activation = _outer_pack()
+        dp.outer_saved_hooks = _outer_hooks()
         try:
             return dp(x, stage, *inputs) if self.layout.traced else dp(x, stage)
         finally:
-            dp.observe_activation = None
+            dp.outer_saved_hooks = None
 
     def specs_for(self, sample: torch.Tensor) -> list[TensorSpec]:
         """Each stage's output spec for micro-batches like ``sample`` (computed once per shape, alike on

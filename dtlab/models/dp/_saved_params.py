@@ -15,14 +15,13 @@ Tensors saved by torch's operations (views of a parameter, ``layer_norm``'s weig
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from dtlab.core.saved_params import SavedParameter, custom_function_saves
+from dtlab.core.saved_params import SavedHooks, SavedParameter, custom_function_saves
 from dtlab.models.dp._sharded_units import ShardUnit, UnitGatherer
 
 __all__ = ["SavedParameter", "SavedTensors"]
@@ -42,15 +41,15 @@ class SavedTensors:
     def __init__(self, at_rest: UnitGatherer, unit_of: dict[int, ShardUnit]) -> None:
         self.at_rest = at_rest
         self.unit_of = unit_of
-        #: the model's ``observe_activation`` for the forward running (a pipeline's activation meter)
-        self.observe: Callable[[torch.Tensor], Any] | None = None
+        #: the model's ``outer_saved_hooks`` for the forward running (a pipeline's meter or checkpointing)
+        self.outer: SavedHooks | None = None
 
     def pack(self, t: torch.Tensor) -> Any:
         """The pack hook (called by autograd: frame 1 is the code that made it save ``t``)."""
         st = self.unit_of.get(id(t))  # the parameter itself (the ids of live objects differ)
         if st is not None and custom_function_saves(sys._getframe(1)):  # noqa: SLF001 - the saving frame
             return _ParamRef(st, cast(nn.Parameter, t))
-        return self.at_rest.pack(t, self.observe)
+        return self.at_rest.pack(t, self.outer)
 
     def unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, _ParamRef):  # normally gathered already by the pre-backward hook

@@ -135,7 +135,7 @@ class ShardedModel(DataParallelModel):
             not torch.is_grad_enabled() and not self._backward.open and self.forward_wait_s > 0
         )
         self._at_rest.set_busy(True)
-        self._saved.observe = self.observe_activation
+        self._saved.outer = self.outer_saved_hooks
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack):
                 out = self.module(*args, **kwargs)

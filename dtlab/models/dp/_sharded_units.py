@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend, Work
+from dtlab.core.saved_params import SavedHooks
 from dtlab.errors import StrategyError
 from dtlab.models.base import copy_refused
 from dtlab.models.dp._grad_guard import tensor_bytes
@@ -63,6 +64,15 @@ class SavedRef:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+
+@dataclass(frozen=True)
+class _OuterSaved:
+    """A saved tensor kept by the saved-tensor hooks these shadow: what their pack made of it, and
+    their unpack."""
+
+    packed: Any
+    unpack: Callable[[Any], torch.Tensor]
 
 
 class UnitGatherer:
@@ -211,18 +221,20 @@ class UnitGatherer:
         """Keys of the units not gathered now."""
         return [st.unit.key for st in self.units if st.flat is None]
 
-    def pack(self, t: torch.Tensor, observe: Callable[[torch.Tensor], Any] | None) -> Any:
-        """A saved tensor: a reference when it aliases a gathered buffer, else itself (``observe``d)."""
+    def pack(self, t: torch.Tensor, outer: SavedHooks | None) -> Any:
+        """A saved tensor: a reference when it aliases a gathered buffer, else itself, or what the
+        ``outer`` saved-tensor hooks (which these shadow: a pipeline's meter, a checkpointed stage's)
+        make of it."""
         st = None if t.numel() == 0 else self._by_storage.get(t.untyped_storage().data_ptr())
         if st is None or st.persistent or st.flat is None or t.dtype != st.flat.dtype:
-            if observe is not None:  # kept as it is: the observer counts it
-                observe(t)
-            return t
+            return t if outer is None else _OuterSaved(outer[0](t), outer[1])
         return SavedRef(st, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     def unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, SavedRef):  # normally gathered already by the pre-backward hook
             return self.gather(obj.unit).as_strided(obj.size, obj.stride, obj.offset)
+        if isinstance(obj, _OuterSaved):
+            return obj.unpack(obj.packed)
         return cast(torch.Tensor, obj)
 
 
