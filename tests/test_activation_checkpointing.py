@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from filled import filled
 from steps import plain_steps
 from test_strategies_helpers import (
     IN,
@@ -246,3 +247,66 @@ def test_a_parameter_used_inside_and_outside_a_reentrant_checkpoint() -> None:
             assert "use_reentrant=False" in got[f"{name} True"]
         assert max_rel_error(got["zero3 True"], want[True]) < 1e-5
         assert isinstance(got["fsdp True"], str), "FSDP fails loudly there (a limit), never silently"
+
+
+class _Counted(torch.nn.Linear):
+    """Counts its forwards (a checkpoint's backward runs it again)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def _counted() -> torch.nn.Module:
+    return filled(
+        torch.nn.Sequential(_Counted(IN, 8), torch.nn.Tanh(), torch.nn.Linear(8, OUT)), 0, scale=0.4
+    )
+
+
+def _around_runs(backend: CommunicationBackend) -> dict[str, Any]:
+    """A non-reentrant checkpoint and counting saved-tensor hooks around the whole model."""
+    torch.set_num_threads(1)
+    x, y = make_data(3, 8)
+    mine = slice(backend.rank * 4, backend.rank * 4 + 4)
+    loss = torch.nn.functional.mse_loss
+    out: dict[str, Any] = {}
+    for name in ("zero3", "fsdp", "ddp"):
+        kw: dict[str, Any] = {
+            "zero3": {"persistence_threshold": 0},
+            "fsdp": {"wrap_policy": ModuleClassPolicy((torch.nn.Linear,))},
+        }.get(name, {})
+        net = _counted()
+        model = wrap(name, net, backend, **kw)
+        opt = optimizer_for(name, model, "adamw")
+        for s in range(3):
+            out_ = torch.utils.checkpoint.checkpoint(model, x[s, mine], use_reentrant=False)
+            loss(out_, y[s, mine]).backward()
+            opt.step()
+            opt.zero_grad()
+        calls, packed = net[0].calls, []
+        with torch.autograd.graph.saved_tensors_hooks(packed.append, lambda t: t):  # returns None: unused
+            model(x[0, mine])
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        activations = sum(t.untyped_storage().data_ptr() not in params for t in packed)
+        out[name] = (calls, model.full_state_dict(), activations, len(packed))
+    return out
+
+
+def test_a_checkpoint_or_hooks_around_a_zero3_fsdp_model_get_its_activations() -> None:
+    """ZeRO-3's and FSDP's saved-tensor hooks used to keep every activation themselves, shadowing the
+    user's: a checkpoint around the model recomputed nothing (its forward ran once per step) and
+    ``save_on_cpu()`` offloaded nothing (the hooks saw no tensor of the model's forward)."""
+    x, y = make_data(3, 8)
+    module = _counted()
+    opt = torch.optim.AdamW(module.parameters(), **OPTIMIZERS["adamw"][1])
+    plain_steps(module, opt, zip(x, y, strict=True), torch.nn.functional.mse_loss)
+    want = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for rank, got in enumerate(run_world(2, _around_runs, timeout=60)):
+        ddp_calls, _, ddp_activations, _ = got["ddp"]
+        assert ddp_calls == 6 and ddp_activations > 0, got["ddp"][::2]
+        for name, (calls, state, activations, packed) in got.items():
+            assert calls == ddp_calls, (name, rank, calls)  # each step's forward recomputed
+            assert max_rel_error(state, want) < 1e-5, (name, rank)
+            assert activations == ddp_activations, (name, rank, activations, packed)  # no parameter copies

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["SavedHooks", "SavedParameter", "custom_function_saves"]
+__all__ = ["SavedHooks", "SavedParameter", "custom_function_saves", "outer_saved_hooks"]
 
 #: a pair of saved-tensor hooks, ``(pack, unpack)``
 SavedHooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
@@ -36,6 +36,14 @@ def custom_function_saves(frame: FrameType | None) -> bool:
         return False
     cls = frame.f_locals.get("cls")
     return isinstance(cls, type) and not cls.__module__.startswith(_OWN)
+
+
+def outer_saved_hooks() -> SavedHooks | None:
+    """The saved-tensor hooks active now (torch's innermost: ``save_on_cpu()``, a non-reentrant
+    checkpoint's, a pipeline's activation meter), which hooks pushed next would shadow; None if none."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # noqa: SLF001 - torch's saved-tensor hook stack
+    hooks = top(False) if top is not None else None
+    return None if hooks is None else (hooks[0], hooks[1])
 
 
 def _unwrap(a: Any) -> Any:

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.core.saved_params import SavedHooks
 from dtlab.errors import StrategyError
 from dtlab.models.compose._build import Layout
 from dtlab.models.compose._tied import TiedSync
@@ -29,15 +28,6 @@ from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.pipeline._trace_check import Trace, output_tensor, trace_split
 
 __all__ = ["PipelineRun"]
-
-
-def _outer_hooks() -> SavedHooks | None:
-    """The saved-tensor hooks active around a stage's forward (the pipeline's activation meter, or the
-    stage's activation checkpointing), so ZeRO-3/FSDP's own hooks hand them the activations they keep:
-    a checkpointed stage then keeps only its input and recomputes the rest, as under DDP."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # noqa: SLF001 - torch's saved-tensor hook stack
-    hooks = top(False) if top is not None else None
-    return None if hooks is None else (hooks[0], hooks[1])
 
 
 class PipelineRun:
@@ -70,11 +60,7 @@ class PipelineRun:
         pipeline's meter, or its checkpointing). A stage of a model split at module names also gets the
         micro-batch's model ``inputs``."""
         dp = self.dp
-        dp.outer_saved_hooks = _outer_hooks()
-        try:
-            return dp(x, stage, *inputs) if self.layout.traced else dp(x, stage)
-        finally:
-            dp.outer_saved_hooks = None
+        return dp(x, stage, *inputs) if self.layout.traced else dp(x, stage)
 
     def specs_for(self, sample: torch.Tensor) -> list[TensorSpec]:
         """Each stage's output spec for micro-batches like ``sample`` (computed once per shape, alike on

@@ -41,7 +41,9 @@ class SavedTensors:
     def __init__(self, at_rest: UnitGatherer, unit_of: dict[int, ShardUnit]) -> None:
         self.at_rest = at_rest
         self.unit_of = unit_of
-        #: the model's ``outer_saved_hooks`` for the forward running (a pipeline's meter or checkpointing)
+        #: the saved-tensor hooks these shadow in the forward running (``save_on_cpu()``, a non-reentrant
+        #: checkpoint around the model or a pipeline stage, a pipeline's activation meter): the
+        #: activations kept as they are go to them
         self.outer: SavedHooks | None = None
 
     def pack(self, t: torch.Tensor) -> Any:

@@ -16,6 +16,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.broadcast import broadcast_from_rank0
+from dtlab.core.saved_params import outer_saved_hooks
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.dp._grad_call import autograd_grad_message, grads_returned
@@ -135,7 +136,7 @@ class ShardedModel(DataParallelModel):
             not torch.is_grad_enabled() and not self._backward.open and self.forward_wait_s > 0
         )
         self._at_rest.set_busy(True)
-        self._saved.outer = self.outer_saved_hooks
+        self._saved.outer = outer_saved_hooks()  # what the user's (the pipeline's) hooks would have kept
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack):
                 out = self.module(*args, **kwargs)

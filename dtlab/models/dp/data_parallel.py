@@ -18,7 +18,6 @@ from dtlab.core.backward import BackwardPass
 from dtlab.core.broadcast import broadcast_from_rank0
 from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer
-from dtlab.core.saved_params import SavedHooks
 from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
@@ -85,9 +84,6 @@ class DataParallelModel(OptimizerTarget):
         self._used = UsedParams(self._trainable, backend, self.find_unused_parameters)
         if self.find_unused_parameters:
             self._post_sync.append(self._used.sync)
-        #: ZeRO-3/FSDP hand every activation they keep to these hooks, which theirs shadow (a pipeline's
-        #: activation meter or stage checkpointing around the forward); None: kept as they are
-        self.outer_saved_hooks: SavedHooks | None = None
 
     # ------------------------------------------------------------------ reducer
     @property
