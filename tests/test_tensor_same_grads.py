@@ -10,7 +10,10 @@ parameters and the plan entries that fix it; an input-side norm (whole gradient 
 refused, and the same scale marked ``replicated_with_grad_allreduce`` trains as one process does.
 Also under ZeRO-1, ZeRO-2 and FSDP over dp (the gradients compared from dp shards), with a pipeline (every
 stage refuses with the one that found it), for a gradient that is zero at the first step, and with
-dropout where the model is not split on in-memory ranks (other masks on each tp rank: named first)."""
+dropout where the model is not split on in-memory ranks (other masks on each tp rank: named first).
+Every rank decides alike: a bf16 parameter lying in one dp rank's ZeRO-2 shard only, its tp ranks'
+gradients 0.5% apart (within bf16's tolerance), was judged with float32's on the dp rank holding none
+of it, which refused alone while the others went on into the step (a hang on real engines)."""
 
 from __future__ import annotations
 
@@ -66,6 +69,41 @@ def _net(zero_down: bool = False) -> nn.Sequential:
     if zero_down:  # the scale's gradient is 0 at the first step (down's weight is), partial after
         for block in net:
             nn.init.zeros_(block.down.weight)
+    return net
+
+
+class _Nudge(torch.autograd.Function):
+    """The identity, its gradient times ``factor``: a whole parameter's gradient made to differ between
+    the tp ranks by a chosen amount."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g * ctx.factor, None
+
+
+class _Nudged(nn.Module):
+    """``x * weight`` whose weight's gradient is scaled by ``factor`` (1 unless set per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(DIM))
+        self.factor = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * _Nudge.apply(self.weight, self.factor)
+
+
+def _bf16_nudged(tp_rank: int) -> nn.Module:
+    """bf16: a whole (8,) scale before a colwise/rowwise pair, its gradient 0.5% larger on tp rank 1
+    (within bf16's round-off: 2 units of the last place), so ZeRO-2 at dp=2 holds it on one dp rank."""
+    with seeded_init(0):
+        net = nn.Sequential(_Nudged(), nn.Linear(DIM, 64), nn.Linear(64, DIM)).to(torch.bfloat16)
+    net[0].factor = 1.005**tp_rank
     return net
 
 
@@ -203,6 +241,16 @@ def _mesh_world(backend: CommunicationBackend) -> dict[str, Any]:
         c = mesh.coordinate("dp")
         out[key] = _steps(model, opt, x.chunk(2)[c], y.chunk(2)[c])
         out[key + "/state"] = model.full_state_dict() if out[key] == "trained" else None
+    # a bf16 parameter in one dp rank's shard only: every dp rank judges it with bf16's tolerance (the
+    # rank not holding a slice of it used float32's and refused alone, the others waiting in the step)
+    mesh = Mesh(backend, {"dp": 2, "tp": 2})
+    split = {"1": "colwise", "2": "rowwise"}
+    model = HybridShardedModel(_bf16_nudged(mesh.coordinate("tp")), mesh, "zero2", tensor_plan=split)
+    opt = ZeRO2Optimizer(model, torch.optim.SGD, lr=LR)
+    units = model.dp_strategy.shard_units()
+    out["bf16 held"] = any(slot.name == "0.weight" for u in units for slot, *_ in u.shard_slots())
+    c = mesh.coordinate("dp")
+    out["bf16"] = _steps(model, opt, x.chunk(2)[c].to(torch.bfloat16), y.chunk(2)[c].to(torch.bfloat16))
     return out
 
 
@@ -222,3 +270,5 @@ def test_sharded_over_dp_and_pipelined_every_rank_refuses() -> None:
         stage = rank // 2  # pp is the outer axis
         want = "'0.scale.weight'" if stage == 0 else "on another pipeline stage"
         assert want in res["pp"], (rank, res["pp"])
+        assert res["bf16"] == "trained", (rank, res["bf16"])  # the same decision on every rank
+    assert [res["bf16 held"] for res in results] == [False, False, True, True]  # dp is the outer axis

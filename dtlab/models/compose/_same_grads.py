@@ -115,10 +115,11 @@ class SameReplicatedGrads:
         else:
             for unit in dp.shard_units():
                 flat = dp.shard_grad(unit)
+                # every slot's dtype, held here or not: the tolerance must be the same on every dp rank
+                dtypes.update((slot.name, flat.dtype) for slot in unit.slots if slot.name in index)
                 for slot, a, b, off in unit.shard_slots():
                     if slot.name in index:
                         prints[index[slot.name]] += self._fingerprint(flat[off : off + b - a], a)
-                        dtypes[slot.name] = flat.dtype
             if dp.dp_backend.world_size > 1:  # each dp rank fingerprinted its slices: the whole ones
                 dp.dp_backend.all_reduce(prints, ReduceOp.SUM)
         both = torch.cat([prints, -prints])
