@@ -71,7 +71,7 @@ def measure(backend: CommunicationBackend, config: TrainConfig, steps: int, warm
     sent = {a: g.stats.bytes_sent // steps for a, g in groups.items()}
     if "activations" in memory:  # a pipeline counts them itself
         acts = memory["activations"]
-    elif config.strategy.model not in ("zero3", "fsdp"):  # their own saved-tensor hooks hide them
+    elif config.strategy.model not in ("zero3", "fsdp"):  # not measured there
         saved = _SavedBytes([*model.parameters(), x, y])
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             model.train_step((x, y), loss_fn)

@@ -6,8 +6,8 @@ For every plan of the grid it runs two steps of the embedded transformer (AdamW,
 16 tokens, global batch 8) on in-memory ranks and prints, per plan, the predicted and the measured
 bytes of rank 0: parameters, gradients and optimizer state from ``memory_report()``, activations as
 the bytes autograd saved during the second step's forward (``saved_tensors_hooks``, distinct
-storages, parameters and the batch left out; not measurable under ZeRO-3/FSDP, whose own hooks
-replace the saved tensors), and the bytes sent per mesh axis during the second step, from
+storages, parameters and the batch left out; not measured under ZeRO-3/FSDP), and the bytes sent
+per mesh axis during the second step, from
 ``backend.stats``. The data-parallel strategies are built as ``dtlab train`` builds them; tensor
 parallelism with ``TensorParallelModel(module, mesh, plan=transformer_plan())``; pipelines with
 ``PipelineParallelModel(module, mesh, schedule, micro_batches=m)`` (one row per pipeline rank; their

@@ -12,9 +12,9 @@ strategy: the model and optimizer strategies exactly as ``dtlab train`` builds t
   the largest over ranks), next to ``dtlab advise``'s ``axes[axis].bytes_sent``;
 - memory per rank, of the rank holding the most: its state (parameters + gradients + optimizer state
   after the step, ``memory_report()``) and its activations (a pipeline's own count; without one, the
-  storages autograd saves during one more step, not measurable under ZeRO-3/FSDP whose hooks replace
-  them), next to the prediction's ``memory`` (its ``transient`` and ``recompute`` left out: what
-  ZeRO-3/FSDP gather and a checkpointed backward rebuilds for a moment is not held across a step).
+  storages autograd saves during one more step, not measured under ZeRO-3/FSDP), next to the
+  prediction's ``memory`` (its ``transient`` and ``recompute`` left out: what ZeRO-3/FSDP gather and a
+  checkpointed backward rebuilds for a moment is not held across a step).
 
 ``--checkpointing``: every configuration with ``strategy.activation_checkpointing=true`` (per stage
 under a pipeline, per block without one), predicted as such.
