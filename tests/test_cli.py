@@ -1,4 +1,7 @@
-"""The same `dtlab train` config under real launchers: torchrun (gloo) and mpiexec (MPI), 2 processes."""
+"""The same `dtlab train` config under real launchers: torchrun (gloo) and mpiexec (MPI), 2 processes;
+and dropout under tensor parallelism under torchrun: each process seeds its dropout from ``train.seed``
+(torch seeds every process at random, so the tp ranks drew other masks where the model is not split,
+their copies of the whole parameters got other gradients, and the run was refused at the first step)."""
 
 from __future__ import annotations
 
@@ -54,3 +57,14 @@ def test_same_config_under_torchrun_and_mpiexec(tmp_path: Path) -> None:
     mpi = _launch(tmp_path, "mpiexec")
     assert len(gloo) == 2 and all(v == v for v in gloo)
     assert gloo == mpi  # the same config and seed: the same losses on both engines
+
+
+def test_dropout_at_tp2_under_torchrun_draws_the_same_masks_on_both_tp_ranks(tmp_path: Path) -> None:
+    if not (BIN / "torchrun").exists():
+        pytest.skip(f"torchrun not installed next to {sys.executable}")
+    sets = [*TINY_LM, "train.steps=2", "train.eval_every=0", "logging.progress=false", "logging.plot=false"]
+    sets += ["parallel.tp=2", "model.dropout=0.1", f"logging.run_dir={tmp_path}"]
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "dtlab", "train"]
+    proc = run_group(cmd + [a for s in sets for a in ("--set", s)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_losses(tmp_path)) >= 1 and "dtlab train: summary" in proc.stdout

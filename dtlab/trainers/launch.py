@@ -105,6 +105,11 @@ def run_training(
     try:
         check_world_size(config, backend.world_size)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // backend.world_size))
+        # this process is one rank: its dropout draws from train.seed as every rank's do (torch seeds
+        # each process at random), so the tp ranks draw the same masks where the model is not split
+        # (other masks would give their whole parameters other gradients); train.seed + 1, not the
+        # seed the initialization draws from
+        torch.manual_seed(config.train.seed + 1)
         return [_rank_main(backend, config, task or build_task(config), scheduler_factory, stop)]
     finally:
         backend.close()
