@@ -21,7 +21,8 @@ in-memory ranks against one process on the global batch (3 steps), or refused wi
   instance's own ``step()`` and ``state_dict()`` (no state: a checkpoint without it) are refused.
 - Hooks registered on the torch optimizer instance before handing it over (``register_step_post_hook``:
   an EMA update; state-dict hooks) were silently dropped, and the strategy's own state-dict hooks never
-  ran: now carried over and run as torch runs them (global hooks: tests/test_optimizer_state_habits.py).
+  ran: now carried over and run as torch runs them (global hooks: tests/test_optimizer_state_habits.py);
+  one registered on the instance after handing it over is registered on the strategy.
 - Param groups built on the plain module before wrapping a pipeline: refused naming the fix (groups
   from ``model.module`` after wrapping), which equals one process; a user's own LAMB class refused.
 - ``opt.clip_grad_norm_(max_norm, error_if_nonfinite=True)`` raised a raw ``TypeError``: it takes torch's
@@ -214,6 +215,7 @@ def hooks_case(backend: CommunicationBackend, name: str) -> list[str]:
     inst.register_load_state_dict_pre_hook(lambda o, sd: seen.append("load_pre"))
     opt = OPT.get(name, ZeRO3Optimizer)(model, inst)
     opt.register_load_state_dict_post_hook(lambda o: seen.append("load_post"))
+    inst.register_step_post_hook(lambda o, a, k: seen.append("late"))  # on the instance, after: never ran
     xs, ys = make_data(STEPS, GLOBAL_BATCH)
     for s in range(2):
         F.mse_loss(model(xs[s]), ys[s]).backward()
@@ -355,7 +357,7 @@ def test_optimizer_habits_equal_one_process_or_are_refused() -> None:
         assert max_rel_error(res["two/ddp"], two_optimizers(make_module(), None, slice(None))) <= 1e-5
         assert "param.grad of '0.weight' is not the whole gradient" in res["two/zero2"], res["two/zero2"]
         for name, cls in (("ddp", "DDPOptimizer"), ("zero2", "ZeRO2Optimizer")):
-            want = [f"pre {cls}", "post"] * 2 + ["sd 1", "load_pre", "load_post"]
+            want = [f"pre {cls}", "post", "late"] * 2 + ["sd 1", "load_pre", "load_post"]
             assert res[f"hooks/{name}"] == want, (name, res[f"hooks/{name}"])
         assert "build the groups after wrapping" in res["pp/groups_before"], res["pp/groups_before"]
         module = make_module()

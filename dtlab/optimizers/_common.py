@@ -113,7 +113,7 @@ class DataParallelOptimizer(OptimizerStrategy):
             self._load_state_dict(spec.state)  # its load hooks ran when the user loaded it
         carry_hooks(spec.hooks, self)  # the user's instance's hooks act on this optimizer now
         if isinstance(optimizer, torch.optim.Optimizer):
-            hand_over(optimizer, me)  # its step() and state dicts refuse, naming this optimizer's
+            hand_over(optimizer, me, self)  # its step() and state dicts refuse, naming this optimizer's
 
     def _model_hint(self) -> str:
         return pairs.model_class_name(self.compatible_models[0]) if self.compatible_models else "DDPModel"

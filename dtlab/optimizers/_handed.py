@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from dtlab.core.torch_private import quiet_scheduler_checks
+from dtlab.core.torch_private import OPTIMIZER_HOOKS, quiet_scheduler_checks
 from dtlab.errors import StrategyError
 
 __all__ = ["hand_over"]
@@ -21,10 +21,14 @@ __all__ = ["hand_over"]
 _REFUSED = ("step", "state_dict", "load_state_dict", "add_param_group")
 
 
-def hand_over(optimizer: torch.optim.Optimizer, who: str) -> None:
+def hand_over(optimizer: torch.optim.Optimizer, who: str, to: torch.optim.Optimizer) -> None:
     """Make ``optimizer``'s own ``step``, ``state_dict``, ``load_state_dict`` and ``add_param_group``
-    refuse, naming ``who``'s (the strategy's) instead; ``zero_grad`` and its param groups keep working."""
+    refuse, naming ``who``'s (the strategy's) instead; ``zero_grad`` and its param groups keep working,
+    and a hook registered on it from now on (``register_step_post_hook``: an EMA) is registered on ``to``,
+    the strategy, as those registered before were carried over (else it would never run)."""
     name = type(optimizer).__name__
+    for register in OPTIMIZER_HOOKS:
+        setattr(optimizer, register, getattr(to, register))
     for call in _REFUSED:
 
         def refused(*_args: Any, call: str = call, **_kwargs: Any) -> NoReturn:
