@@ -105,11 +105,12 @@ def run_training(
     try:
         check_world_size(config, backend.world_size)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // backend.world_size))
-        # this process is one rank: its dropout draws from train.seed as every rank's do (torch seeds
-        # each process at random), so the tp ranks draw the same masks where the model is not split
-        # (other masks would give their whole parameters other gradients); train.seed + 1, not the
-        # seed the initialization draws from
-        torch.manual_seed(config.train.seed + 1)
+        # this process is one rank: its dropout draws from train.seed (torch seeds each process at
+        # random), the same seed on the ranks of one tp group (tp innermost in the mesh: rank // tp), so
+        # they draw the same masks where the model is not split (other masks would give their whole
+        # parameters other gradients); each dp replica and pipeline rank its own, as before; + 1: not
+        # the seed the initialization draws from
+        torch.manual_seed(config.train.seed + 1 + backend.rank // config.parallel.tp)
         return [_rank_main(backend, config, task or build_task(config), scheduler_factory, stop)]
     finally:
         backend.close()
