@@ -211,3 +211,38 @@ def test_feed_with_workers_gives_the_same_batches() -> None:
     assert (
         plain.state_dict() == workers.state_dict() == {"epoch": 1, "offset": 16, "seed": 4, "num_samples": 64}
     )
+
+
+class _SkipsAHead(nn.Module):
+    """A task head the loss never reaches (a pooler, an auxiliary head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 2)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _unused_head(backend: CommunicationBackend, sets: list[str]) -> tuple[bool, str]:
+    cfg = load_config(overrides=[*BASE, "train.steps=3", "optimizer.weight_decay=0.1", *sets])
+    with seeded_init(3):
+        module = _SkipsAHead()
+    before = module.head.weight.detach().clone()
+    try:
+        Trainer(cfg, backend, model=module, train_data=Blobs(), loss_fn="cross_entropy").fit()
+    except Exception as exc:
+        return False, str(exc)
+    return bool(torch.equal(module.head.weight.detach(), before)), ""
+
+
+def test_a_head_no_rank_uses_is_refused_naming_the_setting_and_left_out_with_it() -> None:
+    for model in ("ddp", "zero2"):
+        refused = run_world(2, _unused_head, [f"strategy.model={model}"], timeout=60)
+        assert all(not kept and "strategy.find_unused_parameters=true" in err for kept, err in refused), (
+            refused
+        )
+        sets = [f"strategy.model={model}", "strategy.find_unused_parameters=true"]
+        # left out of the step as torch's DDP does: weight decay does not move it
+        assert run_world(2, _unused_head, sets, timeout=60) == [(True, "")] * 2, model

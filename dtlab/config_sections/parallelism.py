@@ -59,6 +59,9 @@ class StrategyConfig(Section):
     #: 2(P-1)/P per step with the parameter all-gather) or all-reduce them (every rank gets the
     #: whole average, 3(P-1)/P)
     gradient_sync: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+    #: parameters no rank used in a step (a branch, a task head the loss skips) are left out of the
+    #: step, as torch's DDP(find_unused_parameters=True) does, instead of refused (``find_unused_parameters``)
+    find_unused_parameters: bool = False
     #: FSDP: the module classes (by class name, e.g. ``["LlamaDecoderLayer"]``) whose instances become
     #: units; ``None``: the built-in model's blocks, a model of your own is one unit
     fsdp_units: list[str] | None = None

@@ -192,6 +192,8 @@ def data_parallel_kwargs(
     s = config.strategy
     if precision.reduce_dtype is not None:
         kwargs["reduce_dtype"] = precision.reduce_dtype
+    if s.find_unused_parameters:
+        kwargs["find_unused_parameters"] = True
     if name in ("ddp", "zero1", "zero2"):
         kwargs["bucket_cap_mb"] = s.bucket_cap_mb
     if name == "zero1":

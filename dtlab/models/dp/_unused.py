@@ -117,15 +117,19 @@ class UsedParams:
         return frozenset(id(p) for p, used in marks if not used and id(p) not in self._kept)
 
 
+#: the flag as a refusal names it, in Python and in a ``dtlab train`` config
+FLAG = "pass find_unused_parameters=True (dtlab train: strategy.find_unused_parameters=true)"
+
+
 def unused_error(who: str, rank: int, missing: list[str]) -> StrategyError:
     """The refusal of parameters that got no gradient in a synchronized backward."""
     return StrategyError(
         f"{who} on rank {rank}: parameters received no gradient in this backward pass: "
         f"{missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all). Every rank must "
         "reduce the same gradients or the job hangs; make them take part in the loss, freeze them "
-        "(requires_grad=False) or pass find_unused_parameters=True to reduce zeros for them. If this "
-        "backward is one of several over one forward (l1.backward(retain_graph=True); l2.backward()), "
-        "add the losses and call backward() once: (l1 + l2).backward()"
+        f"(requires_grad=False) or {FLAG} to leave those no rank used out of the step, as torch's DDP. "
+        "If this backward is one of several over one forward (l1.backward(retain_graph=True); "
+        "l2.backward()), add the losses and call backward() once: (l1 + l2).backward()"
     )
 
 
@@ -148,8 +152,8 @@ def stage_unused_error(who: str, pp_rank: int, mine: list[str], per_rank: list[i
         f"received no gradient from any micro-batch of this step ({here}; each rank names its own). "
         "Reduced, their zero gradients would be stepped (momentum and weight decay move them) where "
         "torch leaves their .grad None and skips them; make them take part in the loss, freeze them "
-        "(requires_grad=False) or pass find_unused_parameters=True to leave them out of the step as "
-        "torch does (one small all-reduce per step)"
+        f"(requires_grad=False) or {FLAG} to leave them out of the step as torch does (one small "
+        "all-reduce per step)"
     )
 
 
@@ -163,6 +167,6 @@ def accumulated_unused_error(who: str, rank: int, mine: list[str], per_rank: lis
         f"backward since zero_grad() on rank(s) {ranks} ({here}; each rank names its own). Reduced, "
         "their zero gradients would be stepped (momentum and weight decay move them) where torch "
         "leaves their .grad None and skips them; nothing was reduced. Make them take part in the loss, "
-        "freeze them (requires_grad=False) before wrapping, or pass find_unused_parameters=True to "
-        "leave out of the step those no rank used, as torch does"
+        f"freeze them (requires_grad=False) before wrapping, or {FLAG} to leave out of the step those "
+        "no rank used, as torch does"
     )
