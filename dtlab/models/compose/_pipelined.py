@@ -18,7 +18,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.compose._build import Layout
 from dtlab.models.compose._tied import TiedSync
-from dtlab.models.dp._unused import stage_unused_error
+from dtlab.models.dp._unused import everywhere_unused_error
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.pipeline._comm import StageLinks, infer_through_stages, loss_and_counts_over_pp
 from dtlab.models.pipeline._runtime import StepResult, run_schedule
@@ -177,7 +177,11 @@ class PipelineRun:
             loss, per_rank = loss_and_counts_over_pp(result.loss, len(unused), pp)
             if any(per_rank):
                 dp.check_requires_grad()  # one frozen after wrapping: named as such
-                raise stage_unused_error(f"{who}.train_step", pp.rank, unused, per_rank)
+                where, since = (
+                    f"{who}.train_step on pipeline rank {pp.rank}",
+                    "from any micro-batch of this step",
+                )
+                raise everywhere_unused_error(where, "pipeline rank(s)", since, unused, per_rank)
             if sync:
                 self.tied.before_reduce()
                 dp.reduce_accumulated_grads(unused_checked=True)  # checked above, over pp

@@ -10,7 +10,7 @@ got a gradient on this rank since ``zero_grad()`` and, after each synchronizatio
 Without ``find_unused_parameters`` the marks stay local: gradients accumulated inside ``no_sync()``
 and reduced at once, by a pipeline's step or by ``reduce_accumulated_grads()`` called by the user, are
 refused before reducing when a parameter got none since ``zero_grad()`` (:meth:`UsedParams.unused_here`)
-rather than stepped with zeros: on every pipeline rank (:func:`stage_unused_error`, the counts carried
+rather than stepped with zeros: on every pipeline rank (:func:`everywhere_unused_error`, the counts carried
 by the loss's all-reduce), on every rank of the dp group (:meth:`UsedParams.refuse_unused`, one
 all-reduce of a count per rank).
 """
@@ -25,7 +25,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.errors import StrategyError
 
-__all__ = ["UsedParams", "accumulated_unused_error", "none_got_one", "stage_unused_error", "unused_error"]
+__all__ = ["UsedParams", "everywhere_unused_error", "none_got_one", "unused_error"]
 
 
 class UsedParams:
@@ -110,7 +110,10 @@ class UsedParams:
         if any(per_rank):
             for check in checks:
                 check()
-            raise accumulated_unused_error(who, self._group.rank, mine, per_rank)
+            where = f"{who}.reduce_accumulated_grads() on rank {self._group.rank}"
+            raise everywhere_unused_error(
+                where, "rank(s)", "from any backward since zero_grad()", mine, per_rank
+            )
 
     def _unmarked(self) -> frozenset[int]:
         marks = zip(self._params, self._marks, strict=True)
@@ -142,31 +145,19 @@ def none_got_one(err: StrategyError, who: str) -> StrategyError:
     )
 
 
-def stage_unused_error(who: str, pp_rank: int, mine: list[str], per_rank: list[int]) -> StrategyError:
-    """A pipeline step's refusal, raised on every pipeline rank: ``per_rank[r]`` parameters of pipeline
-    rank ``r`` got no gradient from any micro-batch since ``zero_grad()`` (``mine``: this rank's)."""
+def everywhere_unused_error(
+    where: str, ranks_are: str, since: str, mine: list[str], per_rank: list[int]
+) -> StrategyError:
+    """A refusal raised on every rank of a group before anything is reduced (a pipeline step, over pp;
+    ``reduce_accumulated_grads()``, over dp): ``per_rank[r]`` parameters of the group's rank ``r`` got
+    no gradient ``since`` (``mine``: this rank's); ``where``: the call and this rank; ``ranks_are``:
+    what the group's ranks are called."""
     ranks = [r for r, n in enumerate(per_rank) if n]
     here = f"{mine[:10]}{' ...' if len(mine) > 10 else ''}" if mine else "none here"
     return StrategyError(
-        f"{who} on pipeline rank {pp_rank}: {sum(per_rank)} parameters of pipeline rank(s) {ranks} "
-        f"received no gradient from any micro-batch of this step ({here}; each rank names its own). "
-        "Reduced, their zero gradients would be stepped (momentum and weight decay move them) where "
-        "torch leaves their .grad None and skips them; make them take part in the loss, freeze them "
-        f"(requires_grad=False) or {FLAG} to leave them out of the step as torch does (one small "
-        "all-reduce per step)"
-    )
-
-
-def accumulated_unused_error(who: str, rank: int, mine: list[str], per_rank: list[int]) -> StrategyError:
-    """``reduce_accumulated_grads()``'s refusal, raised on every rank of the dp group: ``per_rank[r]``
-    parameters of rank ``r`` got no gradient since ``zero_grad()`` (``mine``: this rank's)."""
-    ranks = [r for r, n in enumerate(per_rank) if n]
-    here = f"{mine[:10]}{' ...' if len(mine) > 10 else ''}" if mine else "none here"
-    return StrategyError(
-        f"{who}.reduce_accumulated_grads() on rank {rank}: parameters received no gradient from any "
-        f"backward since zero_grad() on rank(s) {ranks} ({here}; each rank names its own). Reduced, "
-        "their zero gradients would be stepped (momentum and weight decay move them) where torch "
-        "leaves their .grad None and skips them; nothing was reduced. Make them take part in the loss, "
-        f"freeze them (requires_grad=False) before wrapping, or {FLAG} to leave out of the step those "
-        "no rank used, as torch does"
+        f"{where}: {sum(per_rank)} parameters of {ranks_are} {ranks} received no gradient {since} "
+        f"({here}; each rank names its own); nothing was reduced. Reduced, their zero gradients would "
+        "be stepped (momentum and weight decay move them) where torch leaves their .grad None and skips "
+        "them; make them take part in the loss, freeze them (requires_grad=False) before wrapping, or "
+        f"{FLAG} to leave out of the step those no rank used, as torch does (one small all-reduce per step)"
     )
