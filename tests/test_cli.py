@@ -1,7 +1,8 @@
 """The same `dtlab train` config under real launchers: torchrun (gloo) and mpiexec (MPI), 2 processes;
 and dropout under tensor parallelism under torchrun: each process seeds its dropout from ``train.seed``
 (torch seeds every process at random, so the tp ranks drew other masks where the model is not split,
-their copies of the whole parameters got other gradients, and the run was refused at the first step)."""
+their copies of the whole parameters got other gradients, and the run was refused at the first step);
+a checkpoint resumed at another tp keeps that seeding rather than restoring each rank's own state."""
 
 from __future__ import annotations
 
@@ -60,11 +61,21 @@ def test_same_config_under_torchrun_and_mpiexec(tmp_path: Path) -> None:
 
 
 def test_dropout_at_tp2_under_torchrun_draws_the_same_masks_on_both_tp_ranks(tmp_path: Path) -> None:
+    """A dp=2 run's checkpoint resumed at tp=2 (the same 2 processes): the ranks' saved RNG states
+    differ (each dp replica draws its own masks), so they are not restored at another tp; the
+    launcher's seeding gives both tp ranks the same. Before, both runs were refused at the first
+    step of tp=2 (torch seeds each process at random; a restore gave each rank its own state)."""
     if not (BIN / "torchrun").exists():
         pytest.skip(f"torchrun not installed next to {sys.executable}")
-    sets = [*TINY_LM, "train.steps=2", "train.eval_every=0", "logging.progress=false", "logging.plot=false"]
-    sets += ["parallel.tp=2", "model.dropout=0.1", f"logging.run_dir={tmp_path}"]
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "dtlab", "train"]
-    proc = run_group(cmd + [a for s in sets for a in ("--set", s)], timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(_losses(tmp_path)) >= 1 and "dtlab train: summary" in proc.stdout
+    sets = [*TINY_LM, "train.eval_every=0", "logging.progress=false", "logging.plot=false"]
+    sets.append("model.dropout=0.1")
+    runs = [
+        ["train.steps=2", "checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ck'}"],
+        ["train.steps=3", "parallel.tp=2", f"checkpoint.resume={tmp_path / 'ck' / 'step_00000002'}"],
+    ]
+    for i, run in enumerate(runs):
+        args = [*sets, *run, f"logging.run_dir={tmp_path / str(i)}"]
+        proc = run_group(cmd + [a for s in args for a in ("--set", s)], timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_losses(tmp_path / "1")) == 1  # step 3, at tp=2

@@ -266,7 +266,11 @@ def restore(trainer: Restorable, ckpt: LoadedCheckpoint) -> list[str]:
         trainer.scaler.load_state_dict(t["loss_scaler"])
     trainer.early.load_state_dict(t["early_stopping"])
     trainer.step = trainer.start_step = int(t["step"])
-    if ckpt.world_size == trainer.backend.world_size:
+    # each rank's RNG (dropout) as saved, where the ranks of a tp group saved alike states: the same
+    # world and tp (tp groups are blocks of tp consecutive ranks); else the launcher's seeding stays
+    saved = ckpt.meta.get("config")
+    saved_tp = saved.get("parallel", {}).get("tp", 1) if isinstance(saved, dict) else None
+    if ckpt.world_size == trainer.backend.world_size and saved_tp == trainer.config.parallel.tp:
         restore_rng(ckpt.rank_states[trainer.backend.rank], trainer.backend.device)
     return notes
 
