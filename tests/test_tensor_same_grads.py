@@ -26,10 +26,17 @@ from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
+from dtlab.compression import TopkA
 from dtlab.core.rng import seeded_init
 from dtlab.errors import StrategyError
 from dtlab.models import HybridShardedModel, TensorParallelModel, transformer_plan
-from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
+from dtlab.optimizers import (
+    DDPOptimizer,
+    GradientCompressionOptimizer,
+    ZeRO1Optimizer,
+    ZeRO2Optimizer,
+    ZeRO3Optimizer,
+)
 from dtlab.testing import run_world
 from dtlab.zoo import TransformerLM
 
@@ -251,6 +258,12 @@ def _mesh_world(backend: CommunicationBackend) -> dict[str, Any]:
     out["bf16 held"] = any(slot.name == "0.weight" for u in units for slot, *_ in u.shard_slots())
     c = mesh.coordinate("dp")
     out["bf16"] = _steps(model, opt, x.chunk(2)[c].to(torch.bfloat16), y.chunk(2)[c].to(torch.bfloat16))
+    # top-k on the dp axis after a dense warm-up of 2 steps, whose exchanges leave the gradients equal:
+    # compared again at the first compressed step (the third), refused there (was: trained on)
+    model = HybridShardedModel(_net().float(), mesh, "ddp", tensor_plan=_plan((0, 1)))
+    inner = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    opt = GradientCompressionOptimizer(inner, TopkA(density=0.1, warmup_steps=2), dense_below=0)
+    out["topk"] = _steps(model, opt, x.chunk(2)[c].float(), y.chunk(2)[c].float())
     return out
 
 
@@ -271,4 +284,6 @@ def test_sharded_over_dp_and_pipelined_every_rank_refuses() -> None:
         want = "'0.scale.weight'" if stage == 0 else "on another pipeline stage"
         assert want in res["pp"], (rank, res["pp"])
         assert res["bf16"] == "trained", (rank, res["bf16"])  # the same decision on every rank
+        assert res["topk"].startswith("step 2: HybridShardedModel: after the synchronized"), res["topk"]
+        assert "the dp axis compresses the gradients (TopkA)" in res["topk"], res["topk"]
     assert [res["bf16 held"] for res in results] == [False, False, True, True]  # dp is the outer axis

@@ -75,17 +75,24 @@ class SameReplicatedGrads:
             for n, _ in dp.trainable_parameters()
             if not isinstance(placements[n], Shard) and n not in partial
         ]
+        self._all = list(self._pending)
         self._syncs = 0
         self._signs: torch.Tensor | None = None
         if tp.world_size > 1:  # every stage of a pipeline registers: the decision is made over pp too
             dp.register_post_sync_hook(self.after_sync)
 
     def after_sync(self) -> None:
-        """At the 1st, 2nd, 4th, ... synchronized backward while some parameter is not compared yet."""
+        """At the 1st, 2nd, 4th, ... synchronized backward while some parameter is not compared yet;
+        under a dp compressor with a dense warm-up of ``w`` steps, every parameter again at the
+        ``w + 1``-th (its first compressed one: the warm-up's exchanges leave the gradients equal)."""
         if self._syncs < 0:
             return
         self._syncs += 1
-        if self._syncs & (self._syncs - 1):
+        warm = getattr(getattr(self._dp.gradient_reducer, "compressor", None), "warmup_steps", 0)
+        warm = warm if isinstance(warm, int) else 0
+        if warm and self._syncs == warm + 1:
+            self._pending = list(self._all)
+        elif self._syncs & (self._syncs - 1):
             return
         spread, undecided = self._spreads() if self._pending else ({}, [])
         wrong = {n: r for n, (r, tol) in spread.items() if r > tol}
@@ -94,8 +101,8 @@ class SameReplicatedGrads:
             flags = flags.to(self._pp.device)
             self._pp.all_reduce(flags, ReduceOp.MAX)
         self._pending = undecided
-        if not flags[1]:
-            self._syncs = -1  # every parameter compared: never again
+        if not flags[1] and self._syncs > warm:
+            self._syncs = -1  # every parameter compared (compressed, if a compressor warms up): never again
         if flags[0]:
             raise StrategyError(self._message(wrong))
 
