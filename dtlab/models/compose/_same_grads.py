@@ -77,6 +77,7 @@ class SameReplicatedGrads:
         ]
         self._all = list(self._pending)
         self._syncs = 0
+        self._waiting = False  # every parameter compared during a compressor's dense warm-up
         self._signs: torch.Tensor | None = None
         if tp.world_size > 1:  # every stage of a pipeline registers: the decision is made over pp too
             dp.register_post_sync_hook(self.after_sync)
@@ -92,7 +93,7 @@ class SameReplicatedGrads:
         warm = warm if isinstance(warm, int) else 0
         if warm and self._syncs == warm + 1:
             self._pending = list(self._all)
-        elif self._syncs & (self._syncs - 1):
+        elif self._waiting or self._syncs & (self._syncs - 1):
             return
         spread, undecided = self._spreads() if self._pending else ({}, [])
         wrong = {n: r for n, (r, tol) in spread.items() if r > tol}
@@ -101,6 +102,7 @@ class SameReplicatedGrads:
             flags = flags.to(self._pp.device)
             self._pp.all_reduce(flags, ReduceOp.MAX)
         self._pending = undecided
+        self._waiting = not flags[1] and self._syncs <= warm  # until the first compressed step
         if not flags[1] and self._syncs > warm:
             self._syncs = -1  # every parameter compared (compressed, if a compressor warms up): never again
         if flags[0]:
