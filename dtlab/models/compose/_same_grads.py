@@ -41,9 +41,11 @@ _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
 
 
 def _tolerance(dtype: torch.dtype) -> float:
-    """The relative spread round-off may leave between ranks (kernels that sum in another order on
-    another device): 1e-5 in float32/64, two units of the last place in 16-bit floats."""
-    return max(1e-5, 2 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-5
+    """The relative spread round-off may leave between ranks: 1e-3 in float32/64 (GPU kernels that
+    accumulate with atomics sum in another order on each rank; a partial gradient, another dropout
+    mask or a compressor's selection differ by tens of percent), two units of the last place in
+    16-bit floats."""
+    return max(1e-3, 2 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-3
 
 
 def _module_pattern(name: str) -> str:
