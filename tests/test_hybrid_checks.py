@@ -231,9 +231,9 @@ def oktopk_world(backend: CommunicationBackend, compressor: str, shape: dict[str
 def test_oktopk_compresses_the_dp_axis_only() -> None:
     """Ok-Topk on the dp axis of pp 2 x dp 2 trains (same batch, 4 steps: the loss falls) and sends
     fewer dp bytes than Dense through the same wrapper; pp traffic is unchanged. With tp = 2 as well
-    (the 2 x 2 x 2 cube) it is refused on every rank at the first step: each tp rank's buckets hold its
-    own tp shards beside the replicated parameters, so top-k keeps other elements of those on each tp
-    rank and their copies drifted apart (2.5e-3 relative after 4 steps, Dense: 0)."""
+    (the 2 x 2 x 2 cube) it trains too: each bucket's parameters every tp rank holds whole are compressed
+    apart from its tp shards, so every tp rank keeps the same elements of them (tests/test_compression_tp.py
+    checks their copies bitwise equal)."""
     shape = {"pp": 2, "dp": 2}
     dense = run_world(4, oktopk_world, "dense", shape, timeout=120)
     sparse = run_world(4, oktopk_world, "oktopk", shape, timeout=120)
@@ -244,6 +244,6 @@ def test_oktopk_compresses_the_dp_axis_only() -> None:
         assert s["sent"]["tp"] == d["sent"]["tp"] == 0 and s["sent"]["pp"] == d["sent"]["pp"], rank
         assert s["density"] is not None and 0 < s["density"] < 0.2, (rank, s["density"])
     for rank, res in enumerate(run_world(8, oktopk_world, "oktopk", CUBE, timeout=120)):
-        refused = res["refused"]
-        assert "differ between the ranks of the tensor-parallel group" in refused, (rank, refused)
-        assert "the dp axis compresses the gradients (OkTopk)" in refused, (rank, refused)
+        assert "refused" not in res, (rank, res.get("refused"))
+        assert res["losses"][-1] < res["losses"][0], (rank, res["losses"])
+        assert res["density"] is not None and 0 < res["density"] < 0.2, (rank, res["density"])

@@ -259,7 +259,8 @@ def _mesh_world(backend: CommunicationBackend) -> dict[str, Any]:
     c = mesh.coordinate("dp")
     out["bf16"] = _steps(model, opt, x.chunk(2)[c].to(torch.bfloat16), y.chunk(2)[c].to(torch.bfloat16))
     # top-k on the dp axis after a dense warm-up of 2 steps, whose exchanges leave the gradients equal:
-    # compared again at the first compressed step (the third), refused there (was: trained on)
+    # compared again at the first compressed step (the third), where the whole parameters, compressed
+    # apart from the tp shards, are still equal: trains
     model = HybridShardedModel(_net().float(), mesh, "ddp", tensor_plan=_plan((0, 1)))
     inner = DDPOptimizer(model, torch.optim.SGD, lr=LR)
     opt = GradientCompressionOptimizer(inner, TopkA(density=0.1, warmup_steps=2), dense_below=0)
@@ -284,6 +285,5 @@ def test_sharded_over_dp_and_pipelined_every_rank_refuses() -> None:
         want = "'0.scale.weight'" if stage == 0 else "on another pipeline stage"
         assert want in res["pp"], (rank, res["pp"])
         assert res["bf16"] == "trained", (rank, res["bf16"])  # the same decision on every rank
-        assert res["topk"].startswith("step 2: HybridShardedModel: after the synchronized"), res["topk"]
-        assert "the dp axis compresses the gradients (TopkA)" in res["topk"], res["topk"]
+        assert res["topk"] == "trained", (rank, res["topk"])
     assert [res["bf16 held"] for res in results] == [False, False, True, True]  # dp is the outer axis

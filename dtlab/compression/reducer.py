@@ -23,6 +23,9 @@ error feedback (see :mod:`dtlab.compression.error_feedback`); the dense path the
 ``u = m * u + grad`` instead of the gradient (plain momentum SGD; the optimizer must have none).
 ``layouts`` (optional) maps a buffer key to the ``(offset, shape)`` of the parameters packed in it;
 the compressor's state for that buffer is built from it (PowerSGD compresses per parameter).
+``tp_whole`` (optional, on a tensor-parallel mesh) maps a buffer key to the ``(offset, numel)`` of the
+parameters in it that every tp rank holds whole: they are compressed as a buffer of their own
+(:mod:`dtlab.compression.tp_parts`), so every tp rank treats their gradient alike.
 
 :meth:`CompressedReducer.state_dict` / :meth:`CompressedReducer.load_state_dict` carry everything that
 affects future steps (per buffer: residual, iteration count, the compressor's state, encoded
@@ -46,6 +49,7 @@ from dtlab.compression.error_feedback import ErrorFeedback
 from dtlab.compression.finite import ExchangeSkipped, FiniteCheck
 from dtlab.compression.state_io import decode_state, encode_state
 from dtlab.compression.stats import StepStatistics
+from dtlab.compression.tp_parts import OWN, WHOLE, Ranges, TpParts
 from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.errors import CheckpointError, ConfigError, DtlabError, StrategyError
 
@@ -70,6 +74,7 @@ class CompressedReducer(GradientReducer):
         reduce_dtype: torch.dtype | None = None,
         layouts: Mapping[str, Layout] | None = None,
         momentum_correction: float | None = None,
+        tp_whole: Mapping[str, Ranges] | None = None,
     ) -> None:
         super().__init__(backend)
         if not isinstance(compressor, Compressor):
@@ -89,6 +94,10 @@ class CompressedReducer(GradientReducer):
         self._dense = DenseReducer(backend, reduce_dtype)
         self._states: dict[str, dict[str, Any]] = {}
         self.layouts: dict[str, Layout] = dict(layouts or {})
+        self.tp_parts = TpParts(tp_whole)
+        for key, layout in self.layouts.copy().items():
+            if key in self.tp_parts.ranges:
+                self.layouts[key + WHOLE], self.layouts[key + OWN] = self.tp_parts.layouts(key, layout)
         self._steps: dict[str, int] = {}
         self._numels: dict[str, int] = {}  # compressed buffers seen (or restored) and their sizes
         self._restored: dict[str, dict[str, Any]] = {}  # loaded compressor state, applied on first use
@@ -246,6 +255,21 @@ class CompressedReducer(GradientReducer):
 
     def _run(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None) -> Work:
         self._refuse_discarded("the next reduction")
+        n = grad.numel()
+        parts = None if isinstance(self.compressor, Dense) else self.tp_parts.split(key, n, grad.device)
+        if parts is None or n < self.dense_below:
+            return self._run_one(key, grad, shard)
+        flat = grad.view(-1)  # each part all-reduced as a buffer of its own, then written back
+        for suffix, index in zip((WHOLE, OWN), parts, strict=True):
+            part = flat.index_select(0, index)
+            self._run_one(key + suffix, part, None).wait()
+            flat.index_copy_(0, index, part)
+        if shard is not None:
+            m = shard.numel()
+            shard.view(-1).copy_(flat[self.backend.rank * m : (self.backend.rank + 1) * m])
+        return CompletedWork()
+
+    def _run_one(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None) -> Work:
         stats, t0 = self.backend.stats, time.perf_counter()
         sent0, recv0 = stats.bytes_sent, stats.bytes_received
         n = grad.numel()

@@ -62,6 +62,21 @@ def bucket_layouts(model: ModelStrategy) -> dict[str, Layout]:
     return {u.key: [(s.offset, tuple(s.shape)) for s in u.slots] for u in units}
 
 
+def tp_whole_ranges(model: ModelStrategy) -> dict[str, list[tuple[int, int]]]:
+    """``{buffer key: (offset, numel) of its parameters every tp rank holds whole}`` for the buffers
+    that also hold tp shards (a model on a mesh with tp > 1); empty for any other model."""
+    same: frozenset[str] = getattr(model, "same_grad_over_tp", frozenset())
+    shard_units = getattr(model, "shard_units", None)
+    if not same or shard_units is None:
+        return {}
+    out = {}
+    for u in shard_units():
+        whole = [(s.offset, s.numel) for s in u.slots if s.name in same]
+        if whole and len(whole) < len(u.slots):
+            out[u.key] = whole
+    return out
+
+
 def check_plain_sgd(optimizer: torch.optim.Optimizer, momentum_correction: float) -> None:
     """Momentum correction replaces the optimizer's momentum: only SGD without momentum fits."""
     if not isinstance(optimizer, torch.optim.SGD):
@@ -122,6 +137,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
             reduce_dtype=reduce_dtype,
             layouts=bucket_layouts(self.model),
             momentum_correction=momentum_correction,
+            tp_whole=tp_whole_ranges(self.model),
         )
         self.model.gradient_reducer = self.reducer
         self.statistics: dict[str, Any] = {}

@@ -29,7 +29,6 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.placement import Placement, Shard
-from dtlab.core.reducer import DenseReducer
 from dtlab.errors import StrategyError
 from dtlab.models.dp.data_parallel import DataParallelModel
 
@@ -181,16 +180,6 @@ class SameReplicatedGrads:
             what = "on another pipeline stage the gradients of parameters left whole differ between tp ranks"
             fix = "mark the modules that stage's ranks name 'replicated_with_grad_allreduce' in the plan"
         causes = []
-        reducer = self._dp.gradient_reducer
-        if not isinstance(reducer, DenseReducer):
-            how = type(getattr(reducer, "compressor", None) or reducer).__name__
-            causes.append(
-                f"the dp axis compresses the gradients ({how}): "
-                "each tp rank's buckets hold its own tp shards beside the whole parameters, so a compressor "
-                "that selects or rounds per bucket (top-k, QSGD) treats their gradients differently on each "
-                "tp rank; under tensor parallelism reduce the dp axis uncompressed or with one that keeps "
-                "them equal (Dense, RandomK, PowerSGD, a cast to fp16/bf16)"
-            )
         dropouts = [
             n
             for n, m in self._dp.module.named_modules()

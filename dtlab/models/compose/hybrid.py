@@ -171,6 +171,9 @@ class HybridShardedModel(OptimizerTarget):
         self._partial = layout.partial if self.tp_group.world_size > 1 else set()
         if self._partial:
             dp.register_post_sync_hook(self._sum_partial)
+        left_whole = (n for n, _ in dp.trainable_parameters() if not isinstance(placements[n], Shard))
+        #: the parameters whose gradient every tp rank computes whole and alike (none at tp = 1)
+        self.same_grad_over_tp = frozenset(left_whole if self.tp_group.world_size > 1 else ()) - self._partial
         self._tied = TiedSync(layout.ties, layout.aliases, root, dp)  # weights tied across pipeline ranks
         # parameters left whole get the same gradient on every tp rank: compared after the first backward
         SameReplicatedGrads(dp, placements, self._partial, mesh["tp"], mesh["pp"], who, batch_check.when)

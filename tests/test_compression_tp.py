@@ -1,0 +1,101 @@
+"""Compression on the dp axis of a tensor-parallel mesh (dp 2 x tp 2, the tiny transformer): each
+buffer's parameters every tp rank holds whole are compressed as a buffer of their own, so every
+compressor treats their gradient alike on every tp rank and their copies stay bitwise equal (before,
+the top-k compressors and QSGD selected or rounded them differently per tp rank and the model's
+comparison of those gradients refused them at the first step)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hybrid_cases import OPTIMIZER_OF, hybrid_model
+from test_tensor_helpers import batch, max_rel_error, train_reference
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.compression import FP16, QSGD, GaussianK, GTopk, OkTopk, PowerSGD, RandomK, TopkA, TopkDSA
+from dtlab.compression.base import Compressor
+from dtlab.errors import StrategyError
+from dtlab.optimizers import GradientCompressionOptimizer
+
+SHAPE = {"dp": 2, "tp": 2}
+STEPS = 3
+#: (name, data-parallel strategy, sequence parallelism, compressor)
+CASES: list[tuple[str, str, bool, Compressor]] = [
+    ("topka", "ddp", False, TopkA(density=0.05)),
+    ("topkdsa", "ddp", False, TopkDSA(density=0.05)),
+    ("gtopk", "ddp", False, GTopk(density=0.05)),
+    ("gaussiank", "ddp", False, GaussianK(density=0.05)),
+    ("oktopk", "ddp", False, OkTopk(density=0.05, warmup_steps=0)),
+    ("qsgd", "ddp", False, QSGD()),
+    ("randomk", "ddp", False, RandomK(density=0.05)),
+    ("powersgd", "ddp", False, PowerSGD(warmup_steps=0)),
+    ("fp16", "ddp", False, FP16()),
+    ("oktopk-zero2", "zero2", False, OkTopk(density=0.05, warmup_steps=0)),
+    ("oktopk-sequence-parallel", "ddp", True, OkTopk(density=0.05, warmup_steps=0)),
+    ("topka-density-1", "ddp", False, TopkA(density=1.0)),
+]
+
+
+def compressed_world(backend: CommunicationBackend) -> dict[str, Any]:
+    """Every case on one rank: STEPS plain SGD steps, then the whole parameters held here, the losses,
+    the full state and the last step's statistics (or the refusal)."""
+    from test_tensor_helpers import OPTIMIZERS
+
+    cls, kwargs, _ = OPTIMIZERS["sgd_plain"]
+    out: dict[str, Any] = {}
+    for name, data_parallel, sp, compressor in CASES:
+        model = hybrid_model(backend, SHAPE, data_parallel, sequence_parallel=sp)
+        inner = OPTIMIZER_OF[data_parallel](model, cls, **kwargs)
+        opt = GradientCompressionOptimizer(inner, compressor, dense_below=0)  # the small part compressed too
+        x, y = batch()
+        coord = model.mesh.coordinate("dp")
+        losses = []
+        try:
+            for _ in range(STEPS):
+                loss = model.train_step((x.chunk(2)[coord], y.chunk(2)[coord]), model.cross_entropy)
+                losses.append(float(loss))
+                opt.step()
+                opt.zero_grad()
+        except StrategyError as exc:
+            out[name] = {"refused": str(exc)}
+            continue
+        whole = model.same_grad_over_tp
+        held = {n: p.detach().clone() for n, p in model.dp_strategy.trainable_parameters() if n in whole}
+        state = model.full_state_dict() if name == "topka-density-1" else None
+        sizes = []  # the compressed buffers' sizes: each unit's two parts, or the unit where it is not cut
+        for unit in model.shard_units():
+            ranges = opt.reducer.tp_parts.ranges.get(unit.key, [])
+            whole_n = sum(n for _, n in ranges)
+            sizes += [whole_n, unit.padded - whole_n] if ranges else [unit.padded]
+        out[name] = {"whole": held, "losses": losses, "state": state, "stats": opt.statistics, "sizes": sizes}
+    return out
+
+
+def test_every_compressor_keeps_the_whole_parameters_equal_over_tp() -> None:
+    from dtlab.testing import run_world
+
+    results = run_world(4, compressed_world, timeout=300)
+    _, ref_state = train_reference("sgd_plain", STEPS)
+    for name, *_ in CASES:
+        for dp in range(2):
+            a, b = results[2 * dp][name], results[2 * dp + 1][name]  # tp innermost: ranks 2d, 2d + 1
+            assert "refused" not in a and "refused" not in b, (name, a.get("refused"))
+            assert a["whole"] and a["whole"].keys() == b["whole"].keys(), name
+            for n, t in a["whole"].items():
+                assert torch.equal(t, b["whole"][n]), (name, dp, n, (t - b["whole"][n]).abs().max())
+            assert all(torch.isfinite(torch.tensor(a["losses"]))), (name, a["losses"])
+        if name not in ("qsgd", "powersgd", "fp16", "topka-density-1"):
+            density = results[0][name]["stats"].get("density")
+            assert density is None or 0 < density < 0.5, (name, density)
+    # TopkA's bytes stay exactly its formula per compressed buffer: a ring all-gather of k (index, value)
+    # pairs over dp (P = 2) plus the non-finite check's P int32 all-reduced
+    for rank, res in enumerate(results):
+        topka = res["topka"]
+        assert len(topka["sizes"]) >= 2, topka["sizes"]  # the bucket was cut in two
+        expected = sum((2 - 1) * int(0.05 * n) * 8 + 2 * (2 - 1) * 4 for n in topka["sizes"])
+        assert topka["stats"]["bytes_sent"] == expected, (rank, topka["stats"]["bytes_sent"], expected)
+    # density 1: every element selected, so the run is the plain one (the single-process reference)
+    for rank, res in enumerate(results):
+        state = res["topka-density-1"]["state"]
+        assert max_rel_error(state, ref_state) <= 1e-5, rank
