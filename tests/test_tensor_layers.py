@@ -16,6 +16,8 @@ from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import (
     ColumnParallelLinear,
     RowParallelLinear,
+    RowwiseParallel,
+    TensorParallelModel,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
@@ -177,3 +179,28 @@ def test_a_buffer_or_plain_tensor_in_place_of_a_parameter_is_refused() -> None:
 
     with pytest.raises(RankFailedError, match=r"'weight' is a plain tensor attribute.*tensor-parallel plan"):
         run_world(2, embedding)
+
+
+def _mlp() -> nn.Sequential:
+    g = torch.Generator().manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return net
+
+
+def _row_alone(backend: CommunicationBackend, style: object) -> torch.Tensor:
+    model = TensorParallelModel(_mlp(), backend, plan={"2": style})
+    return model(torch.linspace(-1, 1, 24).reshape(3, 8)).detach()
+
+
+def test_a_row_parallel_layer_fed_a_whole_input_is_refused_naming_the_fixes() -> None:
+    """A plan with a rowwise layer alone (nothing colwise before it) fed it the whole activations: a raw
+    shape error from F.linear (as under torch's RowwiseParallel); now the layer names the two fixes, and
+    the second, RowwiseParallel(input_is_parallel=False), equals the plain layer."""
+    with pytest.raises(RankFailedError, match=r"input whose last dim is 8, not this rank's 4 .*'colwise'"):
+        run_world(2, _row_alone, "rowwise")
+    want = _mlp()(torch.linspace(-1, 1, 24).reshape(3, 8))
+    out = run_world(2, _row_alone, RowwiseParallel(input_is_parallel=False))
+    assert all(torch.allclose(o, want, atol=1e-5) for o in out)

@@ -30,7 +30,13 @@ from dtlab.models.tensor._comm import (
     reduce_scatter_to_seq,
     scatter_to_tp,
 )
-from dtlab.models.tensor._sources import check_forward, embedding_scale, linear_features
+from dtlab.models.tensor._sources import (
+    check_forward,
+    check_row_input,
+    check_shard,
+    embedding_scale,
+    linear_features,
+)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
@@ -54,16 +60,6 @@ def _reset_linear(layer: ColumnParallelLinear | RowParallelLinear) -> None:
     for p in (layer.weight, layer.bias):
         if p is not None:
             nn.init.uniform_(p, -bound, bound)
-
-
-def _check_shard(layer: nn.Module, weight: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """Refuse a ``weight`` resized after the split by code that took the layer for a plain one."""
-    if tuple(weight.shape) != shape:
-        raise StrategyError(
-            f"{type(layer).__name__}: its weight is {tuple(weight.shape)}, not this rank's shard {shape} of "
-            "the layer split over tp (something resized or replaced it after the split, e.g. "
-            "resize_token_embeddings on the wrapped module); resize the plain model before wrapping it"
-        )
 
 
 _Layer = TypeVar("_Layer", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding")
@@ -216,7 +212,7 @@ class ColumnParallelLinear(nn.Linear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_shard(self, self.weight, self.local_shape)
+        check_shard(self, self.weight, self.local_shape)
         fn = gather_from_sequence if self.sequence_parallel else copy_to_tp
         x = fn(x, self.group) if self.shared_input is None else self.shared_input(x, self.group, fn)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
@@ -290,8 +286,10 @@ class RowParallelLinear(nn.Linear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_shard(self, self.weight, self.local_shape)
-        if not self.input_is_parallel:
+        check_shard(self, self.weight, self.local_shape)
+        if self.input_is_parallel:
+            check_row_input(self, x, self.local_shape[0 if self.transposed else 1])
+        else:
             x = scatter_to_tp(x, self.group)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight)
         y = reduce_scatter_to_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
@@ -377,7 +375,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return _load(new, emb, group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _check_shard(self, self.weight, (self.per_rank, self.embedding_dim))
+        check_shard(self, self.weight, (self.per_rank, self.embedding_dim))
         pad = self.padding_idx
         if self.group.world_size == 1:
             return self._scaled(F.embedding(ids, self.weight, pad))

@@ -5,7 +5,8 @@ A parallel layer runs a plain ``F.linear`` / ``F.embedding`` on its shard. A sub
 ``forward`` (a scaled embedding, a layer adding its own computation) would silently lose it, so it is
 refused (:func:`check_forward`), except Hugging Face's scaled word embeddings (Gemma's, BART's, ...:
 ``super().forward(input_ids) * self.embed_scale``), whose scale the vocabulary-parallel embedding
-applies itself (:func:`embedding_scale`).
+applies itself (:func:`embedding_scale`). At each call a split layer checks its weight is still its
+shard (:func:`check_shard`) and a row-parallel layer that its input is split (:func:`check_row_input`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from dtlab.errors import StrategyError
 
-__all__ = ["check_forward", "embedding_scale", "linear_features"]
+__all__ = ["check_forward", "check_row_input", "check_shard", "embedding_scale", "linear_features"]
 
 #: the forwards of Hugging Face's scaled word embeddings, and whether each casts the scale
 _SCALED = {
@@ -83,3 +84,25 @@ def check_forward(module: nn.Module, where: str) -> None:
         "silently changing the model; leave this module out of the tensor-parallel plan ('replicate'), "
         "or make it a plain nn.Linear / nn.Embedding with its extra computation outside it"
     )
+
+
+def check_shard(layer: nn.Module, weight: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Refuse a split layer's ``weight`` resized after the split by code that took it for a plain one."""
+    if tuple(weight.shape) != shape:
+        raise StrategyError(
+            f"{type(layer).__name__}: its weight is {tuple(weight.shape)}, not this rank's shard {shape} of "
+            "the layer split over tp (something resized or replaced it after the split, e.g. "
+            "resize_token_embeddings on the wrapped module); resize the plain model before wrapping it"
+        )
+
+
+def check_row_input(layer: nn.Module, x: torch.Tensor, local: int) -> None:
+    """Refuse a whole input into a row-parallel layer that takes this rank's ``local`` input features."""
+    if x.shape[-1] != local:
+        raise StrategyError(
+            f"{type(layer).__name__} ({layer.extra_repr()}) got an input whose last dim is {x.shape[-1]}, "
+            f"not this rank's {local} input features: a row-parallel layer takes the split output of a "
+            "column-parallel layer before it (the colwise/rowwise pair of an MLP or an attention). Plan "
+            "the layer feeding it 'colwise', or split it 'rowwise_split_input' "
+            "(RowwiseParallel(input_is_parallel=False)) to take this rank's slice of a whole input"
+        )
