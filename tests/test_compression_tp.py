@@ -99,3 +99,47 @@ def test_every_compressor_keeps_the_whole_parameters_equal_over_tp() -> None:
     for rank, res in enumerate(results):
         state = res["topka-density-1"]["state"]
         assert max_rel_error(state, ref_state) <= 1e-5, rank
+
+
+def _resume_world(backend: CommunicationBackend, saved: list[Any] | None) -> dict[str, Any]:
+    """Ok-Topk and QSGD at dp 2 x tp 2: 2 steps, this rank's checkpoint, 2 more steps (``saved`` None);
+    or the checkpoint every rank wrote loaded into a fresh model and the same 2 steps."""
+    from test_tensor_helpers import OPTIMIZERS
+
+    cls, kwargs, _ = OPTIMIZERS["sgd_plain"]
+    out: dict[str, Any] = {}
+    for compressor in (OkTopk(density=0.05, warmup_steps=0), QSGD()):
+        model = hybrid_model(backend, SHAPE, "ddp")
+        inner = OPTIMIZER_OF["ddp"](model, cls, **kwargs)
+        opt = GradientCompressionOptimizer(inner, compressor, dense_below=0)
+        x, y = batch()
+        coord = model.mesh.coordinate("dp")
+        if saved is not None:
+            model.load_sharded_state_dict([s[compressor.name][0] for s in saved])
+            opt.load_sharded_state_dict([s[compressor.name][1] for s in saved])
+        for step in range(2 if saved is not None else 4):
+            if step == 2:
+                out[compressor.name] = (model.sharded_state_dict(), opt.sharded_state_dict())
+            model.train_step((x.chunk(2)[coord], y.chunk(2)[coord]), model.cross_entropy)
+            opt.step()
+            opt.zero_grad()
+        out[compressor.name + " state"] = model.full_state_dict()
+    return out
+
+
+def test_a_resume_on_the_mesh_continues_exactly() -> None:
+    """Each rank's compression state (both parts' residuals and state) is saved in its own shard of the
+    mesh and restored from it (was: 'written by 4 ranks, this run has 2', started afresh)."""
+    from dtlab.testing import run_world
+
+    first = run_world(4, _resume_world, None, timeout=300)
+    saved = [{k: v for k, v in res.items() if not k.endswith(" state")} for res in first]
+    for res in saved:
+        assert any(k.endswith(".tp_whole") for k in res["oktopk"][1].tensors), sorted(
+            res["oktopk"][1].tensors
+        )
+    resumed = run_world(4, _resume_world, saved, timeout=300)
+    for rank, (a, b) in enumerate(zip(first, resumed, strict=True)):
+        for name in ("oktopk", "qsgd"):
+            x, y = a[name + " state"], b[name + " state"]
+            assert all(torch.equal(x[k], y[k]) for k in x), (rank, name)

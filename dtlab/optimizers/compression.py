@@ -191,7 +191,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
         tensors = dict(inner.tensors)
         own, meta = self.reducer.state_dict()
         tensors.update({PREFIX + k: v for k, v in own.items()})
-        backend = self.model.dp_backend
+        backend = self.model.world_backend  # on a mesh: one shard per rank of it
         metadata = dict(inner.metadata)
         metadata["compression"] = {
             "compressor": self.compressor.describe(),
@@ -218,7 +218,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
         saved = [s.metadata.get("compression") for s in shards]
         if all(c is None for c in saved):
             return  # written without compression: nothing to restore
-        backend = self.model.dp_backend
+        backend = self.model.world_backend
         p, me = backend.world_size, backend.rank
         log = logging.getLogger(__name__)
         mine = saved[me] if len(shards) == p else None
