@@ -204,3 +204,39 @@ def test_a_row_parallel_layer_fed_a_whole_input_is_refused_naming_the_fixes() ->
     want = _mlp()(torch.linspace(-1, 1, 24).reshape(3, 8))
     out = run_world(2, _row_alone, RowwiseParallel(input_is_parallel=False))
     assert all(torch.allclose(o, want, atol=1e-5) for o in out)
+
+
+class _FixedHeads(nn.Module):
+    """An attention reshaping by the whole model's head count (the usual hand-written one), or by this
+    rank's shape (``per_rank``: -1 for the heads and the output width, a fixed head_dim)."""
+
+    def __init__(self, per_rank: bool) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.per_rank = 4, 4, per_rank
+        g = torch.Generator().manual_seed(1)
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        heads, width = (-1, -1) if self.per_rank else (self.heads, d)
+        q, k, v = (f(x).view(b, t, heads, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, t, width))
+
+
+def _heads_world(backend: CommunicationBackend, per_rank: bool) -> torch.Tensor:
+    plan = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+    model = TensorParallelModel(_FixedHeads(per_rank), backend, plan=plan)
+    return model(torch.linspace(-1, 1, 160).reshape(2, 5, 16)).detach()
+
+
+def test_an_attention_reshaping_by_the_whole_head_count_is_named_with_the_fix() -> None:
+    """torch's raw view error ('shape [2, 5, 4, 4] is invalid for input of size 80') is re-raised
+    naming the per-rank shapes and HeadsParallel; the forward reshaping with -1 equals one process."""
+    with pytest.raises(RankFailedError, match=r"is invalid for input of size 80\. At tp=2 .*HeadsParallel"):
+        run_world(2, _heads_world, False)
+    want = _FixedHeads(True)(torch.linspace(-1, 1, 160).reshape(2, 5, 16))
+    assert all(torch.allclose(o, want, atol=1e-5) for o in run_world(2, _heads_world, True))

@@ -51,6 +51,7 @@ from dtlab.models.placed_state import load_placed_state, write_placed_state
 from dtlab.models.tensor._agree import SameOnTp
 from dtlab.models.tensor._comm import sum_over_tp
 from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
+from dtlab.models.tensor._heads_hint import head_count_hint
 from dtlab.models.tensor._plan import Plan, splits_logits
 
 if TYPE_CHECKING:
@@ -251,8 +252,8 @@ class HybridShardedModel(OptimizerTarget):
         training = self.training and torch.is_grad_enabled()
         check_call(type(self).__name__, args, kwargs, self._pipe is not None, self.logits_split, training)
         self._same_on_tp("inputs", [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()])
-        with self._wrapped_as:  # checked here only (before a schedule, where a refusal would hang)
-            if self._pipe is None:
+        with self._wrapped_as, head_count_hint(type(self).__name__, self.mesh.size("tp")):
+            if self._pipe is None:  # dtype/device checked here only (before a schedule: a refusal would hang)
                 if torch.is_grad_enabled():
                     self._check_partial_fresh()
                 return self.dp_strategy(*args, **kwargs)
