@@ -103,8 +103,13 @@ def _cuda() -> bool:
 SCRIPT = """
 import os, sys, torch
 torch.set_num_threads(1)
-from dtlab.backends import init_backend
-b = init_backend(timeout=60, check_collectives=True if sys.argv[1:] == ["checked"] else None)
+from dtlab.backends import GlooBackend, init_backend
+if sys.argv[1:] == ["own"]:  # the script makes the group itself, after importing dtlab
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    b = GlooBackend(timeout=60)
+else:
+    b = init_backend(timeout=60, check_collectives=True if sys.argv[1:] == ["checked"] else None)
 import torch.distributed.nn.functional  # what building a torch.optim optimizer imports (torch._dynamo)
 g = b.new_group(list(range(b.world_size)))  # a sub-group, still referenced after its close()
 g.barrier()
@@ -160,6 +165,7 @@ def test_one_script_three_launchers(tmp_path: Path) -> None:
             "checked",
         ],
         "mpiexec": [str(bindir / "mpiexec"), "-n", "2", sys.executable, str(script)],
+        "own group": [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", "2", str(script), "own"],
     }
     want = {
         "python": {"InMemoryBackend rank=0 size=1 sum=1 checked=True"},
@@ -170,6 +176,10 @@ def test_one_script_three_launchers(tmp_path: Path) -> None:
         "mpiexec": {
             "MPIBackend rank=0 size=2 sum=3 checked=True",
             "MPIBackend rank=1 size=2 sum=3 checked=True",
+        },
+        "own group": {
+            "GlooBackend rank=0 size=2 sum=3 checked=False",
+            "GlooBackend rank=1 size=2 sum=3 checked=False",
         },
     }
     for name, cmd in runs.items():

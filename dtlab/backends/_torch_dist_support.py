@@ -52,6 +52,11 @@ def import_default_group_binders() -> None:
         pass
 
 
+# with dtlab, before a script's own dist.init_process_group can run (a GlooBackend wrapping the group
+# it made), not only before the backend's own (docs/backends.md)
+import_default_group_binders()
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-d view: gloo's flat collectives need matching 1-d buffers (a 0-d one crashes it)."""
     return t if t.dim() == 1 else t.view(-1)
