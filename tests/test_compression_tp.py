@@ -143,3 +143,44 @@ def test_a_resume_on_the_mesh_continues_exactly() -> None:
         for name in ("oktopk", "qsgd"):
             x, y = a[name + " state"], b[name + " state"]
             assert all(torch.equal(x[k], y[k]) for k in x), (rank, name)
+
+
+def _cut_world(backend: CommunicationBackend) -> dict[str, list[str]]:
+    """State of an 8-element buffer 'b' reduced whole and reduced cut (its first 4 elements whole over
+    tp), each loaded into a reducer that cuts it and one that does not: the buffers it keeps."""
+    from dtlab.compression import CompressedReducer
+
+    def reducer(cut: bool) -> CompressedReducer:
+        return CompressedReducer(
+            backend, TopkA(density=0.5), dense_below=0, tp_whole={"b": [(0, 4)]} if cut else None
+        )
+
+    saved = {}
+    for cut in (False, True):
+        red = reducer(cut)
+        red.all_reduce("b", torch.arange(8, dtype=torch.float32)).wait()
+        saved[cut] = red.state_dict()
+    out = {}
+    for written in (False, True):
+        for cut in (False, True):
+            red = reducer(cut)
+            red.load_state_dict(*saved[written])
+            out[f"{written}->{cut}"] = sorted(red.state_dict()[1]["buffers"])
+    return out
+
+
+def test_state_of_another_cut_starts_afresh_with_a_warning(caplog: Any) -> None:
+    """A checkpoint whose buffer was compressed whole (before the cut, or on another mesh) loaded where
+    it is cut, or the reverse: its state is dropped with a warning (was: kept silently, never used, the
+    reduced buffers started afresh unannounced); the same cut restores its parts."""
+    from dtlab.testing import run_world
+
+    (out,) = run_world(1, _cut_world, timeout=60)
+    assert out == {
+        "False->False": ["b"],
+        "False->True": [],
+        "True->False": [],
+        "True->True": ["b.tp_own", "b.tp_whole"],
+    }, out
+    warned = [r.getMessage() for r in caplog.records if "another tensor-parallel cut" in r.getMessage()]
+    assert len(warned) == 2 and "['b']" in warned[0] and "['b.tp_own', 'b.tp_whole']" in warned[1], warned

@@ -200,6 +200,16 @@ class CompressedReducer(GradientReducer):
             self._numels.setdefault(key, res.numel())
         velocities = {k[len(VELOCITY) :]: v.to(device) for k, v in tensors.items() if k.startswith(VELOCITY)}
         self.error_feedback.load_state(residuals, velocities)
+        stale = self.tp_parts.other_layout(self._numels)
+        if stale and self.backend.rank == 0:
+            logging.getLogger(__name__).warning(
+                "compressed reducer: restored state of buffer(s) %s belongs to another tensor-parallel cut "
+                "(a bucket compressed whole, or as its whole and own parts, on another mesh or before the "
+                "cut); the buffers reduced now start afresh (residual, iteration count, compressor state)",
+                stale,
+            )
+        for key in stale:
+            self._forget(key)
 
     def clear_state(self) -> None:
         """Forget every buffer's residual, iteration count and compressor state (a fresh start)."""
@@ -223,11 +233,13 @@ class CompressedReducer(GradientReducer):
                 expected,
                 n,
             )
-        self.error_feedback.forget(key)
-        self._states.pop(key, None)
-        self._steps.pop(key, None)
-        self._restored.pop(key, None)
+        self._forget(key)
         self._numels[key] = n
+
+    def _forget(self, key: str) -> None:
+        self.error_feedback.forget(key)
+        for d in (self._states, self._steps, self._restored, self._numels):
+            d.pop(key, None)
 
     # ------------------------------------------------------------------ internals
     def _check(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None) -> None:

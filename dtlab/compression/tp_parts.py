@@ -11,7 +11,7 @@ compressed as a buffer of its own with its own error-feedback residual and compr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -61,6 +61,16 @@ class TpParts:
             whole, own = mask.nonzero().view(-1), (~mask).nonzero().view(-1)
             cached = self._index[(key, n, device)] = (whole.to(device), own.to(device))
         return cached
+
+    def other_layout(self, keys: Iterable[str]) -> list[str]:
+        """The ``keys`` (of restored state) this cut never reduces: a buffer it cuts, saved whole (before
+        the cut, or at tp = 1), or a part of a buffer it does not cut (saved on another mesh)."""
+        out = []
+        for key in keys:
+            base = next((key[: -len(s)] for s in (WHOLE, OWN) if key.endswith(s)), None)
+            if key in self.ranges or (base is not None and base not in self.ranges):
+                out.append(key)
+        return out
 
     def layouts(self, key: str, layout: Layout) -> tuple[Layout, Layout]:
         """Buffer ``key``'s ``(offset, shape)`` layout as the two parts' layouts: each parameter at its
