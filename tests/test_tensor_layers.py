@@ -240,3 +240,30 @@ def test_an_attention_reshaping_by_the_whole_head_count_is_named_with_the_fix() 
         run_world(2, _heads_world, False)
     want = _FixedHeads(True)(torch.linspace(-1, 1, 160).reshape(2, 5, 16))
     assert all(torch.allclose(o, want, atol=1e-5) for o in run_world(2, _heads_world, True))
+
+
+class _OwnReshape(nn.Module):
+    """A split MLP after a reshape of the whole input that fails at any tp (a user's own bug)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.mlp, self.shape = _mlp(), shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x.view(*self.shape).reshape(3, 8))
+
+
+def _own_reshape(backend: CommunicationBackend, shape: tuple[int, ...]) -> torch.Tensor:
+    model = TensorParallelModel(_OwnReshape(shape), backend, plan={"mlp.0": "colwise", "mlp.2": "rowwise"})
+    return model(torch.linspace(-1, 1, 24).reshape(3, 8)).detach()
+
+
+@pytest.mark.parametrize("shape", [(3, 9), (3, 5, -1)])
+def test_a_reshape_that_fails_for_another_reason_keeps_torchs_error(shape: tuple[int, ...]) -> None:
+    """Only a shape that tp times the input would fill is named as a whole head count or width; a
+    reshape of the whole input that fails at any tp stays torch's RuntimeError (was: re-raised as the
+    head-count StrategyError, 'At tp=2 ... column-split projections')."""
+    with pytest.raises(
+        RankFailedError, match=r"failed: RuntimeError: shape .* is invalid for input of size 24"
+    ):
+        run_world(2, _own_reshape, shape)
