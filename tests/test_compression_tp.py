@@ -184,3 +184,24 @@ def test_state_of_another_cut_starts_afresh_with_a_warning(caplog: Any) -> None:
     }, out
     warned = [r.getMessage() for r in caplog.records if "another tensor-parallel cut" in r.getMessage()]
     assert len(warned) == 2 and "['b']" in warned[0] and "['b.tp_own', 'b.tp_whole']" in warned[1], warned
+
+
+def _small_part_world(backend: CommunicationBackend) -> torch.Tensor:
+    """TopkA at density 0.01 on a 1000-element buffer whose first 10 elements are whole over tp."""
+    from dtlab.compression import CompressedReducer
+
+    red = CompressedReducer(backend, TopkA(density=0.01), dense_below=0, tp_whole={"b": [(0, 10)]})
+    grad = torch.arange(1000, dtype=torch.float32) * (backend.rank + 1)
+    red.all_reduce("b", grad).wait()
+    return grad
+
+
+def test_a_part_too_small_for_one_element_goes_dense() -> None:
+    """The whole part of a bucket that the density compresses (1000 x 0.01: k = 10) can be too small
+    for one element (10 x 0.01 rounds to 0): it goes dense (was: ConfigError naming 'b.tp_whole' and
+    dense_below, which dtlab train does not set); the rest keeps its k."""
+    from dtlab.testing import run_world
+
+    for out in run_world(2, _small_part_world, timeout=60):
+        assert torch.equal(out[:10], torch.arange(10, dtype=torch.float32) * 1.5), out[:10]
+        assert int((out[10:] != 0).sum()) == 9, out[10:]  # int(0.01 * 990) of the own part

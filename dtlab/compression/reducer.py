@@ -43,7 +43,14 @@ from typing import Any, Literal
 import torch
 
 from dtlab.backends.base import CommunicationBackend, CompletedWork, Work
-from dtlab.compression.base import Compressor, Exchange, Layout, NonFiniteGradientError, dense_exchange
+from dtlab.compression.base import (
+    Compressor,
+    Exchange,
+    Layout,
+    NonFiniteGradientError,
+    SparseCompressor,
+    dense_exchange,
+)
 from dtlab.compression.dense import Dense
 from dtlab.compression.error_feedback import ErrorFeedback
 from dtlab.compression.finite import ExchangeSkipped, FiniteCheck
@@ -274,18 +281,20 @@ class CompressedReducer(GradientReducer):
         flat = grad.view(-1)  # each part all-reduced as a buffer of its own, then written back
         for suffix, index in zip((WHOLE, OWN), parts, strict=True):
             part = flat.index_select(0, index)
-            self._run_one(key + suffix, part, None).wait()
+            # a part too small for one element at the density (the bucket whole was not) goes dense
+            small = isinstance(self.compressor, SparseCompressor) and self.compressor.k(part.numel()) < 1
+            self._run_one(key + suffix, part, None, dense=small).wait()
             flat.index_copy_(0, index, part)
         if shard is not None:
             m = shard.numel()
             shard.view(-1).copy_(flat[self.backend.rank * m : (self.backend.rank + 1) * m])
         return CompletedWork()
 
-    def _run_one(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None) -> Work:
+    def _run_one(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None, dense: bool = False) -> Work:
         stats, t0 = self.backend.stats, time.perf_counter()
         sent0, recv0 = stats.bytes_sent, stats.bytes_received
         n = grad.numel()
-        if isinstance(self.compressor, Dense) or n < self.dense_below:
+        if dense or isinstance(self.compressor, Dense) or n < self.dense_below:
             if self.momentum_correction is not None:
                 self._touched.append(key)
             self.error_feedback.momentum_step(key, grad)
