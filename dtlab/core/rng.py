@@ -35,9 +35,17 @@ def model_building() -> Iterator[None]:
 
 @contextmanager
 def seeded_init(seed: int) -> Iterator[None]:
-    """Run the block with torch's CPU RNG seeded with ``seed``, alone in the process; the RNG state
-    from before the block is restored after it. Everything the block draws (module initialisation)
-    is the same on every rank and in every run."""
-    with model_building(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    """Run the block with torch's CPU RNG (and, once CUDA is initialized, its GPUs') seeded with
+    ``seed``, alone in the process; the RNG state from before the block is restored after it.
+    Everything the block draws (module initialisation) is the same on every rank and in every run."""
+    # CUDA's generators too, restored after the block, when CUDA is up: a module built on the GPU draws
+    # from them. Not torch.manual_seed: with CUDA not yet initialized it queues a seed of every CUDA
+    # generator for CUDA's first use (here or later) that no fork restores, and every rank's GPU RNG,
+    # its dropout after the build, would start from ``seed``
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    with model_building(), torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.manual_seed_all(seed)
         yield
