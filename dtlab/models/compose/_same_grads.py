@@ -22,13 +22,10 @@ parameter over dp where the gradients are sharded over dp, one of 16 bytes over 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.core.placement import Placement, Shard
 from dtlab.errors import StrategyError
 from dtlab.models.dp.data_parallel import DataParallelModel
 
@@ -54,16 +51,15 @@ def _module_pattern(name: str) -> str:
 
 
 class SameReplicatedGrads:
-    """Compares the gradients of ``dp``'s parameters that ``placements`` leaves whole over ``tp`` and
-    ``partial`` does not sum over tp (sequence parallelism's) after the first synchronized backwards
+    """Compares the gradients of ``dp``'s parameters named in ``same`` (left whole over ``tp`` and not
+    summed over tp: the composition's ``same_grad_over_tp``) after the first synchronized backwards
     (a post-sync hook of ``dp``, after the sums over tp and pp the composition makes); refuses a
     difference on every rank (``who`` names the model, ``batch_check`` its tp_batch_check policy)."""
 
     def __init__(
         self,
         dp: DataParallelModel,
-        placements: Mapping[str, Placement],
-        partial: set[str],
+        same: frozenset[str],
         tp: CommunicationBackend,
         pp: CommunicationBackend,
         who: str,
@@ -71,11 +67,7 @@ class SameReplicatedGrads:
     ) -> None:
         self._dp, self._tp, self._pp, self._who, self._batch_check = dp, tp, pp, who, batch_check
         #: the parameters not compared yet (all, then those whose gradient was zero everywhere)
-        self._pending = [
-            n
-            for n, _ in dp.trainable_parameters()
-            if not isinstance(placements[n], Shard) and n not in partial
-        ]
+        self._pending = [n for n, _ in dp.trainable_parameters() if n in same]
         self._all = list(self._pending)
         self._syncs = 0
         self._waiting = False  # every parameter compared during a compressor's dense warm-up

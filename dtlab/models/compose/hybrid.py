@@ -177,7 +177,7 @@ class HybridShardedModel(OptimizerTarget):
         self.same_grad_over_tp = frozenset(left_whole if self.tp_group.world_size > 1 else ()) - self._partial
         self._tied = TiedSync(layout.ties, layout.aliases, root, dp)  # weights tied across pipeline ranks
         # parameters left whole get the same gradient on every tp rank: compared after the first backward
-        SameReplicatedGrads(dp, placements, self._partial, mesh["tp"], mesh["pp"], who, batch_check.when)
+        SameReplicatedGrads(dp, self.same_grad_over_tp, mesh["tp"], mesh["pp"], who, batch_check.when)
         whole, tp_split = dp.keeps_whole_grads, self.tp_group.world_size > 1  # param.grad: views to guard
         split = {n for n, pl in placements.items() if isinstance(pl, Shard) and whole and tp_split}
         staged = self.pp_group.world_size > 1 and whole
