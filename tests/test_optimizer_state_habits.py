@@ -7,6 +7,8 @@ shard with its own learning rate, silently) is named by ``opt.state_dict()`` und
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from test_strategies_helpers import make_data, make_module, wrap
 from torch.nn import functional as F
@@ -98,3 +100,57 @@ def test_options_that_differ_between_ranks_are_named_when_gathered() -> None:
     for name in ("zero2", "fsdp"):
         for said in run_world(2, _plateau, name, timeout=30):
             assert "param group 0's 'lr' is 0.001" in said and "but 0.1 on rank 1" in said, said
+
+
+class _Scaled(torch.nn.Module):
+    """The tests' module times a 0-dim parameter (a logit scale, as CLIP's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_module()
+        self.scale = torch.nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+
+def _scaled_steps(backend: CommunicationBackend | None, name: str, state: Any, first: int) -> Any:
+    """Two AdamW steps from step ``first``: one process (``backend`` None) or ``name`` on in-memory
+    ranks; ``state``: (module state, optimizer state: a torch state dict or dtlab's shards) to resume
+    from. Returns the module state, torch's optimizer state dict and dtlab's shard."""
+    module = _Scaled()
+    if state is not None:
+        module.load_state_dict(state[0])
+    xs, ys = make_data(first + 2, GLOBAL_BATCH)
+    if backend is None:
+        model, opt, part = module, torch.optim.AdamW(module.parameters(), lr=0.01), slice(None)
+    else:
+        model = wrap(name, module, backend)
+        opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.AdamW, lr=0.01)
+        half = GLOBAL_BATCH // backend.world_size
+        part = slice(backend.rank * half, (backend.rank + 1) * half)
+    if state is not None and isinstance(state[1], dict):
+        opt.load_state_dict(state[1])
+    elif state is not None:
+        opt.load_sharded_state_dict(state[1])
+    for s in range(first, first + 2):
+        F.mse_loss(model(xs[s][part]), ys[s][part]).backward()
+        opt.step()
+        opt.zero_grad()
+    whole = model.state_dict() if backend is None else model.full_state_dict()
+    shard = None if backend is None else opt.sharded_state_dict()
+    return {k: v.detach().clone() for k, v in whole.items()}, opt.state_dict(), shard
+
+
+def test_zero_dim_parameter_state_resumes_under_zero() -> None:
+    """A 0-dim parameter's Adam state loaded under ZeRO/FSDP (a torch state dict, or dtlab's shards saved
+    under DDP, where it is a 0-dim tensor as in torch) stopped the next step with torch's raw 'output
+    with shape [] doesn't match the broadcast shape [1]': the local optimizer stepped it as a
+    1-element piece. Now it steps it 0-dim, as torch, and the resumed run equals one process."""
+    want = _scaled_steps(None, "", _scaled_steps(None, "", None, 0)[:2], 2)[0]
+    for saver, loader, torch_format in (("zero2", "zero2", True), ("ddp", "zero3", False)):
+        saved = run_world(2, _scaled_steps, saver, None, 0, timeout=30)
+        state = saved[0][1] if torch_format else [r[2] for r in saved]
+        got = run_world(2, _scaled_steps, loader, (saved[0][0], state), 2, timeout=30)[0][0]
+        for k, v in want.items():
+            assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), (saver, loader, k)

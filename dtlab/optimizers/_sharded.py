@@ -44,6 +44,8 @@ class ShardedOptimizer(DataParallelOptimizer):
                 if id(p) in indexed:
                     i, gi, name = indexed[id(p)]
                     view = shard[off : off + b - a]
+                    if not slot.shape:  # a 0-dim parameter (a logit scale): stepped, and its state
+                        view = view.view(())  # shaped, as torch's (a torch state dict loads into it)
                     out.append(Entry(i, name, p, slot.numel, tuple(slot.shape), view, a, b, gi))
         return out
 
@@ -57,7 +59,7 @@ class ShardedOptimizer(DataParallelOptimizer):
             for p, _, a, b, off in unit.shard_params():
                 grads[id(p)] = g[off : off + b - a]
         for e in self._entries:
-            out.append(grads[id(e.param)])
+            out.append(grads[id(e.param)].view(e.tensor.shape))
         return out
 
     def _step_local(self, skip: frozenset[int]) -> None:
