@@ -240,11 +240,27 @@ class ModelStrategy(nn.Module):
         *args: Any,  # noqa: ARG002 - torch's signature (positional destination is deprecated there)
         destination: dict[str, Any] | None = None,
         prefix: str = "",
-        keep_vars: bool = False,  # noqa: ARG002 - torch's signature; the tensors are copies either way
+        keep_vars: bool = False,
     ) -> dict[str, Any]:
-        """torch's ``state_dict()`` speaking the plain module: whole tensors (copies) keyed like
-        ``module.state_dict()``, with no ``module.`` prefix. Collective: every rank calls it (as FSDP2's
-        full state dict); :meth:`sharded_state_dict` is this rank's part."""
+        """torch's ``state_dict()`` speaking the plain module, keyed like ``module.state_dict()`` with no
+        ``module.`` prefix. Where ``model.module`` holds the whole parameters (DDP, ZeRO-1/2:
+        ``module_copies``) it is the module's own, as in torch: local, its tensors share the parameters'
+        storage (``keep_vars=True``: the parameters), so ``model.state_dict()[k].copy_(v)`` writes into
+        the model. Elsewhere whole tensors (copies), collective: every rank calls it (as FSDP2's full
+        state dict); :meth:`sharded_state_dict` is this rank's part. ``keep_vars=True`` (live tensors)
+        is refused there: a rank holds no whole parameter to return."""
+        if self.module_copies:
+            if destination is None:
+                return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+            return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if keep_vars:
+            raise StrategyError(
+                f"{type(self).__name__}.state_dict(keep_vars=True): this rank holds only its part of "
+                "the parameters (shards, slices or stages), so there are no whole live tensors to return. "
+                "For the parameters themselves (names, requires_grad) use model.named_parameters(); for "
+                "whole values model.state_dict() on every rank (copies: write changes back with "
+                "model.load_state_dict(sd, strict=False))"
+            )
         out: dict[str, Any] = destination if destination is not None else {}
         out.update({prefix + k: v for k, v in self.full_state_dict().items()})
         return out
