@@ -7,7 +7,9 @@ called by the user (all five strategies, 2 in-memory ranks), by a pipeline's ste
 skips it. Without find_unused_parameters it is now refused on every rank before reducing (one
 all-reduce of a count per rank: also when only one rank skipped it); with it, it is left out as in torch
 (exact before too). Under a DDP pipeline ``model.zero_grad()`` (not the optimizer's) left the marks of
-the step before, and a parameter unused since was stepped with zeros instead of refused."""
+the step before, and a parameter unused since was stepped with zeros instead of refused. At pp=2 x dp=2
+a parameter reached by one replica's batches only was refused by the replica that had not used it
+alone, while the other waited in the dp reduction until the backend's timeout; now every rank refuses."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from functools import partial
 from typing import Any
 
 import torch
+from filled import filled
 from test_strategies_helpers import STRATEGIES, max_rel_error, wrap
 from test_unused_routing import GLOBAL_BATCH, SKIPPING, STRATEGY_OPTIMIZERS, _switched, data, make, reference
+from torch import nn
 from torch.nn import functional as F
 
 from dtlab.backends import Mesh
@@ -121,3 +125,113 @@ def test_a_ddp_pipeline_cleared_by_model_zero_grad_refuses_a_parameter_unused_si
         assert first == "ran", f"rank {rank}: {first}"
         assert "find_unused_parameters=True" in second and "pipeline rank(s) [1]" in second, second
         assert ("'2.extra.weight'" in second) == (rank == 1), f"rank {rank}: {second}"
+
+
+class _Gated(nn.Module):
+    """``extra`` reached only by a micro-batch whose every first feature is positive (shape-static: the
+    meta forward, which computes the stage shapes, takes the other branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.extra = nn.Linear(4, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.used(x))
+        return h + self.extra(h) if not x.is_meta and bool((x[:, 0] > 0).all()) else h
+
+
+def _gated() -> nn.Sequential:
+    return filled(nn.Sequential(_Gated(), nn.Tanh(), nn.Linear(6, 6), nn.Linear(6, 2)), 0, scale=0.4)
+
+
+#: per step, the sign of x[:, 0] in dp replica 0's and replica 1's half of the batch: extra used on
+#: replica 0 only, on none, on both, on replica 1 only
+SIGNS = ((1, -1), (-1, -1), (1, 1), (-1, 1))
+
+
+def _gated_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g, h = torch.Generator().manual_seed(2), GLOBAL_BATCH // 2
+    x, y = (
+        torch.randn(len(SIGNS), GLOBAL_BATCH, 4, generator=g),
+        torch.randn(len(SIGNS), GLOBAL_BATCH, 2, generator=g),
+    )
+    for s, signs in enumerate(SIGNS):
+        for d, sign in enumerate(signs):
+            x[s, d * h : (d + 1) * h, 0] = x[s, d * h : (d + 1) * h, 0].abs() * sign
+    return x, y
+
+
+def _gated_reference(steps: list[int]) -> dict[str, torch.Tensor]:
+    """One process on the global batch, micro-batch by micro-batch (the gate decides per micro-batch),
+    the mean of their losses; AdamW with weight decay (a zero gradient stepped would move ``extra``)."""
+    (x, y), q = _gated_data(), GLOBAL_BATCH // 4
+    module = _gated()
+    opt = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1)
+    for s in steps:
+        losses = [F.mse_loss(module(x[s, k * q : (k + 1) * q]), y[s, k * q : (k + 1) * q]) for k in range(4)]
+        (sum(losses) / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+#: (data-parallel strategy, schedule, options) of the pipelines at pp=2 x dp=2 below
+REPLICATED = (
+    ("ddp", "1f1b", {}),
+    ("zero1", "zero_bubble", {}),
+    ("zero3", "gpipe", {"persistence_threshold": 0}),
+    ("fsdp", "1f1b", {}),
+)
+
+
+def replicas_world(backend: CommunicationBackend) -> dict[str, Any]:
+    """pp=2 x dp=2, ``extra`` on pipeline rank 0. With find_unused_parameters: every step of SIGNS.
+    Without: step 0 (extra used on replica 0 only), ``opt.step()``, ``opt.zero_grad()``, step 2."""
+    torch.set_num_threads(1)
+    (x, y), mesh = _gated_data(), Mesh(backend, {"pp": 2, "dp": 2})
+    h, d = GLOBAL_BATCH // 2, mesh.coordinate("dp")
+    out: dict[str, Any] = {}
+    for flag in (True, False):
+        for dp, schedule, kw in REPLICATED:
+            model = HybridShardedModel(
+                _gated(), mesh, dp, micro_batches=2, schedule=schedule, find_unused_parameters=flag, **kw
+            )
+            opt = STRATEGY_OPTIMIZERS.get(dp, ZeRO3Optimizer)(
+                model, torch.optim.AdamW, lr=0.01, weight_decay=0.1
+            )
+            got = []
+            for s in range(len(SIGNS)) if flag else (0, 2):
+                batch = (x[s, d * h : (d + 1) * h], y[s, d * h : (d + 1) * h])
+                for call in (partial(model.train_step, batch, F.mse_loss), opt.step):
+                    try:
+                        call()
+                        got.append("ran")
+                    except StrategyError as exc:
+                        got.append(str(exc))
+                opt.zero_grad()
+            out[f"{dp}/{flag}"] = (got, model.full_state_dict())
+    return out
+
+
+def test_a_pipeline_whose_replicas_disagree_on_an_unused_parameter_refuses_on_every_rank() -> None:
+    """pp=2 x dp=2, a parameter reached only by some replicas' batches. Without find_unused_parameters
+    the replica that had not used it refused alone while the other waited in the dp reduction until the
+    backend's timeout; now every rank of every replica refuses, naming (dp rank, pipeline rank), then
+    goes on. With it, one process on the global batch, exact (a replica that did not use it adds zeros
+    to the average; a step no replica used it leaves it out)."""
+    every, after = _gated_reference(list(range(len(SIGNS)))), _gated_reference([2])
+    for rank, res in enumerate(run_world(4, replicas_world, timeout=30)):
+        pp_rank = rank // 2  # the mesh's pp axis is outermost
+        for dp, _, _ in REPLICATED:
+            got, state = res[f"{dp}/True"]
+            assert got == ["ran"] * 2 * len(SIGNS), f"{dp} rank {rank}: {got}"
+            assert max_rel_error(state, every) <= 1e-6, f"{dp} rank {rank}"
+            got, state = res[f"{dp}/False"]
+            step, after_step = got[:2]
+            assert "find_unused_parameters=True" in step and "(dp rank, pipeline rank) [(1, 0)]" in step, (
+                f"{dp} rank {rank}: {step}"
+            )
+            assert ("'0.extra.weight'" in step) == (rank == 1), f"{dp} rank {rank}: {step}"
+            assert "found no synchronized gradients" in after_step, f"{dp} rank {rank}: {after_step}"
+            assert got[2:] == ["ran", "ran"] and max_rel_error(state, after) <= 1e-6, f"{dp} {rank}: {got}"
+            assert f"on pipeline rank {pp_rank} of dp rank {rank % 2}" in step, step

@@ -24,7 +24,7 @@ from dtlab.advise.spec import Candidate, ModelSpec
 from dtlab.models.pipeline._schedules import compute_order
 from dtlab.models.pipeline._split import balanced_split
 
-__all__ = ["StageShape", "activation_peak", "pipeline_ops", "split_stages"]
+__all__ = ["StageShape", "activation_peak", "pipeline_dp_ops", "pipeline_ops", "split_stages"]
 
 
 @dataclass(frozen=True)
@@ -146,3 +146,14 @@ def pipeline_ops(
     if tied and rank in (0, root):
         out["all_reduce"] = (2, counted + tied)
     return out
+
+
+def pipeline_dp_ops(c: Candidate, dp_ops: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """``dp_ops`` (what a stage's data-parallel strategy sends over dp in a step) with a pipelined step's
+    check that no replica holds a parameter no micro-batch used: one all-reduce over dp of ``dp x pp``
+    float32 values (every replica's counts) after the loss's over pp, at ``dp > 1``."""
+    if c.pp == 1 or c.dp == 1:
+        return dp_ops
+    calls, nbytes = dp_ops.get("all_reduce", (0, 0))
+    counted = 2 * (c.dp - 1) * 4 * c.dp * c.pp // c.dp  # an all-reduce of n bytes counts 2 (p - 1) n / p
+    return {**dp_ops, "all_reduce": (calls + 1, nbytes + counted)}

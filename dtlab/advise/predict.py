@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from dtlab.advise.activations import Held, stage_activations
 from dtlab.advise.dataparallel import DataParallelCost, Ops, data_parallel_cost
 from dtlab.advise.layout import Tensor, transformer_model, transformer_tensors
-from dtlab.advise.pipeline import StageShape, activation_peak, pipeline_ops, split_stages
+from dtlab.advise.pipeline import StageShape, activation_peak, pipeline_dp_ops, pipeline_ops, split_stages
 from dtlab.advise.precision import Precision
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions
 from dtlab.advise.steptime import (
@@ -284,7 +284,11 @@ def predict(
     if spec.tied_embeddings and pipelined:
         tied = (spec.vocab // c.tp) * spec.hidden * prec.reduce  # 2 ranks: an all-reduce sends it all
     stage_ops = tuple(
-        {"dp": costs[r].ops, "tp": tp_ops[r], "pp": pipeline_ops(spec, c, r, micro, e, tied)}
+        {
+            "dp": pipeline_dp_ops(c, costs[r].ops),
+            "tp": tp_ops[r],
+            "pp": pipeline_ops(spec, c, r, micro, e, tied),
+        }
         for r in range(c.pp)
     )
     per_axis: dict[str, Ops] = {

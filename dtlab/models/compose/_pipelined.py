@@ -1,10 +1,11 @@
 """A pipelined composition's step on this rank: each stage called through the data-parallel strategy,
 the schedule run with every backward inside ``no_sync()`` (ZeRO-3/FSDP: each unit gathered once for
 the step), then one all-reduce over pp of the loss and of each rank's count of parameters no
-micro-batch used (refused on every pipeline rank without ``find_unused_parameters``), the tied weights
-summed and the dp reduction; and inference through every stage. The tensors crossing stage boundaries
-come, per micro-batch shape, from a forward on the meta device (block stages) or the checked trace (a
-model split at module names, whose stages are then told the traced block outputs their stubs return)."""
+micro-batch used and, without ``find_unused_parameters``, one over dp of every replica's counts (any:
+refused on every rank), the tied weights summed and the dp reduction; and inference through every
+stage. The tensors crossing stage boundaries come, per micro-batch shape, from a forward on the meta
+device (block stages) or the checked trace (a model split at module names, whose stages are then told
+the traced block outputs their stubs return)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ from dtlab.models.compose._build import Layout
 from dtlab.models.compose._tied import TiedSync
 from dtlab.models.dp._unused import everywhere_unused_error
 from dtlab.models.dp.data_parallel import DataParallelModel
-from dtlab.models.pipeline._comm import StageLinks, infer_through_stages, loss_and_counts_over_pp
+from dtlab.models.pipeline._comm import (
+    StageLinks,
+    counts_over_dp,
+    infer_through_stages,
+    loss_and_counts_over_pp,
+)
 from dtlab.models.pipeline._runtime import StepResult, run_schedule
 from dtlab.models.pipeline._schedules import PipelineSchedule
 from dtlab.models.pipeline._split import Stage, TensorSpec, stage_specs
@@ -171,18 +177,22 @@ class PipelineRun:
                     self.failed = f"{type(exc).__name__}: {str(exc)[:200]}"
                     raise
             self.last = result
-            # parameters no micro-batch used since zero_grad(): refused on every pipeline rank before
-            # reducing (with find_unused_parameters they are left out of the step instead)
-            unused = dp.unused_here() if sync and not dp.find_unused_parameters else []
-            loss, per_rank = loss_and_counts_over_pp(result.loss, len(unused), pp)
-            if any(per_rank):
+            # parameters no micro-batch used since zero_grad(): refused on every rank of every replica
+            # before reducing (with find_unused_parameters they are left out of the step instead)
+            checked = sync and not dp.find_unused_parameters
+            unused = dp.unused_here() if checked else []
+            loss, counts = loss_and_counts_over_pp(result.loss, len(unused), pp)
+            where, group = f"{who}.train_step on pipeline rank {pp.rank}", dp.dp_backend
+            per_rank: dict[Any, int] = dict(enumerate(counts))
+            ranks_are = "pipeline rank(s)"
+            if checked and group.world_size > 1:  # replicas may disagree (a branch taken on some only)
+                per_rank, ranks_are = counts_over_dp(counts, group), "(dp rank, pipeline rank)"
+                where += f" of dp rank {group.rank}"
+            if any(per_rank.values()):
                 dp.check_requires_grad()  # one frozen after wrapping: named as such
-                where, since = (
-                    f"{who}.train_step on pipeline rank {pp.rank}",
-                    "from any micro-batch of this step",
-                )
-                raise everywhere_unused_error(where, "pipeline rank(s)", since, unused, per_rank)
+                since = "from any micro-batch of this step"
+                raise everywhere_unused_error(where, ranks_are, since, unused, per_rank)
             if sync:
                 self.tied.before_reduce()
-                dp.reduce_accumulated_grads(unused_checked=True)  # checked above, over pp
+                dp.reduce_accumulated_grads(unused_checked=True)  # checked above, over pp and dp
         return loss[0]

@@ -10,14 +10,14 @@ got a gradient on this rank since ``zero_grad()`` and, after each synchronizatio
 Without ``find_unused_parameters`` the marks stay local: gradients accumulated inside ``no_sync()``
 and reduced at once, by a pipeline's step or by ``reduce_accumulated_grads()`` called by the user, are
 refused before reducing when a parameter got none since ``zero_grad()`` (:meth:`UsedParams.unused_here`)
-rather than stepped with zeros: on every pipeline rank (:func:`everywhere_unused_error`, the counts carried
-by the loss's all-reduce), on every rank of the dp group (:meth:`UsedParams.refuse_unused`, one
-all-reduce of a count per rank).
+rather than stepped with zeros: on every rank of a pipeline and of its dp replicas
+(:func:`everywhere_unused_error`, the counts carried by the loss's all-reduce over pp, then over dp), on
+every rank of the dp group (:meth:`UsedParams.refuse_unused`, one all-reduce of a count per rank).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -111,9 +111,8 @@ class UsedParams:
             for check in checks:
                 check()
             where = f"{who}.reduce_accumulated_grads() on rank {self._group.rank}"
-            raise everywhere_unused_error(
-                where, "rank(s)", "from any backward since zero_grad()", mine, per_rank
-            )
+            since = "from any backward since zero_grad()"
+            raise everywhere_unused_error(where, "rank(s)", since, mine, dict(enumerate(per_rank)))
 
     def _unmarked(self) -> frozenset[int]:
         marks = zip(self._params, self._marks, strict=True)
@@ -146,16 +145,16 @@ def none_got_one(err: StrategyError, who: str) -> StrategyError:
 
 
 def everywhere_unused_error(
-    where: str, ranks_are: str, since: str, mine: list[str], per_rank: list[int]
+    where: str, ranks_are: str, since: str, mine: list[str], per_rank: Mapping[object, int]
 ) -> StrategyError:
-    """A refusal raised on every rank of a group before anything is reduced (a pipeline step, over pp;
-    ``reduce_accumulated_grads()``, over dp): ``per_rank[r]`` parameters of the group's rank ``r`` got
-    no gradient ``since`` (``mine``: this rank's); ``where``: the call and this rank; ``ranks_are``:
-    what the group's ranks are called."""
-    ranks = [r for r, n in enumerate(per_rank) if n]
+    """A refusal raised on every rank of a group before anything is reduced (a pipeline step, over pp
+    and dp; ``reduce_accumulated_grads()``, over dp): ``per_rank[r]`` parameters of the group's rank
+    ``r`` got no gradient ``since`` (``mine``: this rank's); ``where``: the call and this rank;
+    ``ranks_are``: what the group's ranks (the keys of ``per_rank``) are called."""
+    ranks = [r for r, n in per_rank.items() if n]
     here = f"{mine[:10]}{' ...' if len(mine) > 10 else ''}" if mine else "none here"
     return StrategyError(
-        f"{where}: {sum(per_rank)} parameters of {ranks_are} {ranks} received no gradient {since} "
+        f"{where}: {sum(per_rank.values())} parameters of {ranks_are} {ranks} received no gradient {since} "
         f"({here}; each rank names its own); nothing was reduced. Reduced, their zero gradients would "
         "be stepped (momentum and weight decay move them) where torch leaves their .grad None and skips "
         "them; make them take part in the loss, freeze them (requires_grad=False) before wrapping, or "

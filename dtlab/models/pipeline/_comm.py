@@ -23,7 +23,13 @@ from dtlab.backends.base import CommunicationBackend, P2POp, Work
 from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
 from dtlab.models.pipeline._split import TensorSpec
 
-__all__ = ["StageLinks", "broadcast_over_pp", "infer_through_stages", "loss_and_counts_over_pp"]
+__all__ = [
+    "StageLinks",
+    "broadcast_over_pp",
+    "counts_over_dp",
+    "infer_through_stages",
+    "loss_and_counts_over_pp",
+]
 
 _TAG_LIMIT = 1 << 15  # MPI guarantees tags up to 32767
 
@@ -174,3 +180,15 @@ def loss_and_counts_over_pp(
     if pp.world_size > 1:
         pp.all_reduce(buf)
     return buf[:1].clone(), [int(c) for c in buf[1:].tolist()]
+
+
+def counts_over_dp(per_pp_rank: list[int], dp: CommunicationBackend) -> dict[tuple[int, int], int]:
+    """Every dp replica's counts (``per_pp_rank``: this replica's, from :func:`loss_and_counts_over_pp`)
+    keyed ``(dp rank, pipeline rank)``: one all-reduce (sum) over dp of ``dp x pp`` float32 values, each
+    replica adding zeros but for its own ``pp``, so replicas that disagree all learn it."""
+    p = len(per_pp_rank)
+    buf = torch.zeros(dp.world_size * p, dtype=torch.float32, device=dp.device)
+    buf[dp.rank * p : (dp.rank + 1) * p] = torch.tensor(per_pp_rank, dtype=torch.float32)
+    if dp.world_size > 1:
+        dp.all_reduce(buf)
+    return {divmod(i, p): int(c) for i, c in enumerate(buf.tolist())}
