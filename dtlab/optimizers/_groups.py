@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dtlab.errors import CheckpointError, StrategyError
+from dtlab.optimizers._handed import refuse_handed_again
 from dtlab.optimizers._hooks import carried_hooks
 from dtlab.untrusted import summary
 
@@ -121,6 +122,7 @@ def spec_of(
                 f"{who} got a torch optimizer instance and keyword arguments {sorted(kwargs)}; give the "
                 f"options to the torch optimizer ({type(optimizer).__name__}(params, lr=...)) instead"
             )
+        refuse_handed_again(optimizer, who)
         template = optimizer
         state = optimizer.state_dict() if optimizer.state else None
     elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):

@@ -16,9 +16,27 @@ import torch
 from dtlab.core.torch_private import OPTIMIZER_HOOKS, quiet_scheduler_checks
 from dtlab.errors import StrategyError
 
-__all__ = ["hand_over"]
+__all__ = ["hand_over", "refuse_handed_again"]
 
 _REFUSED = ("step", "state_dict", "load_state_dict", "add_param_group")
+#: the attribute of a handed torch optimizer naming the strategy it was handed to
+_HANDED = "_dtlab_handed_to"
+
+
+def refuse_handed_again(optimizer: torch.optim.Optimizer, who: str) -> None:
+    """Refuse ``optimizer`` given to ``who`` (an optimizer strategy) when it was handed to one already."""
+    first = getattr(optimizer, _HANDED, None)
+    if first is None:
+        return
+    name = type(optimizer).__name__
+    raise StrategyError(
+        f"{who}: this {name} was handed to {first} already (opt = {first}(model, optimizer)), which holds "
+        "its optimizer state and the hooks registered on it since; this instance holds none of them, so "
+        f"a second strategy built on it would start from empty (or stale) state. Build a new {name} for "
+        f"the new wrapper and continue from the first strategy's state: opt = {who}(model, "
+        f"torch.optim.{name}(model.parameters(), ...)); opt.load_state_dict(first_opt.state_dict()) "
+        "(every rank calls both)"
+    )
 
 
 def hand_over(optimizer: torch.optim.Optimizer, who: str, to: torch.optim.Optimizer) -> None:
@@ -27,6 +45,7 @@ def hand_over(optimizer: torch.optim.Optimizer, who: str, to: torch.optim.Optimi
     and a hook registered on it from now on (``register_step_post_hook``: an EMA) is registered on ``to``,
     the strategy, as those registered before were carried over (else it would never run)."""
     name = type(optimizer).__name__
+    setattr(optimizer, _HANDED, who)
     for register in OPTIMIZER_HOOKS:
         setattr(optimizer, register, getattr(to, register))
     for call in _REFUSED:
