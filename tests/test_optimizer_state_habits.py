@@ -103,15 +103,17 @@ def test_options_that_differ_between_ranks_are_named_when_gathered() -> None:
 
 
 class _Scaled(torch.nn.Module):
-    """The tests' module times a 0-dim parameter (a logit scale, as CLIP's)."""
+    """The tests' module times a 0-dim parameter (a logit scale, as CLIP's), plus one of 0 elements (an
+    optional table sized 0)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.body = make_module()
         self.scale = torch.nn.Parameter(torch.tensor(1.3))
+        self.none = torch.nn.Parameter(torch.zeros(0, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x) * self.scale
+        return self.body(x) * self.scale + self.none.sum()
 
 
 def _scaled_steps(backend: CommunicationBackend | None, name: str, state: Any, first: int) -> Any:
@@ -142,18 +144,22 @@ def _scaled_steps(backend: CommunicationBackend | None, name: str, state: Any, f
     return {k: v.detach().clone() for k, v in whole.items()}, opt.state_dict(), shard
 
 
-def test_zero_dim_parameter_state_resumes_under_zero() -> None:
+def test_zero_dim_and_empty_parameter_state_resumes_under_zero() -> None:
     """A 0-dim parameter's Adam state loaded under ZeRO/FSDP (a torch state dict, or dtlab's shards saved
     under DDP, where it is a 0-dim tensor as in torch) stopped the next step with torch's raw 'output
     with shape [] doesn't match the broadcast shape [1]': the local optimizer stepped it as a
-    1-element piece. Now it steps it 0-dim, as torch, and the resumed run equals one process."""
+    1-element piece. Now it steps it 0-dim, as torch, and the resumed run equals one process. ZeRO-1/2's
+    opt.state_dict() gave a parameter of 0 elements a state without 'step', so a plain torch optimizer
+    loading it stopped at its step with KeyError 'step': now no state, as ZeRO-3's."""
     want = _scaled_steps(None, "", _scaled_steps(None, "", None, 0)[:2], 2)[0]
     for saver, loader, torch_format in (("zero2", "zero2", True), ("ddp", "zero3", False)):
         saved = run_world(2, _scaled_steps, saver, None, 0, timeout=30)
         state = saved[0][1] if torch_format else [r[2] for r in saved]
         got = run_world(2, _scaled_steps, loader, (saved[0][0], state), 2, timeout=30)[0][0]
+        plain = _scaled_steps(None, "", (saved[0][0], saved[0][1]), 2)[0]  # a plain script loads it
         for k, v in want.items():
             assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), (saver, loader, k)
+            assert torch.allclose(plain[k], v, rtol=1e-5, atol=1e-6), (saver, k)
 
 
 def _handed_twice(backend: CommunicationBackend | None, name: str, fix: bool) -> Any:

@@ -123,7 +123,7 @@ def _gathered_state(
             backend.all_gather(whole, mine)
             for p, s in zip(unit.params, unit.slots, strict=True):
                 i = index_of.get(id(p))
-                if i is not None:
+                if i is not None and s.numel:  # a parameter of 0 elements: no rank steps it, no state
                     out.setdefault(i, {})[k] = whole[s.offset : s.offset + s.numel].view(s.shape).clone()
     return dict(sorted(out.items()))
 
