@@ -158,3 +158,30 @@ def _tp_checks(backend: CommunicationBackend) -> None:
 def test_compiled_tensor_parallel_model_trains_like_eager() -> None:
     pytest.importorskip("torch._dynamo")
     run_world(2, _tp_checks, timeout=240)
+
+
+def _compiled_refusals(backend: CommunicationBackend) -> list[str]:
+    from test_tensor_habits import PLAN, build
+
+    from dtlab.models import PipelineParallelModel
+
+    errors = []
+    for wrap in (
+        lambda: TensorParallelModel(torch.compile(build(), backend="eager"), backend, plan=PLAN),
+        lambda: PipelineParallelModel(
+            torch.compile(_net(), backend="eager"), backend, micro_batches=2, split_points=["2"]
+        ),
+    ):
+        with pytest.raises(StrategyError) as info:
+            wrap()
+        errors.append(str(info.value))
+    return errors
+
+
+def test_a_compiled_module_is_refused_where_the_layers_are_found_by_name() -> None:
+    """torch.compile(model)'s wrapper names its modules '_orig_mod.<name>': a tensor plan or split
+    points by the model's names would find none (refused naming the fix, not 'matches no module')."""
+    pytest.importorskip("torch._dynamo")
+    for error in run_world(2, _compiled_refusals, timeout=60)[0]:
+        assert "the module is torch.compile(model)'s wrapper (OptimizedModule)" in error, error
+        assert "hf_model.compile()" in error and "torch.compile(model), without a pipeline" in error, error

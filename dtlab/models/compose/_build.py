@@ -6,6 +6,7 @@ ranks' stages released to the meta device (this rank's under the whole model's n
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +170,20 @@ def _check_pipeline(who: str, args: PipelineArgs, p: int, m: int, pipelined: boo
         )
 
 
+def _check_uncompiled(who: str, module: nn.Module) -> None:
+    """Refuse ``torch.compile(model)``'s wrapper where modules are found by name (a tensor plan, split
+    points): its modules are named ``_orig_mod...``, and the plan or the split would swap layers behind it."""
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    if compiled is not None and isinstance(module, compiled):
+        raise StrategyError(
+            f"{who}: the module is torch.compile(model)'s wrapper (OptimizedModule), whose modules are "
+            "named '_orig_mod.<name>': the tensor plan and the pipeline split find the model's layers by "
+            "their names. Wrap the plain model, then compile: the wrapper (torch.compile(model), without a "
+            "pipeline), or the model in place before wrapping (hf_model.compile(); under a pipeline each "
+            "block, layer.compile()), which keeps the names"
+        )
+
+
 def lay_out(
     who: str,
     module: nn.Module,
@@ -186,6 +201,8 @@ def lay_out(
     m = p if args.micro_batches is None else args.micro_batches
     pipelined = always_pipelined or p > 1 or v > 1 or m > 1
     _check_pipeline(who, args, p, m, pipelined)
+    if tensor_plan is not None or pipelined:
+        _check_uncompiled(who, module)
     if tp.world_size * p > 1:  # the dp strategy checks its own group
         check_real(who, [(n, q) for n, q in module.named_parameters() if q.requires_grad])
     partial: list[nn.Parameter] = []

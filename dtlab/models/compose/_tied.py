@@ -164,12 +164,26 @@ def _check_replaceable(who: str, path: str, layer: nn.Module) -> None:
         ),
     ]
     if hooks:
+        forward_hooks = MODULE_HOOKS["register_forward_hook"](layer).values()
+        hf = _HF_INPUT_GRADS in {getattr(h, "__name__", "") for h in forward_hooks}
         raise StrategyError(
             f"{who}: the tensor plan replaces {path!r} by a tensor-parallel layer, so your hooks on it "
-            f"({', '.join(hooks)}) would silently never run. Register them after wrapping, "
-            f"on model.module.get_submodule({path!r}) or its parameters: they then see this rank's "
-            "piece of the output and of the gradient"
+            f"({', '.join(hooks)}) would silently never run. "
+            + (
+                "Hugging Face's gradient_checkpointing_enable() registered it (enable_input_require_grads(): "
+                "the embedding's output made to require grad, needed only where the embedding is frozen): "
+                "call hf_model.disable_input_require_grads() after it, before wrapping, or call "
+                "model.module.gradient_checkpointing_enable() after wrapping instead (without a pipeline)"
+                if hf
+                else f"Register them after wrapping, on model.module.get_submodule({path!r}) or its "
+                "parameters: they then see this rank's piece of the output and of the gradient"
+            )
         )
+
+
+#: the forward hook Hugging Face's ``enable_input_require_grads()`` puts on the input embedding (its
+#: ``gradient_checkpointing_enable()`` calls it)
+_HF_INPUT_GRADS = "make_inputs_require_grads"
 
 
 class TiedSync:
