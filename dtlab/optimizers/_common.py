@@ -35,7 +35,7 @@ from dtlab.optimizers._groups import (
 from dtlab.optimizers._handed import hand_over
 from dtlab.optimizers._hooks import carry_hooks, load_with_hooks, state_dict_with_hooks
 from dtlab.optimizers._state_view import StateView, replace_state
-from dtlab.optimizers._torch_state import full_state, load_full_state
+from dtlab.optimizers._torch_state import PART, check_part, full_state, load_full_state, model_part
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.untrusted import summary
 
@@ -226,7 +226,8 @@ class DataParallelOptimizer(OptimizerStrategy):
         index_of = {pid: i for pid, (i, _, _) in self._indexed().items()}
         me = type(self).__name__
         state = full_state(self._entries, self._opt, self.dp_model, index_of, self._sharded_state, me)
-        return {"state": state, "param_groups": groups}
+        part = model_part(self.dp_model, self._indexed())
+        return {"state": state, "param_groups": groups, **({} if part is None else {PART: part})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a plain torch optimizer's ``state_dict()`` (or this one's): the same groups with the
@@ -249,6 +250,7 @@ class DataParallelOptimizer(OptimizerStrategy):
                 f"{me}.load_state_dict(): parameters per group {theirs} in the state dict, {sizes} here; "
                 "build the optimizer with the groups it was saved with"
             )
+        check_part(state_dict.get(PART), model_part(self.dp_model, self._indexed()), me, self.agree)
         ids = [pid for g in saved for pid in g["params"]]
         state = state_dict.get("state", {})
         mine: dict[int, Any] = {}

@@ -4,11 +4,14 @@
 "params": [i, ...]]}`` with ``i`` a parameter's position over the groups, exactly as torch writes it,
 so a plain script resumes from it and the strategy resumes from a plain script's. Under a sharded
 strategy building it is collective (every rank calls: each unit's state is all-gathered); loading is
-not (each rank keeps the slice of each tensor it steps).
+not (each rank keeps the slice of each tensor it steps). Under tensor or pipeline parallelism a rank
+holds a part of the model (its tp slices, its stages): the state dict is that part's, marked with it
+(:data:`PART`), and loading another rank's part is refused on every rank.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +20,15 @@ from dtlab.errors import CollectiveTimeoutError, StrategyError
 from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers._groups import Entry, jsonable
 
-__all__ = ["full_state", "load_full_state"]
+__all__ = ["PART", "check_part", "full_state", "load_full_state", "model_part"]
+
+#: the key of the state dict naming the part of the model a tp or pipeline rank's state is of
+PART = "dtlab_part"
+_FIX = (
+    "Under tensor and pipeline parallelism opt.state_dict() is this rank's part (its tp slices, its "
+    "stages): save one per rank and load each rank's own (torch.save(opt.state_dict(), "
+    "f'opt_{rank}.pt')), or save opt.sharded_state_dict() with dtlab.checkpoint (any mesh)"
+)
 
 
 def _tensor_state(e: Entry, key: str, v: torch.Tensor, who: str) -> bool:
@@ -172,3 +183,45 @@ def load_full_state(
             else:
                 st[k] = _scalar(v)
         local.state[e.tensor] = st
+
+
+def model_part(model: OptimizerTarget, indexed: dict[int, tuple[int, int, str]]) -> list[list[Any]] | None:
+    """``[index, name, coordinate, size]`` of each parameter this rank steps, its coordinate and size
+    on the axis it is split over (tensor parallelism; names tell pipeline stages apart), where a rank
+    holds a part of the model (its world is larger than its data-parallel group); else None."""
+    if model.world_backend.world_size == model.dp_backend.world_size:
+        return None
+    out: list[list[Any]] = []
+    for i, _, name in sorted(indexed.values()):
+        _, coordinate, size = model.placed(name)
+        out.append([i, name, coordinate, size])
+    return out
+
+
+def _wrong_part(saved: Any, here: list[list[Any]], who: str) -> str | None:
+    """Why a state dict of another rank's part of the model (``saved``: its :data:`PART`) cannot load
+    here, or None; a plain torch optimizer's (no part) is checked by each state tensor's size."""
+    if saved is None or saved == here:
+        return None
+    theirs = {p[0]: p for p in saved if isinstance(p, list) and len(p) == 4}
+    diff = next((p for p in here if theirs.get(p[0]) != p), here[0])
+    other = theirs.get(diff[0])
+    said = "no parameter" if other is None else f"{other[1]!r} piece {other[2]} of {other[3]}"
+    return (
+        f"{who}.load_state_dict(): the state dict is another rank's part of the model: parameter "
+        f"{diff[0]} is {diff[1]!r} piece {diff[2]} of {diff[3]} here, {said} in the state dict. {_FIX}"
+    )
+
+
+def check_part(saved: Any, here: list[list[Any]] | None, who: str, agree: Callable[[bool], bool]) -> None:
+    """On a rank holding a part of the model (``here``: :func:`model_part`), refuse on every rank (one
+    consensus: ``agree``) when any rank was given another rank's part."""
+    if here is None:
+        return
+    wrong = _wrong_part(saved, here, who)
+    if not agree(wrong is None):
+        raise StrategyError(
+            wrong
+            or f"{who}.load_state_dict(): another rank was given another rank's part of the model "
+            f"(its error names the parameter). {_FIX}"
+        )
