@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from filled import filled
 from test_strategies_helpers import make_data, make_module, wrap
 from torch.nn import functional as F
 
@@ -256,3 +257,55 @@ def test_another_rank_s_optimizer_state_is_refused_under_tp_and_pp() -> None:
             assert "opt.state_dict() is this rank's part" in said and "f'opt_{rank}.pt'" in said, said
             if rank == 1:
                 assert "piece" in said and "here" in said, said
+
+
+class _Branch(torch.nn.Module):
+    """A trunk, and a head the loss uses only from step 2 on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
+        filled(self, 0, scale=0.4)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return self.trunk(x) + (self.head(x) if step >= 2 else 0)
+
+
+def _branch_steps(backend: CommunicationBackend | None, name: str, state: Any) -> Any:
+    """Steps 0-1 under ``name`` with find_unused_parameters (module and torch-format optimizer state
+    returned), or, with ``state``, one process resuming from it at steps 2-3 (from scratch: None)."""
+    module = _Branch()
+    xs, ys = make_data(4, GLOBAL_BATCH)
+    if backend is not None:
+        model = wrap(name, module, backend, find_unused_parameters=True)
+        opt = OPT.get(name, ZeRO3Optimizer)(model, torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+        half = GLOBAL_BATCH // backend.world_size
+        part = slice(backend.rank * half, (backend.rank + 1) * half)
+        for s in range(2):
+            F.mse_loss(model(xs[s][part], s), ys[s][part]).backward()
+            opt.step()
+            opt.zero_grad()
+        return model.full_state_dict(), opt.state_dict()
+    plain = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1)
+    if state is not None:
+        module.load_state_dict(state[0])
+        plain.load_state_dict(state[1])
+    for s in range(0 if state is None else 2, 4):
+        F.mse_loss(module(xs[s], s), ys[s]).backward()
+        plain.step()
+        plain.zero_grad()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_state_dict_of_parameters_not_stepped_yet_loads_in_torch() -> None:
+    """ZeRO-1/2's opt.state_dict() gave a parameter with no optimizer state yet (unused so far, under
+    find_unused_parameters) its unit's element-wise keys as zeros without 'step', so a torch optimizer
+    loading it (a plain script, or the strategy itself) stopped at that parameter's first step with
+    KeyError 'step'. Now it has no state, as in torch, and the resumed run equals one process."""
+    want = _branch_steps(None, "", None)
+    for name in ("zero1", "zero2"):
+        saved = run_world(2, _branch_steps, name, None, timeout=30)[0]
+        assert sorted(saved[1]["state"]) == [0, 1], (name, sorted(saved[1]["state"]))
+        got = _branch_steps(None, "", saved)
+        for k, v in want.items():
+            assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), (name, k)

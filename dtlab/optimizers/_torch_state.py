@@ -80,11 +80,15 @@ def _gathered_state(
     index_of: dict[int, int],
     who: str,
 ) -> dict[int, dict[str, Any]]:
-    """The sharded case: each unit's element-wise state all-gathered, scalars exchanged as objects."""
+    """The sharded case: each unit's element-wise state all-gathered, scalars exchanged as objects;
+    a parameter no rank holds state for (not stepped yet: unused so far, or of 0 elements) gets none,
+    as in torch, not the zeros of its unit's element-wise keys without its scalars (a torch optimizer
+    loading that stopped at its step: KeyError 'step')."""
     units = model.shard_units()
     slot_of = {id(u.params[j]): (ui, s) for ui, u in enumerate(units) for j, s in enumerate(u.slots)}
     kinds: dict[int, dict[str, str]] = {}  # unit -> element-wise state key -> dtype
     scalars: dict[int, dict[str, Any]] = {}
+    held = {e.index for e in entries if local.state.get(e.tensor)}  # parameters with state here
     for e in entries:
         for k, v in local.state.get(e.tensor, {}).items():
             if isinstance(v, torch.Tensor) and _tensor_state(e, k, v, who):
@@ -101,7 +105,7 @@ def _gathered_state(
     all_kinds: dict[int, dict[str, str]] = {}
     options = [jsonable(g) for g in local.param_groups]  # the strategy's, synchronized at state_dict()
     try:
-        gathered = backend.all_gather_object((kinds, scalars, options))
+        gathered = backend.all_gather_object((kinds, scalars, options, held))
     except CollectiveTimeoutError as exc:  # a DDP habit: if rank == 0: torch.save(opt.state_dict())
         raise StrategyError(
             f"{who}.state_dict() on rank {backend.rank} timed out waiting for the other ranks: each holds "
@@ -109,8 +113,9 @@ def _gathered_state(
             f"rank, then save on one (if rank == 0: torch.save(sd, path)), or save each rank's shard with "
             f"dtlab.checkpoint ({exc})"
         ) from exc
-    _check_same_options([g for _, _, g in gathered], who)
-    for theirs, their_scalars, _ in gathered:
+    _check_same_options([g for _, _, g, _ in gathered], who)
+    stepped = set().union(*(h for _, _, _, h in gathered))
+    for theirs, their_scalars, _, _ in gathered:
         for ui, ks in theirs.items():
             all_kinds.setdefault(ui, {}).update(ks)
         for i, st in their_scalars.items():
@@ -134,7 +139,7 @@ def _gathered_state(
             backend.all_gather(whole, mine)
             for p, s in zip(unit.params, unit.slots, strict=True):
                 i = index_of.get(id(p))
-                if i is not None and s.numel:  # a parameter of 0 elements: no rank steps it, no state
+                if i is not None and i in stepped:
                     out.setdefault(i, {})[k] = whole[s.offset : s.offset + s.numel].view(s.shape).clone()
     return dict(sorted(out.items()))
 
