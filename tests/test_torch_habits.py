@@ -142,6 +142,25 @@ def test_zero3_says_when_nothing_is_sharded() -> None:
         run_world(2, build, timeout=30)
 
 
+def test_torch_constructor_options_are_named_with_the_fix() -> None:
+    """torch DDP's ``device_ids=[local_rank]`` (and FSDP2's ``mp_policy=``, ``static_graph=``...) stopped
+    with Python's bare 'DataParallelModel.__init__() got an unexpected keyword argument': each now names
+    the wrapper, the option and what to do instead (still a TypeError)."""
+
+    def build(backend: Any) -> list[str]:
+        said = []
+        for name, option in (("ddp", "device_ids"), ("fsdp", "mp_policy"), ("zero1", "static_graph")):
+            with pytest.raises(TypeError) as info:
+                wrap(name, make_module(), backend, **{option: None})
+            said.append(str(info.value))
+        return said
+
+    (said,) = run_world(1, build, timeout=30)
+    assert "DDPModel(device_ids=...)" in said[0] and "module.to(backend.device)" in said[0], said[0]
+    assert "FSDPModel(mp_policy=...)" in said[1] and "torch.autocast" in said[1], said[1]
+    assert "ZeRO1Model(static_graph=...)" in said[2] and "drop it" in said[2], said[2]
+
+
 def test_zero3_names_tied_weights_when_they_keep_everything_whole() -> None:
     """At persistence_threshold=0 only tied parameters stay whole: the warning names them and the fix
     (not the threshold, which is already 0)."""

@@ -267,3 +267,56 @@ def test_state_dict_tensors_are_the_model_s_where_parameters_are_whole() -> None
             else:
                 said = res[name]
                 assert "state_dict(keep_vars=True)" in said and "named_parameters()" in said, said
+
+
+def unfreeze_mid_run(backend: CommunicationBackend | None, name: str) -> Any:
+    """Layer 0 frozen for 2 AdamW steps, then trained (torch: ``requires_grad_(True)`` and
+    ``opt.add_param_group``); wrapped: the refusal, then the recipe it names (the module wrapped again,
+    ZeRO-3/FSDP: a fresh one loaded from the old wrapper; the optimizer state carried over)."""
+    module = make_module()
+    module[0].requires_grad_(False)
+    model: Any = module if backend is None else wrap(name, module, backend)
+    ocls = {"ddp": DDPOptimizer, "zero1": ZeRO1Optimizer, "zero2": ZeRO2Optimizer}.get(name, ZeRO3Optimizer)
+    opt: Any = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=0.01)
+    opt = opt if backend is None else ocls(model, opt)
+    part = slice(None) if backend is None else HALVES[backend.rank]
+    xs, ys = make_data(4, GLOBAL_BATCH)
+    said = ""
+    for s in range(4):
+        if s == 2:
+            module[0].requires_grad_(True)
+            if backend is None:
+                opt.add_param_group({"params": list(module[0].parameters()), "lr": 0.02})
+            else:
+                try:  # refused at the backward or the step
+                    F.mse_loss(model(xs[s][part]), ys[s][part]).backward()
+                    opt.step()
+                except StrategyError as exc:
+                    said = str(exc)
+                module.zero_grad()  # the refused backward's pieces
+                sd = opt.state_dict()
+                if name in ("zero3", "fsdp"):
+                    module = make_module()
+                    module.load_state_dict(model.state_dict())
+                before = [p for n, p in module.named_parameters() if not n.startswith("0.")]
+                model = wrap(name, module, backend)
+                opt = ocls(model, torch.optim.AdamW(before, lr=0.01))
+                opt.load_state_dict(sd)
+                opt.add_param_group({"params": list(module[0].parameters()), "lr": 0.02})
+        F.mse_loss(model(xs[s][part]), ys[s][part]).backward()
+        opt.step()
+        opt.zero_grad()
+    state = module.state_dict() if backend is None else model.full_state_dict()
+    return said, {k: v.detach().clone() for k, v in state.items()}
+
+
+def test_unfreezing_mid_run_is_refused_naming_the_recipe_that_equals_torch() -> None:
+    """The refusal named rebuilding the wrapper only; a new optimizer lost AdamW's moments. It now names
+    carrying the state over (opt.state_dict(), load into the new one, add_param_group), which equals
+    torch's add_param_group in one process."""
+    want = unfreeze_mid_run(None, "")[1]
+    for name in ("zero2", "fsdp"):
+        for said, got in run_world(2, unfreeze_mid_run, name, timeout=60):
+            assert "requires_grad=True now on ['0.weight', '0.bias']" in said, said
+            assert "opt.add_param_group({'params': unfrozen})" in said, said
+            assert max_rel_error(got, want) <= 1e-5, name

@@ -13,20 +13,27 @@ from __future__ import annotations
 
 import weakref
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.torch_private import MODULE_HOOKS, TENSOR_HOOKS
-from dtlab.errors import StrategyError
+from dtlab.errors import ArgumentTypeError, StrategyError
 from dtlab.models.dp._sync_bn import DataParallelBatchNorm, sync_batch_norms
 from dtlab.models.dp.flat import check_real
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["MODULE_HOOKS", "TENSOR_HOOKS", "Ownership", "check_module", "rewrap_advice"]
+__all__ = [
+    "MODULE_HOOKS",
+    "TENSOR_HOOKS",
+    "Ownership",
+    "check_module",
+    "rewrap_advice",
+    "torch_option_refused",
+]
 
 #: the attribute of a parameter holding the :class:`_Mark` of the wrapper that hooked it
 _MARK = "_dtlab_owner"
@@ -200,10 +207,36 @@ def check_module(
 
 
 def rewrap_advice(shards_at_rest: bool) -> str:
-    """How to change which parameters train once a module is wrapped."""
+    """How to change which parameters train once a module is wrapped (and keep the optimizer state)."""
+    keep = (
+        "; to keep the optimizer state (torch's opt.add_param_group for a newly unfrozen group): "
+        "sd = opt.state_dict(), a new optimizer strategy on the new wrapper over the parameters trained "
+        "before, opt.load_state_dict(sd), then opt.add_param_group({'params': unfrozen})"
+    )
     if shards_at_rest:  # its parameters are flat shards: a new wrapper needs a whole module
         return (
             "to change which parameters train, load full_state_dict() (every rank) into a fresh "
-            "module, set requires_grad there and wrap that"
+            "module, set requires_grad there and wrap that" + keep
         )
-    return "rebuild the wrapper after changing which parameters train"
+    return "rebuild the wrapper after changing which parameters train" + keep
+
+
+#: torch DDP's and FSDP2's constructor options a data-parallel strategy has no counterpart for
+_TORCH_OPTIONS = {
+    "device_ids": "move the module to this rank's device before wrapping it (module.to(backend.device))",
+    "output_device": "move the module to this rank's device before wrapping it (module.to(backend.device))",
+    "process_group": "pass the group as the backend argument (on a mesh: mesh['dp'])",
+    "mesh": "pass the group as the backend argument; for 2-D sharding use HybridShardedModel",
+    "mp_policy": "keep float32 parameters, compute under torch.autocast (reduce_dtype=: the reduction)",
+    "static_graph": "drop it: nothing is traced or recorded across steps",
+    "gradient_as_bucket_view": "drop it: under DDPModel param.grad already views the reduced bucket",
+    "init_sync": "drop it: the module is broadcast from rank 0 when wrapped",
+}
+
+
+def torch_option_refused(who: str, options: dict[str, Any]) -> ArgumentTypeError:
+    """The error for constructor options ``who`` does not take, naming torch's counterparts' fix."""
+    name = next(iter(options))
+    fix = _TORCH_OPTIONS.get(name)
+    said = f"torch's {name}= has no counterpart here: {fix}" if fix else f"{name}= is not one of its options"
+    return ArgumentTypeError(f"{who}({name}=...): {said} (its options: docs/strategies.md, help({who}))")

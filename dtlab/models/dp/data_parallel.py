@@ -25,7 +25,7 @@ from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.dp._added import WrappedParams
 from dtlab.models.dp._cleared import adopt_cleared
 from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message, tensor_bytes
-from dtlab.models.dp._owner import Ownership, check_module, rewrap_advice
+from dtlab.models.dp._owner import Ownership, check_module, rewrap_advice, torch_option_refused
 from dtlab.models.dp._unused import UsedParams, unused_error
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 
@@ -47,7 +47,10 @@ class DataParallelModel(OptimizerTarget):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         world: CommunicationBackend | None = None,
+        **unknown: Any,  # torch DDP's device_ids=, static_graph=...: named with the fix
     ) -> None:
+        if unknown:
+            raise torch_option_refused(type(self).__name__, unknown)
         super().__init__(module, backend, world=world)
         self._trainable = check_module(module, backend, type(self).__name__)
         if reduce_dtype is not None and not (
