@@ -144,6 +144,9 @@ def _tensor_parallel(
         generated = model.module.generate(
             x[:, :3], attention_mask=mask[:, :3], max_new_tokens=3, do_sample=False
         )
+        # prompts sharded by the rank, not the dp coordinate: the tp ranks would mix them (checked)
+        with pytest.raises(StrategyError, match=r"tensor-parallel group were given different inputs"):
+            model.module.generate(x[backend.rank :: 2, :3], max_new_tokens=3, do_sample=False)
     state_now = model.state_dict()  # collective: every rank
     model.module.save_pretrained(root / "tp", state_dict=dict(state_now), is_main_process=backend.rank == 0)
     return {

@@ -164,7 +164,7 @@ class HybridShardedModel(OptimizerTarget):
         self.mesh = mesh
         self.tp_group: CommunicationBackend = mesh["tp"]
         self.pp_group: CommunicationBackend = mesh["pp"]
-        self._same_on_tp = SameOnTp(who, self.tp_group, mesh.ranks("tp"), batch_check)  # tp: same batches
+        self._same_on_tp = SameOnTp(who, self.tp_group, mesh.ranks("tp"), batch_check, root)  # same batches
         self._layout, self._placements = layout, placements
         self._chosen_sync = chosen_sync
         self._span = mesh["dp", "tp"]
@@ -251,8 +251,8 @@ class HybridShardedModel(OptimizerTarget):
         self._tp_grads.release()
         training = self.training and torch.is_grad_enabled()
         check_call(type(self).__name__, args, kwargs, self._pipe is not None, self.logits_split, training)
-        self._same_on_tp("inputs", [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()])
-        with self._wrapped_as, head_count_hint(type(self).__name__, self.mesh.size("tp")):
+        tp_hint = head_count_hint(type(self).__name__, self.mesh.size("tp"))
+        with self._same_on_tp.inputs(args, kwargs), self._wrapped_as, tp_hint:
             if self._pipe is None:  # dtype/device checked here only (before a schedule: a refusal would hang)
                 if torch.is_grad_enabled():
                     self._check_partial_fresh()

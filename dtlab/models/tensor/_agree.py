@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.plan import TP_BATCH_CHECKS, TpBatchCheck
@@ -131,7 +132,9 @@ def check_same_on_tp(
 class SameOnTp:
     """A model's check of what it is given against its tp group (nothing when tp = 1): called with the
     inputs of ``forward``, the targets of a loss and the batch of ``train_step``, which checks its
-    whole batch once (:meth:`step`: the forward and loss inside it are not checked again).
+    whole batch once (:meth:`step`: the forward and loss inside it are not checked again). ``module``:
+    the wrapped module, whose inputs are checked too where it is called outside those (its own
+    ``generate()``, ``model.module(x)``); the wrapper's calls of it run inside them.
 
     How often follows ``policy`` (:class:`~dtlab.core.plan.TpBatchCheck`) and nothing else: ``"first"``
     counts the checks of each kind (inputs, targets, batches), which every rank of the group makes in
@@ -140,13 +143,21 @@ class SameOnTp:
     another policy would skip a collective the others wait in."""
 
     def __init__(
-        self, who: str, group: CommunicationBackend, ranks: Sequence[int], policy: TpBatchCheck
+        self,
+        who: str,
+        group: CommunicationBackend,
+        ranks: Sequence[int],
+        policy: TpBatchCheck,
+        module: nn.Module | None = None,
     ) -> None:
         self.who, self.group, self.ranks, self.policy = who, group, list(ranks), policy
         self._inside = False
         self._made: dict[str, int] = {}  # checks made so far, by kind (inputs, targets, batches)
         if group.world_size > 1:
             self._agree_on_policy()
+            if module is not None:  # the wrapped module called directly (model.module.generate(...)),
+                # before anything else of its forward (a sharded strategy's gathers)
+                module.register_forward_pre_hook(self._direct, with_kwargs=True, prepend=True)
 
     def _agree_on_policy(self) -> None:
         mine = [TP_BATCH_CHECKS.index(self.policy.when), self.policy.first]
@@ -179,12 +190,32 @@ class SameOnTp:
         if self.group.world_size > 1 and not self._inside and self._due(what):
             check_same_on_tp(self.who, what, named, self.group, self.ranks)
 
+    def _direct(self, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The wrapped module's inputs, where it runs outside the wrapper's forward (checked there)."""
+        self("inputs", _named(args, kwargs))
+
     @contextlib.contextmanager
     def step(self, batch: tuple[Any, Any]) -> Iterator[None]:
         """Check ``(inputs, targets)``, then run the step without checking again."""
         self("batches", [("inputs", batch[0]), ("targets", batch[1])])
-        self._inside = True
+        with self._checked():
+            yield
+
+    @contextlib.contextmanager
+    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+        """Check a forward's inputs, then run it without checking them again (the module's own call)."""
+        self("inputs", _named(args, kwargs))
+        with self._checked():
+            yield
+
+    @contextlib.contextmanager
+    def _checked(self) -> Iterator[None]:
+        was, self._inside = self._inside, True
         try:
             yield
         finally:
-            self._inside = False
+            self._inside = was
+
+
+def _named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]
