@@ -26,7 +26,7 @@ from torch_habits_cases import (
 )
 
 from dtlab.core.rng import seeded_init
-from dtlab.errors import CollectiveMismatchError
+from dtlab.errors import CollectiveMismatchError, StrategyError
 from dtlab.testing import run_world
 
 #: strategies where param.grad holds the whole averaged gradient after backward
@@ -145,7 +145,8 @@ def test_zero3_says_when_nothing_is_sharded() -> None:
 def test_torch_constructor_options_are_named_with_the_fix() -> None:
     """torch DDP's ``device_ids=[local_rank]`` (and FSDP2's ``mp_policy=``, ``static_graph=``...) stopped
     with Python's bare 'DataParallelModel.__init__() got an unexpected keyword argument': each now names
-    the wrapper, the option and what to do instead (still a TypeError)."""
+    the wrapper, the option and what to do instead (still a TypeError). ``model.join()`` (uneven inputs)
+    raised a bare AttributeError: it names the fix (the same number of batches on every rank)."""
 
     def build(backend: Any) -> list[str]:
         said = []
@@ -153,9 +154,12 @@ def test_torch_constructor_options_are_named_with_the_fix() -> None:
             with pytest.raises(TypeError) as info:
                 wrap(name, make_module(), backend, **{option: None})
             said.append(str(info.value))
-        return said
+        with pytest.raises(StrategyError) as joined:  # torch DDP's uneven inputs: AttributeError before
+            wrap("zero3", make_module(), backend).join()
+        return [*said, str(joined.value)]
 
     (said,) = run_world(1, build, timeout=30)
+    assert "ZeRO3Model has no join()" in said[3] and "dtlab.data.DistributedSampler" in said[3], said[3]
     assert "DDPModel(device_ids=...)" in said[0] and "module.to(backend.device)" in said[0], said[0]
     assert "FSDPModel(mp_policy=...)" in said[1] and "torch.autocast" in said[1], said[1]
     assert "ZeRO1Model(static_graph=...)" in said[2] and "drop it" in said[2], said[2]

@@ -218,6 +218,17 @@ class ModelStrategy(nn.Module):
         """Copying or pickling the wrapper is refused, naming what to copy instead (:func:`copy_refused`)."""
         raise copy_refused(type(self).__name__, self.world_backend.rank, self.module_copies)
 
+    def join(self, *args: Any, **kwargs: Any) -> NoReturn:  # noqa: ARG002 - torch DDP's signature
+        """torch DDP's ``join()`` (uneven inputs: ranks with fewer batches shadow the others'
+        collectives): refused, naming the fix."""
+        raise StrategyError(
+            f"{type(self).__name__} has no join(): uneven inputs are not shadowed as torch DDP's join() "
+            "does, so every rank must run the same number of steps (each synchronized backward, and under "
+            "ZeRO-3/FSDP each forward, is a collective). Give every rank the same number of batches: "
+            "dtlab.data.DistributedSampler (as torch's: padded to equal length, or drop_last=True) and "
+            "drop_last=True in the DataLoader"
+        )
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally inside the block; the next backward outside synchronizes."""
