@@ -320,3 +320,45 @@ def test_unfreezing_mid_run_is_refused_naming_the_recipe_that_equals_torch() -> 
             assert "requires_grad=True now on ['0.weight', '0.bias']" in said, said
             assert "opt.add_param_group({'params': unfrozen})" in said, said
             assert max_rel_error(got, want) <= 1e-5, name
+
+
+def switch_optimizer(backend: CommunicationBackend | None, name: str) -> Any:
+    """2 Adam steps, then 2 SGD steps (torch: a new optimizer on the same parameters); wrapped: the
+    second optimizer strategy's refusal, then the recipe it names (wrap again, ZeRO-3/FSDP a fresh module
+    loaded with model.state_dict(), and build the new optimizer strategy on the new wrapper)."""
+    module = make_module()
+    model: Any = module if backend is None else wrap(name, module, backend)
+    ocls = {"ddp": DDPOptimizer, "zero1": ZeRO1Optimizer, "zero2": ZeRO2Optimizer}.get(name, ZeRO3Optimizer)
+    opt: Any = torch.optim.Adam(module.parameters(), lr=0.01)
+    opt = opt if backend is None else ocls(model, opt)
+    part = slice(None) if backend is None else HALVES[backend.rank]
+    xs, ys = make_data(4, GLOBAL_BATCH)
+    said = ""
+    for s in range(4):
+        if s == 2 and backend is None:
+            opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        elif s == 2:
+            try:
+                ocls(model, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9))
+            except StrategyError as exc:
+                said = str(exc)
+            if name in ("zero3", "fsdp"):
+                module = make_module()
+                module.load_state_dict(model.state_dict())
+            model = wrap(name, module, backend)
+            opt = ocls(model, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9))
+        F.mse_loss(model(xs[s][part]), ys[s][part]).backward()
+        opt.step()
+        opt.zero_grad()
+    state = module.state_dict() if backend is None else model.full_state_dict()
+    return said, {k: v.detach().clone() for k, v in state.items()}
+
+
+def test_switching_optimizers_mid_run_names_the_recipe_that_equals_torch() -> None:
+    """A second optimizer strategy on one model is refused; the refusal said only 'build one optimizer
+    strategy per model'. It now names how to switch (Adam to SGD), which equals torch in one process."""
+    want = switch_optimizer(None, "")[1]
+    for name in ("zero1", "zero3"):
+        for said, got in run_world(2, switch_optimizer, name, timeout=60):
+            assert "To switch optimizers mid-run" in said and "model.state_dict()" in said, said
+            assert max_rel_error(got, want) <= 1e-5, name

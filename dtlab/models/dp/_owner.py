@@ -221,6 +221,15 @@ def rewrap_advice(shards_at_rest: bool) -> str:
     return "rebuild the wrapper after changing which parameters train" + keep
 
 
+#: what the refusal of a second optimizer strategy on one model says
+SWITCH_ADVICE = (
+    "build one optimizer strategy per model. To switch optimizers mid-run (torch: a new optimizer on the "
+    "same parameters, Adam to SGD), wrap again and build the new optimizer strategy on the new wrapper: "
+    "under DDP and ZeRO-1/2 wrap model.module; under ZeRO-3, FSDP, tensor and pipeline parallelism a "
+    "fresh module loaded with model.state_dict() (every rank)"
+)
+
+
 #: torch DDP's and FSDP2's constructor options a data-parallel strategy has no counterpart for
 _TORCH_OPTIONS = {
     "device_ids": "move the module to this rank's device before wrapping it (module.to(backend.device))",

@@ -25,7 +25,7 @@ from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.dp._added import WrappedParams
 from dtlab.models.dp._cleared import adopt_cleared
 from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message, tensor_bytes
-from dtlab.models.dp._owner import Ownership, check_module, rewrap_advice, torch_option_refused
+from dtlab.models.dp._owner import SWITCH_ADVICE, Ownership, check_module, rewrap_advice, torch_option_refused
 from dtlab.models.dp._unused import UsedParams, unused_error
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 
@@ -315,7 +315,7 @@ class DataParallelModel(OptimizerTarget):
         if self._optimizer_ref is not None and self._optimizer_ref is not optimizer:
             raise StrategyError(
                 f"{type(self).__name__} already has an optimizer strategy "
-                f"({type(self._optimizer_ref).__name__}); build one optimizer strategy per model"
+                f"({type(self._optimizer_ref).__name__}); {SWITCH_ADVICE}"
             )
         self._optimizer_ref = optimizer
 
