@@ -185,6 +185,44 @@ def test_torch_checkpoint_reentrant_or_not_trains_like_plain_under_every_strateg
             assert max_rel_error(state, want[(int(where), flag == "reentrant=True")]) < 1e-5, key
 
 
+def _only_checkpointed_trains() -> torch.nn.Module:
+    """Every trainable parameter inside two reentrant checkpoints (layers 1 and 3), the first layer
+    frozen and its output made to require grad: Hugging Face's checkpointing on a model trained in part
+    (its enable_input_require_grads() hook on a frozen embedding)."""
+    module = _checkpointed(1, True)
+    module[3] = _TorchCheckpoint(module[3], True)  # type: ignore[index]
+    module[0].requires_grad_(False)  # type: ignore[index]
+    module[0].register_forward_hook(lambda _m, _i, out: out.requires_grad_(True))  # type: ignore[index]
+    return module
+
+
+def _only_checkpointed_runs(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
+    x, y = make_data(3, 8)
+    mine = slice(backend.rank * 4, backend.rank * 4 + 4)
+    out = {}
+    for name in STRATEGIES:
+        model = wrap(name, _only_checkpointed_trains(), backend)
+        opt = optimizer_for(name, model, "sgd_plain")
+        plain_steps(model, opt, zip(x[:, mine], y[:, mine], strict=True), torch.nn.functional.mse_loss)
+        out[name] = model.full_state_dict()
+    return out
+
+
+def test_every_trainable_parameter_in_reentrant_checkpoints_trains_like_plain() -> None:
+    """The user's backward then accumulates no .grad itself: each segment's nested backward does, and
+    the first of them ends first. DDP and ZeRO-1/2 took the user's pass for a torch.autograd.grad one
+    and ended theirs with the first segment's (refused: parameters received no gradient)."""
+    x, y = make_data(3, 8)
+    module = _only_checkpointed_trains()
+    opt = torch.optim.SGD(module.parameters(), **OPTIMIZERS["sgd_plain"][1])
+    plain_steps(module, opt, zip(x, y, strict=True), torch.nn.functional.mse_loss)
+    want = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    assert (want["1.inner.fc.weight"] - make_module().state_dict()["1.fc.weight"]).abs().max() > 1e-2
+    for got in run_world(2, _only_checkpointed_runs, timeout=120):
+        for name, state in got.items():
+            assert max_rel_error(state, want) < 1e-5, name
+
+
 class _UsedTwice(torch.nn.Module):
     """One layer used before and inside the user's checkpoint: under a reentrant one its gradient
     arrives twice in one backward (once from the checkpoint's own backward)."""

@@ -25,15 +25,36 @@ class BackwardPass:
     def __init__(self) -> None:
         self.open = False
         self.raised = False
+        #: a pass that fills no ``.grad`` itself is running (:meth:`watch_outer`); what its end runs
+        self._outer = False
+        self._at_outer_end: Callable[[], None] | None = None
 
     def begin(self, at_end: Callable[[], None]) -> bool:
         """From a gradient hook: the first one of a pass queues ``at_end`` (which calls :meth:`end`)
-        and returns True; the later ones return False."""
+        and returns True; the later ones return False. Inside a pass :meth:`watch_outer` saw, ``at_end``
+        runs at that pass's end instead."""
         if self.open:
             return False
         self.open = True
-        torch.autograd.Variable._execution_engine.queue_callback(at_end)  # noqa: SLF001 - torch's way to run after the whole backward (as torch DDP does)
+        if self._outer:
+            self._at_outer_end = at_end
+        else:
+            _queue(at_end)
         return True
+
+    def watch_outer(self) -> None:
+        """From a pass that fills no ``.grad`` itself: ``torch.autograd.grad``, or the user's backward
+        when every trainable parameter is inside reentrant checkpoints (``use_reentrant=True``), whose
+        segments' backwards run nested in it, each a pass of its own that ends first. A pass those nested
+        backwards begin ends with this one, once every segment has given its gradients."""
+        if not (self._outer or self.open):
+            self._outer = True
+            _queue(self._outer_ended)
+
+    def _outer_ended(self) -> None:
+        at_end, self._at_outer_end, self._outer = self._at_outer_end, None, False
+        if at_end is not None:
+            at_end()
 
     def end(self) -> None:
         """The pass finished (its queued callback ran)."""
@@ -41,7 +62,10 @@ class BackwardPass:
 
     def found_raised(self) -> bool:
         """True once for a pass found still open outside any backward: it raised partway."""
-        if self.open and torch._C._current_graph_task_id() == -1:  # noqa: SLF001 - torch's query (torch.utils.checkpoint uses it): -1 outside any backward pass
+        if torch._C._current_graph_task_id() != -1:  # noqa: SLF001 - torch's query (torch.utils.checkpoint uses it): -1 outside any backward pass
+            return False
+        self._outer, self._at_outer_end = False, None  # a watched pass that raised: its end never ran
+        if self.open:
             self.open, self.raised = False, True
             return True
         return False
@@ -60,3 +84,8 @@ class BackwardPass:
     def forget(self) -> None:
         """``zero_grad()``: the partial gradients are dropped."""
         self.raised = False
+
+
+def _queue(fn: Callable[[], None]) -> None:
+    """Run ``fn`` after the whole backward now running (autograd runs it only if the pass succeeds)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)  # noqa: SLF001 - torch's way to run after the whole backward (as torch DDP does)

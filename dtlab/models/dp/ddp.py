@@ -133,8 +133,10 @@ class DDPModel(DataParallelModel):
         return not self._backward.open and not fills_grads(p for _, p in self._trainable)
 
     def _begin_backward(self) -> None:
-        if not self._fills_no_grads():  # a gradient penalty's autograd.grad pass is not synchronized
+        if not self._fills_no_grads():
             super()._begin_backward()
+        else:  # a gradient penalty's autograd.grad pass is not synchronized; a pass whose parameters are
+            self._backward.watch_outer()  # all in reentrant checkpoints is, when it ends
 
     def _on_grad(self, param: nn.Parameter) -> None:
         self._begin_backward()

@@ -90,7 +90,7 @@ class ZeRO1Model(DDPModel):
 
     def _begin_backward(self) -> None:
         if self._fills_no_grads():  # torch.autograd.grad: nothing to reduce, the buckets untouched
-            return
+            return super()._begin_backward()  # (DDPModel's watches it: see there)
         if not self._backward.open:
             if self._grad_state == "averaged":
                 raise StrategyError(
