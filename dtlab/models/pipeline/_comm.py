@@ -187,8 +187,9 @@ def counts_over_dp(per_pp_rank: list[int], dp: CommunicationBackend) -> dict[tup
     keyed ``(dp rank, pipeline rank)``: one all-reduce (sum) over dp of ``dp x pp`` float32 values, each
     replica adding zeros but for its own ``pp``, so replicas that disagree all learn it."""
     p = len(per_pp_rank)
-    buf = torch.zeros(dp.world_size * p, dtype=torch.float32, device=dp.device)
-    buf[dp.rank * p : (dp.rank + 1) * p] = torch.tensor(per_pp_rank, dtype=torch.float32)
+    values = [0] * (dp.world_size * p)
+    values[dp.rank * p : (dp.rank + 1) * p] = per_pp_rank
+    buf = torch.tensor(values, dtype=torch.float32, device=dp.device)
     if dp.world_size > 1:
         dp.all_reduce(buf)
     return {divmod(i, p): int(c) for i, c in enumerate(buf.tolist())}
