@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from dtlab.core.torch_private import top_saved_tensor_hooks
 from dtlab.core.traced import eager_when_traced
 
 __all__ = ["SavedHooks", "SavedParameter", "custom_function_saves", "outer_saved_hooks"]
@@ -44,13 +45,7 @@ def outer_saved_hooks() -> SavedHooks | None:
     """The saved-tensor hooks active now (torch's innermost: ``save_on_cpu()``, a non-reentrant
     checkpoint's, a pipeline's activation meter), which hooks pushed next would shadow; None if none.
     Read eagerly inside a compiled forward (dynamo cannot trace torch's reader: it warned)."""
-    return eager_when_traced(_top_hooks)()
-
-
-def _top_hooks() -> SavedHooks | None:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # noqa: SLF001 - torch's saved-tensor hook stack
-    hooks = top(False) if top is not None else None
-    return None if hooks is None else (hooks[0], hooks[1])
+    return eager_when_traced(top_saved_tensor_hooks)()
 
 
 def _unwrap(a: Any) -> Any:

@@ -1,6 +1,6 @@
-"""The one place dtlab reads torch's private attributes of modules and tensors: what torch keeps and
-lists nowhere public (its hook dicts, which buffers are left out of a ``state_dict``). Every other
-file reads them through these, so a torch release that renames one is fixed here."""
+"""The one place dtlab reads torch's private attributes and functions: what torch keeps and lists
+nowhere public (its hook dicts, which buffers are left out of a ``state_dict``, the saved-tensor hook
+stack). Every other file reads them through these, so a torch release that renames one is fixed here."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from functools import partial
 from operator import attrgetter
 from typing import Any, cast
 
+import torch
 from torch import nn
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "TENSOR_HOOKS",
     "non_persistent_buffers",
     "quiet_scheduler_checks",
+    "top_saved_tensor_hooks",
     "unhooked_step",
 ]
 
@@ -68,3 +70,12 @@ def non_persistent_buffers(module: nn.Module) -> frozenset[str]:
     """The names of ``module``'s own buffers registered with ``persistent=False`` (left out of its
     ``state_dict``; torch's ``_non_persistent_buffers_set``)."""
     return frozenset(getattr(module, "_non_persistent_buffers_set", ()))
+
+
+def top_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The innermost saved-tensor hooks active now, ``(pack, unpack)`` (``save_on_cpu()``, a
+    non-reentrant checkpoint's, ...), or None; torch's ``_top_saved_tensors_default_hooks`` (None where
+    a torch release lacks it: dtlab then sees no outer hooks)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # noqa: SLF001 - torch's saved-tensor hook stack
+    hooks = top(False) if top is not None else None
+    return None if hooks is None else (hooks[0], hooks[1])
