@@ -103,8 +103,9 @@ class TrainConfig(Section):
                 "strategy.activation_checkpointing=true checkpoints each block of the built-in transformer "
                 "(model.name=transformer_lm) or each FSDP unit (strategy.model=fsdp); for "
                 f"{self.model.factory or self.model.name!r} under strategy.model={s.model!r} use "
-                "strategy.model=fsdp, or call dtlab.models.checkpointing.checkpoint_modules(model, "
-                "(YourBlock,)) in your model factory"
+                "strategy.model=fsdp, or checkpoint in your model factory: "
+                "dtlab.models.checkpointing.checkpoint_modules(model, (YourBlock,)), or a Hugging Face "
+                "model's own model.gradient_checkpointing_enable()"
             )
         if self.train.precision == "fp16" and self.compression.algorithm != "none":
             raise ValueError(
