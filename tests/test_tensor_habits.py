@@ -214,3 +214,32 @@ def test_torch_clip_grad_norm_on_a_pipeline_rank_is_refused() -> None:
     for rank, (norm, state) in enumerate(run_world(2, pipeline_world, False, timeout=60)):
         assert isinstance(norm, float) and abs(norm - want) <= 1e-5 * want, f"rank {rank}: {norm} != {want}"
         _close(state, net.state_dict(), f"pp=2 rank {rank} opt.clip_grad_norm_")
+
+
+def saved_on_rank_0(backend: CommunicationBackend, pp: bool) -> str:
+    """``if rank == 0: torch.save(model.state_dict(), path)`` under tp=2 or pp=2: rank 1 goes its way."""
+    from dtlab.models import PipelineParallelModel
+
+    backend.check_collectives = False  # a user's default
+    mesh = Mesh(backend, {"pp" if pp else "tp": 2})
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = (
+        PipelineParallelModel(net, mesh, micro_batches=2)
+        if pp
+        else TensorParallelModel(build(), mesh, plan=PLAN)
+    )
+    if backend.rank != 0:
+        return "left"
+    try:
+        model.state_dict()
+    except StrategyError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_state_dict_on_one_rank_names_the_fix() -> None:
+    """Rank 0 saving alone under tp or pp gathers from ranks that never come: it stopped with the
+    backend's bare collective timeout (on Gloo after 300 s); that error now names the fix."""
+    for pp in (False, True):
+        said = run_world(2, saved_on_rank_0, pp, timeout=60)[0]
+        assert "every rank must call it" in said and "if rank == 0: torch.save(sd, path)" in said, said

@@ -17,7 +17,7 @@ from dtlab.core.placement import Placement
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.shard_index import add_slice, new_state
 from dtlab.core.state import ShardedState
-from dtlab.errors import ArgumentError, CheckpointError, StrategyError
+from dtlab.errors import ArgumentError, CheckpointError, CollectiveTimeoutError, StrategyError
 
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit
@@ -273,7 +273,16 @@ class ModelStrategy(nn.Module):
                 "model.load_state_dict(sd, strict=False))"
             )
         out: dict[str, Any] = destination if destination is not None else {}
-        out.update({prefix + k: v for k, v in self.full_state_dict().items()})
+        try:
+            whole = self.full_state_dict()
+        except CollectiveTimeoutError as exc:  # a DDP habit: if rank == 0: torch.save(model.state_dict())
+            raise StrategyError(
+                f"{type(self).__name__}.state_dict() on rank {self.world_backend.rank} timed out waiting for "
+                "the other ranks: each holds only its part of the model, so every rank must call it. Call "
+                "sd = model.state_dict() on every rank, then save on one (if rank == 0: torch.save(sd, "
+                f"path)), or save each rank's part with dtlab.checkpoint ({exc})"
+            ) from exc
+        out.update({prefix + k: v for k, v in whole.items()})
         return out
 
     def load_state_dict(
