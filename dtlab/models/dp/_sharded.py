@@ -88,7 +88,7 @@ class ShardedModel(DataParallelModel):
         broadcast_from_rank0([q.data for _, q in self._frozen] + list(self.module.buffers()), self.dp_backend)
         self._unit_of = {id(q): st for st in self._units for q in st.unit.params}
         self._state_of = {id(st.unit): st for st in self._units}
-        self._writes = ParamWrites(self._at_rest, self._unit_of)
+        self._writes = ParamWrites(self._at_rest, self._unit_of, self.module)
         self._saved = SavedTensors(self._at_rest, self._unit_of)
         self._synced_grads = [st.grad_shard for st in self._units]
         self._pending: list[tuple[ShardUnit, Work, torch.Tensor]] = []

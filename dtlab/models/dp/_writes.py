@@ -6,7 +6,9 @@ lands the writes made through the wrapper (``model.apply(fn)``, ``summon_full_pa
 rank's shard, and refuses by name those made into a stand-in, which the next gather would drop
 (``model.module.apply(fn)``, ``p.zero_()``), at the next use of the parameters. A parameter kept
 gathered (ZeRO-3's persistent ones) takes any write, as under DDP: its shard is refreshed from it
-before the optimizer or a checkpoint reads it (:meth:`ParamWrites.settle`).
+before the optimizer or a checkpoint reads it (:meth:`ParamWrites.settle`). ``torch.nn.utils.prune``
+applied to a parked parameter computes its mask from the stand-in: refused at the next step unless it
+ran on gathered values (before wrapping, inside ``model.apply(fn)`` or ``summon_full_params()``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import cast
 
 import torch
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
 
+from dtlab.core.torch_private import MODULE_HOOKS
 from dtlab.core.traced import eager_when_traced
 from dtlab.errors import StrategyError
 from dtlab.models.dp._sharded_units import ShardUnit, UnitGatherer
@@ -29,10 +33,45 @@ _APPLY = "model.apply(fn)"
 class ParamWrites:
     """Writes into the parameters of ``at_rest``'s units (``unit_of``: parameter id -> its unit)."""
 
-    def __init__(self, at_rest: UnitGatherer, unit_of: Mapping[int, ShardUnit]) -> None:
+    def __init__(self, at_rest: UnitGatherer, unit_of: Mapping[int, ShardUnit], module: nn.Module) -> None:
         self.at_rest = at_rest
         self.unit_of = unit_of
+        self.module = module
         self._all: tuple[int, list[nn.Parameter]] | None = None  # (units, their parameters)
+        #: torch.nn.utils.prune hooks whose mask came from whole values (by id; kept: ids are not reused)
+        self._pruned: dict[int, BasePruningMethod] = {}
+        self._vet_pruning()
+
+    def _prunings(self) -> list[tuple[nn.Module, BasePruningMethod]]:
+        pre = MODULE_HOOKS["register_forward_pre_hook"]
+        return [
+            (m, h) for m in self.module.modules() for h in pre(m).values() if isinstance(h, BasePruningMethod)
+        ]
+
+    def _vet_pruning(self) -> None:
+        """The prune hooks present now computed their masks from whole values (wrapping, a gather)."""
+        self._pruned.update({id(h): h for _, h in self._prunings()})
+
+    def _refuse_pruning(self, when: str) -> None:
+        """Refuse ``torch.nn.utils.prune`` applied since wrapping to a parameter parked then (the mask
+        computed from its stand-in); one applied to a parameter kept whole computed it from the values."""
+        names = []
+        for m, h in self._prunings():
+            units = [
+                self.unit_of.get(id(p)) for n, p in m.named_parameters(recurse=False) if n.endswith("_orig")
+            ]
+            if id(h) not in self._pruned and any(st is not None and not st.persistent for st in units):
+                names += [n for n, x in self.module.named_modules() if x is m]
+        if names:
+            at = self.at_rest
+            raise StrategyError(
+                f"{at.who} on rank {at.group.rank}: {when} found torch.nn.utils.prune applied after wrapping "
+                f"to {names[:5]} outside a gather: between uses each rank keeps 1/{at.group.world_size} of "
+                "the parameters and a parameter is a stand-in of its shape, so the mask was computed from "
+                "the stand-in, not from the values (not the mask torch computes). Prune the plain module "
+                "before wrapping it, or on every rank inside with model.summon_full_params(): ... (the "
+                "whole model gathered; prune.global_unstructured too)"
+            )
 
     def check(self, when: str, units: list[ShardUnit] | None = None) -> None:
         """Refuse writes into parked stand-ins of ``units`` (default: all) since they were parked: one
@@ -139,6 +178,7 @@ class ParamWrites:
         """Before the optimizer or a checkpoint reads the shards: writes into stand-ins refused, the
         shards of the units kept gathered refreshed from their whole values (written or not)."""
         self.check(when)
+        self._refuse_pruning(when)
         kept = [st for st in self.at_rest.units if st.persistent and st.flat is not None and st.work is None]
         if kept:  # one call for all (ZeRO-3 keeps every small parameter gathered: often most units)
             with torch.no_grad():
@@ -156,6 +196,7 @@ class ParamWrites:
                     st.shard.copy_(st.unit.own_shard(st.flat))
                     if id(st) in persistent:
                         self.at_rest.group.all_gather(st.flat, st.shard)
+        self._vet_pruning()  # the end of summon_full_params() or of a module in model.apply(fn)
 
     def apply(self, module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
         """``nn.Module.apply(fn)`` over ``module``: ``fn(m)`` for every submodule, children first, with
