@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "in_checkpoint_forward",
     "MODULE_HOOKS",
     "OPTIMIZER_HOOKS",
     "TENSOR_HOOKS",
@@ -70,6 +71,14 @@ def non_persistent_buffers(module: nn.Module) -> frozenset[str]:
     """The names of ``module``'s own buffers registered with ``persistent=False`` (left out of its
     ``state_dict``; torch's ``_non_persistent_buffers_set``)."""
     return frozenset(getattr(module, "_non_persistent_buffers_set", ()))
+
+
+def in_checkpoint_forward() -> bool:
+    """Whether the innermost saved-tensor hooks are a non-reentrant ``torch.utils.checkpoint``'s: its
+    forward is running, and what it would save is recomputed in backward (where no torch function mode
+    of the forward is active)."""
+    hooks = top_saved_tensor_hooks()
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def top_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:

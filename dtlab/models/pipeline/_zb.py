@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
+from dtlab.core.torch_private import in_checkpoint_forward
+
 
 def weight_gradient_queue(anchor: torch.Tensor) -> WeightGradients | None:
     """Call in a forward (``anchor``: its input): the queue of the micro-batch's zero-bubble ``W`` when
@@ -100,9 +102,12 @@ class SplitLinearMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        # inside a non-reentrant checkpoint nothing is split: its recomputation in backward, which
+        # autograd runs outside this mode, must save the same tensors as the forward did
+        checkpointed = in_checkpoint_forward()
         if func is weight_gradient_queue:
-            return self.store
-        if func is F.linear and torch.is_grad_enabled():
+            return None if checkpointed else self.store
+        if func is F.linear and torch.is_grad_enabled() and not checkpointed:
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             leaf_bias = bias is None or isinstance(bias, torch.nn.Parameter)
