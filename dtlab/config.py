@@ -14,6 +14,7 @@ bounded summary (:func:`dtlab.untrusted.summary`), never by expanding it.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,20 @@ def _is_section(loc: tuple[int | str, ...]) -> bool:
     return True
 
 
+def _did_you_mean(loc: tuple[int | str, ...], fields: list[str]) -> str:
+    """``did you mean X? `` for an unknown field: a close spelling here, or the same name in another
+    section (``train.lr`` -> ``optimizer.lr``); empty when nothing is close."""
+    name = str(loc[-1])
+    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}? "
+    if len(loc) == 2:
+        homes = [s for s in TrainConfig.model_fields if name in _fields_at((s,)) and s != loc[0]]
+        if homes:
+            return f"did you mean {' or '.join(f'{s}.{name}' for s in homes)}? "
+    return ""
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -193,8 +208,9 @@ def _format_error(err: ValidationError) -> str:
         value = e.get("input")
         shown = summary(value)
         if e["type"] == "extra_forbidden":
-            allowed = ", ".join(_fields_at(loc[:-1]))
-            lines.append(f"{path}: unknown field (value {shown}); allowed here: {allowed}")
+            fields = _fields_at(loc[:-1])
+            hint = _did_you_mean(loc, fields)
+            lines.append(f"{path}: unknown field (value {shown}); {hint}allowed here: {', '.join(fields)}")
         elif e["type"] == "value_error" and isinstance(value, dict) and _is_section(loc):
             lines.append(msg)  # a section's cross-field check: its message names the fields
         elif e["type"] in ("model_type", "model_attributes_type"):

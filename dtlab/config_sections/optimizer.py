@@ -66,6 +66,13 @@ class OptimizerConfig(Section):
                 )
         return self
 
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _two_betas(cls, v: object) -> object:
+        if not isinstance(v, (list, tuple)) or len(v) != 2:
+            raise ValueError("give two numbers [beta1, beta2], each in [0, 1), e.g. [0.9, 0.99]")
+        return v
+
     @field_validator("betas")
     @classmethod
     def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
