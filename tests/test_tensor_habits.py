@@ -243,3 +243,32 @@ def test_state_dict_on_one_rank_names_the_fix() -> None:
     for pp in (False, True):
         said = run_world(2, saved_on_rank_0, pp, timeout=60)[0]
         assert "every rank must call it" in said and "if rank == 0: torch.save(sd, path)" in said, said
+
+
+def pruned_after_wrapping(backend: CommunicationBackend) -> list[str]:
+    """torch.nn.utils.prune on model.module after wrapping (tp=2): the state dict, then a step."""
+    import torch.nn.utils.prune as prune
+
+    model = TensorParallelModel(build(), Mesh(backend, {"tp": 2}), plan=PLAN)
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    prune.l1_unstructured(model.module.fc1, "weight", amount=0.5)
+    x, y = data(0)
+    said = []
+    for call in (model.state_dict, lambda: (F.cross_entropy(model(x), y).backward(), opt.step())):
+        try:
+            call()
+            said.append("ran")
+        except StrategyError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_pruning_after_wrapping_a_tensor_parallel_model_is_refused() -> None:
+    """Pruning renames weight to weight_orig and weight_mask, and on a split layer computes the mask
+    from this rank's slice (not torch's mask): model.state_dict() stopped with a raw KeyError
+    'fc1.weight' and training went on with the slice's masks (and the checkpoint wrote each slice
+    as a whole tensor). Both now name the change and the fix."""
+    for said in run_world(2, pruned_after_wrapping, timeout=60):
+        for text in said:
+            assert "no longer has ['fc1.weight']" in text and "before wrapping" in text, text
+        assert said[1].startswith("TensorParallelModel: "), said[1]

@@ -11,6 +11,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Shard
+from dtlab.errors import StrategyError
 from dtlab.models.compose._build import Entries
 from dtlab.models.pipeline._comm import broadcast_over_pp
 from dtlab.models.tensor._comm import gather_over_tp
@@ -18,7 +19,7 @@ from dtlab.models.tensor._comm import gather_over_tp
 if TYPE_CHECKING:
     from dtlab.models.dp.data_parallel import DataParallelModel
 
-__all__ = ["gather_whole_state", "grads_of"]
+__all__ = ["gather_whole_state", "grads_of", "renamed_message"]
 
 
 def grads_of(
@@ -42,6 +43,9 @@ def gather_whole_state(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the whole model on every rank, from each pipeline rank's ``local`` tensors (whole
     over dp): tp shards gathered, then each tensor broadcast from the pipeline rank holding it."""
+    gone = [k for k, (_, _, owner, _) in entries.items() if owner == pp.rank and k not in local]
+    if gone:  # model.module's tensors renamed since wrapping (every rank of a stage changed it alike)
+        raise StrategyError(renamed_message(gone, [k for k in local if k not in entries]))
     out = {}
     for key, (shape, dtype, owner, placement) in entries.items():
         mine: torch.Tensor | None = None
@@ -51,3 +55,16 @@ def gather_whole_state(
                 mine = gather_over_tp(mine, placement, tp)
         out[key] = broadcast_over_pp(mine, shape, dtype, owner, pp)
     return out
+
+
+def renamed_message(gone: list[str], new: list[str]) -> str:
+    """Why tensors of the wrapped module renamed since wrapping (``gone``, now ``new``) are refused."""
+    return (
+        f"the wrapped module's state no longer has {gone[:5]} (it has {new[:5]} instead): model.module "
+        "was changed after wrapping (torch.nn.utils.prune renames weight to weight_orig and weight_mask; "
+        "a parametrization or a layer replaced). The composition laid its tensors out when it wrapped "
+        "the module, and on a split layer a mask computed now comes from this rank's slice only: change "
+        "the plain module before wrapping it (prune, then prune.remove() to keep the pruned values), or "
+        "load model.state_dict() (every rank, before the change) into a fresh plain module, change that "
+        "and wrap it"
+    )

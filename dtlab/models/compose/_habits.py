@@ -13,6 +13,8 @@ from torch import nn
 from dtlab.backends.mesh import MeshLike
 from dtlab.core.placement import Placement, Shard
 from dtlab.errors import StrategyError
+from dtlab.models.compose._comm import renamed_message
+from dtlab.models.dp._writes import prune_hooks
 
 __all__ = ["PartialState", "check_call", "missing_attribute"]
 
@@ -46,6 +48,7 @@ class PartialState:
             "this rank's pipeline stages" if mesh.size("pp") > 1 else "its tp shards" if sharded else ""
         )
         module.register_state_dict_pre_hook(self._refuse)
+        self._pruned = {id(h): h for _, h in prune_hooks(module)}  # kept: ids are not reused
         if sharded:  # whole tensors into tp shards (torch's size mismatch, or a silent slice)
             module.register_load_state_dict_pre_hook(self._refuse_load)
 
@@ -63,6 +66,22 @@ class PartialState:
             "tensors keyed like the plain model's; each rank keeps its part), or a Hugging Face folder "
             "with dtlab.checkpoint.load_pretrained(model, path)"
         )
+
+    def check_unchanged(self, who: str, then: Callable[[str], None]) -> None:
+        """``then(who)`` (the check before a step) after refusing ``torch.nn.utils.prune`` applied to the
+        wrapped module since wrapping: it renames the weight (the layout the composition saves and
+        loads by) and, on a split layer, computes the mask from this rank's slice."""
+        new = [m for m, h in prune_hooks(self.module) if id(h) not in self._pruned]
+        if new:
+            names = [
+                f"{n}.{p.removesuffix('_orig')}"
+                for n, m in self.module.named_modules()
+                if any(m is x for x in new)
+                for p, _ in m.named_parameters(recurse=False)
+                if p.endswith("_orig")
+            ]
+            raise StrategyError(f"{self.who}: {renamed_message(names, [n + '_orig' for n in names])}")
+        then(who)
 
     def read(self, fn: Callable[[], T]) -> T:
         """``fn()`` (the data-parallel strategy's copy of the module's state) with the module open."""

@@ -313,7 +313,7 @@ class HybridShardedModel(OptimizerTarget):
         return self.dp_strategy.trainable_parameters()
 
     def check_grads_ready(self, who: str) -> None:
-        self.dp_strategy.check_grads_ready(who)
+        self._own_state.check_unchanged(who, self.dp_strategy.check_grads_ready)  # prune since wrapping
 
     def shard_units(self) -> list[FlatUnit]:
         return self.dp_strategy.shard_units()

@@ -25,9 +25,15 @@ from dtlab.core.traced import eager_when_traced
 from dtlab.errors import StrategyError
 from dtlab.models.dp._sharded_units import ShardUnit, UnitGatherer
 
-__all__ = ["ParamWrites"]
+__all__ = ["ParamWrites", "prune_hooks"]
 
 _APPLY = "model.apply(fn)"
+
+
+def prune_hooks(module: nn.Module) -> list[tuple[nn.Module, BasePruningMethod]]:
+    """``(submodule, hook)`` of every ``torch.nn.utils.prune`` forward pre-hook in ``module``."""
+    pre = MODULE_HOOKS["register_forward_pre_hook"]
+    return [(m, h) for m in module.modules() for h in pre(m).values() if isinstance(h, BasePruningMethod)]
 
 
 class ParamWrites:
@@ -43,10 +49,7 @@ class ParamWrites:
         self._vet_pruning()
 
     def _prunings(self) -> list[tuple[nn.Module, BasePruningMethod]]:
-        pre = MODULE_HOOKS["register_forward_pre_hook"]
-        return [
-            (m, h) for m in self.module.modules() for h in pre(m).values() if isinstance(h, BasePruningMethod)
-        ]
+        return prune_hooks(self.module)
 
     def _vet_pruning(self) -> None:
         """The prune hooks present now computed their masks from whole values (wrapping, a gather)."""
