@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 
 from dtlab.checkpoint import read_checkpoint
 from dtlab.config import TrainConfig, load_config
-from dtlab.errors import CheckpointError, RankFailedError
+from dtlab.errors import CheckpointError, ConfigError, RankFailedError
 from dtlab.testing import TINY_LM
 from dtlab.trainers import TrainResult, run_training
 
@@ -196,8 +197,10 @@ def test_fresh_run_keeps_every_step_it_did_not_write(saved: Path) -> None:
 
 
 def test_resume_from_an_explicit_path_that_holds_nothing(tmp_path: Path) -> None:
-    for where in (tmp_path / "nowhere", tmp_path):
-        with pytest.raises((CheckpointError, RankFailedError)) as info:
-            _train(tmp_path / "ck", 2, f"checkpoint.resume={where}")
-        assert f"checkpoint.resume={str(where)!r}" in str(_cause(info))
+    nowhere = tmp_path / "nowhere"
+    with pytest.raises(ConfigError, match=rf"checkpoint.resume={re.escape(repr(str(nowhere)))} does not"):
+        _train(tmp_path / "ck", 2, f"checkpoint.resume={nowhere}")  # before any rank starts
+    with pytest.raises((CheckpointError, RankFailedError)) as info:
+        _train(tmp_path / "ck", 2, f"checkpoint.resume={tmp_path}")
+    assert f"checkpoint.resume={str(tmp_path)!r} holds no checkpoint" in str(_cause(info))
     assert _resume(tmp_path / "fresh", 2).resumed_from is None  # resume=true, nothing saved: fresh

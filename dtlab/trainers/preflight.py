@@ -3,7 +3,7 @@ lost at its first save to a directory it cannot write.
 
 ``checkpoint.dir`` and ``logging.run_dir`` must be directories that can be created and written (a
 probe file is created, fsynced and removed, and so are the directories the check created);
-``checkpoint.resume``, when a path, must be readable if it exists. All problems are one
+``checkpoint.resume``, when a path, must exist and be readable. All problems are one
 :class:`~dtlab.errors.ConfigError` naming the field, the path and the reason.
 :func:`check_paths_on_every_rank` also checks that every rank sees ``checkpoint.dir`` (a file rank 0
 writes there): with ranks on several machines it must be a shared filesystem.
@@ -103,7 +103,13 @@ def _problems(config: TrainConfig) -> tuple[list[str], Path | None, list[Path]]:
     if isinstance(c.resume, str):
         p = Path(c.resume)
         try:
-            if p.exists() and not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
+            if not p.exists():
+                problems.append(
+                    f"checkpoint.resume={c.resume!r} does not exist: give a checkpoint directory (or one "
+                    "of its step_* directories), or true to resume from checkpoint.dir (a fresh start "
+                    "when it holds none)"
+                )
+            elif not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
                 problems.append(f"checkpoint.resume={c.resume!r} cannot be read: permission denied")
         except OSError as exc:  # a name too long for the filesystem, a loop of links
             problems.append(f"checkpoint.resume={c.resume!r} cannot be read: {_reason(exc, c.resume)}")
@@ -111,13 +117,18 @@ def _problems(config: TrainConfig) -> tuple[list[str], Path | None, list[Path]]:
 
 
 def _error(problems: list[str]) -> ConfigError:
+    dirs = any(p.startswith(("checkpoint.dir", "logging.run_dir")) for p in problems)
     return ConfigError(
         "unusable path"
         + ("s" if len(problems) > 1 else "")
         + " in the configuration: "
         + "; ".join(problems)
-        + "; choose directories this user can create and write "
-        "(checkpoint.dir on a filesystem every rank sees)"
+        + (
+            "; choose directories this user can create and write "
+            "(checkpoint.dir on a filesystem every rank sees)"
+            if dirs
+            else ""
+        )
     )
 
 
