@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
@@ -174,10 +176,34 @@ def _advise(args: argparse.Namespace) -> int:
     return run_advise(args)
 
 
+def _warning_printer(command: str) -> Callable[..., None]:
+    """``warnings.showwarning`` for the program: dtlab's own warnings as one line ``dtlab CMD: warning:
+    ...`` (not the file, line and source line of the dtlab module that raised it); others as Python
+    prints them."""
+    default = warnings.showwarning
+    package = str(Path(__file__).resolve().parent)
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, *rest: Any) -> None:
+        if not str(Path(filename).resolve()).startswith(package):
+            default(message, category, filename, lineno, *rest)
+            return
+        print(f"dtlab {command}: warning: {message}", file=sys.stderr, flush=True)
+
+    return show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if argv is not None:  # a call from Python: its warnings stay as the caller prints or records them
+        return _run(args, argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _warning_printer(args.command)
+        return _run(args, argv)
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from dtlab.errors import DtlabError, RankFailedError
 
-    args = _parser().parse_args(argv)
     handler = {
         "train": _train,
         "config": _config,

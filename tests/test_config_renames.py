@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from dtlab.config import RENAMED, load_config
@@ -26,3 +29,17 @@ def test_new_names_and_their_defaults() -> None:
     assert cfg.compression.powersgd_rank == 2 and cfg.compression.dense_warmup_steps == 10
     assert cfg.strategy.bucket_cap_mb == 25.0
     assert PowerSGD(rank=2).rank == 2  # the Python class keeps its own name
+
+
+def test_the_program_prints_the_warning_as_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtlab", "config", "--set", "strategy.bucket_mb=10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "bucket_cap_mb: 10.0" in proc.stdout
+    assert proc.stderr == (
+        "dtlab config: warning: strategy.bucket_mb is deprecated: it is now strategy.bucket_cap_mb "
+        "(the old name still works for now)\n"
+    )  # not the raising module's path, line number and source line
