@@ -260,6 +260,15 @@ def pruned_after_wrapping(backend: CommunicationBackend) -> list[str]:
             said.append("ran")
         except StrategyError as exc:
             said.append(str(exc))
+    model = TensorParallelModel(build(), Mesh(backend, {"tp": 2}), plan=PLAN)  # a parametrization now
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    torch.nn.utils.parametrizations.orthogonal(model.module.fc1)  # of this rank's slice
+    try:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        said.append("ran")
+    except StrategyError as exc:
+        said.append(str(exc))
     return said
 
 
@@ -267,8 +276,10 @@ def test_pruning_after_wrapping_a_tensor_parallel_model_is_refused() -> None:
     """Pruning renames weight to weight_orig and weight_mask, and on a split layer computes the mask
     from this rank's slice (not torch's mask): model.state_dict() stopped with a raw KeyError
     'fc1.weight' and training went on with the slice's masks (and the checkpoint wrote each slice
-    as a whole tensor). Both now name the change and the fix."""
+    as a whole tensor). Both now name the change and the fix; so does a parametrization registered
+    after wrapping (orthogonal() of a slice trained on silently)."""
     for said in run_world(2, pruned_after_wrapping, timeout=60):
-        for text in said:
+        assert "it has ['fc1.parametrizations.weight'] instead" in said[2], said[2]
+        for text in said[:2]:
             assert "no longer has ['fc1.weight']" in text and "before wrapping" in text, text
         assert said[1].startswith("TensorParallelModel: "), said[1]

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from dtlab.backends.mesh import MeshLike
 from dtlab.core.placement import Placement, Shard
@@ -48,7 +49,7 @@ class PartialState:
             "this rank's pipeline stages" if mesh.size("pp") > 1 else "its tp shards" if sharded else ""
         )
         module.register_state_dict_pre_hook(self._refuse)
-        self._pruned = {id(h): h for _, h in prune_hooks(module)}  # kept: ids are not reused
+        self._known = {id(c): c for _, c in _renaming(module)}  # kept: ids are not reused
         if sharded:  # whole tensors into tp shards (torch's size mismatch, or a silent slice)
             module.register_load_state_dict_pre_hook(self._refuse_load)
 
@@ -68,19 +69,24 @@ class PartialState:
         )
 
     def check_unchanged(self, who: str, then: Callable[[str], None]) -> None:
-        """``then(who)`` (the check before a step) after refusing ``torch.nn.utils.prune`` applied to the
-        wrapped module since wrapping: it renames the weight (the layout the composition saves and
-        loads by) and, on a split layer, computes the mask from this rank's slice."""
-        new = [m for m, h in prune_hooks(self.module) if id(h) not in self._pruned]
+        """``then(who)`` (the check before a step) after refusing ``torch.nn.utils.prune`` or a
+        parametrization applied to the wrapped module since wrapping: each renames the weight (the
+        layout the composition saves and loads by) and, on a split layer, acts on this rank's slice."""
+        new = [m for m, c in _renaming(self.module) if id(c) not in self._known]
         if new:
-            names = [
-                f"{n}.{p.removesuffix('_orig')}"
-                for n, m in self.module.named_modules()
-                if any(m is x for x in new)
-                for p, _ in m.named_parameters(recurse=False)
-                if p.endswith("_orig")
-            ]
-            raise StrategyError(f"{self.who}: {renamed_message(names, [n + '_orig' for n in names])}")
+            gone, now = [], []
+            for n, m in self.module.named_modules():
+                if any(m is x for x in new):
+                    pruned = [
+                        p.removesuffix("_orig")
+                        for p, _ in m.named_parameters(recurse=False)
+                        if p.endswith("_orig")
+                    ]
+                    gone += [f"{n}.{t}" for t in pruned + list(_parametrized(m))]
+                    now += [f"{n}.{t}_orig" for t in pruned] + [
+                        f"{n}.parametrizations.{t}" for t in _parametrized(m)
+                    ]
+            raise StrategyError(f"{self.who}: {renamed_message(gone, now)}")
         then(who)
 
     def read(self, fn: Callable[[], T]) -> T:
@@ -90,6 +96,22 @@ class PartialState:
             return fn()
         finally:
             self.open = False
+
+
+def _parametrized(module: nn.Module) -> dict[str, nn.Module]:
+    """The parametrizations of ``module``'s tensors (``torch.nn.utils.parametrize``), by tensor name."""
+    lists = getattr(module, "parametrizations", None)
+    return (
+        dict(lists.items())
+        if parametrize.is_parametrized(module) and isinstance(lists, nn.ModuleDict)
+        else {}
+    )
+
+
+def _renaming(module: nn.Module) -> list[tuple[nn.Module, object]]:
+    """``(submodule, hook or parametrization list)`` of what renames a submodule's weight."""
+    lists = [(m, c) for m in module.modules() for c in _parametrized(m).values()]
+    return [*prune_hooks(module), *lists]
 
 
 def check_call(
