@@ -74,6 +74,27 @@ def test_header_names_the_plan_and_the_summary_agrees_with_the_step_lines(capsys
     assert re.search(r"eval loss \(last\)\s+\d+\.\d{4} *\n", text)  # as the training loss: 4 decimals
     share = re.search(r"comm share of step time\s+([\d.]+)%", text)
     assert share is not None  # a percentage, as in the profile table
+    assert re.search(r"tok/s", text) and re.search(r"tokens/s\s+[\d,]+ *\n", text)  # a language model
+
+
+def test_a_task_without_tokens_reports_samples_per_second_only() -> None:
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from dtlab.config import load_config
+    from dtlab.trainers import run_training
+
+    x = torch.linspace(-1, 1, 64).reshape(32, 2)
+    sets = ["backend.name=inmemory", "backend.world_size=2", "train.steps=2", "data.global_batch_size=8"]
+    sets += ["train.eval_every=0"]
+    config = load_config(overrides=sets)
+    config = config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": None})})
+    results = run_training(
+        config, model=nn.Linear(2, 1), train_data=TensorDataset(x, x[:, :1]), loss_fn="mse"
+    )
+    summary = results[0].summary
+    assert summary["samples/s"] > 0 and summary["tokens/s"] is None  # not samples/s again as tokens/s
 
 
 def test_the_dense_warm_up_is_in_the_header_and_the_step_lines(capsys: Any) -> None:

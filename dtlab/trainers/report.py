@@ -172,7 +172,11 @@ def summary_rows(trainer: ReportRun, result: TrainResult, seconds: float, sent0:
         "skipped non-finite steps": len(result.skipped_steps),
         "wall time s": seconds,
         "samples/s": samples / seconds if seconds > 0 else None,
-        "tokens/s": samples * trainer.task.tokens_per_sample / seconds if seconds > 0 else None,
+        "tokens/s": (  # a task without tokens (one target per sample): samples/s alone, as the step lines
+            samples * trainer.task.tokens_per_sample / seconds
+            if seconds > 0 and trainer.task.tokens_per_sample > 1
+            else None
+        ),
         "comm share of step time": _percent(prof["comm_seconds"] / prof["wall_seconds"])
         if prof["wall_seconds"]
         else None,
