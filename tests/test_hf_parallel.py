@@ -12,7 +12,17 @@ from typing import Any
 
 import pytest
 import torch
-from hf_cases import gpt2, llama, llama_gqa, lm_loss, rel_error, token_batch, train_steps, worst_loss_error
+from hf_cases import (
+    VOCAB,
+    gpt2,
+    llama,
+    llama_gqa,
+    lm_loss,
+    rel_error,
+    token_batch,
+    train_steps,
+    worst_loss_error,
+)
 from refusals import refusal_messages
 from torch import nn
 
@@ -128,12 +138,19 @@ def test_plan_auto_matches_one_process(kind: str, axes: dict[str, int], dp: str)
             assert torch.equal(r["state"]["lm_head.weight"], r["state"]["transformer.wte.weight"])
 
 
+def _odd_vocabulary() -> nn.Module:
+    net = llama(hidden=32, intermediate=32, layers=1, heads=4, kv_heads=4)
+    net.resize_token_embeddings(VOCAB + 1, mean_resizing=False)  # as after adding a token
+    return net
+
+
 def _refusals(backend: CommunicationBackend) -> tuple[list[str], int]:
     cases: list[tuple[nn.Module, Any]] = [
         (llama_gqa(), "auto"),  # tp=4 over 2 key/value heads
         (gpt2(layers=1), "auto"),  # tp=4 over 2 heads
         (llama_gqa(), {"model.embed_tokens": "embedding_colwise"}),
         (nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), "auto"),
+        (_odd_vocabulary(), "auto"),  # 33 tokens
     ]
     errors = refusal_messages(partial(TensorParallelModel, net, backend, plan=plan) for net, plan in cases)
     return errors, backend.stats.calls
@@ -147,6 +164,8 @@ def test_what_auto_cannot_honour_is_refused_before_any_call() -> None:
         "heads under grouped-query attention), not divisible by tp=4",
         "entry 'model.embed_tokens': style 'embedding_colwise' cannot be honoured exactly",
         "plan='auto': Sequential declares no tensor plan",
+        "is 33, not divisible by tp=4; pad the vocabulary to a multiple of 4 "
+        "(hf_model.resize_token_embeddings(pad_to_multiple_of=4) before wrapping)",
     ]
     assert len(errors) == len(needles), errors
     for needle, error in zip(needles, errors, strict=True):

@@ -226,23 +226,28 @@ def _check_one(root: nn.Module, name: str, module: nn.Module, style: Style, tp: 
             )
         else:
             split, what = features[1] // style.sections, f"out_features / {style.sections} sections"
-        _check_split(name, what, split, tp)
+        _check_split(name, what, split, tp, _vocab_hint(root, split, tp) if what != "in_features" else "")
         head_dim = getattr(root.get_submodule(name.rpartition(".")[0]), "head_dim", None)
         _check_whole_heads(name, split, head_dim, tp)
     elif isinstance(style, VocabParallel):
         if not isinstance(module, nn.Embedding):
             raise _mismatch(style, "Embedding", name, module)
-        _check_split(
-            name,
-            "the vocabulary (num_embeddings)",
-            module.num_embeddings,
-            tp,
-            f"pad the vocabulary to a multiple of {tp} or choose a tp that divides {module.num_embeddings}",
-        )
+        size = module.num_embeddings
+        _check_split(name, "the vocabulary (num_embeddings)", size, tp, _vocab_hint(root, size, tp, True))
     elif isinstance(style, HeadsParallel):
         _check_heads(root, name, module, style, tp)
     if isinstance(style, ColwiseParallel | RowwiseParallel | VocabParallel):  # swapped: its parameters split
         check_parameters(module, f"tensor-parallel plan: module {name!r}")
+
+
+def _vocab_hint(root: nn.Module, size: int, tp: int, vocabulary: bool = False) -> str:
+    """How to fix a vocabulary of ``size`` that tp does not divide (``""``: ``size`` is no vocabulary);
+    a Hugging Face model (``config.vocab_size``) pads its own."""
+    hf = getattr(getattr(root, "config", None), "vocab_size", None) == size
+    if not (hf or vocabulary):
+        return ""
+    own = f" (hf_model.resize_token_embeddings(pad_to_multiple_of={tp}) before wrapping)" if hf else ""
+    return f"pad the vocabulary to a multiple of {tp}{own} or choose a tp that divides {size}"
 
 
 def _check_whole_heads(name: str, features: int, head_dim: object, tp: int) -> None:
