@@ -77,6 +77,16 @@ def test_header_names_the_plan_and_the_summary_agrees_with_the_step_lines(capsys
     assert re.search(r"tok/s", text) and re.search(r"tokens/s\s+[\d,]+ *\n", text)  # a language model
 
 
+def test_the_header_of_a_pipeline_names_its_micro_batches(capsys: Any) -> None:
+    sets = [*TINY_LM, "model.n_layers=2", "backend.name=inmemory", "backend.world_size=2", "parallel.pp=2"]
+    sets += ["parallel.micro_batches=4", "train.steps=1", "train.eval_every=0", "logging.run_dir=null"]
+    assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 0
+    text = capsys.readouterr().err
+    head = next(line for line in text.splitlines() if line.startswith("dtlab train: ") and "|" in line)
+    # the dp rank's 8 samples run as 4 pipeline micro-batches of 2, not one micro-batch of 8
+    assert "| pipeline 1f1b: 4 micro-batches x 2 |" in head and "accumulation" not in head, head
+
+
 def test_a_task_without_tokens_reports_samples_per_second_only() -> None:
     import torch
     from torch import nn

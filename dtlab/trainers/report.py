@@ -212,10 +212,11 @@ def _plan(trainer: ReportRun) -> str:
         comp += f" after {warm} dense steps" if warm else ""
     elastic = f"commit every {c.elastic.commit_every}" if c.elastic.commit_every else "off"
     micro = c.data.global_batch_size // max(1, trainer.dp.world_size * c.data.accumulation_steps)
-    return (
-        f"precision {c.train.precision} | accumulation {c.data.accumulation_steps} x micro-batch {micro} | "
-        f"compression {comp} | elastic {elastic}"
-    )
+    batches = f"accumulation {c.data.accumulation_steps} x micro-batch {micro}"
+    if c.parallel.pp > 1:  # the pipeline splits each dp rank's batch (accumulation_steps is 1 there)
+        m = c.parallel.micro_batches or c.parallel.pp
+        batches = f"pipeline {c.parallel.schedule}: {m} micro-batches x {micro // m}"
+    return f"precision {c.train.precision} | {batches} | compression {comp} | elastic {elastic}"
 
 
 def format_record(rec: dict[str, Any]) -> str:
