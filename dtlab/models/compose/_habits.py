@@ -8,16 +8,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import MeshLike
-from dtlab.core.placement import Placement, Shard
+from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.errors import StrategyError
 from dtlab.models.compose._comm import renamed_message
 from dtlab.models.dp._writes import prune_hooks
+from dtlab.models.tensor._comm import gather_over_tp
+from dtlab.models.tensor._layers import VocabParallelEmbedding
 
-__all__ = ["PartialState", "check_call", "missing_attribute"]
+__all__ = ["PartialState", "check_call", "missing_attribute", "whole_over_tp"]
 
 T = TypeVar("T")
 
@@ -168,3 +172,40 @@ def missing_attribute(who: str, own: PartialState | None, name: str, exc: Attrib
     else:
         fix = f"use model.module.{name}"
     return AttributeError(f"{who} has no attribute {name!r} (the model it wraps has): {fix}")
+
+
+def whole_over_tp(
+    fn: Callable[[nn.Module], None], tp: CommunicationBackend, skip: nn.Module
+) -> Callable[[nn.Module], None]:
+    """``fn(m)`` for every module but ``skip``, with ``m``'s parameters split over ``tp`` whole
+    (gathered for the call; each rank then keeps its slice of what ``fn`` left) and an embedding's
+    ``padding_idx`` the vocabulary's: a random init draws the whole layer (its fan-in and fan-out the
+    layer's; one process's values where the tp ranks' generators agree) instead of each rank its
+    slice. Collective over ``tp`` per split module."""
+
+    def run(m: nn.Module) -> None:
+        if m is skip:
+            return
+        split = [(p, pl) for p in m.parameters(recurse=False) if isinstance(pl := placement_of(p), Shard)]
+        if not split or tp.world_size == 1:
+            fn(m)
+            return
+        emb = m if isinstance(m, VocabParallelEmbedding) else None
+        pad = None if emb is None else emb.padding_idx
+        if emb is not None:  # the vocabulary's padding row (one rank holds it) while fn runs
+            held = tp.all_gather_object(None if pad is None else pad + emb.vocab_start)
+            emb.padding_idx = next((i for i in held if i is not None), None)
+        local = [p.data for p, _ in split]
+        for p, pl in split:
+            p.data = gather_over_tp(p.data, pl, tp)
+        try:
+            fn(m)
+        finally:
+            with torch.no_grad():
+                for (p, pl), was in zip(split, local, strict=True):
+                    was.copy_(pl.local_shard(p.data, tp.rank, tp.world_size))
+                    p.data = was
+            if emb is not None:
+                emb.padding_idx = pad
+
+    return run

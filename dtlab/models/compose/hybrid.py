@@ -31,7 +31,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.compose._build import AXES, PipelineArgs, as_mesh, data_parallel_choice, lay_out
 from dtlab.models.compose._comm import gather_whole_state, grads_of
-from dtlab.models.compose._habits import PartialState, check_call, missing_attribute
+from dtlab.models.compose._habits import PartialState, check_call, missing_attribute, whole_over_tp
 from dtlab.models.compose._meta_walk import MetaWalk
 from dtlab.models.compose._pipelined import PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
@@ -211,8 +211,8 @@ class HybridShardedModel(OptimizerTarget):
     def pipelined(self) -> bool:
         return self.schedule is not None
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> Self:  # through dp: ZeRO-3/FSDP gather around fn
-        self.dp_strategy.apply(lambda m: None if m is self.dp_strategy else fn(m))
+    def apply(self, fn: Callable[[nn.Module], None]) -> Self:  # through dp (ZeRO-3/FSDP gather), tp whole
+        self.dp_strategy.apply(whole_over_tp(fn, self.tp_group, skip=self.dp_strategy))
         fn(self)
         return self
 
