@@ -223,10 +223,11 @@ def rewrap_advice(shards_at_rest: bool) -> str:
 
 #: what the refusal of a second optimizer strategy on one model says
 SWITCH_ADVICE = (
-    "build one optimizer strategy per model. To switch optimizers mid-run (torch: a new optimizer on the "
-    "same parameters, Adam to SGD), wrap again and build the new optimizer strategy on the new wrapper: "
-    "under DDP and ZeRO-1/2 wrap model.module; under ZeRO-3, FSDP, tensor and pipeline parallelism a "
-    "fresh module loaded with model.state_dict() (every rank)"
+    "build one optimizer strategy per model (param groups give parts of it their own options; two "
+    "torch optimizer classes on one model: docs/porting.md). To switch optimizers mid-run (torch: a new "
+    "optimizer on the same parameters, Adam to SGD), wrap again and build the new optimizer strategy on "
+    "the new wrapper: under DDP and ZeRO-1/2 wrap model.module; under ZeRO-3, FSDP, tensor and pipeline "
+    "parallelism a fresh module loaded with model.state_dict() (every rank)"
 )
 
 
