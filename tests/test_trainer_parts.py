@@ -146,3 +146,18 @@ def test_auto_backend_is_in_memory_without_a_launcher() -> None:
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     assert resolve_backend_name(cfg, env=torchrun) == "auto"
     assert resolve_backend_name(load_config(overrides=["backend.name=mpi"]), env={}) == "mpi"
+
+
+def test_a_launcher_backend_started_without_a_launcher_refuses_an_in_memory_world_size() -> None:
+    from dtlab.errors import ConfigError
+    from dtlab.trainers.launch import launcher_detected, run_training
+
+    if launcher_detected():
+        pytest.skip("this process was started by a launcher")
+    for name in ("gloo", "mpi"):  # refused before any backend starts: not a world of 1 training alone
+        cfg = load_config(overrides=[f"backend.name={name}", "backend.world_size=2", "logging.run_dir=null"])
+        with pytest.raises(ConfigError) as info:
+            run_training(cfg)
+        msg = str(info.value)
+        assert f"backend.world_size=2 sizes the in-memory world only; backend.name='{name}'" in msg
+        assert "torchrun --nproc-per-node 2 -m dtlab train" in msg and "backend.name=auto" in msg

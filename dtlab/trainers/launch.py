@@ -12,6 +12,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, check_world_size
+from dtlab.errors import ConfigError
 from dtlab.parallel_config import run_plan
 from dtlab.trainers.construction import model_init
 from dtlab.trainers.custom import task_from_objects
@@ -96,6 +97,14 @@ def run_training(
             )
         finally:
             torch.set_num_threads(threads)
+    ws = config.backend.world_size
+    if "world_size" in config.backend.model_fields_set and ws > 1 and not launcher_detected():
+        raise ConfigError(
+            f"backend.world_size={ws} sizes the in-memory world only; backend.name={name!r} takes its "
+            f"ranks from a launcher, and none started this process (it would train alone): run "
+            f"`torchrun --nproc-per-node {ws} -m dtlab train ...` (gloo, nccl) or `mpiexec -n {ws} python "
+            f"-m dtlab train ...` (mpi), or set backend.name=auto for {ws} in-memory ranks"
+        )
     from dtlab.backends import init_backend
 
     # check_collectives unset: DTLAB_CHECK_COLLECTIVES decides
