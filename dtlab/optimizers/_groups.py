@@ -175,11 +175,14 @@ def make_local(
     ]
     try:
         return spec.cls(local_groups, **constructor_defaults(spec))
-    except TypeError as exc:
+    except Exception as exc:  # the user's constructor, given what torch's optimizers take
+        name = spec.cls.__name__
         raise StrategyError(
-            f"{who} rebuilds {spec.cls.__name__} over this rank's pieces as "
-            f"{spec.cls.__name__}(groups, **optimizer.defaults), which failed: {exc}. Pass the class "
-            f"and its options instead ({who}(model, {spec.cls.__name__}, lr=...))"
+            f"{who} rebuilds {name} over this rank's pieces as {name}(groups, **optimizer.defaults), "
+            f"which failed: {type(exc).__name__}: {exc}. Pass the class and its options instead "
+            f"({who}(model, {name}, lr=...)); an optimizer wrapping another (Lookahead(base)) cannot be "
+            f"rebuilt so: hand the inner one to the strategy and wrap the strategy, {name}({who}(model, "
+            "base)), which steps the whole parameters under DDP and ZeRO-1/2"
         ) from exc
 
 
