@@ -117,7 +117,15 @@ def test_cli_trains_your_model_and_data(user_module: str, capsys: Any, tmp_path:
     [
         (["model.factory=no_such_pkg.mod:fn"], r"model.factory='no_such_pkg.mod:fn': cannot import"),
         (["model.factory={m}:nothing"], r"has no 'nothing'"),
-        (["model.factory={m}:not_a_model", "data.factory={m}:data"], r"returned a list, not a torch.nn"),
+        (
+            ["model.factory={m}:not_a_model", "data.factory={m}:data"],
+            r"returned an object of type list, not a torch.nn",
+        ),
+        (  # your model without data.factory meets the built-in corpus: the message says so
+            ["model.factory={m}:model"],
+            r"does not take the data's inputs \(shape \(3, 64\) int64\).*; without data.factory the data "
+            r"is the built-in data.dataset='stdlib' \(byte windows .*set data.factory=",
+        ),
         (["model.factory={m}:broken"], r"failed when called with no arguments: RuntimeError: disk on fire"),
         (["data.factory={m}:stream"], r"is a Stream: need a map-style torch Dataset"),
         (["data.factory={m}:singles"], r"\[0\] is a Tensor: each sample must be an \(input, target\) pair"),

@@ -138,15 +138,21 @@ def _describe(t: Any) -> str:
 
 
 def check_fit(
-    task: Task, what_model: str, what_loss: str, check_model: Callable[[nn.Module], None] | None = None
+    task: Task,
+    what_model: str,
+    what_loss: str,
+    check_model: Callable[[nn.Module], None] | None = None,
+    data_hint: str = "",
 ) -> Task:
     """Build the model once and run the loss on two training samples: one clear error if it does not
-    fit (and ``check_model``'s, on the built model). Returns the task with ``classification`` and
-    ``tokens_per_sample`` read off that batch."""
+    fit (and ``check_model``'s, on the built model), ending with ``data_hint``. Returns the task with
+    ``classification`` and ``tokens_per_sample`` read off that batch."""
     with seeded_init(0):  # a probe: torch's RNG state is restored afterwards
         model = task.build_model()
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"{what_model} returned a {type(model).__name__}, not a torch.nn.Module")
+        raise ConfigError(
+            f"{what_model} returned an object of type {type(model).__name__}, not a torch.nn.Module"
+        )
     if check_model is not None:
         check_model(model)
     x, y = fetch(task.train_data, range(min(3, len(task.train_data))))
@@ -156,13 +162,14 @@ def check_fit(
     except Exception as exc:
         raise ConfigError(
             f"{what_model} does not take the data's inputs ({_describe(x)}): {type(exc).__name__}: {exc}"
+            f"{data_hint}"
         ) from None
     try:
         loss = task.loss_fn(out, y)
     except Exception as exc:
         raise ConfigError(
             f"{what_loss} does not fit: loss(output {_describe(out)}, target {_describe(y)}) raised "
-            f"{type(exc).__name__}: {exc}"
+            f"{type(exc).__name__}: {exc}{data_hint}"
         ) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ConfigError(
@@ -248,7 +255,14 @@ def task_from_config(config: TrainConfig) -> Task:
     name = m.factory.partition(":")[2] if m.factory else builtin_task_name(config)
     task = Task(build, train, evals, loss, tokens_per_sample=tokens, fsdp_unit_classes=units, name=name)
     fits = None if m.factory is None else partial(check_tensor_plan_fits, config)  # tp: heads, vocabulary
-    return check_fit(task, what, f"model.loss={m.loss or 'cross_entropy'!r}", fits)
+    hint = ""
+    if m.factory is not None and d.factory is None:  # your model on the built-in data: say so
+        hint = (
+            f"; without data.factory the data is the built-in data.dataset={d.dataset!r} "
+            f"({'byte windows of the Python standard library' if d.dataset == 'stdlib' else '8x8 digits'}): "
+            "set data.factory=package.module:function for your own"
+        )
+    return check_fit(task, what, f"model.loss={m.loss or 'cross_entropy'!r}", fits, hint)
 
 
 def builtin_task_name(config: TrainConfig) -> str:
