@@ -12,6 +12,7 @@ delivered twice within 0.5 s) exits at once with the same status, every committe
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -141,10 +142,23 @@ def _config(args: argparse.Namespace) -> int:
     if args.describe:
         from dtlab.config_doc import describe
 
-        print(describe(config.to_dict()))
-        return 0
-    print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        return _to_stdout(describe(config.to_dict()) + "\n")
+    return _to_stdout(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def _to_stdout(text: str) -> int:
+    """Write ``text``; a reader that stops early (``| head``) ends the output quietly, no traceback."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
     return 0
+
+
+def _stdout_to_devnull() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail again
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -193,7 +207,11 @@ def _warning_printer(command: str) -> Callable[..., None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except BrokenPipeError:  # --help into a reader that stopped early (| head)
+        _stdout_to_devnull()
+        return 0
     if argv is not None:  # a call from Python: its warnings stay as the caller prints or records them
         return _run(args, argv)
     with warnings.catch_warnings():

@@ -118,3 +118,19 @@ def test_the_dense_warm_up_is_in_the_header_and_the_step_lines(capsys: Any) -> N
     assert "compression oktopk @ 0.05 after 2 dense steps" in head, head
     steps = [line for line in text.splitlines() if re.match(r"step +\d+ \|", line)]
     assert [("dense warm-up (2 steps)" in line) for line in steps] == [True, True, False], steps
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly() -> None:
+    import subprocess
+    import sys
+
+    # `dtlab config --describe | head`: the reader is gone before dtlab writes (closed at once here)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtlab", "config", "--describe"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err and b"BrokenPipeError" not in err, err
