@@ -12,6 +12,7 @@ delivered twice within 0.5 s) exits at once with the same status, every committe
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import warnings
@@ -206,12 +207,51 @@ def _warning_printer(command: str) -> Callable[..., None]:
     return show
 
 
+def _setting_hint(extras: list[str]) -> str:
+    """What to write instead of arguments ``dtlab train``/``config`` do not take: ``--steps 10`` and
+    ``train.steps=10`` are settings, given as ``--set train.steps=10``."""
+    from dtlab.config import TrainConfig
+
+    fields = {
+        f"{section}.{name}": name
+        for section, info in TrainConfig.model_fields.items()
+        for name in getattr(info.annotation, "model_fields", {})
+    }
+    first = extras[0]
+    key, eq, value = first.lstrip("-").partition("=")
+    if not eq and not first.startswith("-"):
+        return "settings go through --set KEY=VALUE (every KEY: dtlab train --help)"
+    if not eq and len(extras) > 1 and not extras[1].startswith("-"):
+        value = extras[1]
+    key = key.replace("-", "_")
+    if key in TrainConfig.model_fields:  # a section (--strategy fsdp)
+        names = ", ".join(n for k, n in fields.items() if k.startswith(f"{key}."))
+        return f"settings go through --set: --set {key}.FIELD={value or '...'} (FIELD one of {names})"
+    if key not in fields:  # a bare field name (--steps, --lr): the setting of that name
+        by_name = [k for k, n in fields.items() if n == key]
+        close = difflib.get_close_matches(key, list(fields.values()), n=1, cutoff=0.7)
+        by_name = by_name or [k for k, n in fields.items() if close and n == close[0]]
+        if not by_name:
+            return "settings go through --set KEY=VALUE (every KEY: dtlab train --help)"
+        key = by_name[0]
+    return f"settings go through --set: --set {key}={value or '...'}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     try:
-        args = _parser().parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
     except BrokenPipeError:  # --help into a reader that stopped early (| head)
         _stdout_to_devnull()
         return 0
+    if extras:
+        if args.command not in ("train", "config"):
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        parser.exit(
+            2,
+            f"dtlab {args.command}: error: unrecognized arguments: {' '.join(extras)}; "
+            f"{_setting_hint(extras)}\n",
+        )
     if argv is not None:  # a call from Python: its warnings stay as the caller prints or records them
         return _run(args, argv)
     with warnings.catch_warnings():

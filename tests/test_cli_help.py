@@ -134,3 +134,23 @@ def test_a_reader_that_stops_early_ends_the_output_quietly() -> None:
     proc.stdout.close()
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and b"Traceback" not in err and b"BrokenPipeError" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (["train", "--steps", "10"], "--set train.steps=10"),
+        (["train", "--lr=0.1"], "--set optimizer.lr=0.1"),
+        (["train", "train.steps=10"], "--set train.steps=10"),  # --set left out
+        (["config", "--world-size", "2"], "--set backend.world_size=2"),
+        (["train", "--strategy", "fsdp"], "--set strategy.FIELD=fsdp (FIELD one of model, optimizer"),
+        (["train", "--no-such-thing"], "--set KEY=VALUE (every KEY: dtlab train --help)"),
+    ],
+)
+def test_an_argument_that_is_a_setting_names_its_set_form(args: list[str], hint: str, capsys: Any) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dtlab {args[0]}: error: unrecognized arguments: {' '.join(args[1:])}; "), err
+    assert hint in err, err
