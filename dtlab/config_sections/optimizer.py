@@ -18,7 +18,8 @@ class OptimizerConfig(Section):
     weight_decay: float = Field(default=0.01, ge=0)
     #: SGD momentum (``optimizer.name=sgd``)
     momentum: float = Field(default=0.9, ge=0, lt=1)
-    #: Adam/AdamW coefficients of the running averages of the gradient and its square
+    #: Adam/AdamW coefficients of the running averages of the gradient and its square (torch's default
+    #: is ``[0.9, 0.999]``)
     betas: tuple[float, float] = (0.9, 0.99)
     #: learning-rate schedule after warm-up: cosine to ``min_lr_ratio * lr``, step decay, or constant;
     #: ``torch``: the ``torch.optim.lr_scheduler`` class ``torch_scheduler`` (no added warm-up)
