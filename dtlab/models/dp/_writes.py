@@ -8,7 +8,8 @@ rank's shard, and refuses by name those made into a stand-in, which the next gat
 gathered (ZeRO-3's persistent ones) takes any write, as under DDP: its shard is refreshed from it
 before the optimizer or a checkpoint reads it (:meth:`ParamWrites.settle`). ``torch.nn.utils.prune``
 applied to a parked parameter computes its mask from the stand-in: refused at the next step unless it
-ran on gathered values (before wrapping, inside ``model.apply(fn)`` or ``summon_full_params()``).
+ran on gathered values (before wrapping, inside ``summon_full_params()``, or in ``model.apply(fn)`` on
+the module being visited) or reads none (a mask given: ``prune.custom_from_mask``, ``prune.identity``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import cast
 
 import torch
 from torch import nn
-from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.prune import BasePruningMethod, CustomFromMask, Identity
 
 from dtlab.core.torch_private import MODULE_HOOKS
 from dtlab.core.traced import eager_when_traced
@@ -30,10 +31,16 @@ __all__ = ["ParamWrites", "prune_hooks"]
 _APPLY = "model.apply(fn)"
 
 
-def prune_hooks(module: nn.Module) -> list[tuple[nn.Module, BasePruningMethod]]:
-    """``(submodule, hook)`` of every ``torch.nn.utils.prune`` forward pre-hook in ``module``."""
+#: pruning methods whose mask reads no parameter values (a mask given; none): exact on a stand-in
+_VALUE_FREE = (CustomFromMask, Identity)
+
+
+def prune_hooks(module: nn.Module, recurse: bool = True) -> list[tuple[nn.Module, BasePruningMethod]]:
+    """``(submodule, hook)`` of every ``torch.nn.utils.prune`` forward pre-hook in ``module`` (with
+    ``recurse=False``: on ``module`` itself)."""
     pre = MODULE_HOOKS["register_forward_pre_hook"]
-    return [(m, h) for m in module.modules() for h in pre(m).values() if isinstance(h, BasePruningMethod)]
+    modules = module.modules() if recurse else (module,)
+    return [(m, h) for m in modules for h in pre(m).values() if isinstance(h, BasePruningMethod)]
 
 
 class ParamWrites:
@@ -46,14 +53,21 @@ class ParamWrites:
         self._all: tuple[int, list[nn.Parameter]] | None = None  # (units, their parameters)
         #: torch.nn.utils.prune hooks whose mask came from whole values (by id; kept: ids are not reused)
         self._pruned: dict[int, BasePruningMethod] = {}
-        self._vet_pruning()
+        #: the modules holding each unit's parameters (by unit id), whose prune hooks a write-back vets
+        self._owners: dict[int, dict[int, nn.Module]] = {}
+        for m in module.modules():
+            for p in m.parameters(recurse=False):
+                if (st := unit_of.get(id(p))) is not None:
+                    self._owners.setdefault(id(st), {})[id(m)] = m
+        self._vet_pruning([module])  # wrapping: every hook present saw whole values
 
     def _prunings(self) -> list[tuple[nn.Module, BasePruningMethod]]:
         return prune_hooks(self.module)
 
-    def _vet_pruning(self) -> None:
-        """The prune hooks present now computed their masks from whole values (wrapping, a gather)."""
-        self._pruned.update({id(h): h for _, h in self._prunings()})
+    def _vet_pruning(self, modules: list[nn.Module], recurse: bool = True) -> None:
+        """The prune hooks on ``modules`` now computed their masks from whole values (wrapping, a gather
+        of their units)."""
+        self._pruned.update({id(h): h for m in modules for _, h in prune_hooks(m, recurse)})
 
     def _refuse_pruning(self, when: str) -> None:
         """Refuse ``torch.nn.utils.prune`` applied since wrapping to a parameter parked then (the mask
@@ -63,7 +77,8 @@ class ParamWrites:
             units = [
                 self.unit_of.get(id(p)) for n, p in m.named_parameters(recurse=False) if n.endswith("_orig")
             ]
-            if id(h) not in self._pruned and any(st is not None and not st.persistent for st in units):
+            parked = any(st is not None and not st.persistent for st in units)
+            if id(h) not in self._pruned and not isinstance(h, _VALUE_FREE) and parked:
                 names += [n for n, x in self.module.named_modules() if x is m]
         if names:
             at = self.at_rest
@@ -73,7 +88,8 @@ class ParamWrites:
                 "the parameters and a parameter is a stand-in of its shape, so the mask was computed from "
                 "the stand-in, not from the values (not the mask torch computes). Prune the plain module "
                 "before wrapping it, or on every rank inside with model.summon_full_params(): ... (the "
-                "whole model gathered; prune.global_unstructured too)"
+                "whole model gathered; prune.global_unstructured too); in model.apply(fn) prune only the "
+                "module fn is given (its children's parameters are parked again by then)"
             )
 
     def check(self, when: str, units: list[ShardUnit] | None = None) -> None:
@@ -199,7 +215,13 @@ class ParamWrites:
                     st.shard.copy_(st.unit.own_shard(st.flat))
                     if id(st) in persistent:
                         self.at_rest.group.all_gather(st.flat, st.shard)
-        self._vet_pruning()  # the end of summon_full_params() or of a module in model.apply(fn)
+        # the end of summon_full_params() or of a module in model.apply(fn): the prune hooks on the
+        # modules of the units written back saw whole values (a hook elsewhere, e.g. put on a child by
+        # fn(parent) after the child's units were freed, saw a stand-in: still refused at the step)
+        owners = {
+            id(m): m for st in units if st.flat is not None for m in self._owners.get(id(st), {}).values()
+        }
+        self._vet_pruning(list(owners.values()), recurse=False)
 
     def apply(self, module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
         """``nn.Module.apply(fn)`` over ``module``: ``fn(m)`` for every submodule, children first, with
