@@ -145,3 +145,30 @@ def _crafted_trainer_state(tmp_path: Path) -> None:
     assert "trainer.step=1000000000000.0, expected an integer" in runs[2]["stderr"], runs[2]
     assert runs[3]["rc"] == 0 and "fell back to step_00000001" in runs[3]["stderr"], runs[3]
     assert runs[4]["rc"] == 2 and "is of step 1000000000000, past train.steps=3" in runs[4]["stderr"], runs[4]
+
+
+def test_an_output_that_cannot_be_written_is_one_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dtlab plot -o``, ``consolidate -o`` and ``bench --out`` where nothing can be written: one line
+    naming the path, exit 2, not an OSError traceback about a temporary file."""
+    from dtlab.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0}\n')
+    (tmp_path / "a_file").write_text("x")
+    assert main(["plot", str(run), "-o", str(tmp_path / "a_file" / "cmp.png")]) == 2
+    assert main(["bench", "--out", str(tmp_path / "a_file" / "bench")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"dtlab plot: error: {tmp_path / 'a_file' / 'cmp.png'} cannot be written: "), err
+    assert err[1].startswith(
+        f"dtlab bench: error: --out {tmp_path / 'a_file' / 'bench'} cannot be created"
+    ), err
+    if Path("/proc/self").exists():  # Linux: a directory where no file can be created
+        make_checkpoint(tmp_path / "ck0")
+        assert main(["consolidate", str(tmp_path / "ck0"), "-o", "/proc/dtlab-model.safetensors"]) == 2
+        msg = capsys.readouterr().err
+        assert msg.startswith(
+            "dtlab consolidate: error: -o /proc/dtlab-model.safetensors cannot be written"
+        ), msg

@@ -289,7 +289,12 @@ def run_bench(
     On a signal: the running benchmark's processes ended, ``bench.md`` of what finished, 128 + n."""
     _check_plotting()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DtlabError(
+            f"--out {out} cannot be created: {exc.strerror or exc}; choose a directory this user can write"
+        ) from None
     names = [only] if only else list(BENCHMARKS)
     engines = ["gloo", "mpi"] if mpi_available() else ["gloo"]
     report = ["# dtlab bench", ""]

@@ -48,7 +48,13 @@ def consolidate(checkpoint: str | Path, output: str | Path) -> Path:
     strategy = ckpt.meta.get("strategy", {})
     metadata = {"step": str(ckpt.step), "source": str(ckpt.path), "strategy": str(strategy)[:4096]}
     data = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
-    replace_file(out, data)  # a link at ``out`` is replaced by the file, its target left untouched
+    try:
+        replace_file(out, data)  # a link at ``out`` is replaced by the file, its target left untouched
+    except OSError as exc:
+        raise UnsafePathError(
+            f"-o {out} cannot be written: {exc.strerror or exc}; choose a file in a directory this user "
+            "can write"
+        ) from None
     return out
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.checkpoint.safe_files import replace_file
-from dtlab.errors import ConfigError
+from dtlab.errors import ConfigError, UnsafePathError
 
 __all__ = ["Curves", "plot_runs", "read_curves", "write_loss_png"]
 
@@ -120,10 +120,16 @@ def plot_runs(runs: list[Curves], out: str | Path, title: str | None = None) -> 
         fig.suptitle(title)
     fig.subplots_adjust(left=0.06, right=0.98, bottom=0.12, top=0.86 if title else 0.92, wspace=0.18)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     image = io.BytesIO()
     fig.savefig(image, format=out.suffix.lstrip(".") or "png")
-    replace_file(out, image.getvalue())  # a link planted at the name is replaced, not written through
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(out, image.getvalue())  # a link planted at the name is replaced, not written through
+    except OSError as exc:
+        raise UnsafePathError(
+            f"{out} cannot be written: {exc.strerror or exc}; choose a file in a directory this user "
+            "can write"
+        ) from None
     return out
 
 
