@@ -211,9 +211,10 @@ def test_torch_optimizer_handed_to_a_second_strategy_is_refused() -> None:
             assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), (name, k)
 
 
-def _rank_0_state(backend: CommunicationBackend, pp: bool) -> dict[str, Any]:
+def _rank_0_state(backend: CommunicationBackend, pp: bool, layers: int = 2) -> dict[str, Any]:
     """``if rank == 0: torch.save(opt.state_dict())``, then every rank loads that file, under tp=2 or
-    pp=2 (two stages of equal shapes); and each rank's own state (what resumes)."""
+    pp=2 (``layers`` layers: 2, two stages of equal shapes; 3, stages of 2 and 1); and each rank's own
+    state (what resumes)."""
     from filled import filled
     from test_tensor_habits import PLAN, build, data
     from torch import nn
@@ -223,7 +224,9 @@ def _rank_0_state(backend: CommunicationBackend, pp: bool) -> dict[str, Any]:
 
     mesh = Mesh(backend, {"pp" if pp else "tp": 2})
     if pp:
-        net = filled(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh()), 0, scale=0.4)
+        net = filled(
+            nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(8, 8), nn.Tanh())]), 0, scale=0.4
+        )
         model: Any = PipelineParallelModel(net, mesh, micro_batches=2)
     else:
         model = TensorParallelModel(build(), mesh, plan=PLAN)
@@ -249,9 +252,12 @@ def test_another_rank_s_optimizer_state_is_refused_under_tp_and_pp() -> None:
     """Under tensor and pipeline parallelism opt.state_dict() is this rank's part (its slices, its
     stages). Rank 0's, loaded by every rank (a DDP resume habit), loaded silently where the shapes
     match (3.1e-2 relative error after 3 more AdamW steps at tp=2, 4.8e-2 at pp=2): now every rank
-    refuses, naming the parameter and the fix. Each rank's own still loads."""
-    for pp in (False, True):
-        for rank, res in enumerate(run_world(2, _rank_0_state, pp, timeout=60)):
+    refuses, naming the parameter and the fix. Each rank's own still loads. With stages of different
+    sizes rank 1 refused rank 0's state by its per-group size before the part check, a consensus, in
+    which rank 0 waited (the backend's timeout; in memory 'can never complete'): the part is checked
+    first now, so every rank refuses naming the fix."""
+    for pp, layers in ((False, 2), (True, 2), (True, 3)):
+        for rank, res in enumerate(run_world(2, _rank_0_state, pp, layers, timeout=60)):
             assert res["own"] == "loaded", res["own"]
             said = res["rank_0"]
             assert "opt.state_dict() is this rank's part" in said and "f'opt_{rank}.pt'" in said, said

@@ -236,6 +236,10 @@ class DataParallelOptimizer(OptimizerStrategy):
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         me = type(self).__name__
+        # first, before any refusal of this rank's own (the per-group sizes of another stage's state
+        # differ): the part check is a consensus every rank makes, and names what went wrong
+        part = state_dict.get(PART) if isinstance(state_dict, dict) else None
+        check_part(part, model_part(self.dp_model, self._indexed()), me, self.agree)
         saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(saved, list) or len(saved) != len(self.param_groups):
             raise StrategyError(
@@ -250,7 +254,6 @@ class DataParallelOptimizer(OptimizerStrategy):
                 f"{me}.load_state_dict(): parameters per group {theirs} in the state dict, {sizes} here; "
                 "build the optimizer with the groups it was saved with"
             )
-        check_part(state_dict.get(PART), model_part(self.dp_model, self._indexed()), me, self.agree)
         ids = [pid for g in saved for pid in g["params"]]
         state = state_dict.get("state", {})
         mine: dict[int, Any] = {}

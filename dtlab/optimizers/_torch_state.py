@@ -208,8 +208,9 @@ def _wrong_part(saved: Any, here: list[list[Any]], who: str) -> str | None:
     here, or None; a plain torch optimizer's (no part) is checked by each state tensor's size."""
     if saved is None or saved == here:
         return None
-    theirs = {p[0]: p for p in saved if isinstance(p, list) and len(p) == 4}
-    diff = next((p for p in here if theirs.get(p[0]) != p), here[0])
+    listed = saved if isinstance(saved, list) else []
+    theirs = {p[0]: p for p in listed if isinstance(p, list) and len(p) == 4}
+    diff = next((p for p in here if theirs.get(p[0]) != p), None) or here[0]
     other = theirs.get(diff[0])
     said = "no parameter" if other is None else f"{other[1]!r} piece {other[2]} of {other[3]}"
     return (
