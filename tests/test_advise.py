@@ -229,3 +229,33 @@ def test_a_shared_memo_changes_no_prediction() -> None:
     memo = Memo()
     for c in candidates(8, 16):
         assert predict(spec, cluster, c, 16, memo=memo) == predict(spec, cluster, c, 16)
+
+
+def test_the_fastest_runnable_plan_is_printed_as_a_dtlab_train_command_that_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dtlab.config import check_world_size, load_config
+    from dtlab.trainers import run_training
+
+    def command(*args: str) -> tuple[str, list[str]]:
+        assert main(["advise", "--top", "5", *args]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("plan "))
+        assert lines[at + 1].startswith("  dtlab train --set "), lines[at:]
+        return lines[at], lines[at + 1].split("--set ")[1:]
+
+    head, sets = command("--layers", "4", "--hidden", "32", "--heads", "2", "--seq", "16", "--ranks", "4",
+                         "--global-batch", "8", "--precision", "bf16-mixed")  # fmt: skip
+    sets = [s.strip() for s in sets]
+    assert "model through model.factory" not in head
+    assert {"backend.world_size=4", "model.n_layers=4", "model.d_model=32", "model.seq_len=16"} <= set(sets)
+    assert {"data.global_batch_size=8", "train.precision=bf16"} <= set(sets), sets
+    config = load_config(overrides=sets)  # every setting exists and passes the config's checks
+    check_world_size(config, 4)
+    tiny = ["train.steps=1", "train.eval_every=0", "data.max_bytes=20000", "logging.run_dir=null"]
+    results = run_training(load_config(overrides=[*sets, *tiny, "logging.progress=false"]))
+    assert len(results) == 4 and results[0].final_step == 1
+    head, sets = command("--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "1000", "--ranks", "8")
+    assert "(your model through model.factory)" in head  # not the built-in byte-level model
+    assert not any(s.startswith("model.") for s in sets), sets
+    check_world_size(load_config(overrides=[s.strip() for s in sets]), 8)

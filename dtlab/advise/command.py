@@ -6,13 +6,15 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from dtlab.advise.plan import parse_plan, place
 from dtlab.advise.precision import PRECISIONS, Precision
-from dtlab.advise.predict import predict
+from dtlab.advise.predict import Prediction, predict
 from dtlab.advise.render import advice_json, advice_table, print_table
 from dtlab.advise.search import Limits, advise, runnable
 from dtlab.advise.spec import (
+    BYTE_VOCAB,
     CHECKPOINTING,
     DP_STRATEGIES,
     SCHEDULES,
@@ -21,6 +23,7 @@ from dtlab.advise.spec import (
     OptimizerSpec,
     StrategyOptions,
 )
+from dtlab.advise.to_train import train_settings
 from dtlab.core.plan import TP_BATCH_CHECKS
 from dtlab.errors import ArgumentError
 
@@ -279,4 +282,21 @@ def run_advise(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    return _emit(lambda: print_table(advice_table(shown, *header)))
+    return _emit(lambda: _table_and_command(shown, header, args))
+
+
+def _table_and_command(shown: list[Prediction], header: tuple[Any, ...], args: argparse.Namespace) -> None:
+    """The table, then the fastest plan dtlab runs today as a ``dtlab train`` command line."""
+    spec = header[0]
+    print_table(advice_table(shown, *header))
+    best = next((p for p in shown if p.runnable), None)
+    sets = [] if best is None else train_settings(best, spec, args.global_batch, args.precision)
+    if best is None or not sets:
+        return
+    yours = spec.vocab != BYTE_VOCAB or spec.tied_embeddings
+    print(
+        f"plan {shown.index(best) + 1} ({best.candidate.label}) with dtlab train"
+        + (" (your model through model.factory)" if yours else "")
+        + ":\n  dtlab train "
+        + " ".join(f"--set {s}" for s in sets)
+    )
