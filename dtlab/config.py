@@ -220,8 +220,21 @@ def _format_error(err: ValidationError) -> str:
                 f"e.g. --set {path}.{fields[0]}=...; fields: {', '.join(fields)}"
             )
         else:
-            lines.append(f"{path}={shown} is not allowed: {msg}")
+            lines.append(f"{path}={shown} is not allowed: {msg}{_integer_hint(e['type'], value)}")
     return "invalid configuration: " + "; ".join(lines)
+
+
+def _integer_hint(kind: str, value: Any) -> str:
+    """For ``data.max_bytes=1e6``: YAML reads ``1e6`` as a string, and an integer field wants digits."""
+    if kind != "int_parsing" or not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not number.is_integer() or abs(number) > 1e18:
+        return ""
+    return f"; write it as digits: {int(number)}"
 
 
 def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
