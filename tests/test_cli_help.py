@@ -87,7 +87,7 @@ def test_the_header_of_a_pipeline_names_its_micro_batches(capsys: Any) -> None:
     assert "| pipeline 1f1b: 4 micro-batches x 2 |" in head and "accumulation" not in head, head
 
 
-def test_a_task_without_tokens_reports_samples_per_second_only() -> None:
+def test_a_task_without_tokens_reports_samples_per_second_only(capsys: Any) -> None:
     import torch
     from torch import nn
     from torch.utils.data import TensorDataset
@@ -105,6 +105,10 @@ def test_a_task_without_tokens_reports_samples_per_second_only() -> None:
     )
     summary = results[0].summary
     assert summary["samples/s"] > 0 and summary["tokens/s"] is None  # not samples/s again as tokens/s
+    head = next(
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("dtlab train: custom (")
+    )
+    assert "| built whole: peak >= 12 B host per rank (the whole model) |" in head, head  # not 0.0 MiB
 
 
 def test_the_dense_warm_up_is_in_the_header_and_the_step_lines(capsys: Any) -> None:

@@ -77,13 +77,19 @@ class Construction:
         return self.whole_bytes
 
     def describe(self) -> str:
-        mib = 2**20
         if self.init == "meta":
             return (
-                f"built on meta: peak {self.peak_bytes / mib:,.1f} MiB host per rank (its share "
-                f"{self.share_bytes / mib:,.1f} + largest module {self.largest_module_bytes / mib:,.1f})"
+                f"built on meta: peak {_size(self.peak_bytes)} host per rank (its share "
+                f"{_size(self.share_bytes)} + largest module {_size(self.largest_module_bytes)})"
             )
-        return f"built whole: peak >= {self.whole_bytes / mib:,.1f} MiB host per rank (the whole model)"
+        return f"built whole: peak >= {_size(self.whole_bytes)} host per rank (the whole model)"
+
+
+def _size(n: int) -> str:
+    """``1.8 MiB``; below 0.1 MiB in KiB, below 0.1 KiB in bytes (a small model is not ``0.0 MiB``)."""
+    if n >= 0.1 * 2**20:
+        return f"{n / 2**20:,.1f} MiB"
+    return f"{n / 2**10:,.1f} KiB" if n >= 0.1 * 2**10 else f"{n} B"
 
 
 def load_pretrained_weights(config: TrainConfig, model: ModelStrategy) -> None:
