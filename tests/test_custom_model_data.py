@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,8 @@ def test_cli_trains_your_model_and_data(user_module: str, capsys: Any, tmp_path:
     sets += ["optimizer.lr=0.05", f"logging.run_dir={tmp_path / 'run'}"]
     assert main(["train", *_sets(*sets)]) == 0
     out = capsys.readouterr().out
-    assert "model" in out and "eval accuracy" in out  # classification read off the targets
+    assert "eval accuracy" in out  # classification read off the targets
+    assert re.search(rf"task +{re.escape(user_module)}:model\b", out), out  # the factory named whole
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_accuracy" in r]
     assert evals[-1]["eval_accuracy"] > 0.8, evals

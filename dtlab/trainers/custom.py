@@ -252,7 +252,7 @@ def task_from_config(config: TrainConfig) -> Task:
         fn, ref = resolve(m.factory, "model.factory"), m.factory
         build, what = (lambda: _call(fn, ref, "model.factory")), f"model.factory={m.factory!r}"
     loss = _loss(m.loss)
-    name = m.factory.partition(":")[2] if m.factory else builtin_task_name(config)
+    name = m.factory or builtin_task_name(config)  # 'mypkg.models:build', not a bare 'build'
     task = Task(build, train, evals, loss, tokens_per_sample=tokens, fsdp_unit_classes=units, name=name)
     fits = None if m.factory is None else partial(check_tensor_plan_fits, config)  # tp: heads, vocabulary
     hint = ""
