@@ -220,12 +220,15 @@ def _format_error(err: ValidationError) -> str:
                 f"e.g. --set {path}.{fields[0]}=...; fields: {', '.join(fields)}"
             )
         else:
-            lines.append(f"{path}={shown} is not allowed: {msg}{_integer_hint(e['type'], value)}")
+            lines.append(f"{path}={shown} is not allowed: {msg}{_value_hint(e['type'], value)}")
     return "invalid configuration: " + "; ".join(lines)
 
 
-def _integer_hint(kind: str, value: Any) -> str:
-    """For ``data.max_bytes=1e6``: YAML reads ``1e6`` as a string, and an integer field wants digits."""
+def _value_hint(kind: str, value: Any) -> str:
+    """For ``data.max_bytes=1e6``: YAML reads ``1e6`` as a string, and an integer field wants digits;
+    for ``strategy.fsdp_units=Block``: a list field wants brackets."""
+    if kind == "list_type" and isinstance(value, str):
+        return f"; write a list, e.g. [{value}]"
     if kind != "int_parsing" or not isinstance(value, str):
         return ""
     try:

@@ -155,6 +155,12 @@ def check_parallel(config: PlanSections) -> None:
     plan = run_plan(config)
     par, m = config.parallel, config.model
     _check_tensor_plan(config)
+    units = config.strategy.fsdp_units
+    if units is not None and plan.data_parallel != "fsdp":  # before any rank starts, not on one of them
+        raise ConfigError(
+            f"strategy.fsdp_units={units} names FSDP units, but the data-parallel strategy is "
+            f"{plan.data_parallel!r}; use strategy.model=fsdp or leave strategy.fsdp_units unset"
+        )
     if not plan.model_parallel:
         return
     if m.name != "transformer_lm" and m.factory is None:

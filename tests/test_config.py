@@ -76,6 +76,11 @@ def test_yaml_and_toml_files_and_overrides(tmp_path: Path) -> None:
         (["train.lr=1e-3"], ["train.lr: unknown field", "did you mean optimizer.lr?"]),
         (["data.batch_size=8"], ["data.batch_size", "did you mean data.global_batch_size?"]),
         (["data.max_bytes=1e6"], ["data.max_bytes='1e6' is not allowed", "write it as digits: 1000000"]),
+        (["strategy.fsdp_units=Block"], ["strategy.fsdp_units='Block'", "write a list, e.g. [Block]"]),
+        (  # a config-only mismatch: refused with the config, not on one rank after the world started
+            ["strategy.fsdp_units=[Block]"],
+            ["strategy.fsdp_units=['Block'] names FSDP units", "'ddp'; use strategy.model=fsdp"],
+        ),
         (["optimizer.lr=.inf"], ["optimizer.lr=inf", "finite"]),
         (["compression.density=.nan"], ["compression.density=nan", "finite"]),
         (["strategy=fsdp"], ["strategy='fsdp'", "is a section", "strategy.model"]),
