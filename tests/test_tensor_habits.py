@@ -273,6 +273,24 @@ def pruned_after_wrapping(backend: CommunicationBackend) -> list[str]:
     return said
 
 
+def pruned_on_one_stage(backend: CommunicationBackend) -> str:
+    """pp=2: a layer of stage 0 pruned after wrapping (it is on pipeline rank 0 only), then
+    model.state_dict() on every rank."""
+    import torch.nn.utils.prune as prune
+
+    from dtlab.models import PipelineParallelModel
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = PipelineParallelModel(net, Mesh(backend, {"pp": 2}), micro_batches=2)
+    if backend.rank == 0:
+        prune.l1_unstructured(model.module.get_submodule("0"), "weight", amount=0.5)
+    try:
+        model.state_dict()
+    except StrategyError as exc:
+        return str(exc)
+    return "saved"
+
+
 def test_pruning_after_wrapping_a_tensor_parallel_model_is_refused() -> None:
     """Pruning renames weight to weight_orig and weight_mask, and on a split layer computes the mask
     from this rank's slice (not torch's mask): model.state_dict() stopped with a raw KeyError
@@ -284,6 +302,11 @@ def test_pruning_after_wrapping_a_tensor_parallel_model_is_refused() -> None:
         for text in said[:2]:
             assert "no longer has ['fc1.weight']" in text and "before wrapping" in text, text
         assert said[1].startswith("TensorParallelModel: "), said[1]
+    # a stage's own change: the other pipeline rank waited in the state gather (the backend's timeout),
+    # then said 'every rank must call it'; now it refuses at once, naming where
+    first, other = run_world(2, pruned_on_one_stage, timeout=60)
+    assert "no longer has ['0.weight']" in first, first
+    assert "on pipeline rank(s) [0] was renamed" in other and "before wrapping" in other, other
 
 
 class Embedded(nn.Module):

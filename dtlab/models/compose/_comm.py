@@ -44,8 +44,12 @@ def gather_whole_state(
     """Every tensor of the whole model on every rank, from each pipeline rank's ``local`` tensors (whole
     over dp): tp shards gathered, then each tensor broadcast from the pipeline rank holding it."""
     gone = [k for k, (_, _, owner, _) in entries.items() if owner == pp.rank and k not in local]
-    if gone:  # model.module's tensors renamed since wrapping (every rank of a stage changed it alike)
-        raise StrategyError(renamed_message(gone, [k for k in local if k not in entries]))
+    # model.module's tensors renamed since wrapping (every rank of a stage changed it alike): refused on
+    # every pipeline rank, not only the stage's (the others would wait in the broadcasts below)
+    flags = pp.all_gather_object(bool(gone)) if pp.world_size > 1 else [bool(gone)]
+    where = [r for r, changed in enumerate(flags) if changed]
+    if where:
+        raise StrategyError(renamed_message(gone, [k for k in local if k not in entries], where))
     out = {}
     for key, (shape, dtype, owner, placement) in entries.items():
         mine: torch.Tensor | None = None
@@ -57,14 +61,19 @@ def gather_whole_state(
     return out
 
 
-def renamed_message(gone: list[str], new: list[str]) -> str:
-    """Why tensors of the wrapped module renamed since wrapping (``gone``, now ``new``) are refused."""
+def renamed_message(gone: list[str], new: list[str], ranks: list[int] | None = None) -> str:
+    """Why tensors of the wrapped module renamed since wrapping (``gone``, now ``new``; none here: on
+    pipeline ranks ``ranks``) are refused."""
     return (
-        f"the wrapped module's state no longer has {gone[:5]} (it has {new[:5]} instead): model.module "
-        "was changed after wrapping (torch.nn.utils.prune renames weight to weight_orig and weight_mask; "
-        "a parametrization or a layer replaced). The composition laid its tensors out when it wrapped "
-        "the module, and on a split layer a mask computed now comes from this rank's slice only: change "
-        "the plain module before wrapping it (prune, then prune.remove() to keep the pruned values), or "
-        "load model.state_dict() (every rank, before the change) into a fresh plain module, change that "
-        "and wrap it"
+        (
+            f"the wrapped module's state no longer has {gone[:5]} (it has {new[:5]} instead)"
+            if gone
+            else f"the wrapped module's state on pipeline rank(s) {ranks} was renamed (their error names it)"
+        )
+        + ": model.module was changed after wrapping (torch.nn.utils.prune renames weight to "
+        "weight_orig and weight_mask; a parametrization or a layer replaced). The composition laid its "
+        "tensors out when it wrapped the module, and on a split layer a mask computed now comes from "
+        "this rank's slice only: change the plain module before wrapping it (prune, then prune.remove() "
+        "to keep the pruned values), or load model.state_dict() (every rank, before the change) into a "
+        "fresh plain module, change that and wrap it"
     )
