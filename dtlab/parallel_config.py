@@ -109,7 +109,10 @@ def tensor_plan_setting(config: PlanSections) -> str | dict[str, str]:
         return plan
     from dtlab.config_files import read_mapping_file
 
-    data = read_mapping_file(plan)
+    try:
+        data = read_mapping_file(plan)
+    except ConfigError as exc:  # 'config file ... does not exist': name the setting that gave it
+        raise ConfigError(f"parallel.plan={plan!r}: {exc}") from None
     bad = {k: v for k, v in data.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)}
     if bad or not data:
         raise ConfigError(

@@ -87,7 +87,9 @@ def test_the_cli_prints_one_line_and_exits_2(tmp_path: Path, capsys: pytest.Capt
     assert "checkpoint.dir=" in err[0] and "Not a directory" in err[0]
 
 
-def test_a_resume_path_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_resume_or_pretrained_path_that_does_not_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     missing = tmp_path / "ckpt-typo"
     sets = [*BASE, f"checkpoint.resume={missing}", "logging.run_dir=null"]
     assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 2  # before any rank starts
@@ -95,6 +97,11 @@ def test_a_resume_path_that_does_not_exist(tmp_path: Path, capsys: pytest.Captur
     assert len(err) == 1 and err[0].startswith("dtlab train: error: unusable path in the configuration: ")
     assert f"checkpoint.resume={str(missing)!r} does not exist" in err[0] and "or true to resume" in err[0]
     assert "choose directories" not in err[0]  # advice about directories to write does not fit here
+    sets = [*BASE, f"model.pretrained={missing}.safetensors", "logging.run_dir=null"]
+    assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dtlab train: error: unusable path in the configuration: ")
+    assert f"model.pretrained='{missing}.safetensors' does not exist: give a .safetensors file" in err[0]
 
 
 def test_empty_paths_are_refused_by_the_config() -> None:

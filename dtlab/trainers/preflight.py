@@ -3,8 +3,8 @@ lost at its first save to a directory it cannot write.
 
 ``checkpoint.dir`` and ``logging.run_dir`` must be directories that can be created and written (a
 probe file is created, fsynced and removed, and so are the directories the check created);
-``checkpoint.resume``, when a path, must exist and be readable. All problems are one
-:class:`~dtlab.errors.ConfigError` naming the field, the path and the reason.
+``checkpoint.resume``, when a path, must exist and be readable; ``model.pretrained`` must exist. All
+problems are one :class:`~dtlab.errors.ConfigError` naming the field, the path and the reason.
 :func:`check_paths_on_every_rank` also checks that every rank sees ``checkpoint.dir`` (a file rank 0
 writes there): with ranks on several machines it must be a shared filesystem.
 """
@@ -113,6 +113,13 @@ def _problems(config: TrainConfig) -> tuple[list[str], Path | None, list[Path]]:
                 problems.append(f"checkpoint.resume={c.resume!r} cannot be read: permission denied")
         except OSError as exc:  # a name too long for the filesystem, a loop of links
             problems.append(f"checkpoint.resume={c.resume!r} cannot be read: {_reason(exc, c.resume)}")
+    pretrained = config.model.pretrained
+    if pretrained is not None and not Path(pretrained).exists():
+        problems.append(
+            f"model.pretrained={pretrained!r} does not exist: give a .safetensors file, a folder holding "
+            "model.safetensors or model.safetensors.index.json (save_pretrained's output), or the file "
+            "dtlab consolidate wrote"
+        )
     return problems, probe, made
 
 
