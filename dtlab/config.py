@@ -190,7 +190,7 @@ def _did_you_mean(loc: tuple[int | str, ...], fields: list[str]) -> str:
     close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
     if close:
         return f"did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}? "
-    if len(loc) == 2:
+    if len(loc) in (1, 2):  # a field of another section, or a field given without its section
         homes = [s for s in TrainConfig.model_fields if name in _fields_at((s,)) and s != loc[0]]
         if homes:
             return f"did you mean {' or '.join(f'{s}.{name}' for s in homes)}? "

@@ -75,6 +75,7 @@ def test_yaml_and_toml_files_and_overrides(tmp_path: Path) -> None:
         (["optimzer.lr=1e-3"], ["optimzer: unknown field", "did you mean optimizer?"]),
         (["train.lr=1e-3"], ["train.lr: unknown field", "did you mean optimizer.lr?"]),
         (["data.batch_size=8"], ["data.batch_size", "did you mean data.global_batch_size?"]),
+        (["steps=10"], ["steps: unknown field", "did you mean train.steps?"]),  # the section left out
         (["data.max_bytes=1e6"], ["data.max_bytes='1e6' is not allowed", "write it as digits: 1000000"]),
         (["strategy.fsdp_units=Block"], ["strategy.fsdp_units='Block'", "write a list, e.g. [Block]"]),
         (  # a config-only mismatch: refused with the config, not on one rank after the world started
