@@ -161,3 +161,19 @@ def test_a_launcher_backend_started_without_a_launcher_refuses_an_in_memory_worl
         msg = str(info.value)
         assert f"backend.world_size=2 sizes the in-memory world only; backend.name='{name}'" in msg
         assert "torchrun --nproc-per-node 2 -m dtlab train" in msg and "backend.name=auto" in msg
+
+
+def test_an_in_memory_world_under_a_launcher_of_several_processes_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dtlab.errors import ConfigError
+    from dtlab.trainers.launch import run_training
+
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}
+    for var, value in {**torchrun, "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(var, value)
+    cfg = load_config(overrides=["backend.name=inmemory", "logging.run_dir=null"])
+    with pytest.raises(
+        ConfigError, match=r"backend.name='inmemory' in a process torchrun started as rank 1 of 2"
+    ):
+        run_training(cfg)  # refused before any rank thread starts: not two separate runs

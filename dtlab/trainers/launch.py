@@ -82,8 +82,17 @@ def run_training(
     model_init(config, run_plan(config))  # model.init=meta where every rank holds the whole model: refused
     name = resolve_backend_name(config)
     if name == "inmemory":
+        from dtlab.backends.init import detect_launcher
         from dtlab.backends.threads import run_world
 
+        launch = detect_launcher()
+        if launch.launcher != "none" and (launch.world_size or 1) > 1:  # N copies of one in-memory run
+            raise ConfigError(
+                f"backend.name='inmemory' in a process {launch.launcher} started as rank {launch.rank} of "
+                f"{launch.world_size}: each process would train an in-memory world of its own, apart from "
+                "the others; use backend.name=auto (or gloo, nccl, mpi) to make the processes one world, "
+                "or run without the launcher"
+            )
         ws = config.backend.world_size
         check_world_size(config, ws)
         check_paths(config)  # before any rank starts: one ConfigError (the Trainer checks again, per rank)
