@@ -72,7 +72,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(t)
-    t.add_argument("--quiet", action="store_true", help="no progress bar and no metric lines")
+    t.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no run header, progress bar or metric lines (the summary still prints)",
+    )
     c = sub.add_parser(
         "config",
         help="print the resolved configuration as YAML (--describe: every setting, allowed values, meaning)",

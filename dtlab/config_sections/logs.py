@@ -14,7 +14,7 @@ class LoggingConfig(Section):
     run_dir: str | None = "runs/{time}"
     #: write a metrics record (and a console line) every N steps
     log_every: int = Field(default=20, ge=1)
-    #: a progress bar and metric lines on rank 0's console
+    #: the run header, a progress bar and metric lines on rank 0's console
     progress: bool = True
     #: TensorBoard event files in the run directory (``torch.utils.tensorboard``; ``pip install tensorboard``)
     tensorboard: bool = False
