@@ -240,7 +240,7 @@ def test_the_fastest_runnable_plan_is_printed_as_a_dtlab_train_command_that_runs
     def command(*args: str) -> tuple[str, list[str]]:
         assert main(["advise", "--top", "5", *args]) == 0
         lines = capsys.readouterr().out.splitlines()
-        at = next(i for i, line in enumerate(lines) if line.startswith("plan "))
+        at = next(i for i, line in enumerate(lines) if line.startswith(("plan ", "the given plan ")))
         assert lines[at + 1].startswith("  dtlab train --set "), lines[at:]
         return lines[at], lines[at + 1].split("--set ")[1:]
 
@@ -255,6 +255,14 @@ def test_the_fastest_runnable_plan_is_printed_as_a_dtlab_train_command_that_runs
     tiny = ["train.steps=1", "train.eval_every=0", "data.max_bytes=20000", "logging.run_dir=null"]
     results = run_training(load_config(overrides=[*sets, *tiny, "logging.progress=false"]))
     assert len(results) == 4 and results[0].final_step == 1
+    head, sets = command(
+        "--ranks", "8", "--plan", "dp=2,tp=2,pp=2,strategy=fsdp,schedule=1f1b,micro_batches=4"
+    )
+    assert head.startswith("the given plan (fsdp dp2 tp2 pp2 1f1b m4) with dtlab train"), head
+    assert [s.strip() for s in sets][1:] == [
+        "strategy.model=fsdp", "parallel.tp=2", "parallel.pp=2", "parallel.schedule=1f1b",
+        "parallel.micro_batches=4",
+    ]  # fmt: skip
     head, sets = command("--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "1000", "--ranks", "8")
     assert "(your model through model.factory)" in head  # not the built-in byte-level model
     assert not any(s.startswith("model.") for s in sets), sets

@@ -271,7 +271,8 @@ def run_advise(args: argparse.Namespace) -> int:
         best = result.plans[: max(args.top, 1)] if args.top else result.plans
         if args.json:
             return _emit(lambda: print(advice_json(best, *header, given=(given, rank))))
-        return _emit(lambda: print_table(advice_table([given, *best], *header, given_rank=rank)))
+        table = advice_table([given, *best], *header, given_rank=rank)
+        return _emit(lambda: _table_and_command([given], header, args, table, "the given plan"))
     shown = result.plans[: args.top] if args.top else result.plans
     if args.json:
         return _emit(lambda: print(advice_json(shown, *header)))
@@ -285,17 +286,24 @@ def run_advise(args: argparse.Namespace) -> int:
     return _emit(lambda: _table_and_command(shown, header, args))
 
 
-def _table_and_command(shown: list[Prediction], header: tuple[Any, ...], args: argparse.Namespace) -> None:
-    """The table, then the fastest plan dtlab runs today as a ``dtlab train`` command line."""
+def _table_and_command(
+    shown: list[Prediction],
+    header: tuple[Any, ...],
+    args: argparse.Namespace,
+    table: Any = None,
+    which: str = "",
+) -> None:
+    """The table, then the fastest plan of ``shown`` dtlab runs today (``which`` names it, by default
+    its place) as a ``dtlab train`` command line."""
     spec = header[0]
-    print_table(advice_table(shown, *header))
+    print_table(advice_table(shown, *header) if table is None else table)
     best = next((p for p in shown if p.runnable), None)
     sets = [] if best is None else train_settings(best, spec, args.global_batch, args.precision)
     if best is None or not sets:
         return
     yours = spec.vocab != BYTE_VOCAB or spec.tied_embeddings
     print(
-        f"plan {shown.index(best) + 1} ({best.candidate.label}) with dtlab train"
+        f"{which or f'plan {shown.index(best) + 1}'} ({best.candidate.label}) with dtlab train"
         + (" (your model through model.factory)" if yours else "")
         + ":\n  dtlab train "
         + " ".join(f"--set {s}" for s in sets)
