@@ -1,26 +1,28 @@
 """Hybrid checkpoints across meshes: the model and optimizer shards saved at 2 x 2 x 2 (FSDP on dp,
 tensor and pipeline parallel) load at pp=4, into FSDP at dp=4 and into DDP at 2 ranks with identical
 parameters, and training continues as the uninterrupted run does; the plain module's tensors come out
-of the shards (what ``dtlab consolidate`` writes)."""
+of the shards (what ``dtlab consolidate`` writes). A tied embedding saved at tp=2 or under ZeRO-3
+resumes at pp=2 (its copy on the last stage, with its AdamW state) as one process continues."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from hybrid_cases import hybrid_model
+from hybrid_cases import OPTIMIZER_OF, hybrid_model
 from test_tensor_helpers import OPTIMIZERS, batch, build, max_rel_error
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import full_tensors_from_shards
 from dtlab.core.state import ShardedState
-from dtlab.models import DDPModel, FSDPModel, ModuleClassPolicy
+from dtlab.models import DDPModel, FSDPModel, HybridShardedModel, ModuleClassPolicy
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.testing import run_world
 from dtlab.trainers.models import Block
+from dtlab.zoo.builtin import TransformerLM
 
 CUBE = {"pp": 2, "dp": 2, "tp": 2}
 SAVED_AFTER = 2
@@ -111,3 +113,71 @@ def test_a_cube_checkpoint_loads_at_other_meshes_and_strategies() -> None:
                 assert torch.equal(out["loaded"][k], v), f"{where} rank {rank}: {k} differs after loading"
             err = max_rel_error(out["continued"], continued)
             assert err <= 1e-5, f"{where} rank {rank}: continuation relative error {err:.2e}"
+
+
+TIED_STEPS = 3
+
+
+def _tied_lm() -> torch.nn.Module:
+    net = TransformerLM(d_model=16, n_layers=2, n_heads=2, seq_len=8, vocab=32, tie_embeddings=True).double()
+    with torch.no_grad():  # the same values on every rank and in the reference, whatever the RNG
+        for i, p in enumerate(net.parameters()):
+            noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=p.dtype)
+            p.copy_(noise * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    return net
+
+
+def _tied_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(7))
+    return t[:, :-1], t[:, 1:]
+
+
+def _tied_groups(module: torch.nn.Module) -> list[dict[str, Any]]:
+    named = dict(module.named_parameters())  # a tied weight once, under its first name
+    decay = [p for n, p in named.items() if p.dim() > 1]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": [p for p in named.values() if p.dim() < 2]}]
+
+
+def _tied_world(
+    backend: CommunicationBackend, shape: dict[str, int], dp: str, saved: list[Any] | None
+) -> dict[str, Any]:
+    """At ``shape`` under ``dp``: train, or load ``saved`` and train one step more."""
+    mesh = Mesh(backend, shape)
+    pipe = {"micro_batches": 2} if shape.get("pp", 1) > 1 else {}
+    plan = "auto" if shape.get("tp", 1) > 1 else None
+    model = hybrid_model_of(_tied_lm(), mesh, dp, plan, pipe)
+    opt = OPTIMIZER_OF[dp](model, torch.optim.AdamW(_tied_groups(model.module), lr=0.01, weight_decay=0.0))
+    if saved is not None:
+        model.load_sharded_state_dict([m for m, _ in saved])
+        opt.load_sharded_state_dict([o for _, o in saved])
+    x, y = _tied_batch()
+    n, coord = mesh.size("dp"), mesh.coordinate("dp")
+    for _ in range(1 if saved is not None else TIED_STEPS - 1):
+        model.train_step((x.chunk(n)[coord], y.chunk(n)[coord]), model.cross_entropy)
+        opt.step()
+        opt.zero_grad()
+    return {"shards": (model.sharded_state_dict(), opt.sharded_state_dict()), "full": model.full_state_dict()}
+
+
+def hybrid_model_of(net: torch.nn.Module, mesh: Mesh, dp: str, plan: Any, pipe: dict[str, Any]) -> Any:
+    extra = {"persistence_threshold": 0} if dp == "zero3" else {}
+    return HybridShardedModel(net, mesh, dp, tensor_plan=plan, **pipe, **extra)
+
+
+def test_a_tied_embedding_saved_without_a_pipeline_resumes_at_pp2() -> None:
+    """The head's copy of the tied embedding on the last stage (and its AdamW moments and step) comes
+    from the single entry a tp or ZeRO-3 checkpoint holds: before, a CheckpointError ('no entry for
+    head.weight') from ZeRO-3's, and from tp's the copy's optimizer state silently started fresh."""
+    net = _tied_lm()
+    ref = torch.optim.AdamW(_tied_groups(net), lr=0.01, weight_decay=0.0)
+    x, y = _tied_batch()
+    for _ in range(TIED_STEPS):
+        _plain_ce(net(x), y).backward()
+        ref.step()
+        ref.zero_grad()
+    want = net.state_dict()
+    for shape, dp in (({"tp": 2}, "ddp"), ({"dp": 2}, "zero3")):
+        saved = [r["shards"] for r in run_world(2, _tied_world, shape, dp, None, timeout=120)]
+        for rank, out in enumerate(run_world(2, _tied_world, {"pp": 2}, "zero1", saved, timeout=120)):
+            err = max_rel_error(out["full"], want)
+            assert err <= 1e-10, f"{shape} {dp} -> pp2, rank {rank}: relative error {err:.2e}"

@@ -18,7 +18,7 @@ local shard, so tensor-parallel checkpoints load at another tp size, into DDP or
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -246,20 +246,29 @@ class ShardIndex:
                     self.box_pieces.setdefault(key, []).append((box, int(e["start"]), int(e["end"]), t))
                 else:
                     self.pieces.setdefault(key, []).append((int(e["start"]), int(e["end"]), t))
-        self._alias(self.extra.get("tied", {}))
-
-    def _alias(self, tied: Any) -> None:
-        """A weight tied across pipeline stages is stored once: its other names read the first's."""
+        tied = self.extra.get("tied", {})
         if not isinstance(tied, dict):
             raise CheckpointError(f"metadata['tied'] must map names to names, got {summary(tied)}")
-        for alias, first in tied.items():
-            if alias in self.meta or first not in self.meta:
-                continue
-            self.meta[alias] = self.meta[first]
-            if first in self.pieces:
-                self.pieces[alias] = self.pieces[first]
-            if first in self.box_pieces:
-                self.box_pieces[alias] = self.box_pieces[first]
+        self.alias(tied)
+
+    def alias(self, tied: Mapping[str, str]) -> None:
+        """Read a tied weight's other names (``{other: first}``) from its first name where the shards
+        lack them: a pipeline stores a weight tied across stages once, a model without one under its
+        first name; its optimizer state (``first.exp_avg``, ``first.step``) likewise."""
+        for other, first in tied.items():
+            if not (isinstance(other, str) and isinstance(first, str)):
+                raise CheckpointError(f"tied names must map names to names, got {summary(tied)}")
+            for key in [k for k in self.meta if k == first or k.startswith(f"{first}.")]:
+                to = other + key[len(first) :]
+                if to in self.meta:
+                    continue
+                self.meta[to] = self.meta[key]
+                if key in self.pieces:
+                    self.pieces[to] = self.pieces[key]
+                if key in self.box_pieces:
+                    self.box_pieces[to] = self.box_pieces[key]
+            for key in [k for k in self.scalars if k.startswith(f"{first}.")]:
+                self.scalars.setdefault(other + key[len(first) :], self.scalars[key])
 
     def __contains__(self, key: str) -> bool:
         return key in self.meta

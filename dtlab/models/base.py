@@ -391,6 +391,9 @@ class OptimizerTarget(ModelStrategy):
     def grad_norm_group(self) -> CommunicationBackend:
         """The ranks whose :meth:`norm_grad_tensors` parts add up to the global norm."""
 
+    def tied_names(self) -> dict[str, str]:  # where a pipeline holds a tied weight on several ranks
+        return {}  # a parameter's other names -> its first (checkpoints without a pipeline hold that)
+
     @abstractmethod
     def placed(self, name: str) -> tuple[Placement, int, int]:
         """Parameter ``name``'s placement, this rank's coordinate on its axis and the axis size

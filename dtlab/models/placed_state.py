@@ -85,10 +85,13 @@ def load_placed_state(
     placements: Mapping[str, Placement],
     dp: CommunicationBackend,
     tp: CommunicationBackend | None = None,
+    tied: Mapping[str, str] | None = None,
 ) -> None:
     """Fill this rank's tensors from the shards of any saved mesh or strategy (or a plain module's);
-    the arguments as for :func:`write_placed_state`. A tensor under several names (tied) loads once."""
+    the arguments as for :func:`write_placed_state`. A tensor under several names (tied) loads once;
+    ``tied`` (a tied weight's other names -> its first) reads a name the shards lack from the first."""
     index = ShardIndex(shards)
+    index.alias(tied or {})
     seen: set[int] = set()
     with torch.no_grad():
         for key, t in whole.items():

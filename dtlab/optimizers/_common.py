@@ -348,6 +348,7 @@ class DataParallelOptimizer(OptimizerStrategy):
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
         index = ShardIndex(shards)
+        index.alias(self.dp_model.tied_names())  # a copy of a tied weight, saved without a pipeline
         keys = index.extra.get("state_keys", [])
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise CheckpointError(

@@ -6,8 +6,7 @@ parallelism"; where each decision is made: docs/architecture.md).
 The data-parallel strategy (``model.dp_strategy``) is used, not inherited: this model offers the
 optimizer's interface by forwarding to it. Without a pipeline, gradients are reduced during backward
 as the strategy does alone; with one, ``train_step`` runs the schedule inside ``no_sync()`` and reduces
-once at the end.
-"""
+once at the end."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ class PlanOptions(HybridOptions, MetaOptions, total=False):
 
 
 class HybridShardedModel(OptimizerTarget):
-    """Pipeline over ``mesh["pp"]``, tensor parallelism over ``mesh["tp"]``, a data-parallel strategy
-    over ``mesh["dp"]``.
+    """Pipeline over ``mesh["pp"]``, tensor parallelism over ``"tp"``, a data-parallel strategy over ``"dp"``.
 
     Args:
         module: the whole model, built alike on every rank (values come from each stage's rank 0 of
@@ -387,9 +385,11 @@ class HybridShardedModel(OptimizerTarget):
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
         """Load from any saved mesh and strategy (or a plain module's full tensors)."""
-        dp = self.dp_strategy
-        whole = dp.whole_state()
-        load_placed_state(shards, whole, dp.flat_shards(), self._placements, self.dp_backend, self.tp_group)
+        dp, where = self.dp_strategy, (self._placements, self.dp_backend, self.tp_group, self._layout.aliases)
+        load_placed_state(shards, dp.whole_state(), dp.flat_shards(), *where)
+
+    def tied_names(self) -> dict[str, str]:
+        return dict(self._layout.aliases)
 
     def memory_report(self) -> dict[str, int]:
         """The data-parallel strategy's report over this rank's stages and tp shards; with a pipeline,
