@@ -223,6 +223,36 @@ def test_cli_tp_batch_check(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--tp-batch-check {always,first,never}" in capsys.readouterr().out
 
 
+def test_cli_find_unused_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--find-unused-parameters`` is StrategyOptions.find_unused_parameters (dtlab train's
+    strategy.find_unused_parameters): per step one more all-reduce over dp of a float64 per trainable
+    parameter the rank holds (29 for 2 blocks: 2 embeddings, 12 per block, the final norm's 2, the head),
+    plus two float64 under ZeRO-3/FSDP; under a pipeline, no all-reduce of every replica's unused counts
+    (dp x pp float32) over dp. Each rank's dp all-reduces, (calls, bytes), per pipeline rank."""
+    flags = ["advise", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--ranks", "4"]
+    flags += ["--global-batch", "8", "--top", "1", "--json"]
+
+    def dp_all_reduce(plan: str, *more: str) -> list[tuple[int, int]]:
+        assert main([*flags, "--plan", plan, *more]) == 0
+        stages = json.loads(capsys.readouterr().out)["plan"]["stage_ops"]
+        return [tuple(s["dp"].get("all_reduce", (0, 0))) for s in stages]
+
+    for plan, extra in (("strategy=ddp,dp=4", 0), ("strategy=fsdp,dp=4", 24)):
+        ((calls, sent),) = dp_all_reduce(plan)
+        marks = 2 * 3 * 8 * 29 // 4  # an all-reduce of n bytes over 4 ranks counts 2 (4 - 1) n / 4
+        assert dp_all_reduce(plan, "--find-unused-parameters") == [
+            (calls + 1 + bool(extra), sent + marks + extra)
+        ]
+    before = dp_all_reduce("strategy=ddp,pp=2,dp=2")
+    after = dp_all_reduce("strategy=ddp,pp=2,dp=2", "--find-unused-parameters")
+    # stage 0: the embeddings and a block (14 tensors), stage 1: a block, the norm and the head (15);
+    # the counts over dp (2 x 2 float32: 16 bytes at dp = 2) left out
+    assert after == [(before[0][0], before[0][1] + 8 * 14 - 16), (before[1][0], before[1][1] + 8 * 15 - 16)]
+    table = [f for f in flags if f != "--json"]
+    assert main([*table, "--plan", "strategy=ddp,dp=4", "--find-unused-parameters"]) == 0
+    assert "--set strategy.find_unused_parameters=true" in capsys.readouterr().out  # the train command
+
+
 def test_a_shared_memo_changes_no_prediction() -> None:
     spec = ModelSpec(layers=4, hidden=256, heads=8, vocab=1024, seq_len=128)
     cluster = ClusterSpec(ranks=8)

@@ -8,8 +8,13 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
+from dtlab.benchmarks._mesh_measure import measure
+from dtlab.benchmarks._mesh_report import row
 from dtlab.benchmarks.mesh import mesh_shapes, run
+from dtlab.config import load_config
+from dtlab.testing import run_world
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -41,3 +46,36 @@ def test_every_mesh_shape_is_predicted_to_the_byte(checkpointing: bool) -> None:
         if r["activations"] is not None:  # not measurable under FSDP without a pipeline
             assert r["activations"] == r["predicted_activations"], where
     assert sum(r["activations"] is not None for r in rows) >= 12
+
+
+def test_find_unused_parameters_is_predicted_to_the_byte() -> None:
+    """``strategy.find_unused_parameters=true``: every synchronization all-reduces which parameters each
+    rank used (a float64 per trainable parameter; ZeRO-3/FSDP also compare the units each rank gathered,
+    two float64), and a pipelined step skips its all-reduce over dp of every replica's unused counts:
+    the bytes per rank per axis as the backends count them, on every mesh shape of 4 in-memory ranks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per rank, as the mesh benchmark runs them
+    try:
+        for shape in mesh_shapes(4, heads=2, layers=4):
+            pp, _, tp = shape
+            for strategy in ("ddp", "zero2", "fsdp"):
+                sets = [
+                    "backend.name=inmemory",
+                    "backend.world_size=4",
+                    "model.d_model=16",
+                    "model.n_layers=4",
+                    "model.n_heads=2",
+                    "model.seq_len=8",
+                    "data.global_batch_size=8",
+                    "optimizer.name=adamw",
+                    f"strategy.model={strategy}",
+                    f"parallel.tp={tp}",
+                    f"parallel.pp={pp}",
+                    "strategy.find_unused_parameters=true",
+                ]
+                config = load_config(overrides=sets)
+                ranks = run_world(4, measure, config, 1, 1, timeout=300)
+                r = row("inmemory", shape, strategy, config, [ranks])
+                assert r["sent"] == r["predicted_sent"], f"{r['mesh']} {strategy}"
+    finally:
+        torch.set_num_threads(threads)

@@ -137,6 +137,12 @@ def add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "always counts the check's all-reduce in every step; first and never count none, the steady "
         "step of a model built with them (default %(default)s)",
     )
+    t.add_argument(
+        "--find-unused-parameters",
+        action="store_true",
+        help="count what dtlab train's strategy.find_unused_parameters=true sends: one all-reduce per step "
+        "of which parameters each rank used, and no check of unused parameters over dp under a pipeline",
+    )
     t.add_argument("--runnable-only", action="store_true", help="only plans dtlab's strategies run today")
     t.add_argument(
         "--plan",
@@ -237,7 +243,9 @@ def run_advise(args: argparse.Namespace) -> int:
         raise ArgumentError(f"--top must be >= 0 (0: all), got {args.top}")
     precision = Precision.named(args.precision)
     optimizer = OptimizerSpec(args.optimizer)
-    options = StrategyOptions(tp_batch_check=args.tp_batch_check)
+    options = StrategyOptions(
+        tp_batch_check=args.tp_batch_check, find_unused_parameters=args.find_unused_parameters
+    )
     plan = parse_plan(args.plan, cluster.ranks, args.global_batch) if args.plan else None
     result = advise(
         spec,
@@ -301,6 +309,7 @@ def _table_and_command(
     sets = [] if best is None else train_settings(best, spec, args.global_batch, args.precision)
     if best is None or not sets:
         return
+    sets += ["strategy.find_unused_parameters=true"] if args.find_unused_parameters else []
     yours = spec.vocab != BYTE_VOCAB or spec.tied_embeddings
     print(
         f"{which or f'plan {shown.index(best) + 1}'} ({best.candidate.label}) with dtlab train"

@@ -108,6 +108,19 @@ def _merge(*parts: Ops) -> Ops:
     return out
 
 
+def _unused_marks(
+    ops: Ops, strategy: str, tensors: Sequence[Tensor], p: int, options: StrategyOptions
+) -> None:
+    """``find_unused_parameters``: after the synchronization, one all-reduce of a float64 per trainable
+    parameter (which ones each rank used); ZeRO-3/FSDP first compare the units every rank gathered
+    (one all-reduce of two float64)."""
+    if not options.find_unused_parameters or p == 1:
+        return
+    _add(ops, "all_reduce", 1, 2 * (p - 1) * 8 * len(tensors) // p)
+    if strategy in ("zero3", "fsdp"):
+        _add(ops, "all_reduce", 1, 2 * (p - 1) * 16 // p)
+
+
 def data_parallel_cost(
     strategy: str,
     tensors: Sequence[Tensor],
@@ -136,7 +149,9 @@ def data_parallel_cost(
     grad_ops: Ops = {}
     gather_ops: Ops = {}
     if strategy in ("ddp", "zero1", "zero2"):
-        return _bucketed_cost(strategy, tensors, p, options, optimizer, precision)
+        cost = _bucketed_cost(strategy, tensors, p, options, optimizer, precision)
+        _unused_marks(cost.ops, strategy, tensors, p, options)
+        return cost
     if strategy == "zero3":
         units = zero3_units(tensors, p, options.persistence_threshold)
         persistent = sum(u.padded for u in units if u.persistent)
@@ -188,13 +203,15 @@ def data_parallel_cost(
     transient = (peak - persistent) * pe + (whole_grads if accumulating else largest * ge)
     if precision.compute < pe:
         transient += peak * precision.compute
+    ops = _merge(grad_ops, gather_ops)
+    _unused_marks(ops, strategy, tensors, p, options)
     return DataParallelCost(
         parameters=shards * pe + persistent * pe,
         gradients=shards * ge,
         optimizer_state=_sharded_optimizer(units, optimizer, precision),
         peak_gathered_parameters=peak * pe,
         transient=transient,
-        ops=_merge(grad_ops, gather_ops),
+        ops=ops,
         grad_ops=grad_ops,
         gather_ops=gather_ops,
         last_reduce=last,

@@ -285,7 +285,7 @@ def predict(
         tied = (spec.vocab // c.tp) * spec.hidden * prec.reduce  # 2 ranks: an all-reduce sends it all
     stage_ops = tuple(
         {
-            "dp": pipeline_dp_ops(c, costs[r].ops),
+            "dp": pipeline_dp_ops(c, costs[r].ops, find_unused_parameters=opts.find_unused_parameters),
             "tp": tp_ops[r],
             "pp": pipeline_ops(spec, c, r, micro, e, tied),
         }

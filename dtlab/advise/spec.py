@@ -215,6 +215,10 @@ class StrategyOptions:
     #: ``parallel.tp_batch_check``: "always" counts the check's all-reduce in every step; "first" and
     #: "never" none (the steady step: "first" checks only the first steps)
     tp_batch_check: TpBatchCheckWhen = "always"
+    #: ``strategy.find_unused_parameters``: each synchronization all-reduces which parameters every rank
+    #: used (ZeRO-3/FSDP also compare the units each rank gathered), and a pipeline skips its check of
+    #: every replica's unused-parameter counts over dp
+    find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
         _positive("StrategyOptions", bucket_cap_mb=self.bucket_cap_mb)
@@ -227,6 +231,11 @@ class StrategyOptions:
             raise ArgumentError(
                 "StrategyOptions.gradient_sync must be 'reduce_scatter' or 'all_reduce', got "
                 f"{self.gradient_sync!r}"
+            )
+        if not isinstance(self.find_unused_parameters, bool):
+            raise ArgumentError(
+                "StrategyOptions.find_unused_parameters must be True or False, got "
+                f"{self.find_unused_parameters!r}"
             )
 
 

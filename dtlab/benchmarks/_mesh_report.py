@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dtlab.advise import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, predict
+from dtlab.advise import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions, predict
 from dtlab.benchmarks._mesh_measure import AXES
 from dtlab.config import TrainConfig
 from dtlab.parallel_config import run_plan
@@ -41,12 +41,17 @@ def row(
     spec = ModelSpec.builtin(d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len)
     plan = Candidate.from_plan(run_plan(config, pp * dp * tp))  # the run plan the Trainer builds
     world, batch = dp * tp * pp, config.data.global_batch_size
-    p = predict(spec, ClusterSpec(ranks=world), plan, batch, optimizer=OptimizerSpec())
+    opts = StrategyOptions(find_unused_parameters=config.strategy.find_unused_parameters)
+    p = predict(spec, ClusterSpec(ranks=world), plan, batch, optimizer=OptimizerSpec(), options=opts)
     # the predicted rank holding the most, by the measure the measured one is chosen by
     pm = max(p.stage_memory, key=lambda m: m.parameters + m.gradients + m.optimizer_state + m.activations)
     # the step time's terms: seconds per 1/(TFLOP/s), per microsecond of latency, per 1/(Gbit/s)
-    lat = predict(spec, ClusterSpec(ranks=world, latency_us=1.0, bandwidth_gbps=1e15), plan, batch)
-    bw = predict(spec, ClusterSpec(ranks=world, latency_us=0.0, bandwidth_gbps=1.0), plan, batch)
+    lat = predict(
+        spec, ClusterSpec(ranks=world, latency_us=1.0, bandwidth_gbps=1e15), plan, batch, options=opts
+    )
+    bw = predict(
+        spec, ClusterSpec(ranks=world, latency_us=0.0, bandwidth_gbps=1.0), plan, batch, options=opts
+    )
     terms = [
         p.compute_seconds * ClusterSpec(ranks=world).tflops / (1.0 - p.bubble),
         sum(a.seconds for a in lat.axes.values()),

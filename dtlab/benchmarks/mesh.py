@@ -17,7 +17,8 @@ strategy: the model and optimizer strategies exactly as ``dtlab train`` builds t
   checkpointed backward rebuilds for a moment is not held across a step).
 
 ``--checkpointing``: every configuration with ``strategy.activation_checkpointing=true`` (per stage
-under a pipeline, per block without one), predicted as such.
+under a pipeline, per block without one), predicted as such; ``--find-unused-parameters``: with
+``strategy.find_unused_parameters=true``, predicted as such.
 
 Engines: ``inmemory`` (``--ranks`` threads of one process, default 8) and ``gloo``/``mpi`` (4
 processes, every configuration in one spawned world). Run::
@@ -82,6 +83,8 @@ def _config(args: argparse.Namespace, shape: tuple[int, int, int], strategy: str
         sets.append(f"parallel.micro_batches={_micro_batches(pp, dp, args.batch)}")
     if getattr(args, "checkpointing", False):  # per stage with a pipeline, per block without
         sets.append("strategy.activation_checkpointing=true")
+    if getattr(args, "find_unused_parameters", False):
+        sets.append("strategy.find_unused_parameters=true")
     return load_config(overrides=sets)
 
 
@@ -142,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="sweeps, interleaved; each configuration's median")
     p.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing (per stage, or per block)"
+    )
+    p.add_argument(
+        "--find-unused-parameters",
+        action="store_true",
+        help="strategy.find_unused_parameters=true, predicted as such",
     )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
