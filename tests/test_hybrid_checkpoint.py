@@ -16,6 +16,7 @@ from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import full_tensors_from_shards
 from dtlab.core.state import ShardedState
+from dtlab.errors import CheckpointError
 from dtlab.models import DDPModel, FSDPModel, HybridShardedModel, ModuleClassPolicy
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
@@ -139,17 +140,24 @@ def _tied_groups(module: torch.nn.Module) -> list[dict[str, Any]]:
 
 
 def _tied_world(
-    backend: CommunicationBackend, shape: dict[str, int], dp: str, saved: list[Any] | None
+    backend: CommunicationBackend, shape: dict[str, int], dp: str, saved: list[Any] | None, swap: bool = False
 ) -> dict[str, Any]:
-    """At ``shape`` under ``dp``: train, or load ``saved`` and train one step more."""
+    """At ``shape`` under ``dp``: train, or load ``saved`` and train one step more (``swap``: the
+    param groups in the other order, refused: the error's text)."""
     mesh = Mesh(backend, shape)
     pipe = {"micro_batches": 2} if shape.get("pp", 1) > 1 else {}
     plan = "auto" if shape.get("tp", 1) > 1 else None
     model = hybrid_model_of(_tied_lm(), mesh, dp, plan, pipe)
-    opt = OPTIMIZER_OF[dp](model, torch.optim.AdamW(_tied_groups(model.module), lr=0.01, weight_decay=0.0))
+    groups = _tied_groups(model.module)
+    opt = OPTIMIZER_OF[dp](
+        model, torch.optim.AdamW(groups[::-1] if swap else groups, lr=0.01, weight_decay=0.0)
+    )
     if saved is not None:
         model.load_sharded_state_dict([m for m, _ in saved])
-        opt.load_sharded_state_dict([o for _, o in saved])
+        try:
+            opt.load_sharded_state_dict([o for _, o in saved])
+        except CheckpointError as exc:
+            return {"refused": str(exc)}
     x, y = _tied_batch()
     n, coord = mesh.size("dp"), mesh.coordinate("dp")
     for _ in range(1 if saved is not None else TIED_STEPS - 1):
@@ -181,3 +189,12 @@ def test_a_tied_embedding_saved_without_a_pipeline_resumes_at_pp2() -> None:
         for rank, out in enumerate(run_world(2, _tied_world, {"pp": 2}, "zero1", saved, timeout=120)):
             err = max_rel_error(out["full"], want)
             assert err <= 1e-10, f"{shape} {dp} -> pp2, rank {rank}: relative error {err:.2e}"
+
+
+def test_param_groups_built_in_another_order_are_refused_on_resume() -> None:
+    """Saved groups' options apply by position: groups built in another order (no-decay first) at tp=2
+    would silently swap the weight decays of the two groups; every rank refuses naming a parameter."""
+    saved = [r["shards"] for r in run_world(2, _tied_world, {"dp": 2}, "zero1", None, timeout=120)]
+    for out in run_world(2, _tied_world, {"tp": 2}, "ddp", saved, True, timeout=120):
+        assert "is in another param group than when the checkpoint was written" in out.get("refused", ""), out
+        assert "Build the param groups as when saving" in out["refused"]

@@ -26,6 +26,7 @@ from dtlab.optimizers._elementwise import check_elementwise, steps_slices
 from dtlab.optimizers._groups import (
     Entry,
     check_groups,
+    check_members,
     jsonable,
     make_local,
     spec_of,
@@ -94,9 +95,8 @@ class DataParallelOptimizer(OptimizerStrategy):
         if gone:  # else add_param_group would call them strangers to the module, hiding why
             raise StrategyError(
                 f"{me}: parameters {gone[:5]} of {type(model).__name__} are no longer in its module: a layer "
-                "of model.module was replaced after wrapping (a LoRA wrapper, a new head), whose new "
-                "parameters the wrapper would never average. Make the change on the plain module before "
-                "wrapping it"
+                "of model.module was replaced after wrapping (a LoRA wrapper, a new head), whose new params "
+                "the wrapper would never average. Make the change on the plain module before wrapping it"
             )
         spec = spec_of(me, optimizer, kwargs, [p for _, p in model.trainable_parameters()])
         torch.optim.Optimizer.__init__(self, spec.groups, spec.defaults)
@@ -132,8 +132,7 @@ class DataParallelOptimizer(OptimizerStrategy):
 
     def _pieces_kind(self) -> str | None:
         """``"flat"`` when the local optimizer steps flat shards of parameters, ``"slices"`` when
-        tensor-parallel slices (a parameter placed ``Shard`` over an axis of size > 1), ``None`` when
-        whole parameters."""
+        tensor-parallel slices (a parameter placed ``Shard`` over an axis of size > 1), else ``None``."""
         return "slices" if steps_slices(self.dp_model) else None
 
     def _build(self) -> list[Entry]:
@@ -211,8 +210,7 @@ class DataParallelOptimizer(OptimizerStrategy):
     # ------------------------------------------------------------------ torch's state dict
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state keyed like the plain torch optimizer's ``state_dict()`` (a plain
-        script loads it); collective under ZeRO-1/2/3 and FSDP (every rank calls). torch's state-dict
-        hooks run around it."""
+        script loads it); collective under ZeRO-1/2/3 and FSDP (every rank calls); with torch's hooks."""
         return state_dict_with_hooks(self, self._state_dict)
 
     def _state_dict(self) -> dict[str, Any]:
@@ -344,6 +342,7 @@ class DataParallelOptimizer(OptimizerStrategy):
                         add_scalar(state, f"{name}.{sk}", v)
         state.metadata["state_keys"] = sorted(keys)
         state.metadata["param_groups"] = [jsonable(g) for g in self.param_groups]
+        state.metadata["param_group_of"] = {e.name: e.group for e in self._entries}
         return state
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
@@ -356,6 +355,8 @@ class DataParallelOptimizer(OptimizerStrategy):
             )
         saved = index.extra.get("param_groups")
         check_groups(saved, self.param_groups)
+        if saved and len(saved) == len(self.param_groups):
+            check_members(shards, self._entries, type(self).__name__, self.agree)
         for t, pieces, names in zip(self._tensors, self._needed_pieces(), self._names, strict=True):
             st: dict[str, Any] = {}
             for sk in keys:

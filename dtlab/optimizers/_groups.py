@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError, StrategyError
 from dtlab.optimizers._handed import refuse_handed_again
 from dtlab.optimizers._hooks import carried_hooks
@@ -28,6 +30,7 @@ __all__ = [
     "Entry",
     "OptimizerSpec",
     "check_groups",
+    "check_members",
     "constructor_defaults",
     "jsonable",
     "make_local",
@@ -248,6 +251,33 @@ def check_groups(saved: Any, groups: list[dict[str, Any]]) -> None:
                     f"optimizer shard metadata: param_groups[{i}].{k}={summary(v)}, but the optimizer "
                     f"holds {summary(group[k])} there"
                 )
+
+
+def check_members(
+    shards: Sequence[ShardedState], entries: list[Entry], who: str, agree: Callable[[bool], bool]
+) -> None:
+    """Saved param-group hyperparameters apply by position: refuse, on every rank alike (``agree``),
+    when a parameter was in another group when saved (``metadata["param_group_of"]``, every rank's
+    ``{name: group}``) than it is here; applying them would give it the other group's options."""
+    saved: dict[str, Any] = {}
+    for s in shards:
+        held = s.metadata.get("param_group_of", {})
+        if not isinstance(held, dict):
+            raise CheckpointError(
+                f"optimizer shard metadata: param_group_of={summary(held)}, expected an object"
+            )
+        saved.update(held)
+    moved = next((e for e in entries if saved.get(e.name, e.group) != e.group), None)
+    if agree(moved is None):
+        return
+    said = "another rank's parameter" if moved is None else f"{moved.name!r}"
+    here = "" if moved is None else f" (group {saved[moved.name]!r} when saved, group {moved.group} here)"
+    raise CheckpointError(
+        f"{who}.load_sharded_state_dict(): {said} is in another param group than when the checkpoint was "
+        f"written{here}; the saved groups' options (lr, weight_decay, ...) apply by position, so it would "
+        "take another group's. Build the param groups as when saving (same order, same parameters in each), "
+        "or do not load the optimizer state (start it fresh; checkpoint.reset_optimizer=true in dtlab train)"
+    )
 
 
 def jsonable(group: dict[str, Any]) -> dict[str, Any]:
