@@ -32,6 +32,7 @@ from dtlab.compression import (
     TopkA,
     TopkDSA,
 )
+from dtlab.errors import StrategyError
 from dtlab.models import DDPModel, FSDPModel, SizePolicy, ZeRO1Model, ZeRO2Model, ZeRO3Model
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.optimizers.compression import GradientCompressionOptimizer
@@ -248,3 +249,67 @@ def test_reduce_accumulated_grads_starts_a_step_of_the_reducer() -> None:
     numel = sum(p.numel() for p in _net().parameters())
     for res in run_world(2, _statistics_per_step, timeout=30):  # (calls, elements) of one step each
         assert res[0] == res[1] == res[2] and res[0][0] > 1 and res[0][1] >= numel, res
+
+
+class _Branchy(nn.Module):
+    """A head ``aux`` that the forward uses only when ``use_aux``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.aux = nn.Linear(12, 40), nn.Linear(40, 3), nn.Linear(40, 3)
+        self.use_aux = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.aux(h) if self.use_aux else self.b(h)
+
+
+def _unused_after_use(backend: CommunicationBackend, kind: str, set_to_none: bool) -> tuple[str, float]:
+    """``aux`` used in step 0, by no rank in steps 1-2 (find_unused_parameters=True, TopkA at 10%):
+    the refusal's text (or "") and the mass error: every rank's raw gradients summed minus (every
+    rank's residual plus P times the applied SGD update at lr 1)."""
+    net = filled(_Branchy(), 0, scale=0.3)
+    dp = (DDPModel if kind == "ddp" else ZeRO2Model)(net, backend, find_unused_parameters=True)
+    inner = (DDPOptimizer if kind == "ddp" else ZeRO2Optimizer)(dp, torch.optim.SGD, lr=1.0)
+    opt = GradientCompressionOptimizer(inner, TopkA(density=0.1, warmup_steps=0), dense_below=0)
+    per = BATCH // backend.world_size
+    raw = applied = 0.0
+    try:
+        for step in range(3):
+            x, y = (t[backend.rank * per : (backend.rank + 1) * per] for t in _data(step))
+            net.use_aux = step == 0
+            plain = filled(_Branchy(), 0)
+            plain.load_state_dict(net.state_dict())
+            plain.use_aux = net.use_aux
+            loss = nn.functional.cross_entropy(plain(x), y)
+            grads = torch.autograd.grad(loss, list(plain.parameters()), allow_unused=True)
+            raw += sum(float(g.sum()) for g in grads if g is not None)
+            before = [p.detach().clone() for p in net.parameters()]
+            opt.zero_grad(set_to_none=set_to_none)
+            dp.train_step((x, y), nn.functional.cross_entropy)
+            opt.step()
+            after = [p.detach() for p in net.parameters()]
+            applied += sum(float((b - a).sum()) for b, a in zip(before, after, strict=True))
+    except StrategyError as e:
+        return str(e), math.nan
+    ef = opt.reducer.error_feedback
+    residual = sum(float(r.sum()) for r in map(ef.residual, ef.keys()) if r is not None)
+    mass = torch.tensor([raw - residual - applied])
+    backend.all_reduce(mass)  # summed over the ranks: P times the applied update
+    return "", float(mass[0])
+
+
+def _unused_world(backend: CommunicationBackend) -> dict[tuple[str, bool], tuple[str, float]]:
+    return {(k, s): _unused_after_use(backend, k, s) for k in ("ddp", "zero2") for s in (True, False)}
+
+
+def test_a_skipped_parameter_with_a_residual_is_refused_not_dropped() -> None:
+    """find_unused_parameters=True under lossy compression: a parameter no rank used in a step is left
+    out of it (torch skips a .grad of None) while the exchange sent part of its residual. That update
+    is refused, naming the parameter and zero_grad(set_to_none=False), with which nothing is lost."""
+    for res in run_world(2, _unused_world, timeout=60):
+        for kind in ("ddp", "zero2"):
+            text, _ = res[(kind, True)]
+            assert "aux.weight" in text and "set_to_none=False" in text, (kind, text)
+            text, mass = res[(kind, False)]
+            assert text == "" and abs(mass) < 1e-4, (kind, text, mass)

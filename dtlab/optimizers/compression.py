@@ -41,6 +41,7 @@ from dtlab.core.reducer import DenseReducer, GradientReducer
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import ModelStrategy
+from dtlab.optimizers._compression_owed import OwedParams
 from dtlab.optimizers.base import OptimizerStrategy, WrappingStrategy
 
 __all__ = ["GradientCompressionOptimizer"]
@@ -141,6 +142,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
         )
         self.model.gradient_reducer = self.reducer
         self.statistics: dict[str, Any] = {}
+        self._owed = OwedParams(self.model, self.reducer.error_feedback)
 
     # ------------------------------------------------------------------ delegated
     @property
@@ -148,7 +150,14 @@ class GradientCompressionOptimizer(WrappingStrategy):
         return self.inner.optimizer
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = self.inner.step(closure)
+        if closure is not None:  # the backward first, so the check sees this step's unused parameters
+            with torch.enable_grad():
+                loss = closure()
+        else:
+            loss = None
+        self._owed.check()
+        self.inner.step()
+        self._owed.record()
         self.statistics = self.reducer.step_statistics()
         self.reducer.start_step()
         return loss
@@ -252,6 +261,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
             )
         own = {k[len(PREFIX) :]: v for k, v in shards[me].tensors.items() if k.startswith(PREFIX)}
         self.reducer.load_state_dict(own, mine, compressor_state=same)
+        self._owed.record()
 
     def remove(self) -> OptimizerStrategy:
         """Put the model's previous reducer back and return the inner optimizer strategy."""
