@@ -198,3 +198,33 @@ def test_param_groups_built_in_another_order_are_refused_on_resume() -> None:
     for out in run_world(2, _tied_world, {"tp": 2}, "ddp", saved, True, timeout=120):
         assert "is in another param group than when the checkpoint was written" in out.get("refused", ""), out
         assert "Build the param groups as when saving" in out["refused"]
+
+
+def _precision_world(
+    backend: CommunicationBackend, dtype: torch.dtype, saved: list[Any] | None
+) -> dict[str, Any]:
+    """ZeRO-1 over 2 ranks on a ``dtype`` model: one AdamW step; or DDP loading ``saved``: one more."""
+    model = hybrid_model_of(
+        _tied_lm().to(dtype), Mesh(backend, {"dp": backend.world_size}), "zero1", None, {}
+    )
+    opt = OPTIMIZER_OF["zero1"](model, torch.optim.AdamW, lr=0.01)
+    if saved is not None:
+        model.load_sharded_state_dict([s["shards"][0] for s in saved])
+        opt.load_sharded_state_dict([s["shards"][1] for s in saved])
+    x, y = _tied_batch()
+    n, coord = backend.world_size, backend.rank
+    model.train_step((x.chunk(n)[coord], y.chunk(n)[coord]), model.cross_entropy)
+    opt.step()
+    opt.zero_grad()
+    dtypes = {v.dtype for st in opt.optimizer.state.values() for k, v in st.items() if k != "step"}
+    return {"shards": (model.sharded_state_dict(), opt.sharded_state_dict()), "dtypes": dtypes}
+
+
+def test_optimizer_state_of_a_bf16_model_resumes_into_a_float64_one() -> None:
+    """Optimizer state takes the parameters' dtype on load, as torch's load_state_dict does: before,
+    AdamW's moments stayed bfloat16 beside float64 parameters and the first step raised a raw
+    RuntimeError (expected dtype c10::BFloat16 for `end`)."""
+    saved = run_world(2, _precision_world, torch.bfloat16, None, timeout=120)
+    assert saved[0]["dtypes"] == {torch.bfloat16}
+    for out in run_world(1, _precision_world, torch.float64, saved, timeout=120):
+        assert out["dtypes"] == {torch.float64}

@@ -372,7 +372,7 @@ class DataParallelOptimizer(OptimizerStrategy):
                             pc.start,
                             pc.end,
                         )
-                    st[sk] = buf.reshape(t.shape).to(t.device)
+                    st[sk] = buf.view(t.shape).to(t.device, t.dtype if buf.is_floating_point() else buf.dtype)
                     continue
                 scalar = next(
                     (index.scalars[f"{n}.{sk}"] for n in names if f"{n}.{sk}" in index.scalars), None
