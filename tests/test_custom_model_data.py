@@ -256,3 +256,36 @@ def test_a_head_no_rank_uses_is_refused_naming_the_setting_and_left_out_with_it(
         sets = [f"strategy.model={model}", "strategy.find_unused_parameters=true"]
         # left out of the step as torch's DDP does: weight decay does not move it
         assert run_world(2, _unused_head, sets, timeout=60) == [(True, "")] * 2, model
+
+
+class _HeadOnFirstStep(nn.Module):
+    """A wide auxiliary head the loss reaches in the first forward only (big enough to be compressed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 2), nn.Sequential(nn.Linear(4, 256), nn.Linear(256, 2))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.body(x) + self.head(x) if self.calls == 1 else self.body(x)
+
+
+def _head_then_unused(backend: CommunicationBackend) -> tuple[bool, str]:
+    sets = ["train.steps=3", "strategy.find_unused_parameters=true", "optimizer.name=sgd"]
+    sets += ["compression.algorithm=topka", "compression.density=0.1", "compression.dense_warmup_steps=0"]
+    cfg = load_config(overrides=[*BASE, *sets])
+    with seeded_init(3):
+        module = _HeadOnFirstStep()
+    try:
+        Trainer(cfg, backend, model=module, train_data=Blobs(), loss_fn="cross_entropy").fit()
+    except Exception as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def test_a_head_unused_after_its_first_step_trains_under_compression() -> None:
+    """Compression with find_unused_parameters: the Trainer zeroes gradients with set_to_none=False,
+    so a head used in step 1 only keeps being stepped with its error-feedback residual in steps 2-3
+    (rather than the step refusing to drop that residual)."""
+    assert run_world(2, _head_then_unused, timeout=60) == [(True, "")] * 2

@@ -69,6 +69,15 @@ def _micro_step(trainer: StepRun, batch: Any, k: int) -> float:
         return float(trainer.model.train_step((x, y), scaled)) / (factor * accum)
 
 
+def _set_to_none(trainer: StepRun) -> bool:
+    """``zero_grad``'s ``set_to_none``: False under compression with ``find_unused_parameters``, so a
+    parameter that had a gradient keeps being stepped, with its synchronized gradient (its
+    error-feedback residual included), in a step no rank uses it; a skip would drop that residual (the
+    compression optimizer refuses to). A parameter never used keeps no gradient and is left out."""
+    c = trainer.config
+    return not (c.compression.algorithm != "none" and c.strategy.find_unused_parameters)
+
+
 def train_step(trainer: StepRun) -> tuple[bool, float | None, float | None]:
     """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm).
 
@@ -78,7 +87,7 @@ def train_step(trainer: StepRun) -> tuple[bool, float | None, float | None]:
     optimizer, profiler = trainer.optimizer, trainer.profiler
     with profiler.phase("data"):
         micro = trainer.feed.next_micro_batches()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=_set_to_none(trainer))
     local_loss = 0.0
     with profiler.phase("forward_backward"):
         for k, batch in enumerate(micro[:-1]):
@@ -95,7 +104,7 @@ def train_step(trainer: StepRun) -> tuple[bool, float | None, float | None]:
         # every rank; the step is skipped everywhere, and not counted as a non-finite loss
         if not finite:
             scaler.update(overflow=True)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=_set_to_none(trainer))
             trainer.overflow_steps.append(trainer.step + 1)
             return False, None, None
         unscale: Any = getattr(trainer.model, "scale_grads_")  # noqa: B009 (checked by the Trainer)
@@ -103,7 +112,7 @@ def train_step(trainer: StepRun) -> tuple[bool, float | None, float | None]:
         scaler.update(overflow=False)
     trainer.guard.update(finite, trainer.step + 1)  # steps are counted from 1, like TrainResult.losses
     if not finite:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=_set_to_none(trainer))
         return False, None, None
     with profiler.phase("optimizer"):
         norm = None
