@@ -12,7 +12,13 @@ AdamW step; ``never``: the same on a second model, equal to the first, built wit
 ``tp_batch_check="never"`` (its own optimizer; ``"first"`` is this after its first step);
 ``check``: one check of ``(x, y)`` alone; ``check, images``: one check of an image batch
 (``--images`` x 3 x 224 x 224 fp32), to show the cost of reading large inputs. Also the tp group's
-collectives (calls, bytes) in the first two steps under each choice.
+collectives (calls, bytes) in the first two steps under each choice. With ``--generate N``: Hugging
+Face's ``model.module.generate`` of N tokens (greedy, ``--batch`` prompts of 6 tokens) on a
+``LlamaForCausalLM`` of the same width, layers and heads (vocabulary 256), built with each choice
+(``generate, always`` / ``generate, never``): every decoding forward is one check.
+
+    .venv/bin/python -m dtlab.benchmarks.tp_batch_check --engine inmemory --d-model 16 --heads 2 \
+        --batch 2 --generate 32
 """
 
 from __future__ import annotations
@@ -87,8 +93,39 @@ def bench_world(backend: CommunicationBackend, args: dict[str, Any]) -> dict[str
         "check": lambda: check([("x", x), ("y", y)]),
         "check, images": lambda: check([("images", images)]),
     }
+    if args["generate"]:
+        variants |= generate_variants(mesh, args)
     times = alternate(backend, variants, args["rounds"], args["steps"], args["warmup"])
     return {"times": times, "collectives": collectives}
+
+
+def generate_variants(mesh: Any, args: dict[str, Any]) -> dict[str, Callable[[], float]]:
+    """``generate, always`` and ``generate, never``: one greedy ``generate`` of ``args["generate"]``
+    tokens through ``model.module`` of a Hugging Face Llama at tensor parallelism, built with each."""
+    import torch
+
+    from dtlab.benchmarks._hf_llama import llama
+    from dtlab.models import TensorParallelModel
+
+    n, hidden, heads = args["generate"], args["d_model"], args["heads"]
+    sizes = {"vocab": 256, "hidden": hidden, "intermediate": 2 * hidden, "layers": args["layers"]}
+    net = llama(sizes | {"heads": heads, "seq": 6 + n})
+    prompts = torch.arange(6 * args["batch"]).reshape(args["batch"], 6) % 256
+
+    def step_of(check: TpBatchCheckWhen) -> Callable[[], float]:
+        import copy
+
+        model = TensorParallelModel(copy.deepcopy(net), mesh, plan="auto", tp_batch_check=check).eval()
+        hf: Any = model.module  # the Hugging Face model, split in place
+
+        def step() -> float:
+            with torch.no_grad():
+                hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            return 0.0
+
+        return step
+
+    return {f"generate, {c}": step_of(c) for c in ("always", "never")}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,13 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", default="gloo", choices=("gloo", "mpi", "inmemory"))
     add_tp_transformer_args(parser)
     parser.add_argument("--images", type=int, default=32, help="images in the image batch checked alone")
+    parser.add_argument(
+        "--generate", type=int, default=0, help="also time a Hugging Face generate of this many tokens"
+    )
     add_timing_args(parser, steps=5, rounds=8)
     ns = parser.parse_args(argv)
-    keys = (*TP_TRANSFORMER, "images", "steps", "rounds", "warmup", "threads")
+    keys = (*TP_TRANSFORMER, "images", "generate", "steps", "rounds", "warmup", "threads")
     args = {k: getattr(ns, k) for k in keys}
 
     from dtlab.testing import run_world, spawn_world
 
+    if ns.generate:  # transformers' lazy import resolved once here, not by the in-memory ranks at once
+        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
     if ns.engine == "inmemory":
         res = run_world(ns.tp, bench_world, args, timeout=1800)[0]
     else:
@@ -121,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         vs = {"always": f"{med[name] / med['never']:.3f}x", "never": "1"}.get(
             name, f"{100 * med[name] / med['never']:.2f}% of it"
         )
+        if name.startswith("generate"):
+            vs = f"{med[name] / med['generate, never']:.3f}x a generate with never"
         print(f"| {name} | {1e3 * med[name]:.2f} ms ({1e3 * lo:.2f}-{1e3 * hi:.2f}) | {vs} |")
     print("\n| tp_batch_check | collectives over tp, step 1 (calls, bytes sent) | step 2 |\n|---|---:|---:|")
     for choice, (one, two) in res["collectives"].items():
@@ -131,6 +175,11 @@ def main(argv: list[str] | None = None) -> None:
         f"\nalways / never per round (block medians): median {statistics.median(paired):.3f} "
         f"(IQR {lo:.3f}-{hi:.3f}) over {len(paired)} rounds"
     )
+    if args["generate"]:
+        paired = round_ratios(times["generate, always"], times["generate, never"], args["steps"])
+        lo, hi = quartiles(paired)
+        mid = statistics.median(paired)
+        print(f"generate, always / never per round: median {mid:.3f} (IQR {lo:.3f}-{hi:.3f})")
     if ns.json is not None:
         out = {"args": vars(ns) | {"json": str(ns.json)}, "times": times, "collectives": res["collectives"]}
         ns.json.write_text(json.dumps(out, indent=1))
