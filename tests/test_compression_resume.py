@@ -233,6 +233,28 @@ def test_other_compressor_keeps_residuals_and_counters_only(caplog: pytest.LogCa
     assert sum("compressor state not restored" in r.getMessage() for r in caplog.records) == 1
 
 
+def _torch_layout_reload(backend: CommunicationBackend) -> bool:
+    a = _build(backend, TopkA(density=0.1, warmup_steps=1), False)
+    for s in range(3):
+        _step(a, backend, s)
+    saved = a.state_dict()  # torch's layout: no residuals, counters or compressor state
+    a.load_state_dict(saved)  # mid-run round trip: a keeps its own compression state, no warning
+    b = _build(backend, TopkA(density=0.1, warmup_steps=1), False)
+    b.load_state_dict(saved)  # a fresh optimizer: compression starts afresh, with the warning
+    return b.reducer.error_feedback.keys() == [] and a.reducer.error_feedback.keys() != []
+
+
+def test_torch_layout_load_into_a_fresh_optimizer_warns_that_compression_starts_afresh(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="dtlab"):
+        assert run_world(2, _torch_layout_reload) == [True, True]
+    warned = [
+        r.getMessage() for r in caplog.records if "restored the torch optimizer state only" in r.getMessage()
+    ]
+    assert len(warned) == 1 and "sharded_state_dict()" in warned[0], warned
+
+
 # ---------------------------------------------------------------- the generic encoding
 def test_state_encoding_round_trips_and_refuses_what_json_cannot_hold() -> None:
     gen = torch.Generator().manual_seed(7)

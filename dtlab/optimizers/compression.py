@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from dtlab.compression.base import Compressor, Layout
+from dtlab.compression.dense import Dense
 from dtlab.compression.oktopk import OkTopk
 from dtlab.compression.reducer import CompressedReducer, NonFinitePolicy
 from dtlab.core.reducer import DenseReducer, GradientReducer
@@ -210,6 +211,23 @@ class GradientCompressionOptimizer(WrappingStrategy):
             **meta,
         }
         return ShardedState(tensors, metadata)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's: the inner optimizer's state in torch's layout, which holds no compression state. An
+        optimizer that has reduced keeps its own (a round trip mid-run continues exactly); a fresh one
+        starts afresh, dense warm-up included, and a warning says so: for an exact resume, save and
+        load ``sharded_state_dict()`` (``dtlab.checkpoint``), which holds every rank's residuals."""
+        self.inner.load_state_dict(state_dict)
+        if isinstance(self.compressor, Dense) or self.model.world_backend.rank != 0:
+            return
+        buffers = self.reducer.state_dict()[1]["buffers"]
+        if all(b["iterations"] == 0 for b in buffers.values()):
+            logging.getLogger(__name__).warning(
+                "opt.load_state_dict() restored the torch optimizer state only: the compression state "
+                "(error-feedback residuals, iteration counts and warm-up, the compressor's own state) "
+                "is not in torch's layout and starts afresh; for an exact resume save and load "
+                "opt.sharded_state_dict() (dtlab.checkpoint.save_checkpoint / read_checkpoint)"
+            )
 
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
         """Load the inner state, then this rank's compression state when it was saved at this world
