@@ -140,18 +140,24 @@ def _tied_groups(module: torch.nn.Module) -> list[dict[str, Any]]:
 
 
 def _tied_world(
-    backend: CommunicationBackend, shape: dict[str, int], dp: str, saved: list[Any] | None, swap: bool = False
+    backend: CommunicationBackend, shape: dict[str, int], dp: str, saved: list[Any] | None, regroup: str = ""
 ) -> dict[str, Any]:
-    """At ``shape`` under ``dp``: train, or load ``saved`` and train one step more (``swap``: the
-    param groups in the other order, refused: the error's text)."""
+    """At ``shape`` under ``dp``: train, or load ``saved`` and train one step more (``regroup``: the
+    param groups in the other order, or a third group split off; refused: the error's text)."""
     mesh = Mesh(backend, shape)
     pipe = {"micro_batches": 2} if shape.get("pp", 1) > 1 else {}
     plan = "auto" if shape.get("tp", 1) > 1 else None
     model = hybrid_model_of(_tied_lm(), mesh, dp, plan, pipe)
     groups = _tied_groups(model.module)
-    opt = OPTIMIZER_OF[dp](
-        model, torch.optim.AdamW(groups[::-1] if swap else groups, lr=0.01, weight_decay=0.0)
-    )
+    if regroup == "swap":
+        groups = groups[::-1]
+    elif regroup == "split":
+        groups = [
+            {"params": groups[0]["params"][:1]},
+            {**groups[0], "params": groups[0]["params"][1:]},
+            groups[1],
+        ]
+    opt = OPTIMIZER_OF[dp](model, torch.optim.AdamW(groups, lr=0.01, weight_decay=0.0))
     if saved is not None:
         model.load_sharded_state_dict([m for m, _ in saved])
         try:
@@ -191,13 +197,16 @@ def test_a_tied_embedding_saved_without_a_pipeline_resumes_at_pp2() -> None:
             assert err <= 1e-10, f"{shape} {dp} -> pp2, rank {rank}: relative error {err:.2e}"
 
 
-def test_param_groups_built_in_another_order_are_refused_on_resume() -> None:
+def test_param_groups_built_otherwise_are_refused_on_resume() -> None:
     """Saved groups' options apply by position: groups built in another order (no-decay first) at tp=2
-    would silently swap the weight decays of the two groups; every rank refuses naming a parameter."""
+    would silently swap the weight decays of the two groups, a third group would silently keep its
+    constructor's options (no scheduled lr); every rank refuses naming the fix."""
     saved = [r["shards"] for r in run_world(2, _tied_world, {"dp": 2}, "zero1", None, timeout=120)]
-    for out in run_world(2, _tied_world, {"tp": 2}, "ddp", saved, True, timeout=120):
+    for out in run_world(2, _tied_world, {"tp": 2}, "ddp", saved, "swap", timeout=120):
         assert "is in another param group than when the checkpoint was written" in out.get("refused", ""), out
         assert "Build the param groups as when saving" in out["refused"]
+    for out in run_world(2, _tied_world, {"tp": 2}, "ddp", saved, "split", timeout=120):
+        assert "has 2 param group(s), this one 3" in out.get("refused", ""), out
 
 
 def _precision_world(

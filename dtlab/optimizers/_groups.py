@@ -234,16 +234,22 @@ def _same_kind(saved: Any, live: Any) -> bool:
 
 
 def check_groups(saved: Any, groups: list[dict[str, Any]]) -> None:
-    """Saved param-group hyperparameters must be of the kind the live groups hold (a number where a
-    number is): a :class:`CheckpointError` naming the value otherwise, before anything is set."""
+    """Saved param-group hyperparameters must be as many groups as the live ones, of the kind the live
+    groups hold (a number where a number is): a :class:`CheckpointError` naming the value otherwise,
+    before anything is set."""
     if saved is None:
         return
     if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
         raise CheckpointError(
             f"optimizer shard metadata: param_groups={summary(saved)}, expected a list of objects"
         )
-    if len(saved) != len(groups):
-        return  # another grouping: the saved hyperparameters are not applied (see below)
+    if len(saved) != len(groups):  # torch's load_state_dict refuses it too
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}: the saved "
+            "options (lr, weight_decay, ...) and a scheduler's state are per group, by position. Build the "
+            "param groups as when saving, or do not load the optimizer state (start it fresh; "
+            "checkpoint.reset_optimizer=true in dtlab train)"
+        )
     for i, (values, group) in enumerate(zip(saved, groups, strict=True)):
         for k, v in values.items():
             if k in group and k != "params" and not _same_kind(v, group[k]):
