@@ -44,13 +44,16 @@ class OwedParams:
         self._owed: set[int] = set()
 
     def record(self) -> None:
-        """After a step: the parameters whose residual (the next step's carry-over) is nonzero here."""
-        owed = set()
+        """After a step: the parameters whose residual (the next step's carry-over) is nonzero here
+        (one device-to-host transfer for all of them)."""
+        ids, flags = [], []
         for pid, _, key, offset, numel in self._slots:
             res = self.feedback.residual(key)
-            if res is not None and res.numel() >= offset + numel and bool(res[offset : offset + numel].any()):
-                owed.add(pid)
-        self._owed = owed
+            if res is not None and res.numel() >= offset + numel:
+                ids.append(pid)
+                flags.append(res[offset : offset + numel].any())
+        nonzero = torch.stack(flags).tolist() if flags else []
+        self._owed = {pid for pid, owed in zip(ids, nonzero, strict=True) if owed}
 
     def check(self) -> None:
         """Before a step: refuse when a parameter the step skips (no rank used it) is owed on any rank."""
