@@ -299,8 +299,27 @@ def _unused_after_use(backend: CommunicationBackend, kind: str, set_to_none: boo
     return "", float(mass[0])
 
 
+def _no_backward(backend: CommunicationBackend) -> tuple[str, float]:
+    """A step without a backward after ``aux`` left a residual: the model's refusal, not the skip's."""
+    net = filled(_Branchy(), 0, scale=0.3)
+    dp = DDPModel(net, backend, find_unused_parameters=True)
+    inner = DDPOptimizer(dp, torch.optim.SGD, lr=1.0)
+    opt = GradientCompressionOptimizer(inner, TopkA(density=0.1, warmup_steps=0), dense_below=0)
+    per = BATCH // backend.world_size
+    x, y = (t[backend.rank * per : (backend.rank + 1) * per] for t in _data(0))
+    dp.train_step((x, y), nn.functional.cross_entropy)
+    opt.step()
+    opt.zero_grad()
+    try:
+        opt.step()  # forgot the backward
+    except StrategyError as e:
+        return str(e), math.nan
+    return "", math.nan
+
+
 def _unused_world(backend: CommunicationBackend) -> dict[tuple[str, bool], tuple[str, float]]:
-    return {(k, s): _unused_after_use(backend, k, s) for k in ("ddp", "zero2") for s in (True, False)}
+    out = {(k, s): _unused_after_use(backend, k, s) for k in ("ddp", "zero2") for s in (True, False)}
+    return {**out, ("no backward", True): _no_backward(backend)}
 
 
 def test_a_skipped_parameter_with_a_residual_is_refused_not_dropped() -> None:
@@ -313,3 +332,5 @@ def test_a_skipped_parameter_with_a_residual_is_refused_not_dropped() -> None:
             assert "aux.weight" in text and "set_to_none=False" in text, (kind, text)
             text, mass = res[(kind, False)]
             assert text == "" and abs(mass) < 1e-4, (kind, text, mass)
+        text, _ = res[("no backward", True)]  # named as a missing backward, not as skipping every parameter
+        assert "found no synchronized gradients" in text and "no rank used" not in text, text

@@ -55,13 +55,16 @@ class OwedParams:
         nonzero = torch.stack(flags).tolist() if flags else []
         self._owed = {pid for pid, owed in zip(ids, nonzero, strict=True) if owed}
 
-    def check(self) -> None:
-        """Before a step: refuse when a parameter the step skips (no rank used it) is owed on any rank."""
+    def check(self, who: str) -> None:
+        """Before a step: refuse when a parameter the step skips (no rank used it) is owed on any rank.
+        A step without a synchronized backward is refused first as the model refuses it (``who``: the
+        optimizer strategy), not as skipping every parameter."""
         if self.model is None:
             return
         skipped = self.model.unused_params()  # the same on every rank: so is whether to agree below
         if not skipped or not self._slots:
             return
+        self.model.check_grads_ready(who)
         names = [name for pid, name, *_ in self._slots if pid in skipped and pid in self._owed]
         flag = torch.tensor([float(bool(names))], dtype=torch.float64, device=self.model.dp_backend.device)
         self.model.dp_backend.all_reduce(flag, ReduceOp.MAX)

@@ -159,7 +159,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
                 loss = closure()
         else:
             loss = None
-        self._owed.check()
+        self._owed.check(type(self.inner).__name__)
         self.inner.step()
         self._owed.record()
         self.statistics = self.reducer.step_statistics()
