@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -353,3 +354,19 @@ def test_empty_tensors_pass_through_every_collective() -> None:
         return [out.numel(), *counts, b.stats.bytes_sent - 8 * (p - 1) * (p > 1)]
 
     assert run_world(3, fn, timeout=10) == [[0, 0, 0, 0, 0]] * 3
+
+
+def _import_race(backend: CommunicationBackend, name: str) -> None:
+    if backend.rank == 1:  # what a rank sees of a module another rank is still importing
+        raise AttributeError(f"module 'math' has no attribute '{name}'")
+
+
+def test_a_name_missed_in_a_module_being_imported_by_another_rank_is_explained() -> None:
+    with pytest.raises(RankFailedError, match=r"half-imported .* at the top of the script"):
+        run_world(2, _import_race, "pi", timeout=30)  # math.pi is there: the module was half-imported
+    with pytest.raises(RankFailedError) as typo:  # a name the module never has: no such hint
+        run_world(2, _import_race, "nope", timeout=30)
+    assert "half-imported" not in str(typo.value)
+    with pytest.raises(RankFailedError) as real:
+        run_world(2, lambda b: math.nope if b.rank == 0 else None, timeout=30)  # type: ignore[attr-defined]
+    assert "has no attribute 'nope'" in str(real.value) and "half-imported" not in str(real.value)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
@@ -76,8 +79,29 @@ def run_world(
             if world_size > 1 and left_behind
             else ""
         )
-        raise RankFailedError(rank, f"rank {rank} failed: {type(exc).__name__}: {exc}{note}") from exc
+        raise RankFailedError(
+            rank, f"rank {rank} failed: {type(exc).__name__}: {exc}{note}{_half_imported(exc)}"
+        ) from exc
     return results
+
+
+def _half_imported(exc: BaseException) -> str:
+    """A hint where a rank saw a module another rank was still importing (the name it missed is there
+    now): ranks are threads of one process, and a lazily importing package (transformers 5) is not safe
+    to import from two of them at once."""
+    if isinstance(exc, AttributeError):  # a lazy module's own __getattr__ may set neither obj nor name
+        said = re.fullmatch(r"module '?([\w.]+)'? has no attribute '?(\w+)'?", str(exc))
+        module, name = (sys.modules.get(said[1]), said[2]) if said else (exc.obj, exc.name)
+        missed = isinstance(module, ModuleType) and name is not None and hasattr(module, name)
+    else:
+        missed = isinstance(exc, ImportError) and "partially initialized module" in str(exc)
+    if not missed:
+        return ""
+    return (
+        ". The name is there now: in-memory ranks are threads of one process, and a module first imported "
+        "inside the rank function by several ranks at once can be seen half-imported (transformers' lazy "
+        "import is not thread-safe); import it, and the names you use from it, at the top of the script"
+    )
 
 
 def _join(threads: list[threading.Thread], world: InMemoryWorld) -> list[int]:
