@@ -18,6 +18,7 @@ import torch
 from filled import filled
 from torch import nn
 
+from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.compression import (
     QSGD,
@@ -33,7 +34,15 @@ from dtlab.compression import (
     TopkDSA,
 )
 from dtlab.errors import StrategyError
-from dtlab.models import DDPModel, FSDPModel, SizePolicy, ZeRO1Model, ZeRO2Model, ZeRO3Model
+from dtlab.models import (
+    DDPModel,
+    FSDPModel,
+    HybridShardedModel,
+    SizePolicy,
+    ZeRO1Model,
+    ZeRO2Model,
+    ZeRO3Model,
+)
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.optimizers.compression import GradientCompressionOptimizer
 from dtlab.testing import run_world
@@ -269,8 +278,12 @@ def _unused_after_use(backend: CommunicationBackend, kind: str, set_to_none: boo
     the refusal's text (or "") and the mass error: every rank's raw gradients summed minus (every
     rank's residual plus P times the applied SGD update at lr 1)."""
     net = filled(_Branchy(), 0, scale=0.3)
-    dp = (DDPModel if kind == "ddp" else ZeRO2Model)(net, backend, find_unused_parameters=True)
-    inner = (DDPOptimizer if kind == "ddp" else ZeRO2Optimizer)(dp, torch.optim.SGD, lr=1.0)
+    if kind == "hybrid":  # the composition forwards the flag to its data-parallel strategy
+        mesh = Mesh(backend, {"pp": 1, "dp": backend.world_size, "tp": 1})
+        dp: Any = HybridShardedModel(net, mesh, data_parallel="ddp", find_unused_parameters=True)
+    else:
+        dp = (DDPModel if kind == "ddp" else ZeRO2Model)(net, backend, find_unused_parameters=True)
+    inner = (ZeRO2Optimizer if kind == "zero2" else DDPOptimizer)(dp, torch.optim.SGD, lr=1.0)
     opt = GradientCompressionOptimizer(inner, TopkA(density=0.1, warmup_steps=0), dense_below=0)
     per = BATCH // backend.world_size
     raw = applied = 0.0
@@ -318,7 +331,8 @@ def _no_backward(backend: CommunicationBackend) -> tuple[str, float]:
 
 
 def _unused_world(backend: CommunicationBackend) -> dict[tuple[str, bool], tuple[str, float]]:
-    out = {(k, s): _unused_after_use(backend, k, s) for k in ("ddp", "zero2") for s in (True, False)}
+    kinds = ("ddp", "zero2", "hybrid")
+    out = {(k, s): _unused_after_use(backend, k, s) for k in kinds for s in (True, False)}
     return {**out, ("no backward", True): _no_backward(backend)}
 
 
@@ -327,7 +341,7 @@ def test_a_skipped_parameter_with_a_residual_is_refused_not_dropped() -> None:
     out of it (torch skips a .grad of None) while the exchange sent part of its residual. That update
     is refused, naming the parameter and zero_grad(set_to_none=False), with which nothing is lost."""
     for res in run_world(2, _unused_world, timeout=60):
-        for kind in ("ddp", "zero2"):
+        for kind in ("ddp", "zero2", "hybrid"):
             text, _ = res[(kind, True)]
             assert "aux.weight" in text and "set_to_none=False" in text, (kind, text)
             text, mass = res[(kind, False)]

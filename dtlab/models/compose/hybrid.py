@@ -3,16 +3,15 @@ tensor-parallel layers inside each stage over ``mesh["tp"]``, then a data-parall
 stage's tensor-parallel shards on ``mesh["dp"]`` (a worked example: docs/strategies.md, "Hybrid
 parallelism"; where each decision is made: docs/architecture.md).
 
-The data-parallel strategy (``model.dp_strategy``) is used, not inherited: this model offers the
-optimizer's interface by forwarding to it. Without a pipeline, gradients are reduced during backward
-as the strategy does alone; with one, ``train_step`` runs the schedule inside ``no_sync()`` and reduces
-once at the end."""
+The data-parallel strategy (``model.dp_strategy``) is used, not inherited: this model offers the optimizer's
+interface by forwarding to it. Without a pipeline, gradients are reduced during backward as the strategy
+does alone; with one, ``train_step`` runs the schedule inside ``no_sync()`` and reduces once at the end."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -60,8 +59,7 @@ __all__ = ["HybridOptions", "HybridShardedModel", "PlanOptions"]
 
 
 class HybridOptions(BucketOptions, GatherOptions, total=False):
-    """``HybridShardedModel``'s ``**kwargs``: the options of its ``data_parallel`` choice (each
-    strategy refuses the ones it does not take, as it does alone)."""
+    """``HybridShardedModel``'s ``**kwargs``: the options of its ``data_parallel`` choice."""
 
     gradient_sync: GradientSync | None  #: zero1 (None: the optimizer's choice)
     persistence_threshold: int  #: zero3
@@ -71,8 +69,7 @@ class HybridOptions(BucketOptions, GatherOptions, total=False):
 
 
 class PlanOptions(HybridOptions, MetaOptions, total=False):
-    """``from_plan``'s ``**kwargs``: the data-parallel strategy's options and the meta-device
-    initialization (``init_seed``, ``param_init_fn``)."""
+    """``from_plan``'s ``**kwargs``: the strategy's options, ``init_seed`` and ``param_init_fn``."""
 
 
 class HybridShardedModel(OptimizerTarget):
@@ -202,12 +199,15 @@ class HybridShardedModel(OptimizerTarget):
     @property
     def dp_strategy(self) -> DataParallelModel:
         """The data-parallel strategy over this rank's stages and tp shards (on ``mesh["dp"]``)."""
-        dp: DataParallelModel = self.__dict__["_dp"]
-        return dp
+        return cast("DataParallelModel", self.__dict__["_dp"])
 
     @property
     def pipelined(self) -> bool:
         return self.schedule is not None
+
+    @property
+    def find_unused_parameters(self) -> bool:  # the strategy's (compression's skipped-residual check)
+        return self.dp_strategy.find_unused_parameters
 
     def apply(self, fn: Callable[[nn.Module], None]) -> Self:  # through dp (ZeRO-3/FSDP gather), tp whole
         self.dp_strategy.apply(whole_over_tp(fn, self.tp_group, skip=self.dp_strategy))
