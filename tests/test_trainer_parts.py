@@ -177,3 +177,20 @@ def test_an_in_memory_world_under_a_launcher_of_several_processes_is_refused(
         ConfigError, match=r"backend.name='inmemory' in a process torchrun started as rank 1 of 2"
     ):
         run_training(cfg)  # refused before any rank thread starts: not two separate runs
+
+
+def test_stray_launcher_variables_do_not_refuse_an_explicit_in_memory_world(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """backend.name=inmemory with WORLD_SIZE alone in the environment (no launcher started this process)
+    reaches the next check, as before the launcher check: not 'incomplete torchrun launch variables'."""
+    from dtlab.errors import ConfigError
+    from dtlab.trainers.launch import run_training
+
+    for var in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    missing = "checkpoint.resume=/nonexistent/dtlab-ckpt"
+    cfg = load_config(overrides=["backend.name=inmemory", "logging.run_dir=null", missing])
+    with pytest.raises(ConfigError, match="does not exist"):  # check_paths, after the launcher check
+        run_training(cfg)

@@ -12,7 +12,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, check_world_size
-from dtlab.errors import ConfigError
+from dtlab.errors import BackendInitError, ConfigError
 from dtlab.parallel_config import run_plan
 from dtlab.trainers.construction import model_init
 from dtlab.trainers.custom import task_from_objects
@@ -82,10 +82,15 @@ def run_training(
     model_init(config, run_plan(config))  # model.init=meta where every rank holds the whole model: refused
     name = resolve_backend_name(config)
     if name == "inmemory":
-        from dtlab.backends.init import detect_launcher
+        from dtlab.backends.init import LaunchInfo, detect_launcher
         from dtlab.backends.threads import run_world
 
-        launch = detect_launcher()
+        try:
+            launch = detect_launcher()
+        except BackendInitError:  # incomplete launcher variables: refused if they say several processes
+            if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
+                raise
+            launch = LaunchInfo("none")  # a stray WORLD_SIZE=1: one process, as before the check
         if launch.launcher != "none" and (launch.world_size or 1) > 1:  # N copies of one in-memory run
             raise ConfigError(
                 f"backend.name='inmemory' in a process {launch.launcher} started as rank {launch.rank} of "
