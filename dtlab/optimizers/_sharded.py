@@ -59,7 +59,8 @@ class ShardedOptimizer(DataParallelOptimizer):
             for p, _, a, b, off in unit.shard_params():
                 grads[id(p)] = g[off : off + b - a]
         for e in self._entries:
-            out.append(grads[id(e.param)].view(e.tensor.shape))
+            g = grads[id(e.param)]
+            out.append(g if e.tensor.dim() else g.view(()))  # a 0-dim parameter's as its shape
         return out
 
     def _step_local(self, skip: frozenset[int]) -> None:

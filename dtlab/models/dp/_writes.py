@@ -59,10 +59,12 @@ class ParamWrites:
             for p in m.parameters(recurse=False):
                 if (st := unit_of.get(id(p))) is not None:
                     self._owners.setdefault(id(st), {})[id(m)] = m
+        #: the modules holding a unit's parameters: only a prune hook on one of them reads a stand-in
+        self._holders = list({id(m): m for owners in self._owners.values() for m in owners.values()}.values())
         self._vet_pruning([module])  # wrapping: every hook present saw whole values
 
     def _prunings(self) -> list[tuple[nn.Module, BasePruningMethod]]:
-        return prune_hooks(self.module)
+        return [x for m in self._holders for x in prune_hooks(m, recurse=False)]
 
     def _vet_pruning(self, modules: list[nn.Module], recurse: bool = True) -> None:
         """The prune hooks on ``modules`` now computed their masks from whole values (wrapping, a gather
