@@ -255,6 +255,41 @@ def test_torch_layout_load_into_a_fresh_optimizer_warns_that_compression_starts_
     assert len(warned) == 1 and "sharded_state_dict()" in warned[0], warned
 
 
+def _load_after_a_raised_backward(backend: CommunicationBackend) -> str:
+    """A backward that raised partway (after two buckets went through TopkA), cleaned up by zero_grad(),
+    then opt.load_state_dict(): what it raised on this rank ("" when nothing)."""
+    a = _build(backend, TopkA(density=0.1, warmup_steps=0), False)
+    for s in range(2):
+        _step(a, backend, s)
+    saved = a.state_dict()
+
+    def boom(grad: torch.Tensor) -> None:
+        raise RuntimeError("a bad batch")
+
+    hook = a.model.module[1].register_forward_hook(lambda m, i, o: o.register_hook(boom) and None)
+    g = torch.Generator().manual_seed(5)
+    try:
+        a.model.train_step(
+            (torch.randn(16, 16, generator=g), torch.randint(0, 3, (16,), generator=g)),
+            nn.functional.cross_entropy,
+        )
+    except RuntimeError:
+        pass
+    hook.remove()
+    a.zero_grad()
+    try:
+        a.load_state_dict(saved)
+    except Exception as exc:  # reported back to compare the ranks
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def test_torch_layout_load_after_a_raised_backward_does_the_same_on_every_rank() -> None:
+    """The warning's decision reads the iteration counts every rank holds alike: no rank raises where
+    another goes on (before, rank 0 alone read the refused state_dict() and raised)."""
+    assert run_world(2, _load_after_a_raised_backward, timeout=60) == ["", ""]
+
+
 # ---------------------------------------------------------------- the generic encoding
 def test_state_encoding_round_trips_and_refuses_what_json_cannot_hold() -> None:
     gen = torch.Generator().manual_seed(7)

@@ -156,6 +156,11 @@ class CompressedReducer(GradientReducer):
         """How many times buffer ``key`` has been reduced (warm-up included)."""
         return self._steps.get(key, 0)
 
+    def has_reduced(self) -> bool:
+        """Whether any buffer has been reduced (or restored with a nonzero iteration count) since the
+        state was last cleared: the same on every rank, read without copying or refusing anything."""
+        return any(self._steps.values())
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's state: tensors (residuals ``residual.<key>``, compressor tensors

@@ -221,10 +221,11 @@ class GradientCompressionOptimizer(WrappingStrategy):
         starts afresh, dense warm-up included, and a warning says so: for an exact resume, save and
         load ``sharded_state_dict()`` (``dtlab.checkpoint``), which holds every rank's residuals."""
         self.inner.load_state_dict(state_dict)
-        if isinstance(self.compressor, Dense) or self.model.world_backend.rank != 0:
+        # decided alike on every rank from the iteration counts (no copy, no refusal after a backward
+        # that raised partway, which would raise on the warning rank only)
+        if isinstance(self.compressor, Dense) or self.reducer.has_reduced():
             return
-        buffers = self.reducer.state_dict()[1]["buffers"]
-        if all(b["iterations"] == 0 for b in buffers.values()):
+        if self.model.world_backend.rank == 0:
             logging.getLogger(__name__).warning(
                 "opt.load_state_dict() restored the torch optimizer state only: the compression state "
                 "(error-feedback residuals, iteration counts and warm-up, the compressor's own state) "
