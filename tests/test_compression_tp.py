@@ -205,3 +205,65 @@ def test_a_part_too_small_for_one_element_goes_dense() -> None:
     for out in run_world(2, _small_part_world, timeout=60):
         assert torch.equal(out[:10], torch.arange(10, dtype=torch.float32) * 1.5), out[:10]
         assert int((out[10:] != 0).sum()) == 9, out[10:]  # int(0.01 * 990) of the own part
+
+
+class _Branchy(torch.nn.Module):
+    """``a`` and ``aux`` column-parallel, ``b`` row-parallel; ``b`` starts with the hidden units of tp
+    rank 1 cut off, so only tp rank 0's ``aux`` shard gets a gradient (and a residual) in step 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a, self.aux, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            self.b.weight[:, 8:] = 0
+        self.use_aux = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) + self.aux(x) if self.use_aux else self.a(x)
+        return self.b(torch.tanh(h))
+
+
+def _skipped_world(backend: CommunicationBackend) -> str:
+    """``aux`` used in step 0, by no rank in step 1 (find_unused_parameters=True, TopkA at 10%): the
+    refusal's text on this rank, or what else happened."""
+    from dtlab.backends import Mesh
+    from dtlab.models import HybridShardedModel
+    from dtlab.optimizers import DDPOptimizer
+
+    mesh = Mesh(backend, SHAPE)
+    net = _Branchy()
+    plan = {"a": "colwise", "aux": "colwise", "b": "rowwise"}
+    model = HybridShardedModel(net, mesh, data_parallel="ddp", find_unused_parameters=True, tensor_plan=plan)
+    opt = GradientCompressionOptimizer(
+        DDPOptimizer(model, torch.optim.SGD, lr=0.1), TopkA(density=0.1, warmup_steps=0), dense_below=0
+    )
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+    d = mesh.coordinate("dp")
+    try:
+        for step in range(3):
+            net.use_aux = step == 0
+            opt.zero_grad()
+            model.train_step((x.chunk(2)[d], y.chunk(2)[d]), torch.nn.functional.cross_entropy)
+            opt.step()
+    except StrategyError as exc:
+        return f"step {step}: {exc}"
+    return "no refusal"
+
+
+def test_a_skipped_parameter_owed_on_one_tp_rank_is_refused_on_every_rank() -> None:
+    """At tp > 1 the residuals live in the cut buffer's parts and differ per tp rank: the refusal reads
+    each parameter in its part and is agreed over tp too, so every rank of the mesh refuses step 1 (not
+    the step silently dropping the owed update, nor tp rank 0 alone refusing while its tp peer goes on)."""
+    from dtlab.testing import run_world
+
+    out = run_world(4, _skipped_world, timeout=60)
+    for rank, text in enumerate(out):
+        assert text.startswith("step 1: ") and "no rank used" in text and "set_to_none=False" in text, (
+            rank,
+            text,
+        )
+    assert any("aux.weight" in text for text in out), out

@@ -146,7 +146,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
         )
         self.model.gradient_reducer = self.reducer
         self.statistics: dict[str, Any] = {}
-        self._owed = OwedParams(self.model, self.reducer.error_feedback)
+        self._owed = OwedParams(self.model, self.reducer.error_feedback, self.reducer.tp_parts.ranges)
 
     # ------------------------------------------------------------------ delegated
     @property
