@@ -237,3 +237,46 @@ def test_optimizer_state_of_a_bf16_model_resumes_into_a_float64_one() -> None:
     assert saved[0]["dtypes"] == {torch.bfloat16}
     for out in run_world(1, _precision_world, torch.float64, saved, timeout=120):
         assert out["dtypes"] == {torch.float64}
+
+
+def _stage_groups_world(backend: CommunicationBackend, saved: list[Any] | None, steps: int) -> dict[str, Any]:
+    """pp=2 under ZeRO-1, param groups built per stage from the stage's own parameters, an empty group
+    dropped (the embeddings' group, with its own lr, exists on stage 0 only): ``steps`` steps, after
+    loading ``saved`` (refused: the error's text) when given."""
+    mesh = Mesh(backend, {"pp": 2})
+    net = TransformerLM(d_model=16, n_layers=2, n_heads=2, seq_len=8, vocab=32, tie_embeddings=False).double()
+    net.load_state_dict(_tied_lm().state_dict())  # the same values on every rank
+    model = HybridShardedModel(net, mesh, "zero1", micro_batches=2)
+    named = model.trainable_parameters()
+    emb = [p for n, p in named if n.startswith(("tok.", "pos."))]
+    rest = [(n, p) for n, p in named if not n.startswith(("tok.", "pos."))]
+    groups = [
+        {"params": emb, "lr": 0.02},
+        {"params": [p for _, p in rest if p.dim() > 1], "weight_decay": 0.1},
+        {"params": [p for _, p in rest if p.dim() < 2]},
+    ]
+    opt = OPTIMIZER_OF["zero1"](model, torch.optim.AdamW([g for g in groups if g["params"]], lr=0.01))
+    if saved is not None:
+        model.load_sharded_state_dict([m for m, _ in saved])
+        try:
+            opt.load_sharded_state_dict([o for _, o in saved])
+        except CheckpointError as exc:
+            return {"refused": str(exc)}
+    x, y = _tied_batch()
+    for _ in range(steps):
+        model.train_step((x, y), model.cross_entropy)
+        opt.step()
+        opt.zero_grad()
+    return {"shards": (model.sharded_state_dict(), opt.sharded_state_dict()), "full": model.full_state_dict()}
+
+
+def test_stages_with_different_numbers_of_param_groups_resume_exactly_at_pp2() -> None:
+    """Each stage's optimizer saved its own groups (3 on stage 0, 2 on stage 1): each stage checks and
+    applies its own, so a resume at the same layout continues as one run (before, every stage was
+    checked against stage 0's groups: stage 1 refused while stage 0 went on into a collective)."""
+    whole = run_world(2, _stage_groups_world, None, 3, timeout=120)
+    saved = [r["shards"] for r in run_world(2, _stage_groups_world, None, 2, timeout=120)]
+    for rank, out in enumerate(run_world(2, _stage_groups_world, saved, 1, timeout=120)):
+        assert "refused" not in out, (rank, out)
+        err = max_rel_error(out["full"], whole[rank]["full"])
+        assert err == 0.0, f"rank {rank}: relative error {err:.2e}"

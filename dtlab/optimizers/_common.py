@@ -29,6 +29,7 @@ from dtlab.optimizers._groups import (
     check_members,
     jsonable,
     make_local,
+    saved_groups,
     spec_of,
     strangers_message,
     sync_groups,
@@ -353,9 +354,8 @@ class DataParallelOptimizer(OptimizerStrategy):
             raise CheckpointError(
                 f"optimizer shard metadata: state_keys={summary(keys)}, expected a list of names"
             )
-        saved = index.extra.get("param_groups")
-        check_groups(saved, self.param_groups)
-        if saved and len(saved) == len(self.param_groups):
+        saved = saved_groups(shards, self._entries)  # at pp > 1: this stage's
+        if check_groups(saved, self.param_groups, self.agree):
             check_members(shards, self._entries, type(self).__name__, self.agree)
         for t, pieces, names in zip(self._tensors, self._needed_pieces(), self._names, strict=True):
             st: dict[str, Any] = {}

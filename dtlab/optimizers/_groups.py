@@ -34,6 +34,7 @@ __all__ = [
     "constructor_defaults",
     "jsonable",
     "make_local",
+    "saved_groups",
     "spec_of",
     "strangers_message",
     "sync_groups",
@@ -233,20 +234,39 @@ def _same_kind(saved: Any, live: Any) -> bool:
     return isinstance(saved, type(live))
 
 
-def check_groups(saved: Any, groups: list[dict[str, Any]]) -> None:
-    """Saved param-group hyperparameters must be as many groups as the live ones, of the kind the live
-    groups hold (a number where a number is): a :class:`CheckpointError` naming the value otherwise,
-    before anything is set."""
+def saved_groups(shards: Sequence[ShardedState], entries: list[Entry]) -> Any:
+    """The saved param groups that apply here: those of a shard holding this rank's parameters (at
+    pp > 1 each stage's optimizer saved its own groups, as many as that stage was given), else the
+    first shard's (a checkpoint written on another layout, or without ``param_group_of``)."""
+    names = {e.name for e in entries}
+    found = [s.metadata for s in shards if isinstance(s.metadata, dict) and "param_groups" in s.metadata]
+    for md in found:
+        held = md.get("param_group_of")
+        if isinstance(held, dict) and not names.isdisjoint(held):
+            return md["param_groups"]
+    return found[0]["param_groups"] if found else None
+
+
+def check_groups(saved: Any, groups: list[dict[str, Any]], agree: Callable[[bool], bool]) -> bool:
+    """Saved param-group hyperparameters must be as many groups as the live ones (refused on every rank
+    alike, ``agree``, where any rank's differ), of the kind the live groups hold (a number where a
+    number is): a :class:`CheckpointError` naming the value otherwise, before anything is set. Returns
+    whether groups were saved (then as many as here)."""
     if saved is None:
-        return
+        return False
     if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
         raise CheckpointError(
             f"optimizer shard metadata: param_groups={summary(saved)}, expected a list of objects"
         )
-    if len(saved) != len(groups):  # torch's load_state_dict refuses it too
+    if not agree(len(saved) == len(groups)):  # torch's load_state_dict refuses it too
+        here = (
+            f"has {len(saved)} param group(s), this one {len(groups)}"
+            if len(saved) != len(groups)
+            else "has as many param groups as this one, but another rank's (pipeline stage's) differs"
+        )
         raise CheckpointError(
-            f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}: the saved "
-            "options (lr, weight_decay, ...) and a scheduler's state are per group, by position. Build the "
+            f"the checkpoint's optimizer {here}: the saved options (lr, weight_decay, ...) and a scheduler's "
+            "state are per group, by position. Build the "
             "param groups as when saving, or do not load the optimizer state (start it fresh; "
             "checkpoint.reset_optimizer=true in dtlab train)"
         )
@@ -257,6 +277,7 @@ def check_groups(saved: Any, groups: list[dict[str, Any]]) -> None:
                     f"optimizer shard metadata: param_groups[{i}].{k}={summary(v)}, but the optimizer "
                     f"holds {summary(group[k])} there"
                 )
+    return True
 
 
 def check_members(
