@@ -202,3 +202,36 @@ def test_gpt2_tied_head_under_tensor_parallelism_matches_one_process() -> None:
         for k, v in ref.items():
             if v.is_floating_point():
                 assert ((r["state"][k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 1e-5, k
+
+
+def _pipeline_groups(backend: CommunicationBackend) -> dict[str, Any]:
+    """pp=2, param groups built per stage: the embedding in its own group (lr 0.1) on stage 0, the
+    tied head's copy in the default group on stage 1 (refused: the message), then both copies in
+    groups of the same options (trains as one process)."""
+    model = HybridShardedModel(_model(), Mesh(backend, {"pp": 2}), "ddp", micro_batches=2)
+    named = model.trainable_parameters()
+    own = [{"params": [p for n, p in named if n == "emb.weight"], "lr": 0.1}]
+    try:
+        DDPOptimizer(model, torch.optim.AdamW([*own, {"params": [p for n, p in named if n != "emb.weight"]}]))
+    except StrategyError as e:
+        refused = str(e)
+    else:
+        return {"refused": ""}  # accepted: the copies would drift apart
+    copies = set(model.tied_names()) | set(model.tied_names().values())
+    tied = [p for n, p in named if n in copies]
+    groups = [{"params": tied, "lr": 0.05}, {"params": [p for n, p in named if n not in copies]}]
+    opt = DDPOptimizer(model, torch.optim.AdamW([g for g in groups if g["params"]], lr=0.05))
+    for _ in range(STEPS):
+        model.train_step(_batch(), model.cross_entropy)
+        opt.step()
+        opt.zero_grad()
+    return {"refused": refused, "emb": model.full_state_dict()["emb.weight"]}
+
+
+def test_copies_of_a_pipeline_tie_in_groups_of_different_options_are_refused_on_every_rank() -> None:
+    _, ref_emb = _reference()
+    for r in run_world(2, _pipeline_groups, timeout=120):
+        assert "'emb.weight' on rank 0: lr=0.1" in r["refused"]
+        assert "'head.weight' on rank 1: lr=0.001" in r["refused"]  # torch's default: no lr given
+        assert "same options" in r["refused"]
+        torch.testing.assert_close(r["emb"], ref_emb, rtol=1e-5, atol=1e-6)  # equal options: exact

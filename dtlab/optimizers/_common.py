@@ -37,6 +37,7 @@ from dtlab.optimizers._groups import (
 from dtlab.optimizers._handed import hand_over
 from dtlab.optimizers._hooks import carry_hooks, load_with_hooks, state_dict_with_hooks
 from dtlab.optimizers._state_view import StateView, replace_state
+from dtlab.optimizers._tied_groups import check_tied_groups
 from dtlab.optimizers._torch_state import PART, check_part, full_state, load_full_state, model_part
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.untrusted import summary
@@ -101,6 +102,7 @@ class DataParallelOptimizer(OptimizerStrategy):
             )
         spec = spec_of(me, optimizer, kwargs, [p for _, p in model.trainable_parameters()])
         torch.optim.Optimizer.__init__(self, spec.groups, spec.defaults)
+        check_tied_groups(me, model, self.param_groups)  # before any step: tied copies stepped alike
         self._entries = self._build()
         self._kind = self._pieces_kind()
         if self._kind is not None:  # Adafactor, Muon, LAMB... would step each piece its own way
@@ -293,9 +295,7 @@ class DataParallelOptimizer(OptimizerStrategy):
                 t.clamp_(-float(clip_value), float(clip_value))
 
     def grads_are_finite(self) -> bool:
-        tensors, _ = self.dp_model.norm_grad_tensors()
-        local = all(bool(torch.isfinite(t).all()) for t in tensors)
-        return self.agree(local)
+        return self.agree(all(bool(torch.isfinite(t).all()) for t in self.dp_model.norm_grad_tensors()[0]))
 
     # ------------------------------------------------------------------ state
     @property
