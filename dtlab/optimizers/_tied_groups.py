@@ -14,24 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from dtlab.errors import StrategyError
 from dtlab.models.base import OptimizerTarget
+from dtlab.optimizers._groups import jsonable
 
 __all__ = ["check_tied_groups"]
 
 #: (the tie's first name, this copy's name, its group's options)
 Copy = tuple[str, str, dict[str, Any]]
-
-
-def _plain(value: Any) -> Any:
-    """An option comparable across ranks (a tensor lr as its value, betas as a list)."""
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _copies(model: OptimizerTarget, groups: Sequence[dict[str, Any]], aliases: dict[str, str]) -> list[Copy]:
@@ -40,7 +30,7 @@ def _copies(model: OptimizerTarget, groups: Sequence[dict[str, Any]], aliases: d
     names = {id(p): n for n, p in model.trainable_parameters() if n in tied}
     out: list[Copy] = []
     for g in groups:
-        options = {k: _plain(v) for k, v in g.items() if k != "params"}
+        options = jsonable(g)  # comparable across ranks: a tensor lr as its value, betas as a list
         for p in g["params"]:
             if id(p) in names:
                 n = names[id(p)]

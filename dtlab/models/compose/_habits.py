@@ -11,10 +11,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.prune import BasePruningMethod
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import MeshLike
 from dtlab.core.placement import Placement, Shard, placement_of
+from dtlab.core.torch_private import MODULE_HOOKS
 from dtlab.errors import StrategyError
 from dtlab.models.compose._comm import renamed_message
 from dtlab.models.dp._writes import prune_hooks
@@ -53,7 +55,7 @@ class PartialState:
             "this rank's pipeline stages" if mesh.size("pp") > 1 else "its tp shards" if sharded else ""
         )
         module.register_state_dict_pre_hook(self._refuse)
-        self._known = {id(c): c for _, c in _renaming(module)}  # kept: ids are not reused
+        self._known = {id(c): c for c in _renamers(module)}  # kept: ids are not reused
         if sharded:  # whole tensors into tp shards (torch's size mismatch, or a silent slice)
             module.register_load_state_dict_pre_hook(self._refuse_load)
 
@@ -76,11 +78,11 @@ class PartialState:
         """``then(who)`` (the check before a step) after refusing ``torch.nn.utils.prune`` or a
         parametrization applied to the wrapped module since wrapping: each renames the weight (the
         layout the composition saves and loads by) and, on a split layer, acts on this rank's slice."""
-        new = [m for m, c in _renaming(self.module) if id(c) not in self._known]
+        new = {id(c) for c in _renamers(self.module)} - self._known.keys()
         if new:
             gone, now = [], []
             for n, m in self.module.named_modules():
-                if any(m is x for x in new):
+                if any(id(c) in new for c in _renamers_of(m)):
                     pruned = [
                         p.removesuffix("_orig")
                         for p, _ in m.named_parameters(recurse=False)
@@ -112,10 +114,22 @@ def _parametrized(module: nn.Module) -> dict[str, nn.Module]:
     )
 
 
-def _renaming(module: nn.Module) -> list[tuple[nn.Module, object]]:
-    """``(submodule, hook or parametrization list)`` of what renames a submodule's weight."""
-    lists = [(m, c) for m in module.modules() for c in _parametrized(m).values()]
-    return [*prune_hooks(module), *lists]
+def _renamers(module: nn.Module) -> list[object]:
+    """What renames a weight of ``module``'s tree: ``torch.nn.utils.prune`` hooks and parametrization
+    lists, in one walk that reads only the hook dicts and module types (the composition's check before
+    every step)."""
+    pre = MODULE_HOOKS["register_forward_pre_hook"]
+    out: list[object] = []
+    for m in module.modules():
+        if isinstance(m, parametrize.ParametrizationList):
+            out.append(m)
+        out += [h for h in pre(m).values() if isinstance(h, BasePruningMethod)]
+    return out
+
+
+def _renamers_of(module: nn.Module) -> list[object]:
+    """Those on ``module`` itself."""
+    return [*(h for _, h in prune_hooks(module, recurse=False)), *_parametrized(module).values()]
 
 
 def check_call(
