@@ -200,10 +200,10 @@ def _warning_printer(command: str) -> Callable[..., None]:
     ...`` (not the file, line and source line of the dtlab module that raised it); others as Python
     prints them."""
     default = warnings.showwarning
-    package = str(Path(__file__).resolve().parent)
+    package = Path(__file__).resolve().parent
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, *rest: Any) -> None:
-        if not str(Path(filename).resolve()).startswith(package):
+        if not Path(filename).resolve().is_relative_to(package):  # not dtlab_x/ beside it
             default(message, category, filename, lineno, *rest)
             return
         print(f"dtlab {command}: warning: {message}", file=sys.stderr, flush=True)
