@@ -239,11 +239,13 @@ def test_optimizer_state_of_a_bf16_model_resumes_into_a_float64_one() -> None:
         assert out["dtypes"] == {torch.float64}
 
 
-def _stage_groups_world(backend: CommunicationBackend, saved: list[Any] | None, steps: int) -> dict[str, Any]:
-    """pp=2 under ZeRO-1, param groups built per stage from the stage's own parameters, an empty group
-    dropped (the embeddings' group, with its own lr, exists on stage 0 only): ``steps`` steps, after
-    loading ``saved`` (refused: the error's text) when given."""
-    mesh = Mesh(backend, {"pp": 2})
+def _stage_groups_world(
+    backend: CommunicationBackend, saved: list[Any] | None, steps: int, pp: int = 2
+) -> dict[str, Any]:
+    """pp=2 (or ``pp``) under ZeRO-1, param groups built per stage from the stage's own parameters, an
+    empty group dropped (the embeddings' group, with its own lr, exists on stage 0 only): ``steps``
+    steps, after loading ``saved`` (refused: the error's text) when given."""
+    mesh = Mesh(backend, {"pp": pp})
     net = TransformerLM(d_model=16, n_layers=2, n_heads=2, seq_len=8, vocab=32, tie_embeddings=False).double()
     net.load_state_dict(_tied_lm().state_dict())  # the same values on every rank
     model = HybridShardedModel(net, mesh, "zero1", micro_batches=2)
@@ -273,10 +275,15 @@ def _stage_groups_world(backend: CommunicationBackend, saved: list[Any] | None, 
 def test_stages_with_different_numbers_of_param_groups_resume_exactly_at_pp2() -> None:
     """Each stage's optimizer saved its own groups (3 on stage 0, 2 on stage 1): each stage checks and
     applies its own, so a resume at the same layout continues as one run (before, every stage was
-    checked against stage 0's groups: stage 1 refused while stage 0 went on into a collective)."""
+    checked against stage 0's groups: stage 1 refused while stage 0 went on into a collective). At
+    pp=1 the groups are built alike (3): each parameter keeps its options, though stage 1 numbered its
+    groups its own way (before: refused, "'head.weight' ... group 0 when saved, group 1 here")."""
     whole = run_world(2, _stage_groups_world, None, 3, timeout=120)
     saved = [r["shards"] for r in run_world(2, _stage_groups_world, None, 2, timeout=120)]
     for rank, out in enumerate(run_world(2, _stage_groups_world, saved, 1, timeout=120)):
         assert "refused" not in out, (rank, out)
         err = max_rel_error(out["full"], whole[rank]["full"])
         assert err == 0.0, f"rank {rank}: relative error {err:.2e}"
+    out = run_world(1, _stage_groups_world, saved, 1, 1, timeout=120)[0]
+    assert "refused" not in out, out
+    assert max_rel_error(out["full"], whole[0]["full"]) <= 1e-12

@@ -356,7 +356,7 @@ class DataParallelOptimizer(OptimizerStrategy):
             )
         saved = saved_groups(shards, self._entries)  # at pp > 1: this stage's
         if check_groups(saved, self.param_groups, self.agree):
-            check_members(shards, self._entries, type(self).__name__, self.agree)
+            check_members(shards, self._entries, saved, type(self).__name__, self.agree)
         for t, pieces, names in zip(self._tensors, self._needed_pieces(), self._names, strict=True):
             st: dict[str, Any] = {}
             for sk in keys:

@@ -281,24 +281,45 @@ def check_groups(saved: Any, groups: list[dict[str, Any]], agree: Callable[[bool
 
 
 def check_members(
-    shards: Sequence[ShardedState], entries: list[Entry], who: str, agree: Callable[[bool], bool]
+    shards: Sequence[ShardedState],
+    entries: list[Entry],
+    saved: list[dict[str, Any]],
+    who: str,
+    agree: Callable[[bool], bool],
 ) -> None:
-    """Saved param-group hyperparameters apply by position: refuse, on every rank alike (``agree``),
-    when a parameter was in another group when saved (``metadata["param_group_of"]``, every rank's
-    ``{name: group}``) than it is here; applying them would give it the other group's options."""
-    saved: dict[str, Any] = {}
+    """Saved param-group options apply by position (``saved``: the groups applied here): refuse, on
+    every rank alike (``agree``), when a parameter would take options other than those of the group it
+    was in when saved (``metadata["param_group_of"]``, every rank's ``{name: group}``, numbered in that
+    shard's own ``param_groups``: each pipeline stage numbers its own), e.g. groups built in another
+    order. A layout that numbers the groups otherwise (another pipeline split) passes where the options
+    agree."""
+    was: dict[str, dict[str, Any]] = {}  # a parameter's options when saved
     for s in shards:
-        held = s.metadata.get("param_group_of", {})
-        if not isinstance(held, dict):
+        held, groups = s.metadata.get("param_group_of", {}), s.metadata.get("param_groups")
+        if not isinstance(held, dict) or not all(isinstance(g, int) for g in held.values()):
             raise CheckpointError(
-                f"optimizer shard metadata: param_group_of={summary(held)}, expected an object"
+                f"optimizer shard metadata: param_group_of={summary(held)}, expected names -> group numbers"
             )
-        saved.update(held)
-    moved = next((e for e in entries if saved.get(e.name, e.group) != e.group), None)
+        if not held:
+            continue
+        if not (isinstance(groups, list) and all(0 <= g < len(groups) for g in held.values())):
+            raise CheckpointError(
+                f"optimizer shard metadata: param_group_of={summary(held)} numbers groups beyond "
+                f"param_groups={summary(groups)}"
+            )
+        was.update({name: groups[g] for name, g in held.items()})
+    moved = next((e for e in entries if was.get(e.name, saved[e.group]) != saved[e.group]), None)
     if agree(moved is None):
         return
-    said = "another rank's parameter" if moved is None else f"{moved.name!r}"
-    here = "" if moved is None else f" (group {saved[moved.name]!r} when saved, group {moved.group} here)"
+    said, here = "another rank's parameter", ""
+    if moved is not None:
+        then, now = was[moved.name], saved[moved.group]
+        differ = sorted(k for k in {*then, *now} if then.get(k) != now.get(k))
+        said = repr(moved.name)
+        here = (
+            f" (saved with {', '.join(f'{k}={then.get(k)!r}' for k in differ)}; here in group "
+            f"{moved.group}, whose saved options are {', '.join(f'{k}={now.get(k)!r}' for k in differ)})"
+        )
     raise CheckpointError(
         f"{who}.load_sharded_state_dict(): {said} is in another param group than when the checkpoint was "
         f"written{here}; the saved groups' options (lr, weight_decay, ...) apply by position, so it would "
