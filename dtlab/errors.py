@@ -65,3 +65,13 @@ class DataError(DtlabError, ValueError):
 
 class StrategyError(DtlabError, ValueError):
     """A model or optimizer strategy was used in a way it does not support."""
+
+
+def every_rank_saves(call: str, part: str) -> str:
+    """The fix for a collective ``call`` (``model.state_dict()``, ``opt.state_dict()``) made on one rank
+    only, torch DDP's habit ``if rank == 0: torch.save(model.state_dict(), path)``: each rank holds
+    only ``part``."""
+    return (
+        f"each holds only {part}, so every rank must call it. Call sd = {call} on every rank, then save "
+        "on one (if rank == 0: torch.save(sd, path)), or save each rank's part with dtlab.checkpoint"
+    )

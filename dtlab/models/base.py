@@ -17,7 +17,13 @@ from dtlab.core.placement import Placement
 from dtlab.core.reducer import GradientReducer
 from dtlab.core.shard_index import add_slice, new_state
 from dtlab.core.state import ShardedState
-from dtlab.errors import ArgumentError, CheckpointError, CollectiveTimeoutError, StrategyError
+from dtlab.errors import (
+    ArgumentError,
+    CheckpointError,
+    CollectiveTimeoutError,
+    StrategyError,
+    every_rank_saves,
+)
 
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit
@@ -253,13 +259,9 @@ class ModelStrategy(nn.Module):
         prefix: str = "",
         keep_vars: bool = False,
     ) -> dict[str, Any]:
-        """torch's ``state_dict()`` speaking the plain module, keyed like ``module.state_dict()`` with no
-        ``module.`` prefix. Where ``model.module`` holds the whole parameters (DDP, ZeRO-1/2:
-        ``module_copies``) it is the module's own, as in torch: local, its tensors share the parameters'
-        storage (``keep_vars=True``: the parameters), so ``model.state_dict()[k].copy_(v)`` writes into
-        the model. Elsewhere whole tensors (copies), collective: every rank calls it (as FSDP2's full
-        state dict); :meth:`sharded_state_dict` is this rank's part. ``keep_vars=True`` (live tensors)
-        is refused there: a rank holds no whole parameter to return."""
+        """torch's ``state_dict()`` speaking the plain module (keys without ``module.``): under DDP and
+        ZeRO-1/2 (``module_copies``) the module's own, local and sharing the parameters' storage, as in
+        torch; elsewhere whole copies, collective (every rank calls it, as FSDP2's full state dict)."""
         if self.module_copies:
             if destination is None:
                 return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
@@ -278,9 +280,7 @@ class ModelStrategy(nn.Module):
         except CollectiveTimeoutError as exc:  # a DDP habit: if rank == 0: torch.save(model.state_dict())
             raise StrategyError(
                 f"{type(self).__name__}.state_dict() on rank {self.world_backend.rank} timed out waiting for "
-                "the other ranks: each holds only its part of the model, so every rank must call it. Call "
-                "sd = model.state_dict() on every rank, then save on one (if rank == 0: torch.save(sd, "
-                f"path)), or save each rank's part with dtlab.checkpoint ({exc})"
+                f"the other ranks: {every_rank_saves('model.state_dict()', 'its part of the model')} ({exc})"
             ) from exc
         out.update({prefix + k: v for k, v in whole.items()})
         return out

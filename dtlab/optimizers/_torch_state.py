@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dtlab.errors import CollectiveTimeoutError, StrategyError
+from dtlab.errors import CollectiveTimeoutError, StrategyError, every_rank_saves
 from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers._groups import Entry, jsonable
 
@@ -108,10 +108,8 @@ def _gathered_state(
         gathered = backend.all_gather_object((kinds, scalars, options, held))
     except CollectiveTimeoutError as exc:  # a DDP habit: if rank == 0: torch.save(opt.state_dict())
         raise StrategyError(
-            f"{who}.state_dict() on rank {backend.rank} timed out waiting for the other ranks: each holds "
-            "1/P of the optimizer state, so every rank must call it. Call sd = opt.state_dict() on every "
-            f"rank, then save on one (if rank == 0: torch.save(sd, path)), or save each rank's shard with "
-            f"dtlab.checkpoint ({exc})"
+            f"{who}.state_dict() on rank {backend.rank} timed out waiting for the other ranks: "
+            f"{every_rank_saves('opt.state_dict()', '1/P of the optimizer state')} ({exc})"
         ) from exc
     _check_same_options([g for _, _, g, _ in gathered], who)
     stepped = set().union(*(h for _, _, _, h in gathered))

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.saved_params import SavedHooks
-from dtlab.errors import StrategyError
+from dtlab.errors import StrategyError, every_rank_saves
 from dtlab.models.base import copy_refused
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._owner import MODULE_HOOKS
@@ -151,20 +151,17 @@ class UnitGatherer:
         who = f"{self.who} on rank {self.group.rank}"
         waited = (
             f"waited {self.forward_wait_s:g} s for the other {self.group.world_size - 1} rank(s) of its "
-            "data-parallel group to gather the parameters. Under a sharded strategy every rank must call"
+            "data-parallel group to gather the parameters"
         )
+        late = "If a rank is legitimately that late, pass a larger forward_wait_s"
         if self.watching != "forward":
-            return (
-                f"{who}: {self.watching} {waited} it (each holds 1/P of the parameters), saving too: call "
-                "sd = model.state_dict() on every rank, then save on one (if rank == 0: torch.save(sd, "
-                "path)), or save each rank's shard with dtlab.checkpoint. If a rank is legitimately that "
-                "late, pass a larger forward_wait_s"
-            )
+            fix = every_rank_saves(self.watching, "1/P of the parameters")
+            return f"{who}: {self.watching} {waited}: {fix}. {late}"
         return (
-            f"{who}: the forward {waited} forward (each holds 1/P of the parameters), evaluation too: "
-            "evaluate on every rank (each on its part of the data, then average the metric), or call "
-            "model.state_dict() on every rank and evaluate a plain copy on one rank. If a rank is "
-            "legitimately that late, pass a larger forward_wait_s"
+            f"{who}: the forward {waited}. Under a sharded strategy every rank must call forward (each "
+            "holds 1/P of the parameters), evaluation too: evaluate on every rank (each on its part of the "
+            "data, then average the metric), or call model.state_dict() on every rank and evaluate a plain "
+            f"copy on one rank. {late}"
         )
 
     @contextlib.contextmanager
