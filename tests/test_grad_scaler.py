@@ -195,6 +195,19 @@ def test_state_dict_is_torch_s() -> None:
     assert back.state_dict() == ours.state_dict() == {**want, "_growth_tracker": 1}
 
 
+def test_scale_promotes_a_0_dim_loss_as_torch_s() -> None:
+    """A 0-dim float16 or bfloat16 loss is scaled in float32 (torch multiplies by a float32 tensor);
+    a float16 tensor with dimensions stays float16, as in torch."""
+    for loss in (
+        torch.tensor(3.0, dtype=torch.float16),
+        torch.tensor(3.0, dtype=torch.bfloat16),
+        torch.ones(2).half(),
+    ):
+        theirs = torch.amp.GradScaler("cpu").scale(loss)
+        ours = GradScaler("cpu").scale(loss)
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), (ours, theirs)
+
+
 def test_grad_scaler_loop_equals_one_process_and_torch_s_is_refused() -> None:
     torch.set_num_threads(1)
     results = run_world(2, scaled_world, timeout=120)

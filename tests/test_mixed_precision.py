@@ -107,3 +107,27 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(strategy: str, tmp_
     for k, v in r0["params"].items():
         assert torch.equal(v, r1["params"][k]), k  # the ranks still agree
         assert torch.isfinite(v).all()
+
+
+def _fp16_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A user's loss in the output's dtype (float16 under fp16 autocast), about 1.5."""
+    return (out - nn.functional.one_hot(y, 2).to(out.dtype)).abs().mean() + 1
+
+
+def _loss_dtype_run(backend: CommunicationBackend, as_float32: bool) -> tuple[list[int], dict[str, Any]]:
+    sets = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false", "logging.run_dir=null"]
+    sets += ["data.global_batch_size=8", "train.eval_every=0", "train.steps=3", "train.precision=fp16"]
+    loss = (lambda out, y: _fp16_loss(out, y).float()) if as_float32 else _fp16_loss
+    trainer = Trainer(load_config(overrides=sets), backend, model=_net, train_data=_data(), loss_fn=loss)
+    trainer.fit()
+    return trainer.overflow_steps, trainer.model.full_state_dict()
+
+
+def test_a_float16_loss_is_scaled_as_torch_s_grad_scaler_scales_it() -> None:
+    """A 0-dim float16 loss times the scale is float32 (torch's GradScaler multiplies by a float32
+    tensor): the same steps as the loss cast to float32 (step 1 overflows in backward, where the scale
+    65536 reaches float16), not an inf loss at every step until the non-finite guard stops the run."""
+    fp16_runs, fp32_runs = (run_world(2, _loss_dtype_run, f32, timeout=120) for f32 in (False, True))
+    for (skipped, got), (want_skipped, want) in zip(fp16_runs, fp32_runs, strict=True):
+        assert skipped == want_skipped == [1]
+        assert all(torch.equal(got[k], want[k]) for k in want)

@@ -25,12 +25,21 @@ from dtlab.errors import ArgumentError, StrategyError
 from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers.base import OptimizerStrategy
 
-__all__ = ["DynamicLossScaler", "GradScaler"]
+__all__ = ["DynamicLossScaler", "GradScaler", "times_scale"]
 
 
 def _f32(value: float) -> float:
     """``value`` rounded to float32, as torch keeps its scale."""
     return float(torch.tensor(value, dtype=torch.float32))
+
+
+def times_scale(outputs: torch.Tensor, factor: float) -> torch.Tensor:
+    """``outputs * factor`` as torch's ``GradScaler.scale`` multiplies: by a float32 (float64 for a
+    float64 output) 0-dim tensor, so a 0-dim float16/bfloat16 loss is scaled in float32 (type
+    promotion), not past float16's range (a loss of 1.5 at the scale 65536 would be inf: a non-finite
+    loss rather than an overflow to back off from)."""
+    dtype = torch.promote_types(outputs.dtype, torch.float32)
+    return outputs * torch.full((), factor, dtype=dtype, device=outputs.device)
 
 
 @dataclass
@@ -108,7 +117,7 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
-            return outputs * self.scaler.scale
+            return times_scale(outputs, self.scaler.scale)
         if isinstance(outputs, list | tuple):
             return type(outputs)(self.scale(o) for o in outputs)
         raise ArgumentError(

@@ -13,7 +13,7 @@ import torch
 
 from dtlab.backends.base import ReduceOp
 from dtlab.optimizers.base import OptimizerStrategy
-from dtlab.optimizers.grad_scaler import DynamicLossScaler
+from dtlab.optimizers.grad_scaler import DynamicLossScaler, times_scale
 from dtlab.trainers.guard import NonFiniteGuard
 from dtlab.trainers.labels import explain_loss_error
 from dtlab.trainers.profiler import Profiler
@@ -63,7 +63,7 @@ def _micro_step(trainer: StepRun, batch: Any, k: int) -> float:
             if named is None:
                 raise
             raise named from exc
-        return loss * factor if factor != 1.0 else loss
+        return times_scale(loss, factor) if factor != 1.0 else loss
 
     with trainer.precision.autocast(trainer.backend.device.type):
         return float(trainer.model.train_step((x, y), scaled)) / (factor * accum)
