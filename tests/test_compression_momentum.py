@@ -36,12 +36,13 @@ def _batch(s: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _build(
-    backend: CommunicationBackend, compressor: Compressor, zero2: bool, momentum: float = 0.0
+    backend: CommunicationBackend, compressor: Compressor, zero2: bool, momentum: float = 0.0, wd: float = 0.0
 ) -> GradientCompressionOptimizer:
+    kw = {"lr": LR, "momentum": momentum, "weight_decay": wd}
     if zero2:
-        inner: Any = ZeRO2Optimizer(ZeRO2Model(_net(), backend), torch.optim.SGD, lr=LR, momentum=momentum)
+        inner: Any = ZeRO2Optimizer(ZeRO2Model(_net(), backend), torch.optim.SGD, **kw)
     else:
-        inner = DDPOptimizer(DDPModel(_net(), backend), torch.optim.SGD, lr=LR, momentum=momentum)
+        inner = DDPOptimizer(DDPModel(_net(), backend), torch.optim.SGD, **kw)
     mc = None if momentum else M
     return GradientCompressionOptimizer(inner, compressor, dense_below=0, momentum_correction=mc)
 
@@ -52,8 +53,10 @@ def _step(opt: GradientCompressionOptimizer, backend: CommunicationBackend, s: i
     opt.step()
 
 
-def _train(backend: CommunicationBackend, compressor: Compressor, zero2: bool, momentum: float) -> Any:
-    opt = _build(backend, compressor, zero2, momentum)
+def _train(
+    backend: CommunicationBackend, compressor: Compressor, zero2: bool, momentum: float, wd: float = 0.0
+) -> Any:
+    opt = _build(backend, compressor, zero2, momentum, wd)
     for s in range(STEPS):
         _step(opt, backend, s)
     return [p.detach().clone() for p in opt.model.module.parameters()]
@@ -101,6 +104,31 @@ def test_dense_with_momentum_correction_is_momentum_sgd() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _torch_momentum_sgd(wd: float) -> list[torch.Tensor]:
+    """One process, torch's SGD(momentum=M, weight_decay=wd) on the global batch of every step."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=M, weight_decay=wd)
+    for s in range(STEPS):
+        xs, ys = zip(*(_batch(s, r) for r in range(P)), strict=True)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("zero2", [False, True], ids=["ddp", "zero2"])
+@pytest.mark.parametrize("compressor", [Dense(), TopkA(density=1.0)], ids=["dense", "topka-density-1"])
+def test_uncompressed_momentum_correction_with_weight_decay_is_torch_momentum_sgd(
+    compressor: Compressor, zero2: bool
+) -> None:
+    """The weight decay has a velocity of its own (DGC's optimizer; torch puts it in the momentum
+    buffer), and density 1.0 sends dense instead of masking the whole velocity every step."""
+    expected = _torch_momentum_sgd(0.05)
+    for params in run_world(P, _train, compressor, zero2, 0.0, 0.05):
+        for got, want in zip(params, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_masking_and_non_finite_leave_the_velocity_right() -> None:
     ef = ErrorFeedback(momentum=0.5)
     acc = ef.accumulate("b", torch.tensor([1.0, 2.0, 3.0]))
@@ -140,7 +168,7 @@ def test_momentum_twice_or_a_bad_factor_is_refused() -> None:
 
 def _resume(backend: CommunicationBackend, zero2: bool, root: Path) -> dict[str, Any]:
     compressor, half = OkTopk(density=0.1, tau=2, tau_prime=2, warmup_steps=1), 3
-    a = _build(backend, compressor, zero2)
+    a = _build(backend, compressor, zero2, wd=0.05)  # the weight decay's velocity is saved too
     for s in range(STEPS):
         _step(a, backend, s)
         if s + 1 == half:
@@ -150,7 +178,7 @@ def _resume(backend: CommunicationBackend, zero2: bool, root: Path) -> dict[str,
     ckpt = read_checkpoint(root)
     assert ckpt.optim is not None
     assert any(k.startswith("compression.velocity.") for k in ckpt.optim[backend.rank].tensors)
-    b = _build(backend, compressor, zero2)
+    b = _build(backend, compressor, zero2, wd=0.05)
     b.model.load_sharded_state_dict(ckpt.model)
     b.load_sharded_state_dict(ckpt.optim)
     for s in range(half, STEPS):

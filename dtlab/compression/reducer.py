@@ -98,6 +98,9 @@ class CompressedReducer(GradientReducer):
         self.nonfinite = nonfinite
         self.error_feedback = ErrorFeedback(momentum_correction)
         self.momentum_correction = self.error_feedback.momentum
+        # at density 1.0 momentum factor masking would zero the whole velocity: send dense (as DGC)
+        full = isinstance(compressor, SparseCompressor) and compressor.density >= 1
+        self._all_dense = isinstance(compressor, Dense) or (full and self.momentum_correction is not None)
         self._dense = DenseReducer(backend, reduce_dtype)
         self._states: dict[str, dict[str, Any]] = {}
         self.layouts: dict[str, Layout] = dict(layouts or {})
@@ -280,7 +283,7 @@ class CompressedReducer(GradientReducer):
     def _run(self, key: str, grad: torch.Tensor, shard: torch.Tensor | None) -> Work:
         self._refuse_discarded("the next reduction")
         n = grad.numel()
-        parts = None if isinstance(self.compressor, Dense) else self.tp_parts.split(key, n, grad.device)
+        parts = None if self._all_dense else self.tp_parts.split(key, n, grad.device)
         if parts is None or n < self.dense_below:
             return self._run_one(key, grad, shard)
         flat = grad.view(-1)  # each part all-reduced as a buffer of its own, then written back
@@ -299,7 +302,7 @@ class CompressedReducer(GradientReducer):
         stats, t0 = self.backend.stats, time.perf_counter()
         sent0, recv0 = stats.bytes_sent, stats.bytes_received
         n = grad.numel()
-        if dense or isinstance(self.compressor, Dense) or n < self.dense_below:
+        if dense or self._all_dense or n < self.dense_below:
             if self.momentum_correction is not None:
                 self._touched.append(key)
             self.error_feedback.momentum_step(key, grad)
