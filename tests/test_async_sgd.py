@@ -19,7 +19,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import ArgumentError, CollectiveTimeoutError, RankFailedError, StrategyError
 from dtlab.optimizers import AsyncSGDOptimizer
-from dtlab.optimizers._async_comm import Note, PushMessage
+from dtlab.optimizers._async_comm import Note, PushMessage, pieces_of
 from dtlab.testing import run_world
 
 
@@ -112,16 +112,21 @@ def test_bytes_are_exact() -> None:
     steps, servers, workers = 4, 2, 3
     net0 = make_net()
     res = run_world(servers + workers, train, net0, None, servers, steps, timeout=30, lr=0.1)
-    numel = sum(p.numel() for p in net0.parameters())
-    c = -(-numel // servers)
-    push = PushMessage(c, torch.float32, torch.device("cpu")).nbytes  # header + shard, per server
+    numels = [p.numel() for p in net0.parameters()]
+    c = -(-sum(numels) // servers)
+    # header (16 bytes, a flag byte per parameter piece of the shard, padded to whole floats) + shard
+    push = [
+        PushMessage(c, torch.float32, torch.device("cpu"), len(pieces_of(numels, c, k))).nbytes
+        for k in range(2)
+    ]
+    assert push == [4 * (5 + c), 4 * (5 + c)]  # 16 + 1 and 16 + 4 flag bytes: 5 floats
     answer = Note.nbytes(workers) + 4 * c  # note + shard, per server (no WAIT notes without a bound)
     for stats in res[servers:]:
         assert stats[1]["pushes"] == steps and stats[1]["pulls"] == steps
-        assert stats[1]["bytes_sent"] == servers * (steps + 1) * push  # pushes + the finish
+        assert stats[1]["bytes_sent"] == sum(push) * (steps + 1)  # pushes + the finish
         assert stats[1]["bytes_received"] == servers * steps * answer  # one pull per step
-    for stats in res[:servers]:
-        assert stats[1]["bytes_received"] == workers * (steps + 1) * push
+    for k, stats in enumerate(res[:servers]):
+        assert stats[1]["bytes_received"] == workers * (steps + 1) * push[k]
         assert stats[1]["bytes_sent"] == workers * steps * answer
 
 

@@ -111,7 +111,8 @@ def test_async_sgd_on_a_real_engine(engine: str, tmp_path: Path) -> None:
     assert res[0]["sync"][1]["updates"] == 4
     # no bound: exact bytes (no WAIT notes), it learns
     numel = sum(p.numel() for p in make_net().parameters())
-    push, answer = PushMessage(numel, torch.float32, torch.device("cpu")).nbytes, Note.nbytes(2) + 4 * numel
+    push = PushMessage(numel, torch.float32, torch.device("cpu"), 4).nbytes  # a flag per parameter (4)
+    answer = Note.nbytes(2) + 4 * numel
     server, worker = res[0]["free"][1], res[1]["free"][1]
     assert (worker["bytes_sent"], worker["bytes_received"]) == (6 * push, 5 * answer)  # 5 steps + finish
     assert (server["bytes_sent"], server["bytes_received"]) == (2 * 5 * answer, 2 * 6 * push)

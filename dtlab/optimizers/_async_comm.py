@@ -2,9 +2,10 @@
 
 Three tags tell the message kinds apart; every message has a fixed size known to both sides:
 
-* ``TAG_PUSH`` (worker -> server): one tensor of the parameters' dtype, a 16-byte header (two int64:
-  kind ``PUSH`` or ``FINISH``, and the worker's clock) followed by the gradient shard. A server
-  receives it from any source, so pushes and finishes share this one tag.
+* ``TAG_PUSH`` (worker -> server): one tensor of the parameters' dtype, a header (two int64: kind
+  ``PUSH`` or ``FINISH``, and the worker's clock; then one byte per parameter piece in that server's
+  shard, 1 where the worker's parameter had a gradient, padded to whole elements) followed by the
+  gradient shard. A server receives it from any source, so pushes and finishes share this one tag.
 * ``TAG_NOTE`` (server -> worker): int64 ``[kind, clock, slowest, W pushed counts]``. ``READY``: the
   parameters for ``clock`` follow on ``TAG_PARAMS``; ``WAIT``: the worker is held back by the
   staleness bound, and the counts say which workers it waits for (``-1``: finished). A server sends a
@@ -33,6 +34,7 @@ __all__ = [
     "PushMessage",
     "behind",
     "peer_lost",
+    "pieces_of",
 ]
 
 TAG_PUSH, TAG_NOTE, TAG_PARAMS = 27_001, 27_002, 27_003
@@ -42,14 +44,29 @@ _HEADER_BYTES = 16
 _NOTE_FIELDS = 3  # kind, clock, slowest; then one pushed count per worker
 
 
-class PushMessage:
-    """A worker's message to one server: ``[kind, clock]`` as int64, then ``shard_numel`` values."""
+def pieces_of(numels: list[int], shard_numel: int, server: int) -> list[tuple[int, int, int]]:
+    """``(parameter index, offset in the shard, length)`` of each parameter's piece in ``server``'s
+    shard of the flat parameters (parameters of ``numels`` elements laid end to end)."""
+    lo, hi = server * shard_numel, (server + 1) * shard_numel
+    out, offset = [], 0
+    for i, n in enumerate(numels):
+        a, b = max(lo, offset), min(hi, offset + n)
+        if a < b:
+            out.append((i, a - lo, b - a))
+        offset += n
+    return out
 
-    def __init__(self, shard_numel: int, dtype: torch.dtype, device: torch.device) -> None:
+
+class PushMessage:
+    """A worker's message to one server: ``[kind, clock]`` as int64 and one flag byte per parameter
+    piece of the shard (``pieces``: 1 where the worker had a gradient), then ``shard_numel`` values."""
+
+    def __init__(self, shard_numel: int, dtype: torch.dtype, device: torch.device, pieces: int = 0) -> None:
         es = torch.empty((), dtype=dtype).element_size()
-        self.header_numel = max(1, _HEADER_BYTES // es)
+        self.header_numel = -(-(_HEADER_BYTES + pieces) // es)
         self.buffer = torch.zeros(self.header_numel + shard_numel, dtype=dtype, device=device)
-        self._header = self.buffer[: self.header_numel].view(torch.int64)
+        self._header = self.buffer[: _HEADER_BYTES // es].view(torch.int64)
+        self.flags = self.buffer[_HEADER_BYTES // es : self.header_numel].view(torch.uint8)[:pieces]
         self.payload = self.buffer[self.header_numel :]
 
     def set(self, kind: int, clock: int) -> None:

@@ -89,6 +89,7 @@ class ShardServer:
         index: int,
         num_servers: int,
         shard: torch.Tensor,
+        pieces: list[tuple[int, int]],
         optimizer_cls: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
         staleness: int | None,
@@ -99,9 +100,16 @@ class ShardServer:
         self.workers = backend.world_size - num_servers
         self.staleness = staleness
         self.aggregate = staleness == 0
-        self.param = torch.nn.Parameter(shard.detach().clone(), requires_grad=True)
-        self.optimizer = optimizer_cls([self.param], **optimizer_kwargs)
+        self.param = shard.detach().clone()
+        # one parameter per piece of a model parameter (views of the shard), so that a piece no worker
+        # had a gradient for is skipped as torch skips a .grad of None; a shard of padding alone: itself
+        spans = pieces or [(0, self.param.numel())]
+        self._pieces = [torch.nn.Parameter(self.param[o : o + n]) for o, n in spans]
+        self.optimizer = optimizer_cls(self._pieces, **optimizer_kwargs)
         self._grad = torch.zeros_like(self.param)
+        self._grads = [self._grad[o : o + n] for o, n in spans]
+        self.flags = len(pieces)  # flag bytes in a push: one per piece
+        self._used = [False] * len(spans)  # staleness 0: the pieces some push of the clock had a gradient for
         self._acc = torch.zeros_like(self.param) if self.aggregate else None
         self._acc_clock: int | None = None
         self.updates = 0
@@ -123,7 +131,7 @@ class ShardServer:
             )
         self.served = True
         table = ClockTable(self.workers, self.staleness)
-        msg = PushMessage(self.param.numel(), self.param.dtype, self.backend.device)
+        msg = PushMessage(self.param.numel(), self.param.dtype, self.backend.device, self.flags)
         pending: list[list[tuple[Work, torch.Tensor]]] = [[] for _ in range(self.workers)]
         told: dict[int, list[int]] = {}  # the last WAIT note's holders, per waiting worker
         while table.unfinished():
@@ -140,7 +148,7 @@ class ShardServer:
                         f"{clock}, expected {table.pushed[i]} (a rank runs another program?)"
                     )
                 self.pushes += 1
-                self._apply(msg.payload, clock, on_update)
+                self._apply(msg.payload, msg.flags, clock, on_update)
                 table.push(i)
             elif kind == FINISH:
                 table.finish(i)
@@ -234,10 +242,13 @@ class ShardServer:
                 told[i] = holders
 
     # ------------------------------------------------------------------ updates
-    def _apply(self, grad: torch.Tensor, clock: int, on_update: Callable[[], None] | None) -> None:
+    def _apply(
+        self, grad: torch.Tensor, flags: torch.Tensor, clock: int, on_update: Callable[[], None] | None
+    ) -> None:
+        had = [bool(f) for f in flags.tolist()] if self.flags else [True]
         if self._acc is None:
             self._grad.copy_(grad).div_(self.workers)
-            self._step(self._grad, on_update)
+            self._step(had, on_update)
             return
         if self._acc_clock is not None and self._acc_clock != clock:
             raise StrategyError(  # cannot happen under staleness 0: every worker waits for the clock
@@ -246,6 +257,7 @@ class ShardServer:
             )
         self._acc_clock = clock
         self._acc.add_(grad)
+        self._used = [a or b for a, b in zip(self._used, had, strict=True)]
 
     def _clock_complete(self, table: ClockTable, clock: int) -> bool:
         return all(table.pushed[i] > clock for i in table.unfinished())
@@ -256,12 +268,16 @@ class ShardServer:
         self._grad.copy_(self._acc).div_(self.workers)
         self._acc.zero_()
         self._acc_clock = None
-        self._step(self._grad, on_update)
+        used, self._used = self._used, [False] * len(self._used)
+        self._step(used, on_update)
 
-    def _step(self, grad: torch.Tensor, on_update: Callable[[], None] | None) -> None:
-        self.param.grad = grad
+    def _step(self, had: list[bool], on_update: Callable[[], None] | None) -> None:
+        """One optimizer step on ``self._grad``; a piece no push had a gradient for is skipped."""
+        for p, g, h in zip(self._pieces, self._grads, had, strict=True):
+            p.grad = g if h else None
         self.optimizer.step()
-        self.param.grad = None
+        for p in self._pieces:
+            p.grad = None
         self.updates += 1
         if on_update is not None:
             on_update()
@@ -284,7 +300,20 @@ class ShardServer:
                 f"server holds {tuple(self.param.shape)}; load the state saved by server {self.index} of "
                 f"{self.num_servers} of the same model"
             )
+        saved = state["optimizer"]
+        held = (
+            sum(len(g.get("params", ())) for g in saved.get("param_groups", ()))
+            if isinstance(saved, dict)
+            else -1
+        )
+        if held != len(self._pieces):
+            raise StrategyError(
+                f"AsyncSGDOptimizer server rank {self.backend.rank}: the saved optimizer state covers {held} "
+                f"tensors, this server steps {len(self._pieces)} (one per parameter piece of its shard); "
+                f"load the state saved by server {self.index} of {self.num_servers} of the same model and "
+                "dtlab version"
+            )
         with torch.no_grad():
             self.param.copy_(shard)
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))  # torch would adopt its tensors
+        self.optimizer.load_state_dict(copy.deepcopy(saved))  # torch would adopt its tensors
         self.updates = int(state.get("updates", 0))

@@ -44,6 +44,7 @@ from dtlab.optimizers._async_comm import (
     behind,
     bounded,
     peer_lost,
+    pieces_of,
 )
 from dtlab.optimizers._async_server import ShardServer
 from dtlab.optimizers._backward_watch import BackwardWatch
@@ -97,17 +98,23 @@ class AsyncSGDOptimizer:
         self.max_staleness = 0
         flat = self._unit.new_flat()
         self._unit.copy_params_into(flat)
+        numels = [p.numel() for _, p in named]
+        self._pieces = [pieces_of(numels, c, k) for k in range(num_servers)]
         if self.is_server:
             shard = flat[backend.rank * c : (backend.rank + 1) * c]
+            spans = [(o, n) for _, o, n in self._pieces[backend.rank]]
             self._server = ShardServer(
-                backend, backend.rank, num_servers, shard, optimizer_cls, optimizer_kwargs, staleness
+                backend, backend.rank, num_servers, shard, spans, optimizer_cls, optimizer_kwargs, staleness
             )
             self._unit.unbind()  # a server holds its shard only; the module keeps the layout
         else:
             self._flat = flat
             self._unit.bind(flat)  # the replica's parameters are views into the pulled buffer
             self._flat_grad = self._unit.new_flat()
-            self._messages = [PushMessage(c, self._unit.dtype, backend.device) for _ in range(num_servers)]
+            self._messages = [
+                PushMessage(c, self._unit.dtype, backend.device, len(self._pieces[k]))
+                for k in range(num_servers)
+            ]
             self._note = Note(self.num_workers, backend.device)
             self._watch = BackwardWatch(
                 module, [p for _, p in named], f"AsyncSGDOptimizer worker rank {backend.rank}"
@@ -162,7 +169,9 @@ class AsyncSGDOptimizer:
             self._watch.forget()
 
     def step(self) -> None:
-        """Push this worker's gradients (``None``: zeros) and pull parameters for the next clock."""
+        """Push this worker's gradients and pull parameters for the next clock. A parameter whose
+        ``.grad`` is None is flagged so: the servers skip it where no push of the step had one (as
+        torch's optimizer skips it)."""
         self._require(False, "step")
         if self._finished:
             raise StrategyError(
@@ -171,10 +180,12 @@ class AsyncSGDOptimizer:
         if self._watch is not None:  # a worker's (checked above): partial gradients are never pushed
             self._watch.check("step()")
         self._unit.grads_into(self._flat_grad)
+        had = [p.grad is not None for p in self._unit.params]
         c = self._unit.shard_numel
         sends: list[Work] = []
         for k, msg in enumerate(self._messages):
             msg.set(PUSH, self._clock)
+            msg.flags.copy_(torch.tensor([had[i] for i, _, _ in self._pieces[k]], dtype=torch.uint8))
             msg.payload.copy_(self._flat_grad[k * c : (k + 1) * c])
             sends.append(self.backend.isend(msg.buffer, k, TAG_PUSH))
         self.zero_grad(set_to_none=True)  # these gradients belong to parameters about to be replaced

@@ -1,0 +1,78 @@
+"""AsyncSGDOptimizer against one plain torch process: a parameter without a gradient (unused in a
+step) is skipped as torch's optimizer skips a ``.grad`` of None, per clock at staleness 0 and per push
+otherwise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from filled import filled
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.optimizers import AsyncSGDOptimizer
+from dtlab.testing import run_world
+
+STEPS, OPT = 6, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.05}
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2), nn.Linear(6, 2)
+
+
+def _net() -> TwoHeads:
+    return filled(TwoHeads(), 0, scale=0.5)
+
+
+def _uses_b(t: int, worker: int) -> bool:
+    """Head b: every worker at t % 3 == 0, worker 0 alone at t % 3 == 1, nobody at t % 3 == 2."""
+    return t % 3 == 0 or (t % 3 == 1 and worker == 0)
+
+
+def _loss(net: TwoHeads, t: int, worker: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 * t + worker)
+    x, y = torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
+    h = torch.tanh(net.body(x))
+    loss = nn.functional.mse_loss(net.a(h), y)
+    return loss + nn.functional.mse_loss(net.b(h), -y) if _uses_b(t, worker) else loss
+
+
+def _plain(workers: int) -> dict[str, torch.Tensor]:
+    """One process: each step's loss is the workers' mean (the servers average the pushes)."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), **OPT)
+    for t in range(STEPS):
+        opt.zero_grad()
+        (sum(_loss(net, t, w) for w in range(workers)) / workers).backward()  # type: ignore[operator]
+        opt.step()
+    return net.state_dict()
+
+
+def _async(backend: CommunicationBackend, staleness: int, servers: int) -> dict[str, Any]:
+    opt = AsyncSGDOptimizer(_net(), backend, torch.optim.SGD, staleness=staleness, num_servers=servers, **OPT)
+    if opt.is_server:
+        opt.serve()
+    else:
+        for t in range(STEPS):
+            _loss(opt.module, t, backend.rank - servers).backward()  # type: ignore[arg-type]
+            opt.step()
+        opt.finish()
+    return opt.full_state_dict()
+
+
+@pytest.mark.parametrize(
+    ("servers", "workers", "staleness"),
+    [(1, 2, 0), (2, 2, 0), (1, 1, 2)],  # staleness 2, one worker: each push is one step, in order
+    ids=["1server-sync", "2servers-sync", "1worker-async"],
+)
+def test_a_parameter_without_a_gradient_is_skipped_as_torch_skips_it(
+    servers: int, workers: int, staleness: int
+) -> None:
+    want = _plain(workers)
+    got = run_world(servers + workers, _async, staleness, servers, timeout=30)[0]
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
