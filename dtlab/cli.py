@@ -12,7 +12,6 @@ delivered twice within 0.5 s) exits at once with the same status, every committe
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import sys
 import warnings
@@ -214,13 +213,8 @@ def _warning_printer(command: str) -> Callable[..., None]:
 def _setting_hint(extras: list[str]) -> str:
     """What to write instead of arguments ``dtlab train``/``config`` do not take: ``--steps 10`` and
     ``train.steps=10`` are settings, given as ``--set train.steps=10``."""
-    from dtlab.config import TrainConfig
+    from dtlab.config import section_fields, settings_named
 
-    fields = {
-        f"{section}.{name}": name
-        for section, info in TrainConfig.model_fields.items()
-        for name in getattr(info.annotation, "model_fields", {})
-    }
     first = extras[0]
     key, eq, value = first.lstrip("-").partition("=")
     if not eq and not first.startswith("-"):
@@ -228,16 +222,15 @@ def _setting_hint(extras: list[str]) -> str:
     if not eq and len(extras) > 1 and not extras[1].startswith("-"):
         value = extras[1]
     key = key.replace("-", "_")
-    if key in TrainConfig.model_fields:  # a section (--strategy fsdp)
-        names = ", ".join(n for k, n in fields.items() if k.startswith(f"{key}."))
+    section, dot, name = key.partition(".")
+    if not dot and section_fields(key):  # a section (--strategy fsdp)
+        names = ", ".join(section_fields(key))
         return f"settings go through --set: --set {key}.FIELD={value or '...'} (FIELD one of {names})"
-    if key not in fields:  # a bare field name (--steps, --lr): the setting of that name
-        by_name = [k for k, n in fields.items() if n == key]
-        close = difflib.get_close_matches(key, list(fields.values()), n=1, cutoff=0.7)
-        by_name = by_name or [k for k, n in fields.items() if close and n == close[0]]
-        if not by_name:
+    if not (dot and name in section_fields(section)):  # a bare field name (--steps, --lr): its setting
+        homes = settings_named(name if dot else key, cutoff=0.7)  # (--optimizer.lrr: optimizer.lr)
+        if not homes:
             return "settings go through --set KEY=VALUE (every KEY: dtlab train --help)"
-        key = by_name[0]
+        key = next((h for h in homes if dot and h.startswith(f"{section}.")), homes[0])
     return f"settings go through --set: --set {key}={value or '...'}"
 
 

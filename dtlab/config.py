@@ -183,6 +183,22 @@ def _is_section(loc: tuple[int | str, ...]) -> bool:
     return True
 
 
+def section_fields(section: str) -> list[str]:
+    """The field names of config section ``section`` (``train``: ``steps``, ``precision``, ...)."""
+    return _fields_at((section,)) if section in TrainConfig.model_fields else []
+
+
+def settings_named(name: str, cutoff: float | None = None) -> list[str]:
+    """``section.name`` for every section with a field called ``name`` (``lr``: ``optimizer.lr``); with
+    ``cutoff``, where none has one, those of the field spelled closest (difflib's ratio >= ``cutoff``)."""
+    homes = [f"{s}.{name}" for s in TrainConfig.model_fields if name in section_fields(s)]
+    if homes or cutoff is None:
+        return homes
+    every = sorted({f for s in TrainConfig.model_fields for f in section_fields(s)})
+    close = difflib.get_close_matches(name, every, n=1, cutoff=cutoff)
+    return settings_named(close[0]) if close else []
+
+
 def _did_you_mean(loc: tuple[int | str, ...], fields: list[str]) -> str:
     """``did you mean X? `` for an unknown field: a close spelling here, or the same name in another
     section (``train.lr`` -> ``optimizer.lr``); empty when nothing is close."""
@@ -191,9 +207,9 @@ def _did_you_mean(loc: tuple[int | str, ...], fields: list[str]) -> str:
     if close:
         return f"did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}? "
     if len(loc) in (1, 2):  # a field of another section, or a field given without its section
-        homes = [s for s in TrainConfig.model_fields if name in _fields_at((s,)) and s != loc[0]]
+        homes = [h for h in settings_named(name) if h.partition(".")[0] != loc[0]]
         if homes:
-            return f"did you mean {' or '.join(f'{s}.{name}' for s in homes)}? "
+            return f"did you mean {' or '.join(homes)}? "
     return ""
 
 

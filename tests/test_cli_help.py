@@ -149,6 +149,7 @@ def test_a_reader_that_stops_early_ends_the_output_quietly() -> None:
         (["config", "--world-size", "2"], "--set backend.world_size=2"),
         (["train", "--strategy", "fsdp"], "--set strategy.FIELD=fsdp (FIELD one of model, optimizer"),
         (["train", "--no-such-thing"], "--set KEY=VALUE (every KEY: dtlab train --help)"),
+        (["train", "--optimizer.lrr", "1"], "--set optimizer.lr=1"),  # not strategy.optimizer=1
     ],
 )
 def test_an_argument_that_is_a_setting_names_its_set_form(args: list[str], hint: str, capsys: Any) -> None:
