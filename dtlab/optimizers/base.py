@@ -96,9 +96,55 @@ class OptimizerStrategy(torch.optim.Optimizer, ABC):
 
 class WrappingStrategy(OptimizerStrategy):
     """An optimizer strategy around another one (compression, elastic): torch's optimizer surface
-    (param groups, state, state dicts) is the inner strategy's."""
+    (param groups, state, state dicts), the step, the gradients' norm and the checkpoints are the inner
+    strategy's, and so is any attribute the wrapper lacks; :meth:`own_memory` adds to its report."""
 
     inner: OptimizerStrategy
+    #: the wrapper's own attributes, never read from the inner strategy (unset while ``__init__`` runs)
+    own_attributes: ClassVar[tuple[str, ...]] = ("inner", "model")
+
+    def __getattr__(self, name: str) -> Any:  # only reached for attributes the wrapper lacks
+        if name in self.own_attributes:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.inner.optimizer
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        return self.inner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def grads_are_finite(self) -> bool:
+        return self.inner.grads_are_finite()
+
+    def state_bytes(self) -> int:
+        return self.inner.state_bytes()
+
+    def own_memory(self) -> dict[str, int]:
+        """Bytes the wrapper itself holds, by kind (added to the inner strategy's memory report)."""
+        return {}
+
+    def memory_report(self) -> dict[str, int]:
+        return {**self.inner.memory_report(), **self.own_memory()}
+
+    def sharded_state_dict(self) -> ShardedState:
+        return self.inner.sharded_state_dict()
+
+    def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
+        self.inner.load_sharded_state_dict(shards)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -151,10 +151,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
         self.statistics: dict[str, Any] = {}
         self._owed = OwedParams(self.model, self.reducer.error_feedback, self.reducer.tp_parts.ranges)
 
-    # ------------------------------------------------------------------ delegated
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.inner.optimizer
+    own_attributes = ("inner", "reducer", "model")  # the inner strategy's own helpers: read through
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         if closure is not None:  # the backward first, so the check sees this step's unused parameters
@@ -169,34 +166,8 @@ class GradientCompressionOptimizer(WrappingStrategy):
         self.reducer.start_step()
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none)
-
-    def clip_grad_norm_(
-        self,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-        foreach: bool | None = None,
-    ) -> torch.Tensor:
-        return self.inner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
-
-    def grads_are_finite(self) -> bool:
-        return self.inner.grads_are_finite()
-
-    def state_bytes(self) -> int:
-        return self.inner.state_bytes()
-
-    def memory_report(self) -> dict[str, int]:
-        report = dict(self.inner.memory_report())
-        report["compression_residuals"] = self.reducer.error_feedback.nbytes()
-        return report
-
-    def __getattr__(self, name: str) -> Any:
-        # only reached for attributes this wrapper lacks: the inner strategy's own helpers
-        if name in ("inner", "reducer", "model"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def own_memory(self) -> dict[str, int]:
+        return {"compression_residuals": self.reducer.error_feedback.nbytes()}
 
     # ------------------------------------------------------------------ state
     def sharded_state_dict(self) -> ShardedState:

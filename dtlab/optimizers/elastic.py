@@ -37,14 +37,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.checkpoint.agree import agree, read_on_src
-from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError, DtlabError, StrategyError
 from dtlab.optimizers._elastic_commit import (
     Commit,
@@ -159,47 +158,10 @@ class ElasticOptimizer(WrappingStrategy):
         self.recovery: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ delegated
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.inner.optimizer
+    own_attributes = ("inner", "model", "member")  # the inner strategy's own (statistics, ...): read through
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        return self.inner.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none)
-
-    def clip_grad_norm_(
-        self,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-        foreach: bool | None = None,
-    ) -> torch.Tensor:
-        return self.inner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
-
-    def grads_are_finite(self) -> bool:
-        return self.inner.grads_are_finite()
-
-    def state_bytes(self) -> int:
-        return self.inner.state_bytes()
-
-    def memory_report(self) -> dict[str, int]:
-        report = dict(self.inner.memory_report())
-        report["elastic_commits"] = self.member.store.nbytes()
-        return report
-
-    def sharded_state_dict(self) -> ShardedState:
-        return self.inner.sharded_state_dict()
-
-    def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
-        self.inner.load_sharded_state_dict(shards)
-
-    def __getattr__(self, name: str) -> Any:
-        # only reached for attributes this wrapper lacks: the inner strategy's own (statistics, ...)
-        if name in ("inner", "model", "member"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def own_memory(self) -> dict[str, int]:
+        return {"elastic_commits": self.member.store.nbytes()}
 
     # ------------------------------------------------------------------ commits
     def end_step(self, step: int, state: StateArg = None) -> bool:
