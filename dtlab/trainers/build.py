@@ -132,7 +132,7 @@ def build_model(
     whole = tensor_bytes([*module.parameters(), *module.buffers()])
     largest = largest_module_bytes(module)
     n_params = sum(p.numel() for p in module.parameters())
-    task = with_fsdp_units(config, plan, module, task)
+    task = with_fsdp_units(config, module, task)
     kwargs = data_parallel_kwargs(config, plan.data_parallel, task, precision)
     if init == "meta":
         kwargs["init_seed"] = config.train.seed
@@ -161,18 +161,12 @@ def build_model_strategy(
     return built.model, built.num_parameters
 
 
-def with_fsdp_units(config: TrainConfig, plan: RunPlan, module: torch.nn.Module, task: Task) -> Task:
+def with_fsdp_units(config: TrainConfig, module: torch.nn.Module, task: Task) -> Task:
     """``task`` with ``strategy.fsdp_units`` (class names) resolved to the classes of ``module``'s
-    modules; refused when FSDP does not run or a name matches no module."""
+    modules (the config refused them where FSDP does not run); refused when a name matches no module."""
     names = config.strategy.fsdp_units
     if names is None:
         return task
-    dp_name = plan.data_parallel
-    if dp_name != "fsdp":
-        raise ConfigError(
-            f"strategy.fsdp_units={names} names FSDP units, but the data-parallel strategy is {dp_name!r}; "
-            "use strategy.model=fsdp or leave strategy.fsdp_units unset"
-        )
     classes = {type(m).__name__: type(m) for m in module.modules()}
     missing = [n for n in names if n not in classes]
     if missing:
