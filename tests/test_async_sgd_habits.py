@@ -1,6 +1,7 @@
 """AsyncSGDOptimizer against one plain torch process: a parameter without a gradient (unused in a
 step) is skipped as torch's optimizer skips a ``.grad`` of None, per clock at staleness 0 and per push
-otherwise."""
+otherwise; ``max_grad_norm`` clips the global batch's gradient (staleness 0; refused otherwise, naming
+the per-worker clip); ``step(closure)``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from filled import filled
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import ArgumentError
 from dtlab.optimizers import AsyncSGDOptimizer
 from dtlab.testing import run_world
 
@@ -41,25 +43,35 @@ def _loss(net: TwoHeads, t: int, worker: int) -> torch.Tensor:
     return loss + nn.functional.mse_loss(net.b(h), -y) if _uses_b(t, worker) else loss
 
 
-def _plain(workers: int) -> dict[str, torch.Tensor]:
+def _plain(workers: int, clip: float | None = None) -> dict[str, torch.Tensor]:
     """One process: each step's loss is the workers' mean (the servers average the pushes)."""
     net = _net()
     opt = torch.optim.SGD(net.parameters(), **OPT)
     for t in range(STEPS):
         opt.zero_grad()
         (sum(_loss(net, t, w) for w in range(workers)) / workers).backward()  # type: ignore[operator]
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
     return net.state_dict()
 
 
-def _async(backend: CommunicationBackend, staleness: int, servers: int) -> dict[str, Any]:
-    opt = AsyncSGDOptimizer(_net(), backend, torch.optim.SGD, staleness=staleness, num_servers=servers, **OPT)
+def _async(
+    backend: CommunicationBackend, staleness: int, servers: int, clip: float | None = None
+) -> dict[str, Any]:
+    opt = AsyncSGDOptimizer(
+        _net(), backend, torch.optim.SGD, staleness=staleness, num_servers=servers, max_grad_norm=clip, **OPT
+    )
     if opt.is_server:
         opt.serve()
     else:
         for t in range(STEPS):
-            _loss(opt.module, t, backend.rank - servers).backward()  # type: ignore[arg-type]
-            opt.step()
+            net: Any = opt.module
+            if t % 2:
+                opt.step(lambda: _loss(net, t, backend.rank - servers).backward())  # noqa: B023 - called at once
+            else:
+                _loss(net, t, backend.rank - servers).backward()
+                opt.step()
         opt.finish()
     return opt.full_state_dict()
 
@@ -76,3 +88,23 @@ def test_a_parameter_without_a_gradient_is_skipped_as_torch_skips_it(
     got = run_world(servers + workers, _async, staleness, servers, timeout=30)[0]
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_max_grad_norm_clips_the_global_batch_gradient_as_one_process(servers: int) -> None:
+    want, unclipped = _plain(2, clip=0.3), _plain(2)
+    assert any(not torch.allclose(want[k], unclipped[k], rtol=1e-3) for k in want)  # it clipped
+    got = run_world(servers + 2, _async, 0, servers, 0.3, timeout=30)[0]
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _refused(backend: CommunicationBackend) -> str:
+    with pytest.raises(ArgumentError) as info:
+        AsyncSGDOptimizer(_net(), backend, torch.optim.SGD, staleness=2, max_grad_norm=1.0, lr=0.1)
+    return str(info.value)
+
+
+def test_max_grad_norm_under_staleness_is_refused_naming_the_per_worker_clip() -> None:
+    text = run_world(2, _refused)[0]
+    assert "staleness=2" in text and "max_grad_norm=1.0" in text and "clip_grad_norm_" in text

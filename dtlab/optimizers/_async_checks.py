@@ -1,17 +1,19 @@
-"""The argument checks of :class:`~dtlab.optimizers.async_sgd.AsyncSGDOptimizer`, before any
-communication: each names the value and what to pass instead."""
+"""The checks of :class:`~dtlab.optimizers.async_sgd.AsyncSGDOptimizer`: its arguments, before any
+communication (each names the value and what to pass instead), then that every rank agrees."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, StrategyError
 from dtlab.optimizers._groups import refuse_sparse_only
 
-__all__ = ["check_arguments"]
+__all__ = ["check_agreement", "check_arguments"]
 
 
 def check_arguments(
@@ -20,6 +22,7 @@ def check_arguments(
     staleness: int | None,
     num_servers: int,
     optimizer_kwargs: dict[str, Any],
+    max_grad_norm: float | None = None,
 ) -> None:
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(
@@ -42,3 +45,32 @@ def check_arguments(
             f"AsyncSGDOptimizer: num_servers={num_servers} leaves no worker in a world of "
             f"{backend.world_size} ranks; use at most {backend.world_size - 1} servers (or more ranks)"
         )
+    if max_grad_norm is not None:
+        m = max_grad_norm
+        if isinstance(m, bool) or not isinstance(m, int | float) or not math.isfinite(m) or m <= 0:
+            raise ArgumentError(
+                f"AsyncSGDOptimizer: max_grad_norm must be a finite number > 0 (or None), got {m!r}"
+            )
+        if staleness != 0:
+            raise ArgumentError(
+                f"AsyncSGDOptimizer: max_grad_norm={m} clips the workers' mean gradient of a clock by its "
+                f"global norm, which exists at staleness=0 only; under staleness={staleness} each push is "
+                "an update of its own: clip each worker's gradient before step() instead "
+                "(torch.nn.utils.clip_grad_norm_(opt.module.parameters(), max_norm) on the worker), or "
+                "use staleness=0"
+            )
+
+
+def check_agreement(backend: CommunicationBackend, module: nn.Module, mine: tuple[Any, ...]) -> None:
+    """Collective: every rank built the optimizer with the same ``mine`` (parameter names first) and
+    the same buffers."""
+    buffers = [(n, tuple(v.shape), str(v.dtype)) for n, v in module.state_dict().items()]
+    everyone = backend.all_gather_object((mine, buffers))
+    for r, (theirs, their_buffers) in enumerate(everyone):
+        if theirs != mine or their_buffers != buffers:
+            raise StrategyError(
+                f"AsyncSGDOptimizer: rank {r} built it with (parameters, numel, dtype, num_servers, "
+                f"staleness, max_grad_norm) = {theirs[1:]} and {len(theirs[0])} parameters, rank "
+                f"{backend.rank} with {mine[1:]} and {len(mine[0])}; every rank must pass the same model "
+                "and settings"
+            )

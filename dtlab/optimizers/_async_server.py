@@ -112,6 +112,9 @@ class ShardServer:
         self._used = [False] * len(spans)  # staleness 0: the pieces some push of the clock had a gradient for
         self._acc = torch.zeros_like(self.param) if self.aggregate else None
         self._acc_clock: int | None = None
+        #: staleness 0: (max_grad_norm, the servers' group or None for one server): the clock's mean
+        #: gradient is clipped by its global norm, as torch.nn.utils.clip_grad_norm_ on one process
+        self.clip: tuple[float | None, CommunicationBackend | None] = (None, None)
         self.updates = 0
         self.clocks = [0] * self.workers
         self.served = False
@@ -269,7 +272,19 @@ class ShardServer:
         self._acc.zero_()
         self._acc_clock = None
         used, self._used = self._used, [False] * len(self._used)
+        if self.clip[0] is not None:
+            self._clip(used, self.clip[0], self.clip[1])
         self._step(used, on_update)
+
+    def _clip(self, used: list[bool], max_norm: float, servers: CommunicationBackend | None) -> None:
+        """torch's clip_grad_norm_ over the pieces with a gradient, the norm summed over the servers."""
+        norms = [g.norm() for g, u in zip(self._grads, used, strict=True) if u]
+        sq = torch.stack(norms).square().sum() if norms else self._grad.new_zeros(())
+        if servers is not None:
+            sq = sq.reshape(1)
+            servers.all_reduce(sq)
+        coef = torch.clamp(max_norm / (sq.sqrt().reshape(()) + 1e-6), max=1.0)
+        self._grad.mul_(coef)
 
     def _step(self, had: list[bool], on_update: Callable[[], None] | None) -> None:
         """One optimizer step on ``self._grad``; a piece no push had a gradient for is skipped."""

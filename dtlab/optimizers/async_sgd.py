@@ -30,7 +30,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import CollectiveTimeoutError, StrategyError
 from dtlab.models.dp.flat import FlatUnit, check_real
-from dtlab.optimizers._async_checks import check_arguments
+from dtlab.optimizers._async_checks import check_agreement, check_arguments
 from dtlab.optimizers._async_comm import (
     ABORT,
     FINISH,
@@ -59,7 +59,8 @@ class AsyncSGDOptimizer:
     and every worker gets the servers' parameters as its clock-0 read). Then on a worker
     (``not opt.is_server``): ``loss.backward(); opt.step()`` per batch and ``opt.finish()`` at the end;
     on a server: ``opt.serve()`` until every worker has finished. Then ``opt.full_state_dict()`` on
-    every rank.
+    every rank. ``max_grad_norm`` (staleness 0 only): the servers clip each clock's mean gradient by
+    its global norm, as ``torch.nn.utils.clip_grad_norm_`` clips the global batch's on one process.
     """
 
     def __init__(
@@ -70,9 +71,10 @@ class AsyncSGDOptimizer:
         *,
         staleness: int | None = 0,
         num_servers: int = 1,
+        max_grad_norm: float | None = None,
         **optimizer_kwargs: Any,  # Any: optimizer_cls's own keywords
     ) -> None:
-        check_arguments(backend, optimizer_cls, staleness, num_servers, optimizer_kwargs)
+        check_arguments(backend, optimizer_cls, staleness, num_servers, optimizer_kwargs, max_grad_norm)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise StrategyError("AsyncSGDOptimizer: the module has no trainable parameters")
@@ -88,7 +90,8 @@ class AsyncSGDOptimizer:
         first = {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
         self._aliases = {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
         c = self._unit.shard_numel
-        self._check_agreement(module)
+        settings = (self._unit.numel, str(self._unit.dtype), num_servers, staleness, max_grad_norm)
+        check_agreement(backend, module, (self._param_names, *settings))
         self._server: ShardServer | None = None
         self._watch: BackwardWatch | None = None  # a worker's: refuses partial gradients (a raised backward)
         self._finished = False
@@ -96,6 +99,8 @@ class AsyncSGDOptimizer:
         self.pushes = self.pulls = self.waits = 0
         self.blocked_s = 0.0
         self.max_staleness = 0
+        # staleness 0 with max_grad_norm: the servers sum their shards' squared norms (a collective)
+        servers = backend.new_group(list(range(num_servers))) if max_grad_norm and num_servers > 1 else None
         flat = self._unit.new_flat()
         self._unit.copy_params_into(flat)
         numels = [p.numel() for _, p in named]
@@ -106,6 +111,7 @@ class AsyncSGDOptimizer:
             self._server = ShardServer(
                 backend, backend.rank, num_servers, shard, spans, optimizer_cls, optimizer_kwargs, staleness
             )
+            self._server.clip = max_grad_norm, servers  # staleness 0 only (checked)
             self._unit.unbind()  # a server holds its shard only; the module keeps the layout
         else:
             self._flat = flat
@@ -168,11 +174,16 @@ class AsyncSGDOptimizer:
         if self._watch is not None:
             self._watch.forget()
 
-    def step(self) -> None:
-        """Push this worker's gradients and pull parameters for the next clock. A parameter whose
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Push this worker's gradients and pull parameters for the next clock (``closure``, if given,
+        runs first under grad mode: the forward and backward; its loss is returned). A parameter whose
         ``.grad`` is None is flagged so: the servers skip it where no push of the step had one (as
         torch's optimizer skips it)."""
         self._require(False, "step")
+        loss = None
+        if closure is not None and not self._finished:
+            with torch.enable_grad():
+                loss = closure()
         if self._finished:
             raise StrategyError(
                 f"AsyncSGDOptimizer: worker rank {self.backend.rank} called step() after finish()"
@@ -194,6 +205,7 @@ class AsyncSGDOptimizer:
         self._pull()
         for work in sends:  # every server has answered, so it has received them
             work.wait()
+        return loss
 
     def finish(self) -> None:
         """Tell every server this worker is done (it no longer holds the others back)."""
@@ -372,20 +384,6 @@ class AsyncSGDOptimizer:
         }
         out["updates" if self._server is not None else "clock"] = self.clock
         return out
-
-    # ------------------------------------------------------------------ construction
-    def _check_agreement(self, module: nn.Module) -> None:
-        buffers = [(n, tuple(v.shape), str(v.dtype)) for n, v in module.state_dict().items()]
-        mine = (self._param_names, self._unit.numel, str(self._unit.dtype), self.num_servers, self.staleness)
-        everyone = self.backend.all_gather_object((mine, buffers))
-        for r, (theirs, their_buffers) in enumerate(everyone):
-            if theirs != mine or their_buffers != buffers:
-                raise StrategyError(
-                    f"AsyncSGDOptimizer: rank {r} built it with (parameters, numel, dtype, num_servers, "
-                    f"staleness) = {theirs[1:]} and {len(theirs[0])} parameters, rank "
-                    f"{self.backend.rank} with {mine[1:]} and {len(mine[0])}; every rank must pass the same "
-                    "model and settings"
-                )
 
 
 def _p2p_bytes(backend: CommunicationBackend) -> tuple[int, int]:
