@@ -103,11 +103,11 @@ class SplitLinearMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         # inside a non-reentrant checkpoint nothing is split: its recomputation in backward, which
-        # autograd runs outside this mode, must save the same tensors as the forward did
-        checkpointed = in_checkpoint_forward()
+        # autograd runs outside this mode, must save the same tensors as the forward did (asked only
+        # here: this mode sees every torch call of the forward)
         if func is weight_gradient_queue:
-            return None if checkpointed else self.store
-        if func is F.linear and torch.is_grad_enabled() and not checkpointed:
+            return None if in_checkpoint_forward() else self.store
+        if func is F.linear and torch.is_grad_enabled() and not in_checkpoint_forward():
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             leaf_bias = bias is None or isinstance(bias, torch.nn.Parameter)
