@@ -1,7 +1,8 @@
 """AsyncSGDOptimizer against one plain torch process: a parameter without a gradient (unused in a
 step) is skipped as torch's optimizer skips a ``.grad`` of None, per clock at staleness 0 and per push
 otherwise; ``max_grad_norm`` clips the global batch's gradient (staleness 0; refused otherwise, naming
-the per-worker clip); ``step(closure)``."""
+the per-worker clip); optimizers whose step of a piece differs (Adafactor) or that need a closure
+(LBFGS) are refused; ``step(closure)``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from filled import filled
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, StrategyError
 from dtlab.optimizers import AsyncSGDOptimizer
 from dtlab.testing import run_world
 
@@ -99,12 +100,20 @@ def test_max_grad_norm_clips_the_global_batch_gradient_as_one_process(servers: i
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
 
 
-def _refused(backend: CommunicationBackend) -> str:
+def _refused(backend: CommunicationBackend) -> list[str]:
+    out = []
     with pytest.raises(ArgumentError) as info:
         AsyncSGDOptimizer(_net(), backend, torch.optim.SGD, staleness=2, max_grad_norm=1.0, lr=0.1)
-    return str(info.value)
+    out.append(str(info.value))
+    for cls in (torch.optim.Adafactor, torch.optim.LBFGS):  # a piece's step differs / needs a closure
+        with pytest.raises(StrategyError) as refused:
+            AsyncSGDOptimizer(_net(), backend, cls, lr=0.01)
+        out.append(str(refused.value))
+    return out
 
 
-def test_max_grad_norm_under_staleness_is_refused_naming_the_per_worker_clip() -> None:
-    text = run_world(2, _refused)[0]
-    assert "staleness=2" in text and "max_grad_norm=1.0" in text and "clip_grad_norm_" in text
+def test_max_grad_norm_under_staleness_and_non_elementwise_optimizers_are_refused() -> None:
+    clip, adafactor, lbfgs = run_world(2, _refused)[0]
+    assert "staleness=2" in clip and "max_grad_norm=1.0" in clip and "clip_grad_norm_" in clip
+    assert "Adafactor" in adafactor and "element-wise" in adafactor
+    assert "LBFGS" in lbfgs and "closure" in lbfgs

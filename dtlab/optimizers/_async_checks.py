@@ -11,7 +11,8 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import ArgumentError, StrategyError
-from dtlab.optimizers._groups import refuse_sparse_only
+from dtlab.optimizers._elementwise import check_elementwise
+from dtlab.optimizers._groups import OptimizerSpec, refuse_closure_driven, refuse_sparse_only
 
 __all__ = ["check_agreement", "check_arguments"]
 
@@ -30,8 +31,12 @@ def check_arguments(
             f"arguments, got {optimizer_cls!r}"
         )
     refuse_sparse_only("AsyncSGDOptimizer", optimizer_cls)
+    refuse_closure_driven("AsyncSGDOptimizer", optimizer_cls)
     if "params" in optimizer_kwargs:
         raise TypeError("AsyncSGDOptimizer: do not pass params=; each server optimizes its own shard")
+    # a server steps its shard's pieces of the parameters, flat: Adafactor, Muon, LAMB... would not
+    spec = OptimizerSpec(optimizer_cls, dict(optimizer_kwargs), [dict(optimizer_kwargs)], None, [])
+    check_elementwise("AsyncSGDOptimizer", spec, spec.groups, backend.device, flat=True)
     bad = isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0
     if staleness is not None and bad:
         raise ArgumentError(
