@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
-from dtlab.compression.base import Exchange, Prefilter, SparseCompressor
+from dtlab.compression.base import Exchange
 from dtlab.compression.kernels import sum_sorted_runs
-from dtlab.compression.sparse import TAG, Magnitudes, local_topk, pack, unpack
+from dtlab.compression.sparse import TAG, LocalTopk, local_topk, pack, unpack
 
 __all__ = ["GTopk"]
 
@@ -40,18 +40,10 @@ def _merge_topk(
 
 
 @dataclass(frozen=True, kw_only=True)
-class GTopk(SparseCompressor):
+class GTopk(LocalTopk):
     """Tree-based global top-k (log2 P rounds), exact values by a k-element all-reduce."""
 
     name: ClassVar[str] = "gtopk"
-
-    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
-        return {"work": Magnitudes()}
-
-    def prefilter(self, state: dict[str, Any], numel: int) -> Prefilter | None:
-        """Candidates for the exact local top-k, selected in the error-feedback pass."""
-        work: Magnitudes = state["work"]
-        return work.request_topk(numel, self.k(numel))
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
         p, me, k = backend.world_size, backend.rank, self.k(acc.numel())

@@ -9,10 +9,12 @@ point-to-point ``isend``/``irecv`` for the split-and-reduce and the balancing st
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp, Work
-from dtlab.compression.base import Prefilter
+from dtlab.compression.base import Prefilter, SparseCompressor
 from dtlab.compression.finite import FiniteCheck
 from dtlab.compression.kernels import (
     gather_abs,
@@ -24,6 +26,7 @@ from dtlab.compression.kernels import (
 from dtlab.compression.state_io import Workspace
 
 __all__ = [
+    "LocalTopk",
     "all_gather_counts",
     "balanced_all_gather",
     "distributed_kth_largest",
@@ -105,6 +108,19 @@ class Magnitudes(Workspace):
         return self.pre.request_sampled(
             sample_positions(n, k), lambda s: threshold_of_sample(s, n, k, TOPK_OVERSAMPLE), k + k // 4
         )
+
+
+class LocalTopk(SparseCompressor):
+    """A compressor that starts from this rank's exact top-k (TopkA, TopkDSA, gTop-k): its candidates
+    are pre-filtered in the error-feedback pass, in a :class:`Magnitudes` workspace per buffer."""
+
+    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
+        return {"work": Magnitudes()}
+
+    def prefilter(self, state: dict[str, Any], numel: int) -> Prefilter | None:
+        """Candidates for the exact local top-k, selected in the error-feedback pass."""
+        work: Magnitudes = state["work"]
+        return work.request_topk(numel, self.k(numel))
 
 
 def _prefilters(n: int, k: int) -> bool:

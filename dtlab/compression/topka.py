@@ -13,26 +13,18 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.compression.base import Exchange, Prefilter, SparseCompressor
+from dtlab.compression.base import Exchange
 from dtlab.compression.kernels import sum_sorted_runs
-from dtlab.compression.sparse import Magnitudes, local_topk, pack, unpack
+from dtlab.compression.sparse import LocalTopk, local_topk, pack, unpack
 
 __all__ = ["TopK", "TopkA"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class TopkA(SparseCompressor):
+class TopkA(LocalTopk):
     """All-gather of local top-k (``k = density * numel``) and a sum of everything gathered."""
 
     name: ClassVar[str] = "topka"
-
-    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
-        return {"work": Magnitudes()}
-
-    def prefilter(self, state: dict[str, Any], numel: int) -> Prefilter | None:
-        """Candidates for the exact local top-k, selected in the error-feedback pass."""
-        work: Magnitudes = state["work"]
-        return work.request_topk(numel, self.k(numel))
 
     def all_reduce(self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend) -> Exchange:
         p, k = backend.world_size, self.k(acc.numel())

@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 import torch
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.compression.base import Exchange, Prefilter, SparseCompressor
+from dtlab.compression.base import Exchange
 from dtlab.compression.sparse import (
-    Magnitudes,
+    LocalTopk,
     all_gather_counts,
     local_topk,
     pack,
@@ -34,18 +34,10 @@ def equal_bounds(n: int, p: int) -> list[int]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TopkDSA(SparseCompressor):
+class TopkDSA(LocalTopk):
     """Local top-k, sparse split-and-reduce over equal regions, sparse-or-dense all-gather."""
 
     name: ClassVar[str] = "topkdsa"
-
-    def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
-        return {"work": Magnitudes()}
-
-    def prefilter(self, state: dict[str, Any], numel: int) -> Prefilter | None:
-        """Candidates for the exact local top-k, selected in the error-feedback pass."""
-        work: Magnitudes = state["work"]
-        return work.request_topk(numel, self.k(numel))
 
     def _reduce(
         self, state: dict[str, Any], acc: torch.Tensor, backend: CommunicationBackend
