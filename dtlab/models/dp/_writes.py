@@ -25,6 +25,7 @@ from dtlab.core.torch_private import MODULE_HOOKS
 from dtlab.core.traced import eager_when_traced
 from dtlab.errors import StrategyError
 from dtlab.models.dp._sharded_units import ShardUnit, UnitGatherer
+from dtlab.models.dp.flat import reshaped_error
 
 __all__ = ["ParamWrites", "prune_hooks"]
 
@@ -148,13 +149,7 @@ class ParamWrites:
         wrong = [(i, p) for i, p in replaced if p.shape != u.slots[i].shape]
         if wrong:
             (i, p) = wrong[0]
-            raise StrategyError(
-                f"{self.at_rest.who}: parameter {u.slots[i].name!r} had its .data replaced (p.data = t) "
-                f"after wrapping by a tensor of shape {tuple(p.shape)}, not its {tuple(u.slots[i].shape)}; "
-                "the strategy keeps it as a shard of that shape. Write values of the parameter's shape "
-                "(p.data = t or, better, with torch.no_grad(): p.copy_(t)), or change the plain module "
-                "before wrapping it"
-            )
+            raise reshaped_error(self.at_rest.who, u.slots[i].name, p.shape, u.slots[i].shape)
         with torch.no_grad():
             if st.flat is None:  # parked: a whole buffer for this write only, this rank's shard kept
                 # all NaN: a copy of the stand-in itself (model.module.double().float()), not a write

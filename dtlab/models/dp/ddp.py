@@ -19,7 +19,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.dp._grad_call import fills_grads
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp.data_parallel import DataParallelModel
-from dtlab.models.dp.flat import FlatUnit, copy_grad
+from dtlab.models.dp.flat import FlatUnit, copy_grad, reshaped_error
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -102,6 +102,8 @@ class DDPModel(DataParallelModel):
             [*self._data, *(q.data for _, q in self._frozen), *self.module.buffers()], self.dp_backend
         )
         self._slot_of = {id(q): (i, j) for i, u in enumerate(self._units) for j, q in enumerate(u.params)}
+        self._params = [q for u in self._units for q in u.params]
+        self._shapes = [s.shape for u in self._units for s in u.slots]
         #: each bucket's gradient buffer, ``param.grad`` views into it (none under ZeRO-2: shards only)
         self._grad_bufs = [u.new_flat() for u in self._units] if self.keeps_whole_grads else []
         self._synced_grads = self._grad_bufs
@@ -127,6 +129,17 @@ class DDPModel(DataParallelModel):
         for unit, buf in zip(self._units, self._grad_bufs, strict=True):
             for q, view in zip(unit.params, unit.views(buf), strict=True):
                 q.grad = view
+
+    def _before_forward(self, *args: Any) -> None:
+        """Also refuse, before a forward with gradients, a parameter whose ``.data`` was replaced by a
+        tensor of another shape since wrapping (``resize_token_embeddings`` on the wrapped model): its
+        gradient would not fit its place in the bucket (autograd's raw size error in backward)."""
+        super()._before_forward(*args)
+        if torch.is_grad_enabled() and list(map(torch.Tensor.size, self._params)) != self._shapes:
+            for unit in self._units:
+                for q, s in zip(unit.params, unit.slots, strict=True):
+                    if q.shape != s.shape:
+                        raise reshaped_error(self._wrapped_as.who, s.name, q.shape, s.shape)
 
     def _fills_no_grads(self) -> bool:
         """A backward beginning that fills no ``.grad`` (``torch.autograd.grad``): nothing to reduce."""
@@ -247,15 +260,9 @@ class DDPModel(DataParallelModel):
         data = self._data[self._bucket(unit)]
         bucket = data.untyped_storage().data_ptr()
         moved = [(i, q) for i, q in enumerate(unit.params) if q.untyped_storage().data_ptr() != bucket]
-        wrong = [self._name_of[id(q)] for i, q in moved if q.shape != unit.slots[i].shape]
-        if wrong:
-            raise StrategyError(
-                f"{type(self).__name__}: parameter {wrong[0]!r} no longer lives in the bucket laid out when "
-                "the module was wrapped: its .data was replaced after wrapping by a tensor of another shape. "
-                "The sharded optimizer steps the bucket, so that parameter would silently never change. "
-                "Write values of its shape (with torch.no_grad(): p.copy_(t)) or change the plain module "
-                "before wrapping it"
-            )
+        for i, q in moved:
+            if q.shape != unit.slots[i].shape:
+                raise reshaped_error(type(self).__name__, unit.slots[i].name, q.shape, unit.slots[i].shape)
         if moved:
             views = unit.views(data)
             with torch.no_grad():

@@ -15,7 +15,7 @@ from torch import nn
 
 from dtlab.errors import StrategyError
 
-__all__ = ["FlatUnit", "Slot", "check_real", "copy_grad"]
+__all__ = ["FlatUnit", "Slot", "check_real", "copy_grad", "reshaped_error"]
 
 
 def copy_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
@@ -25,6 +25,19 @@ def copy_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
         view.copy_(grad)
     else:
         view.zero_().add_(grad)
+
+
+def reshaped_error(who: str, name: str, now: torch.Size, was: torch.Size) -> StrategyError:
+    """The error for parameter ``name`` of shape ``now`` where the strategy ``who`` laid it out with
+    shape ``was`` when it wrapped the module: its ``.data`` was replaced by a tensor of another shape."""
+    return StrategyError(
+        f"{who}: parameter {name!r} had its .data replaced (p.data = t) after wrapping by a tensor of shape "
+        f"{tuple(now)}, not its {tuple(was)} (Hugging Face's resize_token_embeddings(n) on the wrapped model "
+        "does this to the embedding and the head); the strategy laid out its gradient buffers and shards "
+        "for the shapes at wrapping, so it could not average or step it. Change shapes on the plain model "
+        "before wrapping it (hf_model.resize_token_embeddings(n), then wrap); to write values keep the "
+        "parameter's shape (p.data = t or, better, with torch.no_grad(): p.copy_(t))"
+    )
 
 
 def check_real(who: str, trainable: Iterable[tuple[str, nn.Parameter]]) -> None:
