@@ -211,6 +211,27 @@ def test_torch_optimizer_handed_to_a_second_strategy_is_refused() -> None:
             assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), (name, k)
 
 
+class _Lion(torch.optim.SGD):
+    """A user's optimizer class (not in torch.optim)."""
+
+
+def _handed_own_class(backend: CommunicationBackend) -> str:
+    module = make_module()
+    inst = _Lion(module.parameters(), lr=0.01)
+    DDPOptimizer(wrap("ddp", module, backend), inst)
+    try:
+        DDPOptimizer(wrap("ddp", module, backend), inst)
+    except StrategyError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_users_optimizer_class_handed_twice_is_named_as_it_is() -> None:
+    """The fix names the user's class, not a torch.optim class of that name (torch.optim._Lion)."""
+    said = run_world(1, _handed_own_class, timeout=30)[0]
+    assert "opt = DDPOptimizer(model, _Lion(model.parameters(), ...))" in said, said
+
+
 def _rank_0_state(backend: CommunicationBackend, pp: bool, layers: int = 2) -> dict[str, Any]:
     """``if rank == 0: torch.save(opt.state_dict())``, then every rank loads that file, under tp=2 or
     pp=2 (``layers`` layers: 2, two stages of equal shapes; 3, stages of 2 and 1); and each rank's own

@@ -29,12 +29,14 @@ def refuse_handed_again(optimizer: torch.optim.Optimizer, who: str) -> None:
     if first is None:
         return
     name = type(optimizer).__name__
+    own = getattr(torch.optim, name, None) is type(optimizer)  # else a user's class, named as it is
+    cls = f"torch.optim.{name}" if own else name
     raise StrategyError(
         f"{who}: this {name} was handed to {first} already (opt = {first}(model, optimizer)), which holds "
         "its optimizer state and the hooks registered on it since; this instance holds none of them, so "
         f"a second strategy built on it would start from empty (or stale) state. Build a new {name} for "
         f"the new wrapper and continue from the first strategy's state: opt = {who}(model, "
-        f"torch.optim.{name}(model.parameters(), ...)); opt.load_state_dict(first_opt.state_dict()) "
+        f"{cls}(model.parameters(), ...)); opt.load_state_dict(first_opt.state_dict()) "
         "(every rank calls both)"
     )
 
