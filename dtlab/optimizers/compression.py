@@ -92,11 +92,23 @@ def check_plain_sgd(optimizer: torch.optim.Optimizer, momentum_correction: float
             f"{type(optimizer).__name__} (which has its own momentum/moments); use "
             f"DDPOptimizer(model, torch.optim.SGD, lr=..., momentum=0), or drop momentum_correction"
         )
-    for i, group in enumerate(optimizer.param_groups):
+    refuse_momentum(optimizer.param_groups, momentum_correction, at_step=False)
+
+
+def refuse_momentum(groups: list[dict[str, Any]], momentum_correction: float, at_step: bool) -> None:
+    """The inner SGD must keep momentum=0: at construction, and at every step (a scheduler with
+    ``cycle_momentum``, OneCycleLR's and CyclicLR's default, or ``add_param_group`` may set it)."""
+    for i, group in enumerate(groups):
         if group.get("momentum", 0) != 0 or group.get("nesterov", False):
+            how = (
+                " at this step (a scheduler with cycle_momentum=True, the default of OneCycleLR and "
+                "CyclicLR, or add_param_group set it; build the scheduler with cycle_momentum=False)"
+                if at_step
+                else ""
+            )
             raise StrategyError(
                 f"momentum_correction={momentum_correction} with an SGD that has momentum="
-                f"{group.get('momentum')} (nesterov={group.get('nesterov')}) in param group {i} "
+                f"{group.get('momentum')} (nesterov={group.get('nesterov')}) in param group {i}{how} "
                 f"would apply momentum twice; build the inner SGD with momentum=0 (the reducer "
                 f"applies momentum {momentum_correction})"
             )
@@ -159,6 +171,8 @@ class GradientCompressionOptimizer(WrappingStrategy):
                 loss = closure()
         else:
             loss = None
+        if self.reducer.momentum_correction is not None:
+            refuse_momentum(self.param_groups, self.reducer.momentum_correction, at_step=True)
         self._owed.check(type(self.inner).__name__)
         self.inner.step()
         self._owed.record()
