@@ -6,6 +6,10 @@ group, so they run one at a time on one worker while the other worker runs in-me
 multi-process worlds never compete for the two cores, and their time limits hold. A test is such a
 test when its function, or a module-level function it calls (two levels deep), names one of
 ``PROCESS_WORDS``.
+
+Every test starts with one intra-op thread (``_one_thread``): the count is process-wide, and a test that
+changed it (an in-process one-rank gloo Trainer sets it from the core count) would otherwise change
+the rounding, and so the results, of the tests after it in that worker.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from types import FunctionType, ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 PROCESS_WORDS = (
     "spawn_world",
@@ -61,6 +66,11 @@ def _calls_one(
             if _starts_processes(called, module, seen, depth - 1):
                 return True
     return False
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -22,8 +22,6 @@ from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.optimizers.compression import GradientCompressionOptimizer, bucket_layouts
 from dtlab.testing import run_world
 
-torch.set_num_threads(1)
-
 P, R = 4, 2
 # a conv weight (viewed 6 x 18), a bias, a linear weight, a matrix too small to compress at rank 2
 # (2 * 2 * (3 + 4) >= 12), a norm weight, then 3 padding elements

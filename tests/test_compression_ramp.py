@@ -15,7 +15,6 @@ from dtlab.compression.base import ramp_densities
 from dtlab.errors import ConfigError
 from dtlab.testing import run_world
 
-torch.set_num_threads(1)
 N = 8000
 
 

@@ -32,8 +32,6 @@ from dtlab.optimizers import DDPOptimizer
 from dtlab.optimizers.compression import GradientCompressionOptimizer
 from dtlab.testing import run_world
 
-torch.set_num_threads(1)
-
 P, N = 4, 8000
 
 
