@@ -1,5 +1,6 @@
-"""Mixed precision: the policy object, and fp16 dynamic loss scaling agreed by every rank under every
-data-parallel strategy (an overflow on one rank skips the step everywhere and halves the scale)."""
+"""Mixed precision: the policy object, fp16 dynamic loss scaling agreed by every rank under every
+data-parallel strategy (an overflow on one rank skips the step everywhere and halves the scale), a
+float16 loss scaled as torch scales it, and float16 gradient averages that fit float16's range."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_strategies_helpers import OPTIMIZERS, STRATEGIES, optimizer_for, wrap
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -131,3 +133,31 @@ def test_a_float16_loss_is_scaled_as_torch_s_grad_scaler_scales_it() -> None:
     for (skipped, got), (want_skipped, want) in zip(fp16_runs, fp32_runs, strict=True):
         assert skipped == want_skipped == [1]
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _near_fp16_max(backend: CommunicationBackend, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """One SGD step of a zero Linear in ``dtype`` whose weight gradients are 48000 on rank 0 and
+    32000 on rank 1 (both in float16's range, their sum 80000 is not), reduced in float16."""
+    module = nn.Linear(4, 2, bias=False).to(dtype)
+    nn.init.zeros_(module.weight)
+    reduce_dtype = torch.float16 if dtype != torch.float16 else None
+    model = wrap(name, module, backend, reduce_dtype=reduce_dtype)
+    opt = optimizer_for(name, model, "sgd_plain")
+    x = torch.full((1, 4), (48000.0, 32000.0)[backend.rank], dtype=dtype)
+    model(x).sum().backward()
+    opt.step()
+    return model.full_state_dict()["weight"]
+
+
+def test_float16_gradients_are_divided_before_they_are_summed() -> None:
+    """float16 parameters, or reduce_dtype=float16, under every strategy: the average 40000 as one
+    process gives it (torch DDP divides by the world size before the sum), not inf."""
+    for dtype in (torch.float16, torch.float32):
+        want = nn.Linear(4, 2, bias=False).to(dtype)
+        nn.init.zeros_(want.weight)
+        x = torch.tensor([[48000.0] * 4, [32000.0] * 4], dtype=dtype)
+        (want(x).sum() / 2).backward()
+        torch.optim.SGD(want.parameters(), lr=OPTIMIZERS["sgd_plain"][1]["lr"]).step()
+        for name in STRATEGIES:
+            for got in run_world(2, _near_fp16_max, name, dtype, timeout=60):
+                assert torch.equal(got, want.weight.detach()), (name, dtype, got)

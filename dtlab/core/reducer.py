@@ -56,38 +56,47 @@ class GradientReducer(ABC):
 
 class DenseReducer(GradientReducer):
     """Uncompressed reduction; ``reduce_dtype`` (e.g. ``torch.float32`` for bf16 parameters) sets the
-    dtype gradients travel and are summed in; results are cast back to the gradient's dtype. Over a
-    group of one rank nothing is sent (the average is the gradient itself)."""
+    dtype gradients travel and are summed in; results are cast back to the gradient's dtype. float16 is
+    divided by the group size before the sum (as torch DDP divides, and the FP16 compressor), so the
+    sum cannot overflow where the average does not. Over a group of one rank nothing is sent (the
+    average is the gradient itself)."""
 
     def __init__(self, backend: CommunicationBackend, reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__(backend)
         self.reduce_dtype = reduce_dtype
 
-    def _cast(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.reduce_dtype is None or t.dtype == self.reduce_dtype else t.to(self.reduce_dtype)
+    def _wire(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``t`` in the dtype it is summed in (``t`` itself when that is its dtype), and what the sum is
+        still to be divided by: float16 is divided first, in ``t``'s dtype, before the cast."""
+        dtype, p = self.reduce_dtype or t.dtype, self.backend.world_size
+        if dtype != torch.float16:
+            return (t if dtype == t.dtype else t.to(dtype)), p
+        if t.dtype == dtype:
+            return t.div_(p), 1
+        return torch.div(t, p, out=torch.empty_like(t, dtype=dtype)), 1
 
     def all_reduce(self, key: str, grad: torch.Tensor) -> Work:  # noqa: ARG002 - the GradientReducer interface; a dense reduction keeps no per-buffer state
         if self.backend.world_size == 1:  # one replica: the average is the gradient itself
             return CompletedWork()
-        buf = self._cast(grad)
+        buf, left = self._wire(grad)
         work = self.backend.iall_reduce(buf, ReduceOp.SUM)
-        return _Finish(work, lambda: _average_into(grad, buf, self.backend.world_size))
+        return _Finish(work, lambda: _average_into(grad, buf, left))
 
     def reduce_scatter(self, key: str, grad: torch.Tensor, shard: torch.Tensor) -> Work:  # noqa: ARG002 - the GradientReducer interface; a dense reduction keeps no per-buffer state
         if self.backend.world_size == 1:
             shard.copy_(grad.reshape(shard.shape))
             return CompletedWork()
-        buf = self._cast(grad)
-        out = self._cast(torch.empty_like(shard)) if buf is not grad else shard
+        buf, left = self._wire(grad)
+        out = shard if buf.dtype == shard.dtype else torch.empty_like(shard, dtype=buf.dtype)
         work = self.backend.ireduce_scatter(out, buf, ReduceOp.SUM)
-        return _Finish(work, lambda: _average_into(shard, out, self.backend.world_size))
+        return _Finish(work, lambda: _average_into(shard, out, left))
 
 
-def _average_into(dst: torch.Tensor, summed: torch.Tensor, world_size: int) -> None:
-    if summed is dst:
-        dst.div_(world_size)
-    else:
-        dst.copy_(summed.div_(world_size))
+def _average_into(dst: torch.Tensor, summed: torch.Tensor, divisor: int) -> None:
+    if divisor != 1:
+        summed.div_(divisor)
+    if summed is not dst:
+        dst.copy_(summed)
 
 
 class _Finish(Work):
