@@ -129,6 +129,56 @@ def test_uncompressed_momentum_correction_with_weight_decay_is_torch_momentum_sg
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        # head b: every rank at step % 3 == 0, rank 0 alone at 1, no rank at 2 (skipped by the step)
+        used = step % 3 == 0 or (step % 3 == 1 and rank == 0)
+        return self.a(h) + self.b(h) if used else self.a(h)
+
+
+def _heads() -> nn.Module:
+    return filled(_TwoHeads(), 0, scale=0.5)
+
+
+def _heads_train(
+    backend: CommunicationBackend, compressor: Compressor, zero2: bool
+) -> dict[str, torch.Tensor]:
+    model: Any = (ZeRO2Model if zero2 else DDPModel)(_heads(), backend, find_unused_parameters=True)
+    inner: Any = (ZeRO2Optimizer if zero2 else DDPOptimizer)(model, torch.optim.SGD, lr=LR, weight_decay=0.05)
+    opt = GradientCompressionOptimizer(inner, compressor, dense_below=0, momentum_correction=M)
+    for s in range(STEPS):
+        opt.zero_grad()
+        x, y = _batch(s, backend.rank)
+        nn.functional.cross_entropy(model(x, s, backend.rank), y).backward()
+        opt.step()
+    return dict(model.full_state_dict())
+
+
+@pytest.mark.parametrize(
+    ("compressor", "zero2"),
+    [(Dense(), False), (TopkA(density=1.0), True)],
+    ids=["dense-ddp", "topka-1-zero2"],
+)
+def test_a_skipped_parameter_keeps_its_velocity_as_torch_keeps_its_momentum(
+    compressor: Compressor, zero2: bool
+) -> None:
+    net = _heads()
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=M, weight_decay=0.05)
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = sum(nn.functional.cross_entropy(net(_batch(s, r)[0], s, r), _batch(s, r)[1]) for r in range(P))
+        (loss / P).backward()  # type: ignore[operator]
+        opt.step()
+    for got in run_world(P, _heads_train, compressor, zero2):
+        for k, want in net.state_dict().items():
+            torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-6)
+
+
 def test_masking_and_non_finite_leave_the_velocity_right() -> None:
     ef = ErrorFeedback(momentum=0.5)
     acc = ef.accumulate("b", torch.tensor([1.0, 2.0, 3.0]))

@@ -67,6 +67,7 @@ class ErrorFeedback:
         self._spares: dict[str, torch.Tensor] = {}
         self._velocities: dict[str, torch.Tensor] = {}
         self._velocity_spares: dict[str, torch.Tensor] = {}
+        self._dense_steps: set[str] = set()  # keys whose last velocity step was a dense one
 
     def accumulate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` in a float32 buffer owned by this object (valid until ``update``)."""
@@ -152,6 +153,21 @@ class ErrorFeedback:
         flat.copy_(new)
         if bool(torch.isfinite(new.sum())):
             self._commit_velocity(key, None)
+            self._dense_steps.add(key)
+
+    def keep_velocity(self, key: str, offset: int, numel: int) -> None:
+        """Put back elements ``[offset, offset + numel)`` of ``key``'s velocity as they were before its
+        last step, when that was a dense one (a parameter the optimizer step then skipped: torch leaves
+        its momentum buffer alone). The previous velocity is the spare buffer until the next step."""
+        u = self._velocities.get(key)
+        if key not in self._dense_steps or u is None:
+            return
+        old = self._velocity_spares.get(key)
+        part = u[offset : offset + numel]
+        if old is None:  # the first step: no velocity before it
+            part.zero_()
+        else:
+            part.copy_(old[offset : offset + numel])
 
     def update(
         self,
@@ -168,6 +184,7 @@ class ErrorFeedback:
         if self._spares.get(key) is not acc:
             raise ValueError(f"error feedback: update({key!r}) needs the buffer accumulate() returned")
         del self._spares[key]
+        self._dense_steps.discard(key)
         old = self._residuals.pop(key, None)
         if in_place:  # acc already holds acc - contributed
             pass
@@ -212,6 +229,7 @@ class ErrorFeedback:
         self._residuals = {k: v.detach().to(torch.float32).reshape(-1).clone() for k, v in residuals.items()}
         self._spares.clear()
         self._velocity_spares.clear()
+        self._dense_steps.clear()
         self._velocities = {}
         if self.momentum is not None:
             self._velocities = {
@@ -222,10 +240,12 @@ class ErrorFeedback:
         """Drop ``key``'s residual, velocity and spare buffers (the buffer starts afresh)."""
         for d in (self._residuals, self._spares, self._velocities, self._velocity_spares):
             d.pop(key, None)
+        self._dense_steps.discard(key)
 
     def clear(self) -> None:
         for d in (self._residuals, self._spares, self._velocities, self._velocity_spares):
             d.clear()
+        self._dense_steps.clear()
 
     def nbytes(self) -> int:
         """Bytes held: residuals, velocities and spare buffers."""

@@ -7,7 +7,9 @@ part of it: skipping the parameter would drop that update for good. :class:`Owed
 every step, which parameters have a nonzero residual on this rank; before the next step a parameter
 that is both skipped and owed is refused on every rank (the decision agreed by an all-reduce over dp,
 and over tp on a tensor-parallel mesh, where each tp rank's residuals differ, only in a step that skips
-a parameter). A buffer cut in two under tensor parallelism (:mod:`dtlab.compression.tp_parts`) keeps
+a parameter). Under momentum correction a skipped parameter's velocity is put back as it was before
+the step (a dense step decayed it: torch leaves a skipped parameter's momentum buffer alone). A buffer
+cut in two under tensor parallelism (:mod:`dtlab.compression.tp_parts`) keeps
 its residual as two parts: each parameter is read in the part that holds it."""
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class OwedParams:
         if self._tp is not None:  # each tp rank's residuals differ: every rank of the stage agrees
             self._tp.all_reduce(flag, ReduceOp.MAX)
         if not bool(flag[0]):
+            for pid, _, key, offset, numel in self._slots:  # momentum correction: torch leaves the
+                if pid in skipped:  # momentum of a skipped parameter alone, so does its velocity
+                    self.feedback.keep_velocity(key, offset, numel)
             return
         raise StrategyError(
             f"gradient compression with error feedback and find_unused_parameters=True: no rank used "
