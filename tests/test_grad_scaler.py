@@ -236,3 +236,44 @@ def _check(got: Record | str, scales: list[float], states: list[dict[str, torch.
     for s, (mine, want) in enumerate(zip(got[1], states, strict=True)):
         err = max(float((mine[k] - want[k]).abs().max()) for k in want)
         assert err <= 1e-5, f"{where} step {s}: max abs error {err:.2e}"
+
+
+class _Half(nn.Linear):
+    """A Linear whose parameters may be float16, taking and giving float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype)).float()
+
+
+def _float16_world(backend: CommunicationBackend, case: str) -> str:
+    """``case`` "zero2": every parameter float16; "pp": stage 1's only (the refusal must be agreed)."""
+    layers = [_Half(6, 6) for _ in range(2)]
+    if case == "pp":
+        layers[1].half()
+        model: Any = PipelineParallelModel(nn.Sequential(*layers), Mesh(backend, {"pp": 2}), micro_batches=2)
+        opt: Any = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    else:
+        model = wrap("zero2", nn.Sequential(*layers).half(), backend)
+        opt = optimizer_for("zero2", model, "sgd")
+    scaler = GradScaler("cpu")
+    x, y = torch.ones(4, 6), torch.zeros(4, 6)
+    if case == "pp":
+        model.train_step((x, y), lambda out, t: scaler.scale(F.mse_loss(out, t)))
+    else:
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+    try:
+        scaler.step(opt)
+    except StrategyError as exc:
+        return str(exc)
+    return "stepped"
+
+
+def test_float16_parameters_are_refused_as_torch_s_grad_scaler_does() -> None:
+    """float16 gradients unscaled in float16 underflow: refused on every rank (under a pipeline too,
+    where only stage 1 holds float16 parameters), naming the parameter and the fix."""
+    for case in ("zero2", "pp"):
+        said = run_world(2, _float16_world, case, timeout=60)
+        for rank, text in enumerate(said):
+            assert "Attempting to unscale FP16 gradients" in text and "torch.autocast" in text, (case, text)
+            if case == "zero2" or rank == 1:
+                assert "parameter '" in text and "is float16" in text, (case, text)

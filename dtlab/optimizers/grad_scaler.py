@@ -105,6 +105,8 @@ class GradScaler:
         #: this step's agreed overflow per optimizer (``id``), once unscaled; the optimizers stepped
         self._found_inf: dict[int, bool] = {}
         self._stepped: set[int] = set()
+        #: the optimizers whose parameters were checked (none float16, on every rank)
+        self._checked: set[int] = set()
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -136,6 +138,9 @@ class GradScaler:
                 f"GradScaler.unscale_(opt) after {by} since the last update(): call it once per step, after "
                 "the last backward and before step(opt)"
             )
+        if key not in self._checked:  # parameters' dtypes are fixed once wrapped: checked once
+            _refuse_float16(optimizer, target)
+            self._checked.add(key)
         self._found_inf[key] = not optimizer.grads_are_finite()
         target.scale_grads_(_f32(1.0 / self.scaler.scale))
 
@@ -194,6 +199,22 @@ class GradScaler:
             get("backoff_factor"),
         )
         s.growth_interval, s.good_steps = int(get("growth_interval")), int(get("_growth_tracker"))
+
+
+def _refuse_float16(optimizer: OptimizerStrategy, target: OptimizerTarget) -> None:
+    """torch's ``GradScaler.unscale_`` refuses float16 gradients ("Attempting to unscale FP16
+    gradients"): unscaled in float16, the small values loss scaling kept underflow to zero. Agreed over
+    every rank (a pipeline stage may hold float16 parameters where another does not)."""
+    half = [n for n, p in target.trainable_parameters() if p.dtype == torch.float16]
+    if optimizer.agree(not half):
+        return
+    where = f"parameter {half[0]!r} is" if half else "another rank's parameters are"
+    raise StrategyError(
+        f"GradScaler.unscale_(opt): {where} float16, so its gradients would be unscaled in float16, where "
+        "the small values loss scaling keeps underflow to zero (torch.amp.GradScaler refuses it too: "
+        "'Attempting to unscale FP16 gradients'). Keep float32 parameters and compute under "
+        "torch.autocast(device_type, dtype=torch.float16), or train bfloat16 parameters without a GradScaler"
+    )
 
 
 def _target(optimizer: object) -> OptimizerTarget:
