@@ -6,6 +6,7 @@ resumes at pp=2 (its copy on the last stage, with its AdamW state) as one proces
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -287,3 +288,22 @@ def test_stages_with_different_numbers_of_param_groups_resume_exactly_at_pp2() -
     out = run_world(1, _stage_groups_world, saved, 1, 1, timeout=120)[0]
     assert "refused" not in out, out
     assert max_rel_error(out["full"], whole[0]["full"]) <= 1e-12
+
+
+def test_a_malformed_param_group_of_one_stage_is_refused_on_every_rank() -> None:
+    """At pp > 1 each stage checks its own saved param groups: one stage's that cannot apply (a string
+    lr, not a list) is refused on every rank, not by that stage alone while the other waits in the next
+    collective (before: CollectiveTimeoutError 'can never complete' in memory, a hang on a backend)."""
+    saved = [r["shards"] for r in run_world(2, _stage_groups_world, None, 1, timeout=120)]
+    for junk in ("fast", None):
+        bad = []
+        for rank, (m, o) in enumerate(saved):
+            md = copy.deepcopy(o.metadata)
+            if rank == 1 and junk is None:
+                md["param_groups"] = "junk"
+            elif rank == 1:
+                md["param_groups"][0]["lr"] = junk
+            bad.append((m, ShardedState(o.tensors, md)))
+        said = [out.get("refused", "") for out in run_world(2, _stage_groups_world, bad, 1, timeout=120)]
+        assert "saved for another rank (pipeline stage) do not fit" in said[0], said
+        assert ("param_groups[0].lr='fast'" if junk else "param_groups='junk'") in said[1], said

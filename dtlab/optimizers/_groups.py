@@ -248,36 +248,43 @@ def saved_groups(shards: Sequence[ShardedState], entries: list[Entry]) -> Any:
 
 
 def check_groups(saved: Any, groups: list[dict[str, Any]], agree: Callable[[bool], bool]) -> bool:
-    """Saved param-group hyperparameters must be as many groups as the live ones (refused on every rank
-    alike, ``agree``, where any rank's differ), of the kind the live groups hold (a number where a
-    number is): a :class:`CheckpointError` naming the value otherwise, before anything is set. Returns
+    """Saved param-group hyperparameters must be a list of as many groups as the live ones, of the kind
+    the live groups hold (a number where a number is): else a :class:`CheckpointError` naming the value,
+    before anything is set, on every rank alike (``agree``: at pp > 1 each stage checks its own saved
+    groups, and a stage refusing alone would leave the others waiting in the next collective). Returns
     whether groups were saved (then as many as here)."""
-    if saved is None:
+    if saved is None:  # alike on every rank: every rank reads the same shards
         return False
+    problem = _groups_problem(saved, groups)
+    if agree(problem is None):
+        return True
+    raise CheckpointError(
+        problem
+        or "the checkpoint's optimizer param groups saved for another rank (pipeline stage) do not fit its "
+        "optimizer (its error names them); nothing was loaded. Build the param groups as when saving, or "
+        "do not load the optimizer state (start it fresh; checkpoint.reset_optimizer=true in dtlab train)"
+    )
+
+
+def _groups_problem(saved: Any, groups: list[dict[str, Any]]) -> str | None:
+    """Why ``saved`` (a checkpoint's param groups) cannot apply to ``groups``, or None."""
     if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
-        raise CheckpointError(
-            f"optimizer shard metadata: param_groups={summary(saved)}, expected a list of objects"
-        )
-    if not agree(len(saved) == len(groups)):  # torch's load_state_dict refuses it too
-        here = (
-            f"has {len(saved)} param group(s), this one {len(groups)}"
-            if len(saved) != len(groups)
-            else "has as many param groups as this one, but another rank's (pipeline stage's) differs"
-        )
-        raise CheckpointError(
-            f"the checkpoint's optimizer {here}: the saved options (lr, weight_decay, ...) and a scheduler's "
-            "state are per group, by position. Build the "
+        return f"optimizer shard metadata: param_groups={summary(saved)}, expected a list of objects"
+    if len(saved) != len(groups):  # torch's load_state_dict refuses it too
+        return (
+            f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}: the saved "
+            "options (lr, weight_decay, ...) and a scheduler's state are per group, by position. Build the "
             "param groups as when saving, or do not load the optimizer state (start it fresh; "
             "checkpoint.reset_optimizer=true in dtlab train)"
         )
     for i, (values, group) in enumerate(zip(saved, groups, strict=True)):
         for k, v in values.items():
             if k in group and k != "params" and not _same_kind(v, group[k]):
-                raise CheckpointError(
+                return (
                     f"optimizer shard metadata: param_groups[{i}].{k}={summary(v)}, but the optimizer "
                     f"holds {summary(group[k])} there"
                 )
-    return True
+    return None
 
 
 def check_members(
