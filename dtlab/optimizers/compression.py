@@ -23,7 +23,8 @@ update: it must be ``torch.optim.SGD`` with ``momentum=0``. Its weight decay get
 own in the optimizer state (``momentum_buffer``, :mod:`dtlab.optimizers._decay_velocity`), as in DGC's
 reference optimizer, and a sparse compressor at ``density=1.0`` sends dense (masking would zero the
 whole velocity), so without compression (dense path, warm-up, density 1.0) this is torch's
-``SGD(momentum=m, weight_decay=wd)`` on the global batch.
+``SGD(momentum=m, weight_decay=wd)`` on the global batch. ``clip_grad_norm_`` then clips (and measures)
+the synchronized velocity, the update after the momentum: one process clips the gradient before it.
 It is meant for the sparse algorithms: the dense-shaped compressors (PowerSGD, QSGD, casts) send no
 index set, so their velocity is never masked (measured: PowerSGD +9.2% LM perplexity with it, +1.1%
 with the optimizer's momentum; docs/compression.md).
