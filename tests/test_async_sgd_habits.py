@@ -44,12 +44,12 @@ def _loss(net: TwoHeads, t: int, worker: int) -> torch.Tensor:
     return loss + nn.functional.mse_loss(net.b(h), -y) if _uses_b(t, worker) else loss
 
 
-def _plain(workers: int, clip: float | None = None) -> dict[str, torch.Tensor]:
+def _plain(workers: int, clip: float | None = None, keep: bool = False) -> dict[str, torch.Tensor]:
     """One process: each step's loss is the workers' mean (the servers average the pushes)."""
     net = _net()
     opt = torch.optim.SGD(net.parameters(), **OPT)
     for t in range(STEPS):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not keep)
         (sum(_loss(net, t, w) for w in range(workers)) / workers).backward()  # type: ignore[operator]
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
@@ -58,7 +58,7 @@ def _plain(workers: int, clip: float | None = None) -> dict[str, torch.Tensor]:
 
 
 def _async(
-    backend: CommunicationBackend, staleness: int, servers: int, clip: float | None = None
+    backend: CommunicationBackend, staleness: int, servers: int, clip: float | None = None, keep: bool = False
 ) -> dict[str, Any]:
     opt = AsyncSGDOptimizer(
         _net(), backend, torch.optim.SGD, staleness=staleness, num_servers=servers, max_grad_norm=clip, **OPT
@@ -68,6 +68,8 @@ def _async(
     else:
         for t in range(STEPS):
             net: Any = opt.module
+            if keep:  # else step() clears the gradients it pushed (to None, as zero_grad() would)
+                opt.zero_grad(set_to_none=False)
             if t % 2:
                 opt.step(lambda: _loss(net, t, backend.rank - servers).backward())  # noqa: B023 - called at once
             else:
@@ -87,6 +89,15 @@ def test_a_parameter_without_a_gradient_is_skipped_as_torch_skips_it(
 ) -> None:
     want = _plain(workers)
     got = run_world(servers + workers, _async, staleness, servers, timeout=30)[0]
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_grad_set_to_none_false_keeps_a_used_parameter_stepped_as_torch() -> None:
+    """torch steps a zeroed .grad (head b after its first use, in the steps nobody uses it): so does
+    the server when the worker's last zero_grad() kept the gradients (step() then zeroes them)."""
+    want = _plain(2, keep=True)
+    got = run_world(3, _async, 0, 1, None, True, timeout=30)[0]
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
 

@@ -95,6 +95,7 @@ class AsyncSGDOptimizer:
         self._server: ShardServer | None = None
         self._watch: BackwardWatch | None = None  # a worker's: refuses partial gradients (a raised backward)
         self._finished = False
+        self._set_to_none = True  # how step() clears the pushed gradients: as the last zero_grad()
         self._clock = 0
         self.pushes = self.pulls = self.waits = 0
         self.blocked_s = 0.0
@@ -171,6 +172,7 @@ class AsyncSGDOptimizer:
         """Clear the replica's gradients (``step()`` also clears them after pushing); after a backward
         that raised partway, this drops its partial gradients (the bad batch is skipped)."""
         self.module.zero_grad(set_to_none=set_to_none)
+        self._set_to_none = set_to_none
         if self._watch is not None:
             self._watch.forget()
 
@@ -199,7 +201,9 @@ class AsyncSGDOptimizer:
             msg.flags.copy_(torch.tensor([had[i] for i, _, _ in self._pieces[k]], dtype=torch.uint8))
             msg.payload.copy_(self._flat_grad[k * c : (k + 1) * c])
             sends.append(self.backend.isend(msg.buffer, k, TAG_PUSH))
-        self.zero_grad(set_to_none=True)  # these gradients belong to parameters about to be replaced
+        # these gradients belong to parameters about to be replaced: cleared as the last zero_grad() did
+        # (zeroed after zero_grad(set_to_none=False): a used parameter is then stepped on, as in torch)
+        self.zero_grad(self._set_to_none)
         self.pushes += 1
         self._clock += 1
         self._pull()
