@@ -129,6 +129,34 @@ def test_uncompressed_momentum_correction_with_weight_decay_is_torch_momentum_sg
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _scheduled(backend: CommunicationBackend) -> list[torch.Tensor]:
+    inner = DDPOptimizer(DDPModel(_net(), backend), torch.optim.SGD, lr=LR, weight_decay=0.05)
+    schedule = torch.optim.lr_scheduler.StepLR(inner.optimizer, 2, 0.5)  # on the local SGD, then wrapped
+    opt = GradientCompressionOptimizer(inner, Dense(), momentum_correction=M)
+    for s in range(STEPS):
+        _step(opt, backend, s)
+        schedule.step()
+    return [p.detach().clone() for p in opt.model.module.parameters()]
+
+
+def test_a_scheduler_built_before_wrapping_follows_the_weight_decay_velocity_quietly(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=M, weight_decay=0.05)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    for s in range(STEPS):
+        xs, ys = zip(*(_batch(s, r) for r in range(P)), strict=True)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        schedule.step()
+    for params in run_world(P, _scheduled):
+        for got, want in zip(params, net.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert not [w for w in recwarn if "overridden" in str(w.message)]  # torch's check of a replaced step
+
+
 class _TwoHeads(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dtlab.core.torch_private import unhooked_step
+from dtlab.core.torch_private import quiet_scheduler_checks, unhooked_step
 
 __all__ = ["decay_with_momentum"]
 
@@ -66,6 +66,8 @@ def decay_with_momentum(optimizer: torch.optim.Optimizer, momentum: float) -> Ca
                 p.sub_(extra.mul_(lr))
         return loss
 
+    if getattr(previous, "_wrapped_by_lr_sched", False):  # a scheduler on it already: no false warning
+        quiet_scheduler_checks(optimizer, step)
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
     def remove() -> None:
