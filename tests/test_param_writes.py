@@ -431,3 +431,42 @@ def test_model_apply_reads_each_modules_prune_hooks_a_bounded_number_of_times(mo
     monkeypatch.setattr(_writes, "prune_hooks", counting)
     (modules,) = run_world(1, applied_walks, 24, walked, timeout=60)
     assert sum(walked) <= 4 * modules, (sum(walked), modules)
+
+
+def pruned_after_steps(backend: CommunicationBackend) -> list[str]:
+    """FSDP: three clean steps, then model.module pruned (the stand-ins): each step's outcome."""
+    model = wrap("fsdp", make_module(), backend)
+    opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = make_data(4, 8)
+    mine = slice(backend.rank * 4, (backend.rank + 1) * 4)
+    said = []
+    for i in range(4):
+        if i == 3:
+            model.module.apply(prune_linears)
+        try:
+            F.mse_loss(model(x[i, mine]), y[i, mine]).backward()
+            opt.step()
+            opt.zero_grad()
+            said.append("ran")
+        except StrategyError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_the_check_for_pruning_before_each_step_reads_the_hooks_only_after_a_change(monkeypatch: Any) -> None:
+    """ZeRO-3/FSDP's check before each step compares each unit-holding module's hook count, newest hook
+    and class with those of the last clean check, and reads the hooks only when one changed (before:
+    every step). Pruning after clean steps is still refused."""
+    from dtlab.models.dp._writes import ParamWrites
+
+    reads: list[int] = []
+    read = ParamWrites._prunings
+
+    def counted(self: ParamWrites) -> list[Any]:
+        reads.append(1)
+        return read(self)
+
+    monkeypatch.setattr(ParamWrites, "_prunings", counted)
+    for said in run_world(2, pruned_after_steps, timeout=60):
+        assert said[:3] == ["ran"] * 3 and "torch.nn.utils.prune applied after wrapping" in said[3], said
+    assert len(reads) == 2 * 2, len(reads)  # per rank: the first step's check, the one after pruning

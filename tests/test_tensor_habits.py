@@ -309,6 +309,49 @@ def test_pruning_after_wrapping_a_tensor_parallel_model_is_refused() -> None:
     assert "on pipeline rank(s) [0] was renamed" in other and "before wrapping" in other, other
 
 
+def pruned_after_steps(backend: CommunicationBackend) -> list[str]:
+    """tp=2: three clean steps, a forward pre-hook of the user's (nothing renamed), then prune: each
+    step's outcome."""
+    import torch.nn.utils.prune as prune
+
+    model = TensorParallelModel(build(), Mesh(backend, {"tp": 2}), plan=PLAN)
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    said = []
+    for step in range(5):
+        if step == 3:
+            model.module.fc2.register_forward_pre_hook(lambda *_: None)
+        if step == 4:
+            prune.l1_unstructured(model.module.fc2, "weight", amount=0.5)
+        x, y = data(step)
+        try:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            said.append("ran")
+        except StrategyError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_the_check_for_pruning_before_each_step_walks_the_tree_only_after_a_change(monkeypatch: Any) -> None:
+    """The check before each step compares each module's hook count, newest hook and class with those
+    of the last check, and walks the tree's hooks only when one changed (before: every step, about
+    1 us per module). Pruning after clean steps is still refused; the user's own hook is not."""
+    from dtlab.models.compose import _habits
+
+    walks: list[int] = []
+    walk = _habits._renamers
+
+    def counted(module: nn.Module) -> list[object]:
+        walks.append(1)
+        return walk(module)
+
+    monkeypatch.setattr(_habits, "_renamers", counted)
+    for said in run_world(2, pruned_after_steps, timeout=60):
+        assert said[:4] == ["ran"] * 4 and "no longer has ['fc2.weight']" in said[4], said
+    assert len(walks) == 2 * 3, len(walks)  # per rank: at wrapping, after the user's hook, after prune
+
+
 class Embedded(nn.Module):
     """A vocabulary-parallel embedding with a padding row, then a column/row-parallel block."""
 

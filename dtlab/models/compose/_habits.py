@@ -19,7 +19,7 @@ from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.core.torch_private import MODULE_HOOKS
 from dtlab.errors import StrategyError
 from dtlab.models.compose._comm import renamed_message
-from dtlab.models.dp._writes import prune_hooks
+from dtlab.models.dp._writes import pre_hook_marks, prune_hooks
 from dtlab.models.tensor._comm import gather_over_tp
 from dtlab.models.tensor._layers import VocabParallelEmbedding
 
@@ -56,6 +56,10 @@ class PartialState:
         )
         module.register_state_dict_pre_hook(self._refuse)
         self._known = {id(c): c for c in _renamers(module)}  # kept: ids are not reused
+        #: the modules at wrapping (only their weights are laid out) and their marks when last checked
+        self._watched = list(module.modules())
+        self._parametrized = [m for m in self._watched if parametrize.is_parametrized(m)]
+        self._marks = self._marks_now()
         if sharded:  # whole tensors into tp shards (torch's size mismatch, or a silent slice)
             module.register_load_state_dict_pre_hook(self._refuse_load)
 
@@ -78,6 +82,10 @@ class PartialState:
         """``then(who)`` (the check before a step) after refusing ``torch.nn.utils.prune`` or a
         parametrization applied to the wrapped module since wrapping: each renames the weight (the
         layout the composition saves and loads by) and, on a split layer, acts on this rank's slice."""
+        marks = self._marks_now()
+        if marks == self._marks:  # no hook added, no class swapped (a first parametrization): unchanged
+            then(who)
+            return
         new = {id(c) for c in _renamers(self.module)} - self._known.keys()
         if new:
             gone, now = [], []
@@ -93,7 +101,14 @@ class PartialState:
                         f"{n}.parametrizations.{t}" for t in _parametrized(m)
                     ]
             raise StrategyError(f"{self.who}: {renamed_message(gone, now)}")
+        self._marks = marks  # a hook of another kind: nothing renamed
         then(who)
+
+    def _marks_now(self) -> list[object]:
+        """:func:`pre_hook_marks` of the modules at wrapping, with the number of parametrized tensors of
+        those parametrized then (another one adds no hook and swaps no class)."""
+        marks: list[object] = [*pre_hook_marks(self._watched)]
+        return marks + [len(_parametrized(m)) for m in self._parametrized]
 
     def read(self, fn: Callable[[], T]) -> T:
         """``fn()`` (the data-parallel strategy's copy of the module's state) with the module open."""

@@ -14,7 +14,7 @@ the module being visited) or reads none (a mask given: ``prune.custom_from_mask`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -27,7 +27,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.dp._sharded_units import ShardUnit, UnitGatherer
 from dtlab.models.dp.flat import reshaped_error
 
-__all__ = ["ParamWrites", "prune_hooks"]
+__all__ = ["ParamWrites", "pre_hook_marks", "prune_hooks"]
 
 _APPLY = "model.apply(fn)"
 
@@ -42,6 +42,15 @@ def prune_hooks(module: nn.Module, recurse: bool = True) -> list[tuple[nn.Module
     pre = MODULE_HOOKS["register_forward_pre_hook"]
     modules = module.modules() if recurse else (module,)
     return [(m, h) for m in modules for h in pre(m).values() if isinstance(h, BasePruningMethod)]
+
+
+def pre_hook_marks(modules: Sequence[nn.Module]) -> list[tuple[type, int, object]]:
+    """What changes on each of ``modules`` when a forward pre-hook is added to it (as
+    ``torch.nn.utils.prune`` adds one) or its class swapped (a first ``torch.nn.utils.parametrize``):
+    its type, its pre-hook count and newest hook id (hook ids only grow); a fraction of a walk over
+    the hooks themselves, for the checks made before every step."""
+    pre = MODULE_HOOKS["register_forward_pre_hook"]
+    return [(type(m), len(d := pre(m)), next(reversed(d), None)) for m in modules]
 
 
 class ParamWrites:
@@ -63,6 +72,8 @@ class ParamWrites:
         #: the modules holding a unit's parameters: only a prune hook on one of them reads a stand-in
         self._holders = list({id(m): m for owners in self._owners.values() for m in owners.values()}.values())
         self._vet_pruning([module])  # wrapping: every hook present saw whole values
+        #: the holders' :func:`pre_hook_marks` when a check last found no prune hook left to vet
+        self._clean: list[tuple[type, int, object]] | None = None
 
     def _prunings(self) -> list[tuple[nn.Module, BasePruningMethod]]:
         return [x for m in self._holders for x in prune_hooks(m, recurse=False)]
@@ -75,13 +86,18 @@ class ParamWrites:
     def _refuse_pruning(self, when: str) -> None:
         """Refuse ``torch.nn.utils.prune`` applied since wrapping to a parameter parked then (the mask
         computed from its stand-in); one applied to a parameter kept whole computed it from the values."""
+        marks = pre_hook_marks(self._holders)
+        if marks == self._clean:  # no hook added since a check that found none to vet
+            return
+        suspects = [
+            m for m, h in self._prunings() if id(h) not in self._pruned and not isinstance(h, _VALUE_FREE)
+        ]
         names = []
-        for m, h in self._prunings():
+        for m in suspects:
             units = [
                 self.unit_of.get(id(p)) for n, p in m.named_parameters(recurse=False) if n.endswith("_orig")
             ]
-            parked = any(st is not None and not st.persistent for st in units)
-            if id(h) not in self._pruned and not isinstance(h, _VALUE_FREE) and parked:
+            if any(st is not None and not st.persistent for st in units):
                 names += [n for n, x in self.module.named_modules() if x is m]
         if names:
             at = self.at_rest
@@ -94,6 +110,7 @@ class ParamWrites:
                 "whole model gathered; prune.global_unstructured too); in model.apply(fn) prune only the "
                 "module fn is given (its children's parameters are parked again by then)"
             )
+        self._clean = None if suspects else marks
 
     def check(self, when: str, units: list[ShardUnit] | None = None) -> None:
         """Refuse writes into parked stand-ins of ``units`` (default: all) since they were parked: one
