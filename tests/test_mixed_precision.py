@@ -15,7 +15,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import load_config
-from dtlab.errors import ConfigError
+from dtlab.errors import ConfigError, StrategyError
 from dtlab.models.precision import MixedPrecisionPolicy
 from dtlab.testing import run_world
 from dtlab.trainers import Trainer
@@ -161,3 +161,25 @@ def test_float16_gradients_are_divided_before_they_are_summed() -> None:
         for name in STRATEGIES:
             for got in run_world(2, _near_fp16_max, name, dtype, timeout=60):
                 assert torch.equal(got, want.weight.detach()), (name, dtype, got)
+
+
+def _half_model_run(backend: CommunicationBackend, strategy: str) -> str:
+    sets = ["backend.name=inmemory", "backend.world_size=2", "logging.progress=false", "logging.run_dir=null"]
+    sets += ["data.global_batch_size=8", "train.eval_every=0", "train.steps=2", "train.precision=fp16"]
+    sets += [f"strategy.model={strategy}"]
+    data = _data()
+    half = torch.utils.data.TensorDataset(data.tensors[0].half(), data.tensors[1])
+    try:
+        Trainer(load_config(overrides=sets), backend, model=lambda: _net().half(), train_data=half)
+    except StrategyError as exc:
+        return str(exc)
+    return "built"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_fp16_with_a_float16_model_is_refused_as_torch_s_grad_scaler_does(strategy: str) -> None:
+    """A model built in float16 would have its gradients unscaled in float16 (underflow): refused on
+    every rank before any step, naming the parameter and the fix, as GradScaler refuses it."""
+    for text in run_world(2, _half_model_run, strategy, timeout=60):
+        assert "train.precision=fp16: parameter '0.weight' is float16" in text, text
+        assert "float32" in text and "train.precision=bf16" in text, text

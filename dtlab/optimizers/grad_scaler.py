@@ -25,7 +25,7 @@ from dtlab.errors import ArgumentError, StrategyError
 from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers.base import OptimizerStrategy
 
-__all__ = ["DynamicLossScaler", "GradScaler", "times_scale"]
+__all__ = ["DynamicLossScaler", "GradScaler", "refuse_float16", "times_scale"]
 
 
 def _f32(value: float) -> float:
@@ -139,7 +139,7 @@ class GradScaler:
                 "the last backward and before step(opt)"
             )
         if key not in self._checked:  # parameters' dtypes are fixed once wrapped: checked once
-            _refuse_float16(optimizer, target)
+            refuse_float16(optimizer, target, "GradScaler.unscale_(opt)", _FIX)
             self._checked.add(key)
         self._found_inf[key] = not optimizer.grads_are_finite()
         target.scale_grads_(_f32(1.0 / self.scaler.scale))
@@ -201,19 +201,25 @@ class GradScaler:
         s.growth_interval, s.good_steps = int(get("growth_interval")), int(get("_growth_tracker"))
 
 
-def _refuse_float16(optimizer: OptimizerStrategy, target: OptimizerTarget) -> None:
+_FIX = (
+    "Keep float32 parameters and compute under torch.autocast(device_type, dtype=torch.float16), or train "
+    "bfloat16 parameters without a GradScaler"
+)
+
+
+def refuse_float16(optimizer: OptimizerStrategy, target: OptimizerTarget, who: str, fix: str) -> None:
     """torch's ``GradScaler.unscale_`` refuses float16 gradients ("Attempting to unscale FP16
     gradients"): unscaled in float16, the small values loss scaling kept underflow to zero. Agreed over
-    every rank (a pipeline stage may hold float16 parameters where another does not)."""
+    every rank (a pipeline stage may hold float16 parameters where another does not); ``who`` is the
+    caller, ``fix`` what to do instead."""
     half = [n for n, p in target.trainable_parameters() if p.dtype == torch.float16]
     if optimizer.agree(not half):
         return
     where = f"parameter {half[0]!r} is" if half else "another rank's parameters are"
     raise StrategyError(
-        f"GradScaler.unscale_(opt): {where} float16, so its gradients would be unscaled in float16, where "
-        "the small values loss scaling keeps underflow to zero (torch.amp.GradScaler refuses it too: "
-        "'Attempting to unscale FP16 gradients'). Keep float32 parameters and compute under "
-        "torch.autocast(device_type, dtype=torch.float16), or train bfloat16 parameters without a GradScaler"
+        f"{who}: {where} float16, so its gradients would be unscaled in float16, where the small values "
+        "loss scaling keeps underflow to zero (torch.amp.GradScaler refuses it too: 'Attempting to unscale "
+        f"FP16 gradients'). {fix}"
     )
 
 

@@ -25,8 +25,9 @@ from dtlab.checkpoint.load import LoadedCheckpoint
 from dtlab.config import TrainConfig, check_world_size
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.lr_schedule import build_scheduler
+from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers.elastic import ElasticMember
-from dtlab.optimizers.grad_scaler import DynamicLossScaler
+from dtlab.optimizers.grad_scaler import DynamicLossScaler, refuse_float16
 from dtlab.parallel_config import run_plan
 from dtlab.trainers.build import build_model, build_optimizer_strategy, precision_policy
 from dtlab.trainers.custom import task_from_objects
@@ -69,6 +70,11 @@ from dtlab.trainers.step import train_step
 from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss
 
 __all__ = ["SchedulerFactory", "TrainResult", "Trainer"]
+
+_FP16_FIX = (
+    "Build the model in float32 (no .half(): train.precision=fp16 computes under float16 autocast over "
+    "float32 parameters), or set train.precision=bf16"
+)
 
 
 class Trainer:
@@ -189,6 +195,9 @@ class Trainer:
                 f"train.precision=fp16 needs a model strategy that can unscale its gradients "
                 f"(scale_grads_); {type(self.model).__name__} cannot: use bf16"
             )
+        # the same refusal as GradScaler's (and torch's), agreed on every rank
+        if self.scaler is not None and isinstance(self.model, OptimizerTarget):
+            refuse_float16(self.optimizer, self.model, "train.precision=fp16", _FP16_FIX)
         self._recorded_run_dir: str | None = None  # the run directory a resumed checkpoint's run wrote
         self.resumed_from: str | None = None
         self.resume_notes: list[str] = []
