@@ -3,7 +3,12 @@
 tensors of another shape, which the strategy's buckets and shards were not laid out for (DDP, ZeRO-1
 and ZeRO-2 stopped in backward with autograd's raw size error): refused at the next forward with
 gradients, naming the parameter, the call and the fix, under DDP, ZeRO-1/2/3 and FSDP; resized before
-wrapping it trains as one process. Tiny configs in memory (no network)."""
+wrapping it trains as one process. ``model.module.generate(...)`` under ZeRO-3 and FSDP with prompts
+that take a different number of forwards per rank (``max_length`` over prompts of 2 and 3 tokens):
+the rank that finished first met the other's next gather with its own next call (a collective mismatch
+in memory, a hang under FSDP on Gloo); now both ranks refuse, naming the fixes, and stay usable:
+generating inside ``summon_full_params()`` or a fixed number of new tokens gives one process's tokens.
+Tiny configs in memory (no network)."""
 
 from __future__ import annotations
 
@@ -81,3 +86,45 @@ def test_resize_token_embeddings_after_wrapping_is_refused_naming_the_fix() -> N
             assert "hf_model.resize_token_embeddings(n), then wrap" in got, got
             state = res[f"{name}/before"]
             assert max(rel_error(state[k], v) for k, v in ref.state_dict().items()) <= 1e-5, name
+
+
+def _generated(backend: CommunicationBackend) -> dict[str, Any]:
+    x, _ = token_batch(2, seed=3)
+    prompt = x[:, : 2 + backend.rank]  # 2 tokens on rank 0, 3 on rank 1
+    out: dict[str, Any] = {}
+    for name in ("zero3", "fsdp"):
+        net = _net(resized=False).eval()
+        model = STRATEGIES[name][0](net, backend, **_options(name))
+        with torch.no_grad():
+            with pytest.raises(StrategyError) as info:  # rank 0 generates one token more
+                net.generate(prompt, max_length=7, do_sample=False)
+                model.state_dict()
+            out[f"{name}/refused"] = str(info.value)
+            with model.summon_full_params(writeback=False):  # no collective per forward
+                out[f"{name}/summoned"] = net.generate(prompt, max_length=7, do_sample=False)
+            out[f"{name}/fixed"] = net.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        out[f"{name}/state"] = model.state_dict()  # in step again
+    return out
+
+
+def test_generate_with_a_different_number_of_forwards_per_rank_is_refused_on_every_rank() -> None:
+    x, _ = token_batch(2, seed=3)
+    plain = _net(resized=False).eval()
+    with torch.no_grad():
+        want = [plain.generate(x[:, : 2 + r], max_length=7, do_sample=False) for r in range(2)]
+        fixed = [
+            plain.generate(x[:, : 2 + r], max_new_tokens=3, min_new_tokens=3, do_sample=False)
+            for r in range(2)
+        ]
+    assert want[0].shape[1] - 2 != want[1].shape[1] - 3  # a different number of forwards per rank
+    results = run_world(2, _generated, timeout=120)
+    for rank, res in enumerate(results):
+        for name in ("zero3", "fsdp"):
+            got = res[f"{name}/refused"]
+            assert "the ranks of the data-parallel group ran different numbers of forwards" in got, got
+            assert "model.state_dict()" in got and "model.module.generate(...)" in got, got
+            for fix in ("summon_full_params(writeback=False)", "min_new_tokens=n", "synced_gpus=True"):
+                assert fix in got, (fix, got)
+            assert torch.equal(res[f"{name}/summoned"], want[rank]), name
+            assert torch.equal(res[f"{name}/fixed"], fixed[rank]), name
+            assert all(torch.equal(v, plain.state_dict()[k]) for k, v in res[f"{name}/state"].items())

@@ -1,9 +1,5 @@
-"""What ZeRO-3 and FSDP share: parameters sharded at rest, gathered on demand, gradients reduce-scattered.
-
-A unit's gradients, once all accumulated, are copied into one padded flat buffer, released, and
-reduce-scattered into the unit's gradient shard; the unit is then freed (docs/strategies.md, "How it
-works", describes the gathering, saved-tensor references and the end-of-backward wait).
-"""
+"""What ZeRO-3 and FSDP share: parameters sharded at rest, gathered on demand, gradients reduce-scattered
+(docs/strategies.md, "How it works": the gathering, saved-tensor references, the end-of-backward wait)."""
 
 from __future__ import annotations
 
@@ -19,6 +15,7 @@ from dtlab.core.broadcast import broadcast_from_rank0
 from dtlab.core.saved_params import outer_saved_hooks
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
+from dtlab.models.dp._direct import GATHER, STATE, DirectForwards
 from dtlab.models.dp._grad_call import autograd_grad_message, grads_returned
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
@@ -96,9 +93,9 @@ class ShardedModel(DataParallelModel):
         self._frozen_pass = False
         self.module.register_state_dict_pre_hook(self._refuse_partial_state)
         self.module.register_load_state_dict_pre_hook(self._refuse_partial_load)
-        self._hooks = GroupHooks(
-            self._at_rest, self._begin_backward, bool(reshard_after_forward), bool(prefetch)
-        )
+        self._direct = DirectForwards(self._at_rest, self, self.module)  # model.module.generate() in step
+        hooks = (self._begin_backward, bool(reshard_after_forward), bool(prefetch), self._direct.hook)
+        self._hooks = GroupHooks(self._at_rest, *hooks)
         self._register_grad_hooks(self._on_grad)
 
     @property
@@ -261,6 +258,7 @@ class ShardedModel(DataParallelModel):
         """Every unit gathered once for the block and kept for all its forwards and backwards (a
         pipeline step: one all-gather per unit instead of two per micro-batch); freed after it unless
         gathered before it."""
+        self._direct.settle(GATHER)
         self._writes.check(when)
         self._wrapped_as.check()  # a gather would undo model.module.double() silently
         held = [st for st in self._units if not st.persistent]
@@ -368,6 +366,7 @@ class ShardedModel(DataParallelModel):
             )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:  # a rank saving alone is named (watched gather)
+        self._direct.settle(STATE)
         with self._at_rest.watched("model.state_dict()", not self._backward.open and self.forward_wait_s > 0):
             return super().full_state_dict()
 

@@ -265,8 +265,11 @@ class GroupHooks:
         begin_backward: Callable[[], None],
         reshard_after_forward: bool,
         prefetch: bool,
+        direct: tuple[nn.Module, Callable[[nn.Module, Any], None]],
     ) -> None:
         self.at_rest = at_rest
+        #: the wrapped module and its first forward pre-hook (``_direct.DirectForwards``)
+        self.direct = direct
         self.begin_backward = begin_backward
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
@@ -288,6 +291,10 @@ class GroupHooks:
             self._handles.append(gmod.register_forward_pre_hook(hook, prepend=True))
             hook = _GatherHook(partial(self._post_forward, gi), self.for_compile, at)
             self._handles.append(gmod.register_forward_hook(hook))
+        root, before = self.direct  # installed last and prepended: before the root's own unit's gather
+        self._handles.append(
+            root.register_forward_pre_hook(_GatherHook(before, self.for_compile, at), prepend=True)
+        )
 
     def remove(self) -> None:
         for handle in self._handles:
