@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as st_save
 
-from dtlab.checkpoint.safe_files import replace_file
+from dtlab.checkpoint.safe_files import write_output
 from dtlab.core.shard_index import ShardIndex
 from dtlab.core.state import ShardedState
 from dtlab.errors import UnsafePathError
@@ -48,13 +48,7 @@ def consolidate(checkpoint: str | Path, output: str | Path) -> Path:
     strategy = ckpt.meta.get("strategy", {})
     metadata = {"step": str(ckpt.step), "source": str(ckpt.path), "strategy": str(strategy)[:4096]}
     data = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
-    try:
-        replace_file(out, data)  # a link at ``out`` is replaced by the file, its target left untouched
-    except OSError as exc:
-        raise UnsafePathError(
-            f"-o {out} cannot be written: {exc.strerror or exc}; choose a file in a directory this user "
-            "can write"
-        ) from None
+    write_output(out, data, f"-o {out}")
     return out
 
 

@@ -27,7 +27,16 @@ from typing import IO
 
 from dtlab.errors import CheckpointError, UnsafePathError
 
-__all__ = ["PIECE", "check_inside", "inside", "open_text", "read_inside", "replace_file", "write_new"]
+__all__ = [
+    "PIECE",
+    "check_inside",
+    "inside",
+    "open_text",
+    "read_inside",
+    "replace_file",
+    "write_new",
+    "write_output",
+]
 
 #: bytes read at a time while hashing
 PIECE = 1 << 20
@@ -154,6 +163,20 @@ def replace_file(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_output(path: Path, data: bytes, shown: str) -> None:
+    """:func:`replace_file` for an output the user named (``shown``: as given, e.g. ``-o out.png``), its
+    directory made first; where nothing can be written there (a read-only directory, /proc, a parent
+    that is a file) one :class:`UnsafePathError` naming it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(path, data)  # a link at ``path`` is replaced by the file, its target left untouched
+    except OSError as exc:
+        raise UnsafePathError(
+            f"{shown} cannot be written: {exc.strerror or exc}; choose a file in a directory this user "
+            "can write"
+        ) from None
 
 
 def _refuse_link(path: Path, fix: str) -> UnsafePathError:

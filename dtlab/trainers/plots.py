@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtlab.checkpoint.safe_files import replace_file
-from dtlab.errors import ConfigError, UnsafePathError
+from dtlab.checkpoint.safe_files import write_output
+from dtlab.errors import ConfigError
 
 __all__ = ["Curves", "plot_runs", "read_curves", "write_loss_png"]
 
@@ -122,14 +122,7 @@ def plot_runs(runs: list[Curves], out: str | Path, title: str | None = None) -> 
     out = Path(out)
     image = io.BytesIO()
     fig.savefig(image, format=out.suffix.lstrip(".") or "png")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        replace_file(out, image.getvalue())  # a link planted at the name is replaced, not written through
-    except OSError as exc:
-        raise UnsafePathError(
-            f"{out} cannot be written: {exc.strerror or exc}; choose a file in a directory this user "
-            "can write"
-        ) from None
+    write_output(out, image.getvalue(), str(out))
     return out
 
 
