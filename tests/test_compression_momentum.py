@@ -286,3 +286,60 @@ def _resume(backend: CommunicationBackend, zero2: bool, root: Path) -> dict[str,
 def test_resume_with_momentum_correction_is_exact(tmp_path: Path, zero2: bool) -> None:
     for r in run_world(P, _resume, zero2, tmp_path / "ck"):
         assert r["exact"]
+
+
+def _global(s: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s part of step ``s``'s global batch of 20 (the same global batch at any size)."""
+    g = torch.Generator().manual_seed(s)
+    x, y = torch.randn(20, 6, generator=g), torch.randint(0, 3, (20,), generator=g)
+    return x.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def _resized(backend: CommunicationBackend, compressor: Compressor, saved: Any) -> Any:
+    """4 ranks: 3 steps, then every rank's shards; 5 ranks: load them, 3 more steps."""
+    opt = _build(backend, compressor, False, wd=0.05)
+    if saved is not None:
+        opt.model.load_sharded_state_dict(saved[0])
+        opt.load_sharded_state_dict(saved[1])
+    for s in range(3) if saved is None else range(3, STEPS):
+        opt.zero_grad()
+        opt.model.train_step(_global(s, backend.rank, backend.world_size), nn.functional.cross_entropy)
+        opt.step()
+    residuals = {k: opt.reducer.error_feedback.residual(k) for k in opt.reducer.error_feedback.keys()}
+    shards = (opt.model.sharded_state_dict(), opt.sharded_state_dict())
+    everyone = backend.all_gather_object(shards)
+    return [s[0] for s in everyone], [s[1] for s in everyone], residuals, list(opt.model.module.parameters())
+
+
+@pytest.mark.parametrize("compressor", [Dense(), TopkA(density=0.1)], ids=["dense", "topka-10pct"])
+def test_a_resize_keeps_the_mean_residual_and_velocity(compressor: Compressor) -> None:
+    """4 -> 5 ranks (the 83-element bucket padded to 84, then 85): each new rank restores the old ranks'
+    mean residual and velocity. Dense: momentum SGD with its momentum intact (equal to one process);
+    lossy: what the residuals owe is kept."""
+    first = run_world(4, _resized, compressor, None)
+    saved = (first[0][0], first[0][1])
+    then = run_world(5, _resized, compressor, saved)
+    if isinstance(compressor, Dense):
+        net = _net()
+        opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=M, weight_decay=0.05)
+        for s in range(STEPS):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(_global(s, 0, 1)[0]), _global(s, 0, 1)[1]).backward()
+            opt.step()
+        for got, want in zip(then[0][3], net.parameters(), strict=True):
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+        return
+    reloaded = run_world(5, _reload_resized, compressor, saved)
+    for key, old in first[0][2].items():
+        owed = sum(r[2][key] for r in first) / 4
+        assert old is not None and owed.numel() == 84 and float(owed.abs().sum()) > 0, key
+        for new in reloaded:
+            torch.testing.assert_close(
+                new[key], torch.cat([owed[:83], owed.new_zeros(2)]), rtol=1e-6, atol=1e-7
+            )
+
+
+def _reload_resized(backend: CommunicationBackend, compressor: Compressor, saved: Any) -> Any:
+    opt = _build(backend, compressor, False, wd=0.05)
+    opt.load_sharded_state_dict(saved[1])
+    return {k: opt.reducer.error_feedback.residual(k) for k in opt.reducer.error_feedback.keys()}

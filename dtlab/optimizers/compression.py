@@ -47,6 +47,7 @@ from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers._compression_owed import OwedParams
+from dtlab.optimizers._compression_resize import averaged_state
 from dtlab.optimizers._decay_velocity import decay_with_momentum
 from dtlab.optimizers.base import OptimizerStrategy, WrappingStrategy
 
@@ -198,6 +199,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
         metadata["compression"] = {
             "compressor": self.compressor.describe(),
             "world_size": backend.world_size,
+            "dp_world_size": self.model.dp_backend.world_size,
             "rank": backend.rank,
             "model_strategy": self.model.strategy_name,
             **meta,
@@ -245,6 +247,8 @@ class GradientCompressionOptimizer(WrappingStrategy):
         reason = None
         if len(shards) != p:
             reason = f"the checkpoint was written by {len(shards)} ranks, this run has {p}"
+            if self._load_resized(shards, saved, reason):
+                return
         elif not isinstance(mine, dict):
             reason = f"rank {me}'s shard holds no compression state"
         elif mine.get("model_strategy", self.model.strategy_name) != self.model.strategy_name:
@@ -273,6 +277,40 @@ class GradientCompressionOptimizer(WrappingStrategy):
         own = {k[len(PREFIX) :]: v for k, v in shards[me].tensors.items() if k.startswith(PREFIX)}
         self.reducer.load_state_dict(own, mine, compressor_state=same)
         self._owed.record()
+
+    def _load_resized(self, shards: Sequence[ShardedState], saved: Sequence[Any], written: str) -> bool:
+        """Another data-parallel world size: each rank restores the old ranks' mean residuals and
+        velocities (:mod:`dtlab.optimizers._compression_resize`); False where that does not apply."""
+        metas = [m for m in saved if isinstance(m, dict)]
+        if len(metas) != len(saved) or any(
+            m.get("model_strategy") != self.model.strategy_name for m in metas
+        ):
+            return False
+        if self.model.world_backend.world_size != self.model.dp_backend.world_size:
+            return False  # on a mesh: each rank's buffers are its own slices
+        try:  # this run's buffers: a saved one is refitted where only its padding differs
+            sizes = {u.key: (u.numel, u.padded) for u in getattr(self.model, "shard_units", list)()}
+        except StrategyError:
+            sizes = {}
+        got = averaged_state(shards, PREFIX, metas, sizes)
+        log = logging.getLogger(__name__)
+        me = self.model.world_backend.rank
+        if isinstance(got, str):
+            if me == 0:
+                log.warning("compression state not restored: %s; %s: it starts afresh", written, got)
+            return True
+        self.reducer.load_state_dict(*got, compressor_state=False)
+        self._owed.record()
+        if me == 0:
+            log.warning(
+                "compression state resharded: %s; every rank restores the mean of the %d ranks' "
+                "error-feedback residuals and momentum-correction velocities (what they owe, and the "
+                "momentum, are kept) and the iteration counts; the compressor's own state (thresholds, "
+                "boundaries, factors) starts afresh",
+                written,
+                len(shards),
+            )
+        return True
 
     def remove(self) -> OptimizerStrategy:
         """Put the model's previous reducer back and return the inner optimizer strategy."""
