@@ -8,15 +8,18 @@ that take a different number of forwards per rank (``max_length`` over prompts o
 the rank that finished first met the other's next gather with its own next call (a collective mismatch
 in memory, a hang under FSDP on Gloo); now both ranks refuse, naming the fixes, and stay usable:
 generating inside ``summon_full_params()`` or a fixed number of new tokens gives one process's tokens.
-Tiny configs in memory (no network)."""
+``save_pretrained`` of the wrapped module under ZeRO-3 and FSDP is refused naming Hugging Face's call
+with the gathered state, and both that and ``save_pretrained`` inside ``summon_full_params()`` reload
+bitwise with ``from_pretrained``. Tiny configs in memory (no network)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from hf_cases import VOCAB, llama, rel_error, token_batch
+from hf_cases import VOCAB, llama, rel_error, token_batch, transformers_module
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -128,3 +131,32 @@ def test_generate_with_a_different_number_of_forwards_per_rank_is_refused_on_eve
             assert torch.equal(res[f"{name}/summoned"], want[rank]), name
             assert torch.equal(res[f"{name}/fixed"], fixed[rank]), name
             assert all(torch.equal(v, plain.state_dict()[k]) for k, v in res[f"{name}/state"].items())
+
+
+def _saved(backend: CommunicationBackend, root: Path) -> dict[str, str]:
+    out = {}
+    main = backend.rank == 0
+    for name in ("zero3", "fsdp"):
+        net = _net(resized=False)
+        model = STRATEGIES[name][0](net, backend, **_options(name))
+        with pytest.raises(StrategyError) as info:
+            net.save_pretrained(root / f"{name}-module", is_main_process=main)
+        out[name] = str(info.value)
+        state = model.state_dict()  # collective: every rank
+        net.save_pretrained(root / f"{name}-state", state_dict=dict(state), is_main_process=main)
+        with model.summon_full_params(writeback=False):
+            net.save_pretrained(root / f"{name}-summoned", is_main_process=main)
+    return out
+
+
+def test_save_pretrained_under_zero3_and_fsdp_is_refused_on_a_part_and_reloads_bitwise_gathered(
+    tmp_path: Path,
+) -> None:
+    transformers = transformers_module()
+    want = _net(resized=False).state_dict()
+    for name, got in run_world(2, _saved, tmp_path, timeout=120)[0].items():
+        assert "(which Hugging Face's save_pretrained() calls) would be empty tensors" in got, got
+        assert "hf_model.save_pretrained(path, state_dict=state, is_main_process=rank == 0)" in got, got
+        for how in ("state", "summoned"):
+            back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / f"{name}-{how}")
+            assert all(torch.equal(back.state_dict()[k], v) for k, v in want.items()), (name, how)
