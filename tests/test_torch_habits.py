@@ -143,17 +143,30 @@ def test_zero3_says_when_nothing_is_sharded() -> None:
 
 
 def test_torch_constructor_options_are_named_with_the_fix() -> None:
-    """torch DDP's ``device_ids=[local_rank]`` (and FSDP2's ``mp_policy=``, ``static_graph=``...) stopped
+    """torch DDP's ``device_ids=[local_rank]`` (and FSDP2's ``mp_policy=``, ``init_sync=False``...) stopped
     with Python's bare 'DataParallelModel.__init__() got an unexpected keyword argument': each now names
     the wrapper, the option and what to do instead (still a TypeError). ``model.join()`` (uneven inputs)
     raised a bare AttributeError: it names the fix (the same number of batches on every rank)."""
 
     def build(backend: Any) -> list[str]:
         said = []
-        for name, option in (("ddp", "device_ids"), ("fsdp", "mp_policy"), ("zero1", "static_graph")):
+        for name, option, value in (
+            ("ddp", "device_ids", [0]),
+            ("fsdp", "mp_policy", "bf16"),
+            ("zero1", "init_sync", False),
+        ):
             with pytest.raises(TypeError) as info:
-                wrap(name, make_module(), backend, **{option: None})
+                wrap(name, make_module(), backend, **{option: value})
             said.append(str(info.value))
+        # torch's defaults and its layout or tracing hints ask for what the strategy does anyway: taken
+        same = {
+            "device_ids": None,
+            "output_device": None,
+            "static_graph": True,
+            "gradient_as_bucket_view": True,
+        }
+        wrap("ddp", make_module(), backend, **same, init_sync=True, process_group=None)
+        wrap("fsdp", make_module(), backend, mp_policy=None, mesh=None)
         with pytest.raises(StrategyError) as joined:  # torch DDP's uneven inputs: AttributeError before
             wrap("zero3", make_module(), backend).join()
         return [*said, str(joined.value)]
@@ -162,7 +175,7 @@ def test_torch_constructor_options_are_named_with_the_fix() -> None:
     assert "ZeRO3Model has no join()" in said[3] and "dtlab.data.DistributedSampler" in said[3], said[3]
     assert "DDPModel(device_ids=...)" in said[0] and "module.to(backend.device)" in said[0], said[0]
     assert "FSDPModel(mp_policy=...)" in said[1] and "torch.autocast" in said[1], said[1]
-    assert "ZeRO1Model(static_graph=...)" in said[2] and "drop it" in said[2], said[2]
+    assert "ZeRO1Model(init_sync=...)" in said[2] and "drop it" in said[2], said[2]
 
 
 def test_zero3_names_tied_weights_when_they_keep_everything_whole() -> None:

@@ -238,14 +238,32 @@ _TORCH_OPTIONS = {
     "process_group": "pass the group as the backend argument (on a mesh: mesh['dp'])",
     "mesh": "pass the group as the backend argument; for 2-D sharding use HybridShardedModel",
     "mp_policy": "keep float32 parameters, compute under torch.autocast (reduce_dtype=: the reduction)",
-    "static_graph": "drop it: nothing is traced or recorded across steps",
-    "gradient_as_bucket_view": "drop it: under DDPModel param.grad already views the reduced bucket",
     "init_sync": "drop it: the module is broadcast from rank 0 when wrapped",
 }
 
 
-def torch_option_refused(who: str, options: dict[str, Any]) -> ArgumentTypeError:
-    """The error for constructor options ``who`` does not take, naming torch's counterparts' fix."""
+#: values of those options that ask for what the strategy does anyway (torch's defaults; a layout or
+#: tracing hint, which changes no result): taken, so a ported call need not drop them
+_SAME_RESULT: dict[str, tuple[Any, ...]] = {
+    "device_ids": (None,),
+    "output_device": (None,),
+    "process_group": (None,),
+    "mesh": (None,),
+    "mp_policy": (None,),
+    "static_graph": (False, True),
+    "gradient_as_bucket_view": (False, True),
+    "init_sync": (True,),
+}
+
+
+def torch_option_refused(who: str, options: dict[str, Any]) -> ArgumentTypeError | None:
+    """The error for constructor options ``who`` does not take, naming torch's counterparts' fix; None
+    where each is one of torch's that asks for what ``who`` does anyway (``device_ids=None``,
+    ``static_graph=True``)."""
+    taken = {k: v for k, v in options.items() if any(v is x for x in _SAME_RESULT.get(k, ()))}
+    options = {k: v for k, v in options.items() if k not in taken}
+    if not options:
+        return None
     name = next(iter(options))
     fix = _TORCH_OPTIONS.get(name)
     said = f"torch's {name}= has no counterpart here: {fix}" if fix else f"{name}= is not one of its options"

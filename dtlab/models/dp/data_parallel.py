@@ -49,8 +49,8 @@ class DataParallelModel(OptimizerTarget):
         world: CommunicationBackend | None = None,
         **unknown: Any,  # torch DDP's device_ids=, static_graph=...: named with the fix
     ) -> None:
-        if unknown:
-            raise torch_option_refused(type(self).__name__, unknown)
+        if unknown and (refused := torch_option_refused(type(self).__name__, unknown)) is not None:
+            raise refused
         super().__init__(module, backend, world=world)
         self._trainable = check_module(module, backend, type(self).__name__)
         if reduce_dtype is not None and not (
