@@ -87,6 +87,9 @@ def test_bad_names_and_impossible_choices() -> None:
         init_backend(env={}, timeout=0)
     with pytest.raises(BackendInitError, match="runs one rank, but the launcher started 4"):
         init_backend("inmemory", env=TORCHRUN)
+    with pytest.raises(BackendInitError, match="torchrun starts no MPI ranks") as mpi:
+        init_backend("mpi", env=TORCHRUN)  # before MPI starts: each process a world of 1, alone
+    assert "mpiexec -n 4" in str(mpi.value) and "'auto'" in str(mpi.value)
     with pytest.raises(BackendInitError, match="needs torchrun's RANK"):
         init_backend("gloo", env={"PMI_RANK": "0", "PMI_SIZE": "2"})
     if not _cuda():

@@ -211,6 +211,14 @@ def _start(
             1, timeout=timeout or DEFAULT_TIMEOUT["inmemory"], device=device or "cpu"
         ).backend(0)
     if chosen == "mpi":
+        mpi_vars = {v for r, sz, _ in MPI_VARS for v in (r, sz) if v}
+        if info.launcher == "torchrun" and (info.world_size or 1) > 1 and not mpi_vars & set(info.found):
+            raise BackendInitError(
+                f"init_backend('mpi') under torchrun ({info.world_size} processes; found "
+                f"{_found_text(info.found)}): torchrun starts no MPI ranks, so each process would be an MPI "
+                f"world of its own, training alone; start with mpiexec -n {info.world_size} for 'mpi', or "
+                "use 'auto' (or 'gloo', 'nccl') under torchrun"
+            )
         from dtlab.backends.mpi import MPIBackend
 
         mpi = MPIBackend(timeout=timeout, device=device or "cpu")
