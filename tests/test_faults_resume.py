@@ -183,7 +183,8 @@ def test_fresh_run_keeps_every_step_it_did_not_write(saved: Path) -> None:
     ids = {p.name: json.loads((p / "meta.json").read_text())["run"]["id"] for p in saved.glob("step_*")}
     res = _train(saved, 4, "checkpoint.keep_last=1")  # resume=false: a fresh run in a used directory
     assert res.resumed_from is None and res.start_step == 0
-    assert any("this run does not continue" in n for n in res.resume_notes)
+    note = [n for n in res.resume_notes if "this run does not continue" in n]
+    assert len(note) == 1 and "to continue from them instead, set checkpoint.resume=true" in note[0], note
     # the old run's step 2 and 4 were in the way of this run's saves: renamed, not replaced; this run's
     # own step 2 was pruned (keep_last=1); the old run's step 6 is untouched
     assert _steps(saved) == ["step_00000004", "step_00000006"]

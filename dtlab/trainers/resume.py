@@ -172,6 +172,11 @@ def foreign_steps_note(config: TrainConfig, owned: set[str]) -> str | None:
         f"this run does not continue ({', '.join(others[-3:])}{', ...' if len(others) > 3 else ''}): "
         "it keeps them (never pruned; one in the way of a save is renamed superseded-...), and "
         "'latest' will name this run's checkpoints"
+        + (
+            "; to continue from them instead, set checkpoint.resume=true"
+            if not config.checkpoint.resume
+            else ""
+        )
     )
 
 
