@@ -128,3 +128,20 @@ def test_max_grad_norm_under_staleness_and_non_elementwise_optimizers_are_refuse
     assert "staleness=2" in clip and "max_grad_norm=1.0" in clip and "clip_grad_norm_" in clip
     assert "Adafactor" in adafactor and "element-wise" in adafactor
     assert "LBFGS" in lbfgs and "closure" in lbfgs
+
+
+def _old_layout(backend: CommunicationBackend) -> str:
+    opt = AsyncSGDOptimizer(_net(), backend, torch.optim.SGD, lr=0.1, momentum=0.9)
+    if not opt.is_server:
+        return ""
+    state = opt.state_dict()
+    flat = torch.nn.Parameter(state["shard"].clone())  # one tensor over the whole shard: the old layout
+    state["optimizer"] = torch.optim.SGD([flat], lr=0.1, momentum=0.9).state_dict()
+    with pytest.raises(StrategyError) as info:
+        opt.load_state_dict(state)
+    return str(info.value)
+
+
+def test_a_server_state_saved_as_one_flat_tensor_is_refused_naming_the_layout() -> None:
+    text = run_world(2, _old_layout)[0]
+    assert "covers 1 tensors" in text and "one per parameter piece" in text
