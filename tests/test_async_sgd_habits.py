@@ -2,7 +2,7 @@
 step) is skipped as torch's optimizer skips a ``.grad`` of None, per clock at staleness 0 and per push
 otherwise; ``max_grad_norm`` clips the global batch's gradient (staleness 0; refused otherwise, naming
 the per-worker clip); optimizers whose step of a piece differs (Adafactor) or that need a closure
-(LBFGS) are refused; ``step(closure)``."""
+(LBFGS) are refused; ``step(closure)``; param groups with a schedule on the servers."""
 
 from __future__ import annotations
 
@@ -145,3 +145,65 @@ def _old_layout(backend: CommunicationBackend) -> str:
 def test_a_server_state_saved_as_one_flat_tensor_is_refused_naming_the_layout() -> None:
     text = run_world(2, _old_layout)[0]
     assert "covers 1 tensors" in text and "one per parameter piece" in text
+
+
+def _groups(net: TwoHeads) -> list[dict[str, Any]]:
+    """Decay on the matrices at lr 0.1, none on the biases at lr 0.05 (options over the defaults)."""
+    ps = dict(net.named_parameters())
+    return [
+        {"params": [ps["body.weight"], ps["a.weight"], ps["b.weight"]]},
+        {"params": [ps["body.bias"], ps["a.bias"], ps["b.bias"]], "lr": 0.05, "weight_decay": 0.0},
+    ]
+
+
+def _grouped(backend: CommunicationBackend, servers: int) -> dict[str, Any]:
+    net = _net()
+    opt = AsyncSGDOptimizer(
+        net, backend, torch.optim.SGD, num_servers=servers, param_groups=_groups(net), **OPT
+    )
+    if opt.is_server:
+        schedule = torch.optim.lr_scheduler.StepLR(opt.optimizer, 2, 0.5)  # every group, on each server
+        opt.serve(on_update=lambda _: schedule.step())
+    else:
+        for t in range(STEPS):
+            _loss(opt.module, t, backend.rank - servers).backward()  # type: ignore[arg-type]
+            opt.step()
+        opt.finish()
+    return opt.full_state_dict()
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_param_groups_and_a_schedule_train_as_one_process(servers: int) -> None:
+    net = _net()
+    opt = torch.optim.SGD(_groups(net), **OPT)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    for t in range(STEPS):
+        opt.zero_grad()
+        (sum(_loss(net, t, w) for w in range(2)) / 2).backward()  # type: ignore[operator]
+        opt.step()
+        schedule.step()
+    got = run_world(servers + 2, _grouped, servers, timeout=30)[0]
+    for k, v in net.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _bad_groups(backend: CommunicationBackend) -> list[str]:
+    net = _net()
+    ps = list(net.parameters())
+    out = []
+    for groups in (
+        [{"params": ps}, {"params": ps[:1]}],
+        [{"params": ps[1:]}],
+        [{"params": [torch.zeros(2)]}],
+    ):
+        with pytest.raises(StrategyError) as info:
+            AsyncSGDOptimizer(net, backend, torch.optim.SGD, param_groups=groups, lr=0.1)
+        out.append(str(info.value))
+    return out
+
+
+def test_param_groups_that_miss_or_repeat_a_parameter_are_refused() -> None:
+    twice, missing, foreign = run_world(2, _bad_groups)[0]
+    assert "'body.weight' is in param groups 0 and 1" in twice
+    assert "['body.weight'] are in no param group" in missing and "requires_grad_(False)" in missing
+    assert "not a trainable parameter of the module" in foreign

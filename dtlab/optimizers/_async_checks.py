@@ -24,6 +24,7 @@ def check_arguments(
     num_servers: int,
     optimizer_kwargs: dict[str, Any],
     max_grad_norm: float | None = None,
+    groups: list[dict[str, Any]] | None = None,
 ) -> None:
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(
@@ -35,7 +36,7 @@ def check_arguments(
     if "params" in optimizer_kwargs:
         raise TypeError("AsyncSGDOptimizer: do not pass params=; each server optimizes its own shard")
     # a server steps its shard's pieces of the parameters, flat: Adafactor, Muon, LAMB... would not
-    spec = OptimizerSpec(optimizer_cls, dict(optimizer_kwargs), [dict(optimizer_kwargs)], None, [])
+    spec = OptimizerSpec(optimizer_cls, dict(optimizer_kwargs), groups or [dict(optimizer_kwargs)], None, [])
     check_elementwise("AsyncSGDOptimizer", spec, spec.groups, backend.device, flat=True)
     bad = isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0
     if staleness is not None and bad:

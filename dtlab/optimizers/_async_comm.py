@@ -17,9 +17,12 @@ Three tags tell the message kinds apart; every message has a fixed size known to
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import torch
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import CollectiveTimeoutError
 
 __all__ = [
     "ABORT",
@@ -35,6 +38,7 @@ __all__ = [
     "behind",
     "peer_lost",
     "pieces_of",
+    "recv_from_server",
 ]
 
 TAG_PUSH, TAG_NOTE, TAG_PARAMS = 27_001, 27_002, 27_003
@@ -132,3 +136,44 @@ def bounded(backend: CommunicationBackend) -> str:
     """How long one receive may wait on ``backend`` (for error messages)."""
     timeout = getattr(backend, "timeout", None)
     return f"{timeout:g}s" if isinstance(timeout, int | float) else "the backend's timeout"
+
+
+def recv_from_server(
+    backend: CommunicationBackend,
+    tensor: torch.Tensor,
+    server: int,
+    tag: int,
+    held: list[int] | None,
+    clock: int,
+    staleness: int | None,
+) -> None:
+    """A worker's bounded receive from ``server``; a timeout names the workers the server's last WAIT
+    note said the read waits for (``held``), or else the server."""
+    t0 = perf_counter()
+    try:
+        backend.recv(tensor, server, tag)
+    except CollectiveTimeoutError as exc:
+        me = f"AsyncSGDOptimizer worker rank {backend.rank}"
+        timeout = getattr(backend, "timeout", None)
+        # a server that timed out waiting for the held-back workers closes its connections (gloo)
+        # about one timeout after its last note; a connection lost well before then: it died
+        died = peer_lost(exc) and isinstance(timeout, int | float) and perf_counter() - t0 < timeout / 2
+        if held and not died:
+            how = (
+                f"lost the connection to server rank {server}"
+                if peer_lost(exc)
+                else f"got nothing from server rank {server} within {bounded(backend)}"
+            )
+            raise CollectiveTimeoutError(
+                f"{me}: {how} while its last note said the clock-{clock} read waits (staleness="
+                f"{staleness}) for worker rank(s) {held}: they are dead or hung, or server rank "
+                f"{server} is ({exc})",
+                tuple(held),
+                "AsyncSGDOptimizer.step",
+            ) from exc
+        raise CollectiveTimeoutError(
+            f"{me}: no answer from server rank {server} within {bounded(backend)} "
+            f"(clock {clock}): server rank {server} is dead or hung ({exc})",
+            (server,),
+            "AsyncSGDOptimizer.step",
+        ) from exc

@@ -89,10 +89,11 @@ class ShardServer:
         index: int,
         num_servers: int,
         shard: torch.Tensor,
-        pieces: list[tuple[int, int]],
+        pieces: list[tuple[int, int, int]],
         optimizer_cls: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
         staleness: int | None,
+        group_options: list[dict[str, Any]] | None = None,
     ) -> None:
         self.backend = backend
         self.index = index
@@ -102,12 +103,17 @@ class ShardServer:
         self.aggregate = staleness == 0
         self.param = shard.detach().clone()
         # one parameter per piece of a model parameter (views of the shard), so that a piece no worker
-        # had a gradient for is skipped as torch skips a .grad of None; a shard of padding alone: itself
-        spans = pieces or [(0, self.param.numel())]
-        self._pieces = [torch.nn.Parameter(self.param[o : o + n]) for o, n in spans]
-        self.optimizer = optimizer_cls(self._pieces, **optimizer_kwargs)
+        # had a gradient for is skipped as torch skips a .grad of None; a shard of padding alone: itself.
+        # Each piece in its parameter's group: every server has every group (some maybe empty)
+        spans = pieces or [(0, self.param.numel(), 0)]
+        self._pieces = [torch.nn.Parameter(self.param[o : o + n]) for o, n, _ in spans]
+        groups = [
+            {**options, "params": [p for p, (_, _, g) in zip(self._pieces, spans, strict=True) if g == k]}
+            for k, options in enumerate(group_options or [{}])
+        ]
+        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         self._grad = torch.zeros_like(self.param)
-        self._grads = [self._grad[o : o + n] for o, n in spans]
+        self._grads = [self._grad[o : o + n] for o, n, _ in spans]
         self.flags = len(pieces)  # flag bytes in a push: one per piece
         self._used = [False] * len(spans)  # staleness 0: the pieces some push of the clock had a gradient for
         self._acc = torch.zeros_like(self.param) if self.aggregate else None

@@ -20,7 +20,7 @@ by the backend's timeout, and a server or worker that dies or hangs is named in 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -43,9 +43,10 @@ from dtlab.optimizers._async_comm import (
     PushMessage,
     behind,
     bounded,
-    peer_lost,
     pieces_of,
+    recv_from_server,
 )
+from dtlab.optimizers._async_groups import assign_groups
 from dtlab.optimizers._async_server import ShardServer
 from dtlab.optimizers._backward_watch import BackwardWatch
 
@@ -61,6 +62,7 @@ class AsyncSGDOptimizer:
     on a server: ``opt.serve()`` until every worker has finished. Then ``opt.full_state_dict()`` on
     every rank. ``max_grad_norm`` (staleness 0 only): the servers clip each clock's mean gradient by
     its global norm, as ``torch.nn.utils.clip_grad_norm_`` clips the global batch's on one process.
+    ``param_groups``: torch's, over the module's trainable parameters (each in exactly one group).
     """
 
     def __init__(
@@ -72,10 +74,15 @@ class AsyncSGDOptimizer:
         staleness: int | None = 0,
         num_servers: int = 1,
         max_grad_norm: float | None = None,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
         **optimizer_kwargs: Any,  # Any: optimizer_cls's own keywords
     ) -> None:
-        check_arguments(backend, optimizer_cls, staleness, num_servers, optimizer_kwargs, max_grad_norm)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        group_of, options = assign_groups(named, param_groups)
+        groups = [{**optimizer_kwargs, **o} for o in options]
+        check_arguments(
+            backend, optimizer_cls, staleness, num_servers, optimizer_kwargs, max_grad_norm, groups
+        )
         if not named:
             raise StrategyError("AsyncSGDOptimizer: the module has no trainable parameters")
         check_real("AsyncSGDOptimizer", named)
@@ -90,7 +97,7 @@ class AsyncSGDOptimizer:
         first = {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
         self._aliases = {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
         c = self._unit.shard_numel
-        settings = (self._unit.numel, str(self._unit.dtype), num_servers, staleness, max_grad_norm)
+        settings = (self._unit.numel, str(self._unit.dtype), num_servers, staleness, max_grad_norm, group_of)
         check_agreement(backend, module, (self._param_names, *settings))
         self._server: ShardServer | None = None
         self._watch: BackwardWatch | None = None  # a worker's: refuses partial gradients (a raised backward)
@@ -108,9 +115,17 @@ class AsyncSGDOptimizer:
         self._pieces = [pieces_of(numels, c, k) for k in range(num_servers)]
         if self.is_server:
             shard = flat[backend.rank * c : (backend.rank + 1) * c]
-            spans = [(o, n) for _, o, n in self._pieces[backend.rank]]
+            spans = [(o, n, group_of[i]) for i, o, n in self._pieces[backend.rank]]
             self._server = ShardServer(
-                backend, backend.rank, num_servers, shard, spans, optimizer_cls, optimizer_kwargs, staleness
+                backend,
+                backend.rank,
+                num_servers,
+                shard,
+                spans,
+                optimizer_cls,
+                optimizer_kwargs,
+                staleness,
+                options,
             )
             self._server.clip = max_grad_norm, servers  # staleness 0 only (checked)
             self._unit.unbind()  # a server holds its shard only; the module keeps the layout
@@ -230,7 +245,9 @@ class AsyncSGDOptimizer:
         for k in range(self.num_servers):
             held: list[int] | None = None
             while True:
-                self._recv(self._note.tensor, k, TAG_NOTE, held)
+                recv_from_server(
+                    self.backend, self._note.tensor, k, TAG_NOTE, held, self._clock, self.staleness
+                )
                 if self._note.clock != self._clock:
                     raise StrategyError(
                         f"AsyncSGDOptimizer worker rank {self.backend.rank}: server rank {k} answered clock "
@@ -250,39 +267,17 @@ class AsyncSGDOptimizer:
                 self.waits += 1
                 held = behind(self._note.pushed(), self._clock, self.staleness or 0, self.num_servers)
             self.max_staleness = max(self.max_staleness, self._clock - self._note.slowest)
-            self._recv(self._flat[k * c : (k + 1) * c], k, TAG_PARAMS, None)
+            recv_from_server(
+                self.backend,
+                self._flat[k * c : (k + 1) * c],
+                k,
+                TAG_PARAMS,
+                None,
+                self._clock,
+                self.staleness,
+            )
         self.pulls += 1
         self.blocked_s += perf_counter() - t0
-
-    def _recv(self, tensor: torch.Tensor, server: int, tag: int, held: list[int] | None) -> None:
-        t0 = perf_counter()
-        try:
-            self.backend.recv(tensor, server, tag)
-        except CollectiveTimeoutError as exc:
-            me = f"AsyncSGDOptimizer worker rank {self.backend.rank}"
-            timeout = getattr(self.backend, "timeout", None)
-            # a server that timed out waiting for the held-back workers closes its connections (gloo)
-            # about one timeout after its last note; a connection lost well before then: it died
-            died = peer_lost(exc) and isinstance(timeout, int | float) and perf_counter() - t0 < timeout / 2
-            if held and not died:
-                how = (
-                    f"lost the connection to server rank {server}"
-                    if peer_lost(exc)
-                    else f"got nothing from server rank {server} within {bounded(self.backend)}"
-                )
-                raise CollectiveTimeoutError(
-                    f"{me}: {how} while its last note said the clock-{self._clock} read waits (staleness="
-                    f"{self.staleness}) for worker rank(s) {held}: they are dead or hung, or server rank "
-                    f"{server} is ({exc})",
-                    tuple(held),
-                    "AsyncSGDOptimizer.step",
-                ) from exc
-            raise CollectiveTimeoutError(
-                f"{me}: no answer from server rank {server} within {bounded(self.backend)} "
-                f"(clock {self._clock}): server rank {server} is dead or hung ({exc})",
-                (server,),
-                "AsyncSGDOptimizer.step",
-            ) from exc
 
     # ------------------------------------------------------------------ server
     def serve(self, on_update: Callable[[AsyncSGDOptimizer], None] | None = None) -> None:
