@@ -349,10 +349,10 @@ class ShardedModel(DataParallelModel):
                 f"{type(self).__name__}.state_dict(): parameters {freed[:3]}{more} ({len(freed)} units) "
                 f"are sharded: this rank holds 1/{self.backend.world_size} of each, so the wrapped module's "
                 "state_dict() (which Hugging Face's save_pretrained() calls) would be empty tensors. Call "
-                "state = model.state_dict() on every rank (collective; whole tensors keyed like the plain "
-                "module's), then save on one: hf_model.save_pretrained(path, state_dict=state, "
-                "is_main_process=rank == 0); or model.sharded_state_dict() for this rank's shard (what "
-                "dtlab.checkpoint saves and loads under any world size)"
+                "state = model.full_state_dict() on every rank (collective, as model.state_dict(); whole "
+                "tensors keyed like the plain module's), then save on one: hf_model.save_pretrained(path, "
+                "state_dict=state, is_main_process=rank == 0); or model.sharded_state_dict() for this rank's "
+                "shard (what dtlab.checkpoint saves and loads under any world size)"
             )
 
     def _refuse_partial_load(self, *_: Any, **__: Any) -> None:
