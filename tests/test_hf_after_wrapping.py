@@ -10,7 +10,10 @@ in memory, a hang under FSDP on Gloo); now both ranks refuse, naming the fixes, 
 generating inside ``summon_full_params()`` or a fixed number of new tokens gives one process's tokens.
 ``save_pretrained`` of the wrapped module under ZeRO-3 and FSDP is refused naming Hugging Face's call
 with the gathered state, and both that and ``save_pretrained`` inside ``summon_full_params()`` reload
-bitwise with ``from_pretrained``. Tiny configs in memory (no network)."""
+bitwise with ``from_pretrained``. Under tensor parallelism, tp ranks that choose different tokens in
+``model.module.generate`` from the same prompts (as ``do_sample=True`` draws on each rank) were told to
+shard their data by the dp coordinate; now the refusal names the sampling and the fix. Tiny configs in
+memory (no network)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.rng import seeded_init
 from dtlab.errors import StrategyError
-from dtlab.models import DDPModel, FSDPModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
+from dtlab.models import DDPModel, FSDPModel, TensorParallelModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -160,3 +163,33 @@ def test_save_pretrained_under_zero3_and_fsdp_is_refused_on_a_part_and_reloads_b
         for how in ("state", "summoned"):
             back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / f"{name}-{how}")
             assert all(torch.equal(back.state_dict()[k], v) for k, v in want.items()), (name, how)
+
+
+class _Forced:
+    """A logits processor choosing ``token`` at every step (each tp rank its own: as sampling draws)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, _ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(scores, float("-inf"))
+        out[:, self.token] = 0.0
+        return out
+
+
+def _sampled_apart(backend: CommunicationBackend) -> str:
+    transformers = transformers_module()
+    net = _net(resized=False).eval()
+    TensorParallelModel(net, backend, plan="auto")
+    x, _ = token_batch(2, seed=3)
+    chosen = transformers.LogitsProcessorList([_Forced(3 + backend.rank)])
+    with torch.no_grad(), pytest.raises(StrategyError) as info:  # the same prompts on both tp ranks
+        net.generate(x[:, :3], max_new_tokens=3, do_sample=False, logits_processor=chosen)
+    return str(info.value)
+
+
+def test_tp_ranks_choosing_different_tokens_in_generate_are_told_to_seed_alike() -> None:
+    for got in run_world(2, _sampled_apart, timeout=60):
+        assert "tensor-parallel group were given different inputs" in got, got
+        assert "the tp ranks chose different ones (do_sample=True" in got, got
+        assert "torch.manual_seed(seed) in each process" in got, got

@@ -89,11 +89,17 @@ def _difference(mine: Seen, first: Seen) -> str:
 
 
 def check_same_on_tp(
-    who: str, what: str, named: Sequence[tuple[str, Any]], group: CommunicationBackend, ranks: Sequence[int]
+    who: str,
+    what: str,
+    named: Sequence[tuple[str, Any]],
+    group: CommunicationBackend,
+    ranks: Sequence[int],
+    direct: bool = False,
 ) -> None:
     """Raise :class:`StrategyError` on every rank of ``group`` (the tp group, world ranks ``ranks``)
     unless every rank passed the same ``named`` values (tensors, nested in lists/tuples/dicts, and plain
-    Python values): the same names, shapes, dtypes and bits. Collective over ``group``."""
+    Python values): the same names, shapes, dtypes and bits. Collective over ``group``. ``direct``: the
+    wrapped module called outside the wrapper (``generate()``), whose later inputs are its own tokens."""
     leaves: list[Leaf] = []
     for name, value in named:
         _leaves(name, value, leaves)
@@ -125,8 +131,17 @@ def check_same_on_tp(
         "the same model on the same batch, each on its slice of the layers: give every tp rank the same "
         "batch (inputs and targets), sharding the data by the dp coordinate, not by the global rank: "
         'part mesh.coordinate("dp") of mesh.size("dp"), e.g. dtlab.data.DistributedSampler(dataset, '
-        'num_replicas=mesh.size("dp"), rank=mesh.coordinate("dp"))'
+        'num_replicas=mesh.size("dp"), rank=mesh.coordinate("dp"))' + (_SAMPLED if direct else "")
     )
+
+
+_SAMPLED = (
+    ". If this is model.module.generate(...) given the same prompts on every tp rank: its inputs after the "
+    "first forward are the tokens each rank chose, and the tp ranks chose different ones (do_sample=True: "
+    "each rank drew from torch's generator on its own). Seed torch's generator alike on every tp rank "
+    "before generate (torch.manual_seed(seed) in each process; in-memory ranks share one generator: "
+    "decode greedily, do_sample=False)"
+)
 
 
 class SameOnTp:
@@ -183,16 +198,16 @@ class SameOnTp:
             self._made[what] = made + 1
         return when != "never"
 
-    def __call__(self, what: str, named: Sequence[tuple[str, Any]]) -> None:
-        eager_when_traced(self._check)(what, named)  # traced: one graph break, checked eagerly
+    def __call__(self, what: str, named: Sequence[tuple[str, Any]], direct: bool = False) -> None:
+        eager_when_traced(self._check)(what, named, direct)  # traced: one graph break, checked eagerly
 
-    def _check(self, what: str, named: Sequence[tuple[str, Any]]) -> None:
+    def _check(self, what: str, named: Sequence[tuple[str, Any]], direct: bool) -> None:
         if self.group.world_size > 1 and not self._inside and self._due(what):
-            check_same_on_tp(self.who, what, named, self.group, self.ranks)
+            check_same_on_tp(self.who, what, named, self.group, self.ranks, direct)
 
     def _direct(self, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The wrapped module's inputs, where it runs outside the wrapper's forward (checked there)."""
-        self("inputs", _named(args, kwargs))
+        self("inputs", _named(args, kwargs), direct=True)
 
     @contextlib.contextmanager
     def step(self, batch: tuple[Any, Any]) -> Iterator[None]:
