@@ -14,6 +14,7 @@ from test_strategies_helpers import make_data, make_module, max_rel_error, wrap
 from torch.nn import functional as F
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
 from dtlab.optimizers import ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -73,6 +74,19 @@ def _raw_write(backend: CommunicationBackend, name: str) -> str:
     return "wrote"
 
 
+def _plain_adamw(backend: CommunicationBackend, name: str) -> str:
+    """A plain torch AdamW over the sharded model: its decoupled weight decay writes into the parameter
+    before it reads the gradient stand-in; refused before it writes, naming the optimizer strategy."""
+    model = wrap(name, make_module(), backend)
+    xs, ys = make_data(1, GLOBAL_BATCH)
+    F.mse_loss(model(xs[0]), ys[0]).backward()
+    try:
+        torch.optim.AdamW(model.parameters(), lr=0.1).step()
+    except StrategyError as exc:
+        return str(exc)
+    return "stepped"
+
+
 def world(backend: CommunicationBackend) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -80,6 +94,7 @@ def world(backend: CommunicationBackend) -> dict[str, Any]:
         for habit in ("weight_decay", "penalty", "decay", "clip"):
             out[f"{habit}/{name}"] = _train(backend, name, habit)
         out[f"raw/{name}"] = _raw_write(backend, name)
+        out[f"adamw/{name}"] = _plain_adamw(backend, name)
     return out
 
 
@@ -92,3 +107,8 @@ def test_documented_ways_to_touch_sharded_parameters_equal_one_process() -> None
                 assert max_rel_error(res[f"{habit}/{name}"], ref) <= 1e-5, f"{habit}/{name} rank {rank}"
             said = res[f"raw/{name}"]
             assert "more than one element of the written-to tensor" in said, said
+            said = res[f"adamw/{name}"]
+            assert (
+                "AdamW.step(): parameter 0 of param group 0 (shape (10, 6)) is sharded" in said
+                and "opt = ZeRO3Optimizer(model" in said
+            ), said

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
+import dtlab.models.dp._plain_step  # noqa: F401 - registers the refusal of plain optimizer steps
 from dtlab.backends.base import CommunicationBackend
 from dtlab.models.dp._sharded import ShardedModel, ShardedOptions, UnitPlan
 
