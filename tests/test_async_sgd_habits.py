@@ -202,7 +202,16 @@ def _bad_groups(backend: CommunicationBackend) -> list[str]:
     return out
 
 
-def test_param_groups_that_miss_or_repeat_a_parameter_are_refused() -> None:
+def _other_lr(backend: CommunicationBackend) -> str:
+    net = _net()
+    groups = [{"params": list(net.parameters()), "lr": 0.1 * (1 + backend.rank)}]  # a rank's own lr
+    with pytest.raises(StrategyError) as info:
+        AsyncSGDOptimizer(net, backend, torch.optim.SGD, param_groups=groups, lr=0.1)
+    return str(info.value)
+
+
+def test_param_groups_that_miss_or_repeat_a_parameter_or_differ_between_ranks_are_refused() -> None:
+    assert all("every rank must pass the same model and settings" in t for t in run_world(2, _other_lr))
     twice, missing, foreign = run_world(2, _bad_groups)[0]
     assert "'body.weight' is in param groups 0 and 1" in twice
     assert "['body.weight'] are in no param group" in missing and "requires_grad_(False)" in missing

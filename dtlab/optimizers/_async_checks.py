@@ -76,7 +76,8 @@ def check_agreement(backend: CommunicationBackend, module: nn.Module, mine: tupl
         if theirs != mine or their_buffers != buffers:
             raise StrategyError(
                 f"AsyncSGDOptimizer: rank {r} built it with (parameters, numel, dtype, num_servers, "
-                f"staleness, max_grad_norm) = {theirs[1:]} and {len(theirs[0])} parameters, rank "
+                "staleness, max_grad_norm, the group of each parameter, the groups' options) = "
+                f"{theirs[1:]} and {len(theirs[0])} parameters, rank "
                 f"{backend.rank} with {mine[1:]} and {len(mine[0])}; every rank must pass the same model "
                 "and settings"
             )

@@ -97,7 +97,15 @@ class AsyncSGDOptimizer:
         first = {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
         self._aliases = {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
         c = self._unit.shard_numel
-        settings = (self._unit.numel, str(self._unit.dtype), num_servers, staleness, max_grad_norm, group_of)
+        settings = (
+            self._unit.numel,
+            str(self._unit.dtype),
+            num_servers,
+            staleness,
+            max_grad_norm,
+            group_of,
+            repr(groups),
+        )
         check_agreement(backend, module, (self._param_names, *settings))
         self._server: ShardServer | None = None
         self._watch: BackwardWatch | None = None  # a worker's: refuses partial gradients (a raised backward)
