@@ -28,7 +28,7 @@ from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
-from dtlab.models import HybridShardedModel, TensorParallelModel
+from dtlab.models import HybridShardedModel, TensorParallelModel, ZeRO3Model
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -191,9 +191,21 @@ def test_a_fused_section_split_along_dim_1_is_flattened_in_local_order() -> None
 
 
 def engine_world(backend: CommunicationBackend, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Llama at tp 2 with its own plan on a real engine (one spawned world per engine)."""
+    """Llama at tp 2 with its own plan on a real engine (one spawned world per engine); on Gloo also
+    ZeRO-3's ``model.module.generate(..., synced_gpus=True)`` with prompts of 2 and 3 tokens per rank
+    (``max_length``: a different number of forwards each, kept in step by Hugging Face)."""
     out = train(backend, "llama", {"tp": 2}, "tensor", state)
-    return {"losses": out["losses"], "state": out["state"]}
+    got = {"losses": out["losses"], "state": out["state"]}
+    if torch.distributed.is_initialized():  # synced_gpus needs torch.distributed's default group
+        net = build("llama").eval()
+        net.load_state_dict(state)
+        ZeRO3Model(net, backend, persistence_threshold=0)
+        x, _ = token_batch(BATCH, seed=0)
+        with torch.no_grad():
+            got["generated"] = net.generate(
+                x[:, : 2 + backend.rank], max_length=7, do_sample=False, synced_gpus=True
+            )
+    return got
 
 
 @pytest.mark.parametrize("engine", ["gloo", "mpi"])
@@ -204,7 +216,14 @@ def test_llama_plan_auto_at_tp2_on_gloo_and_mpi_processes(engine: str) -> None:
         pytest.importorskip("mpi4py")
     state = {k: v.detach().clone() for k, v in build("llama").state_dict().items()}
     ref_losses, ref = reference("llama", state)
-    for r in spawn_world(2, engine_world, state, backend=engine, timeout=240):
+    plain = build("llama").eval()
+    plain.load_state_dict(state)
+    x, _ = token_batch(BATCH, seed=0)
+    for rank, r in enumerate(spawn_world(2, engine_world, state, backend=engine, timeout=240)):
+        if engine == "gloo":  # one process's tokens for this rank's prompts
+            with torch.no_grad():
+                want = plain.generate(x[:, : 2 + rank], max_length=7, do_sample=False)
+            assert torch.equal(r["generated"], want), (r["generated"], want)
         assert worst_loss_error(r["losses"], ref_losses) < 1e-5
         for k, v in ref.items():
             if v.is_floating_point():
