@@ -26,7 +26,8 @@ from torch_habits_cases import (
 )
 
 from dtlab.core.rng import seeded_init
-from dtlab.errors import CollectiveMismatchError, StrategyError
+from dtlab.errors import CollectiveMismatchError, RankFailedError, StrategyError
+from dtlab.optimizers import ZeRO3Optimizer
 from dtlab.testing import run_world
 
 #: strategies where param.grad holds the whole averaged gradient after backward
@@ -131,6 +132,32 @@ def test_one_rank_eval_is_named_within_seconds(name: str) -> None:
         run_world(2, one_rank_eval_case, name, "barrier", timeout=60)
     assert time.monotonic() - t0 < 10
     assert "all_gather" in str(info.value) and "barrier" in str(info.value)
+
+
+def _alone_then_train(backend: Any, name: str, call: str) -> None:
+    """Rank 0 evaluates (or takes the state dict) alone between training steps; the others train on."""
+    model = wrap(name, make_module(), backend)
+    opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
+    x = torch.ones(2, 6)
+    for step in range(3):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if backend.rank == 0 and step == 0:
+            with torch.no_grad():
+                model(x) if call == "forward" else model.state_dict()
+
+
+@pytest.mark.parametrize("name,call", [("zero3", "forward"), ("fsdp", "state_dict")])
+def test_one_rank_eval_while_the_others_train_is_named(name: str, call: str) -> None:
+    """The others go on training: their gathers pair with rank 0's evaluation (or state dict) and the
+    ranks fall out of step at a later gather. Named on rank 0 with the cause and the fix, not as a bare
+    mismatch of two all_gathers."""
+    with pytest.raises(RankFailedError) as info:
+        run_world(2, _alone_then_train, name, call, timeout=60)
+    said = str(info.value)
+    assert "rank 0 failed: StrategyError" in said and "made on this rank since the last synchronized" in said
+    assert ("every rank must call forward" if call == "forward" else "if rank == 0: torch.save(sd") in said
 
 
 def test_zero3_says_when_nothing_is_sharded() -> None:

@@ -71,9 +71,11 @@ class InMemoryWorld:
         return InMemoryBackend(self, rank)
 
     def abort(self, rank: int, exc: BaseException) -> None:
-        """Record the first failure and release every waiting rank."""
+        """Record the first failure and release every waiting rank. A mismatch of collectives (raised on
+        every rank of the call) gives way to a rank's error that explains it (raised from it)."""
         with self.mutex:
-            if self.failure is None:
+            explains = isinstance(exc.__cause__, CollectiveMismatchError)
+            if self.failure is None or (explains and isinstance(self.failure[1], CollectiveMismatchError)):
                 self.failure = (rank, exc)
             self._wake_everyone()
 

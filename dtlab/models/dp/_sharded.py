@@ -129,9 +129,7 @@ class ShardedModel(DataParallelModel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._writes.check("the forward")
         self._hooks.before_forward()
-        self._at_rest.watch = (
-            not torch.is_grad_enabled() and not self._backward.open and self.forward_wait_s > 0
-        )
+        self._at_rest.start_forward(not torch.is_grad_enabled() and not self._backward.open)
         self._at_rest.set_busy(True)
         self._saved.outer = outer_saved_hooks()  # what the user's (the pipeline's) hooks would have kept
         try:
@@ -151,7 +149,7 @@ class ShardedModel(DataParallelModel):
                 "raise persistence_threshold; with FSDPModel put both modules in one unit."
             ) from exc
         finally:
-            self._at_rest.watch = False
+            self._at_rest.start_forward(False)
             self._at_rest.set_busy(self._backward.open)
         self._hooks.order_done = True
         return out
@@ -224,7 +222,7 @@ class ShardedModel(DataParallelModel):
                 if not st.reduced:
                     self._reduce(st)
             self._finish_reductions()
-            self._grads_synced = True
+            self._grads_synced, self._at_rest.solo = True, None  # every rank made this backward
         finally:
             self._pending = []
             for st in self._units:
@@ -368,7 +366,7 @@ class ShardedModel(DataParallelModel):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:  # a rank saving alone is named (watched gather)
         self._direct.settle(STATE)
-        with self._at_rest.watched("model.state_dict()", not self._backward.open and self.forward_wait_s > 0):
+        with self._at_rest.watched("model.state_dict()", not self._backward.open):
             return super().full_state_dict()
 
     def whole_state(self) -> dict[str, torch.Tensor]:

@@ -6,6 +6,8 @@ references and re-gathered on unpack. The first gather of an evaluation (no-grad
 ``forward_wait_s`` where the engine's handle can be polled (:attr:`dtlab.backends.types.Work.polls`:
 Gloo and NCCL; the in-memory world names a mismatched call at once; MPI waits as before): a rank that
 evaluates alone (a DDP habit) is named within seconds instead of waiting for the collective timeout.
+When the others go on training instead, their gathers pair with the evaluation's and the ranks fall
+out of step later: a mismatch of collectives met before the next synchronized backward names the call.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.saved_params import SavedHooks
-from dtlab.errors import StrategyError, every_rank_saves
+from dtlab.errors import CollectiveMismatchError, StrategyError, every_rank_saves
 from dtlab.models.base import copy_refused
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._owner import MODULE_HOOKS
@@ -95,6 +97,9 @@ class UnitGatherer:
         self.unjoined: ShardUnit | None = None
         #: the call whose first gather is watched ("forward", or the state dict's)
         self.watching = "forward"
+        #: a call this rank may have made alone (an evaluation "forward", the state dict) since the last
+        #: synchronized backward: a gather that meets another collective names it (:meth:`_mismatch_named`)
+        self.solo: str | None = None
         self._by_storage: dict[int, ShardUnit] = {}
         #: which units were gathered, in order, since :meth:`take_trace` (ranks running other modules differ)
         self.trace = 0
@@ -113,6 +118,10 @@ class UnitGatherer:
 
     def gather(self, st: ShardUnit, wait: bool = True) -> torch.Tensor:
         """``st``'s gathered buffer (all-gathered now unless it is already)."""
+        with self._mismatch_named():
+            return self._gather(st, wait)
+
+    def _gather(self, st: ShardUnit, wait: bool) -> torch.Tensor:
         flat = st.flat
         if flat is None:
             flat = st.unit.new_flat(zero=False)
@@ -144,31 +153,53 @@ class UnitGatherer:
         deadline = time.monotonic() + self.forward_wait_s
         while work.polls and not work.is_completed():
             if time.monotonic() > deadline:
-                raise StrategyError(self._unjoined_message())
+                waited = (
+                    f"waited {self.forward_wait_s:g} s for the other {self.group.world_size - 1} rank(s) of "
+                    "its data-parallel group to gather the parameters"
+                )
+                late = " If a rank is legitimately that late, pass a larger forward_wait_s"
+                raise StrategyError(self._unjoined_message(self.watching, waited, late))
             time.sleep(0.0005)
 
-    def _unjoined_message(self) -> str:
+    def _unjoined_message(self, call: str, waited: str, late: str = "") -> str:
         who = f"{self.who} on rank {self.group.rank}"
-        waited = (
-            f"waited {self.forward_wait_s:g} s for the other {self.group.world_size - 1} rank(s) of its "
-            "data-parallel group to gather the parameters"
-        )
-        late = "If a rank is legitimately that late, pass a larger forward_wait_s"
-        if self.watching != "forward":
-            fix = every_rank_saves(self.watching, "1/P of the parameters")
-            return f"{who}: {self.watching} {waited}: {fix}. {late}"
+        if call != "forward":
+            fix = every_rank_saves(call, "1/P of the parameters")
+            return f"{who}: {call} {waited}: {fix}.{late}"
         return (
-            f"{who}: the forward {waited}. Under a sharded strategy every rank must call forward (each "
-            "holds 1/P of the parameters), evaluation too: evaluate on every rank (each on its part of the "
-            "data, then average the metric), or call model.state_dict() on every rank and evaluate a plain "
-            f"copy on one rank. {late}"
+            f"{who}: the evaluation (no-grad) forward {waited}. Under a sharded strategy every rank must "
+            "call forward (each holds 1/P of the parameters), evaluation too: evaluate on every rank (each "
+            "on its part of the data, then average the metric), or call model.state_dict() on every rank "
+            f"and evaluate a plain copy on one rank.{late}"
         )
+
+    @contextlib.contextmanager
+    def _mismatch_named(self) -> Iterator[None]:
+        """A gather that met another collective after this rank made a call it may have made alone (an
+        evaluation forward, the state dict) since the last synchronized backward names that call: the
+        other ranks went on training, and their gathers paired with this rank's."""
+        try:
+            yield
+        except CollectiveMismatchError as exc:
+            if self.solo is None:
+                raise
+            met = (
+                "(made on this rank since the last synchronized backward) gathered the parameters, and the "
+                f"other ranks called other collectives ({exc})"
+            )
+            raise StrategyError(self._unjoined_message(self.solo, met)) from exc
+
+    def start_forward(self, evaluating: bool) -> None:
+        """A forward begins (``evaluating``: without gradients, outside a backward) or ends (False)."""
+        self.watch = evaluating and self.forward_wait_s > 0
+        self.solo = "forward" if evaluating else self.solo
 
     @contextlib.contextmanager
     def watched(self, call: str, enabled: bool) -> Iterator[None]:
         """The first gather inside the block is watched (see :meth:`_wait_for_every_rank`), named as
         ``call``: a rank calling a collective method alone (saving on rank 0 only) is named."""
-        self.watch, self.watching = enabled, call
+        self.watch, self.watching = enabled and self.forward_wait_s > 0, call
+        self.solo = call if enabled else self.solo
         try:
             yield
         finally:
