@@ -32,7 +32,15 @@ from dtlab.models.dp.zero2 import ZeRO2Model
 from dtlab.models.dp.zero3 import ZeRO3Model
 from dtlab.models.pipeline._runtime import check_stage_checkpointing
 from dtlab.models.pipeline._schedules import PipelineSchedule, build_schedule
-from dtlab.models.pipeline._split import Shapes, Stage, has_blocks, module_blocks, split_blocks, stage_shapes
+from dtlab.models.pipeline._split import (
+    Shapes,
+    Stage,
+    every_child,
+    has_blocks,
+    module_blocks,
+    split_blocks,
+    stage_shapes,
+)
 from dtlab.models.pipeline._ties import CrossTie, cross_ties, init_ties
 from dtlab.models.pipeline._trace import TracedStage, traced_stages
 from dtlab.models.tensor._plan import Plan
@@ -221,13 +229,15 @@ def lay_out(
     schedule = build_schedule(args.schedule, p, m, v)  # dry-run: no deadlock, every message matched
     owner: dict[int, int] = {}
     by_module: dict[int, int] = {}  # every module of a stage -> the pipeline rank running it (its first)
+    users: dict[int, set[int]] = {}  # every module of a stage -> every pipeline rank running it
     for s, st in enumerate(stages):
         for t in [*st.parameters(), *st.buffers()]:
             owner.setdefault(id(t), schedule.rank_of(s))  # a replicated buffer: saved by its first stage
         for sub in st.modules():
             by_module.setdefault(id(sub), schedule.rank_of(s))
+            users.setdefault(id(sub), set()).add(schedule.rank_of(s))
     groups = tied_groups(module)
-    crossing = cross_ties(module, groups, by_module)
+    crossing = cross_ties(module, groups, users)
     init_ties(crossing, module, pp, on_meta)  # collective over pp: the copies start equal
     entries = tensor_entries(module, tp.world_size, owner, by_module)  # before other stages become meta
     shapes = [stage_shapes(stage) for stage in stages]
@@ -303,7 +313,7 @@ def _mirror(into: nn.Module, source: nn.Module, keep: set[int]) -> None:
     for name, b in source.named_buffers(recurse=False):
         if id(b) in keep:
             into.register_buffer(name, b, persistent=name not in temporary)
-    for name, child in source.named_children():
+    for name, child in every_child(source):
         held = _ids(child)
         if held <= keep and held:
             into.add_module(name, child)

@@ -27,6 +27,7 @@ __all__ = [
     "TensorSpec",
     "balanced_split",
     "check_split_count",
+    "every_child",
     "has_blocks",
     "module_blocks",
     "split_blocks",
@@ -74,13 +75,19 @@ def has_blocks(module: nn.Module) -> bool:
     return callable(getattr(module, "pipeline_blocks", None)) or isinstance(module, nn.Sequential)
 
 
+def every_child(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module``'s children under every name it holds them by (``named_children()`` lists a child held
+    twice once)."""
+    return [(n, c) for n, c in module.named_modules(remove_duplicate=False) if n and "." not in n]
+
+
 def module_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The ordered ``(name, block)`` pairs of ``module``, checked to cover every parameter once."""
     custom = getattr(module, "pipeline_blocks", None)
     if callable(custom):
         blocks = [(str(n), b) for n, b in custom()]
     elif isinstance(module, nn.Sequential):
-        blocks = list(module.named_children())
+        blocks = every_child(module)  # as its forward runs them, a module there twice included
     else:
         raise StrategyError(
             f"PipelineParallelModel splits an nn.Sequential or a module with a pipeline_blocks() method "

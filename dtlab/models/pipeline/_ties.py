@@ -8,7 +8,7 @@ identical updates keep them bitwise equal (when the sum comes, before or after t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +30,15 @@ class CrossTie:
 
 
 def cross_ties(
-    module: nn.Module, groups: Sequence[Sequence[str]], rank_of_module: Mapping[int, int]
+    module: nn.Module, groups: Sequence[Sequence[str]], ranks_of_module: Mapping[int, Set[int]]
 ) -> list[CrossTie]:
     """The tied parameters whose users are stages on more than one pipeline rank (while whole;
-    ``rank_of_module``: every stage module's id -> the pipeline rank running it)."""
+    ``ranks_of_module``: every stage module's id -> the pipeline ranks running it, several for a module
+    that blocks of several stages hold)."""
     out = []
     for names in groups:
         owners = [id(module.get_submodule(name.rpartition(".")[0])) for name in names]
-        ranks = {rank_of_module[o] for o in owners if o in rank_of_module}
+        ranks = {r for o in owners for r in ranks_of_module.get(o, ())}
         if len(ranks) > 1:
             out.append(CrossTie(list(names), sorted(ranks)))
     return out

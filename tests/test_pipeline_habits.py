@@ -1,0 +1,92 @@
+"""Habits of torch.distributed.pipelining and Megatron users under a pipeline, against one plain
+process on the same global batch (in-memory ranks, tiny models)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from filled import filled
+from torch import nn
+
+from dtlab.backends import Mesh
+from dtlab.models import HybridShardedModel
+from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
+from dtlab.testing import run_world
+
+STEPS = 3
+
+
+class _Wrap(nn.Module):
+    """A block around a layer that another block wraps too (the layer shared, not its weights)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _used_twice(kind: str) -> nn.Sequential:
+    """Linear ``a`` applied first and last, across the stage boundary: as the same child of the
+    ``nn.Sequential`` twice, or inside two wrapper blocks."""
+    a = nn.Linear(6, 6)
+    mid = [nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh()]
+    blocks = [a, *mid, a] if kind == "same_child" else [_Wrap(a), *mid, _Wrap(a)]
+    return filled(nn.Sequential(*blocks), 0, scale=0.5)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, 8, 6, generator=g), torch.randn(STEPS, 8, 6, generator=g)
+
+
+def _one_process(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _used_twice(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = _data()
+    losses = []
+    for s in range(STEPS):
+        loss = F.mse_loss(model(xs[s]), ys[s])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _pipelined(backend: Any, kind: str, dp: str, axes: dict[str, int]) -> tuple[list[float], dict[str, Any]]:
+    mesh = Mesh(backend, axes)
+    sharded: dict[str, Any] = {"persistence_threshold": 0} if dp == "zero3" else {}
+    model = HybridShardedModel(_used_twice(kind), mesh, dp, micro_batches=2, split_points=["3"], **sharded)
+    driver = ZeRO3Optimizer if dp in ("zero3", "fsdp") else DDPOptimizer
+    opt = driver(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    xs, ys = _data()
+    share = 8 // mesh.size("dp")
+    part = slice(mesh.coordinate("dp") * share, (mesh.coordinate("dp") + 1) * share)
+    losses = []
+    for s in range(STEPS):
+        losses.append(float(model.train_step((xs[s][part], ys[s][part]), F.mse_loss)))
+        opt.step()
+        opt.zero_grad()
+    return losses, model.full_state_dict()
+
+
+@pytest.mark.parametrize("kind", ["same_child", "wrapped"])
+@pytest.mark.parametrize(("dp", "axes"), [("ddp", {"pp": 2}), ("zero3", {"pp": 2, "dp": 2})])
+def test_a_layer_applied_in_two_stages_trains_as_one_process(kind: str, dp: str, axes: dict) -> None:
+    """``nn.Sequential(a, ..., a)`` split between two pipeline ranks: the second ``a`` was dropped
+    from the stages (``named_children`` lists a child once; loss 0.885 against one process's 1.060),
+    and ``a`` inside two wrapper blocks ran on both ranks with each rank's part of its gradient
+    (1.07 relative error). Now ``a`` is tied across the stages, as a weight shared between two layers."""
+    want_losses, want = _one_process(kind)
+    results = run_world(2 * axes.get("dp", 1), _pipelined, kind, dp, axes, timeout=60)
+    means = [sum(r[0][s] for r in results) / len(results) for s in range(STEPS)]  # each dp share's mean
+    assert means == pytest.approx(want_losses, rel=1e-5)
+    for _, state in results:
+        assert state.keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
