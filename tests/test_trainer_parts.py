@@ -175,8 +175,9 @@ def test_an_in_memory_world_under_a_launcher_of_several_processes_is_refused(
     cfg = load_config(overrides=["backend.name=inmemory", "logging.run_dir=null"])
     with pytest.raises(
         ConfigError, match=r"backend.name='inmemory' in a process torchrun started as rank 1 of 2"
-    ):
+    ) as info:
         run_training(cfg)  # refused before any rank thread starts: not two separate runs
+    assert "backend.name=auto (or gloo, nccl)" in str(info.value)  # not mpi: torchrun starts no MPI ranks
 
 
 def test_stray_launcher_variables_do_not_refuse_an_explicit_in_memory_world(
