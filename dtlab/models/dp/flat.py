@@ -34,9 +34,9 @@ def reshaped_error(who: str, name: str, now: torch.Size, was: torch.Size) -> Str
         f"{who}: parameter {name!r} had its .data replaced (p.data = t) after wrapping by a tensor of shape "
         f"{tuple(now)}, not its {tuple(was)} (Hugging Face's resize_token_embeddings(n) on the wrapped model "
         "does this to the embedding and the head); the strategy laid out its gradient buffers and shards "
-        "for the shapes at wrapping, so it could not average or step it. Change shapes on the plain model "
-        "before wrapping it (hf_model.resize_token_embeddings(n), then wrap); to write values keep the "
-        "parameter's shape (p.data = t or, better, with torch.no_grad(): p.copy_(t))"
+        "for the shapes at wrapping, so it could not average or step it: resize the plain model before "
+        "wrapping it (hf_model.resize_token_embeddings(n), then wrap), as any other change of shape; to "
+        "write values keep the parameter's shape (p.data = t or, better, with torch.no_grad(): p.copy_(t))"
     )
 
 
