@@ -97,9 +97,15 @@ def check_head_tables(
     if not isinstance(model_type, str) or heads <= 1:
         return
     for child, module in attention.named_children():
-        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D" or id(module) in summed:
+        if _projection(module) or id(module) in summed:
             continue
-        tables = [(f"{child}.{n}", tuple(p.shape)) for n, p in module.named_parameters() if p.dim() >= 2]
+        tables = [  # a projection's weight inside it (an adapter's, LoRA's A and B) is no table
+            (f"{child}.{f'{m}.' if m else ''}{n}", tuple(p.shape))
+            for m, sub in module.named_modules()
+            if not _projection(sub)
+            for n, p in sub.named_parameters(recurse=False)
+            if p.dim() >= 2
+        ]
         lists = [
             (f"{child}.{n}".rstrip("."), (len(m),))
             for n, m in module.named_modules()
@@ -116,3 +122,7 @@ def check_head_tables(
                 "plan it 'replicated_with_grad_allreduce' (left whole, its gradient summed over tp, as "
                 "each rank's heads give only their part of it)"
             )
+
+
+def _projection(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"

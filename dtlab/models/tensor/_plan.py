@@ -27,7 +27,7 @@ from dtlab.models.tensor._layers import (
     VocabParallelEmbedding,
     check_parameters,
 )
-from dtlab.models.tensor._sources import linear_features
+from dtlab.models.tensor._sources import adapter_hint, linear_features
 
 __all__ = [
     "ColwiseParallel",
@@ -204,7 +204,7 @@ def splits_logits(root: nn.Module) -> bool:
 def _mismatch(style: Style, kind: str, name: str, module: nn.Module) -> StrategyError:
     return StrategyError(
         f"tensor-parallel plan: {type(style).__name__} applies to a {kind}, but module {name!r} is a "
-        f"{type(module).__name__}; fix the pattern that matched it"
+        f"{type(module).__name__}; fix the pattern that matched it{adapter_hint(name, module)}"
     )
 
 

@@ -20,7 +20,14 @@ from torch import nn
 
 from dtlab.errors import StrategyError
 
-__all__ = ["check_forward", "check_row_input", "check_shard", "embedding_scale", "linear_features"]
+__all__ = [
+    "adapter_hint",
+    "check_forward",
+    "check_row_input",
+    "check_shard",
+    "embedding_scale",
+    "linear_features",
+]
 
 #: the forwards of Hugging Face's scaled word embeddings, and whether each casts the scale
 _SCALED = {
@@ -106,3 +113,18 @@ def check_row_input(layer: nn.Module, x: torch.Tensor, local: int) -> None:
             "the layer feeding it 'colwise', or split it 'rowwise_split_input' "
             "(RowwiseParallel(input_is_parallel=False)) to take this rank's slice of a whole input"
         )
+
+
+def adapter_hint(name: str, module: nn.Module) -> str:
+    """For a plan entry ``name`` matching ``module``, not a Linear but holding some (an adapter such as
+    LoRA put around the layer the plan meant): how to plan it."""
+    held = [n for n, c in module.named_children() if linear_features(c) is not None]
+    if not held or linear_features(module) is not None:
+        return ""
+    return (
+        f" (it holds the Linear layers {held}: an adapter such as LoRA put around the layer? Plan, in a "
+        f"plan of your own, the layer it wraps under its new name, e.g. '{name}.{held[0]}', and the "
+        "adapter's layer beside the split alike: its output layer (LoRA's B) 'colwise' around a 'colwise' "
+        "layer, its input layer (LoRA's A) 'rowwise' around a 'rowwise' one; plan='auto' names the layers "
+        "as the model was built)"
+    )
