@@ -9,10 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from filled import filled
+from hf_cases import llama, token_batch
 from torch import nn
 
 from dtlab.backends import Mesh
-from dtlab.models import HybridShardedModel
+from dtlab.core.rng import seeded_init
+from dtlab.models import HybridShardedModel, PipelineParallelModel
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -90,3 +92,47 @@ def test_a_layer_applied_in_two_stages_trains_as_one_process(kind: str, dp: str,
         assert state.keys() == want.keys()
         for name, value in want.items():
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _DictOut(nn.Module):
+    """A model without blocks returning ``{"logits": ...}`` (split at module names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.b(torch.tanh(self.a(x)))}
+
+
+def _infer(backend: Any, kind: str, x: torch.Tensor) -> Any:
+    with seeded_init(0):
+        net = llama(layers=2) if kind == "llama" else _DictOut()
+    points = ["model.layers.1"] if kind == "llama" else ["b"]
+    model = PipelineParallelModel(net, backend, micro_batches=2, split_points=points)
+    model.eval()
+    with torch.no_grad():
+        return model(x)
+
+
+@pytest.mark.parametrize("kind", ["llama", "dict"])
+def test_inference_of_a_model_split_at_module_names_gives_the_plain_models_output(kind: str) -> None:
+    """``out = model(input_ids); out.logits`` or ``out[0]`` under a pipeline: the output was the
+    logits tensor, so ``.logits`` raised torch's AttributeError and ``out[0]`` was silently the first
+    sample's logits ((8, 32) for (4, 8, 32)). Now it is the plain model's output class around the logits."""
+    if kind == "llama":
+        x = token_batch(4, seed=1)[0]
+        with seeded_init(0):
+            plain = llama(layers=2).eval()
+    else:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+        with seeded_init(0):
+            plain = _DictOut()
+    with torch.no_grad():
+        want = plain(x)
+    for out in run_world(2, _infer, kind, x, timeout=60):
+        assert type(out) is type(want)
+        torch.testing.assert_close(out["logits"], want["logits"], rtol=1e-6, atol=1e-6)
+        if kind == "llama":
+            assert out[0].shape == want[0].shape
+            torch.testing.assert_close(out.logits, want.logits, rtol=1e-6, atol=1e-6)

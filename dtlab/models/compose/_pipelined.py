@@ -87,8 +87,9 @@ class PipelineRun:
                 stage.prepare(trace.outputs, trace.slots)
         return self._specs[key]
 
-    def infer(self, x: torch.Tensor) -> torch.Tensor:
-        """Inference through every stage (no autograd across ranks), the output on every pp rank."""
+    def infer(self, x: torch.Tensor) -> Any:
+        """Inference through every stage (no autograd across ranks), the output on every pp rank: a
+        model split at module names gives its logits in the plain model's output class."""
         specs = self.specs_for(x)
         last = self.schedule.num_stages - 1
 
@@ -99,7 +100,10 @@ class PipelineRun:
                 raise StrategyError(f"pipeline stage {s} returned a {type(out).__name__}")
             return tensor
 
-        return infer_through_stages(x, run, specs, self.schedule, self.pp)
+        out = infer_through_stages(x, run, specs, self.schedule, self.pp)
+        if self.layout.traced:
+            return self._traces[TensorSpec(tuple(x.shape), x.dtype)].as_output(out)
+        return out
 
     def _check_not_failed(self) -> None:
         """Refuse a step after one whose schedule raised (a forward, loss or backward of a micro-batch):

@@ -54,6 +54,13 @@ class Trace:
     specs: list[TensorSpec]  #: each stage's output (the last: the tensor of the model's output)
     outputs: dict[str, Any]  #: block -> its output structure, TensorSpec leaves
     slots: dict[str, Slot]  #: split point -> where the hidden state is among its arguments
+    #: the class of the model's output around its logits (a ModelOutput, a dict), None for a tensor
+    output_type: type | None = None
+
+    def as_output(self, logits: torch.Tensor) -> Any:
+        """Inference's result as the plain model gives it: the logits in the model's output class (its
+        other fields unset, as without labels and a cache), so ``out.logits`` and ``out[0]`` read them."""
+        return logits if self.output_type is None else self.output_type(logits=logits)
 
 
 def output_tensor(out: Any) -> torch.Tensor | None:
@@ -142,7 +149,19 @@ def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: 
             "with logits (the loss function receives it)"
         )
     specs = [slots[p][1] for p in points] + [TensorSpec.of(last)]
-    return Trace(specs, outputs, {p: slot for p, (slot, _) in slots.items()})
+    return Trace(specs, outputs, {p: slot for p, (slot, _) in slots.items()}, _output_type(out, last))
+
+
+def _output_type(out: Any, logits: torch.Tensor) -> type | None:
+    """``type(out)`` if it is built from its logits alone (``cls(logits=...)``: a ModelOutput, a dict),
+    else None (a tensor; an output class that needs more: inference gives the logits tensor)."""
+    if out is logits:
+        return None
+    try:
+        type(out)(logits=logits)
+    except Exception:  # any class that cannot be built so: the logits alone
+        return None
+    return type(out)
 
 
 class _Marks(TorchFunctionMode):
