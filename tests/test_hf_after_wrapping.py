@@ -25,10 +25,19 @@ import torch
 from hf_cases import VOCAB, llama, rel_error, token_batch, transformers_module
 from torch import nn
 
+from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.rng import seeded_init
 from dtlab.errors import StrategyError
-from dtlab.models import DDPModel, FSDPModel, TensorParallelModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
+from dtlab.models import (
+    DDPModel,
+    FSDPModel,
+    HybridShardedModel,
+    TensorParallelModel,
+    ZeRO1Model,
+    ZeRO2Model,
+    ZeRO3Model,
+)
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -113,6 +122,25 @@ def _generated(backend: CommunicationBackend) -> dict[str, Any]:
     return out
 
 
+def _generated_on_a_mesh(backend: CommunicationBackend) -> dict[str, Any]:
+    """dp 2 x tp 2, FSDP: prompts of 2 and 3 tokens by the dp coordinate (the same on both tp ranks)."""
+    with seeded_init(0):
+        net = llama(heads=4, kv_heads=2).eval()
+    mesh = Mesh(backend, {"dp": 2, "tp": 2})
+    model = HybridShardedModel(net, mesh, "fsdp", tensor_plan="auto")
+    x, _ = token_batch(2, seed=3)
+    prompt = x[:, : 2 + mesh.coordinate("dp")]
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        with pytest.raises(StrategyError) as info:
+            model.module.generate(prompt, max_length=7, do_sample=False)
+            model.state_dict()
+        out["refused"] = str(info.value)
+        with model.dp_strategy.summon_full_params(writeback=False):
+            out["summoned"] = model.module.generate(prompt, max_length=7, do_sample=False)
+    return out
+
+
 def test_generate_with_a_different_number_of_forwards_per_rank_is_refused_on_every_rank() -> None:
     x, _ = token_batch(2, seed=3)
     plain = _net(resized=False).eval()
@@ -134,6 +162,13 @@ def test_generate_with_a_different_number_of_forwards_per_rank_is_refused_on_eve
             assert torch.equal(res[f"{name}/summoned"], want[rank]), name
             assert torch.equal(res[f"{name}/fixed"], fixed[rank]), name
             assert all(torch.equal(v, plain.state_dict()[k]) for k, v in res[f"{name}/state"].items())
+    with seeded_init(0):
+        plain4 = llama(heads=4, kv_heads=2).eval()
+    with torch.no_grad():
+        want4 = [plain4.generate(x[:, : 2 + c], max_length=7, do_sample=False) for c in range(2)]
+    for rank, res in enumerate(run_world(4, _generated_on_a_mesh, timeout=120)):
+        assert "model.dp_strategy.summon_full_params(...)" in res["refused"], res["refused"]
+        assert torch.equal(res["summoned"], want4[rank // 2]), rank  # world rank = dp * 2 + tp
 
 
 def _saved(backend: CommunicationBackend, root: Path) -> dict[str, str]:
