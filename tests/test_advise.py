@@ -195,7 +195,12 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["advise", "--ranks", "0"]) == 2
     assert "ClusterSpec.ranks must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["advise", "--memory-gb", "0.000001"]) == 1
-    assert "none of the" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "none of the 660 plans fits: more than 1e-06 GiB per device (600 of them)" in said, said
+    # the embedded model on 3 ranks: no plan fits for the sizes, not for memory; both say why
+    assert main(["advise", "--ranks", "3"]) == 1
+    said = capsys.readouterr().err
+    assert "heads=4 not divisible by tp=3 (60 of them)" in said and "--global-batch 32" in said, said
 
 
 def test_cli_tp_batch_check(capsys: pytest.CaptureFixture[str]) -> None:

@@ -285,9 +285,12 @@ def run_advise(args: argparse.Namespace) -> int:
     if args.json:
         return _emit(lambda: print(advice_json(shown, *header)))
     if not result.plans:
+        top = sorted(result.reasons.items(), key=lambda kv: -kv[1])[:3]
+        why = "; ".join(f"{reason} ({n} of them)" for reason, n in top)
         print(
-            f"dtlab advise: none of the {result.considered} plans fits in {cluster.memory_gib:g} GiB per "
-            "device; add ranks or memory, or shrink the model or the global batch",
+            f"dtlab advise: none of the {result.considered} plans fits{': ' + why if why else ''} (a "
+            f"data-parallel size that does not divide --global-batch {args.global_batch} is not "
+            "considered); change --ranks or --global-batch, add memory, or shrink the model",
             file=sys.stderr,
         )
         return 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dtlab.advise.precision import PRECISIONS, Precision
 from dtlab.advise.predict import Memo, Prediction, predict
@@ -140,6 +140,8 @@ class Advice:
 
     plans: list[Prediction]
     considered: int
+    #: why the plans considered do not fit: each reason and how many plans it stopped
+    reasons: dict[str, int] = field(default_factory=dict)
 
 
 def advise(
@@ -172,6 +174,7 @@ def advise(
     prec = precision or Precision()
     out = []
     considered = 0
+    reasons: dict[str, int] = {}
     memo = Memo()
     max_tp = lim.max_tp if lim.max_tp is not None else cluster.ranks_per_node
     for c in candidates(
@@ -202,5 +205,12 @@ def advise(
         )
         if p.fits:
             out.append(p)
+        whys = list(p.problems)
+        if p.memory.total > cluster.memory_bytes:  # one reason, not one per size ("needs 0.01 GiB > ...")
+            whys = [f"more than {cluster.memory_gib:g} GiB per device"] + [
+                w for w in whys if not w.startswith("needs ")
+            ]
+        for why in whys:
+            reasons[why] = reasons.get(why, 0) + 1
     out.sort(key=lambda p: (p.step_seconds, p.memory.total, p.candidate.label))
-    return Advice(out, considered)
+    return Advice(out, considered, reasons)
