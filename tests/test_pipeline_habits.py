@@ -21,6 +21,9 @@ from dtlab.testing import run_world
 STEPS = 3
 
 
+CLIP = 0.5
+
+
 class _Wrap(nn.Module):
     """A block around a layer that another block wraps too (the layer shared, not its weights)."""
 
@@ -32,11 +35,23 @@ class _Wrap(nn.Module):
         return self.inner(x)
 
 
+class _Blocks(nn.Sequential):
+    """Its ``pipeline_blocks()`` name the first layer again as the last block."""
+
+    def pipeline_blocks(self) -> list[tuple[str, nn.Module]]:
+        return [*((str(i), b) for i, b in enumerate(self)), ("again", self[0])]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self[0](super().forward(x))
+
+
 def _used_twice(kind: str) -> nn.Sequential:
     """Linear ``a`` applied first and last, across the stage boundary: as the same child of the
-    ``nn.Sequential`` twice, or inside two wrapper blocks."""
+    ``nn.Sequential`` twice, inside two wrapper blocks, or as two of the ``pipeline_blocks()``."""
     a = nn.Linear(6, 6)
     mid = [nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh()]
+    if kind == "blocks":
+        return filled(_Blocks(a, *mid), 0, scale=0.5)
     blocks = [a, *mid, a] if kind == "same_child" else [_Wrap(a), *mid, _Wrap(a)]
     return filled(nn.Sequential(*blocks), 0, scale=0.5)
 
@@ -46,21 +61,22 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(STEPS, 8, 6, generator=g), torch.randn(STEPS, 8, 6, generator=g)
 
 
-def _one_process(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _one_process(kind: str) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     model = _used_twice(kind)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     xs, ys = _data()
-    losses = []
+    losses, norms = [], []
     for s in range(STEPS):
         loss = F.mse_loss(model(xs[s]), ys[s])
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _pipelined(backend: Any, kind: str, dp: str, axes: dict[str, int]) -> tuple[list[float], dict[str, Any]]:
+def _pipelined(backend: Any, kind: str, dp: str, axes: dict[str, int]) -> tuple[list[float], ...]:
     mesh = Mesh(backend, axes)
     sharded: dict[str, Any] = {"persistence_threshold": 0} if dp == "zero3" else {}
     model = HybridShardedModel(_used_twice(kind), mesh, dp, micro_batches=2, split_points=["3"], **sharded)
@@ -69,26 +85,30 @@ def _pipelined(backend: Any, kind: str, dp: str, axes: dict[str, int]) -> tuple[
     xs, ys = _data()
     share = 8 // mesh.size("dp")
     part = slice(mesh.coordinate("dp") * share, (mesh.coordinate("dp") + 1) * share)
-    losses = []
+    losses, norms = [], []
     for s in range(STEPS):
         losses.append(float(model.train_step((xs[s][part], ys[s][part]), F.mse_loss)))
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
         opt.step()
         opt.zero_grad()
-    return losses, model.full_state_dict()
+    return losses, norms, model.full_state_dict()
 
 
-@pytest.mark.parametrize("kind", ["same_child", "wrapped"])
+@pytest.mark.parametrize("kind", ["same_child", "wrapped", "blocks"])
 @pytest.mark.parametrize(("dp", "axes"), [("ddp", {"pp": 2}), ("zero3", {"pp": 2, "dp": 2})])
 def test_a_layer_applied_in_two_stages_trains_as_one_process(kind: str, dp: str, axes: dict) -> None:
-    """``nn.Sequential(a, ..., a)`` split between two pipeline ranks: the second ``a`` was dropped
-    from the stages (``named_children`` lists a child once; loss 0.885 against one process's 1.060),
-    and ``a`` inside two wrapper blocks ran on both ranks with each rank's part of its gradient
-    (1.07 relative error). Now ``a`` is tied across the stages, as a weight shared between two layers."""
-    want_losses, want = _one_process(kind)
+    """A layer ``a`` applied first and last, split between two pipeline ranks, clipped: the second
+    ``a`` of ``nn.Sequential(a, ..., a)`` was dropped from the stages (``named_children`` lists a child
+    once: loss 0.885 against one process's 1.060), and ``a`` in two wrapper blocks or twice among the
+    ``pipeline_blocks()`` ran on both ranks with each rank's part of its gradient (1.07 relative
+    error; norm 0.723 for 0.756). Now ``a`` is tied across the stages, as a weight shared between two
+    layers, and counted once in the norm."""
+    want_losses, want_norms, want = _one_process(kind)
     results = run_world(2 * axes.get("dp", 1), _pipelined, kind, dp, axes, timeout=60)
     means = [sum(r[0][s] for r in results) / len(results) for s in range(STEPS)]  # each dp share's mean
     assert means == pytest.approx(want_losses, rel=1e-5)
-    for _, state in results:
+    for _, norms, state in results:
+        assert norms == pytest.approx(want_norms, rel=1e-5)
         assert state.keys() == want.keys()
         for name, value in want.items():
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)

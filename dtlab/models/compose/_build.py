@@ -229,15 +229,16 @@ def lay_out(
     schedule = build_schedule(args.schedule, p, m, v)  # dry-run: no deadlock, every message matched
     owner: dict[int, int] = {}
     by_module: dict[int, int] = {}  # every module of a stage -> the pipeline rank running it (its first)
-    users: dict[int, set[int]] = {}  # every module of a stage -> every pipeline rank running it
+    holders: dict[int, set[int]] = {}  # every parameter of a stage -> the pipeline ranks holding it
     for s, st in enumerate(stages):
         for t in [*st.parameters(), *st.buffers()]:
             owner.setdefault(id(t), schedule.rank_of(s))  # a replicated buffer: saved by its first stage
+        for q in st.parameters():
+            holders.setdefault(id(q), set()).add(schedule.rank_of(s))
         for sub in st.modules():
             by_module.setdefault(id(sub), schedule.rank_of(s))
-            users.setdefault(id(sub), set()).add(schedule.rank_of(s))
     groups = tied_groups(module)
-    crossing = cross_ties(module, groups, users)
+    crossing = cross_ties(module, holders)
     init_ties(crossing, module, pp, on_meta)  # collective over pp: the copies start equal
     entries = tensor_entries(module, tp.world_size, owner, by_module)  # before other stages become meta
     shapes = [stage_shapes(stage) for stage in stages]

@@ -187,18 +187,16 @@ _HF_INPUT_GRADS = "make_inputs_require_grads"
 
 
 class TiedSync:
-    """The weights tied across pipeline ranks (``ties``; ``aliases``: a tied parameter's other names ->
-    its first) kept in sync: their gradients summed over each tie group before the dp reduction, or
-    after it where the strategy leaves whole averaged gradients, and counted once in the gradient norm."""
+    """The weights tied across pipeline ranks (``ties``) kept in sync: their gradients summed over each
+    tie group before the dp reduction, or after it where the strategy leaves whole averaged gradients,
+    and counted once in the gradient norm."""
 
-    def __init__(
-        self, ties: list[CrossTie], aliases: dict[str, str], root: nn.Module, dp: DataParallelModel
-    ) -> None:
+    def __init__(self, ties: list[CrossTie], root: nn.Module, dp: DataParallelModel) -> None:
         self.ties, self.dp = ties, dp
         rebind_ties(ties, root)  # a strategy built from the meta device gives its parameters new objects
-        held = {n for n, _ in root.named_parameters(remove_duplicate=False)}
-        #: a weight tied across ranks counts once in the norm, on the rank holding its first name
-        self.norm_skip = {n for n in held if n in aliases and aliases[n] not in held}
+        #: a weight tied across ranks counts once in the norm, on the first rank of its tie group
+        copies = {id(t.param) for t in ties if t.param is not None and t.group is not None and t.group.rank}
+        self.norm_skip = {n for n, p in root.named_parameters(remove_duplicate=False) if id(p) in copies}
         self._names = {id(p): n for n, p in root.named_parameters()}
         if self.ties:
             dp.register_post_sync_hook(self.after_reduce)

@@ -170,7 +170,7 @@ class HybridShardedModel(OptimizerTarget):
         left_whole = (n for n, _ in dp.trainable_parameters() if not isinstance(placements[n], Shard))
         #: the parameters whose gradient every tp rank computes whole and alike (none at tp = 1)
         self.same_grad_over_tp = frozenset(left_whole if self.tp_group.world_size > 1 else ()) - self._partial
-        self._tied = TiedSync(layout.ties, layout.aliases, root, dp)  # weights tied across pipeline ranks
+        self._tied = TiedSync(layout.ties, root, dp)  # weights tied across pipeline ranks
         # parameters left whole get the same gradient on every tp rank: compared after the first backward
         SameReplicatedGrads(dp, self.same_grad_over_tp, mesh["tp"], mesh["pp"], who, batch_check.when)
         whole, tp_split = dp.keeps_whole_grads, self.tp_group.world_size > 1  # param.grad: views to guard

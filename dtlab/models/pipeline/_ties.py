@@ -29,19 +29,14 @@ class CrossTie:
     param: nn.Parameter | None = None  #: this rank's copy
 
 
-def cross_ties(
-    module: nn.Module, groups: Sequence[Sequence[str]], ranks_of_module: Mapping[int, Set[int]]
-) -> list[CrossTie]:
-    """The tied parameters whose users are stages on more than one pipeline rank (while whole;
-    ``ranks_of_module``: every stage module's id -> the pipeline ranks running it, several for a module
-    that blocks of several stages hold)."""
-    out = []
-    for names in groups:
-        owners = [id(module.get_submodule(name.rpartition(".")[0])) for name in names]
-        ranks = {r for o in owners for r in ranks_of_module.get(o, ())}
-        if len(ranks) > 1:
-            out.append(CrossTie(list(names), sorted(ranks)))
-    return out
+def cross_ties(module: nn.Module, holders: Mapping[int, Set[int]]) -> list[CrossTie]:
+    """The parameters that stages on more than one pipeline rank hold (``holders``: a stage parameter's
+    id -> the pipeline ranks whose stages hold it; a weight shared by two layers, or a layer in two
+    blocks), each under every name it has in ``module`` (while whole), in ``module``'s order."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [CrossTie(n, sorted(holders[i])) for i, n in names.items() if len(holders.get(i, ())) > 1]
 
 
 def init_ties(
