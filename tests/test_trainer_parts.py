@@ -178,6 +178,12 @@ def test_an_in_memory_world_under_a_launcher_of_several_processes_is_refused(
     ) as info:
         run_training(cfg)  # refused before any rank thread starts: not two separate runs
     assert "backend.name=auto (or gloo, nccl)" in str(info.value)  # not mpi: torchrun starts no MPI ranks
+    for var in (*torchrun, "MASTER_PORT"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"in a process mpiexec started as rank 0 of 2.*auto \(or mpi\)"):
+        run_training(cfg)
 
 
 def test_stray_launcher_variables_do_not_refuse_an_explicit_in_memory_world(

@@ -93,8 +93,9 @@ def run_training(
             launch = LaunchInfo("none")  # a stray WORLD_SIZE=1: one process, as before the check
         if launch.launcher != "none" and (launch.world_size or 1) > 1:  # N copies of one in-memory run
             engines = "mpi" if launch.launcher == "mpi" else "gloo, nccl"  # torchrun starts no MPI ranks
+            launcher = {"mpi": "mpiexec", "slurm": "srun"}.get(launch.launcher, launch.launcher)
             raise ConfigError(
-                f"backend.name='inmemory' in a process {launch.launcher} started as rank {launch.rank} of "
+                f"backend.name='inmemory' in a process {launcher} started as rank {launch.rank} of "
                 f"{launch.world_size}: each process would train an in-memory world of its own, apart from "
                 f"the others; use backend.name=auto (or {engines}) to make the processes one world, "
                 "or run without the launcher"
