@@ -205,3 +205,15 @@ def test_resume_from_an_explicit_path_that_holds_nothing(tmp_path: Path) -> None
         _train(tmp_path / "ck", 2, f"checkpoint.resume={tmp_path}")
     assert f"checkpoint.resume={str(tmp_path)!r} holds no checkpoint" in str(_cause(info))
     assert _resume(tmp_path / "fresh", 2).resumed_from is None  # resume=true, nothing saved: fresh
+
+
+def test_a_resume_from_a_path_without_checkpoint_dir_says_it_saves_nothing(saved: Path) -> None:
+    """dtlab train --set checkpoint.resume=<dir> alone (the resharding example) trains on and saves
+    nothing: said at the start, with the setting to keep its steps."""
+    res = _train(saved, 8, f"checkpoint.resume={saved}", "checkpoint.dir=null")
+    assert res.resumed_from == str(saved / "step_00000006") and _steps(saved)[-1] == "step_00000006"
+    said = [n for n in res.resume_notes if "checkpoint.dir is unset" in n]
+    assert said == [
+        "checkpoint.dir is unset: this run saves no checkpoint of the steps it trains after 6; set "
+        "checkpoint.dir to keep them"
+    ], res.resume_notes

@@ -267,6 +267,11 @@ class Trainer:
             return  # nothing saved yet: a fresh start
         self.resume_notes = self.resume_notes + restore_agreed(self, chosen.checkpoint)
         self.resumed_from = str(chosen.checkpoint.path)
+        if self.config.checkpoint.dir is None:  # resumed from a path: the steps it trains would be lost
+            self.resume_notes.append(
+                f"checkpoint.dir is unset: this run saves no checkpoint of the steps it trains after "
+                f"{chosen.checkpoint.step}; set checkpoint.dir to keep them"
+            )
         run = chosen.checkpoint.meta.get("run")
         recorded = run.get("run_dir") if isinstance(run, dict) else None
         self._recorded_run_dir = recorded if isinstance(recorded, str) else None
