@@ -3,6 +3,7 @@ process on the same global batch (in-memory ranks, tiny models)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.core.rng import seeded_init
+from dtlab.errors import RankFailedError
 from dtlab.models import HybridShardedModel, PipelineParallelModel
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
@@ -156,3 +158,28 @@ def test_inference_of_a_model_split_at_module_names_gives_the_plain_models_outpu
         if kind == "llama":
             assert out[0].shape == want[0].shape
             torch.testing.assert_close(out.logits, want.logits, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("n_microbatches", "pass micro_batches="),
+        ("loss_fn", r"model.train_step\(\(inputs, targets\), loss_fn\)"),
+        ("scale_grads", r"divides each micro-batch's loss by micro_batches \(torch's scale_grads=True\)"),
+        ("split_spec", "pass split_points="),
+    ],
+)
+def test_torch_pipelining_arguments_are_named_with_dtlabs_way(name: str, says: str) -> None:
+    """``PipelineParallelModel(net, mesh, n_microbatches=4)`` (torch's ScheduleGPipe argument) was
+    refused as 'ZeRO1Model(n_microbatches=...): n_microbatches= is not one of its options', naming
+    the data-parallel strategy the composition builds and no fix."""
+
+    def build(backend: Any) -> None:
+        PipelineParallelModel(_used_twice("same_child"), backend, **{name: 4})
+
+    with pytest.raises(RankFailedError) as info:
+        run_world(1, build, timeout=20)
+    error = info.value.__cause__
+    assert isinstance(error, TypeError)
+    assert str(error).startswith(f"PipelineParallelModel({name}=...): torch.distributed.pipelining's")
+    assert re.search(says, str(error))

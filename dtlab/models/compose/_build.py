@@ -21,7 +21,7 @@ from dtlab.core.placement import Placement, placement_of
 from dtlab.core.plan import check_schedule_args
 from dtlab.core.shard_index import full_shape_of
 from dtlab.core.torch_private import non_persistent_buffers
-from dtlab.errors import StrategyError
+from dtlab.errors import ArgumentTypeError, StrategyError
 from dtlab.models.compose._tied import swap_layers, tied_groups
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DDPModel
@@ -68,12 +68,29 @@ DATA_PARALLEL_CLASSES: dict[str, type[DataParallelModel]] = {
 AXES = ("pp", "dp", "tp")
 
 
+#: torch.distributed.pipelining's arguments (ScheduleGPipe / Schedule1F1B, pipeline()) and their place here
+_TORCH_PIPELINING = {
+    "n_microbatches": "pass micro_batches= (the batch must split into that many equal micro-batches)",
+    "loss_fn": "pass it to each step: model.train_step((inputs, targets), loss_fn)",
+    "scale_grads": (
+        "train_step always divides each micro-batch's loss by micro_batches (torch's scale_grads=True), "
+        "so a mean loss gives one process's gradients; for other scaling, scale the loss in loss_fn"
+    ),
+    "split_spec": "pass split_points=[the names of the blocks where stages 1.. begin]",
+}
+
+
 def data_parallel_choice(
     who: str, data_parallel: object, kwargs: Mapping[str, Any]
 ) -> tuple[type[DataParallelModel], dict[str, Any], Any]:
     """The strategy class ``data_parallel`` names (anything else raises, naming the choices), its
     options as its constructor takes them (ZeRO-1 all-reduces unless told) and the ``gradient_sync``
     chosen (ZeRO-1; ``None``: the optimizer's choice)."""
+    for name, fix in _TORCH_PIPELINING.items():  # else the dp strategy names itself, and no fix
+        if name in kwargs:
+            raise ArgumentTypeError(
+                f"{who}({name}=...): torch.distributed.pipelining's {name}= is not an option here; {fix}"
+            )
     dp_class = DATA_PARALLEL_CLASSES.get(data_parallel) if isinstance(data_parallel, str) else None
     if dp_class is None:
         choices = ", ".join(pairs.DATA_PARALLEL)
