@@ -14,7 +14,9 @@ from test_strategies_helpers import make_data, make_module, max_rel_error, wrap
 from torch.nn import functional as F
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.torch_private import global_optimizer_step_pre_hooks
 from dtlab.errors import StrategyError
+from dtlab.models.dp._plain_step import refuse_plain_step
 from dtlab.optimizers import ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -112,3 +114,24 @@ def test_documented_ways_to_touch_sharded_parameters_equal_one_process() -> None
                 "AdamW.step(): parameter 0 of param group 0 (shape (10, 6)) is sharded" in said
                 and "opt = ZeRO3Optimizer(model" in said
             ), said
+
+
+def _step_hook(backend: CommunicationBackend) -> dict[str, Any]:
+    class Lion(torch.optim.SGD):  # a user's own optimizer class
+        pass
+
+    for _ in range(2):  # a second model registers nothing more
+        model = wrap("zero3", make_module(), backend)
+    hooks = [h for h in global_optimizer_step_pre_hooks() if h is refuse_plain_step]
+    try:
+        Lion(model.parameters(), lr=0.1).step()
+        said = ""
+    except StrategyError as e:
+        said = str(e)
+    return {"hooks": len(hooks), "said": said}
+
+
+def test_the_plain_step_check_is_registered_once_and_names_a_users_class_as_it_is() -> None:
+    for res in run_world(2, _step_hook, timeout=60):
+        assert res["hooks"] == 1
+        assert "opt = ZeRO3Optimizer(model, Lion(model.parameters(), ...))" in res["said"], res["said"]

@@ -11,8 +11,10 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
 __all__ = [
+    "global_optimizer_step_pre_hooks",
     "in_checkpoint_forward",
     "MODULE_HOOKS",
     "OPTIMIZER_HOOKS",
@@ -71,6 +73,13 @@ def non_persistent_buffers(module: nn.Module) -> frozenset[str]:
     """The names of ``module``'s own buffers registered with ``persistent=False`` (left out of its
     ``state_dict``; torch's ``_non_persistent_buffers_set``)."""
     return frozenset(getattr(module, "_non_persistent_buffers_set", ()))
+
+
+def global_optimizer_step_pre_hooks() -> list[Callable[..., Any]]:
+    """The hooks ``torch.optim.optimizer.register_optimizer_step_pre_hook`` registered in this process
+    (torch keeps them in ``_global_optimizer_pre_hooks``; empty where a torch release lacks it)."""
+    hooks = getattr(torch_optimizer, "_global_optimizer_pre_hooks", {})
+    return list(hooks.values())
 
 
 def in_checkpoint_forward() -> bool:

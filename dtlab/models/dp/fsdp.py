@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
-import dtlab.models.dp._plain_step  # noqa: F401 - registers the refusal of plain optimizer steps
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
+from dtlab.models.dp._plain_step import watch_plain_steps
 from dtlab.models.dp._sharded import ShardedModel, ShardedOptions, UnitPlan
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class FSDPModel(ShardedModel):
                 f"{type(wrap_policy).__name__}"
             )
         self.wrap_policy = wrap_policy
+        watch_plain_steps()
         super().__init__(module, backend, reshard_after_forward=reshard_after_forward, **options)
 
     def _unit_modules(self) -> set[int]:

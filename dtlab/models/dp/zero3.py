@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
-import dtlab.models.dp._plain_step  # noqa: F401 - registers the refusal of plain optimizer steps
 from dtlab.backends.base import CommunicationBackend
+from dtlab.models.dp._plain_step import watch_plain_steps
 from dtlab.models.dp._sharded import ShardedModel, ShardedOptions, UnitPlan
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ class ZeRO3Model(ShardedModel):
         if bad:
             raise TypeError(f"leaf_modules must be nn.Module subclasses, got {bad}")
         self.persistence_threshold = persistence_threshold
+        watch_plain_steps()
         self.leaf_modules = tuple(leaf_modules)
         super().__init__(module, backend, reshard_after_forward=True, **options)
         if backend.world_size > 1 and all(st.persistent for st in self._units):
