@@ -78,10 +78,13 @@ class DirectForwards:
             work = group.iall_reduce(buf, ReduceOp.MAX)
             wait_s = self.at_rest.forward_wait_s
             deadline = time.monotonic() + wait_s
+            polls = 0
             while work.polls and not work.is_completed():  # Gloo, NCCL: a rank that left is named
                 if wait_s and time.monotonic() > deadline:
                     raise StrategyError(self._message(call, None, f"waited {wait_s:g} s for the others"))
-                time.sleep(0.0005)
+                polls += 1
+                if polls > 1000:  # spin first: this runs before every decoding step of generate()
+                    time.sleep(0.0005)
             work.wait()
         except (CollectiveMismatchError, CollectiveTimeoutError) as exc:  # in memory: named at once
             raise StrategyError(self._message(call, None, str(exc))) from exc
