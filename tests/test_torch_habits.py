@@ -22,12 +22,12 @@ from torch_habits_cases import (
     groups_case,
     groups_reference,
     one_rank_eval_case,
+    opt_class,
     requires_grad_case,
 )
 
 from dtlab.core.rng import seeded_init
 from dtlab.errors import CollectiveMismatchError, RankFailedError, StrategyError
-from dtlab.optimizers import ZeRO3Optimizer
 from dtlab.testing import run_world
 
 #: strategies where param.grad holds the whole averaged gradient after backward
@@ -137,26 +137,37 @@ def test_one_rank_eval_is_named_within_seconds(name: str) -> None:
 def _alone_then_train(backend: Any, name: str, call: str) -> None:
     """Rank 0 evaluates (or takes the state dict) alone between training steps; the others train on."""
     model = wrap(name, make_module(), backend)
-    opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.1)
+    opt = opt_class(name)(model, torch.optim.SGD, lr=0.1)
     x = torch.ones(2, 6)
     for step in range(3):
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
         if backend.rank == 0 and step == 0:
+            alone = {
+                "forward": lambda: model(x),
+                "state_dict": model.state_dict,
+                "opt.state_dict": opt.state_dict,
+            }
             with torch.no_grad():
-                model(x) if call == "forward" else model.state_dict()
+                alone[call]()
 
 
-@pytest.mark.parametrize("name,call", [("zero3", "forward"), ("fsdp", "state_dict")])
+@pytest.mark.parametrize(
+    "name,call", [("zero3", "forward"), ("fsdp", "state_dict"), ("zero2", "opt.state_dict")]
+)
 def test_one_rank_eval_while_the_others_train_is_named(name: str, call: str) -> None:
     """The others go on training: their gathers pair with rank 0's evaluation (or state dict) and the
-    ranks fall out of step at a later gather. Named on rank 0 with the cause and the fix, not as a bare
-    mismatch of two all_gathers."""
+    ranks fall out of step at a later gather (ZeRO-2's opt.state_dict() meets their reduce-scatter at
+    once). Named on rank 0 with the cause and the fix, not as a bare mismatch of two collectives."""
     with pytest.raises(RankFailedError) as info:
         run_world(2, _alone_then_train, name, call, timeout=60)
     said = str(info.value)
-    assert "rank 0 failed: StrategyError" in said and "made on this rank since the last synchronized" in said
+    assert "rank 0 failed: StrategyError" in said, said
+    if call == "opt.state_dict":
+        assert "ZeRO2Optimizer.state_dict() on rank 0 did not meet the other ranks" in said, said
+    else:
+        assert "made on this rank since the last synchronized" in said, said
     assert ("every rank must call forward" if call == "forward" else "if rank == 0: torch.save(sd") in said
 
 

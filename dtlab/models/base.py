@@ -20,6 +20,7 @@ from dtlab.core.state import ShardedState
 from dtlab.errors import (
     ArgumentError,
     CheckpointError,
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     StrategyError,
     every_rank_saves,
@@ -277,11 +278,10 @@ class ModelStrategy(nn.Module):
         out: dict[str, Any] = destination if destination is not None else {}
         try:
             whole = self.full_state_dict()
-        except CollectiveTimeoutError as exc:  # a DDP habit: if rank == 0: torch.save(model.state_dict())
-            raise StrategyError(
-                f"{type(self).__name__}.state_dict() on rank {self.world_backend.rank} timed out waiting for "
-                f"the other ranks: {every_rank_saves('model.state_dict()', 'its part of the model')} ({exc})"
-            ) from exc
+        except (CollectiveTimeoutError, CollectiveMismatchError) as exc:  # if rank == 0: torch.save(...)
+            who = f"{type(self).__name__}.state_dict() on rank {self.world_backend.rank}"
+            fix = every_rank_saves("model.state_dict()", "its part of the model")
+            raise StrategyError(f"{who} did not meet the other ranks: {fix} ({exc})") from exc
         out.update({prefix + k: v for k, v in whole.items()})
         return out
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dtlab.errors import CollectiveTimeoutError, StrategyError, every_rank_saves
+from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError, StrategyError, every_rank_saves
 from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers._groups import Entry, jsonable
 
@@ -106,9 +106,9 @@ def _gathered_state(
     options = [jsonable(g) for g in local.param_groups]  # the strategy's, synchronized at state_dict()
     try:
         gathered = backend.all_gather_object((kinds, scalars, options, held))
-    except CollectiveTimeoutError as exc:  # a DDP habit: if rank == 0: torch.save(opt.state_dict())
+    except (CollectiveTimeoutError, CollectiveMismatchError) as exc:  # if rank == 0: torch.save(opt...)
         raise StrategyError(
-            f"{who}.state_dict() on rank {backend.rank} timed out waiting for the other ranks: "
+            f"{who}.state_dict() on rank {backend.rank} did not meet the other ranks: "
             f"{every_rank_saves('opt.state_dict()', '1/P of the optimizer state')} ({exc})"
         ) from exc
     _check_same_options([g for _, _, g, _ in gathered], who)
