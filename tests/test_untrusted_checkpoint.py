@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.checkpoint import find_resume_checkpoint, save_checkpoint
+from dtlab.checkpoint import find_resume_checkpoint, read_checkpoint, save_checkpoint
 from dtlab.core.state import ShardedState
+from dtlab.errors import RankFailedError
 from dtlab.models import DDPModel
 from dtlab.optimizers import DDPOptimizer
 from dtlab.testing import run_world
@@ -177,6 +178,21 @@ def test_a_resume_falls_back_past_untrustworthy_step_directories(tmp_path: Path)
     assert any("resolves to" in n and "outside" in n for n in point.notes)
     allowed = find_resume_checkpoint(root, allow_outside=True)
     assert allowed.checkpoint is not None and allowed.checkpoint.path.name == "step_00000003"
+
+
+def test_a_param_group_that_is_not_an_object_in_another_rank_s_shard_is_refused(tmp_path: Path) -> None:
+    """meta.json's ranks[1].optim.param_groups[0] = null (the property test's draw): refused as the
+    checkpoint's fault on every rank, not a TypeError from comparing the groups' options."""
+    root = make_strategy_checkpoint(tmp_path / "ck")
+    _edit_meta(
+        root / "step_00000002", lambda meta: meta["ranks"][1]["optim"]["param_groups"].__setitem__(0, None)
+    )
+    ckpt = read_checkpoint(root)
+    try:
+        run_world(2, load_into_strategies, ckpt.model, ckpt.optim, timeout=60)
+    except RankFailedError as exc:
+        said = str(exc)
+    assert "CheckpointError" in said and "param_groups=[None]" in said, said
 
 
 _PROPERTY = r"""

@@ -309,10 +309,12 @@ def check_members(
             )
         if not held:
             continue
-        if not (isinstance(groups, list) and all(0 <= g < len(groups) for g in held.values())):
+        if not (isinstance(groups, list) and all(0 <= g < len(groups) for g in held.values())) or not all(
+            isinstance(groups[g], dict) for g in held.values()
+        ):
             raise CheckpointError(
-                f"optimizer shard metadata: param_group_of={summary(held)} numbers groups beyond "
-                f"param_groups={summary(groups)}"
+                f"optimizer shard metadata: param_group_of={summary(held)} does not fit "
+                f"param_groups={summary(groups)} (a list of objects, one per group it numbers)"
             )
         was.update({name: groups[g] for name, g in held.items()})
     moved = next((e for e in entries if was.get(e.name, saved[e.group]) != saved[e.group]), None)
