@@ -25,7 +25,7 @@ from test_tensor_helpers import batch
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.config import from_dict
-from dtlab.errors import ArgumentError, ConfigError, StrategyError
+from dtlab.errors import ArgumentError, ConfigError, RankFailedError, StrategyError
 from dtlab.models import HybridShardedModel, TensorParallelModel, TpBatchCheck
 from dtlab.models.tensor._agree import check_same_on_tp
 from dtlab.optimizers import DDPOptimizer
@@ -267,3 +267,28 @@ def test_the_fingerprint_is_exact() -> None:
         assert "x has other values (same shape (6, 5), torch.float32)" in got["bit"]
         assert "x has other values" in got["order"]
         assert "k['n'] is 4, on tp rank 0 3" in got["python"]
+
+
+def _eval_alone(backend: CommunicationBackend) -> None:
+    model = TensorParallelModel(build(), backend, plan=PLAN)
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    x, y = data(0)
+    for step in range(3):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if backend.rank == 0 and step == 0:  # a DDP habit: evaluate on rank 0 only
+            with torch.no_grad():
+                model(x)
+
+
+def test_one_rank_evaluating_alone_is_named_with_the_fix() -> None:
+    """The other tp rank trains on: its collectives pair with the evaluation's until rank 0's next check
+    meets its backward. Named with the cause and the fix, not as a bare mismatch of two all_reduces."""
+    with pytest.raises(RankFailedError) as info:
+        run_world(2, _eval_alone, timeout=60)
+    said = str(info.value)
+    assert (
+        "rank 0 failed: StrategyError: TensorParallelModel: the check of the inputs on world rank 0" in said
+    )
+    assert "met another collective" in said and "evaluate on every rank" in said, said

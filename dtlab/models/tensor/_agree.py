@@ -22,7 +22,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.plan import TP_BATCH_CHECKS, TpBatchCheck
 from dtlab.core.traced import eager_when_traced
-from dtlab.errors import StrategyError
+from dtlab.errors import CollectiveMismatchError, StrategyError
 
 __all__ = ["SameOnTp", "check_same_on_tp"]
 
@@ -114,7 +114,16 @@ def check_same_on_tp(
         stacked = torch.stack([torch.stack(pair) for pair in sums]).remainder(_MOD)  # (tensors, 2)
         fp[1:] = (stacked * weights.unsqueeze(1)).sum(0)
     both = torch.cat([fp, -fp])
-    group.all_reduce(both, ReduceOp.MAX)  # the group's max and (negated) min: equal when all agree
+    try:
+        group.all_reduce(both, ReduceOp.MAX)  # the group's max and (negated) min: equal when all agree
+    except CollectiveMismatchError as exc:  # the first collective of each forward: the ranks ran others
+        raise StrategyError(
+            f"{who}: the check of the {what} on world rank {ranks[group.rank]} met another collective of its "
+            f"tensor-parallel group ({exc}): its ranks ran different forwards, e.g. one evaluated alone (a "
+            "DDP habit: if rank == 0: evaluate). Every rank of a tp group runs each forward, each on its "
+            "slice of the layers: evaluate on every rank (the same batch on each tp rank), or call "
+            "model.state_dict() on every rank and evaluate a plain copy on one rank"
+        ) from exc
     if torch.equal(both[:3], -both[3:]):
         return
     by_leaf = {i: [int(s) for s in pair] for (i, _), pair in zip(tensors, sums, strict=True)}
