@@ -15,7 +15,7 @@ from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.core.rng import seeded_init
-from dtlab.errors import RankFailedError
+from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import HybridShardedModel, PipelineParallelModel
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
@@ -183,3 +183,36 @@ def test_torch_pipelining_arguments_are_named_with_dtlabs_way(name: str, says: s
     assert isinstance(error, TypeError)
     assert str(error).startswith(f"PipelineParallelModel({name}=...): torch.distributed.pipelining's")
     assert re.search(says, str(error))
+
+
+def _sharded_by_global_rank(backend: Any, kind: str) -> str:
+    """pp 2 x dp 2, each rank given its own quarter of the batch (torch DDP's
+    ``DistributedSampler(ds, num_replicas=world_size, rank=rank)``): the refusal on this rank."""
+    mesh = Mesh(backend, {"pp": 2, "dp": 2})
+    model = PipelineParallelModel(_used_twice("wrapped"), mesh, micro_batches=2)
+    DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    xs, ys = _data()
+    mine = slice(2 * backend.rank, 2 * backend.rank + 2)
+    try:
+        if kind == "train_step":
+            model.train_step((xs[0][mine], ys[0][mine]), F.mse_loss)
+        else:
+            model.eval()
+            with torch.no_grad():
+                model(xs[0][mine])
+    except StrategyError as exc:
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.parametrize("kind", ["train_step", "inference"])
+def test_pipeline_ranks_given_other_batches_are_refused_on_every_rank(kind: str) -> None:
+    """Data sharded by the global rank gave each pipeline rank of a replica its own batch: the first
+    stage read one batch's inputs and the last stage another's targets, and trained on them silently
+    (loss 0.481 for the pair); inference gave every rank the first stage's output. Now the first step
+    and the first inference compare the pp ranks' batches (one all-reduce of 6 int64 over pp)."""
+    for rank, said in enumerate(run_world(4, _sharded_by_global_rank, kind, timeout=60)):
+        what = "batches" if kind == "train_step" else "inputs"
+        assert f"the ranks of a pipeline were given different {what}" in said, (rank, said)
+        assert "pp rank 1 (world rank 2" in said or "pp rank 1 (world rank 3" in said, said
+        assert "sharding the data by the dp coordinate, not by the global rank" in said

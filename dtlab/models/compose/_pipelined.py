@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from dtlab.backends.base import CommunicationBackend
+from dtlab.backends.mesh import MeshLike
 from dtlab.errors import StrategyError
 from dtlab.models.compose._build import Layout
 from dtlab.models.compose._tied import TiedSync
@@ -32,6 +32,7 @@ from dtlab.models.pipeline._schedules import PipelineSchedule
 from dtlab.models.pipeline._split import Stage, TensorSpec, stage_specs
 from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.pipeline._trace_check import Trace, output_tensor, trace_split
+from dtlab.models.tensor._agree import check_same_on_tp
 
 __all__ = ["PipelineRun"]
 
@@ -44,12 +45,14 @@ class PipelineRun:
         dp: DataParallelModel,
         layout: Layout,
         schedule: PipelineSchedule,
-        pp: CommunicationBackend,
+        mesh: MeshLike,
         module: nn.Module,
         tied: TiedSync,
         checkpointing: bool,
     ) -> None:
-        self.dp, self.layout, self.schedule, self.pp = dp, layout, schedule, pp
+        self.dp, self.layout, self.schedule, self.pp = dp, layout, schedule, mesh["pp"]
+        self._pp_ranks = mesh.ranks("pp")
+        self._compared: set[str] = set()  # what the pp ranks were checked to agree on (at its first use)
         self.module = module  # the user's whole module (other stages on meta), for the trace
         self.tied, self.checkpointing = tied, checkpointing
         self.micro_batches = layout.micro_batches
@@ -87,9 +90,17 @@ class PipelineRun:
                 stage.prepare(trace.outputs, trace.slots)
         return self._specs[key]
 
-    def infer(self, x: torch.Tensor) -> Any:
+    def same_on_pp(self, who: str, what: str, named: list[tuple[str, Any]]) -> None:
+        """At the first step (``what="batches"``) or inference (``"inputs"``): refuse, on every rank, pp
+        ranks given other values (data sharded by the global rank; one all-reduce of 6 int64 over pp)."""
+        if self.pp.world_size > 1 and what not in self._compared:
+            self._compared.add(what)
+            check_same_on_tp(who, what, named, self.pp, self._pp_ranks, axis="pp")
+
+    def infer(self, who: str, x: torch.Tensor) -> Any:
         """Inference through every stage (no autograd across ranks), the output on every pp rank: a
         model split at module names gives its logits in the plain model's output class."""
+        self.same_on_pp(who, "inputs", [("args[0]", x)])
         specs = self.specs_for(x)
         last = self.schedule.num_stages - 1
 
@@ -132,6 +143,7 @@ class PipelineRun:
             self.failed = None
 
     def check_batch(self, who: str, inputs: Any, targets: Any) -> None:
+        self.same_on_pp(f"{who}.train_step", "batches", [("inputs", inputs), ("targets", targets)])
         m = self.micro_batches
         for what, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, torch.Tensor) or t.dim() == 0:

@@ -180,7 +180,7 @@ class HybridShardedModel(OptimizerTarget):
         self._pipe = None
         if layout.schedule is not None:
             self._pipe = PipelineRun(
-                dp, layout, layout.schedule, self.pp_group, module, self._tied, activation_checkpointing
+                dp, layout, layout.schedule, mesh, module, self._tied, activation_checkpointing
             )
         self._own_state = PartialState(module, who, placements, mesh, pipelined=layout.schedule is not None)
 
@@ -256,7 +256,7 @@ class HybridShardedModel(OptimizerTarget):
                     self._check_partial_fresh()
                 return self.dp_strategy(*args, **kwargs)
             (x,) = args
-            return self._pipe.infer(x)
+            return self._pipe.infer(type(self).__name__, x)
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """One step on ``(inputs, targets)`` (this dp rank's share); with a pipeline, its schedule (each

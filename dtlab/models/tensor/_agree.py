@@ -6,7 +6,8 @@ one all-reduce of each rank's three-integer fingerprint (a digest of the inputs'
 exact checksums of their bits, :func:`_checksums`); only when they differ do the ranks exchange
 descriptions of their inputs, to name who differs from tp rank 0, and in what. :class:`SameOnTp` makes
 it at the calls a :class:`~dtlab.core.plan.TpBatchCheck` asks for. How and its limits:
-docs/strategies.md, "Every tp rank gets the same batch".
+docs/strategies.md, "Every tp rank gets the same batch". A pipeline checks its pp ranks' batches with
+the same function (``axis="pp"``) at its first step and inference.
 """
 
 from __future__ import annotations
@@ -76,13 +77,14 @@ def _checksums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 Seen = list[tuple[str, str, list[int]]]
 
 
-def _difference(mine: Seen, first: Seen) -> str:
-    """How one rank's inputs differ from tp rank 0's: the names, or the first leaf that differs."""
+def _difference(mine: Seen, first: Seen, axis: str) -> str:
+    """How one rank's inputs differ from rank 0's of its ``axis`` group: the names, or the first leaf
+    that differs."""
     if [n for n, _, _ in mine] != [n for n, _, _ in first]:
-        return f"its inputs are {[n for n, _, _ in mine]}, tp rank 0's {[n for n, _, _ in first]}"
+        return f"its inputs are {[n for n, _, _ in mine]}, {axis} rank 0's {[n for n, _, _ in first]}"
     for (name, desc, sums), (_, desc0, sums0) in zip(mine, first, strict=True):
         if desc != desc0:
-            return f"{name} is {desc}, on tp rank 0 {desc0}"
+            return f"{name} is {desc}, on {axis} rank 0 {desc0}"
         if sums != sums0:
             return f"{name} has other values (same {desc})"
     return "the checksums differ"  # unreachable: equal descriptions and sums give equal digests
@@ -95,11 +97,13 @@ def check_same_on_tp(
     group: CommunicationBackend,
     ranks: Sequence[int],
     direct: bool = False,
+    axis: str = "tp",
 ) -> None:
-    """Raise :class:`StrategyError` on every rank of ``group`` (the tp group, world ranks ``ranks``)
-    unless every rank passed the same ``named`` values (tensors, nested in lists/tuples/dicts, and plain
-    Python values): the same names, shapes, dtypes and bits. Collective over ``group``. ``direct``: the
-    wrapped module called outside the wrapper (``generate()``), whose later inputs are its own tokens."""
+    """Raise :class:`StrategyError` on every rank of ``group`` (the tp group, or with ``axis="pp"`` a
+    pipeline's, world ranks ``ranks``) unless every rank passed the same ``named`` values (tensors,
+    nested in lists/tuples/dicts, and plain Python values): the same names, shapes, dtypes and bits.
+    Collective over ``group``. ``direct``: the wrapped module called outside the wrapper
+    (``generate()``), whose later inputs are its own tokens."""
     leaves: list[Leaf] = []
     for name, value in named:
         _leaves(name, value, leaves)
@@ -130,19 +134,31 @@ def check_same_on_tp(
     mine = [(name, desc, by_leaf.get(i, [])) for i, (name, desc, _) in enumerate(leaves)]
     every = group.all_gather_object(mine)
     differing = [
-        f"tp rank {r} (world rank {ranks[r]}): {_difference(d, every[0])}"
+        f"{axis} rank {r} (world rank {ranks[r]}): {_difference(d, every[0], axis)}"
         for r, d in enumerate(every)
         if d != every[0]
     ]
     raise StrategyError(
-        f"{who}: the ranks of a tensor-parallel group were given different {what}; "
-        f"{'; '.join(differing)} (tp rank 0 is world rank {ranks[0]}). Every rank of a tp group computes "
-        "the same model on the same batch, each on its slice of the layers: give every tp rank the same "
+        f"{who}: the ranks of a {_GROUP[axis][0]} were given different {what}; {'; '.join(differing)} "
+        f"({axis} rank 0 is world rank {ranks[0]}). {_GROUP[axis][1]}: give every {axis} rank the same "
         "batch (inputs and targets), sharding the data by the dp coordinate, not by the global rank: "
         'part mesh.coordinate("dp") of mesh.size("dp"), e.g. dtlab.data.DistributedSampler(dataset, '
         'num_replicas=mesh.size("dp"), rank=mesh.coordinate("dp"))' + (_SAMPLED if direct else "")
     )
 
+
+#: per axis: what its group is called, and why its ranks need the same batch
+_GROUP = {
+    "tp": (
+        "tensor-parallel group",
+        "Every rank of a tp group computes the same model on the same batch, each on its slice of the layers",
+    ),
+    "pp": (
+        "pipeline",
+        "The stages of a pipeline run on one batch: the first stage reads the inputs, the last the "
+        "targets (here one rank's inputs would be trained against another's targets)",
+    ),
+}
 
 _SAMPLED = (
     ". If this is model.module.generate(...) given the same prompts on every tp rank: its inputs after the "
