@@ -204,7 +204,7 @@ def _refused(backend: CommunicationBackend, kind: str) -> None:
         ("leak", "'head' gets 'argument 0' computed from 'emb', a block of an earlier stage"),
         ("glue", "parameters ['scale'] belong to _Glue's glue"),
         ("unknown", "split points ['model.layer.2'] name no module of LlamaForCausalLM"),
-        ("none", "name where stages 1..1 begin with split_points=[1 module names]"),
+        ("none", "stages 1..1 begins: split_points=[1 module name(s)] (dtlab train: parallel.split_points)"),
         ("late", "split points ['model.rotary_emb'] have no parameters"),
     ],
 )
