@@ -249,6 +249,9 @@ def test_the_model_declares_its_plan() -> None:
     with pytest.raises(RankFailedError, match=r"Sequential declares no tensor plan \(a tp_plan\(") as info:
         run_world(2, undeclared)
     assert isinstance(info.value.__cause__, StrategyError)
+    assert "(dtlab train: parallel.plan)" in str(info.value) and "its nn.Linear layers: ['0', '1']" in str(
+        info.value
+    )
 
 
 def test_a_plan_only_in_the_config_is_read_under_the_base_model_prefix() -> None:

@@ -115,9 +115,12 @@ def declared_plan(module: nn.Module, plan: Plan) -> PlanDict:
         )
     found = hugging_face_plan(module) or _recipe(module)
     if found is None:
+        linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+        mine = f"; its nn.Linear layers: {linears[:8]}{' ...' if len(linears) > 8 else ''}" if linears else ""
         raise StrategyError(
             f"plan='auto': {name} declares no tensor plan (a tp_plan(sequence_parallel=False) method, or "
-            "Hugging Face's _tp_plan / config.base_model_tp_plan); pass the plan itself, e.g. "
-            "{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'} (docs/your_model.md)"
+            "Hugging Face's _tp_plan / config.base_model_tp_plan); pass the plan itself (dtlab train: "
+            "parallel.plan), a column-parallel layer feeding a row-parallel one, e.g. "
+            f"{{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}}{mine} (docs/your_model.md)"
         )
     return found
