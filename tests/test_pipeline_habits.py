@@ -17,6 +17,7 @@ from dtlab.backends import Mesh
 from dtlab.core.rng import seeded_init
 from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import HybridShardedModel, PipelineParallelModel
+from dtlab.models.checkpointing import checkpoint_modules
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -216,3 +217,63 @@ def test_pipeline_ranks_given_other_batches_are_refused_on_every_rank(kind: str)
         assert f"the ranks of a pipeline were given different {what}" in said, (rank, said)
         assert "pp rank 1 (world rank 2" in said or "pp rank 1 (world rank 3" in said, said
         assert "sharding the data by the dp coordinate, not by the global rank" in said
+
+
+def _normed() -> nn.Sequential:
+    layers = [
+        nn.Linear(6, 6),
+        nn.BatchNorm1d(6),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        nn.BatchNorm1d(6),
+        nn.Linear(6, 6),
+    ]
+    return filled(nn.Sequential(*layers), 0, scale=0.5)
+
+
+def _normed_pipelined(backend: Any, checkpointing: bool) -> dict[str, torch.Tensor]:
+    model = PipelineParallelModel(_normed(), backend, micro_batches=2, activation_checkpointing=checkpointing)
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    xs, ys = _data()
+    for s in range(STEPS):
+        model.train_step((xs[s], ys[s]), F.mse_loss)
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict()
+
+
+def test_checkpointed_stages_update_batchnorm_statistics_once_per_micro_batch() -> None:
+    """A checkpointed stage recomputes its forward in backward, and BatchNorm's recomputed forward
+    updated the running statistics a second time (num_batches_tracked 2 per micro-batch; running mean
+    0.031 off after one step). Now the recompute leaves them as it found them: the same statistics and
+    parameters as one process running the micro-batches in turn (a pipeline's BatchNorm normalizes
+    each micro-batch on its own)."""
+    model = _normed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, ys = _data()
+    for s in range(STEPS):
+        for x, y in zip(xs[s].chunk(2), ys[s].chunk(2), strict=True):
+            (F.mse_loss(model(x), y) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    want = model.state_dict()
+    for checkpointing in (False, True):
+        for state in run_world(2, _normed_pipelined, checkpointing, timeout=60):
+            assert int(state["1.num_batches_tracked"]) == 2 * STEPS
+            for name, value in want.items():
+                torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_checkpoint_modules_updates_batchnorm_statistics_once() -> None:
+    """``checkpoint_modules`` (``strategy.activation_checkpointing``) on a module holding a BatchNorm:
+    its recomputed forward in backward updated the running statistics again (num_batches_tracked 2
+    per step). Now as without the checkpoint, bitwise."""
+    plain, checkpointed = _normed(), _normed()
+    assert checkpoint_modules(checkpointed, (nn.BatchNorm1d,)) == 2
+    xs, ys = _data()
+    for model in (plain, checkpointed):
+        F.mse_loss(model(xs[0]), ys[0]).backward()
+    want = plain.state_dict()
+    assert int(checkpointed.state_dict()["1.num_batches_tracked"]) == 1
+    for name, value in checkpointed.state_dict().items():
+        assert torch.equal(value, want[name]), name

@@ -188,6 +188,7 @@ class PipelineRun:
                         loss_fn,
                         excluded,
                         checkpointing=self.checkpointing,
+                        modules={s: self.layout.stages[s] for s in plan.stages_of(pp.rank)},
                     )
                 except BaseException as exc:
                     self.failed = f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -16,6 +16,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dtlab.core.saved_params import SavedParameter, custom_function_saves
 from dtlab.errors import StrategyError
+from dtlab.models.checkpointing import keep_running_statistics
 from dtlab.models.pipeline._comm import StageLinks
 from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
 from dtlab.models.pipeline._zb import SplitLinearMode, WeightGradients
@@ -115,6 +117,8 @@ class _Step:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     meter: ActivationMeter
     checkpointing: bool
+    #: this rank's stages' modules (a recomputed forward keeps their running statistics)
+    modules: Mapping[int, nn.Module] = field(default_factory=dict)
     xs: dict[Key, torch.Tensor] = field(default_factory=dict)  # stage inputs, until their backward
     ys: dict[Key, torch.Tensor] = field(default_factory=dict)  # outputs (last stage: the scaled loss)
     #: the gradient of each stage's output from the next stage's backward, sent (SEND_B) or handed over
@@ -136,7 +140,11 @@ class _Step:
             SplitLinearMode(store) if store is not None else contextlib.nullcontext(),
         ):
             run = self.stages[a.stage]
-            y = checkpoint(run, x, a.micro, use_reentrant=False) if self.checkpointing else run(x, a.micro)
+            if self.checkpointing:
+                kept = partial(keep_running_statistics, self.modules[a.stage])
+                y = checkpoint(run, x, a.micro, use_reentrant=False, context_fn=kept)
+            else:
+                y = run(x, a.micro)
             if a.stage == last:
                 y = _mean_loss(self.loss_fn(y, target)) / self.schedule.m
         self.meter.hold(key, [x, y])
@@ -197,11 +205,14 @@ def run_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     excluded_storages: set[int],
     checkpointing: bool = False,
+    modules: Mapping[int, nn.Module] | None = None,
 ) -> StepResult:
     """Execute ``schedule.actions[rank]`` with this rank's ``stages`` (each called with its input and the
     micro-batch's index) on the micro-batches. With ``checkpointing`` each stage's forward keeps only
-    its input and recomputes the rest in its backward (``torch.utils.checkpoint``, non-reentrant)."""
-    step = _Step(schedule, rank, stages, links, loss_fn, ActivationMeter(excluded_storages), checkpointing)
+    its input and recomputes the rest in its backward (``torch.utils.checkpoint``, non-reentrant),
+    leaving the running statistics in each stage's module (``modules``) as its forward left them."""
+    meter = ActivationMeter(excluded_storages)
+    step = _Step(schedule, rank, stages, links, loss_fn, meter, checkpointing, dict(modules or {}))
     timeline: list[tuple[Action, float, float]] = []
     computes = schedule.compute(rank)
     for j, a in enumerate(computes):
