@@ -367,11 +367,19 @@ class StageRoot(nn.Module):
                 "it is on the model you wrapped (model.generate, model.save_pretrained, ... name their fix)"
             ) from exc
 
-    def forward(self, x: torch.Tensor, stage: int, *inputs: torch.Tensor) -> Any:
+    def forward(self, x: torch.Tensor, stage: Any = None, *inputs: torch.Tensor, **kwargs: Any) -> Any:
         """Stage ``stage`` (an index of the whole pipeline) on ``x``; a stage of a model split at module
         names also takes the micro-batch's model ``inputs`` (its copy of the forward recomputes
-        positions, masks)."""
+        positions, masks). Called as the plain model (``model.module(x)``): refused, naming the fix."""
         run: dict[int, nn.Module] = self.__dict__["_run"]
+        if kwargs or not isinstance(stage, int) or stage not in run:
+            raise StrategyError(
+                f"model.module under a pipeline is this rank's pipeline stages {sorted(run)}, which the "
+                "pipeline runs one at a time, not the model you wrapped. For inference through every stage "
+                "call model(x) (in eval mode or under torch.no_grad(): the output on every rank); to train, "
+                "model.train_step((inputs, targets), loss_fn); for the whole model in one process, load "
+                "model.state_dict() (on every rank) into a plain module"
+            )
         return run[stage](x, *inputs)
 
     def train(self, mode: bool = True) -> StageRoot:
