@@ -104,7 +104,8 @@ def bubble_world(backend: CommunicationBackend, args: dict[str, Any]) -> list[di
                 micro_batches=m,
                 stages_per_rank=v,
             )
-            x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
+            gen = torch.Generator().manual_seed(m)  # the same batch on every pipeline rank (checked)
+            x, y = torch.randn(2 * m, 4, generator=gen), torch.randn(2 * m, 4, generator=gen)
             steps = []
             for _ in range(args["steps"] + 1):
                 backend.barrier()
