@@ -173,7 +173,7 @@ class _DataDependent(nn.Module):
 @pytest.mark.parametrize(
     ("make", "kwargs", "words"),
     [
-        (lambda: nn.Linear(2, 2), {}, "has no pipeline_blocks() and is no nn.Sequential; name where"),
+        (lambda: nn.Linear(2, 2), {}, "is no nn.Sequential; name the module where each of stages 1..3"),
         (_SharedBuffer, {}, "a buffer is used by pipeline blocks 'a' and 'b'"),
         (_Partial, {}, "belong to no pipeline block and would be dropped: ['extra.weight', 'extra.bias']"),
         (lambda: make_mlp(1), {}, "has 2 pipeline blocks (['0', '1']) but the pipeline needs 4 stages"),

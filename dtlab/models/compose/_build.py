@@ -290,11 +290,12 @@ def split_stages(
         return list(split_blocks(module_blocks(module), n, split_points))
     if not split_points:
         children = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
+        own = f", or one of its children with parameters {children}" if children else ""
         raise StrategyError(
             f"{who}: {type(module).__name__} has no pipeline_blocks() and is no nn.Sequential; name the "
             f"module where each of stages 1..{n - 1} begins: split_points=[{n - 1} module name(s)] "
-            f"(dtlab train: parallel.split_points), e.g. a decoder layer such as 'model.layers.2', or one of "
-            f"its children with parameters {children}; or give the model a pipeline_blocks() method"
+            f"(dtlab train: parallel.split_points), e.g. a decoder layer such as 'model.layers.2'{own}; or "
+            "give the model a pipeline_blocks() method"
         )
     return list(traced_stages(module, split_points, n))
 
