@@ -116,6 +116,7 @@ class ShardServer:
         self._grads = [self._grad[o : o + n] for o, n, _ in spans]
         self.flags = len(pieces)  # flag bytes in a push: one per piece
         self._used = [False] * len(spans)  # staleness 0: the pieces some push of the clock had a gradient for
+        self._had = [False] * len(spans)  # the pieces whose .grad is set (to their view of self._grad)
         self._acc = torch.zeros_like(self.param) if self.aggregate else None
         self._acc_clock: int | None = None
         #: staleness 0: (max_grad_norm, the servers' group or None for one server): the clock's mean
@@ -294,11 +295,11 @@ class ShardServer:
 
     def _step(self, had: list[bool], on_update: Callable[[], None] | None) -> None:
         """One optimizer step on ``self._grad``; a piece no push had a gradient for is skipped."""
-        for p, g, h in zip(self._pieces, self._grads, had, strict=True):
-            p.grad = g if h else None
+        if had != self._had:  # the pieces' .grad (views of self._grad) set again only when `had` changes
+            for p, g, h in zip(self._pieces, self._grads, had, strict=True):
+                p.grad = g if h else None
+            self._had = had
         self.optimizer.step()
-        for p in self._pieces:
-            p.grad = None
         self.updates += 1
         if on_update is not None:
             on_update()
