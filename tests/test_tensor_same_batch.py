@@ -231,6 +231,22 @@ def pipeline_world(backend: CommunicationBackend) -> dict[str, str]:
     }
 
 
+def one_stage_differs_world(backend: CommunicationBackend) -> dict[str, str]:
+    """pp2 x tp2, the tp group of the first stage (world ranks 0, 1) given other batches, that of the
+    last stage (2, 3) one batch: the first inference and the first step, refused on every rank."""
+    model = hybrid_model(backend, {"pp": 2, "tp": 2}, "ddp")
+    x, y = batch()
+    given = batch(seed=10 + backend.rank) if model.mesh.coordinate("pp") == 0 else (x, y)
+    model.eval()
+    with torch.no_grad():
+        inference = refusal(lambda: model(given[0]))
+    model.train()
+    return {
+        "inference": inference,
+        "train_step": refusal(lambda: model.train_step(given, model.cross_entropy)),
+    }
+
+
 def test_pipeline_stages_refuse_batches_that_differ_over_tp() -> None:
     for rank, got in enumerate(run_world(4, pipeline_world, timeout=60)):
         first = rank - rank % 2
@@ -238,6 +254,18 @@ def test_pipeline_stages_refuse_batches_that_differ_over_tp() -> None:
         assert FIX in got["by_global_rank"]
         assert f"tp rank 1 (world rank {first + 1}): targets has other values" in got["targets"], rank
         assert got["same"] == "accepted"
+
+
+def test_one_stage_given_other_batches_over_tp_is_refused_on_every_rank_of_the_pipeline() -> None:
+    """Only the first stage's tp ranks differ: its tp check refused on world ranks 0 and 1 while 2 and 3
+    passed theirs and waited for 0 and 1 in the pipeline's check (in memory a CollectiveTimeoutError
+    on ranks 2 and 3, on Gloo a hang). Now the first inference and step compare the batches over the
+    pipeline's pp x tp ranks before the tp check: one StrategyError on every rank."""
+    for rank, got in enumerate(run_world(4, one_stage_differs_world, timeout=60)):
+        for kind, what in (("inference", "inputs"), ("train_step", "batches")):
+            assert f"were given different {what}" in got[kind], (rank, kind, got[kind])
+            assert "pp rank 0, tp rank 1 (world rank 1)" in got[kind], (rank, kind, got[kind])
+            assert FIX in got[kind]
 
 
 def exact_world(backend: CommunicationBackend) -> dict[str, str]:

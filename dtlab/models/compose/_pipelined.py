@@ -51,8 +51,16 @@ class PipelineRun:
         checkpointing: bool,
     ) -> None:
         self.dp, self.layout, self.schedule, self.pp = dp, layout, schedule, mesh["pp"]
-        self._pp_ranks = mesh.ranks("pp")
-        self._compared: set[str] = set()  # what the pp ranks were checked to agree on (at its first use)
+        # the batch check's group: every rank of this pipeline, each stage's tp ranks too (a check over
+        # pp alone after the tp check would wait for a stage whose tp check refused its ranks alone)
+        axes = tuple(a for a in mesh.axis_names if a in ("pp", "tp") and mesh.size(a) > 1) or ("pp",)
+        self._same_group, self._same_ranks = mesh[axes], mesh.ranks(axes)
+        inner = mesh.size(axes[-1])  # a group's ranks are row-major over its axes, the last fastest
+        self._same_labels = [
+            f"pp rank {r}" if len(axes) == 1 else f"{axes[0]} rank {r // inner}, {axes[1]} rank {r % inner}"
+            for r in range(len(self._same_ranks))
+        ]
+        self._compared: set[str] = set()  # what the ranks were checked to agree on (at its first use)
         self.module = module  # the user's whole module (other stages on meta), for the trace
         self.tied, self.checkpointing = tied, checkpointing
         self.micro_batches = layout.micro_batches
@@ -91,16 +99,18 @@ class PipelineRun:
         return self._specs[key]
 
     def same_on_pp(self, who: str, what: str, named: list[tuple[str, Any]]) -> None:
-        """At the first step (``what="batches"``) or inference (``"inputs"``): refuse, on every rank, pp
-        ranks given other values (data sharded by the global rank; one all-reduce of 6 int64 over pp)."""
+        """At the first step (``what="batches"``) or inference (``"inputs"``), before the tp check:
+        refuse, on every rank of the pipeline (pp x tp), ranks given other values (data sharded by the
+        global rank; one all-reduce of 6 int64 over pp x tp)."""
         if self.pp.world_size > 1 and what not in self._compared:
             self._compared.add(what)
-            check_same_on_tp(who, what, named, self.pp, self._pp_ranks, axis="pp")
+            who = f"{who}.train_step" if what == "batches" else who
+            group, ranks, labels = self._same_group, self._same_ranks, self._same_labels
+            check_same_on_tp(who, what, named, group, ranks, axis="pp", labels=labels)
 
-    def infer(self, who: str, x: torch.Tensor) -> Any:
+    def infer(self, x: torch.Tensor) -> Any:
         """Inference through every stage (no autograd across ranks), the output on every pp rank: a
         model split at module names gives its logits in the plain model's output class."""
-        self.same_on_pp(who, "inputs", [("args[0]", x)])
         specs = self.specs_for(x)
         last = self.schedule.num_stages - 1
 
@@ -143,7 +153,6 @@ class PipelineRun:
             self.failed = None
 
     def check_batch(self, who: str, inputs: Any, targets: Any) -> None:
-        self.same_on_pp(f"{who}.train_step", "batches", [("inputs", inputs), ("targets", targets)])
         m = self.micro_batches
         for what, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, torch.Tensor) or t.dim() == 0:

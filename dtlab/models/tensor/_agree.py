@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -77,14 +77,14 @@ def _checksums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 Seen = list[tuple[str, str, list[int]]]
 
 
-def _difference(mine: Seen, first: Seen, axis: str) -> str:
-    """How one rank's inputs differ from rank 0's of its ``axis`` group: the names, or the first leaf
-    that differs."""
+def _difference(mine: Seen, first: Seen, rank0: str) -> str:
+    """How one rank's inputs differ from those of its group's rank 0 (called ``rank0``): the names, or
+    the first leaf that differs."""
     if [n for n, _, _ in mine] != [n for n, _, _ in first]:
-        return f"its inputs are {[n for n, _, _ in mine]}, {axis} rank 0's {[n for n, _, _ in first]}"
+        return f"its inputs are {[n for n, _, _ in mine]}, {rank0}'s {[n for n, _, _ in first]}"
     for (name, desc, sums), (_, desc0, sums0) in zip(mine, first, strict=True):
         if desc != desc0:
-            return f"{name} is {desc}, on {axis} rank 0 {desc0}"
+            return f"{name} is {desc}, on {rank0} {desc0}"
         if sums != sums0:
             return f"{name} has other values (same {desc})"
     return "the checksums differ"  # unreachable: equal descriptions and sums give equal digests
@@ -98,12 +98,14 @@ def check_same_on_tp(
     ranks: Sequence[int],
     direct: bool = False,
     axis: str = "tp",
+    labels: Sequence[str] | None = None,
 ) -> None:
     """Raise :class:`StrategyError` on every rank of ``group`` (the tp group, or with ``axis="pp"`` a
-    pipeline's, world ranks ``ranks``) unless every rank passed the same ``named`` values (tensors,
-    nested in lists/tuples/dicts, and plain Python values): the same names, shapes, dtypes and bits.
-    Collective over ``group``. ``direct``: the wrapped module called outside the wrapper
-    (``generate()``), whose later inputs are its own tokens."""
+    pipeline's ranks, of every stage's tp group too; world ranks ``ranks``, named ``labels``: by
+    default ``"tp rank 1"``) unless every rank passed the same ``named`` values (tensors, nested in
+    lists/tuples/dicts, and plain Python values): the same names, shapes, dtypes and bits. Collective
+    over ``group``. ``direct``: the wrapped module called outside the wrapper (``generate()``), whose
+    later inputs are its own tokens."""
     leaves: list[Leaf] = []
     for name, value in named:
         _leaves(name, value, leaves)
@@ -133,30 +135,33 @@ def check_same_on_tp(
     by_leaf = {i: [int(s) for s in pair] for (i, _), pair in zip(tensors, sums, strict=True)}
     mine = [(name, desc, by_leaf.get(i, [])) for i, (name, desc, _) in enumerate(leaves)]
     every = group.all_gather_object(mine)
+    named_as = list(labels) if labels is not None else [f"{axis} rank {r}" for r in range(len(ranks))]
     differing = [
-        f"{axis} rank {r} (world rank {ranks[r]}): {_difference(d, every[0], axis)}"
+        f"{named_as[r]} (world rank {ranks[r]}): {_difference(d, every[0], named_as[0])}"
         for r, d in enumerate(every)
         if d != every[0]
     ]
     raise StrategyError(
         f"{who}: the ranks of a {_GROUP[axis][0]} were given different {what}; {'; '.join(differing)} "
-        f"({axis} rank 0 is world rank {ranks[0]}). {_GROUP[axis][1]}: give every {axis} rank the same "
+        f"({named_as[0]} is world rank {ranks[0]}). {_GROUP[axis][1]}: give every {_GROUP[axis][2]} the same "
         "batch (inputs and targets), sharding the data by the dp coordinate, not by the global rank: "
         'part mesh.coordinate("dp") of mesh.size("dp"), e.g. dtlab.data.DistributedSampler(dataset, '
         'num_replicas=mesh.size("dp"), rank=mesh.coordinate("dp"))' + (_SAMPLED if direct else "")
     )
 
 
-#: per axis: what its group is called, and why its ranks need the same batch
+#: per axis: what its group is called, why its ranks need the same batch, and who is to be given it
 _GROUP = {
     "tp": (
         "tensor-parallel group",
         "Every rank of a tp group computes the same model on the same batch, each on its slice of the layers",
+        "tp rank",
     ),
     "pp": (
         "pipeline",
         "The stages of a pipeline run on one batch: the first stage reads the inputs, the last the "
         "targets (here one rank's inputs would be trained against another's targets)",
+        "rank of the pipeline",
     ),
 }
 
@@ -193,6 +198,9 @@ class SameOnTp:
         self.who, self.group, self.ranks, self.policy = who, group, list(ranks), policy
         self._inside = False
         self._made: dict[str, int] = {}  # checks made so far, by kind (inputs, targets, batches)
+        #: a pipeline's check of the same batch over every rank of the pipeline, made before this one
+        #: (which, refusing on this tp group alone, would leave the other stages waiting in it)
+        self.before: Callable[[str, str, list[tuple[str, Any]]], None] | None = None
         if group.world_size > 1:
             self._agree_on_policy()
             if module is not None:  # the wrapped module called directly (model.module.generate(...)),
@@ -237,14 +245,20 @@ class SameOnTp:
     @contextlib.contextmanager
     def step(self, batch: tuple[Any, Any]) -> Iterator[None]:
         """Check ``(inputs, targets)``, then run the step without checking again."""
-        self("batches", [("inputs", batch[0]), ("targets", batch[1])])
+        named = [("inputs", batch[0]), ("targets", batch[1])]
+        if self.before is not None:
+            self.before(self.who, "batches", named)
+        self("batches", named)
         with self._checked():
             yield
 
     @contextlib.contextmanager
     def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
         """Check a forward's inputs, then run it without checking them again (the module's own call)."""
-        self("inputs", _named(args, kwargs))
+        named = _named(args, kwargs)
+        if self.before is not None:
+            self.before(self.who, "inputs", named)
+        self("inputs", named)
         with self._checked():
             yield
 
