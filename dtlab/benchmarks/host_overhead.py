@@ -6,10 +6,13 @@ TransformerLM under TensorParallelModel at tp=2: the step time is almost all hos
 that runs every forward or step shows. Each round runs one fresh process per tree (``--trees``, the
 order alternating every round), which times ``--steps`` steps of every configuration after
 ``--warmup``; reported per configuration: each tree's median step and IQR, and the difference of the
-medians in microseconds and as a ratio to the first tree. ``--profile`` instead prints a cProfile of
-``--steps`` steps of each configuration in this tree (1 rank).
+medians in microseconds and as a ratio to the first tree. ``--clock cpu`` times each step in the
+ranks' thread CPU time, summed over the ranks (the host work itself, little moved by other processes on
+a shared machine; waits in collectives not counted) instead of the slowest rank's wall time.
+``--profile`` instead prints a cProfile of ``--steps`` steps of each configuration in this tree (1 rank).
 
     .venv/bin/python -m dtlab.benchmarks.host_overhead --trees /path/old /path/new --rounds 6
+    .venv/bin/python -m dtlab.benchmarks.host_overhead --trees /path/old /path/new --rounds 4 --clock cpu
     .venv/bin/python -m dtlab.benchmarks.host_overhead --profile
 
 The worker uses only API present in both trees (the model strategies, ``DataParallelOptimizer``
@@ -31,7 +34,8 @@ CONFIGS = [(s, r) for r in (1, 2) for s in ("ddp", "zero2", "zero3", "fsdp")] + 
 
 
 def _world(backend: Any, strategy: str, args: dict[str, Any]) -> list[float]:
-    """One rank: build, warm up, and time each step (the slowest rank's time, as in a real step)."""
+    """One rank: build, warm up, and time each step (the slowest rank's wall time, as in a real step;
+    ``clock="cpu"``: the ranks' thread CPU time, summed)."""
     import torch
     from torch import nn
 
@@ -87,13 +91,15 @@ def _world(backend: Any, strategy: str, args: dict[str, Any]) -> list[float]:
 
     for _ in range(args["warmup"]):
         step()
+    cpu = args["clock"] == "cpu"
+    clock, op = (time.thread_time, ReduceOp.SUM) if cpu else (time.perf_counter, ReduceOp.MAX)
     times = []
     for _ in range(args["steps"]):
         backend.barrier()
-        t0 = time.perf_counter()
+        t0 = clock()
         step()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        backend.all_reduce(dt, ReduceOp.MAX)
+        dt = torch.tensor([clock() - t0], dtype=torch.float64)
+        backend.all_reduce(dt, op)
         times.append(float(dt.item()))
     return times
 
@@ -130,11 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--blocks", type=int, default=32, help="LayerNorm + Linear blocks (4 params each)")
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="step time measured")
     parser.add_argument("--profile", action="store_true", help="profile this tree instead")
     parser.add_argument("--top", type=int, default=25, help="functions shown per profile")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
-    args = {k: getattr(ns, k) for k in ("steps", "warmup", "blocks", "batch", "top")}
+    args = {k: getattr(ns, k) for k in ("steps", "warmup", "blocks", "batch", "top", "clock")}
     if ns.worker:
         print(json.dumps(worker(args)))
         return
@@ -160,7 +167,11 @@ def main(argv: list[str] | None = None) -> None:
 def report(trees: list[str], times: dict[str, dict[str, list[float]]], args: dict[str, Any]) -> None:
     """Per configuration: each tree's median step (IQR), then each later tree against the first."""
     base, later = trees[0], trees[1:]
-    print(f"\n{args['blocks']} blocks of LayerNorm + Linear(64, 64), batch {args['batch']}; medians (IQR)")
+    what = (
+        "thread CPU time summed over the ranks" if args["clock"] == "cpu" else "the slowest rank's wall time"
+    )
+    model = f"{args['blocks']} blocks of LayerNorm + Linear(64, 64), batch {args['batch']}"
+    print(f"\n{model}; {what}; medians (IQR)")
     heads = [f"{t} (ms)" for t in trees] + [f"{t} - {base} (us/step, ratio)" for t in later]
     print("| configuration | " + " | ".join(heads) + " |")
     print("|---|" + "---:|" * len(heads))
