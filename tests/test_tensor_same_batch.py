@@ -268,6 +268,34 @@ def test_one_stage_given_other_batches_over_tp_is_refused_on_every_rank_of_the_p
             assert FIX in got[kind]
 
 
+def later_step_differs_world(backend: CommunicationBackend) -> dict[str, str]:
+    """pp2 x tp2, one batch everywhere at the first step and inference; at the second, the first stage's
+    tp ranks (world ranks 0, 1) given other batches, the last stage's (2, 3) one batch."""
+    model = hybrid_model(backend, {"pp": 2, "tp": 2}, "ddp")
+    x, y = batch()
+    given = batch(seed=10 + backend.rank) if model.mesh.coordinate("pp") == 0 else (x, y)
+    got = {"step 1": refusal(lambda: model.train_step((x, y), model.cross_entropy))}
+    got["step 2"] = refusal(lambda: model.train_step(given, model.cross_entropy))
+    model.eval()
+    with torch.no_grad():
+        got["inference 1"] = refusal(lambda: model(x))
+        got["inference 2"] = refusal(lambda: model(given[0]))
+    return got
+
+
+def test_one_stage_given_other_batches_at_a_later_step_is_refused_on_every_rank_of_the_pipeline() -> None:
+    """The tp check of every step after the first ran over each stage's tp group alone: the first stage's
+    ranks refused while the last stage's waited for them in the pipeline (in memory a
+    CollectiveTimeoutError on ranks 2 and 3, on Gloo a hang). Now it runs over the pipeline's pp x tp
+    ranks: one StrategyError on every rank."""
+    for rank, got in enumerate(run_world(4, later_step_differs_world, timeout=60)):
+        assert got["step 1"] == got["inference 1"] == "accepted", (rank, got)
+        for kind, what in (("step 2", "batches"), ("inference 2", "inputs")):
+            assert f"were given different {what}" in got[kind], (rank, kind, got[kind])
+            assert "pp rank 0, tp rank 1 (world rank 1)" in got[kind], (rank, kind, got[kind])
+            assert FIX in got[kind]
+
+
 def exact_world(backend: CommunicationBackend) -> dict[str, str]:
     """Equal bits pass whatever their layout; one flipped bit, another order or another Python value
     is caught."""

@@ -98,11 +98,14 @@ class PipelineRun:
                 stage.prepare(trace.outputs, trace.slots)
         return self._specs[key]
 
-    def same_on_pp(self, who: str, what: str, named: list[tuple[str, Any]]) -> None:
-        """At the first step (``what="batches"``) or inference (``"inputs"``), before the tp check:
-        refuse, on every rank of the pipeline (pp x tp), ranks given other values (data sharded by the
-        global rank; one all-reduce of 6 int64 over pp x tp)."""
-        if self.pp.world_size > 1 and what not in self._compared:
+    def same_on_pp(self, who: str, what: str, named: list[tuple[str, Any]], due: bool = False) -> None:
+        """At the first step (``what="batches"``) or inference (``"inputs"``), and at each one the tp
+        check is ``due`` for (made here instead: over its tp group alone, a refusal would leave the
+        other stages waiting): refuse, on every rank of the pipeline (pp x tp), ranks given other values
+        (data sharded by the global rank; one all-reduce of 6 int64 over pp x tp)."""
+        if what == "batches":  # after a schedule that raised: refused on this rank, before a collective
+            self._check_not_failed()  # the other stages may still be waiting in the one it left
+        if self.pp.world_size > 1 and (due or what not in self._compared):
             self._compared.add(what)
             who = f"{who}.train_step" if what == "batches" else who
             group, ranks, labels = self._same_group, self._same_ranks, self._same_labels
@@ -172,8 +175,8 @@ class PipelineRun:
     ) -> torch.Tensor:
         """The schedule on ``(inputs, targets)`` (checked by :meth:`check_batch`), then, unless inside
         ``no_sync()``, the tied weights' sum and the dp reduction; the batch's mean loss on every
-        pipeline rank (``who``: the model, named in a refusal)."""
-        self._check_not_failed()
+        pipeline rank (``who``: the model, named in a refusal; a step after one that raised is refused by
+        :meth:`same_on_pp`, before the batch check)."""
         micro_in, micro_tg = inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)
         specs = self.specs_for(micro_in[0])
         pp, plan, dp = self.pp, self.schedule, self.dp

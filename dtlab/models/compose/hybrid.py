@@ -182,7 +182,7 @@ class HybridShardedModel(OptimizerTarget):
             self._pipe = PipelineRun(
                 dp, layout, layout.schedule, mesh, module, self._tied, activation_checkpointing
             )
-            self._same_on_tp.before = self._pipe.same_on_pp  # the whole pipeline's check first
+            self._same_on_tp.over_pipeline = self._pipe.same_on_pp  # checked over pp x tp
         self._own_state = PartialState(module, who, placements, mesh, pipelined=layout.schedule is not None)
 
     @staticmethod
@@ -266,7 +266,7 @@ class HybridShardedModel(OptimizerTarget):
         with self._same_on_tp.step(batch):
             if self._pipe is None:
                 return super().train_step(batch, loss_fn)
-            inputs, targets = batch  # compared over pp x tp before the tp check (PipelineRun.same_on_pp)
+            inputs, targets = batch  # compared over pp x tp (PipelineRun.same_on_pp)
             with self._wrapped_as:  # checked on every rank before the schedule: a refusal in it would hang
                 self._pipe.check_batch(type(self).__name__, inputs, targets)
                 self._check_partial_fresh()

@@ -198,9 +198,10 @@ class SameOnTp:
         self.who, self.group, self.ranks, self.policy = who, group, list(ranks), policy
         self._inside = False
         self._made: dict[str, int] = {}  # checks made so far, by kind (inputs, targets, batches)
-        #: a pipeline's check of the same batch over every rank of the pipeline, made before this one
-        #: (which, refusing on this tp group alone, would leave the other stages waiting in it)
-        self.before: Callable[[str, str, list[tuple[str, Any]]], None] | None = None
+        #: a pipeline's check of the same batch over every rank of the pipeline (pp x tp), made instead of
+        #: this one at a step or inference (which, refusing on this tp group alone, would leave the other
+        #: stages waiting for it); called with whether this one is due, it checks then and at first use
+        self.over_pipeline: Callable[[str, str, list[tuple[str, Any]], bool], None] | None = None
         if group.world_size > 1:
             self._agree_on_policy()
             if module is not None:  # the wrapped module called directly (model.module.generate(...)),
@@ -245,22 +246,25 @@ class SameOnTp:
     @contextlib.contextmanager
     def step(self, batch: tuple[Any, Any]) -> Iterator[None]:
         """Check ``(inputs, targets)``, then run the step without checking again."""
-        named = [("inputs", batch[0]), ("targets", batch[1])]
-        if self.before is not None:
-            self.before(self.who, "batches", named)
-        self("batches", named)
+        self._whole("batches", [("inputs", batch[0]), ("targets", batch[1])])
         with self._checked():
             yield
 
     @contextlib.contextmanager
     def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
         """Check a forward's inputs, then run it without checking them again (the module's own call)."""
-        named = _named(args, kwargs)
-        if self.before is not None:
-            self.before(self.who, "inputs", named)
-        self("inputs", named)
+        self._whole("inputs", _named(args, kwargs))
         with self._checked():
             yield
+
+    def _whole(self, what: str, named: list[tuple[str, Any]]) -> None:
+        """A step's batch or a forward's inputs: under a pipeline checked over all of it (every rank of
+        the pipeline makes the same calls, so learns the same outcome), else over the tp group."""
+        if self.over_pipeline is None:
+            self(what, named)
+        else:
+            due = self.group.world_size > 1 and not self._inside and self._due(what)
+            self.over_pipeline(self.who, what, named, due)
 
     @contextlib.contextmanager
     def _checked(self) -> Iterator[None]:
