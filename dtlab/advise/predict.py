@@ -274,7 +274,7 @@ def predict(
             for kind, (calls, nbytes) in one.items():
                 prev = ops.get(kind, (0, 0))
                 ops[kind] = (prev[0] + calls * c.micro_batches, prev[1] + nbytes * c.micro_batches)
-        add_batch_checks(ops, c.tp, passes, opts.tp_batch_check)
+        add_batch_checks(ops, c.tp, passes, opts.tp_batch_check, pipelined=pipelined)
         costs.append(cost)
         tp_ops.append(ops)
         stage_mem.append(Memory(cost.parameters, cost.gradients, cost.optimizer_state, acts.kept,

@@ -54,10 +54,12 @@ def tensor_parallel_ops(
     return {"all_reduce": (calls, nbytes)}
 
 
-def add_batch_checks(ops: Ops, tp: int, steps: int, when: str = "always") -> None:
+def add_batch_checks(ops: Ops, tp: int, steps: int, when: str = "always", *, pipelined: bool = False) -> None:
     """Each ``train_step``'s check that the tp ranks were given one batch: an all-reduce of 6 int64
-    (``tp_batch_check="always"``; with "first" or "never" a steady step checks nothing)."""
-    if tp > 1 and when == "always":
+    (``tp_batch_check="always"``; with "first" or "never" a steady step checks nothing). Under a
+    pipeline the check is made over pp x tp instead (every stage learns a refusal), a group that none
+    of the axes' counts holds: 6 int64 per step, left out of the per-axis bytes."""
+    if tp > 1 and when == "always" and not pipelined:
         calls, nbytes = ops.get("all_reduce", (0, 0))
         ops["all_reduce"] = (calls + steps, nbytes + steps * (2 * (tp - 1) * 48 // tp))
 
