@@ -63,6 +63,7 @@ _STRATEGY = [
     "tests/test_unit_plans.py",
     "tests/test_strategies_semantics.py",
     "tests/test_strategies_features.py",
+    "tests/test_strategies_units.py",
 ]
 #: a step that raises and is caught (the dp strategies, then composed with tensor parallelism and pipelines)
 _RAISED = ["tests/test_strategies_raised_steps.py", "tests/test_hybrid_raised_steps.py"]
@@ -136,7 +137,7 @@ TESTS: dict[str, list[str]] = {
     ],
     "dtlab/models/tensor/_agree.py": ["tests/test_tensor_same_batch.py"],
     "dtlab/models/dp/_sync_bn.py": ["tests/test_sync_batchnorm.py"],
-    "dtlab/models/dp/_writes.py": ["tests/test_param_writes.py"],
+    "dtlab/models/dp/_writes.py": ["tests/test_param_writes.py", "tests/test_param_pruning.py"],
     "dtlab/core/broadcast.py": ["tests/test_buffer_broadcast.py", "tests/test_sparse_complex.py"],
     "dtlab/optimizers/grad_scaler.py": ["tests/test_grad_scaler.py"],
     "dtlab/models/base.py": ["tests/test_converted_after_wrapping.py", "tests/test_ema_copy.py"],

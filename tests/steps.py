@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from dtlab.errors import StrategyError
+
 
 def plain_steps(
     model: Any,
@@ -24,3 +26,12 @@ def plain_steps(
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def outcome(call: Callable[..., object], *args: Any) -> str:
+    """``"ran"`` when ``call(*args)`` returns, else the text of the StrategyError it raised."""
+    try:
+        call(*args)
+    except StrategyError as exc:
+        return str(exc)
+    return "ran"

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from steps import outcome, plain_steps
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -121,11 +122,7 @@ def habits_world(backend: CommunicationBackend, shape: dict[str, int]) -> dict[s
     opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
     x, y = (t.chunk(dp)[c] for t in data(0))
     F.cross_entropy(model(x), y).backward()
-    try:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        out["torch_norm"] = "ran"
-    except StrategyError as exc:
-        out["torch_norm"] = str(exc)
+    out["torch_norm"] = outcome(torch.nn.utils.clip_grad_norm_, model.parameters(), 0.05)
     grad = model.module.fc1.weight.grad
     assert grad is not None
     out["piece"] = (tuple(grad.shape), float(grad[0, 0]), grad.clone().shape)  # element-wise use works
@@ -254,23 +251,11 @@ def pruned_after_wrapping(backend: CommunicationBackend) -> list[str]:
     opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
     prune.l1_unstructured(model.module.fc1, "weight", amount=0.5)
     x, y = data(0)
-    said = []
-    for call in (model.state_dict, lambda: (F.cross_entropy(model(x), y).backward(), opt.step())):
-        try:
-            call()
-            said.append("ran")
-        except StrategyError as exc:
-            said.append(str(exc))
+    said = [outcome(model.state_dict), outcome(plain_steps, model, opt, [(x, y)], F.cross_entropy)]
     model = TensorParallelModel(build(), Mesh(backend, {"tp": 2}), plan=PLAN)  # a parametrization now
     opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
     torch.nn.utils.parametrizations.orthogonal(model.module.fc1)  # of this rank's slice
-    try:
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        said.append("ran")
-    except StrategyError as exc:
-        said.append(str(exc))
-    return said
+    return [*said, outcome(plain_steps, model, opt, [(x, y)], F.cross_entropy)]
 
 
 def pruned_on_one_stage(backend: CommunicationBackend) -> str:
@@ -322,14 +307,7 @@ def pruned_after_steps(backend: CommunicationBackend) -> list[str]:
             model.module.fc2.register_forward_pre_hook(lambda *_: None)
         if step == 4:
             prune.l1_unstructured(model.module.fc2, "weight", amount=0.5)
-        x, y = data(step)
-        try:
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            said.append("ran")
-        except StrategyError as exc:
-            said.append(str(exc))
+        said.append(outcome(plain_steps, model, opt, [data(step)], F.cross_entropy))
     return said
 
 
