@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["checkpoint_modules", "keep_running_statistics"]
+__all__ = ["checkpoint_modules", "checkpointed", "keep_running_statistics"]
 
 
 def keep_running_statistics(module: nn.Module) -> tuple[Any, Any]:
@@ -42,7 +42,10 @@ def _statistics_kept(module: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-def _checkpointed(inner: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+def checkpointed(inner: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+    """``inner`` (``module``'s forward, or a pipeline stage running it) keeping only its inputs while
+    gradients are recorded, recomputed in backward with ``module``'s running statistics kept."""
+
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return inner(*args, **kwargs)
@@ -62,5 +65,5 @@ def checkpoint_modules(module: nn.Module, classes: tuple[type[nn.Module], ...] |
     for m in targets:
         if hasattr(m.forward, "__wrapped__"):
             continue  # already checkpointed
-        m.forward = _checkpointed(m.forward, m)
+        m.forward = checkpointed(m.forward, m)
     return len(targets)

@@ -36,17 +36,13 @@ def plot_schedule(
     green, weight-gradients orange, each labelled with its micro-batch (and stage when a rank holds
     several); later chunks are drawn lighter. The planned timeline comes from :func:`simulate` with
     ``costs`` seconds per kind (default F = 1, B = 2, I = W = 1, divided by the stages per rank, so
-    timelines of one model compare across schedules). With ``measured`` (a timeline
-    recorded by a run) the measured one is drawn below the planned one. Returns the path.
-    """
-    if isinstance(schedule, PipelineSchedule):
-        if (schedule.p, schedule.m) != (p, m):
-            raise ArgumentError(
-                f"plot_schedule: the schedule was built for p={schedule.p}, m={schedule.m}, not p={p}, m={m}"
-            )
-        built = schedule
-    else:
-        built = build_schedule(schedule, p, m, stages_per_rank)
+    timelines of one model compare across schedules). With ``measured`` (a timeline recorded by a run)
+    the measured one is drawn below the planned one. Returns the path."""
+    built = build_schedule(schedule, p, m, stages_per_rank) if isinstance(schedule, str) else schedule
+    if (built.p, built.m) != (p, m):
+        raise ArgumentError(
+            f"plot_schedule: the schedule was built for p={built.p}, m={built.m}, not p={p}, m={m}"
+        )
     import matplotlib
 
     matplotlib.use("Agg")

@@ -16,17 +16,15 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from time import perf_counter
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dtlab.core.saved_params import SavedParameter, custom_function_saves
 from dtlab.errors import StrategyError
-from dtlab.models.checkpointing import keep_running_statistics
+from dtlab.models.checkpointing import checkpointed
 from dtlab.models.pipeline._comm import StageLinks
 from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
 from dtlab.models.pipeline._zb import SplitLinearMode, WeightGradients
@@ -116,9 +114,6 @@ class _Step:
     links: StageLinks | None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     meter: ActivationMeter
-    checkpointing: bool
-    #: this rank's stages' modules (a recomputed forward keeps their running statistics)
-    modules: Mapping[int, nn.Module] = field(default_factory=dict)
     xs: dict[Key, torch.Tensor] = field(default_factory=dict)  # stage inputs, until their backward
     ys: dict[Key, torch.Tensor] = field(default_factory=dict)  # outputs (last stage: the scaled loss)
     #: the gradient of each stage's output from the next stage's backward, sent (SEND_B) or handed over
@@ -139,12 +134,7 @@ class _Step:
             self.meter.saving(key),
             SplitLinearMode(store) if store is not None else contextlib.nullcontext(),
         ):
-            run = self.stages[a.stage]
-            if self.checkpointing:
-                kept = partial(keep_running_statistics, self.modules[a.stage])
-                y = checkpoint(run, x, a.micro, use_reentrant=False, context_fn=kept)
-            else:
-                y = run(x, a.micro)
+            y = self.stages[a.stage](x, a.micro)
             if a.stage == last:
                 y = _mean_loss(self.loss_fn(y, target)) / self.schedule.m
         self.meter.hold(key, [x, y])
@@ -211,8 +201,9 @@ def run_schedule(
     micro-batch's index) on the micro-batches. With ``checkpointing`` each stage's forward keeps only
     its input and recomputes the rest in its backward (``torch.utils.checkpoint``, non-reentrant),
     leaving the running statistics in each stage's module (``modules``) as its forward left them."""
-    meter = ActivationMeter(excluded_storages)
-    step = _Step(schedule, rank, stages, links, loss_fn, meter, checkpointing, dict(modules or {}))
+    if checkpointing:
+        stages = {s: checkpointed(run, (modules or {})[s]) for s, run in stages.items()}
+    step = _Step(schedule, rank, stages, links, loss_fn, ActivationMeter(excluded_storages))
     timeline: list[tuple[Action, float, float]] = []
     computes = schedule.compute(rank)
     for j, a in enumerate(computes):

@@ -16,6 +16,7 @@ receive completes once its send is posted); :func:`simulate` does the same with 
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -101,14 +102,8 @@ class PipelineSchedule:
     def in_flight(self, rank: int) -> int:
         """Most micro-batches whose forward ran on ``rank`` and whose backward (or ``I``) has not, at
         any point of the schedule (GPipe: ``m`` on every rank; 1F1B: ``min(p - rank, m)``)."""
-        live = peak = 0
-        for a in self.compute(rank):
-            if a.kind is Kind.F:
-                live += 1
-                peak = max(peak, live)
-            elif a.kind in (Kind.B, Kind.I):
-                live -= 1
-        return peak
+        change = {Kind.F: 1, Kind.B: -1, Kind.I: -1, Kind.W: 0}
+        return max(itertools.accumulate((change[a.kind] for a in self.compute(rank)), initial=0))
 
 
 # ---------------------------------------------------------------------------------------- generators
@@ -322,10 +317,9 @@ def simulate(
                 ready = clock[r]  # a hand-over on this rank was computed before
                 if need is not None:
                     if need not in posted[r]:
-                        recv = Action(Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B, a.stage, a.micro)
                         raise StrategyError(
                             f"schedule {s.name}: rank {r} runs {a} without posting the receive of its input; "
-                            f"post {recv.kind.name}({recv.stage}, {recv.micro}) before it"
+                            f"post RECV_{need[0]}({a.stage}, {a.micro}) before it"
                         )
                     if need not in sent:
                         break  # blocked on the peer

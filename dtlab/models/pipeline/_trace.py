@@ -190,14 +190,6 @@ class TracedStage(nn.Module):
         return f"TracedStage({self.index}: {self.names[0] if self.names else '-'} .. {self.exit or 'end'})"
 
 
-def _ancestors(points: Sequence[str]) -> set[str]:
-    out = {""}
-    for p in points:
-        parts = p.split(".")
-        out |= {".".join(parts[:i]) for i in range(1, len(parts))}
-    return out
-
-
 def _children(module: nn.Module, path: str) -> Iterator[tuple[str, str, nn.Module]]:
     for name, child in module.get_submodule(path).named_children():
         yield name, f"{path}.{name}" if path else name, child
@@ -212,7 +204,7 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
     if unknown:
         near = sorted(n for n in names if n.count(".") <= 2)[:12]
         raise StrategyError(f"split points {unknown} name no module of {kind}; its modules include {near}")
-    glue = _ancestors(points)
+    glue = {"", *(".".join(p.split(".")[:i]) for p in points for i in range(1, p.count(".") + 1))}
     nested = sorted(p for p in points if p in glue)
     if nested or len(set(points)) != len(points):
         raise StrategyError(
@@ -229,15 +221,12 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
             f"parameters {direct} belong to {kind}'s glue (a module on the path to a split point), which "
             "every stage runs; split at other modules, or give the model a pipeline_blocks() method"
         )
-    held = []  # its forward reads them on every stage, but no stage holds them: saved, moved, built by none
-    for g in sorted(glue):
-        mod = module.get_submodule(g)
-        temporary = non_persistent_buffers(mod)
-        held += [
-            f"{g}.{n}" if g else n
-            for n, b in mod.named_buffers(recurse=False)
-            if b.is_meta or n not in temporary
-        ]
+    held = [  # its forward reads them on every stage, but no stage holds them: saved, moved, built by none
+        f"{g}.{n}" if g else n
+        for g in sorted(glue)
+        for n, b in module.get_submodule(g).named_buffers(recurse=False)
+        if b.is_meta or n not in non_persistent_buffers(module.get_submodule(g))
+    ]
     if held:
         raise StrategyError(
             f"buffers {held} belong to {kind}'s glue (a module on the path to a split point), which no "
@@ -264,7 +253,8 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
             f"split points {containers} are containers of {kind} (nn.ModuleList or nn.ModuleDict), which "
             f"the forward never calls itself; split at one of their items, e.g. {items}"
         )
-    empty = [p for p in points if not any(True for _ in module.get_submodule(p).parameters())]
+    with_params = {b for b in blocks if any(True for _ in module.get_submodule(b).parameters())}
+    empty = [p for p in points if p not in with_params]
     if empty:
         raise StrategyError(
             f"split points {empty} have no parameters (such modules are replicated on every stage); "
@@ -275,14 +265,8 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
         raise StrategyError(
             f"split points {points} are not in the order of {kind}'s modules; give them in that order"
         )
-    stage_of: dict[str, int] = {}
-    replicated: list[str] = []
-    for i, b in enumerate(blocks):
-        if any(True for _ in module.get_submodule(b).parameters()):
-            stage_of[b] = sum(1 for s in starts if s <= i)
-        else:
-            replicated.append(b)
-    return TracedStructure(points, stage_of, replicated, glue)
+    stage_of = {b: sum(s <= i for s in starts) for i, b in enumerate(blocks) if b in with_params}
+    return TracedStructure(points, stage_of, [b for b in blocks if b not in with_params], glue)
 
 
 def _copy_glue(module: nn.Module, st: TracedStructure, k: int, run: _Run) -> dict[str, nn.Module]:

@@ -32,18 +32,8 @@ __all__ = ["Trace", "output_tensor", "trace_split"]
 
 #: functions whose result depends on a tensor's shape, dtype or device only
 _SHAPE_ONLY: frozenset[Any] = frozenset(
-    {
-        torch.empty_like,
-        torch.zeros_like,
-        torch.ones_like,
-        torch.full_like,
-        torch.Tensor.size,
-        torch.Tensor.dim,
-        torch.Tensor.new_empty,
-        torch.Tensor.new_zeros,
-        torch.Tensor.new_ones,
-        torch.Tensor.new_full,
-    }
+    [getattr(torch, f"{k}_like") for k in ("empty", "zeros", "ones", "full")]
+    + [getattr(torch.Tensor, n) for n in ("size", "dim", "new_empty", "new_zeros", "new_ones", "new_full")]
 )
 
 
