@@ -32,22 +32,17 @@ class WrappedParams:
         if all(id(p) in ids or not p.requires_grad for p in self._module.parameters()):
             return
         added = [n for n, p in self._module.named_parameters() if p.requires_grad and id(p) not in ids]
-        raise StrategyError(f"{self.who}: {added_message(added, self._shards_at_rest)}")
-
-
-def added_message(added: list[str], shards_at_rest: bool) -> str:
-    """Why trainable parameters ``added`` after wrapping are refused, and the fix."""
-    fresh = (
-        "; the wrapped module holds shards, so load the wrapper's full_state_dict() (every rank) into a "
-        "fresh plain module, add them there and wrap that"
-        if shards_at_rest
-        else ", or build a new wrapper and optimizer strategy on the module after adding them"
-    )
-    return (
-        f"trainable parameters were added to the module after wrapping it: {added[:5]}"
-        f"{' ...' if len(added) > 5 else ''} ({len(added)} in all; a LoRA adapter or a new layer put into "
-        "model.module, or a parametrization registered after wrapping). The strategy averages and steps "
-        "the parameters the module had when it was wrapped, so these would train on each rank's own "
-        "gradient or not at all. Add them to the plain module before wrapping it (freeze the base "
-        f"weights there too){fresh}"
-    )
+        fresh = (
+            "; the wrapped module holds shards, so load the wrapper's full_state_dict() (every rank) into a "
+            "fresh plain module, add them there and wrap that"
+            if self._shards_at_rest
+            else ", or build a new wrapper and optimizer strategy on the module after adding them"
+        )
+        raise StrategyError(
+            f"{self.who}: trainable parameters were added to the module after wrapping it: {added[:5]}"
+            f"{' ...' if len(added) > 5 else ''} ({len(added)} in all; a LoRA adapter or a new layer put "
+            "into model.module, or a parametrization registered after wrapping). The strategy averages and "
+            "steps the parameters the module had when it was wrapped, so these would train on each rank's "
+            f"own gradient or not at all. Add them to the plain module before wrapping it (freeze the base "
+            f"weights there too){fresh}"
+        )

@@ -44,10 +44,7 @@ class DirectForwards:
         self.pending = False
         #: the wrapped module and its first forward pre-hook, which the gather hooks install last
         self.hook = (module, self.before)
-        wrapper.register_forward_pre_hook(self._before_wrapper, prepend=True)  # before its broadcasts
-
-    def _before_wrapper(self, _wrapper: nn.Module, _args: Any) -> None:
-        self.settle(FORWARD)
+        wrapper.register_forward_pre_hook(lambda *_: self.settle(FORWARD), prepend=True)  # before broadcasts
 
     def before(self, _module: nn.Module, _args: Any) -> None:
         """The wrapped module's first forward pre-hook: a forward outside the wrapper (not busy) without
@@ -55,6 +52,7 @@ class DirectForwards:
         at = self.at_rest
         if at.busy or torch.is_grad_enabled() or all(st.flat is not None for st in at.units):
             return
+        self.pending = False  # refused on every rank: the next call agrees with the others again
         self._agree(DIRECT)
         self.pending = True
 
@@ -65,13 +63,6 @@ class DirectForwards:
             self._agree(call)
 
     def _agree(self, call: int) -> None:
-        try:
-            self._exchange(call)
-        except StrategyError:
-            self.pending = False  # refused on every rank: the next call agrees with the others again
-            raise
-
-    def _exchange(self, call: int) -> None:
         group = self.at_rest.group
         buf = torch.tensor([float(call), -float(call)], dtype=torch.float64, device=group.device)
         try:

@@ -16,25 +16,20 @@ from torch.autograd.graph import get_gradient_edge
 __all__ = ["autograd_grad_message", "fills_grads", "grads_returned"]
 
 
-def _runs(p: torch.Tensor) -> bool | None:
-    """Whether the running backward accumulates into ``p.grad``; ``None`` inside ``torch.autograd.grad``
-    asked for ``p`` (torch's engine refuses the question for a leaf it hands a gradient back for)."""
-    will_run = torch._C._will_engine_execute_node  # noqa: SLF001 - torch's engine query (as its FSDP uses)
-    try:
-        return bool(will_run(get_gradient_edge(p).node))
-    except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()"
-        return None
-
-
 def _first_answer(params: Iterable[torch.Tensor]) -> bool | None:
-    """The first parameter's answer to :func:`_runs` that is not False (False: none): True in a backward
-    that accumulates, None inside ``torch.autograd.grad`` asked for that parameter. One answer settles
-    it: no ``.grad`` is accumulated inside ``torch.autograd.grad``, so both cannot occur in one pass."""
+    """Whether the running backward accumulates into the ``.grad`` of the first parameter for which the
+    answer is not False (False: none): True in a backward that accumulates, None inside
+    ``torch.autograd.grad`` asked for that parameter (torch's engine refuses the question for a leaf it
+    hands a gradient back for). One answer settles it: no ``.grad`` is accumulated inside
+    ``torch.autograd.grad``, so both cannot occur in one pass."""
+    will_run = torch._C._will_engine_execute_node  # noqa: SLF001 - torch's engine query (as its FSDP uses)
     for p in params:
         if p.requires_grad:  # one frozen after wrapping is refused elsewhere, naming requires_grad
-            runs = _runs(p)
-            if runs is None or runs:
-                return runs
+            try:
+                if will_run(get_gradient_edge(p).node):
+                    return True
+            except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()"
+                return None
     return False
 
 

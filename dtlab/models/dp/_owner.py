@@ -68,7 +68,8 @@ class Ownership:
         self._group = group
         self._batch_norms = sync_batch_norms(module, who)
         self._handles: list[RemovableHandle] = []
-        self._ids: set[int] = set()
+        #: the ids of the hooks this wrapper put on its parameters
+        self.hook_ids: set[int] = set()
         #: the class name of the wrapper that took the parameters over (None: still the owner)
         self.replaced_by: str | None = None
 
@@ -109,21 +110,15 @@ class Ownership:
         for p in self._params.values():
             setattr(p, _MARK, mark)
 
-    @property
-    def hook_ids(self) -> set[int]:
-        """The ids of the hooks this wrapper put on its parameters."""
-        return self._ids
-
     def keep(self, handle: RemovableHandle) -> None:
         """A hook this wrapper put on its parameters, removed when a newer wrapper takes them over."""
         self._handles.append(handle)
-        self._ids.add(handle.id)
+        self.hook_ids.add(handle.id)
 
     def give_up(self, by: str) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self._ids = [], set()
-        self.replaced_by = by
+        self._handles, self.hook_ids, self.replaced_by = [], set(), by
 
     def check(self, what: str) -> None:
         """Refuse ``what`` (forward, step, ...) once a newer wrapper owns the parameters."""
@@ -133,7 +128,7 @@ class Ownership:
                 f"{self.replaced_by} took its parameters over, and it alone reduces their gradients now), "
                 f"so it refuses {what}; use the new one (and an optimizer built on it)"
             )
-        self._refuse_foreign_hooks(what, self._ids)
+        self._refuse_foreign_hooks(what, self.hook_ids)
 
     def _refuse_foreign_hooks(self, what: str, ours: set[int]) -> None:
         """Refuse a post-accumulate-grad hook on a trainable parameter that is not this wrapper's: it
@@ -231,28 +226,23 @@ SWITCH_ADVICE = (
 )
 
 
-#: torch DDP's and FSDP2's constructor options a data-parallel strategy has no counterpart for
-_TORCH_OPTIONS = {
-    "device_ids": "move the module to this rank's device before wrapping it (module.to(backend.device))",
-    "output_device": "move the module to this rank's device before wrapping it (module.to(backend.device))",
-    "process_group": "pass the group as the backend argument (on a mesh: mesh['dp'])",
-    "mesh": "pass the group as the backend argument; for 2-D sharding use HybridShardedModel",
-    "mp_policy": "keep float32 parameters, compute under torch.autocast (reduce_dtype=: the reduction)",
-    "init_sync": "drop it: the module is broadcast from rank 0 when wrapped",
-}
+_MOVE = "move the module to this rank's device before wrapping it (module.to(backend.device))"
 
-
-#: values of those options that ask for what the strategy does anyway (torch's defaults; a layout or
-#: tracing hint, which changes no result): taken, so a ported call need not drop them
-_SAME_RESULT: dict[str, tuple[Any, ...]] = {
-    "device_ids": (None,),
-    "output_device": (None,),
-    "process_group": (None,),
-    "mesh": (None,),
-    "mp_policy": (None,),
-    "static_graph": (False, True),
-    "gradient_as_bucket_view": (False, True),
-    "init_sync": (True,),
+#: torch DDP's and FSDP2's constructor options: what to do instead (None: no other value is taken), and
+#: the values that ask for what the strategy does anyway (torch's defaults; a layout or tracing hint,
+#: which changes no result), taken so that a ported call need not drop them
+_TORCH_OPTIONS: dict[str, tuple[str | None, tuple[Any, ...]]] = {
+    "device_ids": (_MOVE, (None,)),
+    "output_device": (_MOVE, (None,)),
+    "process_group": ("pass the group as the backend argument (on a mesh: mesh['dp'])", (None,)),
+    "mesh": ("pass the group as the backend argument; for 2-D sharding use HybridShardedModel", (None,)),
+    "mp_policy": (
+        "keep float32 parameters, compute under torch.autocast (reduce_dtype=: the reduction)",
+        (None,),
+    ),
+    "init_sync": ("drop it: the module is broadcast from rank 0 when wrapped", (True,)),
+    "static_graph": (None, (False, True)),
+    "gradient_as_bucket_view": (None, (False, True)),
 }
 
 
@@ -260,11 +250,10 @@ def torch_option_refused(who: str, options: dict[str, Any]) -> ArgumentTypeError
     """The error for constructor options ``who`` does not take, naming torch's counterparts' fix; None
     where each is one of torch's that asks for what ``who`` does anyway (``device_ids=None``,
     ``static_graph=True``)."""
-    taken = {k: v for k, v in options.items() if any(v is x for x in _SAME_RESULT.get(k, ()))}
-    options = {k: v for k, v in options.items() if k not in taken}
-    if not options:
+    known = {k: _TORCH_OPTIONS.get(k, (None, ())) for k in options}
+    refused = [k for k, v in options.items() if not any(v is x for x in known[k][1])]
+    if not refused:
         return None
-    name = next(iter(options))
-    fix = _TORCH_OPTIONS.get(name)
+    name, fix = refused[0], known[refused[0]][0]
     said = f"torch's {name}= has no counterpart here: {fix}" if fix else f"{name}= is not one of its options"
     return ArgumentTypeError(f"{who}({name}=...): {said} (its options: docs/strategies.md, help({who}))")

@@ -77,8 +77,7 @@ class ShardedModel(DataParallelModel):
         for gmodule, plans in self._plan():
             members = [self._new_unit(plan, fresh=meta is not None) for plan in plans]
             if members:
-                self._at_rest.groups.append(members)
-                self._at_rest.group_modules.append(gmodule)
+                self._at_rest.groups.append((gmodule, members))
         self._at_rest.peak = self._last_peak = self._at_rest.gathered_bytes
         if meta is not None:  # built on meta: each rank initializes its own shards, no broadcast
             meta.materialize(self._units)
@@ -129,11 +128,12 @@ class ShardedModel(DataParallelModel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._writes.check("the forward")
         self._hooks.before_forward()
-        self._at_rest.start_forward(not torch.is_grad_enabled() and not self._backward.open)
+        evaluating = not torch.is_grad_enabled() and not self._backward.open
         self._at_rest.set_busy(True)
         self._saved.outer = outer_saved_hooks()  # what the user's (the pipeline's) hooks would have kept
+        saving = torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack):
+            with self._at_rest.watched("forward", evaluating), saving:
                 out = self.module(*args, **kwargs)
         except Exception as exc:  # not an interrupt: waiting for a collective could then block the exit
             freed = self._at_rest.freed()
@@ -149,7 +149,6 @@ class ShardedModel(DataParallelModel):
                 "raise persistence_threshold; with FSDPModel put both modules in one unit."
             ) from exc
         finally:
-            self._at_rest.start_forward(False)
             self._at_rest.set_busy(self._backward.open)
         self._hooks.order_done = True
         return out
@@ -203,7 +202,6 @@ class ShardedModel(DataParallelModel):
             super()._end_backward()
         finally:
             self._free_all()
-            self._sync, self._frozen_pass = self._sync or self._frozen_pass, False
 
     def _unused_error(self, missing: list[str]) -> StrategyError:
         err = super()._unused_error(missing)
@@ -240,7 +238,6 @@ class ShardedModel(DataParallelModel):
         finally:
             self._pending = []
             self._free_all()
-            self._sync, self._frozen_pass = self._sync or self._frozen_pass, False  # else no_sync() for good
 
     def _free_all(self) -> None:
         """The end of a backward: every unit not kept gathered freed, the per-step state cleared."""
@@ -249,6 +246,7 @@ class ShardedModel(DataParallelModel):
             st.reduced = False
             self._at_rest.free(st)
         self._at_rest.set_busy(False)
+        self._sync, self._frozen_pass = self._sync or self._frozen_pass, False  # else no_sync() for good
 
     # ------------------------------------------------------------------ composition
     @contextlib.contextmanager
@@ -274,8 +272,11 @@ class ShardedModel(DataParallelModel):
 
     @contextlib.contextmanager
     def gather_hooks_suspended(self) -> Iterator[None]:
-        with self._hooks.suspended():
+        self._hooks.remove()
+        try:
             yield
+        finally:
+            self._hooks.install()
 
     # ------------------------------------------------------------------ writes after wrapping
     def apply(self, fn: Callable[[nn.Module], None]) -> Self:
@@ -325,10 +326,7 @@ class ShardedModel(DataParallelModel):
         super().after_optimizer_step()
         for st in self._units:
             if st.flat is not None:  # persistent units (and any still gathered) take the new values
-                if st.work is not None:
-                    st.work.wait()
-                    st.work = None
-                self.dp_backend.all_gather(st.flat, st.shard)
+                self.dp_backend.all_gather(self._at_rest.gather(st), st.shard)  # (a prefetch waited for)
         self._last_peak, self._at_rest.peak = self._at_rest.peak, self._at_rest.gathered_bytes
 
     def zero_grad_buffers(self, set_to_none: bool = True) -> None:

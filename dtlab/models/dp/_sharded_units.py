@@ -85,8 +85,8 @@ class UnitGatherer:
         self.forward_wait_s = forward_wait_s
         self.who = who
         self.units: list[ShardUnit] = []
-        self.groups: list[list[ShardUnit]] = []
-        self.group_modules: list[nn.Module] = []
+        #: each module whose forward gathers units, with those units
+        self.groups: list[tuple[nn.Module, list[ShardUnit]]] = []
         self.gathered_bytes = 0
         self.peak = 0
         #: inside a forward or backward: freed parameters are empty tensors, not parked
@@ -98,7 +98,7 @@ class UnitGatherer:
         #: the call whose first gather is watched ("forward", or the state dict's)
         self.watching = "forward"
         #: a call this rank may have made alone (an evaluation "forward", the state dict) since the last
-        #: synchronized backward: a gather that meets another collective names it (:meth:`_mismatch_named`)
+        #: synchronized backward: a gather that meets another collective names it (:meth:`gather`)
         self.solo: str | None = None
         self._by_storage: dict[int, ShardUnit] = {}
         #: which units were gathered, in order, since :meth:`take_trace` (ranks running other modules differ)
@@ -123,10 +123,14 @@ class UnitGatherer:
             return flat
         try:  # no context manager: about 1 us a gather
             return self._gather(st, wait)
-        except CollectiveMismatchError as exc:
-            if self.solo is None:
+        except CollectiveMismatchError as exc:  # after a call this rank may have made alone (``solo``):
+            if self.solo is None:  # the other ranks went on training, their gathers paired with this one's
                 raise
-            raise self._mismatch_named(self.solo, exc) from exc
+            met = (
+                "(made on this rank since the last synchronized backward) gathered the parameters, and the "
+                f"other ranks called other collectives ({exc})"
+            )
+            raise StrategyError(self._unjoined_message(self.solo, met)) from exc
 
     def _gather(self, st: ShardUnit, wait: bool) -> torch.Tensor:
         flat = st.flat
@@ -180,25 +184,10 @@ class UnitGatherer:
             f"and evaluate a plain copy on one rank.{late}"
         )
 
-    def _mismatch_named(self, solo: str, exc: CollectiveMismatchError) -> StrategyError:
-        """A gather that met another collective after this rank made a call it may have made alone
-        (``solo``: an evaluation forward, the state dict) since the last synchronized backward names that
-        call: the other ranks went on training, and their gathers paired with this rank's."""
-        met = (
-            "(made on this rank since the last synchronized backward) gathered the parameters, and the "
-            f"other ranks called other collectives ({exc})"
-        )
-        return StrategyError(self._unjoined_message(solo, met))
-
-    def start_forward(self, evaluating: bool) -> None:
-        """A forward begins (``evaluating``: without gradients, outside a backward) or ends (False)."""
-        self.watch = evaluating and self.forward_wait_s > 0
-        self.solo = "forward" if evaluating else self.solo
-
     @contextlib.contextmanager
     def watched(self, call: str, enabled: bool) -> Iterator[None]:
         """The first gather inside the block is watched (see :meth:`_wait_for_every_rank`), named as
-        ``call``: a rank calling a collective method alone (saving on rank 0 only) is named."""
+        ``call``: a rank evaluating or saving alone (a no-grad forward, the state dict on rank 0) is named."""
         self.watch, self.watching = enabled and self.forward_wait_s > 0, call
         self.solo = call if enabled else self.solo
         try:
@@ -234,7 +223,7 @@ class UnitGatherer:
             st.unit.park()
 
     def gather_group(self, gi: int, wait: bool = True) -> None:
-        for st in self.groups[gi]:
+        for st in self.groups[gi][1]:
             self.gather(st, wait)
 
     def set_busy(self, busy: bool) -> None:
@@ -318,7 +307,7 @@ class GroupHooks:
         self.remove()
         self.for_compile = "torch._dynamo" in sys.modules
         at = self.at_rest
-        for gi, gmod in enumerate(at.group_modules):  # gathered before the user's pre-hooks run
+        for gi, (gmod, _) in enumerate(at.groups):  # gathered before the user's pre-hooks run
             hook = _GatherHook(partial(self._pre_forward, gi), self.for_compile, at)
             self._handles.append(gmod.register_forward_pre_hook(hook, prepend=True))
             hook = _GatherHook(partial(self._post_forward, gi), self.for_compile, at)
@@ -337,14 +326,6 @@ class GroupHooks:
         """A forward starts: reinstall the hooks for ``torch.compile`` if it was loaded after wrapping."""
         if not self.for_compile and "torch._dynamo" in sys.modules:
             torch.compiler.disable(self.install)()
-
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        self.remove()
-        try:
-            yield
-        finally:
-            self.install()
 
     def _neighbour(self, gi: int, step: int) -> int | None:
         if not self.prefetch or gi not in self.order:
@@ -370,7 +351,7 @@ class GroupHooks:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(partial(self._pre_backward, gi))
         if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward will free it
-            for st in self.at_rest.groups[gi]:
+            for st in self.at_rest.groups[gi][1]:
                 self.at_rest.free(st)
 
     def _pre_backward(self, gi: int, _grad: torch.Tensor) -> None:

@@ -193,11 +193,6 @@ class DataParallelModel(OptimizerTarget):
         produced = "some gradients were produced (and, outside no_sync(), some reduced)"
         self._backward.refuse(f"{type(self).__name__} on rank {self.dp_backend.rank}", refused, produced)
 
-    def _forget_raised_backward(self) -> None:
-        """``zero_grad()``: a backward that raised is cleaned up and its partial gradients dropped."""
-        self._check_backward_finished(None)
-        self._backward.forget()
-
     def _abandon_backward(self) -> None:
         """Wait for what a backward that raised launched and clear its per-step state."""
         raise NotImplementedError
@@ -337,7 +332,8 @@ class DataParallelModel(OptimizerTarget):
 
     def zero_grad_buffers(self, set_to_none: bool = True) -> None:
         self._owner.check("zero_grad()")  # it would point param.grad back into its own buffers
-        self._forget_raised_backward()
+        self._check_backward_finished(None)  # a backward that raised: cleaned up, its gradients dropped
+        self._backward.forget()
         self._guarded = False
         for g in self._synced_grads:
             g.zero_()

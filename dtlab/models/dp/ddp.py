@@ -125,7 +125,9 @@ class DDPModel(DataParallelModel):
         super()._release_guards()
 
     def _point_grads(self) -> None:
-        """Make every ``param.grad`` a view of its bucket's gradient buffer (again)."""
+        """Make every ``param.grad`` a view of its bucket's gradient buffer (again; ZeRO-2: None)."""
+        if not self.keeps_whole_grads:
+            return super()._point_grads()
         for unit, buf in zip(self._units, self._grad_bufs, strict=True):
             for q, view in zip(unit.params, unit.views(buf), strict=True):
                 q.grad = view

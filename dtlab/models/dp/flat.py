@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -82,13 +83,12 @@ class FlatUnit:
         self.dtype = named_params[0][1].dtype
         self.device = named_params[0][1].device
         self.rank = rank
-        self.slots: list[Slot] = []
-        offset = 0
-        for name, p in named_params:
-            self.slots.append(Slot(name, p.shape, offset, p.numel()))
-            offset += p.numel()
-        self.numel = offset
-        self.shard_numel = max(1, -(-offset // world_size))
+        starts = list(accumulate((p.numel() for _, p in named_params), initial=0))
+        self.slots = [
+            Slot(n, p.shape, at, p.numel()) for (n, p), at in zip(named_params, starts[:-1], strict=True)
+        ]
+        self.numel = starts[-1]
+        self.shard_numel = max(1, -(-self.numel // world_size))
         self.padded = self.shard_numel * world_size
         #: while parked, one element per parameter under its stand-in (see :meth:`park`)
         self.marker = torch.empty(0, dtype=self.dtype, device=self.device)

@@ -64,11 +64,6 @@ class ZeRO2Model(DDPModel):
         self._guard_grads()
         super()._after_synchronized()
 
-    def _point_grads(self) -> None:
-        """No whole buffers: ``param.grad`` is None (``no_sync()`` accumulates whole gradients there)."""
-        for _, q in self._trainable:
-            q.grad = None
-
     def _grad_bytes(self) -> int:
         held = sum(tensor_bytes(b) for b in self._transient.values())
         return super()._grad_bytes() + held + sum(tensor_bytes(q.grad) for _, q in self._trainable)
