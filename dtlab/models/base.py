@@ -312,8 +312,7 @@ class ModelStrategy(nn.Module):
             t = given.get(k, now)
             if not isinstance(t, torch.Tensor):
                 raise CheckpointError(f"{type(self).__name__}.load_state_dict(): {k!r} is not a tensor")
-            t = t.detach()
-            add_slice(whole, k, t.shape, t.dtype, 0, t.numel(), t.reshape(-1))
+            add_slice(whole, k, t.shape, t.dtype, 0, t.numel(), t.reshape(-1))  # copied, detached
         self.load_sharded_state_dict([whole])
         return _IncompatibleKeys(missing, unexpected)
 

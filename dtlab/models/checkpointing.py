@@ -63,7 +63,6 @@ def checkpoint_modules(module: nn.Module, classes: tuple[type[nn.Module], ...] |
     original's)."""
     targets = [module] if classes is None else [m for m in module.modules() if isinstance(m, classes)]
     for m in targets:
-        if hasattr(m.forward, "__wrapped__"):
-            continue  # already checkpointed
-        m.forward = checkpointed(m.forward, m)
+        if not hasattr(m.forward, "__wrapped__"):  # not checkpointed already
+            m.forward = checkpointed(m.forward, m)
     return len(targets)

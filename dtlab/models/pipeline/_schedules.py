@@ -227,12 +227,10 @@ def _static_checks(s: PipelineSchedule) -> None:
                         f"schedule {s.name}: rank {r} runs {a} twice; each computation of a stage and "
                         "micro-batch runs once: remove the second"
                     )
-                if a.kind in (Kind.B, Kind.I) and (Kind.F, a.stage, a.micro) not in done:
-                    raise StrategyError(f"schedule {s.name}: rank {r} runs {a} before its forward")
-                if a.kind is Kind.W and (Kind.I, a.stage, a.micro) not in done:
-                    raise StrategyError(
-                        f"schedule {s.name}: rank {r} runs {a} before its input-gradient {a.stage}I{a.micro}"
-                    )
+                need = {Kind.B: Kind.F, Kind.I: Kind.F, Kind.W: Kind.I}.get(a.kind)
+                if need is not None and (need, a.stage, a.micro) not in done:
+                    what = "forward" if need is Kind.F else f"input-gradient {a.stage}I{a.micro}"
+                    raise StrategyError(f"schedule {s.name}: rank {r} runs {a} before its {what}")
                 src = a.stage - 1 if a.kind is Kind.F else a.stage + 1  # the stage handing over its input
                 if a.kind is not Kind.W and 0 <= src < s.num_stages and s.rank_of(src) == r:
                     kinds = (Kind.F,) if a.kind is Kind.F else (Kind.B, Kind.I)
@@ -253,15 +251,14 @@ def _static_checks(s: PipelineSchedule) -> None:
                 if msg in table:
                     raise StrategyError(f"schedule {s.name}: message {msg} is posted twice ({a} on rank {r})")
                 table[msg] = r
-        for stage in s.stages_of(r):
-            for i in range(s.m):
-                full = (Kind.B, stage, i) in done
-                split = (Kind.I, stage, i) in done and (Kind.W, stage, i) in done
-                if (Kind.F, stage, i) not in done or full == split:
-                    raise StrategyError(
-                        f"schedule {s.name}: rank {r} does not run forward and exactly one backward "
-                        f"(B, or I then W) of stage {stage}, micro-batch {i}"
-                    )
+        for stage, i in itertools.product(s.stages_of(r), range(s.m)):
+            full = (Kind.B, stage, i) in done
+            split = (Kind.I, stage, i) in done and (Kind.W, stage, i) in done
+            if (Kind.F, stage, i) not in done or full == split:
+                raise StrategyError(
+                    f"schedule {s.name}: rank {r} does not run forward and exactly one backward "
+                    f"(B, or I then W) of stage {stage}, micro-batch {i}"
+                )
     if sends.keys() != recvs.keys():
         lonely = sorted(set(sends) ^ set(recvs))
         raise StrategyError(f"schedule {s.name}: messages without a matching send or receive: {lonely[:6]}")

@@ -10,6 +10,7 @@ device with the micro-batch's shape, alike on every rank: nothing is negotiated 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections.abc import Sequence
@@ -100,8 +101,8 @@ def module_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
             "or pipeline_blocks() returned nothing); give it its layers as blocks"
         )
     names = [n for n, _ in blocks]
-    if len(set(names)) != len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
+    twice = sorted(n for n, count in collections.Counter(names).items() if count > 1)
+    if twice:
         raise StrategyError(
             f"pipeline block names must be unique, got {names} ({twice} more than once); give each "
             "(name, block) pair of pipeline_blocks() its own name, e.g. the block's attribute path"
@@ -121,9 +122,7 @@ def module_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
                     f"a buffer is used by pipeline blocks {owner[id(b)]!r} and {name!r}, which may run on "
                     "different ranks; give each block its own buffer or put both users in one block"
                 )
-    missing = [
-        n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if id(t) not in owner
-    ]
+    missing = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if id(t) not in owner]
     if missing:
         raise StrategyError(
             f"{len(missing)} parameters or buffers of {type(module).__name__} belong to no pipeline block "
@@ -192,8 +191,7 @@ def split_blocks(
                 f"split points must name blocks after the first, in order, each once: got {points} for "
                 f"blocks {names}"
             )
-    ends = [*starts[1:], len(blocks)]
-    return [Stage(i, blocks[a:b]) for i, (a, b) in enumerate(zip(starts, ends, strict=True))]
+    return [Stage(i, blocks[a:b]) for i, (a, b) in enumerate(itertools.pairwise([*starts, len(blocks)]))]
 
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]

@@ -246,10 +246,7 @@ def trace_split(
         ) from exc
     for stage in stages:
         stage.prepare(trace.outputs, trace.slots)
-        if stage.index:
-            prev = trace.specs[stage.index - 1]
-            x = torch.zeros(prev.shape, dtype=prev.dtype, device=inputs.device)
-        else:
-            x = inputs
+        prev = trace.specs[stage.index - 1]  # the hidden state it receives (stage 0: the input itself)
+        x = torch.zeros(prev.shape, dtype=prev.dtype, device=inputs.device) if stage.index else inputs
         _check_stage(stage, module, shapes, x, inputs)
     return trace
