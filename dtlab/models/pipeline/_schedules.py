@@ -129,20 +129,15 @@ def _interleaved(p: int, m: int, v: int, r: int) -> list[Action]:
     ``min(2 (p - r - 1) + (v - 1) p, m v)`` forwards, then one forward and one backward alternately."""
     total = m * v
 
-    def micro(k: int) -> int:
-        return (k // (p * v)) * p + k % p
-
-    def fwd(k: int) -> Action:
-        return Action(Kind.F, ((k // p) % v) * p + r, micro(k))
-
-    def bwd(k: int) -> Action:
-        return Action(Kind.B, (v - 1 - (k // p) % v) * p + r, micro(k))
+    def act(kind: Kind, k: int) -> Action:
+        chunk = (k // p) % v if kind is Kind.F else v - 1 - (k // p) % v
+        return Action(kind, chunk * p + r, (k // (p * v)) * p + k % p)
 
     warm = min(2 * (p - r - 1) + (v - 1) * p, total)
-    ops = [fwd(k) for k in range(warm)]
+    ops = [act(Kind.F, k) for k in range(warm)]
     for j in range(total - warm):
-        ops += [fwd(warm + j), bwd(j)]
-    ops += [bwd(j) for j in range(total - warm, total)]
+        ops += [act(Kind.F, warm + j), act(Kind.B, j)]
+    ops += [act(Kind.B, j) for j in range(total - warm, total)]
     return ops
 
 
@@ -231,8 +226,8 @@ def _static_checks(s: PipelineSchedule) -> None:
                 if need is not None and (need, a.stage, a.micro) not in done:
                     what = "forward" if need is Kind.F else f"input-gradient {a.stage}I{a.micro}"
                     raise StrategyError(f"schedule {s.name}: rank {r} runs {a} before its {what}")
-                src = a.stage - 1 if a.kind is Kind.F else a.stage + 1  # the stage handing over its input
-                if a.kind is not Kind.W and 0 <= src < s.num_stages and s.rank_of(src) == r:
+                src = _source(s, a)
+                if src is not None and s.rank_of(src) == r:
                     kinds = (Kind.F,) if a.kind is Kind.F else (Kind.B, Kind.I)
                     if not any((k, src, a.micro) in done for k in kinds):
                         before = (
@@ -264,14 +259,11 @@ def _static_checks(s: PipelineSchedule) -> None:
         raise StrategyError(f"schedule {s.name}: messages without a matching send or receive: {lonely[:6]}")
 
 
-def _needs(s: PipelineSchedule, r: int, a: Action) -> tuple[str, int, int] | None:
-    """The message compute ``a`` on rank ``r`` waits for, as :meth:`Action.message` names it; None when
-    it needs none (a first forward, a last backward, or a hand-over from a stage of the same rank)."""
-    if a.kind is Kind.F and a.stage > 0 and s.rank_of(a.stage - 1) != r:
-        return ("F", a.stage, a.micro)
-    if a.kind in (Kind.B, Kind.I) and a.stage < s.num_stages - 1 and s.rank_of(a.stage + 1) != r:
-        return ("B", a.stage, a.micro)
-    return None
+def _source(s: PipelineSchedule, a: Action) -> int | None:
+    """The stage handing compute ``a`` its input (``F``: the one before, ``B``/``I``: the one after);
+    None for a ``W``, a first forward or a last backward."""
+    src = a.stage - 1 if a.kind is Kind.F else a.stage + 1
+    return src if a.kind is not Kind.W and 0 <= src < s.num_stages else None
 
 
 def simulate(
@@ -306,13 +298,14 @@ def simulate(
                         order_sent.setdefault((r, s.rank_of(msg[1])), []).append(msg)
                     else:
                         posted[r].add(msg)
-                        src = s.rank_of(msg[1] - 1 if msg[0] == "F" else msg[1] + 1)
-                        order_recv.setdefault((src, r), []).append(msg)
+                        sender = s.rank_of(msg[1] - 1 if msg[0] == "F" else msg[1] + 1)
+                        order_recv.setdefault((sender, r), []).append(msg)
                     pos[r] += 1
                     continue
-                need = _needs(s, r, a)
+                src = _source(s, a)
                 ready = clock[r]  # a hand-over on this rank was computed before
-                if need is not None:
+                if src is not None and s.rank_of(src) != r:  # a message, named as Action.message names it
+                    need = ("F" if a.kind is Kind.F else "B", a.stage, a.micro)
                     if need not in posted[r]:
                         raise StrategyError(
                             f"schedule {s.name}: rank {r} runs {a} without posting the receive of its input; "
