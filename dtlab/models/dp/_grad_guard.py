@@ -44,6 +44,7 @@ class GradientStandIn(torch.Tensor):
     piece: torch.Tensor | None
     message: str
     refused: frozenset[Any]
+    zeroed: bool  #: a ShardedGradient zeroed (see there)
     __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl  # noqa: SLF001 - torch's API for a wrapper tensor subclass
 
     @staticmethod
@@ -58,7 +59,7 @@ class GradientStandIn(torch.Tensor):
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
         )
         out: GradientStandIn = made
-        out.piece, out.message, out.refused = piece, message, refused
+        out.piece, out.message, out.refused, out.zeroed = piece, message, refused, False
         return out
 
     @classmethod
@@ -91,14 +92,6 @@ class GradientStandIn(torch.Tensor):
 class ShardedGradient(GradientStandIn):
     """Where a rank holds only a shard of the synchronized gradient: refuses every operation but
     zeroing, which sets ``zeroed`` (see the module docstring)."""
-
-    zeroed: bool
-
-    @staticmethod
-    def __new__(cls, like: torch.Tensor, message: str) -> ShardedGradient:
-        out: ShardedGradient = GradientStandIn.__new__(cls, like, message)  # type: ignore[assignment]
-        out.zeroed = False
-        return out
 
 
 def sharded_grad_message(name: str, model: str, optimizer: str) -> str:

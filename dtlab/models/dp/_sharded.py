@@ -138,7 +138,8 @@ class ShardedModel(DataParallelModel):
         except Exception as exc:  # not an interrupt: waiting for a collective could then block the exit
             freed = self._at_rest.freed()
             if not self._backward.open:  # no backward of this forward will come to free what it gathered
-                self._at_rest.free_after_error()
+                for st in self._units:  # (nor prefetched; one the others did not join is left pending)
+                    self._at_rest.free(st)
             if type(exc) is not RuntimeError:  # the user's exception, an out-of-memory error: as raised
                 raise
             raise StrategyError(

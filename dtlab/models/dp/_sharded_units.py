@@ -206,13 +206,6 @@ class UnitGatherer:
         st.flat = None
         self._rest(st)
 
-    def free_after_error(self) -> None:
-        """After a forward that raised: every unit it gathered (or prefetched) freed, but one whose
-        gather the other ranks did not join (waiting for it would hang)."""
-        for st in self.units:
-            if st is not self.unjoined or st.work is None:
-                self.free(st)
-
     def _rest(self, st: ShardUnit) -> None:
         """A unit not gathered: inside a forward or backward its parameters are empty tensors (an
         operation reading one outside its owner's forward fails); between uses they are parked at their

@@ -69,8 +69,6 @@ class FlatUnit:
     def __init__(
         self, key: str, named_params: list[tuple[str, nn.Parameter]], world_size: int, rank: int
     ) -> None:
-        if not named_params:
-            raise ValueError(f"FlatUnit {key!r} needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
         if len(dtypes) > 1:
             listing = ", ".join(f"{n}: {p.dtype}" for n, p in named_params)
