@@ -11,12 +11,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.prune import BasePruningMethod
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import MeshLike
 from dtlab.core.placement import Placement, Shard, placement_of
-from dtlab.core.torch_private import MODULE_HOOKS
 from dtlab.errors import StrategyError
 from dtlab.models.compose._comm import renamed_message
 from dtlab.models.dp._writes import pre_hook_marks, prune_hooks
@@ -130,20 +128,12 @@ def _parametrized(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def _renamers(module: nn.Module) -> list[object]:
-    """What renames a weight of ``module``'s tree: ``torch.nn.utils.prune`` hooks and parametrization
-    lists, in one walk that reads only the hook dicts and module types (the composition's check before
-    every step)."""
-    pre = MODULE_HOOKS["register_forward_pre_hook"]
-    out: list[object] = []
-    for m in module.modules():
-        if isinstance(m, parametrize.ParametrizationList):
-            out.append(m)
-        out += [h for h in pre(m).values() if isinstance(h, BasePruningMethod)]
-    return out
+    """What renames a weight of ``module``'s tree (walked at wrapping and after a change only)."""
+    return [c for m in module.modules() for c in _renamers_of(m)]
 
 
 def _renamers_of(module: nn.Module) -> list[object]:
-    """Those on ``module`` itself."""
+    """Those on ``module`` itself: ``torch.nn.utils.prune`` hooks and parametrizations."""
     return [*(h for _, h in prune_hooks(module, recurse=False)), *_parametrized(module).values()]
 
 

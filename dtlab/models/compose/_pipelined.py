@@ -9,6 +9,7 @@ the traced block outputs their stubs return)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -55,10 +56,9 @@ class PipelineRun:
         # pp alone after the tp check would wait for a stage whose tp check refused its ranks alone)
         axes = tuple(a for a in mesh.axis_names if a in ("pp", "tp") and mesh.size(a) > 1) or ("pp",)
         self._same_group, self._same_ranks = mesh[axes], mesh.ranks(axes)
-        inner = mesh.size(axes[-1])  # a group's ranks are row-major over its axes, the last fastest
+        coords = itertools.product(*(range(mesh.size(a)) for a in axes))  # row-major, as the group's ranks
         self._same_labels = [
-            f"pp rank {r}" if len(axes) == 1 else f"{axes[0]} rank {r // inner}, {axes[1]} rank {r % inner}"
-            for r in range(len(self._same_ranks))
+            ", ".join(f"{a} rank {c}" for a, c in zip(axes, at, strict=True)) for at in coords
         ]
         self._compared: set[str] = set()  # what the ranks were checked to agree on (at its first use)
         self.module = module  # the user's whole module (other stages on meta), for the trace
@@ -76,8 +76,7 @@ class PipelineRun:
         activations ZeRO-3/FSDP's own saved-tensor hooks keep go on to the hooks around the stage (the
         pipeline's meter, or its checkpointing). A stage of a model split at module names also gets the
         micro-batch's model ``inputs``."""
-        dp = self.dp
-        return dp(x, stage, *inputs) if self.layout.traced else dp(x, stage)
+        return self.dp(x, stage, *inputs) if self.layout.traced else self.dp(x, stage)
 
     def specs_for(self, sample: torch.Tensor) -> list[TensorSpec]:
         """Each stage's output spec for micro-batches like ``sample`` (computed once per shape, alike on

@@ -69,12 +69,8 @@ def _touched_layers(resolved: Resolved) -> dict[str, Style]:
     out: dict[str, Style] = {}
     for name, _module, style in resolved:
         if isinstance(style, HeadsParallel):
-            for child in (*style.qkv, style.out):
-                out[f"{name}.{child}"] = style
-        elif isinstance(style, SequenceParallel):
-            if not style.split_output:  # split_output only hooks the output
-                out[name] = style
-        else:
+            out.update((f"{name}.{child}", style) for child in (*style.qkv, style.out))
+        elif not (isinstance(style, SequenceParallel) and style.split_output):  # that only hooks the output
             out[name] = style
     return out
 

@@ -12,9 +12,9 @@ the same function (``axis="pp"``) at its first step and inference.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -90,6 +90,13 @@ def _difference(mine: Seen, first: Seen, rank0: str) -> str:
     return "the checksums differ"  # unreachable: equal descriptions and sums give equal digests
 
 
+def _all_equal(group: CommunicationBackend, values: torch.Tensor) -> bool:
+    """Whether every rank of ``group`` holds ``values``: one all-reduce of the max and negated min."""
+    both = torch.cat([values, -values])
+    group.all_reduce(both, ReduceOp.MAX)
+    return torch.equal(both[: len(values)], -both[len(values) :])
+
+
 def check_same_on_tp(
     who: str,
     what: str,
@@ -119,9 +126,9 @@ def check_same_on_tp(
         weights = torch.tensor([i + 1 for i, _ in tensors], dtype=torch.int64, device=group.device)
         stacked = torch.stack([torch.stack(pair) for pair in sums]).remainder(_MOD)  # (tensors, 2)
         fp[1:] = (stacked * weights.unsqueeze(1)).sum(0)
-    both = torch.cat([fp, -fp])
     try:
-        group.all_reduce(both, ReduceOp.MAX)  # the group's max and (negated) min: equal when all agree
+        if _all_equal(group, fp):
+            return
     except CollectiveMismatchError as exc:  # the first collective of each forward: the ranks ran others
         raise StrategyError(
             f"{who}: the check of the {what} on world rank {ranks[group.rank]} met another collective of its "
@@ -130,8 +137,6 @@ def check_same_on_tp(
             "slice of the layers: evaluate on every rank (the same batch on each tp rank), or call "
             "model.state_dict() on every rank and evaluate a plain copy on one rank"
         ) from exc
-    if torch.equal(both[:3], -both[3:]):
-        return
     by_leaf = {i: [int(s) for s in pair] for (i, _), pair in zip(tensors, sums, strict=True)}
     mine = [(name, desc, by_leaf.get(i, [])) for i, (name, desc, _) in enumerate(leaves)]
     every = group.all_gather_object(mine)
@@ -210,9 +215,7 @@ class SameOnTp:
 
     def _agree_on_policy(self) -> None:
         mine = [TP_BATCH_CHECKS.index(self.policy.when), self.policy.first]
-        both = torch.tensor([*mine, *(-v for v in mine)], dtype=torch.int64, device=self.group.device)
-        self.group.all_reduce(both, ReduceOp.MAX)
-        if torch.equal(both[:2], -both[2:]):
+        if _all_equal(self.group, torch.tensor(mine, dtype=torch.int64, device=self.group.device)):
             return
         every = self.group.all_gather_object(self.policy)
         policies = "; ".join(f"tp rank {r} (world rank {self.ranks[r]}): {p}" for r, p in enumerate(every))
@@ -243,31 +246,24 @@ class SameOnTp:
         """The wrapped module's inputs, where it runs outside the wrapper's forward (checked there)."""
         self("inputs", _named(args, kwargs), direct=True)
 
-    @contextlib.contextmanager
-    def step(self, batch: tuple[Any, Any]) -> Iterator[None]:
+    def step(self, batch: tuple[Any, Any]) -> AbstractContextManager[None]:
         """Check ``(inputs, targets)``, then run the step without checking again."""
-        self._whole("batches", [("inputs", batch[0]), ("targets", batch[1])])
-        with self._checked():
-            yield
+        return self._whole("batches", [("inputs", batch[0]), ("targets", batch[1])])
 
-    @contextlib.contextmanager
-    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AbstractContextManager[None]:
         """Check a forward's inputs, then run it without checking them again (the module's own call)."""
-        self._whole("inputs", _named(args, kwargs))
-        with self._checked():
-            yield
+        return self._whole("inputs", _named(args, kwargs))
 
-    def _whole(self, what: str, named: list[tuple[str, Any]]) -> None:
-        """A step's batch or a forward's inputs: under a pipeline checked over all of it (every rank of
-        the pipeline makes the same calls, so learns the same outcome), else over the tp group."""
+    @contextmanager
+    def _whole(self, what: str, named: list[tuple[str, Any]]) -> Iterator[None]:
+        """A step's batch or a forward's inputs, checked, then the block run without checking again:
+        under a pipeline checked over all of it (every rank of the pipeline makes the same calls, so
+        learns the same outcome), else over the tp group."""
         if self.over_pipeline is None:
             self(what, named)
         else:
             due = self.group.world_size > 1 and not self._inside and self._due(what)
             self.over_pipeline(self.who, what, named, due)
-
-    @contextlib.contextmanager
-    def _checked(self) -> Iterator[None]:
         was, self._inside = self._inside, True
         try:
             yield

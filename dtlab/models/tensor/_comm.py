@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Protocol, cast
+from typing import Any, cast
 
 import torch
 
@@ -135,24 +135,19 @@ _gather_last = partial(_gather, dim=-1)
 _gather_seq = partial(_gather, dim=_SEQ)
 
 
-class _Ctx(Protocol):
-    group: CommunicationBackend
-    backward_op: Op
-
-
 class _Conjugate(torch.autograd.Function):
     """``forward_op`` on the input forward, ``backward_op`` on the output's gradient backward: each
     public collective below is this one function with its two sides."""
 
     @staticmethod
     def forward(
-        ctx: _Ctx, x: torch.Tensor, group: CommunicationBackend, forward_op: Op, backward_op: Op
+        ctx: Any, x: torch.Tensor, group: CommunicationBackend, forward_op: Op, backward_op: Op
     ) -> torch.Tensor:
         ctx.group, ctx.backward_op = group, backward_op
         return forward_op(x, group)
 
     @staticmethod
-    def backward(ctx: _Ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return ctx.backward_op(g, ctx.group), None, None, None
 
 
@@ -212,19 +207,15 @@ def gather_over_tp(local: torch.Tensor, placement: Shard, tp: CommunicationBacke
     return torch.cat([parts[r * sections + k] for k in range(sections) for r in range(p)], placement.dim)
 
 
-def _through_flat(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], object]) -> None:
-    """``collective`` on the tensors concatenated (one message), the result copied back into each."""
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    collective(flat)
-    with torch.no_grad():
-        for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-            t.copy_(part.view_as(t))
-
-
 def sum_over_tp(tensors: Sequence[torch.Tensor], tp: CommunicationBackend) -> None:
     """Replace each tensor by its sum over ``tp`` (in place; one all-reduce of them concatenated):
     sequence parallelism leaves the gradients of replicated parameters used inside the sequence-split
     region (norms, row-parallel biases) as partial sums over tp."""
     tensors = [t for t in tensors if t.numel()]
-    if tp.world_size > 1 and tensors:
-        _through_flat(tensors, lambda flat: tp.all_reduce(flat, ReduceOp.SUM))
+    if tp.world_size == 1 or not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    tp.all_reduce(flat, ReduceOp.SUM)
+    with torch.no_grad():
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            t.copy_(part.view_as(t))

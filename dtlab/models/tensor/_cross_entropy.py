@@ -3,7 +3,7 @@ the class dim, without ever building the whole ``(..., V)`` logits."""
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from typing import Any, cast
 
 import torch
 
@@ -13,20 +13,13 @@ from dtlab.errors import StrategyError
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
-class _Ctx(Protocol):
-    in_dtype: torch.dtype
-    saved_tensors: tuple[torch.Tensor, ...]
-
-    def save_for_backward(self, *tensors: torch.Tensor) -> None: ...
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward: three all-reduces of one scalar per position (max, target logit, sum of exp);
     backward: none (softmax minus the one-hot of the target, on this rank's classes)."""
 
     @staticmethod
     def forward(
-        ctx: _Ctx, logits: torch.Tensor, targets: torch.Tensor, group: CommunicationBackend, ignore_index: int
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: CommunicationBackend, ignore_index: int
     ) -> torch.Tensor:
         per_rank = logits.shape[-1]
         start = group.rank * per_rank
@@ -50,7 +43,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss.sum() / count.clamp(min=1)
 
     @staticmethod
-    def backward(ctx: _Ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, idx, mine, valid, count = ctx.saved_tensors
         grad = softmax.clone()  # the saved softmax stays intact for a retained graph
         grad.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))  # minus the one-hot

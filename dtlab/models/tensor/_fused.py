@@ -32,11 +32,8 @@ __all__ = ["check_fused", "check_head_bias", "check_head_tables"]
 _QKV = "[q | k | v] (the model slices q, k and v at the whole model's widths)"
 #: the last name part -> (what its output is, the sections a column split may keep, the exact fix)
 _FUSED: dict[str, tuple[str, int | None, str]] = {
-    "qkv_proj": (_QKV, None, ""),
-    "Wqkv": (_QKV, None, ""),
-    "W_pack": (_QKV, None, ""),
+    **dict.fromkeys(["qkv_proj", "Wqkv", "W_pack", "query_key_value"], (_QKV, None, "")),
     "c_attn": (_QKV, None, "; on GPT-2, plan='auto' splits it per head (dtlab's recipe, HeadsParallel)"),
-    "query_key_value": (_QKV, None, ""),
     "gate_up_proj": (
         "[gate | up] (the model halves it with chunk(2))",
         2,

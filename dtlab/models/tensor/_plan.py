@@ -194,11 +194,9 @@ def splits_logits(root: nn.Module) -> bool:
     """Whether ``root``'s output is split over tp along its last dim: its last tensor-parallel layer (in
     registration order, the output layer of a language model) is column-parallel without gathering
     (dtlab's transformer); Hugging Face's plans gather the head's output (``colwise_gather_output``)."""
-    last: nn.Module | None = None
-    for m in root.modules():
-        if isinstance(m, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
-            last = m
-    return isinstance(last, ColumnParallelLinear) and not last.gather_output
+    layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    split = [m for m in root.modules() if isinstance(m, layers)]
+    return bool(split) and isinstance(last := split[-1], ColumnParallelLinear) and not last.gather_output
 
 
 def _mismatch(style: Style, kind: str, name: str, module: nn.Module) -> StrategyError:
@@ -306,15 +304,15 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
         )
     named = list(module.named_modules())
     found: dict[str, tuple[nn.Module, Style, str]] = {}
+    styles = {pattern: style_of(value, pattern) for pattern, value in plan.items()}
     summed = {  # left whole, gradient summed over tp: one table for every head (check_head_tables)
         id(m)
-        for p, v in plan.items()
-        if isinstance(style_of(v, p), SequenceParallel)
+        for p, st in styles.items()
+        if isinstance(st, SequenceParallel)
         for n, m in named
         if _matches(n, p)
     }
-    for pattern, value in plan.items():
-        style = style_of(value, pattern)
+    for pattern, style in styles.items():
         if style is None:
             continue
         hits = [(n, m) for n, m in named if n and _matches(n, pattern)]
