@@ -133,13 +133,10 @@ class SameReplicatedGrads:
         )
         decided = (torch.isfinite(hi).all(1) & torch.isfinite(lo).all(1) & (hi[:, 0] > 0)).tolist()
         worst = rel.max(0).values.tolist()
-        spread, undecided = {}, []
-        for n, i in index.items():
-            if decided[i]:
-                spread[n] = (worst[i], _tolerance(dtypes.get(n, torch.float32)))
-            else:
-                undecided.append(n)
-        return spread, undecided
+        spread = {
+            n: (worst[i], _tolerance(dtypes.get(n, torch.float32))) for n, i in index.items() if decided[i]
+        }
+        return spread, [n for n, i in index.items() if not decided[i]]
 
     def _fingerprint(self, g: torch.Tensor, start: int) -> torch.Tensor:
         """``(sum of squares, sum with signs s1, sum with signs s2)`` of the flat piece ``g`` holding
