@@ -173,14 +173,12 @@ class _Step:
 
 def _mean_loss(loss: object) -> torch.Tensor:
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        hint = (
+            "; the model gets no labels here (output.loss is None): use output.logits" if loss is None else ""
+        )
         raise StrategyError(
             f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got "
-            f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
-            + (
-                "; the model gets no labels here (output.loss is None): use output.logits"
-                if loss is None
-                else ""
-            )
+            f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}{hint}"
         )
     return loss.reshape(())
 
