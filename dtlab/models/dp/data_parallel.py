@@ -335,8 +335,7 @@ class DataParallelModel(OptimizerTarget):
         self._check_backward_finished(None)  # a backward that raised: cleaned up, its gradients dropped
         self._backward.forget()
         self._guarded = False
-        for g in self._synced_grads:
-            g.zero_()
+        torch._foreach_zero_(self._synced_grads)
         self._point_grads()
         self._grads_synced = False
         self._used.clear(set_to_none)
@@ -354,8 +353,7 @@ class DataParallelModel(OptimizerTarget):
             q.grad = None
 
     def scale_grads_(self, factor: float) -> None:
-        for g in self._synced_grads:
-            g.mul_(factor)
+        torch._foreach_mul_(self._synced_grads, factor)
 
     def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
         return list(self._synced_grads), self.keeps_whole_grads

@@ -127,9 +127,7 @@ class FlatUnit:
 
     def copy_params_into(self, flat: torch.Tensor) -> None:
         """Write the parameters' current values into ``flat`` (padding left as it is)."""
-        with torch.no_grad():
-            for view, p in zip(self.views(flat), self.params, strict=True):
-                view.copy_(p.detach())
+        torch._foreach_copy_(self.views(flat), [p.detach() for p in self.params])
 
     def bind(self, flat: torch.Tensor) -> None:
         """Make every parameter a view into ``flat``."""
