@@ -306,13 +306,11 @@ def _release(stages: Sequence[nn.Module], mine: Sequence[int]) -> None:
     keep = {id(sub) for s in mine for sub in stages[s].modules()}
 
     def release(m: nn.Module) -> None:
-        if id(m) in keep:
-            return
-        if not any(id(c) in keep for c in m.modules()):
+        if not any(id(c) in keep for c in m.modules()):  # m itself among them
             m.to("meta")
-            return
-        for child in m.children():
-            release(child)
+        elif id(m) not in keep:
+            for child in m.children():
+                release(child)
 
     for s, stage in enumerate(stages):
         if s not in mine:
