@@ -11,6 +11,7 @@ device with the micro-batch's shape, alike on every rank: nothing is negotiated 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -136,22 +137,19 @@ def balanced_split(sizes: Sequence[int], stages: int) -> list[int]:
     """Start index of each of ``stages`` contiguous, non-empty groups of ``sizes`` minimising the
     largest group's sum (ties: the latest cut, so a parameterless block such as an activation stays
     with the layer before it). Deterministic, so every rank computes the same."""
-    n = len(sizes)
     prefix = list(itertools.accumulate(sizes, initial=0))
-    inf = float("inf")
-    # best[k][i]: the smallest largest-sum splitting the first i blocks into k groups
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost <= best[k][i]:  # ties: the latest cut
-                    best[k][i], cut[k][i] = cost, j
-    starts, i = [], n
+
+    @functools.cache
+    def best(k: int, i: int) -> tuple[int, int]:
+        """The smallest largest sum splitting the first ``i`` blocks into ``k`` groups, and minus the
+        last group's start (so ``min`` breaks a tie by the latest cut)."""
+        if k == 1:
+            return prefix[i], 0
+        return min((max(best(k - 1, j)[0], prefix[i] - prefix[j]), -j) for j in range(k - 1, i))
+
+    starts, i = [], len(sizes)
     for k in range(stages, 0, -1):
-        i = cut[k][i]
+        i = -best(k, i)[1]
         starts.append(i)
     return starts[::-1]
 

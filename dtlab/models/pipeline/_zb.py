@@ -55,8 +55,7 @@ class WeightGradients:
         with torch.no_grad():
             for x, g, weight, bias in self.pending:
                 g2 = g.reshape(-1, g.shape[-1])
-                gw = g2.t().mm(x.reshape(-1, x.shape[-1]).to(g2.dtype))
-                _accumulate(weight, gw)
+                _accumulate(weight, g2.t().mm(x.reshape(-1, x.shape[-1]).to(g2.dtype)))
                 if bias is not None:
                     _accumulate(bias, g2.sum(0))
             for work in self.deferred:
