@@ -155,14 +155,13 @@ class ShardedModel(DataParallelModel):
         return out
 
     def _begin_backward(self) -> None:
-        if not self._backward.open and grads_returned(p for _, p in self._trainable):
-            raise StrategyError(autograd_grad_message(type(self).__name__, self.dp_backend.rank))
         if not self._backward.open:
+            if grads_returned(p for _, p in self._trainable):
+                raise StrategyError(autograd_grad_message(type(self).__name__, self.dp_backend.rank))
             self._at_rest.set_busy(True)
             # every parameter frozen now (a GAN's discriminator in the generator's step): nothing to
             # reduce, the pass runs as inside no_sync() (DDP, ZeRO-1/2 skip it too)
-            frozen = bool(self._trainable) and not any(p.requires_grad for _, p in self._trainable)
-            self._frozen_pass = self._sync and frozen
+            self._frozen_pass = self._sync and not any(p.requires_grad for _, p in self._trainable)
             self._sync = self._sync and not self._frozen_pass
         super()._begin_backward()
 

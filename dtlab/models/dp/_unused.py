@@ -37,9 +37,10 @@ class UsedParams:
     ) -> None:
         self._names = [n for n, _ in trainable]
         self._params = [p for _, p in trainable]
-        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._ids = frozenset(map(id, self._params))
         self._group, self._shared = group, shared
-        self._marks = [p.grad is not None for p in self._params]  # a .grad from before wrapping counts
+        #: ids of the parameters marked used (a .grad from before wrapping counts)
+        self._used = {id(p) for p in self._params if p.grad is not None}
         #: ids of the parameters whose gradient ``zero_grad(set_to_none=False)`` zeroed after they had one:
         #: torch steps them (with zeros) from then on, used or not, until a ``set_to_none=True``
         self._kept: frozenset[int] = frozenset()
@@ -51,22 +52,23 @@ class UsedParams:
         """``fn`` as a gradient hook that marks its parameter used first."""
 
         def hook(param: nn.Parameter) -> None:
-            self._marks[self._index[id(param)]] = True
+            self._used.add(id(param))
             fn(param)
 
         return hook
 
     def sync(self) -> None:
         """After a synchronization: the parameters no rank used since ``zero_grad()`` (collective)."""
-        buf = torch.tensor(self._marks, dtype=torch.float64, device=self._group.device)
+        marks = [id(p) in self._used for p in self._params]
+        buf = torch.tensor(marks, dtype=torch.float64, device=self._group.device)
         self._group.all_reduce(buf, ReduceOp.MAX)
-        self._marks = [bool(used) for used in buf.tolist()]
+        self._used = {id(p) for p, used in zip(self._params, buf.tolist(), strict=True) if used}
         self.unused = self._unmarked()
 
     def forget(self, param: nn.Parameter) -> None:
         """``param.grad`` was set to None outside ``zero_grad()`` (``model.zero_grad()`` under DDP) and
         ``param`` got no gradient since: none here, as in torch."""
-        self._marks[self._index[id(param)]] = False
+        self._used.discard(id(param))
         self._kept -= {id(param)}
 
     def clear(self, set_to_none: bool) -> None:
@@ -76,8 +78,8 @@ class UsedParams:
             self._kept = frozenset()
         else:
             had_none = self.unused if self._shared else self._unmarked()
-            self._kept = frozenset(map(id, self._params)) - had_none
-        self._marks = [False] * len(self._params)
+            self._kept = self._ids - had_none
+        self._used = set()
         if self._shared:
             self.unused = self._unmarked()
 
@@ -115,8 +117,7 @@ class UsedParams:
             raise everywhere_unused_error(where, "rank(s)", since, mine, dict(enumerate(per_rank)))
 
     def _unmarked(self) -> frozenset[int]:
-        marks = zip(self._params, self._marks, strict=True)
-        return frozenset(id(p) for p, used in marks if not used and id(p) not in self._kept)
+        return self._ids - self._used - self._kept
 
 
 #: the flag as a refusal names it, in Python and in a ``dtlab train`` config
