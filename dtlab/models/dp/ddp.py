@@ -261,16 +261,14 @@ class DDPModel(DataParallelModel):
         its place in the bucket and views it again, as under DDP; one of another shape is refused."""
         data = self._data[self._bucket(unit)]
         bucket = data.untyped_storage().data_ptr()
-        moved = [(i, q) for i, q in enumerate(unit.params) if q.untyped_storage().data_ptr() != bucket]
-        for i, q in moved:
-            if q.shape != unit.slots[i].shape:
-                raise reshaped_error(type(self).__name__, unit.slots[i].name, q.shape, unit.slots[i].shape)
-        if moved:
-            views = unit.views(data)
-            with torch.no_grad():
-                for i, q in moved:
-                    views[i].copy_(q)
-                    q.data = views[i]
+        slots = zip(unit.params, unit.slots, strict=True)
+        moved = [(q, s) for q, s in slots if q.untyped_storage().data_ptr() != bucket]
+        for q, s in moved:
+            if q.shape != s.shape:
+                raise reshaped_error(type(self).__name__, s.name, q.shape, s.shape)
+        if moved:  # (the others' values copied onto themselves)
+            unit.copy_params_into(data)
+            unit.bind(data)
         grad = self._synced_grads[self._bucket(unit)]  # ZeRO-2: this rank's shard already
         return unit.own_shard(grad) if self.keeps_whole_grads else grad
 
