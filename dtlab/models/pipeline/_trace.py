@@ -275,21 +275,18 @@ def _copy_glue(module: nn.Module, st: TracedStructure, k: int, run: _Run) -> dic
     copies: dict[str, nn.Module] = {}
     entry = st.points[k - 1] if k > 0 else None
     for path in glue:
-        original = module.get_submodule(path)
-        clone = copy.copy(original)
+        clone = copy.copy(module.get_submodule(path))
         children: dict[str, nn.Module | None] = {}
         for name, child_path, child in _children(module, path):
             owner = st.stage_of.get(child_path)
             if child_path in copies:
                 children[name] = copies[child_path]
-            elif owner is None or (owner == k and child_path != entry):
-                children[name] = child
             elif child_path == entry:
                 children[name] = _Entry(child_path, child, run)
-            elif owner < k:
-                children[name] = _Stub(child_path, child, run)
+            elif owner is None or owner == k:
+                children[name] = child
             else:
-                children[name] = _Exit(child_path, child, run)
+                children[name] = (_Stub if owner < k else _Exit)(child_path, child, run)
         vars(clone)["_modules"] = children  # nn.Module keeps its children in this dict; the copy gets its own
         copies[path] = clone
     return copies
