@@ -128,12 +128,11 @@ class ShardedModel(DataParallelModel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._writes.check("the forward")
         self._hooks.before_forward()
-        evaluating = not torch.is_grad_enabled() and not self._backward.open
+        self._at_rest.start_forward(not torch.is_grad_enabled() and not self._backward.open)
         self._at_rest.set_busy(True)
         self._saved.outer = outer_saved_hooks()  # what the user's (the pipeline's) hooks would have kept
-        saving = torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack)
         try:
-            with self._at_rest.watched("forward", evaluating), saving:
+            with torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack):
                 out = self.module(*args, **kwargs)
         except Exception as exc:  # not an interrupt: waiting for a collective could then block the exit
             freed = self._at_rest.freed()
@@ -150,6 +149,7 @@ class ShardedModel(DataParallelModel):
                 "raise persistence_threshold; with FSDPModel put both modules in one unit."
             ) from exc
         finally:
+            self._at_rest.start_forward(False)
             self._at_rest.set_busy(self._backward.open)
         self._hooks.order_done = True
         return out

@@ -184,10 +184,16 @@ class UnitGatherer:
             f"and evaluate a plain copy on one rank.{late}"
         )
 
+    def start_forward(self, evaluating: bool) -> None:
+        """A forward begins (``evaluating``: without gradients, outside a backward) or ends (False); not
+        :meth:`watched`, a context manager: this runs at every forward."""
+        self.watch = evaluating and self.forward_wait_s > 0
+        self.solo = "forward" if evaluating else self.solo
+
     @contextlib.contextmanager
     def watched(self, call: str, enabled: bool) -> Iterator[None]:
         """The first gather inside the block is watched (see :meth:`_wait_for_every_rank`), named as
-        ``call``: a rank evaluating or saving alone (a no-grad forward, the state dict on rank 0) is named."""
+        ``call``: a rank calling a collective method alone (saving on rank 0 only) is named."""
         self.watch, self.watching = enabled and self.forward_wait_s > 0, call
         self.solo = call if enabled else self.solo
         try:
