@@ -18,6 +18,7 @@ every rank of the dp group (:meth:`UsedParams.refuse_unused`, one all-reduce of 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from itertools import compress
 
 import torch
 from torch import nn
@@ -37,7 +38,8 @@ class UsedParams:
     ) -> None:
         self._names = [n for n, _ in trainable]
         self._params = [p for _, p in trainable]
-        self._ids = frozenset(map(id, self._params))
+        self._order = list(map(id, self._params))
+        self._ids = frozenset(self._order)
         self._group, self._shared = group, shared
         #: ids of the parameters marked used (a .grad from before wrapping counts)
         self._used = {id(p) for p in self._params if p.grad is not None}
@@ -59,10 +61,10 @@ class UsedParams:
 
     def sync(self) -> None:
         """After a synchronization: the parameters no rank used since ``zero_grad()`` (collective)."""
-        marks = [id(p) in self._used for p in self._params]
+        marks = list(map(self._used.__contains__, self._order))
         buf = torch.tensor(marks, dtype=torch.float64, device=self._group.device)
         self._group.all_reduce(buf, ReduceOp.MAX)
-        self._used = {id(p) for p, used in zip(self._params, buf.tolist(), strict=True) if used}
+        self._used = set(compress(self._order, buf.tolist()))
         self.unused = self._unmarked()
 
     def forget(self, param: nn.Parameter) -> None:
