@@ -137,6 +137,11 @@ def test_balanced_split_and_split_points() -> None:
     assert balanced_split([1, 1, 1, 1], 2) == [0, 2]
     assert balanced_split([10, 1, 1, 1, 1, 10], 3) == [0, 1, 5]
     assert balanced_split([5, 0, 0, 5], 2) == [0, 3]  # a parameterless block stays behind
+    # as many stages as a deep model's blocks (no recursion: any number of stages)
+    many = balanced_split([1] * 1201, 1200)
+    ends = [*many[1:], 1201]
+    assert many[0] == 0 and max(b - a for a, b in zip(many, ends, strict=True)) == 2
+    assert all(b > a for a, b in zip(many, ends, strict=True))
     blocks = module_blocks(make_mlp(4))
     stages = split_blocks(blocks, 2, None)
     assert [s.names for s in stages] == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]

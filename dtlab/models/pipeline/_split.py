@@ -11,7 +11,6 @@ device with the micro-batch's shape, alike on every rank: nothing is negotiated 
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -137,19 +136,20 @@ def balanced_split(sizes: Sequence[int], stages: int) -> list[int]:
     """Start index of each of ``stages`` contiguous, non-empty groups of ``sizes`` minimising the
     largest group's sum (ties: the latest cut, so a parameterless block such as an activation stays
     with the layer before it). Deterministic, so every rank computes the same."""
+    n, inf = len(sizes), float("inf")
     prefix = list(itertools.accumulate(sizes, initial=0))
-
-    @functools.cache
-    def best(k: int, i: int) -> tuple[int, int]:
-        """The smallest largest sum splitting the first ``i`` blocks into ``k`` groups, and minus the
-        last group's start (so ``min`` breaks a tie by the latest cut)."""
-        if k == 1:
-            return prefix[i], 0
-        return min((max(best(k - 1, j)[0], prefix[i] - prefix[j]), -j) for j in range(k - 1, i))
-
-    starts, i = [], len(sizes)
-    for k in range(stages, 0, -1):
-        i = -best(k, i)[1]
+    # rows[k][i]: the smallest largest sum splitting the first i blocks into k + 1 groups, and minus the
+    # last group's start (so min breaks a tie by the latest cut); row by row, not recursive (any number
+    # of stages), over the i a split of all n blocks can reach
+    rows: list[list[tuple[float, int]]] = [[(s, 0) for s in prefix]] if stages else []
+    for k in range(1, stages):
+        prev, row = [cost for cost, _ in rows[-1]], [(inf, 0)] * (n + 1)
+        for i in range(k + 1, n - (stages - k - 1) + 1):
+            row[i] = min((max(prev[j], prefix[i] - prefix[j]), -j) for j in range(k, i))
+        rows.append(row)
+    starts, i = [], n
+    for row in reversed(rows):
+        i = -row[i][1]
         starts.append(i)
     return starts[::-1]
 
