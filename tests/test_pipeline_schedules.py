@@ -174,6 +174,12 @@ def test_plot_schedule_writes_png(tmp_path) -> None:
         plot_schedule(built, 2, 4, tmp_path / "x.png")
 
 
+@pytest.mark.parametrize("schedule", [None, 3, ("gpipe",)])
+def test_plot_schedule_names_a_value_that_is_no_schedule(tmp_path, schedule: object) -> None:
+    with pytest.raises(ArgumentError, match=r"unknown pipeline schedule .*choose one of gpipe"):
+        plot_schedule(schedule, 2, 4, tmp_path / "x.png")  # type: ignore[arg-type]
+
+
 def test_dry_run_finds_a_compute_on_the_wrong_rank_twice_or_before_its_hand_over() -> None:
     """A hand-made schedule (``PipelineSchedule`` of ``Action`` lists) checked by ``dry_run``."""
     g = build_schedule("gpipe", 2, 1)
