@@ -7,11 +7,12 @@ a checkpoint resumed at another tp keeps that seeding rather than restoring each
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from processes import run_group
+from processes import run_group, run_groups
 
 from dtlab.testing import TINY_LM
 
@@ -30,7 +31,7 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
-def _launch(tmp: Path, launcher: str) -> list[float]:
+def _command(tmp: Path, launcher: str) -> list[str]:
     exe = BIN / launcher
     sets = [*SETS, f"logging.run_dir={tmp / launcher}", f"checkpoint.dir={tmp / launcher / 'ck'}"]
     if launcher == "torchrun":
@@ -38,7 +39,10 @@ def _launch(tmp: Path, launcher: str) -> list[float]:
     else:
         cmd = [str(exe), "-n", "2", sys.executable, "-m", "dtlab", "train"]
         sets.append("backend.name=mpi")
-    proc = run_group(cmd + [a for s in sets for a in ("--set", s)], timeout=120)
+    return cmd + [a for s in sets for a in ("--set", s)]
+
+
+def _losses_of(tmp: Path, launcher: str, proc: subprocess.CompletedProcess[str]) -> list[float]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     backend = "GlooBackend x 2" if launcher == "torchrun" else "MPIBackend x 2"
     assert proc.stdout.count("dtlab train: summary") == 1 and backend in proc.stdout  # rank 0 prints
@@ -54,8 +58,10 @@ def test_same_config_under_torchrun_and_mpiexec(tmp_path: Path) -> None:
     missing = [x for x in ("torchrun", "mpiexec") if not (BIN / x).exists()]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed next to {sys.executable}")
-    gloo = _launch(tmp_path, "torchrun")
-    mpi = _launch(tmp_path, "mpiexec")
+    # both launches at once: each waits on its launcher and its rendezvous part of the time
+    procs = run_groups({x: _command(tmp_path, x) for x in ("torchrun", "mpiexec")}, timeout=180)
+    gloo = _losses_of(tmp_path, "torchrun", procs["torchrun"])
+    mpi = _losses_of(tmp_path, "mpiexec", procs["mpiexec"])
     assert len(gloo) == 2 and all(v == v for v in gloo)
     assert gloo == mpi  # the same config and seed: the same losses on both engines
 
