@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import run_groups
 
 from dtlab.backends import InMemoryBackend, detect_launcher, init_backend
 from dtlab.backends.init import choose_backend
@@ -185,9 +185,9 @@ def test_one_script_three_launchers(tmp_path: Path) -> None:
             "GlooBackend rank=1 size=2 sum=3 checked=False",
         },
     }
-    for name, cmd in runs.items():
-        run_env = {**env, "DTLAB_CHECK_COLLECTIVES": "1"} if name == "mpiexec" else env
-        proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=90)
+    envs = {name: {**env, "DTLAB_CHECK_COLLECTIVES": "1"} if name == "mpiexec" else env for name in runs}
+    done = run_groups(runs, timeout=240, envs=envs)  # all four at once, each its own process group
+    for name, proc in done.items():
         lines = set(
             re.findall(r"\w+Backend rank=\d+ size=\d+ sum=\d+ checked=(?:True|False)", proc.stdout)
         )  # ranks' lines may interleave
