@@ -20,6 +20,7 @@ from dtlab.advise.plan import parse_plan
 from dtlab.advise.precision import Precision
 from dtlab.advise.predict import Memo, Prediction, predict
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec
+from dtlab.errors import ArgumentError
 
 __all__ = ["PUBLISHED", "PublishedRun", "fit_rate", "megatron_flops"]
 
@@ -143,11 +144,15 @@ PUBLISHED: tuple[PublishedRun, ...] = (
 )
 
 
-def fit_rate(runs: Sequence[PublishedRun] = PUBLISHED) -> float:
+def fit_rate(runs: Sequence[PublishedRun] = PUBLISHED, memos: Sequence[Memo] | None = None) -> float:
     """The one FLOP rate (TFLOP/s) at which the authors' plans' predicted step times best match the
-    published ones: least squares of the log ratio (golden-section search on the log rate)."""
+    published ones: least squares of the log ratio (golden-section search on the log rate).
+    ``memos``: one :class:`~dtlab.advise.predict.Memo` per run, filled here for the run's later
+    predictions and searches (the model's layout built once per run)."""
 
-    memos = [Memo() for _ in runs]  # the stages and the state split once per run
+    memos = list(memos) if memos is not None else [Memo() for _ in runs]  # the stages, the state split
+    if len(memos) != len(runs):
+        raise ArgumentError(f"fit_rate: {len(memos)} memos for {len(runs)} runs; give one per run")
 
     def loss(log_rate: float) -> float:
         rate = math.exp(log_rate)

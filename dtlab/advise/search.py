@@ -156,9 +156,11 @@ def advise(
     checkpointing: tuple[str | bool, ...] = ("none", "block", "stage"),
     runnable_only: bool = False,
     limits: Limits | None = None,
+    memo: Memo | None = None,
 ) -> Advice:
     """Every feasible plan (fits in memory, every size divides), fastest predicted step first
-    (ties: least memory)."""
+    (ties: least memory). ``memo``: what earlier predictions with the same ``spec``, ``optimizer``,
+    ``options`` and ``precision`` computed (:func:`dtlab.advise.predict.predict`'s), reused."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ArgumentError(f"global_batch must be an integer >= 1, got {global_batch!r}")
     lim = limits or Limits(strategies=strategies, checkpointing=tuple(
@@ -175,7 +177,7 @@ def advise(
     out = []
     considered = 0
     reasons: dict[str, int] = {}
-    memo = Memo()
+    memo = memo if memo is not None else Memo()
     max_tp = lim.max_tp if lim.max_tp is not None else cluster.ranks_per_node
     for c in candidates(
         cluster.ranks,

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from dtlab.advise import Limits, Prediction, advise
 from dtlab.advise.plan import place
+from dtlab.advise.predict import Memo
 from dtlab.advise.published import PUBLISHED, fit_rate
 
 
@@ -29,7 +30,8 @@ def _plan(p: Prediction) -> str:
 
 def main() -> None:
     t0 = time.perf_counter()
-    rate = fit_rate()
+    memos = [Memo() for _ in PUBLISHED]  # each run's model laid out once, for the fit and the searches
+    rate = fit_rate(memos=memos)
     print(f"fitted rate: {rate:.1f} TFLOP/s per GPU on large matrix products\n")
     head = [
         "run",
@@ -44,15 +46,15 @@ def main() -> None:
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     others = []
-    for run in PUBLISHED:
-        p = run.predict(rate)
+    for run, memo in zip(PUBLISHED, memos, strict=True):
+        p = run.predict(rate, memo=memo)
         c = p.candidate
         state = sum(s.parameters + s.gradients + s.optimizer_state for s in p.stage_memory)
         params = run.spec.parameters / c.tp
         cluster = replace(run.cluster, tflops=rate)
         same = advise(run.spec, cluster, run.global_batch, precision=run.precision,
-                      limits=Limits(checkpointing=(c.checkpointing,))).plans  # fmt: skip
-        every = advise(run.spec, cluster, run.global_batch, precision=run.precision).plans
+                      limits=Limits(checkpointing=(c.checkpointing,)), memo=memo).plans  # fmt: skip
+        every = advise(run.spec, cluster, run.global_batch, precision=run.precision, memo=memo).plans
         err = p.step_seconds / run.published_seconds - 1
         lines.append(
             f"| {run.name} | {_plan(p)} | {_mem(p)} | {state / params:.2f} | "
