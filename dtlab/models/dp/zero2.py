@@ -2,7 +2,9 @@
 
 During a synchronized backward each gradient is copied into its DDP bucket's transient buffer and
 released at once; a full bucket is reduce-scattered into this rank's persistent gradient shard and
-its buffer dropped. Inside ``no_sync()`` gradients accumulate whole in ``param.grad``.
+its buffer dropped. The buffer is taken uninitialized, not zeroed (no memset of the whole bucket each
+step): each parameter's slot is written once (zeros for one without gradient), the padding zeroed.
+Inside ``no_sync()`` gradients accumulate whole in ``param.grad``.
 """
 
 from __future__ import annotations
@@ -41,11 +43,16 @@ class ZeRO2Model(DDPModel):
     def _store_grad(self, i: int, param: nn.Parameter) -> None:
         if not self._sync:
             return  # accumulate in param.grad until the synchronized backward
-        if i not in self._transient:
-            self._transient[i] = self._units[i].new_flat()
-        s = self._units[i].slots[self._slot_of[id(param)][1]]
-        if param.grad is not None:
-            copy_grad(self._transient[i][s.offset : s.offset + s.numel].view(s.shape), param.grad)
+        unit = self._units[i]
+        if i not in self._transient:  # uninitialized: each slot is written below, the padding here
+            self._transient[i] = unit.new_flat(zero=False)
+            self._transient[i][unit.numel :].zero_()
+        s = unit.slots[self._slot_of[id(param)][1]]
+        view = self._transient[i][s.offset : s.offset + s.numel].view(s.shape)
+        if param.grad is None:  # no gradient (find_unused_parameters): its part of the average is zeros
+            view.zero_()
+        else:
+            copy_grad(view, param.grad)
             param.grad = None
 
     def _end_step(self) -> None:
