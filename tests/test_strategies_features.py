@@ -375,6 +375,8 @@ def _errors(backend: CommunicationBackend) -> None:
         SizePolicy(0)
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         DDPModel(make_module(), backend, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=False is FSDPModel's option.*use FSDPModel"):
+        ZeRO3Model(make_module(), backend, reshard_after_forward=False)  # type: ignore[call-arg]
     tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     tied[1].weight = tied[0].weight
     with pytest.raises(StrategyError, match="shared by units"):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import ArgumentError
 from dtlab.models.dp._plain_step import watch_plain_steps
 from dtlab.models.dp._sharded import ShardedModel, ShardedOptions, UnitPlan
 
@@ -58,6 +59,15 @@ class ZeRO3Model(ShardedModel):
         leaf_modules: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,),
         **options: Unpack[ShardedOptions],
     ) -> None:
+        given: dict[str, object] = dict(options)
+        if "reshard_after_forward" in given:  # FSDP's option, not one of ZeRO-3's
+            raise ArgumentError(
+                f"ZeRO3Model: reshard_after_forward={given['reshard_after_forward']!r} is FSDPModel's "
+                "option; ZeRO-3 frees each module's parameters after its forward and gathers them "
+                "again for its backward (DeepSpeed's stage 3). To keep them gathered until the backward "
+                "use FSDPModel(module, backend, reshard_after_forward=False) (more memory, one "
+                "all-gather fewer per step), with ZeRO3Optimizer as for ZeRO-3"
+            )
         if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
             raise ValueError(f"persistence_threshold must be an int >= 0, got {persistence_threshold!r}")
         bad = [c for c in leaf_modules if not (isinstance(c, type) and issubclass(c, nn.Module))]
