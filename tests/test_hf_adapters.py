@@ -50,12 +50,14 @@ class LoRA(nn.Module):
 
 def _adapted() -> nn.Module:
     """4 query heads, 2 key/value heads; adapters of rank 2 on q and o."""
+    # the adapters inside the block too: their nn.Linear draws from torch's global RNG (then overwritten),
+    # and a draw outside it on one in-memory rank would take numbers from another rank's seeded build
     with seeded_init(0):
         net = llama(hidden=32, intermediate=48, heads=4, kv_heads=2).double()
-    net.requires_grad_(False)
-    for layer in net.model.layers:
-        layer.self_attn.q_proj = LoRA(layer.self_attn.q_proj, rank=2)
-        layer.self_attn.o_proj = LoRA(layer.self_attn.o_proj, rank=2)
+        net.requires_grad_(False)
+        for layer in net.model.layers:
+            layer.self_attn.q_proj = LoRA(layer.self_attn.q_proj, rank=2)
+            layer.self_attn.o_proj = LoRA(layer.self_attn.o_proj, rank=2)
     return net
 
 
