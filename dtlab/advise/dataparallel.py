@@ -149,7 +149,8 @@ def data_parallel_cost(
     grad_ops: Ops = {}
     gather_ops: Ops = {}
     if strategy in ("ddp", "zero1", "zero2"):
-        cost = _bucketed_cost(strategy, tensors, p, options, optimizer, precision)
+        accumulating = keep_gathered or passes > 1
+        cost = _bucketed_cost(strategy, tensors, p, options, optimizer, precision, accumulating)
         _unused_marks(cost.ops, strategy, tensors, p, options)
         return cost
     if strategy == "zero3":
@@ -225,8 +226,11 @@ def _bucketed_cost(
     options: StrategyOptions,
     optimizer: OptimizerSpec,
     precision: Precision,
+    accumulating: bool,
 ) -> DataParallelCost:
-    """DDP, ZeRO-1 and ZeRO-2: whole parameters in buckets, reduced once per step."""
+    """DDP, ZeRO-1 and ZeRO-2: whole parameters in buckets, reduced once per step. ZeRO-2's transient
+    gradient: two consecutive buckets (one filling, one in flight), or the whole gradient in
+    ``param.grad`` while micro-batches accumulate (``accumulating``)."""
     pe, ge, re = precision.params, precision.grads, precision.reduce
     grad_ops: Ops = {}
     gather_ops: Ops = {}
@@ -249,7 +253,9 @@ def _bucketed_cost(
     else:
         state = _sharded_optimizer(bks, optimizer, precision)
     grads = shards * ge if strategy == "zero2" else whole * ge
-    transient = whole * ge if strategy == "zero2" else 0
+    transient = 0
+    if strategy == "zero2":
+        transient = (whole if accumulating else _max_pair([b.padded for b in bks])) * ge
     if precision.compute < pe:
         transient += whole * precision.compute  # autocast's copies, forward to backward
     return DataParallelCost(

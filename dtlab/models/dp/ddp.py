@@ -68,6 +68,9 @@ class DDPModel(DataParallelModel):
     strategy_name: ClassVar[str] = "ddp"
     keeps_whole_grads: ClassVar[bool] = True
     module_copies: ClassVar[bool] = True
+    #: reductions left in flight when a bucket launches (0: any number, waited at the end of backward);
+    #: ZeRO-2 waits for the one before, so at most two transient buckets are alive at once
+    max_in_flight: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -191,6 +194,10 @@ class DDPModel(DataParallelModel):
             i = self._next_launch
             self._works.append((i, *self._launch(i)))
             self._next_launch += 1
+            while self.max_in_flight and len(self._works) > self.max_in_flight:
+                j, work, extra = self._works.pop(0)  # launched by every rank before bucket i
+                work.wait()
+                self._complete(j, extra)
 
     def _launch(self, i: int) -> tuple[Work, Any]:
         return self._reducer.all_reduce(self._units[i].key, self._grad_bufs[i]), None

@@ -2,7 +2,9 @@
 
 During a synchronized backward each gradient is copied into its DDP bucket's transient buffer and
 released at once; a full bucket is reduce-scattered into this rank's persistent gradient shard and
-its buffer dropped. The buffer is taken uninitialized, not zeroed (no memset of the whole bucket each
+its buffer dropped when that completes, which the next bucket's launch waits for: with gradients
+arriving bucket after bucket, two buffers are alive at most (one filling, one in flight), not the
+whole gradient. A buffer is taken uninitialized, not zeroed (no memset of the whole bucket each
 step): each parameter's slot is written once (zeros for one without gradient), the padding zeroed.
 Inside ``no_sync()`` gradients accumulate whole in ``param.grad``.
 """
@@ -30,6 +32,7 @@ class ZeRO2Model(DDPModel):
 
     strategy_name: ClassVar[str] = "zero2"
     keeps_whole_grads: ClassVar[bool] = False
+    max_in_flight: ClassVar[int] = 1
 
     def __init__(
         self, module: nn.Module, backend: CommunicationBackend, **options: Unpack[DDPOptions]
