@@ -194,10 +194,16 @@ class DDPModel(DataParallelModel):
             i = self._next_launch
             self._works.append((i, *self._launch(i)))
             self._next_launch += 1
-            while self.max_in_flight and len(self._works) > self.max_in_flight:
-                j, work, extra = self._works.pop(0)  # launched by every rank before bucket i
-                work.wait()
-                self._complete(j, extra)
+            if self.max_in_flight:
+                self._complete_launched(keep=self.max_in_flight)
+
+    def _complete_launched(self, keep: int) -> None:
+        """Wait for the oldest launched reductions (every rank launched them before its later ones) and
+        complete them, until ``keep`` are left in flight."""
+        while len(self._works) > keep:
+            i, work, extra = self._works.pop(0)
+            work.wait()
+            self._complete(i, extra)
 
     def _launch(self, i: int) -> tuple[Work, Any]:
         return self._reducer.all_reduce(self._units[i].key, self._grad_bufs[i]), None
@@ -218,9 +224,7 @@ class DDPModel(DataParallelModel):
                 self._store_grad(i, q)
                 self._ready[i].add(id(q))
             self._launch_ready()
-            for i, work, extra in self._works:
-                work.wait()
-                self._complete(i, extra)
+            self._complete_launched(keep=0)
             self._grads_synced = True
         finally:
             self._end_step()
