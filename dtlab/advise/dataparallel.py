@@ -148,8 +148,8 @@ def data_parallel_cost(
     whole_grads = sum(t.numel for t in tensors) * ge
     grad_ops: Ops = {}
     gather_ops: Ops = {}
+    accumulating = keep_gathered or passes > 1  # whole gradients kept across micro-batches
     if strategy in ("ddp", "zero1", "zero2"):
-        accumulating = keep_gathered or passes > 1
         cost = _bucketed_cost(strategy, tensors, p, options, optimizer, precision, accumulating)
         _unused_marks(cost.ops, strategy, tensors, p, options)
         return cost
@@ -200,7 +200,6 @@ def data_parallel_cost(
             _add(gather_ops, "all_gather", k, k * (p - 1) * u.shard * pe)
             _add(grad_ops, "reduce_scatter", 1, (p - 1) * u.shard * re)
         last = (p - 1) * units[0].shard * re if units else 0  # the first unit's gradient comes last
-    accumulating = keep_gathered or passes > 1
     transient = (peak - persistent) * pe + (whole_grads if accumulating else largest * ge)
     if precision.compute < pe:
         transient += peak * precision.compute
