@@ -178,6 +178,7 @@ class PipelineRun:
         :meth:`same_on_pp`, before the batch check)."""
         micro_in, micro_tg = inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)
         specs = self.specs_for(micro_in[0])
+        self.tied.before_accumulate()  # gradients kept from the last step: their tie sum counted once
         pp, plan, dp = self.pp, self.schedule, self.dp
         sync = dp.require_backward_grad_sync
         links = StageLinks(pp, plan, specs) if pp.world_size > 1 else None

@@ -185,10 +185,14 @@ _HF_INPUT_GRADS = "make_inputs_require_grads"
 class TiedSync:
     """The weights tied across pipeline ranks (``ties``) kept in sync: their gradients summed over each
     tie group before the dp reduction, or after it where the strategy leaves whole averaged gradients,
-    and counted once in the gradient norm."""
+    and counted once in the gradient norm. A sum kept into the next step (gradients accumulated over
+    ``train_step`` calls without ``zero_grad()`` in between, as on one process) is counted once: see
+    :meth:`before_accumulate`."""
 
     def __init__(self, ties: list[CrossTie], root: nn.Module, dp: DataParallelModel) -> None:
         self.ties, self.dp = ties, dp
+        #: whether the copies' gradients may hold a sum over their tie group made since the last step began
+        self._summed = False
         rebind_ties(ties, root)  # a strategy built from the meta device gives its parameters new objects
         #: a weight tied across ranks counts once in the norm, on the first rank of its tie group
         copies = {id(t.param) for t in ties if t.param is not None and t.group is not None and t.group.rank}
@@ -208,6 +212,7 @@ class TiedSync:
         """Before the dp reduction: each copy's local accumulated gradient summed over its group."""
         if self.ties and not self._after():
             sum_tied(self.ties, [None if t.param is None else t.param.grad for t in self.ties])
+            self._summed = True
 
     def after_reduce(self) -> None:
         """After the dp average: each copy's whole gradient summed over its group."""
@@ -218,3 +223,21 @@ class TiedSync:
                 self.ties,
                 [None if t.param is None else grads.get(names.get(id(t.param), "")) for t in self.ties],
             )
+            self._summed = True
+
+    def before_accumulate(self) -> None:
+        """Before a step's micro-batches add into the gradients: where the strategy keeps whole gradient
+        buckets (DDP, ZeRO-1), a sum over the tie group still held there (no ``zero_grad()`` since) stays
+        on the group's first copy only, so the next sum counts it once, not once per copy. (ZeRO-2/3 and
+        FSDP keep the sum in their shards and sum only the new local gradients.)"""
+        if not self._summed:
+            return
+        self._summed = False
+        if not self.dp.keeps_whole_grads:
+            return
+        grads = dict(self.dp.whole_grads())  # the buckets themselves: param.grad may be a stand-in
+        for t in self.ties:
+            if t.group is not None and t.group.rank and t.param is not None:
+                held = grads.get(self._names.get(id(t.param), ""))
+                if held is not None:
+                    held.zero_()
