@@ -31,6 +31,7 @@ from dtlab.models.compose._build import AXES, PipelineArgs, as_mesh, data_parall
 from dtlab.models.compose._comm import gather_whole_state, grads_of
 from dtlab.models.compose._habits import PartialState, check_call, missing_attribute, whole_over_tp
 from dtlab.models.compose._meta_walk import MetaWalk
+from dtlab.models.compose._partial import PartialGrads
 from dtlab.models.compose._pipelined import PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._same_grads import SameReplicatedGrads
@@ -47,7 +48,6 @@ from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 from dtlab.models.tensor._agree import SameOnTp
-from dtlab.models.tensor._comm import sum_over_tp
 from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
 from dtlab.models.tensor._heads_hint import head_count_hint
 from dtlab.models.tensor._plan import Plan, splits_logits
@@ -164,16 +164,15 @@ class HybridShardedModel(OptimizerTarget):
         self._chosen_sync = chosen_sync
         self._span = mesh["dp", "tp"]
         #: sequence parallelism's parameters with partial gradients over tp
-        self._partial = layout.partial if self.tp_group.world_size > 1 else set()
-        if self._partial:
-            dp.register_post_sync_hook(self._sum_partial)
+        tp_split = self.tp_group.world_size > 1
+        self._partial = PartialGrads(dp, layout.partial if tp_split else set(), mesh["tp"])
         left_whole = (n for n, _ in dp.trainable_parameters() if not isinstance(placements[n], Shard))
         #: the parameters whose gradient every tp rank computes whole and alike (none at tp = 1)
-        self.same_grad_over_tp = frozenset(left_whole if self.tp_group.world_size > 1 else ()) - self._partial
+        self.same_grad_over_tp = frozenset(left_whole if tp_split else ()) - self._partial.names
         self._tied = TiedSync(layout.ties, root, dp)  # weights tied across pipeline ranks
         # parameters left whole get the same gradient on every tp rank: compared after the first backward
         SameReplicatedGrads(dp, self.same_grad_over_tp, mesh["tp"], mesh["pp"], who, batch_check.when)
-        whole, tp_split = dp.keeps_whole_grads, self.tp_group.world_size > 1  # param.grad: views to guard
+        whole = dp.keeps_whole_grads  # param.grad: views to guard
         split = {n for n, pl in placements.items() if isinstance(pl, Shard) and whole and tp_split}
         staged = self.pp_group.world_size > 1 and whole
         self._tp_grads = TensorParallelGrads(dp, split, who, staged)
@@ -254,7 +253,7 @@ class HybridShardedModel(OptimizerTarget):
         with self._same_on_tp.inputs(args, kwargs), self._wrapped_as, tp_hint:
             if self._pipe is None:  # dtype/device checked here only (before a schedule: a refusal would hang)
                 if torch.is_grad_enabled():
-                    self._check_partial_fresh()
+                    self._partial.before_accumulate(type(self).__name__)
                 return self.dp_strategy(*args, **kwargs)
             return self._pipe.infer(args[0])  # check_call: one positional argument
 
@@ -269,22 +268,8 @@ class HybridShardedModel(OptimizerTarget):
             inputs, targets = batch  # compared over pp x tp (PipelineRun.same_on_pp)
             with self._wrapped_as:  # checked on every rank before the schedule: a refusal in it would hang
                 self._pipe.check_batch(type(self).__name__, inputs, targets)
-                self._check_partial_fresh()
+                self._partial.before_accumulate(type(self).__name__)
                 return self._pipe.step(type(self).__name__, inputs, targets, loss_fn)
-
-    def _sum_partial(self) -> None:
-        """Sequence parallelism: replicated parameters used on a chunk of the sequence have partial
-        gradients; sum them over tp (after the dp average: the two sums commute)."""
-        sum_over_tp(grads_of(self.dp_strategy, self._partial.__contains__), self.tp_group)
-
-    def _check_partial_fresh(self) -> None:
-        dp = self.dp_strategy
-        if self._partial and dp.require_backward_grad_sync and dp.grads_synced:
-            raise StrategyError(
-                f"{type(self).__name__} with sequence parallelism: a synchronized step started while the "
-                "gradients of the last one are still there; call opt.zero_grad() between steps and "
-                "accumulate micro-batches inside model.no_sync()"
-            )
 
     def last_timeline(self) -> list[tuple[Action, float, float]]:
         """This rank's measured compute intervals of the last pipelined step (``perf_counter`` seconds)."""
@@ -333,6 +318,7 @@ class HybridShardedModel(OptimizerTarget):
 
     def zero_grad_buffers(self, set_to_none: bool = True) -> None:
         self.dp_strategy.zero_grad_buffers(set_to_none)
+        self._partial.cleared()
         if self._pipe is not None:
             self._pipe.zero_grad()
 
