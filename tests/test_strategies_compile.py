@@ -16,6 +16,7 @@ from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.rng import seeded_init
 from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models import DDPModel, FSDPModel, ModuleClassPolicy, TensorParallelModel, ZeRO3Model
 from dtlab.optimizers import DDPOptimizer, default_optimizer_strategy
@@ -185,3 +186,57 @@ def test_a_compiled_module_is_refused_where_the_layers_are_found_by_name() -> No
     for error in run_world(2, _compiled_refusals, timeout=60)[0]:
         assert "the module is torch.compile(model)'s wrapper (OptimizedModule)" in error, error
         assert "hf_model.compile()" in error and "torch.compile(model), without a pipeline" in error, error
+
+
+def _frames_compiled(backend: CommunicationBackend, strategy: str) -> list[int]:
+    """Dynamo's count of frames it compiled (process-wide) after each of 5 steps of a compiled strategy."""
+    from torch._dynamo.utils import counters
+
+    with seeded_init(0):
+        net = nn.Sequential(_net(), nn.ReLU(), nn.Linear(4, 4))  # units of three shapes
+    model = (
+        ZeRO3Model(net, backend, persistence_threshold=0) if strategy == "zero3" else FSDPModel(net, backend)
+    )
+    opt = default_optimizer_strategy(strategy)(model, torch.optim.SGD, lr=0.1)
+    run = torch.compile(model, backend="eager")
+    frames = []
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        nn.functional.mse_loss(run(torch.randn(6, 8, generator=g)), torch.randn(6, 4, generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+        frames.append(counters["frames"]["total"])
+    return frames
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_a_compiled_sharded_model_compiles_nothing_after_its_first_step(strategy: str) -> None:
+    """The strategy's bookkeeping around the module's forward and its saved-tensor hooks run eagerly:
+    traced, they compiled a graph per unit shape and a frame per saved tensor, at every step until
+    dynamo's recompile limit (8 more frames over steps 2-5 for ZeRO-3 here, with a warning)."""
+    pytest.importorskip("torch._dynamo")
+    frames = run_world(1, _frames_compiled, strategy, timeout=120)[0]
+    assert frames[1:] == [frames[0]] * 4, frames
+
+
+def _reads_outside(backend: CommunicationBackend) -> str:
+    class Reader(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(self.a(x), self.b.weight)  # b's weight outside b's forward
+
+    with seeded_init(0):
+        net = Reader()
+    model = ZeRO3Model(net, backend, persistence_threshold=0)
+    with pytest.raises(StrategyError) as info:
+        model(torch.ones(2, 4))
+    return str(info.value)
+
+
+def test_a_forward_reading_a_parameter_outside_its_module_is_named() -> None:
+    for error in run_world(2, _reads_outside, timeout=60):
+        assert "ZeRO3Model: the wrapped module's forward failed" in error, error
+        assert "list the owner's parent class in leaf_modules or raise persistence_threshold" in error, error

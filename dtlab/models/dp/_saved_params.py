@@ -46,6 +46,13 @@ class SavedTensors:
         #: activations kept as they are go to them
         self.outer: SavedHooks | None = None
 
+    def hooks(self, eager: bool) -> SavedHooks:
+        """The pack and unpack hooks (``eager``, once ``torch.compile`` is loaded: run eagerly, else dynamo
+        compiles each call as a frame of its own, guarded on the saved tensor's id, a recompile each)."""
+        if eager:
+            return torch.compiler.disable(self.pack), torch.compiler.disable(self.unpack)
+        return self.pack, self.unpack
+
     def pack(self, t: torch.Tensor) -> Any:
         """The pack hook (called by autograd: frame 1 is the code that made it save ``t``)."""
         st = self.unit_of.get(id(t))  # the parameter itself (the ids of live objects differ)

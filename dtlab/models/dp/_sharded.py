@@ -12,8 +12,9 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.broadcast import broadcast_from_rank0
-from dtlab.core.saved_params import outer_saved_hooks
+from dtlab.core.saved_params import SavedHooks, outer_saved_hooks
 from dtlab.core.state import ShardedState
+from dtlab.core.traced import eager_when_traced
 from dtlab.errors import StrategyError
 from dtlab.models.dp._direct import GATHER, STATE, DirectForwards
 from dtlab.models.dp._grad_call import autograd_grad_message, grads_returned
@@ -126,33 +127,29 @@ class ShardedModel(DataParallelModel):
         return st
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # under torch.compile the bookkeeping runs eagerly (traced, it compiled a graph per unit shape)
+        hooks = eager_when_traced(self._begin_forward)()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                out = self.module(*args, **kwargs)
+        except Exception as exc:  # not an interrupt: waiting for a collective could then block the exit
+            err = self._at_rest.forward_failed(exc, self._backward.open)
+            if err is exc:  # the user's exception, an out-of-memory error: as raised
+                raise
+            raise err from exc
+        finally:
+            eager_when_traced(self._at_rest.end_forward)(self._backward.open)
+        self._hooks.order_done = True
+        return out
+
+    def _begin_forward(self) -> SavedHooks:
+        """Checks made and units ready for a forward; the saved-tensor hooks to run it under."""
         self._writes.check("the forward")
         self._hooks.before_forward()
         self._at_rest.start_forward(not torch.is_grad_enabled() and not self._backward.open)
         self._at_rest.set_busy(True)
         self._saved.outer = outer_saved_hooks()  # what the user's (the pipeline's) hooks would have kept
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack):
-                out = self.module(*args, **kwargs)
-        except Exception as exc:  # not an interrupt: waiting for a collective could then block the exit
-            freed = self._at_rest.freed()
-            if not self._backward.open:  # no backward of this forward will come to free what it gathered
-                for st in self._units:  # (nor prefetched; one the others did not join is left pending)
-                    self._at_rest.free(st)
-            if type(exc) is not RuntimeError:  # the user's exception, an out-of-memory error: as raised
-                raise
-            raise StrategyError(
-                f"{type(self).__name__}: the wrapped module's forward failed: {exc}\n"
-                f"If an operation received an empty (0-element) tensor, it read a sharded parameter "
-                f"outside the forward of the module that owns it, so it was not gathered (not gathered "
-                f"now: {freed[:5]}). With ZeRO3Model list the owner's parent class in leaf_modules or "
-                "raise persistence_threshold; with FSDPModel put both modules in one unit."
-            ) from exc
-        finally:
-            self._at_rest.start_forward(False)
-            self._at_rest.set_busy(self._backward.open)
-        self._hooks.order_done = True
-        return out
+        return self._saved.hooks(eager=self._hooks.for_compile)
 
     def _begin_backward(self) -> None:
         if not self._backward.open:

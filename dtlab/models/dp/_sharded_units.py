@@ -190,6 +190,27 @@ class UnitGatherer:
         self.watch = evaluating and self.forward_wait_s > 0
         self.solo = "forward" if evaluating else self.solo
 
+    def forward_failed(self, exc: Exception, in_backward: bool) -> Exception:
+        """What a forward that raised ``exc`` raises, after freeing what it gathered unless a backward
+        will (nor prefetched; one the other ranks did not join is left pending)."""
+        freed = self.freed()
+        if not in_backward:
+            for st in self.units:
+                self.free(st)
+        if type(exc) is not RuntimeError:
+            return exc
+        return StrategyError(
+            f"{self.who}: the wrapped module's forward failed: {exc}\n"
+            f"If an operation received an empty (0-element) tensor, it read a sharded parameter "
+            f"outside the forward of the module that owns it, so it was not gathered (not gathered "
+            f"now: {freed[:5]}). With ZeRO3Model list the owner's parent class in leaf_modules or "
+            "raise persistence_threshold; with FSDPModel put both modules in one unit."
+        )
+
+    def end_forward(self, in_backward: bool) -> None:
+        self.start_forward(False)
+        self.set_busy(in_backward)
+
     @contextlib.contextmanager
     def watched(self, call: str, enabled: bool) -> Iterator[None]:
         """The first gather inside the block is watched (see :meth:`_wait_for_every_rank`), named as
@@ -255,19 +276,19 @@ class UnitGatherer:
         return cast(torch.Tensor, obj)
 
 
-class _GatherHook:
+class _GatherHook(partial[Any]):
     """One of :class:`GroupHooks`' module hooks (``eager``: once ``torch.compile`` is loaded, run eagerly,
-    a graph break). Copying or pickling the module it is on is refused: the copy would gather into
+    a graph break). A ``partial``, so no Python frame of its own for dynamo to compile before the call
+    reaches ``fn``. Copying or pickling the module it is on is refused: the copy would gather into
     these shards."""
 
-    __slots__ = ("at", "fn")
+    __slots__ = ("at",)
+    at: UnitGatherer
 
-    def __init__(self, fn: Callable[..., Any], eager: bool, at: UnitGatherer) -> None:
-        self.fn = torch.compiler.disable(fn) if eager else fn
+    def __new__(cls, fn: Callable[..., Any], eager: bool, at: UnitGatherer) -> _GatherHook:
+        self = super().__new__(cls, torch.compiler.disable(fn) if eager else fn)
         self.at = at
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
+        return self
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         raise copy_refused(self.at.who, self.at.group.rank, False)
