@@ -6,6 +6,7 @@ from dtlab.trainers.metrics import MetricsCollector
 from dtlab.trainers.preemption import StopRequest, finish_process, stop_on_signals
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.tasks import Task, build_task
+from dtlab.trainers.token_mean import SummedLoss
 from dtlab.trainers.trainer import Trainer, TrainResult
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "NonFiniteGuard",
     "Profiler",
     "StopRequest",
+    "SummedLoss",
     "Task",
     "TrainResult",
     "Trainer",

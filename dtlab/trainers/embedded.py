@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dtlab.config import TrainConfig
 from dtlab.data import TensorDataset, load_digits_dataset, stdlib_lm_dataset
 from dtlab.errors import ConfigError
+from dtlab.models.tensor import whole_cross_entropy
 from dtlab.zoo import Block, DigitsCNN, TransformerLM
 
 __all__ = ["Task", "builtin_data", "builtin_model", "builtin_task", "cross_entropy_loss", "logits_of"]
@@ -39,10 +39,12 @@ def logits_of(output: Any) -> torch.Tensor:
 
 
 def cross_entropy_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over every position (works for ``(B, C)`` and ``(B, T, C)`` logits; the
-    logits of a Hugging Face output or a dict with ``"logits"``, see :func:`logits_of`)."""
-    logits = logits_of(output)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    """Mean cross entropy over every position whose target is not -100 (works for ``(B, C)`` and
+    ``(B, T, C)`` logits; the logits of a Hugging Face output or a dict with ``"logits"``, see
+    :func:`logits_of`): ``F.cross_entropy``'s mean, but 0 with zero gradients where every target is -100
+    (``F.cross_entropy`` gives NaN). The Trainer weights each call by its share of the step's counted
+    targets (``trainers/token_mean.py``), so it trains on the global batch's mean."""
+    return whole_cross_entropy(logits_of(output).float(), targets)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from dtlab.backends.base import ReduceOp
 from dtlab.data import fetch
 from dtlab.trainers.run_view import ForwardRun
 from dtlab.trainers.tasks import Task, logits_of
+from dtlab.trainers.token_mean import TokenMean
 
 __all__ = ["EvalRun", "evaluate"]
 
@@ -20,6 +21,8 @@ class EvalRun(ForwardRun, Protocol):
 
     @property
     def task(self) -> Task: ...
+    @property
+    def token_mean(self) -> TokenMean | None: ...
 
 
 @torch.no_grad()
@@ -27,14 +30,17 @@ def evaluate(trainer: EvalRun) -> dict[str, float]:
     """Mean loss (and accuracy for classification) over ``train.eval_batches`` held-out batches.
 
     Every rank runs the same number of equal batches (sharded strategies gather in forward); each
-    data-parallel rank takes its own slice of each batch, and the sums travel over the dp group."""
+    data-parallel rank takes its own slice of each batch, and the sums travel over the dp group. The
+    default loss (and a ``SummedLoss``): the mean over every held-out counted target (not -100; 0 where
+    there is none); any other loss of your own: its batches' values averaged, weighted by their samples."""
     data, dp, model, task = trainer.task.eval_data, trainer.dp, trainer.model, trainer.task
     p = dp.world_size
     local = max(1, min(trainer.config.data.global_batch_size // p, len(data) // p))
     batches = max(1, min(trainer.config.train.eval_batches, len(data) // (local * p)))
     device = trainer.backend.device
     model.eval()
-    total = torch.zeros(3, dtype=torch.float64, device=device)
+    total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, its weight, correct, samples
+    tokens = trainer.token_mean
     try:
         for b in range(batches):
             start = (b * p + dp.rank) * local
@@ -42,14 +48,18 @@ def evaluate(trainer: EvalRun) -> dict[str, float]:
             with trainer.precision.autocast(device.type):
                 out = model(x)
                 loss = trainer.loss_fn(out, y)
-            total[0] += float(loss) * local
-            total[1] += local
+            value, weight = (
+                (float(loss) * local, local) if tokens is None else tokens.eval_terms(float(loss), y)
+            )
+            total[0] += value
+            total[1] += weight
+            total[3] += local
             if task.classification:
                 total[2] += float((logits_of(out).argmax(-1) == y).sum())
     finally:
         model.train()
     dp.all_reduce(total, ReduceOp.SUM)
-    result = {"eval_loss": float(total[0] / total[1])}
+    result = {"eval_loss": float(total[0] / total[1].clamp(min=1))}
     if task.classification:
-        result["eval_accuracy"] = float(total[2] / total[1])
+        result["eval_accuracy"] = float(total[2] / total[3])
     return result

@@ -19,6 +19,7 @@ from dtlab.trainers.labels import explain_loss_error
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.run_view import ForwardRun
 from dtlab.trainers.scheduler import LRSchedulerLike
+from dtlab.trainers.token_mean import LossFn, TokenMean
 
 __all__ = ["StepRun", "train_step"]
 
@@ -41,14 +42,16 @@ class StepRun(ForwardRun, Protocol):
     def step(self) -> int: ...
     @property
     def overflow_steps(self) -> list[int]: ...
+    @property
+    def token_mean(self) -> TokenMean | None: ...
 
 
-def _micro_step(trainer: StepRun, batch: Any, k: int) -> float:
+def _micro_step(trainer: StepRun, batch: Any, k: int, loss_fn: LossFn) -> float:
     """Forward and backward of one micro-batch through ``model.train_step`` (a pipeline runs its
     schedule there); the loss is divided by the accumulation steps before backward."""
     x, y = batch  # on this rank's device already (DataFeed)
     accum = trainer.config.data.accumulation_steps
-    loss_fn, cast = trainer.loss_fn, trainer.precision.cast_output
+    cast = trainer.precision.cast_output
     factor = (trainer.scaler.scale if trainer.scaler else 1.0) / accum
 
     def scaled(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -79,21 +82,27 @@ def _set_to_none(trainer: StepRun) -> bool:
 
 
 def train_step(trainer: StepRun) -> tuple[bool, float | None, float | None]:
-    """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm).
+    """One optimizer step; returns (applied, mean loss over the dp group, global gradient norm); with
+    the default loss, the mean over the global batch's counted targets (``trainers/token_mean.py``).
 
     Every rank runs every backward (a non-finite loss gives non-finite gradients, which the
     compressed reducer and the strategies pass on without sending them into any state); then one
     consensus on finite losses and one on finite gradients, over every rank of the mesh."""
     optimizer, profiler = trainer.optimizer, trainer.profiler
+    tokens = trainer.token_mean
     with profiler.phase("data"):
         micro = trainer.feed.next_micro_batches()
+        # the default loss: each call weighted by its share of the step's counted targets (over dp)
+        loss_fn = trainer.loss_fn
+        if tokens is not None:
+            loss_fn = tokens.weighted(loss_fn, tokens.step_count(micro))
     optimizer.zero_grad(set_to_none=_set_to_none(trainer))
     local_loss = 0.0
     with profiler.phase("forward_backward"):
         for k, batch in enumerate(micro[:-1]):
             with trainer.model.no_sync():
-                local_loss += _micro_step(trainer, batch, k)
-        local_loss += _micro_step(trainer, micro[-1], len(micro) - 1)
+                local_loss += _micro_step(trainer, batch, k, loss_fn)
+        local_loss += _micro_step(trainer, micro[-1], len(micro) - 1, loss_fn)
         finite = optimizer.agree(math.isfinite(local_loss))
         loss_finite = finite
         if finite:

@@ -68,6 +68,7 @@ from dtlab.trainers.scheduler import (
 from dtlab.trainers.state import capture_rng, trainer_state
 from dtlab.trainers.step import train_step
 from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss
+from dtlab.trainers.token_mean import token_mean_for
 
 __all__ = ["SchedulerFactory", "TrainResult", "Trainer"]
 
@@ -179,6 +180,10 @@ class Trainer:
             device=backend.device,
             num_workers=d.num_workers,
             pin_memory=d.pin_memory,
+        )
+        #: the default loss as the mean over the global batch's counted targets (None: a loss of your own)
+        self.token_mean = token_mean_for(
+            self.task.loss_fn, self.task.train_data, backend, self.dp, d.accumulation_steps, self.plan
         )
         self.guard = NonFiniteGuard(config.train.max_nonfinite_steps)
         self.early = EarlyStopping(

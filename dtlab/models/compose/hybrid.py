@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -48,7 +47,7 @@ from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 from dtlab.models.tensor._agree import SameOnTp
-from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy
+from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy, whole_cross_entropy
 from dtlab.models.tensor._heads_hint import head_count_hint
 from dtlab.models.tensor._plan import Plan, splits_logits
 
@@ -216,11 +215,12 @@ class HybridShardedModel(OptimizerTarget):
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over the whole vocabulary: vocabulary-parallel when the model's output is
-        split over tp (``logits_split``), else ``F.cross_entropy`` of the whole logits."""
+        split over tp (``logits_split``), else ``F.cross_entropy`` of the whole logits; labels -100 are
+        left out of the mean, and where every label is -100 it is 0 with zero gradients."""
         self._same_on_tp("targets", [("targets", targets)])
         if self.logits_split:
             return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return whole_cross_entropy(logits, targets)
 
     @property
     def gradient_reducer(self) -> GradientReducer:

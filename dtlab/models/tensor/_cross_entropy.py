@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.errors import StrategyError
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["vocab_parallel_cross_entropy", "whole_cross_entropy"]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -76,3 +77,16 @@ def vocab_parallel_cross_entropy(
         )
     loss = _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index)  # type: ignore[no-untyped-call]
     return cast(torch.Tensor, loss)
+
+
+def whole_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100
+) -> torch.Tensor:
+    """``F.cross_entropy`` of whole ``(..., V)`` logits (bitwise its mean), but 0 with zero gradients where
+    every target is ``ignore_index`` (``F.cross_entropy`` gives NaN), as
+    :func:`vocab_parallel_cross_entropy` does."""
+    flat = targets.reshape(-1)
+    summed = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), flat, ignore_index=ignore_index, reduction="sum"
+    )
+    return summed / (flat != ignore_index).sum().clamp(min=1)
