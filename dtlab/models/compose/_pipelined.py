@@ -34,6 +34,7 @@ from dtlab.models.pipeline._split import Stage, TensorSpec, stage_specs
 from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.pipeline._trace_check import Trace, output_tensor, trace_split
 from dtlab.models.tensor._agree import check_same_on_tp
+from dtlab.models.tensor._split_logits import unmarked
 
 __all__ = ["PipelineRun"]
 
@@ -66,6 +67,8 @@ class PipelineRun:
         self.micro_batches = layout.micro_batches
         #: the last step's compute intervals and activation peak (None before the first step)
         self.last: StepResult | None = None
+        #: the inference output on every pp rank alike: marked where the logits are split over tp
+        self.mark_output: Callable[[torch.Tensor], torch.Tensor] = unmarked
         #: the exception a step's schedule raised on this rank (None: none since the last zero_grad())
         self.failed: str | None = None
         self._specs: dict[TensorSpec, list[TensorSpec]] = {}
@@ -123,7 +126,7 @@ class PipelineRun:
                 raise StrategyError(f"pipeline stage {s} returned a {type(out).__name__}")
             return tensor
 
-        out = infer_through_stages(x, run, specs, self.schedule, self.pp)
+        out = self.mark_output(infer_through_stages(x, run, specs, self.schedule, self.pp))
         if self.layout.traced:
             return self._traces[TensorSpec(tuple(x.shape), x.dtype)].as_output(out)
         return out

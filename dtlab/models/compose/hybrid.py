@@ -49,7 +49,8 @@ from dtlab.models.placed_state import load_placed_state, write_placed_state
 from dtlab.models.tensor._agree import SameOnTp
 from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy, whole_cross_entropy
 from dtlab.models.tensor._heads_hint import head_count_hint
-from dtlab.models.tensor._plan import Plan, splits_logits
+from dtlab.models.tensor._plan import Plan, logits_head
+from dtlab.models.tensor._split_logits import SplitLogits, as_split_logits, unmarked
 
 if TYPE_CHECKING:
     from typing_extensions import Self, Unpack
@@ -144,7 +145,10 @@ class HybridShardedModel(OptimizerTarget):
             else:
                 walk.run(root, mesh.backend.device)
         #: whether the output (the logits) is split over tp: cross_entropy is then vocabulary-parallel
-        self.logits_split = splits_logits(module)  # the whole model: the same on every pipeline rank
+        head = logits_head(module)  # the whole model: the same on every pipeline rank
+        self.logits_split = head is not None
+        if head is not None and head.group.world_size > 1:  # its output refuses a loss over part of it
+            head.mark_output = as_split_logits
         state = root.state_dict(keep_vars=True)  # placements read before ZeRO-3/FSDP shard the tensors
         placements = {k: placement_of(t) for k, t in state.items()}
         dp = dp_class(root, mesh["dp"], world=mesh.backend, **options)  # 3. data parallelism
@@ -181,6 +185,7 @@ class HybridShardedModel(OptimizerTarget):
                 dp, layout, layout.schedule, mesh, module, self._tied, activation_checkpointing
             )
             self._same_on_tp.over_pipeline = self._pipe.same_on_pp  # checked over pp x tp
+            self._pipe.mark_output = as_split_logits if self.logits_split else unmarked  # every pp rank alike
         self._own_state = PartialState(module, who, placements, mesh, pipelined=layout.schedule is not None)
 
     @staticmethod
@@ -262,6 +267,11 @@ class HybridShardedModel(OptimizerTarget):
         micro-batch loss / m before backward), then the dp reduction (unless inside ``no_sync()``).
         Returns the batch's mean loss on every rank of the stage's pipeline."""
         self._tp_grads.release()
+        if self.logits_split and loss_fn in SplitLogits.refused:  # on every rank, before any stage runs
+            raise StrategyError(
+                f"{type(self).__name__}.train_step: loss_fn {getattr(loss_fn, '__name__', loss_fn)} on the "
+                "logits split over tp would see this rank's part of the classes only; use model.cross_entropy"
+            )
         with self._same_on_tp.step(batch):
             if self._pipe is None:
                 return super().train_step(batch, loss_fn)

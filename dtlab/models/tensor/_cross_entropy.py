@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.errors import StrategyError
+from dtlab.models.tensor._split_logits import unmarked
 
 __all__ = ["vocab_parallel_cross_entropy", "whole_cross_entropy"]
 
@@ -63,6 +64,7 @@ def vocab_parallel_cross_entropy(
     ``(...)`` class ids in ``[0, V)`` (``ignore_index`` positions are left out of the mean). Costs three
     all-reduces of one value per position, never the ``(..., V)`` logits.
     """
+    logits = unmarked(logits)  # the model's output (SplitLogits): this is the loss made for it
     if targets.shape != logits.shape[:-1]:
         raise StrategyError(
             f"vocab_parallel_cross_entropy: targets of shape {tuple(targets.shape)} do not match logits of "

@@ -37,6 +37,7 @@ from dtlab.models.tensor._sources import (
     embedding_scale,
     linear_features,
 )
+from dtlab.models.tensor._split_logits import unmarked
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
@@ -181,6 +182,7 @@ class ColumnParallelLinear(nn.Linear):
         self.sections, self.transposed = sections, transposed
         #: shared with the model's other column-parallel layers (one input gradient all-reduce per input)
         self.shared_input: SharedInput | None = None
+        self.mark_output: Any = unmarked  #: the model's head left split: the composition marks its output
         o = out_features // p
         self.local_shape = (in_features, o) if transposed else (o, in_features)
         self.weight = _parameter(self.local_shape, Shard(AXIS, int(transposed), sections), device, dtype)
@@ -216,7 +218,7 @@ class ColumnParallelLinear(nn.Linear):
         fn = gather_from_sequence if self.sequence_parallel else copy_to_tp
         x = fn(x, self.group) if self.shared_input is None else self.shared_input(x, self.group, fn)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
-        return gather_from_tp(y, self.group) if self.gather_output else y
+        return gather_from_tp(y, self.group) if self.gather_output else self.mark_output(y)
 
     def extra_repr(self) -> str:
         return (

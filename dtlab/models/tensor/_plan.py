@@ -41,8 +41,8 @@ __all__ = [
     "VocabParallel",
     "apply_plan",
     "check_style_names",
+    "logits_head",
     "resolve_plan",
-    "splits_logits",
     "transformer_plan",
 ]
 
@@ -190,13 +190,15 @@ def check_style_names(plan: PlanDict) -> None:
         style_of(value, pattern)
 
 
-def splits_logits(root: nn.Module) -> bool:
-    """Whether ``root``'s output is split over tp along its last dim: its last tensor-parallel layer (in
-    registration order, the output layer of a language model) is column-parallel without gathering
-    (dtlab's transformer); Hugging Face's plans gather the head's output (``colwise_gather_output``)."""
+def logits_head(root: nn.Module) -> ColumnParallelLinear | None:
+    """``root``'s output layer where its output is split over tp along its last dim: its last
+    tensor-parallel layer (in registration order, the output layer of a language model) when it is
+    column-parallel without gathering (dtlab's transformer); Hugging Face's plans gather the head's
+    output (``colwise_gather_output``)."""
     layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
     split = [m for m in root.modules() if isinstance(m, layers)]
-    return bool(split) and isinstance(last := split[-1], ColumnParallelLinear) and not last.gather_output
+    last = split[-1] if split else None
+    return last if isinstance(last, ColumnParallelLinear) and not last.gather_output else None
 
 
 def _mismatch(style: Style, kind: str, name: str, module: nn.Module) -> StrategyError:
