@@ -23,7 +23,8 @@ def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train(backend: CommunicationBackend) -> list[float]:
     # every rank builds the same initial model, in every run: in-memory ranks are threads sharing torch's
-    # global RNG, so a plain torch.manual_seed(0) here would race with the other ranks' seeding and drawing
+    # global RNG, so a plain torch.manual_seed(0) here would race with the other ranks' seeding and drawing;
+    # seeded_init draws from generators of its own
     with seeded_init(0):
         model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

@@ -15,8 +15,8 @@ everything above (compression, models, optimizers, checkpoints, the config) can 
   the config can read it without importing torch);
 - :mod:`dtlab.core.backward`: :class:`~dtlab.core.backward.BackwardPass`, whether a backward pass that
   reached a strategy's gradient hooks finished or raised partway (its gradients then partial);
-- :mod:`dtlab.core.rng`: :func:`seeded_init`, reproducible model initialisation from torch's global
-  RNG when in-memory ranks (threads) build models at once.
+- :mod:`dtlab.core.rng`: :func:`seeded_init`, reproducible model initialisation from generators of its
+  own, whatever other in-memory ranks (threads) draw from torch's global RNG meanwhile.
 - :mod:`dtlab.core.torch_private`: the one place torch's private attributes of modules and tensors
   are read (its hook dicts, a module's non-persistent buffers).
 - :mod:`dtlab.core.saved_params`: :class:`SavedParameter`, a parameter a user's custom autograd

@@ -1,28 +1,68 @@
-"""``seeded_init(seed)``: build a model from torch's global RNG reproducibly, on any backend.
+"""``seeded_init(seed)``: build a model reproducibly, on any backend, whatever other threads draw.
 
-In-memory ranks are threads of one process and share torch's global RNG: a rank that builds its
-model (``nn.Linear`` draws from the global RNG) while another rank seeds or draws gets numbers meant
-for the other, and the initial model changes from run to run. Inside ``seeded_init`` the global RNG
-is seeded with ``seed`` and restored afterwards, under a lock held by one thread at a time.
+Everything drawn inside ``with seeded_init(seed):`` on the thread that entered it (module
+initialisation: ``nn.Linear``, ``nn.init.*``, ``torch.randn``, ``Tensor.normal_``, ...) comes from the
+block's own generators, one per device, seeded with ``seed``: a CPU ``torch.Generator`` and, for a
+tensor on a GPU, that GPU's generator, made on first use. They give the numbers torch's global RNG
+gives after ``torch.manual_seed(seed)``, so a model built in the block has the values, bit for bit, it
+has when built right after seeding torch's global RNG. torch's global RNG is neither read nor changed:
+draws made by other threads at the same time (in-memory ranks are threads of one process) cannot reach
+the block's numbers, and the block's draws leave the other threads' numbers as they were. Tensors on
+the meta device draw nothing.
 
-That lock is the one piece of module-level state in dtlab, on purpose: it guards resources that
-themselves belong to the whole process (torch's global RNG; the global module hooks that
-``dtlab.models.init_empty_weights`` adds and removes, through :func:`model_building`), so every rank of
-every in-memory world in the process must see the same lock. It is reentrant (a block may nest in
-another on the same thread). Ranks in their own processes (gloo, MPI, NCCL) never contend.
+How: the block pushes a torch dispatch mode, which sees only the ops of its own thread. It gives each
+random op that was called without a generator the block's generator of the op's device (the op's own
+``generator`` argument, or its overload that takes one: ``torch.randn`` -> ``aten.randn.generator``).
+A random op that takes no generator at all (dropout inside a fused GPU kernel, a cuDNN RNN with
+dropout, attention with ``dropout_p > 0`` on a GPU) is refused with an error naming it, never drawn
+from the global RNG; so is a draw inside ``torch.utils.checkpoint``, whose backward would recompute it
+from the global RNG's state (another dropout mask). Run such a model after the block (build it
+inside, run it outside) or in eval mode.
+A generator passed explicitly is used as given. ``torch.manual_seed`` and ``torch.get_rng_state``
+inside the block act on torch's global RNG, which the block does not draw from: nest another
+``seeded_init(other_seed)`` for a part that needs other numbers (the outer block's numbers continue
+after it as if it had not run).
+
+The block also holds a process-wide lock, the one piece of module-level state in dtlab, on purpose: it
+runs alone among the model builds of the process (``seeded_init`` and :func:`model_building` blocks),
+since ``dtlab.models.init_empty_weights`` adds and removes global module hooks that every thread's
+module constructors run, so every rank of every in-memory world in the process must see the same lock.
+It is reentrant (a block may nest in another on the same thread). Ranks in their own processes (gloo,
+MPI, NCCL) never contend.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch._ops import OpOverload
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from dtlab.core.torch_private import op_arguments
+from dtlab.errors import StrategyError
 
 __all__ = ["model_building", "seeded_init"]
 
 _GLOBAL_RNG_LOCK = threading.RLock()
+
+#: arguments of random ops that take no generator which, at 0 or False, make the op draw nothing
+_DROPOUT_ARGS = ("p", "dropout_p", "dropout")
+_TRAIN_ARGS = ("train", "training", "is_training")
+#: the ``rand*_like`` overloads :func:`draw_like` runs with a generator where torch's take none
+_LIKE = (
+    "aten.rand_like.default",
+    "aten.randn_like.default",
+    "aten.randint_like.default",
+    "aten.randint_like.low_dtype",
+)
 
 
 @contextmanager
@@ -35,17 +75,166 @@ def model_building() -> Iterator[None]:
 
 @contextmanager
 def seeded_init(seed: int) -> Iterator[None]:
-    """Run the block with torch's CPU RNG (and, once CUDA is initialized, its GPUs') seeded with
-    ``seed``, alone in the process; the RNG state from before the block is restored after it.
-    Everything the block draws (module initialisation) is the same on every rank and in every run."""
-    # CUDA's generators too, restored after the block, when CUDA is up: a module built on the GPU draws
-    # from them. Not torch.manual_seed: with CUDA not yet initialized it queues a seed of every CUDA
-    # generator for CUDA's first use (here or later) that no fork restores, and every rank's GPU RNG,
-    # its dropout after the build, would start from ``seed``
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    devices = list(range(torch.cuda.device_count())) if cuda else []
-    with model_building(), torch.random.fork_rng(devices=devices):
-        torch.default_generator.manual_seed(seed)
-        if cuda:
-            torch.cuda.manual_seed_all(seed)
+    """Run the block with every random op of this thread drawing from generators of its own, seeded
+    with ``seed`` (the numbers torch's global RNG gives after ``torch.manual_seed(seed)``), alone in the
+    process among model builds. torch's global RNG is not used, so other threads' draws neither change
+    nor see the block's. Everything the block draws (module initialisation) is the same on every rank
+    and in every run."""
+    with model_building(), _OwnGenerators(seed):
         yield
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How the block runs one op: ``slot`` is the index and name of its generator argument (and whether
+    it is keyword-only); ``sibling`` its overload taking a generator; ``like`` a ``rand*_like`` of a
+    torch release where it takes none (run as its kernel runs it, see :func:`draw_like`); ``refuse`` a
+    random op that takes none; none of them: an op that draws nothing."""
+
+    slot: tuple[int, str, bool] | None = None
+    sibling: OpOverload | None = None
+    like: bool = False
+    refuse: bool = False
+
+    @property
+    def draws(self) -> bool:
+        return self.slot is not None or self.sibling is not None or self.like or self.refuse
+
+
+def _generator_slot(op: OpOverload) -> tuple[int, str, bool] | None:
+    for i, arg in enumerate(op_arguments(op)):
+        if str(arg.type).rstrip("?") in ("Generator", "Optional[Generator]"):
+            return i, arg.name, arg.kwarg_only
+    return None
+
+
+def _plan(func: OpOverload) -> _Plan:
+    slot = _generator_slot(func)
+    if slot is not None:
+        return _Plan(slot=slot)
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return _Plan()
+    names = [a.name for a in op_arguments(func)]
+    packet = func.overloadpacket
+    for overload in packet.overloads():
+        sibling = getattr(packet, overload)
+        sibling_slot = _generator_slot(sibling)
+        if sibling_slot is None or not sibling_slot[2]:
+            continue
+        if [a.name for a in op_arguments(sibling) if a.name != sibling_slot[1]] == names:
+            return _Plan(sibling=sibling)
+    if str(func) in _LIKE:
+        return _Plan(like=True)
+    return _Plan(refuse=True)
+
+
+def draw_like(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], gen: torch.Generator) -> Any:
+    """``torch.rand_like``, ``randn_like`` or ``randint_like`` (``func``, called with ``args`` and
+    ``kwargs``) drawing from ``gen``, for torch releases where they take no generator: as their kernel
+    runs them, an ``empty_like`` of the same options filled in place."""
+    aten = torch.ops.aten
+    fresh = aten.empty_like.default(args[0], **kwargs)
+    name = str(func)
+    if name == "aten.rand_like.default":
+        return aten.uniform_.default(fresh, 0.0, 1.0, generator=gen)
+    if name == "aten.randn_like.default":
+        return aten.normal_.default(fresh, 0.0, 1.0, generator=gen)
+    low, high = (0, args[1]) if name == "aten.randint_like.default" else (args[1], args[2])
+    return getattr(aten.random_, "from")(fresh, low, high, generator=gen)
+
+
+def _device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.device:
+    """The device an op draws on: its ``device`` argument, else that of its first tensor, else the CPU."""
+    if kwargs.get("device") is not None:
+        return torch.device(kwargs["device"])
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def _in_checkpoint() -> bool:
+    """Whether ``torch.utils.checkpoint`` is on this thread's stack: a forward whose backward recomputes
+    it from torch's global RNG state, or that recompute."""
+    checkpoint = sys.modules.get("torch.utils.checkpoint")
+    where = getattr(checkpoint, "__file__", None)
+    frame = inspect.currentframe()
+    while frame is not None and where is not None:
+        if frame.f_code.co_filename == where:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _draws_nothing(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a random op taking no generator draws nothing with these arguments (dropout 0, eval)."""
+    for i, arg in enumerate(op_arguments(func)):
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name, arg.default_value)
+        if (arg.name in _DROPOUT_ARGS and value == 0) or (arg.name in _TRAIN_ARGS and value is False):
+            return True
+    return False
+
+
+class _OwnGenerators(TorchDispatchMode):
+    """Gives each random op of this thread called without a generator the block's generator of the op's
+    device (made on first use, seeded with ``seed``); refuses a random op that takes no generator."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call,unused-ignore]
+        self.seed = seed
+        # the CPU's made now: a bad seed is refused at the block's start, as torch.manual_seed does
+        self.generators = {torch.device("cpu"): torch.Generator().manual_seed(seed)}
+        self.plans: dict[OpOverload, _Plan] = {}
+
+    def generator(self, func: OpOverload, device: torch.device) -> torch.Generator:
+        """The block's generator of ``device``, for ``func``."""
+        if _in_checkpoint():
+            raise StrategyError(
+                f"seeded_init({self.seed}): {func} draws random numbers inside torch.utils.checkpoint, "
+                "whose backward recomputes the forward with torch's global RNG state, which the block "
+                "does not draw from: the recomputed numbers (a dropout mask) would differ from the "
+                "forward's; run the model after the block (build it inside seeded_init, run it outside)"
+            )
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        gen = self.generators.get(device)
+        if gen is None:  # a fresh generator seeded as torch.cuda.manual_seed_all(seed) seeds the GPU's
+            gen = self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
+
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        plan = self.plans.get(func)
+        if plan is None:
+            plan = self.plans[func] = _plan(func)
+        if not plan.draws:
+            return func(*args, **(kwargs or {}))
+        kwargs = dict(kwargs or {})
+        device = _device(args, kwargs)
+        if device.type == "meta":  # draws nothing
+            return func(*args, **kwargs)
+        if plan.slot is not None:
+            index, name, kwarg_only = plan.slot
+            if not kwarg_only and index < len(args):
+                if args[index] is not None:  # the caller's own generator
+                    return func(*args, **kwargs)
+                args = (*args[:index], self.generator(func, device), *args[index + 1 :])
+            elif kwargs.get(name) is None:
+                kwargs[name] = self.generator(func, device)
+            return func(*args, **kwargs)
+        if plan.sibling is not None:
+            return plan.sibling(*args, **kwargs, generator=self.generator(func, device))
+        if plan.like:
+            return draw_like(func, args, kwargs, self.generator(func, device))
+        if _draws_nothing(func, args, kwargs):
+            return func(*args, **kwargs)
+        raise StrategyError(
+            f"seeded_init({self.seed}): {func} draws random numbers on {device} from torch's global RNG "
+            "and takes no generator, so the block cannot give it its own; run it after the block "
+            "(build the model inside seeded_init, run it outside), with dropout 0, or in eval mode"
+        )

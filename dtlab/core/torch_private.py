@@ -20,6 +20,7 @@ __all__ = [
     "OPTIMIZER_HOOKS",
     "TENSOR_HOOKS",
     "non_persistent_buffers",
+    "op_arguments",
     "quiet_scheduler_checks",
     "top_saved_tensor_hooks",
     "unhooked_step",
@@ -73,6 +74,13 @@ def non_persistent_buffers(module: nn.Module) -> frozenset[str]:
     """The names of ``module``'s own buffers registered with ``persistent=False`` (left out of its
     ``state_dict``; torch's ``_non_persistent_buffers_set``)."""
     return frozenset(getattr(module, "_non_persistent_buffers_set", ()))
+
+
+def op_arguments(op: Any) -> list[Any]:
+    """The arguments of a torch operator overload (``torch.ops.aten.randn.default``) as its schema
+    declares them, each with ``name``, ``type``, ``kwarg_only`` and ``default_value`` (torch's
+    ``OpOverload._schema``)."""
+    return list(attrgetter("_schema")(op).arguments)
 
 
 def global_optimizer_step_pre_hooks() -> list[Callable[..., Any]]:

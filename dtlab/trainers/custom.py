@@ -147,7 +147,7 @@ def check_fit(
     """Build the model once and run the loss on two training samples: one clear error if it does not
     fit (and ``check_model``'s, on the built model), ending with ``data_hint``. Returns the task with
     ``classification`` and ``tokens_per_sample`` read off that batch."""
-    with seeded_init(0):  # a probe: torch's RNG state is restored afterwards
+    with seeded_init(0):  # a probe: torch's global RNG is left as it was
         model = task.build_model()
     if not isinstance(model, nn.Module):
         raise ConfigError(

@@ -49,9 +49,9 @@ def cross_entropy_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Task:
-    #: builds the model; the trainer calls it inside ``dtlab.core.seeded_init(train.seed)`` (torch's
-    #: global RNG seeded, one build at a time in the process), so every rank builds the same model in
-    #: every run, however and wherever the task was made
+    #: builds the model; the trainer calls it inside ``dtlab.core.seeded_init(train.seed)`` (generators
+    #: of its own seeded with ``train.seed``, one build at a time in the process), so every rank builds
+    #: the same model in every run, however and wherever the task was made
     build_model: Callable[[], nn.Module]
     #: any map-style torch ``Dataset`` of ``(input, target)`` pairs
     train_data: Any

@@ -93,9 +93,9 @@ def _load(layer: _Layer, source: nn.Module, group: CommunicationBackend) -> _Lay
     (named alike: ``weight``, ``bias``) as its placement says, on the device of ``source``'s weight,
     with their ``requires_grad`` flags.
 
-    Built on the meta device, the layer's constructor draws nothing from torch's global RNG: in-memory
-    ranks are threads sharing it, and a draw here (outside any lock) would change the values another
-    rank is building under ``dtlab.core.seeded_init`` at that moment."""
+    Built on the meta device, the layer's constructor draws nothing from torch's global RNG (in-memory
+    ranks are threads sharing it, and the user's own draws on other ranks are theirs) and initializes
+    nothing it would overwrite."""
     check_parameters(source, f"{type(layer).__name__}: the {type(source).__name__} it replaces")
     device = source.get_parameter("weight").device
     with torch.no_grad():
