@@ -39,6 +39,7 @@ from dtlab.models.compose._tp_grads import TensorParallelGrads
 from dtlab.models.dp._materialize import MetaOptions, ParamInitFn, on_meta
 from dtlab.models.dp._sharded import GatherOptions
 from dtlab.models.dp._sync_bn import refuse_sync_batch_norm
+from dtlab.models.dp._torch_methods import ForwardedSync
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import BucketOptions
 from dtlab.models.dp.flat import FlatUnit
@@ -72,7 +73,7 @@ class PlanOptions(HybridOptions, MetaOptions, total=False):
     """``from_plan``'s ``**kwargs``: the strategy's options, ``init_seed`` and ``param_init_fn``."""
 
 
-class HybridShardedModel(OptimizerTarget):
+class HybridShardedModel(ForwardedSync, OptimizerTarget):
     """Pipeline over ``mesh["pp"]``, tensor parallelism over ``"tp"``, a data-parallel strategy over ``"dp"``.
 
     Args:

@@ -26,6 +26,7 @@ from dtlab.models.dp._added import WrappedParams
 from dtlab.models.dp._cleared import adopt_cleared
 from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message, tensor_bytes
 from dtlab.models.dp._owner import SWITCH_ADVICE, Ownership, check_module, rewrap_advice, torch_option_refused
+from dtlab.models.dp._torch_methods import TorchMethods
 from dtlab.models.dp._unused import UsedParams, unused_error
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["DataParallelModel"]
 
 
-class DataParallelModel(OptimizerTarget):
+class DataParallelModel(TorchMethods, OptimizerTarget):
     """Base of the five data-parallel model strategies (see DDPModel and friends for the options)."""
 
     def __init__(
