@@ -137,17 +137,23 @@ _gather_seq = partial(_gather, dim=_SEQ)
 
 class _Conjugate(torch.autograd.Function):
     """``forward_op`` on the input forward, ``backward_op`` on the output's gradient backward: each
-    public collective below is this one function with its two sides."""
+    public collective below is this one function with its two sides. Each side is the other's adjoint,
+    so a backward that builds a graph (``create_graph=True``: a gradient penalty on the inputs) records
+    its side as this function with the sides swapped, and the second backward runs ``forward_op``
+    (a collective run outside autograd would be taken for the identity: wrong second derivatives)."""
 
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, group: CommunicationBackend, forward_op: Op, backward_op: Op
     ) -> torch.Tensor:
-        ctx.group, ctx.backward_op = group, backward_op
+        ctx.group, ctx.forward_op, ctx.backward_op = group, forward_op, backward_op
         return forward_op(x, group)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if torch.is_grad_enabled():  # create_graph=True
+            swapped = _Conjugate.apply(g, ctx.group, ctx.backward_op, ctx.forward_op)  # type: ignore[no-untyped-call]
+            return swapped, None, None, None
         return ctx.backward_op(g, ctx.group), None, None, None
 
 

@@ -46,6 +46,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if torch.is_grad_enabled():  # create_graph=True: this gradient would hold no graph of the logits
+            raise StrategyError(
+                "the vocabulary-parallel cross entropy (model.cross_entropy on logits split over tp) has no "
+                "second derivative: a backward that builds a graph (create_graph=True: a gradient penalty) "
+                "would take its gradient for a constant, a wrong penalty gradient. Gather the head's output "
+                "in the plan ('colwise_gather_output') and use F.cross_entropy for such a loss"
+            )
         softmax, idx, mine, valid, count = ctx.saved_tensors
         grad = softmax.clone()  # the saved softmax stays intact for a retained graph
         grad.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))  # minus the one-hot
