@@ -68,6 +68,14 @@ class _SyncBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph=True: these gradients would hold no graph of x
+            raise StrategyError(
+                "nn.SyncBatchNorm under a data-parallel strategy has no second derivative: a backward that "
+                "builds a graph (create_graph=True: a gradient penalty such as WGAN-GP's) would take its "
+                "gradients for constants, a wrong penalty gradient. Use nn.BatchNorm (each rank's own "
+                "statistics, as under torch's DDP) or a norm without batch statistics (nn.LayerNorm, "
+                "nn.GroupNorm) there"
+            )
         x, weight, mean, invstd = ctx.saved_tensors
         # this rank's sums of dy * (x - mean) * invstd and of dy: its weight and bias gradients
         dw, db = torch.zeros_like(mean), torch.zeros_like(mean)
