@@ -128,7 +128,7 @@ class ShardedModel(DataParallelModel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # under torch.compile the bookkeeping runs eagerly (traced, it compiled a graph per unit shape)
-        hooks = eager_when_traced(self._begin_forward)()
+        hooks = eager_when_traced(self._begin_forward)(torch.compiler.is_compiling())
         try:
             with torch.autograd.graph.saved_tensors_hooks(*hooks):
                 out = self.module(*args, **kwargs)
@@ -142,14 +142,15 @@ class ShardedModel(DataParallelModel):
         self._hooks.order_done = True
         return out
 
-    def _begin_forward(self) -> SavedHooks:
-        """Checks made and units ready for a forward; the saved-tensor hooks to run it under."""
+    def _begin_forward(self, traced: bool) -> SavedHooks:
+        """Checks made and units ready for a forward; the saved-tensor hooks to run it under (``traced``:
+        the forward is being compiled)."""
         self._writes.check("the forward")
         self._hooks.before_forward()
         self._at_rest.start_forward(not torch.is_grad_enabled() and not self._backward.open)
         self._at_rest.set_busy(True)
         self._saved.outer = outer_saved_hooks()  # what the user's (the pipeline's) hooks would have kept
-        return self._saved.hooks(eager=self._hooks.for_compile)
+        return self._saved.hooks(eager=traced)
 
     def _begin_backward(self) -> None:
         if not self._backward.open:
