@@ -13,7 +13,8 @@ counted:
 - the first stage keeps the positions (8 bytes each), under tensor parallelism also the local token
   ids and a mask (9 bytes per token);
 - the last stage keeps the final LayerNorm's input, output and statistics (``2 h + 2``) and, in the
-  loss, the log-probabilities (``V / tp`` per token), then 4 bytes (the loss's total weight), or
+  loss, the log-probabilities (``V / tp`` per token), then 12 bytes (the loss's total weight, and
+  the count of targets that are not -100 its sum is divided by), or
   with the vocabulary-parallel cross entropy (dtlab train's loss where the logits stay split over
   tp > 1) the local target ids, two masks and a count (10 bytes per token and 8).
 
@@ -49,10 +50,11 @@ def block_bytes_per_token(spec: ModelSpec, tp: int, e: int) -> int:
 
 
 def _loss_bytes(spec: ModelSpec, n: int, tp: int, e: int, parallel: bool) -> int:
-    """What the loss keeps: log-probabilities and the total weight; the vocabulary-parallel cross
+    """What the loss keeps: log-probabilities, the total weight and the int64 count of the targets
+    that are not -100 (dtlab's cross entropy divides its sum by it); the vocabulary-parallel cross
     entropy (``parallel``: what dtlab train uses where the logits are split over tp > 1) local target
-    ids, two masks and a count instead of the weight."""
-    return n * (spec.vocab // tp) * e + (10 * n + 8 if parallel else 4)
+    ids, two masks and a count instead."""
+    return n * (spec.vocab // tp) * e + (10 * n + 8 if parallel else 4 + 8)
 
 
 def stage_activations(
