@@ -3,12 +3,13 @@ for classification), the same on every rank."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from dtlab.backends.base import ReduceOp
 from dtlab.data import fetch
+from dtlab.models.tensor import vocab_parallel_argmax
 from dtlab.trainers.run_view import ForwardRun
 from dtlab.trainers.tasks import Task, logits_of
 from dtlab.trainers.token_mean import TokenMean
@@ -23,6 +24,14 @@ class EvalRun(ForwardRun, Protocol):
     def task(self) -> Task: ...
     @property
     def token_mean(self) -> TokenMean | None: ...
+
+
+def predicted(model: object, logits: torch.Tensor) -> torch.Tensor:
+    """The class each position's logits pick: over the whole vocabulary where a tensor-parallel model's
+    logits are split over tp (each rank holds part of the classes)."""
+    if getattr(model, "logits_split", False):
+        return vocab_parallel_argmax(logits, cast(Any, model).tp_group)
+    return logits.argmax(-1)
 
 
 @torch.no_grad()
@@ -55,7 +64,7 @@ def evaluate(trainer: EvalRun) -> dict[str, float]:
             total[1] += weight
             total[3] += local
             if task.classification:
-                total[2] += float((logits_of(out).argmax(-1) == y).sum())
+                total[2] += float((predicted(model, logits_of(out)) == y).sum())
     finally:
         model.train()
     dp.all_reduce(total, ReduceOp.SUM)

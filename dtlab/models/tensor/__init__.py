@@ -3,7 +3,11 @@ file holds: docs/architecture.md, section "Model strategies"); :class:`~dtlab.mo
 applies a plan."""
 
 from dtlab.models.tensor._auto import bart_plan, bert_plan, gpt2_plan, hugging_face_plan
-from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy, whole_cross_entropy
+from dtlab.models.tensor._cross_entropy import (
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+    whole_cross_entropy,
+)
 from dtlab.models.tensor._layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from dtlab.models.tensor._plan import (
     ColwiseParallel,
@@ -32,6 +36,7 @@ __all__ = [
     "gpt2_plan",
     "hugging_face_plan",
     "transformer_plan",
+    "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",
     "whole_cross_entropy",
 ]

@@ -12,7 +12,7 @@ from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._split_logits import unmarked
 
-__all__ = ["vocab_parallel_cross_entropy", "whole_cross_entropy"]
+__all__ = ["vocab_parallel_argmax", "vocab_parallel_cross_entropy", "whole_cross_entropy"]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -99,3 +99,17 @@ def whole_cross_entropy(
         logits.reshape(-1, logits.shape[-1]), flat, ignore_index=ignore_index, reduction="sum"
     )
     return summed / (flat != ignore_index).sum().clamp(min=1)
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
+    """``argmax(-1)`` of logits split over ``group`` along the class dim, as of the whole logits (the
+    first of equal maxima, as torch's): each rank's maximum and its class id, then one all-gather of
+    both (two values per position), never the ``(..., V)`` logits."""
+    local = unmarked(logits).detach()
+    values, index = local.max(dim=-1)
+    index = index + group.rank * local.shape[-1]
+    both = torch.stack([values.to(torch.float64), index.to(torch.float64)])  # class ids < 2**53
+    rows = torch.empty((group.world_size, *both.shape), dtype=both.dtype, device=both.device)
+    group.all_gather(rows.view(-1), both.reshape(-1))
+    best = rows[:, 0].argmax(dim=0)  # the first rank holding the maximum: the lowest class id
+    return rows[:, 1].gather(0, best.unsqueeze(0)).squeeze(0).to(torch.long)
