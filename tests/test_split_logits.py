@@ -135,8 +135,8 @@ def test_the_trainers_accuracy_on_split_logits_is_the_whole_vocabularys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A model of your own whose head the plan leaves split, its targets labels: the Trainer's eval
-    accuracy took each rank's argmax over its half of the classes (341.7% against 800.0% at tp=1, the
-    per-sample count of a run that learnt the copy task); now the argmax of the whole vocabulary."""
+    accuracy took each rank's argmax over its half of the classes (341.7% against 800.0% at tp=1, when
+    it counted per sample); now the argmax of the whole vocabulary."""
     (tmp_path / "dtlab_split_lm.py").write_text(USER_LM)
     monkeypatch.syspath_prepend(str(tmp_path))
     accuracy = {}
@@ -150,4 +150,4 @@ def test_the_trainers_accuracy_on_split_logits_is_the_whole_vocabularys(
         assert main(["train", *(a for s in sets for a in ("--set", s))]) == 0
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         accuracy[tp] = [r["eval_accuracy"] for r in records if "eval_accuracy" in r][-1]
-    assert accuracy[1] > 1.0 and accuracy[2] == pytest.approx(accuracy[1]), accuracy  # learnt: > 1 per sample
+    assert accuracy[1] > 0.5 and accuracy[2] == pytest.approx(accuracy[1]), accuracy  # the copy task learnt

@@ -16,6 +16,9 @@ from dtlab.trainers.token_mean import TokenMean
 
 __all__ = ["EvalRun", "evaluate"]
 
+#: a target left out of the loss and of the accuracy (torch's ``ignore_index`` default)
+IGNORED = -100
+
 
 class EvalRun(ForwardRun, Protocol):
     """What evaluation reads of a run (a Trainer is one)."""
@@ -48,7 +51,7 @@ def evaluate(trainer: EvalRun) -> dict[str, float]:
     batches = max(1, min(trainer.config.train.eval_batches, len(data) // (local * p)))
     device = trainer.backend.device
     model.eval()
-    total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, its weight, correct, samples
+    total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, its weight, correct, labels
     tokens = trainer.token_mean
     try:
         for b in range(batches):
@@ -62,13 +65,13 @@ def evaluate(trainer: EvalRun) -> dict[str, float]:
             )
             total[0] += value
             total[1] += weight
-            total[3] += local
             if task.classification:
                 total[2] += float((predicted(model, logits_of(out)) == y).sum())
+                total[3] += float((y != IGNORED).sum())  # every label of a sequence; none left out (-100)
     finally:
         model.train()
     dp.all_reduce(total, ReduceOp.SUM)
     result = {"eval_loss": float(total[0] / total[1].clamp(min=1))}
-    if task.classification:
+    if task.classification and total[3] > 0:  # (every held-out label -100: no accuracy to report)
         result["eval_accuracy"] = float(total[2] / total[3])
     return result
