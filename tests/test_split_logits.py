@@ -9,6 +9,8 @@ process's 3.456) and stopped with torch's "Target out of bounds" otherwise. Now 
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,11 @@ def _tensor_parallel(backend: CommunicationBackend) -> dict[str, Any]:
         "element_wise": _refusal(lambda: (out * 2 + 1).sum()),
         "train_step": _refusal(lambda: model.train_step((x, y), F.cross_entropy)),
     }
+    buf = io.BytesIO()
+    torch.save(out.detach(), buf)  # saved and copied as the plain values (torch.load's weights_only too)
+    buf.seek(0)
+    said["saved"] = type(torch.load(buf, weights_only=True)).__name__
+    said["copied"] = type(copy.deepcopy(out.detach())).__name__
     loss = model.cross_entropy(out, y)  # the vocabulary-parallel loss takes the marked output
     loss.backward()
     opt.step()
@@ -83,6 +90,7 @@ def test_a_plain_loss_on_split_logits_is_refused_and_model_cross_entropy_equals_
             assert "leaves the head split over tp" in said[name], name
             assert "model.cross_entropy(logits, targets)" in said[name], name
         assert said["element_wise"] == "ran"
+        assert said["saved"] == said["copied"] == "Tensor"
         assert "loss_fn cross_entropy on the logits split over tp" in said["train_step"]
         assert got["loss"] == pytest.approx(want.item(), rel=1e-5)
         for k, v in net.state_dict().items():

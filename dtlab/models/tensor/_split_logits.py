@@ -10,6 +10,7 @@ those reductions refuse it, naming ``model.cross_entropy`` (which unmarks it) an
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -54,6 +55,12 @@ class SplitLogits(torch.Tensor):
                 "gathering the logits), or gather the head's output in the plan ('colwise_gather_output')"
             )
         return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[no-untyped-call]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # saved (torch.save, pickle) as the plain tensor it is
+        return unmarked(self).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:  # a copy is plain values
+        return copy.deepcopy(unmarked(self), memo)
 
 
 def as_split_logits(t: torch.Tensor) -> torch.Tensor:
