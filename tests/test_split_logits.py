@@ -159,3 +159,47 @@ def test_the_trainers_accuracy_on_split_logits_is_the_whole_vocabularys(
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         accuracy[tp] = [r["eval_accuracy"] for r in records if "eval_accuracy" in r][-1]
     assert accuracy[1] > 0.5 and accuracy[2] == pytest.approx(accuracy[1]), accuracy  # the copy task learnt
+
+
+def _one_tp_rank(backend: CommunicationBackend) -> dict[str, Any]:
+    """tp = 1 with a plan (a script written for any tp size): the head is whole, nothing to refuse."""
+    model = HybridShardedModel(_build(), Mesh(backend, {"pp": 2}), "ddp", tensor_plan="auto", micro_batches=2)
+    tokens = _tokens()
+    with torch.no_grad():
+        out = model(tokens[:, :-1])
+    with seeded_init(0):
+        head = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, VOCAB))
+    classes = HybridShardedModel(
+        head,
+        Mesh(backend, {"pp": 2}),
+        "ddp",
+        tensor_plan={"2": "colwise"},
+        micro_batches=2,
+        split_points=["1"],
+    )
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    return {
+        "marked": isinstance(out, SplitLogits),
+        "loss": F.cross_entropy(out.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).item(),
+        "argmax": out.argmax(-1),
+        "step": classes.train_step((x, tokens[:, 0].contiguous()), F.cross_entropy).item(),
+    }
+
+
+def test_at_one_tp_rank_the_output_is_whole_and_a_plain_loss_runs() -> None:
+    """At tp = 1 the plan's 'colwise' head holds every class: F.cross_entropy, argmax on a pipeline's
+    output and train_step(..., F.cross_entropy) run and equal one process (they were refused)."""
+    net, tokens = _build(), _tokens()
+    with torch.no_grad():
+        logits = net(tokens[:, :-1])
+    with seeded_init(0):
+        head = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, VOCAB))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    want_step = F.cross_entropy(head(x), tokens[:, 0]).item()
+    for got in run_world(2, _one_tp_rank, timeout=60):
+        assert not got["marked"]
+        assert got["loss"] == pytest.approx(
+            F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).item()
+        )
+        assert torch.equal(got["argmax"], logits.argmax(-1))
+        assert got["step"] == pytest.approx(want_step, rel=1e-6)

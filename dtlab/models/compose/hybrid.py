@@ -146,9 +146,9 @@ class HybridShardedModel(ForwardedSync, OptimizerTarget):
             else:
                 walk.run(root, mesh.backend.device)
         #: whether the output (the logits) is split over tp: cross_entropy is then vocabulary-parallel
-        head = logits_head(module)  # the whole model: the same on every pipeline rank
-        self.logits_split = head is not None
-        if head is not None and head.group.world_size > 1:  # its output refuses a loss over part of it
+        head = logits_head(module)  # the whole model: the same on every pipeline rank; at tp = 1 whole
+        self.logits_split = head is not None and head.group.world_size > 1
+        if head is not None and self.logits_split:  # its output refuses a loss over part of it
             head.mark_output = as_split_logits
         state = root.state_dict(keep_vars=True)  # placements read before ZeRO-3/FSDP shard the tensors
         placements = {k: placement_of(t) for k, t in state.items()}
