@@ -297,7 +297,8 @@ def test_one_stage_given_other_batches_at_a_later_step_is_refused_on_every_rank_
 
 
 def exact_world(backend: CommunicationBackend) -> dict[str, str]:
-    """Equal bits pass whatever their layout; one flipped bit, another order or another Python value
+    """Equal bits pass whatever their layout (a strided 1-d column or an expanded tensor too: they were
+    read with a raw RuntimeError); one flipped bit, another order or another Python value
     is caught."""
     base = torch.randn(6, 5, generator=torch.Generator().manual_seed(3))
     r = backend.rank
@@ -310,6 +311,8 @@ def exact_world(backend: CommunicationBackend) -> dict[str, str]:
     flipped.view(torch.int32)[4, 1] ^= 1 << 9  # one bit of one float
     return {
         "equal": check(("x", base.t().contiguous().t() if r else base), ("k", nested), ("s", base[1, 1])),
+        # a column of the batch (targets = tokens[:, 0]) and an expanded tensor: 1-d, not contiguous
+        "strided": check(("y", base[:, 0] if r else base[:, 0].contiguous()), ("e", base[0, 0].expand(4))),
         "bit": check(("x", flipped if r else base)),
         "order": check(("x", base[:, [1, 0, 2, 3, 4]] if r else base)),
         "python": check(("k", {**nested, "n": 3 + r})),
@@ -319,7 +322,7 @@ def exact_world(backend: CommunicationBackend) -> dict[str, str]:
 
 def test_the_fingerprint_is_exact() -> None:
     for got in run_world(2, exact_world, timeout=60):
-        assert got["equal"] == got["meta"] == "accepted"
+        assert got["equal"] == got["meta"] == got["strided"] == "accepted"
         assert "x has other values (same shape (6, 5), torch.float32)" in got["bit"]
         assert "x has other values" in got["order"]
         assert "k['n'] is 4, on tp rank 0 3" in got["python"]

@@ -58,7 +58,7 @@ def _checksums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if t.is_meta or t.layout != torch.strided or t.is_quantized or t.numel() == 0:
         zero = torch.zeros((), dtype=torch.int64)  # no bits to read: the structure covers shape and dtype
         return zero, zero
-    flat = t.detach().reshape(-1)
+    flat = t.detach().contiguous().reshape(-1)  # a strided column, an expanded tensor: copied
     words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
     width = min(words.numel(), _PERIOD)
     weights = torch.arange(1, width + 1, dtype=torch.float64, device=t.device)
