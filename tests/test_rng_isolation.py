@@ -138,6 +138,20 @@ def test_the_block_leaves_the_global_rng_as_it_was_and_a_draw_outside_gets_its_o
     assert torch.equal(torch.get_rng_state(), after)
 
 
+def test_a_reseed_inside_the_block_does_not_outlive_it() -> None:
+    """A model factory's own torch.manual_seed: the global RNG after the block is the one before it (a
+    process that seeded each rank's dropout stream before the build keeps it), the block's numbers as
+    without the reseed."""
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    with seeded_init(0):
+        torch.manual_seed(5)
+        built = nn.Linear(8, 8).weight
+    assert torch.equal(torch.get_rng_state(), before)
+    with seeded_init(0):
+        assert torch.equal(nn.Linear(8, 8).weight, built)
+
+
 def test_the_blocks_numbers_are_a_fresh_generators_and_nest() -> None:
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
     want = [

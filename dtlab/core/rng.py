@@ -5,7 +5,7 @@ initialisation: ``nn.Linear``, ``nn.init.*``, ``torch.randn``, ``Tensor.normal_`
 block's own generators, one per device, seeded with ``seed``: a CPU ``torch.Generator`` and, for a
 tensor on a GPU, that GPU's generator, made on first use. They give the numbers torch's global RNG
 gives after ``torch.manual_seed(seed)``, so a model built in the block has the values, bit for bit, it
-has when built right after seeding torch's global RNG. torch's global RNG is neither read nor changed:
+has when built right after seeding torch's global RNG. The block draws nothing from torch's global RNG:
 draws made by other threads at the same time (in-memory ranks are threads of one process) cannot reach
 the block's numbers, and the block's draws leave the other threads' numbers as they were. Tensors on
 the meta device draw nothing.
@@ -21,7 +21,9 @@ inside, run it outside) or in eval mode.
 A generator passed explicitly is used as given. ``torch.manual_seed`` and ``torch.get_rng_state``
 inside the block act on torch's global RNG, which the block does not draw from: nest another
 ``seeded_init(other_seed)`` for a part that needs other numbers (the outer block's numbers continue
-after it as if it had not run).
+after it as if it had not run). A reseed of the global RNG inside the block (``torch.manual_seed`` in a
+model's factory) is undone at its end, the global RNG's state set back to the one before the block: it
+would otherwise outlive the block (each rank's dropout stream, seeded before the build, replaced).
 
 The block also holds a process-wide lock, the one piece of module-level state in dtlab, on purpose: it
 runs alone among the model builds of the process (``seeded_init`` and :func:`model_building` blocks),
@@ -80,8 +82,25 @@ def seeded_init(seed: int) -> Iterator[None]:
     process among model builds. torch's global RNG is not used, so other threads' draws neither change
     nor see the block's. Everything the block draws (module initialisation) is the same on every rank
     and in every run."""
-    with model_building(), _OwnGenerators(seed):
+    with model_building(), _reseed_undone(), _OwnGenerators(seed):
         yield
+
+
+@contextmanager
+def _reseed_undone() -> Iterator[None]:
+    """torch's global RNG (and, once CUDA is initialized, its GPUs') set back to its state before the
+    block where code inside reseeded it (its initial seed changed: ``torch.manual_seed``,
+    ``torch.seed``); left alone otherwise, so another thread's draws meanwhile stay drawn."""
+    seed, state = torch.initial_seed(), torch.get_rng_state()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    gpus = torch.cuda.get_rng_state_all() if cuda else []
+    try:
+        yield
+    finally:
+        if torch.initial_seed() != seed:
+            torch.set_rng_state(state)
+            if cuda:
+                torch.cuda.set_rng_state_all(gpus)
 
 
 @dataclass(frozen=True)
