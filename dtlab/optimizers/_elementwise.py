@@ -4,10 +4,12 @@ whose local optimizer steps flat shards (ZeRO-1/2/3, FSDP) or tensor-parallel sl
 Stepping a piece gives the update of the whole parameter only when each element's update depends on
 that element alone (SGD, Adam, AdamW, RMSprop, Adagrad, Rprop, ...). torch's Adafactor factors its
 second moment over a matrix's rows and columns and scales by the parameter's RMS, Muon orthogonalizes
-the whole matrix, LAMB/LARS scale by per-parameter norms: on a piece each would step silently
-differently, or (Muon on a 1-D shard) stop with its own error. The check runs the user's class, with
-each group's options, on a small matrix whole and as pieces, for two steps on the same gradients, and
-refuses the class when the results differ.
+the whole matrix, LAMB/LARS scale by per-parameter norms, and an optimizer of your own may scale by
+a norm over its whole param group (a global gradient norm inside ``step``): on a piece, or with only
+this rank's pieces in the group, each would step silently differently, or (Muon on a 1-D shard) stop
+with its own error. The check runs the user's class, with each group's options, on a small matrix
+whole and as pieces, each piece in an optimizer of its own (as each rank holds its own pieces), for
+two steps on the same gradients, and refuses the class when the results differ.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def _problem(spec: OptimizerSpec, options: dict[str, Any], device: torch.device,
         except Exception:  # e.g. a fused kernel without float64: try float32
             continue
         pieces = [p.clone().requires_grad_(True) for p in _split(start, flat)]
-        try:
-            _steps(spec, options, pieces, [_split(g, flat) for g in grads])
+        try:  # each piece in an optimizer of its own: each rank steps its pieces, not the others'
+            for k, piece in enumerate(pieces):
+                _steps(spec, options, [piece], [[_split(g, flat)[k]] for g in grads])
         except Exception as exc:  # the class refuses pieces (Muon: 2-D parameters only)
             return f"stepping pieces failed: {type(exc).__name__}: {exc}"
         joined = torch.cat([p.detach().reshape(-1) for p in pieces]).reshape(_ROWS, _COLS)
@@ -77,9 +80,10 @@ def _problem(spec: OptimizerSpec, options: dict[str, Any], device: torch.device,
         off = float((whole.detach() - joined).abs().max())
         if moved > 0 and off > tolerance * moved:
             return (
-                f"its update of an element depends on other elements of the parameter (on a {_ROWS}x{_COLS} "
-                f"matrix stepped in two pieces, {_STEPS} steps moved it {moved:.3g} and the pieces ended "
-                f"{off:.3g} away from the whole)"
+                "its update of an element depends on other elements of the parameter or of its param "
+                f"group (on a {_ROWS}x{_COLS} matrix stepped in two pieces, each in an optimizer of its own "
+                f"as on two ranks, {_STEPS} steps moved it {moved:.3g} and the pieces ended {off:.3g} away "
+                "from the whole)"
             )
         return None
     return None

@@ -1,0 +1,87 @@
+"""An optimizer of your own that scales its step by a norm over its whole param group (a global
+gradient norm computed inside ``step``, as apex's FusedLAMB or a normalized SGD do), on 2 in-memory
+ranks against one process on the global batch (3 steps).
+
+Under ZeRO-1/2/3 and FSDP each rank's local optimizer holds only this rank's pieces of the group, so
+the norm was this rank's part of it: 9.6e-2 relative error after 4 steps (ZeRO-1/2), 8.0e-2 (ZeRO-3),
+8.8e-2 (FSDP), no error; under tensor parallelism each rank's slices. The element-wise check stepped
+the probe's pieces together in one optimizer, which such a norm does not tell apart from the whole; it
+now steps each piece in an optimizer of its own, as each rank does, and the class is refused when the
+optimizer strategy is built, naming it and the fix. Under DDP (whole parameters) it equals one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from test_strategies_helpers import STRATEGIES, make_data, make_module, max_rel_error, wrap
+from test_tensor_habits import PLAN, build
+from torch.nn import functional as F
+
+from dtlab.backends import Mesh
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models import TensorParallelModel
+from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
+from dtlab.testing import run_world
+
+STEPS, GLOBAL_BATCH = 3, 8
+OPT = {"ddp": DDPOptimizer, "zero1": ZeRO1Optimizer, "zero2": ZeRO2Optimizer}
+
+
+class GroupNormSGD(torch.optim.Optimizer):
+    """Each step is the gradient divided by the norm of every gradient of its param group."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            total = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ps)).float()
+            for p in ps:
+                p.add_(p.grad / (total + 1e-6), alpha=-group["lr"])
+
+
+def train(model: Any, opt: torch.optim.Optimizer, part: slice) -> None:
+    xs, ys = make_data(STEPS, GLOBAL_BATCH)
+    for s in range(STEPS):
+        F.mse_loss(model(xs[s][part]), ys[s][part]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def world(backend: CommunicationBackend) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    half = GLOBAL_BATCH // 2
+    out: dict[str, Any] = {}
+    for name in STRATEGIES:
+        model = wrap(name, make_module(), backend)
+        try:
+            opt = OPT.get(name, ZeRO3Optimizer)(model, GroupNormSGD(model.parameters(), lr=0.1))
+            train(model, opt, slice(backend.rank * half, (backend.rank + 1) * half))
+            out[name] = model.full_state_dict()
+        except StrategyError as exc:
+            out[name] = str(exc)
+    tp = TensorParallelModel(build(), Mesh(backend, {"tp": 2}), plan=PLAN)
+    try:
+        DDPOptimizer(tp, GroupNormSGD(tp.parameters(), lr=0.1))
+        out["tp"] = "built"
+    except StrategyError as exc:
+        out["tp"] = str(exc)
+    return out
+
+
+def test_an_optimizer_normalizing_by_its_group_is_refused_where_ranks_hold_pieces() -> None:
+    module = make_module()
+    train(module, GroupNormSGD(module.parameters(), lr=0.1), slice(None))
+    ref = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for rank, res in enumerate(run_world(2, world, timeout=120)):
+        assert max_rel_error(res["ddp"], ref) <= 1e-5, f"ddp rank {rank}"
+        for name in ("zero1", "zero2", "zero3", "fsdp", "tp"):
+            got = res[name]
+            assert isinstance(got, str), f"{name} rank {rank}: trained, not refused"
+            assert "GroupNormSGD" in got and "of its param group" in got, got
+            assert "Use DDPModel with DDPOptimizer" in got, got
