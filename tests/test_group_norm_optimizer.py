@@ -85,3 +85,32 @@ def test_an_optimizer_normalizing_by_its_group_is_refused_where_ranks_hold_piece
             assert isinstance(got, str), f"{name} rank {rank}: trained, not refused"
             assert "GroupNormSGD" in got and "of its param group" in got, got
             assert "Use DDPModel with DDPOptimizer" in got, got
+
+
+def test_the_check_decides_alike_while_torch_compile_traces_in_another_thread(monkeypatch: Any) -> None:
+    """torch's ``is_compiling()`` is one flag for the whole process: while one in-memory rank traces a
+    compiled model, torch's AdamW on the other ranks takes its compile path (float32 step scalars), so
+    the check's whole and pieces could step by different paths, 1e-7 apart in float64: AdamW was refused
+    at random (34 of 300 builds with a rank compiling). Simulated: the flag up while the whole steps."""
+    from dtlab.optimizers import _elementwise
+    from dtlab.optimizers._groups import OptimizerSpec
+
+    check_elementwise, real_steps, calls = _elementwise.check_elementwise, _elementwise._steps, [0]
+
+    def steps(*args: Any) -> None:  # per dtype tried: the whole, then each of the two pieces
+        calls[0] += 1
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", calls[0] % 3 == 1)
+        real_steps(*args)
+
+    monkeypatch.setattr(_elementwise, "_steps", steps)
+    cpu = torch.device("cpu")
+    for cls, options in ((torch.optim.AdamW, {"weight_decay": 0.1}), (torch.optim.Adam, {"amsgrad": True})):
+        spec = OptimizerSpec(cls, {"lr": 1e-3, **options}, [{"lr": 1e-3, **options}], None, [])
+        check_elementwise("ZeRO1Optimizer", spec, spec.groups, cpu, flat=True)  # accepted
+    spec = OptimizerSpec(GroupNormSGD, {"lr": 0.1}, [{"lr": 0.1}], None, [])
+    try:
+        check_elementwise("ZeRO1Optimizer", spec, spec.groups, cpu, flat=True)
+    except StrategyError as exc:
+        assert "GroupNormSGD (param group 0) cannot step flat shards" in str(exc)
+    else:
+        raise AssertionError("GroupNormSGD was accepted")
