@@ -11,7 +11,7 @@ import torch
 from dtlab.backends.base import ReduceOp
 from dtlab.models.base import OptimizerTarget
 
-__all__ = ["clip_by_global_norm"]
+__all__ = ["clip_by_global_norm", "clip_by_value"]
 
 
 def _global_norm(model: OptimizerTarget, norm_type: float) -> torch.Tensor:
@@ -55,3 +55,14 @@ def clip_by_global_norm(
     if not (coef >= 1.0):  # NaN too: torch multiplies by the clamped coefficient, NaN included
         model.scale_grads_(coef)
     return norm.float()
+
+
+def clip_by_value(model: OptimizerTarget, clip_value: float) -> None:
+    """Clamp every synchronized gradient to ``[-clip_value, clip_value]`` (torch's
+    ``clip_grad_value_`` on the gradients as the strategy holds them: whole or this rank's shard)."""
+    if not (isinstance(clip_value, int | float) and clip_value > 0):
+        raise ValueError(f"clip_value must be a number > 0, got {clip_value!r}")
+    tensors, _ = model.norm_grad_tensors()
+    with torch.no_grad():
+        for t in tensors:
+            t.clamp_(-float(clip_value), float(clip_value))

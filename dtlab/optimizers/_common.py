@@ -21,7 +21,7 @@ from dtlab.core.shard_index import (
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models.base import ModelStrategy, OptimizerTarget
-from dtlab.optimizers._clip import clip_by_global_norm
+from dtlab.optimizers._clip import clip_by_global_norm, clip_by_value
 from dtlab.optimizers._elementwise import check_elementwise, steps_slices
 from dtlab.optimizers._groups import (
     Entry,
@@ -36,6 +36,7 @@ from dtlab.optimizers._groups import (
 )
 from dtlab.optimizers._handed import hand_over
 from dtlab.optimizers._hooks import carry_hooks, load_with_hooks, state_dict_with_hooks
+from dtlab.optimizers._outside_grads import OutsideGrads
 from dtlab.optimizers._state_view import StateView, replace_state
 from dtlab.optimizers._tied_groups import check_tied_groups
 from dtlab.optimizers._torch_state import PART, check_part, full_state, load_full_state, model_part
@@ -100,6 +101,7 @@ class DataParallelOptimizer(OptimizerStrategy):
                 "of model.module was replaced after wrapping (a LoRA wrapper, a new head), whose new params "
                 "the wrapper would never average. Make the change on the plain module before wrapping it"
             )
+        self._outside = OutsideGrads()  # gradients outside the groups: kept as torch keeps them
         spec = spec_of(me, optimizer, kwargs, [p for _, p in model.trainable_parameters()])
         torch.optim.Optimizer.__init__(self, spec.groups, spec.defaults)
         check_tied_groups(me, model, self.param_groups)  # before any step: tied copies stepped alike
@@ -162,6 +164,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         strangers = [tuple(p.shape) for p in plist if id(p) not in self._module_params]
         if strangers:
             raise StrategyError(strangers_message(type(self).__name__, len(self.param_groups), strangers))
+        self._outside.check_added(type(self).__name__, plist)  # before torch adds the group
         super().add_param_group(param_group)
         if self._ready:
             gi = len(self.param_groups) - 1
@@ -206,9 +209,9 @@ class DataParallelOptimizer(OptimizerStrategy):
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the synchronized gradients (bucket buffers and shards keep their memory). As in torch, a
-        parameter whose gradient ``set_to_none=False`` zeroed is stepped from then on, used or not."""
-        self.dp_model.zero_grad_buffers(set_to_none)
+        """Zero the synchronized gradients of the groups' parameters (see :mod:`._outside_grads`). As in
+        torch, a parameter whose gradient ``set_to_none=False`` zeroed is stepped from then on."""
+        self._outside.zero_grad(self.dp_model, self.param_groups, set_to_none)
 
     # ------------------------------------------------------------------ torch's state dict
     def state_dict(self) -> dict[str, Any]:
@@ -285,14 +288,8 @@ class DataParallelOptimizer(OptimizerStrategy):
         return clip_by_global_norm(self.dp_model, max_norm, norm_type, error_if_nonfinite)
 
     def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp every synchronized gradient to ``[-clip_value, clip_value]`` (torch's
-        ``clip_grad_value_`` on the gradients as this strategy holds them: whole or this rank's shard)."""
-        if not (isinstance(clip_value, int | float) and clip_value > 0):
-            raise ValueError(f"clip_value must be a number > 0, got {clip_value!r}")
-        tensors, _ = self.dp_model.norm_grad_tensors()
-        with torch.no_grad():
-            for t in tensors:
-                t.clamp_(-float(clip_value), float(clip_value))
+        """torch's ``clip_grad_value_`` on the synchronized gradients (:func:`clip_by_value`)."""
+        clip_by_value(self.dp_model, clip_value)
 
     def grads_are_finite(self) -> bool:
         return self.agree(all(bool(torch.isfinite(t).all()) for t in self.dp_model.norm_grad_tensors()[0]))
