@@ -17,12 +17,14 @@ __all__ = ["clip_by_global_norm", "clip_by_value"]
 def _global_norm(model: OptimizerTarget, norm_type: float) -> torch.Tensor:
     tensors, replicated = model.norm_grad_tensors()
     device = model.dp_backend.device
-    if math.isinf(norm_type):
-        local = max((t.detach().abs().max().double() for t in tensors if t.numel()), default=None)
-        total = torch.zeros(1, dtype=torch.float64, device=device) if local is None else local.reshape(1)
+    if math.isinf(norm_type):  # torch.max propagates a NaN (Python's max() keeps whichever came first)
+        maxima = [t.detach().abs().max().double() for t in tensors if t.numel()]
+        local = torch.stack(maxima).max() if maxima else torch.zeros((), dtype=torch.float64, device=device)
+        nan = torch.isnan(local)  # carried apart: a backend's MAX need not propagate NaN
+        total = torch.stack([torch.where(nan, torch.inf, local), nan.double()]).to(device)
         if not replicated:
             model.grad_norm_group().all_reduce(total, ReduceOp.MAX)
-        return total[0]
+        return torch.where(total[1] > 0, torch.nan, total[0])
     acc = torch.zeros(1, dtype=torch.float64, device=device)
     for t in tensors:
         if t.numel():
