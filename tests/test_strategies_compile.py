@@ -188,17 +188,23 @@ def test_a_compiled_module_is_refused_where_the_layers_are_found_by_name() -> No
         assert "hf_model.compile()" in error and "torch.compile(model), without a pipeline" in error, error
 
 
-def _frames_compiled(backend: CommunicationBackend, strategy: str) -> list[int]:
-    """Dynamo's count of frames it compiled (process-wide) after each of 5 steps of a compiled strategy."""
+def _frames_compiled(backend: CommunicationBackend, strategy: str, compiled: str) -> list[int]:
+    """Dynamo's count of frames it compiled (process-wide) after each of 5 steps, the strategy compiled
+    or the module compiled before wrapping."""
     from torch._dynamo.utils import counters
 
     with seeded_init(0):
         net = nn.Sequential(_net(), nn.ReLU(), nn.Linear(4, 4))  # units of three shapes
+    if compiled == "module":
+        net = torch.compile(net, backend="eager")  # type: ignore[assignment]
+    policy = ModuleClassPolicy((nn.Linear,))
     model = (
-        ZeRO3Model(net, backend, persistence_threshold=0) if strategy == "zero3" else FSDPModel(net, backend)
+        ZeRO3Model(net, backend, persistence_threshold=0)
+        if strategy == "zero3"
+        else FSDPModel(net, backend, wrap_policy=policy)
     )
     opt = default_optimizer_strategy(strategy)(model, torch.optim.SGD, lr=0.1)
-    run = torch.compile(model, backend="eager")
+    run = torch.compile(model, backend="eager") if compiled == "strategy" else model
     frames = []
     for step in range(5):
         g = torch.Generator().manual_seed(step)
@@ -209,13 +215,15 @@ def _frames_compiled(backend: CommunicationBackend, strategy: str) -> list[int]:
     return frames
 
 
+@pytest.mark.parametrize("compiled", ["strategy", "module"])
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
-def test_a_compiled_sharded_model_compiles_nothing_after_its_first_step(strategy: str) -> None:
+def test_a_compiled_sharded_model_compiles_nothing_after_its_first_step(strategy: str, compiled: str) -> None:
     """The strategy's bookkeeping around the module's forward and its saved-tensor hooks run eagerly:
     traced, they compiled a graph per unit shape and a frame per saved tensor, at every step until
-    dynamo's recompile limit (8 more frames over steps 2-5 for ZeRO-3 here, with a warning)."""
+    dynamo's recompile limit (8 more frames over steps 2-5 for ZeRO-3 here, with a warning). A module
+    compiled before wrapping compiled the saved-tensor hook from its eager parts the same way."""
     pytest.importorskip("torch._dynamo")
-    frames = run_world(1, _frames_compiled, strategy, timeout=120)[0]
+    frames = run_world(1, _frames_compiled, strategy, compiled, timeout=120)[0]
     assert frames[1:] == [frames[0]] * 4, frames
 
 

@@ -15,6 +15,7 @@ from torch.optim import optimizer as torch_optimizer
 
 __all__ = [
     "global_optimizer_step_pre_hooks",
+    "compiled_inside",
     "in_checkpoint_forward",
     "MODULE_HOOKS",
     "OPTIMIZER_HOOKS",
@@ -88,6 +89,15 @@ def global_optimizer_step_pre_hooks() -> list[Callable[..., Any]]:
     (torch keeps them in ``_global_optimizer_pre_hooks``; empty where a torch release lacks it)."""
     hooks = getattr(torch_optimizer, "_global_optimizer_pre_hooks", {})
     return list(hooks.values())
+
+
+def compiled_inside(module: nn.Module) -> bool:
+    """Whether ``module`` is or holds a compiled module: ``torch.compile(m)``'s wrapper (an
+    ``OptimizedModule``) or one compiled in place (``m.compile()``: torch's ``_compiled_call_impl``)."""
+    return any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
 
 
 def in_checkpoint_forward() -> bool:

@@ -150,7 +150,7 @@ class ShardedModel(DataParallelModel):
         self._at_rest.start_forward(not torch.is_grad_enabled() and not self._backward.open)
         self._at_rest.set_busy(True)
         self._saved.outer = outer_saved_hooks()  # what the user's (the pipeline's) hooks would have kept
-        return self._saved.hooks(eager=traced)
+        return self._saved.hooks(eager=traced or self._hooks.compiled_inside)
 
     def _begin_backward(self) -> None:
         if not self._backward.open:

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.saved_params import SavedHooks
+from dtlab.core.torch_private import compiled_inside
 from dtlab.errors import CollectiveMismatchError, StrategyError, every_rank_saves
 from dtlab.models.base import copy_refused
 from dtlab.models.dp._grad_guard import tensor_bytes
@@ -317,7 +318,7 @@ class GroupHooks:
         #: the groups in the order the first forward ran them (prefetching follows it from then on)
         self.order: list[int] = []
         self.order_done = False
-        self.for_compile = False
+        self.for_compile = self.compiled_inside = False
         self._handles: list[Any] = []
         self.install()
 
@@ -326,6 +327,8 @@ class GroupHooks:
         they talk to the backend and swap parameter storage, which a compiled graph cannot do."""
         self.remove()
         self.for_compile = "torch._dynamo" in sys.modules
+        #: the wrapped module holds compiled code, whose eager parts would compile the saved-tensor hooks
+        self.compiled_inside = self.for_compile and compiled_inside(self.direct[0])
         at = self.at_rest
         for gi, (gmod, _) in enumerate(at.groups):  # gathered before the user's pre-hooks run
             hook = _GatherHook(partial(self._pre_forward, gi), self.for_compile, at)
