@@ -210,6 +210,22 @@ class ErrorFeedback:
             else:
                 self._velocity_spares.pop(key, None)
 
+    def restore(self, key: str, residual: torch.Tensor | None, velocity: torch.Tensor | None) -> None:
+        """Make ``residual`` and ``velocity`` ``key``'s again (None: none), the tensors it held before
+        its last change (kept as spares since) or copies: the step that changed them was not applied."""
+        for held, spares, old in (
+            (self._residuals, self._spares, residual),
+            (self._velocities, self._velocity_spares, velocity),
+        ):
+            now = held.pop(key, None)
+            if old is not None:
+                held[key] = old
+            if now is not None and now is not old:
+                spares[key] = now  # scratch for the next step (in place of ``old`` if it was there)
+            elif old is not None and spares.get(key) is old:
+                del spares[key]
+        self._dense_steps.discard(key)
+
     def residual(self, key: str) -> torch.Tensor | None:
         return self._residuals.get(key)
 

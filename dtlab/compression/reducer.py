@@ -3,14 +3,12 @@
 It is what :class:`~dtlab.optimizers.compression.GradientCompressionOptimizer` plugs into a model
 strategy and what :class:`~dtlab.compression.GradientSynchronizer` uses on its own. Per call:
 
-1. ``acc = grad + residual`` (error feedback), checked for NaN/Inf on every rank (an exchange of the
-   ``P`` counts before any payload moves, so every rank takes the same decision: raise, or with
-   ``nonfinite="skip"`` return NaN gradients so a NaN guard skips the step; the residual is left
-   untouched either way). The counts travel in one all-reduce of ``P`` int32, or inside the
-   compressor's first count exchange where it has one (:meth:`Compressor.checked_exchange`, Ok-Topk).
-   ``backend`` is the model's data-parallel group: the check decides this group's exchange; on a
-   mesh the step-wide decision over every rank is the optimizer's ``grads_are_finite()`` (it spans
-   ``model.world_backend``), which sees the NaN gradients and skips the step everywhere;
+1. ``acc = grad + residual`` (error feedback), checked for NaN/Inf on every rank (the ``P`` counts
+   exchanged before any payload moves, so every rank decides alike: raise, or with ``nonfinite="skip"``
+   return NaN gradients so a NaN guard skips the step; the residual is left untouched either way): one
+   all-reduce of ``P`` int32, or inside the compressor's first count exchange
+   (:meth:`Compressor.checked_exchange`, Ok-Topk). It decides the dp group's exchange; the step-wide
+   decision is the optimizer's ``grads_are_finite()`` (over ``model.world_backend``);
 2. dense exchange during the compressor's ``warmup_steps``, else the compressor's exchange;
 3. ``residual = acc - contributed``; the average is written back in the gradient's dtype;
 4. bytes (from ``backend.stats`` deltas), selection and times are added to this step's statistics.
@@ -19,18 +17,18 @@ strategy and what :class:`~dtlab.compression.GradientSynchronizer` uses on its o
 overlapped where the engine overlaps; ``reduce_dtype`` as the strategy's own dense reducer).
 Compressed exchanges complete inside the call (the returned ``Work`` is already complete).
 ``momentum_correction=m`` (optional): DGC momentum correction and momentum factor masking in the
-error feedback (see :mod:`dtlab.compression.error_feedback`); the dense path then sends the velocity
-``u = m * u + grad`` instead of the gradient (plain momentum SGD; the optimizer must have none).
-``layouts`` (optional) maps a buffer key to the ``(offset, shape)`` of the parameters packed in it;
-the compressor's state for that buffer is built from it (PowerSGD compresses per parameter).
-``tp_whole`` (optional, on a tensor-parallel mesh) maps a buffer key to the ``(offset, numel)`` of the
-parameters in it that every tp rank holds whole: they are compressed as a buffer of their own
-(:mod:`dtlab.compression.tp_parts`), so every tp rank treats their gradient alike.
+error feedback (:mod:`dtlab.compression.error_feedback`); the dense path then sends the velocity
+``u = m * u + grad`` (plain momentum SGD; the optimizer must have none). ``step_log`` (enabled by
+the optimizer) undoes a step that was not applied (:mod:`dtlab.compression.skipped`).
+``layouts`` (optional): buffer key -> ``(offset, shape)`` of its parameters, for the compressor's
+state (PowerSGD compresses per parameter). ``tp_whole`` (optional, tp > 1): buffer key -> the
+``(offset, numel)`` of the parameters every tp rank holds whole, compressed as a buffer of their own
+(:mod:`dtlab.compression.tp_parts`) so every tp rank treats their gradient alike.
 
 :meth:`CompressedReducer.state_dict` / :meth:`CompressedReducer.load_state_dict` carry everything that
 affects future steps (per buffer: residual, iteration count, the compressor's state, encoded
-generically by :mod:`dtlab.compression.state_io`), so a resumed run continues exactly. A restored
-buffer whose size turns out different (another bucket layout) starts afresh, with a warning.
+generically by :mod:`dtlab.compression.state_io`), so a resumed run continues exactly; a restored
+buffer of another size (another bucket layout) starts afresh, with a warning.
 """
 
 from __future__ import annotations
@@ -54,6 +52,7 @@ from dtlab.compression.base import (
 from dtlab.compression.dense import Dense
 from dtlab.compression.error_feedback import ErrorFeedback
 from dtlab.compression.finite import ExchangeSkipped, FiniteCheck
+from dtlab.compression.skipped import StepLog
 from dtlab.compression.state_io import decode_state, encode_state
 from dtlab.compression.stats import StepStatistics
 from dtlab.compression.tp_parts import OWN, WHOLE, Ranges, TpParts
@@ -93,9 +92,7 @@ class CompressedReducer(GradientReducer):
             raise ConfigError(f"dense_below must be an integer >= 0 (elements), got {dense_below!r}")
         if nonfinite not in ("raise", "skip"):
             raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
-        self.compressor = compressor
-        self.dense_below = dense_below
-        self.nonfinite = nonfinite
+        self.compressor, self.dense_below, self.nonfinite = compressor, dense_below, nonfinite
         self.error_feedback = ErrorFeedback(momentum_correction)
         self.momentum_correction = self.error_feedback.momentum
         # at density 1.0 momentum factor masking would zero the whole velocity: send dense (as DGC)
@@ -109,6 +106,7 @@ class CompressedReducer(GradientReducer):
             if key in self.tp_parts.ranges:
                 self.layouts[key + WHOLE], self.layouts[key + OWN] = self.tp_parts.layouts(key, layout)
         self._steps: dict[str, int] = {}
+        self.step_log = StepLog(self.error_feedback, self._steps, backend.rank)
         self._numels: dict[str, int] = {}  # compressed buffers seen (or restored) and their sizes
         self._restored: dict[str, dict[str, Any]] = {}  # loaded compressor state, applied on first use
         self._touched: list[str] = []  # buffers whose state the calls since start_step() changed
@@ -138,9 +136,9 @@ class CompressedReducer(GradientReducer):
     def discard_step(self) -> None:
         """The backward since :meth:`start_step` raised partway: the buffers it already reduced changed
         their residuals (velocities) and iteration counts, which would carry part of the skipped batch
-        into later steps, so every later reduction and :meth:`state_dict` (a checkpoint, an elastic
-        commit: loading it would bring them back) are refused until :meth:`clear_state` or
-        :meth:`load_state_dict`. Nothing changed if it raised before any buffer was reduced."""
+        into later steps, so later reductions and :meth:`state_dict` (a checkpoint, an elastic commit)
+        are refused until :meth:`clear_state` or :meth:`load_state_dict` (nothing changed if it raised
+        before any buffer was reduced)."""
         if self._touched:
             self._discarded, self._touched = self._touched, []
 
@@ -160,8 +158,8 @@ class CompressedReducer(GradientReducer):
         return self._steps.get(key, 0)
 
     def has_reduced(self) -> bool:
-        """Whether any buffer has been reduced (or restored with a nonzero iteration count) since the
-        state was last cleared: the same on every rank, read without copying or refusing anything."""
+        """Whether any buffer was reduced (or restored with a nonzero count) since the last clear: alike on
+        every rank, read without copying or refusing anything."""
         return any(self._steps.values())
 
     # ------------------------------------------------------------------ checkpoints
@@ -190,10 +188,9 @@ class CompressedReducer(GradientReducer):
     def load_state_dict(
         self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any], compressor_state: bool = True
     ) -> None:
-        """Restore what :meth:`state_dict` returned (replacing all current state). With
-        ``compressor_state=False`` (another compressor configuration) only residuals and iteration
-        counts come back. Metadata without ``buffers`` (older checkpoints): residuals only.
-        Velocities are restored under momentum correction (absent ones start at zero)."""
+        """Restore what :meth:`state_dict` returned (replacing all current state); with
+        ``compressor_state=False`` (another compressor configuration) residuals, velocities and iteration
+        counts only. Metadata without ``buffers`` (older checkpoints): residuals only."""
         self.clear_state()
         device = self.backend.device
         buffers = metadata.get("buffers", {})
@@ -229,6 +226,7 @@ class CompressedReducer(GradientReducer):
     def clear_state(self) -> None:
         """Forget every buffer's residual, iteration count and compressor state (a fresh start)."""
         self.error_feedback.clear()
+        self.step_log.settle()
         self._states.clear()
         self._steps.clear()
         self._numels.clear()
@@ -304,6 +302,7 @@ class CompressedReducer(GradientReducer):
         n = grad.numel()
         if dense or self._all_dense or n < self.dense_below:
             if self.momentum_correction is not None:
+                self.step_log.before(key)
                 self._touched.append(key)
             self.error_feedback.momentum_step(key, grad)
             work = (
@@ -315,6 +314,7 @@ class CompressedReducer(GradientReducer):
             return work
         self.compressor.validate_numel(n, key)
         self._check_size(key, n)
+        self.step_log.before(key)
         state = self._states.get(key)
         if state is None:
             layout = self.layouts.get(key)
@@ -360,8 +360,7 @@ class CompressedReducer(GradientReducer):
         return CompletedWork()
 
     def _nonfinite(self, key: str, per_rank: list[int]) -> None:
-        """Every rank's NaN/Inf counts of buffer ``key`` (some nonzero): recorded, then raised under
-        ``nonfinite="raise"``; returns under ``"skip"`` (nothing is sent either way)."""
+        """Every rank's NaN/Inf counts of ``key`` (some nonzero): recorded, raised under "raise"."""
         where = ", ".join(f"rank {r}: {c}" for r, c in enumerate(per_rank) if c)
         self._stats.nonfinite_values += sum(per_rank)
         self._stats.nonfinite_keys.append(key)

@@ -161,6 +161,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
             momentum_correction=momentum_correction,
             tp_whole=tp_whole_ranges(self.model),
         )
+        self.reducer.step_log.enabled = True  # this optimizer says which steps are applied
         self.model.gradient_reducer = self.reducer
         self.statistics: dict[str, Any] = {}
         self._owed = OwedParams(self.model, self.reducer.error_feedback, self.reducer.tp_parts.ranges)
@@ -177,10 +178,19 @@ class GradientCompressionOptimizer(WrappingStrategy):
             refuse_momentum(self.param_groups, self.reducer.momentum_correction, at_step=True)
         self._owed.check(type(self.inner).__name__)
         self.inner.step()
+        self.reducer.step_log.settle()
         self._owed.record()
         self.statistics = self.reducer.step_statistics()
         self.reducer.start_step()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's; after gradients that were reduced but not stepped (a step skipped for a non-finite
+        gradient on some rank) every buffer they went through gets back its error-feedback residual,
+        momentum-correction velocity and iteration count (:mod:`dtlab.compression.skipped`), as one
+        process skipping the step keeps nothing of its batch."""
+        self.reducer.step_log.undo()
+        self.inner.zero_grad(set_to_none)
 
     def own_memory(self) -> dict[str, int]:
         return {"compression_residuals": self.reducer.error_feedback.nbytes()}
