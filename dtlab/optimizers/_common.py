@@ -390,6 +390,8 @@ class DataParallelOptimizer(OptimizerStrategy):
                 for k, v in values.items():
                     if k in group and k != "params":
                         group[k] = tuple(v) if isinstance(group[k], tuple) else v
+                    elif k != "params" and v is not None:  # a scheduler's (initial_lr), as torch's load
+                        group[k] = v
             self._push_groups()
 
     def _needed_pieces(self) -> list[list[Piece]]:
