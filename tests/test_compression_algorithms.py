@@ -28,7 +28,7 @@ from dtlab.compression import (
     TopkA,
     TopkDSA,
 )
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, StrategyError
 from dtlab.testing import run_world
 
 torch.set_num_threads(1)
@@ -358,3 +358,20 @@ def _dense_then_fewer(backend: CommunicationBackend) -> dict[str, torch.Tensor]:
     sync = GradientSynchronizer(Dense(), backend)
     sync.sync({"a": torch.ones(3), "b": torch.ones(2)})
     return sync.sync({"a": torch.full((3,), float(backend.rank))})
+
+
+def _key_of_two_sizes(backend: CommunicationBackend) -> str:
+    red = CompressedReducer(backend, TopkA(density=0.1, warmup_steps=0), dense_below=0)
+    red.all_reduce("g", _grad(backend.rank, 0, 1000)).wait()
+    try:
+        red.all_reduce("g", _grad(backend.rank, 1, 800)).wait()
+    except StrategyError as e:
+        return str(e)
+    return ""
+
+
+def test_a_key_reduced_with_another_size_is_refused() -> None:
+    """A hand-built reducer's key naming another buffer at a later call dropped the residual (with a
+    warning about a restored state); a restored buffer of another size still starts afresh."""
+    for text in run_world(2, _key_of_two_sizes, timeout=30):
+        assert "'g' was reduced with 1000 elements, now 800" in text, text

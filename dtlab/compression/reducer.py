@@ -158,8 +158,7 @@ class CompressedReducer(GradientReducer):
         return self._steps.get(key, 0)
 
     def has_reduced(self) -> bool:
-        """Whether any buffer was reduced (or restored with a nonzero count) since the last clear: alike on
-        every rank, read without copying or refusing anything."""
+        """Whether any buffer was reduced (or restored with a nonzero count) since the last clear."""
         return any(self._steps.values())
 
     # ------------------------------------------------------------------ checkpoints
@@ -237,14 +236,16 @@ class CompressedReducer(GradientReducer):
         expected = self._numels.setdefault(key, n)
         if expected == n:
             return
+        if key in self._states:  # reduced in this run, not restored: the caller's key names two buffers
+            raise StrategyError(
+                f"compressed reducer: buffer {key!r} was reduced with {expected} elements, now {n}: a key "
+                "must name the same buffer at every call (its error-feedback residual is kept per element)"
+            )
         if self.backend.rank == 0:
             logging.getLogger(__name__).warning(
-                "compressed reducer: restored state of buffer %r was for %d elements, the buffer now has "
-                "%d (another bucket layout); its residual, iteration count and compressor state start "
-                "afresh",
-                key,
-                expected,
-                n,
+                "compressed reducer: restored state of buffer %r was for %d elements, the buffer now has %d "
+                "(another bucket layout); its residual, iteration count and compressor state start afresh",
+                *(key, expected, n),
             )
         self._forget(key)
         self._numels[key] = n
