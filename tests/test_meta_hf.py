@@ -16,6 +16,7 @@ from hf_cases import LLAMA_PLAN, SEQ, VOCAB, decoder_layer, gpt2, llama, lm_loss
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.rng import seeded_init
 from dtlab.models import TensorParallelModel, ZeRO3Model
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
@@ -196,3 +197,37 @@ def test_llama_on_meta_under_dp2_tp2_pp2_is_the_same_model() -> None:
     for differ, rotary in run_world(8, body):
         assert differ == []
         assert all(torch.equal(rotary[n], b) for n, b in plain.items())
+
+
+def test_gpt2_on_meta_gets_its_residual_scaled_projections_under_every_layout() -> None:
+    """GPT-2's attention and MLP redraw their child ``c_proj.weight`` with std initializer_range /
+    sqrt(2 * n_layer) (a parent's ``_init_weights`` on its child's tensor, as ``from_config`` does): built
+    on meta, ZeRO-3, tensor and pipeline parallelism give that std (not the plain 0.02) and one model."""
+    from dtlab.models import PipelineParallelModel, gpt2_plan
+
+    def body(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for wrap in ("zero3", "tp2", "pp2"):
+            with torch.device("meta"):
+                net = gpt2(embd=32)
+            if wrap == "zero3":
+                model: Any = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=3)
+            elif wrap == "tp2":
+                model = TensorParallelModel(net, backend, plan=gpt2_plan(), init_seed=3)
+            else:
+                model = PipelineParallelModel(net, backend, split_points=["transformer.h.1"], init_seed=3)
+            out[wrap] = model.full_state_dict()
+        return out
+
+    with seeded_init(3):
+        plain = gpt2(embd=32).state_dict()
+    scaled = [k for k in plain if k.endswith("c_proj.weight")]
+    assert len(scaled) == 4
+    want = float(torch.cat([plain[k].flatten() for k in scaled]).std())
+    assert abs(want - 0.02 / math.sqrt(4)) < 0.0005  # what from_config draws
+    for res in run_world(2, body):
+        z3 = res["zero3"]
+        got = float(torch.cat([z3[k].flatten() for k in scaled]).std())
+        assert abs(got - want) < 0.0005, (got, want)
+        for wrap in ("tp2", "pp2"):
+            assert [k for k in z3 if not torch.equal(res[wrap][k], z3[k])] == [], wrap

@@ -23,6 +23,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dtlab.core.rng import model_building, seeded_init
 from dtlab.errors import ArgumentError, StrategyError
+from dtlab.models.dp._hf_init import HFInit
 from dtlab.models.dp._sharded_units import ShardUnit
 from dtlab.models.dp.flat import Slot
 
@@ -151,24 +152,27 @@ def _untouched(t: torch.Tensor) -> bool:
     return bool((t == torch.iinfo(t.dtype).min).all())
 
 
-@dataclass(frozen=True)
+@dataclass
 class MetaFill:
     """How a model built on the meta device fills a module's own tensors: ``who`` names the model in
-    errors, ``root`` is the whole model (a Hugging Face root brings ``_init_weights``)."""
+    errors, ``root`` is the whole model as built (a Hugging Face root brings ``_init_weights``)."""
 
     who: str
     root: nn.Module
     param_init_fn: ParamInitFn | None
 
+    def __post_init__(self) -> None:
+        self.hf = HFInit.of(self.root) if self.param_init_fn is None else None
+
     def initializer(self, mname: str, mod: nn.Module, tname: str) -> ParamInitFn:
         """What fills ``mod``'s own tensors (``tname``: the first of them): ``param_init_fn``; else, in a
         Hugging Face model (a root with ``_init_weights`` and a ``config``), the model's
-        ``_init_weights(mod)``; else its ``reset_parameters()``; else an error naming the tensor."""
+        ``_init_weights(mod)``, then its ancestors' (:class:`HFInit`); else its ``reset_parameters()``;
+        else an error naming the tensor."""
         if self.param_init_fn is not None:
             return self.param_init_fn
-        hf_init = getattr(self.root, "_init_weights", None)
-        if callable(hf_init) and hasattr(self.root, "config"):
-            return hf_init  # type: ignore[no-any-return]
+        if self.hf is not None:
+            return self.hf
         reset = getattr(mod, "reset_parameters", None)
         if callable(reset):
             return lambda m: reset()  # noqa: ARG005 - the ParamInitFn form
