@@ -268,7 +268,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         for g, sg in zip(self.param_groups, saved, strict=True):
             g.update({k: v for k, v in sg.items() if k != "params"})
         self._push_groups()
-        load_full_state(self._entries, self._opt, mine, me)
+        load_full_state(self._entries, self._opt, mine, me, whole=not self._sharded_state)
 
     def _push_groups(self) -> None:
         """This optimizer's group options win over the local optimizer's (after a load)."""
@@ -320,8 +320,9 @@ class DataParallelOptimizer(OptimizerStrategy):
                     if v.shape != t.shape:
                         raise StrategyError(
                             f"{type(self).__name__}: optimizer state {sk!r} has shape {tuple(v.shape)}, not "
-                            f"the parameter's {tuple(t.shape)}; only element-wise optimizer state "
-                            "(SGD, Adam, AdamW, RMSprop, ...) can be sharded and resharded"
+                            f"the parameter's {tuple(t.shape)}; only element-wise optimizer state (SGD, "
+                            "Adam, ...) can be sharded and resharded. Save opt.state_dict() (whole under "
+                            "DDPOptimizer) with torch.save on each rank, and save_checkpoint(..., None)"
                         )
                     flat = v.reshape(-1)
                     for pc in pieces:

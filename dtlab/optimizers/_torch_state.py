@@ -62,13 +62,8 @@ def full_state(
         out: dict[int, dict[str, Any]] = {}
         for e in entries:
             st = local.state.get(e.tensor)
-            if st:
-                out[e.index] = {
-                    k: v.detach().clone()
-                    if isinstance(v, torch.Tensor) and _tensor_state(e, k, v, who)
-                    else _scalar(v)
-                    for k, v in st.items()
-                }
+            if st:  # whole parameters: any state as torch holds it (Adafactor's factored row_var too)
+                out[e.index] = {k: _scalar(v) for k, v in st.items()}
         return dict(sorted(out.items()))
     return _gathered_state(entries, local, model, index_of, who)
 
@@ -161,10 +156,20 @@ def _check_same_options(options: list[list[dict[str, Any]]], who: str) -> None:
                 )
 
 
+def _factored(v: torch.Tensor, param: torch.Tensor) -> bool:
+    """True for state of a whole parameter factored over some of its dimensions (Adafactor's
+    ``row_var``, of shape ``(rows, 1)``): its dimensions are the parameter's or 1, not all the same.
+    Any other shape than the parameter's is state of another model, or of a part of this one."""
+    if v.dim() != param.dim() or v.shape == param.shape:
+        return False
+    return all(a in (b, 1) for a, b in zip(v.shape, param.shape, strict=True))
+
+
 def load_full_state(
-    entries: list[Entry], local: torch.optim.Optimizer, state: dict[Any, Any], who: str
+    entries: list[Entry], local: torch.optim.Optimizer, state: dict[Any, Any], who: str, whole: bool
 ) -> None:
-    """Give every entry its slice of ``state`` (``{param index: {key: value}}``, torch's layout)."""
+    """Give every entry its slice of ``state`` (``{param index: {key: value}}``, torch's layout);
+    ``whole``: every entry is a whole parameter, whose factored state loads as torch loads it."""
     local.state.clear()
     for e in entries:
         saved = state.get(e.index, state.get(str(e.index)))
@@ -173,7 +178,10 @@ def load_full_state(
         numel = e.numel
         st: dict[str, Any] = {}
         for k, v in saved.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if isinstance(v, torch.Tensor) and whole and _factored(v, e.tensor):
+                dtype = e.tensor.dtype if v.is_floating_point() else v.dtype
+                st[k] = v.detach().to(device=e.tensor.device, dtype=dtype).clone()
+            elif isinstance(v, torch.Tensor) and v.dim() > 0:
                 if v.numel() != numel:
                     raise StrategyError(
                         f"{who}.load_state_dict(): state {k!r} of parameter {e.index} ({e.name!r}) has "
