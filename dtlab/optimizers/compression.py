@@ -184,6 +184,18 @@ class GradientCompressionOptimizer(WrappingStrategy):
         self.reducer.start_step()
         return loss
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Read by ``torch.amp.GradScaler.step(opt)`` (torch's only reader): refused, as dtlab's
+        ``GradScaler`` refuses compression (a ``torch.amp.GradScaler`` over sharded gradients is refused
+        at ``unscale_`` already, over DDP's whole ones it is not)."""
+        raise StrategyError(
+            "torch.amp.GradScaler with gradient compression: the loss scale multiplies the gradients the "
+            "compressor sees, so the error-feedback residuals keep them at the scale of their step and send "
+            "them after the scale changed (grown, or lowered after an overflow), at another scale; use bf16 "
+            "autocast (no loss scaling) or no compression"
+        )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's; after gradients that were reduced but not stepped (a step skipped for a non-finite
         gradient on some rank) every buffer they went through gets back its error-feedback residual,
