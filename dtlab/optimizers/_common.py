@@ -22,7 +22,7 @@ from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError, StrategyError
 from dtlab.models.base import ModelStrategy, OptimizerTarget
 from dtlab.optimizers._clip import clip_by_global_norm, clip_by_value
-from dtlab.optimizers._elementwise import check_elementwise, steps_slices
+from dtlab.optimizers._elementwise import check_pieces, steps_slices
 from dtlab.optimizers._groups import (
     Entry,
     check_groups,
@@ -107,8 +107,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         check_tied_groups(me, model, self.param_groups)  # before any step: tied copies stepped alike
         self._entries = self._build()
         self._kind = self._pieces_kind()
-        if self._kind is not None:  # Adafactor, Muon, LAMB... would step each piece its own way
-            check_elementwise(me, spec, self.param_groups, model.dp_backend.device, flat=self._kind == "flat")
+        check_pieces(me, spec, self.param_groups, model, self._kind)  # Adafactor, Muon, LAMB, group norms
         self._opt = make_local(spec, me, self.param_groups, self._entries)
         self._seen: list[dict[str, Any]] = [{} for _ in self.param_groups]
         self._sync_groups()

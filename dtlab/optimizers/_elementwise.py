@@ -10,6 +10,11 @@ this rank's pieces in the group, each would step silently differently, or (Muon 
 with its own error. The check runs the user's class, with each group's options, on a small matrix
 whole and as pieces, each piece in an optimizer of its own (as each rank holds its own pieces), for
 two steps on the same gradients, and refuses the class when the results differ.
+
+A pipeline rank's optimizer steps whole parameters, but only those of its stages: an optimizer whose
+update of a parameter depends on the other parameters of its group (that group norm) would see this
+rank's part of the group. There the check steps two matrices in one optimizer and each in an
+optimizer of its own, and refuses the class when they differ.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers._groups import OptimizerSpec, constructor_defaults
 
-__all__ = ["check_elementwise", "steps_slices"]
+__all__ = ["check_elementwise", "check_pieces", "steps_slices"]
 
 _ROWS, _COLS, _STEPS, _LR = 4, 6, 2, 1e-2
 #: how far (relative to how far the steps moved the matrix) the pieces may end from the whole: the
@@ -123,3 +128,55 @@ def steps_slices(model: OptimizerTarget) -> bool:
         if isinstance(placement, Shard) and size > 1:
             return True
     return False
+
+
+def _coupled(spec: OptimizerSpec, options: dict[str, Any], device: torch.device) -> str | None:
+    """Why stepping two parameters in one optimizer differs from stepping each in its own, or None."""
+    shapes = [(_ROWS, _COLS), (_COLS, _ROWS - 1)]
+    for dtype, tolerance in _TOLERANCE.items():
+        gen = torch.Generator().manual_seed(0)
+        start = [torch.randn(s, generator=gen, dtype=torch.float64).to(device, dtype) for s in shapes]
+        grads = [[torch.randn(s, generator=gen, dtype=torch.float64).to(device, dtype) for s in shapes]]
+        grads.append([torch.randn(s, generator=gen, dtype=torch.float64).to(device, dtype) for s in shapes])
+        together = [t.clone().requires_grad_(True) for t in start]
+        apart = [t.clone().requires_grad_(True) for t in start]
+        try:
+            _steps(spec, options, together, grads)
+            for k, p in enumerate(apart):
+                _steps(spec, options, [p], [[g[k]] for g in grads])
+        except Exception:  # e.g. a fused kernel without float64: try float32
+            continue
+        moved = max(float((t.detach() - s).abs().max()) for t, s in zip(together, start, strict=True))
+        off = max(float((t.detach() - a.detach()).abs().max()) for t, a in zip(together, apart, strict=True))
+        if moved > 0 and off > tolerance * moved:
+            return (
+                "its update of a parameter depends on the other parameters of its param group (two "
+                f"matrices stepped in one optimizer and each in its own, {_STEPS} steps moved them "
+                f"{moved:.3g} and they ended {off:.3g} apart)"
+            )
+        return None
+    return None
+
+
+def check_pieces(
+    who: str, spec: OptimizerSpec, groups: list[dict[str, Any]], model: OptimizerTarget, kind: str | None
+) -> None:
+    """Refuse ``spec``'s class where this rank's optimizer would step it otherwise than one process:
+    on pieces of parameters (``kind``: ``"flat"`` shards or tensor-parallel ``"slices"``), or, on a
+    pipeline rank (whole parameters of its stages only), when it couples the parameters of a group."""
+    device = model.dp_backend.device
+    if kind is not None:
+        check_elementwise(who, spec, groups, device, flat=kind == "flat")
+        return
+    pp = getattr(model, "pp_group", None)
+    if pp is None or pp.world_size == 1:
+        return
+    for gi, options in enumerate(groups):
+        problem = _coupled(spec, options, device)
+        if problem is not None:
+            raise StrategyError(
+                f"{who}: {spec.cls.__name__} (param group {gi}) cannot step a pipeline rank's parameters: "
+                f"{problem}, and each pipeline rank's optimizer holds only its stages' parameters. Use an "
+                "optimizer whose update of a parameter depends on that parameter alone (SGD, AdamW, "
+                "Adafactor, Muon, ...), or train this model without a pipeline (DDPModel with DDPOptimizer)"
+            )
