@@ -231,3 +231,43 @@ def test_gpt2_on_meta_gets_its_residual_scaled_projections_under_every_layout() 
         assert abs(got - want) < 0.0005, (got, want)
         for wrap in ("tp2", "pp2"):
             assert [k for k in z3 if not torch.equal(res[wrap][k], z3[k])] == [], wrap
+
+
+def test_parents_that_initialize_their_children_give_from_config_distributions_on_meta() -> None:
+    """T5's layers set their projections' std ((d_model * d_kv) ** -0.5 for queries, d_model ** -0.5 for
+    the rest) and Mamba's mixer initializes its convolution and projections (one in place, ``/=``),
+    each from the parent's ``_init_weights``: built on meta under ZeRO-3 every tensor has the std of
+    ``from_config`` (T5 drew the default 1.0; Mamba's build failed writing into a parameter of a child)."""
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0
+    )
+    mamba = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2)
+
+    def builds() -> dict[str, Any]:
+        return {
+            "t5": lambda: transformers.T5ForConditionalGeneration(config),
+            "mamba": lambda: transformers.MambaForCausalLM(mamba),
+        }
+
+    def body(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
+        out = {}
+        for name, build in builds().items():
+            with torch.device("meta"):
+                net = build()
+            out[name] = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=4).full_state_dict()
+        return out
+
+    res = run_world(2, body)[0]
+    for name, build in builds().items():
+        with seeded_init(4):
+            plain = build().state_dict()
+        for k, want in plain.items():
+            got = res[name][k]
+            if want.numel() >= 512 and want.is_floating_point():  # enough draws for a std within 15%
+                ratio = float(got.std()) / float(want.std())
+                assert 0.85 < ratio < 1.15, (name, k, float(got.std()), float(want.std()))
+            elif not want.is_floating_point() or want.std() == 0:  # e.g. norms' ones, Mamba's D
+                assert torch.equal(got, want), (name, k)
+        if name == "mamba":  # deterministic: log(1..state_size) per channel
+            a_log = "backbone.layers.0.mixer.A_log"
+            assert torch.equal(res[name][a_log], plain[a_log])

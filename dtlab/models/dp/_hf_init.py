@@ -2,14 +2,16 @@
 device (docs/big_models.md).
 
 Hugging Face initializes a model by calling ``_init_weights`` on every module, children before their
-parent (``PreTrainedModel.initialize_weights``), and some parents initialize tensors of their children:
-GPT-2's ``GPT2Attention`` and ``GPT2MLP`` redraw their ``c_proj.weight`` with the residual-scaled
-``initializer_range / sqrt(2 * n_layer)``. A meta build fills one module's own tensors at a time, so
-:class:`HFInit` calls ``_init_weights`` on the module and then on each of its ancestors, nearest first,
-with every other tensor of the model marked as initialized (Hugging Face's ``_is_hf_initialized``, which
-its ``transformers.initialization`` functions skip): the ancestors reach only this module's tensors.
-The path from each ancestor to the module is the one the model had when it was built (a tensor plan or
-a pipeline may have replaced modules since): it is set back for the call.
+parent (``PreTrainedModel.initialize_weights``), and many parents initialize tensors of their children
+(GPT-2's attention and MLP redraw their ``c_proj.weight`` scaled by the depth, T5's layers set their
+projections' std, Mamba's mixer its convolution and projections). A meta build fills one module's own
+tensors at a time, so :class:`HFInit` calls ``_init_weights`` on the module and then on each of its
+ancestors, nearest first, with every other tensor of the model replaced by a meta stand-in marked
+initialized (Hugging Face's ``_is_hf_initialized``, which its ``transformers.initialization`` functions
+skip; other writes and draws on meta do nothing): the calls reach only this module's tensors, and a
+parent's init of its children takes effect when each child is filled. The path from each ancestor to
+the module is the one the model had when it was built (a tensor plan or a pipeline may have replaced
+modules since): it is set back for the calls.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class HFInit:
         self.root = root
         self.paths: dict[int, list[_Link]] = {}  #: by module id: links from the module up to the root
         self.inits: dict[int, _InitFn] = {}  #: by module id: the ``_init_weights`` that initializes it
+        #: by (module id, name): the shape each tensor was built with (a sharding strategy empties its
+        #: parameters); the modules stay alive in ``paths``, so their ids are not reused
+        self.shapes: dict[tuple[int, str], torch.Size] = {}
         stack: list[tuple[nn.Module, list[_Link], _InitFn]] = [(root, [], root_init)]
         while stack:
             mod, path, init = stack.pop()
@@ -47,6 +52,8 @@ class HFInit:
                 continue
             init = _hf_init_of(mod) or init
             self.paths[id(mod)], self.inits[id(mod)] = path, init
+            for name, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+                self.shapes[(id(mod), name)] = t.shape
             for name, child in reversed(list(mod.named_children())):
                 stack.append((child, [(mod, name, child), *path], init))
 
@@ -58,14 +65,33 @@ class HFInit:
         return None if init is None else HFInit(root, init)
 
     def __call__(self, mod: nn.Module) -> None:
-        self.inits.get(id(mod), self.inits[id(self.root)])(mod)
         path = self.paths.get(id(mod), [])
-        if not path:
-            return
         own = {id(t) for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]}
-        with _on_path(path), _others_marked(self.root, own):
+        with _on_path(path), self._others_on_meta(own):
+            self.inits.get(id(mod), self.inits[id(self.root)])(mod)
             for ancestor, _, _ in path:
                 self.inits[id(ancestor)](ancestor)
+
+    def _stand_in(self, mod: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+        empty = torch.empty(self.shapes.get((id(mod), name), t.shape), dtype=t.dtype, device="meta")
+        meta = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+        setattr(meta, _FLAG, True)
+        return meta
+
+    @contextmanager
+    def _others_on_meta(self, own: set[int]) -> Iterator[None]:
+        """Every tensor of the model but those in ``own`` (ids) replaced by its meta stand-in."""
+        swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+        try:
+            for mod in self.root.modules():
+                for name, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+                    if id(t) not in own:
+                        setattr(mod, name, self._stand_in(mod, name, t))
+                        swapped.append((mod, name, t))
+            yield
+        finally:
+            for mod, name, t in reversed(swapped):
+                setattr(mod, name, t)
 
 
 @contextmanager
@@ -86,18 +112,3 @@ def _on_path(path: list[_Link]) -> Iterator[None]:
                     delattr(ancestor, name)
             else:
                 setattr(ancestor, name, current)
-
-
-@contextmanager
-def _others_marked(root: nn.Module, own: set[int]) -> Iterator[None]:
-    """Every tensor of ``root`` but those in ``own`` (ids) marked as initialized for Hugging Face."""
-    marked: list[torch.Tensor] = []
-    try:
-        for t in [*root.parameters(), *root.buffers()]:
-            if id(t) not in own and not getattr(t, _FLAG, False):
-                setattr(t, _FLAG, True)
-                marked.append(t)
-        yield
-    finally:
-        for t in marked:
-            delattr(t, _FLAG)
