@@ -271,3 +271,29 @@ def test_parents_that_initialize_their_children_give_from_config_distributions_o
         if name == "mamba":  # deterministic: log(1..state_size) per channel
             a_log = "backbone.layers.0.mixer.A_log"
             assert torch.equal(res[name][a_log], plain[a_log])
+
+
+def test_only_parents_that_initialize_their_children_are_called_again() -> None:
+    """A Llama's containers (decoder layers, attention, MLP, the model) initialize nothing of their
+    children: building it on meta calls ``_init_weights`` once per module (a dry run on meta) plus once
+    per module with tensors of its own, not again for every ancestor of every module."""
+
+    def body(backend: CommunicationBackend) -> tuple[int, int]:
+        calls: list[int] = []
+        with torch.device("meta"):
+            net = _llama(layers=8)
+        for model in [m for m in net.modules() if hasattr(m, "config") and hasattr(m, "_init_weights")]:
+            init = getattr(model, "_init_weights")  # noqa: B009 - Hugging Face's, wrapped to count calls
+
+            def counted(module: nn.Module, init: Any = init) -> None:
+                calls.append(id(module))
+                init(module)
+
+            setattr(model, "_init_weights", counted)  # noqa: B010
+        mods = list(net.modules())
+        with_own = [m for m in mods if any(True for _ in m.parameters(recurse=False))]
+        ZeRO3Model(net, backend, persistence_threshold=0, init_seed=0)
+        return len(calls), len(mods) + len(with_own) + 1  # +1: the rotary buffers
+
+    calls, bound = run_world(1, body)[0]
+    assert calls <= bound, (calls, bound)
