@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dtlab.checkpoint._hf_names import file_names, ignored_unexpected
 from dtlab.core.placement import Box, Placement, local_regions
 from dtlab.core.shard_index import full_shape_of
 from dtlab.errors import CheckpointError
@@ -103,13 +104,17 @@ class _Held:
 class _Files:
     """The open safetensors files: which of a tensor's names the files hold, and lazy reads."""
 
-    def __init__(self, by_key: dict[str, Path], stack: ExitStack) -> None:
+    def __init__(self, by_key: dict[str, Path], stack: ExitStack, module: torch.nn.Module) -> None:
         self.handles: dict[Path, Any] = {}
         self.stack = stack
         if "" in by_key:
             one = by_key.pop("")
             by_key = dict.fromkeys(self.handle(one).keys(), one)
-        self.by_key = by_key
+        renamed = file_names(module, by_key)  # a Hugging Face base model's checkpoint, or the reverse
+        #: the model's name of each tensor -> its file's name (the same but where ``renamed``)
+        self.in_file = {renamed.get(k, k): k for k in by_key}
+        self.by_key = {renamed.get(k, k): f for k, f in by_key.items()}
+        self.ignored = ignored_unexpected(module)
 
     def handle(self, file: Path) -> Any:
         if file not in self.handles:
@@ -124,15 +129,15 @@ class _Files:
         return next((n for n in names if n in self.by_key), None)
 
     def shape(self, key: str) -> list[int]:
-        return [int(s) for s in self.handle(self.by_key[key]).get_slice(key).get_shape()]
+        return [int(s) for s in self.handle(self.by_key[key]).get_slice(self.in_file[key]).get_shape()]
 
     def read(self, key: str, held: _Held, a: int, b: int) -> torch.Tensor:
         """Elements ``[a, b)`` of this rank's local tensor ``held``, flattened, read from ``key``."""
         handle = self.handle(self.by_key[key])
         if not held.shape:
-            out: torch.Tensor = handle.get_tensor(key).reshape(-1)
+            out: torch.Tensor = handle.get_tensor(self.in_file[key]).reshape(-1)
             return out
-        sl = handle.get_slice(key)
+        sl = handle.get_slice(self.in_file[key])
         regions = local_regions(held.placement, held.full, held.coord, held.size, a, b)
         parts = [_read_box(sl, box, bs, be) for box, bs, be, _ in regions]
         return torch.cat(parts) if len(parts) != 1 else parts[0]
@@ -205,7 +210,11 @@ def _agree(part: _Part, files: _Files) -> tuple[PretrainedReport, set[str]]:
     report = PretrainedReport()
     report.missing = list(dict.fromkeys(k for m, _, _ in every for k in m))
     report.mismatched = list(dict.fromkeys(k for _, m, _ in every for k in m))
-    report.unexpected = sorted(set(files.by_key) - {k for _, _, u in every for k in u})
+    unused = set(files.by_key) - {k for _, _, u in every for k in u}
+    ignored = files.ignored  # what Hugging Face's from_pretrained ignores in old checkpoints
+    report.unexpected = sorted(
+        files.in_file[k] for k in unused if ignored is None or ignored.search(files.in_file[k]) is None
+    )
     return report, ok
 
 
@@ -244,7 +253,8 @@ def load_pretrained(model: ModelStrategy, path: str | Path, *, strict: bool = Tr
             f"hybrid), got {type(model).__name__}; wrap the module first"
         )
     with ExitStack() as stack:
-        files = _Files(_files(Path(path)), stack)
+        whole = getattr(dp.module, "whole_model", dp.module)  # a pipeline rank's stages: the whole model's
+        files = _Files(_files(Path(path)), stack, whole)
         part = _Part(model, dp)
         report, ok = _agree(part, files)
         if strict and (report.missing or report.unexpected or report.mismatched):

@@ -354,6 +354,12 @@ class StageRoot(nn.Module):
         self.__dict__["_run"] = dict(stages)
         self.__dict__["_whole"] = module  # not registered: whose attributes a user may ask this for
 
+    @property
+    def whole_model(self) -> nn.Module:
+        """The model that was wrapped (its other stages' modules are not this rank's)."""
+        whole: nn.Module = self.__dict__["_whole"]
+        return whole
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
