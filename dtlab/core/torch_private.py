@@ -23,6 +23,7 @@ __all__ = [
     "non_persistent_buffers",
     "op_arguments",
     "quiet_scheduler_checks",
+    "tensor_version",
     "top_saved_tensor_hooks",
     "unhooked_step",
 ]
@@ -75,6 +76,11 @@ def non_persistent_buffers(module: nn.Module) -> frozenset[str]:
     """The names of ``module``'s own buffers registered with ``persistent=False`` (left out of its
     ``state_dict``; torch's ``_non_persistent_buffers_set``)."""
     return frozenset(getattr(module, "_non_persistent_buffers_set", ()))
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """How many times ``t``'s data was changed in place (torch's version counter, ``_version``)."""
+    return int(getattr(t, "_version"))  # noqa: B009 - torch's private counter
 
 
 def op_arguments(op: Any) -> list[Any]:

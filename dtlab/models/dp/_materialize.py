@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dtlab.core.rng import model_building, seeded_init
+from dtlab.core.torch_private import tensor_version
 from dtlab.errors import ArgumentError, StrategyError
 from dtlab.models.dp._hf_init import HFInit
 from dtlab.models.dp._sharded_units import ShardUnit
@@ -148,7 +149,7 @@ def _untouched(t: torch.Tensor) -> bool:
             return False
         return bool(torch.isnan(t).any())
     if t.dtype == torch.bool:
-        return False  # no value is a sentinel for a bool: trusted to the init function
+        return False  # no value is a sentinel for a bool: whether it was written is checked instead
     return bool((t == torch.iinfo(t.dtype).min).all())
 
 
@@ -199,12 +200,16 @@ class MetaFill:
         value still holding the sentinel is refused, naming the tensor and the fix."""
         init = self.initializer(mname, mod, own[0][0])
         saved = [(n, getattr(mod, n)) for n, _, _ in own]
+        flags: dict[str, tuple[torch.Tensor, int]] = {}  # bool tensors: no value marks them, their writes do
         for n, t, is_param in own:
             whole = _sentinel(shapes.get(id(t), t.shape), t.dtype)
             setattr(mod, n, nn.Parameter(whole, requires_grad=t.requires_grad) if is_param else whole)
+            if whole.dtype == torch.bool:
+                flags[n] = (getattr(mod, n), tensor_version(whole))
         try:
             init(mod)
             values = [getattr(mod, n).detach() for n, _, _ in own]
+            unwritten = {n for n, (t, v) in flags.items() if getattr(mod, n) is t and tensor_version(t) == v}
         finally:
             for n, old in saved:
                 setattr(mod, n, old)
@@ -212,7 +217,7 @@ class MetaFill:
         for (n, t, is_param), value in zip(own, values, strict=True):
             if is_param and id(t) in done:
                 continue
-            if _untouched(value):
+            if _untouched(value) or n in unwritten:
                 how = "param_init_fn" if self.param_init_fn is not None else "its initialization"
                 raise StrategyError(
                     f"{self.who}: {'parameter' if is_param else 'buffer'} {n!r} of module {mname!r} "
