@@ -6,18 +6,30 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from hf_cases import LLAMA_PLAN, llama, llama_gqa, rel_error, tokens, train_steps, worst_loss_error
+import torch.nn.functional as F
+from hf_cases import (
+    LLAMA_PLAN,
+    SEQ,
+    VOCAB,
+    llama,
+    llama_gqa,
+    rel_error,
+    tokens,
+    train_steps,
+    worst_loss_error,
+)
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.cli import main
 from dtlab.config import TrainConfig, load_config
-from dtlab.errors import ConfigError, RankFailedError
+from dtlab.errors import ConfigError, DataError, RankFailedError
 from dtlab.testing import run_world
-from dtlab.trainers import build_task
+from dtlab.trainers import SummedLoss, build_task
 from dtlab.trainers.build import build_model_strategy
 from dtlab.trainers.custom import task_from_objects
 from dtlab.trainers.tasks import cross_entropy_loss, logits_of
@@ -143,3 +155,28 @@ def _gqa_refused(backend: CommunicationBackend) -> int:
 def test_grouped_query_attention_with_a_tp_that_splits_a_head_is_refused_before_any_call() -> None:
     pytest.importorskip("transformers")
     assert run_world(4, _gqa_refused, timeout=60) == [0, 0, 0, 0]
+
+
+def _hf_labels() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Hugging Face's way: ``labels`` are the input ids (the prompt's -100), the model shifts them."""
+    ids = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[:, :2] = -100
+    return list(zip(ids, labels, strict=True))
+
+
+def _next_token_sum(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    logits = out.logits[:, :-1].float()
+    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+
+
+def test_hugging_face_labels_under_the_default_loss_are_refused_naming_the_shift() -> None:
+    # the default loss compares logits[t] with target[t]: unshifted labels trained the model to repeat
+    # its input (loss 0.55 after 20 steps on random tokens over 8 values, below ln 8)
+    pytest.importorskip("transformers")
+    config = load_config(overrides=BASE[:4])
+    with pytest.raises(DataError, match=r"targets equal the inputs .*labels\[1:\].*SummedLoss"):
+        task_from_objects(config, llama, _hf_labels())
+    shifted = [(x[:-1], y[1:]) for x, y in _hf_labels()]
+    assert task_from_objects(config, llama, shifted).classification
+    task_from_objects(config, llama, _hf_labels(), loss_fn=SummedLoss(_next_token_sum))  # shifts: fine

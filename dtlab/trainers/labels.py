@@ -21,7 +21,14 @@ import torch
 from dtlab.data import fetch
 from dtlab.errors import DataError
 
-__all__ = ["IGNORE_INDEX", "SCAN_ALL", "explain_loss_error", "first_bad_label", "scan_labels"]
+__all__ = [
+    "IGNORE_INDEX",
+    "SCAN_ALL",
+    "explain_loss_error",
+    "first_bad_label",
+    "refuse_unshifted_labels",
+    "scan_labels",
+]
 
 #: datasets up to this many samples have every target checked before the run starts
 SCAN_ALL = 4096
@@ -59,6 +66,30 @@ def scan_labels(data: Any, classes: int, what: str) -> None:
                 f"{what} sample {start + row} has target {value}, outside {_range(classes)}; fix the "
                 f"labels or the model's output size (checked: the first {n} of {len(data)} samples)"
             )
+
+
+def refuse_unshifted_labels(inputs: Any, targets: Any, what: str) -> None:
+    """Pre-flight, for the default loss (logits at position t against target t): token targets equal to
+    the inputs at every counted position are Hugging Face's ``labels`` (the model shifts them inside),
+    which the default loss would train as "predict the token you are given" (on random tokens over 8
+    values the loss fell to 0.55, below ln 8, where next-token prediction cannot go)."""
+    if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        return
+    if inputs.shape != targets.shape or inputs.dim() < 2 or inputs.is_floating_point():
+        return
+    if targets.is_floating_point():
+        return
+    counted = targets != IGNORE_INDEX
+    if int(counted.sum()) < 2 or not torch.equal(inputs[counted], targets[counted]):
+        return
+    raise DataError(
+        f"{what}: the targets equal the inputs at every counted position (Hugging Face's labels, which "
+        "the model shifts inside); the default loss compares the logits at position t with target t, so "
+        "it would train the model to repeat its input. Give next-token pairs (input_ids[:-1], "
+        "labels[1:]), or a loss that shifts: loss_fn= / model.loss=package.module:function, e.g. "
+        "dtlab.trainers.SummedLoss of a cross entropy of out.logits[:, :-1] against labels[:, 1:] "
+        '(docs/your_model.md, "Hugging Face habits")'
+    )
 
 
 def explain_loss_error(
