@@ -163,3 +163,29 @@ def test_shards_that_leave_one_element_uncovered_are_refused() -> None:
     assert torch.equal(ShardIndex([piece(0, 3), piece(3, 5)]).full("w"), torch.arange(5.0))
     with pytest.raises(CheckpointError, match="cover only 4 of elements"):
         ShardIndex([piece(0, 4), piece(0, 4)]).full("w")
+
+
+class PeerDied(Exception):
+    """Rank 1's process ends here, in the middle of its shard writes (the world aborts)."""
+
+
+def test_a_peer_dying_mid_save_leaves_no_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a leftover of a broken-off save is never removed: a resumed run has another run_tag
+    root = tmp_path / "ck"
+    run_world(2, _save, root, 1)
+    real = save_module.durable_write
+
+    def write(path: Path, data: bytes) -> None:
+        if Path(path).name.startswith("optim_rank00001"):  # after its model shard, before the rest
+            raise PeerDied("rank 1 died")
+        real(path, data)
+
+    monkeypatch.setattr(save_module, "durable_write", write)
+    with pytest.raises(Exception, match="rank 1") as info:
+        run_world(2, _save, root, 2, timeout=30)
+    assert isinstance(info.value.__cause__, PeerDied), info.value
+    assert not list(root.glob(".tmp-*")), sorted(p.name for p in root.iterdir())
+    assert _committed(root) == 1
+    _check_resume(root, 1)

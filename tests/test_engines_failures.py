@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from dtlab.backends import CommunicationBackend
+from dtlab.checkpoint import save_checkpoint
+from dtlab.checkpoint.files import durable_write
 from dtlab.errors import CollectiveTimeoutError, RankFailedError
 from dtlab.testing import spawn_world
 
@@ -30,18 +32,39 @@ def _timed(fn: object) -> tuple[str, str, float, str]:
     return ("no error", "", time.monotonic() - t0, "")
 
 
-def gloo_dead_and_hung(b: CommunicationBackend) -> dict[str, tuple[str, str, float, str]] | None:
-    """Rank 2 is killed; rank 1 lives but never calls; rank 0 reduces with, and receives from, each."""
+def _save(group: CommunicationBackend, root: str, step: int) -> None:
+    from checkpoint_cases import flat_shard
+
+    full = {"w": torch.arange(6.0)}
+    shard = flat_shard(full, group.rank, group.world_size, step)
+    save_checkpoint(root, step, group, shard, shard, {}, {}, run_tag="run")
+
+
+def _killed_while_writing(path: Path, data: bytes) -> None:
+    if Path(path).name.startswith("optim_"):  # its model shard written, the rest not
+        os.kill(os.getpid(), signal.SIGKILL)
+    durable_write(path, data)
+
+
+def gloo_dead_and_hung(b: CommunicationBackend, root: str) -> dict[str, tuple[str, str, float, str]] | None:
+    """Rank 2 is killed while saving a checkpoint with rank 0; rank 1 lives but never calls; rank 0
+    reduces with, and receives from, each."""
+    import dtlab.checkpoint.save as save_module
+
     with_dead, with_hung = b.new_group([0, 2]), b.new_group([0, 1])
     b.barrier()
-    if b.rank == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
     if b.rank == 1:
         time.sleep(2 * OP_TIMEOUT + 2)
         return None
-    assert with_dead is not None and with_hung is not None
-    time.sleep(0.3)  # rank 2 is gone by now
+    assert with_dead is not None
+    _save(with_dead, root, 1)
+    if b.rank == 2:
+        save_module.durable_write = _killed_while_writing  # this process only
+        _save(with_dead, root, 2)
+        return None
+    assert with_hung is not None
     return {
+        "save, dead": _timed(lambda: _save(with_dead, root, 2)),
         "dead": _timed(lambda: with_dead.all_reduce(torch.ones(4))),
         "hung": _timed(lambda: with_hung.all_reduce(torch.ones(4))),
         "recv dead": _timed(lambda: b.recv(torch.zeros(4), 2, tag=1)),
@@ -51,6 +74,7 @@ def gloo_dead_and_hung(b: CommunicationBackend) -> dict[str, tuple[str, str, flo
 
 
 WANT_OP = {
+    "save, dead": "all_gather_object",
     "dead": "all_reduce",
     "hung": "all_reduce",
     "recv dead": "recv(src=2, tag=1)",
@@ -59,8 +83,13 @@ WANT_OP = {
 }
 
 
-def test_gloo_survivors_raise_within_the_timeout() -> None:
-    results = spawn_world(3, gloo_dead_and_hung, backend="gloo", backend_timeout=OP_TIMEOUT, may_die=[2])
+def test_gloo_survivors_raise_within_the_timeout(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    results = spawn_world(
+        3, gloo_dead_and_hung, str(root), backend="gloo", backend_timeout=OP_TIMEOUT, may_die=[2]
+    )
+    # the save broken off by the death: step 1 intact, no half-written step 2 left behind for ever
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
     assert results[1] is None and results[2] is None
     assert set(results[0]) == set(WANT_OP)
     for case, (kind, op, seconds, text) in results[0].items():

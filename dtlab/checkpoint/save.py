@@ -9,7 +9,8 @@ Temporary names carry the writer's ``run_tag``: a save removes leftovers of its 
 saves only, never another run's (which may be saving right now). A file-system failure on any rank
 (no space, permissions, a ``latest`` that is a directory) is a :class:`CheckpointError` on every
 rank naming the path, the step, the reason (for no space: what was needed and what was free) and the
-newest complete checkpoint, which is left as it was; the failed save's temporary directory is removed.
+newest complete checkpoint, which is left as it was; the failed save's temporary directory is removed,
+also by the survivors of a peer that died or hung during the save (the engine's error is raised).
 
 ``owned`` names the step directories the caller may replace and prune (the Trainer passes the ones
 its run wrote and the ones it resumed through): any other step directory is never deleted, and one
@@ -66,6 +67,16 @@ def _remove(path: Path, tag: str) -> None:
     trash = path.parent / f".tmp-old-{path.name}-{tag}-{uuid.uuid4().hex[:8]}"
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def _abandon(tmp: Path, tag: str) -> None:
+    """The temporary directory of a save that a peer's death or hang broke off, removed by every rank
+    that saw the failure (renamed first: a rank 0 that committed it meanwhile keeps it, as renames are
+    atomic; any failure here is ignored, the error being raised is the one to report)."""
+    try:
+        _remove(tmp, tag)
+    except OSError:
+        pass
 
 
 def _remove_own_leftovers(root: Path, tag: str) -> None:
@@ -255,10 +266,37 @@ def save_checkpoint(
             made = (tmp.name, None)
         except OSError as exc:
             made = (None, save_failure(exc, tmp, step, root))
-    name, error = backend.broadcast_object(made, src=0)
+    try:
+        name, error = backend.broadcast_object(made, src=0)
+    except BaseException:  # a peer died or hung: this save's directory is nobody's
+        if made[0] is not None:
+            _abandon(root / made[0], tag)
+        raise
     if error is not None:
         raise CheckpointError(error)
     tmp = root / name
+    try:
+        return _write_and_commit(
+            root, tmp, step, backend, model_state, optim_state, rank_state, meta, (keep_last, owned, tag)
+        )
+    except BaseException:  # a peer died or hung mid-save: no run would ever remove this directory
+        _abandon(tmp, tag)
+        raise
+
+
+def _write_and_commit(
+    root: Path,
+    tmp: Path,
+    step: int,
+    backend: CommunicationBackend,
+    model_state: ShardedState,
+    optim_state: ShardedState | None,
+    rank_state: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    pruning: tuple[int, Collection[str] | None, str],
+) -> Path:
+    """Steps 2 to 4 of :func:`save_checkpoint`, in the temporary directory ``tmp`` of every rank."""
+    keep_last, owned, tag = pruning
     r = backend.rank
     mine: dict[str, Any]
     try:
