@@ -39,7 +39,9 @@ def predicted(model: object, logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(trainer: EvalRun) -> dict[str, float]:
-    """Mean loss (and accuracy for classification) over ``train.eval_batches`` held-out batches.
+    """Mean loss (and accuracy for classification) over ``train.eval_batches`` held-out batches; with
+    the default loss, the samples after the last whole batch too (within ``train.eval_batches``), as one
+    more batch whose padding rows' targets are -100.
 
     Every rank runs the same number of equal batches (sharded strategies gather in forward); each
     data-parallel rank takes its own slice of each batch, and the sums travel over the dp group. The
@@ -47,16 +49,27 @@ def evaluate(trainer: EvalRun) -> dict[str, float]:
     there is none); any other loss of your own: its batches' values averaged, weighted by their samples."""
     data, dp, model, task = trainer.task.eval_data, trainer.dp, trainer.model, trainer.task
     p = dp.world_size
-    local = max(1, min(trainer.config.data.global_batch_size // p, len(data) // p))
-    batches = max(1, min(trainer.config.train.eval_batches, len(data) // (local * p)))
+    n, asked = len(data), trainer.config.train.eval_batches
+    local = max(1, min(trainer.config.data.global_batch_size // p, n // p))
+    whole = n // (local * p)
+    tokens = trainer.token_mean
+    # the held-out samples after the last whole batch: one more batch, its padding rows' targets -100
+    # (counted 0), where the mean is over counted targets (the default loss); others keep whole batches
+    padded = tokens is not None and tokens.summed is None and whole < asked and n % (local * p) > 0
+    batches = min(asked, whole + 1) if padded else max(1, min(asked, whole))
     device = trainer.backend.device
     model.eval()
     total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, its weight, correct, labels
-    tokens = trainer.token_mean
     try:
         for b in range(batches):
             start = (b * p + dp.rank) * local
-            x, y = trainer.feed.to_device(fetch(data, torch.arange(start, start + local)))
+            rows = torch.arange(start, start + local)
+            x, y = fetch(data, rows.clamp(max=n - 1))
+            if b == whole:  # the padded batch (the same on every rank: every rank stops or runs it)
+                if not isinstance(y, torch.Tensor) or y.is_floating_point():
+                    break  # no -100 to put in a float target: the whole batches only
+                y = y.masked_fill((rows >= n).reshape(-1, *[1] * (y.dim() - 1)), IGNORED)
+            x, y = trainer.feed.to_device((x, y))
             with trainer.precision.autocast(device.type):
                 out = model(x)
                 loss = trainer.loss_fn(out, y)
