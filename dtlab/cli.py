@@ -276,15 +276,35 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         return 2 if isinstance(cause, DtlabError) else 1
     except DtlabError as exc:
         print(f"dtlab {args.command}: error: {exc}", file=sys.stderr)
+        _end_mpi_job(2, argv)
         return 2
     except KeyboardInterrupt:
         print(f"dtlab {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        _end_mpi_job(1, argv)
+        raise
     finally:
         if argv is None and args.command == "train":  # the program, not a call from Python
             from dtlab.trainers.preemption import finish_process
 
             finish_process()  # a signal during the teardown exits at once; a teardown without a full gc
+
+
+def _end_mpi_job(code: int, argv: Sequence[str] | None) -> None:
+    """The program (not a call from Python) failing in one rank of an MPI job of several: the job ends
+    with ``code`` (``MPI.COMM_WORLD.Abort``). Exiting alone would leave it hung for ever: MPI has no
+    time-outs, so the peers wait in their next collective and this process in ``MPI_Finalize``."""
+    mpi = sys.modules.get("mpi4py.MPI")  # only a process that started MPI
+    if argv is not None or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    if mpi.COMM_WORLD.Get_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(code)
 
 
 if __name__ == "__main__":

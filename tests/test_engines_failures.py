@@ -238,3 +238,44 @@ def test_torchrun_survivors_name_the_dead_rank(tmp_path: Path) -> None:
     for line in lines:
         assert "a peer process died: rank 1 (pid " in line and "on this host)" in line, line
     assert proc.returncode != 0  # torchrun reports the killed worker
+
+
+RANK_1_FAILS = """
+import sys
+
+import dtlab.trainers.launch as launch
+from dtlab import cli
+from dtlab.errors import DataError
+
+real, kind = launch._rank_main, sys.argv[1]
+
+
+def rank_main(backend, *args):
+    if backend.rank == 1:  # rank 0 goes on, into its first collective
+        raise DataError("rank 1 could not read its shard") if kind == "dtlab" else RuntimeError("bug")
+    return real(backend, *args)
+
+
+launch._rank_main = rank_main
+sys.argv[1:] = ["train", *sys.argv[2:]]
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.parametrize("kind", ["dtlab", "other"])
+def test_dtlab_train_under_mpiexec_ends_the_job_when_one_rank_fails(tmp_path: Path, kind: str) -> None:
+    """MPI has no time-outs: a rank that exited alone left its peer in a collective and itself in
+    MPI_Finalize, the job hung for ever; the failing rank now ends the job, its error printed."""
+    from processes import run_group
+
+    from dtlab.testing import TINY_LM
+
+    script = tmp_path / "rank_1_fails.py"
+    script.write_text(RANK_1_FAILS)
+    sets = ["train.steps=2", *TINY_LM, "backend.name=mpi", f"logging.run_dir={tmp_path}/run"]
+    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", sys.executable, str(script), kind]
+    t0 = time.monotonic()
+    proc = run_group(cmd + [a for s in sets for a in ("--set", s)], timeout=60)
+    assert time.monotonic() - t0 < 45
+    want = "dtlab train: error: rank 1 could not read its shard" if kind == "dtlab" else "RuntimeError: bug"
+    assert want in proc.stderr and proc.returncode != 0, proc.stderr[-3000:]
