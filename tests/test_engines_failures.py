@@ -262,20 +262,34 @@ sys.exit(cli.main())
 """
 
 
-@pytest.mark.parametrize("kind", ["dtlab", "other"])
-def test_dtlab_train_under_mpiexec_ends_the_job_when_one_rank_fails(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("launcher", "kind"), [("mpiexec", "dtlab"), ("mpiexec", "other"), ("torchrun", "dtlab")]
+)
+def test_dtlab_train_ends_the_job_when_one_rank_fails(tmp_path: Path, launcher: str, kind: str) -> None:
     """MPI has no time-outs: a rank that exited alone left its peer in a collective and itself in
-    MPI_Finalize, the job hung for ever; the failing rank now ends the job, its error printed."""
+    MPI_Finalize, the job hung for ever; the failing rank now ends the job, its error printed. Gloo:
+    the failing rank closed its backend, a barrier its peer never joined, so both waited the whole
+    backend.timeout and the peer blamed a hung rank; it now exits and the peer names it at once."""
     from processes import run_group
 
     from dtlab.testing import TINY_LM
 
     script = tmp_path / "rank_1_fails.py"
     script.write_text(RANK_1_FAILS)
-    sets = ["train.steps=2", *TINY_LM, "backend.name=mpi", f"logging.run_dir={tmp_path}/run"]
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", sys.executable, str(script), kind]
+    sets = ["train.steps=2", *TINY_LM, f"logging.run_dir={tmp_path}/run", "backend.timeout=60"]
+    bin_dir = Path(sys.executable).parent
+    if launcher == "mpiexec":
+        cmd = [str(bin_dir / "mpiexec"), "-n", "2", sys.executable, str(script), kind]
+        sets.append("backend.name=mpi")
+    else:
+        cmd = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "2", str(script), kind]
+        sets.append("backend.name=gloo")
     t0 = time.monotonic()
-    proc = run_group(cmd + [a for s in sets for a in ("--set", s)], timeout=60)
-    assert time.monotonic() - t0 < 45
+    proc = run_group(cmd + [a for s in sets for a in ("--set", s)], timeout=90)
+    assert time.monotonic() - t0 < 45, proc.stderr[-3000:]
     want = "dtlab train: error: rank 1 could not read its shard" if kind == "dtlab" else "RuntimeError: bug"
     assert want in proc.stderr and proc.returncode != 0, proc.stderr[-3000:]
+    if launcher == "torchrun":
+        assert "rank 0: gloo broadcast lost its connection to a peer (a peer process died: rank 1 (pid" in (
+            proc.stderr
+        ), proc.stderr[-3000:]

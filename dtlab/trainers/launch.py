@@ -136,6 +136,11 @@ def run_training(
         # parameters other gradients); each dp replica and pipeline rank its own, as before; + 1: not
         # the seed the initialization draws from
         torch.manual_seed(config.train.seed + 1 + backend.rank // config.parallel.tp)
-        return [_rank_main(backend, config, task or build_task(config), scheduler_factory, stop)]
-    finally:
-        backend.close()
+        result = [_rank_main(backend, config, task or build_task(config), scheduler_factory, stop)]
+    except BaseException:
+        # no close (collective: its barrier would keep this failing process alive, its peers waiting
+        # in their next collective for backend.timeout, then blaming a hung peer); once the process
+        # exits, its connections close and the peers' waits fail at once, naming it as gone
+        raise
+    backend.close()
+    return result
