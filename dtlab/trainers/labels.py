@@ -13,6 +13,7 @@ never reported.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "explain_loss_error",
     "first_bad_label",
     "refuse_unshifted_labels",
+    "shifts_labels_inside",
     "scan_labels",
 ]
 
@@ -66,6 +68,18 @@ def scan_labels(data: Any, classes: int, what: str) -> None:
                 f"{what} sample {start + row} has target {value}, outside {_range(classes)}; fix the "
                 f"labels or the model's output size (checked: the first {n} of {len(data)} samples)"
             )
+
+
+def shifts_labels_inside(model: Any) -> bool:
+    """Whether ``model`` is a Hugging Face model (a ``config``, and a ``forward`` taking ``labels=``,
+    which it shifts inside): where targets equal to the inputs are its habit, not a copy task."""
+    forward = getattr(model, "forward", None)
+    if not hasattr(model, "config") or forward is None:
+        return False
+    try:
+        return "labels" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def refuse_unshifted_labels(inputs: Any, targets: Any, what: str) -> None:
