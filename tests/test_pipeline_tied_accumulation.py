@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from filled import filled
-from torch import nn
+from test_tied_weights import VOCAB, TiedLM
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
@@ -20,26 +20,8 @@ from dtlab.models import HybridShardedModel
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer
 from dtlab.testing import run_world
 
-VOCAB, DIM, LR = 16, 8, 0.5
+LR = 0.5
 OPTIMIZERS = {"ddp": DDPOptimizer, "zero1": ZeRO1Optimizer, "zero2": ZeRO2Optimizer}
-
-
-class TiedLM(nn.Module):
-    """An embedding and a head sharing one weight, on different pipeline stages."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.mid = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.mid(self.emb(x)))
-        return out
-
-    def pipeline_blocks(self) -> list[tuple[str, nn.Module]]:
-        return [("emb", self.emb), ("mid", self.mid), ("head", self.head)]
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
