@@ -34,7 +34,11 @@ _OWN = ("torch.", "dtlab.")  # Functions that never write a saved tensor's .grad
 
 
 def custom_function_saves(frame: FrameType | None) -> bool:
-    """Whether ``frame`` (the caller of a pack hook) is ``Function.apply`` of a user's Function."""
+    """Whether ``frame`` (the caller of a pack hook) is ``Function.apply`` of a user's Function; the
+    frames of ``torch.compiler.disable``'s wrapper (a hook run eagerly under ``torch.compile``) between
+    them are looked past."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch._dynamo"):
+        frame = frame.f_back
     if frame is None or frame.f_code is not _APPLY:
         return False
     cls = frame.f_locals.get("cls")

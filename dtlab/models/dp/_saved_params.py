@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -55,19 +54,13 @@ class SavedTensors:
         return self.pack, self.unpack
 
     def pack(self, t: torch.Tensor) -> Any:
-        """The pack hook (called by autograd: frame 1 is the code that made it save ``t``, or, run eagerly
-        under ``torch.compile``, the first frame above ``torch.compiler.disable``'s wrapper)."""
+        """The pack hook (called by autograd: frame 1 is the code that made it save ``t``)."""
         st = self.unit_of.get(id(t))  # the parameter itself (the ids of live objects differ)
         if st is None:
             return self.at_rest.pack(t, self.outer)
-        saver: FrameType | None = sys._getframe(1)  # noqa: SLF001 - the saving frame
-        while saver is not None and saver.f_globals.get("__name__", "").startswith("torch._dynamo"):
-            saver = saver.f_back
-        return (
-            _ParamRef(st, cast(nn.Parameter, t))
-            if custom_function_saves(saver)
-            else self.at_rest.pack(t, self.outer)
-        )
+        if custom_function_saves(sys._getframe(1)):  # noqa: SLF001 - the saving frame
+            return _ParamRef(st, cast(nn.Parameter, t))
+        return self.at_rest.pack(t, self.outer)
 
     def unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, _ParamRef):  # normally gathered already by the pre-backward hook
