@@ -3,8 +3,9 @@
 :func:`run_plan` turns the ``strategy`` and ``parallel`` sections into the one plan the Trainer, the run
 header and ``HybridShardedModel.from_plan`` read; its cross-field checks are the plan's own, with
 messages naming the config's fields. :func:`check_parallel` adds what only the config knows (which
-model, elastic runs, the model's own declaration of its tensor plan and pipeline blocks: the built-in
-transformer is built on the meta device and asked, so nothing here knows its module names);
+model, elastic runs); :func:`check_builtin_fits`, called when a run builds the built-in transformer
+(not at config load: the config may be for a model of your own), asks its declaration of its tensor
+plan and pipeline blocks (built on the meta device, so nothing here knows its module names);
 :func:`check_mesh_size` also needs the world size (the mesh fills the world; the global batch splits
 over dp ranks and micro-batches). The section itself is :class:`dtlab.config.ParallelConfig`.
 """
@@ -27,6 +28,7 @@ __all__ = [
     "CONFIG_NAMES",
     "PlanSections",
     "builtin_model",
+    "check_builtin_fits",
     "check_mesh_size",
     "check_parallel",
     "check_tensor_plan_fits",
@@ -177,7 +179,17 @@ def check_parallel(config: PlanSections) -> None:
             f"{par.pp}: an elastic world changes size, which a fixed mesh cannot follow; set "
             "elastic.commit_every=0 or train data-parallel only"
         )
-    if m.factory is not None:  # your model: its plan is checked against the model on each rank
+
+
+def check_builtin_fits(config: PlanSections) -> None:
+    """The built-in transformer (``model.name=transformer_lm``) against the run plan, when a run builds
+    it: ``model.seq_len`` splits over tp, ``model.n_layers`` over the stages, its tensor plan and
+    pipeline blocks fit (``split_points`` name its blocks). Not at config load: the same config may
+    train a model of your own (``run_training(model=...)``, ``Trainer(model=...)``), whose blocks and
+    sizes are its own."""
+    plan = run_plan(config)
+    par, m = config.parallel, config.model
+    if not plan.model_parallel or m.name != "transformer_lm":
         return
     if par.sequence_parallel and m.seq_len % par.tp:
         raise ConfigError(
@@ -191,8 +203,7 @@ def check_parallel(config: PlanSections) -> None:
             f"blocks, as dtlab advise plans them); use a number of layers divisible by {plan.stages} or "
             "fewer stages"
         )
-    if m.factory is None:
-        check_model_fits(plan, builtin_model(config))
+    check_model_fits(plan, builtin_model(config))
 
 
 def check_model_fits(plan: RunPlan, module: nn.Module) -> None:

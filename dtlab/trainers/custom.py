@@ -229,7 +229,8 @@ def task_from_objects(
         fsdp_unit_classes=units,
         name=name,
     )
-    return check_fit(task, "model", "loss_fn")
+    fits = None if model is None else partial(check_tensor_plan_fits, config)  # tp: heads, vocabulary
+    return check_fit(task, "model", "loss_fn", fits)
 
 
 def task_from_config(config: TrainConfig) -> Task:

@@ -15,6 +15,7 @@ from dtlab.config import TrainConfig
 from dtlab.data import TensorDataset, load_digits_dataset, stdlib_lm_dataset
 from dtlab.errors import ConfigError
 from dtlab.models.tensor import whole_cross_entropy
+from dtlab.parallel_config import check_builtin_fits
 from dtlab.zoo import Block, DigitsCNN, TransformerLM
 
 __all__ = ["Task", "builtin_data", "builtin_model", "builtin_task", "cross_entropy_loss", "logits_of"]
@@ -72,6 +73,7 @@ def builtin_model(
     """``model.name``'s builder, its tokens per sample and its FSDP unit classes."""
     m = config.model
     if m.name == "transformer_lm":
+        check_builtin_fits(config)  # its sizes and blocks against the run plan, before any rank builds it
         return (
             lambda: TransformerLM(m.d_model, m.n_layers, m.n_heads, m.seq_len, m.dropout),
             m.seq_len,

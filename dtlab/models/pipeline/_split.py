@@ -86,7 +86,15 @@ def module_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The ordered ``(name, block)`` pairs of ``module``, checked to cover every parameter once."""
     custom = getattr(module, "pipeline_blocks", None)
     if callable(custom):
-        blocks = [(str(n), b) for n, b in custom()]
+        pairs = list(custom())
+        odd = next((p for p in pairs if not (isinstance(p, tuple | list) and len(p) == 2)), None)
+        if odd is not None:
+            raise StrategyError(
+                f"{type(module).__name__}.pipeline_blocks() must return (name, block) pairs, got a "
+                f"{type(odd).__name__} among them; return e.g. [(f'layers.{{i}}', layer) for i, layer in "
+                "enumerate(self.layers)]"
+            )
+        blocks = [(str(n), b) for n, b in pairs]
     elif isinstance(module, nn.Sequential):
         blocks = every_child(module)  # as its forward runs them, a module there twice included
     else:
