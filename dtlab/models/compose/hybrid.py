@@ -48,6 +48,7 @@ from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.placed_state import load_placed_state, write_placed_state
 from dtlab.models.tensor._agree import SameOnTp
+from dtlab.models.tensor._attentions import whole_attentions
 from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy, whole_cross_entropy
 from dtlab.models.tensor._heads_hint import head_count_hint
 from dtlab.models.tensor._plan import Plan, logits_head
@@ -260,7 +261,8 @@ class HybridShardedModel(ForwardedSync, OptimizerTarget):
             if self._pipe is None:  # dtype/device checked here only (before a schedule: a refusal would hang)
                 if torch.is_grad_enabled():
                     self._partial.before_accumulate(type(self).__name__)
-                return self.dp_strategy(*args, **kwargs)
+                out = self.dp_strategy(*args, **kwargs)  # attention weights of this rank's heads gathered
+                return whole_attentions(out, self.module, self.tp_group, type(self).__name__)
             return self._pipe.infer(args[0])  # check_call: one positional argument
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:

@@ -31,6 +31,7 @@ __all__ = [
     "copy_to_tp",
     "gather_from_sequence",
     "gather_from_tp",
+    "gather_heads_from_tp",
     "gather_over_tp",
     "reduce_from_tp",
     "reduce_scatter_to_seq",
@@ -179,6 +180,13 @@ def reduce_from_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor
 def gather_from_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
     """All-gather along the last dim forward; backward keeps this rank's chunk."""
     return _conjugate(x, group, _gather_last, partial(_chunk, dim=-1, what="gather_from_tp backward"))
+
+
+def gather_heads_from_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:
+    """All-gather along dim 1 (the heads of ``(batch, heads, query, key)`` attention weights) forward;
+    backward keeps this rank's chunk."""
+    what = "attention weights' backward"
+    return _conjugate(x, group, partial(_gather, dim=1), partial(_chunk, dim=1, what=what))
 
 
 def scatter_to_tp(x: torch.Tensor, group: CommunicationBackend) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""The attention weights a Hugging Face model returns (``output_attentions=True``, as a keyword or in its
+config) under tensor parallelism: each tp rank computes those of its own heads only (a ``colwise`` q
+projection holds whole heads, in order), so the wrapper all-gathers them over tp along the heads,
+with autograd, into the whole model's (``(batch, heads, query, key)`` per layer). Weights whose head
+count is neither the config's nor its tp-th are refused, naming it: dtlab does not guess."""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any, TypeGuard
+
+import torch
+from torch import nn
+
+from dtlab.backends.base import CommunicationBackend
+from dtlab.errors import StrategyError
+from dtlab.models.tensor._comm import gather_heads_from_tp
+
+__all__ = ["whole_attentions"]
+
+#: a model output's fields holding attention weights, with the config's head counts each may have
+_FIELDS = {
+    "attentions": ("num_attention_heads", "n_head", "num_heads"),
+    "encoder_attentions": ("encoder_attention_heads", "num_attention_heads", "num_heads"),
+    "decoder_attentions": ("decoder_attention_heads", "num_attention_heads", "num_heads"),
+    "cross_attentions": ("decoder_attention_heads", "num_attention_heads", "num_heads"),
+}
+
+
+def whole_attentions(out: Any, module: nn.Module, tp: CommunicationBackend, who: str) -> Any:
+    """``out`` (the output of ``module``, a Hugging Face model with a ``config``: a ``ModelOutput``/dict,
+    or the tuple of ``return_dict=False``) with every attention-weight tensor of a tp rank's heads
+    gathered into the whole model's; ``out`` itself where there are none (no communication), ``tp`` is
+    one rank or the module has no config."""
+    config = getattr(module, "config", None)
+    if tp.world_size == 1 or config is None:
+        return out
+    if isinstance(out, MutableMapping):
+        for field, names in _FIELDS.items():
+            weights = out.get(field)
+            if _is_weights(weights):
+                out[field] = _gathered(weights, _heads(config, names), tp, who, field)
+        return out
+    if isinstance(out, tuple) and any(_is_weights(part) for part in out):
+        unnamed = tuple({n for ns in _FIELDS.values() for n in ns})  # any of the config's counts
+        return type(out)(
+            _gathered(part, _heads(config, unnamed), tp, who, f"output[{i}]") if _is_weights(part) else part
+            for i, part in enumerate(out)
+        )
+    return out
+
+
+def _is_weights(value: Any) -> TypeGuard[tuple[torch.Tensor, ...]]:
+    """A tuple of 4-D floating tensors: one ``(batch, heads, query, key)`` per layer."""
+    return (
+        isinstance(value, tuple)
+        and len(value) > 0
+        and all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() for t in value)
+    )
+
+
+def _heads(config: Any, names: tuple[str, ...]) -> set[int]:
+    found = (getattr(config, n, None) for n in names)
+    return {h for h in found if isinstance(h, int) and h > 0}
+
+
+def _gathered(
+    weights: tuple[torch.Tensor, ...], heads: set[int], tp: CommunicationBackend, who: str, field: str
+) -> tuple[torch.Tensor, ...]:
+    p, out = tp.world_size, []
+    for i, w in enumerate(weights):
+        here = w.shape[1]
+        if here in heads and here * p not in heads:  # a layer the plan leaves whole
+            out.append(w)
+        elif here * p in heads and here not in heads:  # this rank's heads, in order: concatenated
+            out.append(gather_heads_from_tp(w, tp))
+        else:
+            raise StrategyError(
+                f"{who}: the model returned attention weights ({field}, layer {i}) of {here} heads, and "
+                f"its config's head counts are {sorted(heads)}: under tp={p} dtlab cannot tell whether "
+                "they are this rank's heads or the whole layer's. Leave output_attentions off (the "
+                "keyword and config.output_attentions), or compute them on the plain model loaded from "
+                "model.state_dict()"
+            )
+    return tuple(out)
