@@ -5,7 +5,10 @@ after 3 SGD steps at tp=2, a loss that differed between the tp ranks: 2.764 and 
 process's 3.456) and stopped with torch's "Target out of bounds" otherwise. Now the output is marked
 (``SplitLogits``) and such a reduction over its classes is refused on every tp rank, naming
 ``model.cross_entropy``, which still equals one process; element-wise use and ``train_step`` with
-``model.cross_entropy`` are unchanged, and a pipeline's inference output is marked on every pp rank."""
+``model.cross_entropy`` are unchanged, and a pipeline's inference output is marked on every pp rank.
+``max``/``sort``/``mean`` over the classes ran too (``out.pow(2).mean().backward()`` gave every
+replicated parameter twice torch's gradient at tp=2): refused now over the class dim or the whole
+tensor, still allowed over another dim and after a ``sum`` over the classes."""
 
 from __future__ import annotations
 
@@ -65,6 +68,15 @@ def _tensor_parallel(backend: CommunicationBackend) -> dict[str, Any]:
         "softmax": _refusal(lambda: out.float().softmax(-1)),
         "argmax": _refusal(lambda: out[:, -1].argmax(-1)),
         "element_wise": _refusal(lambda: (out * 2 + 1).sum()),
+        "max": _refusal(lambda: out.max(-1).indices),
+        "torch_max": _refusal(lambda: torch.max(out, dim=2)),
+        "sort": _refusal(lambda: out.sort(descending=True)),
+        "mean": _refusal(lambda: out.float().pow(2).mean()),
+        "mean_classes": _refusal(lambda: out.mean(dim=(0, -1))),
+        "special_log_softmax": _refusal(lambda: torch.special.log_softmax(out, -1)),
+        "max_over_batch": _refusal(lambda: out.max(0).values.sum() + out.mean(1).sum()),
+        "element_max": _refusal(lambda: torch.max(out, torch.zeros_like(out)).sum()),
+        "summed_then_mean": _refusal(lambda: out.sum(-1).mean(-1).argmax()),
         "train_step": _refusal(lambda: model.train_step((x, y), F.cross_entropy)),
     }
     buf = io.BytesIO()
@@ -86,10 +98,12 @@ def test_a_plain_loss_on_split_logits_is_refused_and_model_cross_entropy_equals_
     torch.optim.SGD(net.parameters(), lr=LR).step()
     for got in run_world(2, _tensor_parallel, timeout=60):
         said = got["said"]
-        for name in ("cross_entropy", "log_softmax", "softmax", "argmax"):
+        refused = ("cross_entropy", "log_softmax", "softmax", "argmax", "max", "torch_max", "sort", "mean")
+        for name in (*refused, "mean_classes", "special_log_softmax"):
             assert "leaves the head split over tp" in said[name], name
             assert "model.cross_entropy(logits, targets)" in said[name], name
-        assert said["element_wise"] == "ran"
+        for name in ("element_wise", "max_over_batch", "element_max", "summed_then_mean"):
+            assert said[name] == "ran", (name, said[name])  # not over the classes, or after their sum
         assert said["saved"] == said["copied"] == "Tensor"
         assert "loss_fn cross_entropy on the logits split over tp" in said["train_step"]
         assert got["loss"] == pytest.approx(want.item(), rel=1e-5)
