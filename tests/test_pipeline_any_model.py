@@ -194,6 +194,15 @@ def _refused(backend: CommunicationBackend, kind: str) -> None:
         PipelineParallelModel(llama(), backend, micro_batches=2, split_points=["model.layer.2"])
     elif kind == "none":
         PipelineParallelModel(llama(), backend, micro_batches=2)
+    elif kind == "hidden":  # a loss reading them got the last stage's layers' in the first slots
+        net = llama(layers=4, output_hidden_states=True)
+        model = PipelineParallelModel(net, backend, micro_batches=2, split_points=["model.layers.2"])
+        model.train_step((x, x), lm_loss)
+    elif kind == "attentions":  # inference alike
+        net = llama(output_attentions=True, attn_implementation="eager")
+        model = PipelineParallelModel(net, backend, micro_batches=2, split_points=["model.layers.1"]).eval()
+        with torch.no_grad():
+            model(x)
     else:
         PipelineParallelModel(llama(), backend, micro_batches=2, split_points=["model.rotary_emb"])
 
@@ -206,6 +215,8 @@ def _refused(backend: CommunicationBackend, kind: str) -> None:
         ("unknown", "split points ['model.layer.2'] name no module of LlamaForCausalLM"),
         ("none", "stages 1..1 begins: split_points=[1 module name(s)] (dtlab train: parallel.split_points)"),
         ("late", "split points ['model.rotary_emb'] have no parameters"),
+        ("hidden", "output holds ['hidden_states'] beside its logits: under a pipeline the loss function"),
+        ("attentions", "set hf_model.config.output_attentions = False"),
     ],
 )
 def test_what_a_split_at_module_names_refuses_is_named(kind: str, says: str) -> None:

@@ -13,7 +13,7 @@ keep their values), so values that steer the forward (positions, masks) are the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -138,8 +138,41 @@ def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: 
             f"{kind} returns a {type(out).__name__}; a pipeline's last stage needs a tensor or an output "
             "with logits (the loss function receives it)"
         )
+    _refuse_partial_fields(module, out)
     specs = [slots[p][1] for p in points] + [TensorSpec.of(last)]
     return Trace(specs, outputs, {p: slot for p, (slot, _) in slots.items()}, _output_type(out, last))
+
+
+#: fields of a model's output beside its logits that a pipeline's last stage gives as the model does
+_LAST_STAGE_FIELDS = ("logits", "loss", "past_key_values")
+
+
+def _refuse_partial_fields(module: nn.Module, out: Any) -> None:
+    """A Hugging Face model's output holding tensors beside its logits (``hidden_states``, ``attentions``
+    with ``config.output_hidden_states`` / ``output_attentions``, MoE ``router_logits`` and ``aux_loss``)
+    is refused: each spans every layer, and the last stage, which gives the loss function and inference
+    the model's output, runs only its own (its hidden states and attentions would be those of its layers,
+    in the slots of the first ones)."""
+    if getattr(module, "config", None) is None or not isinstance(out, Mapping):
+        return
+    fields = [
+        k
+        for k, v in out.items()
+        if k not in _LAST_STAGE_FIELDS and any(isinstance(t, torch.Tensor) for t in tree_flatten(v)[0])
+    ]
+    if fields:
+        flags = ", ".join(f"hf_model.config.{f} = False" for f in _FLAGS if getattr(module.config, f, False))
+        raise StrategyError(
+            f"{type(module).__name__}'s output holds {fields} beside its logits: under a pipeline the loss "
+            "function and inference get the last stage's output, and these span every layer while the last "
+            "stage runs only its own (they would silently hold its layers' alone). Before wrapping, set "
+            f"{flags or 'the config flags that ask for them to False'}; or compute them on the plain model "
+            "loaded from model.state_dict()"
+        )
+
+
+#: the config flags that add such fields
+_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits")
 
 
 def _output_type(out: Any, logits: torch.Tensor) -> type | None:
