@@ -293,3 +293,76 @@ def test_dtlab_train_ends_the_job_when_one_rank_fails(tmp_path: Path, launcher: 
         assert "rank 0: gloo broadcast lost its connection to a peer (a peer process died: rank 1 (pid" in (
             proc.stderr
         ), proc.stderr[-3000:]
+
+
+SCRIPT_RAISES = """
+import torch
+from torch import nn
+from dtlab.backends import init_backend
+from dtlab.models import DDPModel
+from dtlab.optimizers import DDPOptimizer
+
+b = init_backend("mpi")
+model = DDPModel(nn.Linear(4, 2), b)
+opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+for step in range(3):
+    if b.rank == 1 and step == 1:  # rank 0 goes on, into the all-reduce of its backward
+        raise RuntimeError("a bug in rank 1's loop")
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_script_of_your_own_under_mpiexec_ends_when_one_rank_raises(tmp_path: Path) -> None:
+    """``mpiexec -n 2 python script.py`` (not ``python -m mpi4py``): the raising rank printed its
+    traceback, then waited in MPI_Finalize while its peer waited in the all-reduce, for ever (killed
+    after 60 s); the world MPIBackend's excepthook now ends the job after the traceback."""
+    from processes import run_group
+
+    script = tmp_path / "script_raises.py"
+    script.write_text(SCRIPT_RAISES)
+    t0 = time.monotonic()
+    proc = run_group(
+        [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", sys.executable, str(script)], 90
+    )
+    assert time.monotonic() - t0 < 45, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "RuntimeError: a bug in rank 1's loop" in out and "MPI_Abort" in out, out[-3000:]
+    assert proc.returncode != 0
+
+
+def test_the_abort_hook_prints_first_and_is_removed_on_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtlab.backends._mpi_abort import AbortOnUncaught
+
+    calls: list[object] = []
+
+    class World:
+        def Abort(self, code: int) -> None:
+            calls.append(("abort", code))
+
+    class FakeMPI:
+        COMM_WORLD = World()
+
+        def Is_initialized(self) -> bool:
+            return True
+
+        def Is_finalized(self) -> bool:
+            return False
+
+    def printed(kind: type[BaseException], exc: BaseException, tb: object) -> None:
+        calls.append(("printed", kind.__name__))
+
+    monkeypatch.setattr(sys, "excepthook", printed)
+    hook = AbortOnUncaught(FakeMPI())
+    assert sys.excepthook == hook.hook
+    sys.excepthook(RuntimeError, RuntimeError("x"), None)
+    sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert calls == [
+        ("printed", "RuntimeError"),
+        ("abort", 1),
+        ("printed", "KeyboardInterrupt"),
+        ("abort", 130),
+    ]
+    hook.remove()
+    assert sys.excepthook is printed

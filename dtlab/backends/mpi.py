@@ -22,7 +22,7 @@ is the launcher's business — MPICH's ``mpiexec`` (Hydra) and Open MPI's ``mpir
 processes and exit non-zero. With ``timeout=t`` every operation is started non-blocking and polled;
 one that has not completed after ``t`` seconds raises :class:`CollectiveTimeoutError` naming it.
 The communicator is unusable after that (MPI cannot cancel a collective); end the job with
-``MPI.COMM_WORLD.Abort(1)``.
+``MPI.COMM_WORLD.Abort(1)``. An exception no code catches ends the job too (``_mpi_abort.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtlab.backends._checked import mismatch_hint
+from dtlab.backends._mpi_abort import AbortOnUncaught
 from dtlab.backends._mpi_half import HalfSum
 from dtlab.backends._mpi_support import _Buffers, _import_mpi, _MPIWork, query_cuda_support
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
@@ -85,6 +86,8 @@ class MPIBackend(CommunicationBackend):
         )
         self._ops = self._buf.ops
         self._half = HalfSum(self._comm, self._buf, self.wait_request, polled=timeout is not None)
+        world = self._comm == mpi.COMM_WORLD and self._world_size > 1  # an uncaught exception ends the job
+        self._abort = AbortOnUncaught(mpi) if world else None
 
     @property
     def device(self) -> torch.device:
@@ -389,5 +392,7 @@ class MPIBackend(CommunicationBackend):
     def close(self) -> None:
         """Free this backend's communicators (``COMM_WORLD`` itself is left to MPI's finalization)."""
         self._half.close()
+        if self._abort is not None:
+            self._abort.remove()
         if self._comm != self._mpi.COMM_WORLD and self._comm != self._mpi.COMM_NULL:
             self._comm.Free()

@@ -1,0 +1,44 @@
+"""An MPI job of several ranks ends when a script's exception on one rank is not caught.
+
+Without this, ``mpiexec -n 2 python train.py`` hangs for ever when one rank raises: Python prints the
+traceback, then mpi4py's exit hook waits in ``MPI_Finalize`` for ranks that wait in their next
+collective (MPI has no time-outs), and the launcher waits for both. ``python -m mpi4py train.py``
+avoids it; a world ``MPIBackend`` gives a plain ``python train.py`` the same: from its construction to
+its ``close()``, an uncaught exception is printed as Python prints it (by the ``sys.excepthook`` in
+place before) and then ends the job with ``MPI.COMM_WORLD.Abort`` (exit status 1; 130 for Ctrl-C), as
+ChainerMN's hook and ``mpi4py.run`` do. The launcher then stops every rank and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import TracebackType
+from typing import Any
+
+__all__ = ["AbortOnUncaught"]
+
+
+class AbortOnUncaught:
+    """``sys.excepthook`` chained to the one in place, ending the MPI job after it printed; removed by
+    :meth:`remove` (only where no later hook replaced it)."""
+
+    def __init__(self, mpi: Any) -> None:
+        self._mpi = mpi
+        self._previous = sys.excepthook
+        sys.excepthook = self.hook
+
+    def hook(self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        try:
+            self._previous(kind, exc, tb)
+        finally:
+            mpi = self._mpi
+            if mpi.Is_initialized() and not mpi.Is_finalized():
+                sys.stdout.flush()
+                sys.stderr.flush()
+                code = 128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1
+                mpi.COMM_WORLD.Abort(code)
+
+    def remove(self) -> None:
+        if sys.excepthook == self.hook:
+            sys.excepthook = self._previous
