@@ -261,12 +261,15 @@ class UnitGatherer:
         return [st.unit.key for st in self.units if st.flat is None]
 
     def pack(self, t: torch.Tensor, outer: SavedHooks | None) -> Any:
-        """A saved tensor: a reference when it aliases a gathered buffer, else itself, or what the
-        ``outer`` saved-tensor hooks (which these shadow: a pipeline's meter, a checkpointed stage's)
-        make of it."""
+        """A saved tensor: a reference when it aliases a gathered buffer, else itself detached, or what
+        the ``outer`` saved-tensor hooks (which these shadow: a pipeline's meter, a checkpointed stage's)
+        make of it. Detached: an operation saving its own output (tanh, softmax, attention) would
+        otherwise hold its node through the output's ``grad_fn``, a cycle through autograd's C++ that
+        Python's garbage collector never frees, so a forward with gradients and no backward kept its
+        graph for ever (autograd rebuilds the saved tensor's history at unpack from what it recorded)."""
         st = None if t.numel() == 0 else self._by_storage.get(t.untyped_storage().data_ptr())
         if st is None or st.persistent or st.flat is None or t.dtype != st.flat.dtype:
-            return t if outer is None else _OuterSaved(outer[0](t), outer[1])
+            return t.detach() if outer is None else _OuterSaved(outer[0](t), outer[1])
         return SavedRef(st, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     def unpack(self, obj: Any) -> torch.Tensor:
