@@ -285,7 +285,38 @@ def test_refused_modules_meshes_and_batches() -> None:
 
     err = refusal(1, list_batch)
     assert isinstance(err, StrategyError)
-    assert "PipelineParallelModel.train_step: inputs must be a batched tensor, got [tensor(" in str(err)
+    says = "PipelineParallelModel.train_step: inputs must be a batched tensor, got a list of 4 items: ["
+    assert says in str(err)
+
+
+@pytest.mark.parametrize(
+    ("form", "says"),
+    [
+        ("three", "batch must be the pair (inputs, targets), got a tuple of 3 items"),  # was a raw ValueError
+        ("dict", "batch must be the pair (inputs, targets), got a dict of 2 entries: {'inputs': <Tensor>"),
+        ("dict inputs", "inputs must be a batched tensor, got a dict of 2 entries: {'ids': <Tensor>"),
+        ("tuple targets", "targets must be a batched tensor, got (<Tensor>, <Tensor>); a pipeline feeds"),
+        ("scalar targets", "targets must be a batched tensor, got a torch.float32 tensor of shape ()"),
+    ],
+)
+def test_a_batch_a_pipeline_cannot_take_is_named_with_the_fix(form: str, says: str) -> None:
+    """A mask travelling with the inputs, a dict batch: one clear refusal, never a raw traceback."""
+
+    def step(b: Any) -> None:
+        x, y = (t[0] for t in mlp_data(4))
+        batch: Any = {
+            "three": (x, x > 0, y),
+            "dict": {"inputs": x, "targets": y},
+            "dict inputs": ({"ids": x, "mask": x > 0}, y),
+            "tuple targets": (x, (y, x)),
+            "scalar targets": (x, y.sum()),
+        }[form]
+        PipelineParallelModel(make_mlp(), b, micro_batches=2).train_step(batch, F.mse_loss)
+
+    err = refusal(2, step)
+    assert isinstance(err, StrategyError) and says in str(err)
+    assert "tensor([" not in str(err)  # the values are not dumped
+    assert "one tensor crosses each stage boundary" in str(err)
 
 
 def test_from_plan_meshes_and_tensor_plans() -> None:

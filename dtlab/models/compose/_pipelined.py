@@ -35,8 +35,35 @@ from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.pipeline._trace_check import Trace, output_tensor, trace_split
 from dtlab.models.tensor._agree import check_same_on_tp
 from dtlab.models.tensor._split_logits import unmarked
+from dtlab.untrusted import summary
 
-__all__ = ["PipelineRun"]
+__all__ = ["PipelineRun", "batch_pair"]
+
+_ONE_TENSOR = (
+    "a pipeline feeds inputs (one tensor) to its first stage and targets (one tensor) to loss_fn(output, "
+    "targets) on its last, and one tensor crosses each stage boundary: put what the loss reads besides "
+    "the output into targets (torch.cat, or labels -100 where a mask is 0); an input the stages need "
+    "(an attention mask) does not reach them: pad on the right with targets -100 on the pads (a causal "
+    "model's other positions never see them)"
+)
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return summary(value)
+
+
+def batch_pair(who: str, batch: Any, pipelined: bool) -> tuple[Any, Any]:
+    """``train_step``'s ``batch`` as ``(inputs, targets)``, or refused naming what it got (a dict, or a
+    tuple of three: an attention mask besides the inputs)."""
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        return batch[0], batch[1]
+    hint = f"; {_ONE_TENSOR}" if pipelined else ""
+    raise StrategyError(
+        f"{who}.train_step(batch, loss_fn): batch must be the pair (inputs, targets), got "
+        f"{_described(batch)}{hint}"
+    )
 
 
 class PipelineRun:
@@ -161,7 +188,9 @@ class PipelineRun:
         m = self.micro_batches
         for what, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                raise StrategyError(f"{who}.train_step: {what} must be a batched tensor, got {t!r}")
+                raise StrategyError(
+                    f"{who}.train_step: {what} must be a batched tensor, got {_described(t)}; {_ONE_TENSOR}"
+                )
             if t.shape[0] % m:
                 raise StrategyError(
                     f"{who}.train_step: the batch of {t.shape[0]} samples ({what}) does not split into "

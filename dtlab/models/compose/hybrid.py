@@ -31,7 +31,7 @@ from dtlab.models.compose._comm import gather_whole_state, grads_of
 from dtlab.models.compose._habits import PartialState, check_call, missing_attribute, whole_over_tp
 from dtlab.models.compose._meta_walk import MetaWalk
 from dtlab.models.compose._partial import PartialGrads
-from dtlab.models.compose._pipelined import PipelineRun
+from dtlab.models.compose._pipelined import PipelineRun, batch_pair
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._same_grads import SameReplicatedGrads
 from dtlab.models.compose._tied import TiedSync
@@ -275,10 +275,10 @@ class HybridShardedModel(ForwardedSync, OptimizerTarget):
                 f"{type(self).__name__}.train_step: loss_fn {getattr(loss_fn, '__name__', loss_fn)} on the "
                 "logits split over tp would see this rank's part of the classes only; use model.cross_entropy"
             )
-        with self._same_on_tp.step(batch):
+        inputs, targets = batch_pair(type(self).__name__, batch, self._pipe is not None)  # or refused
+        with self._same_on_tp.step((inputs, targets)):  # under a pipeline over pp x tp (same_on_pp)
             if self._pipe is None:
-                return super().train_step(batch, loss_fn)
-            inputs, targets = batch  # compared over pp x tp (PipelineRun.same_on_pp)
+                return super().train_step((inputs, targets), loss_fn)
             with self._wrapped_as:  # checked on every rank before the schedule: a refusal in it would hang
                 self._pipe.check_batch(type(self).__name__, inputs, targets)
                 self._partial.before_accumulate(type(self).__name__)
