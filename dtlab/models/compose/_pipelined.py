@@ -30,7 +30,7 @@ from dtlab.models.pipeline._comm import (
 )
 from dtlab.models.pipeline._runtime import StepResult, run_schedule
 from dtlab.models.pipeline._schedules import PipelineSchedule
-from dtlab.models.pipeline._split import Stage, TensorSpec, stage_specs
+from dtlab.models.pipeline._split import Stage, TensorSpec, TupleSpec, stage_specs
 from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.pipeline._trace_check import Trace, output_tensor, trace_split
 from dtlab.models.tensor._agree import check_same_on_tp
@@ -146,14 +146,18 @@ class PipelineRun:
         specs = self.specs_for(x)
         last = self.schedule.num_stages - 1
 
-        def run(h: torch.Tensor, s: int) -> torch.Tensor:
+        def run(h: torch.Tensor, s: int) -> Any:
             out = self.stage_forward(h, s, x)
             tensor = output_tensor(out) if s == last and self.layout.traced else out
-            if not isinstance(tensor, torch.Tensor):  # unreachable: the trace checked the output
-                raise StrategyError(f"pipeline stage {s} returned a {type(out).__name__}")
+            if not isinstance(tensor, torch.Tensor) and not isinstance(specs[s], TupleSpec):
+                raise StrategyError(f"pipeline stage {s} returned a {type(out).__name__}")  # unreachable
             return tensor
 
-        out = self.mark_output(infer_through_stages(x, run, specs, self.schedule, self.pp))
+        got = infer_through_stages(x, run, specs, self.schedule, self.pp)
+        if isinstance(got, tuple):  # the last stage's tuple: its items split over tp marked as such
+            marked = cast("TupleSpec", specs[-1]).marked
+            return tuple(self.mark_output(t) if m else t for t, m in zip(got, marked, strict=True))
+        out = self.mark_output(got)
         if self.layout.traced:
             return self._traces[TensorSpec(tuple(x.shape), x.dtype)].as_output(out)
         return out

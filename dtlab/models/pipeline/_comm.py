@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from dtlab.backends.base import CommunicationBackend, P2POp, Work
 from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
-from dtlab.models.pipeline._split import TensorSpec
+from dtlab.models.pipeline._split import TensorSpec, TupleSpec
 
 __all__ = [
     "StageLinks",
@@ -123,16 +124,18 @@ class StageLinks:
 
 def infer_through_stages(
     x: torch.Tensor,
-    run_stage: Callable[[torch.Tensor, int], torch.Tensor],
+    run_stage: Callable[[torch.Tensor, int], Any],
     specs: Sequence[TensorSpec],
     schedule: PipelineSchedule,
     pp: CommunicationBackend,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Inference through every stage without autograd: this rank runs its stages (``run_stage(h,
-    s)``), activations go to the next stage's rank, and the last stage's output reaches every pp rank.
-    Messages are cast to their spec dtype, so autocast on either side cannot mismatch them."""
-    n, me = len(specs), pp.rank
-    out: torch.Tensor | None = None
+    s)``), activations go to the next stage's rank, and the last stage's output (a tensor, or the tuple
+    of tensors of a :class:`TupleSpec`) reaches every pp rank. Messages are cast to their spec dtype, so
+    autocast on either side cannot mismatch them."""
+    n, me, last = len(specs), pp.rank, specs[-1]
+    items = last.items if isinstance(last, TupleSpec) else (last,)
+    out: Sequence[torch.Tensor | None] = [None] * len(items)
     with torch.no_grad():
         h = x
         for s in schedule.stages_of(me):  # in stage order
@@ -143,8 +146,11 @@ def infer_through_stages(
             if s + 1 < n and schedule.rank_of(s + 1) != me:
                 pp.send(h.to(specs[s].dtype).contiguous(), schedule.rank_of(s + 1), tag=s + 1)
             if s + 1 == n:
-                out = h.to(specs[s].dtype)
-        return broadcast_over_pp(out, specs[-1].shape, specs[-1].dtype, schedule.rank_of(n - 1), pp)
+                got = h if isinstance(last, TupleSpec) else (h,)
+                out = [t.to(spec.dtype) for t, spec in zip(got, items, strict=True)]
+        src = schedule.rank_of(n - 1)
+        whole = [broadcast_over_pp(t, s.shape, s.dtype, src, pp) for t, s in zip(out, items, strict=True)]
+        return tuple(whole) if isinstance(last, TupleSpec) else whole[0]
 
 
 def broadcast_over_pp(

@@ -21,11 +21,13 @@ from torch import nn
 from torch.func import functional_call
 
 from dtlab.errors import StrategyError
+from dtlab.untrusted import summary
 
 __all__ = [
     "Shapes",
     "Stage",
     "TensorSpec",
+    "TupleSpec",
     "balanced_split",
     "check_split_count",
     "every_child",
@@ -51,6 +53,26 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class TupleSpec(TensorSpec):
+    """The last stage's output when it is a tuple of tensors (the logits and an auxiliary loss, as a
+    mixture-of-experts model returns them): ``items``, each tensor's spec (``shape`` and ``dtype``: the
+    first's); ``marked``, which items came out as a tensor subclass (the logits split over tp)."""
+
+    items: tuple[TensorSpec, ...] = ()
+    marked: tuple[bool, ...] = ()
+
+    @classmethod
+    def of_items(cls, items: Sequence[torch.Tensor]) -> TupleSpec:
+        specs = tuple(TensorSpec.of(t) for t in items)
+        marked = tuple(type(t) is not torch.Tensor for t in items)
+        return cls(specs[0].shape, specs[0].dtype, specs, marked)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
 
 
 class Stage(nn.Module):
@@ -233,11 +255,17 @@ def stage_specs(stages: Sequence[Stage], shapes: Sequence[Shapes], sample: Tenso
                     "this forward too: one reading values (activation statistics) returns on meta tensors "
                     "first, if out.is_meta: return"
                 ) from exc
+            last = stage.index == len(stages) - 1
+            if last and isinstance(y, tuple) and y and all(isinstance(t, torch.Tensor) for t in y):
+                out.append(TupleSpec.of_items(y))  # to loss_fn (the logits and an auxiliary loss)
+                continue
             if not isinstance(y, torch.Tensor):
                 raise StrategyError(
-                    f"pipeline stage {stage.index} ({stage.names[-1]}) returns a {type(y).__name__}; every "
-                    "block must return one tensor: wrap a block returning several values in a module "
-                    "returning the one the next block takes (e.g. an LSTM's output, lstm(x)[0])"
+                    f"pipeline stage {stage.index} ({stage.names[-1]}) returns "
+                    f"{summary(y) if last else f'a {type(y).__name__}'}; every block must return one tensor, "
+                    "the last may return a tuple of tensors (they go to loss_fn: the logits and an auxiliary "
+                    "loss): wrap a block returning several values in a module returning the one the next "
+                    "block takes (e.g. an LSTM's output, lstm(x)[0])"
                 )
             out.append(TensorSpec.of(y))
             x = y
