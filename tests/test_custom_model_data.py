@@ -289,3 +289,20 @@ def test_a_head_unused_after_its_first_step_trains_under_compression() -> None:
     so a head used in step 1 only keeps being stepped with its error-feedback residual in steps 2-3
     (rather than the step refusing to drop that residual)."""
     assert run_world(2, _head_then_unused, timeout=60) == [(True, "")] * 2
+
+
+class _Stream(torch.utils.data.IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __iter__(self) -> Any:
+        yield torch.zeros(4), torch.tensor(0)
+
+
+def test_a_loader_a_stream_or_a_tensor_pair_is_refused_naming_what_to_pass() -> None:
+    cfg = load_config(overrides=[*BASE, "train.steps=1"])
+    x, y = Blobs().x, Blobs().y
+    for data, fix in [
+        (DataLoader(Blobs(), batch_size=4), r"pass its dataset \(train_data=loader.dataset\)"),
+        (_Stream(), r"give its samples as a map-style Dataset"),
+        ((x, y), r"pass torch.utils.data.TensorDataset\(x, y\)"),
+    ]:
+        with pytest.raises(ConfigError, match=fix):
+            run_training(cfg, model=nn.Linear(4, 2), train_data=data, loss_fn="cross_entropy")

@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import IterableDataset, Subset
+from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from dtlab.config import TrainConfig
 from dtlab.core import seeded_init
@@ -98,9 +98,21 @@ def _call(fn: Callable[[], Any], reference: str, field: str) -> Any:
 
 def _check_dataset(data: Any, what: str) -> None:
     if isinstance(data, IterableDataset) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        hint = ""
+        if isinstance(data, DataLoader):
+            hint = (
+                f"; pass its dataset ({what}=loader.dataset): each rank's loader is made for you (a "
+                "DistributedSampler over the dp ranks, data.global_batch_size, data.num_workers)"
+            )
+        elif isinstance(data, IterableDataset):
+            hint = (
+                "; a stream cannot be split by index over the ranks or resumed at a sample: give its "
+                "samples as a map-style Dataset (e.g. torch.utils.data.TensorDataset), or train it in a loop "
+                "of your own (docs/porting.md)"
+            )
         raise ConfigError(
             f"{what} is a {type(data).__name__}: need a map-style torch Dataset (with __len__ and "
-            "__getitem__) of (input, target) pairs"
+            f"__getitem__) of (input, target) pairs{hint}"
         )
     if len(data) == 0:
         raise ConfigError(f"{what} is empty")
@@ -110,6 +122,11 @@ def _check_dataset(data: Any, what: str) -> None:
             f"{what}[0] is a {type(sample).__name__}"
             f"{f' of {len(sample)}' if isinstance(sample, tuple | list) else ''}: each sample must be "
             "an (input, target) pair"
+            + (
+                "; for tensors (x, y) pass torch.utils.data.TensorDataset(x, y)"
+                if isinstance(data, tuple)
+                else ""
+            )
         )
 
 
