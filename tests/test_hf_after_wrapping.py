@@ -12,8 +12,11 @@ generating inside ``summon_full_params()`` or a fixed number of new tokens gives
 with the gathered state, and both that and ``save_pretrained`` inside ``summon_full_params()`` reload
 bitwise with ``from_pretrained``. Under tensor parallelism, tp ranks that choose different tokens in
 ``model.module.generate`` from the same prompts (as ``do_sample=True`` draws on each rank) were told to
-shard their data by the dp coordinate; now the refusal names the sampling and the fix. Tiny configs in
-memory (no network)."""
+shard their data by the dp coordinate; now the refusal names the sampling and the fix.
+``inputs_embeds=model.module.get_input_embeddings()(input_ids)`` under FSDP with the embedding in the
+model's own unit read its parked stand-ins (NaN loss, silently); now refused naming the fix, and with
+the embedding a unit of its own (or under ZeRO-3) it trains as one process. Tiny configs in memory (no
+network)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hf_cases import VOCAB, llama, rel_error, token_batch, transformers_module
 from torch import nn
 
@@ -33,6 +37,7 @@ from dtlab.models import (
     DDPModel,
     FSDPModel,
     HybridShardedModel,
+    ModuleClassPolicy,
     TensorParallelModel,
     ZeRO1Model,
     ZeRO2Model,
@@ -228,3 +233,56 @@ def test_tp_ranks_choosing_different_tokens_in_generate_are_told_to_seed_alike()
         assert "tensor-parallel group were given different inputs" in got, got
         assert "the tp ranks chose different ones (do_sample=True" in got, got
         assert "torch.manual_seed(seed) in each process" in got, got
+
+
+def _embedded(model: Any, x: torch.Tensor) -> Any:
+    """Hugging Face's inputs_embeds habit: the model's own embedding, then the model on its output."""
+    return model(inputs_embeds=model.module.get_input_embeddings()(x))
+
+
+def _inputs_embeds(backend: CommunicationBackend, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    layer = transformers_module().models.llama.modeling_llama.LlamaDecoderLayer
+    x, y = token_batch(4, seed=4)
+    xs, ys = x.chunk(2)[backend.rank], y.chunk(2)[backend.rank]
+    out: dict[str, Any] = {}
+    for name, units in (("fsdp", (layer,)), ("fsdp-embedding-unit", (layer, nn.Embedding)), ("zero3", None)):
+        net = _net(False)
+        net.load_state_dict(state)
+        if units is None:
+            model: Any = ZeRO3Model(net, backend, persistence_threshold=0)
+        else:
+            model = FSDPModel(net, backend, wrap_policy=ModuleClassPolicy(units))
+        if name == "fsdp":  # the embedding in the model's own unit: it read NaN stand-ins, silently
+            with pytest.raises(StrategyError) as info:
+                _embedded(model, xs)
+            out[name] = str(info.value)
+            continue
+        opt = ZeRO3Optimizer(model, torch.optim.SGD, lr=0.5)
+        for _ in range(2):
+            logits = _embedded(model, xs).logits
+            F.cross_entropy(logits.reshape(-1, VOCAB), ys.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = model.state_dict()
+    return out
+
+
+def test_inputs_embeds_from_the_models_embedding_under_fsdp_trains_or_is_refused_naming_the_fix() -> None:
+    state = {k: v.clone() for k, v in _net(False).state_dict().items()}
+    one = _net(False)
+    one.load_state_dict(state)
+    opt = torch.optim.SGD(one.parameters(), lr=0.5)
+    x, y = token_batch(4, seed=4)
+    for _ in range(2):
+        logits = one(inputs_embeds=one.get_input_embeddings()(x)).logits
+        F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    for r in run_world(2, _inputs_embeds, state, timeout=120):
+        assert (
+            "'model.embed_tokens' (Embedding) was called on its own, outside the wrapper's forward, while "
+            "its parameters are sharded in the wrapped model's own unit" in r["fsdp"]
+        )
+        assert "ModuleClassPolicy((..., nn.Embedding))" in r["fsdp"]
+        for name in ("fsdp-embedding-unit", "zero3"):
+            assert max(rel_error(r[name][k], v) for k, v in one.state_dict().items()) < 1e-5, name

@@ -19,6 +19,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.dp._direct import GATHER, STATE, DirectForwards
 from dtlab.models.dp._grad_call import autograd_grad_message, grads_returned
 from dtlab.models.dp._grad_guard import tensor_bytes
+from dtlab.models.dp._inner_calls import InnerCalls
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
 from dtlab.models.dp._routing import same_gathers
 from dtlab.models.dp._saved_params import SavedTensors
@@ -94,6 +95,7 @@ class ShardedModel(DataParallelModel):
         self.module.register_state_dict_pre_hook(self._refuse_partial_state)
         self.module.register_load_state_dict_pre_hook(self._refuse_partial_load)
         self._direct = DirectForwards(self._at_rest, self, self.module)  # model.module.generate() in step
+        InnerCalls(self._at_rest, self.module, type(self).__name__)  # a unit's inner module called alone
         hooks = (self._begin_backward, bool(reshard_after_forward), bool(prefetch), self._direct.hook)
         self._hooks = GroupHooks(self._at_rest, *hooks)
         self._register_grad_hooks(self._on_grad)
