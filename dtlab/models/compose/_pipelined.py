@@ -190,6 +190,11 @@ class PipelineRun:
 
     def check_batch(self, who: str, inputs: Any, targets: Any) -> None:
         m = self.micro_batches
+        if not torch.is_grad_enabled():  # every micro-batch's backward would be skipped
+            raise StrategyError(
+                f"{who}.train_step under torch.no_grad() (or inference_mode): a training step needs "
+                "gradients; call it outside the block, and evaluate with model.eval() and model(inputs)"
+            )
         for what, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 raise StrategyError(

@@ -136,7 +136,7 @@ class _Step:
         ):
             y = self.stages[a.stage](x, a.micro)
             if a.stage == last:
-                y = _mean_loss(self.loss_fn(y, target)) / self.schedule.m
+                y = _mean_loss(self.loss_fn(y, target), y) / self.schedule.m
         self.meter.hold(key, [x, y])
         self.xs[key], self.ys[key] = x, y
         if a.stage == last:
@@ -171,7 +171,7 @@ class _Step:
             self.meter.hold(key, self.deferred[key].held_tensors())
 
 
-def _mean_loss(loss: object) -> torch.Tensor:
+def _mean_loss(loss: object, output: object) -> torch.Tensor:
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         hint = (
             "; the model gets no labels here (output.loss is None): use output.logits" if loss is None else ""
@@ -180,7 +180,23 @@ def _mean_loss(loss: object) -> torch.Tensor:
             f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got "
             f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}{hint}"
         )
+    if not loss.requires_grad and any(t.requires_grad for t in _tensors(output)):  # backward would skip it
+        raise StrategyError(
+            "loss_fn returned a loss that does not require grad from an output that does (computed from "
+            "output.detach(), under torch.no_grad(), or through .item()/.tolist()), so no gradient would "
+            "reach any stage; compute the loss from the output itself, as loss.backward() needs in one "
+            "process"
+        )
     return loss.reshape(())
+
+
+def _tensors(output: object) -> list[torch.Tensor]:
+    """The tensors of a last stage's output: itself, a tuple's items or a mapping's values
+    (a Hugging Face ModelOutput)."""
+    if isinstance(output, Mapping):
+        return [t for t in output.values() if isinstance(t, torch.Tensor)]
+    items = output if isinstance(output, tuple) else (output,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
 
 
 def run_schedule(

@@ -1,0 +1,56 @@
+"""A training loop's mistakes around a pipeline's train_step that one process answers with an error
+(``loss.backward()`` on a loss without a graph): refused naming the cause, never a step that trains
+nothing or a refusal that blames the parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pipeline_cases import make_mlp, mlp_data
+
+from dtlab.errors import RankFailedError, StrategyError
+from dtlab.models import PipelineParallelModel
+from dtlab.optimizers import DDPOptimizer
+from dtlab.testing import run_world
+
+
+def refusal(fn: Any, *args: Any) -> BaseException:
+    with pytest.raises(RankFailedError) as info:
+        run_world(2, fn, *args, timeout=30)
+    assert info.value.__cause__ is not None
+    return info.value.__cause__
+
+
+def test_train_step_under_no_grad_is_refused_on_every_rank() -> None:
+    def step(backend: Any) -> str:
+        model = PipelineParallelModel(make_mlp(), backend, "1f1b", micro_batches=2)
+        x, y = (t[0] for t in mlp_data(4))
+        try:
+            with torch.no_grad():  # an evaluation loop calling train_step
+                model.train_step((x, y), F.mse_loss)
+        except StrategyError as exc:
+            return str(exc)
+        return "trained"
+
+    for said in run_world(2, step, timeout=30):  # before the schedule: no rank left waiting
+        assert "PipelineParallelModel.train_step under torch.no_grad() (or inference_mode)" in said
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_a_loss_without_a_graph_is_refused(find_unused: bool) -> None:
+    """With find_unused_parameters every parameter was left out of the step: nothing trained, silently."""
+
+    def step(backend: Any) -> None:
+        unused = {"find_unused_parameters": find_unused}
+        model = PipelineParallelModel(make_mlp(), backend, micro_batches=2, **unused)
+        opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+        x, y = (t[0] for t in mlp_data(4))
+        model.train_step((x, y), lambda out, t: F.mse_loss(out.detach(), t))
+        opt.step()
+
+    err = refusal(step)
+    assert isinstance(err, StrategyError)
+    assert "loss_fn returned a loss that does not require grad from an output that does" in str(err)
