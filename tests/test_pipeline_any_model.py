@@ -13,6 +13,7 @@ from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core.rng import seeded_init
 from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import HybridShardedModel, PipelineParallelModel
 from dtlab.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
@@ -198,6 +199,11 @@ def _refused(backend: CommunicationBackend, kind: str) -> None:
         net = llama(layers=4, output_hidden_states=True)
         model = PipelineParallelModel(net, backend, micro_batches=2, split_points=["model.layers.2"])
         model.train_step((x, x), lm_loss)
+    elif kind == "router":  # a mixture of experts' load-balancing loss over the last stage's layers alone
+        model = PipelineParallelModel(
+            _mixtral(output_router_logits=True), backend, split_points=["model.layers.1"]
+        )
+        model.train_step((x, x), lm_loss)
     elif kind == "attentions":  # inference alike
         net = llama(output_attentions=True, attn_implementation="eager")
         model = PipelineParallelModel(net, backend, micro_batches=2, split_points=["model.layers.1"]).eval()
@@ -217,6 +223,7 @@ def _refused(backend: CommunicationBackend, kind: str) -> None:
         ("late", "split points ['model.rotary_emb'] have no parameters"),
         ("hidden", "output holds ['hidden_states'] beside its logits: under a pipeline the loss function"),
         ("attentions", "set hf_model.config.output_attentions = False"),
+        ("router", "output holds ['aux_loss', 'router_logits'] beside its logits"),
     ],
 )
 def test_what_a_split_at_module_names_refuses_is_named(kind: str, says: str) -> None:
@@ -278,3 +285,38 @@ def test_a_tied_weight_across_stages_is_stored_once_and_loads_into_the_plain_mod
     plain = build("gpt2", initial("gpt2"))
     plain.load_state_dict({k: full[k] for k in plain.state_dict()})
     assert all(torch.equal(v, state[k]) for k, v in plain.state_dict().items())
+
+
+def _mixtral(**extra: Any) -> nn.Module:
+    """A tiny Mixtral (4 experts, 2 per token), float32: its experts run torch._grouped_mm."""
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, num_local_experts=4, num_experts_per_tok=2,
+        use_cache=False, **extra,
+    )  # fmt: skip
+    with seeded_init(0):
+        net: nn.Module = transformers.MixtralForCausalLM(config)
+    return net
+
+
+def _mixtral_pp(backend: CommunicationBackend) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = PipelineParallelModel(_mixtral(), backend, micro_batches=2, split_points=["model.layers.1"])
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=0.5)
+    x, y = batch()
+    losses = []
+    for _ in range(2):
+        losses.append(model.train_step((x, y), lm_loss).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, model.state_dict()
+
+
+def test_a_mixture_of_experts_split_at_module_names_trains_as_one_process() -> None:
+    """The trace ran the model on broadcast zeros, which torch._grouped_mm refuses for a stacked experts'
+    weight: Mixtral under a pipeline was refused ('Invalid strides/sizes, got [0, 0, 0]')."""
+    net = _mixtral()
+    x, y = batch()
+    want = train_steps(net, torch.optim.SGD(net.parameters(), lr=0.5), x, y, 2)
+    for losses, state in run_world(2, _mixtral_pp, timeout=120):
+        assert worst_loss_error(losses, want) <= 1e-5
+        assert max(rel(state[k], v) for k, v in net.state_dict().items()) <= 1e-5
