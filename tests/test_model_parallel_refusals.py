@@ -194,6 +194,10 @@ def test_nested_split_points_refused() -> None:
             "calls 'emb' (pipeline stage 0) after 'layers.1' (stage 1): the split points do not follow "
             "the forward's order. Choose split points in call order",
         ),
+        (
+            lambda: _Net("reversed"),
+            "the model registers 'emb' before split point 'layers.1' and calls it after",
+        ),
         (lambda: _Net("skips"), "_Net's forward never calls split points ['layers.1']; split at modules it"),
         (lambda: _Net("tuple_out"), "_Net returns a tuple; a pipeline's last stage needs a tensor or an"),
         (

@@ -106,10 +106,15 @@ def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: 
         stage = owner.get(name)
         if stage is not None:
             if stage < latest[-1][0]:
+                entry = points[latest[-1][0] - 1]  # the split point that begins the later stage
                 raise StrategyError(
                     f"{kind}'s forward calls {name!r} (pipeline stage {stage}) after {latest[-1][1]!r} "
                     f"(stage {latest[-1][0]}): the split points do not follow the forward's order. "
-                    "Choose split points in call order, or give the model a pipeline_blocks() method"
+                    "Choose split points in call order, or give the model a pipeline_blocks() method (a "
+                    "block belongs to the stage of the last split point registered before it: the model "
+                    f"registers {name!r} before split point {entry!r} and calls it after; where it does so "
+                    "for every split point, as OPT's final_layer_norm before its layers, only "
+                    "pipeline_blocks() can order them)"
                 )
             latest.append((stage, name))
         if name in points and name not in slots:
