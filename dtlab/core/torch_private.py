@@ -16,6 +16,7 @@ from torch.optim import optimizer as torch_optimizer
 __all__ = [
     "global_optimizer_step_pre_hooks",
     "compiled_inside",
+    "copied_from",
     "in_checkpoint_forward",
     "MODULE_HOOKS",
     "OPTIMIZER_HOOKS",
@@ -121,3 +122,16 @@ def top_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | 
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # noqa: SLF001 - torch's saved-tensor hook stack
     hooks = top(False) if top is not None else None
     return None if hooks is None else (hooks[0], hooks[1])
+
+
+def copied_from(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(leaf, copy)`` when ``t`` is ``copy`` or a view of it, and ``copy`` a copy autograd records of
+    the leaf tensor ``leaf`` (``leaf.to(dtype)``: what ``torch.autocast`` hands an operation for a
+    float32 weight); else None. Reads the view's ``_base`` and autograd's node name
+    (``ToCopyBackward0``) and its ``AccumulateGrad`` node's ``variable``."""
+    copy = t._base if t._base is not None else t  # noqa: SLF001 - the tensor a view was made of
+    fn = copy.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or len(fn.next_functions) != 1:
+        return None
+    leaf = getattr(fn.next_functions[0][0], "variable", None)
+    return (leaf, copy) if isinstance(leaf, torch.Tensor) else None

@@ -10,6 +10,14 @@ Function (not one of torch's or dtlab's own) comes back as a
 values (every operation runs on them) whose ``.grad`` is the parameter's, so the write lands in the
 gradient the strategy reduces, before the parameter's gradient hook, as under DDP or in one process.
 Tensors saved by torch's operations (views of a parameter, ``layer_norm``'s weight) are not affected.
+
+Under ``torch.autocast`` an operation saves the low-precision copy of a weight it was handed, not the
+gathered buffer: kept, every unit's copy would be held from the forward to the backward (the whole model
+in bfloat16 on every rank, where the units themselves are freed). So a saved copy of a sharded
+parameter is kept as a reference too, cast again from the re-gathered parameter at unpack (the same
+values); autocast's cache of cast weights is cleared as each unit is freed after its forward (it held
+every unit's copy until the autocast block ended: the forward's peak was the whole model, also under
+``torch.no_grad()``).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import torch
 from torch import nn
 
 from dtlab.core.saved_params import SavedHooks, SavedParameter, custom_function_saves
+from dtlab.core.torch_private import copied_from
 from dtlab.models.dp._sharded_units import ShardUnit, UnitGatherer
 
 __all__ = ["SavedParameter", "SavedTensors"]
@@ -33,6 +42,19 @@ class _ParamRef:
 
     unit: ShardUnit
     param: nn.Parameter
+
+
+@dataclass(frozen=True)
+class _CastRef:
+    """A saved copy of a sharded parameter in another dtype (autocast's), or a view of one: cast again
+    from the gathered parameter at unpack."""
+
+    unit: ShardUnit
+    param: nn.Parameter
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
 
 
 class SavedTensors:
@@ -57,12 +79,29 @@ class SavedTensors:
         """The pack hook (called by autograd: frame 1 is the code that made it save ``t``)."""
         st = self.unit_of.get(id(t))  # the parameter itself (the ids of live objects differ)
         if st is None:
-            return self.at_rest.pack(t, self.outer)
+            return self._cast_ref(t) or self.at_rest.pack(t, self.outer)
         if custom_function_saves(sys._getframe(1)):  # noqa: SLF001 - the saving frame
             return _ParamRef(st, cast(nn.Parameter, t))
         return self.at_rest.pack(t, self.outer)
 
+    def _cast_ref(self, t: torch.Tensor) -> _CastRef | None:
+        """``t`` as a reference when it is (a view of) a copy of a gathered parameter in another dtype."""
+        found = copied_from(t)
+        st = None if found is None else self.unit_of.get(id(found[0]))
+        if found is None or st is None or st.persistent or st.flat is None:
+            return None
+        param, copy = found
+        if copy.shape != param.shape or copy.dtype == param.dtype or copy.device != param.device:
+            return None
+        if not (copy.is_contiguous() and param.is_contiguous() and copy.storage_offset() == 0):
+            return None
+        size, stride = tuple(t.size()), tuple(t.stride())
+        return _CastRef(st, cast(nn.Parameter, param), copy.dtype, size, stride, int(t.storage_offset()))
+
     def unpack(self, obj: Any) -> torch.Tensor:
+        if isinstance(obj, _CastRef):
+            self.at_rest.gather(obj.unit)
+            return obj.param.detach().to(obj.dtype).as_strided(obj.size, obj.stride, obj.offset)
         if isinstance(obj, _ParamRef):  # normally gathered already by the pre-backward hook
             self.at_rest.gather(obj.unit)
             return SavedParameter(obj.param, obj.param.detach())

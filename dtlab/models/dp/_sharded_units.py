@@ -379,6 +379,7 @@ class GroupHooks:
         if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward will free it
             for st in self.at_rest.groups[gi][1]:
                 self.at_rest.free(st)
+            torch.clear_autocast_cache()  # its weights' copies (what backward needs is saved: _CastRef)
 
     def _pre_backward(self, gi: int, _grad: torch.Tensor) -> None:
         self.begin_backward()
