@@ -111,10 +111,13 @@ class MPIBackend(CommunicationBackend):
         if self._timeout is None:
             request.Wait(status)
             return
-        deadline = time.monotonic() + self._timeout
-        pause = 1e-5
-        while not request.Test(status):
-            if time.monotonic() > deadline:
+        start = time.monotonic()
+        deadline, spin, pause = start + self._timeout, start + 2e-3, 1e-5
+        while not request.Test(status):  # polled for 2 ms as MPI's blocking calls are, then paused
+            now = time.monotonic()
+            if now < spin:
+                continue
+            if now > deadline:
                 raise CollectiveTimeoutError(
                     f"rank {self.rank}: MPI {what} timed out after {self._timeout:g}s (a peer is dead, "
                     f"hung or did not call it){mismatch_hint(self._checked)}; the communicator is "
