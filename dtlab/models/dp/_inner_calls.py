@@ -10,7 +10,6 @@ such a call too (a sharded DTensor parameter); ZeRO-3, a unit per module, gather
 
 from __future__ import annotations
 
-import sys
 from functools import partial
 from typing import Any
 
@@ -38,15 +37,16 @@ class InnerCalls:
             if not st.persistent
             for p in st.unit.params
         }
-        eager = "torch._dynamo" in sys.modules  # a graph break then; never loaded by this import
         for name, m in module.named_modules():
             owned = [unit_of[id(p)] for p in m.parameters(recurse=False) if id(p) in unit_of]
             if id(m) in heads or not owned:
                 continue
             hook = partial(self._check, name, owned[0][0], [st for _, st in owned])
-            m.register_forward_pre_hook(torch.compiler.disable(hook) if eager else hook)
+            m.register_forward_pre_hook(hook)
 
     def _check(self, name: str, unit: str, units: list[ShardUnit], module: nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():  # traced inside the wrapper's forward: gathered, nothing to trace
+            return
         if all(st.flat is not None for st in units):  # gathered: the usual case, one check
             return
         parked = {st.unit.marker.untyped_storage().data_ptr() for st in units if st.unit.marker.numel()}
