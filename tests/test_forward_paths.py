@@ -80,6 +80,7 @@ def _autocast_step(backend: CommunicationBackend, name: str) -> dict[str, Any]:
     with LiveBytes() as counter:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = F.mse_loss(model(x).float(), torch.zeros(2, WIDTH))
+        backend.barrier()  # the in-memory engine lets go of the last gather's buffers
         held = sum(counter.live.values())
         loss.backward()
     opt.step()
@@ -100,8 +101,10 @@ def test_autocast_keeps_the_copies_of_the_units_in_use(name: str) -> None:
         loss.backward()
     opt.step()
     for rank, got in enumerate(run_world(2, _autocast_step, name, timeout=60)):
-        assert got["held"] < WHOLE_BF16 / 3, (name, rank, got["held"], WHOLE_BF16)  # every copy: 0.9
-        # the last layer's unit gathered (float32) and its copy: 0.5 of WHOLE_BF16 (every copy: 1.4)
-        assert got["during"][0] < WHOLE_BF16 * 2 / 3, (name, rank, got["during"], WHOLE_BF16)
+        # at most one unit gathered (float32, 0.33 of WHOLE_BF16) and activations; every copy: 0.9
+        assert got["held"] < WHOLE_BF16 / 2, (name, rank, got["held"], WHOLE_BF16)
+        # the last layer's unit gathered (float32) and its copy: 0.5 of WHOLE_BF16, one more unit in the
+        # in-memory engine's hands 0.85; every copy: 1.35
+        assert got["during"][0] < WHOLE_BF16 * 0.95, (name, rank, got["during"], WHOLE_BF16)
         for key, want in module.state_dict().items():
             torch.testing.assert_close(got["state"][key], want, rtol=0, atol=0, msg=f"{name} {key}")
