@@ -20,7 +20,7 @@ __all__ = ["whole_attentions"]
 
 #: a model output's fields holding attention weights, with the config's head counts each may have
 _FIELDS = {
-    "attentions": ("num_attention_heads", "n_head", "num_heads"),
+    "attentions": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
     "encoder_attentions": ("encoder_attention_heads", "num_attention_heads", "num_heads"),
     "decoder_attentions": ("decoder_attention_heads", "num_attention_heads", "num_heads"),
     "cross_attentions": ("decoder_attention_heads", "num_attention_heads", "num_heads"),
