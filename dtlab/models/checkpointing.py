@@ -4,8 +4,9 @@ their forward there (``torch.utils.checkpoint``, non-reentrant).
 Only each module's ``forward`` changes, so parameter names and checkpoints stay as they were. Under
 ZeRO-3/FSDP the recomputation runs inside the unit's backward, after its parameters were gathered
 again; inside a checkpointed module the checkpoint's saved-tensor hooks take precedence over the
-strategy's. The recomputation leaves running statistics (BatchNorm's) as it found them: the forward
-updated them for that batch already.
+strategy's. The recomputation leaves every buffer the forward updated (BatchNorm's running statistics,
+a counter, an exponential moving average) as it found them: the forward updated them for that batch
+already.
 """
 
 from __future__ import annotations
@@ -19,26 +20,46 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dtlab.core.torch_private import tensor_version
+
 __all__ = ["checkpoint_modules", "checkpointed", "keep_running_statistics"]
 
 
 def keep_running_statistics(module: nn.Module) -> tuple[Any, Any]:
     """``torch.utils.checkpoint``'s ``context_fn`` (non-reentrant) for a region running ``module``:
-    nothing around the forward; around its recomputation in backward, the running statistics of the
-    submodules in training mode that track them (BatchNorm's mean, variance and count) left as it found
-    them, where the recomputation would update them a second time for the same batch."""
-    return contextlib.nullcontext(), _statistics_kept(module)
+    around the forward, which of ``module``'s buffers it updates (in place, as BatchNorm's mean,
+    variance and count, or by assigning a new tensor); around its recomputation in backward, those
+    left as it found them, where the recomputation would update them a second time for the same
+    batch."""
+    updated: list[tuple[nn.Module, str]] = []
+    return _updates_seen(module, updated), _statistics_kept(updated)
 
 
 @contextlib.contextmanager
-def _statistics_kept(module: nn.Module) -> Iterator[None]:
-    tracking = [m for m in module.modules() if m.training and getattr(m, "track_running_stats", False)]
-    saved = [(b, b.clone()) for m in tracking for b in m.buffers(recurse=False)]
+def _updates_seen(module: nn.Module, updated: list[tuple[nn.Module, str]]) -> Iterator[None]:
+    held = [(m, name, b) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+    before = [(m, name, b, tensor_version(b)) for m, name, b in held]
+    try:
+        yield
+    finally:
+        for m, name, b, version in before:
+            # BatchNorm's kernel updates its running statistics without counting a version
+            tracking = m.training and getattr(m, "track_running_stats", False)
+            if tracking or getattr(m, name) is not b or tensor_version(b) != version:
+                updated.append((m, name))
+
+
+@contextlib.contextmanager
+def _statistics_kept(updated: list[tuple[nn.Module, str]]) -> Iterator[None]:
+    saved = [(m, name, b) for m, name in updated if isinstance(b := getattr(m, name), torch.Tensor)]
+    values = [b.clone() for _, _, b in saved]
     try:
         yield
     finally:
         with torch.no_grad():
-            for buffer, value in saved:
+            for (m, name, buffer), value in zip(saved, values, strict=True):
+                if getattr(m, name) is not buffer:  # assigned anew by the recomputation
+                    setattr(m, name, buffer)
                 buffer.copy_(value)
 
 
