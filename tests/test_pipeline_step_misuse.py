@@ -54,3 +54,18 @@ def test_a_loss_without_a_graph_is_refused(find_unused: bool) -> None:
     err = refusal(step)
     assert isinstance(err, StrategyError)
     assert "loss_fn returned a loss that does not require grad from an output that does" in str(err)
+
+
+def test_a_step_after_train_steps_inside_no_sync_only_names_train_step() -> None:
+    """It said 'call loss.backward() outside no_sync()', which a pipeline's loop never calls."""
+
+    def step(backend: Any) -> None:
+        model = PipelineParallelModel(make_mlp(), backend, micro_batches=2)
+        opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+        with model.no_sync():
+            model.train_step(tuple(t[0] for t in mlp_data(4)), F.mse_loss)
+        opt.step()
+
+    err = refusal(step)
+    assert isinstance(err, StrategyError) and "found no synchronized gradients" in str(err)
+    assert "under a pipeline model.train_step(batch, loss_fn)) outside no_sync()" in str(err)

@@ -324,8 +324,9 @@ class DataParallelModel(TorchMethods, OptimizerTarget):
         adopt_cleared(self._guarded, type(self).__name__, self._trainable, self.zero_grad_buffers)
         if not self._grads_synced:
             raise StrategyError(
-                f"{who}.step() found no synchronized gradients: call loss.backward() outside no_sync() "
-                "(after the forward of this model) before step(), and zero_grad() after it"
+                f"{who}.step() found no synchronized gradients: call loss.backward() (under a pipeline "
+                "model.train_step(batch, loss_fn)) outside no_sync() (after the forward of this model) "
+                "before step(), and zero_grad() after it"
             )
 
     def after_optimizer_step(self) -> None:
