@@ -196,6 +196,9 @@ def _pipeline(backend: CommunicationBackend, state: dict[str, torch.Tensor], roo
             model(x, attention_mask=mask)
     with pytest.raises(StrategyError, match="holds only this rank's pipeline stages"):
         net.state_dict()
+    # Hugging Face's resize reads the other stages' embedding or head (a raw meta-tensor RuntimeError)
+    with pytest.raises(StrategyError, match=r"Resize the plain model before wrapping it"):
+        net.resize_token_embeddings(VOCAB + 2)
     with pytest.raises(AttributeError, match="a pipeline does not generate"):
         model.generate  # noqa: B018 - the attribute's error is the check
     with pytest.raises(AttributeError, match=r"use it on the model you wrapped \(model.module holds only"):

@@ -6,6 +6,7 @@ the fix where it would silently do something else: the wrapped module's own ``st
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -60,6 +61,9 @@ class PartialState:
         self._marks = self._marks_now()
         if sharded:  # whole tensors into tp shards (torch's size mismatch, or a silent slice)
             module.register_load_state_dict_pre_hook(self._refuse_load)
+        if pipelined and callable(getattr(module, "resize_token_embeddings", None)):
+            # Hugging Face's resize reads the other stages' embedding or head: a raw meta-tensor error
+            vars(module)["resize_token_embeddings"] = partial(_refuse_resize, who)
 
     def _refuse(self, _module: nn.Module, _prefix: str, keep_vars: bool) -> None:
         if self.part and not self.open and not keep_vars:
@@ -115,6 +119,15 @@ class PartialState:
             return fn()
         finally:
             self.open = False
+
+
+def _refuse_resize(who: str, *_: Any, **__: Any) -> None:
+    raise StrategyError(
+        f"{who}: resize_token_embeddings on the model after a pipeline wrapped it: this rank holds only its "
+        "stages (the others' embedding or head are on the meta device) and the stages were laid out for "
+        "the shapes at wrapping. Resize the plain model before wrapping it "
+        "(hf_model.resize_token_embeddings(n), then wrap)"
+    )
 
 
 def _parametrized(module: nn.Module) -> dict[str, nn.Module]:
