@@ -28,6 +28,7 @@ class BackwardPass:
         #: a pass that fills no ``.grad`` itself is running (:meth:`watch_outer`); what its end runs
         self._outer = False
         self._at_outer_end: Callable[[], None] | None = None
+        self._otherwise: Callable[[], None] | None = None
 
     def begin(self, at_end: Callable[[], None]) -> bool:
         """From a gradient hook: the first one of a pass queues ``at_end`` (which calls :meth:`end`)
@@ -42,19 +43,28 @@ class BackwardPass:
             _queue(at_end)
         return True
 
-    def watch_outer(self) -> None:
+    def watch_outer(self, otherwise: Callable[[], None] | None = None) -> None:
         """From a pass that fills no ``.grad`` itself: ``torch.autograd.grad``, or the user's backward
         when every trainable parameter is inside reentrant checkpoints (``use_reentrant=True``), whose
         segments' backwards run nested in it, each a pass of its own that ends first. A pass those nested
-        backwards begin ends with this one, once every segment has given its gradients."""
+        backwards begin ends with this one, once every segment has given its gradients; ``otherwise``
+        runs at its end when none began."""
         if not (self._outer or self.open):
-            self._outer = True
+            self._outer, self._otherwise = True, otherwise
             _queue(self._outer_ended)
+
+    @property
+    def watching(self) -> bool:
+        """A pass :meth:`watch_outer` saw is running."""
+        return self._outer
 
     def _outer_ended(self) -> None:
         at_end, self._at_outer_end, self._outer = self._at_outer_end, None, False
+        otherwise, self._otherwise = self._otherwise, None
         if at_end is not None:
             at_end()
+        elif otherwise is not None:
+            otherwise()
 
     def end(self) -> None:
         """The pass finished (its queued callback ran)."""
@@ -64,7 +74,7 @@ class BackwardPass:
         """True once for a pass found still open outside any backward: it raised partway."""
         if torch._C._current_graph_task_id() != -1:  # noqa: SLF001 - torch's query (torch.utils.checkpoint uses it): -1 outside any backward pass
             return False
-        self._outer, self._at_outer_end = False, None  # a watched pass that raised: its end never ran
+        self._outer, self._at_outer_end, self._otherwise = False, None, None  # a watched pass that raised
         if self.open:
             self.open, self.raised = False, True
             return True

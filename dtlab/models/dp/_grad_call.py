@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["autograd_grad_message", "fills_grads", "grads_returned"]
+__all__ = ["autograd_grad_message", "fills_grads", "fills_no_grads", "grads_returned"]
 
 
 def _first_answer(params: Iterable[torch.Tensor]) -> bool | None:
@@ -37,6 +37,14 @@ def fills_grads(params: Iterable[torch.Tensor]) -> bool:
     """Called inside a backward: whether it accumulates into the ``.grad`` of any of ``params``
     (``False`` inside ``torch.autograd.grad``)."""
     return _first_answer(params) is True
+
+
+def fills_no_grads(params: Iterable[torch.Tensor]) -> bool:
+    """Called inside a backward: it fills no ``.grad`` of ``params`` and builds no graph. An input gradient
+    (``torch.autograd.grad(loss, x)``, an adversarial step: nothing to reduce, what it gathered freed at
+    its end), or the outer pass of a model whose parameters are all in reentrant checkpoints (their nested
+    backwards fill them). False with ``create_graph``: ZeRO-3/FSDP free the parameters that graph keeps."""
+    return not torch.is_grad_enabled() and not fills_grads(params)
 
 
 def grads_returned(params: Iterable[torch.Tensor]) -> bool:

@@ -17,7 +17,7 @@ from dtlab.core.state import ShardedState
 from dtlab.core.traced import eager_when_traced
 from dtlab.errors import StrategyError
 from dtlab.models.dp._direct import GATHER, STATE, DirectForwards
-from dtlab.models.dp._grad_call import autograd_grad_message, grads_returned
+from dtlab.models.dp._grad_call import autograd_grad_message, fills_no_grads, grads_returned
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._inner_calls import InnerCalls
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
@@ -154,20 +154,24 @@ class ShardedModel(DataParallelModel):
         self._saved.outer = outer_saved_hooks()  # what the user's (the pipeline's) hooks would have kept
         return self._saved.hooks(eager=traced or self._hooks.compiled_inside)
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, filling: bool = False) -> None:  # filling: from an accumulated gradient
         if not self._backward.open:
+            if self._backward.watching and not filling:  # a pass filling no .grad, already seen
+                return
             if grads_returned(p for _, p in self._trainable):
                 raise StrategyError(autograd_grad_message(type(self).__name__, self.dp_backend.rank))
             self._at_rest.set_busy(True)
-            # every parameter frozen now (a GAN's discriminator in the generator's step): nothing to
-            # reduce, the pass runs as inside no_sync() (DDP, ZeRO-1/2 skip it too)
-            self._frozen_pass = self._sync and not any(p.requires_grad for _, p in self._trainable)
-            self._sync = self._sync and not self._frozen_pass
+            trainable = any(p.requires_grad for _, p in self._trainable)
+            if trainable and not filling and fills_no_grads(p for _, p in self._trainable):
+                self._backward.watch_outer(otherwise=self._free_all)  # nested passes may begin it
+                return
+            # every parameter frozen now (a GAN's discriminator in the generator's step): as in no_sync()
+            self._frozen_pass, self._sync = self._sync and not trainable, self._sync and trainable
         super()._begin_backward()
 
     # ------------------------------------------------------------------ gradients
     def _on_grad(self, param: nn.Parameter) -> None:
-        self._begin_backward()
+        self._begin_backward(filling=True)
         st = self._unit_of[id(param)]
         st.ready.add(id(param))
         if len(st.ready) < len(st.unit.params):

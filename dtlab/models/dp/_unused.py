@@ -141,9 +141,10 @@ def unused_error(who: str, rank: int, missing: list[str]) -> StrategyError:
 def none_got_one(err: StrategyError, who: str) -> StrategyError:
     """ZeRO-3/FSDP's :func:`unused_error` when no parameter got a gradient."""
     return StrategyError(
-        f"{err}. No parameter got one: if this was torch.autograd.grad(loss, inputs) (an input "
-        f"gradient), {who} does not support it, its parameters being gathered for one "
-        "backward; DDPModel, ZeRO1Model and ZeRO2Model skip such a pass"
+        f"{err}. No parameter got one: if this was torch.autograd.grad(loss, inputs) with "
+        f"create_graph=True (a gradient penalty on the inputs), {who} does not support it, its "
+        "parameters being gathered for one backward (without create_graph, an input gradient works); "
+        "DDPModel, ZeRO1Model and ZeRO2Model skip such a pass"
     )
 
 
