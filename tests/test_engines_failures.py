@@ -102,47 +102,27 @@ def test_gloo_survivors_raise_within_the_timeout(tmp_path: Path) -> None:
             assert seconds >= OP_TIMEOUT - 0.5 and "timeout" in text, (case, seconds, text)
 
 
-def _latencies(b: CommunicationBackend, polled: CommunicationBackend) -> tuple[float, float]:
-    """Median seconds of one small all-reduce, MPI's blocking call against the polled one (a timeout),
-    in alternating blocks."""
-    import statistics
-
-    t, times = torch.ones(256), {id(b): [], id(polled): []}
-    for _ in range(6):
-        for group in (b, polled):
-            group.barrier()
-            t0 = time.perf_counter()
-            for _ in range(100):
-                group.all_reduce(t)
-            times[id(group)].append((time.perf_counter() - t0) / 100)
-    return statistics.median(times[id(b)]), statistics.median(times[id(polled)])
-
-
-def mpi_hung(b: CommunicationBackend) -> tuple[list[tuple[str, str, float, str]] | None, tuple[float, float]]:
+def mpi_hung(b: CommunicationBackend) -> list[tuple[str, str, float, str]] | None:
     from dtlab.backends import MPIBackend
 
     timed = MPIBackend(b.comm.Dup(), timeout=2.0)  # type: ignore[attr-defined]
-    latencies = _latencies(b, MPIBackend(b.comm.Dup(), timeout=60.0))  # type: ignore[attr-defined]
     if b.rank == 1:
         time.sleep(5.0)
         timed.all_reduce(torch.ones(4))  # late: completes rank 0's abandoned operations
         timed.send(torch.ones(4), 0, tag=7)
-        return None, latencies
+        return None
     return [
         _timed(lambda: timed.all_reduce(torch.ones(4))),
         _timed(lambda: timed.recv(torch.zeros(4), 1, tag=7)),
-    ], latencies
+    ]
 
 
 def test_mpi_timeout_names_the_operation() -> None:
     # unchecked: rank 1's late calls pair up with rank 0's abandoned ones exactly (checked mode would
     # add its own exchange before each and shift the pairing)
-    ((kind, op, seconds, text), recv), (blocking, polled) = spawn_world(
+    (kind, op, seconds, text), recv = spawn_world(
         2, mpi_hung, backend="mpi", timeout=60, check_collectives=False
     )[0]
-    # a timeout (dtlab train's backend.timeout) costs about nothing: the request is polled without
-    # pauses first, as MPI's blocking calls poll (paused from the first test: 227 us against 19 us)
-    assert polled < 3 * blocking + 20e-6, (polled, blocking)
     assert kind == "CollectiveTimeoutError" and op == "all_reduce", text
     assert 1.9 < seconds < 4, seconds
     assert "Abort" in text  # tells the user the communicator is gone and how to end the job

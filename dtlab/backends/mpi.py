@@ -114,18 +114,16 @@ class MPIBackend(CommunicationBackend):
         start = time.monotonic()
         deadline, spin, pause = start + self._timeout, start + 2e-3, 1e-5
         while not request.Test(status):  # polled for 2 ms as MPI's blocking calls are, then paused
-            now = time.monotonic()
-            if now < spin:
-                continue
-            if now > deadline:
+            if (now := time.monotonic()) > deadline:
                 raise CollectiveTimeoutError(
                     f"rank {self.rank}: MPI {what} timed out after {self._timeout:g}s (a peer is dead, "
                     f"hung or did not call it){mismatch_hint(self._checked)}; the communicator is "
                     "unusable now: end the job with MPI.COMM_WORLD.Abort(1)",
                     operation=what,
                 )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            if now >= spin:
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
 
     def _run(self, blocking: Any, nonblocking: Any, args: tuple[Any, ...], what: str, **kw: Any) -> None:
         if self._timeout is None:
