@@ -69,3 +69,33 @@ def test_a_step_after_train_steps_inside_no_sync_only_names_train_step() -> None
     err = refusal(step)
     assert isinstance(err, StrategyError) and "found no synchronized gradients" in str(err)
     assert "under a pipeline model.train_step(batch, loss_fn)) outside no_sync()" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("returns", "says"),
+    [
+        ("dict", "got {'loss': <Tensor>}; return the loss alone"),
+        ("tuple", "got a tuple of 2 items: (<Tensor>, {'acc': 0.5}); return the loss alone"),
+        ("number", "a Python number has no gradient: return the tensor, not loss.item()"),
+        ("vector", "got a tensor of shape (4,)"),
+    ],
+)
+def test_a_loss_fn_returning_other_than_a_scalar_tensor_is_named(returns: str, says: str) -> None:
+    """It said 'got dict ()', 'got tuple ()', 'got float ()'."""
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> Any:
+        loss = F.mse_loss(out, target)
+        return {
+            "dict": {"loss": loss},
+            "tuple": (loss, {"acc": 0.5}),
+            "number": loss.item(),
+            "vector": (out - target).pow(2).mean(1),
+        }[returns]
+
+    def step(backend: Any) -> None:
+        model = PipelineParallelModel(make_mlp(), backend, micro_batches=2)
+        model.train_step(tuple(t[0] for t in mlp_data(8)), loss_fn)
+
+    err = refusal(step)
+    assert isinstance(err, StrategyError) and "loss_fn must return a scalar tensor" in str(err)
+    assert says in str(err)

@@ -28,6 +28,7 @@ from dtlab.models.checkpointing import checkpointed
 from dtlab.models.pipeline._comm import StageLinks
 from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
 from dtlab.models.pipeline._zb import SplitLinearMode, WeightGradients
+from dtlab.untrusted import summary
 
 __all__ = ["ActivationMeter", "StepResult", "check_stage_checkpointing", "run_schedule"]
 
@@ -174,11 +175,17 @@ class _Step:
 def _mean_loss(loss: object, output: object) -> torch.Tensor:
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         hint = (
-            "; the model gets no labels here (output.loss is None): use output.logits" if loss is None else ""
+            "; the model gets no labels here (output.loss is None): use output.logits"
+            if loss is None
+            else "; return the loss alone (train_step returns it; a metric goes with model(x) in evaluation)"
+            if isinstance(loss, Mapping | tuple | list)
+            else "; a Python number has no gradient: return the tensor, not loss.item()"
+            if isinstance(loss, int | float)
+            else ""
         )
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else summary(loss)
         raise StrategyError(
-            f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got "
-            f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}{hint}"
+            f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got {got}{hint}"
         )
     if not loss.requires_grad and any(t.requires_grad for t in _tensors(output)):  # backward would skip it
         raise StrategyError(
