@@ -185,6 +185,16 @@ def test_spawn_world_timeout_kills_every_process(tmp_path: Path) -> None:
     assert "most recent call first" in text  # the hung ranks' Python stacks are part of the report
 
 
+def test_a_world_timeout_with_some_ranks_returned_says_uneven_inputs() -> None:
+    """A loop where rank 0 runs one more step than rank 1 (measured: DDP, ZeRO-3 and pp=2 on gloo and
+    MPI) ends at spawn_world's timeout with rank 0's stack; the message now also says rank 1 returned."""
+    from dtlab.testing.spawn import _returned
+
+    said = _returned(2, [0])
+    assert "ranks [1] had returned" in said and "uneven inputs" in said, said
+    assert _returned(2, [0, 1]) == ""
+
+
 def test_spawn_world_rejects_bad_arguments() -> None:
     def local(b: CommunicationBackend) -> None: ...
 

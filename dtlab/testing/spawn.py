@@ -229,11 +229,24 @@ def _collect(
             logs = "".join(_log_tail(job, r, 1500) for r in (lacking if backend == "gloo" else [None]))
             raise CollectiveTimeoutError(
                 f"spawn_world: the {backend} world of {world_size} did not finish within {timeout:g}s; ranks "
-                f"{lacking} had no result (all its processes were killed)" + logs,
+                f"{lacking} had no result (all its processes were killed)"
+                + _returned(world_size, lacking)
+                + logs,
                 tuple(lacking),
                 "spawn_world",
             )
         time.sleep(0.02)
+
+
+def _returned(world_size: int, lacking: list[int]) -> str:
+    """What a world timeout with some ranks returned most often is: uneven inputs."""
+    returned = sorted(set(range(world_size)) - set(lacking))
+    if not returned:
+        return ""
+    return (
+        f"; ranks {returned} had returned: where ranks {lacking} wait in a collective the returned ranks "
+        "never called (one more step or batch on some ranks: uneven inputs), it never ends (stacks below)"
+    )
 
 
 def _wait_for_stacks(job: Path, backend: str, ranks: list[int], until: float) -> None:
