@@ -53,7 +53,8 @@ def test_a_loss_without_a_graph_is_refused(find_unused: bool) -> None:
 
     err = refusal(step)
     assert isinstance(err, StrategyError)
-    assert "loss_fn returned a loss that does not require grad from an output that does" in str(err)
+    says = "loss_fn returned a loss that does not require grad from an output that does, for every micro"
+    assert says in str(err)
 
 
 def test_a_step_after_train_steps_inside_no_sync_only_names_train_step() -> None:
@@ -99,3 +100,29 @@ def test_a_loss_fn_returning_other_than_a_scalar_tensor_is_named(returns: str, s
     err = refusal(step)
     assert isinstance(err, StrategyError) and "loss_fn must return a scalar tensor" in str(err)
     assert says in str(err)
+
+
+def test_a_constant_loss_for_one_micro_batch_leaves_it_out_as_zero() -> None:
+    """A loss_fn returning a constant for a micro-batch with nothing to learn (all its targets
+    ignored) skips that micro-batch's backward, as its zero gradient: only a step where every
+    micro-batch's loss has no graph is refused."""
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(()) if bool((target == 0).all()) else F.mse_loss(out, target)
+
+    x, y = (t[0].clone() for t in mlp_data(4))
+    y[:2] = 0  # the first micro-batch has nothing to learn
+
+    def step(backend: Any) -> dict[str, torch.Tensor]:
+        model = PipelineParallelModel(make_mlp(), backend, micro_batches=2)
+        opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+        model.train_step((x, y), loss_fn)
+        opt.step()
+        return model.full_state_dict()
+
+    ref = make_mlp()
+    (F.mse_loss(ref(x[2:]), y[2:]) / 2).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for state in run_world(2, step, timeout=30):
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -121,6 +121,8 @@ class _Step:
     grads: dict[Key, torch.Tensor] = field(default_factory=dict)
     deferred: dict[Key, WeightGradients] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
+    #: micro-batches whose loss had no graph from an output that had one (their backward is skipped)
+    detached: int = 0
 
     def outgoing(self, a: Action) -> torch.Tensor:
         if a.kind is Kind.SEND_F:
@@ -137,7 +139,8 @@ class _Step:
         ):
             y = self.stages[a.stage](x, a.micro)
             if a.stage == last:
-                y = _mean_loss(self.loss_fn(y, target), y) / self.schedule.m
+                out, y = y, _mean_loss(self.loss_fn(y, target)) / self.schedule.m
+                self.detached += not y.requires_grad and any(t.requires_grad for t in _tensors(out))
         self.meter.hold(key, [x, y])
         self.xs[key], self.ys[key] = x, y
         if a.stage == last:
@@ -172,7 +175,7 @@ class _Step:
             self.meter.hold(key, self.deferred[key].held_tensors())
 
 
-def _mean_loss(loss: object, output: object) -> torch.Tensor:
+def _mean_loss(loss: object) -> torch.Tensor:
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         hint = (
             "; the model gets no labels here (output.loss is None): use output.logits"
@@ -186,13 +189,6 @@ def _mean_loss(loss: object, output: object) -> torch.Tensor:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else summary(loss)
         raise StrategyError(
             f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got {got}{hint}"
-        )
-    if not loss.requires_grad and any(t.requires_grad for t in _tensors(output)):  # backward would skip it
-        raise StrategyError(
-            "loss_fn returned a loss that does not require grad from an output that does (computed from "
-            "output.detach(), under torch.no_grad(), or through .item()/.tolist()), so no gradient would "
-            "reach any stage; compute the loss from the output itself, as loss.backward() needs in one "
-            "process"
         )
     return loss.reshape(())
 
@@ -246,6 +242,13 @@ def run_schedule(
     if links is not None:
         links.post(len(computes), step.outgoing)
         links.finish()
+    if step.detached == schedule.m:  # a micro-batch's constant loss (no targets in it) may skip alone
+        raise StrategyError(
+            "loss_fn returned a loss that does not require grad from an output that does, for every "
+            "micro-batch (computed from output.detach(), under torch.no_grad(), or through .item()), so no "
+            "gradient reached any stage; compute the loss from the output itself, as loss.backward() needs "
+            "in one process"
+        )
     return StepResult(step.loss_sum, step.meter.peak, timeline)
 
 
