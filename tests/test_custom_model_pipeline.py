@@ -1,6 +1,6 @@
-"""Your own model pipelined from the config: ``run_training(model=...)`` with ``parallel.pp`` and
-``parallel.split_points`` naming your model's modules or blocks (not the built-in transformer's), with
-the same losses as one process."""
+"""Your own model split from the config: ``run_training(model=...)`` with ``parallel.pp`` and
+``parallel.split_points`` naming your model's modules or blocks, or ``parallel.tp`` with a
+``parallel.plan`` of its layers (not the built-in transformer's), with the same losses as one process."""
 
 from __future__ import annotations
 
@@ -77,8 +77,12 @@ def _train(cls: type[Trunk], sets: list[str]) -> list[list[float]]:
                 "strategy.model=zero3",
             ],
         ),
+        (
+            Trunk,
+            ["backend.world_size=2", "parallel.tp=2", "parallel.plan={trunk.0: colwise, trunk.1: rowwise}"],
+        ),
     ],
-    ids=["module-names", "own-blocks", "pp2-dp2-zero3"],
+    ids=["module-names", "own-blocks", "pp2-dp2-zero3", "tp2-own-plan"],
 )
 def test_run_training_pipelines_your_model_at_its_own_split_points(cls: type[Trunk], sets: list[str]) -> None:
     (one,) = _train(cls, ["backend.world_size=1"])
