@@ -374,5 +374,11 @@ def test_the_abort_hook_prints_first_and_is_removed_on_close(monkeypatch: pytest
         ("printed", "KeyboardInterrupt"),
         ("abort", 130),
     ]
+    with pytest.raises(RuntimeError):
+        try:
+            raise RuntimeError("raised in the loop")
+        finally:  # backend.close() in a finally: the exception may still go uncaught
+            hook.remove()
+    assert sys.excepthook == hook.hook
     hook.remove()
     assert sys.excepthook is printed

@@ -4,9 +4,10 @@ Without this, ``mpiexec -n 2 python train.py`` hangs for ever when one rank rais
 traceback, then mpi4py's exit hook waits in ``MPI_Finalize`` for ranks that wait in their next
 collective (MPI has no time-outs), and the launcher waits for both. ``python -m mpi4py train.py``
 avoids it; a world ``MPIBackend`` gives a plain ``python train.py`` the same: from its construction to
-its ``close()``, an uncaught exception is printed as Python prints it (by the ``sys.excepthook`` in
-place before) and then ends the job with ``MPI.COMM_WORLD.Abort`` (exit status 1; 130 for Ctrl-C), as
-ChainerMN's hook and ``mpi4py.run`` do. The launcher then stops every rank and exits non-zero.
+its ``close()`` (or after it, when it closed while the exception was on its way out), an uncaught
+exception is printed as Python prints it (by the ``sys.excepthook`` in place before) and then ends the
+job with ``MPI.COMM_WORLD.Abort`` (exit status 1; 130 for Ctrl-C), as ChainerMN's hook and
+``mpi4py.run`` do. The launcher then stops every rank and exits non-zero.
 """
 
 from __future__ import annotations
@@ -40,5 +41,7 @@ class AbortOnUncaught:
                 mpi.COMM_WORLD.Abort(code)
 
     def remove(self) -> None:
-        if sys.excepthook == self.hook:
+        """Put the previous hook back, unless an exception is on its way out (the backend closed in a
+        ``finally:`` or a ``with`` block's exit): uncaught, it must still end the job."""
+        if sys.excepthook == self.hook and sys.exc_info()[1] is None:
             sys.excepthook = self._previous
