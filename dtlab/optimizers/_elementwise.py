@@ -29,7 +29,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers._groups import OptimizerSpec, constructor_defaults
 
-__all__ = ["check_elementwise", "check_pieces", "steps_slices"]
+__all__ = ["check_elementwise", "check_pieces", "split_dims", "steps_slices"]
 
 _ROWS, _COLS, _STEPS, _LR = 4, 6, 2, 1e-2
 #: how far (relative to how far the steps moved the matrix) the pieces may end from the whole: the
@@ -57,14 +57,20 @@ def _steps(
         step()
 
 
-def _split(t: torch.Tensor, flat: bool) -> list[torch.Tensor]:
-    """Two flat pieces cutting a row when ``flat``, else two blocks of rows (tensor parallelism)."""
-    if flat:
+def _split(t: torch.Tensor, dim: int | None) -> list[torch.Tensor]:
+    """Two flat pieces cutting a row when ``dim`` is None, else two blocks along ``dim`` (tensor
+    parallelism: rows for column-parallel weights and embeddings, columns for row-parallel weights)."""
+    if dim is None:
         return [t.reshape(-1)[: _COLS + 1], t.reshape(-1)[_COLS + 1 :]]
-    return [t[: _ROWS // 2], t[_ROWS // 2 :]]
+    return list(t.chunk(2, dim=dim))
 
 
-def _problem(spec: OptimizerSpec, options: dict[str, Any], device: torch.device, flat: bool) -> str | None:
+_CUT = {None: "in two flat pieces", 0: "in two blocks of rows", 1: "in two blocks of columns"}
+
+
+def _problem(
+    spec: OptimizerSpec, options: dict[str, Any], device: torch.device, dim: int | None
+) -> str | None:
     """Why stepping pieces differs from stepping the whole matrix, or None when it does not (or when
     the class cannot step the probe matrix whole either: nothing to compare)."""
     for dtype, tolerance in _TOLERANCE.items():
@@ -77,19 +83,22 @@ def _problem(spec: OptimizerSpec, options: dict[str, Any], device: torch.device,
             _steps(spec, options, [whole], [[g] for g in grads])
         except Exception:  # e.g. a fused kernel without float64: try float32
             continue
-        pieces = [p.clone().requires_grad_(True) for p in _split(start, flat)]
+        pieces = [p.clone().requires_grad_(True) for p in _split(start, dim)]
         try:  # each piece in an optimizer of its own: each rank steps its pieces, not the others'
             for k, piece in enumerate(pieces):
-                _steps(spec, options, [piece], [[_split(g, flat)[k]] for g in grads])
+                _steps(spec, options, [piece], [[_split(g, dim)[k]] for g in grads])
         except Exception as exc:  # the class refuses pieces (Muon: 2-D parameters only)
             return f"stepping pieces failed: {type(exc).__name__}: {exc}"
-        joined = torch.cat([p.detach().reshape(-1) for p in pieces]).reshape(_ROWS, _COLS)
+        if dim is None:
+            joined = torch.cat([p.detach().reshape(-1) for p in pieces]).reshape(_ROWS, _COLS)
+        else:
+            joined = torch.cat([p.detach() for p in pieces], dim=dim)
         moved = float((whole.detach() - start).abs().max())
         off = float((whole.detach() - joined).abs().max())
         if moved > 0 and off > tolerance * moved:
             return (
                 "its update of an element depends on other elements of the parameter or of its param "
-                f"group (on a {_ROWS}x{_COLS} matrix stepped in two pieces, each in an optimizer of its own "
+                f"group (on a {_ROWS}x{_COLS} matrix stepped {_CUT[dim]}, each in an optimizer of its own "
                 f"as on two ranks, {_STEPS} steps moved it {moved:.3g} and the pieces ended {off:.3g} away "
                 "from the whole)"
             )
@@ -98,18 +107,25 @@ def _problem(spec: OptimizerSpec, options: dict[str, Any], device: torch.device,
 
 
 def check_elementwise(
-    who: str, spec: OptimizerSpec, groups: list[dict[str, Any]], device: torch.device, flat: bool
+    who: str,
+    spec: OptimizerSpec,
+    groups: list[dict[str, Any]],
+    device: torch.device,
+    flat: bool,
+    dims: frozenset[int] = frozenset({0}),
 ) -> None:
     """Refuse ``spec``'s optimizer class, naming it and the fix, when stepping pieces of a parameter
-    (flat shards when ``flat``, else tensor-parallel row blocks) differs from stepping it whole, with
-    the options of any of ``groups``. Deterministic: every rank decides the same."""
+    (flat shards when ``flat``, else tensor-parallel blocks split along each of ``dims``: a dim
+    above 1 is probed as 1, across the matrix's rows) differs from stepping it whole, with the
+    options of any of ``groups``. Deterministic: every rank decides the same."""
     what = (
         "flat shards of every parameter (ZeRO-1/2/3, FSDP)"
         if flat
         else "tensor-parallel pieces of parameters"
     )
+    cuts: list[int | None] = [None] if flat else [*sorted({min(d, 1) for d in dims})]
     for gi, options in enumerate(groups):
-        problem = _problem(spec, options, device, flat)
+        problem = next((p for cut in cuts if (p := _problem(spec, options, device, cut)) is not None), None)
         if problem is not None:
             raise StrategyError(
                 f"{who}: {spec.cls.__name__} (param group {gi}) cannot step {what}: {problem}. Only "
@@ -120,14 +136,22 @@ def check_elementwise(
             )
 
 
-def steps_slices(model: OptimizerTarget) -> bool:
-    """True when some trainable parameter of ``model`` is this rank's slice of a tensor split over an
-    axis of size > 1 (tensor parallelism): an optimizer stepping the parameters steps pieces."""
+def split_dims(model: OptimizerTarget) -> frozenset[int]:
+    """The dims along which some trainable parameter of ``model`` is this rank's slice of a tensor
+    split over an axis of size > 1 (tensor parallelism: an optimizer stepping the parameters steps
+    pieces), empty when none is."""
+    dims = set()
     for name, _ in model.trainable_parameters():
         placement, _, size = model.placed(name)
         if isinstance(placement, Shard) and size > 1:
-            return True
-    return False
+            dims.add(placement.dim)
+    return frozenset(dims)
+
+
+def steps_slices(model: OptimizerTarget) -> bool:
+    """True when some trainable parameter of ``model`` is this rank's slice of a tensor split over an
+    axis of size > 1 (tensor parallelism): an optimizer stepping the parameters steps pieces."""
+    return bool(split_dims(model))
 
 
 def _coupled(spec: OptimizerSpec, options: dict[str, Any], device: torch.device) -> str | None:
@@ -166,7 +190,7 @@ def check_pieces(
     pipeline rank (whole parameters of its stages only), when it couples the parameters of a group."""
     device = model.dp_backend.device
     if kind is not None:
-        check_elementwise(who, spec, groups, device, flat=kind == "flat")
+        check_elementwise(who, spec, groups, device, flat=kind == "flat", dims=split_dims(model))
         return
     pp = getattr(model, "pp_group", None)
     if pp is None or pp.world_size == 1:
