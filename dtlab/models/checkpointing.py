@@ -4,9 +4,9 @@ their forward there (``torch.utils.checkpoint``, non-reentrant).
 Only each module's ``forward`` changes, so parameter names and checkpoints stay as they were. Under
 ZeRO-3/FSDP the recomputation runs inside the unit's backward, after its parameters were gathered
 again; inside a checkpointed module the checkpoint's saved-tensor hooks take precedence over the
-strategy's. The recomputation leaves every buffer the forward updated (BatchNorm's running statistics,
-a counter, an exponential moving average) as it found them: the forward updated them for that batch
-already.
+strategy's. The recomputation starts from the buffers the forward found (BatchNorm's running
+statistics, a counter, an exponential moving average: it computes what the forward did) and leaves
+them as the forward did: the forward updated them for that batch already.
 """
 
 from __future__ import annotations
@@ -28,39 +28,49 @@ __all__ = ["checkpoint_modules", "checkpointed", "keep_running_statistics"]
 def keep_running_statistics(module: nn.Module) -> tuple[Any, Any]:
     """``torch.utils.checkpoint``'s ``context_fn`` (non-reentrant) for a region running ``module``:
     around the forward, which of ``module``'s buffers it updates (in place, as BatchNorm's mean,
-    variance and count, or by assigning a new tensor); around its recomputation in backward, those
-    left as it found them, where the recomputation would update them a second time for the same
-    batch."""
-    updated: list[tuple[nn.Module, str]] = []
-    return _updates_seen(module, updated), _statistics_kept(updated)
+    variance and count, or by assigning a new tensor) and their values before it; around its
+    recomputation in backward, those buffers set back to those values (the recomputation computes what
+    the forward did: a running normalizer divides by the same scale), then to the forward's own after it
+    (not updated a second time for the same batch). Each region's buffers are copied once per forward,
+    and the copies of those it updated kept until its recomputation."""
+    updated: list[tuple[nn.Module, str, torch.Tensor]] = []
+    return _updates_seen(module, updated), _recomputed_as_before(updated)
 
 
 @contextlib.contextmanager
-def _updates_seen(module: nn.Module, updated: list[tuple[nn.Module, str]]) -> Iterator[None]:
+def _updates_seen(module: nn.Module, updated: list[tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
     held = [(m, name, b) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
-    before = [(m, name, b, tensor_version(b)) for m, name, b in held]
+    before = [(m, name, b, tensor_version(b), b.detach().clone()) for m, name, b in held]
     try:
         yield
     finally:
-        for m, name, b, version in before:
+        for m, name, b, version, value in before:
             # BatchNorm's kernel updates its running statistics without counting a version
             tracking = m.training and getattr(m, "track_running_stats", False)
             if tracking or getattr(m, name) is not b or tensor_version(b) != version:
-                updated.append((m, name))
+                updated.append((m, name, value))
 
 
 @contextlib.contextmanager
-def _statistics_kept(updated: list[tuple[nn.Module, str]]) -> Iterator[None]:
-    saved = [(m, name, b) for m, name in updated if isinstance(b := getattr(m, name), torch.Tensor)]
-    values = [b.clone() for _, _, b in saved]
+def _recomputed_as_before(updated: list[tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
+    now = [
+        (m, name, b, value) for m, name, value in updated if isinstance(b := getattr(m, name), torch.Tensor)
+    ]
+    after = [b.detach().clone() for _, _, b, _ in now]
+    with torch.no_grad():
+        for m, name, b, value in now:  # the values the forward found
+            if b.shape == value.shape and b.dtype == value.dtype:
+                b.copy_(value)
+            else:
+                setattr(m, name, value.clone())
     try:
         yield
     finally:
         with torch.no_grad():
-            for (m, name, buffer), value in zip(saved, values, strict=True):
-                if getattr(m, name) is not buffer:  # assigned anew by the recomputation
-                    setattr(m, name, buffer)
-                buffer.copy_(value)
+            for (m, name, b, _), value in zip(now, after, strict=True):
+                if getattr(m, name) is not b:  # assigned anew by the recomputation
+                    setattr(m, name, b)
+                b.copy_(value)
 
 
 def checkpointed(inner: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
