@@ -59,12 +59,20 @@ def clip_by_global_norm(
     return norm.float()
 
 
+def _held_grads(model: OptimizerTarget) -> list[torch.Tensor]:
+    """Every synchronized gradient this rank steps, whole or its shard. A composition's norm parts
+    count a tensor held on several ranks once (replicated over tp on tp rank 0, over dp under DDP on
+    dp rank 0, a weight tied across stages on one stage), so its data-parallel strategy's are read."""
+    inner = getattr(model, "dp_strategy", None)
+    return (inner if isinstance(inner, OptimizerTarget) else model).norm_grad_tensors()[0]
+
+
 def clip_by_value(model: OptimizerTarget, clip_value: float) -> None:
     """Clamp every synchronized gradient to ``[-clip_value, clip_value]`` (torch's
     ``clip_grad_value_`` on the gradients as the strategy holds them: whole or this rank's shard)."""
     if not (isinstance(clip_value, int | float) and clip_value > 0):
         raise ValueError(f"clip_value must be a number > 0, got {clip_value!r}")
-    tensors, _ = model.norm_grad_tensors()
+    tensors = _held_grads(model)
     with torch.no_grad():
         for t in tensors:
             t.clamp_(-float(clip_value), float(clip_value))
