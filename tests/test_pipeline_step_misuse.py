@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from pipeline_cases import make_mlp, mlp_data
 
+from dtlab.backends import Mesh
 from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import PipelineParallelModel
 from dtlab.optimizers import DDPOptimizer
@@ -39,22 +40,47 @@ def test_train_step_under_no_grad_is_refused_on_every_rank() -> None:
         assert "PipelineParallelModel.train_step under torch.no_grad() (or inference_mode)" in said
 
 
+@pytest.mark.parametrize("dp", [1, 2])
 @pytest.mark.parametrize("find_unused", [False, True])
-def test_a_loss_without_a_graph_is_refused(find_unused: bool) -> None:
-    """With find_unused_parameters every parameter was left out of the step: nothing trained, silently."""
+def test_a_loss_without_a_graph_is_refused_on_every_rank(find_unused: bool, dp: int) -> None:
+    """With find_unused_parameters every parameter was left out of the step: nothing trained, silently.
+    The refusal came from the last stage's rank alone: the first stage's waited in the step's all-reduce
+    ('rank(s) [1] of this group already returned without reaching it'; a dead peer on a real engine)."""
 
-    def step(backend: Any) -> None:
+    def step(backend: Any) -> str:
         unused = {"find_unused_parameters": find_unused}
-        model = PipelineParallelModel(make_mlp(), backend, micro_batches=2, **unused)
+        mesh = Mesh(backend, {"pp": 2, "dp": dp})
+        model = PipelineParallelModel(make_mlp(), mesh, micro_batches=2, **unused)
         opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
         x, y = (t[0] for t in mlp_data(4))
-        model.train_step((x, y), lambda out, t: F.mse_loss(out.detach(), t))
+        try:
+            model.train_step((x, y), lambda out, t: F.mse_loss(out.detach(), t))
+        except StrategyError as exc:
+            return str(exc)
         opt.step()
+        return "trained"
 
-    err = refusal(step)
-    assert isinstance(err, StrategyError)
     says = "loss_fn returned a loss that does not require grad from an output that does, for every micro"
-    assert says in str(err)
+    for said in run_world(2 * dp, step, timeout=30):
+        assert says in said
+
+
+def test_a_replica_whose_losses_have_no_graph_trains_beside_one_whose_do() -> None:
+    """With find_unused_parameters, a replica with nothing to learn in any micro-batch (a constant loss:
+    all its targets ignored) leaves its share out, as one process's zero gradient for it; refused only
+    where every replica's loss has no graph."""
+
+    def step(backend: Any) -> str:
+        mesh = Mesh(backend, {"pp": 2, "dp": 2})
+        model = PipelineParallelModel(make_mlp(), mesh, micro_batches=2, find_unused_parameters=True)
+        opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+        x, y = (t[0] for t in mlp_data(4))
+        nothing = mesh.coordinate("dp") == 1
+        model.train_step((x, y), lambda out, t: torch.zeros(()) if nothing else F.mse_loss(out, t))
+        opt.step()
+        return "trained"
+
+    assert run_world(4, step, timeout=30) == ["trained"] * 4
 
 
 def test_a_step_after_train_steps_inside_no_sync_only_names_train_step() -> None:

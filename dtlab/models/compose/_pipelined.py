@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.backends.mesh import MeshLike
 from dtlab.errors import StrategyError
 from dtlab.models.compose._build import Layout
@@ -28,7 +29,7 @@ from dtlab.models.pipeline._comm import (
     infer_through_stages,
     loss_and_counts_over_pp,
 )
-from dtlab.models.pipeline._runtime import StepResult, run_schedule
+from dtlab.models.pipeline._runtime import GRAPHLESS_LOSS, StepResult, run_schedule
 from dtlab.models.pipeline._schedules import PipelineSchedule
 from dtlab.models.pipeline._split import Stage, TensorSpec, TupleSpec, stage_specs
 from dtlab.models.pipeline._trace import TracedStage
@@ -251,13 +252,18 @@ class PipelineRun:
             # before reducing (with find_unused_parameters they are left out of the step instead)
             checked = sync and not dp.find_unused_parameters
             unused = dp.unused_here() if checked else []
-            loss, counts = loss_and_counts_over_pp(result.loss, len(unused), pp)
+            # a loss without a graph for every micro-batch (the last stage's): known on every pp rank
+            loss, counts, graphless = loss_and_counts_over_pp(result.loss, len(unused), pp, result.graphless)
             where, group = f"{who}.train_step on pipeline rank {pp.rank}", dp.dp_backend
             per_rank: dict[Any, int] = dict(enumerate(counts))
             ranks_are = "pipeline rank(s)"
             if checked and group.world_size > 1:  # replicas may disagree (a branch taken on some only)
                 per_rank, ranks_are = counts_over_dp(counts, group), "(dp rank, pipeline rank)"
                 where += f" of dp rank {group.rank}"
+            if sync and not checked and group.world_size > 1:  # find_unused_parameters: refused only
+                graphless = _on_every_replica(graphless, group)  # where no replica's loss trains
+            if graphless:  # replicas that checked see this one's unused parameters and refuse them
+                raise StrategyError(GRAPHLESS_LOSS)
             if any(per_rank.values()):
                 dp.check_requires_grad()  # one frozen after wrapping: named as such
                 since = "from any micro-batch of this step"
@@ -266,3 +272,10 @@ class PipelineRun:
                 self.tied.before_reduce()
                 dp.reduce_accumulated_grads(unused_checked=True)  # checked above, over pp and dp
         return loss[0]
+
+
+def _on_every_replica(flag: bool, dp: CommunicationBackend) -> bool:
+    """Whether ``flag`` holds on every replica (one all-reduce of one value over ``dp``)."""
+    buf = torch.tensor([float(flag)], device=dp.device)
+    dp.all_reduce(buf, ReduceOp.MIN)
+    return bool(buf.item())

@@ -174,18 +174,20 @@ def broadcast_over_pp(
 
 
 def loss_and_counts_over_pp(
-    loss: torch.Tensor | None, count: int, pp: CommunicationBackend
-) -> tuple[torch.Tensor, list[int]]:
+    loss: torch.Tensor | None, count: int, pp: CommunicationBackend, flag: bool = False
+) -> tuple[torch.Tensor, list[int], bool]:
     """The loss of the rank holding it (``loss``, None elsewhere) on every pipeline rank, with every
-    rank's ``count`` (indexed by pipeline rank): one all-reduce (sum) of ``1 + pp`` float32 values,
-    each rank adding zeros but for its own slot (``x + 0`` is exact: the loss arrives bit for bit)."""
+    rank's ``count`` (indexed by pipeline rank) and whether any rank raised its ``flag``: one all-reduce
+    (sum) of ``1 + pp`` float32 values, each rank adding zeros but for its own slot (``x + 0`` is exact:
+    the loss arrives bit for bit), a flagged rank's slot holding ``-1 - count``."""
     buf = torch.zeros(1 + pp.world_size, dtype=torch.float32, device=pp.device)
     if loss is not None:
         buf[0] = loss.detach().reshape(())
-    buf[1 + pp.rank] = count
+    buf[1 + pp.rank] = -1 - count if flag else count
     if pp.world_size > 1:
         pp.all_reduce(buf)
-    return buf[:1].clone(), [int(c) for c in buf[1:].tolist()]
+    slots = [int(c) for c in buf[1:].tolist()]
+    return buf[:1].clone(), [c if c >= 0 else -1 - c for c in slots], any(c < 0 for c in slots)
 
 
 def counts_over_dp(per_pp_rank: list[int], dp: CommunicationBackend) -> dict[tuple[int, int], int]:

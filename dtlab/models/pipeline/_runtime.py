@@ -30,7 +30,7 @@ from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
 from dtlab.models.pipeline._zb import SplitLinearMode, WeightGradients
 from dtlab.untrusted import summary
 
-__all__ = ["ActivationMeter", "StepResult", "check_stage_checkpointing", "run_schedule"]
+__all__ = ["GRAPHLESS_LOSS", "ActivationMeter", "StepResult", "check_stage_checkpointing", "run_schedule"]
 
 Key = tuple[int, int]  # (stage, micro-batch)
 
@@ -103,6 +103,18 @@ class StepResult:
     loss: torch.Tensor | None
     peak_activation_bytes: int
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
+    #: every micro-batch's loss had no graph from an output that had one (the last stage's rank): the
+    #: caller refuses it on every rank (:data:`GRAPHLESS_LOSS`), after the step's all-reduce over pp
+    graphless: bool = False
+
+
+#: the refusal of a step whose every micro-batch's loss had no graph (a micro-batch's constant loss, no
+#: targets in it, may skip alone)
+GRAPHLESS_LOSS = (
+    "loss_fn returned a loss that does not require grad from an output that does, for every micro-batch "
+    "(computed from output.detach(), under torch.no_grad(), or through .item()), so no gradient reached any "
+    "stage; compute the loss from the output itself, as loss.backward() needs in one process"
+)
 
 
 @dataclass
@@ -242,14 +254,7 @@ def run_schedule(
     if links is not None:
         links.post(len(computes), step.outgoing)
         links.finish()
-    if step.detached == schedule.m:  # a micro-batch's constant loss (no targets in it) may skip alone
-        raise StrategyError(
-            "loss_fn returned a loss that does not require grad from an output that does, for every "
-            "micro-batch (computed from output.detach(), under torch.no_grad(), or through .item()), so no "
-            "gradient reached any stage; compute the loss from the output itself, as loss.backward() needs "
-            "in one process"
-        )
-    return StepResult(step.loss_sum, step.meter.peak, timeline)
+    return StepResult(step.loss_sum, step.meter.peak, timeline, graphless=step.detached == schedule.m)
 
 
 def check_stage_checkpointing(enabled: bool, schedule: str, owner: str) -> None:
