@@ -302,9 +302,9 @@ def _end_mpi_job(code: int, argv: Sequence[str] | None) -> None:
     if argv is not None or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
     if mpi.COMM_WORLD.Get_size() > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        mpi.COMM_WORLD.Abort(code)
+        from dtlab.backends._mpi_abort import end_mpi_job
+
+        end_mpi_job(mpi, code)
 
 
 if __name__ == "__main__":

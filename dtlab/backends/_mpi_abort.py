@@ -17,7 +17,7 @@ import sys
 from types import TracebackType
 from typing import Any
 
-__all__ = ["AbortOnUncaught"]
+__all__ = ["AbortOnUncaught", "end_mpi_job"]
 
 
 class AbortOnUncaught:
@@ -33,15 +33,19 @@ class AbortOnUncaught:
         try:
             self._previous(kind, exc, tb)
         finally:
-            mpi = self._mpi
-            if mpi.Is_initialized() and not mpi.Is_finalized():
-                sys.stdout.flush()
-                sys.stderr.flush()
-                code = 128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1
-                mpi.COMM_WORLD.Abort(code)
+            end_mpi_job(self._mpi, 128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1)
 
     def remove(self) -> None:
         """Put the previous hook back, unless an exception is on its way out (the backend closed in a
         ``finally:`` or a ``with`` block's exit): uncaught, it must still end the job."""
         if sys.excepthook == self.hook and sys.exc_info()[1] is None:
             sys.excepthook = self._previous
+
+
+def end_mpi_job(mpi: Any, code: int) -> None:
+    """End the MPI job with exit status ``code`` (``MPI.COMM_WORLD.Abort``, this process's output
+    flushed first), where MPI is running: the launcher stops every rank."""
+    if mpi.Is_initialized() and not mpi.Is_finalized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(code)
