@@ -242,7 +242,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         # first, before any refusal of this rank's own (the per-group sizes of another stage's state
         # differ): the part check is a consensus every rank makes, and names what went wrong
         part = state_dict.get(PART) if isinstance(state_dict, dict) else None
-        check_part(part, model_part(self.dp_model, self._indexed()), me, self.agree)
+        hint = check_part(part, model_part(self.dp_model, self._indexed()), me, self.agree)
         saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(saved, list) or len(saved) != len(self.param_groups):
             raise StrategyError(
@@ -255,7 +255,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         if sizes != theirs:
             raise StrategyError(
                 f"{me}.load_state_dict(): parameters per group {theirs} in the state dict, {sizes} here; "
-                "build the optimizer with the groups it was saved with"
+                f"build the optimizer with the groups it was saved with{hint}"
             )
         ids = [pid for g in saved for pid in g["params"]]
         state = state_dict.get("state", {})
@@ -267,7 +267,7 @@ class DataParallelOptimizer(OptimizerStrategy):
         for g, sg in zip(self.param_groups, saved, strict=True):
             g.update({k: v for k, v in sg.items() if k != "params"})
         self._push_groups()
-        load_full_state(self._entries, self._opt, mine, me, whole=not self._sharded_state)
+        load_full_state(self._entries, self._opt, mine, me, not self._sharded_state, hint)
 
     def _push_groups(self) -> None:
         """This optimizer's group options win over the local optimizer's (after a load)."""

@@ -165,11 +165,30 @@ def _factored(v: torch.Tensor, param: torch.Tensor) -> bool:
     return all(a in (b, 1) for a, b in zip(v.shape, param.shape, strict=True))
 
 
+def whole_hint(saved: Any, here: list[list[Any]] | None) -> str:
+    """What to add to a refusal of a state dict that does not fit: on a rank holding a part of the
+    model (``here``), a state dict without a part (``saved``: its :data:`PART`) is a whole model's."""
+    if here is None or saved is not None:
+        return ""
+    return (
+        ". It is a whole model's optimizer state (a plain torch optimizer's, or one saved under DDP or "
+        "ZeRO), which a tensor- or pipeline-parallel rank cannot load: it holds only its tp slices or "
+        "its stages. Load it under DDPOptimizer (whole parameters), save opt.sharded_state_dict() with "
+        "dtlab.checkpoint, and load that here (it reshards to any mesh)"
+    )
+
+
 def load_full_state(
-    entries: list[Entry], local: torch.optim.Optimizer, state: dict[Any, Any], who: str, whole: bool
+    entries: list[Entry],
+    local: torch.optim.Optimizer,
+    state: dict[Any, Any],
+    who: str,
+    whole: bool,
+    hint: str = "",
 ) -> None:
     """Give every entry its slice of ``state`` (``{param index: {key: value}}``, torch's layout);
-    ``whole``: every entry is a whole parameter, whose factored state loads as torch loads it."""
+    ``whole``: every entry is a whole parameter, whose factored state loads as torch loads it;
+    ``hint``: added to a refusal (:func:`whole_hint`)."""
     local.state.clear()
     for e in entries:
         saved = state.get(e.index, state.get(str(e.index)))
@@ -186,7 +205,7 @@ def load_full_state(
                     raise StrategyError(
                         f"{who}.load_state_dict(): state {k!r} of parameter {e.index} ({e.name!r}) has "
                         f"{v.numel()} elements but the parameter has {numel}; the state dict was saved "
-                        "for another model or other param groups"
+                        f"for another model or other param groups{hint}"
                     )
                 piece = v.detach().reshape(-1)[e.start : e.end]
                 dtype = e.tensor.dtype if v.is_floating_point() else v.dtype
@@ -225,11 +244,12 @@ def _wrong_part(saved: Any, here: list[list[Any]], who: str) -> str | None:
     )
 
 
-def check_part(saved: Any, here: list[list[Any]] | None, who: str, agree: Callable[[bool], bool]) -> None:
+def check_part(saved: Any, here: list[list[Any]] | None, who: str, agree: Callable[[bool], bool]) -> str:
     """On a rank holding a part of the model (``here``: :func:`model_part`), refuse on every rank (one
-    consensus: ``agree``) when any rank was given another rank's part."""
+    consensus: ``agree``) when any rank was given another rank's part. Returns what to add to a
+    later refusal of a state dict that does not fit (:func:`whole_hint`)."""
     if here is None:
-        return
+        return ""
     wrong = _wrong_part(saved, here, who)
     if not agree(wrong is None):
         raise StrategyError(
@@ -237,3 +257,4 @@ def check_part(saved: Any, here: list[list[Any]] | None, who: str, agree: Callab
             or f"{who}.load_state_dict(): another rank was given another rank's part of the model "
             f"(its error names the parameter). {_FIX}"
         )
+    return whole_hint(saved, here)
