@@ -9,6 +9,9 @@ apart, with no error (the worst rank's copy of the model): 0.41 relative error a
 dp2 x tp2 under DDP, 0.40 under ZeRO-2, 0.41 at dp2 x pp2 under DDP, 0.35 at pp2 x tp2 with the
 embedding tied to the head across stages. It now clamps every gradient the rank steps (whole or its
 shard), as torch clamps every parameter's.
+
+``opt.clip_grad_norm_`` returned the global norm as float32 for a float64 model (torch returns it in
+the gradients' dtype): 2.5e-8 relative from one process's; it is float64 there now.
 """
 
 from __future__ import annotations
@@ -80,3 +83,27 @@ def test_clip_grad_value_on_a_mesh_equals_one_process() -> None:
             err = max(float((got[k] - ref[k]).abs().max()) for k in ref)
             scale = max(float(ref[k].abs().max()) for k in ref)
             assert err <= 1e-5 * scale, f"{shape} {kind} tie={tie} rank {rank}: {err / scale:.2e} rel error"
+
+
+def norms(backend: CommunicationBackend) -> list[torch.Tensor]:
+    torch.set_num_threads(1)
+    model = HybridShardedModel(
+        build(False).double(), Mesh(backend, {"tp": 2}), "ddp", tensor_plan=transformer_plan()
+    )
+    opt = OPTIMIZER_OF["ddp"](model, torch.optim.SGD, lr=0.5)
+    model.train_step(batch(), model.cross_entropy)
+    return [opt.clip_grad_norm_(1e9, norm_type=t) for t in (2.0, 1.0, float("inf"))]
+
+
+def test_the_global_norm_of_a_float64_model_is_float64_as_torch_s() -> None:
+    """It was rounded to float32: 2.5e-8 from one process's (2-norm, float64 at tp=2); now 2e-16."""
+    net = build(False).double()
+    x, y = batch()
+    F.cross_entropy(net(x).reshape(-1, 256), y.reshape(-1)).backward()
+    want = [
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9, norm_type=t) for t in (2.0, 1.0, float("inf"))
+    ]
+    for rank, got in enumerate(run_world(2, norms, timeout=60)):
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype == torch.float64, f"rank {rank}: {g.dtype}"
+            assert abs(float(g) - float(w)) <= 1e-12 * float(w), f"rank {rank}: {float(g)!r} != {float(w)!r}"

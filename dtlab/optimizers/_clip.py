@@ -38,8 +38,9 @@ def clip_by_global_norm(
     model: OptimizerTarget, max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> torch.Tensor:
     """Scale ``model``'s synchronized gradients by ``max_norm / (norm + 1e-6)`` where that is below 1
-    (as torch: a NaN norm makes them NaN) and return the global norm; ``error_if_nonfinite``: torch's
-    RuntimeError instead when the norm is NaN or infinite (the same norm, so on every rank)."""
+    (as torch: a NaN norm makes them NaN) and return the global norm (float64 for a model with float64
+    parameters, else float32); ``error_if_nonfinite``: torch's RuntimeError instead when the norm is
+    NaN or infinite (the same norm, so on every rank)."""
     if not (isinstance(max_norm, int | float) and max_norm > 0):
         raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
     norm_type = float(norm_type)
@@ -56,7 +57,8 @@ def clip_by_global_norm(
     coef = float(max_norm) / (value + 1e-6)
     if not (coef >= 1.0):  # NaN too: torch multiplies by the clamped coefficient, NaN included
         model.scale_grads_(coef)
-    return norm.float()
+    wide = any(p.dtype == torch.float64 for _, p in model.trainable_parameters())
+    return norm if wide else norm.float()  # torch's is the gradients' dtype: float64 kept whole
 
 
 def _held_grads(model: OptimizerTarget) -> list[torch.Tensor]:
