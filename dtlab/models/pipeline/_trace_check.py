@@ -78,18 +78,23 @@ def _on_zeros(module: nn.Module, shapes: Shapes, fn: Callable[..., Any], *args: 
     this rank does not hold (on the meta device) likewise."""
     device = args[-1].device
     held = {n: b for n, b in module.named_buffers(remove_duplicate=False) if not b.is_meta}
-    state = {f"m.{n}": held[n] if n in held else _zeros(s, d, device) for n, (s, d) in shapes.items()}
+    made: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+    state = {f"m.{n}": held[n] if n in held else _zeros(s, d, device, made) for n, (s, d) in shapes.items()}
     with torch.no_grad():
         return functional_call(_Runner(module, fn), state, args, tie_weights=False, strict=False)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros of ``shape`` holding one element, or for a tensor of 3 dims or more one matrix (a stacked
-    experts' weight: ``torch._grouped_mm``, which mixture-of-experts layers call on it, refuses a
-    broadcast matrix)."""
-    if len(shape) < 3:
-        return torch.zeros((), dtype=dtype, device=device).expand(shape)
-    return torch.zeros(shape[-2:], dtype=dtype, device=device).expand(shape)
+def _zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, made: dict[Any, torch.Tensor]
+) -> torch.Tensor:
+    """Zeros of ``shape`` expanded from one element, or for a tensor of 3 dims or more from one matrix
+    (a stacked experts' weight: ``torch._grouped_mm``, which mixture-of-experts layers call on it,
+    refuses a broadcast matrix); each such element or matrix made once per trace (``made``), so the
+    trace holds one matrix per shape, not one per layer's weight (Mixtral-8x7B's: 11 GB in bfloat16)."""
+    key = (tuple(shape[-2:]) if len(shape) >= 3 else (), dtype)
+    if key not in made:
+        made[key] = torch.zeros(key[0], dtype=dtype, device=device)
+    return made[key].expand(shape)
 
 
 def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: torch.Tensor) -> Trace:
