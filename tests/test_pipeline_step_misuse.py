@@ -104,7 +104,7 @@ def test_a_step_after_train_steps_inside_no_sync_only_names_train_step() -> None
         ("dict", "got {'loss': <Tensor>}; return the loss alone"),
         ("tuple", "got a tuple of 2 items: (<Tensor>, {'acc': 0.5}); return the loss alone"),
         ("number", "a Python number has no gradient: return the tensor, not loss.item()"),
-        ("vector", "got a tensor of shape (4,)"),
+        ("vector", "got a torch.float32 tensor of shape (4,)"),
     ],
 )
 def test_a_loss_fn_returning_other_than_a_scalar_tensor_is_named(returns: str, says: str) -> None:

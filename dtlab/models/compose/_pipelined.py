@@ -29,14 +29,13 @@ from dtlab.models.pipeline._comm import (
     infer_through_stages,
     loss_and_counts_over_pp,
 )
-from dtlab.models.pipeline._runtime import GRAPHLESS_LOSS, StepResult, run_schedule
+from dtlab.models.pipeline._runtime import GRAPHLESS_LOSS, StepResult, described, run_schedule
 from dtlab.models.pipeline._schedules import PipelineSchedule
 from dtlab.models.pipeline._split import Stage, TensorSpec, TupleSpec, stage_specs
 from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.pipeline._trace_check import Trace, output_tensor, trace_split
 from dtlab.models.tensor._agree import check_same_on_tp
 from dtlab.models.tensor._split_logits import unmarked
-from dtlab.untrusted import summary
 
 __all__ = ["PipelineRun", "batch_pair"]
 
@@ -49,12 +48,6 @@ _ONE_TENSOR = (
 )
 
 
-def _described(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return summary(value)
-
-
 def batch_pair(who: str, batch: Any, pipelined: bool) -> tuple[Any, Any]:
     """``train_step``'s ``batch`` as ``(inputs, targets)``, or refused naming what it got (a dict, or a
     tuple of three: an attention mask besides the inputs)."""
@@ -63,7 +56,7 @@ def batch_pair(who: str, batch: Any, pipelined: bool) -> tuple[Any, Any]:
     hint = f"; {_ONE_TENSOR}" if pipelined else ""
     raise StrategyError(
         f"{who}.train_step(batch, loss_fn): batch must be the pair (inputs, targets), got "
-        f"{_described(batch)}{hint}"
+        f"{described(batch)}{hint}"
     )
 
 
@@ -199,7 +192,7 @@ class PipelineRun:
         for what, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 raise StrategyError(
-                    f"{who}.train_step: {what} must be a batched tensor, got {_described(t)}; {_ONE_TENSOR}"
+                    f"{who}.train_step: {what} must be a batched tensor, got {described(t)}; {_ONE_TENSOR}"
                 )
             if t.shape[0] % m:
                 raise StrategyError(

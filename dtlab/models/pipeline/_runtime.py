@@ -30,7 +30,14 @@ from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
 from dtlab.models.pipeline._zb import SplitLinearMode, WeightGradients
 from dtlab.untrusted import summary
 
-__all__ = ["GRAPHLESS_LOSS", "ActivationMeter", "StepResult", "check_stage_checkpointing", "run_schedule"]
+__all__ = [
+    "GRAPHLESS_LOSS",
+    "ActivationMeter",
+    "StepResult",
+    "described",
+    "check_stage_checkpointing",
+    "run_schedule",
+]
 
 Key = tuple[int, int]  # (stage, micro-batch)
 
@@ -187,6 +194,13 @@ class _Step:
             self.meter.hold(key, self.deferred[key].held_tensors())
 
 
+def described(value: Any) -> str:
+    """What a refusal names a value by: a tensor's dtype and shape, else a bounded summary."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return summary(value)
+
+
 def _mean_loss(loss: object) -> torch.Tensor:
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         hint = (
@@ -198,7 +212,7 @@ def _mean_loss(loss: object) -> torch.Tensor:
             if isinstance(loss, int | float)
             else ""
         )
-        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else summary(loss)
+        got = described(loss)
         raise StrategyError(
             f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got {got}{hint}"
         )
