@@ -232,8 +232,9 @@ def test_cli_find_unused_parameters(capsys: pytest.CaptureFixture[str]) -> None:
     """``--find-unused-parameters`` is StrategyOptions.find_unused_parameters (dtlab train's
     strategy.find_unused_parameters): per step one more all-reduce over dp of a float64 per trainable
     parameter the rank holds (29 for 2 blocks: 2 embeddings, 12 per block, the final norm's 2, the head),
-    plus two float64 under ZeRO-3/FSDP; under a pipeline, no all-reduce of every replica's unused counts
-    (dp x pp float32) over dp. Each rank's dp all-reduces, (calls, bytes), per pipeline rank."""
+    plus two float64 under ZeRO-3/FSDP; under a pipeline, one float32 over dp (whether every replica's
+    loss had no graph) in place of the all-reduce of every replica's unused counts (dp x pp float32).
+    Each rank's dp all-reduces, (calls, bytes), per pipeline rank."""
     flags = ["advise", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--ranks", "4"]
     flags += ["--global-batch", "8", "--top", "1", "--json"]
 
@@ -251,8 +252,12 @@ def test_cli_find_unused_parameters(capsys: pytest.CaptureFixture[str]) -> None:
     before = dp_all_reduce("strategy=ddp,pp=2,dp=2")
     after = dp_all_reduce("strategy=ddp,pp=2,dp=2", "--find-unused-parameters")
     # stage 0: the embeddings and a block (14 tensors), stage 1: a block, the norm and the head (15);
-    # the counts over dp (2 x 2 float32: 16 bytes at dp = 2) left out
-    assert after == [(before[0][0], before[0][1] + 8 * 14 - 16), (before[1][0], before[1][1] + 8 * 15 - 16)]
+    # one all-reduce more (the marks); the counts over dp (2 x 2 float32: 16 bytes at dp = 2) replaced
+    # by one float32 (4 bytes)
+    assert after == [
+        (before[0][0] + 1, before[0][1] + 8 * 14 - 16 + 4),
+        (before[1][0] + 1, before[1][1] + 8 * 15 - 16 + 4),
+    ]
     table = [f for f in flags if f != "--json"]
     assert main([*table, "--plan", "strategy=ddp,dp=4", "--find-unused-parameters"]) == 0
     assert "--set strategy.find_unused_parameters=true" in capsys.readouterr().out  # the train command

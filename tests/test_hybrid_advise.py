@@ -51,7 +51,8 @@ def test_every_mesh_shape_is_predicted_to_the_byte(checkpointing: bool) -> None:
 def test_find_unused_parameters_is_predicted_to_the_byte() -> None:
     """``strategy.find_unused_parameters=true``: every synchronization all-reduces which parameters each
     rank used (a float64 per trainable parameter; ZeRO-3/FSDP also compare the units each rank gathered,
-    two float64), and a pipelined step skips its all-reduce over dp of every replica's unused counts:
+    two float64), and a pipelined step sends one float32 over dp (whether every replica's loss had no
+    graph) in place of its all-reduce of every replica's unused counts:
     the bytes per rank per axis as the backends count them, on every mesh shape of 4 in-memory ranks."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread per rank, as the mesh benchmark runs them

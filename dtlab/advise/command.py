@@ -141,7 +141,8 @@ def add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--find-unused-parameters",
         action="store_true",
         help="count what dtlab train's strategy.find_unused_parameters=true sends: one all-reduce per step "
-        "of which parameters each rank used, and no check of unused parameters over dp under a pipeline",
+        "of which parameters each rank used; under a pipeline, in place of its check of unused parameters "
+        "over dp, one all-reduce of one value",
     )
     t.add_argument("--runnable-only", action="store_true", help="only plans dtlab's strategies run today")
     t.add_argument(

@@ -153,10 +153,12 @@ def pipeline_dp_ops(
 ) -> dict[str, tuple[int, int]]:
     """``dp_ops`` (what a stage's data-parallel strategy sends over dp in a step) with a pipelined step's
     check that no replica holds a parameter no micro-batch used: one all-reduce over dp of ``dp x pp``
-    float32 values (every replica's counts) after the loss's over pp, at ``dp > 1``; none with
-    ``find_unused_parameters`` (such parameters are left out of the step instead)."""
-    if c.pp == 1 or c.dp == 1 or find_unused_parameters:
+    float32 values (every replica's counts) after the loss's over pp, at ``dp > 1``; with
+    ``find_unused_parameters`` (such parameters are left out of the step instead) one of one float32
+    instead (whether every replica's loss had no graph)."""
+    if c.pp == 1 or c.dp == 1:
         return dp_ops
     calls, nbytes = dp_ops.get("all_reduce", (0, 0))
-    counted = 2 * (c.dp - 1) * 4 * c.dp * c.pp // c.dp  # an all-reduce of n bytes counts 2 (p - 1) n / p
+    values = 1 if find_unused_parameters else c.dp * c.pp
+    counted = 2 * (c.dp - 1) * 4 * values // c.dp  # an all-reduce of n bytes counts 2 (p - 1) n / p
     return {**dp_ops, "all_reduce": (calls + 1, nbytes + counted)}

@@ -269,6 +269,6 @@ class PipelineRun:
 
 def _on_every_replica(flag: bool, dp: CommunicationBackend) -> bool:
     """Whether ``flag`` holds on every replica (one all-reduce of one value over ``dp``)."""
-    buf = torch.tensor([float(flag)], device=dp.device)
+    buf = torch.tensor([float(flag)], dtype=torch.float32, device=dp.device)
     dp.all_reduce(buf, ReduceOp.MIN)
     return bool(buf.item())
