@@ -9,6 +9,7 @@ config's nor its tp-th are refused, naming it. Tiny configs in memory (no networ
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -104,3 +105,36 @@ def test_attention_weights_under_tp_are_the_whole_models_and_train_as_one_proces
         in r["refused"]
         for r in results
     )
+
+
+class _Maps(torch.nn.Module):
+    """A model of one's own with a ``config`` (no head count) returning ``(logits, (feature maps,))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(num_classes=4)
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor]]:
+        maps = self.conv(x)
+        return self.fc2(self.fc1(maps.mean((2, 3))).relu()), (maps,)
+
+
+def _feature_maps(backend: CommunicationBackend) -> list[torch.Tensor]:
+    with seeded_init(0):
+        net = _Maps()
+    model = TensorParallelModel(net, backend, plan={"fc1": "colwise", "fc2": "rowwise"})
+    logits, (maps,) = model(torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)))
+    return [logits, maps]
+
+
+def test_feature_maps_of_a_model_whose_config_names_no_heads_pass_through() -> None:
+    """4-D tensors in a tuple beside the logits were taken for attention weights and refused ('attention
+    weights (output[1], layer 0) of 8 heads, and its config's head counts are []')."""
+    with seeded_init(0):
+        net = _Maps()
+    want = net(torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)))
+    for logits, maps in run_world(2, _feature_maps, timeout=30):
+        torch.testing.assert_close(logits, want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(maps, want[1][0], rtol=0, atol=0)

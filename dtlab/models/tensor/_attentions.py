@@ -31,7 +31,8 @@ def whole_attentions(out: Any, module: nn.Module, tp: CommunicationBackend, who:
     """``out`` (the output of ``module``, a Hugging Face model with a ``config``: a ``ModelOutput``/dict,
     or the tuple of ``return_dict=False``) with every attention-weight tensor of a tp rank's heads
     gathered into the whole model's; ``out`` itself where there are none (no communication), ``tp`` is
-    one rank or the module has no config."""
+    one rank, the module has no config, or a tuple's config names no head count (not a transformer's
+    weights: a model of your own with a ``config`` returning feature maps)."""
     config = getattr(module, "config", None)
     if tp.world_size == 1 or config is None:
         return out
@@ -41,10 +42,11 @@ def whole_attentions(out: Any, module: nn.Module, tp: CommunicationBackend, who:
             if _is_weights(weights):
                 out[field] = _gathered(weights, _heads(config, names), tp, who, field)
         return out
-    if isinstance(out, tuple) and any(_is_weights(part) for part in out):
-        unnamed = tuple({n for ns in _FIELDS.values() for n in ns})  # any of the config's counts
-        return type(out)(
-            _gathered(part, _heads(config, unnamed), tp, who, f"output[{i}]") if _is_weights(part) else part
+    unnamed = tuple({n for ns in _FIELDS.values() for n in ns})  # any of the config's counts
+    heads = _heads(config, unnamed)
+    if isinstance(out, tuple) and heads and any(_is_weights(part) for part in out):  # without a head
+        return type(out)(  # count, 4-D tensors are no attention weights (a model's feature maps)
+            _gathered(part, heads, tp, who, f"output[{i}]") if _is_weights(part) else part
             for i, part in enumerate(out)
         )
     return out
