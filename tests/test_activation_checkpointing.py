@@ -348,3 +348,27 @@ def test_a_checkpoint_or_hooks_around_a_zero3_fsdp_model_get_its_activations() -
             assert calls == ddp_calls, (name, rank, calls)  # each step's forward recomputed
             assert max_rel_error(state, want) < 1e-5, (name, rank)
             assert activations == ddp_activations, (name, rank, activations, packed)  # no parameter copies
+
+
+def test_checkpointed_modules_under_torch_compile_equal_eager() -> None:
+    """``torch.compile`` of a model with checkpointed modules stopped inside dynamo ('context_fn arg
+    passed to torch.utils.checkpoint must generate a tuple of two TorchDispatchModes'): the checkpoint
+    now runs eagerly there (a graph break per checkpointed module), with the same gradients and
+    BatchNorm statistics as the model without checkpoints."""
+
+    def make() -> torch.nn.Module:
+        with seeded_init(0):
+            layers = [torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 1)]
+            return torch.nn.Sequential(*layers)
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    plain, checkpointed = make(), make()
+    assert checkpoint_modules(checkpointed, (torch.nn.BatchNorm1d, torch.nn.Linear)) == 3
+    for model in (plain, torch.compile(checkpointed)):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(checkpointed.state_dict()[name], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtlab.core.torch_private import tensor_version
+from dtlab.core.traced import eager_when_traced
 
 __all__ = ["checkpoint_modules", "checkpointed", "keep_running_statistics"]
 
@@ -81,7 +82,9 @@ def checkpointed(inner: Callable[..., Any], module: nn.Module) -> Callable[..., 
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return inner(*args, **kwargs)
         kept = partial(keep_running_statistics, module)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=kept, **kwargs)
+        # eager under torch.compile, whose checkpoint takes no context_fn of this kind: one graph break
+        run = eager_when_traced(partial(checkpoint, inner, use_reentrant=False, context_fn=kept))
+        return run(*args, **kwargs)
 
     forward.__wrapped__ = inner  # type: ignore[attr-defined]
     return forward
