@@ -64,9 +64,11 @@ class SavedTensors:
         self.at_rest = at_rest
         self.unit_of = unit_of
         #: the one dtype of every sharded unit, else None: a saved tensor of that dtype is no copy of a
-        #: sharded parameter in another dtype (most saved tensors, without autocast), so it is not looked at
+        #: sharded parameter in another dtype (most saved tensors, without autocast), so it is not looked at;
+        #: nor is any when every unit stays gathered (persistent: small parameters)
         dtypes = {st.unit.dtype for st in unit_of.values() if not st.persistent}
         self.one_dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+        self.copies_possible = bool(dtypes)
         #: the saved-tensor hooks these shadow in the forward running (``save_on_cpu()``, a non-reentrant
         #: checkpoint around the model or a pipeline stage, a pipeline's activation meter): the
         #: activations kept as they are go to them
@@ -83,7 +85,7 @@ class SavedTensors:
         """The pack hook (called by autograd: frame 1 is the code that made it save ``t``)."""
         st = self.unit_of.get(id(t))  # the parameter itself (the ids of live objects differ)
         if st is None:
-            if t.dtype == self.one_dtype:  # not a copy in another dtype: _cast_ref's answer would be None
+            if t.dtype == self.one_dtype or not self.copies_possible:  # _cast_ref's answer would be None
                 return self.at_rest.pack(t, self.outer)
             return self._cast_ref(t) or self.at_rest.pack(t, self.outer)
         if custom_function_saves(sys._getframe(1)):  # noqa: SLF001 - the saving frame

@@ -269,7 +269,9 @@ class UnitGatherer:
         graph for ever (autograd rebuilds the saved tensor's history at unpack from what it recorded)."""
         st = None if t.numel() == 0 else self._by_storage.get(t.untyped_storage().data_ptr())
         if st is None or st.persistent or st.flat is None or t.dtype != st.flat.dtype:
-            return t.detach() if outer is None else _OuterSaved(outer[0](t), outer[1])
+            if outer is not None:
+                return _OuterSaved(outer[0](t), outer[1])
+            return t.detach() if t.requires_grad else t  # without grad: no grad_fn, so no cycle
         return SavedRef(st, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     def unpack(self, obj: Any) -> torch.Tensor:
