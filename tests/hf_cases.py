@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from steps import plain_steps
 from torch import nn
 
+from dtlab.backends.base import CommunicationBackend
 from dtlab.trainers.tasks import logits_of
 
 VOCAB, SEQ = 32, 8
@@ -65,6 +66,20 @@ def gpt2(embd: int = 16, layers: int = 2, heads: int = 2, **extra: Any) -> nn.Mo
     )  # fmt: skip
     net: nn.Module = transformers.GPT2LMHeadModel(config)
     return net
+
+
+def gpt2_wrapped_on_meta(wrap: str, backend: CommunicationBackend, init_seed: int, **gpt2_args: Any) -> Any:
+    """:func:`gpt2` built on the meta device and wrapped as ``wrap`` (``"zero3"``, ``"tp2"`` or ``"pp2"``,
+    split at ``transformer.h.1``), materialized by the wrapper with ``init_seed``."""
+    from dtlab.models import PipelineParallelModel, TensorParallelModel, ZeRO3Model, gpt2_plan
+
+    with torch.device("meta"):
+        net = gpt2(**gpt2_args)
+    if wrap == "zero3":
+        return ZeRO3Model(net, backend, persistence_threshold=0, init_seed=init_seed)
+    if wrap == "tp2":
+        return TensorParallelModel(net, backend, plan=gpt2_plan(), init_seed=init_seed)
+    return PipelineParallelModel(net, backend, split_points=["transformer.h.1"], init_seed=init_seed)
 
 
 def decoder_layer(name: str) -> type[nn.Module]:

@@ -12,7 +12,18 @@ from typing import Any
 
 import pytest
 import torch
-from hf_cases import LLAMA_PLAN, SEQ, VOCAB, decoder_layer, gpt2, llama, lm_loss, token_batch, train_steps
+from hf_cases import (
+    LLAMA_PLAN,
+    SEQ,
+    VOCAB,
+    decoder_layer,
+    gpt2,
+    gpt2_wrapped_on_meta,
+    llama,
+    lm_loss,
+    token_batch,
+    train_steps,
+)
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
@@ -203,20 +214,11 @@ def test_gpt2_on_meta_gets_its_residual_scaled_projections_under_every_layout() 
     """GPT-2's attention and MLP redraw their child ``c_proj.weight`` with std initializer_range /
     sqrt(2 * n_layer) (a parent's ``_init_weights`` on its child's tensor, as ``from_config`` does): built
     on meta, ZeRO-3, tensor and pipeline parallelism give that std (not the plain 0.02) and one model."""
-    from dtlab.models import PipelineParallelModel, gpt2_plan
 
     def body(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
         out: dict[str, dict[str, torch.Tensor]] = {}
         for wrap in ("zero3", "tp2", "pp2"):
-            with torch.device("meta"):
-                net = gpt2(embd=32)
-            if wrap == "zero3":
-                model: Any = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=3)
-            elif wrap == "tp2":
-                model = TensorParallelModel(net, backend, plan=gpt2_plan(), init_seed=3)
-            else:
-                model = PipelineParallelModel(net, backend, split_points=["transformer.h.1"], init_seed=3)
-            out[wrap] = model.full_state_dict()
+            out[wrap] = gpt2_wrapped_on_meta(wrap, backend, 3, embd=32).full_state_dict()
         return out
 
     with seeded_init(3):

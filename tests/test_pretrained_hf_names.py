@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from hf_cases import SEQ, gpt2, llama
+from hf_cases import SEQ, gpt2, gpt2_wrapped_on_meta, llama
 from safetensors.torch import load_file, save_file
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import load_pretrained
 from dtlab.core import seeded_init
-from dtlab.models import PipelineParallelModel, TensorParallelModel, ZeRO3Model, gpt2_plan
+from dtlab.models import ZeRO3Model
 from dtlab.testing import run_world
 
 transformers = pytest.importorskip("transformers")
@@ -38,14 +38,7 @@ def test_a_base_models_checkpoint_loads_into_the_model_with_a_head_as_from_pretr
     def body(backend: CommunicationBackend) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for wrap in ("zero3", "tp2", "pp2"):
-            with torch.device("meta"):
-                net = gpt2()
-            if wrap == "zero3":
-                model: Any = ZeRO3Model(net, backend, persistence_threshold=0, init_seed=0)
-            elif wrap == "tp2":
-                model = TensorParallelModel(net, backend, plan=gpt2_plan(), init_seed=0)
-            else:
-                model = PipelineParallelModel(net, backend, split_points=["transformer.h.1"], init_seed=0)
+            model = gpt2_wrapped_on_meta(wrap, backend, 0)
             out[f"{wrap}/report"] = load_pretrained(model, tmp_path)
             out[wrap] = model.full_state_dict()
         return out
