@@ -13,15 +13,17 @@ from collections.abc import Iterable
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["autograd_grad_message", "fills_grads", "fills_no_grads", "grads_returned"]
+__all__ = ["autograd_grad_message", "fills_grads", "grads_filled"]
 
 
-def _first_answer(params: Iterable[torch.Tensor]) -> bool | None:
-    """Whether the running backward accumulates into the ``.grad`` of the first parameter for which the
-    answer is not False (False: none): True in a backward that accumulates, None inside
+def grads_filled(params: Iterable[torch.Tensor]) -> bool | None:
+    """Called inside a backward: whether it accumulates into the ``.grad`` of the first parameter for
+    which the answer is not False. True in a backward that accumulates; None inside
     ``torch.autograd.grad`` asked for that parameter (torch's engine refuses the question for a leaf it
-    hands a gradient back for). One answer settles it: no ``.grad`` is accumulated inside
-    ``torch.autograd.grad``, so both cannot occur in one pass."""
+    hands a gradient back for); False for none: an input gradient (``torch.autograd.grad(loss, x)``, an
+    adversarial step: nothing to reduce), or the outer pass of a model whose parameters are all in
+    reentrant checkpoints (their nested backwards fill them). One answer settles it: no ``.grad`` is
+    accumulated inside ``torch.autograd.grad``, so both cannot occur in one pass."""
     will_run = torch._C._will_engine_execute_node  # noqa: SLF001 - torch's engine query (as its FSDP uses)
     for p in params:
         if p.requires_grad:  # one frozen after wrapping is refused elsewhere, naming requires_grad
@@ -36,20 +38,7 @@ def _first_answer(params: Iterable[torch.Tensor]) -> bool | None:
 def fills_grads(params: Iterable[torch.Tensor]) -> bool:
     """Called inside a backward: whether it accumulates into the ``.grad`` of any of ``params``
     (``False`` inside ``torch.autograd.grad``)."""
-    return _first_answer(params) is True
-
-
-def fills_no_grads(params: Iterable[torch.Tensor]) -> bool:
-    """Called inside a backward: it fills no ``.grad`` of ``params`` and builds no graph. An input gradient
-    (``torch.autograd.grad(loss, x)``, an adversarial step: nothing to reduce, what it gathered freed at
-    its end), or the outer pass of a model whose parameters are all in reentrant checkpoints (their nested
-    backwards fill them). False with ``create_graph``: ZeRO-3/FSDP free the parameters that graph keeps."""
-    return not torch.is_grad_enabled() and not fills_grads(params)
-
-
-def grads_returned(params: Iterable[torch.Tensor]) -> bool:
-    """Called inside a backward: whether it is ``torch.autograd.grad(..., params)`` (any of them)."""
-    return _first_answer(params) is None
+    return grads_filled(params) is True
 
 
 def autograd_grad_message(model: str, rank: int) -> str:

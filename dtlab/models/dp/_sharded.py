@@ -17,7 +17,7 @@ from dtlab.core.state import ShardedState
 from dtlab.core.traced import eager_when_traced
 from dtlab.errors import StrategyError
 from dtlab.models.dp._direct import GATHER, STATE, DirectForwards
-from dtlab.models.dp._grad_call import autograd_grad_message, fills_no_grads, grads_returned
+from dtlab.models.dp._grad_call import autograd_grad_message, grads_filled
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._inner_calls import InnerCalls
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
@@ -158,11 +158,11 @@ class ShardedModel(DataParallelModel):
         if not self._backward.open:
             if self._backward.watching and not filling:  # a pass filling no .grad, already seen
                 return
-            if grads_returned(p for _, p in self._trainable):
+            if (answer := grads_filled(p for _, p in self._trainable)) is None:  # autograd.grad(.., params)
                 raise StrategyError(autograd_grad_message(type(self).__name__, self.dp_backend.rank))
             self._at_rest.set_busy(True)
             trainable = any(p.requires_grad for _, p in self._trainable)
-            if trainable and not filling and fills_no_grads(p for _, p in self._trainable):
+            if trainable and not (filling or answer or torch.is_grad_enabled()):  # no .grad, no graph
                 self._backward.watch_outer(otherwise=self._free_all)  # nested passes may begin it
                 return
             # every parameter frozen now (a GAN's discriminator in the generator's step): as in no_sync()
