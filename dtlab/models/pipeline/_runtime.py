@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from dtlab.core.saved_params import SavedParameter, custom_function_saves
 from dtlab.errors import StrategyError
@@ -159,7 +160,9 @@ class _Step:
             y = self.stages[a.stage](x, a.micro)
             if a.stage == last:
                 out, y = y, _mean_loss(self.loss_fn(y, target)) / self.schedule.m
-                self.detached += not y.requires_grad and any(t.requires_grad for t in _tensors(out))
+                self.detached += not y.requires_grad and any(
+                    isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]
+                )
         self.meter.hold(key, [x, y])
         self.xs[key], self.ys[key] = x, y
         if a.stage == last:
@@ -217,15 +220,6 @@ def _mean_loss(loss: object) -> torch.Tensor:
             f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got {got}{hint}"
         )
     return loss.reshape(())
-
-
-def _tensors(output: object) -> list[torch.Tensor]:
-    """The tensors of a last stage's output: itself, a tuple's items or a mapping's values
-    (a Hugging Face ModelOutput)."""
-    if isinstance(output, Mapping):
-        return [t for t in output.values() if isinstance(t, torch.Tensor)]
-    items = output if isinstance(output, tuple) else (output,)
-    return [t for t in items if isinstance(t, torch.Tensor)]
 
 
 def run_schedule(
