@@ -127,20 +127,17 @@ def run_training(
     backend = init_backend(
         name, timeout=config.backend.timeout, check_collectives=config.backend.check_collectives or None
     )
-    try:
-        check_world_size(config, backend.world_size)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // backend.world_size))
-        # this process is one rank: its dropout draws from train.seed (torch seeds each process at
-        # random), the same seed on the ranks of one tp group (tp innermost in the mesh: rank // tp), so
-        # they draw the same masks where the model is not split (other masks would give their whole
-        # parameters other gradients); each dp replica and pipeline rank its own, as before; + 1: not
-        # the seed the initialization draws from
-        torch.manual_seed(config.train.seed + 1 + backend.rank // config.parallel.tp)
-        result = [_rank_main(backend, config, task or build_task(config), scheduler_factory, stop)]
-    except BaseException:
-        # no close (collective: its barrier would keep this failing process alive, its peers waiting
-        # in their next collective for backend.timeout, then blaming a hung peer); once the process
-        # exits, its connections close and the peers' waits fail at once, naming it as gone
-        raise
+    check_world_size(config, backend.world_size)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // backend.world_size))
+    # this process is one rank: its dropout draws from train.seed (torch seeds each process at
+    # random), the same seed on the ranks of one tp group (tp innermost in the mesh: rank // tp), so
+    # they draw the same masks where the model is not split (other masks would give their whole
+    # parameters other gradients); each dp replica and pipeline rank its own, as before; + 1: not
+    # the seed the initialization draws from
+    torch.manual_seed(config.train.seed + 1 + backend.rank // config.parallel.tp)
+    result = [_rank_main(backend, config, task or build_task(config), scheduler_factory, stop)]
+    # closed only after the run: a failing rank does not close (collective: its barrier would keep the
+    # process alive, its peers waiting in their next collective for backend.timeout, then blaming a hung
+    # peer); once it exits, its connections close and the peers' waits fail at once, naming it as gone
     backend.close()
     return result
