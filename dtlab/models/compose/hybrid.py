@@ -47,10 +47,9 @@ from dtlab.models.dp.fsdp import WrapPolicy
 from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.placed_state import load_placed_state, write_placed_state
+from dtlab.models.tensor import vocab_parallel_cross_entropy, whole_cross_entropy
 from dtlab.models.tensor._agree import SameOnTp
-from dtlab.models.tensor._attentions import whole_attentions
-from dtlab.models.tensor._cross_entropy import vocab_parallel_cross_entropy, whole_cross_entropy
-from dtlab.models.tensor._heads_hint import head_count_hint
+from dtlab.models.tensor._attentions import head_count_hint, whole_attentions
 from dtlab.models.tensor._plan import Plan, logits_head
 from dtlab.models.tensor._split_logits import SplitLogits, as_split_logits, unmarked
 

@@ -3,11 +3,6 @@ file holds: docs/architecture.md, section "Model strategies"); :class:`~dtlab.mo
 applies a plan."""
 
 from dtlab.models.tensor._auto import bart_plan, bert_plan, gpt2_plan, hugging_face_plan
-from dtlab.models.tensor._cross_entropy import (
-    vocab_parallel_argmax,
-    vocab_parallel_cross_entropy,
-    whole_cross_entropy,
-)
 from dtlab.models.tensor._layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from dtlab.models.tensor._plan import (
     ColwiseParallel,
@@ -18,6 +13,11 @@ from dtlab.models.tensor._plan import (
     Style,
     VocabParallel,
     transformer_plan,
+)
+from dtlab.models.tensor._split_logits import (
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+    whole_cross_entropy,
 )
 
 __all__ = [

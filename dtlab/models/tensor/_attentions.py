@@ -1,12 +1,23 @@
-"""The attention weights a Hugging Face model returns (``output_attentions=True``, as a keyword or in its
-config) under tensor parallelism: each tp rank computes those of its own heads only (a ``colwise`` q
-projection holds whole heads, in order), so the wrapper all-gathers them over tp along the heads,
-with autograd, into the whole model's (``(batch, heads, query, key)`` per layer). Weights whose head
-count is neither the config's nor its tp-th are refused, naming it: dtlab does not guess."""
+"""Attention under tensor parallelism, where each tp rank holds its own heads (a ``colwise`` q projection
+holds whole heads, in order).
+
+:func:`whole_attentions`: the attention weights a Hugging Face model returns (``output_attentions=True``,
+as a keyword or in its config) all-gathered over tp along the heads, with autograd, into the whole
+model's (``(batch, heads, query, key)`` per layer); a head count neither the config's nor its tp-th is
+refused, naming it: dtlab does not guess.
+
+:func:`head_count_hint`: torch's raw view error ("shape [...] is invalid for input of size N") from a
+user's attention reshaping a split projection by the whole model's head count (``q.view(b, t,
+self.n_heads, head_dim)``), re-raised naming the fixes where the shape would fit ``tp`` times the input
+(a whole width asked of a split tensor); any other error (a user's own bug) keeps torch's.
+"""
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import math
+import re
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any, TypeGuard
 
 import torch
@@ -16,7 +27,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._comm import gather_heads_from_tp
 
-__all__ = ["whole_attentions"]
+__all__ = ["head_count_hint", "whole_attentions"]
 
 #: a model output's fields holding attention weights, with the config's head counts each may have
 _FIELDS = {
@@ -85,3 +96,38 @@ def _gathered(
                 "model.state_dict()"
             )
     return tuple(out)
+
+
+_VIEW_ERROR = re.compile(r"shape '\[([-\d, ]*)\]' is invalid for input of size (\d+)")
+
+
+def _whole_width(message: str, tp: int) -> bool:
+    """Whether torch's view error in ``message`` asks a shape that ``tp`` times the input would fill."""
+    found = _VIEW_ERROR.search(message)
+    if found is None:
+        return False
+    dims = [int(d) for d in found.group(1).split(",") if d.strip()]
+    whole, known = int(found.group(2)) * tp, math.prod(d for d in dims if d != -1)
+    if -1 in dims:
+        return known > 0 and whole % known == 0
+    return known == whole
+
+
+@contextmanager
+def head_count_hint(who: str, tp: int) -> Iterator[None]:
+    """Around a forward of ``who`` split over ``tp`` ranks (nothing at ``tp == 1``)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if tp == 1 or not _whole_width(str(exc), tp):
+            raise
+        raise StrategyError(
+            f"{who}: {exc}. At tp={tp} each rank's column-split projections ('colwise') hold 1/{tp} of "
+            "their output features (this rank's heads), so a forward that reshapes them by the whole "
+            "model's head count or width (q.view(b, t, self.n_heads, d // self.n_heads), "
+            "y.reshape(b, t, d)) fails. Reshape by this rank's shape instead: -1 for the heads and a "
+            "fixed head_dim (q.view(b, t, -1, self.head_dim)), -1 for the attention's output width "
+            "(y.reshape(b, t, -1)); or split the attention with HeadsParallel(qkv=..., out=..., "
+            f"heads='<its head-count attribute>', sections=1), which sets that attribute to heads // {tp} "
+            "on each rank. plan='auto' handles Hugging Face models"
+        ) from exc
