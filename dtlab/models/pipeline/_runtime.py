@@ -151,12 +151,10 @@ class _Step:
 
     def forward(self, a: Action, x: torch.Tensor, target: torch.Tensor) -> None:
         key, last = (a.stage, a.micro), self.schedule.num_stages - 1
-        splits = self.schedule.name == "zero_bubble"
-        store = self.deferred.setdefault(key, WeightGradients()) if splits else None
-        with (
-            self.meter.saving(key),
-            SplitLinearMode(store) if store is not None else contextlib.nullcontext(),
-        ):
+        split: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if self.schedule.name == "zero_bubble":
+            split = SplitLinearMode(self.deferred.setdefault(key, WeightGradients()))
+        with self.meter.saving(key), split:
             y = self.stages[a.stage](x, a.micro)
             if a.stage == last:
                 out, y = y, _mean_loss(self.loss_fn(y, target)) / self.schedule.m

@@ -14,6 +14,7 @@ keep their values), so values that steer the forward (positions, masks) are the 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -135,16 +136,12 @@ def _whole(module: nn.Module, stages: Sequence[TracedStage], shapes: Shapes, x: 
     def after(name: str, _m: nn.Module, _a: Any, _k: Any, out: Any) -> None:
         outputs.setdefault(name, tree_map_only(torch.Tensor, TensorSpec.of, out))
 
-    handles = []
-    for b in blocks:
-        m = module.get_submodule(b)
-        handles.append(m.register_forward_pre_hook(partial(before, b), with_kwargs=True))
-        handles.append(m.register_forward_hook(partial(after, b), with_kwargs=True))
-    try:
+    with ExitStack() as hooks:
+        for b in blocks:
+            m = module.get_submodule(b)
+            hooks.callback(m.register_forward_pre_hook(partial(before, b), with_kwargs=True).remove)
+            hooks.callback(m.register_forward_hook(partial(after, b), with_kwargs=True).remove)
         out = _on_zeros(module, shapes, module, x)
-    finally:
-        for h in handles:
-            h.remove()
     missing = [p for p in points if p not in slots]
     if missing:
         raise StrategyError(f"{kind}'s forward never calls split points {missing}; split at modules it calls")
@@ -240,10 +237,6 @@ def _check_stage(
 ) -> None:
     """Step 2: one stage as it will run, with what its stubs return marked."""
     marks = _Marks()
-    handles = []
-    for stub in stage.stubs():
-        name = str(stub.block_name)
-        handles.append(stub.register_forward_hook(lambda _m, _a, out, n=name: marks.mark(out, n)))
 
     def guard(name: str, _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for arg, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
@@ -255,9 +248,6 @@ def _check_stage(
                     "crosses stages. Split elsewhere, or give the model a pipeline_blocks() method"
                 )
 
-    for name, block in zip(stage.names, stage.blocks, strict=False):
-        handles.append(block.register_forward_pre_hook(partial(guard, name), with_kwargs=True))
-
     def run(xx: torch.Tensor, ii: torch.Tensor) -> None:
         with marks:
             out = stage(xx, ii)
@@ -268,11 +258,13 @@ def _check_stage(
                 "stage; split elsewhere, or give the model a pipeline_blocks() method"
             )
 
-    try:
+    with ExitStack() as hooks:
+        for stub in stage.stubs():
+            name = str(stub.block_name)
+            hooks.callback(stub.register_forward_hook(lambda _m, _a, out, n=name: marks.mark(out, n)).remove)
+        for name, block in zip(stage.names, stage.blocks, strict=False):
+            hooks.callback(block.register_forward_pre_hook(partial(guard, name), with_kwargs=True).remove)
         _on_zeros(module, shapes, run, x, inputs)
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def trace_split(
