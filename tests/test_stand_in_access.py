@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.torch_private import global_optimizer_step_pre_hooks
 from dtlab.errors import StrategyError
-from dtlab.models.dp._plain_step import refuse_plain_step
+from dtlab.models.dp._grad_guard import refuse_plain_step
 from dtlab.optimizers import ZeRO3Optimizer
 from dtlab.testing import run_world
 

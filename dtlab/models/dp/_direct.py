@@ -1,30 +1,34 @@
-"""ZeRO-3/FSDP forwards of the wrapped module called directly, outside the wrapper (Hugging Face's
-``model.module.generate(...)``), kept in step across the data-parallel group.
+"""ZeRO-3/FSDP calls that would put the ranks of the data-parallel group out of step or read parked
+parameters: forwards of the wrapped module called outside the wrapper (:class:`DirectForwards`), a
+module inside a unit called on its own (:class:`InnerCalls`), and ranks that gathered different units
+(:func:`same_gathers`).
 
-Each such forward gathers the sharded parameters with every rank, matched by order alone, so every rank
-must run as many. ``generate()`` runs until its own prompts are done: a rank whose prompts reach their
-end-of-sequence token sooner (or, under ``max_length``, were longer) stops early, and its next collective
-(the wrapper's next forward, the state dict's gathers) meets the others' next gather: a collective
-mismatch, a hang, or, between units of one size, a silent mix of their shards. :class:`DirectForwards`
-has the ranks agree on what they are running (one all-reduce of two numbers) before each such forward
-that gathers, and once after them, before the wrapper's next forward, state dict or whole-model gather:
-ranks out of step are refused together, naming the fix. A forward that gathers nothing (inside
-``summon_full_params()``, every unit kept whole) communicates nothing and is not checked.
+Each forward gathers the sharded parameters with every rank, matched by order alone, so every rank
+must run as many. Hugging Face's ``model.module.generate(...)`` runs until its own prompts are done: a
+rank whose prompts reach their end-of-sequence token sooner (or, under ``max_length``, were longer)
+stops early, and its next collective (the wrapper's next forward, the state dict's gathers) meets the
+others' next gather: a collective mismatch, a hang, or, between units of one size, a silent mix of
+their shards. :class:`DirectForwards` has the ranks agree on what they are running (one all-reduce of
+two numbers) before each such forward that gathers, and once after them, before the wrapper's next
+forward, state dict or whole-model gather: ranks out of step are refused together, naming the fix. A
+forward that gathers nothing (inside ``summon_full_params()``, every unit kept whole) communicates
+nothing and is not checked.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from dtlab.backends.base import ReduceOp
+from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.errors import CollectiveMismatchError, CollectiveTimeoutError, StrategyError
-from dtlab.models.dp._sharded_units import UnitGatherer
+from dtlab.models.dp._sharded_units import ShardUnit, UnitGatherer
 
-__all__ = ["DIRECT", "FORWARD", "GATHER", "STATE", "DirectForwards"]
+__all__ = ["DIRECT", "FORWARD", "GATHER", "STATE", "DirectForwards", "InnerCalls", "same_gathers"]
 
 DIRECT, FORWARD, STATE, GATHER = 1, 2, 3, 4
 _CALLS = {
@@ -103,4 +107,77 @@ class DirectForwards:
             "synced_gpus=True (Hugging Face keeps a finished rank's forwards going; it needs "
             "torch.distributed's default group, which the Gloo and NCCL engines set up); to generate on "
             "one rank only, load state = model.state_dict() (called on every rank) into a plain model there"
+        )
+
+
+def same_gathers(group: CommunicationBackend, trace: int, who: str) -> None:
+    """Refuse, on every rank of ``group`` at once, unless every rank's ``trace`` is the same (one
+    all-reduce of two float64, before the gradients are reduced, ``find_unused_parameters=True``).
+
+    ``trace`` fingerprints the units this rank gathered (:meth:`UnitGatherer.take_trace`). A gather is
+    matched with the other ranks' by order alone, so ranks routing their batches through different
+    modules (a branch taken on some ranks, experts chosen per rank) gather different units at the same
+    point: with units of equal size the engines do not notice, and every rank computes with a mix of
+    the units' shards (silently wrong)."""
+    buf = torch.tensor([float(trace), -float(trace)], dtype=torch.float64, device=group.device)
+    group.all_reduce(buf, ReduceOp.MAX)
+    if float(buf[0]) == -float(buf[1]):
+        return
+    raise StrategyError(
+        f"{who} on rank {group.rank}: the ranks of the data-parallel group gathered different units since "
+        "the last synchronized backward: they ran different modules of the model, or in another order "
+        "(a branch taken on some ranks only, experts chosen per rank). A gather is collective, so a rank "
+        "gathering one unit while another gathers an other of the same size receives a mix of both: "
+        "this step's forward and gradients are wrong, and nothing was reduced. Under ZeRO-3/FSDP every "
+        "rank must run the same modules in the same order: run every branch on every rank (an expert "
+        "without tokens on an empty batch), put the branches in one FSDP unit (a wrap_policy on their "
+        "parent), or use DDPModel, ZeRO1Model or ZeRO2Model, whose parameters are whole on every rank"
+    )
+
+
+class InnerCalls:
+    """A forward pre-hook on every module of ``module`` that owns parameters of a sharded unit it is not
+    the module of (Hugging Face's ``model.get_input_embeddings()(input_ids)`` for ``inputs_embeds=``,
+    under FSDP whose unit holding the embedding is the whole model's or a decoder layer's). Only a
+    unit's own module gathers it, so between forwards such a module would read its parameters' parked
+    stand-ins (NaN, silently): the hook refuses the call then, naming the module, the unit and the
+    fixes; with the unit gathered or the tensors swapped (``functional_call``) it lets the call
+    through. torch's FSDP2 refuses such a call too (a sharded DTensor parameter)."""
+
+    def __init__(self, at_rest: UnitGatherer, module: nn.Module, who: str) -> None:
+        self.at_rest, self.who = at_rest, who
+        names = {id(m): n for n, m in module.named_modules()}
+        heads = {id(g) for g, _ in at_rest.groups}
+        unit_of = {
+            id(p): (names.get(id(g), "?"), st)
+            for g, sts in at_rest.groups
+            for st in sts
+            if not st.persistent
+            for p in st.unit.params
+        }
+        for name, m in module.named_modules():
+            owned = [unit_of[id(p)] for p in m.parameters(recurse=False) if id(p) in unit_of]
+            if id(m) in heads or not owned:
+                continue
+            hook = partial(self._check, name, owned[0][0], [st for _, st in owned])
+            m.register_forward_pre_hook(hook)
+
+    def _check(self, name: str, unit: str, units: list[ShardUnit], module: nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():  # traced inside the wrapper's forward: gathered, nothing to trace
+            return
+        if all(st.flat is not None for st in units):  # gathered: the usual case, one check
+            return
+        parked = {st.unit.marker.untyped_storage().data_ptr() for st in units if st.unit.marker.numel()}
+        if not any(p.untyped_storage().data_ptr() in parked for p in module.parameters(recurse=False)):
+            return  # its tensors are not the stand-ins (swapped by functional_call: a pipeline's trace)
+        torch_class = next((c for c in type(module).__mro__ if c.__module__.startswith("torch.nn")), None)
+        base = type(module).__name__ if torch_class is None else f"nn.{torch_class.__name__}"
+        where = f"the unit of {unit!r}" if unit else "the wrapped model's own unit"
+        raise StrategyError(
+            f"{self.who}: {name!r} ({type(module).__name__}) was called on its own, outside the wrapper's "
+            f"forward, while its parameters are sharded in {where}, which only that module's forward "
+            "gathers: it would read their empty stand-ins (NaN). Make it a unit of its own (add its class "
+            f"to the wrap policy: ModuleClassPolicy((..., {base})); dtlab train: strategy.fsdp_units), as "
+            "torch FSDP2's fully_shard(module) on it, or use ZeRO-3 (a unit per module); or call it inside "
+            "the model's forward (pass input_ids rather than inputs_embeds)"
         )

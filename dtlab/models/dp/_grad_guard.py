@@ -9,19 +9,32 @@ right. The model's next forward (or ``zero_grad()``) removes it. Every stand-in 
 refuses torch ``GradScaler``'s unscale, naming ``dtlab.optimizers.GradScaler``. Zeroing a
 :class:`ShardedGradient` (``module.zero_grad(set_to_none=False)``, a plain optimizer's ``zero_grad``)
 only marks it ``zeroed``: the strategy then drops the gradient it stands for, as torch would
-(:mod:`dtlab.models.dp._cleared`).
+(:func:`adopt_cleared`). A plain torch optimizer stepped over parked ZeRO-3/FSDP parameters is refused
+before it writes (:func:`refuse_plain_step`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
+from dtlab.core.torch_private import global_optimizer_step_pre_hooks
 from dtlab.errors import StrategyError
 
-__all__ = ["GradientStandIn", "ShardedGradient", "sharded_grad_message", "tensor_bytes"]
+__all__ = [
+    "GradientStandIn",
+    "ShardedGradient",
+    "adopt_cleared",
+    "refuse_plain_step",
+    "sharded_grad_message",
+    "tensor_bytes",
+    "watch_plain_steps",
+]
 
 
 _AMP_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_
@@ -116,3 +129,65 @@ def tensor_bytes(t: torch.Tensor | None) -> int:
     if t is not None and t.is_sparse:
         return tensor_bytes(t._values()) + tensor_bytes(t._indices())  # noqa: SLF001 - torch's sparse API
     return 0 if t is None or isinstance(t, ShardedGradient) else t.numel() * t.element_size()
+
+
+def adopt_cleared(
+    guarded: bool, who: str, trainable: Sequence[tuple[str, nn.Parameter]], zero_all: Callable[[bool], None]
+) -> None:
+    """While ``guarded`` (the stand-ins are in place): ``zero_all(set_to_none)`` when every stand-in of
+    ``trainable`` was set to None or zeroed since the synchronized backward (``set_to_none``: some were
+    set to None); refuse (``who``: the strategy) when only some were.
+
+    torch's ways of clearing gradients (``model.zero_grad()``, ``model.module.zero_grad()``, ``p.grad =
+    None``, zeroing) touch only ``param.grad``: left there, the shards would keep the last step's
+    gradient and the next backward would add into it, so this runs before the next forward or step."""
+    if not guarded:
+        return
+    cleared = [
+        n for n, p in trainable if p.grad is None or (isinstance(p.grad, ShardedGradient) and p.grad.zeroed)
+    ]
+    if not cleared:
+        return
+    if len(cleared) == len(trainable):
+        zero_all(any(p.grad is None for _, p in trainable))
+        return
+    kept = len(trainable) - len(cleared)
+    raise StrategyError(
+        f"{who}: the gradients of {cleared[:5]}{' ...' if len(cleared) > 5 else ''} ({len(cleared)} "
+        f"parameters) were cleared (param.grad set to None or zeroed) after the synchronized backward, "
+        f"those of the other {kept} were not. Each rank holds its shard of every averaged gradient in "
+        "flat buffers shared by many parameters, so one parameter's gradient cannot be dropped alone. "
+        "Clear them all with opt.zero_grad() or model.zero_grad(); to keep a parameter from training, "
+        "freeze it (requires_grad=False) before wrapping"
+    )
+
+
+def watch_plain_steps() -> None:
+    """Register :func:`refuse_plain_step` as torch's global step pre-hook, once per process, when it builds
+    its first ZeRO-3/FSDP model (a process that builds none pays nothing at its steps; a second
+    registration, two rank threads racing here, only runs the check twice)."""
+    if refuse_plain_step not in global_optimizer_step_pre_hooks():
+        register_optimizer_step_pre_hook(refuse_plain_step)
+
+
+def refuse_plain_step(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    """Raise if ``opt``, a plain torch optimizer, holds a parked ZeRO-3/FSDP parameter (a stand-in of its
+    shape over one element, every stride 0). Its gradient's stand-in refuses a plain optimizer too, but
+    AdamW's decoupled weight decay (``param.mul_(1 - lr * wd)``) writes into the parameter before it
+    reads the gradient: torch then stops with its overlap ``RuntimeError`` ("Please clone() the
+    tensor"), whose advice does not apply. Reads each parameter's strides only (no memory, no sync)."""
+    if hasattr(opt, "strategy_name") and hasattr(opt, "state_bytes"):  # an optimizer strategy
+        return
+    name = type(opt).__name__
+    cls = f"torch.optim.{name}" if getattr(torch.optim, name, None) is type(opt) else name  # or the user's
+    for g, group in enumerate(opt.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.numel() > 1 and not any(p.stride()):
+                raise StrategyError(
+                    f"{name}.step(): parameter {i} of param group {g} (shape {tuple(p.shape)}) "
+                    "is sharded (ZeRO3Model, FSDPModel, or a mesh's zero3/fsdp): each rank holds only a "
+                    "shard of it and of its gradient, inside the strategy, so a plain torch optimizer would "
+                    "step a stand-in, not the parameter. Step with the optimizer strategy: "
+                    f"opt = ZeRO3Optimizer(model, {cls}(model.parameters(), ...)) (it takes your torch "
+                    "optimizer and its param groups), and clip with opt.clip_grad_norm_(max_norm)"
+                )

@@ -6,7 +6,8 @@ Each parameter carries a weak reference to the :class:`Ownership` of the wrapper
 wrapper of the same parameters takes them over: the old wrapper's gradient hooks are removed (so each
 gradient is reduced once, by the new wrapper) and the old wrapper refuses further use. A wrapper that
 keeps the parameters as flat shards (ZeRO-3, FSDP) cannot hand them over (each rank holds only its
-shard), so wrapping its module again is refused.
+shard), so wrapping its module again is refused. Trainable parameters added to the module after
+wrapping are refused at the next step (:meth:`Ownership.check_added`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Ownership:
     def __init__(self, who: str, module: nn.Module, group: CommunicationBackend, keeps_shards: bool) -> None:
         self.who = who
         self.keeps_shards = keeps_shards
+        self._module = module
         self._params = {id(p): p for p in module.parameters()}
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._group = group
@@ -129,6 +131,30 @@ class Ownership:
                 f"so it refuses {what}; use the new one (and an optimizer built on it)"
             )
         self._refuse_foreign_hooks(what, self.hook_ids)
+
+    def check_added(self) -> None:
+        """Refuse, naming them, trainable parameters of the module that were not there at wrapping. Such a
+        parameter (a LoRA adapter put around a layer of ``model.module``, a new head, a parametrization's
+        ``original``) has none of the strategy's hooks, buckets or shards: its gradient would never be
+        averaged and the optimizer strategy never steps it."""
+        ids = self._params
+        if all(id(p) in ids or not p.requires_grad for p in self._module.parameters()):
+            return
+        added = [n for n, p in self._module.named_parameters() if p.requires_grad and id(p) not in ids]
+        fresh = (
+            "; the wrapped module holds shards, so load the wrapper's full_state_dict() (every rank) into a "
+            "fresh plain module, add them there and wrap that"
+            if self.keeps_shards
+            else ", or build a new wrapper and optimizer strategy on the module after adding them"
+        )
+        raise StrategyError(
+            f"{self.who}: trainable parameters were added to the module after wrapping it: {added[:5]}"
+            f"{' ...' if len(added) > 5 else ''} ({len(added)} in all; a LoRA adapter or a new layer put "
+            "into model.module, or a parametrization registered after wrapping). The strategy averages and "
+            "steps the parameters the module had when it was wrapped, so these would train on each rank's "
+            f"own gradient or not at all. Add them to the plain module before wrapping it (freeze the base "
+            f"weights there too){fresh}"
+        )
 
     def _refuse_foreign_hooks(self, what: str, ours: set[int]) -> None:
         """Refuse a post-accumulate-grad hook on a trainable parameter that is not this wrapper's: it

@@ -16,15 +16,12 @@ from dtlab.core.saved_params import SavedHooks, outer_saved_hooks
 from dtlab.core.state import ShardedState
 from dtlab.core.traced import eager_when_traced
 from dtlab.errors import StrategyError
-from dtlab.models.dp._direct import GATHER, STATE, DirectForwards
-from dtlab.models.dp._grad_call import autograd_grad_message, grads_filled
+from dtlab.models.dp._direct import GATHER, STATE, DirectForwards, InnerCalls, same_gathers
 from dtlab.models.dp._grad_guard import tensor_bytes
-from dtlab.models.dp._inner_calls import InnerCalls
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
-from dtlab.models.dp._routing import same_gathers
 from dtlab.models.dp._saved_params import SavedTensors
 from dtlab.models.dp._sharded_units import GroupHooks, ShardUnit, UnitGatherer, UnitPlan
-from dtlab.models.dp._unused import none_got_one
+from dtlab.models.dp._unused import autograd_grad_message, grads_filled, none_got_one
 from dtlab.models.dp._writes import ParamWrites
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DataParallelOptions

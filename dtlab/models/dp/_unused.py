@@ -1,4 +1,5 @@
-"""Parameters no rank computed a gradient for (``find_unused_parameters=True``).
+"""Parameters no rank computed a gradient for (``find_unused_parameters=True``), and backward passes
+that fill no ``.grad`` (:func:`grads_filled`).
 
 torch's optimizers skip a parameter whose ``.grad`` is None: no momentum, no weight decay, no Adam
 step. One process leaves that ``.grad`` None (after ``zero_grad()``) for a parameter its loss did not
@@ -17,16 +18,24 @@ every rank of the dp group (:meth:`UsedParams.refuse_unused`, one all-reduce of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import compress
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.errors import StrategyError
 
-__all__ = ["UsedParams", "everywhere_unused_error", "none_got_one", "unused_error"]
+__all__ = [
+    "UsedParams",
+    "autograd_grad_message",
+    "everywhere_unused_error",
+    "grads_filled",
+    "none_got_one",
+    "unused_error",
+]
 
 
 class UsedParams:
@@ -163,4 +172,39 @@ def everywhere_unused_error(
         "be stepped (momentum and weight decay move them) where torch leaves their .grad None and skips "
         "them; make them take part in the loss, freeze them (requires_grad=False) before wrapping, or "
         f"{FLAG} to leave out of the step those no rank used, as torch does (one small all-reduce per step)"
+    )
+
+
+def grads_filled(params: Iterable[torch.Tensor]) -> bool | None:
+    """Called inside a backward: whether it accumulates into the ``.grad`` of the first parameter for
+    which the answer is not False. True in a backward that accumulates; None inside
+    ``torch.autograd.grad`` asked for that parameter (torch's engine refuses the question for a leaf it
+    hands a gradient back for); False for none: an input gradient (``torch.autograd.grad(loss, x)``, an
+    adversarial step: nothing to reduce), or the outer pass of a model whose parameters are all in
+    reentrant checkpoints (their nested backwards fill them). One answer settles it: no ``.grad`` is
+    accumulated inside ``torch.autograd.grad``, so both cannot occur in one pass.
+
+    A gradient penalty takes ``torch.autograd.grad(loss, params, create_graph=True)`` first, then calls
+    ``backward()`` on a loss built from those gradients: the first pass fills no ``.grad`` (the engine
+    hands the gradients back), so a strategy has nothing to reduce in it; the second is the one to
+    synchronize."""
+    will_run = torch._C._will_engine_execute_node  # noqa: SLF001 - torch's engine query (as its FSDP uses)
+    for p in params:
+        if p.requires_grad:  # one frozen after wrapping is refused elsewhere, naming requires_grad
+            try:
+                if will_run(get_gradient_edge(p).node):
+                    return True
+            except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()"
+                return None
+    return False
+
+
+def autograd_grad_message(model: str, rank: int) -> str:
+    """The refusal of ``torch.autograd.grad`` through a strategy that gathers its parameters per use."""
+    return (
+        f"{model} on rank {rank}: torch.autograd.grad() asked for gradients of the model's parameters (a "
+        "gradient penalty?). It fills no .grad, and this strategy's parameters are gathered for one "
+        "backward and freed, so a second backward through create_graph=True gradients cannot reach them. "
+        "Use DDPModel, ZeRO1Model or ZeRO2Model for gradient penalties (they skip the autograd.grad pass "
+        "and synchronize the backward() after it), or compute the gradient with loss.backward()"
     )

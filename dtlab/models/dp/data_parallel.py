@@ -22,9 +22,7 @@ from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
-from dtlab.models.dp._added import WrappedParams
-from dtlab.models.dp._cleared import adopt_cleared
-from dtlab.models.dp._grad_guard import ShardedGradient, sharded_grad_message, tensor_bytes
+from dtlab.models.dp._grad_guard import ShardedGradient, adopt_cleared, sharded_grad_message, tensor_bytes
 from dtlab.models.dp._owner import SWITCH_ADVICE, Ownership, check_module, rewrap_advice, torch_option_refused
 from dtlab.models.dp._torch_methods import TorchMethods
 from dtlab.models.dp._unused import UsedParams, unused_error
@@ -76,8 +74,6 @@ class DataParallelModel(TorchMethods, OptimizerTarget):
         self._grads_synced = False
         self._optimizer_ref: AttachedOptimizer | None = None
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-        #: refuses a step once trainable parameters were added to the module (a LoRA adapter)
-        self._wrapped_params = WrappedParams(type(self).__name__, module, self.shards_at_rest)
         self._guarded = False
         #: the tensors holding the synchronized gradient: DDP's and ZeRO-1's whole buckets, else this
         #: rank's shards
@@ -218,7 +214,7 @@ class DataParallelModel(TorchMethods, OptimizerTarget):
         self._owner.check("reduce_accumulated_grads()")
         self._check_backward_finished("reduce_accumulated_grads()")
         if not (self.find_unused_parameters or unused_checked):  # a layer replaced or frozen: named first
-            checks = (self._wrapped_params.check, self.check_requires_grad)
+            checks = (self._owner.check_added, self.check_requires_grad)
             self._used.refuse_unused(type(self).__name__, self.keeps_whole_grads, checks)
         prev, self._sync = self._sync, True
         try:
@@ -292,7 +288,7 @@ class DataParallelModel(TorchMethods, OptimizerTarget):
             )
 
     def _unused_error(self, missing: list[str]) -> StrategyError:
-        self._wrapped_params.check()  # a layer replaced after wrapping: its new parameters named
+        self._owner.check_added()  # a layer replaced after wrapping: its new parameters named
         self.check_requires_grad()
         return unused_error(type(self).__name__, self.dp_backend.rank, missing)
 
@@ -318,7 +314,7 @@ class DataParallelModel(TorchMethods, OptimizerTarget):
     def check_grads_ready(self, who: str) -> None:
         self._owner.check(f"{who}.step()")
         self._check_backward_finished(f"{who}.step()")
-        self._wrapped_params.check()
+        self._owner.check_added()
         self.check_requires_grad()
         self._wrapped_as.check()
         adopt_cleared(self._guarded, type(self).__name__, self._trainable, self.zero_grad_buffers)

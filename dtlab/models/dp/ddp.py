@@ -16,8 +16,8 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.broadcast import broadcast_from_rank0
 from dtlab.errors import StrategyError
-from dtlab.models.dp._grad_call import fills_grads
 from dtlab.models.dp._grad_guard import tensor_bytes
+from dtlab.models.dp._unused import grads_filled
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.flat import FlatUnit, copy_grad, reshaped_error
 
@@ -148,7 +148,7 @@ class DDPModel(DataParallelModel):
 
     def _fills_no_grads(self) -> bool:
         """A backward beginning that fills no ``.grad`` (``torch.autograd.grad``): nothing to reduce."""
-        return not self._backward.open and not fills_grads(p for _, p in self._trainable)
+        return not self._backward.open and grads_filled(p for _, p in self._trainable) is not True
 
     def _begin_backward(self) -> None:
         if not self._fills_no_grads():

@@ -10,7 +10,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import ArgumentError
-from dtlab.models.dp._plain_step import watch_plain_steps
+from dtlab.models.dp._grad_guard import watch_plain_steps
 from dtlab.models.dp._sharded import ShardedModel, ShardedOptions, UnitPlan
 
 if TYPE_CHECKING:
