@@ -14,9 +14,8 @@ its attention infers the head count: a ``colwise`` split there holds whole heads
 
 T5's attention adds a learned position bias with a column per head (``relative_attention_bias``, an
 embedding computed once per stack and passed to every layer): splitting its heads leaves the bias with
-all of them, a shape error inside the model; :func:`check_head_bias` refuses it, naming what splits.
-So does a table per head beside the projections (Cohere's q/k LayerNorm, weight ``(heads, head_dim)``):
-:func:`check_head_tables`.
+all of them, a shape error inside the model; :func:`check_head_split` refuses it, naming what splits,
+and so a table per head beside the projections (Cohere's q/k LayerNorm, weight ``(heads, head_dim)``).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from torch import nn
 
 from dtlab.errors import StrategyError
 
-__all__ = ["check_fused", "check_head_bias", "check_head_tables"]
+__all__ = ["check_fused", "check_head_split"]
 
 _QKV = "[q | k | v] (the model slices q, k and v at the whole model's widths)"
 #: the last name part -> (what its output is, the sections a column split may keep, the exact fix)
@@ -64,34 +63,29 @@ def check_fused(root: nn.Module, name: str, sections: int) -> None:
     )
 
 
-def check_head_bias(root: nn.Module, name: str, attention: nn.Module) -> None:
-    """Refuse splitting the heads (``name``: its projection, or itself under ``heads``) of a Hugging Face
-    attention module with a position bias per head (T5's, which has ``has_relative_attention_bias``)."""
-    model_type = getattr(getattr(root, "config", None), "model_type", None)
-    if not isinstance(model_type, str) or not hasattr(attention, "has_relative_attention_bias"):
-        return
-    raise StrategyError(
-        f"tensor-parallel plan: {name!r} splits the heads of {type(attention).__name__}, whose position "
-        "bias (relative_attention_bias: an embedding with a column per head, computed once per stack "
-        "and added to every layer's scores) would keep every head against this rank's part, and no "
-        "style splits that embedding by heads; leave the attention modules out of the plan (the "
-        "feed-forward layers split exactly: 'colwise' on DenseReluDense.wi (wi_0, wi_1), 'rowwise' "
-        "on DenseReluDense.wo)"
-    )
-
-
-def check_head_tables(
-    root: nn.Module, name: str, attention: nn.Module, heads: int, summed: AbstractSet[int] = frozenset()
+def check_head_split(
+    root: nn.Module, name: str, attention: nn.Module, heads: int | None, summed: AbstractSet[int]
 ) -> None:
-    """Refuse splitting the ``heads`` heads (of projection ``name``, or of ``attention`` itself under the
-    ``heads`` style) of a Hugging Face attention module that holds, in a module beside its projections,
-    a parameter of 2 or more dims with one dim per head (Cohere's q/k LayerNorm) or a list of one
-    module per head (StableLM's per-head LayerNorms, zipped with the heads it is given): left whole,
-    every head's entries would meet this rank's heads. A module the plan leaves whole with its gradient
-    summed over tp (``summed``: ids of the modules planned ``replicated_with_grad_allreduce``) is one
-    table every head uses, as the plan says: a dim of it that equals the head count is not a head's."""
-    model_type = getattr(getattr(root, "config", None), "model_type", None)
-    if not isinstance(model_type, str) or heads <= 1:
+    """Refuse splitting the heads (``heads`` of them, ``None``: not known; of projection ``name``, or of
+    ``attention`` itself under the ``heads`` style) of a Hugging Face attention module with an entry per
+    head that stays whole: a position bias (T5's, which has ``has_relative_attention_bias``), or in a
+    module beside its projections a parameter of 2 or more dims with one dim per head (Cohere's q/k
+    LayerNorm) or a list of one module per head (StableLM's per-head LayerNorms, zipped with the heads
+    it is given). A module the plan leaves whole with its gradient summed over tp (``summed``: ids of the
+    modules planned ``replicated_with_grad_allreduce``) is one table every head uses, as the plan says:
+    a dim of it that equals the head count is not a head's."""
+    if not isinstance(getattr(getattr(root, "config", None), "model_type", None), str):
+        return
+    if hasattr(attention, "has_relative_attention_bias"):
+        raise StrategyError(
+            f"tensor-parallel plan: {name!r} splits the heads of {type(attention).__name__}, whose position "
+            "bias (relative_attention_bias: an embedding with a column per head, computed once per stack "
+            "and added to every layer's scores) would keep every head against this rank's part, and no "
+            "style splits that embedding by heads; leave the attention modules out of the plan (the "
+            "feed-forward layers split exactly: 'colwise' on DenseReluDense.wi (wi_0, wi_1), 'rowwise' "
+            "on DenseReluDense.wo)"
+        )
+    if heads is None or heads <= 1:
         return
     for child, module in attention.named_children():
         if _projection(module) or id(module) in summed:

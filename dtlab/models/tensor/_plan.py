@@ -20,7 +20,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._comm import SharedInput, check_divisible, scatter_to_sequence
-from dtlab.models.tensor._fused import check_fused, check_head_bias, check_head_tables
+from dtlab.models.tensor._fused import check_fused, check_head_split
 from dtlab.models.tensor._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -307,7 +307,7 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
     named = list(module.named_modules())
     found: dict[str, tuple[nn.Module, Style, str]] = {}
     styles = {pattern: style_of(value, pattern) for pattern, value in plan.items()}
-    summed = {  # left whole, gradient summed over tp: one table for every head (check_head_tables)
+    summed = {  # left whole, gradient summed over tp: one table for every head (check_head_split)
         id(m)
         for p, st in styles.items()
         if isinstance(st, SequenceParallel)
@@ -333,13 +333,12 @@ def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, 
             if isinstance(style, ColwiseParallel) and not style.gather_output:
                 check_fused(module, n, style.sections)
                 attention = module.get_submodule(n.rpartition(".")[0])
-                check_head_bias(module, n, attention)
-                head_dim, features = getattr(attention, "head_dim", None), linear_features(m)
+                head_dim, features, heads = getattr(attention, "head_dim", None), linear_features(m), None
                 if isinstance(head_dim, int) and head_dim > 0 and features:  # Hugging Face's declare it
-                    check_head_tables(module, n, attention, features[1] // head_dim, summed)
+                    heads = features[1] // head_dim
+                check_head_split(module, n, attention, heads, summed)
             elif isinstance(style, HeadsParallel):
-                check_head_bias(module, n, m)
-                check_head_tables(module, n, m, getattr(m, style.heads), summed)
+                check_head_split(module, n, m, getattr(m, style.heads), summed)
             found[n] = (m, style, pattern)
     for n in found:  # a swapped module may not contain another planned module
         inner = [o for o in found if o.startswith(n + ".")]
