@@ -116,15 +116,16 @@ def check_same_on_tp(
     leaves: list[Leaf] = []
     for name, value in named:
         _leaves(name, value, leaves)
-    tensors = [(i, t) for i, (_, _, t) in enumerate(leaves) if t is not None]
-    sums = [tuple(s.to(group.device) for s in _checksums(t)) for _, t in tensors]
+    sums = {
+        i: torch.stack(_checksums(t)).to(group.device) for i, (_, _, t) in enumerate(leaves) if t is not None
+    }
     structure = "\n".join(f"{name}: {desc}" for name, desc, _ in leaves).encode()
     digest = int.from_bytes(hashlib.blake2b(structure, digest_size=7).digest(), "little")
     fp = torch.zeros(3, dtype=torch.int64, device=group.device)
     fp[0] = digest
     if sums:
-        weights = torch.tensor([i + 1 for i, _ in tensors], dtype=torch.int64, device=group.device)
-        stacked = torch.stack([torch.stack(pair) for pair in sums]).remainder(_MOD)  # (tensors, 2)
+        weights = torch.tensor([i + 1 for i in sums], dtype=torch.int64, device=group.device)
+        stacked = torch.stack(list(sums.values())).remainder(_MOD)  # (tensors, 2)
         fp[1:] = (stacked * weights.unsqueeze(1)).sum(0)
     try:
         if _all_equal(group, fp):
@@ -137,8 +138,7 @@ def check_same_on_tp(
             "slice of the layers: evaluate on every rank (the same batch on each tp rank), or call "
             "model.state_dict() on every rank and evaluate a plain copy on one rank"
         ) from exc
-    by_leaf = {i: [int(s) for s in pair] for (i, _), pair in zip(tensors, sums, strict=True)}
-    mine = [(name, desc, by_leaf.get(i, [])) for i, (name, desc, _) in enumerate(leaves)]
+    mine = [(name, desc, sums[i].tolist() if i in sums else []) for i, (name, desc, _) in enumerate(leaves)]
     every = group.all_gather_object(mine)
     named_as = list(labels) if labels is not None else [f"{axis} rank {r}" for r in range(len(ranks))]
     differing = [

@@ -72,11 +72,8 @@ class SharedInput:
     def _forget(self, grad: torch.Tensor) -> None:  # noqa: ARG002 - a tensor hook's signature
         self._last = None
 
-    def __getstate__(self) -> dict[str, object]:  # a copied model starts with nothing remembered
-        return {}
-
-    def __setstate__(self, _state: dict[str, object]) -> None:
-        self._last = None
+    def __reduce__(self) -> tuple[type[SharedInput], tuple[()]]:  # a copied model remembers nothing
+        return SharedInput, ()
 
 
 def _identity(x: torch.Tensor, _group: CommunicationBackend) -> torch.Tensor:
