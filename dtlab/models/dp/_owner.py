@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.core.torch_private import MODULE_HOOKS, TENSOR_HOOKS
+from dtlab.core.torch_private import TENSOR_HOOKS
 from dtlab.errors import ArgumentTypeError, StrategyError
 from dtlab.models.dp._sync_bn import DataParallelBatchNorm, sync_batch_norms
 from dtlab.models.dp.flat import check_real
@@ -27,14 +27,7 @@ from dtlab.models.dp.flat import check_real
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = [
-    "MODULE_HOOKS",
-    "TENSOR_HOOKS",
-    "Ownership",
-    "check_module",
-    "rewrap_advice",
-    "torch_option_refused",
-]
+__all__ = ["Ownership", "check_module", "rewrap_advice", "torch_option_refused"]
 
 #: the attribute of a parameter holding the :class:`_Mark` of the wrapper that hooked it
 _MARK = "_dtlab_owner"

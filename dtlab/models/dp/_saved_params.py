@@ -1,15 +1,14 @@
 """ZeRO-3's and FSDP's saved-tensor hooks, with the parameters a custom autograd Function saves itself.
 
-What autograd saves while a unit is gathered is kept as a reference and re-gathered on unpack
-(:class:`~dtlab.models.dp._sharded_units.UnitGatherer`). Torch hands ``ctx.saved_tensors`` back as a new
-tensor built from what the unpack hook returns, never the parameter itself (as under ``save_on_cpu``):
-a custom Function's ``backward`` writing ``weight.grad`` by hand (gradient-accumulation fusion) would
-write it on that tensor and the gradient would be lost. So a trainable parameter saved by a custom
-Function (not one of torch's or dtlab's own) comes back as a
-:class:`~dtlab.core.saved_params.SavedParameter` (as under a pipeline's activation meter): the gathered
-values (every operation runs on them) whose ``.grad`` is the parameter's, so the write lands in the
-gradient the strategy reduces, before the parameter's gradient hook, as under DDP or in one process.
-Tensors saved by torch's operations (views of a parameter, ``layer_norm``'s weight) are not affected.
+What autograd saves while a unit is gathered is kept as a reference and re-gathered on unpack. Torch hands
+``ctx.saved_tensors`` back as a new tensor built from what the unpack hook returns, never the parameter itself
+(as under ``save_on_cpu``): a custom Function's ``backward`` writing ``weight.grad`` by hand
+(gradient-accumulation fusion) would write it on that tensor and the gradient would be lost. So a trainable
+parameter saved by a custom Function (not one of torch's or dtlab's own) comes back as a
+:class:`~dtlab.core.saved_params.SavedParameter` (as under a pipeline's activation meter): the gathered values
+(every operation runs on them) whose ``.grad`` is the parameter's, so the write lands in the gradient the
+strategy reduces, before the parameter's gradient hook, as under DDP or in one process. Tensors saved by
+torch's operations (views of a parameter, ``layer_norm``'s weight) are not affected.
 
 Under ``torch.autocast`` an operation saves the low-precision copy of a weight it was handed, not the
 gathered buffer: kept, every unit's copy would be held from the forward to the backward (the whole model
@@ -23,6 +22,7 @@ every unit's copy until the autocast block ended: the forward's peak was the who
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -34,6 +34,25 @@ from dtlab.core.torch_private import copied_from
 from dtlab.models.dp._sharded_units import ShardUnit, UnitGatherer
 
 __all__ = ["SavedParameter", "SavedTensors"]
+
+
+@dataclass(frozen=True)
+class _SavedRef:
+    """A saved tensor that aliases a gathered buffer: re-gathered on unpack."""
+
+    unit: ShardUnit
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class _OuterSaved:
+    """A saved tensor kept by the saved-tensor hooks these shadow: what their pack made of it, and
+    their unpack."""
+
+    packed: Any
+    unpack: Callable[[Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -82,15 +101,24 @@ class SavedTensors:
         return self.pack, self.unpack
 
     def pack(self, t: torch.Tensor) -> Any:
-        """The pack hook (called by autograd: frame 1 is the code that made it save ``t``)."""
+        """The pack hook (called by autograd: frame 1 is the code that made it save ``t``): a reference
+        when ``t`` aliases a gathered buffer, else ``t`` detached, or what the :attr:`outer` hooks make
+        of it. Detached: an operation saving its own output (tanh, softmax, attention) would otherwise
+        hold its node through the output's ``grad_fn``, a cycle through autograd's C++ that Python's
+        garbage collector never frees, so a forward with gradients and no backward kept its graph for
+        ever (autograd rebuilds the saved tensor's history at unpack from what it recorded)."""
         st = self.unit_of.get(id(t))  # the parameter itself (the ids of live objects differ)
         if st is None:
-            if t.dtype == self.one_dtype or not self.copies_possible:  # _cast_ref's answer would be None
-                return self.at_rest.pack(t, self.outer)
-            return self._cast_ref(t) or self.at_rest.pack(t, self.outer)
-        if custom_function_saves(sys._getframe(1)):  # noqa: SLF001 - the saving frame
+            if t.dtype != self.one_dtype and self.copies_possible and (ref := self._cast_ref(t)) is not None:
+                return ref
+        elif custom_function_saves(sys._getframe(1)):  # noqa: SLF001 - the saving frame
             return _ParamRef(st, cast(nn.Parameter, t))
-        return self.at_rest.pack(t, self.outer)
+        st = None if t.numel() == 0 else self.at_rest.by_storage.get(t.untyped_storage().data_ptr())
+        if st is None or st.persistent or st.flat is None or t.dtype != st.flat.dtype:
+            if self.outer is not None:
+                return _OuterSaved(self.outer[0](t), self.outer[1])
+            return t.detach() if t.requires_grad else t  # without grad: no grad_fn, so no cycle
+        return _SavedRef(st, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     def _cast_ref(self, t: torch.Tensor) -> _CastRef | None:
         """``t`` as a reference when it is (a view of) a copy of a gathered parameter in another dtype."""
@@ -107,10 +135,14 @@ class SavedTensors:
         return _CastRef(st, cast(nn.Parameter, param), copy.dtype, size, stride, int(t.storage_offset()))
 
     def unpack(self, obj: Any) -> torch.Tensor:
+        if isinstance(obj, _SavedRef):  # normally gathered already by the pre-backward hook
+            return self.at_rest.gather(obj.unit).as_strided(obj.size, obj.stride, obj.offset)
         if isinstance(obj, _CastRef):
             self.at_rest.gather(obj.unit)
             return obj.param.detach().to(obj.dtype).as_strided(obj.size, obj.stride, obj.offset)
-        if isinstance(obj, _ParamRef):  # normally gathered already by the pre-backward hook
+        if isinstance(obj, _ParamRef):
             self.at_rest.gather(obj.unit)
             return SavedParameter(obj.param, obj.param.detach())
-        return self.at_rest.unpack(obj)
+        if isinstance(obj, _OuterSaved):
+            return obj.unpack(obj.packed)
+        return cast(torch.Tensor, obj)

@@ -1,13 +1,13 @@
 """ZeRO-3/FSDP's units between uses (:class:`UnitGatherer`) and their gather hooks (:class:`GroupHooks`).
 
 A unit is gathered by an all-gather into a fresh flat buffer its parameters become views of, and freed
-by dropping that buffer. Saved tensors that alias a gathered buffer are kept as :class:`SavedRef`
-references and re-gathered on unpack. The first gather of an evaluation (no-grad) forward is polled for
-``forward_wait_s`` where the engine's handle can be polled (:attr:`dtlab.backends.types.Work.polls`:
-Gloo and NCCL; the in-memory world names a mismatched call at once; MPI waits as before): a rank that
-evaluates alone (a DDP habit) is named within seconds instead of waiting for the collective timeout.
-When the others go on training instead, their gathers pair with the evaluation's and the ranks fall
-out of step later: a mismatch of collectives met before the next synchronized backward names the call.
+by dropping that buffer (saved tensors aliasing it are kept as references: ``_saved_params.py``). The
+first gather of an evaluation (no-grad) forward is polled for ``forward_wait_s`` where the engine's
+handle can be polled (:attr:`dtlab.backends.types.Work.polls`: Gloo and NCCL; the in-memory world names
+a mismatched call at once; MPI waits): a rank that evaluates alone (a DDP habit) is named within seconds
+instead of waiting for the collective timeout. When the others go on training instead, their gathers
+pair with the evaluation's and the ranks fall out of step later: a mismatch of collectives met before
+the next synchronized backward names the call.
 """
 
 from __future__ import annotations
@@ -18,22 +18,20 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NoReturn, SupportsIndex, cast
+from typing import Any, NoReturn, SupportsIndex
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dtlab.backends.base import CommunicationBackend, Work
-from dtlab.core.saved_params import SavedHooks
-from dtlab.core.torch_private import compiled_inside
+from dtlab.core.torch_private import MODULE_HOOKS, compiled_inside
 from dtlab.errors import CollectiveMismatchError, StrategyError, every_rank_saves
 from dtlab.models.base import copy_refused
 from dtlab.models.dp._grad_guard import tensor_bytes
-from dtlab.models.dp._owner import MODULE_HOOKS
 from dtlab.models.dp.flat import FlatUnit
 
-__all__ = ["GroupHooks", "SavedRef", "ShardUnit", "UnitGatherer", "UnitPlan"]
+__all__ = ["GroupHooks", "ShardUnit", "UnitGatherer", "UnitPlan"]
 
 
 @dataclass(frozen=True)
@@ -59,25 +57,6 @@ class ShardUnit:
     reduced: bool = False
 
 
-@dataclass(frozen=True)
-class SavedRef:
-    """A saved tensor that aliases a gathered buffer: re-gathered on unpack."""
-
-    unit: ShardUnit
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
-@dataclass(frozen=True)
-class _OuterSaved:
-    """A saved tensor kept by the saved-tensor hooks these shadow: what their pack made of it, and
-    their unpack."""
-
-    packed: Any
-    unpack: Callable[[Any], torch.Tensor]
-
-
 class UnitGatherer:
     """The units of one sharded strategy, grouped by the module whose forward gathers them."""
 
@@ -101,7 +80,8 @@ class UnitGatherer:
         #: a call this rank may have made alone (an evaluation "forward", the state dict) since the last
         #: synchronized backward: a gather that meets another collective names it (:meth:`gather`)
         self.solo: str | None = None
-        self._by_storage: dict[int, ShardUnit] = {}
+        #: each gathered buffer's unit, by storage pointer (a saved tensor aliasing one: a reference)
+        self.by_storage: dict[int, ShardUnit] = {}
         #: which units were gathered, in order, since :meth:`take_trace` (ranks running other modules differ)
         self.trace = 0
         self._index: dict[int, int] = {}
@@ -141,7 +121,7 @@ class UnitGatherer:
             self.trace = (self.trace * 131 + self._index[id(st)] + 1) % 2_147_483_647
             st.flat = flat
             st.unit.bind(flat)
-            self._by_storage[flat.untyped_storage().data_ptr()] = st
+            self.by_storage[flat.untyped_storage().data_ptr()] = st
             self.gathered_bytes += tensor_bytes(flat)
             self.peak = max(self.peak, self.gathered_bytes)
         if wait and st.work is not None:
@@ -229,7 +209,7 @@ class UnitGatherer:
         if st.work is not None:
             st.work.wait()
             st.work = None
-        self._by_storage.pop(st.flat.untyped_storage().data_ptr(), None)
+        self.by_storage.pop(st.flat.untyped_storage().data_ptr(), None)
         self.gathered_bytes -= tensor_bytes(st.flat)
         st.flat = None
         self._rest(st)
@@ -259,27 +239,6 @@ class UnitGatherer:
     def freed(self) -> list[str]:
         """Keys of the units not gathered now."""
         return [st.unit.key for st in self.units if st.flat is None]
-
-    def pack(self, t: torch.Tensor, outer: SavedHooks | None) -> Any:
-        """A saved tensor: a reference when it aliases a gathered buffer, else itself detached, or what
-        the ``outer`` saved-tensor hooks (which these shadow: a pipeline's meter, a checkpointed stage's)
-        make of it. Detached: an operation saving its own output (tanh, softmax, attention) would
-        otherwise hold its node through the output's ``grad_fn``, a cycle through autograd's C++ that
-        Python's garbage collector never frees, so a forward with gradients and no backward kept its
-        graph for ever (autograd rebuilds the saved tensor's history at unpack from what it recorded)."""
-        st = None if t.numel() == 0 else self._by_storage.get(t.untyped_storage().data_ptr())
-        if st is None or st.persistent or st.flat is None or t.dtype != st.flat.dtype:
-            if outer is not None:
-                return _OuterSaved(outer[0](t), outer[1])
-            return t.detach() if t.requires_grad else t  # without grad: no grad_fn, so no cycle
-        return SavedRef(st, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
-
-    def unpack(self, obj: Any) -> torch.Tensor:
-        if isinstance(obj, SavedRef):  # normally gathered already by the pre-backward hook
-            return self.gather(obj.unit).as_strided(obj.size, obj.stride, obj.offset)
-        if isinstance(obj, _OuterSaved):
-            return obj.unpack(obj.packed)
-        return cast(torch.Tensor, obj)
 
 
 class _GatherHook(partial[Any]):
