@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -165,9 +164,8 @@ def test_json_pipes_into_head_quietly() -> None:
     assert done.stdout.startswith("{") and done.stderr == ""
 
 
-def test_a_70b_model_on_1024_ranks_is_advised_quickly() -> None:
+def test_a_70b_model_on_1024_ranks_is_advised() -> None:
+    # how long the search takes is a figure in docs/strategies.md, with its command, not asserted here
     spec = ModelSpec.from_parameters(70_000_000_000, layers=80, heads=64, vocab=51200, seq_len=2048)
-    start = time.process_time()
     result = advise(spec, ClusterSpec(ranks=1024), 1024, precision=Precision.named("bf16-mixed"))
-    spent = time.process_time() - start
-    assert result.plans and spent < 10.0
+    assert result.considered == 4000 and result.plans
