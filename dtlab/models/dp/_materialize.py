@@ -145,9 +145,7 @@ def _untouched(t: torch.Tensor) -> bool:
     if t.numel() == 0:
         return False
     if t.is_floating_point() or t.is_complex():
-        if not bool(torch.isnan(t.sum())):
-            return False
-        return bool(torch.isnan(t).any())
+        return bool(torch.isnan(t.sum())) and bool(torch.isnan(t).any())
     if t.dtype == torch.bool:
         return False  # no value is a sentinel for a bool: whether it was written is checked instead
     return bool((t == torch.iinfo(t.dtype).min).all())

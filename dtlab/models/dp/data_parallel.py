@@ -274,12 +274,9 @@ class DataParallelModel(TorchMethods, OptimizerTarget):
         would never be synchronized or stepped, and one frozen later would hang the reduction."""
         unfrozen = [n for n, p in self._frozen if p.requires_grad]
         frozen = [n for n, p in self._trainable if not p.requires_grad]
-        if unfrozen or frozen:
-            what = []
-            if unfrozen:
-                what.append(f"requires_grad=True now on {unfrozen[:5]} (frozen when wrapped)")
-            if frozen:
-                what.append(f"requires_grad=False now on {frozen[:5]} (trainable when wrapped)")
+        what = [f"requires_grad=True now on {unfrozen[:5]} (frozen when wrapped)"] if unfrozen else []
+        what += [f"requires_grad=False now on {frozen[:5]} (trainable when wrapped)"] if frozen else []
+        if what:
             raise StrategyError(
                 f"{type(self).__name__}: {'; '.join(what)}. The strategy lays out gradient buffers and "
                 "shards for the parameters that require grad when it wraps the module, so a change "

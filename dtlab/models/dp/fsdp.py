@@ -116,7 +116,7 @@ class FSDPModel(ShardedModel):
         return wrapped
 
     def _plan(self) -> list[tuple[nn.Module, list[UnitPlan]]]:
-        names = {id(p): n for n, p in self._trainable}
+        names = self._name_of
         units = self._unit_modules()
 
         def collect(mod: nn.Module) -> list[nn.Parameter]:

@@ -81,7 +81,7 @@ class ZeRO3Model(ShardedModel):
             warnings.warn(_nothing_sharded(persistence_threshold, self._trainable), UserWarning, stacklevel=2)
 
     def _plan(self) -> list[tuple[nn.Module, list[UnitPlan]]]:
-        names = {id(p): n for n, p in self._trainable}
+        names = self._name_of
         inside_leaf: set[int] = set()
         owned: list[tuple[nn.Module, list[nn.Parameter]]] = []
         for mod in self.module.modules():
