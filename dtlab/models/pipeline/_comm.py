@@ -174,7 +174,7 @@ def broadcast_over_pp(
 
 
 def loss_and_counts_over_pp(
-    loss: torch.Tensor | None, count: int, pp: CommunicationBackend, flag: bool = False
+    loss: torch.Tensor | None, count: int, pp: CommunicationBackend, flag: bool
 ) -> tuple[torch.Tensor, list[int], bool]:
     """The loss of the rank holding it (``loss``, None elsewhere) on every pipeline rank, with every
     rank's ``count`` (indexed by pipeline rank) and whether any rank raised its ``flag``: one all-reduce

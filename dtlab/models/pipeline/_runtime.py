@@ -110,10 +110,10 @@ class StepResult:
 
     loss: torch.Tensor | None
     peak_activation_bytes: int
-    timeline: list[tuple[Action, float, float]] = field(default_factory=list)
+    timeline: list[tuple[Action, float, float]]
     #: every micro-batch's loss had no graph from an output that had one (the last stage's rank): the
     #: caller refuses it on every rank (:data:`GRAPHLESS_LOSS`), after the step's all-reduce over pp
-    graphless: bool = False
+    graphless: bool
 
 
 #: the refusal of a step whose every micro-batch's loss had no graph (a micro-batch's constant loss, no
@@ -229,15 +229,15 @@ def run_schedule(
     targets: Sequence[torch.Tensor],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     excluded_storages: set[int],
-    checkpointing: bool = False,
-    modules: Mapping[int, nn.Module] | None = None,
+    checkpointing: bool,
+    modules: Mapping[int, nn.Module],
 ) -> StepResult:
     """Execute ``schedule.actions[rank]`` with this rank's ``stages`` (each called with its input and the
     micro-batch's index) on the micro-batches. With ``checkpointing`` each stage's forward keeps only
     its input and recomputes the rest in its backward (``torch.utils.checkpoint``, non-reentrant),
     leaving the running statistics in each stage's module (``modules``) as its forward left them."""
     if checkpointing:
-        stages = {s: checkpointed(run, (modules or {})[s]) for s, run in stages.items()}
+        stages = {s: checkpointed(run, modules[s]) for s, run in stages.items()}
     step = _Step(schedule, rank, stages, links, loss_fn, ActivationMeter(excluded_storages))
     timeline: list[tuple[Action, float, float]] = []
     computes = schedule.compute(rank)

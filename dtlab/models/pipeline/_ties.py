@@ -39,9 +39,7 @@ def cross_ties(module: nn.Module, holders: Mapping[int, Set[int]]) -> list[Cross
     return [CrossTie(n, sorted(holders[i])) for i, n in names.items() if len(holders.get(i, ())) > 1]
 
 
-def init_ties(
-    ties: Sequence[CrossTie], module: nn.Module, pp: CommunicationBackend, on_meta: bool = False
-) -> None:
+def init_ties(ties: Sequence[CrossTie], module: nn.Module, pp: CommunicationBackend, on_meta: bool) -> None:
     """Collective over ``pp`` (before other ranks' stages are released): each tie's group, this rank's
     copy, and the copies made equal to the first one's values. A model built on the meta device has no
     values yet: its copies are made equal by the meta construction, which initializes a tied parameter

@@ -46,7 +46,7 @@ class Trace:
     outputs: dict[str, Any]  #: block -> its output structure, TensorSpec leaves
     slots: dict[str, Slot]  #: split point -> where the hidden state is among its arguments
     #: the class of the model's output around its logits (a ModelOutput, a dict), None for a tensor
-    output_type: type | None = None
+    output_type: type | None
 
     def as_output(self, logits: torch.Tensor) -> Any:
         """Inference's result as the plain model gives it: the logits in the model's output class (its
