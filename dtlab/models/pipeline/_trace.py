@@ -212,9 +212,7 @@ def traced_structure(module: nn.Module, split_points: Sequence[str], stages: int
             "other split points)"
         )
     direct = [
-        f"{g}.{n}" if g else n
-        for g in sorted(glue)
-        for n, _ in module.get_submodule(g).named_parameters(recurse=False)
+        n for g in sorted(glue) for n, _ in module.get_submodule(g).named_parameters(prefix=g, recurse=False)
     ]
     if direct:
         raise StrategyError(
