@@ -38,11 +38,9 @@ def plot_schedule(
     ``costs`` seconds per kind (default F = 1, B = 2, I = W = 1, divided by the stages per rank, so
     timelines of one model compare across schedules). With ``measured`` (a timeline recorded by a run)
     the measured one is drawn below the planned one. Returns the path."""
-    built = (
-        schedule
-        if isinstance(schedule, PipelineSchedule)
-        else build_schedule(schedule, p, m, stages_per_rank)
-    )
+    built = schedule
+    if not isinstance(built, PipelineSchedule):
+        built = build_schedule(built, p, m, stages_per_rank)
     if (built.p, built.m) != (p, m):
         raise ArgumentError(
             f"plot_schedule: the schedule was built for p={built.p}, m={built.m}, not p={p}, m={m}"
