@@ -5,9 +5,12 @@ ported script calls are refused by name, with what dtlab does instead, rather th
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from dtlab.models.dp.data_parallel import DataParallelModel
 
 __all__ = ["ForwardedSync", "TorchMethods"]
 
@@ -42,6 +45,8 @@ _FIXES: dict[str, str] = {
 class TorchMethods(nn.Module):
     """The torch methods of a data-parallel wrapper (see the module docstring)."""
 
+    require_backward_grad_sync: bool  # each wrapper's own switch (a property there)
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """FSDP2's switch: ``False``: backward passes accumulate gradients locally, as inside
         ``no_sync()``; ``True``: the next backward reduces them. ``recurse`` is accepted (one switch
@@ -49,7 +54,7 @@ class TorchMethods(nn.Module):
         for what, value in (("requires_gradient_sync", requires_gradient_sync), ("recurse", recurse)):
             if not isinstance(value, bool):
                 raise TypeError(f"{what} must be a bool, got {value!r}")
-        cast(Any, self).require_backward_grad_sync = requires_gradient_sync
+        self.require_backward_grad_sync = requires_gradient_sync
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -66,11 +71,16 @@ class TorchMethods(nn.Module):
 class ForwardedSync(TorchMethods):
     """A composition's gradient-sync switch: its data-parallel strategy's (``dp_strategy``)."""
 
+    if TYPE_CHECKING:  # the composition's property
+
+        @property
+        def dp_strategy(self) -> DataParallelModel: ...
+
     @property
     def require_backward_grad_sync(self) -> bool:
         """torch DDP's switch: ``False``: backward passes accumulate locally (as in ``no_sync()``)."""
-        return bool(cast(Any, self).dp_strategy.require_backward_grad_sync)
+        return self.dp_strategy.require_backward_grad_sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        cast(Any, self).dp_strategy.require_backward_grad_sync = value
+        self.dp_strategy.require_backward_grad_sync = value
