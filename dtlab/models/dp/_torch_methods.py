@@ -5,12 +5,9 @@ ported script calls are refused by name, with what dtlab does instead, rather th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
-
-if TYPE_CHECKING:
-    from dtlab.models.dp.data_parallel import DataParallelModel
 
 __all__ = ["ForwardedSync", "TorchMethods"]
 
@@ -40,6 +37,10 @@ _FIXES: dict[str, str] = {
     "(opt, compressor) (docs/compression.md), or narrow it with reduce_dtype= when wrapping",
     "_set_static_graph": "nothing is traced, static_graph is taken as given; nothing to set",
 }
+
+
+class SyncSwitch(Protocol):
+    require_backward_grad_sync: bool
 
 
 class TorchMethods(nn.Module):
@@ -74,7 +75,7 @@ class ForwardedSync(TorchMethods):
     if TYPE_CHECKING:  # the composition's property
 
         @property
-        def dp_strategy(self) -> DataParallelModel: ...
+        def dp_strategy(self) -> SyncSwitch: ...
 
     @property
     def require_backward_grad_sync(self) -> bool:
