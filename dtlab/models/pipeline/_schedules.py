@@ -93,7 +93,7 @@ class PipelineSchedule:
         return stage % self.p
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(c * self.p + rank for c in range(self.v))
+        return tuple(range(rank, self.num_stages, self.p))
 
     def compute(self, rank: int) -> tuple[Action, ...]:
         """Rank ``rank``'s compute actions in order (no communication)."""
