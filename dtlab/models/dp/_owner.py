@@ -27,7 +27,7 @@ from dtlab.models.dp.flat import check_real
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Ownership", "check_module", "rewrap_advice", "torch_option_refused"]
+__all__ = ["Ownership", "check_module", "check_types", "rewrap_advice", "torch_option_refused"]
 
 #: the attribute of a parameter holding the :class:`_Mark` of the wrapper that hooked it
 _MARK = "_dtlab_owner"
@@ -173,14 +173,18 @@ class Ownership:
                 )
 
 
-def check_module(
-    module: nn.Module, backend: CommunicationBackend, who: str
-) -> list[tuple[str, nn.Parameter]]:
-    """``module``'s trainable parameters; refuses a module the data-parallel wrapper ``who`` cannot take."""
+def check_types(module: object, backend: object, who: str) -> None:
+    """Refuses what the data-parallel wrapper ``who`` was given, before anything reads it."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{who} wraps a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(backend, CommunicationBackend):
         raise TypeError(f"{who} needs a dtlab CommunicationBackend, got {type(backend).__name__}")
+
+
+def check_module(
+    module: nn.Module, backend: CommunicationBackend, who: str
+) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s trainable parameters; refuses a module the data-parallel wrapper ``who`` cannot take."""
     named = list(module.named_parameters())
     if not named:
         raise StrategyError(

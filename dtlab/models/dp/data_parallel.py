@@ -23,7 +23,14 @@ from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.dp._grad_guard import ShardedGradient, adopt_cleared, sharded_grad_message, tensor_bytes
-from dtlab.models.dp._owner import SWITCH_ADVICE, Ownership, check_module, rewrap_advice, torch_option_refused
+from dtlab.models.dp._owner import (
+    SWITCH_ADVICE,
+    Ownership,
+    check_module,
+    check_types,
+    rewrap_advice,
+    torch_option_refused,
+)
 from dtlab.models.dp._torch_methods import TorchMethods
 from dtlab.models.dp._unused import UsedParams, unused_error
 from dtlab.models.placed_state import load_placed_state, write_placed_state
@@ -50,6 +57,7 @@ class DataParallelModel(TorchMethods, OptimizerTarget):
     ) -> None:
         if unknown and (refused := torch_option_refused(type(self).__name__, unknown)) is not None:
             raise refused
+        check_types(module, backend, type(self).__name__)
         super().__init__(module, backend, world=world)
         self._trainable = check_module(module, backend, type(self).__name__)
         if reduce_dtype is not None and not (
