@@ -58,8 +58,9 @@ class TensorSpec:
 @dataclass(frozen=True)
 class TupleSpec(TensorSpec):
     """The last stage's output when it is a tuple of tensors (the logits and an auxiliary loss, as a
-    mixture-of-experts model returns them): ``items``, each tensor's spec (``shape``, ``dtype``, ``nbytes``:
-    the first's); ``marked``, which items came out as a tensor subclass (the logits split over tp)."""
+    mixture-of-experts model returns them): ``items``, each tensor's spec (``shape`` and ``dtype``: the
+    first's; ``nbytes``: all of them); ``marked``, which items came out as a tensor subclass (the logits
+    split over tp)."""
 
     items: tuple[TensorSpec, ...] = ()
     marked: tuple[bool, ...] = ()
@@ -69,6 +70,10 @@ class TupleSpec(TensorSpec):
         specs = tuple(TensorSpec.of(t) for t in items)
         marked = tuple(type(t) is not torch.Tensor for t in items)
         return cls(specs[0].shape, specs[0].dtype, specs, marked)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
 
 
 class Stage(nn.Module):
