@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -357,8 +357,7 @@ class StageRoot(nn.Module):
     @property
     def whole_model(self) -> nn.Module:
         """The model that was wrapped (its other stages' modules are not this rank's)."""
-        whole: nn.Module = self.__dict__["_whole"]
-        return whole
+        return cast(nn.Module, self.__dict__["_whole"])
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -1,7 +1,9 @@
 """What a user reaches for on a model-parallel model as on the plain (Hugging Face) model, refused with
 the fix where it would silently do something else: the wrapped module's own ``state_dict()`` (and so
 ``save_pretrained``) while this rank holds only its part, keyword inputs a pipeline would drop,
-``labels=`` on logits split over tp, and the plain model's attributes asked of the wrapper."""
+``labels=`` on logits split over tp, and the plain model's attributes asked of the wrapper; and the
+whole state a ``model.state_dict()`` gathers (tp shards gathered, each tensor broadcast over pp),
+refused where ``model.module`` was renamed since wrapping."""
 
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.mesh import MeshLike
 from dtlab.core.placement import Placement, Shard, placement_of
 from dtlab.errors import StrategyError
-from dtlab.models.compose._comm import renamed_message
+from dtlab.models.compose._build import Entries
 from dtlab.models.dp._writes import pre_hook_marks, prune_hooks
+from dtlab.models.pipeline._comm import broadcast_over_pp
 from dtlab.models.tensor._comm import gather_over_tp
 from dtlab.models.tensor._layers import VocabParallelEmbedding
 
-__all__ = ["PartialState", "check_call", "missing_attribute", "whole_over_tp"]
+__all__ = ["PartialState", "check_call", "gather_whole_state", "missing_attribute", "whole_over_tp"]
 
 T = TypeVar("T")
 
@@ -85,25 +88,20 @@ class PartialState:
         parametrization applied to the wrapped module since wrapping: each renames the weight (the
         layout the composition saves and loads by) and, on a split layer, acts on this rank's slice."""
         marks = self._marks_now()
-        if marks == self._marks:  # no hook added, no class swapped (a first parametrization): unchanged
-            then(who)
-            return
-        new = {id(c) for c in _renamers(self.module)} - self._known.keys()
-        if new:
-            gone, now = [], []
-            for n, m in self.module.named_modules():
-                if any(id(c) in new for c in _renamers_of(m)):
-                    pruned = [
-                        p.removesuffix("_orig")
-                        for p, _ in m.named_parameters(recurse=False)
-                        if p.endswith("_orig")
-                    ]
-                    gone += [f"{n}.{t}" for t in pruned + list(_parametrized(m))]
-                    now += [f"{n}.{t}_orig" for t in pruned] + [
-                        f"{n}.parametrizations.{t}" for t in _parametrized(m)
-                    ]
-            raise StrategyError(f"{self.who}: {renamed_message(gone, now)}")
-        self._marks = marks  # a hook of another kind: nothing renamed
+        if marks != self._marks:  # a hook added or a class swapped (a first parametrization)
+            new = {id(c) for c in _renamers(self.module)} - self._known.keys()
+            if new:
+                gone, now = [], []
+                for n, m in self.module.named_modules():
+                    if any(id(c) in new for c in _renamers_of(m)):
+                        pruned = [p for p, _ in m.named_parameters(recurse=False) if p.endswith("_orig")]
+                        params = list(_parametrized(m))
+                        gone += [f"{n}.{p.removesuffix('_orig')}" for p in pruned]
+                        gone += [f"{n}.{t}" for t in params]
+                        now += [f"{n}.{p}" for p in pruned]
+                        now += [f"{n}.parametrizations.{t}" for t in params]
+                raise StrategyError(f"{self.who}: {renamed_message(gone, now)}")
+            self._marks = marks  # a hook of another kind: nothing renamed
         then(who)
 
     def _marks_now(self) -> list[object]:
@@ -241,3 +239,44 @@ def whole_over_tp(
                 emb.padding_idx = pad
 
     return run
+
+
+def gather_whole_state(
+    local: Mapping[str, torch.Tensor], entries: Entries, tp: CommunicationBackend, pp: CommunicationBackend
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the whole model on every rank, from each pipeline rank's ``local`` tensors (whole
+    over dp): tp shards gathered, then each tensor broadcast from the pipeline rank holding it."""
+    gone = [k for k, (_, _, owner, _) in entries.items() if owner == pp.rank and k not in local]
+    # model.module's tensors renamed since wrapping (every rank of a stage changed it alike): refused on
+    # every pipeline rank, not only the stage's (the others would wait in the broadcasts below)
+    flags = pp.all_gather_object(bool(gone)) if pp.world_size > 1 else [bool(gone)]
+    where = [r for r, changed in enumerate(flags) if changed]
+    if where:
+        raise StrategyError(renamed_message(gone, [k for k in local if k not in entries], where))
+    out = {}
+    for key, (shape, dtype, owner, placement) in entries.items():
+        mine: torch.Tensor | None = None
+        if owner == pp.rank:
+            mine = local[key]
+            if isinstance(placement, Shard):
+                mine = gather_over_tp(mine, placement, tp)
+        out[key] = broadcast_over_pp(mine, shape, dtype, owner, pp)
+    return out
+
+
+def renamed_message(gone: list[str], new: list[str], ranks: list[int] | None = None) -> str:
+    """Why tensors of the wrapped module renamed since wrapping (``gone``, now ``new``; none here: on
+    pipeline ranks ``ranks``) are refused."""
+    return (
+        (
+            f"the wrapped module's state no longer has {gone[:5]} (it has {new[:5]} instead)"
+            if gone
+            else f"the wrapped module's state on pipeline rank(s) {ranks} was renamed (their error names it)"
+        )
+        + ": model.module was changed after wrapping (torch.nn.utils.prune renames weight to "
+        "weight_orig and weight_mask; a parametrization or a layer replaced). The composition laid its "
+        "tensors out when it wrapped the module, and on a split layer a mask computed now comes from "
+        "this rank's slice only: change the plain module before wrapping it (prune, then prune.remove() "
+        "to keep the pruned values), or load model.state_dict() (every rank, before the change) into a "
+        "fresh plain module, change that and wrap it"
+    )

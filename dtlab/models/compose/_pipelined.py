@@ -85,7 +85,6 @@ class PipelineRun:
         self._compared: set[str] = set()  # what the ranks were checked to agree on (at its first use)
         self.module = module  # the user's whole module (other stages on meta), for the trace
         self.tied, self.checkpointing = tied, checkpointing
-        self.micro_batches = layout.micro_batches
         #: the last step's compute intervals and activation peak (None before the first step)
         self.last: StepResult | None = None
         #: the inference output on every pp rank alike: marked where the logits are split over tp
@@ -183,7 +182,7 @@ class PipelineRun:
             self.failed = None
 
     def check_batch(self, who: str, inputs: Any, targets: Any) -> None:
-        m = self.micro_batches
+        m = self.layout.micro_batches
         if not torch.is_grad_enabled():  # every micro-batch's backward would be skipped
             raise StrategyError(
                 f"{who}.train_step under torch.no_grad() (or inference_mode): a training step needs "
@@ -211,7 +210,7 @@ class PipelineRun:
         ``no_sync()``, the tied weights' sum and the dp reduction; the batch's mean loss on every
         pipeline rank (``who``: the model, named in a refusal; a step after one that raised is refused by
         :meth:`same_on_pp`, before the batch check)."""
-        micro_in, micro_tg = inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)
+        micro_in, micro_tg = inputs.chunk(self.layout.micro_batches), targets.chunk(self.layout.micro_batches)
         specs = self.specs_for(micro_in[0])
         self.tied.before_accumulate()  # gradients kept from the last step: their tie sum counted once
         pp, plan, dp = self.pp, self.schedule, self.dp

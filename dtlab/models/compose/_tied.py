@@ -217,13 +217,13 @@ class TiedSync:
     def after_reduce(self) -> None:
         """After the dp average: each copy's whole gradient summed over its group."""
         if self._after():
-            grads = dict(self.dp.whole_grads())
-            names = self._names
-            sum_tied(
-                self.ties,
-                [None if t.param is None else grads.get(names.get(id(t.param), "")) for t in self.ties],
-            )
+            sum_tied(self.ties, self._whole_grads())
             self._summed = True
+
+    def _whole_grads(self) -> list[torch.Tensor | None]:
+        """Each copy's gradient in the strategy's whole buckets (``param.grad`` may be a stand-in)."""
+        grads = dict(self.dp.whole_grads())
+        return [None if t.param is None else grads.get(self._names.get(id(t.param), "")) for t in self.ties]
 
     def before_accumulate(self) -> None:
         """Before a step's micro-batches add into the gradients: where the strategy keeps whole gradient
@@ -235,9 +235,6 @@ class TiedSync:
         self._summed = False
         if not self.dp.keeps_whole_grads:
             return
-        grads = dict(self.dp.whole_grads())  # the buckets themselves: param.grad may be a stand-in
-        for t in self.ties:
-            if t.group is not None and t.group.rank and t.param is not None:
-                held = grads.get(self._names.get(id(t.param), ""))
-                if held is not None:
-                    held.zero_()
+        for t, held in zip(self.ties, self._whole_grads(), strict=True):
+            if held is not None and t.group is not None and t.group.rank:
+                held.zero_()

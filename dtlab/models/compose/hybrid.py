@@ -27,15 +27,19 @@ from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.compose._build import AXES, PipelineArgs, as_mesh, data_parallel_choice, lay_out
-from dtlab.models.compose._comm import gather_whole_state, grads_of
-from dtlab.models.compose._habits import PartialState, check_call, missing_attribute, whole_over_tp
+from dtlab.models.compose._habits import (
+    PartialState,
+    check_call,
+    gather_whole_state,
+    missing_attribute,
+    whole_over_tp,
+)
 from dtlab.models.compose._meta_walk import MetaWalk
-from dtlab.models.compose._partial import PartialGrads
 from dtlab.models.compose._pipelined import PipelineRun, batch_pair
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._same_grads import SameReplicatedGrads
 from dtlab.models.compose._tied import TiedSync
-from dtlab.models.compose._tp_grads import TensorParallelGrads
+from dtlab.models.compose._tp_grads import PartialGrads, TensorParallelGrads, grads_of
 from dtlab.models.dp._materialize import MetaOptions, ParamInitFn, on_meta
 from dtlab.models.dp._sharded import GatherOptions
 from dtlab.models.dp._sync_bn import refuse_sync_batch_norm
@@ -150,8 +154,8 @@ class HybridShardedModel(ForwardedSync, OptimizerTarget):
         self.logits_split = head is not None and head.group.world_size > 1
         if head is not None and self.logits_split:  # its output refuses a loss over part of it
             head.mark_output = as_split_logits
-        state = root.state_dict(keep_vars=True)  # placements read before ZeRO-3/FSDP shard the tensors
-        placements = {k: placement_of(t) for k, t in state.items()}
+        # placements read before ZeRO-3/FSDP shard the tensors
+        placements = {k: placement_of(t) for k, t in root.state_dict(keep_vars=True).items()}
         dp = dp_class(root, mesh["dp"], world=mesh.backend, **options)  # 3. data parallelism
         super().__init__(root, mesh["dp"], world=mesh.backend)
         self.__dict__["_dp"] = dp  # used, not registered: its module is this model's module
@@ -237,8 +241,7 @@ class HybridShardedModel(ForwardedSync, OptimizerTarget):
         self.dp_strategy.gradient_reducer = reducer
 
     @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes (or pipelined steps) inside the block accumulate gradients locally."""
+    def no_sync(self) -> Iterator[None]:  # backward passes (or pipelined steps) accumulate locally
         with self.dp_strategy.no_sync():
             yield
 
@@ -290,9 +293,8 @@ class HybridShardedModel(ForwardedSync, OptimizerTarget):
 
     # ------------------------------------------------------------------ optimizer protocol
     def attach_optimizer(self, optimizer: AttachedOptimizer) -> None:
-        name = optimizer.strategy_name
         fitting = pairs.optimizers_for(self.data_parallel if self.mesh_axis is None else self.strategy_name)
-        if name not in fitting:
+        if optimizer.strategy_name not in fitting:
             drivers = " or ".join(pairs.optimizer_class_name(f) for f in fitting)
             raise StrategyError(
                 f"{type(self).__name__}(data_parallel={self.data_parallel!r}) is driven by {drivers}, got "
@@ -337,8 +339,7 @@ class HybridShardedModel(ForwardedSync, OptimizerTarget):
     def scale_grads_(self, factor: float) -> None:
         self.dp_strategy.scale_grads_(factor)
 
-    def grad_norm_group(self) -> CommunicationBackend:
-        """The norm's parts add up over every rank of the mesh."""
+    def grad_norm_group(self) -> CommunicationBackend:  # the norm's parts add up over the whole mesh
         return self.mesh.backend
 
     def norm_grad_tensors(self) -> tuple[list[torch.Tensor], bool]:
@@ -357,7 +358,6 @@ class HybridShardedModel(ForwardedSync, OptimizerTarget):
         return grads_of(dp, counted, replicated), False
 
     def placed(self, name: str) -> tuple[Placement, int, int]:
-        """Parameter ``name``'s placement, this rank's coordinate and the size of its axis."""
         placement = self._placements[name]
         if isinstance(placement, Shard):
             return placement, self.mesh.coordinate(placement.axis), self.mesh.size(placement.axis)
