@@ -207,6 +207,14 @@ def test_torch_constructor_options_are_named_with_the_fix() -> None:
         wrap("fsdp", make_module(), backend, mp_policy=None, mesh=None)
         with pytest.raises(StrategyError) as joined:  # torch DDP's uneven inputs: AttributeError before
             wrap("zero3", make_module(), backend).join()
+        # a backend's name as torch's init_process_group takes it, or no module: named before any read
+        # (a raw AttributeError before: 'str' object has no attribute 'named_parameters' / 'device')
+        classes = ("DDPModel", "ZeRO1Model", "ZeRO2Model", "ZeRO3Model", "FSDPModel")
+        for name, cls in zip(STRATEGIES, classes, strict=True):
+            with pytest.raises(TypeError, match=f"^{cls} wraps a torch.nn.Module, got str$"):
+                wrap(name, "net", backend)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=f"^{cls} needs a dtlab CommunicationBackend, got str$"):
+                wrap(name, make_module(), "gloo")  # type: ignore[arg-type]
         return [*said, str(joined.value)]
 
     (said,) = run_world(1, build, timeout=30)
