@@ -16,6 +16,7 @@ from torch import nn
 from dtlab.backends import Mesh
 from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import HybridShardedModel
+from dtlab.models.pipeline._split import TupleSpec
 from dtlab.optimizers import DDPOptimizer, ZeRO3Optimizer
 from dtlab.testing import run_world
 
@@ -106,3 +107,10 @@ def test_other_block_outputs_are_refused_naming_them(returns: str, middle: bool,
         run_world(2, step, timeout=30)
     assert isinstance(info.value.__cause__, StrategyError) and says in str(info.value.__cause__)
     assert "the last may return a tuple of tensors" in str(info.value.__cause__)
+
+
+def test_a_tuple_outputs_spec_counts_the_bytes_of_every_item() -> None:
+    """A TensorSpec's nbytes is what a boundary sends: a tuple's is all its items' (shape and dtype are
+    the first's)."""
+    spec = TupleSpec.of_items([torch.zeros(2, 3), torch.zeros((), dtype=torch.float32)])
+    assert (spec.shape, spec.dtype, spec.nbytes) == ((2, 3), torch.float32, 28)
