@@ -24,7 +24,7 @@ from dtlab.backends._objects import ObjectExchange
 from dtlab.backends._p2p import PointToPoint
 from dtlab.backends.stats import CommStats
 from dtlab.backends.types import SUPPORTED_DTYPES, CompletedWork, P2POp, ReduceOp, Work
-from dtlab.errors import ArgumentError, StrategyError
+from dtlab.errors import ArgumentError, ArgumentTypeError, StrategyError
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -33,6 +33,7 @@ __all__ = [
     "P2POp",
     "ReduceOp",
     "Work",
+    "check_backend",
     "split_members",
 ]
 
@@ -302,3 +303,14 @@ class CommunicationBackend(
 
     def close(self) -> None:
         """Release engine resources (optional)."""
+
+
+def check_backend(backend: object, who: str) -> None:
+    """Refuses, before anything reads it, a ``backend`` given to ``who`` that is not a backend (a
+    ``"gloo"`` string, a Mesh where a group goes, a torch process group)."""
+    if not isinstance(backend, CommunicationBackend):
+        raise ArgumentTypeError(
+            f"{who} needs a dtlab CommunicationBackend, got {type(backend).__name__}: pass "
+            "init_backend() (under torchrun or mpiexec), the backend run_world gives each rank, or a "
+            "mesh's group (mesh['dp'])"
+        )

@@ -15,8 +15,8 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import ArgumentError
+from dtlab.backends.base import CommunicationBackend, check_backend
+from dtlab.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["Axes", "Mesh", "MeshLike"]
 
@@ -82,9 +82,16 @@ def _unravel(index: int, sizes: Sequence[int]) -> list[int]:
 
 def _resolve(sizes: Mapping[str, int] | Iterable[tuple[str, int]], world_size: int) -> dict[str, int]:
     """Validated sizes with ``-1`` resolved; one error names every size, their product and the world."""
-    pairs: list[tuple[str, int]] = (
-        list(sizes.items()) if isinstance(sizes, Mapping) else [(n, s) for n, s in sizes]
-    )
+    try:
+        if isinstance(sizes, str):
+            raise TypeError
+        pairs: list[tuple[str, int]] = (
+            list(sizes.items()) if isinstance(sizes, Mapping) else [(n, s) for n, s in sizes]
+        )
+    except (TypeError, ValueError):  # not iterable, or its items are not (name, size) pairs
+        raise ArgumentTypeError(
+            f"Mesh: sizes must map axis names to sizes, e.g. {{'dp': -1, 'tp': 2}}, got {sizes!r}"
+        ) from None
     shown = ", ".join(f"{n!r}: {s!r}" for n, s in pairs)
 
     def fail(problem: str) -> ArgumentError:
@@ -133,6 +140,7 @@ class Mesh:
     def __init__(
         self, backend: CommunicationBackend, sizes: Mapping[str, int] | Iterable[tuple[str, int]]
     ) -> None:
+        check_backend(backend, "Mesh")
         shape = _resolve(sizes, backend.world_size)
         self._backend = backend
         self._names = tuple(shape)

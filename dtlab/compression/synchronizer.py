@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend
+from dtlab.backends.base import CommunicationBackend, check_backend
 from dtlab.compression.base import Compressor
 from dtlab.compression.reducer import CompressedReducer, NonFinitePolicy
 from dtlab.errors import ArgumentError, CollectiveMismatchError
@@ -51,6 +51,7 @@ class GradientSynchronizer:
         dense_below: int = 1024,
         nonfinite: NonFinitePolicy = "raise",
     ) -> None:
+        check_backend(backend, "GradientSynchronizer")
         self.backend = backend
         self.reducer = CompressedReducer(backend, compressor, dense_below=dense_below, nonfinite=nonfinite)
         self.statistics: dict[str, Any] = {}

@@ -21,15 +21,27 @@ from typing import Any
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
+from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work, check_backend
 
-__all__ = ["DenseReducer", "GradientReducer"]
+__all__ = ["DenseReducer", "GradientReducer", "check_reduce_dtype"]
+
+
+def check_reduce_dtype(reduce_dtype: object) -> None:
+    """Refuses a ``reduce_dtype`` gradients cannot travel in (a string such as ``"bf16"``, an int dtype)."""
+    if reduce_dtype is not None and not (
+        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"reduce_dtype must be a floating-point torch.dtype (e.g. torch.float32) or None, got "
+            f"{reduce_dtype!r}"
+        )
 
 
 class GradientReducer(ABC):
     """Averages gradient buffers over a data-parallel group (``backend``)."""
 
     def __init__(self, backend: CommunicationBackend) -> None:
+        check_backend(backend, type(self).__name__)
         self.backend = backend
 
     @abstractmethod
@@ -63,6 +75,7 @@ class DenseReducer(GradientReducer):
 
     def __init__(self, backend: CommunicationBackend, reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__(backend)
+        check_reduce_dtype(reduce_dtype)
         self.reduce_dtype = reduce_dtype
 
     def _wire(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -9,12 +9,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import ArgumentError, StrategyError
+from dtlab.backends.base import CommunicationBackend, check_backend
+from dtlab.errors import ArgumentError, ArgumentTypeError, StrategyError
+from dtlab.models.base import ModelStrategy
 from dtlab.optimizers._elementwise import check_elementwise
 from dtlab.optimizers._groups import OptimizerSpec, refuse_closure_driven, refuse_sparse_only
 
-__all__ = ["check_agreement", "check_arguments"]
+__all__ = ["check_agreement", "check_arguments", "trainable"]
+
+
+def trainable(module: object, backend: object) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters of ``module``, after refusing a ``module`` or ``backend`` of another kind
+    before either is read."""
+    if isinstance(module, ModelStrategy):
+        raise ArgumentTypeError(
+            f"AsyncSGDOptimizer takes the plain torch.nn.Module (its servers synchronize it), got a "
+            f"{type(module).__name__}; pass the module itself: AsyncSGDOptimizer(module, backend, ...)"
+        )
+    if not isinstance(module, nn.Module):
+        raise ArgumentTypeError(f"AsyncSGDOptimizer trains a torch.nn.Module, got {type(module).__name__}")
+    check_backend(backend, "AsyncSGDOptimizer")
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
 def check_arguments(

@@ -30,7 +30,7 @@ from torch import nn
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.errors import CollectiveTimeoutError, StrategyError
 from dtlab.models.dp.flat import FlatUnit, check_real
-from dtlab.optimizers._async_checks import check_agreement, check_arguments
+from dtlab.optimizers._async_checks import check_agreement, check_arguments, trainable
 from dtlab.optimizers._async_comm import (
     ABORT,
     FINISH,
@@ -77,7 +77,7 @@ class AsyncSGDOptimizer:
         param_groups: Sequence[Mapping[str, Any]] | None = None,
         **optimizer_kwargs: Any,  # Any: optimizer_cls's own keywords
     ) -> None:
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = trainable(module, backend)
         group_of, options = assign_groups(named, param_groups)
         groups = [{**optimizer_kwargs, **o} for o in options]
         check_arguments(

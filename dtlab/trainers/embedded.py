@@ -13,7 +13,7 @@ from torch import nn
 
 from dtlab.config import TrainConfig
 from dtlab.data import TensorDataset, load_digits_dataset, stdlib_lm_dataset
-from dtlab.errors import ConfigError
+from dtlab.errors import ArgumentTypeError, ConfigError
 from dtlab.models.tensor import whole_cross_entropy
 from dtlab.parallel_config import check_builtin_fits
 from dtlab.zoo import Block, DigitsCNN, TransformerLM
@@ -65,6 +65,18 @@ class Task:
     name: str = "custom"
     #: classification: evaluation also reports accuracy (argmax of the last dimension)
     classification: bool = False
+
+    def __post_init__(self) -> None:
+        """Refuses a model where the function building it goes (the Trainer calls it on every rank)."""
+        if isinstance(self.build_model, nn.Module) or not callable(self.build_model):
+            raise ArgumentTypeError(
+                f"Task.build_model is a function building the model, got {type(self.build_model).__name__}"
+                "; pass lambda: module (or run_training(config, model=module, train_data=...))"
+            )
+        if not callable(self.loss_fn):
+            raise ArgumentTypeError(
+                f"Task.loss_fn must be a function of (output, target), got {self.loss_fn!r}"
+            )
 
 
 def builtin_model(

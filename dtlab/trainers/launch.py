@@ -14,6 +14,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.config import TrainConfig, check_world_size
 from dtlab.errors import BackendInitError, ConfigError
 from dtlab.parallel_config import run_plan
+from dtlab.trainers.arguments import check_arguments
 from dtlab.trainers.construction import model_init
 from dtlab.trainers.custom import task_from_objects
 from dtlab.trainers.preemption import StopRequest
@@ -73,6 +74,7 @@ def run_training(
 
     ``stop``: once set (``dtlab train`` sets it on SIGTERM/SIGINT, ``trainers/preemption.py``), every
     rank stops after the same step with a final checkpoint; ``TrainResult.preempted_by`` says why."""
+    check_arguments("run_training", config, task, stop)
     if model is not None or train_data is not None:
         if task is not None:
             raise TypeError("run_training: pass either task or model/train_data/eval_data/loss_fn, not both")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dtlab.config import TrainConfig
 from dtlab.errors import ConfigError
+from dtlab.trainers.arguments import check_arguments
 from dtlab.trainers.custom import task_from_config
 from dtlab.trainers.embedded import (
     Task,
@@ -30,6 +31,7 @@ __all__ = [
 def build_task(config: TrainConfig) -> Task:
     """The task the config describes: the embedded one, or your own model, data and loss
     (``model.factory``, ``data.factory``, ``model.loss``; checked here, before any rank starts)."""
+    check_arguments("build_task", config, None, None)
     m = config.model
     if m.factory is None and config.data.factory is None and m.loss is None:
         return builtin_task(config)

@@ -29,6 +29,7 @@ from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers.elastic import ElasticMember
 from dtlab.optimizers.grad_scaler import DynamicLossScaler, refuse_float16
 from dtlab.parallel_config import run_plan
+from dtlab.trainers.arguments import check_arguments
 from dtlab.trainers.build import build_model, build_optimizer_strategy, precision_policy
 from dtlab.trainers.custom import task_from_objects
 from dtlab.trainers.elastic import (
@@ -104,6 +105,7 @@ class Trainer:
         (default: the last ``data.eval_fraction`` of ``train_data``) and ``loss_fn`` (a function of
         ``(output, target)``, or ``"cross_entropy"`` / ``"mse"``; default cross entropy) instead of
         ``task``."""
+        check_arguments("Trainer", config, task, stop, backend)
         check_world_size(config, backend.world_size)
         check_paths_on_every_rank(config, backend)  # not at the first save, after hours of training
         self.config, self.backend = config, backend

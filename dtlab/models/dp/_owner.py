@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from dtlab.backends.base import CommunicationBackend
+from dtlab.backends.base import CommunicationBackend, check_backend
 from dtlab.core.torch_private import TENSOR_HOOKS
 from dtlab.errors import ArgumentTypeError, StrategyError
 from dtlab.models.dp._sync_bn import DataParallelBatchNorm, sync_batch_norms
@@ -177,8 +177,7 @@ def check_types(module: object, backend: object, who: str) -> None:
     """Refuses what the data-parallel wrapper ``who`` was given, before anything reads it."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{who} wraps a torch.nn.Module, got {type(module).__name__}")
-    if not isinstance(backend, CommunicationBackend):
-        raise TypeError(f"{who} needs a dtlab CommunicationBackend, got {type(backend).__name__}")
+    check_backend(backend, who)
 
 
 def check_module(

@@ -17,7 +17,7 @@ from dtlab.core import pairs
 from dtlab.core.backward import BackwardPass
 from dtlab.core.broadcast import broadcast_from_rank0
 from dtlab.core.placement import Placement, Replicate
-from dtlab.core.reducer import DenseReducer, GradientReducer
+from dtlab.core.reducer import DenseReducer, GradientReducer, check_reduce_dtype
 from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
 from dtlab.errors import StrategyError
@@ -60,12 +60,7 @@ class DataParallelModel(TorchMethods, OptimizerTarget):
         check_types(module, backend, type(self).__name__)
         super().__init__(module, backend, world=world)
         self._trainable = check_module(module, backend, type(self).__name__)
-        if reduce_dtype is not None and not (
-            isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
-        ):
-            raise ValueError(
-                f"reduce_dtype must be a floating-point torch.dtype or None, got {reduce_dtype!r}"
-            )
+        check_reduce_dtype(reduce_dtype)
         #: the claim on the module's parameters: the newest wrapper of them owns them (claimed with the
         #: gradient hooks); a module another wrapper keeps sharded is refused here, before any change
         self._owner = Ownership(type(self).__name__, module, backend, self.shards_at_rest)

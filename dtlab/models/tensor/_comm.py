@@ -20,10 +20,10 @@ from typing import Any, cast
 
 import torch
 
-from dtlab.backends.base import CommunicationBackend, ReduceOp
+from dtlab.backends.base import CommunicationBackend, ReduceOp, check_backend
 from dtlab.core.placement import Shard
 from dtlab.core.traced import eager_when_traced
-from dtlab.errors import StrategyError
+from dtlab.errors import ArgumentTypeError, StrategyError
 
 __all__ = [
     "SharedInput",
@@ -38,6 +38,7 @@ __all__ = [
     "scatter_to_sequence",
     "scatter_to_tp",
     "sum_over_tp",
+    "tp_size",
 ]
 
 _SEQ = -2
@@ -105,6 +106,16 @@ def check_divisible(n: int, p: int, what: str, hint: str = "") -> None:
         raise StrategyError(
             f"{what} is {n}, not divisible by tp={p}; {hint or f'choose a tp that divides {n}'}"
         )
+
+
+def tp_size(group: object, who: str, **sizes: object) -> int:
+    """The size of the tp ``group`` that the layer ``who`` is built over, after refusing a group that is
+    not a backend and ``sizes`` (its feature counts) that are not ints >= 0, before either is read."""
+    check_backend(group, f"{who}(group=...)")
+    for name, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ArgumentTypeError(f"{who}: {name} must be an int >= 0, got {n!r}")
+    return cast(CommunicationBackend, group).world_size
 
 
 def _chunk(x: torch.Tensor, group: CommunicationBackend, dim: int, what: str) -> torch.Tensor:

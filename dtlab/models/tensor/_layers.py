@@ -1,6 +1,5 @@
-"""Tensor-parallel layers (Megatron-LM's): column- and row-parallel linear layers and a
-vocabulary-parallel embedding. Each holds only this rank's shard; the communication is in
-:mod:`dtlab.models.tensor._comm`.
+"""Tensor-parallel layers (Megatron-LM's): column- and row-parallel linear layers and a vocabulary-
+parallel embedding, each holding only this rank's shard (communication: :mod:`dtlab.models.tensor._comm`).
 
 Each layer is built from the plain layer it replaces (``from_linear`` / ``from_embedding``), keeps its
 parameter names (``weight``, ``bias``) so ``state_dict()`` keys do not change, and records every
@@ -29,6 +28,7 @@ from dtlab.models.tensor._comm import (
     reduce_from_tp,
     reduce_scatter_to_seq,
     scatter_to_tp,
+    tp_size,
 )
 from dtlab.models.tensor._sources import (
     check_forward,
@@ -170,7 +170,7 @@ class ColumnParallelLinear(nn.Linear):
         dtype: torch.dtype | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: it would build the whole weight
-        p = group.world_size
+        p = tp_size(group, "ColumnParallelLinear", in_features=in_features, out_features=out_features)
         check_divisible(
             out_features,
             p * sections,
@@ -257,7 +257,7 @@ class RowParallelLinear(nn.Linear):
         dtype: torch.dtype | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: it would build the whole weight
-        p = group.world_size
+        p = tp_size(group, "RowParallelLinear", in_features=in_features, out_features=out_features)
         check_divisible(in_features, p, "RowParallelLinear: in_features")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.transposed = group, transposed
@@ -326,7 +326,7 @@ class VocabParallelEmbedding(nn.Embedding):
         dtype: torch.dtype | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not nn.Embedding's: it would build the whole table
-        p = group.world_size
+        p = tp_size(group, "VocabParallelEmbedding", num_embeddings=num_embeddings)
         if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
             raise StrategyError(
                 f"VocabParallelEmbedding: padding_idx={padding_idx} is not an id of the vocabulary "

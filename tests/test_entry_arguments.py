@@ -1,0 +1,91 @@
+"""The public entry points refuse an argument of the wrong kind (a ``"gloo"`` string where a backend
+goes, a dict where a config goes, a module where a function building one goes) with one error naming
+the argument and what to pass, before anything reads it: never an ``AttributeError`` from deep inside."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dtlab.backends import Mesh
+from dtlab.backends.base import CommunicationBackend
+from dtlab.compression import GradientSynchronizer, OkTopk
+from dtlab.config import load_config
+from dtlab.core.reducer import DenseReducer
+from dtlab.core.rng import seeded_init
+from dtlab.errors import ArgumentTypeError
+from dtlab.models import ColumnParallelLinear, DDPModel, RowParallelLinear, VocabParallelEmbedding
+from dtlab.optimizers import AsyncSGDOptimizer
+from dtlab.testing import run_world
+from dtlab.trainers import Task, Trainer, build_task, run_training
+
+
+def _net() -> nn.Module:
+    with seeded_init(0):
+        return nn.Linear(4, 2)
+
+
+NOT_A_BACKEND: list[tuple[str, Callable[[], Any]]] = [
+    ("Mesh", lambda: Mesh("gloo", {"dp": 1})),  # type: ignore[arg-type]
+    ("ColumnParallelLinear(group=...)", lambda: ColumnParallelLinear(4, 4, "gloo")),  # type: ignore[arg-type]
+    ("RowParallelLinear(group=...)", lambda: RowParallelLinear(4, 4, "gloo")),  # type: ignore[arg-type]
+    ("VocabParallelEmbedding(group=...)", lambda: VocabParallelEmbedding(8, 4, "gloo")),  # type: ignore[arg-type]
+    ("GradientSynchronizer", lambda: GradientSynchronizer(OkTopk(), "gloo")),  # type: ignore[arg-type]
+    ("DenseReducer", lambda: DenseReducer("gloo")),  # type: ignore[arg-type]
+    ("AsyncSGDOptimizer", lambda: AsyncSGDOptimizer(_net(), "gloo", torch.optim.SGD, lr=0.1)),  # type: ignore[arg-type]
+    ("Trainer", lambda: Trainer(load_config(), "gloo")),  # type: ignore[arg-type]
+]
+
+
+@pytest.mark.parametrize("who, call", NOT_A_BACKEND, ids=[w for w, _ in NOT_A_BACKEND])
+def test_a_string_where_a_backend_goes_is_named(
+    who: str, call: Callable[[CommunicationBackend], Any]
+) -> None:
+    with pytest.raises(
+        ArgumentTypeError, match=rf"^{re.escape(who)} needs a dtlab CommunicationBackend, got str: pass"
+    ):
+        call()
+
+
+def test_arguments_of_another_kind_are_named_with_the_fix() -> None:
+    def body(b: CommunicationBackend) -> None:
+        with pytest.raises(ArgumentTypeError, match=r"Mesh: sizes must map axis names to sizes.*got 'dp'"):
+            Mesh(b, "dp")  # type: ignore[arg-type]
+        with pytest.raises(
+            ArgumentTypeError, match=r"ColumnParallelLinear: in_features must be an int >= 0, got 4.0"
+        ):
+            ColumnParallelLinear(4.0, 4, b)  # type: ignore[arg-type]
+        with pytest.raises(
+            ValueError, match=r"reduce_dtype must be a floating-point torch.dtype.*got 'bf16'"
+        ):
+            DenseReducer(b, "bf16")  # type: ignore[arg-type]
+        # a wrapped model would synchronize twice (its own hooks and the servers): the module itself goes
+        with pytest.raises(
+            ArgumentTypeError, match=r"plain torch.nn.Module.*got a DDPModel; pass the module"
+        ):
+            AsyncSGDOptimizer(DDPModel(_net(), b), b, torch.optim.SGD, lr=0.1)
+        with pytest.raises(ArgumentTypeError, match=r"AsyncSGDOptimizer trains a torch.nn.Module, got str"):
+            AsyncSGDOptimizer("net", b, torch.optim.SGD, lr=0.1)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentTypeError, match=r"Trainer: task must be a dtlab.trainers.Task.*got str"):
+            Trainer(load_config(), b, "lm")  # type: ignore[arg-type]
+
+    run_world(1, body)
+    for call, who in [(run_training, "run_training"), (build_task, "build_task")]:
+        with pytest.raises(
+            ArgumentTypeError, match=rf"^{who} takes a dtlab.config.TrainConfig, got dict; build"
+        ):
+            call({"train": {"steps": 2}})  # type: ignore[operator]
+    with pytest.raises(ArgumentTypeError, match=r"stop must be a dtlab.trainers.StopRequest.*got str"):
+        run_training(load_config(), stop="SIGTERM")  # type: ignore[arg-type]
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 4), torch.zeros(8, dtype=torch.long))
+    with pytest.raises(
+        ArgumentTypeError, match=r"Task.build_model is a function building the model, got Linear"
+    ):
+        Task(nn.Linear(4, 2), data, data)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match=r"Task.loss_fn must be a function"):
+        Task(_net, data, data, loss_fn="mse")  # type: ignore[arg-type]
