@@ -37,9 +37,8 @@ from dtlab.models.compose._habits import (
 from dtlab.models.compose._meta_walk import MetaWalk
 from dtlab.models.compose._pipelined import PipelineRun, batch_pair
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
-from dtlab.models.compose._same_grads import SameReplicatedGrads
 from dtlab.models.compose._tied import TiedSync
-from dtlab.models.compose._tp_grads import PartialGrads, TensorParallelGrads, grads_of
+from dtlab.models.compose._tp_grads import PartialGrads, SameReplicatedGrads, TensorParallelGrads, grads_of
 from dtlab.models.dp._materialize import MetaOptions, ParamInitFn, on_meta
 from dtlab.models.dp._sharded import GatherOptions
 from dtlab.models.dp._sync_bn import refuse_sync_batch_norm
