@@ -238,3 +238,11 @@ def test_a_draw_inside_activation_checkpointing_is_refused(reentrant: bool) -> N
         ):
             checkpoint(net, x, use_reentrant=reentrant)
         checkpoint(net.eval(), x, use_reentrant=reentrant).sum().backward()  # drawing nothing: allowed
+
+
+@pytest.mark.parametrize("seed", ["0", 1.5, None, True, 2**70])
+def test_a_seed_torch_cannot_take_is_named(seed: object) -> None:
+    # torch's own messages did not name the call: "manual_seed expected a long, but got str", "Overflow"
+    with pytest.raises(ValueError if seed == 2**70 else TypeError, match=r"^seeded_init\(seed\): seed must"):
+        with seeded_init(seed):  # type: ignore[arg-type]
+            pass

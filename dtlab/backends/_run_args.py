@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Sequence
 
 from dtlab.errors import ArgumentError, ArgumentTypeError
 
-__all__ = ["check_timeout", "check_world_size"]
+__all__ = ["check_fn", "check_may_die", "check_timeout", "check_world_size"]
 
 
 def check_world_size(caller: str, world_size: object) -> None:
@@ -30,3 +32,26 @@ def check_timeout(caller: str, name: str, timeout: object) -> None:
             f"{caller}: {name} must be a finite number of seconds > 0, got {timeout!r} "
             "(every wait is bounded), e.g. 60"
         )
+
+
+def check_fn(caller: str, fn: object) -> None:
+    """``fn`` is a function each rank can call (a generator function would run nothing: each rank
+    would return a generator object, unstarted)."""
+    if not callable(fn):
+        raise ArgumentTypeError(
+            f"{caller}: fn must be a function of the rank's backend, got {fn!r} ({type(fn).__name__}); "
+            f"e.g. {caller}(2, train) with def train(backend): ..."
+        )
+    if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise ArgumentTypeError(
+            f"{caller}: fn={getattr(fn, '__qualname__', fn)!r} is a generator or async function, so "
+            "calling it on a rank would run none of its body; make it a plain function that returns "
+            "its result"
+        )
+
+
+def check_may_die(caller: str, may_die: Sequence[int], world_size: int) -> None:
+    """Every rank ``may_die`` names is a rank of the world (a rank outside it would excuse no one)."""
+    bad = [r for r in may_die if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
+    if bad:
+        raise ArgumentError(f"{caller}: may_die={list(may_die)} names {bad}, not ranks of [0, {world_size})")

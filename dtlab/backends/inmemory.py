@@ -35,8 +35,9 @@ from dtlab.backends._inmemory_ops import (
     leader_mode,
 )
 from dtlab.backends._inmemory_rendezvous import Lock, Rendezvous, Slot
+from dtlab.backends._run_args import check_timeout, check_world_size
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work, split_members
-from dtlab.errors import ArgumentError, CollectiveMismatchError
+from dtlab.errors import CollectiveMismatchError
 
 __all__ = ["InMemoryBackend", "InMemoryWorld"]
 
@@ -52,10 +53,8 @@ class InMemoryWorld:
     """Shared state of ``world_size`` in-memory ranks. Build each rank's backend with :meth:`backend`."""
 
     def __init__(self, world_size: int, timeout: float = 60.0, device: str | torch.device = "cpu") -> None:
-        if world_size < 1:
-            raise ArgumentError(f"world_size must be >= 1, got {world_size}")
-        if timeout <= 0:
-            raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+        check_world_size("InMemoryWorld", world_size)
+        check_timeout("InMemoryWorld", "timeout", timeout)
         self.world_size = world_size
         self.timeout = float(timeout)
         self.device = torch.device(device)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from dtlab.backends._run_args import check_timeout, check_world_size
+from dtlab.backends._run_args import check_fn, check_timeout, check_world_size
 from dtlab.backends.inmemory import InMemoryBackend, InMemoryWorld
 from dtlab.errors import (
     CollectiveMismatchError,
@@ -45,6 +45,7 @@ def run_world(
     then this raises anyway and leaves their (daemon) threads behind.
     """
     check_world_size("run_world", world_size)
+    check_fn("run_world", fn)
     check_timeout("run_world", "timeout", timeout)
     world = InMemoryWorld(world_size, timeout=timeout, device=device)
     results: list[Any] = [None] * world_size

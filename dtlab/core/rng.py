@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dtlab.core.torch_private import op_arguments
-from dtlab.errors import StrategyError
+from dtlab.errors import ArgumentError, ArgumentTypeError, StrategyError
 
 __all__ = ["model_building", "seeded_init"]
 
@@ -82,6 +82,12 @@ def seeded_init(seed: int) -> Iterator[None]:
     process among model builds. torch's global RNG is not used, so other threads' draws neither change
     nor see the block's. Everything the block draws (module initialisation) is the same on every rank
     and in every run."""
+    if isinstance(seed, bool) or not isinstance(seed, int):  # torch's "manual_seed expected a long"
+        raise ArgumentTypeError(
+            f"seeded_init(seed): seed must be an int, got {seed!r} ({type(seed).__name__})"
+        )
+    if not -(2**63) <= seed < 2**64:  # torch.manual_seed's range (an "Overflow" from torch otherwise)
+        raise ArgumentError(f"seeded_init(seed): seed must be in [-2**63, 2**64), got {seed}")
     with model_building(), _reseed_undone(), _OwnGenerators(seed):
         yield
 

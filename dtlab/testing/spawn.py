@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.backends._checked import ENV_VAR
-from dtlab.backends._run_args import check_timeout, check_world_size
+from dtlab.backends._run_args import check_fn, check_may_die, check_timeout, check_world_size
 from dtlab.errors import ArgumentError, BackendInitError, CollectiveTimeoutError, RankFailedError
 
 __all__ = ["find_mpiexec", "spawn_world"]
@@ -100,6 +100,8 @@ def spawn_world(
     if backend not in ("gloo", "mpi"):
         raise ArgumentError(f"spawn_world: backend must be 'gloo' or 'mpi', got {backend!r}")
     check_world_size("spawn_world", world_size)
+    check_fn("spawn_world", fn)
+    check_may_die("spawn_world", may_die, world_size)
     check_timeout("spawn_world", "timeout", timeout)
     if backend_timeout is not None:
         check_timeout("spawn_world", "backend_timeout", backend_timeout)
