@@ -14,13 +14,24 @@ from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
-from dtlab.compression import GradientSynchronizer, OkTopk
+from dtlab.compression import GradientSynchronizer, OkTopk, make_compressor
 from dtlab.config import load_config
 from dtlab.core.reducer import DenseReducer
 from dtlab.core.rng import seeded_init
-from dtlab.errors import ArgumentTypeError
-from dtlab.models import ColumnParallelLinear, DDPModel, RowParallelLinear, VocabParallelEmbedding
-from dtlab.optimizers import AsyncSGDOptimizer
+from dtlab.data import DistributedSampler, TensorDataset, stdlib_lm_dataset
+from dtlab.errors import ArgumentTypeError, ConfigError, StrategyError
+from dtlab.models import (
+    ColumnParallelLinear,
+    DDPModel,
+    FSDPModel,
+    HeadsParallel,
+    PipelineParallelModel,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    ZeRO3Model,
+    vocab_parallel_cross_entropy,
+)
+from dtlab.optimizers import AsyncSGDOptimizer, DDPOptimizer
 from dtlab.testing import run_world
 from dtlab.trainers import Task, Trainer, build_task, run_training
 
@@ -89,3 +100,64 @@ def test_arguments_of_another_kind_are_named_with_the_fix() -> None:
         Task(nn.Linear(4, 2), data, data)  # type: ignore[arg-type]
     with pytest.raises(ArgumentTypeError, match=r"Task.loss_fn must be a function"):
         Task(_net, data, data, loss_fn="mse")  # type: ignore[arg-type]
+
+
+def test_values_that_were_taken_or_failed_deep_inside_are_named() -> None:
+    # before: a raw TypeError/AttributeError/ZeroDivisionError from inside, or the value silently taken
+    # (reshard_after_forward='no' as true, split_points='layers.1' as 8 block names, densty= ignored)
+    def body(b: CommunicationBackend) -> None:
+        with pytest.raises(ValueError, match=r"bucket_cap_mb must be a number of megabytes > 0.*got '25'"):
+            DDPModel(_net(), b, bucket_cap_mb="25")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"leaf_modules must be a tuple of nn.Module subclasses"):
+            ZeRO3Model(_net(), b, leaf_modules=nn.Linear)  # type: ignore[arg-type]
+        with pytest.raises(
+            ArgumentTypeError, match=r"^reshard_after_forward must be True or False, got 'no'"
+        ):
+            FSDPModel(_net(), b, reshard_after_forward="no")  # type: ignore[arg-type]
+        model = DDPModel(_net(), b)
+        opt = DDPOptimizer(model, torch.optim.SGD, lr=0.1)
+        for group in ({"params": "weight"}, [next(model.parameters())]):
+            with pytest.raises(
+                TypeError, match=r"DDPOptimizer.add_param_group\(\) takes a dict whose 'params'"
+            ):
+                opt.add_param_group(group)  # type: ignore[arg-type]
+        with pytest.raises(
+            TypeError, match=r"load_state_dict\(\) takes a mapping.*got str; read a file first"
+        ):
+            model.load_state_dict("model.pt")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"expects the list of every saved rank's ShardedState"):
+            model.load_sharded_state_dict(["model.pt"])  # type: ignore[list-item]
+        with pytest.raises(StrategyError, match=r"sections must be an int >= 1"):
+            ColumnParallelLinear(4, 8, b, sections=0)
+        with pytest.raises(
+            StrategyError, match=r"targets are class ids.*got torch.float32; pass targets.long"
+        ):
+            vocab_parallel_cross_entropy(torch.zeros(4, 10), torch.zeros(4), b)
+
+    run_world(1, body)
+
+    def pipeline(b: CommunicationBackend) -> None:
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        with pytest.raises(
+            ArgumentTypeError, match=r"split_points must be a list of block names, e\.g\. \['1'\]"
+        ):
+            PipelineParallelModel(net, Mesh(b, {"pp": 2}), split_points="1")
+
+    run_world(2, pipeline)
+    with pytest.raises(
+        StrategyError, match=r"HeadsParallel\(qkv=...\) is a tuple of names, e\.g\. \('c_attn',\)"
+    ):
+        HeadsParallel(qkv="c_attn")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"no compressor has the options \['densty'\]; they are \["):
+        make_compressor("oktopk", densty=0.1)
+    with pytest.raises(ValueError, match=r"max_bytes must be an int >= 1024.*got 1000"):
+        stdlib_lm_dataset(1000, 8)  # was "found only 1000 bytes of Python source": the stdlib said missing
+    with pytest.raises(ValueError, match=r"seq_len must be an int >= 1.*got 0"):
+        stdlib_lm_dataset(4096, 0)
+    with pytest.raises(TypeError, match=r"TensorDataset: inputs must be a tensor with one row per sample"):
+        TensorDataset([1, 2], [1, 2])  # type: ignore[arg-type]
+    data = TensorDataset(torch.zeros(8, 4), torch.zeros(8))
+    with pytest.raises(TypeError, match=r"DistributedSampler: seed must be an int, got 'x'"):
+        DistributedSampler(data, 2, 0, seed="x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"DistributedSampler needs a map-style dataset.*got generator"):
+        DistributedSampler((x for x in range(3)), 2, 0)  # type: ignore[arg-type]

@@ -52,9 +52,14 @@ COMPRESSORS: Mapping[str, tuple[type[Compressor], Mapping[str, Any]]] = MappingP
 def make_compressor(name: str, **options: Any) -> Compressor:  # Any: each compressor's own keywords
     """The compressor ``name`` (a key of :data:`COMPRESSORS`) built from the ``options`` it takes;
     options it does not have (``tau`` for ``topka``, ``density`` for ``qsgd``) are ignored, so one set
-    of settings can build any of them."""
+    of settings can build any of them; an option no compressor has (a typo) is refused."""
     if name not in COMPRESSORS:
         raise ConfigError(f"unknown compressor {name!r}; choose one of {', '.join(COMPRESSORS)}")
+    known = {f.name for c, _ in COMPRESSORS.values() for f in dataclasses.fields(c)}
+    if unknown := sorted(set(options) - known):  # a typo (densty=) is no compressor's option
+        raise ConfigError(
+            f"make_compressor: no compressor has the options {unknown}; they are {sorted(known)}"
+        )
     cls, fixed = COMPRESSORS[name]
     fields = {f.name for f in dataclasses.fields(cls)}
     return cls(**fixed, **{k: v for k, v in options.items() if k in fields and k not in fixed})

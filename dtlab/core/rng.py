@@ -36,6 +36,7 @@ MPI, NCCL) never contend.
 from __future__ import annotations
 
 import inspect
+import numbers
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -82,11 +83,12 @@ def seeded_init(seed: int) -> Iterator[None]:
     process among model builds. torch's global RNG is not used, so other threads' draws neither change
     nor see the block's. Everything the block draws (module initialisation) is the same on every rank
     and in every run."""
-    if isinstance(seed, bool) or not isinstance(seed, int):  # torch's "manual_seed expected a long"
+    # torch's own errors do not name the call: "manual_seed expected a long", "Overflow"
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ArgumentTypeError(
             f"seeded_init(seed): seed must be an int, got {seed!r} ({type(seed).__name__})"
         )
-    if not -(2**63) <= seed < 2**64:  # torch.manual_seed's range (an "Overflow" from torch otherwise)
+    if not -(2**63) <= seed < 2**64:  # torch.manual_seed's range
         raise ArgumentError(f"seeded_init(seed): seed must be in [-2**63, 2**64), got {seed}")
     with model_building(), _reseed_undone(), _OwnGenerators(seed):
         yield

@@ -205,6 +205,12 @@ class ShardIndex:
                 "load_sharded_state_dict expects the list of every saved rank's ShardedState, "
                 "got a single ShardedState; pass [state] for a one-rank checkpoint"
             )
+        ok = isinstance(shards, Sequence) and not isinstance(shards, str | bytes)
+        if bad := [type(x).__name__ for x in shards if not isinstance(x, ShardedState)] if ok else [shards]:
+            raise TypeError(
+                "load_sharded_state_dict expects the list of every saved rank's ShardedState "
+                f"(model.sharded_state_dict() on each), got {summary(bad)}"
+            )
         if len(shards) == 0:
             raise CheckpointError("load_sharded_state_dict got an empty list of shards")
         self.pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}

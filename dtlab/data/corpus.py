@@ -18,6 +18,8 @@ from dtlab.data.dataset import TensorDataset
 __all__ = ["load_digits_dataset", "load_stdlib_corpus", "stdlib_lm_dataset"]
 
 SEPARATOR = b"\n\n# ---- %s ----\n\n"
+#: the smallest corpus: fewer bytes read from the standard library mean its source files are missing
+MIN_BYTES = 1024
 
 
 def stdlib_files() -> list[Path]:
@@ -27,8 +29,10 @@ def stdlib_files() -> list[Path]:
 
 def load_stdlib_corpus(max_bytes: int) -> bytes:
     """Up to ``max_bytes`` of standard-library source, whole files in name order (the last one cut)."""
-    if max_bytes < 1:
-        raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < MIN_BYTES:
+        raise ValueError(
+            f"max_bytes must be an int >= {MIN_BYTES} (bytes of source to read), got {max_bytes!r}"
+        )
     parts: list[bytes] = []
     total = 0
     for path in stdlib_files():
@@ -38,7 +42,7 @@ def load_stdlib_corpus(max_bytes: int) -> bytes:
         if total >= max_bytes:
             break
     data = b"".join(parts)[:max_bytes]
-    if len(data) < 1024:
+    if len(data) < MIN_BYTES:
         raise FileNotFoundError(
             f"found only {len(data)} bytes of Python source under {os.path.dirname(os.__file__)}; "
             "the stdlib corpus needs the standard library's .py files"
@@ -48,6 +52,8 @@ def load_stdlib_corpus(max_bytes: int) -> bytes:
 
 def stdlib_lm_dataset(max_bytes: int, seq_len: int) -> TensorDataset:
     """Non-overlapping windows: input = ``seq_len`` bytes, target = the same shifted by one byte."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1 (bytes per window), got {seq_len!r}")
     data = torch.frombuffer(bytearray(load_stdlib_corpus(max_bytes)), dtype=torch.uint8).long()
     n = (data.numel() - 1) // seq_len
     if n < 2:

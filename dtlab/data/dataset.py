@@ -16,6 +16,13 @@ class TensorDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """``inputs[i], targets[i]`` for ``i`` along the first dimension (a map-style torch ``Dataset``)."""
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        for name, t in (("inputs", inputs), ("targets", targets)):
+            if not (isinstance(t, torch.Tensor) and t.dim() >= 1):
+                got = "a 0-dim tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TypeError(
+                    f"TensorDataset: {name} must be a tensor with one row per sample (torch.as_tensor(...)), "
+                    f"got {got}"
+                )
         if inputs.shape[0] != targets.shape[0]:
             raise ValueError(
                 f"inputs hold {inputs.shape[0]} samples but targets {targets.shape[0]}; "

@@ -15,6 +15,7 @@ counts what it used: with DataLoader workers the sampler runs ahead of the train
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator, Sized
 
 import torch
@@ -41,6 +42,13 @@ class DistributedSampler(Sampler[int]):
                 )
             num_replicas = torch.distributed.get_world_size() if num_replicas is None else num_replicas
             rank = torch.distributed.get_rank() if rank is None else rank
+        for name, v in (("num_replicas", num_replicas), ("rank", rank), ("seed", seed)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"DistributedSampler: {name} must be an int, got {v!r}")
+        if not isinstance(dataset, Sized):  # a generator or an iterable-style dataset: no len()
+            raise TypeError(
+                f"DistributedSampler needs a map-style dataset (with __len__), got {type(dataset).__name__}"
+            )
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"DistributedSampler: rank={rank} outside [0, num_replicas={num_replicas})")
         self.dataset_size = len(dataset)

@@ -25,6 +25,7 @@ from dtlab.errors import (
     StrategyError,
     every_rank_saves,
 )
+from dtlab.models.placed_state import given_state
 
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit
@@ -294,9 +295,7 @@ class ModelStrategy(nn.Module):
         """Load whole tensors keyed like the plain module's ``state_dict()`` (a torch DDP checkpoint's
         ``module.`` prefix is accepted) into the wrapped model, each rank keeping its part. Collective:
         every rank calls it with the same tensors."""
-        given = dict(state_dict)
-        if given and all(k.startswith("module.") for k in given):
-            given = {k.removeprefix("module."): v for k, v in given.items()}
+        given = given_state(type(self).__name__, state_dict)
         current = self.full_state_dict()
         missing = [k for k in current if k not in given]
         unexpected = [k for k in given if k not in current]

@@ -9,7 +9,7 @@ strategy, or into the plain module (``dtlab/core/shard_index.py``).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -22,9 +22,24 @@ from dtlab.errors import CheckpointError
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit
 
-__all__ = ["FlatShard", "load_placed_state", "write_placed_state"]
+__all__ = ["FlatShard", "given_state", "load_placed_state", "write_placed_state"]
 
 _WHOLE = Replicate()
+
+
+def given_state(who: str, state_dict: object) -> dict[str, Any]:
+    """``state_dict`` keyed like the plain module's (a torch DDP checkpoint's ``module.`` prefix dropped),
+    after refusing what is not a mapping (torch: "Expected state_dict to be dict-like")."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"{who}.load_state_dict() takes a mapping of names to tensors, as the plain module's "
+            f"state_dict() gives, got {type(state_dict).__name__}; read a file first (torch.load(path, "
+            "weights_only=True), safetensors.torch.load_file(path)) or use dtlab.checkpoint.load_pretrained"
+        )
+    given = dict(state_dict)
+    if given and all(isinstance(k, str) and k.startswith("module.") for k in given):
+        given = {k.removeprefix("module."): v for k, v in given.items()}
+    return given
 
 
 class FlatShard(Protocol):

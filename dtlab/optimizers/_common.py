@@ -27,6 +27,7 @@ from dtlab.optimizers._groups import (
     Entry,
     check_groups,
     check_members,
+    group_params,
     jsonable,
     make_local,
     saved_groups,
@@ -158,8 +159,7 @@ class DataParallelOptimizer(OptimizerStrategy):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``: the group's parameters must belong to the wrapped module (and be
         in no other group); its options act from the next step."""
-        params = param_group.get("params")
-        plist = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        plist = group_params(type(self).__name__, param_group)
         strangers = [tuple(p.shape) for p in plist if id(p) not in self._module_params]
         if strangers:
             raise StrategyError(strangers_message(type(self).__name__, len(self.param_groups), strangers))

@@ -99,6 +99,22 @@ def refuse_closure_driven(who: str, cls: type[torch.optim.Optimizer]) -> None:
         )
 
 
+def group_params(who: str, param_group: object) -> list[torch.Tensor]:
+    """The tensors of ``param_group`` that ``add_param_group`` was given, after refusing a group that is
+    not a dict of ``params`` tensors (torch: "optimizer can only optimize Tensors")."""
+    params = param_group.get("params") if isinstance(param_group, dict) else None
+    if isinstance(params, torch.Tensor):
+        return [params]
+    items = list(params) if isinstance(params, list | tuple | set) or inspect.isgenerator(params) else None
+    if items is None or not all(isinstance(p, torch.Tensor) for p in items):
+        raise TypeError(
+            f"{who}.add_param_group() takes a dict whose 'params' are parameters of the wrapped module "
+            f"(and the group's options), e.g. {{'params': [head.weight], 'lr': 0.01}}; got "
+            f"{summary(param_group)}"
+        )
+    return items
+
+
 def strangers_message(who: str, group: int, shapes: list[tuple[int, ...]]) -> str:
     """Why param group ``group`` holding tensors that are not the wrapped module's parameters
     (``shapes``) is refused, and the fixes."""

@@ -180,6 +180,20 @@ def check_types(module: object, backend: object, who: str) -> None:
     check_backend(backend, who)
 
 
+def check_sharded_options(forward_wait_s: object, **switches: object) -> None:
+    """Refuses a ZeRO-3/FSDP ``forward_wait_s`` that is not seconds >= 0 and ``switches`` that are not
+    bools (``reshard_after_forward='no'`` would be taken as true)."""
+    if isinstance(forward_wait_s, bool) or not (
+        isinstance(forward_wait_s, int | float) and forward_wait_s >= 0
+    ):
+        raise ValueError(
+            f"forward_wait_s must be a number of seconds >= 0 (0: no limit), got {forward_wait_s!r}"
+        )
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ArgumentTypeError(f"{name} must be True or False, got {value!r}")
+
+
 def check_module(
     module: nn.Module, backend: CommunicationBackend, who: str
 ) -> list[tuple[str, nn.Parameter]]:

@@ -19,7 +19,7 @@ from dtlab.errors import StrategyError
 from dtlab.models.dp._direct import GATHER, STATE, DirectForwards, InnerCalls, same_gathers
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._materialize import MetaInit, MetaOptions, ParamInitFn
-from dtlab.models.dp._owner import check_types
+from dtlab.models.dp._owner import check_sharded_options, check_types
 from dtlab.models.dp._saved_params import SavedTensors
 from dtlab.models.dp._sharded_units import GroupHooks, ShardUnit, UnitGatherer, UnitPlan
 from dtlab.models.dp._unused import autograd_grad_message, grads_filled, none_got_one
@@ -65,10 +65,7 @@ class ShardedModel(DataParallelModel):
         forward_wait_s: float = 10.0,
         **options: Unpack[DataParallelOptions],
     ) -> None:
-        if not (isinstance(forward_wait_s, int | float) and forward_wait_s >= 0):
-            raise ValueError(
-                f"forward_wait_s must be a number of seconds >= 0 (0: no limit), got {forward_wait_s!r}"
-            )
+        check_sharded_options(forward_wait_s, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
         self.forward_wait_s = float(forward_wait_s)
         check_types(module, backend, type(self).__name__)
         meta = MetaInit.prepare(module, backend.device, init_seed, param_init_fn, type(self).__name__)

@@ -80,9 +80,15 @@ class DDPModel(DataParallelModel):
         bucket_cap_mb: float = 25.0,
         **options: Unpack[DataParallelOptions],
     ) -> None:
+        if (
+            isinstance(bucket_cap_mb, bool)
+            or not isinstance(bucket_cap_mb, int | float)
+            or not 0 < bucket_cap_mb < 2**40
+        ):
+            raise ValueError(
+                f"bucket_cap_mb must be a number of megabytes > 0 (torch's default 25), got {bucket_cap_mb!r}"
+            )
         super().__init__(module, backend, **options)
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.bucket_cap_mb = float(bucket_cap_mb)
         cap = int(bucket_cap_mb * 1024 * 1024)
         groups: list[list[tuple[str, nn.Parameter]]] = [[]]

@@ -70,6 +70,11 @@ class ZeRO3Model(ShardedModel):
             )
         if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
             raise ValueError(f"persistence_threshold must be an int >= 0, got {persistence_threshold!r}")
+        if not isinstance(leaf_modules, tuple | list):
+            raise TypeError(
+                f"leaf_modules must be a tuple of nn.Module subclasses, got {leaf_modules!r}; e.g. "
+                "(nn.MultiheadAttention,)"
+            )
         bad = [c for c in leaf_modules if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if bad:
             raise TypeError(f"leaf_modules must be nn.Module subclasses, got {bad}")

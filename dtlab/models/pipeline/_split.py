@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from dtlab.errors import StrategyError
+from dtlab.errors import ArgumentTypeError, StrategyError
 from dtlab.untrusted import summary
 
 __all__ = [
@@ -188,6 +188,10 @@ def balanced_split(sizes: Sequence[int], stages: int) -> list[int]:
 def check_split_count(split_points: Sequence[str], stages: int, what: str) -> list[str]:
     """``split_points`` as a list, refused unless there is one per stage after the first (``what``
     they are, for the message)."""
+    if isinstance(split_points, str):  # its characters would be taken as block names
+        raise ArgumentTypeError(
+            f"split_points must be a list of block names, e.g. [{split_points!r}], got a str"
+        )
     points = list(split_points)
     if len(points) != stages - 1:
         raise StrategyError(

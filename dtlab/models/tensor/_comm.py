@@ -102,6 +102,8 @@ def _gather(x: torch.Tensor, group: CommunicationBackend, dim: int) -> torch.Ten
 
 def check_divisible(n: int, p: int, what: str, hint: str = "") -> None:
     """``what`` (of size ``n``) splits evenly over ``p`` ranks, or one error saying what to choose."""
+    if p < 1:  # tp x sections, with sections=0 (a group has >= 1 rank)
+        raise StrategyError(f"{what} splits into {p} parts; sections must be an int >= 1")
     if n % p:
         raise StrategyError(
             f"{what} is {n}, not divisible by tp={p}; {hint or f'choose a tp that divides {n}'}"

@@ -86,6 +86,12 @@ class HeadsParallel:
     sections: int = 3
     sequence_parallel: bool = False
 
+    def __post_init__(self) -> None:
+        if isinstance(self.qkv, str):  # its characters would be taken as module names
+            raise StrategyError(
+                f"HeadsParallel(qkv=...) is a tuple of names, e.g. ({self.qkv!r},), got a str"
+            )
+
     def parts(self) -> list[tuple[str, ColwiseParallel | RowwiseParallel]]:
         """Its projections and the style each is split by: the input ones per head, the output by rows."""
         sp = self.sequence_parallel

@@ -176,6 +176,11 @@ def vocab_parallel_cross_entropy(
     all-reduces of one value per position, never the ``(..., V)`` logits.
     """
     logits = unmarked(logits)  # the model's output (SplitLogits): this is the loss made for it
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise StrategyError(
+            f"vocab_parallel_cross_entropy: targets are class ids (an integer tensor, e.g. torch.long), got "
+            f"{targets.dtype}; pass targets.long() (class probabilities are not supported)"
+        )
     if targets.shape != logits.shape[:-1]:
         raise StrategyError(
             f"vocab_parallel_cross_entropy: targets of shape {tuple(targets.shape)} do not match logits of "
