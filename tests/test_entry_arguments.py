@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,12 +15,13 @@ from torch import nn
 
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
+from dtlab.checkpoint import save_checkpoint
 from dtlab.compression import GradientSynchronizer, OkTopk, make_compressor
 from dtlab.config import load_config
 from dtlab.core.reducer import DenseReducer
 from dtlab.core.rng import seeded_init
 from dtlab.data import DistributedSampler, TensorDataset, stdlib_lm_dataset
-from dtlab.errors import ArgumentTypeError, ConfigError, StrategyError
+from dtlab.errors import ArgumentTypeError, CheckpointError, ConfigError, DtlabError, StrategyError
 from dtlab.models import (
     ColumnParallelLinear,
     DDPModel,
@@ -28,10 +30,11 @@ from dtlab.models import (
     PipelineParallelModel,
     RowParallelLinear,
     VocabParallelEmbedding,
+    ZeRO2Model,
     ZeRO3Model,
     vocab_parallel_cross_entropy,
 )
-from dtlab.optimizers import AsyncSGDOptimizer, DDPOptimizer
+from dtlab.optimizers import AsyncSGDOptimizer, DDPOptimizer, ZeRO2Optimizer
 from dtlab.testing import run_world
 from dtlab.trainers import Task, Trainer, build_task, run_training
 
@@ -161,3 +164,43 @@ def test_values_that_were_taken_or_failed_deep_inside_are_named() -> None:
         DistributedSampler(data, 2, 0, seed="x")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"DistributedSampler needs a map-style dataset.*got generator"):
         DistributedSampler((x for x in range(3)), 2, 0)  # type: ignore[arg-type]
+
+
+def test_checkpoint_and_train_step_arguments_are_named(tmp_path: Path) -> None:
+    # before: save_checkpoint(step=-1) wrote step_-0000001, a directory no resume lists; step='5' "Unknown
+    # format code 'd'"; a plain state dict "no attribute 'tensors'"; an optimizer loading a model's shards
+    # took them as no state; train_step(batch, None) "'NoneType' object is not callable" on the last stage
+    def body(b: CommunicationBackend) -> None:
+        model = ZeRO2Model(_net(), b)
+        opt = ZeRO2Optimizer(model, torch.optim.Adam, lr=0.1)
+        state = model.sharded_state_dict()
+        bad: list[tuple[dict[str, Any], str]] = [
+            ({"step": -1}, r"step must be an int >= 0, got -1"),
+            ({"step": "5"}, r"step must be an int >= 0, got '5'"),
+            ({"model_state": model.state_dict()}, r"model_state must be a ShardedState.*got OrderedDict"),
+            ({"rank_state": "rng"}, r"rank_state must be a dict of tensors"),
+            ({"keep_last": -1}, r"keep_last must be an int >= 0, got -1"),
+            ({"run_tag": "a-b"}, r"run_tag must be letters and digits"),
+        ]
+        for change, text in bad:
+            args: dict[str, Any] = {"root": tmp_path, "step": 1, "backend": b, "model_state": state}
+            args |= {"optim_state": None, "rank_state": {}, "meta": {}, **change}
+            with pytest.raises(DtlabError, match=rf"^save_checkpoint: {text}"):
+                save_checkpoint(**args)
+        assert not any(tmp_path.iterdir())  # refused before anything was written
+        with pytest.raises(
+            CheckpointError, match=r"state_keys=None.*a model's sharded_state_dict\(\) has none"
+        ):
+            opt.load_sharded_state_dict([state])
+
+    run_world(1, body)
+
+    def pipeline(b: CommunicationBackend) -> None:
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model = PipelineParallelModel(net, Mesh(b, {"pp": 2}), micro_batches=2)
+        with pytest.raises(
+            StrategyError, match=r"loss_fn must be a function of \(output, targets\).*got None"
+        ):
+            model.train_step((torch.ones(4, 4), torch.ones(4, 2)), None)  # type: ignore[arg-type]
+
+    run_world(2, pipeline, timeout=30)

@@ -45,6 +45,7 @@ from dtlab.checkpoint.files import (
     shard_name,
     step_dir_name,
 )
+from dtlab.checkpoint.save_args import check_save_arguments
 from dtlab.core.state import ShardedState
 from dtlab.errors import CheckpointError
 
@@ -254,6 +255,9 @@ def save_checkpoint(
     (letters and digits, no ``-``) marks this run's temporary names; without it each call is its own.
     A failure on any rank: a :class:`CheckpointError` on every rank, the earlier checkpoints intact.
     """
+    check_save_arguments(
+        root, step, backend, (model_state, optim_state, rank_state, meta), keep_last, run_tag
+    )
     root = Path(root)
     tag = run_tag or uuid.uuid4().hex[:8]
     made: tuple[str | None, str | None] = (None, None)

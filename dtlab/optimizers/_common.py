@@ -346,10 +346,11 @@ class DataParallelOptimizer(OptimizerStrategy):
     def load_sharded_state_dict(self, shards: Sequence[ShardedState]) -> None:
         index = ShardIndex(shards)
         index.alias(self.dp_model.tied_names())  # a copy of a tied weight, saved without a pipeline
-        keys = index.extra.get("state_keys", [])
+        keys = index.extra.get("state_keys")  # absent: a model's shards, which would load as no state
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise CheckpointError(
-                f"optimizer shard metadata: state_keys={summary(keys)}, expected a list of names"
+                f"optimizer shard metadata: state_keys={summary(keys)}, expected a list of names (the "
+                "shards of opt.sharded_state_dict(); a model's sharded_state_dict() has none)"
             )
         saved = saved_groups(shards, self._entries)  # at pp > 1: this stage's
         if check_groups(saved, self.param_groups, self.agree):

@@ -48,9 +48,14 @@ _ONE_TENSOR = (
 )
 
 
-def batch_pair(who: str, batch: Any, pipelined: bool) -> tuple[Any, Any]:
+def batch_pair(who: str, batch: Any, pipelined: bool, loss_fn: object) -> tuple[Any, Any]:
     """``train_step``'s ``batch`` as ``(inputs, targets)``, or refused naming what it got (a dict, or a
-    tuple of three: an attention mask besides the inputs)."""
+    tuple of three: an attention mask besides the inputs); a ``loss_fn`` that is not a function too."""
+    if not callable(loss_fn):  # before any stage runs: on a later stage only, the others would wait
+        raise StrategyError(
+            f"{who}.train_step(batch, loss_fn): loss_fn must be a function of (output, targets), e.g. "
+            f"torch.nn.functional.cross_entropy, got {loss_fn!r}"
+        )
     if isinstance(batch, tuple | list) and len(batch) == 2:
         return batch[0], batch[1]
     hint = f"; {_ONE_TENSOR}" if pipelined else ""

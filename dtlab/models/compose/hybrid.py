@@ -276,7 +276,9 @@ class HybridShardedModel(ForwardedSync, OptimizerTarget):
                 f"{type(self).__name__}.train_step: loss_fn {getattr(loss_fn, '__name__', loss_fn)} on the "
                 "logits split over tp would see this rank's part of the classes only; use model.cross_entropy"
             )
-        inputs, targets = batch_pair(type(self).__name__, batch, self._pipe is not None)  # or refused
+        inputs, targets = batch_pair(
+            type(self).__name__, batch, self._pipe is not None, loss_fn
+        )  # or refused
         with self._same_on_tp.step((inputs, targets)):  # under a pipeline over pp x tp (same_on_pp)
             if self._pipe is None:
                 return super().train_step((inputs, targets), loss_fn)
