@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,17 +101,22 @@ def refuse_closure_driven(who: str, cls: type[torch.optim.Optimizer]) -> None:
 
 def group_params(who: str, param_group: object) -> list[torch.Tensor]:
     """The tensors of ``param_group`` that ``add_param_group`` was given, after refusing a group that is
-    not a dict of ``params`` tensors (torch: "optimizer can only optimize Tensors")."""
+    not a dict of ``params`` tensors (torch: "optimizer can only optimize Tensors"). Any iterable is
+    taken, as torch takes it; one that reads once (a generator, ``filter(...)``, ``itertools.chain``)
+    is put back into the group as the list read, as torch's own ``add_param_group`` does, which would
+    otherwise get it exhausted: an empty group, its parameters silently never stepped."""
     params = param_group.get("params") if isinstance(param_group, dict) else None
     if isinstance(params, torch.Tensor):
         return [params]
-    items = list(params) if isinstance(params, list | tuple | set) or inspect.isgenerator(params) else None
+    items = list(params) if isinstance(params, Iterable) else None
     if items is None or not all(isinstance(p, torch.Tensor) for p in items):
         raise TypeError(
             f"{who}.add_param_group() takes a dict whose 'params' are parameters of the wrapped module "
             f"(and the group's options), e.g. {{'params': [head.weight], 'lr': 0.01}}; got "
             f"{summary(param_group)}"
         )
+    if isinstance(params, Iterator) and isinstance(param_group, dict):
+        param_group["params"] = items
     return items
 
 
