@@ -20,7 +20,7 @@ from dtlab.cli import main
 from dtlab.config import load_config
 from dtlab.core.rng import seeded_init
 from dtlab.data import DistributedSampler
-from dtlab.errors import ConfigError
+from dtlab.errors import ConfigError, DataError, RankFailedError
 from dtlab.testing import run_world
 from dtlab.trainers import Trainer, build_task, run_training
 from dtlab.trainers.feed import DataFeed
@@ -306,3 +306,43 @@ def test_a_loader_a_stream_or_a_tensor_pair_is_refused_naming_what_to_pass() -> 
     ]:
         with pytest.raises(ConfigError, match=fix):
             run_training(cfg, model=nn.Linear(4, 2), train_data=data, loss_fn="cross_entropy")
+
+
+class _FailsAt(Blobs):
+    """Blobs with float targets whose sample ``bad`` raises, and whose ``__len__`` may promise more."""
+
+    def __init__(self, bad: int, extra: int = 0) -> None:
+        super().__init__()
+        self.bad, self.extra = bad, extra
+
+    def __len__(self) -> int:
+        return len(self.x) + self.extra
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.bad:
+            raise KeyError(i)
+        return self.x[i], self.x[i].sum(0, keepdim=True)  # past len(self.x): IndexError
+
+
+def test_a_model_factory_a_loss_or_a_dataset_failing_mid_run_is_named() -> None:
+    # before: "<lambda>() missing 1 required positional argument", torch's "element 0 of tensors does not
+    # require grad" at backward, and the dataset's raw KeyError / IndexError from inside the DataLoader
+    cfg = load_config(overrides=[*BASE, "train.steps=12"])
+    with pytest.raises(
+        ConfigError, match=r"model is called with no arguments, but .*<lambda>\(width\) cannot be"
+    ):
+        run_training(cfg, model=lambda width: nn.Linear(4, width), train_data=Blobs())
+    with pytest.raises(
+        RankFailedError, match=r"loss_fn returned a loss that does not depend on the model's output"
+    ):
+        run_training(cfg, model=nn.Linear(4, 2), train_data=Blobs(), loss_fn=lambda o, t: o.sum().detach())
+    with pytest.raises(ConfigError, match=r"train_data\[259\] raised IndexError: .* \(its len\(\) is 260\)"):
+        run_training(cfg, model=nn.Linear(4, 1), train_data=_FailsAt(-1, extra=4), loss_fn="mse")
+    with pytest.raises(RankFailedError) as info:
+        run_training(cfg, model=nn.Linear(4, 1), train_data=_FailsAt(100), loss_fn="mse")
+    cause = info.value.__cause__
+    assert isinstance(cause, DataError), cause
+    assert re.search(
+        r"reading samples \[.*\b100\b.*\] of the training data \(244 samples\) raised KeyError",
+        str(cause),
+    )

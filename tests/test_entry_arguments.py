@@ -16,19 +16,28 @@ from torch import nn
 from dtlab.backends import Mesh
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import save_checkpoint
-from dtlab.compression import GradientSynchronizer, OkTopk, make_compressor
+from dtlab.compression import GradientSynchronizer, OkTopk, RandomK, make_compressor
 from dtlab.config import load_config
 from dtlab.core.reducer import DenseReducer
 from dtlab.core.rng import seeded_init
 from dtlab.data import DistributedSampler, TensorDataset, stdlib_lm_dataset
-from dtlab.errors import ArgumentTypeError, CheckpointError, ConfigError, DtlabError, StrategyError
+from dtlab.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    CheckpointError,
+    ConfigError,
+    DtlabError,
+    StrategyError,
+)
 from dtlab.models import (
     ColumnParallelLinear,
     DDPModel,
     FSDPModel,
     HeadsParallel,
+    HybridShardedModel,
     PipelineParallelModel,
     RowParallelLinear,
+    TensorParallelModel,
     VocabParallelEmbedding,
     ZeRO2Model,
     ZeRO3Model,
@@ -204,3 +213,20 @@ def test_checkpoint_and_train_step_arguments_are_named(tmp_path: Path) -> None:
             model.train_step((torch.ones(4, 4), torch.ones(4, 2)), None)  # type: ignore[arg-type]
 
     run_world(2, pipeline, timeout=30)
+
+
+def test_a_seed_a_plan_key_or_a_schedule_name_of_the_wrong_kind_is_named() -> None:
+    # before: RandomK(seed='x') failed at its first compression (after warmup); a plan keyed by an int
+    # "'int' object has no attribute 'split'"; a schedule typo without a pipeline was taken
+    with pytest.raises(ConfigError, match=r"^RandomK: seed must be an integer >= 0, got 'x'"):
+        RandomK(seed="x")  # type: ignore[arg-type]
+
+    def body(b: CommunicationBackend) -> None:
+        with pytest.raises(
+            StrategyError, match=r"plan \{'fqn-pattern' \(a str\): style\}.*got \{0: 'colwise'\}"
+        ):
+            TensorParallelModel(_net(), Mesh(b, {"tp": 1}), plan={0: "colwise"})  # type: ignore[dict-item]
+        with pytest.raises(ArgumentError, match=r"unknown pipeline schedule '1fb1'; choose one of"):
+            HybridShardedModel(_net(), Mesh(b, {"dp": 1}), schedule="1fb1")
+
+    run_world(1, body)

@@ -170,6 +170,9 @@ class Compressor(ABC):
             raise ConfigError(
                 f"{type(self).__name__}: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}"
             )
+        seed = getattr(self, "seed", 0)  # RandomK, QSGD, PowerSGD: 'x' would fail at the first compression
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"{type(self).__name__}: seed must be an integer >= 0, got {seed!r}")
 
     def validate_numel(self, numel: int, key: str) -> None:
         """Raise a clear error when a buffer of ``numel`` elements cannot be compressed."""

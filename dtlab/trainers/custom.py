@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -116,7 +117,14 @@ def _check_dataset(data: Any, what: str) -> None:
         )
     if len(data) == 0:
         raise ConfigError(f"{what} is empty")
-    sample = data[0]
+    for i in (len(data) - 1, 0):  # the last too: a __len__ promising more than __getitem__ gives
+        try:
+            sample = data[i]
+        except Exception as exc:
+            raise ConfigError(
+                f"{what}[{i}] raised {type(exc).__name__}: {exc} (its len() is {len(data)}); fix the "
+                "dataset's __getitem__ or __len__"
+            ) from None
     if not isinstance(sample, tuple | list) or len(sample) != 2:
         raise ConfigError(
             f"{what}[0] is a {type(sample).__name__}"
@@ -154,6 +162,22 @@ def _describe(t: Any) -> str:
     return type(t).__name__
 
 
+def _callable_without_arguments(build: Callable[..., Any], what: str) -> None:
+    """Refuses a function building the model that needs arguments (the Trainer calls it with none)."""
+    try:
+        signature = inspect.signature(build)
+    except (TypeError, ValueError):  # a builtin or an extension type: nothing to read
+        return
+    try:
+        signature.bind()
+    except TypeError as exc:
+        name = getattr(build, "__qualname__", type(build).__name__)
+        raise ConfigError(
+            f"{what} is called with no arguments, but {name}{signature} cannot be ({exc}); pass "
+            "lambda: build(...) with its arguments, or the module itself"
+        ) from None
+
+
 def check_fit(
     task: Task,
     what_model: str,
@@ -164,6 +188,7 @@ def check_fit(
     """Build the model once and run the loss on two training samples: one clear error if it does not
     fit (and ``check_model``'s, on the built model), ending with ``data_hint``. Returns the task with
     ``classification`` and ``tokens_per_sample`` read off that batch."""
+    _callable_without_arguments(task.build_model, what_model)
     with seeded_init(0):  # a probe: torch's global RNG is left as it was
         model = task.build_model()
     if not isinstance(model, nn.Module):

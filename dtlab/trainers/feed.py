@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
 from dtlab.data import DistributedSampler
+from dtlab.errors import DataError
 
 __all__ = ["DataFeed"]
 
@@ -82,8 +83,18 @@ class DataFeed:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start_at(self.offset)
             self._batches = iter(self.loader)
-        micro = [self.to_device(next(self._batches)) for _ in range(self.accumulation_steps)]
         self._last = (self.epoch, self.offset)
+        micro = []
+        for k in range(self.accumulation_steps):
+            try:
+                micro.append(self.to_device(next(self._batches)))
+            except Exception as exc:  # the dataset's own __getitem__ (or collate) failed: name the samples
+                self._batches = None  # a loader that raised does not resume; the next call starts anew
+                raise DataError(
+                    f"rank {self.rank}: reading samples {self.step_indices(k)} of the training data "
+                    f"({self.num_samples} samples) raised {type(exc).__name__}: {exc}; fix the dataset's "
+                    "__getitem__ (or __len__)"
+                ) from exc
         self.offset += self.global_batch_size
         return micro
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from dtlab.backends.base import ReduceOp
+from dtlab.errors import ConfigError
 from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.optimizers.grad_scaler import DynamicLossScaler, times_scale
 from dtlab.trainers.guard import NonFiniteGuard
@@ -66,6 +67,11 @@ def _micro_step(trainer: StepRun, batch: Any, k: int, loss_fn: LossFn) -> float:
             if named is None:
                 raise
             raise named from exc
+        if isinstance(out, torch.Tensor) and out.requires_grad and not getattr(loss, "requires_grad", True):
+            raise ConfigError(  # else torch's "element 0 of tensors does not require grad" at backward
+                "loss_fn returned a loss that does not depend on the model's output (detached, a constant "
+                "or built from .item()); compute it from the output with torch operations"
+            )
         return times_scale(loss, factor) if factor != 1.0 else loss
 
     with trainer.precision.autocast(trainer.backend.device.type):

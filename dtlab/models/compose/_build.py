@@ -180,6 +180,8 @@ class Layout:
 
 def _check_pipeline(who: str, args: PipelineArgs, p: int, m: int, pipelined: bool) -> None:
     """Every pipeline check before any work, with the rule and the values."""
+    if not pipelined and args.schedule not in pairs.SCHEDULES:  # unused here, but a typo is named
+        check_schedule_args(args.schedule, p, m)
     if pipelined:
         check_stage_checkpointing(args.activation_checkpointing, args.schedule, who)
         check_schedule_args(args.schedule, p, m, args.stages_per_rank)

@@ -305,9 +305,9 @@ def _matches(name: str, pattern: str) -> bool:
 def resolve_plan(module: nn.Module, plan: PlanDict, tp: int) -> list[tuple[str, nn.Module, Style]]:
     """``(name, module, style)`` for every module the plan matches; every check, no communication.
     ``plan``: a mapping (:func:`dtlab.models.tensor._auto.declared_plan` gives the model's own)."""
-    if not isinstance(plan, Mapping) or not plan:
+    if not isinstance(plan, Mapping) or not plan or not all(isinstance(k, str) for k in plan):
         raise StrategyError(
-            "TensorParallelModel needs a plan {'fqn-pattern': style} with at least one entry, got "
+            "TensorParallelModel needs a plan {'fqn-pattern' (a str): style} with at least one entry, got "
             f"{plan!r}; e.g. transformer_plan() for dtlab's TransformerLM"
         )
     named = list(module.named_modules())
