@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dtlab.backends import Mesh
+from dtlab.backends import Mesh, init_backend
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import save_checkpoint
 from dtlab.compression import GradientSynchronizer, OkTopk, RandomK, make_compressor
@@ -41,10 +41,14 @@ from dtlab.models import (
     VocabParallelEmbedding,
     ZeRO2Model,
     ZeRO3Model,
+    bart_plan,
+    bert_plan,
+    gpt2_plan,
+    plot_schedule,
     vocab_parallel_cross_entropy,
 )
 from dtlab.optimizers import AsyncSGDOptimizer, DDPOptimizer, ZeRO2Optimizer
-from dtlab.testing import run_world
+from dtlab.testing import Kill, run_elastic, run_world
 from dtlab.trainers import Task, Trainer, build_task, run_training
 
 
@@ -230,3 +234,33 @@ def test_a_seed_a_plan_key_or_a_schedule_name_of_the_wrong_kind_is_named() -> No
             HybridShardedModel(_net(), Mesh(b, {"dp": 1}), schedule="1fb1")
 
     run_world(1, body)
+
+
+def test_testing_backend_and_plan_helpers_name_a_value_of_the_wrong_kind(tmp_path: Path) -> None:
+    # before: run_elastic(schedule=['x']) "'str' object has no attribute 'step'"; init_backend(timeout='10')
+    # "'<=' not supported"; init_backend(env='x', check_collectives='yes') taken; gpt2_plan(prefix=None)
+    # planned 'Nonewte'; plot_schedule(costs={'F': 3.0}) drew the default costs
+    with pytest.raises(
+        ArgumentError, match=r"schedule entries are Kill\(step, rank\) or Join\(step, count\).*'x'"
+    ):
+        run_elastic(_net, 2, schedule=["x"])  # type: ignore[list-item]
+    with pytest.raises(ArgumentError, match=r"schedule entries .* of ints, got Kill\(step='1', rank=0\)"):
+        run_elastic(_net, 2, schedule=[Kill("1", 0)])  # type: ignore[arg-type]
+    with pytest.raises(
+        ArgumentTypeError, match=r"^init_backend: timeout must be a number of seconds, got '10'"
+    ):
+        init_backend("inmemory", timeout="10")  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match=r"^init_backend: env must be a mapping such as os.environ"):
+        init_backend("inmemory", env="RANK=0")  # type: ignore[arg-type]
+    with pytest.raises(
+        ArgumentTypeError, match=r"^init_backend: check_collectives must be True, False or None"
+    ):
+        init_backend("inmemory", check_collectives="yes")  # type: ignore[arg-type]
+    for make, example in [(gpt2_plan, "transformer."), (bert_plan, "bert."), (bart_plan, "model.")]:
+        for prefix in (None, example[:-1]):
+            with pytest.raises(StrategyError, match=r"prefix=...\) is '' or a module path ending in '\.'"):
+                make(prefix)  # type: ignore[arg-type]
+    with pytest.raises(
+        ArgumentError, match=r"costs are keyed by Kind.F, Kind.B, Kind.I or Kind.W, got \['F'\]"
+    ):
+        plot_schedule("1f1b", 2, 4, tmp_path / "s.png", costs={"F": 3.0})  # type: ignore[dict-item]

@@ -83,7 +83,7 @@ def test_broken_environments_are_one_clear_error(env: dict[str, str], needed: st
 def test_bad_names_and_impossible_choices() -> None:
     with pytest.raises(ValueError, match="unknown backend 'tcp'"):
         init_backend("tcp", env={})
-    with pytest.raises(ValueError, match="timeout must be > 0"):
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         init_backend(env={}, timeout=0)
     with pytest.raises(BackendInitError, match="runs one rank, but the launcher started 4"):
         init_backend("inmemory", env=TORCHRUN)

@@ -24,9 +24,10 @@ from typing import Literal
 
 import torch
 
+from dtlab.backends._run_args import check_timeout
 from dtlab.backends._slurm import SLURM_VARS, slurm_task
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import ArgumentError, BackendInitError
+from dtlab.errors import ArgumentError, ArgumentTypeError, BackendInitError
 
 __all__ = ["BACKEND_NAMES", "LaunchInfo", "choose_backend", "detect_launcher", "init_backend"]
 
@@ -182,6 +183,10 @@ def init_backend(
     ``check_collectives``: checked mode (see ``CommunicationBackend.check_collectives``); None: the
     environment variable ``DTLAB_CHECK_COLLECTIVES`` decides.
     """
+    if check_collectives is not None and not isinstance(check_collectives, bool):
+        raise ArgumentTypeError(
+            f"init_backend: check_collectives must be True, False or None, got {check_collectives!r}"
+        )
     backend = _start(name, timeout, device, env)
     if check_collectives is not None:
         backend.check_collectives = check_collectives
@@ -195,8 +200,12 @@ def _start(
         raise ArgumentError(
             f"init_backend: unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
         )
-    if timeout is not None and timeout <= 0:
-        raise ArgumentError(f"init_backend: timeout must be > 0 seconds, got {timeout}")
+    if timeout is not None:
+        check_timeout("init_backend", "timeout", timeout)
+    if env is not None and not isinstance(env, Mapping):
+        raise ArgumentTypeError(
+            f"init_backend: env must be a mapping such as os.environ (or None), got {env!r}"
+        )
     info = detect_launcher(env)
     chosen = choose_backend(info) if name == "auto" else name
     if chosen == "inmemory":

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtlab.backends._run_args import check_world_size
 from dtlab.backends.inmemory import InMemoryBackend, InMemoryWorld
 from dtlab.errors import ArgumentError, DtlabError, RankFailedError, WorldAbortedError
 from dtlab.optimizers.elastic import CommitStore, MemoryCommitStore
@@ -295,14 +296,17 @@ class _Engine:
 
 
 def _check_schedule(world_size: int, schedule: Sequence[Event]) -> None:
-    if world_size < 1:
-        raise ArgumentError(f"run_elastic: world_size must be >= 1, got {world_size}")
+    check_world_size("run_elastic", world_size)
+    for ev in schedule:  # before sorting them by step
+        values = (
+            [ev.step, ev.rank if isinstance(ev, Kill) else ev.count] if isinstance(ev, Kill | Join) else []
+        )
+        if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ArgumentError(
+                f"run_elastic: schedule entries are Kill(step, rank) or Join(step, count) of ints, got {ev!r}"
+            )
     size = world_size
     for ev in sorted(schedule, key=lambda e: (e.step, isinstance(e, Join))):
-        if not isinstance(ev, Kill | Join):
-            raise ArgumentError(
-                f"run_elastic: schedule entries are Kill(step, rank) or Join(step), got {ev!r}"
-            )
         if ev.step < 1:
             raise ArgumentError(f"run_elastic: {ev!r}: events happen after a step >= 1")
         if isinstance(ev, Kill):

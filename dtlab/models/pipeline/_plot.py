@@ -52,6 +52,8 @@ def plot_schedule(
 
     v = built.v
     default = {Kind.F: 1.0 / v, Kind.B: 2.0 / v, Kind.I: 1.0 / v, Kind.W: 1.0 / v}
+    if bad := [k for k in (costs or {}) if k not in default]:  # a string 'F' or another kind: never read
+        raise ArgumentError(f"plot_schedule: costs are keyed by Kind.F, Kind.B, Kind.I or Kind.W, got {bad}")
     planned = simulate(built, {**default, **(costs or {})})
     panels = [("planned", planned)] + ([("measured", measured)] if measured is not None else [])
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.55 * p * len(panels) + 1.3), squeeze=False)

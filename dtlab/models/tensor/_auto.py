@@ -13,12 +13,21 @@ from dtlab.models.tensor._plan import DeclaredPlan, HeadsParallel, Plan, PlanDic
 __all__ = ["bart_plan", "bert_plan", "declared_plan", "gpt2_plan", "hugging_face_plan"]
 
 
+def _check_prefix(who: str, prefix: object, example: str) -> None:
+    """``prefix`` is the module path the plan's names start with: ``""`` or names ending in ``.``."""
+    if not isinstance(prefix, str) or (prefix and not prefix.endswith(".")):
+        raise StrategyError(
+            f"{who}(prefix=...) is '' or a module path ending in '.', e.g. {example!r}; got {prefix!r}"
+        )
+
+
 def gpt2_plan(prefix: str = "transformer.", head: bool = True) -> PlanDict:
     """GPT-2 (``GPT2LMHeadModel``; ``prefix=""``, ``head=False`` for ``GPT2Model``): the token
     embedding vocabulary-parallel, each attention's fused ``c_attn`` split per head (q, k and v of the
     same heads on one rank; its ``split_size`` set to the local width), ``c_proj`` row-parallel, the MLP
     column- then row-parallel, and the head (tied to the embedding) column-parallel with its logits
     gathered. Hugging Face's GPT-2 declares no plan."""
+    _check_prefix("gpt2_plan", prefix, "transformer.")
     plan: dict[str, Style | str] = {
         f"{prefix}wte": "embedding_rowwise",
         f"{prefix}h.*.attn": HeadsParallel(qkv=("c_attn",), out="c_proj", heads="split_size", sections=3),
@@ -37,6 +46,7 @@ def bert_plan(prefix: str = "bert.") -> PlanDict:
     row-parallel. The embeddings, pooler and heads stay whole: the masked-LM head's decoder shares its
     bias with ``cls.predictions.bias``, a parameter of the head itself, which no split keeps tied.
     Hugging Face's BERT declares no plan."""
+    _check_prefix("bert_plan", prefix, "bert.")
     layer = f"{prefix}encoder.layer.*."
     plan: dict[str, Style | str] = {
         f"{layer}attention.self.{p}": "colwise" for p in ("query", "key", "value")
@@ -51,6 +61,7 @@ def bart_plan(prefix: str = "model.") -> PlanDict:
     decoder layer each attention's q, k and v column-parallel (its attention infers the head count), its
     ``out_proj`` row-parallel, ``fc1`` column- and ``fc2`` row-parallel. The shared embedding (tied to
     the encoder's, the decoder's and the head) and the head stay whole. BART declares no plan."""
+    _check_prefix("bart_plan", prefix, "model.")
     plan: dict[str, Style | str] = {}
     for part, attentions in (("encoder", ("self_attn",)), ("decoder", ("self_attn", "encoder_attn"))):
         layer = f"{prefix}{part}.layers.*."
