@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from dtlab.backends import Mesh, init_backend
+from dtlab.backends import Mesh, detect_launcher, init_backend
 from dtlab.backends.base import CommunicationBackend
-from dtlab.checkpoint import save_checkpoint
+from dtlab.checkpoint import load_pretrained, save_checkpoint
 from dtlab.compression import GradientSynchronizer, OkTopk, RandomK, make_compressor
 from dtlab.config import load_config
 from dtlab.core.reducer import DenseReducer
@@ -41,6 +41,7 @@ from dtlab.models import (
     VocabParallelEmbedding,
     ZeRO2Model,
     ZeRO3Model,
+    apply_tensor_plan,
     bart_plan,
     bert_plan,
     gpt2_plan,
@@ -264,3 +265,28 @@ def test_testing_backend_and_plan_helpers_name_a_value_of_the_wrong_kind(tmp_pat
         ArgumentError, match=r"costs are keyed by Kind.F, Kind.B, Kind.I or Kind.W, got \['F'\]"
     ):
         plot_schedule("1f1b", 2, 4, tmp_path / "s.png", costs={"F": 3.0})  # type: ignore[dict-item]
+
+
+def test_a_module_group_path_env_or_switch_of_the_wrong_kind_is_named() -> None:
+    # before: apply_tensor_plan('net' | net with 'gloo') raw AttributeErrors; load_pretrained(model, 5)
+    # os's "expected str, bytes or os.PathLike"; detect_launcher(env='RANK=0') searched the string as text;
+    # DDPModel(broadcast_buffers=None) took None as False (no broadcast), find_unused_parameters='no' as True
+    with pytest.raises(
+        ArgumentTypeError, match=r"^detect_launcher: env must be a mapping such as os.environ"
+    ):
+        detect_launcher(env="RANK=0")  # type: ignore[arg-type]
+
+    def body(b: CommunicationBackend) -> None:
+        with pytest.raises(ArgumentTypeError, match=r"^apply_tensor_plan takes a torch.nn.Module, got str"):
+            apply_tensor_plan("net", {"0": "colwise"}, b)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentTypeError, match=r"^apply_tensor_plan\(group=...\) needs a dtlab Comm"):
+            apply_tensor_plan(_net(), {"0": "colwise"}, "gloo")  # type: ignore[arg-type]
+        with pytest.raises(
+            ArgumentTypeError, match=r"^load_pretrained: path must be a file or directory.*got 5"
+        ):
+            load_pretrained(DDPModel(_net(), b), 5)  # type: ignore[arg-type]
+        for switch in ({"broadcast_buffers": None}, {"find_unused_parameters": "no"}):
+            with pytest.raises(ArgumentTypeError, match=rf"^{next(iter(switch))} must be True or False"):
+                DDPModel(_net(), b, **switch)  # type: ignore[arg-type]
+
+    run_world(1, body)

@@ -103,8 +103,14 @@ def _mpi_launch(env: Mapping[str, str], found: dict[str, str]) -> tuple[int, int
     return seen[0][1], (sizes.pop() if sizes else None)
 
 
+def _check_env(who: str, env: object) -> None:
+    if env is not None and not isinstance(env, Mapping):  # a string would be searched for 'RANK' as text
+        raise ArgumentTypeError(f"{who}: env must be a mapping such as os.environ (or None), got {env!r}")
+
+
 def detect_launcher(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """Read torchrun's or an MPI launcher's variables from ``env`` (default ``os.environ``)."""
+    _check_env("detect_launcher", env)
     env = os.environ if env is None else env
     names = set(TORCHRUN_VARS) | {"LOCAL_RANK"} | {v for r, s, _ in MPI_VARS for v in (r, s) if v}
     names |= set(SLURM_VARS)
@@ -202,10 +208,7 @@ def _start(
         )
     if timeout is not None:
         check_timeout("init_backend", "timeout", timeout)
-    if env is not None and not isinstance(env, Mapping):
-        raise ArgumentTypeError(
-            f"init_backend: env must be a mapping such as os.environ (or None), got {env!r}"
-        )
+    _check_env("init_backend", env)
     info = detect_launcher(env)
     chosen = choose_backend(info) if name == "auto" else name
     if chosen == "inmemory":

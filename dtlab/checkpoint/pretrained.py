@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from safetensors import safe_open
 from dtlab.checkpoint._hf_names import file_names, ignored_unexpected
 from dtlab.core.placement import Box, Placement, local_regions
 from dtlab.core.shard_index import full_shape_of
-from dtlab.errors import CheckpointError
+from dtlab.errors import ArgumentTypeError, CheckpointError
 from dtlab.models import DataParallelModel, HybridShardedModel, ModelStrategy
 from dtlab.models.base import OptimizerTarget
 
@@ -251,6 +252,10 @@ def load_pretrained(model: ModelStrategy, path: str | Path, *, strict: bool = Tr
         raise CheckpointError(
             "load_pretrained loads into a dtlab model strategy (DDP, ZeRO-1/2/3, FSDP, tensor, pipeline or "
             f"hybrid), got {type(model).__name__}; wrap the module first"
+        )
+    if not isinstance(path, str | os.PathLike):
+        raise ArgumentTypeError(
+            f"load_pretrained: path must be a file or directory (str or Path), got {path!r}"
         )
     with ExitStack() as stack:
         whole = getattr(dp.module, "whole_model", dp.module)  # a pipeline rank's stages: the whole model's

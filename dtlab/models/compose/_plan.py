@@ -10,10 +10,10 @@ from typing import Any, cast
 
 from torch import nn
 
-from dtlab.backends.base import CommunicationBackend
+from dtlab.backends.base import CommunicationBackend, check_backend
 from dtlab.backends.mesh import Mesh, MeshLike
 from dtlab.core.plan import RunPlan
-from dtlab.errors import StrategyError
+from dtlab.errors import ArgumentTypeError, StrategyError
 from dtlab.models.compose._tied import swap_layers
 from dtlab.models.pipeline._split import has_blocks, module_blocks
 from dtlab.models.pipeline._trace import traced_structure
@@ -48,6 +48,9 @@ def apply_tensor_plan(module: nn.Module, tensor_plan: Plan, group: Communication
     """``module`` with its planned layers swapped in place for the ones rank ``group.rank`` of
     ``group`` holds, ties kept: the composition's tensor-parallel step without its broadcast of rank
     0's values (no communication). On the meta device: the layout a cost model prices."""
+    if not isinstance(module, nn.Module):
+        raise ArgumentTypeError(f"apply_tensor_plan takes a torch.nn.Module, got {type(module).__name__}")
+    check_backend(group, "apply_tensor_plan(group=...)")
     swap_layers("apply_tensor_plan", module, tensor_plan, group, broadcast=False)
     return module
 

@@ -189,6 +189,12 @@ def check_sharded_options(forward_wait_s: object, **switches: object) -> None:
         raise ValueError(
             f"forward_wait_s must be a number of seconds >= 0 (0: no limit), got {forward_wait_s!r}"
         )
+    check_switches(**switches)
+
+
+def check_switches(**switches: object) -> None:
+    """Refuses ``switches`` that are not bools (``reshard_after_forward='no'`` would be taken as true,
+    ``broadcast_buffers=None`` as false)."""
     for name, value in switches.items():
         if not isinstance(value, bool):
             raise ArgumentTypeError(f"{name} must be True or False, got {value!r}")

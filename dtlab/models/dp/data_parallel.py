@@ -27,6 +27,7 @@ from dtlab.models.dp._owner import (
     SWITCH_ADVICE,
     Ownership,
     check_module,
+    check_switches,
     check_types,
     rewrap_advice,
     torch_option_refused,
@@ -58,6 +59,7 @@ class DataParallelModel(TorchMethods, OptimizerTarget):
         if unknown and (refused := torch_option_refused(type(self).__name__, unknown)) is not None:
             raise refused
         check_types(module, backend, type(self).__name__)
+        check_switches(find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers)
         super().__init__(module, backend, world=world)
         self._trainable = check_module(module, backend, type(self).__name__)
         check_reduce_dtype(reduce_dtype)
