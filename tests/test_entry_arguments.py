@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dtlab.backends import Mesh, detect_launcher, init_backend
+from dtlab.backends import GlooBackend, Mesh, detect_launcher, init_backend
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import load_pretrained, save_checkpoint
 from dtlab.compression import GradientSynchronizer, OkTopk, RandomK, make_compressor
@@ -275,6 +275,11 @@ def test_a_module_group_path_env_or_switch_of_the_wrong_kind_is_named() -> None:
         ArgumentTypeError, match=r"^detect_launcher: env must be a mapping such as os.environ"
     ):
         detect_launcher(env="RANK=0")  # type: ignore[arg-type]
+    for timeout in (-1, float("inf")):  # taken before: a wait never bounded, or every wait failing at once
+        with pytest.raises(
+            ArgumentError, match=r"^GlooBackend: timeout must be a finite number of seconds > 0"
+        ):
+            GlooBackend(timeout=timeout)
 
     def body(b: CommunicationBackend) -> None:
         with pytest.raises(ArgumentTypeError, match=r"^apply_tensor_plan takes a torch.nn.Module, got str"):

@@ -36,6 +36,7 @@ from dtlab.backends._checked import mismatch_hint
 from dtlab.backends._mpi_abort import AbortOnUncaught
 from dtlab.backends._mpi_half import HalfSum
 from dtlab.backends._mpi_support import _Buffers, _import_mpi, _MPIWork, query_cuda_support
+from dtlab.backends._run_args import check_timeout
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 from dtlab.backends.stats import CommStats
 from dtlab.errors import ArgumentError, CollectiveMismatchError, CollectiveTimeoutError
@@ -67,8 +68,8 @@ class MPIBackend(CommunicationBackend):
         stats_parent: CommStats | None = None,
     ) -> None:
         mpi = _import_mpi()
-        if timeout is not None and timeout <= 0:
-            raise ArgumentError(f"timeout must be > 0 seconds or None, got {timeout}")
+        if timeout is not None:  # None: MPI's own blocking waits
+            check_timeout("MPIBackend", "timeout", timeout)
         self._mpi = mpi
         self._comm = comm if comm is not None else mpi.COMM_WORLD
         super().__init__(self._comm.Get_rank(), self._comm.Get_size(), stats_parent=stats_parent)

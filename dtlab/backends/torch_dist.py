@@ -22,6 +22,7 @@ import dtlab.backends._torch_dist_p2p as p2p
 from dtlab.backends._checked import mismatch_hint
 from dtlab.backends._engine import finish_reduction
 from dtlab.backends._peers import gone_peers, publish_identity
+from dtlab.backends._run_args import check_timeout
 from dtlab.backends._torch_dist_support import (
     _OPS,
     _PEER_LOST,
@@ -60,6 +61,7 @@ class TorchDistBackend(CommunicationBackend):
         stats_parent: CommStats | None = None,
         name: str = "dtlab",
     ) -> None:
+        check_timeout(type(self).__name__, "timeout", timeout)  # 300 s unless given: every wait bounded
         if not dist.is_available() or not dist.is_initialized():
             raise BackendInitError(
                 f"{type(self).__name__} needs an initialized torch.distributed: use "
