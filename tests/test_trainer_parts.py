@@ -11,6 +11,7 @@ import torch
 
 from dtlab.config import load_config
 from dtlab.data import TensorDataset, stdlib_lm_dataset
+from dtlab.errors import ArgumentError
 from dtlab.lr_schedule import build_scheduler, lr_factor
 from dtlab.testing import run_world
 from dtlab.trainers import EarlyStopping, MetricsCollector, NonFiniteError, NonFiniteGuard, Profiler
@@ -101,6 +102,14 @@ def test_nonfinite_guard_and_early_stopping() -> None:
     e = EarlyStopping(patience=2, min_delta=0.1)
     assert [e.update(v) for v in (3.0, 2.5, 2.45, 2.5)] == [False, False, False, True]
     assert not EarlyStopping(patience=0).update(1.0)
+    # taken before: max_in_row=-1 stopped at the first skip, patience='3' failed at the first evaluation
+    for make, text in [
+        (lambda: NonFiniteGuard(max_in_row=-1), r"NonFiniteGuard.max_in_row must be an int >= 1, got -1"),
+        (lambda: EarlyStopping(patience="3"), r"EarlyStopping.patience must be an int >= 0, got '3'"),  # type: ignore[arg-type]
+        (lambda: EarlyStopping(patience=2, min_delta=-0.1), r"EarlyStopping.min_delta must be a number >= 0"),
+    ]:
+        with pytest.raises(ArgumentError, match=text):
+            make()
 
 
 def test_metrics_never_write_nan(tmp_path: Path) -> None:

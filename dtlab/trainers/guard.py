@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtlab.errors import DtlabError
+from dtlab.errors import ArgumentError, DtlabError
 
 __all__ = ["EarlyStopping", "NonFiniteError", "NonFiniteGuard"]
 
@@ -21,6 +21,9 @@ class NonFiniteGuard:
     skipped: int = 0
     in_row: int = 0
     skipped_steps: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:  # as train.max_nonfinite_steps (ge=1): -1 would stop at the first
+        _check_count("NonFiniteGuard.max_in_row", self.max_in_row, 1)
 
     def update(self, finite: bool, step: int) -> None:
         """Record the agreed verdict of ``step``; raises after ``max_in_row`` skipped steps in a row."""
@@ -54,6 +57,15 @@ class EarlyStopping:
     best: float | None = None
     bad_evals: int = 0
 
+    def __post_init__(self) -> None:  # as train.early_stopping_patience (ge=0: 0 is off)
+        _check_count("EarlyStopping.patience", self.patience, 0)
+        if (
+            isinstance(self.min_delta, bool)
+            or not isinstance(self.min_delta, int | float)
+            or not self.min_delta >= 0
+        ):
+            raise ArgumentError(f"EarlyStopping.min_delta must be a number >= 0, got {self.min_delta!r}")
+
     def update(self, eval_loss: float) -> bool:
         """Local verdict (the trainer turns it into a consensus with ``agree``)."""
         if self.patience <= 0:
@@ -70,3 +82,8 @@ class EarlyStopping:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best = None if state["best"] is None else float(state["best"])
         self.bad_evals = int(state["bad_evals"])
+
+
+def _check_count(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ArgumentError(f"{name} must be an int >= {low}, got {value!r}")
