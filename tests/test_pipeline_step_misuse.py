@@ -10,12 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pipeline_cases import make_mlp, mlp_data
+from torch import nn
 
 from dtlab.backends import Mesh
+from dtlab.config import load_config
+from dtlab.core.rng import seeded_init
+from dtlab.data import TensorDataset
 from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import PipelineParallelModel
 from dtlab.optimizers import DDPOptimizer
 from dtlab.testing import run_world
+from dtlab.trainers import run_training
 
 
 def refusal(fn: Any, *args: Any) -> BaseException:
@@ -152,3 +157,34 @@ def test_a_constant_loss_for_one_micro_batch_leaves_it_out_as_zero() -> None:
     for state in run_world(2, step, timeout=30):
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_trainer_leaves_out_a_micro_batch_with_a_constant_loss_as_the_pipeline_does() -> None:
+    """Through the Trainer (run_training, pp = 2) a loss_fn returning torch.zeros(()) for a micro-batch
+    whose targets are all ignored stopped the run with a ConfigError on the last stage's rank only; the
+    pipeline leaves such a micro-batch out (its zero gradient): the same losses as a zero with a graph."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 4, generator=g)
+    y = (x @ torch.tensor([1.0, -2.0, 0.5, 1.0]) > 0).long()
+    y = torch.where(torch.rand(256, generator=g) < 0.5, y, torch.full_like(y, -100))  # half ignored
+    with seeded_init(0):
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    constant: list[int] = []
+
+    def loss_fn(with_graph: bool) -> Any:
+        def fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            if bool((target == -100).all()):  # nothing to learn in this micro-batch
+                constant.append(target.numel())  # 4: a training micro-batch (not the 2-sample preflight)
+                return out.sum() * 0 if with_graph else torch.zeros(())
+            return F.cross_entropy(out, target, ignore_index=-100)
+
+        return fn
+
+    sets = ["backend.name=inmemory", "backend.world_size=2", "parallel.pp=2", "parallel.micro_batches=2"]
+    sets += ["data.global_batch_size=8", "train.steps=20", "train.eval_every=0", "logging.progress=false"]
+    cfg = load_config(overrides=[*sets, "logging.run_dir=null", "optimizer.warmup_steps=0"])
+    data = TensorDataset(x, y)
+    losses = [
+        run_training(cfg, model=net, train_data=data, loss_fn=loss_fn(g))[0].losses for g in (False, True)
+    ]
+    assert 4 in constant and len(losses[0]) == 20 and losses[0] == losses[1]

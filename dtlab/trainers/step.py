@@ -67,7 +67,12 @@ def _micro_step(trainer: StepRun, batch: Any, k: int, loss_fn: LossFn) -> float:
             if named is None:
                 raise
             raise named from exc
-        if isinstance(out, torch.Tensor) and out.requires_grad and not getattr(loss, "requires_grad", True):
+        # a pipeline leaves out a micro-batch whose loss is constant (nothing to learn: its gradient is
+        # zero), refusing on every rank only a step where every one's is; elsewhere backward would fail
+        graphless = (
+            isinstance(out, torch.Tensor) and out.requires_grad and not getattr(loss, "requires_grad", True)
+        )
+        if graphless and not getattr(trainer.model, "pipelined", False):
             raise ConfigError(  # else torch's "element 0 of tensors does not require grad" at backward
                 "loss_fn returned a loss that does not depend on the model's output (detached, a constant "
                 "or built from .item()); compute it from the output with torch operations"
