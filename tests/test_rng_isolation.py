@@ -246,3 +246,14 @@ def test_a_seed_torch_cannot_take_is_named(seed: object) -> None:
     with pytest.raises(ValueError if seed == 2**70 else TypeError, match=r"^seeded_init\(seed\): seed must"):
         with seeded_init(seed):  # type: ignore[arg-type]
             pass
+
+
+def test_a_numpy_integer_seed_draws_as_the_int() -> None:
+    # torch.manual_seed(np.int64(3)) takes it; seeded_init stopped with torch.Generator's raw "an integer
+    # is required"
+    np = pytest.importorskip("numpy")
+    draws = []
+    for seed in (3, np.int64(3), np.uint32(3)):
+        with seeded_init(seed):
+            draws.append(nn.Linear(4, 4).weight.detach().clone())
+    assert all(torch.equal(d, draws[0]) for d in draws)

@@ -88,6 +88,7 @@ def seeded_init(seed: int) -> Iterator[None]:
         raise ArgumentTypeError(
             f"seeded_init(seed): seed must be an int, got {seed!r} ({type(seed).__name__})"
         )
+    seed = int(seed)  # a NumPy integer, as torch.manual_seed takes it (torch.Generator's does not)
     if not -(2**63) <= seed < 2**64:  # torch.manual_seed's range
         raise ArgumentError(f"seeded_init(seed): seed must be in [-2**63, 2**64), got {seed}")
     with model_building(), _reseed_undone(), _OwnGenerators(seed):
