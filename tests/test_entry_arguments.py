@@ -295,3 +295,15 @@ def test_a_module_group_path_env_or_switch_of_the_wrong_kind_is_named() -> None:
                 DDPModel(_net(), b, **switch)  # type: ignore[arg-type]
 
     run_world(1, body)
+
+
+def test_a_sampler_given_numpy_integers_shuffles_as_with_ints() -> None:
+    # they passed the check (numbers.Integral), then torch.Generator.manual_seed(seed + epoch) raised its
+    # raw "an integer is required" at the first iteration
+    np = pytest.importorskip("numpy")
+    data = list(range(10))
+    given = DistributedSampler(data, np.int64(2), np.int64(1), seed=np.int64(3))
+    given.set_epoch(1)
+    plain = DistributedSampler(data, 2, 1, seed=3)
+    plain.set_epoch(1)
+    assert list(given) == list(plain)

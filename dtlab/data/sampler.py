@@ -52,8 +52,9 @@ class DistributedSampler(Sampler[int]):
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"DistributedSampler: rank={rank} outside [0, num_replicas={num_replicas})")
         self.dataset_size = len(dataset)
-        self.num_replicas, self.rank = num_replicas, rank
-        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        # a NumPy integer as an int: torch.Generator.manual_seed takes no other (seed + epoch at iteration)
+        self.num_replicas, self.rank = int(num_replicas), int(rank)
+        self.shuffle, self.seed, self.drop_last = shuffle, int(seed), drop_last
         n, p = self.dataset_size, num_replicas
         #: indices per rank per epoch (torch's rule)
         self.num_samples = math.ceil((n - p) / p) if drop_last and n % p else math.ceil(n / p)
