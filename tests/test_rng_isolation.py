@@ -205,7 +205,7 @@ def test_rand_like_draws_as_torchs_own_overload_taking_a_generator() -> None:
     """Where torch's ``rand*_like`` take no generator (before torch 2.10) the block runs them as their
     kernel does, an ``empty_like`` filled in place: the same numbers, layout and dtype as the overload
     that takes one."""
-    from dtlab.core.rng import draw_like  # here: a name only this module has
+    from dtlab.core.random_ops import draw_like  # here: a name only this module has
 
     aten = torch.ops.aten
     t = torch.empty(4, 6).t()  # not contiguous: the layout is kept

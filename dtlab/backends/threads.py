@@ -1,4 +1,5 @@
-"""``run_world``: run ``fn(backend, ...)`` on every rank of an in-memory world and collect the results."""
+"""``run_world``: run ``fn(backend, ...)`` on every rank of an in-memory world and collect the results;
+``RankThread``: the thread of one rank of such a world."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -23,7 +24,19 @@ from dtlab.errors import (
 
 T = TypeVar("T")
 
-__all__ = ["run_world"]
+__all__ = ["RankThread", "on_rank_thread", "run_world"]
+
+
+class RankThread(threading.Thread):
+    """The thread of one rank of an in-memory world (``run_world`` runs a one-rank world on the caller's
+    thread): it shares torch's global RNG with the process's other ranks, so what must draw the same
+    numbers twice (an activation checkpoint's recomputation) draws from a generator of its own there
+    (:class:`dtlab.core.replayed_draws.ReplayedDraws`)."""
+
+
+def on_rank_thread() -> bool:
+    """Whether this thread is a :class:`RankThread` (cheap: one ``isinstance``)."""
+    return isinstance(threading.current_thread(), RankThread)
 
 
 def run_world(
@@ -64,7 +77,7 @@ def run_world(
         body(0, world.backend(0))
     else:
         threads = [
-            threading.Thread(target=body, args=(r, world.backend(r)), name=f"dtlab-rank-{r}", daemon=True)
+            RankThread(target=body, args=(r, world.backend(r)), name=f"dtlab-rank-{r}", daemon=True)
             for r in range(world_size)
         ]
         for t in threads:
@@ -105,7 +118,7 @@ def _half_imported(exc: BaseException) -> str:
     )
 
 
-def _join(threads: list[threading.Thread], world: InMemoryWorld) -> list[int]:
+def _join(threads: Sequence[threading.Thread], world: InMemoryWorld) -> list[int]:
     """Wait for every rank; once the world has failed, give the ranks still busy outside collectives
     (which an abort cannot interrupt) ``world.timeout`` seconds, then return their ranks."""
     deadline: float | None = None

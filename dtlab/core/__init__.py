@@ -17,6 +17,9 @@ everything above (compression, models, optimizers, checkpoints, the config) can 
   reached a strategy's gradient hooks finished or raised partway (its gradients then partial);
 - :mod:`dtlab.core.rng`: :func:`seeded_init`, reproducible model initialisation from generators of its
   own, whatever other in-memory ranks (threads) draw from torch's global RNG meanwhile.
+- :mod:`dtlab.core.random_ops`: the dispatch mode giving random ops generators of their own (shared by
+  ``seeded_init`` and :mod:`dtlab.core.replayed_draws`, an activation checkpoint's recomputation
+  drawing its forward's numbers on in-memory ranks).
 - :mod:`dtlab.core.torch_private`: the one place torch's private attributes of modules and tensors
   are read (its hook dicts, a module's non-persistent buffers).
 - :mod:`dtlab.core.saved_params`: :class:`SavedParameter`, a parameter a user's custom autograd

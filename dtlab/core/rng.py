@@ -39,33 +39,18 @@ import inspect
 import numbers
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch._ops import OpOverload
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from dtlab.core.torch_private import op_arguments
+from dtlab.core.random_ops import GeneratorMode
 from dtlab.errors import ArgumentError, ArgumentTypeError, StrategyError
 
 __all__ = ["model_building", "seeded_init"]
 
 _GLOBAL_RNG_LOCK = threading.RLock()
-
-#: arguments of random ops that take no generator which, at 0 or False, make the op draw nothing
-_DROPOUT_ARGS = ("p", "dropout_p", "dropout")
-_TRAIN_ARGS = ("train", "training", "is_training")
-#: the ``rand*_like`` overloads :func:`draw_like` runs with a generator where torch's take none
-_LIKE = (
-    "aten.rand_like.default",
-    "aten.randn_like.default",
-    "aten.randint_like.default",
-    "aten.randint_like.low_dtype",
-)
 
 
 @contextmanager
@@ -112,75 +97,6 @@ def _reseed_undone() -> Iterator[None]:
                 torch.cuda.set_rng_state_all(gpus)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """How the block runs one op: ``slot`` is the index and name of its generator argument (and whether
-    it is keyword-only); ``sibling`` its overload taking a generator; ``like`` a ``rand*_like`` of a
-    torch release where it takes none (run as its kernel runs it, see :func:`draw_like`); ``refuse`` a
-    random op that takes none; none of them: an op that draws nothing."""
-
-    slot: tuple[int, str, bool] | None = None
-    sibling: OpOverload | None = None
-    like: bool = False
-    refuse: bool = False
-
-    @property
-    def draws(self) -> bool:
-        return self.slot is not None or self.sibling is not None or self.like or self.refuse
-
-
-def _generator_slot(op: OpOverload) -> tuple[int, str, bool] | None:
-    for i, arg in enumerate(op_arguments(op)):
-        if str(arg.type).rstrip("?") in ("Generator", "Optional[Generator]"):
-            return i, arg.name, arg.kwarg_only
-    return None
-
-
-def _plan(func: OpOverload) -> _Plan:
-    slot = _generator_slot(func)
-    if slot is not None:
-        return _Plan(slot=slot)
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return _Plan()
-    names = [a.name for a in op_arguments(func)]
-    packet = func.overloadpacket
-    for overload in packet.overloads():
-        sibling = getattr(packet, overload)
-        sibling_slot = _generator_slot(sibling)
-        if sibling_slot is None or not sibling_slot[2]:
-            continue
-        if [a.name for a in op_arguments(sibling) if a.name != sibling_slot[1]] == names:
-            return _Plan(sibling=sibling)
-    if str(func) in _LIKE:
-        return _Plan(like=True)
-    return _Plan(refuse=True)
-
-
-def draw_like(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], gen: torch.Generator) -> Any:
-    """``torch.rand_like``, ``randn_like`` or ``randint_like`` (``func``, called with ``args`` and
-    ``kwargs``) drawing from ``gen``, for torch releases where they take no generator: as their kernel
-    runs them, an ``empty_like`` of the same options filled in place."""
-    aten = torch.ops.aten
-    fresh = aten.empty_like.default(args[0], **kwargs)
-    name = str(func)
-    if name == "aten.rand_like.default":
-        return aten.uniform_.default(fresh, 0.0, 1.0, generator=gen)
-    if name == "aten.randn_like.default":
-        return aten.normal_.default(fresh, 0.0, 1.0, generator=gen)
-    low, high = (0, args[1]) if name == "aten.randint_like.default" else (args[1], args[2])
-    return getattr(aten.random_, "from")(fresh, low, high, generator=gen)
-
-
-def _device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.device:
-    """The device an op draws on: its ``device`` argument, else that of its first tensor, else the CPU."""
-    if kwargs.get("device") is not None:
-        return torch.device(kwargs["device"])
-    for leaf in tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device
-    return torch.device("cpu")
-
-
 def _in_checkpoint() -> bool:
     """Whether ``torch.utils.checkpoint`` is on this thread's stack: a forward whose backward recomputes
     it from torch's global RNG state, or that recompute."""
@@ -194,25 +110,15 @@ def _in_checkpoint() -> bool:
     return False
 
 
-def _draws_nothing(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a random op taking no generator draws nothing with these arguments (dropout 0, eval)."""
-    for i, arg in enumerate(op_arguments(func)):
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name, arg.default_value)
-        if (arg.name in _DROPOUT_ARGS and value == 0) or (arg.name in _TRAIN_ARGS and value is False):
-            return True
-    return False
-
-
-class _OwnGenerators(TorchDispatchMode):
+class _OwnGenerators(GeneratorMode):
     """Gives each random op of this thread called without a generator the block's generator of the op's
     device (made on first use, seeded with ``seed``); refuses a random op that takes no generator."""
 
     def __init__(self, seed: int) -> None:
-        super().__init__()  # type: ignore[no-untyped-call,unused-ignore]
+        super().__init__()
         self.seed = seed
         # the CPU's made now: a bad seed is refused at the block's start, as torch.manual_seed does
         self.generators = {torch.device("cpu"): torch.Generator().manual_seed(seed)}
-        self.plans: dict[OpOverload, _Plan] = {}
 
     def generator(self, func: OpOverload, device: torch.device) -> torch.Generator:
         """The block's generator of ``device``, for ``func``."""
@@ -230,38 +136,8 @@ class _OwnGenerators(TorchDispatchMode):
             gen = self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return gen
 
-    def __torch_dispatch__(
-        self,
-        func: OpOverload,
-        types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        plan = self.plans.get(func)
-        if plan is None:
-            plan = self.plans[func] = _plan(func)
-        if not plan.draws:
-            return func(*args, **(kwargs or {}))
-        kwargs = dict(kwargs or {})
-        device = _device(args, kwargs)
-        if device.type == "meta":  # draws nothing
-            return func(*args, **kwargs)
-        if plan.slot is not None:
-            index, name, kwarg_only = plan.slot
-            if not kwarg_only and index < len(args):
-                if args[index] is not None:  # the caller's own generator
-                    return func(*args, **kwargs)
-                args = (*args[:index], self.generator(func, device), *args[index + 1 :])
-            elif kwargs.get(name) is None:
-                kwargs[name] = self.generator(func, device)
-            return func(*args, **kwargs)
-        if plan.sibling is not None:
-            return plan.sibling(*args, **kwargs, generator=self.generator(func, device))
-        if plan.like:
-            return draw_like(func, args, kwargs, self.generator(func, device))
-        if _draws_nothing(func, args, kwargs):
-            return func(*args, **kwargs)
-        raise StrategyError(
+    def refused(self, func: OpOverload, device: torch.device) -> Exception:
+        return StrategyError(
             f"seeded_init({self.seed}): {func} draws random numbers on {device} from torch's global RNG "
             "and takes no generator, so the block cannot give it its own; run it after the block "
             "(build the model inside seeded_init, run it outside), with dropout 0, or in eval mode"

@@ -18,12 +18,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from dtlab.backends.threads import on_rank_thread
+from dtlab.core.replayed_draws import ReplayedDraws
 from dtlab.core.torch_private import tensor_version
 from dtlab.core.traced import eager_when_traced
 
-__all__ = ["checkpoint_modules", "checkpointed", "keep_running_statistics"]
+__all__ = ["ReplayedDraws", "checkpoint_modules", "checkpointed", "keep_running_statistics"]
 
 
 def keep_running_statistics(module: nn.Module) -> tuple[Any, Any]:
@@ -76,18 +79,43 @@ def _recomputed_as_before(updated: list[tuple[nn.Module, str, torch.Tensor]]) ->
 
 def checkpointed(inner: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
     """``inner`` (``module``'s forward, or a pipeline stage running it) keeping only its inputs while
-    gradients are recorded, recomputed in backward with ``module``'s running statistics kept."""
+    gradients are recorded, recomputed in backward with ``module``'s running statistics kept and, on an
+    in-memory rank, the forward's random numbers drawn again (:class:`ReplayedDraws`)."""
+    draws = ReplayedDraws()
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        kept = partial(keep_running_statistics, module)
+        preserve = True
+        if on_rank_thread():  # threads sharing torch's global RNG: the CPU's draws replayed
+            kept = partial(_both, kept, draws)
+            # torch's own restore of the global RNG would only move the other ranks' numbers; a GPU's
+            # generator as torch's checkpoint handles it
+            leaves = tree_leaves((args, kwargs))
+            preserve = any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in leaves)
+        return checkpoint(
+            inner, *args, use_reentrant=False, context_fn=kept, preserve_rng_state=preserve, **kwargs
+        )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return inner(*args, **kwargs)
-        kept = partial(keep_running_statistics, module)
         # eager under torch.compile, whose checkpoint takes no context_fn of this kind: one graph break
-        run = eager_when_traced(partial(checkpoint, inner, use_reentrant=False, context_fn=kept))
-        return run(*args, **kwargs)
+        return eager_when_traced(recorded)(*args, **kwargs)
 
     forward.__wrapped__ = inner  # type: ignore[attr-defined]
     return forward
+
+
+def _both(first: Callable[[], tuple[Any, Any]], second: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """Two ``context_fn``s as one: each of their forward contexts, then each of their recomputation's."""
+    (forward_a, recompute_a), (forward_b, recompute_b) = first(), second()
+    return _nested(forward_a, forward_b), _nested(recompute_a, recompute_b)
+
+
+@contextlib.contextmanager
+def _nested(outer: Any, inner: Any) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 def checkpoint_modules(module: nn.Module, classes: tuple[type[nn.Module], ...] | None = None) -> int:

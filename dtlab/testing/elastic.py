@@ -35,6 +35,7 @@ from typing import Any
 
 from dtlab.backends._run_args import check_world_size
 from dtlab.backends.inmemory import InMemoryBackend, InMemoryWorld
+from dtlab.backends.threads import RankThread
 from dtlab.errors import ArgumentError, DtlabError, RankFailedError, WorldAbortedError
 from dtlab.optimizers.elastic import CommitStore, MemoryCommitStore
 
@@ -141,9 +142,7 @@ class _Engine:
         member = InMemoryMember(mid, self)
         self.members[mid] = member
         self.alive.add(mid)
-        t = threading.Thread(
-            target=self._member_main, args=(member,), name=f"dtlab-elastic-{mid}", daemon=True
-        )
+        t = RankThread(target=self._member_main, args=(member,), name=f"dtlab-elastic-{mid}", daemon=True)
         self.threads.append(t)
         t.start()
 
