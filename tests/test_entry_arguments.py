@@ -5,7 +5,7 @@ the argument and what to pass, before anything reads it: never an ``AttributeErr
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dtlab.backends import GlooBackend, Mesh, detect_launcher, init_backend
+from dtlab.backends import GlooBackend, InMemoryWorld, Mesh, detect_launcher, init_backend
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import load_pretrained, save_checkpoint
 from dtlab.compression import GradientSynchronizer, OkTopk, RandomK, make_compressor
@@ -49,7 +49,7 @@ from dtlab.models import (
     vocab_parallel_cross_entropy,
 )
 from dtlab.optimizers import AsyncSGDOptimizer, DDPOptimizer, ZeRO2Optimizer
-from dtlab.testing import Kill, run_elastic, run_world
+from dtlab.testing import Kill, run_elastic, run_world, spawn_world
 from dtlab.trainers import Task, Trainer, build_task, run_training
 
 
@@ -307,3 +307,33 @@ def test_a_sampler_given_numpy_integers_shuffles_as_with_ints() -> None:
     plain = DistributedSampler(data, 2, 1, seed=3)
     plain.set_epoch(1)
     assert list(given) == list(plain)
+
+
+def _generator_fn(backend: CommunicationBackend) -> Iterator[int]:
+    yield backend.rank
+
+
+def _rank(backend: CommunicationBackend) -> int:
+    return backend.rank
+
+
+def test_a_fn_that_would_run_nothing_and_a_float_world_are_named() -> None:
+    # before: a rank's raw "'str' object is not callable"; a generator object per rank, the body never
+    # run; InMemoryWorld(2.0) taken, then range() failing; spawn_world(may_die=[5]) taken
+    calls: list[tuple[Any, str]] = [
+        (
+            lambda: run_world(2, "train"),
+            r"^run_world: fn must be a function of the rank's backend, got 'train'",
+        ),
+        (
+            lambda: run_world(2, _generator_fn),
+            r"^run_world: fn='_generator_fn' is a generator or async function",
+        ),
+        (lambda: spawn_world(2, "train"), r"^spawn_world: fn must be a function"),
+        (lambda: InMemoryWorld(2.0), r"^InMemoryWorld: world_size must be an int, got 2.0"),  # type: ignore[arg-type]
+    ]
+    for call, text in calls:
+        with pytest.raises(ArgumentTypeError, match=text):
+            call()
+    with pytest.raises(ArgumentError, match=r"may_die=\[5\] names \[5\], not ranks of \[0, 2\)"):
+        spawn_world(2, _rank, may_die=[5])

@@ -6,7 +6,6 @@ import math
 import random
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,14 +15,13 @@ from dtlab.backends import InMemoryWorld, ReduceOp
 from dtlab.backends.base import CommunicationBackend
 from dtlab.errors import (
     ArgumentError,
-    ArgumentTypeError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     DtlabError,
     RankFailedError,
     WorldAbortedError,
 )
-from dtlab.testing import run_world, spawn_world
+from dtlab.testing import run_world
 
 
 class Boom(RuntimeError):
@@ -241,36 +239,6 @@ def test_in_place_and_aliased_buffers_give_correct_results() -> None:
         assert res["all_to_all"].tolist() == [float(10 * i + me) for i in range(p) for _ in range(2)]
     # one tensor all-reduced by 3 ranks at once: the sum of the three (equal) contributions, once
     assert all(r["shared"].tolist() == [3.0] * 4 for r in results)
-
-
-def _generator_fn(backend: CommunicationBackend) -> Iterator[int]:
-    yield backend.rank
-
-
-def _rank(backend: CommunicationBackend) -> int:
-    return backend.rank
-
-
-def test_a_fn_that_would_run_nothing_and_a_float_world_are_named() -> None:
-    # before: a rank's raw "'str' object is not callable"; a generator object per rank, the body never
-    # run; InMemoryWorld(2.0) taken, then range() failing; spawn_world(may_die=[5]) taken
-    calls: list[tuple[Any, str]] = [
-        (
-            lambda: run_world(2, "train"),
-            r"^run_world: fn must be a function of the rank's backend, got 'train'",
-        ),
-        (
-            lambda: run_world(2, _generator_fn),
-            r"^run_world: fn='_generator_fn' is a generator or async function",
-        ),
-        (lambda: spawn_world(2, "train"), r"^spawn_world: fn must be a function"),
-        (lambda: InMemoryWorld(2.0), r"^InMemoryWorld: world_size must be an int, got 2.0"),  # type: ignore[arg-type]
-    ]
-    for call, text in calls:
-        with pytest.raises(ArgumentTypeError, match=text):
-            call()
-    with pytest.raises(ArgumentError, match=r"may_die=\[5\] names \[5\], not ranks of \[0, 2\)"):
-        spawn_world(2, _rank, may_die=[5])
 
 
 def test_bad_world_arguments_are_value_errors_and_dtlab_errors() -> None:
