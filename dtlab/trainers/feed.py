@@ -87,7 +87,7 @@ class DataFeed:
         micro = []
         for k in range(self.accumulation_steps):
             try:
-                micro.append(self.to_device(next(self._batches)))
+                batch = next(self._batches)
             except Exception as exc:  # the dataset's own __getitem__ (or collate) failed: name the samples
                 self._batches = None  # a loader that raised does not resume; the next call starts anew
                 raise DataError(
@@ -95,6 +95,7 @@ class DataFeed:
                     f"({self.num_samples} samples) raised {type(exc).__name__}: {exc}; fix the dataset's "
                     "__getitem__ (or __len__)"
                 ) from exc
+            micro.append(self.to_device(batch))
         self.offset += self.global_batch_size
         return micro
 
