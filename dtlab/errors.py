@@ -1,6 +1,9 @@
-"""Every error dtlab raises on purpose derives from :class:`DtlabError`."""
+"""Every error dtlab raises on purpose derives from :class:`DtlabError`; the argument checks every
+layer shares (a switch that must be a bool, a path) are here, beside the errors they raise."""
 
 from __future__ import annotations
+
+import os
 
 
 class DtlabError(Exception):
@@ -75,3 +78,21 @@ def every_rank_saves(call: str, part: str) -> str:
         f"each holds only {part}, so every rank must call it. Call sd = {call} on every rank, then save "
         "on one (if rank == 0: torch.save(sd, path)), or save each rank's part with dtlab.checkpoint"
     )
+
+
+def check_switches(who: str = "", /, **switches: object) -> None:
+    """Refuses ``switches`` that are not bools (``strict='no'`` would be taken as true, ``None`` as
+    false); ``who``, the call named first."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            where = f"{who}: " if who else ""
+            raise ArgumentTypeError(f"{where}{name} must be True or False, got {value!r}")
+
+
+def check_path(who: str, name: str, value: object, what: str = "a path") -> None:
+    """Refuses a ``value`` that is not a path (``str`` or ``os.PathLike``) where ``who`` takes one as
+    ``name`` (``what``: the path it names), before os's ``expected str, bytes or os.PathLike object``."""
+    if not isinstance(value, str | os.PathLike):
+        raise ArgumentTypeError(
+            f"{who}: {name} must be {what} (str or pathlib.Path), got {value!r} ({type(value).__name__})"
+        )

@@ -10,6 +10,8 @@ from typing import ClassVar, Literal
 
 import torch
 
+from dtlab.errors import ArgumentError
+
 __all__ = ["SUPPORTED_DTYPES", "CompletedWork", "P2POp", "ReduceOp", "Work"]
 
 SUPPORTED_DTYPES = (
@@ -78,6 +80,14 @@ class P2POp:
     tensor: torch.Tensor
     peer: int
     tag: int = 0
+
+    def __post_init__(self) -> None:
+        kind: object = self.kind
+        if kind not in ("send", "recv"):
+            raise ArgumentError(
+                f"P2POp: kind must be 'send' or 'recv', got {kind!r}; or build it with P2POp.send(t, dst) / "
+                "P2POp.recv(t, src)"
+            )
 
     @classmethod
     def send(cls, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2POp:

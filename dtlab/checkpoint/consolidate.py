@@ -17,7 +17,7 @@ from safetensors.torch import save as st_save
 from dtlab.checkpoint.safe_files import write_output
 from dtlab.core.shard_index import ShardIndex
 from dtlab.core.state import ShardedState
-from dtlab.errors import UnsafePathError
+from dtlab.errors import UnsafePathError, check_path
 
 __all__ = ["consolidate", "full_tensors_from_shards"]
 
@@ -37,6 +37,8 @@ def consolidate(checkpoint: str | Path, output: str | Path) -> Path:
     """Write the full model of a checkpoint (any strategy, any world size) as one safetensors file."""
     from dtlab.checkpoint.load import read_checkpoint
 
+    check_path("consolidate", "checkpoint", checkpoint, "a checkpoint directory")
+    check_path("consolidate", "output", output, "the safetensors file to write")
     out = Path(output)
     _check_output(out)  # before reading anything
     ckpt = read_checkpoint(checkpoint, with_optimizer=False)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from safetensors import safe_open
 from dtlab.checkpoint._hf_names import file_names, ignored_unexpected
 from dtlab.core.placement import Box, Placement, local_regions
 from dtlab.core.shard_index import full_shape_of
-from dtlab.errors import ArgumentTypeError, CheckpointError
+from dtlab.errors import CheckpointError, check_path, check_switches
 from dtlab.models import DataParallelModel, HybridShardedModel, ModelStrategy
 from dtlab.models.base import OptimizerTarget
 
@@ -253,10 +252,8 @@ def load_pretrained(model: ModelStrategy, path: str | Path, *, strict: bool = Tr
             "load_pretrained loads into a dtlab model strategy (DDP, ZeRO-1/2/3, FSDP, tensor, pipeline or "
             f"hybrid), got {type(model).__name__}; wrap the module first"
         )
-    if not isinstance(path, str | os.PathLike):
-        raise ArgumentTypeError(
-            f"load_pretrained: path must be a file or directory (str or Path), got {path!r}"
-        )
+    check_path("load_pretrained", "path", path, "a file or directory")
+    check_switches("load_pretrained", strict=strict)
     with ExitStack() as stack:
         whole = getattr(dp.module, "whole_model", dp.module)  # a pipeline rank's stages: the whole model's
         files = _Files(_files(Path(path)), stack, whole)

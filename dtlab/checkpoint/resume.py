@@ -33,7 +33,7 @@ from dtlab.checkpoint.files import LATEST, META, list_step_dirs
 from dtlab.checkpoint.load import MAX_META_BYTES, LoadedCheckpoint, read_checkpoint, read_latest
 from dtlab.checkpoint.safe_files import check_inside, read_inside
 from dtlab.checkpoint.validate import parse_json
-from dtlab.errors import CheckpointError
+from dtlab.errors import ArgumentTypeError, CheckpointError, check_path, check_switches
 
 #: what a caller checks of a checkpoint before taking it (raises ``CheckpointError``)
 Check = Callable[[LoadedCheckpoint], None]
@@ -132,6 +132,15 @@ def find_resume_checkpoint(
 
     ``root`` missing or holding neither ``latest`` nor a step directory: ``ResumePoint(None)``.
     """
+    check_path("find_resume_checkpoint", "root", root, "the checkpoint directory")
+    check_switches(
+        "find_resume_checkpoint", strict=strict, with_optimizer=with_optimizer, allow_outside=allow_outside
+    )
+    if check is not None and not callable(check):
+        raise ArgumentTypeError(
+            "find_resume_checkpoint: check must be a function of the loaded checkpoint (or None), got "
+            f"{check!r}"
+        )
     root = Path(root)
     reader = _Reader(root, with_optimizer, allow_outside, check)
     if not root.exists():

@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from dtlab.errors import ArgumentTypeError
+from dtlab.untrusted import summary
+
 __all__ = ["ShardedState"]
 
 
@@ -27,3 +30,19 @@ class ShardedState:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        tensors: object = self.tensors
+        if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
+        ):
+            got = {k: type(v).__name__ for k, v in tensors.items()} if isinstance(tensors, dict) else tensors
+            raise ArgumentTypeError(
+                f"ShardedState: tensors must be a dict of name -> torch.Tensor (e.g. model.state_dict()'s "
+                f"tensors), got {summary(got)}"
+            )
+        metadata: object = self.metadata
+        if not isinstance(metadata, dict):
+            raise ArgumentTypeError(
+                f"ShardedState: metadata must be a dict of JSON values (e.g. {{}}), got {summary(metadata)}"
+            )

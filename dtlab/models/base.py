@@ -26,6 +26,7 @@ from dtlab.errors import (
     every_rank_saves,
 )
 from dtlab.models.placed_state import given_state
+from dtlab.models.step_args import batch_pair
 
 if TYPE_CHECKING:
     from dtlab.models.dp.flat import FlatUnit
@@ -245,7 +246,7 @@ class ModelStrategy(nn.Module):
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one micro-batch ``(inputs, targets)``; returns the detached loss."""
-        inputs, targets = batch
+        inputs, targets = batch_pair(type(self).__name__, batch, loss_fn)  # or refused, before the forward
         loss = loss_fn(self(inputs), targets)
         loss.backward()
         return loss.detach()

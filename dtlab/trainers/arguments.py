@@ -8,7 +8,7 @@ from dtlab.backends.base import check_backend
 from dtlab.config import TrainConfig
 from dtlab.errors import ArgumentTypeError
 from dtlab.trainers.embedded import Task
-from dtlab.trainers.preemption import StopRequest
+from dtlab.trainers.preemption import check_stop
 
 __all__ = ["check_arguments"]
 
@@ -27,7 +27,5 @@ def check_arguments(who: str, config: object, task: object, stop: object, *backe
             f"{who}: task must be a dtlab.trainers.Task (or None for the config's), got "
             f"{type(task).__name__}; for your own model and data pass model=, train_data=, loss_fn="
         )
-    if stop is not None and not isinstance(stop, StopRequest):
-        raise ArgumentTypeError(
-            f"{who}: stop must be a dtlab.trainers.StopRequest (or None), got {type(stop).__name__}"
-        )
+    if stop is not None:
+        check_stop(who, stop, " (or None)")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
 from dtlab.checkpoint.safe_files import open_text
+from dtlab.errors import check_path, check_switches
 
 __all__ = ["MetricsCollector", "clean"]
 
@@ -53,6 +54,9 @@ class MetricsCollector:
         append: bool = False,
         sinks: Sequence[RecordSink] = (),
     ) -> None:
+        if path is not None:
+            check_path("MetricsCollector", "path", path, "the JSON Lines file to write (or None)")
+        check_switches("MetricsCollector", enabled=enabled, keep=keep, append=append)
         self.path = Path(path) if path is not None else None
         self.enabled = enabled
         self.keep = keep

@@ -36,8 +36,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from dtlab.backends._run_args import check_timeout
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.checkpoint.files import step_dir_name
+from dtlab.errors import ArgumentTypeError, check_switches
 from dtlab.trainers.run_view import Progress
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ __all__ = [
     "PreemptedRun",
     "StopRequest",
     "agreed_stop",
+    "check_stop",
     "exit_on_signals",
     "finish_process",
     "preempt",
@@ -111,6 +114,14 @@ class StopRequest:
         return self._event.is_set()
 
 
+def check_stop(who: str, stop: object, or_none: str = "") -> None:
+    """Refuses a ``stop`` that is not a :class:`StopRequest` (``who``: the call it was given to)."""
+    if not isinstance(stop, StopRequest):
+        raise ArgumentTypeError(
+            f"{who}: stop must be a dtlab.trainers.StopRequest(){or_none}, got {type(stop).__name__}"
+        )
+
+
 @contextmanager
 def stop_on_signals(
     stop: StopRequest,
@@ -124,6 +135,14 @@ def stop_on_signals(
 
     ``exit_on_repeat``: the handlers stay; a signal within ``same_within`` seconds of the first is the
     same request, a later one ends the process at once (``StopRequest.exit_now``, see above)."""
+    check_stop("stop_on_signals", stop)
+    if not (isinstance(signals, tuple | list) and all(isinstance(s, signal.Signals) for s in signals)):
+        raise ArgumentTypeError(
+            "stop_on_signals: signals must be a tuple of signal.Signals, e.g. (signal.SIGTERM,), got "
+            f"{signals!r}"
+        )
+    check_switches("stop_on_signals", exit_on_repeat=exit_on_repeat)
+    check_timeout("stop_on_signals", "same_within", same_within)
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return

@@ -14,12 +14,18 @@ from collections.abc import Iterator
 from typing import Any
 
 from dtlab.backends.stats import CommStats
+from dtlab.errors import ArgumentTypeError
 
 __all__ = ["Profiler"]
 
 
 class Profiler:
     def __init__(self, stats: CommStats) -> None:
+        if not isinstance(stats, CommStats):
+            raise ArgumentTypeError(
+                f"Profiler: stats must be a backend's CommStats (backend.stats), got {stats!r} "
+                f"({type(stats).__name__})"
+            )
         self.stats = stats
         self.compute: dict[str, float] = defaultdict(float)
         self.comm: dict[str, float] = defaultdict(float)

@@ -30,6 +30,7 @@ from torch.utils.data import Subset
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.core.plan import RunPlan
+from dtlab.errors import ArgumentTypeError
 from dtlab.trainers.embedded import cross_entropy_loss
 from dtlab.trainers.labels import IGNORE_INDEX
 
@@ -74,6 +75,18 @@ class SummedLoss:
 
     loss: LossFn
     count: Callable[[Any], torch.Tensor | int] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.loss):
+            raise ArgumentTypeError(
+                f"SummedLoss: loss must be a function of (output, target) returning the sum over its counted "
+                f"targets, e.g. partial(F.cross_entropy, reduction='sum'), got {self.loss!r}"
+            )
+        if self.count is not None and not callable(self.count):
+            raise ArgumentTypeError(
+                f"SummedLoss: count must be a function of target giving how many it counted (or None: the "
+                f"targets that are not -100), got {self.count!r}"
+            )
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         return self.loss(output, target)

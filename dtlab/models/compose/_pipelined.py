@@ -29,40 +29,24 @@ from dtlab.models.pipeline._comm import (
     infer_through_stages,
     loss_and_counts_over_pp,
 )
-from dtlab.models.pipeline._runtime import GRAPHLESS_LOSS, StepResult, described, run_schedule
+from dtlab.models.pipeline._runtime import GRAPHLESS_LOSS, StepResult, run_schedule
 from dtlab.models.pipeline._schedules import PipelineSchedule
 from dtlab.models.pipeline._split import Stage, TensorSpec, TupleSpec, stage_specs
 from dtlab.models.pipeline._trace import TracedStage
 from dtlab.models.pipeline._trace_check import Trace, output_tensor, trace_split
+from dtlab.models.step_args import described
 from dtlab.models.tensor._agree import check_same_on_tp
 from dtlab.models.tensor._split_logits import unmarked
 
-__all__ = ["PipelineRun", "batch_pair"]
+__all__ = ["ONE_TENSOR", "PipelineRun"]
 
-_ONE_TENSOR = (
+ONE_TENSOR = (
     "a pipeline feeds inputs (one tensor) to its first stage and targets (one tensor) to loss_fn(output, "
     "targets) on its last, and one tensor crosses each stage boundary: put what the loss reads besides "
     "the output into targets (torch.cat, or labels -100 where a mask is 0); an input the stages need "
     "(an attention mask) does not reach them: pad on the right with targets -100 on the pads (a causal "
     "model's other positions never see them)"
 )
-
-
-def batch_pair(who: str, batch: Any, pipelined: bool, loss_fn: object) -> tuple[Any, Any]:
-    """``train_step``'s ``batch`` as ``(inputs, targets)``, or refused naming what it got (a dict, or a
-    tuple of three: an attention mask besides the inputs); a ``loss_fn`` that is not a function too."""
-    if not callable(loss_fn):  # before any stage runs: on a later stage only, the others would wait
-        raise StrategyError(
-            f"{who}.train_step(batch, loss_fn): loss_fn must be a function of (output, targets), e.g. "
-            f"torch.nn.functional.cross_entropy, got {loss_fn!r}"
-        )
-    if isinstance(batch, tuple | list) and len(batch) == 2:
-        return batch[0], batch[1]
-    hint = f"; {_ONE_TENSOR}" if pipelined else ""
-    raise StrategyError(
-        f"{who}.train_step(batch, loss_fn): batch must be the pair (inputs, targets), got "
-        f"{described(batch)}{hint}"
-    )
 
 
 class PipelineRun:
@@ -196,7 +180,7 @@ class PipelineRun:
         for what, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 raise StrategyError(
-                    f"{who}.train_step: {what} must be a batched tensor, got {described(t)}; {_ONE_TENSOR}"
+                    f"{who}.train_step: {what} must be a batched tensor, got {described(t)}; {ONE_TENSOR}"
                 )
             if t.shape[0] % m:
                 raise StrategyError(

@@ -35,7 +35,7 @@ from dtlab.models.compose._habits import (
     whole_over_tp,
 )
 from dtlab.models.compose._meta_walk import MetaWalk
-from dtlab.models.compose._pipelined import PipelineRun, batch_pair
+from dtlab.models.compose._pipelined import ONE_TENSOR, PipelineRun
 from dtlab.models.compose._plan import check_plan, plan_arguments, plan_mesh
 from dtlab.models.compose._tied import TiedSync
 from dtlab.models.compose._tp_grads import PartialGrads, SameReplicatedGrads, TensorParallelGrads, grads_of
@@ -50,6 +50,7 @@ from dtlab.models.dp.fsdp import WrapPolicy
 from dtlab.models.dp.zero1 import GradientSync, ZeRO1Model, gradient_sync_for
 from dtlab.models.pipeline._schedules import Action
 from dtlab.models.placed_state import load_placed_state, write_placed_state
+from dtlab.models.step_args import batch_pair
 from dtlab.models.tensor import vocab_parallel_cross_entropy, whole_cross_entropy
 from dtlab.models.tensor._agree import SameOnTp
 from dtlab.models.tensor._attentions import head_count_hint, whole_attentions
@@ -276,9 +277,8 @@ class HybridShardedModel(ForwardedSync, OptimizerTarget):
                 f"{type(self).__name__}.train_step: loss_fn {getattr(loss_fn, '__name__', loss_fn)} on the "
                 "logits split over tp would see this rank's part of the classes only; use model.cross_entropy"
             )
-        inputs, targets = batch_pair(
-            type(self).__name__, batch, self._pipe is not None, loss_fn
-        )  # or refused
+        hint = f"; {ONE_TENSOR}" if self._pipe is not None else ""
+        inputs, targets = batch_pair(type(self).__name__, batch, loss_fn, hint)  # or refused
         with self._same_on_tp.step((inputs, targets)):  # under a pipeline over pp x tp (same_on_pp)
             if self._pipe is None:
                 return super().train_step((inputs, targets), loss_fn)

@@ -20,7 +20,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, check_backend
 from dtlab.core.torch_private import TENSOR_HOOKS
-from dtlab.errors import ArgumentTypeError, StrategyError
+from dtlab.errors import ArgumentTypeError, StrategyError, check_switches
 from dtlab.models.dp._sync_bn import DataParallelBatchNorm, sync_batch_norms
 from dtlab.models.dp.flat import check_real
 
@@ -190,14 +190,6 @@ def check_sharded_options(forward_wait_s: object, **switches: object) -> None:
             f"forward_wait_s must be a number of seconds >= 0 (0: no limit), got {forward_wait_s!r}"
         )
     check_switches(**switches)
-
-
-def check_switches(**switches: object) -> None:
-    """Refuses ``switches`` that are not bools (``reshard_after_forward='no'`` would be taken as true,
-    ``broadcast_buffers=None`` as false)."""
-    for name, value in switches.items():
-        if not isinstance(value, bool):
-            raise ArgumentTypeError(f"{name} must be True or False, got {value!r}")
 
 
 def check_module(

@@ -20,14 +20,13 @@ from dtlab.core.placement import Placement, Replicate
 from dtlab.core.reducer import DenseReducer, GradientReducer, check_reduce_dtype
 from dtlab.core.shard_index import new_state
 from dtlab.core.state import ShardedState
-from dtlab.errors import StrategyError
+from dtlab.errors import StrategyError, check_switches
 from dtlab.models.base import AttachedOptimizer, OptimizerTarget
 from dtlab.models.dp._grad_guard import ShardedGradient, adopt_cleared, sharded_grad_message, tensor_bytes
 from dtlab.models.dp._owner import (
     SWITCH_ADVICE,
     Ownership,
     check_module,
-    check_switches,
     check_types,
     rewrap_advice,
     torch_option_refused,

@@ -29,13 +29,12 @@ from dtlab.models.checkpointing import checkpointed
 from dtlab.models.pipeline._comm import StageLinks
 from dtlab.models.pipeline._schedules import Action, Kind, PipelineSchedule
 from dtlab.models.pipeline._zb import SplitLinearMode, WeightGradients
-from dtlab.untrusted import summary
+from dtlab.models.step_args import described
 
 __all__ = [
     "GRAPHLESS_LOSS",
     "ActivationMeter",
     "StepResult",
-    "described",
     "check_stage_checkpointing",
     "run_schedule",
 ]
@@ -193,13 +192,6 @@ class _Step:
         self.meter.release(key)
         if a.kind is Kind.I:  # until its W, the key holds what the W needs
             self.meter.hold(key, self.deferred[key].held_tensors())
-
-
-def described(value: Any) -> str:
-    """What a refusal names a value by: a tensor's dtype and shape, else a bounded summary."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return summary(value)
 
 
 def _mean_loss(loss: object) -> torch.Tensor:

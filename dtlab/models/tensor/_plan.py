@@ -18,7 +18,7 @@ from typing import Literal, cast
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import StrategyError
+from dtlab.errors import StrategyError, check_switches
 from dtlab.models.tensor._comm import SharedInput, check_divisible, scatter_to_sequence
 from dtlab.models.tensor._fused import check_fused, check_head_split
 from dtlab.models.tensor._layers import (
@@ -164,7 +164,8 @@ _REFUSED = {
 def transformer_plan(sequence_parallel: bool = False) -> DeclaredPlan:
     """The plan the model declares (``module.tp_plan(sequence_parallel=...)``: dtlab's ``TransformerLM``
     declares Megatron's layout, its logits split over the vocabulary), optionally sequence parallel."""
-    return DeclaredPlan(bool(sequence_parallel))
+    check_switches("transformer_plan", sequence_parallel=sequence_parallel)
+    return DeclaredPlan(sequence_parallel)
 
 
 def style_of(value: Style | str, pattern: str) -> Style | None:
