@@ -17,11 +17,13 @@ from torch import nn
 from dtlab.backends import P2POp
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import consolidate, find_resume_checkpoint, load_pretrained
+from dtlab.compression import OkTopk
 from dtlab.core.rng import seeded_init
 from dtlab.errors import ArgumentError, ArgumentTypeError, StrategyError
-from dtlab.models import DDPModel, ShardedState, transformer_plan
+from dtlab.models import DDPModel, PipelineParallelModel, ShardedState, gpt2_plan, transformer_plan
+from dtlab.optimizers import GradScaler
 from dtlab.testing import run_world
-from dtlab.trainers import MetricsCollector, Profiler, StopRequest, SummedLoss, stop_on_signals
+from dtlab.trainers import MetricsCollector, Profiler, StopRequest, SummedLoss, Task, stop_on_signals
 
 
 def _net() -> nn.Module:
@@ -171,5 +173,30 @@ def test_load_pretrained_strict_and_train_step_loss_are_refused_before_anything_
         ):
             model.train_step((*batch, batch[1]), nn.functional.cross_entropy)  # type: ignore[arg-type]
         assert calls == [], "the forward ran before the refusal"
+
+    run_world(1, body)
+
+
+SWITCHES: list[tuple[str, Callable[[], Any]]] = [
+    ("GradScaler: enabled", lambda: GradScaler(enabled="no")),  # type: ignore[arg-type]
+    ("OkTopk: error_feedback", lambda: OkTopk(error_feedback="no")),  # type: ignore[arg-type]
+    ("Task: classification", lambda: Task(_net, [], [], classification="no")),  # type: ignore[arg-type]
+    ("gpt2_plan: head", lambda: gpt2_plan(head="no")),  # type: ignore[arg-type]
+]
+
+
+@pytest.mark.parametrize("who, call", SWITCHES, ids=[w for w, _ in SWITCHES])
+def test_a_string_where_a_switch_goes_is_refused_not_taken_as_true(who: str, call: Callable[[], Any]) -> None:
+    with pytest.raises(ArgumentTypeError, match=rf"^{who} must be True or False, got 'no'"):
+        call()
+
+
+def test_a_string_for_activation_checkpointing_is_refused_not_taken_as_true() -> None:
+    def body(b: CommunicationBackend) -> None:
+        with pytest.raises(
+            ArgumentTypeError,
+            match=r"^PipelineParallelModel: activation_checkpointing must be True or False, got 'no'",
+        ):
+            PipelineParallelModel(_net(), b, activation_checkpointing="no")  # type: ignore[arg-type]
 
     run_world(1, body)

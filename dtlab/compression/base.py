@@ -33,7 +33,7 @@ from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.finite import FiniteCheck
 from dtlab.compression.kernels import write_sparse
 from dtlab.compression.prefilter import Prefilter
-from dtlab.errors import ConfigError, DtlabError
+from dtlab.errors import ConfigError, DtlabError, check_switches
 
 __all__ = [
     "Compressor",
@@ -173,6 +173,7 @@ class Compressor(ABC):
         seed = getattr(self, "seed", 0)  # RandomK, QSGD, PowerSGD: 'x' would fail at the first compression
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ConfigError(f"{type(self).__name__}: seed must be an integer >= 0, got {seed!r}")
+        check_switches(type(self).__name__, error_feedback=self.error_feedback)
 
     def validate_numel(self, numel: int, key: str) -> None:
         """Raise a clear error when a buffer of ``numel`` elements cannot be compressed."""

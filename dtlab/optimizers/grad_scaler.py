@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dtlab.compression.reducer import CompressedReducer
-from dtlab.errors import ArgumentError, StrategyError
+from dtlab.errors import ArgumentError, StrategyError, check_switches
 from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers.base import OptimizerStrategy
 
@@ -94,6 +94,7 @@ class GradScaler:
         growth_interval: int = 2000,
         enabled: bool = True,
     ) -> None:
+        check_switches("GradScaler", enabled=enabled)
         if not (init_scale > 0 and growth_factor > 1.0 and 0 < backoff_factor < 1.0 and growth_interval >= 1):
             raise ArgumentError(
                 f"GradScaler(init_scale={init_scale}, growth_factor={growth_factor}, backoff_factor="

@@ -13,7 +13,7 @@ from torch import nn
 
 from dtlab.config import TrainConfig
 from dtlab.data import TensorDataset, load_digits_dataset, stdlib_lm_dataset
-from dtlab.errors import ArgumentTypeError, ConfigError
+from dtlab.errors import ArgumentTypeError, ConfigError, check_switches
 from dtlab.models.tensor import whole_cross_entropy
 from dtlab.parallel_config import check_builtin_fits
 from dtlab.zoo import Block, DigitsCNN, TransformerLM
@@ -77,6 +77,7 @@ class Task:
             raise ArgumentTypeError(
                 f"Task.loss_fn must be a function of (output, target), got {self.loss_fn!r}"
             )
+        check_switches("Task", classification=self.classification)
 
 
 def builtin_model(

@@ -21,7 +21,7 @@ from dtlab.core.placement import Placement, placement_of
 from dtlab.core.plan import check_schedule_args
 from dtlab.core.shard_index import full_shape_of
 from dtlab.core.torch_private import non_persistent_buffers
-from dtlab.errors import ArgumentTypeError, StrategyError
+from dtlab.errors import ArgumentTypeError, StrategyError, check_switches
 from dtlab.models.compose._tied import swap_layers, tied_groups
 from dtlab.models.dp.data_parallel import DataParallelModel
 from dtlab.models.dp.ddp import DDPModel
@@ -180,6 +180,7 @@ class Layout:
 
 def _check_pipeline(who: str, args: PipelineArgs, p: int, m: int, pipelined: bool) -> None:
     """Every pipeline check before any work, with the rule and the values."""
+    check_switches(who, activation_checkpointing=args.activation_checkpointing)
     if not pipelined and args.schedule not in pairs.SCHEDULES:  # unused here, but a typo is named
         check_schedule_args(args.schedule, p, m)
     if pipelined:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from dtlab.errors import StrategyError
+from dtlab.errors import StrategyError, check_switches
 from dtlab.models.tensor._plan import DeclaredPlan, HeadsParallel, Plan, PlanDict, Style
 
 __all__ = ["bart_plan", "bert_plan", "declared_plan", "gpt2_plan", "hugging_face_plan"]
@@ -28,6 +28,7 @@ def gpt2_plan(prefix: str = "transformer.", head: bool = True) -> PlanDict:
     column- then row-parallel, and the head (tied to the embedding) column-parallel with its logits
     gathered. Hugging Face's GPT-2 declares no plan."""
     _check_prefix("gpt2_plan", prefix, "transformer.")
+    check_switches("gpt2_plan", head=head)
     plan: dict[str, Style | str] = {
         f"{prefix}wte": "embedding_rowwise",
         f"{prefix}h.*.attn": HeadsParallel(qkv=("c_attn",), out="c_proj", heads="split_size", sections=3),
