@@ -20,7 +20,21 @@ from dtlab.checkpoint import consolidate, find_resume_checkpoint, load_pretraine
 from dtlab.compression import OkTopk
 from dtlab.core.rng import seeded_init
 from dtlab.errors import ArgumentError, ArgumentTypeError, StrategyError
-from dtlab.models import DDPModel, PipelineParallelModel, ShardedState, gpt2_plan, transformer_plan
+from dtlab.models import (
+    ColumnParallelLinear,
+    ColwiseParallel,
+    DDPModel,
+    HeadsParallel,
+    PipelineParallelModel,
+    RowParallelLinear,
+    RowwiseParallel,
+    SequenceParallel,
+    ShardedState,
+    VocabParallel,
+    VocabParallelEmbedding,
+    gpt2_plan,
+    transformer_plan,
+)
 from dtlab.optimizers import GradScaler
 from dtlab.testing import run_world
 from dtlab.trainers import MetricsCollector, Profiler, StopRequest, SummedLoss, Task, stop_on_signals
@@ -182,6 +196,44 @@ SWITCHES: list[tuple[str, Callable[[], Any]]] = [
     ("OkTopk: error_feedback", lambda: OkTopk(error_feedback="no")),  # type: ignore[arg-type]
     ("Task: classification", lambda: Task(_net, [], [], classification="no")),  # type: ignore[arg-type]
     ("gpt2_plan: head", lambda: gpt2_plan(head="no")),  # type: ignore[arg-type]
+    ("ColwiseParallel: gather_output", lambda: ColwiseParallel(gather_output="no")),  # type: ignore[arg-type]
+    (
+        "RowwiseParallel: input_is_parallel",
+        lambda: RowwiseParallel(input_is_parallel="no"),  # type: ignore[arg-type]
+    ),
+    (
+        "VocabParallel: sequence_parallel",
+        lambda: VocabParallel(sequence_parallel="no"),  # type: ignore[arg-type]
+    ),
+    (
+        "HeadsParallel: sequence_parallel",
+        lambda: HeadsParallel(sequence_parallel="no"),  # type: ignore[arg-type]
+    ),
+    ("SequenceParallel: split_output", lambda: SequenceParallel(split_output="no")),  # type: ignore[arg-type]
+]
+
+TP_LAYERS: list[tuple[str, Callable[[CommunicationBackend], Any]]] = [
+    (
+        "ColumnParallelLinear: gather_output",
+        lambda b: ColumnParallelLinear(4, 4, b, gather_output="no"),  # type: ignore[arg-type]
+    ),
+    (
+        "ColumnParallelLinear: sequence_parallel",
+        lambda b: ColumnParallelLinear(4, 4, b, sequence_parallel="no"),  # type: ignore[arg-type]
+    ),
+    (
+        "RowParallelLinear: input_is_parallel",
+        lambda b: RowParallelLinear(4, 4, b, input_is_parallel="no"),  # type: ignore[arg-type]
+    ),
+    ("RowParallelLinear: bias", lambda b: RowParallelLinear(4, 4, b, bias="no")),  # type: ignore[arg-type]
+    (
+        "VocabParallelEmbedding: sequence_parallel",
+        lambda b: VocabParallelEmbedding(8, 4, b, sequence_parallel="no"),  # type: ignore[arg-type]
+    ),
+    (
+        "ColumnParallelLinear: sequence_parallel",
+        lambda b: ColumnParallelLinear.from_linear(_net(), b, sequence_parallel="no"),  # type: ignore[arg-type]
+    ),
 ]
 
 
@@ -191,8 +243,11 @@ def test_a_string_where_a_switch_goes_is_refused_not_taken_as_true(who: str, cal
         call()
 
 
-def test_a_string_for_activation_checkpointing_is_refused_not_taken_as_true() -> None:
+def test_a_string_for_activation_checkpointing_or_a_tp_layer_option_is_refused_not_taken_as_true() -> None:
     def body(b: CommunicationBackend) -> None:
+        for who, call in TP_LAYERS:
+            with pytest.raises(ArgumentTypeError, match=rf"^{who} must be True or False, got 'no'"):
+                call(b)
         with pytest.raises(
             ArgumentTypeError,
             match=r"^PipelineParallelModel: activation_checkpointing must be True or False, got 'no'",

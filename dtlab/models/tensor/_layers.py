@@ -18,7 +18,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.placement import Placement, Replicate, Shard, placement_of, set_placement
-from dtlab.errors import StrategyError
+from dtlab.errors import StrategyError, check_switches
 from dtlab.models.tensor._comm import (
     SharedInput,
     check_divisible,
@@ -31,11 +31,11 @@ from dtlab.models.tensor._comm import (
     tp_size,
 )
 from dtlab.models.tensor._sources import (
+    built_like,
     check_forward,
     check_row_input,
     check_shard,
     embedding_scale,
-    linear_features,
 )
 from dtlab.models.tensor._split_logits import unmarked
 
@@ -115,25 +115,8 @@ def _load(layer: _Layer, source: nn.Module, group: CommunicationBackend) -> _Lay
 def _from_linear(
     cls: type[_Linear], linear: nn.Module, group: CommunicationBackend, **options: Any
 ) -> _Linear:
-    """``cls`` (a parallel linear layer built with ``options``) holding this rank's shard of ``linear``
-    (an ``nn.Linear`` or a ``Conv1D``, whose ``[in, out]`` layout the parallel layer keeps)."""
-    features = linear_features(linear)
-    if features is None:
-        raise StrategyError(
-            f"{cls.__name__} splits an nn.Linear or a Conv1D (weight [in, out]), got {type(linear).__name__}"
-        )
-    in_features, out_features, transposed = features
-    new = cls(
-        in_features,
-        out_features,
-        group,
-        bias=getattr(linear, "bias", None) is not None,
-        transposed=transposed,
-        device=META,  # built empty, then filled by _load on the source's device
-        dtype=cast(torch.Tensor, linear.weight).dtype,
-        **options,
-    )
-    return _load(new, linear, group)
+    """``cls`` built with ``options`` holding this rank's shard of ``linear`` (see :func:`built_like`)."""
+    return _load(built_like(cls, linear, group, **options), linear, group)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -171,6 +154,13 @@ class ColumnParallelLinear(nn.Linear):
     ) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: it would build the whole weight
         p = tp_size(group, "ColumnParallelLinear", in_features=in_features, out_features=out_features)
+        check_switches(
+            "ColumnParallelLinear",
+            bias=bias,
+            gather_output=gather_output,
+            sequence_parallel=sequence_parallel,
+            transposed=transposed,
+        )
         check_divisible(
             out_features,
             p * sections,
@@ -258,6 +248,13 @@ class RowParallelLinear(nn.Linear):
     ) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: it would build the whole weight
         p = tp_size(group, "RowParallelLinear", in_features=in_features, out_features=out_features)
+        check_switches(
+            "RowParallelLinear",
+            bias=bias,
+            input_is_parallel=input_is_parallel,
+            sequence_parallel=sequence_parallel,
+            transposed=transposed,
+        )
         check_divisible(in_features, p, "RowParallelLinear: in_features")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.transposed = group, transposed
@@ -327,6 +324,7 @@ class VocabParallelEmbedding(nn.Embedding):
     ) -> None:
         nn.Module.__init__(self)  # not nn.Embedding's: it would build the whole table
         p = tp_size(group, "VocabParallelEmbedding", num_embeddings=num_embeddings)
+        check_switches("VocabParallelEmbedding", sequence_parallel=sequence_parallel)
         if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
             raise StrategyError(
                 f"VocabParallelEmbedding: padding_idx={padding_idx} is not an id of the vocabulary "

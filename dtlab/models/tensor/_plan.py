@@ -28,6 +28,15 @@ from dtlab.models.tensor._layers import (
     check_parameters,
 )
 from dtlab.models.tensor._sources import adapter_hint, linear_features
+from dtlab.models.tensor._styles import (
+    ColwiseParallel,
+    HeadsParallel,
+    PlanDict,
+    RowwiseParallel,
+    SequenceParallel,
+    Style,
+    VocabParallel,
+)
 
 __all__ = [
     "ColwiseParallel",
@@ -45,69 +54,6 @@ __all__ = [
     "resolve_plan",
     "transformer_plan",
 ]
-
-
-@dataclass(frozen=True)
-class ColwiseParallel:
-    """Output features split over tp (``sections``: fused equal parts, each split)."""
-
-    gather_output: bool = False
-    sequence_parallel: bool = False
-    sections: int = 1
-
-
-@dataclass(frozen=True)
-class RowwiseParallel:
-    """Input features split over tp; the output summed (or reduce-scattered along the sequence)."""
-
-    input_is_parallel: bool = True
-    sequence_parallel: bool = False
-
-
-@dataclass(frozen=True)
-class VocabParallel:
-    """Embedding rows (the vocabulary) split over tp."""
-
-    sequence_parallel: bool = False
-
-
-@dataclass(frozen=True)
-class HeadsParallel:
-    """An attention module with a fused projection laid out ``(sections, heads, head_dim)``.
-
-    ``qkv``: the name(s) of its input projection(s) (one fused ``nn.Linear`` with ``sections=3``, or
-    three with ``sections=1``); ``out``: its output projection; ``heads``: the attribute holding the
-    head count, set to ``heads // tp`` (the forward must read it, or infer heads with ``-1``).
-    """
-
-    qkv: tuple[str, ...] = ("qkv",)
-    out: str = "proj"
-    heads: str = "n_heads"
-    sections: int = 3
-    sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.qkv, str):  # its characters would be taken as module names
-            raise StrategyError(
-                f"HeadsParallel(qkv=...) is a tuple of names, e.g. ({self.qkv!r},), got a str"
-            )
-
-    def parts(self) -> list[tuple[str, ColwiseParallel | RowwiseParallel]]:
-        """Its projections and the style each is split by: the input ones per head, the output by rows."""
-        sp = self.sequence_parallel
-        qkv = ColwiseParallel(sequence_parallel=sp, sections=self.sections)
-        return [*((name, qkv) for name in self.qkv), (self.out, RowwiseParallel(sequence_parallel=sp))]
-
-
-@dataclass(frozen=True)
-class SequenceParallel:
-    """A module of the sequence-parallel region (norms, dropout, position embeddings)."""
-
-    split_output: bool = False
-
-
-Style = ColwiseParallel | RowwiseParallel | VocabParallel | HeadsParallel | SequenceParallel
-PlanDict = Mapping[str, "Style | str"]
 
 
 @dataclass(frozen=True)

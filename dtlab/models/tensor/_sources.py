@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -22,6 +24,7 @@ from dtlab.errors import StrategyError
 
 __all__ = [
     "adapter_hint",
+    "built_like",
     "check_forward",
     "check_row_input",
     "check_shard",
@@ -127,4 +130,30 @@ def adapter_hint(name: str, module: nn.Module) -> str:
         "adapter's layer beside the split alike: its output layer (LoRA's B) 'colwise' around a 'colwise' "
         "layer, its input layer (LoRA's A) 'rowwise' around a 'rowwise' one; plan='auto' names the layers "
         "as the model was built)"
+    )
+
+
+_Layer = TypeVar("_Layer", bound=nn.Module)
+
+
+def built_like(cls: Callable[..., _Layer], linear: nn.Module, group: object, **options: Any) -> _Layer:
+    """``cls`` (a parallel linear layer) built with ``options`` on the meta device, empty, with the
+    sizes, bias and dtype of ``linear`` (an ``nn.Linear`` or a ``Conv1D``, whose ``[in, out]`` layout
+    the parallel layer keeps); the caller fills it with this rank's shard."""
+    features = linear_features(linear)
+    if features is None:
+        raise StrategyError(
+            f"{getattr(cls, '__name__', cls)} splits an nn.Linear or a Conv1D (weight [in, out]), got "
+            f"{type(linear).__name__}"
+        )
+    in_features, out_features, transposed = features
+    return cls(
+        in_features,
+        out_features,
+        group,
+        bias=getattr(linear, "bias", None) is not None,
+        transposed=transposed,
+        device=torch.device("meta"),
+        dtype=cast(torch.Tensor, linear.weight).dtype,
+        **options,
     )
