@@ -3,7 +3,6 @@ the fix, never silently wrong: checked against single-process training on the sa
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -125,12 +124,11 @@ def test_parameter_counts_and_dims_are_the_plain_modules(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])
-def test_one_rank_eval_is_named_within_seconds(name: str) -> None:
-    """In-memory ranks: the other rank at a barrier; the world names both calls at once."""
-    t0 = time.monotonic()
+def test_one_rank_eval_is_named_as_a_mismatch(name: str) -> None:
+    """In-memory ranks: the other rank at a barrier; the world names both calls at once (a mismatch,
+    not the timeout's CollectiveTimeoutError)."""
     with pytest.raises(CollectiveMismatchError) as info:
         run_world(2, one_rank_eval_case, name, "barrier", timeout=60)
-    assert time.monotonic() - t0 < 10
     assert "all_gather" in str(info.value) and "barrier" in str(info.value)
 
 

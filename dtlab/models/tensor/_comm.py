@@ -74,7 +74,7 @@ class SharedInput:
         self._last = None
 
     def __reduce__(self) -> tuple[type[SharedInput], tuple[()]]:  # a copied model remembers nothing
-        return SharedInput, ()
+        return type(self), ()
 
 
 def _identity(x: torch.Tensor, _group: CommunicationBackend) -> torch.Tensor:
