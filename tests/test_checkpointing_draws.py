@@ -157,6 +157,9 @@ def _compiled(backend: CommunicationBackend, replay: list[list[torch.Tensor]] | 
 def test_under_torch_compile_too() -> None:
     """The checkpointed block runs eagerly in the compiled model (one graph break): its recomputations
     drew other masks than its forwards on in-memory ranks, as in eager mode."""
+    # the count is process-wide, and code an earlier test compiled in this process (the same modules'
+    # forwards) would serve this model from dynamo's cache: counted from a fresh cache
+    torch._dynamo.reset()
     frames = torch._dynamo.utils.counters["frames"]["total"]
     ckpt = run_world(4, _compiled, None, timeout=300)
     assert torch._dynamo.utils.counters["frames"]["total"] > frames  # traced indeed
