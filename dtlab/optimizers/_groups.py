@@ -32,6 +32,7 @@ __all__ = [
     "check_groups",
     "check_members",
     "constructor_defaults",
+    "group_params",
     "jsonable",
     "make_local",
     "saved_groups",

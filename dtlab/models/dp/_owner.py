@@ -27,7 +27,14 @@ from dtlab.models.dp.flat import check_real
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Ownership", "check_module", "check_types", "rewrap_advice", "torch_option_refused"]
+__all__ = [
+    "Ownership",
+    "check_module",
+    "check_sharded_options",
+    "check_types",
+    "rewrap_advice",
+    "torch_option_refused",
+]
 
 #: the attribute of a parameter holding the :class:`_Mark` of the wrapper that hooked it
 _MARK = "_dtlab_owner"
