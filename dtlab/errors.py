@@ -3,6 +3,8 @@ layer shares (a switch that must be a bool, a path) are here, beside the errors 
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 
@@ -96,3 +98,19 @@ def check_path(who: str, name: str, value: object, what: str = "a path") -> None
         raise ArgumentTypeError(
             f"{who}: {name} must be {what} (str or pathlib.Path), got {value!r} ({type(value).__name__})"
         )
+
+
+def integer(value: object) -> int | None:
+    """``value`` as a Python ``int`` where it is an integer as torch takes one (Python's, NumPy's:
+    ``numbers.Integral``), else ``None`` (a bool too: ``True`` is no count)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
+def real(value: object) -> int | float | None:
+    """``value`` as a finite Python ``int`` or ``float`` where it is a real number as torch takes one
+    (NumPy's too), else ``None`` (a bool, ``nan``, ``inf``)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        return integer(value) if isinstance(value, numbers.Integral) else float(value)
+    return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, integer
 
 __all__ = ["PRECISIONS", "Precision"]
 
@@ -48,9 +48,10 @@ class Precision:
             if f.name == "name":
                 continue
             v = getattr(self, f.name)
-            low = 0 if f.name == "master" else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            low, n = (0 if f.name == "master" else 1), integer(v)
+            if n is None or n < low:
                 raise ArgumentError(f"Precision.{f.name} must be an integer >= {low} (bytes), got {v!r}")
+            object.__setattr__(self, f.name, n)
 
     @classmethod
     def named(cls, name: str) -> Precision:

@@ -17,7 +17,7 @@ from dtlab.advise.spec import (
     StrategyOptions,
 )
 from dtlab.core import pairs
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, integer
 
 __all__ = ["Advice", "Limits", "advise", "candidates", "runnable"]
 
@@ -161,8 +161,10 @@ def advise(
     """Every feasible plan (fits in memory, every size divides), fastest predicted step first
     (ties: least memory). ``memo``: what earlier predictions with the same ``spec``, ``optimizer``,
     ``options`` and ``precision`` computed (:func:`dtlab.advise.predict.predict`'s), reused."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+    batch = integer(global_batch)
+    if batch is None or batch < 1:
         raise ArgumentError(f"global_batch must be an integer >= 1, got {global_batch!r}")
+    global_batch = batch
     lim = limits or Limits(strategies=strategies, checkpointing=tuple(
         "block" if m is True else "none" if m is False else str(m) for m in checkpointing))  # fmt: skip
     unknown = [s for s in lim.strategies if s not in DP_STRATEGIES]

@@ -13,7 +13,7 @@ from typing import Literal
 
 from dtlab.core import pairs
 from dtlab.core.plan import TP_BATCH_CHECKS, RunPlan, TpBatchCheckWhen
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, integer, real
 
 __all__ = [
     "CHECKPOINTING",
@@ -40,16 +40,16 @@ DpStrategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp"]
 Checkpointing = Literal["none", "block", "stage"]
 
 
-def _positive(owner: str, **values: int | float) -> None:
-    for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-            raise ArgumentError(f"{owner}.{name} must be a number > 0, got {v!r}")
-
-
-def _positive_int(owner: str, **values: int) -> None:
-    for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ArgumentError(f"{owner}.{name} must be an integer >= 1, got {v!r}")
+def _numbers(spec: object, *names: str, whole: bool = False, zero: bool = False) -> None:
+    """Refuses ``spec``'s fields ``names`` unless each is an integer >= 1 (``whole``) or a number > 0
+    (>= 0 with ``zero``), and stores each as a Python number (a NumPy one converted)."""
+    for name in names:
+        v = getattr(spec, name)
+        n = integer(v) if whole else real(v)
+        if n is None or n < (1 if whole else 0) or (n == 0 and not zero):
+            what = "an integer >= 1" if whole else "a number >= 0" if zero else "a number > 0"
+            raise ArgumentError(f"{type(spec).__name__}.{name} must be {what}, got {v!r}")
+        object.__setattr__(spec, name, n)
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,7 @@ class ModelSpec:
     fused_attention: bool = True
 
     def __post_init__(self) -> None:
-        _positive_int(
-            "ModelSpec",
-            layers=self.layers,
-            hidden=self.hidden,
-            heads=self.heads,
-            vocab=self.vocab,
-            seq_len=self.seq_len,
-        )
+        _numbers(self, "layers", "hidden", "heads", "vocab", "seq_len", whole=True)
         if self.hidden % self.heads:
             raise ArgumentError(
                 f"ModelSpec: hidden={self.hidden} is not divisible by heads={self.heads}; pick heads "
@@ -120,7 +113,10 @@ class ModelSpec:
         """The transformer of ``layers`` blocks whose parameter count is nearest ``parameters``: the
         hidden size solves ``12 L h^2 + ((2 or 1) V + s + 13 L + 2) h = N``, rounded to a multiple of
         ``heads``."""
-        _positive_int("ModelSpec", parameters=parameters, layers=layers, heads=heads)
+        for name, v in (("parameters", parameters), ("layers", layers), ("heads", heads)):
+            if integer(v) is None or v < 1:
+                raise ArgumentError(f"ModelSpec.{name} must be an integer >= 1, got {v!r}")
+        parameters, layers, heads = int(parameters), int(layers), int(heads)
         a, b = 12 * layers, (1 if tied_embeddings else 2) * vocab + seq_len + 13 * layers + 2
         root = (-b + math.sqrt(b * b + 4 * a * parameters)) / (2 * a)
         hidden = max(heads, heads * round(root / heads))
@@ -160,18 +156,9 @@ class ClusterSpec:
     gemm_knee: float = 64.0
 
     def __post_init__(self) -> None:
-        _positive_int("ClusterSpec", ranks=self.ranks, ranks_per_node=self.ranks_per_node)
-        _positive(
-            "ClusterSpec",
-            memory_gib=self.memory_gib,
-            tflops=self.tflops,
-            bandwidth_gbps=self.bandwidth_gbps,
-            inter_node_bandwidth_gbps=self.inter_node_bandwidth_gbps,
-        )
-        for name in ("latency_us", "inter_node_latency_us", "gemm_knee"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                raise ArgumentError(f"ClusterSpec.{name} must be a number >= 0, got {v!r}")
+        _numbers(self, "ranks", "ranks_per_node", whole=True)
+        _numbers(self, "memory_gib", "tflops", "bandwidth_gbps", "inter_node_bandwidth_gbps")
+        _numbers(self, "latency_us", "inter_node_latency_us", "gemm_knee", zero=True)
 
     @property
     def memory_bytes(self) -> int:
@@ -221,7 +208,7 @@ class StrategyOptions:
     find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
-        _positive("StrategyOptions", bucket_cap_mb=self.bucket_cap_mb)
+        _numbers(self, "bucket_cap_mb")
         if self.tp_batch_check not in TP_BATCH_CHECKS:
             raise ArgumentError(
                 f"StrategyOptions.tp_batch_check must be one of {', '.join(map(repr, TP_BATCH_CHECKS))}, "
@@ -269,14 +256,7 @@ class Candidate:
             raise ArgumentError(
                 f"Candidate.strategy must be one of {', '.join(DP_STRATEGIES)}, got {self.strategy!r}"
             )
-        _positive_int(
-            "Candidate",
-            dp=self.dp,
-            tp=self.tp,
-            pp=self.pp,
-            micro_batches=self.micro_batches,
-            stages_per_rank=self.stages_per_rank,
-        )
+        _numbers(self, "dp", "tp", "pp", "micro_batches", "stages_per_rank", whole=True)
         if self.pp > 1 and self.schedule not in SCHEDULES:
             raise ArgumentError(
                 f"Candidate with pp={self.pp} needs a schedule in {', '.join(SCHEDULES)}, got "

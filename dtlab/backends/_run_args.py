@@ -5,29 +5,31 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Sequence
 
-from dtlab.errors import ArgumentError, ArgumentTypeError
+from dtlab.errors import ArgumentError, ArgumentTypeError, integer
 
 __all__ = ["check_fn", "check_may_die", "check_timeout", "check_world_size"]
 
 
 def check_world_size(caller: str, world_size: object) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
+    n = integer(world_size)
+    if n is None:
         raise ArgumentTypeError(
             f"{caller}: world_size must be an int, got {world_size!r} ({type(world_size).__name__}); "
             f"e.g. {caller}(2, fn)"
         )
-    if world_size < 1:
+    if n < 1:
         raise ArgumentError(f"{caller}: world_size must be >= 1, got {world_size}")
 
 
 def check_timeout(caller: str, name: str, timeout: object) -> None:
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):  # NumPy's too
         raise ArgumentTypeError(
             f"{caller}: {name} must be a number of seconds, got {timeout!r} ({type(timeout).__name__})"
         )
-    if not (math.isfinite(timeout) and timeout > 0):
+    if not (math.isfinite(timeout) and float(timeout) > 0):
         raise ArgumentError(
             f"{caller}: {name} must be a finite number of seconds > 0, got {timeout!r} "
             "(every wait is bounded), e.g. 60"
@@ -52,6 +54,6 @@ def check_fn(caller: str, fn: object) -> None:
 
 def check_may_die(caller: str, may_die: Sequence[int], world_size: int) -> None:
     """Every rank ``may_die`` names is a rank of the world (a rank outside it would excuse no one)."""
-    bad = [r for r in may_die if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
+    bad = [r for r in may_die if integer(r) is None or not 0 <= r < world_size]
     if bad:
         raise ArgumentError(f"{caller}: may_die={list(may_die)} names {bad}, not ranks of [0, {world_size})")

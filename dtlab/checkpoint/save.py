@@ -255,7 +255,7 @@ def save_checkpoint(
     (letters and digits, no ``-``) marks this run's temporary names; without it each call is its own.
     A failure on any rank: a :class:`CheckpointError` on every rank, the earlier checkpoints intact.
     """
-    check_save_arguments(
+    step, keep_last = check_save_arguments(
         root, step, backend, (model_state, optim_state, rank_state, meta), keep_last, run_tag
     )
     root = Path(root)

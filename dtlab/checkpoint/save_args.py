@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import re
+from typing import cast
 
 import torch
 
 from dtlab.backends.base import check_backend
 from dtlab.core.state import ShardedState
-from dtlab.errors import ArgumentError, ArgumentTypeError
+from dtlab.errors import ArgumentError, ArgumentTypeError, integer
 
 __all__ = ["check_save_arguments"]
 
@@ -25,14 +26,16 @@ def check_save_arguments(
     states: tuple[object, object, object, object],
     keep_last: object,
     run_tag: object,
-) -> None:
-    """``states``: the model state, the optimizer state, the rank state and the metadata."""
+) -> tuple[int, int]:
+    """``step`` and ``keep_last`` as Python ints (NumPy's converted); ``states``: the model state, the
+    optimizer state, the rank state and the metadata."""
     who = "save_checkpoint"
     if not isinstance(root, str | os.PathLike):
         raise ArgumentTypeError(f"{who}: root must be a directory path (str or Path), got {root!r}")
-    for name, n, low in (("step", step, 0), ("keep_last", keep_last, 0)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < low:
-            raise ArgumentError(f"{who}: {name} must be an int >= {low}, got {n!r}")
+    counts = integer(step), integer(keep_last)
+    for name, value, n in zip(("step", "keep_last"), (step, keep_last), counts, strict=True):
+        if n is None or n < 0:
+            raise ArgumentError(f"{who}: {name} must be an int >= 0, got {value!r}")
     check_backend(backend, who)
     model_state, optim_state, rank_state, meta = states
     if not isinstance(model_state, ShardedState):
@@ -55,3 +58,4 @@ def check_save_arguments(
         )
     if run_tag is not None and not (isinstance(run_tag, str) and _TAG.fullmatch(run_tag)):
         raise ArgumentError(f"{who}: run_tag must be letters and digits (or None), got {run_tag!r}")
+    return cast(tuple[int, int], counts)

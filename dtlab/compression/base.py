@@ -33,7 +33,7 @@ from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.finite import FiniteCheck
 from dtlab.compression.kernels import write_sparse
 from dtlab.compression.prefilter import Prefilter
-from dtlab.errors import ConfigError, DtlabError, check_switches
+from dtlab.errors import ConfigError, DtlabError, check_switches, integer, real
 
 __all__ = [
     "Compressor",
@@ -166,13 +166,13 @@ class Compressor(ABC):
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ConfigError(
-                f"{type(self).__name__}: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}"
-            )
-        seed = getattr(self, "seed", 0)  # RandomK, QSGD, PowerSGD: 'x' would fail at the first compression
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError(f"{type(self).__name__}: seed must be an integer >= 0, got {seed!r}")
+        # seed: RandomK, QSGD, PowerSGD ('x' would fail at the first compression)
+        for field in ("warmup_steps", "seed") if hasattr(self, "seed") else ("warmup_steps",):
+            v = getattr(self, field)
+            n = integer(v)
+            if n is None or n < 0:
+                raise ConfigError(f"{type(self).__name__}: {field} must be an integer >= 0, got {v!r}")
+            object.__setattr__(self, field, n)  # a NumPy integer as a Python one
         check_switches(type(self).__name__, error_feedback=self.error_feedback)
 
     def validate_numel(self, numel: int, key: str) -> None:
@@ -265,18 +265,19 @@ class SparseCompressor(Compressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        d = self.density
-        if isinstance(d, bool) or not isinstance(d, int | float) or not math.isfinite(d) or not 0 < d <= 1:
+        d, r = real(self.density), integer(self.ramp_steps)
+        if d is None or not 0 < d <= 1:
             raise ConfigError(
                 f"{type(self).__name__}: density must be in (0, 1] (the fraction of gradient elements "
-                f"sent, e.g. 0.01), got {d!r}"
+                f"sent, e.g. 0.01), got {self.density!r}"
             )
-        r = self.ramp_steps
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        if r is None or r < 0:
             raise ConfigError(
                 f"{type(self).__name__}: ramp_steps must be an integer >= 0 (compressed iterations "
-                f"over which the density falls from 25% to density; 0: no ramp), got {r!r}"
+                f"over which the density falls from 25% to density; 0: no ramp), got {self.ramp_steps!r}"
             )
+        object.__setattr__(self, "density", d)  # NumPy numbers as Python ones
+        object.__setattr__(self, "ramp_steps", r)
 
     def at_step(self, step: int) -> SparseCompressor:
         """``self`` with the ramp's density at compressed iteration ``step`` while ``step <

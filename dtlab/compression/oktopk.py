@@ -62,7 +62,7 @@ from dtlab.compression.sparse import (
     threshold_of_sample,
 )
 from dtlab.compression.topkdsa import equal_bounds
-from dtlab.errors import ConfigError
+from dtlab.errors import ConfigError, integer
 
 __all__ = ["OkTopk"]
 
@@ -106,8 +106,10 @@ class OkTopk(SparseCompressor):
         super().__post_init__()
         for field in ("tau", "tau_prime"):
             v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            n = integer(v)
+            if n is None or n < 1:
                 raise ConfigError(f"OkTopk: {field} must be an integer >= 1 (iterations), got {v!r}")
+            object.__setattr__(self, field, n)
 
     def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"t": 0, "local_thr": 0.0, "global_thr": 0.0, "bounds": None, "work": Magnitudes()}

@@ -46,7 +46,7 @@ from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.compression.base import Compressor, Exchange, Layout, Prefilter, check_layout, dense_exchange
 from dtlab.compression.powersgd_kernels import add_project, back, factor_shapes, finish, project, split
 from dtlab.compression.state_io import Buffers
-from dtlab.errors import ConfigError
+from dtlab.errors import ConfigError, integer, real
 
 __all__ = ["PowerSGD"]
 
@@ -70,14 +70,16 @@ class PowerSGD(Compressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+        rank, rate = integer(self.rank), real(self.min_compression_rate)
+        if rank is None or rank < 1:
             raise ConfigError(f"PowerSGD: rank must be an integer >= 1, got {self.rank!r}")
-        rate = self.min_compression_rate
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 1.0 <= rate < math.inf:
+        if rate is None or rate < 1:
             raise ConfigError(
                 f"PowerSGD: min_compression_rate must be a finite number >= 1 (1: compress whenever the "
-                f"factors are smaller than the tensor), got {rate!r}"
+                f"factors are smaller than the tensor), got {self.min_compression_rate!r}"
             )
+        object.__setattr__(self, "rank", rank)  # NumPy numbers as Python ones
+        object.__setattr__(self, "min_compression_rate", rate)
 
     def compresses(self, rows: int, cols: int) -> bool:
         """The skip rule: is a ``rows x cols`` matrix sent as rank-``r`` factors?"""

@@ -21,7 +21,7 @@ from dtlab.backends.base import CommunicationBackend
 from dtlab.compression.base import Compressor, Exchange
 from dtlab.compression.kernels import qsgd_decode_mean, qsgd_encode, qsgd_noise_key
 from dtlab.compression.state_io import Buffers
-from dtlab.errors import ConfigError
+from dtlab.errors import ConfigError, integer
 
 __all__ = ["QSGD"]
 
@@ -37,16 +37,15 @@ class QSGD(Compressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.levels, bool) or not isinstance(self.levels, int) or not 1 <= self.levels <= 127:
+        levels, bucket = integer(self.levels), integer(self.bucket_size)
+        if levels is None or not 1 <= levels <= 127:
             raise ConfigError(
                 f"QSGD: levels must be an integer in [1, 127] (int8 codes), got {self.levels!r}"
             )
-        if (
-            isinstance(self.bucket_size, bool)
-            or not isinstance(self.bucket_size, int)
-            or self.bucket_size < 1
-        ):
+        if bucket is None or bucket < 1:
             raise ConfigError(f"QSGD: bucket_size must be an integer >= 1, got {self.bucket_size!r}")
+        object.__setattr__(self, "levels", levels)  # NumPy integers as Python ones
+        object.__setattr__(self, "bucket_size", bucket)
 
     def new_state(self, key: str, numel: int) -> dict[str, Any]:  # noqa: ARG002 - the Compressor interface; this algorithm does not use it
         return {"t": 0, "buffers": Buffers()}

@@ -57,7 +57,7 @@ from dtlab.compression.state_io import decode_state, encode_state
 from dtlab.compression.stats import StepStatistics
 from dtlab.compression.tp_parts import OWN, WHOLE, Ranges, TpParts
 from dtlab.core.reducer import DenseReducer, GradientReducer
-from dtlab.errors import CheckpointError, ConfigError, DtlabError, StrategyError
+from dtlab.errors import CheckpointError, ConfigError, DtlabError, StrategyError, integer
 
 __all__ = ["CompressedReducer"]
 
@@ -88,11 +88,11 @@ class CompressedReducer(GradientReducer):
                 f"compressor must be a dtlab.compression compressor such as OkTopk(density=0.01), "
                 f"got {type(compressor).__name__}"
             )
-        if isinstance(dense_below, bool) or not isinstance(dense_below, int) or dense_below < 0:
+        if (below := integer(dense_below)) is None or below < 0:
             raise ConfigError(f"dense_below must be an integer >= 0 (elements), got {dense_below!r}")
         if nonfinite not in ("raise", "skip"):
             raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
-        self.compressor, self.dense_below, self.nonfinite = compressor, dense_below, nonfinite
+        self.compressor, self.dense_below, self.nonfinite = compressor, below, nonfinite
         self.error_feedback = ErrorFeedback(momentum_correction)
         self.momentum_correction = self.error_feedback.momentum
         # at density 1.0 momentum factor masking would zero the whole velocity: send dense (as DGC)

@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Literal, cast, get_args
 
 from dtlab.core.pairs import DATA_PARALLEL, SCHEDULES
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, integer
 
 __all__ = ["AUTO", "TP_BATCH_CHECKS", "RunPlan", "TensorPlanSpec", "TpBatchCheck", "check_schedule_args"]
 
@@ -36,9 +36,10 @@ TensorPlanSpec = str | Mapping[str, object]
 
 
 def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    n = integer(value)
+    if n is None or n < 1:
         raise ArgumentError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return n
 
 
 #: how often a tensor-parallel model checks its tp group's batches (:class:`TpBatchCheck`)

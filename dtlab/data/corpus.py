@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dtlab.data.dataset import TensorDataset
+from dtlab.errors import integer
 
 __all__ = ["load_digits_dataset", "load_stdlib_corpus", "stdlib_lm_dataset"]
 
@@ -29,10 +30,11 @@ def stdlib_files() -> list[Path]:
 
 def load_stdlib_corpus(max_bytes: int) -> bytes:
     """Up to ``max_bytes`` of standard-library source, whole files in name order (the last one cut)."""
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < MIN_BYTES:
+    if integer(max_bytes) is None or max_bytes < MIN_BYTES:
         raise ValueError(
             f"max_bytes must be an int >= {MIN_BYTES} (bytes of source to read), got {max_bytes!r}"
         )
+    max_bytes = int(max_bytes)
     parts: list[bytes] = []
     total = 0
     for path in stdlib_files():
@@ -52,8 +54,9 @@ def load_stdlib_corpus(max_bytes: int) -> bytes:
 
 def stdlib_lm_dataset(max_bytes: int, seq_len: int) -> TensorDataset:
     """Non-overlapping windows: input = ``seq_len`` bytes, target = the same shifted by one byte."""
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+    if integer(seq_len) is None or seq_len < 1:
         raise ValueError(f"seq_len must be an int >= 1 (bytes per window), got {seq_len!r}")
+    seq_len = int(seq_len)
     data = torch.frombuffer(bytearray(load_stdlib_corpus(max_bytes)), dtype=torch.uint8).long()
     n = (data.numel() - 1) // seq_len
     if n < 2:

@@ -3,14 +3,13 @@ communication (each names the value and what to pass instead), then that every r
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, check_backend
-from dtlab.errors import ArgumentError, ArgumentTypeError, StrategyError
+from dtlab.errors import ArgumentError, ArgumentTypeError, StrategyError, integer, real
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers._elementwise import check_elementwise
 from dtlab.optimizers._groups import OptimizerSpec, refuse_closure_driven, refuse_sparse_only
@@ -53,13 +52,12 @@ def check_arguments(
     # a server steps its shard's pieces of the parameters, flat: Adafactor, Muon, LAMB... would not
     spec = OptimizerSpec(optimizer_cls, dict(optimizer_kwargs), groups or [dict(optimizer_kwargs)], None, [])
     check_elementwise("AsyncSGDOptimizer", spec, spec.groups, backend.device, flat=True)
-    bad = isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0
-    if staleness is not None and bad:
+    if staleness is not None and (integer(staleness) is None or staleness < 0):
         raise ArgumentError(
             f"AsyncSGDOptimizer: staleness must be an int >= 0 (0: synchronous) or None (fully "
             f"asynchronous), got {staleness!r}"
         )
-    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
+    if integer(num_servers) is None or num_servers < 1:
         raise ArgumentError(f"AsyncSGDOptimizer: num_servers must be an int >= 1, got {num_servers!r}")
     if num_servers >= backend.world_size:
         raise ArgumentError(
@@ -67,10 +65,11 @@ def check_arguments(
             f"{backend.world_size} ranks; use at most {backend.world_size - 1} servers (or more ranks)"
         )
     if max_grad_norm is not None:
-        m = max_grad_norm
-        if isinstance(m, bool) or not isinstance(m, int | float) or not math.isfinite(m) or m <= 0:
+        m = real(max_grad_norm)
+        if m is None or m <= 0:
             raise ArgumentError(
-                f"AsyncSGDOptimizer: max_grad_norm must be a finite number > 0 (or None), got {m!r}"
+                f"AsyncSGDOptimizer: max_grad_norm must be a finite number > 0 (or None), got "
+                f"{max_grad_norm!r}"
             )
         if staleness != 0:
             raise ArgumentError(

@@ -88,8 +88,8 @@ class AsyncSGDOptimizer:
         check_real("AsyncSGDOptimizer", named)
         self.module = module
         self.backend = backend
-        self.staleness = staleness
-        self.num_servers = num_servers
+        self.staleness = None if staleness is None else int(staleness)
+        self.num_servers = num_servers = int(num_servers)
         self.num_workers = backend.world_size - num_servers
         self.is_server = backend.rank < num_servers
         self._unit = FlatUnit("async_sgd", named, num_servers, min(backend.rank, num_servers - 1))

@@ -44,7 +44,7 @@ import torch
 
 from dtlab.backends.base import CommunicationBackend, ReduceOp
 from dtlab.checkpoint.agree import agree, read_on_src
-from dtlab.errors import CheckpointError, DtlabError, StrategyError
+from dtlab.errors import CheckpointError, DtlabError, StrategyError, integer
 from dtlab.optimizers._elastic_commit import (
     Commit,
     CommitKey,
@@ -128,12 +128,12 @@ class ElasticOptimizer(WrappingStrategy):
             )
         if isinstance(inner, ElasticOptimizer):
             raise StrategyError("ElasticOptimizer is already applied; wrap the inner strategy once")
-        if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
+        if integer(commit_every) is None or commit_every < 1:
             raise StrategyError(
                 f"commit_every must be an integer >= 1 (steps between commits), got {commit_every!r}; "
                 "at most that many steps are redone after a rank is lost"
             )
-        if isinstance(copy_to, bool) or not isinstance(copy_to, int) or copy_to < 1:
+        if integer(copy_to) is None or copy_to < 1:
             raise StrategyError(
                 f"copy_to must be an integer >= 1 (rank r's copy goes to rank r + copy_to), got "
                 f"{copy_to!r}; with several ranks per node pass the ranks per node"
@@ -142,9 +142,9 @@ class ElasticOptimizer(WrappingStrategy):
         self.inner = inner
         self.model = inner.model
         self.compatible_models = inner.compatible_models  # type: ignore[misc]
-        self.commit_every = commit_every
+        self.commit_every = int(commit_every)
         #: rank r's copy goes to rank r + copy_to (1 if the world is not larger than that)
-        self.copy_to = copy_to
+        self.copy_to = int(copy_to)
         self.member: ElasticMember = member if member is not None else StaticMember()
         #: counts the worlds this job's commits came from (a restore starts the next one)
         self.generation = 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtlab.errors import ArgumentError, DtlabError
+from dtlab.errors import ArgumentError, DtlabError, integer, real
 
 __all__ = ["EarlyStopping", "NonFiniteError", "NonFiniteGuard"]
 
@@ -23,7 +23,7 @@ class NonFiniteGuard:
     skipped_steps: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:  # as train.max_nonfinite_steps (ge=1): -1 would stop at the first
-        _check_count("NonFiniteGuard.max_in_row", self.max_in_row, 1)
+        self.max_in_row = _count("NonFiniteGuard.max_in_row", self.max_in_row, 1)
 
     def update(self, finite: bool, step: int) -> None:
         """Record the agreed verdict of ``step``; raises after ``max_in_row`` skipped steps in a row."""
@@ -58,13 +58,11 @@ class EarlyStopping:
     bad_evals: int = 0
 
     def __post_init__(self) -> None:  # as train.early_stopping_patience (ge=0: 0 is off)
-        _check_count("EarlyStopping.patience", self.patience, 0)
-        if (
-            isinstance(self.min_delta, bool)
-            or not isinstance(self.min_delta, int | float)
-            or not self.min_delta >= 0
-        ):
+        self.patience = _count("EarlyStopping.patience", self.patience, 0)
+        delta = real(self.min_delta)
+        if delta is None or delta < 0:
             raise ArgumentError(f"EarlyStopping.min_delta must be a number >= 0, got {self.min_delta!r}")
+        self.min_delta = delta
 
     def update(self, eval_loss: float) -> bool:
         """Local verdict (the trainer turns it into a consensus with ``agree``)."""
@@ -84,6 +82,8 @@ class EarlyStopping:
         self.bad_evals = int(state["bad_evals"])
 
 
-def _check_count(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+def _count(name: str, value: object, low: int) -> int:
+    n = integer(value)
+    if n is None or n < low:
         raise ArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+    return n

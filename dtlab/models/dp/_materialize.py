@@ -23,7 +23,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dtlab.core.rng import model_building, seeded_init
 from dtlab.core.torch_private import tensor_version
-from dtlab.errors import ArgumentError, StrategyError
+from dtlab.errors import ArgumentError, StrategyError, integer
 from dtlab.models.dp._hf_init import HFInit
 from dtlab.models.dp._sharded_units import ShardUnit
 from dtlab.models.dp.flat import Slot
@@ -92,7 +92,7 @@ def on_meta(
     when no parameter is: ``who``'s checks of a meta build, raised with the value and the fix (``part``:
     what each rank initializes; ``misuse``: the error class of init arguments given to a module not on
     meta)."""
-    if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
+    if init_seed is not None and integer(init_seed) is None:
         raise ArgumentError(f"{who}: init_seed must be an int, got {init_seed!r}")
     if param_init_fn is not None and not callable(param_init_fn):
         raise ArgumentError(f"{who}: param_init_fn must be a callable taking a module, got {param_init_fn!r}")
@@ -119,7 +119,7 @@ def on_meta(
             f"pass init_seed=<int> so each rank materializes and initializes only {part} (the values "
             "equal the model built plainly under dtlab.core.seeded_init(init_seed), then wrapped)"
         )
-    return init_seed
+    return int(init_seed)
 
 
 def own_tensors(mod: nn.Module) -> list[OwnTensor]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend, Work
 from dtlab.core.broadcast import broadcast_from_rank0
-from dtlab.errors import StrategyError
+from dtlab.errors import StrategyError, real
 from dtlab.models.dp._grad_guard import tensor_bytes
 from dtlab.models.dp._unused import grads_filled
 from dtlab.models.dp.data_parallel import DataParallelModel
@@ -80,17 +80,14 @@ class DDPModel(DataParallelModel):
         bucket_cap_mb: float = 25.0,
         **options: Unpack[DataParallelOptions],
     ) -> None:
-        if (
-            isinstance(bucket_cap_mb, bool)
-            or not isinstance(bucket_cap_mb, int | float)
-            or not 0 < bucket_cap_mb < 2**40
-        ):
+        cap_mb = real(bucket_cap_mb)
+        if cap_mb is None or not 0 < cap_mb < 2**40:
             raise ValueError(
                 f"bucket_cap_mb must be a number of megabytes > 0 (torch's default 25), got {bucket_cap_mb!r}"
             )
         super().__init__(module, backend, **options)
-        self.bucket_cap_mb = float(bucket_cap_mb)
-        cap = int(bucket_cap_mb * 1024 * 1024)
+        self.bucket_cap_mb = float(cap_mb)
+        cap = int(cap_mb * 1024 * 1024)
         groups: list[list[tuple[str, nn.Parameter]]] = [[]]
         size = 0
         for name, param in reversed(self._trainable):

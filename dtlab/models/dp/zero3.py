@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, integer
 from dtlab.models.dp._grad_guard import watch_plain_steps
 from dtlab.models.dp._sharded import ShardedModel, ShardedOptions, UnitPlan
 
@@ -68,7 +68,7 @@ class ZeRO3Model(ShardedModel):
                 "use FSDPModel(module, backend, reshard_after_forward=False) (more memory, one "
                 "all-gather fewer per step), with ZeRO3Optimizer as for ZeRO-3"
             )
-        if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
+        if integer(persistence_threshold) is None or persistence_threshold < 0:
             raise ValueError(f"persistence_threshold must be an int >= 0, got {persistence_threshold!r}")
         if not isinstance(leaf_modules, tuple | list):
             raise TypeError(

@@ -23,7 +23,7 @@ import torch
 from dtlab.backends.base import CommunicationBackend, ReduceOp, check_backend
 from dtlab.core.placement import Shard
 from dtlab.core.traced import eager_when_traced
-from dtlab.errors import ArgumentTypeError, StrategyError
+from dtlab.errors import ArgumentTypeError, StrategyError, integer
 
 __all__ = [
     "SharedInput",
@@ -115,7 +115,7 @@ def tp_size(group: object, who: str, **sizes: object) -> int:
     not a backend and ``sizes`` (its feature counts) that are not ints >= 0, before either is read."""
     check_backend(group, f"{who}(group=...)")
     for name, n in sizes.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if integer(n) is None or cast(int, n) < 0:
             raise ArgumentTypeError(f"{who}: {name} must be an int >= 0, got {n!r}")
     return cast(CommunicationBackend, group).world_size
 
