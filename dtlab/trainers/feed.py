@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from dtlab.data import DistributedSampler
 from dtlab.errors import DataError
+from dtlab.trainers.worker_draws import PlacedSampler, SeededFetch
 
 __all__ = ["DataFeed"]
 
@@ -59,10 +60,13 @@ class DataFeed:
         )
         self.steps_per_epoch = self.sampler.num_samples // (global_batch_size // world_size)
         self.pin_memory = pin_memory and self.device.type == "cuda"
-        self.loader = DataLoader(
-            dataset,
+        # in worker processes a sample's random draws (augmentation) are seeded by its place in the
+        # epoch, so a resume mid-epoch draws what the uninterrupted run drew (worker_draws.py)
+        placed = num_workers > 0
+        self.loader: DataLoader[Any] = DataLoader(
+            SeededFetch(dataset) if placed else dataset,
             batch_size=global_batch_size // per_step,
-            sampler=self.sampler,
+            sampler=PlacedSampler(self.sampler) if placed else self.sampler,
             drop_last=True,
             num_workers=num_workers,
             pin_memory=self.pin_memory,
