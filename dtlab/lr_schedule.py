@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:  # the config section where it is defined (``dtlab.config`` imports this module)
     from dtlab.config_sections.optimizer import OptimizerConfig
 
-__all__ = ["build_scheduler", "check_torch_scheduler", "lr_factor", "torch_scheduler_names"]
+__all__ = ["LENGTH_ARGS", "build_scheduler", "check_torch_scheduler", "lr_factor", "torch_scheduler_names"]
 
 #: classes that need code or another scheduler (LambdaLR, ...) or a metric (ReduceLROnPlateau)
 _NOT_FROM_CONFIG = frozenset(
@@ -28,7 +28,7 @@ _NOT_FROM_CONFIG = frozenset(
      "ReduceLROnPlateau"}
 )  # fmt: skip
 #: arguments that default to the run's length when not given
-_LENGTH_ARGS = ("total_steps", "T_max", "total_iters")
+LENGTH_ARGS = ("total_steps", "T_max", "total_iters")
 
 
 def lr_factor(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
@@ -71,7 +71,7 @@ def _torch_scheduler(
         )
     cls = getattr(torch.optim.lr_scheduler, name)
     params = [p for p in inspect.signature(cls).parameters if p not in ("self", "optimizer")]
-    kwargs: dict[str, Any] = {k: total_steps for k in _LENGTH_ARGS if k in params}
+    kwargs: dict[str, Any] = {k: total_steps for k in LENGTH_ARGS if k in params}
     kwargs.update(cfg.torch_scheduler_args)
     try:
         scheduler: torch.optim.lr_scheduler.LRScheduler = cls(optimizer, **kwargs)

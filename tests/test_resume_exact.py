@@ -1,11 +1,21 @@
 """A resumed run equals the uninterrupted one: the parts of the state whose restoring the other resume
-tests do not reach (DataLoader workers' random draws mid-epoch)."""
+tests do not reach (DataLoader workers' random draws mid-epoch), and what a resume cannot make equal
+refused rather than changed silently (a torch scheduler's saved run length when train.steps changes)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
 import torch
 from torch.utils.data import Dataset
 
+from dtlab.config import TrainConfig, load_config
+from dtlab.errors import RankFailedError
+from dtlab.testing import TINY_LM
+from dtlab.trainers import run_training
 from dtlab.trainers.feed import DataFeed
 
 
@@ -40,3 +50,50 @@ def test_a_workers_augmentation_resumed_mid_epoch_draws_what_the_uninterrupted_r
     fresh = _batches(DataFeed(data, 8, 2, 1, 2, seed=3, num_workers=1), 3)
     assert all(torch.equal(a, b) for a, b in zip(fresh, first, strict=True))
     assert (first[0] != first[0].round()).all()  # the noise was drawn
+
+
+def _cfg(tmp: Path, *extra: str) -> TrainConfig:
+    tiny = ["backend.name=inmemory", "backend.world_size=2", *TINY_LM, "train.eval_every=0"]
+    return load_config(overrides=[*tiny, "logging.progress=false", f"logging.run_dir={tmp / 'run'}", *extra])
+
+
+def _sequential(length: int) -> Callable[[torch.optim.Optimizer], Any]:
+    def build(opt: torch.optim.Optimizer) -> Any:
+        warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=1)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=length)
+        return torch.optim.lr_scheduler.SequentialLR(opt, [warm, cosine], milestones=[1])
+
+    return build
+
+
+def test_a_torch_schedulers_saved_length_is_not_kept_silently_when_train_steps_changes(
+    tmp_path: Path,
+) -> None:
+    cosine = [
+        "optimizer.schedule=torch",
+        "optimizer.warmup_steps=0",
+        "optimizer.torch_scheduler=CosineAnnealingLR",
+    ]
+    ck = tmp_path / "ck"
+    run_training(_cfg(tmp_path, *cosine, "train.steps=3", f"checkpoint.dir={ck}", "checkpoint.every=2"))
+    step2 = f"checkpoint.resume={ck / 'step_00000002'}"
+    # train.steps 3 -> 6: the saved T_max=3 would have the rate climb back after step 3
+    with pytest.raises(RankFailedError, match=r"CosineAnnealingLR has T_max=3, this run builds T_max=6 "
+                       r"\(train.steps=3 when saved, 6 now\).*resume with train.steps=3.*"
+                       r"optimizer.torch_scheduler_args=\{T_max: 3\}"):  # fmt: skip
+        run_training(_cfg(tmp_path, *cosine, "train.steps=6", step2))
+    pinned = "optimizer.torch_scheduler_args={T_max: 3}"  # the fix it names: the saved schedule goes on
+    assert run_training(_cfg(tmp_path, *cosine, pinned, "train.steps=4", step2))[0].final_step == 4
+    # a scheduler_factory's SequentialLR: the length of a part
+    sk = tmp_path / "sk"
+    cfg = _cfg(
+        tmp_path, "optimizer.warmup_steps=0", "train.steps=3", f"checkpoint.dir={sk}", "checkpoint.every=2"
+    )
+    run_training(cfg, scheduler_factory=_sequential(2))
+    again = _cfg(
+        tmp_path, "optimizer.warmup_steps=0", "train.steps=3", f"checkpoint.resume={sk / 'step_00000002'}"
+    )
+    with pytest.raises(RankFailedError, match=r"SequentialLR has _schedulers\[1\].T_max=2, this run builds "
+                       r"_schedulers\[1\].T_max=5; "):  # fmt: skip
+        run_training(again, scheduler_factory=_sequential(5))
+    assert run_training(again, scheduler_factory=_sequential(2))[0].final_step == 3

@@ -31,6 +31,7 @@ from dtlab.trainers.run_view import RunCore
 from dtlab.trainers.saved_state import Resumable, check_saved_state
 from dtlab.trainers.scheduler import (
     LRSchedulerLike,
+    length_changes,
     load_scheduler_state,
     scheduler_base_rates,
     set_scheduler_rates,
@@ -243,6 +244,34 @@ def _apply_config_hyperparameters(
     set_scheduler_rates(sched, fresh_base, [g["lr"] for g in groups])
 
 
+def _check_schedule_length(trainer: Restorable, ckpt: LoadedCheckpoint, saved: Any) -> None:
+    """A torch scheduler's saved run length (``T_max``, ``total_steps``, ``total_iters``) that differs
+    from the one built now (``train.steps`` changed): loading would keep the saved one, silently
+    (CosineAnnealingLR climbing back, OneCycleLR stopping at it): refused, naming both and the fix."""
+    if not isinstance(saved, dict):
+        return
+    changes = length_changes(trainer.scheduler.state_dict(), saved)
+    if not changes:
+        return
+    config = ckpt.meta.get("config")
+    was = config.get("train", {}).get("steps") if isinstance(config, dict) else None
+    now = trainer.config.train.steps
+    name = type(trainer.scheduler).__name__
+    has = ", ".join(f"{k}={a!r}" for k, a, _ in changes)
+    builds = ", ".join(f"{k}={b!r}" for k, _, b in changes)
+    steps = f" (train.steps={was!r} when saved, {now} now)" if was != now else ""
+    back = f"train.steps={was}" if isinstance(was, int) and was != now else "the saved length"
+    pin = ", ".join(f"{k.rsplit('.', 1)[-1]}: {a!r}" for k, a, _ in changes)
+    raise CheckpointError(
+        f"{ckpt.path}: its {name} has {has}, this run builds {builds}{steps}; a torch scheduler's saved "
+        "state keeps its length, so the schedule would not follow this run's (CosineAnnealingLR climbs "
+        "back after it, OneCycleLR stops there), while the built-in schedules do: resume with "
+        f"{back}, or continue the saved schedule as it was by building it with that length "
+        f"(optimizer.torch_scheduler_args={{{pin}}}, or in your scheduler_factory) where the scheduler "
+        "may step past it"
+    )
+
+
 def restore(trainer: Restorable, ckpt: LoadedCheckpoint) -> list[str]:
     """Load everything a checkpoint holds into ``trainer`` (parameters, optimizer unless
     ``checkpoint.reset_optimizer``, schedule, data position, guard and early-stopping counters, RNG
@@ -256,6 +285,7 @@ def restore(trainer: Restorable, ckpt: LoadedCheckpoint) -> list[str]:
             f"train; set train.steps above {t['step']} to continue it, or resume another checkpoint"
         )
     notes, changed = _optimizer_notes(trainer.config, ckpt)  # before anything is loaded: may refuse
+    _check_schedule_length(trainer, ckpt, t["scheduler"])
     trainer.model.load_sharded_state_dict(ckpt.model)
     if ckpt.optim is not None and not trainer.config.checkpoint.reset_optimizer:
         trainer.optimizer.load_sharded_state_dict(ckpt.optim)

@@ -15,9 +15,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from dtlab.errors import ArgumentTypeError
+from dtlab.lr_schedule import LENGTH_ARGS
 from dtlab.untrusted import summary
 
 __all__ = [
+    "length_changes",
     "LRSchedulerLike",
     "SchedulerFactory",
     "check_scheduler",
@@ -135,3 +137,23 @@ def set_scheduler_rates(scheduler: LRSchedulerLike, base: list[float], last: lis
         replaced["_last_lr"] = list(last)
     if replaced:
         scheduler.load_state_dict({**state, **replaced})
+
+
+def length_changes(
+    live: Mapping[str, Any], saved: Mapping[str, Any], where: str = ""
+) -> list[tuple[str, Any, Any]]:
+    """``(argument, saved value, live value)`` for each run length of a torch scheduler (``total_steps``,
+    ``T_max``, ``total_iters``; a ``SequentialLR``'s or ``ChainedScheduler``'s parts too) that differs
+    between ``saved`` and the ``live`` state built now: loading the saved state would silently keep the
+    saved length."""
+    out = [
+        (where + k, saved[k], live[k])
+        for k in LENGTH_ARGS
+        if k in live and k in saved and live[k] != saved[k]
+    ]
+    parts, saved_parts = live.get("_schedulers"), saved.get("_schedulers")
+    if isinstance(parts, list) and isinstance(saved_parts, list):
+        for i, (a, b) in enumerate(zip(parts, saved_parts, strict=False)):
+            if isinstance(a, Mapping) and isinstance(b, Mapping):
+                out += length_changes(a, b, f"{where}_schedulers[{i}].")
+    return out
