@@ -126,6 +126,9 @@ def test_mpi_timeout_names_the_operation() -> None:
     assert kind == "CollectiveTimeoutError" and op == "all_reduce", text
     assert 1.9 < seconds < 4, seconds
     assert "Abort" in text  # tells the user the communicator is gone and how to end the job
+    assert "all_reduce (operation #1 of this rank" in text and "uneven inputs" in text, (
+        text
+    )  # the likely cause
     assert recv[:2] == ("CollectiveTimeoutError", "recv(src=1, tag=7)") and 1.9 < recv[2] < 4, recv
 
 

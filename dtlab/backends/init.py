@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from dtlab.backends._mpi_wait import DEFAULT_WATCHDOG_S
 from dtlab.backends._run_args import check_timeout
 from dtlab.backends._slurm import SLURM_VARS, slurm_task
 from dtlab.backends.base import CommunicationBackend
@@ -181,10 +182,15 @@ def init_backend(
     device: str | torch.device | None = None,
     env: Mapping[str, str] | None = None,
     check_collectives: bool | None = None,
+    watchdog: float | None = DEFAULT_WATCHDOG_S,
 ) -> CommunicationBackend:
     """Start the backend ``name`` ("auto", "inmemory", "mpi", "gloo", "nccl") for this process.
 
-    ``timeout`` (seconds) bounds every operation (MPI default None: MPI's own blocking behaviour).
+    ``timeout`` (seconds) bounds every operation; on MPI (default None) it polls every operation,
+    which raises :class:`CollectiveTimeoutError` after ``timeout``.
+    ``watchdog`` (MPI only; seconds, default 600, None: off): MPI's blocking calls are watched by a
+    thread that ends the job, naming the operation, when one takes longer (torch's engines bound
+    their waits by ``timeout``).
     ``device``: where tensors live (default: ``cuda:LOCAL_RANK`` for nccl, else ``cpu``).
     ``check_collectives``: checked mode (see ``CommunicationBackend.check_collectives``); None: the
     environment variable ``DTLAB_CHECK_COLLECTIVES`` decides.
@@ -193,14 +199,20 @@ def init_backend(
         raise ArgumentTypeError(
             f"init_backend: check_collectives must be True, False or None, got {check_collectives!r}"
         )
-    backend = _start(name, timeout, device, env)
+    if watchdog is not None:
+        check_timeout("init_backend", "watchdog", watchdog)
+    backend = _start(name, timeout, device, env, watchdog)
     if check_collectives is not None:
         backend.check_collectives = check_collectives
     return backend
 
 
 def _start(
-    name: str, timeout: float | None, device: str | torch.device | None, env: Mapping[str, str] | None
+    name: str,
+    timeout: float | None,
+    device: str | torch.device | None,
+    env: Mapping[str, str] | None,
+    watchdog: float | None,
 ) -> CommunicationBackend:
     if name not in BACKEND_NAMES:
         raise ArgumentError(
@@ -233,7 +245,7 @@ def _start(
             )
         from dtlab.backends.mpi import MPIBackend
 
-        mpi = MPIBackend(timeout=timeout, device=device or "cpu")
+        mpi = MPIBackend(timeout=timeout, watchdog=watchdog, device=device or "cpu")
         if info.launcher == "slurm" and mpi.world_size != info.world_size:
             mpi.close()
             raise BackendInitError(

@@ -17,29 +17,30 @@ lacks is bridged explicitly:
   (``cuda_aware=None``, the default, asks it: ``MPIX_Query_cuda_support()``; True/False decide);
   otherwise they are staged through host memory, one copy each way.
 
-Timeouts: with ``timeout=None`` (the default) blocking calls are MPI's blocking calls and a dead peer
-is the launcher's business — MPICH's ``mpiexec`` (Hydra) and Open MPI's ``mpirun`` kill the remaining
-processes and exit non-zero. With ``timeout=t`` every operation is started non-blocking and polled;
-one that has not completed after ``t`` seconds raises :class:`CollectiveTimeoutError` naming it.
-The communicator is unusable after that (MPI cannot cancel a collective); end the job with
-``MPI.COMM_WORLD.Abort(1)``. An exception no code catches ends the job too (``_mpi_abort.py``).
+Bounded waits (``_mpi_wait.py``): by default blocking calls are MPI's blocking calls, watched by a
+thread that ends the job after ``watchdog`` seconds (600) in one operation, naming it. With
+``timeout=t`` every operation is started non-blocking and polled; one that has not completed after
+``t`` seconds raises :class:`CollectiveTimeoutError` naming it. The communicator is unusable after that
+(MPI cannot cancel a collective); end the job with ``MPI.COMM_WORLD.Abort(1)``. A dead peer is the
+launcher's business (MPICH's ``mpiexec`` and Open MPI's ``mpirun`` stop the job); an exception no code
+catches ends the job too (``_mpi_abort.py``).
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dtlab.backends._checked import mismatch_hint
 from dtlab.backends._mpi_abort import AbortOnUncaught
 from dtlab.backends._mpi_half import HalfSum
 from dtlab.backends._mpi_support import _Buffers, _import_mpi, _MPIWork, query_cuda_support
+from dtlab.backends._mpi_vectors import all_gather_v, all_to_all
+from dtlab.backends._mpi_wait import DEFAULT_WATCHDOG_S, Waits, Watch, Watchdog
 from dtlab.backends._run_args import check_timeout
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 from dtlab.backends.stats import CommStats
-from dtlab.errors import ArgumentError, CollectiveMismatchError, CollectiveTimeoutError
+from dtlab.errors import ArgumentError, CollectiveMismatchError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -52,7 +53,9 @@ _AVG = ReduceOp.AVG
 class MPIBackend(CommunicationBackend):
     """One rank of an MPI communicator (``MPI.COMM_WORLD`` unless ``comm`` is given).
 
-    ``timeout`` (seconds, or None for MPI's own blocking behaviour) bounds every operation;
+    ``timeout`` (seconds) bounds every operation, polled, raising :class:`CollectiveTimeoutError`;
+    ``watchdog`` (seconds; default 600, None: none) ends the job when a blocking call takes longer
+    (``shared_watchdog``: the one of the backend this is a group of);
     ``device`` is where this rank's tensors live (``cpu`` or ``cuda:i``); ``cuda_aware`` says the
     MPI library reads CUDA memory itself (None: ask the library; otherwise CUDA tensors are staged
     through host memory).
@@ -63,13 +66,16 @@ class MPIBackend(CommunicationBackend):
         comm: MPI.Comm | None = None,
         *,
         timeout: float | None = None,
+        watchdog: float | None = DEFAULT_WATCHDOG_S,
         device: str | torch.device = "cpu",
         cuda_aware: bool | None = None,
         stats_parent: CommStats | None = None,
+        shared_watchdog: Watchdog | None = None,
     ) -> None:
         mpi = _import_mpi()
-        if timeout is not None:  # None: MPI's own blocking waits
-            check_timeout("MPIBackend", "timeout", timeout)
+        for name, value in (("timeout", timeout), ("watchdog", watchdog)):
+            if value is not None:  # None: unbounded
+                check_timeout("MPIBackend", name, value)
         self._mpi = mpi
         self._comm = comm if comm is not None else mpi.COMM_WORLD
         super().__init__(self._comm.Get_rank(), self._comm.Get_size(), stats_parent=stats_parent)
@@ -86,9 +92,16 @@ class MPIBackend(CommunicationBackend):
             {d: t for d, t in self._buf.types.items() if d is not torch.bool} if timeout is None else {}
         )
         self._ops = self._buf.ops
-        self._half = HalfSum(self._comm, self._buf, self.wait_request, polled=timeout is not None)
         world = self._comm == mpi.COMM_WORLD and self._world_size > 1  # an uncaught exception ends the job
         self._abort = AbortOnUncaught(mpi) if world else None
+        rank = mpi.COMM_WORLD.Get_rank()
+        own = Watchdog(mpi, watchdog, rank) if shared_watchdog is None and watchdog is not None else None
+        self._owns_watchdog = own is not None
+        self._watchdog = own or shared_watchdog
+        self._watch = self._watchdog.slot() if self._watchdog is not None else Watch()
+        self._waits = Waits(rank, timeout, self._watch, lambda: self._checked)
+        bounded = timeout is not None or self._watchdog is not None  # half sums wait through wait_request
+        self._half = HalfSum(self._comm, self._buf, self.wait_request, polled=bounded)
 
     @property
     def device(self) -> torch.device:
@@ -104,40 +117,31 @@ class MPIBackend(CommunicationBackend):
         return self._timeout
 
     @property
+    def watchdog(self) -> float | None:
+        """Seconds after which a blocking call ends the job (None: no watchdog)."""
+        return None if self._watchdog is None else self._watchdog.seconds
+
+    @property
     def cuda_aware(self) -> bool:
         """True when CUDA tensors go to MPI directly, False when they are staged through host memory."""
         return self._cuda_aware
 
     def wait_request(self, request: Any, what: str, status: Any = None) -> None:
-        if self._timeout is None:
-            request.Wait(status)
-            return
-        start = time.monotonic()
-        deadline, spin, pause = start + self._timeout, start + 2e-3, 1e-5
-        while not request.Test(status):  # polled for 2 ms as MPI's blocking calls are, then paused
-            if (now := time.monotonic()) > deadline:
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank}: MPI {what} timed out after {self._timeout:g}s (a peer is dead, "
-                    f"hung or did not call it){mismatch_hint(self._checked)}; the communicator is "
-                    "unusable now: end the job with MPI.COMM_WORLD.Abort(1)",
-                    operation=what,
-                )
-            if now >= spin:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+        self._waits.wait(request, what, status)
 
     def _run(self, blocking: Any, nonblocking: Any, args: tuple[Any, ...], what: str, **kw: Any) -> None:
-        if self._timeout is None:
-            blocking(*args, **kw)
-        else:
-            self.wait_request(nonblocking(*args, **kw), what)
+        self._waits.run(blocking, nonblocking, args, what, **kw)
 
     # ------------------------------------------------------------------ reductions
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         mtype = self._direct.get(tensor.dtype)
         if mtype is not None and tensor.is_cpu:  # the common case
             buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), mtype]
-            self._comm.Allreduce(self._in_place, buf, self._ops[op])
+            (w := self._watch).begin("all_reduce")
+            try:
+                self._comm.Allreduce(self._in_place, buf, self._ops[op])
+            finally:
+                w.current = None
             if op is _AVG:
                 tensor.div_(self._world_size)
             return
@@ -193,7 +197,11 @@ class MPIBackend(CommunicationBackend):
                 input.nbytes,
             )
             if o + on <= i or i + n <= o:  # no overlap (MPI forbids aliasing send and receive buffers)
-                self._comm.Reduce_scatter_block([fa(i, n), mtype], [fa(o, on), mtype], self._ops[op])
+                (w := self._watch).begin("reduce_scatter")
+                try:
+                    self._comm.Reduce_scatter_block([fa(i, n), mtype], [fa(o, on), mtype], self._ops[op])
+                finally:
+                    w.current = None
                 if op is _AVG:
                     output.div_(self._world_size)
                 return
@@ -224,7 +232,7 @@ class MPIBackend(CommunicationBackend):
 
         c = self._comm
         if blocking and self._timeout is None:
-            c.Reduce_scatter_block(send, recv, mop)
+            self._run(c.Reduce_scatter_block, None, (send, recv, mop), "reduce_scatter")
             finish()
             return CompletedWork()
         work = _MPIWork(self, c.Ireduce_scatter_block(send, recv, mop), "reduce_scatter", (src, out), finish)
@@ -256,7 +264,11 @@ class MPIBackend(CommunicationBackend):
             )
             if o + on <= i or i + n <= o or i == o + self.rank * n:
                 send = self._in_place if i == o + self.rank * n else [fa(i, n), self._buf.byte]
-                self._comm.Allgather(send, [fa(o, on), self._buf.byte])
+                (w := self._watch).begin("all_gather")
+                try:
+                    self._comm.Allgather(send, [fa(o, on), self._buf.byte])
+                finally:
+                    w.current = None
                 return
         send, out, finish = self._gather_buffers(output, input)
         c = self._comm
@@ -277,55 +289,10 @@ class MPIBackend(CommunicationBackend):
             tensor.copy_(buf)
 
     def _all_gather_v(self, input: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        c, p, es = self._comm, self.world_size, input.element_size()
-        counts = torch.zeros(p, dtype=torch.int64)
-        mine = torch.tensor([input.numel()], dtype=torch.int64)
-        self._run(
-            c.Allgather,
-            c.Iallgather,
-            (self._buf.bytes(mine), self._buf.bytes(counts)),
-            "all_gather_v(counts)",
-        )
-        sizes = [int(x) for x in counts.tolist()]
-        inp = self._buf.host(input)
-        out = torch.empty(sum(sizes), dtype=input.dtype, device=inp.device)
-        nbytes = [s * es for s in sizes]
-        displs = [sum(nbytes[:r]) for r in range(p)]
-        recv = [self._buf.raw(out), (nbytes, displs), self._buf.byte]
-        self._run(c.Allgatherv, c.Iallgatherv, (self._buf.bytes(inp), recv), "all_gather_v")
-        return out.to(input.device), sizes
+        return all_gather_v(self._comm, self._buf, self._run, input)
 
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
-        c, p, me = self._comm, self.world_size, self.rank
-        es = inputs[0].element_size()
-        send_n = torch.tensor([t.numel() for t in inputs], dtype=torch.int64)
-        sent_to_me = torch.zeros(p, dtype=torch.int64)
-        self._run(
-            c.Alltoall,
-            c.Ialltoall,
-            (self._buf.bytes(send_n), self._buf.bytes(sent_to_me)),
-            "all_to_all(counts)",
-        )
-        errors = [
-            f"rank {j} sends {int(sent_to_me[j])} elements but outputs[{j}] has {outputs[j].numel()}"
-            for j in range(p)
-            if int(sent_to_me[j]) != outputs[j].numel()
-        ]
-        if errors:
-            raise CollectiveMismatchError(f"all_to_all on rank {me}: " + "; ".join(errors))
-        send = torch.cat([self._buf.host(t).reshape(-1) for t in inputs])
-        recv = torch.empty(sum(t.numel() for t in outputs), dtype=send.dtype, device=send.device)
-        scount = [t.numel() * es for t in inputs]
-        rcount = [t.numel() * es for t in outputs]
-        sdis = [sum(scount[:j]) for j in range(p)]
-        rdis = [sum(rcount[:j]) for j in range(p)]
-        byte = self._buf.byte
-        args = ([self._buf.raw(send), (scount, sdis), byte], [self._buf.raw(recv), (rcount, rdis), byte])
-        self._run(c.Alltoallv, c.Ialltoallv, args, "all_to_all")
-        offset = 0
-        for out in outputs:
-            out.view(-1).copy_(recv[offset : offset + out.numel()])
-            offset += out.numel()
+        all_to_all(self._comm, self._buf, self._run, outputs, inputs)
 
     def _barrier(self) -> None:
         c = self._comm
@@ -349,11 +316,13 @@ class MPIBackend(CommunicationBackend):
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self._check_tag(tag, "send")
-        buf = self._buf.host(tensor)
-        if self._timeout is None:
-            self._comm.Send(self._buf.bytes(buf), dst, tag)
-        else:
-            self.wait_request(self._comm.Isend(self._buf.bytes(buf), dst, tag), f"send(dst={dst}, tag={tag})")
+        c = self._comm
+        self._run(
+            c.Send,
+            c.Isend,
+            (self._buf.bytes(self._buf.host(tensor)), dst, tag),
+            f"send(dst={dst}, tag={tag})",
+        )
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         return self._irecv(tensor, src, tag).wait() or 0
@@ -379,22 +348,36 @@ class MPIBackend(CommunicationBackend):
     def _new_group(self, ranks: list[int]) -> CommunicationBackend | None:
         member = self.rank in ranks
         key = ranks.index(self.rank) if member else 0
-        sub = self._comm.Split(0 if member else self._mpi.UNDEFINED, key)
+        sub = self._waits.blocking(self._comm.Split, (0 if member else self._mpi.UNDEFINED, key), "new_group")
         return self._member(sub) if member else None
 
     def _split(self, color: int | None, key: int) -> CommunicationBackend | None:
-        sub = self._comm.Split(self._mpi.UNDEFINED if color is None else color, key)
+        sub = self._waits.blocking(
+            self._comm.Split, (self._mpi.UNDEFINED if color is None else color, key), "split"
+        )
         return None if color is None else self._member(sub)
 
     def _member(self, sub: MPI.Comm) -> MPIBackend:
         """A backend over a sub-communicator of this one, with the same settings, counted in ours."""
-        t, dev, aware = self._timeout, self._device, self._cuda_aware
-        return MPIBackend(sub, timeout=t, device=dev, cuda_aware=aware, stats_parent=self.stats)
+        t, dev, aware, dog = self._timeout, self._device, self._cuda_aware, self._watchdog
+        return MPIBackend(
+            sub,
+            timeout=t,
+            watchdog=None,
+            device=dev,
+            cuda_aware=aware,
+            stats_parent=self.stats,
+            shared_watchdog=dog,
+        )
 
     def close(self) -> None:
         """Free this backend's communicators (``COMM_WORLD`` itself is left to MPI's finalization)."""
         self._half.close()
         if self._abort is not None:
             self._abort.remove()
+        if self._watchdog is not None:
+            self._watchdog.drop(self._watch)
+            if self._owns_watchdog:
+                self._watchdog.stop()
         if self._comm != self._mpi.COMM_WORLD and self._comm != self._mpi.COMM_NULL:
             self._comm.Free()

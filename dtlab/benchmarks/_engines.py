@@ -16,7 +16,11 @@ reduce-scatter input, the all-gather output). Raw calls: ``comm.Allreduce(MPI.IN
 ``dist.all_reduce``, ``dist.reduce_scatter_single``, ``dist.all_gather_single``. With ``--checked`` a
 third variant in the same rounds: dtlab's call in checked mode (``backend.check_collectives = True``:
 the ranks compare a 16-int description of each call first), reported as ``checked_us`` and
-``checked/dtlab``.
+``checked/dtlab``. With ``--waits`` (MPI) two more variants in the same rounds, each an
+``MPIBackend`` over a duplicate of the world's communicator: ``unwatched`` (``watchdog=None``: MPI's
+blocking calls, unbounded) and ``polled`` (``timeout=1800``: every call non-blocking and polled, raising
+after the timeout); dtlab's own variant is the default (blocking calls under the watchdog), reported
+as ``dtlab/unwatched`` and ``polled/unwatched``.
 """
 
 from __future__ import annotations
@@ -96,13 +100,16 @@ def bench_rank(
     repeats: int,
     threads: int,
     checked: bool = False,
+    waits: bool = False,
 ) -> list[dict[str, Any]]:
     """Runs on every rank of the world; returns the rows (the same on every rank). ``checked``: also
-    time dtlab's calls in checked mode (``check_collectives``), in the same rounds."""
+    time dtlab's calls in checked mode (``check_collectives``), in the same rounds; ``waits`` (MPI):
+    also without the watchdog and polled (the module's docstring)."""
     import torch
 
     torch.set_num_threads(threads)
     p, rows = b.world_size, []
+    others = _wait_variants(b) if waits else {}
     for op in ops:
         for nbytes in sizes:
             n = max(p, nbytes // 4 // p * p)
@@ -111,6 +118,8 @@ def bench_rank(
             calls = {"dtlab": _dtlab_calls(b, op, full, shard), "raw": _raw_calls(b, op, full, shard)}
             if checked:
                 calls["checked"] = calls["dtlab"]  # the same call, with b.check_collectives on
+            for name, other in others.items():
+                calls[name] = _dtlab_calls(other, op, full, shard)
             for name in calls:  # warm-up
                 b.check_collectives = name == "checked"
                 calls[name]()
@@ -152,7 +161,28 @@ def bench_rank(
             if checked:
                 rows[-1]["checked_us"] = round(best["checked"] * 1e6, 1)
                 rows[-1]["checked/dtlab"] = round(best["checked"] / best["dtlab"], 3)
+            if others:
+                for name in others:
+                    rows[-1][f"{name}_us"] = round(best[name] * 1e6, 1)
+                rows[-1]["dtlab/unwatched"] = round(best["dtlab"] / best["unwatched"], 3)
+                rows[-1]["polled/unwatched"] = round(best["polled"] / best["unwatched"], 3)
+    for other in others.values():
+        other.close()
     return rows
+
+
+def _wait_variants(b: CommunicationBackend) -> dict[str, CommunicationBackend]:
+    """``--waits``: the MPI backends without the watchdog and polled, over duplicates of ``b``'s
+    communicator."""
+    from dtlab.backends import MPIBackend
+    from dtlab.errors import ArgumentError
+
+    if not isinstance(b, MPIBackend):
+        raise ArgumentError(f"--waits compares MPI's waits: use --backend mpi, got {type(b).__name__}")
+    return {
+        "unwatched": MPIBackend(b.comm.Dup(), watchdog=None),
+        "polled": MPIBackend(b.comm.Dup(), timeout=1800.0, watchdog=None),
+    }
 
 
 def _show(n: int) -> str:
@@ -177,6 +207,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             args.repeats,
             args.threads,
             getattr(args, "checked", False),
+            getattr(args, "waits", False),
             backend=args.backend,
             timeout=3600,
             check_collectives=False,  # measured separately: --checked
@@ -205,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="at least this many timed blocks per variant")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--checked", action="store_true", help="also time checked mode (check_collectives)")
+    ap.add_argument("--waits", action="store_true", help="MPI: also time no watchdog and polled waits")
     args = ap.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
     args.sizes = [_parse_size(s) for s in args.sizes.split(",") if s]

@@ -1,0 +1,159 @@
+"""How an :class:`~dtlab.backends.mpi.MPIBackend` waits: bounded, so that an MPI job never hangs.
+
+MPI has no time-outs: a rank whose peer finished its loop early (uneven inputs), left with
+``sys.exit``, or hangs, waits in its collective for ever, and so does the launcher. Two bounds:
+
+* ``timeout=t``: every operation is started non-blocking and polled (:meth:`Waits.wait`); one that has
+  not completed after ``t`` seconds raises :class:`CollectiveTimeoutError` in the calling thread.
+* the watchdog (``watchdog=s``, the default when no ``timeout`` is given): operations are MPI's
+  blocking calls, as fast as raw mpi4py; each marks its communicator's :class:`Watch` while it runs,
+  and a daemon thread (:class:`Watchdog`, one per backend tree) that finds one running for more than
+  ``s`` seconds prints which operation, and the likely cause and fix, and ends the job with
+  ``MPI.COMM_WORLD.Abort`` (NCCL's watchdog ends the process the same way). mpi4py releases the GIL
+  in its blocking calls, so the thread runs while the main thread waits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from dtlab.backends._checked import mismatch_hint
+from dtlab.backends._mpi_abort import end_mpi_job
+from dtlab.errors import CollectiveTimeoutError
+
+__all__ = ["DEFAULT_WATCHDOG_S", "Watch", "Watchdog", "Waits", "stuck_text"]
+
+#: seconds a blocking MPI operation may take before the watchdog ends the job: NCCL's default timeout
+DEFAULT_WATCHDOG_S = 600.0
+
+
+def stuck_text(rank: int, what: str, seq: int, seconds: float) -> str:
+    """Why an MPI operation that did not complete within ``seconds`` never will, and what to change."""
+    return (
+        f"rank {rank}: MPI {what} (operation #{seq} of this rank on its communicator) did not complete "
+        f"within {seconds:g}s: a peer is dead or hung, or never calls it. The most common cause: uneven "
+        "inputs, one rank ran fewer steps than the others (its data was shorter) and left, or called "
+        "sys.exit() or returned early, while this one waits in its next collective; give every rank the "
+        "same number of steps (dtlab.data.DistributedSampler pads every rank's shard to the same "
+        "length, drop_last=True drops the tail; or stop all ranks on one all-reduced flag)"
+    )
+
+
+class Watch:
+    """One communicator's slot: the operation this rank waits in (what, number, start) or None."""
+
+    __slots__ = ("current", "seq")
+
+    def __init__(self) -> None:
+        self.current: tuple[str, int, float] | None = None
+        self.seq = 0
+
+    def begin(self, what: str) -> None:
+        self.seq += 1
+        self.current = (what, self.seq, time.monotonic())
+
+
+class Watchdog:
+    """A daemon thread that ends the MPI job when an operation of one of its :class:`Watch` slots
+    has run ``seconds``: prints which one (:func:`stuck_text`), then ``MPI.COMM_WORLD.Abort(1)``."""
+
+    def __init__(self, mpi: Any, seconds: float, rank: int) -> None:
+        self._mpi, self.seconds, self._rank = mpi, seconds, rank
+        # MPI_Abort from this thread while the main one is in MPI needs MPI_THREAD_MULTIPLE (mpi4py's
+        # default); below it the process ends itself, which the launcher takes as a failed rank too
+        self._multiple = mpi.Query_thread() >= mpi.THREAD_MULTIPLE
+        self._slots: list[Watch] = []
+        self._stop = threading.Event()
+        self._interval = min(1.0, seconds / 10)
+        self._thread = threading.Thread(target=self._run, name="dtlab-mpi-watchdog", daemon=True)
+        self._thread.start()
+
+    def slot(self) -> Watch:
+        watch = Watch()
+        self._slots.append(watch)
+        return watch
+
+    def drop(self, watch: Watch) -> None:
+        if watch in self._slots:
+            self._slots.remove(watch)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            now = time.monotonic()
+            for watch in list(self._slots):
+                current = watch.current
+                if current is not None and now - current[2] > self.seconds:
+                    self._fire(current[0], current[1])
+                    return
+
+    def _fire(self, what: str, seq: int) -> None:
+        text = stuck_text(self._rank, what, seq, self.seconds)
+        print(
+            f"{text}{mismatch_hint(False)}. The MPI watchdog ends the job now (MPI_Abort); set its time "
+            "with MPIBackend(watchdog=seconds) or init_backend(watchdog=seconds), None turns it off",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self._multiple:
+            end_mpi_job(self._mpi, 1)
+        else:
+            sys.stdout.flush()
+            os._exit(1)
+
+
+class Waits:
+    """The waits of one backend: ``timeout`` (polled, raising) or blocking under ``watch``."""
+
+    def __init__(self, rank: int, timeout: float | None, watch: Watch, checked: Any) -> None:
+        self._rank, self.timeout, self.watch, self._checked = rank, timeout, watch, checked
+
+    def run(self, blocking: Any, nonblocking: Any, args: tuple[Any, ...], what: str, **kw: Any) -> None:
+        if self.timeout is not None:
+            self.wait(nonblocking(*args, **kw), what)
+            return
+        watch = self.watch
+        watch.begin(what)
+        try:
+            blocking(*args, **kw)
+        finally:
+            watch.current = None
+
+    def blocking(self, fn: Any, args: tuple[Any, ...], what: str) -> Any:
+        """``fn(*args)``, an MPI call with no non-blocking form (``Comm.Split``), under the watch."""
+        watch = self.watch
+        watch.begin(what)
+        try:
+            return fn(*args)
+        finally:
+            watch.current = None
+
+    def wait(self, request: Any, what: str, status: Any = None) -> None:
+        watch = self.watch
+        if self.timeout is None:
+            watch.begin(what)
+            try:
+                request.Wait(status)
+            finally:
+                watch.current = None
+            return
+        watch.seq += 1
+        start = time.monotonic()
+        deadline, spin, pause = start + self.timeout, start + 2e-3, 1e-5
+        while not request.Test(status):  # polled for 2 ms as MPI's blocking calls are, then paused
+            if (now := time.monotonic()) > deadline:
+                raise CollectiveTimeoutError(
+                    f"{stuck_text(self._rank, what, watch.seq, self.timeout)}"
+                    f"{mismatch_hint(self._checked())}; the communicator is unusable now: end the job "
+                    "with MPI.COMM_WORLD.Abort(1)",
+                    operation=what,
+                )
+            if now >= spin:
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)

@@ -1,0 +1,101 @@
+"""An MPI job never hangs where torch.distributed would end it: a rank that finished its loop early
+(uneven inputs) or left with ``sys.exit(n)`` while its peer waits in a collective (MPI has no
+time-outs: the peer waited for ever, the leaving rank in ``MPI_Finalize``) ends the job after the
+MPIBackend's watchdog time, with one message naming the operation, its number and the fix."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = """
+import sys, torch
+from dtlab.backends import init_backend
+b = init_backend("mpi", watchdog=3.0, check_collectives=False)
+g = b if sys.argv[1] == "return" else b.new_group([0, 1])  # a group's waits are watched too
+steps = 3 if b.rank == 0 else 2  # uneven inputs: rank 1's data is one batch shorter
+for step in range(steps):
+    if sys.argv[1] == "exit" and b.rank == 1 and step == 1:
+        sys.exit(3)  # no exception an excepthook sees: the rank waits in MPI_Finalize
+    g.all_reduce(torch.ones(4))
+print(f"rank {b.rank} left its loop", flush=True)
+"""
+
+
+def test_a_rank_that_left_early_ends_the_job_naming_the_collective(tmp_path: Path) -> None:
+    """``mpiexec -n 2 python script.py``, rank 1 one step short: it returns while rank 0 waits in its
+    third all-reduce (or calls ``sys.exit(3)`` in a group's loop while rank 0 waits in its second).
+    Both jobs hung for ever (killed after 90 s); the watchdog (3 s here, 600 s by default) now ends
+    each within seconds."""
+    from processes import run_groups
+
+    script = tmp_path / "uneven.py"
+    script.write_text(SCRIPT)
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    cmds = {how: [mpiexec, "-n", "2", sys.executable, str(script), how] for how in ("return", "exit")}
+    t0 = time.monotonic()
+    done = run_groups(cmds, timeout=90)  # both at once, each its own process group, killed after 90 s
+    assert time.monotonic() - t0 < 60
+    for how, proc in done.items():
+        out = proc.stdout + proc.stderr
+        n = 3 if how == "return" else 2  # rank 0 waits in its third (its second) all-reduce
+        want = f"rank 0: MPI all_reduce (operation #{n} of this rank on its communicator) did not "
+        want += "complete within 3s"
+        assert want in out and "uneven inputs" in out and "DistributedSampler" in out, (how, out[-3000:])
+        assert "MPI_Abort" in out and proc.returncode != 0, (how, proc.returncode, out[-3000:])
+        assert "rank 0 left its loop" not in out, (how, out[-3000:])
+
+
+def test_the_default_is_bounded() -> None:
+    """Without ``timeout``, MPIBackend and init_backend watch blocking calls for NCCL's 600 s."""
+    from dtlab.backends import MPIBackend, init_backend
+
+    for fn in (MPIBackend, init_backend):
+        assert inspect.signature(fn).parameters["watchdog"].default == 600.0
+
+
+def test_the_watchdog_prints_the_stuck_operation_then_aborts(capsys: pytest.CaptureFixture[str]) -> None:
+    from dtlab.backends._mpi_wait import Watchdog
+
+    calls: list[int] = []
+
+    class World:
+        def Abort(self, code: int) -> None:
+            calls.append(code)
+
+    class FakeMPI:
+        COMM_WORLD = World()
+        THREAD_MULTIPLE = 3
+
+        def Query_thread(self) -> int:
+            return 3
+
+        def Is_initialized(self) -> bool:
+            return True
+
+        def Is_finalized(self) -> bool:
+            return False
+
+    mpi: Any = FakeMPI()
+    dog = Watchdog(mpi, 0.3, rank=5)
+    done, stuck = dog.slot(), dog.slot()
+    done.begin("barrier")
+    done.current = None  # completed: never reported
+    stuck.begin("all_gather")
+    stuck.begin("broadcast")  # its second operation
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dog.stop()
+    assert calls == [1]
+    err = capsys.readouterr().err
+    assert (
+        "rank 5: MPI broadcast (operation #2 of this rank on its communicator) did not complete within 0.3s"
+        in err
+    )
+    assert "MPIBackend(watchdog=seconds)" in err and "barrier" not in err
