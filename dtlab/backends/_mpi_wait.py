@@ -96,8 +96,10 @@ class Watchdog:
     def _fire(self, what: str, seq: int) -> None:
         text = stuck_text(self._rank, what, seq, self.seconds)
         print(
-            f"{text}{mismatch_hint(False)}. The MPI watchdog ends the job now (MPI_Abort); set its time "
-            "with MPIBackend(watchdog=seconds) or init_backend(watchdog=seconds), None turns it off",
+            f"{text}{mismatch_hint(False)}. The MPI watchdog ends the job now (MPI_Abort); where a peer "
+            "legitimately takes longer (a long preprocessing or save on one rank while the others wait), "
+            "set its time with MPIBackend(watchdog=seconds) or init_backend(watchdog=seconds), None turns "
+            "it off",
             file=sys.stderr,
             flush=True,
         )
