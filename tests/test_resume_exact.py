@@ -1,6 +1,7 @@
 """A resumed run equals the uninterrupted one: the parts of the state whose restoring the other resume
 tests do not reach (DataLoader workers' random draws mid-epoch), and what a resume cannot make equal
-refused rather than changed silently (a torch scheduler's saved run length when train.steps changes)."""
+refused rather than changed silently (a torch scheduler's saved run length when train.steps changes);
+in-memory ranks' dropout draws (threads sharing torch's global RNG) from generators of their own."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from dtlab.checkpoint import read_checkpoint
+from dtlab.checkpoint.consolidate import full_tensors_from_shards
 from dtlab.config import TrainConfig, load_config
 from dtlab.errors import RankFailedError
 from dtlab.testing import TINY_LM
@@ -97,3 +100,45 @@ def test_a_torch_schedulers_saved_length_is_not_kept_silently_when_train_steps_c
                        r"_schedulers\[1\].T_max=5; "):  # fmt: skip
         run_training(again, scheduler_factory=_sequential(5))
     assert run_training(again, scheduler_factory=_sequential(2))[0].final_step == 3
+
+
+def _params(step_dir: Path) -> dict[str, torch.Tensor]:
+    return full_tensors_from_shards(read_checkpoint(step_dir).model)
+
+
+def test_dropout_on_in_memory_ranks_resumes_exactly_at_dp4_and_tp2(tmp_path: Path) -> None:
+    # the ranks are threads sharing torch's global RNG: each draws from a generator of its own, saved
+    for name, layout in (
+        ("dp4", ["backend.world_size=4"]),
+        ("tp2", ["backend.world_size=4", "parallel.tp=2"]),
+    ):
+        sets = [*layout, "model.dropout=0.2", "train.steps=4"]
+        ck, again = tmp_path / name / "ck", tmp_path / name / "again"
+        whole = run_training(_cfg(tmp_path, *sets, f"checkpoint.dir={ck}", "checkpoint.every=2"))[0].losses
+        step2 = f"checkpoint.resume={ck / 'step_00000002'}"
+        resumed = run_training(_cfg(tmp_path, *sets, f"checkpoint.dir={again}", step2))[0].losses
+        assert resumed == whole[2:], name  # bitwise
+        a, b = _params(ck / "step_00000004"), _params(again / "step_00000004")
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    undropped = run_training(_cfg(tmp_path, *layout, "train.steps=2"))[0].losses
+    assert undropped != whole[:2]  # the masks were drawn
+
+
+class _NativeDropout(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.native_dropout(x, 0.5, True)[0])
+
+
+def test_a_random_op_taking_no_generator_on_in_memory_ranks_is_refused_naming_the_fixes(
+    tmp_path: Path,
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    cfg = _cfg(tmp_path, "train.steps=1", "data.global_batch_size=8")
+    with pytest.raises(RankFailedError, match=r"native_dropout.*takes no generator.*"
+                       r"torch.nn.functional.dropout.*backend.name=gloo"):  # fmt: skip
+        run_training(cfg, model=_NativeDropout, train_data=data, loss_fn="mse")

@@ -26,7 +26,7 @@ class ModelConfig(Section):
     n_heads: int = Field(default=4, ge=1)
     #: tokens per sample (the built-in model's position table has one row per token)
     seq_len: int = Field(default=64, ge=2, le=1 << 20)
-    #: dropout probability in the blocks (keep 0 with tensor parallelism on in-memory ranks)
+    #: dropout probability in the blocks
     dropout: float = Field(default=0.0, ge=0, lt=1)
     #: how the model is built (default ``None``: ``meta`` where the strategy shards the model, ``plain``
     #: where every rank holds it whole: DDP, ZeRO-1/2); ``meta``: on the meta device (shapes only), each

@@ -27,6 +27,7 @@ from dtlab.optimizers.base import OptimizerStrategy
 from dtlab.trainers.build import optimizer_record, plain_value
 from dtlab.trainers.metrics import MetricsCollector
 from dtlab.trainers.ownership import another_run
+from dtlab.trainers.rank_draws import RankDraws
 from dtlab.trainers.run_view import RunCore
 from dtlab.trainers.saved_state import Resumable, check_saved_state
 from dtlab.trainers.scheduler import (
@@ -57,6 +58,8 @@ class Restorable(Resumable, RunCore, Protocol):
 
     @property
     def optimizer(self) -> OptimizerStrategy: ...
+    @property
+    def draws(self) -> RankDraws: ...
 
 
 @dataclass
@@ -307,6 +310,7 @@ def restore(trainer: Restorable, ckpt: LoadedCheckpoint) -> list[str]:
     saved_tp = saved.get("parallel", {}).get("tp", 1) if isinstance(saved, dict) else None
     if ckpt.world_size == trainer.backend.world_size and saved_tp == trainer.config.parallel.tp:
         restore_rng(ckpt.rank_states[trainer.backend.rank], trainer.backend.device)
+        trainer.draws.load(ckpt.rank_states[trainer.backend.rank])
     return notes
 
 

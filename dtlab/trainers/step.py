@@ -18,6 +18,7 @@ from dtlab.optimizers.grad_scaler import DynamicLossScaler, times_scale
 from dtlab.trainers.guard import NonFiniteGuard
 from dtlab.trainers.labels import explain_loss_error
 from dtlab.trainers.profiler import Profiler
+from dtlab.trainers.rank_draws import RankDraws
 from dtlab.trainers.run_view import ForwardRun
 from dtlab.trainers.scheduler import LRSchedulerLike
 from dtlab.trainers.token_mean import LossFn, TokenMean
@@ -45,6 +46,8 @@ class StepRun(ForwardRun, Protocol):
     def overflow_steps(self) -> list[int]: ...
     @property
     def token_mean(self) -> TokenMean | None: ...
+    @property
+    def draws(self) -> RankDraws: ...
 
 
 def _micro_step(trainer: StepRun, batch: Any, k: int, loss_fn: LossFn) -> float:
@@ -79,7 +82,7 @@ def _micro_step(trainer: StepRun, batch: Any, k: int, loss_fn: LossFn) -> float:
             )
         return times_scale(loss, factor) if factor != 1.0 else loss
 
-    with trainer.precision.autocast(trainer.backend.device.type):
+    with trainer.draws(), trainer.precision.autocast(trainer.backend.device.type):
         return float(trainer.model.train_step((x, y), scaled)) / (factor * accum)
 
 

@@ -48,6 +48,7 @@ from dtlab.trainers.preemption import StopRequest, preempt
 from dtlab.trainers.preflight import check_paths_on_every_rank
 from dtlab.trainers.profiler import Profiler
 from dtlab.trainers.progress import ProgressBar
+from dtlab.trainers.rank_draws import RankDraws
 from dtlab.trainers.report import format_record, header, log_skipped, step_record, summary_rows, write_profile
 from dtlab.trainers.result import TrainResult
 from dtlab.trainers.resume import (
@@ -183,6 +184,8 @@ class Trainer:
             num_workers=d.num_workers,
             pin_memory=d.pin_memory,
         )
+        #: in-memory ranks: each one's training draws (dropout) from a generator of its own
+        self.draws = RankDraws(config.train.seed, backend.rank, config.parallel.tp, backend.world_size)
         #: the default loss as the mean over the global batch's counted targets (None: a loss of your own)
         self.token_mean = token_mean_for(
             self.task.loss_fn, self.task.train_data, backend, self.dp, d.accumulation_steps, self.plan
@@ -255,7 +258,7 @@ class Trainer:
                 self.backend,
                 self.model.sharded_state_dict(),
                 self.optimizer.sharded_state_dict(),
-                capture_rng(self.backend.device),
+                {**capture_rng(self.backend.device), **self.draws.state()},
                 self.resume_state(),
                 keep_last=c.keep_last,
                 owned=self.owned_steps,

@@ -1,0 +1,100 @@
+"""``RankDraws``: on in-memory ranks, each rank's training draws (dropout) from a CPU generator of its
+own, seeded as a launcher seeds a rank's process, and kept in its checkpoints.
+
+In-memory ranks are threads of one process sharing torch's global RNG: which rank draws which dropout
+mask would depend on the threads' timing, so two runs (and a run and its resume) would differ. Under
+:class:`RankDraws` the forward and backward of each micro-batch on a
+:class:`~dtlab.backends.threads.RankThread` run inside a :class:`~dtlab.core.random_ops.GeneratorMode`
+handing every CPU random op called without a generator this rank's generator, seeded with
+``train.seed + 1 + rank // parallel.tp``: what ``dtlab train`` seeds a rank's process with under a
+launcher (the ranks of one tp group draw alike, each dp replica and pipeline rank its own), so in-memory
+ranks draw the masks a launched run draws. Its state is saved with the rank's RNG states and restored
+where those are (same world size and ``parallel.tp``). Elsewhere (a rank in a process of its own, a
+one-rank world on the caller's thread) it does nothing: torch's global RNG is the rank's own, saved and
+restored as it is. A CPU random op that takes no generator (``torch.native_dropout``) is refused on
+an in-memory rank, naming the fixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+
+from dtlab.backends.threads import on_rank_thread
+from dtlab.core.random_ops import GeneratorMode, OpPlan
+from dtlab.errors import CheckpointError, StrategyError
+
+__all__ = ["RankDraws"]
+
+#: the key of the rank's generator state in ``state_rank*.safetensors``
+KEY = "rank_draws_cpu"
+
+
+class _RankMode(GeneratorMode):
+    def __init__(self, owner: RankDraws) -> None:
+        super().__init__(owner.plans)
+        self.owner = owner
+
+    def generator(self, func: OpOverload, device: torch.device) -> torch.Generator | None:  # noqa: ARG002 - GeneratorMode's interface; one generator for every op
+        if device.type != "cpu":
+            return None
+        self.owner.drew = True
+        return self.owner.generator
+
+    def refused(self, func: OpOverload, device: torch.device) -> Exception | None:
+        if device.type != "cpu":
+            return None
+        return StrategyError(
+            f"in-memory ranks: {func} draws random numbers on the CPU from torch's global RNG and takes "
+            "no generator, so which rank draws which numbers would depend on the threads' timing (the "
+            "ranks are threads sharing that RNG: no two runs, nor a run and its resume, would train "
+            "alike); use an op taking one (torch.nn.functional.dropout), or run the ranks as processes "
+            "(torchrun with backend.name=gloo, mpiexec with mpi)"
+        )
+
+
+class RankDraws:
+    """This rank's training draws; ``active`` only on a :class:`RankThread` of a world of several, and
+    after the first micro-batch only where it drew random numbers on the CPU (the mode sees every op
+    in Python: a model that draws nothing trains at full speed)."""
+
+    def __init__(self, seed: int, rank: int, tp: int, world_size: int) -> None:
+        self.active = world_size > 1 and on_rank_thread()
+        self.rank = rank
+        self.generator = torch.Generator().manual_seed(seed + 1 + rank // tp)
+        self.plans: dict[OpOverload, OpPlan] = {}  # how each op draws, shared by every micro-batch
+        self.drew = False
+        self.first = True
+
+    def __call__(self) -> AbstractContextManager[Any]:
+        """The context of one micro-batch's forward and backward."""
+        return self._drawing() if self.active else nullcontext()
+
+    @contextmanager
+    def _drawing(self) -> Iterator[None]:
+        with _RankMode(self):
+            yield
+        if self.first:  # the first micro-batch decides whether the model draws at all
+            self.first, self.active = False, self.drew
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of it (nothing where it is inactive)."""
+        return {KEY: self.generator.get_state()} if self.active else {}
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore a rank's saved state (an inactive one, or one saved without it, keeps its own)."""
+        saved = state.get(KEY)
+        if not self.active or saved is None:
+            return
+        own = self.generator.get_state()
+        if saved.dtype != own.dtype or saved.shape != own.shape:
+            raise CheckpointError(
+                f"the saved {KEY} of rank {self.rank} is a {saved.dtype} tensor of shape "
+                f"{tuple(saved.shape)}, not a CPU generator's state ({own.dtype}, {tuple(own.shape)}); "
+                "resume from another step directory"
+            )
+        self.generator.set_state(saved)
