@@ -1,7 +1,8 @@
 """An MPI job never hangs where torch.distributed would end it: a rank that finished its loop early
 (uneven inputs) or left with ``sys.exit(n)`` while its peer waits in a collective (MPI has no
-time-outs: the peer waited for ever, the leaving rank in ``MPI_Finalize``) ends the job after the
-MPIBackend's watchdog time, with one message naming the operation, its number and the fix."""
+time-outs: the peer waited for ever, the leaving rank in ``MPI_Finalize``) ends the job within
+seconds, with one message naming the operation, its number, the rank that ended and the fix; a peer
+that hangs alive ends it after the MPIBackend's watchdog time."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 SCRIPT = """
 import sys, torch
 from dtlab.backends import init_backend
-b = init_backend("mpi", watchdog=3.0, check_collectives=False)
+b = init_backend("mpi", watchdog=8.0, check_collectives=False)
 g = b if sys.argv[1] == "return" else b.new_group([0, 1])  # a group's waits are watched too
 steps = 3 if b.rank == 0 else 2  # uneven inputs: rank 1's data is one batch shorter
 for step in range(steps):
@@ -30,8 +31,8 @@ print(f"rank {b.rank} left its loop", flush=True)
 def test_a_rank_that_left_early_ends_the_job_naming_the_collective(tmp_path: Path) -> None:
     """``mpiexec -n 2 python script.py``, rank 1 one step short: it returns while rank 0 waits in its
     third all-reduce (or calls ``sys.exit(3)`` in a group's loop while rank 0 waits in its second).
-    Both jobs hung for ever (killed after 90 s); the watchdog (3 s here, 600 s by default) now ends
-    each within seconds."""
+    Both jobs hung for ever (killed after 90 s); rank 0's watchdog now hears that rank 1 ended and
+    ends each job 4 s later (half its 8 s, at most 10 s)."""
     from processes import run_groups
 
     script = tmp_path / "uneven.py"
@@ -44,9 +45,9 @@ def test_a_rank_that_left_early_ends_the_job_naming_the_collective(tmp_path: Pat
     for how, proc in done.items():
         out = proc.stdout + proc.stderr
         n = 3 if how == "return" else 2  # rank 0 waits in its third (its second) all-reduce
-        want = f"rank 0: MPI all_reduce (operation #{n} of this rank on its communicator) did not "
-        want += "complete within 3s"
-        assert want in out and "uneven inputs" in out and "DistributedSampler" in out, (how, out[-3000:])
+        want = f"rank 0: MPI all_reduce (operation #{n} of this rank on its communicator) can never "
+        want += "complete: rank 1 has ended (the script returned or called sys.exit()) without calling it"
+        assert want in out and "Uneven inputs" in out and "DistributedSampler" in out, (how, out[-3000:])
         assert "MPI_Abort" in out and proc.returncode != 0, (how, proc.returncode, out[-3000:])
         assert "rank 0 left its loop" not in out, (how, out[-3000:])
 
@@ -99,3 +100,80 @@ def test_the_watchdog_prints_the_stuck_operation_then_aborts(capsys: pytest.Capt
         in err
     )
     assert "MPIBackend(watchdog=seconds)" in err and "barrier" not in err
+
+
+def test_an_ended_rank_fails_only_symmetric_collectives_it_belongs_to(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Rank 1 ended: a barrier with it is named once the grace has passed; an all-reduce of a group
+    without it, and a broadcast (rooted: its root may be another, live rank), are not."""
+    from dtlab.backends._mpi_wait import Watchdog
+
+    calls: list[str] = []
+
+    class Probed:
+        source = -1
+
+        def Get_source(self) -> int:
+            return self.source
+
+    class Comm:
+        def __init__(self) -> None:
+            self.notes = [1]
+
+        def Dup(self) -> Comm:
+            return self
+
+        def Get_rank(self) -> int:
+            return 0
+
+        def Get_size(self) -> int:
+            return 3
+
+        def Iprobe(self, source: int, tag: int, status: Probed) -> bool:
+            if self.notes:
+                status.source = self.notes[0]
+            return bool(self.notes)
+
+        def Recv(self, buf: object, source: int, tag: int) -> None:
+            self.notes.remove(source)
+
+        def Isend(self, buf: object, dest: int, tag: int) -> Any:
+            calls.append(f"notice to {dest}")
+            return Comm  # anything with Free()
+
+        @staticmethod
+        def Free() -> None: ...
+
+        def Abort(self, code: int) -> None:
+            calls.append(f"abort {code}")
+
+    class FakeMPI:
+        COMM_WORLD, THREAD_MULTIPLE, ANY_SOURCE, BYTE, Status = Comm(), 3, -1, "byte", Probed
+
+        def Query_thread(self) -> int:
+            return 3
+
+        def Is_initialized(self) -> bool:
+            return True
+
+        def Is_finalized(self) -> bool:
+            return False
+
+    mpi: Any = FakeMPI()
+    dog = Watchdog(mpi, 3.0, rank=0, world=mpi.COMM_WORLD)  # grace 1.5 s
+    dog.slot(frozenset({0, 1})).begin("broadcast")
+    dog.slot(frozenset({0, 2})).begin("all_reduce")
+    t0 = time.monotonic()
+    dog.slot(frozenset({0, 1, 2})).begin("barrier")
+    while not calls and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    dog.stop()
+    # the grace (1.5 s), then the abort's 1 s pause for the launcher to forward the message
+    assert calls == ["abort 1"] and 2.4 < time.monotonic() - t0 < 8, (calls, time.monotonic() - t0)
+    err = capsys.readouterr().err
+    assert (
+        "rank 0: MPI barrier (operation #1 of this rank on its communicator) can never complete: rank 1"
+        in err
+    )
+    assert "broadcast" not in err and "all_reduce" not in err

@@ -10,11 +10,14 @@ MPI has no time-outs: a rank whose peer finished its loop early (uneven inputs),
   and a daemon thread (:class:`Watchdog`, one per backend tree) that finds one running for more than
   ``s`` seconds prints which operation, and the likely cause and fix, and ends the job with
   ``MPI.COMM_WORLD.Abort`` (NCCL's watchdog ends the process the same way). mpi4py releases the GIL
-  in its blocking calls, so the thread runs while the main thread waits.
+  in its blocking calls, so the thread runs while the main thread waits. A world backend's watchdog
+  also reads which ranks have ended their script (``_mpi_departures.py``) and ends the job within
+  seconds when one leaves this rank in a collective it can no longer complete.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -23,9 +26,10 @@ from typing import Any
 
 from dtlab.backends._checked import mismatch_hint
 from dtlab.backends._mpi_abort import end_mpi_job
+from dtlab.backends._mpi_departures import SYMMETRIC, Departures
 from dtlab.errors import CollectiveTimeoutError
 
-__all__ = ["DEFAULT_WATCHDOG_S", "Watch", "Watchdog", "Waits", "stuck_text"]
+__all__ = ["DEFAULT_WATCHDOG_S", "Watch", "Watchdog", "Waits", "ended_text", "stuck_text", "world_ranks"]
 
 #: seconds a blocking MPI operation may take before the watchdog ends the job: NCCL's default timeout
 DEFAULT_WATCHDOG_S = 600.0
@@ -43,14 +47,39 @@ def stuck_text(rank: int, what: str, seq: int, seconds: float) -> str:
     )
 
 
+def ended_text(rank: int, what: str, seq: int, ended: list[int]) -> str:
+    """Why an MPI collective whose communicator lost members to their script's end never completes."""
+    who = f"rank {ended[0]} has" if len(ended) == 1 else f"ranks {ended} have"
+    return (
+        f"rank {rank}: MPI {what} (operation #{seq} of this rank on its communicator) can never "
+        f"complete: {who} ended (the script returned or called sys.exit()) without calling it. Uneven "
+        "inputs: a rank ran fewer steps than the others (its data was shorter); give every rank the "
+        "same number of steps (dtlab.data.DistributedSampler pads every rank's shard to the same "
+        "length, drop_last=True drops the tail; or stop all ranks on one all-reduced flag)"
+    )
+
+
+def world_ranks(mpi: Any, comm: Any) -> frozenset[int] | None:
+    """The ``COMM_WORLD`` ranks of ``comm``'s members (None where one is not in ``COMM_WORLD``)."""
+    group, world = comm.Get_group(), mpi.COMM_WORLD.Get_group()
+    try:
+        ranks = mpi.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+    finally:
+        group.Free()
+        world.Free()
+    return None if any(r == mpi.UNDEFINED for r in ranks) else frozenset(int(r) for r in ranks)
+
+
 class Watch:
-    """One communicator's slot: the operation this rank waits in (what, number, start) or None."""
+    """One communicator's slot: the operation this rank waits in (what, number, start) or None, and
+    the world ranks of the communicator (None: unknown)."""
 
-    __slots__ = ("current", "seq")
+    __slots__ = ("current", "members", "seq")
 
-    def __init__(self) -> None:
+    def __init__(self, members: frozenset[int] | None = None) -> None:
         self.current: tuple[str, int, float] | None = None
         self.seq = 0
+        self.members = members
 
     def begin(self, what: str) -> None:
         self.seq += 1
@@ -59,21 +88,29 @@ class Watch:
 
 class Watchdog:
     """A daemon thread that ends the MPI job when an operation of one of its :class:`Watch` slots
-    has run ``seconds``: prints which one (:func:`stuck_text`), then ``MPI.COMM_WORLD.Abort(1)``."""
+    has run ``seconds``: prints which one (:func:`stuck_text`), then ``MPI.COMM_WORLD.Abort(1)``.
+    With ``world`` (a world backend's communicator, at MPI_THREAD_MULTIPLE) it also reads which ranks
+    ended (:class:`Departures`) and ends the job ``grace`` seconds (``min(10, seconds / 2)``) after a
+    symmetric collective lost a member so (:func:`ended_text`)."""
 
-    def __init__(self, mpi: Any, seconds: float, rank: int) -> None:
+    def __init__(self, mpi: Any, seconds: float, rank: int, world: Any = None) -> None:
         self._mpi, self.seconds, self._rank = mpi, seconds, rank
         # MPI_Abort from this thread while the main one is in MPI needs MPI_THREAD_MULTIPLE (mpi4py's
         # default); below it the process ends itself, which the launcher takes as a failed rank too
         self._multiple = mpi.Query_thread() >= mpi.THREAD_MULTIPLE
+        self._departures = Departures(mpi, world) if world is not None and self._multiple else None
+        self._grace = min(10.0, seconds / 2)
         self._slots: list[Watch] = []
         self._stop = threading.Event()
         self._interval = min(1.0, seconds / 10)
         self._thread = threading.Thread(target=self._run, name="dtlab-mpi-watchdog", daemon=True)
         self._thread.start()
+        # before mpi4py's MPI_Finalize (a C exit hook, after every atexit function): no MPI call of
+        # this thread may run into it
+        atexit.register(self._halt)
 
-    def slot(self) -> Watch:
-        watch = Watch()
+    def slot(self, members: frozenset[int] | None = None) -> Watch:
+        watch = Watch(members)
         self._slots.append(watch)
         return watch
 
@@ -82,24 +119,40 @@ class Watchdog:
             self._slots.remove(watch)
 
     def stop(self) -> None:
+        """Stop the thread (the backend closed); the ended-rank notice is still sent at exit."""
         self._stop.set()
+        atexit.unregister(self._halt)
+
+    def _halt(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
+            ended = self._departures.read() if self._departures is not None else {}
             now = time.monotonic()
             for watch in list(self._slots):
                 current = watch.current
-                if current is not None and now - current[2] > self.seconds:
-                    self._fire(current[0], current[1])
+                if current is None:
+                    continue
+                what, seq, since = current
+                gone = sorted(
+                    r
+                    for r, at in ended.items()
+                    if (watch.members is None or r in watch.members) and now - max(at, since) > self._grace
+                )
+                if gone and what.startswith(SYMMETRIC):  # the precise cause first
+                    self._fire(ended_text(self._rank, what, seq, gone))
+                    return
+                if now - since > self.seconds:
+                    self._fire(stuck_text(self._rank, what, seq, self.seconds) + mismatch_hint(False))
                     return
 
-    def _fire(self, what: str, seq: int) -> None:
-        text = stuck_text(self._rank, what, seq, self.seconds)
+    def _fire(self, text: str) -> None:
         print(
-            f"{text}{mismatch_hint(False)}. The MPI watchdog ends the job now (MPI_Abort); where a peer "
-            "legitimately takes longer (a long preprocessing or save on one rank while the others wait), "
-            "set its time with MPIBackend(watchdog=seconds) or init_backend(watchdog=seconds), None turns "
-            "it off",
+            f"{text}. The MPI watchdog ends the job now (MPI_Abort); where a peer legitimately takes "
+            "longer (a long preprocessing or save on one rank while the others wait), set its time with "
+            "MPIBackend(watchdog=seconds) or init_backend(watchdog=seconds), None turns it off",
             file=sys.stderr,
             flush=True,
         )

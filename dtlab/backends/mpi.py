@@ -18,7 +18,8 @@ lacks is bridged explicitly:
   otherwise they are staged through host memory, one copy each way.
 
 Bounded waits (``_mpi_wait.py``): by default blocking calls are MPI's blocking calls, watched by a
-thread that ends the job after ``watchdog`` seconds (600) in one operation, naming it. With
+thread that ends the job after ``watchdog`` seconds (600) in one operation, naming it, and within
+seconds where a rank whose script ended left it in a collective (``_mpi_departures.py``). With
 ``timeout=t`` every operation is started non-blocking and polled; one that has not completed after
 ``t`` seconds raises :class:`CollectiveTimeoutError` naming it. The communicator is unusable after that
 (MPI cannot cancel a collective); end the job with ``MPI.COMM_WORLD.Abort(1)``. A dead peer is the
@@ -36,7 +37,7 @@ from dtlab.backends._mpi_abort import AbortOnUncaught
 from dtlab.backends._mpi_half import HalfSum
 from dtlab.backends._mpi_support import _Buffers, _import_mpi, _MPIWork, query_cuda_support
 from dtlab.backends._mpi_vectors import all_gather_v, all_to_all
-from dtlab.backends._mpi_wait import DEFAULT_WATCHDOG_S, Waits, Watch, Watchdog
+from dtlab.backends._mpi_wait import DEFAULT_WATCHDOG_S, Waits, Watch, Watchdog, world_ranks
 from dtlab.backends._run_args import check_timeout
 from dtlab.backends.base import CommunicationBackend, CompletedWork, ReduceOp, Work
 from dtlab.backends.stats import CommStats
@@ -95,10 +96,16 @@ class MPIBackend(CommunicationBackend):
         world = self._comm == mpi.COMM_WORLD and self._world_size > 1  # an uncaught exception ends the job
         self._abort = AbortOnUncaught(mpi) if world else None
         rank = mpi.COMM_WORLD.Get_rank()
-        own = Watchdog(mpi, watchdog, rank) if shared_watchdog is None and watchdog is not None else None
+        # a world backend's watchdog also hears which ranks ended their script (collective: a Dup)
+        own = (
+            None
+            if shared_watchdog or watchdog is None
+            else Watchdog(mpi, watchdog, rank, self._comm if world else None)
+        )
         self._owns_watchdog = own is not None
         self._watchdog = own or shared_watchdog
-        self._watch = self._watchdog.slot() if self._watchdog is not None else Watch()
+        dog = self._watchdog
+        self._watch = dog.slot(world_ranks(mpi, self._comm)) if dog is not None else Watch()
         self._waits = Waits(rank, timeout, self._watch, lambda: self._checked)
         bounded = timeout is not None or self._watchdog is not None  # half sums wait through wait_request
         self._half = HalfSum(self._comm, self._buf, self.wait_request, polled=bounded)
