@@ -218,9 +218,8 @@ def test_feed_with_workers_gives_the_same_batches() -> None:
     for _ in range(10):  # two epochs
         for (xa, ya), (xb, yb) in zip(plain.next_micro_batches(), workers.next_micro_batches(), strict=True):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    assert (
-        plain.state_dict() == workers.state_dict() == {"epoch": 1, "offset": 16, "seed": 4, "num_samples": 64}
-    )
+    position = {"epoch": 1, "offset": 16, "seed": 4, "num_samples": 64, "shuffle": True}
+    assert plain.state_dict() == workers.state_dict() == position
 
 
 class _SkipsAHead(nn.Module):

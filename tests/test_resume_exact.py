@@ -142,3 +142,16 @@ def test_a_random_op_taking_no_generator_on_in_memory_ranks_is_refused_naming_th
     with pytest.raises(RankFailedError, match=r"native_dropout.*takes no generator.*"
                        r"torch.nn.functional.dropout.*backend.name=gloo"):  # fmt: skip
         run_training(cfg, model=_NativeDropout, train_data=data, loss_fn="mse")
+
+
+def test_a_resume_mid_epoch_with_another_shuffle_is_refused_at_an_epochs_end_allowed() -> None:
+    data = _Augmented(40)  # 5 steps of 8 per epoch
+    feed = DataFeed(data, 8, 1, 0)
+    _batches(feed, 3)
+    unshuffled = DataFeed(data, 8, 1, 0, shuffle=False)
+    with pytest.raises(ValueError, match=r"24 samples into epoch 0 of an order with data.shuffle=true, "
+                       r"this run has data.shuffle=false.*resume with data.shuffle=true"):  # fmt: skip
+        unshuffled.load_state_dict(feed.state_dict())
+    _batches(feed, 2)  # the epoch's end: the next epoch may take another order
+    unshuffled.load_state_dict(feed.state_dict())
+    assert unshuffled.next_micro_batches()[0][1].tolist() == list(range(8))

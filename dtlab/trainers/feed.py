@@ -129,6 +129,7 @@ class DataFeed:
             "offset": self.offset,
             "seed": self.seed,
             "num_samples": self.num_samples,
+            "shuffle": self.shuffle,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -142,6 +143,15 @@ class DataFeed:
             raise ValueError(
                 f"the saved data position (offset {offset}) is not a whole number of global batches of "
                 f"{self.global_batch_size}; resume with the same data.global_batch_size"
+            )
+        shuffled = state.get("shuffle", self.shuffle)  # absent: saved before it was recorded
+        if 0 < offset < self.steps_per_epoch * self.global_batch_size and shuffled != self.shuffle:
+            was, now = str(shuffled).lower(), str(self.shuffle).lower()
+            raise ValueError(
+                f"the saved data position is {offset} samples into epoch {state['epoch']} of an order with "
+                f"data.shuffle={was}, this run has data.shuffle={now}: the rest of the epoch would come "
+                f"from another order (samples seen twice, others skipped); resume with data.shuffle={was}, "
+                "or from a checkpoint at an epoch's end"
             )
         self.epoch, self.offset, self.seed = int(state["epoch"]), offset, int(state["seed"])
         self.sampler.seed = self.seed
