@@ -17,8 +17,9 @@ import pytest
 SCRIPT = """
 import sys, torch
 from dtlab.backends import init_backend
-b = init_backend("mpi", watchdog=8.0, check_collectives=False)
-g = b if sys.argv[1] == "return" else b.new_group([0, 1])  # a group's waits are watched too
+polled = sys.argv[1] == "return"  # polled: every wait raises after timeout; else blocking, watched
+b = init_backend("mpi", timeout=60.0 if polled else None, watchdog=8.0, check_collectives=False)
+g = b if polled else b.new_group([0, 1])  # a group's waits are watched too
 steps = 3 if b.rank == 0 else 2  # uneven inputs: rank 1's data is one batch shorter
 for step in range(steps):
     if sys.argv[1] == "exit" and b.rank == 1 and step == 1:
@@ -31,8 +32,9 @@ print(f"rank {b.rank} left its loop", flush=True)
 def test_a_rank_that_left_early_ends_the_job_naming_the_collective(tmp_path: Path) -> None:
     """``mpiexec -n 2 python script.py``, rank 1 one step short: it returns while rank 0 waits in its
     third all-reduce (or calls ``sys.exit(3)`` in a group's loop while rank 0 waits in its second).
-    Both jobs hung for ever (killed after 90 s); rank 0's watchdog now hears that rank 1 ended and
-    ends each job 4 s later (half its 8 s, at most 10 s)."""
+    Both jobs hung for ever (killed after 90 s); rank 0's watchdog now hears that rank 1 ended, and 4 s
+    later (half its 8 s, at most 10 s) ends the job, or, polled (``timeout=60``), the wait raises
+    ``CollectiveTimeoutError`` saying so, which ends the job uncaught."""
     from processes import run_groups
 
     script = tmp_path / "uneven.py"
@@ -49,6 +51,7 @@ def test_a_rank_that_left_early_ends_the_job_naming_the_collective(tmp_path: Pat
         want += "complete: rank 1 has ended (the script returned or called sys.exit()) without calling it"
         assert want in out and "Uneven inputs" in out and "DistributedSampler" in out, (how, out[-3000:])
         assert "MPI_Abort" in out and proc.returncode != 0, (how, proc.returncode, out[-3000:])
+        assert ("CollectiveTimeoutError: " + want in out) is (how == "return"), out[-3000:]  # raised
         assert "rank 0 left its loop" not in out, (how, out[-3000:])
 
 

@@ -129,24 +129,32 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            ended = self._departures.read() if self._departures is not None else {}
+            if self._departures is not None:
+                self._departures.read()
             now = time.monotonic()
             for watch in list(self._slots):
                 current = watch.current
                 if current is None:
                     continue
                 what, seq, since = current
-                gone = sorted(
-                    r
-                    for r, at in ended.items()
-                    if (watch.members is None or r in watch.members) and now - max(at, since) > self._grace
-                )
-                if gone and what.startswith(SYMMETRIC):  # the precise cause first
+                gone = self.ended_among(watch, what, since, now)
+                if gone:  # the precise cause first
                     self._fire(ended_text(self._rank, what, seq, gone))
                     return
                 if now - since > self.seconds:
                     self._fire(stuck_text(self._rank, what, seq, self.seconds) + mismatch_hint(False))
                     return
+
+    def ended_among(self, watch: Watch, what: str, since: float, now: float) -> list[int]:
+        """The members of ``watch``'s communicator whose script ended, if ``what`` (started at
+        ``since``) is a symmetric collective still running ``grace`` seconds after that and the notice."""
+        if self._departures is None or not what.startswith(SYMMETRIC):
+            return []
+        members, grace = watch.members, self._grace
+        ended = list(self._departures.ended.items())  # a copy: the thread adds to it
+        return sorted(
+            r for r, at in ended if (members is None or r in members) and now - max(at, since) > grace
+        )
 
     def _fire(self, text: str) -> None:
         print(
@@ -166,8 +174,10 @@ class Watchdog:
 class Waits:
     """The waits of one backend: ``timeout`` (polled, raising) or blocking under ``watch``."""
 
-    def __init__(self, rank: int, timeout: float | None, watch: Watch, checked: Any) -> None:
-        self._rank, self.timeout, self.watch, self._checked = rank, timeout, watch, checked
+    def __init__(
+        self, rank: int, timeout: float | None, watch: Watch, checked: Any, dog: Watchdog | None = None
+    ) -> None:
+        self._rank, self.timeout, self.watch, self._checked, self._dog = rank, timeout, watch, checked, dog
 
     def run(self, blocking: Any, nonblocking: Any, args: tuple[Any, ...], what: str, **kw: Any) -> None:
         if self.timeout is not None:
@@ -210,5 +220,11 @@ class Waits:
                     operation=what,
                 )
             if now >= spin:
+                if self._dog is not None and (gone := self._dog.ended_among(watch, what, start, now)):
+                    raise CollectiveTimeoutError(
+                        f"{ended_text(self._rank, what, watch.seq, gone)}; the communicator is unusable "
+                        "now: end the job with MPI.COMM_WORLD.Abort(1)",
+                        operation=what,
+                    )
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)

@@ -106,7 +106,7 @@ class MPIBackend(CommunicationBackend):
         self._watchdog = own or shared_watchdog
         dog = self._watchdog
         self._watch = dog.slot(world_ranks(mpi, self._comm)) if dog is not None else Watch()
-        self._waits = Waits(rank, timeout, self._watch, lambda: self._checked)
+        self._waits = Waits(rank, timeout, self._watch, lambda: self._checked, dog)
         bounded = timeout is not None or self._watchdog is not None  # half sums wait through wait_request
         self._half = HalfSum(self._comm, self._buf, self.wait_request, polled=bounded)
 
