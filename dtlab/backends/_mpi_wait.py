@@ -122,6 +122,8 @@ class Watchdog:
         """Stop the thread (the backend closed); the ended-rank notice is still sent at exit."""
         self._stop.set()
         atexit.unregister(self._halt)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)  # it wakes at once: no MPI call of it outlives the backend
 
     def _halt(self) -> None:
         self._stop.set()

@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checked", action="store_true", help="also time checked mode (check_collectives)")
     ap.add_argument("--waits", action="store_true", help="MPI: also time no watchdog and polled waits")
     args = ap.parse_args(argv)
+    if args.waits and args.backend != "mpi":
+        ap.error(f"--waits compares MPI's ways to wait; use --backend mpi, got --backend {args.backend}")
     args.ops = [o for o in args.ops.split(",") if o]
     args.sizes = [_parse_size(s) for s in args.sizes.split(",") if s]
     args.ranks = [int(r) for r in args.ranks.split(",") if r]

@@ -4,6 +4,7 @@
     .venv/bin/python -m dtlab.benchmarks.collectives --ranks 4 --sizes 4KiB,64MiB --ops all_reduce
     .venv/bin/python -m dtlab.benchmarks.collectives --backend mpi     # MPI/Gloo: _engines.py
     .venv/bin/python -m dtlab.benchmarks.collectives --backend gloo --checked   # + checked mode's cost
+    .venv/bin/python -m dtlab.benchmarks.collectives --backend mpi --waits      # + unwatched and polled
 
 Sizes are the full buffer every rank holds: the all-reduced tensor, the reduce-scatter input and the
 all-gather output (as in nccl-tests). The *memory-traffic bound* is the minimal tensor work the same
@@ -186,6 +187,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="MPI/Gloo: also time checked mode (backend.check_collectives) in the same rounds",
     )
+    ap.add_argument(
+        "--waits",
+        action="store_true",
+        help="MPI: also time blocking calls without the watchdog, and polled ones (timeout=)",
+    )
     args = ap.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in args.ops if o not in OPS]
@@ -198,6 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--sizes/--ranks: {exc}")
     if args.checked and args.backend == "inmemory":
         ap.error("--checked: the in-memory world compares every call anyway; use --backend mpi or gloo")
+    if args.waits and args.backend != "mpi":
+        ap.error(f"--waits compares MPI's ways to wait; use --backend mpi, got --backend {args.backend}")
     if any(s < 4 for s in args.sizes) or any(r < 1 for r in args.ranks):
         ap.error(f"--sizes must be >= 4 bytes and --ranks >= 1, got {args.sizes} and {args.ranks}")
     return args
