@@ -13,11 +13,15 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import read_checkpoint
 from dtlab.checkpoint.consolidate import full_tensors_from_shards
 from dtlab.config import TrainConfig, load_config
+from dtlab.core.plan import RunPlan
+from dtlab.core.rng import seeded_init
 from dtlab.errors import RankFailedError
-from dtlab.testing import TINY_LM
+from dtlab.models import HybridShardedModel, get_model_strategy
+from dtlab.testing import TINY_LM, run_world
 from dtlab.trainers import run_training
 from dtlab.trainers.feed import DataFeed
 
@@ -155,3 +159,48 @@ def test_a_resume_mid_epoch_with_another_shuffle_is_refused_at_an_epochs_end_all
     _batches(feed, 2)  # the epoch's end: the next epoch may take another order
     unshuffled.load_state_dict(feed.state_dict())
     assert unshuffled.next_micro_batches()[0][1].tolist() == list(range(8))
+
+
+def _bn_net() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+        torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1),
+    )  # fmt: skip
+
+
+def _saved_and_rank0_buffers(backend: CommunicationBackend, strategy: str) -> tuple[Any, Any]:
+    with seeded_init(0):
+        module = _bn_net()
+    if strategy == "ddp-pp2":
+        model: Any = HybridShardedModel.from_plan(module, backend, RunPlan(pp=2))
+    else:
+        kwargs = {"persistence_threshold": 0} if strategy == "zero3" else {}
+        model = get_model_strategy(strategy)(module, backend, **kwargs)
+    g = torch.Generator().manual_seed(model.dp_backend.rank)  # each replica its batch, running statistics
+    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
+    model.train_step((x, y), torch.nn.functional.mse_loss)
+    mine = {n: b.clone() for n, b in model.module.named_buffers() if "running" in n}
+    return backend.all_gather_object(model.sharded_state_dict()), mine
+
+
+def test_buffers_that_differ_between_ranks_are_saved_as_rank0s_and_resume_exactly(tmp_path: Path) -> None:
+    # BatchNorm's running statistics: each rank's from its own batch until the next forward broadcasts
+    # rank 0's; slices of each rank's copy stitched a buffer no rank held
+    for strategy, world in (("ddp", 2), ("zero3", 2), ("fsdp", 2), ("ddp-pp2", 4)):
+        out = run_world(world, _saved_and_rank0_buffers, strategy)
+        saved = full_tensors_from_shards(out[0][0])
+        holders = [r for r in out if r[1]]  # under a pipeline: the dp rank 0 of each stage
+        for name in {n for r in holders for n in r[1]}:
+            rank0 = next(r[1][name] for r in holders if name in r[1])
+            assert torch.equal(saved[name], rank0), (strategy, name)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g))
+    ck, again = tmp_path / "bn", tmp_path / "bn-again"
+    cfg = ["backend.world_size=2", "data.global_batch_size=8", "train.steps=4", "optimizer.warmup_steps=0"]
+    run = {"model": _bn_net, "train_data": data, "eval_data": data, "loss_fn": "mse"}
+    whole = run_training(_cfg(tmp_path, *cfg, f"checkpoint.dir={ck}", "checkpoint.every=2"), **run)
+    step2 = f"checkpoint.resume={ck / 'step_00000002'}"
+    resumed = run_training(_cfg(tmp_path, *cfg, f"checkpoint.dir={again}", step2), **run)
+    assert resumed[0].losses == whole[0].losses[2:]
+    a, b = _params(ck / "step_00000004"), _params(again / "step_00000004")
+    assert all(torch.equal(a[k], b[k]) for k in a)

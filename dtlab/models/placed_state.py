@@ -65,10 +65,14 @@ def write_placed_state(
     skip: Collection[str] = (),
 ) -> ShardedState:
     """Add this rank's pieces to ``state``: ``whole`` (tensors this rank holds whole: parameters of
-    DDP/ZeRO-1/2, buffers and frozen parameters) and ``flat_units`` (ZeRO-3/FSDP shards); not the
+    DDP/ZeRO-1/2, buffers and frozen parameters; parameters as ``nn.Parameter``, ``keep_vars=True``)
+    and ``flat_units`` (ZeRO-3/FSDP shards); not the
     tensors named in ``skip`` (another rank writes them: replicated buffers, tied copies). A tensor
     ``placements`` does not name is replicated; ``tp``: the axis of the ``Shard`` placements (none
-    without tensor parallelism); ``span``: the ranks a replicated tensor is split over (default dp)."""
+    without tensor parallelism); ``span``: the ranks a replicated parameter is split over (default dp).
+    A replicated buffer is written whole by ``span``'s rank 0: the ranks' copies may differ (BatchNorm's
+    running statistics, each rank's from its own batch until the next forward broadcasts rank 0's), and
+    slices of each would stitch a buffer no rank holds."""
     span = dp if span is None else span
     for key, t in whole.items():
         if key in skip:
@@ -79,9 +83,11 @@ def write_placed_state(
             s, e = even_range(t.numel(), dp.world_size, dp.rank)
             coord, size = _tp_coord(placement, tp)
             add_placed_slice(state, key, t.shape, placement, coord, size, t.dtype, s, e, flat[s:e])
-        else:
+        elif isinstance(t, torch.nn.Parameter):
             s, e = even_range(t.numel(), span.world_size, span.rank)
             add_slice(state, key, t.shape, t.dtype, s, e, flat[s:e])
+        elif span.rank == 0:  # a buffer: rank 0's values, those the next forward broadcasts
+            add_slice(state, key, t.shape, t.dtype, 0, t.numel(), flat)
     for st in flat_units:
         for slot, a, b, so in st.unit.shard_slots():
             placement = placements.get(slot.name, _WHOLE)
