@@ -23,6 +23,7 @@ from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.broadcast import broadcast_from_rank0
+from dtlab.core.placement import Shard, placement_of
 from dtlab.core.torch_private import MODULE_HOOKS, TENSOR_HOOKS
 from dtlab.errors import StrategyError
 from dtlab.models.dp.zero1 import ZeRO1Model
@@ -124,7 +125,9 @@ def swap_layers(
     """``plan`` (``"auto"``: the one the module declares) applied to ``module`` in place, every check
     and the ties' made before any communication, ties kept (``broadcast``: rank 0's values over ``tp``
     first). Returns the parameters with partial gradients (sequence parallelism) and each replaced
-    parameter (by id) -> the tensor-parallel parameter replacing it."""
+    parameter (by id) -> the tensor-parallel parameter replacing it. A ``.grad`` left from before
+    wrapping adds into the first step as under DDP: each split parameter gets its part of it, and a
+    parameter whose gradient is summed over tp keeps it on tp rank 0 only (counted once)."""
     resolved = resolve_plan(module, declared_plan(module, plan), tp.world_size)
     touched = _touched_layers(resolved)
     ties = _check_tied(who, module, touched)
@@ -143,7 +146,16 @@ def swap_layers(
     for path, old in before.items():
         new = module.get_submodule(path)
         for pname, p in old.named_parameters(recurse=False):
-            swapped.setdefault(id(p), getattr(new, pname))
+            q = swapped.setdefault(id(p), getattr(new, pname))
+            if p.grad is not None and q.grad is None:  # left from before wrapping: this rank's part of it
+                placement = placement_of(q)
+                if isinstance(placement, Shard):
+                    q.grad = placement.local_shard(p.grad, tp.rank, tp.world_size)
+                else:
+                    q.grad = p.grad.clone()
+    if tp.rank:  # whole on every tp rank, then summed over tp: counted once
+        for q in partial:
+            q.grad = None
     return partial, swapped
 
 
