@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from dtlab.core.torch_private import in_backward
 from dtlab.errors import StrategyError
 
 __all__ = ["BackwardPass"]
@@ -72,7 +73,7 @@ class BackwardPass:
 
     def found_raised(self) -> bool:
         """True once for a pass found still open outside any backward: it raised partway."""
-        if torch._C._current_graph_task_id() != -1:  # noqa: SLF001 - torch's query (torch.utils.checkpoint uses it): -1 outside any backward pass
+        if in_backward():
             return False
         self._outer, self._at_outer_end, self._otherwise = False, None, None  # a watched pass that raised
         if self.open:

@@ -17,6 +17,7 @@ __all__ = [
     "global_optimizer_step_pre_hooks",
     "compiled_inside",
     "copied_from",
+    "in_backward",
     "in_checkpoint_forward",
     "MODULE_HOOKS",
     "OPTIMIZER_HOOKS",
@@ -105,6 +106,11 @@ def compiled_inside(module: nn.Module) -> bool:
         type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
         for m in module.modules()
     )
+
+
+def in_backward() -> bool:
+    """Whether a backward pass runs on this thread now (torch's graph task id; -1 outside any)."""
+    return bool(torch._C._current_graph_task_id() != -1)  # noqa: SLF001 - torch's query (torch.utils.checkpoint uses it)
 
 
 def in_checkpoint_forward() -> bool:

@@ -12,7 +12,9 @@ ranks draw the masks a launched run draws. Its state is saved with the rank's RN
 where those are (same world size and ``parallel.tp``). Elsewhere (a rank in a process of its own, a
 one-rank world on the caller's thread) it does nothing: torch's global RNG is the rank's own, saved and
 restored as it is. A CPU random op that takes no generator (``torch.native_dropout``) is refused on
-an in-memory rank, naming the fixes.
+an in-memory rank, naming the fixes; so is a CPU draw in backward: a recomputation of
+``torch.utils.checkpoint`` without :class:`~dtlab.core.replayed_draws.ReplayedDraws` would draw from
+this generator other numbers (dropout masks) than its forward drew.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch._ops import OpOverload
 
 from dtlab.backends.threads import on_rank_thread
 from dtlab.core.random_ops import GeneratorMode, OpPlan
+from dtlab.core.torch_private import in_backward
 from dtlab.errors import CheckpointError, StrategyError
 
 __all__ = ["RankDraws"]
@@ -39,9 +42,19 @@ class _RankMode(GeneratorMode):
         super().__init__(owner.plans)
         self.owner = owner
 
-    def generator(self, func: OpOverload, device: torch.device) -> torch.Generator | None:  # noqa: ARG002 - GeneratorMode's interface; one generator for every op
+    def generator(self, func: OpOverload, device: torch.device) -> torch.Generator | None:
         if device.type != "cpu":
             return None
+        if in_backward():  # the forward's draws were this generator's earlier numbers
+            raise StrategyError(
+                f"in-memory ranks: {func} draws random numbers on the CPU in backward: a recomputation "
+                "(torch.utils.checkpoint without dtlab's replayed draws) would draw other numbers than "
+                "its forward drew from this rank's generator (other dropout masks: the gradients of "
+                "another forward); pass context_fn=ReplayedDraws() (from dtlab.models.checkpointing "
+                "import ReplayedDraws; checkpoint(f, x, use_reentrant=False, context_fn=ReplayedDraws())), "
+                "use strategy.activation_checkpointing, or run the ranks as processes (torchrun with "
+                "backend.name=gloo, mpiexec with mpi)"
+            )
         self.owner.drew = True
         return self.owner.generator
 
