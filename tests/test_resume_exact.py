@@ -22,7 +22,9 @@ from dtlab.core.rng import seeded_init
 from dtlab.errors import RankFailedError
 from dtlab.models import HybridShardedModel, get_model_strategy
 from dtlab.testing import TINY_LM, run_world
-from dtlab.trainers import run_training
+from dtlab.trainers import Trainer, run_training
+from dtlab.trainers.custom import task_from_objects
+from dtlab.trainers.elastic import end_step
 from dtlab.trainers.feed import DataFeed
 
 
@@ -204,3 +206,35 @@ def test_buffers_that_differ_between_ranks_are_saved_as_rank0s_and_resume_exactl
     assert resumed[0].losses == whole[0].losses[2:]
     a, b = _params(ck / "step_00000004"), _params(again / "step_00000004")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _steps(backend: CommunicationBackend, config: TrainConfig, task: Any, upto: int) -> list[Any]:
+    """Steps to ``upto`` (committing as due): each (step, applied, loss, loss scale)."""
+    trainer = Trainer(config, backend, task=task)
+    out = []
+    while trainer.step < upto:
+        applied, loss, _ = trainer.train_step()
+        trainer.step += 1
+        out.append((trainer.step, applied, loss, trainer.scaler.scale if trainer.scaler else None))
+        end_step(trainer)
+    return out
+
+
+def test_an_elastic_restore_at_the_committed_size_goes_on_with_its_dropout_and_loss_scale(
+    tmp_path: Path,
+) -> None:
+    # a restart at the same world size (torchrun restarting every worker) from elastic.dir: each rank's
+    # RNG states and the fp16 loss scale (backed off by the overflows before the commit) come back
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    net = lambda: torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))  # noqa: E731
+    task = task_from_objects(load_config(overrides=[]), net, data, data, "mse")
+    sets = ["backend.world_size=2", "data.global_batch_size=8", "train.precision=fp16", "train.steps=6"]
+    sets += ["optimizer.warmup_steps=0", "train.max_nonfinite_steps=6"]
+    plain = _cfg(tmp_path, *sets)
+    whole = run_world(2, _steps, plain, task, 6)[0]
+    assert whole[2][3] < 2.0**16 and all(applied for _, applied, _, _ in whole[2:])  # backed off, then trains
+    elastic = _cfg(tmp_path, *sets, "elastic.commit_every=3", f"elastic.dir={tmp_path / 'node'}")
+    run_world(2, _steps, elastic, task, 3)  # stopped after the commit of step 3
+    again = run_world(2, _steps, elastic, task, 6)[0]  # new ranks of the same size restore it
+    assert again == whole[3:]

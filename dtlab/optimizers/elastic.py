@@ -156,6 +156,8 @@ class ElasticOptimizer(WrappingStrategy):
         self.commit_bytes = 0
         #: what the last :meth:`restore` did (``None`` before any)
         self.recovery: dict[str, Any] | None = None
+        #: after a restore at the saved world size: this rank's own commit (its state is this rank's)
+        self.own_restored: Commit | None = None
 
     # ------------------------------------------------------------------ delegated
     own_attributes = ("inner", "model", "member")  # the inner strategy's own (statistics, ...): read through
@@ -238,8 +240,10 @@ class ElasticOptimizer(WrappingStrategy):
             problem = str(exc)
         agree(backend, problem, f"elastic: restoring the commit of step {best.step}")
         restored = commits[0]
+        same = best.world_size == backend.world_size
+        self.own_restored = commits[backend.rank] if same else None
         self.generation = best.generation + 1
-        self.commit(best.step, restored.state)
+        self.commit(best.step, (self.own_restored or restored).state)  # each rank's own where it has one
         self.recovery = {
             "step": best.step,
             "from_world_size": best.world_size,

@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
+from dtlab.backends.base import CommunicationBackend
 from dtlab.backends.init import detect_launcher
 from dtlab.config import TrainConfig
 from dtlab.errors import CheckpointError, ConfigError
@@ -25,8 +28,17 @@ from dtlab.optimizers.elastic import DiskCommitStore, ElasticMember, ElasticOpti
 from dtlab.trainers.run_view import Progress
 from dtlab.trainers.saved_state import Resumable, check_saved_state
 from dtlab.trainers.scheduler import load_scheduler_state
+from dtlab.trainers.state import rng_from_json, rng_to_json
 
-__all__ = ["ElasticRun", "commit_on_stop", "end_step", "report_restore", "restore_commit", "wrap_elastic"]
+__all__ = [
+    "ElasticRestorable",
+    "ElasticRun",
+    "commit_on_stop",
+    "end_step",
+    "report_restore",
+    "restore_commit",
+    "wrap_elastic",
+]
 
 
 class ElasticRun(Progress, Protocol):
@@ -37,6 +49,19 @@ class ElasticRun(Progress, Protocol):
     @property
     def elastic(self) -> ElasticOptimizer | None: ...
     def resume_state(self) -> dict[str, Any]: ...
+    def rank_state(self) -> dict[str, torch.Tensor]: ...
+    @property
+    def backend(self) -> CommunicationBackend: ...
+
+
+class ElasticRestorable(Resumable, Protocol):
+    """What a commit is restored into (a Trainer is one): the trainer-level state and this rank's RNG
+    states (``rank_state()``'s, set back by ``load_rank_state``)."""
+
+    def rank_state(self) -> dict[str, torch.Tensor]: ...
+    def load_rank_state(self, state: dict[str, torch.Tensor]) -> None: ...
+    @property
+    def backend(self) -> CommunicationBackend: ...
 
 
 def wrap_elastic(
@@ -67,9 +92,10 @@ def wrap_elastic(
     return ElasticOptimizer(optimizer, commit_every=e.commit_every, member=member, copy_to=max(1, per_node))
 
 
-def restore_commit(opt: ElasticOptimizer | None, trainer: Resumable) -> bool:
+def restore_commit(opt: ElasticOptimizer | None, trainer: ElasticRestorable) -> bool:
     """Collective: load the last commit the members hold (parameters, optimizer and compression
-    state through ``opt``; LR schedule, data position, counters into ``trainer``); ``False`` when
+    state through ``opt``; LR schedule, data position, counters, loss scale into ``trainer``; at the
+    committed world size each rank's RNG states, so dropout goes on as it would have); ``False`` when
     there is none (or no ``opt``)."""
     if opt is None:
         return False
@@ -89,8 +115,23 @@ def restore_commit(opt: ElasticOptimizer | None, trainer: Resumable) -> bool:
         raise CheckpointError(f"the elastic commit of step {commit.key.step}: {exc}") from None
     trainer.guard.load_state_dict(t["guard"])
     trainer.early.load_state_dict(t["early_stopping"])
+    if trainer.scaler is not None and t.get("loss_scaler"):
+        trainer.scaler.load_state_dict(t["loss_scaler"])
     trainer.step = trainer.start_step = int(t["step"])
+    own = opt.own_restored
+    if own is not None:  # the committed world size: this rank's own commit
+        b = trainer.backend
+        where = f"the elastic commit of step {commit.key.step}"
+        rng = rng_from_json(own.state.get("rank_rng"), trainer.rank_state(), b.rank, b.world_size, where)
+        if rng is not None:
+            trainer.load_rank_state(rng)
     return True
+
+
+def _committed_state(trainer: ElasticRun) -> dict[str, Any]:
+    """A commit's state: the trainer-level state and this rank's RNG states (rank-tagged)."""
+    b = trainer.backend
+    return {**trainer.resume_state(), "rank_rng": rng_to_json(trainer.rank_state(), b.rank, b.world_size)}
 
 
 def end_step(trainer: ElasticRun) -> None:
@@ -101,7 +142,7 @@ def end_step(trainer: ElasticRun) -> None:
         return
     count = opt.commit_count
     try:
-        opt.end_step(trainer.step, trainer.resume_state)
+        opt.end_step(trainer.step, lambda: _committed_state(trainer))
     finally:  # a planned membership change commits, then leaves the world by raising
         if opt.commit_count > count:
             _log_commit(trainer, opt)
@@ -113,7 +154,7 @@ def commit_on_stop(trainer: ElasticRun) -> None:
     opt = trainer.elastic
     if opt is None or (opt.last_commit is not None and opt.last_commit.step == trainer.step):
         return
-    opt.commit(trainer.step, trainer.resume_state)
+    opt.commit(trainer.step, _committed_state(trainer))
     _log_commit(trainer, opt)
 
 

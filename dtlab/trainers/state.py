@@ -3,6 +3,8 @@ the Trainer's JSON state (``meta.json``)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import random
 from pathlib import Path
 from typing import Any
@@ -11,11 +13,12 @@ import numpy as np
 import torch
 
 from dtlab.config import TrainConfig
+from dtlab.errors import CheckpointError
 from dtlab.trainers.build import optimizer_record
 from dtlab.trainers.saved_state import Resumable
 from dtlab.trainers.scheduler import scheduler_state
 
-__all__ = ["capture_rng", "restore_rng", "trainer_state"]
+__all__ = ["capture_rng", "restore_rng", "rng_from_json", "rng_to_json", "trainer_state"]
 
 
 def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
@@ -39,6 +42,53 @@ def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
     if "numpy" in state:
         vals = [int(v) for v in state["numpy"].tolist()]
         np.random.set_state(("MT19937", np.array(vals[1:], dtype=np.uint32), vals[0], 0, 0.0))
+
+
+_DTYPES = {"uint8": torch.uint8, "int64": torch.int64}
+
+
+def rng_to_json(states: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, Any]:
+    """A rank's RNG states (:func:`capture_rng`'s, an in-memory rank's own generator's) as JSON, for an
+    elastic commit: each tensor's bytes in base64, tagged with the rank and world size they are of."""
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "states": {
+            k: {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "data": base64.b64encode(t.numpy().tobytes()).decode(),
+            }
+            for k, t in states.items()
+        },
+    }
+
+
+def rng_from_json(
+    saved: Any, like: dict[str, torch.Tensor], rank: int, world_size: int, where: str
+) -> dict[str, torch.Tensor] | None:
+    """The states :func:`rng_to_json` wrote, where they are this ``rank``'s of this ``world_size``
+    (else ``None``: the run goes on with its own); each of the dtype and size of ``like``'s (the live
+    states; a state ``like`` lacks is left out), else a :class:`CheckpointError`."""
+    if not isinstance(saved, dict) or saved.get("rank") != rank or saved.get("world_size") != world_size:
+        return None
+    entries = saved.get("states")
+    if not isinstance(entries, dict) or "torch_cpu" not in entries:
+        raise CheckpointError(f"{where} is corrupted: rank {rank}'s RNG states lack torch_cpu")
+    out: dict[str, torch.Tensor] = {}
+    for k, v in entries.items():
+        ref = like.get(k) if isinstance(k, str) else None
+        if ref is None:  # a generator this run does not have (an in-memory rank's, under a launcher)
+            continue
+        dtype = _DTYPES.get(str(v.get("dtype"))) if isinstance(v, dict) else None
+        data = v.get("data") if isinstance(v, dict) else None
+        try:
+            raw = base64.b64decode(data, validate=True) if isinstance(data, str) else b""
+        except (binascii.Error, ValueError):
+            raw = b""
+        if dtype != ref.dtype or len(raw) != ref.numel() * ref.element_size():
+            raise CheckpointError(f"{where} is corrupted: its RNG state {k!r} of rank {rank} is malformed")
+        out[k] = torch.frombuffer(bytearray(raw), dtype=ref.dtype).clone()
+    return out
 
 
 def trainer_state(

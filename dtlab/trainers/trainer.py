@@ -67,7 +67,7 @@ from dtlab.trainers.scheduler import (
     check_scheduler_factory,
     scheduler_state,
 )
-from dtlab.trainers.state import capture_rng, trainer_state
+from dtlab.trainers.state import capture_rng, restore_rng, trainer_state
 from dtlab.trainers.step import train_step
 from dtlab.trainers.tasks import Task, build_task, check_task, cross_entropy_loss
 from dtlab.trainers.token_mean import token_mean_for
@@ -247,6 +247,14 @@ class Trainer:
         """What a checkpoint keeps of the Trainer itself (step, schedule, guards, data position)."""
         return trainer_state(self, self.config, self.run_id, self.resumed_from, self.run_dir)
 
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """This rank's RNG states: torch's, Python's, NumPy's and an in-memory rank's own generator."""
+        return {**capture_rng(self.backend.device), **self.draws.state()}
+
+    def load_rank_state(self, state: dict[str, torch.Tensor]) -> None:
+        restore_rng(state, self.backend.device)
+        self.draws.load(state)
+
     def save_checkpoint(self) -> Path:
         c = self.config.checkpoint
         if c.dir is None:
@@ -258,7 +266,7 @@ class Trainer:
                 self.backend,
                 self.model.sharded_state_dict(),
                 self.optimizer.sharded_state_dict(),
-                {**capture_rng(self.backend.device), **self.draws.state()},
+                self.rank_state(),
                 self.resume_state(),
                 keep_last=c.keep_last,
                 owned=self.owned_steps,
