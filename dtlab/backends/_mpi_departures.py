@@ -21,6 +21,8 @@ import atexit
 import time
 from typing import Any
 
+from dtlab.errors import BackendInitError
+
 __all__ = ["SYMMETRIC", "Departures"]
 
 #: the operations (``what`` prefixes) no member completes before every member entered them
@@ -34,7 +36,16 @@ class Departures:
 
     def __init__(self, mpi: Any, comm: Any) -> None:
         self._mpi = mpi
-        self._comm = comm.Dup()
+        try:
+            self._comm = comm.Dup()
+        except mpi.Exception as exc:
+            raise BackendInitError(
+                f"MPIBackend: duplicating COMM_WORLD for the ended-rank notices failed ({exc}). Each world "
+                "MPIBackend keeps such a duplicate until the process exits (it sends the notice at exit, "
+                "after close() too), and MPI has a limited number of communicators (MPICH: about 2000), "
+                "so the likely cause is too many world backends built in this process: build one and "
+                "reuse it, or pass watchdog=None to those built for a moment (no watchdog, no notices)"
+            ) from exc
         self._me, self._size = comm.Get_rank(), comm.Get_size()
         self._note = bytearray(8)
         self._status = mpi.Status()
