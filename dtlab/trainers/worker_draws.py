@@ -67,7 +67,8 @@ class SeededFetch(Dataset[Any]):
         (seed, epoch, place), index = key
         if get_worker_info() is not None:
             s = sample_seed(seed, epoch, place)
-            torch.manual_seed(s)
+            # torch's CPU generator: torch.manual_seed seeds every device's too, 85 us a call (1.5 us)
+            torch.default_generator.manual_seed(s)
             random.seed(s)
             np.random.seed(s % 2**32)
         return self.dataset[index]
