@@ -3,7 +3,8 @@ two steps' schedules, or stepped without ``zero_grad()``: torch adds into ``.gra
 copies' gradients are summed over the tie group at each synchronization; where the strategy keeps
 whole gradient buckets (DDP, ZeRO-1) the sum kept from the last step was summed again, once per copy:
 6.4e-2 (two steps accumulated) and 6.5e-1 (no zero_grad) relative error against one process. Now the
-kept sum counts once: every strategy equals one process on the global batch."""
+kept sum counts once: every strategy equals one process on the global batch. Likewise a ``.grad`` left
+on the plain model from before wrapping (both copies held it, so the sum counted it twice: 4.5e-2)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,49 @@ def test_a_tie_across_stages_kept_across_steps_is_summed_once() -> None:
             ref = want[key.split("/")[1]]
             err = max(float((state[k] - ref[k]).norm() / ref[k].norm()) for k in ref)
             assert err <= 1e-5, f"{key}: relative error {err:.2e} against one process"
+
+
+def _before_wrapping(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
+    """A backward on the plain model before wrapping, one step after (pp=2: the tie's two copies)."""
+    (x, y), out = _batches()[0], {}
+    for name, opt_class in OPTIMIZERS.items():
+        net = filled(TiedLM(), 0, scale=0.5)
+        _loss(net(x), y).backward()  # no zero_grad: kept into the first step, as under torch's DDP
+        model = HybridShardedModel(net, Mesh(backend, {"pp": 2}), name, micro_batches=2)
+        opt = opt_class(model, torch.optim.SGD, lr=LR)
+        model.train_step((x, y), _loss)
+        opt.step()
+        out[name] = model.full_state_dict()
+    return out
+
+
+def test_a_grad_left_from_before_wrapping_on_a_tie_across_stages_counts_once() -> None:
+    """Both copies held it, then their sum counted it twice: 4.5e-2 relative error (DDP, one step)."""
+    (x, y), net = _batches()[0], filled(TiedLM(), 0, scale=0.5)
+    _loss(net(x), y).backward()
+    _loss(net(x), y).backward()
+    torch.optim.SGD(net.parameters(), lr=LR).step()
+    for got in run_world(2, _before_wrapping):
+        for name, state in got.items():
+            err = max(float((state[k] - v).norm() / v.norm()) for k, v in net.state_dict().items())
+            assert err <= 1e-6, f"{name}: relative error {err:.2e} against one process"
+
+
+def _norms(backend: CommunicationBackend) -> list[float]:
+    (x, y), out = _batches()[0], []
+    for name, opt_class in OPTIMIZERS.items():
+        model = HybridShardedModel(
+            filled(TiedLM(), 0, scale=0.5), Mesh(backend, {"pp": 2}), name, micro_batches=2
+        )
+        opt = opt_class(model, torch.optim.SGD, lr=LR)
+        model.train_step((x, y), _loss)
+        out.append(float(opt.clip_grad_norm_(1e9)))
+    return out
+
+
+def test_the_gradient_norm_counts_a_tie_across_stages_once() -> None:
+    (x, y), net = _batches()[0], filled(TiedLM(), 0, scale=0.5)
+    _loss(net(x), y).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9))
+    for rank, norms in enumerate(run_world(2, _norms)):
+        assert all(abs(n - want) <= 1e-5 * want for n in norms), f"rank {rank}: {norms}, one process {want}"

@@ -43,13 +43,16 @@ def init_ties(ties: Sequence[CrossTie], module: nn.Module, pp: CommunicationBack
     """Collective over ``pp`` (before other ranks' stages are released): each tie's group, this rank's
     copy, and the copies made equal to the first one's values. A model built on the meta device has no
     values yet: its copies are made equal by the meta construction, which initializes a tied parameter
-    once, from its first module, on every rank alike (no broadcast)."""
+    once, from its first module, on every rank alike (no broadcast). A ``.grad`` left from before
+    wrapping stays on the first copy only, so the sum over the tie group counts it once."""
     for tie in ties:
         group = pp if len(tie.ranks) == pp.world_size else pp.new_group(tie.ranks)
         if pp.rank not in tie.ranks:
             continue
         tie.group = group
         tie.param = dict(module.named_parameters(remove_duplicate=False))[tie.names[0]]
+        if group is not None and group.rank:  # a .grad left from before wrapping counts once: the first's
+            tie.param.grad = None
         if group is not None and not on_meta:
             with torch.no_grad():
                 group.broadcast(tie.param.data, 0)
