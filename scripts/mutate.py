@@ -138,18 +138,21 @@ _COMPOSE = [
     "tests/test_model_parallel_edges.py",
     "tests/test_sparse_complex.py",
     "tests/test_tensor_grad_before_wrapping.py",
+    "tests/test_tensor_layer_edges.py",
 ]
 _META = [
     "tests/test_meta_parallel.py",
     "tests/test_meta_init.py",
     "tests/test_meta_bool_buffers.py",
     "tests/test_hybrid_parity.py::test_cube_parity_both_optimizers",
+    "tests/test_model_parallel_edges.py",
 ]
 _PLACED = [
     "tests/test_hybrid_checkpoint.py",
     "tests/test_tensor_checkpoint.py",
     "tests/test_pipeline_model.py::test_checkpoint_pp4_loads_at_pp2_into_ddp_and_the_plain_module",
     "tests/test_meta_parallel.py",
+    "tests/test_model_parallel_edges.py",
 ]
 
 #: the core files and the tests run against each file's mutants (fast, in-memory, most relevant first)
@@ -324,6 +327,25 @@ ACCEPTED: dict[str, str] = {
     "dtlab/models/pipeline/_ties.py:const:for tie, g in zip(ties, grads, strict=True):": (
         "zip(..., strict=False): both callers build grads from the ties list itself, one per tie, so "
         "the lengths always agree and strict never fires"
+    ),
+    "dtlab/models/compose/_tp_grads.py:const:self._summed = False  #: whether the gradients may hold a sum over tp since the last zero_grad()": (  # noqa: E501 (the line's text, matched exactly)
+        "starting True makes the first forward zero the partial gradients on tp ranks > 0, which hold "
+        "nothing yet: swap_layers drops a gradient left from before wrapping there (counted once, on tp "
+        "rank 0)"
+    ),
+    "dtlab/models/compose/_tied.py:const:self._summed = False  #: whether the copies' gradients may hold their sum since the last step began": (  # noqa: E501 (the line's text, matched exactly)
+        "starting True makes the first step zero the tied copies' gradients on the tie group's ranks > 0, "
+        "which hold nothing yet: init_ties drops a gradient left from before wrapping there"
+    ),
+    "dtlab/models/compose/_meta_walk.py:cmp:if asking is not None and asking is entry.module and self._own_values(i):": (  # noqa: E501 (the line's text, matched exactly)
+        "'asking is None and asking is entry.module' is never true, so ZeRO-3/FSDP's fast path (the "
+        "module initialized in the strategy's buffer) is never taken: the general path draws the same "
+        "numbers in the same order and copies them in (bitwise the same model, test_meta_parallel)"
+    ),
+    "dtlab/models/compose/_meta_walk.py:cmp:if target.module is not entry.module or target.name != n or isinstance(target.placement, Shard):": (  # noqa: E501 (the line's text, matched exactly)
+        "'target.name == n' turns the same fast path off for every tensor kept under its own name (the "
+        "general path gives the same values); it differs only for a module holding one tensor under two "
+        "names, which named_parameters lists once"
     ),
     "dtlab/backends/_inmemory_ops.py:const:results = [torch.empty_like(outs[0]) for _ in outs]": (
         "empty_like(outs[1]) instead of outs[0]: every rank's output has the same number of elements "

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from filled import filled
-from test_tensor_same_grads import LR, _batch, _net, _one_process, _plan, _steps
+from test_tensor_same_grads import FIX, LR, _batch, _net, _one_process, _plan, _steps
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.errors import RankFailedError
+from dtlab.errors import RankFailedError, StrategyError
 from dtlab.models import RowParallelLinear, TensorParallelModel, VocabParallelEmbedding
 from dtlab.models.tensor._comm import reduce_scatter_to_seq
 from dtlab.models.tensor._plan import apply_plan, resolve_plan
@@ -137,3 +137,30 @@ def test_a_module_marked_replicated_with_grad_allreduce_sums_its_submodules_grad
         assert trained == "trained" and state is not None, f"rank {rank}: {trained}"
         err = max(float((state[k] - v).abs().max() / v.abs().max()) for k, v in want.items())
         assert err < 1e-10, f"rank {rank}: {err} relative error against one process"
+
+
+class _ScalarScaled(nn.Module):
+    """A one-element parameter used on the split activations: each tp rank computes its share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = filled(nn.Linear(8, 16), 7), filled(nn.Linear(16, 8), 8)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x) * self.scale)
+
+
+def _scalar_world(backend: CommunicationBackend) -> str:
+    model = TensorParallelModel(_ScalarScaled(), backend, plan={"up": "colwise", "down": "rowwise"})
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(9))
+    try:
+        model(x).square().sum().backward()
+    except StrategyError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_one_element_parameter_with_a_partial_gradient_is_refused() -> None:
+    for rank, said in enumerate(run_world(2, _scalar_world)):
+        assert "'scale'" in said and FIX in said, f"rank {rank}: {said}"

@@ -203,8 +203,7 @@ class TiedSync:
 
     def __init__(self, ties: list[CrossTie], root: nn.Module, dp: DataParallelModel) -> None:
         self.ties, self.dp = ties, dp
-        #: whether the copies' gradients may hold a sum over their tie group made since the last step began
-        self._summed = False
+        self._summed = False  #: whether the copies' gradients may hold their sum since the last step began
         rebind_ties(ties, root)  # a strategy built from the meta device gives its parameters new objects
         #: a weight tied across ranks counts once in the norm, on the first rank of its tie group
         copies = {id(t.param) for t in ties if t.param is not None and t.group is not None and t.group.rank}

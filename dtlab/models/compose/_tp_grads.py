@@ -132,8 +132,7 @@ class PartialGrads:
 
     def __init__(self, dp: DataParallelModel, names: set[str], tp: CommunicationBackend) -> None:
         self.dp, self.names, self.tp = dp, names, tp
-        #: whether the gradients may hold a sum over tp made since the last zero_grad()
-        self._summed = False
+        self._summed = False  #: whether the gradients may hold a sum over tp since the last zero_grad()
         if names:
             dp.register_post_sync_hook(self.sum)
 
