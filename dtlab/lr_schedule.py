@@ -20,7 +20,14 @@ import torch
 if TYPE_CHECKING:  # the config section where it is defined (``dtlab.config`` imports this module)
     from dtlab.config_sections.optimizer import OptimizerConfig
 
-__all__ = ["LENGTH_ARGS", "build_scheduler", "check_torch_scheduler", "lr_factor", "torch_scheduler_names"]
+__all__ = [
+    "LENGTH_ARGS",
+    "build_scheduler",
+    "check_run_length",
+    "check_torch_scheduler",
+    "lr_factor",
+    "torch_scheduler_names",
+]
 
 #: classes that need code or another scheduler (LambdaLR, ...) or a metric (ReduceLROnPlateau)
 _NOT_FROM_CONFIG = frozenset(
@@ -85,7 +92,26 @@ def _torch_scheduler(
 
 def check_torch_scheduler(cfg: OptimizerConfig, total_steps: int) -> None:
     """Build the configured torch scheduler on a throw-away optimizer: a ``ValueError`` naming the field."""
-    _torch_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr), cfg, total_steps)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    check_run_length(_torch_scheduler(opt, cfg, total_steps), total_steps, "optimizer.torch_scheduler_args")
+
+
+def check_run_length(scheduler: object, steps: int, given: str) -> None:
+    """A ``OneCycleLR`` shorter than the run (``total_steps`` below ``train.steps``) would stop it
+    mid-way with torch's raw "Tried to step ... times": refused before the run, naming both lengths
+    and the fixes (``given``: where the scheduler came from)."""
+    total = getattr(scheduler, "total_steps", None)
+    if (
+        isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR)
+        and isinstance(total, int)
+        and total < steps
+    ):
+        raise ValueError(
+            f"the LR scheduler (OneCycleLR from {given}) runs {total} steps (total_steps={total}) but "
+            f"train.steps={steps}: torch would stop the run at step {total + 1}. Give it total_steps="
+            f"{steps} (dtlab passes train.steps where torch_scheduler_args leaves it out), or set "
+            f"train.steps={total}"
+        )
 
 
 def build_scheduler(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dtlab.config import TrainConfig, load_config
-from dtlab.errors import ArgumentTypeError, RankFailedError
+from dtlab.errors import ArgumentTypeError, ConfigError, RankFailedError
 from dtlab.testing import TINY_LM
 from dtlab.trainers import run_training
 from dtlab.trainers.scheduler import (
@@ -142,3 +142,23 @@ def test_rates_set_after_a_resume_are_what_the_scheduler_reports_and_schedules_f
     own = HalveEvery(_sgd(), 2)
     set_scheduler_rates(own, [0.05], [0.01])  # neither entry in its state: left as it is
     assert own.get_last_lr() == [0.1] and own.state_dict() == {"count": 0}
+
+
+def test_a_one_cycle_shorter_than_the_run_is_refused_before_it_starts(tmp_path: Path) -> None:
+    # before: torch's raw "Tried to step 6 times. The specified number of total steps is 5" on every rank
+    # at step 6 of 8, after the steps before it had trained
+    short = ["optimizer.schedule=torch", "optimizer.torch_scheduler=OneCycleLR", "train.steps=8"]
+    with pytest.raises(ConfigError, match=r"OneCycleLR from optimizer.torch_scheduler_args\) runs 5 steps"):
+        _cfg(tmp_path, *short, 'optimizer.torch_scheduler_args={"max_lr": 0.01, "total_steps": 5}')
+    _cfg(tmp_path, *short, 'optimizer.torch_scheduler_args={"max_lr": 0.01}')  # train.steps given to it
+
+    def one_cycle(opt: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=5)
+
+    with pytest.raises(RankFailedError) as info:
+        run_training(_cfg(tmp_path, "train.steps=8"), scheduler_factory=one_cycle)
+    assert isinstance(info.value.__cause__, ValueError)
+    text = str(info.value.__cause__)
+    assert "(OneCycleLR from scheduler_factory) runs 5 steps (total_steps=5) but train.steps=8" in text
+    assert "Give it total_steps=8" in text and "or set train.steps=5" in text
+    assert not (tmp_path / "run").exists()  # refused by Trainer(): nothing trained

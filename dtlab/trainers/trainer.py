@@ -24,7 +24,7 @@ from dtlab.checkpoint.files import check_json, step_dir_name
 from dtlab.checkpoint.load import LoadedCheckpoint
 from dtlab.config import TrainConfig, check_world_size
 from dtlab.errors import CheckpointError, ConfigError
-from dtlab.lr_schedule import build_scheduler
+from dtlab.lr_schedule import build_scheduler, check_run_length
 from dtlab.models.base import OptimizerTarget
 from dtlab.optimizers.elastic import ElasticMember
 from dtlab.optimizers.grad_scaler import DynamicLossScaler, refuse_float16
@@ -164,6 +164,8 @@ class Trainer:
             self.scheduler = check_scheduler(scheduler_factory(local_opt))
         else:
             self.scheduler = build_scheduler(local_opt, config.optimizer, config.train.steps)
+        given = "scheduler_factory" if scheduler_factory else "optimizer.torch_scheduler_args"
+        check_run_length(self.scheduler, config.train.steps, given)
         if config.checkpoint.dir is not None:  # refuse now, not at the first save after hours of training
             check_json(
                 scheduler_state(self.scheduler), f"the LR scheduler's state ({type(self.scheduler).__name__})"
