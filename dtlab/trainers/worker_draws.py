@@ -45,9 +45,9 @@ class PlacedSampler(Sampler[Key]):
 
     def __iter__(self) -> Iterator[Key]:
         s = self.sampler
-        first, seed, epoch = s.start, s.seed, s.epoch  # as the iteration starts (set before iter(loader))
-        keys = [((seed, epoch, (first + k) * s.num_replicas + s.rank), int(i)) for k, i in enumerate(iter(s))]
-        return iter(keys)
+        # as the iteration starts (set before iter(loader)); the keys made as the loader asks for them
+        first, seed, epoch, replicas, rank = s.start, s.seed, s.epoch, s.num_replicas, s.rank
+        return (((seed, epoch, (first + k) * replicas + rank), int(i)) for k, i in enumerate(iter(s)))
 
     def __len__(self) -> int:
         return len(self.sampler)
