@@ -247,6 +247,14 @@ def _apply_config_hyperparameters(
     set_scheduler_rates(sched, fresh_base, [g["lr"] for g in groups])
 
 
+def _saved_setting(ckpt: LoadedCheckpoint, section: str, key: str, default: Any = None) -> Any:
+    """The saved config's ``section.key`` (``default`` where the section lacks it); ``None`` where the
+    saved config is not of a config's shape (a checkpoint's ``meta.json`` is untrusted)."""
+    config = ckpt.meta.get("config")
+    part = config.get(section, {}) if isinstance(config, dict) else None
+    return part.get(key, default) if isinstance(part, dict) else None
+
+
 def _check_schedule_length(trainer: Restorable, ckpt: LoadedCheckpoint, saved: Any) -> None:
     """A torch scheduler's saved run length (``T_max``, ``total_steps``, ``total_iters``) that differs
     from the one built now (``train.steps`` changed): loading would keep the saved one, silently
@@ -256,13 +264,12 @@ def _check_schedule_length(trainer: Restorable, ckpt: LoadedCheckpoint, saved: A
     changes = length_changes(trainer.scheduler.state_dict(), saved)
     if not changes:
         return
-    config = ckpt.meta.get("config")
-    was = config.get("train", {}).get("steps") if isinstance(config, dict) else None
+    was = _saved_setting(ckpt, "train", "steps")
     now = trainer.config.train.steps
     name = type(trainer.scheduler).__name__
     has = ", ".join(f"{k}={a!r}" for k, a, _ in changes)
     builds = ", ".join(f"{k}={b!r}" for k, _, b in changes)
-    steps = f" (train.steps={was!r} when saved, {now} now)" if was != now else ""
+    steps = f" (train.steps={was} when saved, {now} now)" if isinstance(was, int) and was != now else ""
     back = f"train.steps={was}" if isinstance(was, int) and was != now else "the saved length"
     pin = ", ".join(f"{k.rsplit('.', 1)[-1]}: {a!r}" for k, a, _ in changes)
     raise CheckpointError(
@@ -306,8 +313,7 @@ def restore(trainer: Restorable, ckpt: LoadedCheckpoint) -> list[str]:
     trainer.step = trainer.start_step = int(t["step"])
     # each rank's RNG (dropout) as saved, where the ranks of a tp group saved alike states: the same
     # world and tp (tp groups are blocks of tp consecutive ranks); else the launcher's seeding stays
-    saved = ckpt.meta.get("config")
-    saved_tp = saved.get("parallel", {}).get("tp", 1) if isinstance(saved, dict) else None
+    saved_tp = _saved_setting(ckpt, "parallel", "tp", 1)
     if ckpt.world_size == trainer.backend.world_size and saved_tp == trainer.config.parallel.tp:
         restore_rng(ckpt.rank_states[trainer.backend.rank], trainer.backend.device)
         trainer.draws.load(ckpt.rank_states[trainer.backend.rank])
