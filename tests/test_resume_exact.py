@@ -151,7 +151,7 @@ def test_a_random_op_taking_no_generator_on_in_memory_ranks_is_refused_naming_th
 
 
 def test_a_resume_mid_epoch_with_another_shuffle_is_refused_at_an_epochs_end_allowed() -> None:
-    data = _Augmented(40)  # 5 steps of 8 per epoch
+    data = torch.utils.data.TensorDataset(torch.zeros(40, 3), torch.arange(40))  # 5 steps of 8 an epoch
     feed = DataFeed(data, 8, 1, 0)
     _batches(feed, 3)
     unshuffled = DataFeed(data, 8, 1, 0, shuffle=False)
