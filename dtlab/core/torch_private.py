@@ -26,6 +26,7 @@ __all__ = [
     "op_arguments",
     "quiet_scheduler_checks",
     "tensor_version",
+    "top_dispatch_mode",
     "top_saved_tensor_hooks",
     "unhooked_step",
 ]
@@ -119,6 +120,13 @@ def in_checkpoint_forward() -> bool:
     of the forward is active)."""
     hooks = top_saved_tensor_hooks()
     return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+def top_dispatch_mode() -> object | None:
+    """The innermost torch dispatch mode active on this thread (the next to see an op), or None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
 
 
 def top_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:

@@ -134,7 +134,8 @@ def run_training(
     # this process is one rank: its dropout draws from train.seed (torch seeds each process at
     # random), the same seed on the ranks of one tp group (tp innermost in the mesh: rank // tp), so
     # they draw the same masks where the model is not split (other masks would give their whole
-    # parameters other gradients); each dp replica and pipeline rank its own, as before; + 1: not
+    # parameters other gradients; where it is split, each tp rank draws from a generator seeded from
+    # this stream and its tp rank); each dp replica and pipeline rank its own, as before; + 1: not
     # the seed the initialization draws from
     torch.manual_seed(config.train.seed + 1 + backend.rank // config.parallel.tp)
     result = [_rank_main(backend, config, task or build_task(config), scheduler_factory, stop)]

@@ -7,8 +7,10 @@ mask would depend on the threads' timing, so two runs (and a run and its resume)
 :class:`~dtlab.backends.threads.RankThread` run inside a :class:`~dtlab.core.random_ops.GeneratorMode`
 handing every CPU random op called without a generator this rank's generator, seeded with
 ``train.seed + 1 + rank // parallel.tp``: what ``dtlab train`` seeds a rank's process with under a
-launcher (the ranks of one tp group draw alike, each dp replica and pipeline rank its own), so in-memory
-ranks draw the masks a launched run draws. Its state is saved with the rank's RNG states and restored
+launcher (the ranks of one tp group draw alike, each dp replica and pipeline rank its own; between a
+column-parallel layer and its row-parallel partner each tp rank draws from a generator seeded from this
+stream and its tp rank: ``dtlab/models/tensor/_split_draws.py``), so in-memory ranks draw the masks a
+launched run draws. Its state is saved with the rank's RNG states and restored
 where those are (same world size and ``parallel.tp``). Elsewhere (a rank in a process of its own, a
 one-rank world on the caller's thread) it does nothing: torch's global RNG is the rank's own, saved and
 restored as it is. A CPU random op that takes no generator (``torch.native_dropout``) is refused on

@@ -28,6 +28,7 @@ from dtlab.models.tensor._layers import (
     check_parameters,
 )
 from dtlab.models.tensor._sources import adapter_hint, linear_features
+from dtlab.models.tensor._split_draws import SplitDraws
 from dtlab.models.tensor._styles import (
     ColwiseParallel,
     HeadsParallel,
@@ -343,4 +344,5 @@ def apply_plan(
     for m in root.modules():
         if isinstance(m, ColumnParallelLinear):
             m.shared_input = shared
+    SplitDraws().install(root)  # dropout between a column- and a row-parallel layer: this rank's masks
     return partial
