@@ -73,3 +73,37 @@ def test_partial_gradients_kept_across_steps_are_summed_once() -> None:
         for key, state in got.items():
             err = max(float((state[k] - want[k]).norm() / want[k].norm()) for k in want)
             assert err <= 1e-5, f"{key}: relative error {err:.2e} against one process"
+
+
+def _ce(net: Any, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(net(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _kept_then_no_sync(backend: CommunicationBackend) -> dict[str, torch.Tensor]:
+    plan = transformer_plan(sequence_parallel=True)
+    model = HybridShardedModel(_build(), Mesh(backend, {"tp": 2}), "ddp", tensor_plan=plan)
+    opt = DDPOptimizer(model, torch.optim.SGD, lr=LR)
+    first, second, _ = _batches()
+    model.cross_entropy(model(first[:, :-1]), first[:, 1:]).backward()
+    opt.step()  # no zero_grad(): the sum is kept
+    with model.no_sync():  # then a step accumulated over two backward passes
+        model.cross_entropy(model(second[:2, :-1]), second[:2, 1:]).backward()
+    model.cross_entropy(model(second[2:, :-1]), second[2:, 1:]).backward()
+    opt.step()
+    return model.full_state_dict()
+
+
+def test_a_kept_sum_then_a_step_accumulated_inside_no_sync_counts_each_gradient_once() -> None:
+    """The kept sum is dropped on tp ranks > 0 once, at the first forward after it; the next forward
+    (after the one inside no_sync) keeps what that one accumulated."""
+    net = _build()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    first, second, _ = _batches()
+    _ce(net, first).backward()
+    opt.step()
+    _ce(net, second[:2]).backward()
+    _ce(net, second[2:]).backward()
+    opt.step()
+    for rank, got in enumerate(run_world(2, _kept_then_no_sync)):
+        err = max(float((got[k] - v).norm() / v.norm()) for k, v in net.state_dict().items())
+        assert err <= 1e-5, f"rank {rank}: relative error {err:.2e} against one process"

@@ -121,3 +121,37 @@ def test_the_gradient_norm_counts_a_tie_across_stages_once() -> None:
     want = float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9))
     for rank, norms in enumerate(run_world(2, _norms)):
         assert all(abs(n - want) <= 1e-5 * want for n in norms), f"rank {rank}: {norms}, one process {want}"
+
+
+def _no_sync_world(backend: CommunicationBackend) -> dict[str, dict[str, torch.Tensor]]:
+    batches, out = _batches(), {}
+    for name, opt_class in OPTIMIZERS.items():
+        model = HybridShardedModel(
+            filled(TiedLM(), 0, scale=0.5), Mesh(backend, {"pp": 2}), name, micro_batches=2
+        )
+        opt = opt_class(model, torch.optim.SGD, lr=LR)
+        model.train_step(batches[0], _loss)
+        opt.step()
+        opt.zero_grad()
+        with model.no_sync():  # a step accumulated over two train_step calls, the first unsynchronized
+            model.train_step(batches[1], _loss)
+        model.train_step(batches[2], _loss)
+        opt.step()
+        out[name] = model.full_state_dict()
+    return out
+
+
+def test_a_step_accumulated_inside_no_sync_after_a_synchronized_one_keeps_every_copys_gradient() -> None:
+    net = filled(TiedLM(), 0, scale=0.5)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    batches = _batches()
+    _loss(net(batches[0][0]), batches[0][1]).backward()
+    opt.step()
+    opt.zero_grad()
+    for x, y in batches[1:3]:
+        _loss(net(x), y).backward()
+    opt.step()
+    for got in run_world(2, _no_sync_world):
+        for name, state in got.items():
+            err = max(float((state[k] - v).norm() / v.norm()) for k, v in net.state_dict().items())
+            assert err <= 1e-6, f"{name}: relative error {err:.2e} against one process"
