@@ -169,3 +169,32 @@ def test_a_70b_model_on_1024_ranks_is_advised() -> None:
     spec = ModelSpec.from_parameters(70_000_000_000, layers=80, heads=64, vocab=51200, seq_len=2048)
     result = advise(spec, ClusterSpec(ranks=1024), 1024, precision=Precision.named("bf16-mixed"))
     assert result.considered == 4000 and result.plans
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_layout_built_with_one_block_is_the_whole_models(tied: bool) -> None:
+    from dtlab.advise.layout import transformer_model
+    from dtlab.zoo import Block
+
+    spec = ModelSpec(5, 64, 4, 96, 16, tied_embeddings=tied)
+    for tp in (1, 2, 4):
+        whole = transformer_model(spec, tp)  # every block built, as a run holds it
+        layer = {id(m): i - 1 for i, (_, b) in enumerate(whole.pipeline_blocks()) for m in b.modules()}
+        unit = {id(m): n for n, b in whole.named_modules() if isinstance(b, Block) for m in b.modules()}
+        for pipelined in (False, True):
+            real = []
+            for name, param in whole.named_parameters(remove_duplicate=not pipelined):
+                mod = whole.get_submodule(name.rpartition(".")[0])
+                real.append(
+                    (
+                        name,
+                        param.numel(),
+                        name.rpartition(".")[0],
+                        unit.get(id(mod), "<root>"),
+                        layer[id(mod)],
+                    )
+                )
+            laid = [
+                (t.name, t.numel, t.module, t.unit, t.layer) for t in transformer_tensors(spec, tp, pipelined)
+            ]
+            assert laid == real, (tp, pipelined)

@@ -12,7 +12,7 @@ norm, head).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from dtlab.advise.spec import ModelSpec
 from dtlab.backends.inmemory import InMemoryWorld
+from dtlab.errors import ArgumentError
 from dtlab.models import apply_tensor_plan, transformer_plan
 from dtlab.zoo import Block, TransformerLM
 
@@ -31,6 +32,7 @@ __all__ = [
     "fsdp_units",
     "module_groups",
     "transformer_model",
+    "layout_spec",
     "transformer_tensors",
     "zero3_units",
 ]
@@ -131,8 +133,11 @@ def transformer_tensors(
     names, local sizes, owning modules, its ``Block`` instances as FSDP units and its
     ``pipeline_blocks()`` as layers, -1 for the first block and ``L`` for the last). A tied head is
     the embedding itself, except under a pipeline (``pipelined``), where the last stage holds a copy.
-    ``base``: the whole model built once for ``spec`` (:func:`transformer_model`; a search reuses it)."""
-    module = transformer_model(spec, tp, base)
+    The model is built with one block (:func:`layout_spec`; every block is alike), repeated for the
+    rest. ``base``: ``transformer_model(layout_spec(spec))`` built once
+    (a search reuses it)."""
+    built = layout_spec(spec)
+    module = transformer_model(built, tp, base)
     block_of = {
         id(m): i - 1 for i, (_, block) in enumerate(module.pipeline_blocks()) for m in block.modules()
     }
@@ -142,7 +147,33 @@ def transformer_tensors(
         owner = name.rpartition(".")[0]
         mod = module.get_submodule(owner)
         out.append(Tensor(name, param.numel(), owner, units.get(id(mod), "<root>"), block_of[id(mod)]))
-    return out
+    return out if built is spec else _repeat_blocks(out, built.layers, spec.layers)
+
+
+def layout_spec(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with one block: what :func:`transformer_tensors` builds (the blocks of
+    ``TransformerLM`` are alike, so a second or 100th one adds nothing a build could tell)."""
+    return spec if spec.layers == 1 else replace(spec, layers=1)
+
+
+def _repeat_blocks(tensors: list[Tensor], built: int, layers: int) -> list[Tensor]:
+    """The tensors of a ``built``-block model as those of ``layers`` blocks: the last block built
+    repeated as ``blocks.{i}``, the final norm and head moved to layer ``layers``."""
+    last = [t for t in tensors if t.layer == built - 1]
+    stem = f"blocks.{built - 1}"
+    if not last or any(not (t.name.startswith(stem + ".") and t.unit == stem) for t in last):
+        raise ArgumentError(  # TransformerLM's blocks are ``blocks.<i>``; a renamed one is a bug here
+            f"advise: the model's last block is not laid out as {stem}.*: {[t.name for t in last]}; "
+            "transformer_tensors must build it whole"
+        )
+    out = [t for t in tensors if t.layer < built]
+    n = len(stem)
+    for i in range(built, layers):
+        out += [
+            Tensor(f"blocks.{i}{t.name[n:]}", t.numel, f"blocks.{i}{t.module[n:]}", f"blocks.{i}", i)
+            for t in last
+        ]
+    return out + [replace(t, layer=layers) for t in tensors if t.layer == built]
 
 
 def buckets(tensors: Sequence[Tensor], ranks: int, bucket_cap_mb: float, dtype_bytes: int) -> list[Flat]:

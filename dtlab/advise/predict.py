@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtlab.advise.activations import Held, stage_activations
 from dtlab.advise.dataparallel import DataParallelCost, Ops, data_parallel_cost
-from dtlab.advise.layout import Tensor, transformer_model, transformer_tensors
+from dtlab.advise.layout import Tensor, layout_spec, transformer_model, transformer_tensors
 from dtlab.advise.pipeline import StageShape, activation_peak, pipeline_dp_ops, pipeline_ops, split_stages
 from dtlab.advise.precision import Precision
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec, OptimizerSpec, StrategyOptions
@@ -186,7 +186,7 @@ class Memo:
         if key not in self.layers:
             blocks: list[list[Tensor]] = [[] for _ in range(spec.layers + 2)]
             if self.model is None or self.model[0] != spec:
-                self.model = (spec, transformer_model(spec))
+                self.model = (spec, transformer_model(layout_spec(spec)))
             for t in transformer_tensors(spec, tp, pipelined, self.model[1]):
                 blocks[t.layer + 1].append(t)
             self.layers[key] = blocks
