@@ -14,9 +14,11 @@ seeded with ``s + tp_rank``, where ``s`` is one number drawn from the replicated
 first random op: the same ``s`` on every tp rank, so the replicated stream stays the same on every tp
 rank, and nothing new to save (a resume restores the replicated stream; an activation checkpoint's
 recomputation draws the same ``s`` again, so the same masks). A region that draws nothing draws no
-``s``: a model without dropout trains bit for bit as before. On a GPU the ops run as called (from the
-device's replicated stream: the masks of the tp ranks' heads agree), and so does a CPU op that takes no
-generator (``torch.native_dropout``): see docs/strategies.md, "Dropout under tensor parallelism".
+``s``: a model without dropout trains bit for bit as before, and a region whose first training pass
+drew nothing is not opened again (the mode sees every op it runs: a small op's dispatch costs about
+twice as much under it). On a GPU no region opens (the ops draw from the device's replicated stream:
+the masks of the tp ranks' heads agree), and a CPU op that takes no generator (``torch.native_dropout``)
+runs as called: see docs/strategies.md, "Dropout under tensor parallelism".
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ _SEEDS = 2**62
 class _SplitMode(GeneratorMode):
     """The CPU random ops of one split region draw from a generator seeded with ``s + tp_rank``."""
 
-    def __init__(self, tp_rank: int, plans: dict[OpOverload, OpPlan]) -> None:
+    def __init__(self, tp_rank: int, plans: dict[OpOverload, OpPlan], opener: nn.Module) -> None:
         super().__init__(plans)
-        self.tp_rank = tp_rank
+        self.tp_rank, self.opener = tp_rank, opener
         self.cpu: torch.Generator | None = None
 
     def generator(self, func: OpOverload, device: torch.device) -> torch.Generator | None:  # noqa: ARG002 - GeneratorMode's interface
@@ -67,6 +69,10 @@ class SplitDraws:
     def __init__(self) -> None:
         self.plans: dict[OpOverload, OpPlan] = {}
         self.mode: _SplitMode | None = None
+        #: column-parallel layers whose region's first training pass was seen, and those of them whose
+        #: region drew nothing then (not opened again: no per-op cost for a model without dropout)
+        self.seen: set[int] = set()
+        self.quiet: set[int] = set()
 
     def install(self, root: nn.Module) -> None:
         order = {id(m): i for i, m in enumerate(root.modules())}
@@ -89,13 +95,15 @@ class SplitDraws:
         for holder in holders.values():
             holder.register_forward_hook(self._close, always_call=True)
 
-    def _open(self, layer: nn.Module, _inputs: Any, _output: Any) -> None:
-        if self.mode is not None or not layer.training or torch.compiler.is_compiling():
+    def _open(self, layer: nn.Module, _inputs: Any, output: Any) -> None:
+        if self.mode is not None or not layer.training or id(layer) in self.quiet:
+            return
+        if torch.compiler.is_compiling() or (isinstance(output, torch.Tensor) and not output.is_cpu):
             return
         group = layer.group if isinstance(layer, ColumnParallelLinear) else None
         if group is None or group.world_size == 1:
             return
-        self.mode = _SplitMode(group.rank, self.plans)
+        self.mode = _SplitMode(group.rank, self.plans, layer)
         self.mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
 
     def _close(self, layer: nn.Module, *_args: Any) -> None:
@@ -112,6 +120,11 @@ class SplitDraws:
             )
         self.mode = None
         mode.__exit__(None, None, None)  # type: ignore[no-untyped-call,unused-ignore]
+        opener = id(mode.opener)
+        if opener not in self.seen:  # its first training pass decides
+            self.seen.add(opener)
+            if mode.cpu is None:
+                self.quiet.add(opener)
 
     def __reduce__(self) -> tuple[type[SplitDraws], tuple[()]]:  # a copied model: no region open
         return type(self), ()
