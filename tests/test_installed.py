@@ -43,11 +43,13 @@ def test_wheel_installed_elsewhere_runs_the_benchmarks_and_the_digits_example(tm
     assert {e.split(";")[0].split(": ")[1] for e in extras} == {"matplotlib", "scikit-learn"}
 
     env["PYTHONPATH"] = str(site)  # the installed copy, not the checkout (the cwd is neither)
-    where = _run(
-        [sys.executable, "-c", "import dtlab.benchmarks.strategies as m; print(m.__file__)"], user, env
-    )
+    # one interpreter: where the benchmarks are imported from, then ``python -m dtlab bench --help``
+    # (runpy runs the wheel's dtlab/__main__.py as -m does)
+    bench_help = "sys.argv = ['dtlab', 'bench', '--help']; runpy.run_module('dtlab', run_name='__main__')"
+    code = f"import runpy, sys; import dtlab.benchmarks.strategies as m; print(m.__file__); {bench_help}"
+    where, usage = _run([sys.executable, "-c", code], user, env).split("\n", 1)
     assert Path(where.strip()).is_relative_to(site), where
-    _run([sys.executable, "-m", "dtlab", "bench", "--help"], user, env)
+    assert usage.startswith("usage: dtlab bench"), usage[:300]
 
     rows_path = user / "compression.json"
     cmd = [sys.executable, "-m", "dtlab.benchmarks.compression", "--numel", "20000", "--worlds", "2"]
