@@ -173,12 +173,17 @@ def test_a_70b_model_on_1024_ranks_is_advised() -> None:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_layout_built_with_one_block_is_the_whole_models(tied: bool) -> None:
-    from dtlab.advise.layout import transformer_model
-    from dtlab.zoo import Block
+    from dtlab.backends.inmemory import InMemoryWorld
+    from dtlab.core.rng import seeded_init
+    from dtlab.models import apply_tensor_plan, transformer_plan
+    from dtlab.zoo import Block, TransformerLM
 
     spec = ModelSpec(5, 64, 4, 96, 16, tied_embeddings=tied)
     for tp in (1, 2, 4):
-        whole = transformer_model(spec, tp)  # every block built, as a run holds it
+        with seeded_init(0):  # every block built on the CPU and split as a run does (no meta shortcut)
+            whole = TransformerLM(64, 5, 4, 16, vocab=96, tie_embeddings=tied)
+        if tp > 1:
+            apply_tensor_plan(whole, transformer_plan(), InMemoryWorld(tp).backend(0))
         layer = {id(m): i - 1 for i, (_, b) in enumerate(whole.pipeline_blocks()) for m in b.modules()}
         unit = {id(m): n for n, b in whole.named_modules() if isinstance(b, Block) for m in b.modules()}
         for pipelined in (False, True):

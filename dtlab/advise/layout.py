@@ -122,7 +122,37 @@ class _ShapesOnly(TorchFunctionMode):
             tensor = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by name
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
                 return tensor
+        if func is torch.cat and args and not kwargs.keys() - {"dim"}:
+            joined = _meta_cat(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            if joined is not None:
+                return joined
         return func(*args, **kwargs)
+
+
+def _meta_cat(tensors: Any, dim: Any) -> torch.Tensor | None:
+    """``torch.cat(tensors, dim)`` of meta tensors of one dtype and rank (a tensor-parallel shard's
+    sections): the new contiguous meta tensor of the joined shape. torch's own meta ``cat`` runs a
+    Python reference that imports ``torch._dynamo`` (about a second, once per process); ``None``
+    where any other case is left to torch."""
+    if not isinstance(tensors, list | tuple) or not tensors or not isinstance(dim, int):
+        return None
+    first = tensors[0]
+    if (
+        not all(
+            isinstance(t, torch.Tensor)
+            and t.is_meta
+            and t.dtype == first.dtype
+            and t.dim() == first.dim() > 0
+            for t in tensors
+        )
+        or not -first.dim() <= dim < first.dim()
+    ):
+        return None
+    d = dim % first.dim()
+    if any(t.shape[:d] != first.shape[:d] or t.shape[d + 1 :] != first.shape[d + 1 :] for t in tensors):
+        return None
+    shape = [*first.shape[:d], sum(t.shape[d] for t in tensors), *first.shape[d + 1 :]]
+    return torch.empty(shape, dtype=first.dtype, device="meta")
 
 
 def transformer_tensors(
