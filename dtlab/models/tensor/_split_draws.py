@@ -7,9 +7,10 @@ same activations (dropout on the residual stream must draw the same mask on each
 column-parallel layer and its row-parallel partner, where each rank holds other heads or hidden units:
 head ``h`` on rank 0 and head ``h + H/tp`` on rank 1 would get the same mask. So, in training mode, a
 column-parallel layer's split output opens a *split region*, which its row-parallel partner's input
-closes (and, whatever happens, the end of the smallest module holding both). Inside it a
-:class:`~dtlab.core.random_ops.GeneratorMode` hands each CPU random op called without a generator
-(``F.dropout``, ``nn.Dropout``, ``scaled_dot_product_attention(dropout_p=...)`` on the CPU) a generator
+closes (and, whatever happens, the end of the smallest module holding both, and the model's own
+end). Inside it a :class:`~dtlab.core.random_ops.GeneratorMode` hands each CPU random op called without
+a generator (``F.dropout``, ``nn.Dropout``, ``scaled_dot_product_attention(dropout_p=...)`` on the
+CPU) a generator
 seeded with ``s + tp_rank``, where ``s`` is one number drawn from the replicated stream at the region's
 first random op: the same ``s`` on every tp rank, so the replicated stream stays the same on every tp
 rank, and nothing new to save (a resume restores the replicated stream; an activation checkpoint's
@@ -92,6 +93,8 @@ class SplitDraws:
                     break
         for r in rows:
             r.register_forward_pre_hook(self._close)
+        if holders and "" not in holders:  # the model's own end too: a parent calling the layers itself
+            holders[""] = root
         for holder in holders.values():
             holder.register_forward_hook(self._close, always_call=True)
 
