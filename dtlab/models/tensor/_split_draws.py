@@ -24,6 +24,7 @@ runs as called: see docs/strategies.md, "Dropout under tensor parallelism".
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -124,7 +125,7 @@ class SplitDraws:
         self.mode = None
         mode.__exit__(None, None, None)  # type: ignore[no-untyped-call,unused-ignore]
         opener = id(mode.opener)
-        if opener not in self.seen:  # its first training pass decides
+        if opener not in self.seen and sys.exc_info()[1] is None:  # its first whole training pass decides
             self.seen.add(opener)
             if mode.cpu is None:
                 self.quiet.add(opener)
