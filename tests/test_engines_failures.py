@@ -341,7 +341,10 @@ def test_a_script_of_your_own_under_mpiexec_ends_when_one_rank_raises(tmp_path: 
     )
     assert time.monotonic() - t0 < 45, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    assert "RuntimeError: a bug in rank 1's loop" in out and "MPI_Abort" in out, out[-3000:]
+    # dtlab's own line: MPICH's "application called MPI_Abort" was lost in 1 of 10 to 2 of 8 runs (printed
+    # as the process is killed, the launcher does not always forward it)
+    assert "RuntimeError: a bug in rank 1's loop" in out, out[-3000:]
+    assert "rank 1: the uncaught RuntimeError above ends the MPI job (MPI_Abort)" in out, out[-3000:]
     assert proc.returncode != 0
 
 
@@ -353,6 +356,9 @@ def test_the_abort_hook_prints_first_and_is_removed_on_close(monkeypatch: pytest
     class World:
         def Abort(self, code: int) -> None:
             calls.append(("abort", code))
+
+        def Get_rank(self) -> int:
+            return 0
 
     class FakeMPI:
         COMM_WORLD = World()

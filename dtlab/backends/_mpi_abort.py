@@ -38,6 +38,13 @@ class AbortOnUncaught:
     def hook(self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         try:
             self._previous(kind, exc, tb)
+            # said here, not only by MPI_Abort's own line: the launcher may not forward that one
+            rank = self._mpi.COMM_WORLD.Get_rank()
+            print(
+                f"rank {rank}: the uncaught {kind.__name__} above ends the MPI job (MPI_Abort), so that "
+                "no other rank waits for this one",
+                file=sys.stderr,
+            )
         finally:
             end_mpi_job(self._mpi, 128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1)
 
