@@ -162,10 +162,10 @@ class Trainer:
         if scheduler_factory is not None:
             check_scheduler_factory(scheduler_factory)
             self.scheduler = check_scheduler(scheduler_factory(local_opt))
+            # the config's own scheduler was checked with the config (check_torch_scheduler)
+            check_run_length(self.scheduler, config.train.steps, "scheduler_factory")
         else:
             self.scheduler = build_scheduler(local_opt, config.optimizer, config.train.steps)
-        given = "scheduler_factory" if scheduler_factory else "optimizer.torch_scheduler_args"
-        check_run_length(self.scheduler, config.train.steps, given)
         if config.checkpoint.dir is not None:  # refuse now, not at the first save after hours of training
             check_json(
                 scheduler_state(self.scheduler), f"the LR scheduler's state ({type(self.scheduler).__name__})"
