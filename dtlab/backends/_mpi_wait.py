@@ -85,6 +85,15 @@ class Watch:
         self.seq += 1
         self.current = (what, self.seq, time.monotonic())
 
+    def call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)``, a blocking MPI call, marked as ``what`` while it runs (about 70 ns more
+        than the call alone)."""
+        self.begin(what)
+        try:
+            return fn(*args, **kw)
+        finally:
+            self.current = None
+
 
 class Watchdog:
     """A daemon thread that ends the MPI job when an operation of one of its :class:`Watch` slots
@@ -185,30 +194,16 @@ class Waits:
         if self.timeout is not None:
             self.wait(nonblocking(*args, **kw), what)
             return
-        watch = self.watch
-        watch.begin(what)
-        try:
-            blocking(*args, **kw)
-        finally:
-            watch.current = None
+        self.watch.call(what, blocking, *args, **kw)
 
     def blocking(self, fn: Any, args: tuple[Any, ...], what: str) -> Any:
         """``fn(*args)``, an MPI call with no non-blocking form (``Comm.Split``), under the watch."""
-        watch = self.watch
-        watch.begin(what)
-        try:
-            return fn(*args)
-        finally:
-            watch.current = None
+        return self.watch.call(what, fn, *args)
 
     def wait(self, request: Any, what: str, status: Any = None) -> None:
         watch = self.watch
         if self.timeout is None:
-            watch.begin(what)
-            try:
-                request.Wait(status)
-            finally:
-                watch.current = None
+            watch.call(what, request.Wait, status)
             return
         watch.seq += 1
         start = time.monotonic()

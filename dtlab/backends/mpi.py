@@ -144,11 +144,7 @@ class MPIBackend(CommunicationBackend):
         mtype = self._direct.get(tensor.dtype)
         if mtype is not None and tensor.is_cpu:  # the common case
             buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), mtype]
-            (w := self._watch).begin("all_reduce")
-            try:
-                self._comm.Allreduce(self._in_place, buf, self._ops[op])
-            finally:
-                w.current = None
+            self._watch.call("all_reduce", self._comm.Allreduce, self._in_place, buf, self._ops[op])
             if op is _AVG:
                 tensor.div_(self._world_size)
             return
@@ -204,11 +200,8 @@ class MPIBackend(CommunicationBackend):
                 input.nbytes,
             )
             if o + on <= i or i + n <= o:  # no overlap (MPI forbids aliasing send and receive buffers)
-                (w := self._watch).begin("reduce_scatter")
-                try:
-                    self._comm.Reduce_scatter_block([fa(i, n), mtype], [fa(o, on), mtype], self._ops[op])
-                finally:
-                    w.current = None
+                send, recv = [fa(i, n), mtype], [fa(o, on), mtype]
+                self._watch.call("reduce_scatter", self._comm.Reduce_scatter_block, send, recv, self._ops[op])
                 if op is _AVG:
                     output.div_(self._world_size)
                 return
@@ -271,11 +264,7 @@ class MPIBackend(CommunicationBackend):
             )
             if o + on <= i or i + n <= o or i == o + self.rank * n:
                 send = self._in_place if i == o + self.rank * n else [fa(i, n), self._buf.byte]
-                (w := self._watch).begin("all_gather")
-                try:
-                    self._comm.Allgather(send, [fa(o, on), self._buf.byte])
-                finally:
-                    w.current = None
+                self._watch.call("all_gather", self._comm.Allgather, send, [fa(o, on), self._buf.byte])
                 return
         send, out, finish = self._gather_buffers(output, input)
         c = self._comm
