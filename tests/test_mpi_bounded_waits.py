@@ -63,6 +63,25 @@ def test_the_default_is_bounded() -> None:
         assert inspect.signature(fn).parameters["watchdog"].default == 600.0
 
 
+class _RunningMPI:
+    """What a Watchdog reads of mpi4py's ``MPI`` module: MPI running at MPI_THREAD_MULTIPLE, over
+    ``world`` (``status``: the class of ``MPI.Status``)."""
+
+    THREAD_MULTIPLE, ANY_SOURCE, BYTE = 3, -1, "byte"
+
+    def __init__(self, world: object, status: type = object) -> None:
+        self.COMM_WORLD, self.Status = world, status
+
+    def Query_thread(self) -> int:
+        return 3
+
+    def Is_initialized(self) -> bool:
+        return True
+
+    def Is_finalized(self) -> bool:
+        return False
+
+
 def test_the_watchdog_prints_the_stuck_operation_then_aborts(capsys: pytest.CaptureFixture[str]) -> None:
     from dtlab.backends._mpi_wait import Watchdog
 
@@ -72,20 +91,7 @@ def test_the_watchdog_prints_the_stuck_operation_then_aborts(capsys: pytest.Capt
         def Abort(self, code: int) -> None:
             calls.append(code)
 
-    class FakeMPI:
-        COMM_WORLD = World()
-        THREAD_MULTIPLE = 3
-
-        def Query_thread(self) -> int:
-            return 3
-
-        def Is_initialized(self) -> bool:
-            return True
-
-        def Is_finalized(self) -> bool:
-            return False
-
-    mpi: Any = FakeMPI()
+    mpi: Any = _RunningMPI(World())
     dog = Watchdog(mpi, 0.3, rank=5)
     done, stuck = dog.slot(), dog.slot()
     done.begin("barrier")
@@ -151,19 +157,7 @@ def test_an_ended_rank_fails_only_symmetric_collectives_it_belongs_to(
         def Abort(self, code: int) -> None:
             calls.append(f"abort {code}")
 
-    class FakeMPI:
-        COMM_WORLD, THREAD_MULTIPLE, ANY_SOURCE, BYTE, Status = Comm(), 3, -1, "byte", Probed
-
-        def Query_thread(self) -> int:
-            return 3
-
-        def Is_initialized(self) -> bool:
-            return True
-
-        def Is_finalized(self) -> bool:
-            return False
-
-    mpi: Any = FakeMPI()
+    mpi: Any = _RunningMPI(Comm(), Probed)
     dog = Watchdog(mpi, 3.0, rank=0, world=mpi.COMM_WORLD)  # grace 1.5 s
     dog.slot(frozenset({0, 1})).begin("broadcast")
     dog.slot(frozenset({0, 2})).begin("all_reduce")
