@@ -25,7 +25,10 @@ from torch.utils._pytree import tree_leaves
 
 from dtlab.core.torch_private import op_arguments
 
-__all__ = ["GeneratorMode", "OpPlan", "draw_like", "plan_of"]
+__all__ = ["GeneratorMode", "OpPlan", "draw_like", "draw_seed", "plan_of"]
+
+#: the seeds a region draws: below torch's bound for ``manual_seed``, well inside int64
+_SEEDS = 2**62
 
 #: arguments of random ops that take no generator which, at 0 or False, make the op draw nothing
 _DROPOUT_ARGS = ("p", "dropout_p", "dropout")
@@ -37,6 +40,12 @@ _LIKE = (
     "aten.randint_like.default",
     "aten.randint_like.low_dtype",
 )
+
+
+def draw_seed() -> int:
+    """One seed for a region's own generator, drawn from the stream in place (a recomputation that
+    restored that stream draws the same one)."""
+    return int(torch.randint(_SEEDS, ()).item())
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,10 @@ import torch
 from torch._ops import OpOverload
 
 from dtlab.backends.threads import on_rank_thread
-from dtlab.core.random_ops import GeneratorMode, OpPlan
+from dtlab.core.random_ops import GeneratorMode, OpPlan, draw_seed
 from dtlab.errors import StrategyError
 
 __all__ = ["ReplayedDraws"]
-
-#: the seeds a region draws: below torch's bound for ``manual_seed``, well inside int64
-_SEEDS = 2**62
 
 
 class ReplayedDraws:
@@ -53,7 +50,7 @@ class ReplayedDraws:
     @contextmanager
     def _forward(self, seed: list[int]) -> Iterator[None]:
         # one draw (through an enclosing region's mode, if any: its recomputation draws the same seed)
-        seed.append(int(torch.randint(_SEEDS, ()).item()))
+        seed.append(draw_seed())
         with _RegionGenerator(seed[0], self.plans):
             yield
 

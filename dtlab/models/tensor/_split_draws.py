@@ -31,15 +31,12 @@ import torch
 from torch import nn
 from torch._ops import OpOverload
 
-from dtlab.core.random_ops import GeneratorMode, OpPlan
+from dtlab.core.random_ops import GeneratorMode, OpPlan, draw_seed
 from dtlab.core.torch_private import top_dispatch_mode
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["SplitDraws"]
-
-#: the region seeds drawn from the replicated stream: below torch's bound for ``manual_seed``
-_SEEDS = 2**62
 
 
 class _SplitMode(GeneratorMode):
@@ -54,8 +51,7 @@ class _SplitMode(GeneratorMode):
         if device.type != "cpu":
             return None
         if self.cpu is None:  # this mode is off while it runs: ``s`` comes from the stream below it
-            seed = int(torch.randint(_SEEDS, ()).item())
-            self.cpu = torch.Generator().manual_seed(seed + self.tp_rank)
+            self.cpu = torch.Generator().manual_seed(draw_seed() + self.tp_rank)
         return self.cpu
 
     def refused(self, func: OpOverload, device: torch.device) -> Exception | None:  # noqa: ARG002 - GeneratorMode's interface
