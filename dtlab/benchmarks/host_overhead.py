@@ -9,7 +9,10 @@ order alternating every round), which times ``--steps`` steps of every configura
 medians in microseconds and as a ratio to the first tree. ``--clock cpu`` times each step in the
 ranks' thread CPU time, summed over the ranks (the host work itself, little moved by other processes on
 a shared machine; waits in collectives not counted) instead of the slowest rank's wall time.
-``--profile`` instead prints a cProfile of ``--steps`` steps of each configuration in this tree (1 rank).
+``--draws`` runs each step's forward and backward under the Trainer's ``RankDraws`` (an in-memory
+rank's own generator for its dropout; the model draws nothing, so what shows is the cost of the watch
+kept on a model that draws nothing). ``--profile`` instead prints a cProfile of ``--steps`` steps of
+each configuration in this tree (1 rank).
 
     .venv/bin/python -m dtlab.benchmarks.host_overhead --trees /path/old /path/new --rounds 6
     .venv/bin/python -m dtlab.benchmarks.host_overhead --trees /path/old /path/new --rounds 4 --clock cpu
@@ -22,6 +25,8 @@ pairs, ``run_world``), so an older checkout can run it: the tree is put first on
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import os
 import statistics
@@ -84,8 +89,16 @@ def _world(backend: Any, strategy: str, args: dict[str, Any]) -> list[float]:
         def loss_of() -> torch.Tensor:
             return cast(torch.Tensor, model(x).square().mean())
 
+    draws: Any = contextlib.nullcontext
+    if args["draws"]:  # as the Trainer runs a micro-batch on in-memory ranks (an older tree: no model)
+        from dtlab.trainers.rank_draws import RankDraws
+
+        watched = "model" in inspect.signature(RankDraws).parameters
+        draws = RankDraws(0, backend.rank, 1, backend.world_size, *([model] if watched else []))
+
     def step() -> None:
-        loss_of().backward()
+        with draws():
+            loss_of().backward()
         opt.step()
         opt.zero_grad()
 
@@ -137,11 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, default=32, help="LayerNorm + Linear blocks (4 params each)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="step time measured")
+    parser.add_argument("--draws", action="store_true", help="each step under the Trainer's RankDraws")
     parser.add_argument("--profile", action="store_true", help="profile this tree instead")
     parser.add_argument("--top", type=int, default=25, help="functions shown per profile")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
-    args = {k: getattr(ns, k) for k in ("steps", "warmup", "blocks", "batch", "top", "clock")}
+    args = {k: getattr(ns, k) for k in ("steps", "warmup", "blocks", "batch", "top", "clock", "draws")}
     if ns.worker:
         print(json.dumps(worker(args)))
         return
@@ -155,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(ns.rounds):
         for tree in ns.trees if r % 2 == 0 else list(reversed(ns.trees)):
             env = dict(os.environ, PYTHONPATH=tree)
-            cmd = [sys.executable, "-c", code, "--worker", *(f"--{k}={v}" for k, v in args.items())]
+            flags = [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items() if v is not False]
+            cmd = [sys.executable, "-c", code, "--worker", *flags]
             run = subprocess.run  # cwd "/": "-c" puts the working directory first on sys.path
             out = run(cmd, env=env, cwd="/", check=True, capture_output=True, text=True, timeout=1800)
             for cfg, ts in json.loads(out.stdout.strip().splitlines()[-1]).items():

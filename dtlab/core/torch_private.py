@@ -20,6 +20,7 @@ __all__ = [
     "in_backward",
     "in_checkpoint_forward",
     "MODULE_HOOKS",
+    "module_children",
     "OPTIMIZER_HOOKS",
     "TENSOR_HOOKS",
     "non_persistent_buffers",
@@ -79,6 +80,12 @@ def non_persistent_buffers(module: nn.Module) -> frozenset[str]:
     """The names of ``module``'s own buffers registered with ``persistent=False`` (left out of its
     ``state_dict``; torch's ``_non_persistent_buffers_set``)."""
     return frozenset(getattr(module, "_non_persistent_buffers_set", ()))
+
+
+def module_children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """``module``'s own children by name, the live dict (torch's ``_modules``; ``children()`` walks it
+    in Python, a generator per call)."""
+    return cast("dict[str, nn.Module | None]", vars(module)["_modules"])
 
 
 def tensor_version(t: torch.Tensor) -> int:

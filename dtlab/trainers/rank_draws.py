@@ -17,6 +17,15 @@ restored as it is. A CPU random op that takes no generator (``torch.native_dropo
 an in-memory rank, naming the fixes; so is a CPU draw in backward: a recomputation of
 ``torch.utils.checkpoint`` without :class:`~dtlab.core.replayed_draws.ReplayedDraws` would draw from
 this generator other numbers (dropout masks) than its forward drew.
+
+The mode sees every op in Python (a small op's dispatch about twice as long), so it is kept only where
+the model draws: the first micro-batch runs under it, and so does the next one after any change of the
+model's settings (a module's ``train()``/``eval()``, a module added or removed, a number, bool or string
+attribute of a module: a dropout's ``p``, a stochastic-depth flag); once one drew, the mode stays. A
+model that starts drawing later (dropout raised after a warm-up) so draws from the start of its
+generator, what a run that had the mode all along draws. In between, torch's shared CPU generator is
+watched (its state compared before and after each micro-batch): draws that began without such a change
+are refused at the next micro-batch, rather than taken from the generator the threads share.
 """
 
 from __future__ import annotations
@@ -26,10 +35,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+from torch import nn
 from torch._ops import OpOverload
 
 from dtlab.backends.threads import on_rank_thread
 from dtlab.core.random_ops import GeneratorMode, OpPlan
+from dtlab.core.settings_watch import SettingsWatch
 from dtlab.core.torch_private import in_backward
 from dtlab.errors import CheckpointError, StrategyError
 
@@ -73,37 +84,78 @@ class _RankMode(GeneratorMode):
 
 
 class RankDraws:
-    """This rank's training draws; ``active`` only on a :class:`RankThread` of a world of several, and
-    after the first micro-batch only where it drew random numbers on the CPU (the mode sees every op
-    in Python: a model that draws nothing trains at full speed)."""
+    """This rank's training draws; ``on`` only on a :class:`RankThread` of a world of several.
 
-    def __init__(self, seed: int, rank: int, tp: int, world_size: int) -> None:
-        self.active = world_size > 1 and on_rank_thread()
+    The mode sees every op in Python, so it is kept only where the model draws: a micro-batch is
+    *probed* (run under the mode, which notes whether anything drew) first, and again whenever the
+    model's settings (:class:`~dtlab.core.settings_watch.SettingsWatch`) changed since the last
+    micro-batch began; once a probe drew, the mode stays. In between (a model that draws nothing, at
+    full speed) torch's shared CPU generator is watched: if it moved during a micro-batch, the next one
+    is probed, and if that draws, the draws began where no setting changed and came from the shared
+    generator: refused. ``model``: the module whose settings are watched (``None``: none)."""
+
+    def __init__(
+        self, seed: int, rank: int, tp: int, world_size: int, model: nn.Module | None = None
+    ) -> None:
+        self.on = world_size > 1 and on_rank_thread()
         self.rank = rank
         self.generator = torch.Generator().manual_seed(seed + 1 + rank // tp)
         self.plans: dict[OpOverload, OpPlan] = {}  # how each op draws, shared by every micro-batch
-        self.drew = False
-        self.first = True
+        self.watch = None if model is None else SettingsWatch(model)
+        self.drew = False  # a probe drew: the mode stays on
+        self.probe = True  # the next micro-batch runs under the mode
+        self.moved = False  # the shared generator moved during the last micro-batch (not probed)
+        self.micro = 0  # micro-batches run
+
+    @property
+    def active(self) -> bool:
+        """Whether the next micro-batch draws from this rank's generator (where the model draws)."""
+        return self.on and (self.drew or self.probe)
 
     def __call__(self) -> AbstractContextManager[Any]:
         """The context of one micro-batch's forward and backward."""
-        return self._drawing() if self.active else nullcontext()
+        if not self.on:
+            return nullcontext()
+        self.micro += 1
+        if self.drew:
+            return _RankMode(self)
+        if self.watch is not None and self.watch.changed():
+            self.probe = True
+        return self._probed() if self.probe or self.moved else self._watched()
 
     @contextmanager
-    def _drawing(self) -> Iterator[None]:
+    def _probed(self) -> Iterator[None]:
         with _RankMode(self):
             yield
-        if self.first:  # the first micro-batch decides whether the model draws at all
-            self.first, self.active = False, self.drew
+        if self.moved and self.drew and not self.probe:
+            raise StrategyError(
+                f"in-memory ranks: rank {self.rank}'s model began drawing random numbers on the CPU "
+                f"(dropout) in its micro-batch {self.micro - 1} (counted from 1 in this Trainer), "
+                "though its earlier micro-batches drew none and none of the settings dtlab watches "
+                "changed (a module's train()/eval(), a module added or removed, a public number, "
+                "bool or string attribute of a module such as a dropout's p): those draws came from "
+                "torch's global RNG, which the ranks (threads) share, so which rank drew which "
+                "numbers depended on the threads' timing; turn the draws on through such a setting "
+                "(set the module's p, call train()), or run the ranks as processes (torchrun with "
+                "backend.name=gloo, mpiexec with mpi)"
+            )
+        self.probe = self.moved = False
+
+    @contextmanager
+    def _watched(self) -> Iterator[None]:
+        shared = torch.default_generator.get_state()
+        yield
+        self.moved = not torch.equal(torch.default_generator.get_state(), shared)
 
     def state(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint keeps of it (nothing where it is inactive)."""
+        """What a checkpoint keeps of it (nothing where it is inactive: the model has drawn nothing from
+        it, which a fresh one is again)."""
         return {KEY: self.generator.get_state()} if self.active else {}
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore a rank's saved state (an inactive one, or one saved without it, keeps its own)."""
+        """Restore a rank's saved state (off, or saved without it: its own, never drawn from, stays)."""
         saved = state.get(KEY)
-        if not self.active or saved is None:
+        if not self.on or saved is None:
             return
         own = self.generator.get_state()
         if saved.dtype != own.dtype or saved.shape != own.shape:

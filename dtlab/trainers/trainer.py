@@ -187,7 +187,9 @@ class Trainer:
             pin_memory=d.pin_memory,
         )
         #: in-memory ranks: each one's training draws (dropout) from a generator of its own
-        self.draws = RankDraws(config.train.seed, backend.rank, config.parallel.tp, backend.world_size)
+        self.draws = RankDraws(
+            config.train.seed, backend.rank, config.parallel.tp, backend.world_size, self.model
+        )
         #: the default loss as the mean over the global batch's counted targets (None: a loss of your own)
         self.token_mean = token_mean_for(
             self.task.loss_fn, self.task.train_data, backend, self.dp, d.accumulation_steps, self.plan
