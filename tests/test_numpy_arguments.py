@@ -14,11 +14,12 @@ from torch import nn
 
 from dtlab.advise.precision import Precision
 from dtlab.advise.spec import Candidate, ClusterSpec, ModelSpec, StrategyOptions
+from dtlab.backends import Mesh, P2POp
 from dtlab.backends.base import CommunicationBackend
 from dtlab.checkpoint import save_checkpoint
 from dtlab.compression import QSGD, OkTopk, PowerSGD
 from dtlab.core.rng import seeded_init
-from dtlab.errors import DtlabError, integer, real
+from dtlab.errors import ArgumentError, DtlabError, integer, real
 from dtlab.models import DDPModel, ZeRO3Model
 from dtlab.optimizers import DDPOptimizer, ElasticOptimizer
 from dtlab.testing import run_world
@@ -112,3 +113,52 @@ def _values(tree: object) -> list[object]:
     if isinstance(tree, list):
         return [v for x in tree for v in _values(x)]
     return [tree]
+
+
+def _backend_calls(b: CommunicationBackend) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    mesh = Mesh(b, {"dp": np.int64(-1), "tp": np.int32(1)})
+    out["shape"] = mesh.shape
+    out["rank_at"] = mesh.rank_at({"dp": np.int64(1)})
+    group = b.split(color=np.int64(0), key=np.int64(-b.rank))
+    out["split"] = None if group is None else group.rank
+    out["new_group"] = b.new_group([np.int64(1), np.int64(0)]).rank  # type: ignore[union-attr]
+    t = torch.full((2,), float(b.rank))
+    b.broadcast(t, src=np.int64(1))
+    out["broadcast"] = t.tolist()
+    if b.rank == 0:
+        b.send(torch.ones(1), dst=np.int64(1))
+        b.batch_isend_irecv([P2POp.send(torch.ones(1), np.int64(1))])[0].wait()
+    else:
+        out["recv"] = b.recv(torch.zeros(1), src=np.int64(0))
+        out["batch"] = b.batch_isend_irecv([P2POp.recv(torch.zeros(1), np.int64(0))])[0].wait()
+    refused = {
+        "mesh": lambda: Mesh(b, {"dp": True, "tp": 2}),
+        "rank_at": lambda: mesh.rank_at({"dp": True}),
+        "color": lambda: b.split(color=np.True_),
+        "key": lambda: b.split(color=0, key=1.0),
+        "new_group": lambda: b.new_group([0, 1.5]),
+        "src": lambda: b.broadcast(t, src=True),
+    }
+    out["refused"] = {}
+    for name, call in refused.items():
+        try:
+            call()
+        except ArgumentError as exc:
+            out["refused"][name] = str(exc)
+    return out
+
+
+def test_meshes_groups_roots_and_peers_take_numpy_integers_as_torch_does() -> None:
+    # torch.distributed takes them (operator.index); dtlab's shared checks too; a bool is no rank
+    rank0, rank1 = run_world(2, _backend_calls, timeout=60)
+    _same(rank0["shape"]["dp"], 2)  # stored as Python ints
+    _same(rank0["shape"]["tp"], 1)
+    assert rank0["shape"] == {"dp": 2, "tp": 1} and rank0["rank_at"] == 1
+    assert (rank0["split"], rank1["split"]) == (1, 0)  # numbered by key = -rank
+    assert (rank0["new_group"], rank1["new_group"]) == (1, 0)
+    assert rank0["broadcast"] == rank1["broadcast"] == [1.0, 1.0]
+    assert rank1["recv"] == 0 and rank1["batch"] == 0
+    for res in (rank0, rank1):
+        assert set(res["refused"]) == {"mesh", "rank_at", "color", "key", "new_group", "src"}, res["refused"]
+        assert "dp=True" in res["refused"]["mesh"] and "src=True" in res["refused"]["src"]

@@ -8,7 +8,7 @@ import torch
 
 from dtlab.backends._engine import Engine
 from dtlab.backends.types import SUPPORTED_DTYPES, ReduceOp
-from dtlab.errors import ArgumentError, ArgumentTypeError
+from dtlab.errors import ArgumentError, ArgumentTypeError, integer
 
 __all__ = ["ArgumentChecks"]
 
@@ -57,14 +57,18 @@ class ArgumentChecks(Engine):
                 f"{op}: output dtype {output.dtype} differs from input dtype {input.dtype}"
             )
 
-    def _check_root(self, root: int, op: str, name: str) -> None:
-        if not isinstance(root, int) or not 0 <= root < self._world_size:
-            raise ArgumentError(f"{op}: {name}={root} is out of range [0, {self._world_size})")
+    def _check_root(self, root: object, op: str, name: str) -> int:
+        """``root`` as a Python int (NumPy's integers taken, as torch takes them; a bool is no rank)."""
+        value = integer(root)
+        if value is None or not 0 <= value < self._world_size:
+            raise ArgumentError(f"{op}: {name}={root!r} must be a rank, an int in [0, {self._world_size})")
+        return value
 
-    def _check_peer(self, peer: int, op: str, name: str) -> None:
-        self._check_root(peer, op, name)
-        if peer == self._rank:
-            raise ArgumentError(f"{op}: {name}={peer} is this rank itself; send to another rank")
+    def _check_peer(self, peer: object, op: str, name: str) -> int:
+        value = self._check_root(peer, op, name)
+        if value == self._rank:
+            raise ArgumentError(f"{op}: {name}={peer!r} is this rank itself; send to another rank")
+        return value
 
     def _check_op(self, t: torch.Tensor, op: ReduceOp, where: str) -> None:
         if op.__class__ is not ReduceOp:
@@ -75,11 +79,15 @@ class ArgumentChecks(Engine):
                 "use SUM and divide, or cast to float"
             )
 
-    def _check_split(self, color: object, key: object) -> None:
-        if color is not None and (type(color) is not int or not 0 <= color < 2**31):
+    def _check_split(self, color: object, key: object) -> tuple[int | None, int]:
+        """``(color, key)`` as Python ints (NumPy's integers taken; a bool refused)."""
+        c = None if color is None else integer(color)
+        if color is not None and (c is None or not 0 <= c < 2**31):
             raise ArgumentError(
                 f"split: color={color!r} must be None (not a member) or an int in [0, 2**31) "
                 "(MPI's colors are non-negative C ints)"
             )
-        if type(key) is not int or not -(2**31) <= key < 2**31:
+        k = integer(key)
+        if k is None or not -(2**31) <= k < 2**31:
             raise ArgumentError(f"split: key={key!r} must be an int in [-2**31, 2**31) (a C int)")
+        return c, k

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
 from dtlab.backends._engine import Engine
-from dtlab.errors import ArgumentError
+from dtlab.errors import ArgumentError, integer
 
 __all__ = ["Group", "GroupMaking", "split_members"]
 
@@ -40,7 +40,10 @@ class GroupMaking(Engine, Generic[G]):
 
     def new_group(self, ranks: Sequence[int]) -> G | None:
         """Called by every rank; members get a backend with ranks renumbered in the given order."""
-        members = [int(r) for r in ranks]
+        given = list(ranks)
+        members = [i for i in map(integer, given) if i is not None]  # NumPy's taken; bools refused
+        if len(members) != len(given):
+            raise ArgumentError(f"new_group: ranks must be ints, got {given}")
         if not members:
             raise ArgumentError("new_group: ranks must not be empty")
         if len(set(members)) != len(members):
@@ -60,7 +63,7 @@ class GroupMaking(Engine, Generic[G]):
         ``(color, key)`` pairs, however many colors there are. Their byte counters also feed this
         backend's (as ``new_group``'s do).
         """
-        self._check_split(color, key)
+        color, key = self._check_split(color, key)
         if self._checked:
             self._agree(("split",))
         return self._inherit(self._split(color, key))

@@ -19,7 +19,7 @@ class ObjectExchange(Engine):
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Return rank ``src``'s ``obj`` on every rank (pickled; only exchange trusted objects)."""
-        self._check_root(src, "broadcast_object", "src")
+        src = self._check_root(src, "broadcast_object", "src")
         if self._checked:
             self._agree(("broadcast_object", src))
         t0 = perf_counter()

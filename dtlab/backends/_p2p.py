@@ -6,6 +6,7 @@ once; the engines move the messages (``_send``, ``_recv``, ``_isend``, ``_irecv`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from time import perf_counter
 
 import torch
@@ -23,7 +24,7 @@ class PointToPoint(Engine):
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Send ``tensor`` to ``dst``; messages between a pair with one tag arrive in order."""
         self._check_tensor(tensor, "send")
-        self._check_peer(dst, "send", "dst")
+        dst = self._check_peer(dst, "send", "dst")
         t0 = perf_counter()
         self._send(tensor, dst, tag)
         self._stats.record("send", tensor.nbytes, 0, perf_counter() - t0)
@@ -32,7 +33,7 @@ class PointToPoint(Engine):
         """Receive into ``tensor`` from ``src`` (``None``: any rank); returns the source rank."""
         self._check_tensor(tensor, "recv")
         if src is not None:
-            self._check_peer(src, "recv", "src")
+            src = self._check_peer(src, "recv", "src")
         t0 = perf_counter()
         source = self._recv(tensor, src, tag)
         self._stats.record("recv", 0, tensor.nbytes, perf_counter() - t0)
@@ -41,7 +42,7 @@ class PointToPoint(Engine):
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Non-blocking send; do not modify ``tensor`` until the handle's ``wait()`` returns."""
         self._check_tensor(tensor, "isend")
-        self._check_peer(dst, "isend", "dst")
+        dst = self._check_peer(dst, "isend", "dst")
         t0 = perf_counter()
         work = self._isend(tensor, dst, tag)
         self._stats.record("send", tensor.nbytes, 0, perf_counter() - t0)
@@ -51,7 +52,7 @@ class PointToPoint(Engine):
         """Non-blocking receive; ``wait()`` returns the source rank once ``tensor`` is filled."""
         self._check_tensor(tensor, "irecv")
         if src is not None:
-            self._check_peer(src, "irecv", "src")
+            src = self._check_peer(src, "irecv", "src")
         t0 = perf_counter()
         work = self._irecv(tensor, src, tag)
         self._stats.record("recv", 0, tensor.nbytes, perf_counter() - t0)
@@ -75,7 +76,9 @@ class PointToPoint(Engine):
                     f"(P2POp.send(t, dst) / P2POp.recv(t, src)), got {op!r}"
                 )
             self._check_tensor(op.tensor, "batch_isend_irecv", f"ops[{i}].tensor")
-            self._check_peer(op.peer, "batch_isend_irecv", f"ops[{i}].peer")
+            peer = self._check_peer(op.peer, "batch_isend_irecv", f"ops[{i}].peer")
+            if type(op.peer) is not int:  # a NumPy integer: kept as a Python int
+                ops[i] = replace(op, peer=peer)
         if not ops:
             return []
         t0 = perf_counter()

@@ -175,7 +175,7 @@ class CommunicationBackend(
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM) -> None:
         """Reduce ``tensor`` over all ranks into rank ``dst``'s tensor; others keep theirs."""
         self._check_tensor(tensor, "reduce")
-        self._check_root(dst, "reduce", "dst")
+        dst = self._check_root(dst, "reduce", "dst")
         self._check_op(tensor, op, "reduce")
         if self._checked:
             self._agree(("reduce", tensor.shape, tensor.dtype, op, dst))
@@ -192,7 +192,7 @@ class CommunicationBackend(
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
         self._check_tensor(tensor, "broadcast")
-        self._check_root(src, "broadcast", "src")
+        src = self._check_root(src, "broadcast", "src")
         if self._checked:
             self._agree(("broadcast", tensor.shape, tensor.dtype, src))
         t0 = perf_counter()

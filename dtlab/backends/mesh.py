@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dtlab.backends.base import CommunicationBackend, check_backend
-from dtlab.errors import ArgumentError, ArgumentTypeError
+from dtlab.errors import ArgumentError, ArgumentTypeError, integer
 
 __all__ = ["Axes", "Mesh", "MeshLike"]
 
@@ -106,10 +106,15 @@ def _resolve(sizes: Mapping[str, int] | Iterable[tuple[str, int]], world_size: i
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise fail(f"axis names must be unique, {dupes} repeat")
-    values = [p[1] for p in pairs]
-    bad = [f"{n}={s!r}" for n, s in pairs if type(s) is not int or (s < 1 and s != -1)]
+    # NumPy's integers taken as torch takes them, stored as Python ints; a bool is no size
+    given = [(n, integer(s)) for n, s in pairs]
+    bad = [
+        f"{n}={s!r}" for (n, s), (_, i) in zip(pairs, given, strict=True) if i is None or (i < 1 and i != -1)
+    ]
     if bad:
         raise fail(f"sizes must be positive ints (one may be -1 for the rest of the world), got {bad}")
+    pairs = [(n, i) for n, i in given if i is not None]
+    values = [p[1] for p in pairs]
     rest = [n for n, s in pairs if s == -1]
     known = math.prod(s for s in values if s != -1)
     if len(rest) > 1:
@@ -223,13 +228,14 @@ class Mesh:
         if unknown:
             raise ArgumentError(f"Mesh.rank_at: axes {unknown} are not in this mesh's {list(self._names)}")
         coords = {**self._coords, **coordinates}
-        out = [a for a in self._names if not (type(coords[a]) is int and 0 <= coords[a] < self._shape[a])]
+        at = [integer(coords[a]) for a in self._names]  # NumPy's integers taken; a bool refused
+        out = [a for a, i in zip(self._names, at, strict=True) if i is None or not 0 <= i < self._shape[a]]
         if out:
             raise ArgumentError(
                 f"Mesh.rank_at({dict(coordinates)}): {[f'{a}={coords[a]!r}' for a in out]} outside the "
                 f"mesh's shape {self._shape}"
             )
-        return _ravel([coords[a] for a in self._names], list(self._shape.values()))
+        return _ravel([i for i in at if i is not None], list(self._shape.values()))
 
     # ------------------------------------------------------------------ groups
     def __getitem__(self, axes: Axes) -> CommunicationBackend:
