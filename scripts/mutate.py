@@ -115,6 +115,7 @@ _PIPELINE = [
     "tests/test_pipeline_parity.py::test_parity_transformer_lm",
     "tests/test_pipeline_comm.py",
     "tests/test_pipeline_model.py",
+    "tests/test_pipeline_split_refusals.py",
     "tests/test_pipeline_checkpointing.py",
     "tests/test_pipeline_tied_accumulation.py",
     "tests/test_custom_model_pipeline.py",
