@@ -78,12 +78,44 @@ def train_hybrid(
     return losses, model.full_state_dict()
 
 
+def train_torch_2d(backend: CommunicationBackend) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """torch's own 2-D composite on dp2 x tp2 (FSDP2 per block and root over DTensor TP split as
+    ``transformer_plan()``, the loss under ``loss_parallel()``; ``hybrid_vs_torch.torch_2d``), AdamW
+    as the reference: the dp-averaged losses and the full state (qkv rows in the model's order)."""
+    from dtlab.benchmarks.hybrid_vs_torch import global_loss, torch_2d
+    from dtlab.benchmarks.tensor import loss_parallel_backward, parallelize_transformer, qkv_order
+
+    cls, kwargs, dtype = OPTIMIZERS["adamw"]
+    net = torch_2d(build(initial_state(), dtype), 2, 2, Block, parallelize_transformer)
+    optimizer = cls(net.parameters(), **kwargs)
+    x, y = (t.chunk(2)[backend.rank // 2] for t in batch())
+    forward_backward = loss_parallel_backward(net, x, y)
+    losses = []
+    for _ in range(STEPS):
+        losses.append(global_loss(backend, forward_backward()))
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in net.state_dict().items()}
+    back = torch.argsort(qkv_order(net.tok.embedding_dim, 2))
+    for k in state:
+        if ".attn.qkv." in k:
+            state[k] = state[k][back]
+    return losses, state
+
+
 def engine_world(backend: CommunicationBackend) -> dict[str, Any]:
     """Everything the gloo/MPI test checks, in one 4-process world: tp2 x pp2 (DDP, SGD-momentum,
-    sequence parallel, 1F1B) and dp2 x tp2 (ZeRO-2, AdamW, no pipeline)."""
-    return {
+    sequence parallel, 1F1B) and dp2 x tp2 (ZeRO-2, AdamW, no pipeline); on Gloo also dp2 x tp2 FSDP
+    and torch's 2-D composite (FSDP2 over DTensor TP) on the same batch."""
+    from dtlab.backends import GlooBackend
+
+    runs = {
         "sgd/tp2xpp2/ddp": train_hybrid(
             backend, {"pp": 2, "tp": 2}, "ddp", "sgd", sequence_parallel=True, micro_batches=2
         ),
         "adamw/dp2xtp2/zero2": train_hybrid(backend, {"dp": 2, "tp": 2}, "zero2", "adamw"),
     }
+    if isinstance(backend, GlooBackend):
+        runs["adamw/dp2xtp2/fsdp"] = train_hybrid(backend, {"dp": 2, "tp": 2}, "fsdp", "adamw")
+        runs["adamw/dp2xtp2/torch_2d"] = train_torch_2d(backend)
+    return runs

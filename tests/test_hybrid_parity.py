@@ -1,7 +1,8 @@
 """The hybrid strategy's first test: pipeline x data x tensor parallelism trains the built-in transformer
 to the same losses and parameters as one process on the same global batch (relative error <= 1e-5 after
 5 steps), for every data-parallel strategy on the dp axis, SGD-momentum and AdamW, on 8 in-memory ranks
-(2 x 2 x 2), and on 4 processes over Gloo and MPI (tp2 x pp2 and dp2 x tp2)."""
+(2 x 2 x 2), and on 4 processes over Gloo and MPI (tp2 x pp2 and dp2 x tp2; on Gloo also torch's own
+2-D composite, FSDP2 over DTensor TP, against dtlab's FSDP x TP step by step)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,9 @@ def test_parity_on_real_engines(backend: str, references: dict[str, Reference]) 
     results = spawn_world(4, engine_world, backend=backend, timeout=300)
     for run in results[0]:
         check_parity([r[run] for r in results], references[run.split("/")[0]], f"{run} on {backend}")
+    if backend == "gloo":  # dtlab's FSDP x TP and torch's FSDP2 x DTensor TP, step by step
+        ours, theirs = results[0]["adamw/dp2xtp2/fsdp"][0], results[0]["adamw/dp2xtp2/torch_2d"][0]
+        err = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
+        assert err <= 1e-12, (
+            f"dtlab dp2 x tp2 FSDP against torch's 2-D composite: loss relative error {err:.2e}"
+        )

@@ -74,6 +74,17 @@ def measure(backend: CommunicationBackend, variants: dict[str, Step], args: dict
     return {"times": times, "first_loss": first_loss}
 
 
+def profile_table(step: Step, steps: int) -> str:
+    """The top operators by self CPU time of ``steps`` calls of ``step`` on this rank (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    table: str = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return table
+
+
 def blocks(times: list[float], steps: int) -> list[list[float]]:
     """The step times of :func:`alternate` cut into its blocks, one per round."""
     return [times[i : i + steps] for i in range(0, len(times), steps)]

@@ -18,7 +18,7 @@ from dtlab.core import pairs
 from dtlab.models import ModuleClassPolicy, get_model_strategy
 from dtlab.optimizers import OptimizerStrategy, default_optimizer_strategy
 
-__all__ = ["DTLAB", "DTLAB_EXTRA", "TORCH", "Run"]
+__all__ = ["DTLAB", "DTLAB_EXTRA", "TORCH", "Run", "tensor_bytes"]
 
 DTLAB = pairs.DATA_PARALLEL
 #: variants run only when named in --strategies: ZeRO-1 with DDP's all-reduce instead of reduce-scatter
@@ -40,7 +40,8 @@ def _reset_peak() -> None:
         pass
 
 
-def _tensor_bytes(ts: Any) -> int:
+def tensor_bytes(ts: Any) -> int:
+    """The bytes of the tensors among ``ts`` (a DTensor's local part)."""
     total = 0
     for t in ts:
         if isinstance(t, torch.Tensor):
@@ -120,10 +121,10 @@ class Run:
             state = rep["parameters"] + rep["gradients"] + rep["optimizer_state"]
             return int(state + (rep["peak_gathered_parameters"] if self.strategy in ("zero3", "fsdp") else 0))
         params = list(self.model.parameters())
-        state = _tensor_bytes(params) + _tensor_bytes(p.grad for p in params)
-        state += _tensor_bytes(v for s in self.opt.state.values() for v in s.values())
+        state = tensor_bytes(params) + tensor_bytes(p.grad for p in params)
+        state += tensor_bytes(v for s in self.opt.state.values() for v in s.values())
         if self.strategy == "torch_ddp":  # gradient buckets (gradient_as_bucket_view=False)
-            state += _tensor_bytes(p for p in params if p.requires_grad)
+            state += tensor_bytes(p for p in params if p.requires_grad)
         if self.strategy == "torch_fsdp2":  # the most unsharded parameters held at once (watch_gathered)
             state += self.peak_gathered
         return state

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dtlab.benchmarks._hf_llama import LLAMA_KEYS, add_llama_args, llama, lm_loss, token_batch
-from dtlab.benchmarks._paired import add_timing_args, measure, plain_step, print_against_torch
+from dtlab.benchmarks._paired import add_timing_args, measure, plain_step, print_against_torch, profile_table
 
 if TYPE_CHECKING:  # imported where used: the command line parses its arguments without torch
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -58,32 +58,30 @@ def _torch_style(name: str) -> ParallelStyle:
     return styles[name]
 
 
-def _torch_step(args: dict[str, Any]) -> Callable[[], float]:
-    """torch's DTensor tensor parallelism on the same model with the same plan (its patterns expanded
-    to module names, as ``parallelize_module`` matches one part per name)."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
+def parallelize_llama(net: Any, tp_mesh: Any) -> None:
+    """torch's DTensor tensor parallelism of ``net`` over ``tp_mesh`` with the model's own plan (its
+    patterns expanded to module names, as ``parallelize_module`` matches one part per name), each
+    Hugging Face style as torch's (:func:`_torch_style`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from dtlab.models.tensor import hugging_face_plan
 
-    net = llama(args)
     declared = hugging_face_plan(net) or {}
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
-    parallelize_module(net, mesh, {k: _torch_style(str(v)) for k, v in declared.items()})
+    parallelize_module(net, tp_mesh, {k: _torch_style(str(v)) for k, v in declared.items()})
+
+
+def _torch_step(args: dict[str, Any]) -> Callable[[], float]:
+    """torch's DTensor tensor parallelism on the same model with the same plan (:func:`parallelize_llama`)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    net = llama(args)
+    parallelize_llama(
+        net, init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
+    )
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=False)
     x, y = token_batch(args)
     return plain_step(lambda: lm_loss(net(x), y), opt)
-
-
-def _profile(step: Callable[[], float], steps: int) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-    table: str = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-    return table
 
 
 def bench_world(backend: CommunicationBackend, args: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +91,9 @@ def bench_world(backend: CommunicationBackend, args: dict[str, Any]) -> dict[str
     torch.set_num_threads(args["threads"])
     variants = {"dtlab": _dtlab_step(backend, args), "torch": _torch_step(args)}
     res = measure(backend, variants, args)
-    res["profiles"] = {n: _profile(s, args["steps"]) for n, s in variants.items()} if args["profile"] else {}
+    res["profiles"] = (
+        {n: profile_table(s, args["steps"]) for n, s in variants.items()} if args["profile"] else {}
+    )
     return res
 
 

@@ -11,8 +11,9 @@ the token embedding by vocabulary, the head by vocabulary) from the same initial
 first-step losses are printed side by side as a check. In the Gloo world the variants alternate in
 blocks of ``--steps`` steps (``--rounds`` rounds, after ``--warmup`` steps each), each step timed as the
 slowest rank's; the table shows the median step. dtlab's bytes per rank per step come from
-``backend.stats``; torch's collectives are counted with a dispatch mode (it has no byte
-counter). dtlab's sequence-parallel variant runs as an extra row.
+``backend.stats``; torch's collectives and their bytes are counted with a dispatch mode
+(``_torch_comm.TorchCollectives``, by dtlab's ring convention: torch has no byte counter). dtlab's
+sequence-parallel variant runs as an extra row.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ if TYPE_CHECKING:  # imported where used: the command line parses its arguments 
     from torch.distributed.tensor.parallel import ParallelStyle
 
     from dtlab.backends.base import CommunicationBackend
+    from dtlab.benchmarks._torch_comm import TorchCollectives
 
 
-def _model(args: dict[str, Any]) -> Any:  # Any: _torch_step edits its blocks' attributes
+def transformer(args: dict[str, Any]) -> Any:  # Any: parallelize_transformer edits its blocks' attributes
+    """The built-in ``TransformerLM`` of ``args``' sizes, its values normal(0, 0.02) from seed 0."""
     import torch
 
     from dtlab.trainers.models import TransformerLM
@@ -51,7 +54,8 @@ def _model(args: dict[str, Any]) -> Any:  # Any: _torch_step edits its blocks' a
     return net
 
 
-def _data(args: dict[str, Any]) -> tuple[Any, Any]:
+def tp_batch(args: dict[str, Any]) -> tuple[Any, Any]:
+    """``args["batch"]`` sequences of ``args["seq"]`` tokens and their targets (seed 1)."""
     import torch
 
     gen = torch.Generator().manual_seed(1)
@@ -69,79 +73,92 @@ def _dtlab_step(
     from dtlab.optimizers import DDPOptimizer
 
     mesh = Mesh(backend, {"tp": backend.world_size})
-    model = TensorParallelModel(_model(args), mesh, plan=transformer_plan(sequence_parallel=sp))
+    model = TensorParallelModel(transformer(args), mesh, plan=transformer_plan(sequence_parallel=sp))
     opt = DDPOptimizer(model, torch.optim.AdamW, lr=1e-4)
-    x, y = _data(args)
+    x, y = tp_batch(args)
     return plain_step(lambda: model.cross_entropy(model(x), y), opt), mesh["tp"]
 
 
-def _torch_step(args: dict[str, Any]) -> tuple[Callable[[], float], Callable[[], dict[str, int]]]:
-    """torch's DTensor TP on the same model: qkv rows reordered so a contiguous column split holds
-    q, k and v of the same heads (as dtlab's per-head split), local head count set as dtlab does."""
+def qkv_order(d_model: int, tp: int) -> Any:
+    """The rows of qkv (``[q, k, v]``, ``3 * d_model``) reordered ``[q_0, k_0, v_0, q_1, ...]`` per tp
+    rank, so that a contiguous column split holds q, k and v of the same heads (dtlab's per-head split)."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        loss_parallel,
-        parallelize_module,
-    )
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    tp = dist.get_world_size()
-    net = _model(args)
-    d = args["d_model"]
-    order = torch.arange(3 * d).view(3, tp, d // tp).transpose(0, 1).reshape(-1)  # [q_r, k_r, v_r] per rank
+    return torch.arange(3 * d_model).view(3, tp, d_model // tp).transpose(0, 1).reshape(-1)
+
+
+def parallelize_transformer(net: Any, tp_mesh: Any) -> None:
+    """torch's DTensor TP of ``transformer()``, as dtlab's ``transformer_plan()`` splits it, as
+    torchtitan applies it (``parallelize_module`` per block, then on the root): ``ColwiseParallel`` on
+    qkv (its rows reordered by :func:`qkv_order`, local head count set as dtlab does) and the MLP's first
+    layer, ``RowwiseParallel`` on the attention and MLP output projections, the token embedding
+    vocabulary-parallel, the head column-parallel with its logits left split (``loss_parallel``)."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    order = qkv_order(net.tok.embedding_dim, tp)
     with torch.no_grad():
         for block in net.blocks:
             block.attn.qkv.weight.copy_(block.attn.qkv.weight[order])
             block.attn.qkv.bias.copy_(block.attn.qkv.bias[order])
             block.attn.n_heads //= tp
-    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-    plan: dict[str, ParallelStyle] = {
+    block_plan: dict[str, ParallelStyle] = {
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(),
+    }
+    for block in net.blocks:
+        parallelize_module(block, tp_mesh, block_plan)
+    root_plan: dict[str, ParallelStyle] = {
         "tok": RowwiseParallel(input_layouts=Replicate()),
         "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
-    for i in range(args["layers"]):
-        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel()
-        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
-        plan[f"blocks.{i}.mlp.0"] = ColwiseParallel()
-        plan[f"blocks.{i}.mlp.2"] = RowwiseParallel()
-    parallelize_module(net, mesh, plan)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=False)
-    x, y = _data(args)
+    parallelize_module(net, tp_mesh, root_plan)
 
-    def step() -> float:
+
+def loss_parallel_backward(net: Any, x: Any, y: Any) -> Callable[[], float]:
+    """Forward, cross entropy under ``loss_parallel()`` (the logits split over the vocabulary, a DTensor
+    ``Shard(-1)``) and backward; the loss."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def forward_backward() -> float:
         logits = net(x)
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             loss.backward()
-        opt.step()
-        opt.zero_grad()
         return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
-    class _Count(TorchDispatchMode):
-        """Counts the c10d functional collectives DTensor issues (forward and backward)."""
+    return forward_backward
 
-        def __init__(self) -> None:
-            super().__init__()  # type: ignore[no-untyped-call]
-            self.calls: dict[str, int] = {}
 
-        def __torch_dispatch__(self, func: Any, types: Any, a: Any = (), kw: Any = None) -> Any:
-            name = str(func.overloadpacket).split(".")[-1]
-            for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-                if name.startswith(kind):
-                    self.calls[kind] = self.calls.get(kind, 0) + 1
-            return func(*a, **(kw or {}))
+def _torch_step(args: dict[str, Any]) -> tuple[Callable[[], float], Callable[[], TorchCollectives]]:
+    """torch's DTensor TP on the same model (:func:`parallelize_transformer`) over the whole world."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
-    def count() -> dict[str, int]:
-        counter = _Count()
+    from dtlab.benchmarks._torch_comm import TorchCollectives
+
+    net = transformer(args)
+    parallelize_transformer(net, init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=False)
+    forward_backward = loss_parallel_backward(net, *tp_batch(args))
+
+    def step() -> float:
+        loss = forward_backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def count() -> TorchCollectives:
+        counter = TorchCollectives()
         with counter:
             step()
-        return counter.calls
+        return counter
 
     return step, count
 
@@ -164,7 +181,8 @@ def bench_world(backend: CommunicationBackend, args: dict[str, Any], with_torch:
     if with_torch:
         tstep, count = _torch_step(args)
         first_loss["torch"] = tstep()
-        bytes_per_step["torch"] = {"collectives": count()}
+        counter = count()
+        bytes_per_step["torch"] = {"sent": counter.bytes_sent, "collectives": counter.calls}
         variants["torch"] = tstep
     times = alternate(backend, variants, args["rounds"], args["steps"], args["warmup"])
     return {"times": times, "first_loss": first_loss, "bytes": bytes_per_step}
