@@ -1,26 +1,31 @@
-"""Reading checkpoints: ``meta.json`` checked like a config (``validate.py``), then every file's size
-and SHA-256 checked against it on the open file before the file is read (``safe_files.py``); files
-and step directories that resolve outside their directory are refused unless explicitly allowed."""
+"""Reading checkpoints: ``meta.json`` checked like a config (``validate.py``), then every file's size,
+SHA-256 and header checked against it on the open file before any tensor of it is read
+(``shard_file.py``); files and step directories that resolve outside their directory are refused
+unless explicitly allowed.
+
+The shards come back lazy (:class:`~dtlab.core.state.LazyTensors`): a tensor is read from its verified
+file when it is used, and :class:`~dtlab.core.shard_index.ShardIndex` reads only the ranges a rank
+loads, so a rank holds what it keeps, not every saved rank's state."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 
 from dtlab.checkpoint.files import LATEST, META, shard_name, step_of
 from dtlab.checkpoint.safe_files import check_inside, read_inside
+from dtlab.checkpoint.shard_file import ReadCounts, ShardFile
 from dtlab.checkpoint.validate import MAX_SHARD_BYTES, check_meta, parse_json
 from dtlab.core.shard_index import ShardIndex, check_entries
-from dtlab.core.state import ShardedState
-from dtlab.errors import CheckpointError
+from dtlab.core.state import LazyTensors, ShardedState
+from dtlab.errors import CheckpointError, check_switches
 
-__all__ = ["LoadedCheckpoint", "read_checkpoint", "read_latest", "resolve_checkpoint"]
+__all__ = ["LoadedCheckpoint", "ReadCounts", "read_checkpoint", "read_latest", "resolve_checkpoint"]
 
 #: the largest ``meta.json`` read (it is JSON metadata: kilobytes to a few megabytes)
 MAX_META_BYTES = 256 << 20
@@ -34,8 +39,10 @@ class LoadedCheckpoint:
     meta: dict[str, Any]
     model: list[ShardedState]
     optim: list[ShardedState] | None
-    #: per saved rank: RNG states and other per-rank tensors
-    rank_states: list[dict[str, torch.Tensor]]
+    #: per saved rank: RNG states and other per-rank tensors (read from the file when used)
+    rank_states: list[MutableMapping[str, torch.Tensor]]
+    #: what was read from disk and materialised so far (grows as tensors are used)
+    reads: ReadCounts = field(default_factory=ReadCounts)
 
     @property
     def step(self) -> int:
@@ -102,58 +109,62 @@ def _read_meta(step_dir: Path, allow_outside: bool) -> dict[str, Any]:
     return check_meta(parse_json(data, path), path, step_dir)
 
 
-def _read_tensors(
-    step_dir: Path, name: str, info: dict[str, Any], allow_outside: bool
-) -> dict[str, torch.Tensor]:
-    path = step_dir / name
-    if not os.path.lexists(path):
-        raise CheckpointError(
-            f"shard file {path} is missing; the checkpoint is incomplete: resume from another step directory"
-        )
-    data = read_inside(
-        path,
-        step_dir,
-        "shard file",
-        limit=MAX_SHARD_BYTES,
-        size=info["bytes"],
-        sha256=info["sha256"],
-        allow_outside=allow_outside,
+def _file(
+    step_dir: Path, kind: str, rank: int, files: dict[str, Any], counts: ReadCounts, allow_outside: bool
+) -> ShardFile:
+    name = shard_name(kind, rank)
+    info = files[name]
+    return ShardFile(
+        step_dir / name, step_dir, info["bytes"], info["sha256"], MAX_SHARD_BYTES, counts, allow_outside
     )
-    try:
-        return st_load(data)
-    except SafetensorError as exc:  # a crafted file whose checksum was crafted to match
-        raise CheckpointError(f"shard file {path} is not a valid safetensors file: {exc}") from None
 
 
-def _shard(step_dir: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> ShardedState:
-    state = ShardedState(tensors, metadata)
-    check_entries(state, f"{step_dir / META}")
+def _shard(file: ShardFile, metadata: dict[str, Any], where: str, verify: bool) -> ShardedState:
+    """A lazy shard of ``file``: its entries are checked against the file's header once it is verified
+    (now, when ``verify``), their metadata now."""
+    state = ShardedState(LazyTensors(file), metadata)
+    file.check = lambda: check_entries(state, where)
+    if verify:
+        file.verify()
+    else:
+        check_entries(state, where)
     return state
 
 
 def read_checkpoint(
-    path: str | Path, with_optimizer: bool = True, allow_outside: bool = False
+    path: str | Path, with_optimizer: bool = True, allow_outside: bool = False, verify_all: bool = True
 ) -> LoadedCheckpoint:
-    """Read and verify every rank's shards (tensors on CPU). ``meta.json`` is checked first (types,
-    ranges, the shape and dtype of every entry against the tensors the shards hold) and every file
-    must resolve inside the step directory, unless ``allow_outside``."""
+    """Every saved rank's shards, read lazily (tensors on CPU, read from disk when used: a rank that
+    loads its part reads only that). ``meta.json`` is checked first (types, ranges, every entry's
+    shape, dtype and range) and every file must resolve inside the step directory, unless
+    ``allow_outside``. With ``verify_all`` every file is verified now (streamed through SHA-256 and its
+    header checked against ``meta.json``, nothing held); without, each file is verified when a tensor of
+    it is first used, and a file this rank never uses is never opened (after another rank verified the
+    checkpoint: the Trainer's rank 0 verifies every file of the checkpoint it chooses)."""
+    check_switches(
+        "read_checkpoint", with_optimizer=with_optimizer, allow_outside=allow_outside, verify_all=verify_all
+    )
     step_dir = resolve_checkpoint(path, allow_outside)
     meta = _read_meta(step_dir, allow_outside)
+    where = str(step_dir / META)
+    counts = ReadCounts()
     model, optim, states = [], [], []
     files: dict[str, Any] = meta["files"]
     for entry in meta["ranks"]:
         r = entry["rank"]
-        name = shard_name("model", r)
         model.append(
-            _shard(step_dir, _read_tensors(step_dir, name, files[name], allow_outside), entry["model"])
+            _shard(
+                _file(step_dir, "model", r, files, counts, allow_outside), entry["model"], where, verify_all
+            )
         )
         if with_optimizer and entry.get("optim") is not None:
-            name = shard_name("optim", r)
-            tensors = _read_tensors(step_dir, name, files[name], allow_outside)
-            optim.append(_shard(step_dir, tensors, entry["optim"]))
-        name = shard_name("state", r)
-        states.append(_read_tensors(step_dir, name, files[name], allow_outside))
+            f = _file(step_dir, "optim", r, files, counts, allow_outside)
+            optim.append(_shard(f, entry["optim"], where, verify_all))
+        f = _file(step_dir, "state", r, files, counts, allow_outside)
+        if verify_all:
+            f.verify()
+        states.append(LazyTensors(f))
     for shards in (model, optim):
         if shards and all("entries" in s.metadata for s in shards):
-            ShardIndex(shards).check_complete(str(step_dir / META))
-    return LoadedCheckpoint(step_dir, meta, model, optim if optim else None, states)
+            ShardIndex(shards).check_complete(where)
+    return LoadedCheckpoint(step_dir, meta, model, optim if optim else None, list(states), counts)

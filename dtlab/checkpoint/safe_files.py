@@ -31,6 +31,8 @@ __all__ = [
     "PIECE",
     "check_inside",
     "inside",
+    "open_inside",
+    "open_regular",
     "open_text",
     "read_inside",
     "replace_file",
@@ -62,7 +64,7 @@ def check_inside(path: Path, root: Path, what: str) -> None:
         )
 
 
-def _open_regular(path: Path, what: str) -> tuple[int, int]:
+def open_regular(path: Path, what: str) -> tuple[int, int]:
     """``(descriptor, size)`` of the regular file ``path``; a link at its final component is refused."""
     try:
         fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
@@ -79,6 +81,19 @@ def _open_regular(path: Path, what: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
+def open_inside(
+    path: Path, root: Path | None, what: str, allow_outside: bool = False
+) -> tuple[int, int, Path]:
+    """``(descriptor, size, path opened)`` of the regular file ``path``, inside ``root`` unless
+    ``allow_outside``; with a root the path is opened as resolved (and checked), so no link is followed
+    after the check."""
+    if root is not None and not allow_outside:
+        check_inside(path, root, what)
+    real = Path(os.path.realpath(path)) if root is not None else path
+    fd, size = open_regular(real, what)
+    return fd, size, real
+
+
 def read_inside(
     path: Path,
     root: Path | None,
@@ -92,10 +107,7 @@ def read_inside(
     """The bytes of ``path``: inside ``root`` (unless ``allow_outside``), a regular file of at most
     ``limit`` bytes, exactly ``size`` bytes and with this ``sha256`` when given (both checked before
     the file is held in memory). Every problem is one :class:`CheckpointError` naming the file."""
-    if root is not None and not allow_outside:
-        check_inside(path, root, what)
-    # with a root: open the path as resolved (and checked), so no link is followed after the check
-    fd, actual = _open_regular(Path(os.path.realpath(path)) if root is not None else path, what)
+    fd, actual, _ = open_inside(path, root, what, allow_outside)
     try:
         return _read_fd(fd, actual, path, what, limit, size, sha256)
     except OSError as exc:

@@ -26,7 +26,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +52,12 @@ from dtlab.errors import CheckpointError
 __all__ = ["save_checkpoint"]
 
 
-def _to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+def _to_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
     # clone: safetensors refuses tensors sharing storage (flat slices of one buffer)
     return st_save({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()})
 
 
-def _write(tmp: Path, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _write(tmp: Path, name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     data = _to_bytes(tensors)
     durable_write(tmp / name, data)
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

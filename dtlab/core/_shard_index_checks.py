@@ -1,5 +1,6 @@
 """Checks of the flat-slice checkpoint format (:mod:`dtlab.core.shard_index`) before anything is allocated:
-every entry's shape, dtype, range and box, against the tensor the shard holds."""
+every entry's shape, dtype, range and box, against the tensor the shard holds (for a state read lazily
+from a checkpoint, against its file's header once the file is verified)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dtlab.core.state import ShardedState
+from dtlab.core.state import LazyTensors, ShardedState, tensor_info
 from dtlab.errors import CheckpointError
 from dtlab.untrusted import summary
 
@@ -32,8 +33,9 @@ def _ints(value: Any, n: int | None = None) -> bool:
     )
 
 
-def _entry_problem(e: Any, t: torch.Tensor | None) -> str | None:
-    """What is wrong with one entry of ``metadata["entries"]`` and its tensor ``t``; ``None``: sound."""
+def _entry_problem(e: Any, held: tuple[int, torch.dtype] | None, pending: bool) -> str | None:
+    """What is wrong with one entry of ``metadata["entries"]`` and its tensor (``held``: its elements and
+    dtype; ``pending``: in a file not verified yet, which checks it then); ``None``: sound."""
     if not isinstance(e, dict):
         return f"is {summary(e)}, not an object"
     shape: Any = e.get("shape")
@@ -60,12 +62,15 @@ def _entry_problem(e: Any, t: torch.Tensor | None) -> str | None:
         return f"covers [{summary(start)}, {summary(end)}), not a range inside its {span} elements"
     if "key" in e and not isinstance(e["key"], str):
         return f"has key {summary(e['key'])}, not a string"
-    if t is None:
+    if pending:
+        return None
+    if held is None:
         return "has no tensor in the shard file"
-    if t.numel() != end - start:
-        return f"covers [{start}, {end}) but its tensor holds {t.numel()} elements"
-    if str(t.dtype).removeprefix("torch.") != e["dtype"]:
-        return f"is {e['dtype']} but its tensor is {str(t.dtype).removeprefix('torch.')}"
+    numel, dtype = held
+    if numel != end - start:
+        return f"covers [{start}, {end}) but its tensor holds {numel} elements"
+    if str(dtype).removeprefix("torch.") != e["dtype"]:
+        return f"is {e['dtype']} but its tensor is {str(dtype).removeprefix('torch.')}"
     return None
 
 
@@ -79,8 +84,10 @@ def check_entries(shard: ShardedState, where: str) -> None:
     entries, scalars = md.get("entries", {}), md.get("scalars", {})
     if not isinstance(entries, dict) or not isinstance(scalars, dict):
         raise CheckpointError(f"{where}: shard metadata's entries/scalars are not objects")
+    lazy = shard.tensors if isinstance(shard.tensors, LazyTensors) else None
     for store, e in entries.items():
-        problem = _entry_problem(e, shard.tensors.get(store))
+        pending = lazy is not None and lazy.pending(store)
+        problem = _entry_problem(e, None if pending else tensor_info(shard.tensors, store), pending)
         if problem is not None:
             raise CheckpointError(f"{where} is corrupted: entry {summary(store)} {problem}")
     for key, s in scalars.items():

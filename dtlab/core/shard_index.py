@@ -24,8 +24,9 @@ from typing import Any, cast
 import torch
 
 from dtlab.core._shard_index_checks import DTYPES, check_entries
+from dtlab.core._shard_reads import Piece, read_region
 from dtlab.core.placement import Box, Placement, Replicate, Shard, local_regions
-from dtlab.core.state import ShardedState
+from dtlab.core.state import LazyTensors, ShardedState, tensor_info
 from dtlab.errors import CheckpointError
 from dtlab.untrusted import summary
 
@@ -213,9 +214,8 @@ class ShardIndex:
             )
         if len(shards) == 0:
             raise CheckpointError("load_sharded_state_dict got an empty list of shards")
-        self.pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-        self.box_pieces: dict[str, list[tuple[Box, int, int, torch.Tensor]]] = {}
-        self._assembled: dict[str, torch.Tensor] = {}
+        #: per key, the saved pieces: flat ranges of the full tensor or of a box of it
+        self.pieces: dict[str, list[Piece]] = {}
         self.meta: dict[str, tuple[list[int], str]] = {}
         self.scalars: dict[str, dict[str, Any]] = {}
         self.strategies: set[str] = set()
@@ -234,28 +234,30 @@ class ShardIndex:
                     self.extra.setdefault(key, value)
             self.scalars.update(md.get("scalars", {}))
             for store, e in md["entries"].items():
-                if store not in shard.tensors:
-                    raise CheckpointError(f"shard {i} lists entry {store!r} but holds no tensor for it")
                 key = e.get("key", store)
-                t = shard.tensors[store].reshape(-1)
-                if t.numel() != e["end"] - e["start"]:
-                    raise CheckpointError(
-                        f"shard {i}: {key!r} covers [{e['start']}, {e['end']}) but holds {t.numel()} elements"
-                    )
-                prev = self.meta.setdefault(key, (list(e["shape"]), e["dtype"]))
-                if prev[0] != list(e["shape"]):
-                    raise CheckpointError(
-                        f"{key!r} has shape {prev[0]} in one shard and {e['shape']} in another"
-                    )
-                if "box" in e:
-                    box = Box(tuple(e["box"]["offsets"]), tuple(e["box"]["sizes"]))
-                    self.box_pieces.setdefault(key, []).append((box, int(e["start"]), int(e["end"]), t))
-                else:
-                    self.pieces.setdefault(key, []).append((int(e["start"]), int(e["end"]), t))
+                self._add(i, shard, store, key, e)
         tied = self.extra.get("tied", {})
         if not isinstance(tied, dict):
             raise CheckpointError(f"metadata['tied'] must map names to names, got {summary(tied)}")
         self.alias(tied)
+
+    def _add(self, i: int, shard: ShardedState, store: str, key: str, e: dict[str, Any]) -> None:
+        """Index entry ``store`` of shard ``i`` (its tensor is not read: a lazy one is checked against
+        its entry when its file is verified)."""
+        lazy = isinstance(shard.tensors, LazyTensors) and shard.tensors.pending(store)
+        held = None if lazy else tensor_info(shard.tensors, store)
+        if not lazy and held is None:
+            raise CheckpointError(f"shard {i} lists entry {store!r} but holds no tensor for it")
+        if held is not None and held[0] != e["end"] - e["start"]:
+            raise CheckpointError(
+                f"shard {i}: {key!r} covers [{e['start']}, {e['end']}) but holds {held[0]} elements"
+            )
+        prev = self.meta.setdefault(key, (list(e["shape"]), e["dtype"]))
+        if prev[0] != list(e["shape"]):
+            raise CheckpointError(f"{key!r} has shape {prev[0]} in one shard and {e['shape']} in another")
+        box = Box(tuple(e["box"]["offsets"]), tuple(e["box"]["sizes"])) if "box" in e else None
+        piece = Piece(box, int(e["start"]), int(e["end"]), shard.tensors, store)
+        self.pieces.setdefault(key, []).append(piece)
 
     def alias(self, tied: Mapping[str, str]) -> None:
         """Read a tied weight's other names (``{other: first}``) from its first name where the shards
@@ -271,8 +273,6 @@ class ShardIndex:
                 self.meta[to] = self.meta[key]
                 if key in self.pieces:
                     self.pieces[to] = self.pieces[key]
-                if key in self.box_pieces:
-                    self.box_pieces[to] = self.box_pieces[key]
             for key in [k for k in self.scalars if k.startswith(f"{first}.")]:
                 self.scalars.setdefault(other + key[len(first) :], self.scalars[key])
 
@@ -294,58 +294,24 @@ class ShardIndex:
         stop = numel if end is None else end
         if not 0 <= start <= stop <= numel:
             raise CheckpointError(f"range [{start}, {stop}) is outside {key!r} of {numel} elements")
-        if key in self.box_pieces:
-            return self._assemble(key)[start:stop]
         self._check_held(key, stop - start)
-        out = torch.empty(stop - start, dtype=dtype_from_str(dtype))
-        seen = torch.zeros(stop - start, dtype=torch.bool)  # pieces may overlap: count each element once
-        for s, e, t in self.pieces.get(key, []):
-            lo, hi = max(s, start), min(e, stop)
-            if lo < hi:
-                out[lo - start : hi - start].copy_(t[lo - s : hi - s])
-                seen[lo - start : hi - start] = True
-        covered = int(seen.sum())
-        if covered < stop - start:
-            raise CheckpointError(
-                f"the checkpoint's shards cover only {covered} of elements [{start}, {stop}) of {key!r}; "
-                "pass the shards of every saved rank"
-            )
-        return out
+        return read_region(key, shape, dtype_from_str(dtype), self.pieces.get(key, []), None, start, stop)
 
     def full(self, key: str) -> torch.Tensor:
         return self.read(key).reshape(self.shape(key))
 
     def read_box(self, key: str, box: Box, start: int, end: int) -> torch.Tensor:
-        """Elements ``[start, end)`` of ``box`` of the full tensor ``key`` flattened."""
-        return self.full(key)[box.slices()].reshape(-1)[start:end]
-
-    def _assemble(self, key: str) -> torch.Tensor:
-        """The whole flat tensor from flat slices and box pieces (kept for the next read)."""
-        if key in self._assembled:
-            return self._assembled[key]
+        """Elements ``[start, end)`` of ``box`` of the full tensor ``key`` flattened (only the saved
+        pieces that overlap them are read)."""
         shape, dtype = self._require(key)
-        numel = 1
-        for s in shape:
-            numel *= s
-        self._check_held(key, numel)
-        out = torch.empty(numel, dtype=dtype_from_str(dtype))
-        seen = torch.zeros(numel, dtype=torch.bool)
-        for s, e, t in self.pieces.get(key, []):
-            out[s:e] = t
-            seen[s:e] = True
-        where = torch.arange(numel).view(shape) if shape else torch.arange(numel)
-        for box, s, e, t in self.box_pieces[key]:
-            idx = where[box.slices()].reshape(-1)[s:e]
-            out[idx] = t
-            seen[idx] = True
-        covered = int(seen.sum())
-        if covered < numel:
-            raise CheckpointError(
-                f"the checkpoint's shards cover only {covered} of the {numel} elements of {key!r}; "
-                "pass the shards of every saved rank"
-            )
-        self._assembled[key] = out
-        return out
+        if len(box.sizes) != len(shape) or any(
+            o < 0 or o + n > d for o, n, d in zip(box.offsets, box.sizes, shape, strict=False)
+        ):
+            raise CheckpointError(f"box {box} is outside {key!r} of shape {shape}")
+        if not 0 <= start <= end <= box.numel:
+            raise CheckpointError(f"range [{start}, {end}) is outside box {box} of {key!r}")
+        self._check_held(key, end - start)
+        return read_region(key, shape, dtype_from_str(dtype), self.pieces.get(key, []), box, start, end)
 
     def check_complete(self, where: str) -> None:
         """A :class:`CheckpointError` unless the shards hold at least every element of every tensor
@@ -359,8 +325,7 @@ class ShardIndex:
     def _check_held(self, key: str, needed: int) -> None:
         """Before allocating ``needed`` elements of ``key``: the shards must hold at least that many
         (so what a loader allocates is bounded by what the files hold, whatever a shape says)."""
-        held = sum(e - s for s, e, _ in self.pieces.get(key, []))
-        held += sum(e - s for _, s, e, _ in self.box_pieces.get(key, []))
+        held = sum(p.end - p.start for p in self.pieces.get(key, []))
         if held < needed:
             raise CheckpointError(
                 f"the checkpoint's shards cover only {held} elements of {key!r}, fewer than the {needed} "

@@ -3,19 +3,141 @@
 It lives in the neutral layer :mod:`dtlab.core` because strategies produce it, checkpoints store it
 and compressed reducers add their state to it (docs/architecture.md, section "ShardedState").
 ``dtlab.models.base`` re-exports it for compatibility.
+
+A state read from a checkpoint holds :class:`LazyTensors`: a mapping whose tensors stay on disk until
+used, each read from its verified file (``dtlab.checkpoint``) when it is, so a rank holds only what it
+uses. :mod:`dtlab.core.shard_index` reads ranges of them without reading the rest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from dtlab.errors import ArgumentTypeError
 from dtlab.untrusted import summary
 
-__all__ = ["ShardedState"]
+__all__ = ["LazyTensors", "ShardedState", "TensorSource", "tensor_info", "tensors_where"]
+
+
+class TensorSource(Protocol):
+    """Where :class:`LazyTensors` read from: one file, verified before any of its tensors is read."""
+
+    @property
+    def verified(self) -> bool: ...
+    def info(self, name: str) -> tuple[list[int], torch.dtype] | None:
+        """Shape and dtype of ``name`` (``None``: not in the file); verifies the file first."""
+        ...
+
+    def names(self) -> list[str]: ...
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of ``name`` flattened (a fresh tensor); verifies the file first."""
+        ...
+
+
+class LazyTensors(MutableMapping[str, torch.Tensor]):
+    """A name -> tensor mapping whose tensors are read from ``source`` on each use (never kept), so
+    iterating it reads every tensor once; :meth:`read` reads a flat range only. Tensors assigned to it
+    are held like a dict's; ``keep`` hides the names it refuses."""
+
+    def __init__(self, source: TensorSource, keep: Callable[[str], bool] | None = None) -> None:
+        self.source = source
+        self.keep = keep
+        self._held: dict[str, torch.Tensor] = {}
+        self._gone: set[str] = set()
+
+    def _visible(self, name: str) -> bool:
+        return name not in self._gone and (self.keep is None or self.keep(name))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._held:
+            return self._held[name]
+        info = self.source.info(name) if self._visible(name) else None
+        if info is None:
+            raise KeyError(name)
+        shape, _ = info
+        numel = 1
+        for s in shape:
+            numel *= s
+        return self.source.read(name, 0, numel).reshape(shape)
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._held[name] = value
+        self._gone.discard(name)
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self:
+            raise KeyError(name)
+        self._held.pop(name, None)
+        self._gone.add(name)
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        return name in self._held or (self._visible(name) and self.source.info(name) is not None)
+
+    def __iter__(self) -> Iterator[str]:
+        names = [n for n in self.source.names() if self._visible(n) and n not in self._held]
+        return iter([*names, *self._held])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of ``name`` flattened, reading only those."""
+        if name in self._held:
+            return self._held[name].reshape(-1)[start:end]
+        if not self._visible(name):
+            raise KeyError(name)
+        return self.source.read(name, start, end)
+
+    def known(self, name: str) -> tuple[int, torch.dtype] | None:
+        """``(elements, dtype)`` of ``name`` without reading the file; ``None`` while its file is not
+        verified yet (its entries are checked then) or when it has no such tensor."""
+        if name in self._held:
+            t = self._held[name]
+            return t.numel(), t.dtype
+        if not self.source.verified or not self._visible(name):
+            return None
+        info = self.source.info(name)
+        if info is None:
+            return None
+        numel = 1
+        for s in info[0]:
+            numel *= s
+        return numel, info[1]
+
+    def where(self, keep: Callable[[str], bool]) -> LazyTensors:
+        """This mapping restricted to the names ``keep`` accepts (nothing read)."""
+        old = self.keep
+        out = LazyTensors(self.source, lambda n: keep(n) and (old is None or old(n)))
+        out._gone = set(self._gone)
+        out._held = {n: t for n, t in self._held.items() if keep(n)}
+        return out
+
+    def pending(self, name: str) -> bool:
+        """Whether ``name`` is to be read from a file not verified yet."""
+        return name not in self._held and not self.source.verified
+
+
+def tensor_info(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, torch.dtype] | None:
+    """``(elements, dtype)`` of ``tensors[name]`` without reading it; ``None`` when absent."""
+    if isinstance(tensors, LazyTensors):
+        return tensors.known(name)
+    t = tensors.get(name)
+    return None if t is None else (t.numel(), t.dtype)
+
+
+def tensors_where(
+    tensors: Mapping[str, torch.Tensor], keep: Callable[[str], bool]
+) -> MutableMapping[str, torch.Tensor]:
+    """``tensors`` restricted to the names ``keep`` accepts, without reading lazy ones."""
+    if isinstance(tensors, LazyTensors):
+        return tensors.where(keep)
+    return {k: v for k, v in tensors.items() if keep(k)}
 
 
 @dataclass
@@ -25,16 +147,18 @@ class ShardedState:
     ``metadata`` holds at least ``strategy``, ``world_size`` and ``rank``, and whatever the strategy
     needs to reshard (shapes, shard offsets). A checkpoint stores one per rank; loading receives the
     pieces of *every* saved rank, so it works at another world size (and, through full tensors, under
-    another data-parallel strategy).
+    another data-parallel strategy). ``tensors`` is a dict, or for a state read from a checkpoint a
+    :class:`LazyTensors` whose tensors are read from disk when used.
     """
 
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         tensors: object = self.tensors
-        if not isinstance(tensors, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
+        if not isinstance(tensors, LazyTensors) and (
+            not isinstance(tensors, dict)
+            or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items())
         ):
             got = {k: type(v).__name__ for k, v in tensors.items()} if isinstance(tensors, dict) else tensors
             raise ArgumentTypeError(

@@ -120,10 +120,14 @@ def load_placed_state(
                 seen.add(id(t))
                 data = _read(index, key, t.shape, placements, tp, 0, t.numel())
                 t.data.copy_(data.view(t.shape).to(device=t.device, dtype=t.dtype))
-        for st in flat_units:
+        units = list(flat_units)
+        bufs = []  # every unit read before any gather: a read that fails leaves no rank in a collective
+        for st in units:
             buf = torch.zeros_like(st.shard)
             for slot, a, b, so in st.unit.shard_slots():
                 buf[so : so + b - a].copy_(_read(index, slot.name, slot.shape, placements, tp, a, b))
+            bufs.append(buf)
+        for st, buf in zip(units, bufs, strict=True):
             st.shard.copy_(buf)
             if st.flat is not None:
                 dp.all_gather(st.flat, st.shard)

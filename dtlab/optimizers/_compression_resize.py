@@ -41,11 +41,11 @@ def averaged_state(
         return "it was not written by one data-parallel group (a mesh, or a checkpoint without that record)"
     sums: dict[str, torch.Tensor] = {}
     for shard in shards:
-        for name, value in shard.tensors.items():
+        for name in list(shard.tensors):  # the averaged tensors only are read
             key = name[len(prefix) :] if name.startswith(prefix) else ""
             if not key.startswith(_AVERAGED):
                 continue
-            flat = value.detach().to(torch.float32).reshape(-1)
+            flat = shard.tensors[name].detach().to(torch.float32).reshape(-1)
             held = sums.get(key)
             if held is not None and held.numel() != flat.numel():
                 return f"buffer {key!r} has {held.numel()} elements on one rank and {flat.numel()} on another"

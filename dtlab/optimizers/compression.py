@@ -43,7 +43,7 @@ from dtlab.compression.dense import Dense
 from dtlab.compression.oktopk import OkTopk
 from dtlab.compression.reducer import CompressedReducer, NonFinitePolicy
 from dtlab.core.reducer import DenseReducer, GradientReducer
-from dtlab.core.state import ShardedState
+from dtlab.core.state import ShardedState, tensors_where
 from dtlab.errors import StrategyError
 from dtlab.models.base import ModelStrategy
 from dtlab.optimizers._compression_owed import OwedParams
@@ -55,6 +55,10 @@ __all__ = ["GradientCompressionOptimizer"]
 
 #: name prefix of the compression tensors in this strategy's shard
 PREFIX = "compression."
+
+
+def _not_compression(name: str) -> bool:
+    return not name.startswith(PREFIX)
 
 
 def bucket_layouts(model: ModelStrategy) -> dict[str, Layout]:
@@ -254,9 +258,7 @@ class GradientCompressionOptimizer(WrappingStrategy):
         stripped = []
         for s in shards:
             meta = {k: v for k, v in s.metadata.items() if k != "compression"}
-            stripped.append(
-                ShardedState({k: v for k, v in s.tensors.items() if not k.startswith(PREFIX)}, meta)
-            )
+            stripped.append(ShardedState(tensors_where(s.tensors, _not_compression), meta))
         self.inner.load_sharded_state_dict(stripped)
         self.reducer.clear_state()
         saved = [s.metadata.get("compression") for s in shards]
@@ -296,7 +298,8 @@ class GradientCompressionOptimizer(WrappingStrategy):
                 mine.get("compressor"),
                 self.compressor.describe(),
             )
-        own = {k[len(PREFIX) :]: v for k, v in shards[me].tensors.items() if k.startswith(PREFIX)}
+        mine_t = shards[me].tensors  # this rank's compression tensors only are read
+        own = {k[len(PREFIX) :]: mine_t[k] for k in list(mine_t) if k.startswith(PREFIX)}
         self.reducer.load_state_dict(own, mine, compressor_state=same)
         self._owed.record()
 

@@ -315,8 +315,9 @@ def restore(trainer: Restorable, ckpt: LoadedCheckpoint) -> list[str]:
     # world and tp (tp groups are blocks of tp consecutive ranks); else the launcher's seeding stays
     saved_tp = _saved_setting(ckpt, "parallel", "tp", 1)
     if ckpt.world_size == trainer.backend.world_size and saved_tp == trainer.config.parallel.tp:
-        restore_rng(ckpt.rank_states[trainer.backend.rank], trainer.backend.device)
-        trainer.draws.load(ckpt.rank_states[trainer.backend.rank])
+        own = dict(ckpt.rank_states[trainer.backend.rank])  # this rank's file only is read
+        restore_rng(own, trainer.backend.device)
+        trainer.draws.load(own)
     return notes
 
 
