@@ -218,7 +218,15 @@ def test_feed_with_workers_gives_the_same_batches() -> None:
     for _ in range(10):  # two epochs
         for (xa, ya), (xb, yb) in zip(plain.next_micro_batches(), workers.next_micro_batches(), strict=True):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    position = {"epoch": 1, "offset": 16, "seed": 4, "num_samples": 64, "shuffle": True}
+    position = {
+        "epoch": 1,
+        "offset": 16,
+        "seed": 4,
+        "num_samples": 64,
+        "shuffle": True,
+        "ranks": 2,
+        "micro_batch": 2,
+    }
     assert plain.state_dict() == workers.state_dict() == position
 
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from dtlab.data import DistributedSampler
 from dtlab.errors import DataError
-from dtlab.trainers.worker_draws import PlacedSampler, SeededFetch
+from dtlab.trainers.worker_draws import PlacedSampler, fetches_batches, seeded_fetch
 
 __all__ = ["DataFeed"]
 
@@ -63,9 +63,13 @@ class DataFeed:
         # in worker processes a sample's random draws (augmentation) are seeded by its place in the
         # epoch, so a resume mid-epoch draws what the uninterrupted run drew (worker_draws.py)
         placed = num_workers > 0
+        #: workers fetch a batch at once (the dataset's __getitems__), its draws seeded per batch
+        self.batched = placed and fetches_batches(dataset)
+        self.micro_batch = global_batch_size // per_step  # samples of one micro-batch on this rank
+        self.notes: list[str] = []  # what a resume (load_state_dict) cannot make as it was
         self.loader: DataLoader[Any] = DataLoader(
-            SeededFetch(dataset) if placed else dataset,
-            batch_size=global_batch_size // per_step,
+            seeded_fetch(dataset) if placed else dataset,
+            batch_size=self.micro_batch,
             sampler=PlacedSampler(self.sampler) if placed else self.sampler,
             drop_last=True,
             num_workers=num_workers,
@@ -97,7 +101,7 @@ class DataFeed:
                 raise DataError(
                     f"rank {self.rank}: reading samples {self.step_indices(k)} of the training data "
                     f"({self.num_samples} samples) raised {type(exc).__name__}: {exc}; fix the dataset's "
-                    "__getitem__ (or __len__)"
+                    "__getitem__ (or __getitems__, __len__)"
                 ) from exc
             micro.append(self.to_device(batch))
         self.offset += self.global_batch_size
@@ -130,6 +134,8 @@ class DataFeed:
             "seed": self.seed,
             "num_samples": self.num_samples,
             "shuffle": self.shuffle,
+            "ranks": self.world_size,
+            "micro_batch": self.micro_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -152,6 +158,17 @@ class DataFeed:
                 f"data.shuffle={was}, this run has data.shuffle={now}: the rest of the epoch would come "
                 f"from another order (samples seen twice, others skipped); resume with data.shuffle={was}, "
                 "or from a checkpoint at an epoch's end"
+            )
+        layout = (state.get("ranks"), state.get("micro_batch"))  # absent: saved before it was recorded
+        if self.batched and None not in layout and layout != (self.world_size, self.micro_batch):
+            self.notes.append(
+                f"the training data fetches a batch at once (its __getitems__) in data.num_workers "
+                f"worker processes, each batch's random draws seeded by its first sample: its "
+                f"micro-batches here (ranks x samples: {self.world_size} x {self.micro_batch}) are not "
+                f"the saved run's ({layout[0]} x {layout[1]}), so what __getitems__ draws "
+                "(an augmentation) differs from the uninterrupted run; resume with the same "
+                "data-parallel size and data.accumulation_steps, or give the dataset __getitem__ "
+                "only (each sample seeded by its place in the epoch, the same at any world size)"
             )
         self.epoch, self.offset, self.seed = int(state["epoch"]), offset, int(state["seed"])
         self.sampler.seed = self.seed

@@ -287,7 +287,7 @@ class Trainer:
         self.resume_notes = chosen.notes
         if chosen.checkpoint is None:
             return  # nothing saved yet: a fresh start
-        self.resume_notes = self.resume_notes + restore_agreed(self, chosen.checkpoint)
+        self.resume_notes = self.resume_notes + restore_agreed(self, chosen.checkpoint) + self.feed.notes
         self.resumed_from = str(chosen.checkpoint.path)
         if self.config.checkpoint.dir is None:  # resumed from a path: the steps it trains would be lost
             self.resume_notes.append(

@@ -9,6 +9,15 @@ torch's, Python's and NumPy's global generators from ``(train.seed, epoch, posit
 being the sample's place in the epoch's order over all ranks: the draws depend on neither the resume
 point nor the number of workers (nor the world size). With ``num_workers=0`` the rank's own generators
 draw (restored from the checkpoint on the same world size and ``parallel.tp``), and nothing is seeded.
+
+A dataset that fetches a batch at once (its own ``__getitems__``, which torch's loader calls with the
+batch's indices instead of ``__getitem__`` per sample: Hugging Face's datasets) keeps it
+(:class:`SeededBatches`): it draws for the whole batch in one call, so no per-sample key can reach its
+draws; the batch's are seeded by the key of its first sample. That is exact on a resume whose
+micro-batches hold the same samples (the same data-parallel size and ``data.accumulation_steps``), with
+any number of workers; at another layout the batches, and so their draws, are not the uninterrupted
+run's (:class:`~dtlab.trainers.feed.DataFeed` notes it at the resume). torch's ``Subset`` and
+``StackDataset`` fetch a batch at once only where what they hold does.
 """
 
 from __future__ import annotations
@@ -20,11 +29,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler, get_worker_info
+from torch.utils.data import Dataset, Sampler, StackDataset, Subset, get_worker_info
 
 from dtlab.data import DistributedSampler
 
-__all__ = ["PlacedSampler", "SeededFetch", "sample_seed"]
+__all__ = ["PlacedSampler", "SeededBatches", "SeededFetch", "fetches_batches", "sample_seed", "seeded_fetch"]
 
 #: a sample's key: (seed, epoch, place in the epoch's order over all ranks) and its dataset index
 Key = tuple[tuple[int, int, int], int]
@@ -66,9 +75,44 @@ class SeededFetch(Dataset[Any]):
     def __getitem__(self, key: Key) -> Any:
         (seed, epoch, place), index = key
         if get_worker_info() is not None:
-            s = sample_seed(seed, epoch, place)
-            # torch's CPU generator: torch.manual_seed seeds every device's too, 85 us a call (1.5 us)
-            torch.default_generator.manual_seed(s)
-            random.seed(s)
-            np.random.seed(s % 2**32)
+            _seed(sample_seed(seed, epoch, place))
         return self.dataset[index]
+
+
+class SeededBatches(SeededFetch):
+    """:class:`SeededFetch` of a dataset that fetches a batch at once: ``dataset.__getitems__`` of the
+    batch's indices, in a worker after seeding the generators from the key of its first sample."""
+
+    def __getitems__(self, keys: list[Key]) -> list[Any]:
+        if keys and get_worker_info() is not None:
+            (seed, epoch, place), _ = keys[0]
+            _seed(sample_seed(seed, epoch, place))
+        return list(self.dataset.__getitems__([index for _, index in keys]))
+
+
+def _seed(s: int) -> None:
+    """Seed torch's CPU generator, Python's and NumPy's global ones with ``s``."""
+    # torch's CPU generator: torch.manual_seed seeds every device's too, 85 us a call (1.5 us)
+    torch.default_generator.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+
+
+def fetches_batches(dataset: Any) -> bool:
+    """Whether torch's loader fetches a batch of ``dataset`` by one call of its ``__getitems__``
+    (``Subset`` and ``StackDataset`` define one that fetches per sample unless what they hold fetches
+    batches)."""
+    if not callable(getattr(dataset, "__getitems__", None)):
+        return False
+    own = getattr(type(dataset), "__getitems__", None)
+    if own is Subset.__getitems__:
+        return fetches_batches(dataset.dataset)
+    if own is StackDataset.__getitems__:
+        held = dataset.datasets
+        return any(fetches_batches(d) for d in (held.values() if isinstance(held, dict) else held))
+    return True
+
+
+def seeded_fetch(dataset: Any) -> SeededFetch:
+    """The seeded wrapper of ``dataset`` for a loader over :class:`PlacedSampler`'s keys."""
+    return SeededBatches(dataset) if fetches_batches(dataset) else SeededFetch(dataset)
