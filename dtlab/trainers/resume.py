@@ -119,10 +119,12 @@ def choose_checkpoint(
     previous: LockOwner | None = None,
     check: Check | None = None,
 ) -> Resumed:
-    """Collective: rank 0 chooses (verifying candidates, ``check`` included), every rank reads and
-    verifies the choice; a rank that cannot is named to every rank at once (no rank is left waiting
-    in a collective while another has given up). ``previous``: the owner of the stale lock this run
-    took over on ``checkpoint.dir`` (rank 0)."""
+    """Collective: rank 0 chooses (verifying candidates completely, ``check`` included, streaming every
+    file without holding it), every rank reads the choice's ``meta.json`` and gets it lazily: a rank
+    verifies each file it reads a tensor of when it first does (a file changed since is refused then,
+    in :func:`restore_agreed`), and never opens the others. A rank that cannot read is named to every
+    rank at once (no rank is left waiting in a collective while another has given up). ``previous``:
+    the owner of the stale lock this run took over on ``checkpoint.dir`` (rank 0)."""
     c = config.checkpoint
     if not (c.dir if c.resume is True else c.resume):
         raise CheckpointError("checkpoint.resume=true needs checkpoint.dir (or give resume a path)")
@@ -140,9 +142,9 @@ def choose_checkpoint(
     if path is None:
         return Resumed(None, notes)
     problem = None
-    if mine is None:
+    if mine is None:  # rank 0 verified every file; this rank verifies those it reads, as it reads them
         try:
-            mine = read_checkpoint(path, allow_outside=c.allow_outside_links)
+            mine = read_checkpoint(path, allow_outside=c.allow_outside_links, verify_all=False)
         except CheckpointError as exc:
             problem = str(exc)
     agree(backend, problem, f"reading the checkpoint {path}")
