@@ -130,6 +130,18 @@ def test_a_crafted_header_with_a_matching_checksum_is_one_checkpoint_error(
         full_tensors_from_shards(lazy.model)
 
 
+def test_a_tensor_name_in_a_crafted_header_is_named_by_a_bounded_summary(tmp_path: Path) -> None:
+    """Before: the error quoted the header's 10,000-character name whole (safetensors' message)."""
+    run_world(2, _save_small, str(tmp_path))
+    name = "SECRET" * 2000
+    head = {name: {"dtype": "F32", "shape": [6], "data_offsets": [4, 28]}}
+    _rewrite(tmp_path / "step_00000001" / "model_rank00000.safetensors", head, bytes(24))
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(tmp_path)
+    said = str(info.value)
+    assert "a str of 12,000 characters" in said and len(said) < 600, said
+
+
 def test_a_header_length_past_the_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
     run_world(2, _save_small, str(tmp_path))
     path = tmp_path / "step_00000001" / "state_rank00000.safetensors"
@@ -290,3 +302,55 @@ def test_tp2_dp2_ranks_read_their_own_boxes(tmp_path: Path) -> None:
         assert g["model"] == g["local"] and g["optim"] == g["state"], g
         assert g["read"] == sum(files[f] for f in g["files"]) + g["model"] + g["optim"], g
         assert not any(f.startswith("state_") for f in g["files"]) and len(set(g["files"])) == len(g["files"])
+
+
+# ---------------------------------------------------------------- regions of boxes, in slabs
+
+
+def _boxes_state(full: torch.Tensor, dim: int, parts: int, splits: int) -> list[ShardedState]:
+    """``full`` saved as ``parts`` boxes along ``dim``, each box's flat range cut in ``splits`` shards."""
+    from dtlab.core.placement import Box
+
+    states = []
+    size = full.shape[dim] // parts
+    for p in range(parts):
+        offsets = [0] * full.dim()
+        offsets[dim] = p * size
+        sizes = list(full.shape)
+        sizes[dim] = size
+        box = Box(tuple(offsets), tuple(sizes))
+        flat = full[box.slices()].reshape(-1)
+        per = -(-flat.numel() // splits)
+        for s in range(splits):
+            a, b = min(s * per, flat.numel()), min((s + 1) * per, flat.numel())
+            entry = {"key": "w", "shape": list(full.shape), "dtype": "float32", "start": a, "end": b}
+            entry["box"] = {"offsets": offsets, "sizes": sizes}
+            states.append(
+                ShardedState({"w#0": flat[a:b].clone()}, {"entries": {"w#0": entry}, "scalars": {}})
+            )
+    return states
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1 << 20])
+def test_a_box_is_read_from_pieces_of_another_layout_in_slabs(monkeypatch: Any, chunk: int) -> None:
+    """tp4 pieces along dim 1 (each split in 3 flat shards) read as tp2 boxes along dim 0 and dim 1,
+    and as flat ranges of the full tensor, in slabs of ``chunk`` elements: the values of the slices."""
+    from dtlab.core import _shard_reads
+    from dtlab.core.placement import Box
+    from dtlab.core.shard_index import ShardIndex
+
+    monkeypatch.setattr(_shard_reads, "CHUNK", chunk)
+    full = torch.arange(6 * 8 * 4, dtype=torch.float32).reshape(6, 8, 4)
+    index = ShardIndex(_boxes_state(full, 1, 4, 3))
+    for dim in (0, 1):
+        for p in range(2):
+            offsets, sizes = [0, 0, 0], list(full.shape)
+            sizes[dim] //= 2
+            offsets[dim] = p * sizes[dim]
+            box = Box(tuple(offsets), tuple(sizes))
+            want = full[box.slices()].reshape(-1)
+            for a, b in ((0, want.numel()), (3, 50), (17, 18)):
+                assert torch.equal(index.read_box("w", box, a, b), want[a:b]), (dim, p, a, b)
+    assert torch.equal(index.read("w", 7, 150), full.reshape(-1)[7:150])
+    with pytest.raises(CheckpointError, match="cover only"):
+        ShardIndex(_boxes_state(full, 1, 4, 3)[1:]).read("w")

@@ -28,6 +28,7 @@ import torch
 
 from dtlab.checkpoint.safe_files import PIECE, open_inside, open_regular
 from dtlab.errors import CheckpointError
+from dtlab.untrusted import summary
 
 __all__ = ["MAX_HEADER_BYTES", "ReadCounts", "ShardFile"]
 
@@ -88,23 +89,23 @@ def _entry(path: Path, name: Any, info: Any) -> tuple[str, int, int, torch.dtype
         raise _bad(path, "a tensor entry of its header is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise _bad(path, f"tensor {name[:200]!r} has a dtype safetensors does not define")
+        raise _bad(path, f"tensor {summary(name)} has a dtype safetensors does not define")
     if not (
         isinstance(shape, list)
         and len(shape) <= _MAX_DIMS
         and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**62 for s in shape)
     ):
-        raise _bad(path, f"tensor {name[:200]!r} has a shape that is not a list of sizes")
+        raise _bad(path, f"tensor {summary(name)} has a shape that is not a list of sizes")
     if not (
         isinstance(offsets, list)
         and len(offsets) == 2
         and all(isinstance(o, int) and not isinstance(o, bool) and 0 <= o < 2**62 for o in offsets)
         and offsets[0] <= offsets[1]
     ):
-        raise _bad(path, f"tensor {name[:200]!r} has data_offsets that are not [begin, end]")
+        raise _bad(path, f"tensor {summary(name)} has data_offsets that are not [begin, end]")
     t = _DTYPES[dtype]
     if math.prod(shape) * t.itemsize != offsets[1] - offsets[0]:
-        raise _bad(path, f"tensor {name[:200]!r} has {offsets[1] - offsets[0]} bytes for shape {shape}")
+        raise _bad(path, f"tensor {summary(name)} has {offsets[1] - offsets[0]} bytes for shape {shape}")
     return name, offsets[0], offsets[1], t, shape
 
 
@@ -125,7 +126,7 @@ def parse_header(head: bytes, size: int, path: Path) -> dict[str, _Tensor]:
     at, data = 0, size - 8 - n
     for name, begin, end, _, _ in entries:
         if begin != at:
-            raise _bad(path, f"tensor {name[:200]!r} starts at byte {begin} of the data, not {at}")
+            raise _bad(path, f"tensor {summary(name)} starts at byte {begin} of the data, not {at}")
         at = end
     if at != data:
         raise _bad(path, f"its tensors cover {at} bytes of data, the file holds {data}")
