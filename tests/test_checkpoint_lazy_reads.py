@@ -167,6 +167,18 @@ def test_a_file_changed_after_it_was_verified_is_refused(tmp_path: Path) -> None
         full_tensors_from_shards(ckpt.model)
 
 
+def test_loaded_shards_can_be_copied_and_pickled(tmp_path: Path) -> None:
+    """Before: a loaded checkpoint's shards held tensors; now lazy ones, which copy and pickle too."""
+    import copy
+    import pickle
+
+    run_world(2, _save_small, str(tmp_path))
+    ckpt = read_checkpoint(tmp_path)
+    for shards in (copy.deepcopy(ckpt.model), pickle.loads(pickle.dumps(ckpt.model))):
+        assert torch.equal(full_tensors_from_shards(shards)["w"], torch.arange(12, dtype=torch.float32))
+    assert torch.equal(pickle.loads(pickle.dumps(ckpt.rank_states))[1]["r"], torch.zeros(2))
+
+
 # ---------------------------------------------------------------- what each rank reads
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,7 @@ def _shard(file: ShardFile, metadata: dict[str, Any], where: str, verify: bool) 
     """A lazy shard of ``file``: its entries are checked against the file's header once it is verified
     (now, when ``verify``), their metadata now."""
     state = ShardedState(LazyTensors(file), metadata)
-    file.check = lambda: check_entries(state, where)
+    file.check = partial(check_entries, state, where)
     if verify:
         file.verify()
     else:

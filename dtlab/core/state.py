@@ -38,6 +38,17 @@ class TensorSource(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class _Both:
+    """Names both filters accept (picklable, unlike a closure)."""
+
+    first: Callable[[str], bool]
+    second: Callable[[str], bool]
+
+    def __call__(self, name: str) -> bool:
+        return self.first(name) and self.second(name)
+
+
 class LazyTensors(MutableMapping[str, torch.Tensor]):
     """A name -> tensor mapping whose tensors are read from ``source`` on each use (never kept), so
     iterating it reads every tensor once; :meth:`read` reads a flat range only. Tensors assigned to it
@@ -112,8 +123,7 @@ class LazyTensors(MutableMapping[str, torch.Tensor]):
 
     def where(self, keep: Callable[[str], bool]) -> LazyTensors:
         """This mapping restricted to the names ``keep`` accepts (nothing read)."""
-        old = self.keep
-        out = LazyTensors(self.source, lambda n: keep(n) and (old is None or old(n)))
+        out = LazyTensors(self.source, keep if self.keep is None else _Both(keep, self.keep))
         out._gone = set(self._gone)
         out._held = {n: t for n, t in self._held.items() if keep(n)}
         return out
