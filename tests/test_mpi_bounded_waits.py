@@ -174,3 +174,51 @@ def test_an_ended_rank_fails_only_symmetric_collectives_it_belongs_to(
         in err
     )
     assert "broadcast" not in err and "all_reduce" not in err
+
+
+RANK_1_HANGS = """
+import sys, time
+
+import dtlab.trainers.launch as launch
+from dtlab import cli
+
+real = launch._rank_main
+
+
+def rank_main(backend, *args):
+    if backend.rank == 1:  # alive, never calling: rank 0 waits in its first collective
+        time.sleep(120)
+    return real(backend, *args)
+
+
+launch._rank_main = rank_main
+sys.argv[1:] = ["train", *sys.argv[1:]]
+sys.exit(cli.main())
+"""
+
+
+def test_dtlab_train_under_mpiexec_ends_a_hung_collective_after_backend_timeout(tmp_path: Path) -> None:
+    """``dtlab train`` builds the MPI backend with MPI's blocking calls under the watchdog, its time
+    ``backend.timeout`` (it polled every operation, 1.2-1.5x on a 4 KiB collective at 2 ranks): a peer
+    hung alive ends the job after it, the operation and the setting named."""
+    from processes import run_group
+
+    from dtlab.testing import TINY_LM
+
+    script = tmp_path / "rank_1_hangs.py"
+    script.write_text(RANK_1_HANGS)
+    sets = [
+        "train.steps=2",
+        *TINY_LM,
+        f"logging.run_dir={tmp_path}/run",
+        "backend.name=mpi",
+        "backend.timeout=4",
+    ]
+    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", sys.executable, str(script)]
+    t0 = time.monotonic()
+    proc = run_group(cmd + [a for s in sets for a in ("--set", s)], timeout=90)
+    assert time.monotonic() - t0 < 60, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "rank 0: MPI " in err and "did not complete within 4s" in err, err[-3000:]
+    assert "The MPI watchdog ends the job now" in err and "backend.timeout" in err, err[-3000:]
+    assert proc.returncode != 0

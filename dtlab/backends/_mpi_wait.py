@@ -171,7 +171,8 @@ class Watchdog:
         print(
             f"{text}. The MPI watchdog ends the job now (MPI_Abort); where a peer legitimately takes "
             "longer (a long preprocessing or save on one rank while the others wait), set its time with "
-            "MPIBackend(watchdog=seconds) or init_backend(watchdog=seconds), None turns it off",
+            "MPIBackend(watchdog=seconds) or init_backend(watchdog=seconds), None turns it off (dtlab "
+            "train: backend.timeout)",
             file=sys.stderr,
             flush=True,
         )

@@ -24,7 +24,8 @@ class BackendConfig(Section):
     name: Literal["auto", "inmemory", "mpi", "gloo", "nccl"] = "auto"
     #: ranks of the in-memory world (threads); under a launcher the launcher decides
     world_size: int = Field(default=4, ge=1, le=64)
-    #: seconds any collective may wait before it fails naming the missing ranks
+    #: seconds any collective may wait before it fails naming the missing ranks (MPI: the watchdog's
+    #: time, which ends the job naming the operation)
     timeout: float = Field(default=120.0, gt=0)
     #: real engines: before each collective the ranks compare the call (kind, shape, dtype, op, root)
     #: and a mismatch is a CollectiveMismatchError naming each rank's call (false: the environment
