@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -162,9 +163,32 @@ def test_a_file_changed_after_it_was_verified_is_refused(tmp_path: Path) -> None
     path = tmp_path / "step_00000001" / "model_rank00000.safetensors"
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 1
+    time.sleep(0.05)  # past the file system's clock tick of the save
     path.write_bytes(bytes(raw))  # written in place after the check: another modification time
     with pytest.raises(CheckpointError, match="changed after it was verified"):
         full_tensors_from_shards(ckpt.model)
+
+
+def test_a_file_written_while_it_is_hashed_is_refused(tmp_path: Path, monkeypatch: Any) -> None:
+    """The identity of the file (device, inode, size, times) is taken before the hash and compared
+    after it: a write during the hash is refused even where the bytes hashed were the original ones."""
+    import os
+
+    run_world(2, _save_small, str(tmp_path))
+    path = tmp_path / "step_00000001" / "model_rank00001.safetensors"
+    read = os.read
+
+    def read_then_write(fd: int, n: int) -> bytes:
+        data = read(fd, n)
+        time.sleep(0.05)
+        os.utime(path)  # what a writer does to the file's times, its bytes left as they were
+        return data
+
+    monkeypatch.setattr(os, "read", read_then_write)
+    with pytest.raises(
+        CheckpointError, match=r"model_rank00001\.safetensors changed while it was being verified"
+    ):
+        read_checkpoint(tmp_path / "step_00000001", verify_all=False).model[1].tensors["w"]
 
 
 def test_loaded_shards_can_be_copied_and_pickled(tmp_path: Path) -> None:

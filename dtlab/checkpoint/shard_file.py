@@ -219,6 +219,7 @@ class ShardFile:
             raise CheckpointError(
                 f"shard file {self.path} is {actual:,} bytes, more than the {self.limit:,} dtlab reads"
             )
+        before = _identity(os.fstat(fd))
         h, head, keep, left = hashlib.sha256(), bytearray(), 8, actual
         while left > 0:
             piece = os.read(fd, min(PIECE, left))
@@ -237,7 +238,10 @@ class ShardFile:
             raise CheckpointError(
                 f"shard file {self.path} is corrupted: its SHA-256 differs from the one in meta.json"
             )
-        return head, os.fstat(fd)
+        st = os.fstat(fd)
+        if _identity(st) != before:
+            raise CheckpointError(f"shard file {self.path} changed while it was being verified; resume again")
+        return head, st
 
     def info(self, name: str) -> tuple[list[int], torch.dtype] | None:
         t = self.verify().get(name)
@@ -252,7 +256,9 @@ class ShardFile:
             raise KeyError(name)
         numel = t.nbytes // t.dtype.itemsize if t.dtype.itemsize else 0
         if not 0 <= start <= end <= numel:
-            raise CheckpointError(f"elements [{start}, {end}) are outside {name!r} ({numel}) in {self.path}")
+            raise CheckpointError(
+                f"elements [{start}, {end}) are outside {summary(name)} ({numel}) in {self.path}"
+            )
         n = (end - start) * t.dtype.itemsize
         if n == 0:
             return torch.empty(0, dtype=t.dtype)
