@@ -128,7 +128,7 @@ def test_values_that_were_taken_or_failed_deep_inside_are_named() -> None:
         with pytest.raises(TypeError, match=r"leaf_modules must be a tuple of nn.Module subclasses"):
             ZeRO3Model(_net(), b, leaf_modules=nn.Linear)  # type: ignore[arg-type]
         with pytest.raises(
-            ArgumentTypeError, match=r"^reshard_after_forward must be True or False, got 'no'"
+            ArgumentTypeError, match=r"^reshard_after_forward must be True, False or None .*got 'no'"
         ):
             FSDPModel(_net(), b, reshard_after_forward="no")  # type: ignore[arg-type]
         model = DDPModel(_net(), b)

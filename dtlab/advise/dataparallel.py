@@ -143,12 +143,15 @@ def data_parallel_cost(
     keep the whole gradients until the last one. ``recompute`` (per-block checkpointing): ZeRO-3's
     recomputed forward gathers each block's modules once more, all but the block's last (torch's
     checkpoint stops before it), the first twice more (as measured); FSDP's block is still gathered
-    for its backward."""
+    for its backward. FSDP's root unit (``reshard_after_forward=None``, as FSDP2) stays gathered from
+    its forward to its backward: one all-gather per pass, its forward's."""
     pe, ge, re = precision.params, precision.grads, precision.reduce
     whole_grads = sum(t.numel for t in tensors) * ge
     grad_ops: Ops = {}
     gather_ops: Ops = {}
     accumulating = keep_gathered or passes > 1  # whole gradients kept across micro-batches
+    #: gathers per pass beyond (below) ``gathers``, by unit or parameter key
+    again: dict[str, int] = {}
     if strategy in ("ddp", "zero1", "zero2"):
         cost = _bucketed_cost(strategy, tensors, p, options, optimizer, precision, accumulating)
         _unused_marks(cost.ops, strategy, tensors, p, options)
@@ -167,21 +170,22 @@ def data_parallel_cost(
         root = [u for u in units if u.key == "<root>"]
         blocks = [u.padded for u in units if u.key != "<root>"]
         persistent = 0
-        if keep_gathered or not options.reshard_after_forward:
+        if keep_gathered or options.reshard_after_forward is False:
             gathered = sum(u.padded for u in units)
         else:
             gathered = sum(u.padded for u in root) + (
                 _max_pair(blocks) if options.prefetch else max(blocks, default=0)
             )
         peak = gathered
-        per_pass = 2 if options.reshard_after_forward else 1
+        per_pass = 1 if options.reshard_after_forward is False else 2
         gathers = 1 if keep_gathered else per_pass * passes
+        if options.reshard_after_forward is None and not keep_gathered:  # the root kept for its backward
+            again["<root>"] = -1  # per pass: gathered by its forward only
     else:
         raise ValueError(f"unknown data-parallel strategy {strategy!r}")
     shards = sum(u.shard for u in units)
     largest = max((u.padded for u in units if not u.persistent), default=0)
     last = 0
-    again: dict[str, int] = {}
     if recompute and strategy == "zero3" and not keep_gathered:
         first_mod: dict[int, str] = {}
         last_mod: dict[int, str] = {}

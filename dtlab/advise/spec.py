@@ -196,7 +196,7 @@ class StrategyOptions:
 
     bucket_cap_mb: float = 25.0
     persistence_threshold: int = 0
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     prefetch: bool = True
     gradient_sync: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
     #: ``parallel.tp_batch_check``: "always" counts the check's all-reduce in every step; "first" and

@@ -47,8 +47,9 @@ class StrategyConfig(Section):
     #: parameter. Differs on purpose from ``ZeRO3Model(persistence_threshold=100_000)`` (DeepSpeed's
     #: default, for large models): the embedded models are small, under 100000 nothing would be sharded
     persistence_threshold: int = Field(default=0, ge=0)
-    #: FSDP frees each unit after its forward (least memory) or keeps it until its backward
-    reshard_after_forward: bool = True
+    #: FSDP frees units after their forward (``true``: every unit; ``null``, as FSDP2: every unit but
+    #: the root, which backward gathers first) or keeps them until their backward (``false``)
+    reshard_after_forward: bool | None = None
     #: ZeRO-3/FSDP: all-gather the next unit while the current one computes
     prefetch: bool = True
     #: dtype gradients travel and are summed in (the strategies' ``reduce_dtype``); ``None``: as computed

@@ -70,7 +70,7 @@ class HybridOptions(BucketOptions, GatherOptions, total=False):
     persistence_threshold: int  #: zero3
     leaf_modules: tuple[type[nn.Module], ...]  #: zero3
     wrap_policy: WrapPolicy | None  #: fsdp
-    reshard_after_forward: bool  #: fsdp
+    reshard_after_forward: bool | None  #: fsdp (None: every unit but the root resharded, as FSDP2)
 
 
 class PlanOptions(HybridOptions, MetaOptions, total=False):

@@ -187,9 +187,14 @@ def check_types(module: object, backend: object, who: str) -> None:
     check_backend(backend, who)
 
 
-def check_sharded_options(forward_wait_s: object, **switches: object) -> None:
-    """Refuses a ZeRO-3/FSDP ``forward_wait_s`` that is not seconds >= 0 and ``switches`` that are not
-    bools (``reshard_after_forward='no'`` would be taken as true)."""
+def check_sharded_options(forward_wait_s: object, reshard_after_forward: object, **switches: object) -> None:
+    """Refuses a ZeRO-3/FSDP ``forward_wait_s`` that is not seconds >= 0, a ``reshard_after_forward``
+    that is not True, False or None and ``switches`` that are not bools (``'no'`` would be taken as true)."""
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ArgumentTypeError(
+            "reshard_after_forward must be True, False or None (every unit but the root resharded), got "
+            f"{reshard_after_forward!r}"
+        )
     if isinstance(forward_wait_s, bool) or not (
         isinstance(forward_wait_s, int | float) and forward_wait_s >= 0
     ):

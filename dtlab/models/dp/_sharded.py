@@ -58,14 +58,14 @@ class ShardedModel(DataParallelModel):
         module: nn.Module,
         backend: CommunicationBackend,
         *,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = True,
         prefetch: bool = True,
         init_seed: int | None = None,
         param_init_fn: ParamInitFn | None = None,
         forward_wait_s: float = 10.0,
         **options: Unpack[DataParallelOptions],
     ) -> None:
-        check_sharded_options(forward_wait_s, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+        check_sharded_options(forward_wait_s, reshard_after_forward, prefetch=prefetch)
         self.forward_wait_s = float(forward_wait_s)
         check_types(module, backend, type(self).__name__)
         meta = MetaInit.prepare(module, backend.device, init_seed, param_init_fn, type(self).__name__)
@@ -92,12 +92,12 @@ class ShardedModel(DataParallelModel):
         self.module.register_load_state_dict_pre_hook(self._refuse_partial_load)
         self._direct = DirectForwards(self._at_rest, self, self.module)  # model.module.generate() in step
         InnerCalls(self._at_rest, self.module, type(self).__name__)  # a unit's inner module called alone
-        hooks = (self._begin_backward, bool(reshard_after_forward), bool(prefetch), self._direct.hook)
+        hooks = (self._begin_backward, reshard_after_forward, bool(prefetch), self._direct.hook)
         self._hooks = GroupHooks(self._at_rest, *hooks)
         self._register_grad_hooks(self._on_grad)
 
     @property
-    def reshard_after_forward(self) -> bool:
+    def reshard_after_forward(self) -> bool | None:
         return self._hooks.reshard_after_forward
 
     @property

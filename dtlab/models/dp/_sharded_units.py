@@ -263,13 +263,18 @@ class GroupHooks:
     """Each group of ``at_rest`` gathered by its module's forward pre-hook and freed by its forward hook
     (``reshard_after_forward``), gathered again before its gradients are computed (a hook on the
     module's outputs, after ``begin_backward()``), and the neighbouring group in forward order
-    prefetched with a non-blocking all-gather (the next one in forward, the previous one in backward)."""
+    prefetched with a non-blocking all-gather (the next one in forward, the previous one in backward).
+
+    ``reshard_after_forward``: True frees every group after its forward, False none; None (FSDP2's
+    default) every group but the wrapped module's own (the root: its forward spans the whole forward,
+    and backward begins by gathering it again). A forward without gradients frees every group: no
+    backward will."""
 
     def __init__(
         self,
         at_rest: UnitGatherer,
         begin_backward: Callable[[], None],
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | None,
         prefetch: bool,
         direct: tuple[nn.Module, Callable[[nn.Module, Any], None]],
     ) -> None:
@@ -278,6 +283,12 @@ class GroupHooks:
         self.direct = direct
         self.begin_backward = begin_backward
         self.reshard_after_forward = reshard_after_forward
+        #: the groups a forward with gradients keeps gathered for their backward
+        self.kept = {
+            gi
+            for gi, (gmod, _) in enumerate(at_rest.groups)
+            if reshard_after_forward is False or (reshard_after_forward is None and gmod is direct[0])
+        }
         self.prefetch = prefetch
         #: the groups in the order the first forward ran them (prefetching follows it from then on)
         self.order: list[int] = []
@@ -337,7 +348,7 @@ class GroupHooks:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(partial(self._pre_backward, gi))
-        if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward will free it
+        if gi not in self.kept or not torch.is_grad_enabled():  # no backward will free it
             for st in self.at_rest.groups[gi][1]:
                 self.at_rest.free(st)
             torch.clear_autocast_cache()  # its weights' copies (what backward needs is saved: _CastRef)
@@ -346,5 +357,5 @@ class GroupHooks:
         self.begin_backward()
         self.at_rest.gather_group(gi)
         prev = self._neighbour(gi, -1)
-        if prev is not None and self.reshard_after_forward:
+        if prev is not None and prev not in self.kept:
             self.at_rest.gather_group(prev, wait=False)

@@ -67,8 +67,16 @@ class FSDPModel(ShardedModel):
     Args:
         module, backend: as for DDPModel.
         wrap_policy: which submodules become units (``None``: the whole module is one unit).
-        reshard_after_forward: free each unit after its forward (ZeRO-3-like, least memory) or keep
-            it gathered until its backward (ZeRO-2-like, one all-gather fewer per step).
+        reshard_after_forward: as FSDP2's. ``None`` (default): every unit but the root is freed after
+            its forward; the root (the wrapped module's own unit, whose forward spans the whole forward)
+            stays gathered for its backward, which begins by gathering it: one all-gather of the root
+            fewer per step at the same peak. ``True``: every unit freed after its forward, the root too
+            (FSDP2's ``fully_shard(model, reshard_after_forward=True)``: the root is not held while the
+            loss is computed, one more all-gather). ``False``: every unit kept gathered until its
+            backward (ZeRO-2-like, one all-gather per unit per step, the whole model gathered at the
+            peak). A forward without gradients (``torch.no_grad()``, evaluation) frees every unit, the
+            root too; a forward whose backward never comes holds the root alone, until a backward or the
+            optimizer's ``zero_grad()`` frees it (the next forward reuses it).
         prefetch: all-gather the next unit while the current one computes.
         reduce_dtype, find_unused_parameters, broadcast_buffers, world: as for DDPModel.
         init_seed, param_init_fn, forward_wait_s: as for ZeRO3Model.
@@ -82,7 +90,7 @@ class FSDPModel(ShardedModel):
         backend: CommunicationBackend,
         *,
         wrap_policy: WrapPolicy | None = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         **options: Unpack[ShardedOptions],
     ) -> None:
         if wrap_policy is not None and not isinstance(wrap_policy, ModuleClassPolicy | SizePolicy):
