@@ -70,3 +70,13 @@ def test_a_hybrid_rank_reads_about_a_quarter(
     for read, full in run_world(4, _load, str(tmp_path), shape, dp, pipe):
         assert all(torch.equal(full[k], saved[k]) for k in saved)
         assert total / 4 * 0.95 < read < total / 4 * 1.05, (read, total)
+
+
+def test_the_resume_memory_benchmark_runs(tmp_path: Path, capsys: Any) -> None:
+    """``python -m dtlab.benchmarks.resume_memory``'s measurement, small: 2 ranks read all the data once."""
+    from dtlab.benchmarks import resume_memory
+
+    run_world(4, resume_memory._save, str(tmp_path), 64, 2)
+    resume_memory._child(str(tmp_path), 2, 64, 2)
+    peak, read = capsys.readouterr().out.split()
+    assert int(peak) >= 0 and int(read) == 3 * 2 * 64 * 64 * 4  # the weights and two AdamW moments
