@@ -6,6 +6,8 @@ accumulation_steps)`` samples from this rank's loader (workers and pinned memory
 ranks' batches of one step together are always the epoch order's next ``global_batch_size`` samples,
 whatever the world size, so the position ``(epoch, offset)`` — samples of the epoch consumed over all
 ranks — resumes exactly, also at another world size. An epoch ends after its last whole global batch.
+``threads``: this rank is a thread of an in-memory world, sharing the process's generators with the
+other ranks; without workers its samples' draws are then seeded as in workers (``worker_draws.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from dtlab.data import DistributedSampler
 from dtlab.errors import DataError
-from dtlab.trainers.worker_draws import PlacedSampler, fetches_batches, seeded_fetch
+from dtlab.trainers.worker_draws import PlacedSampler, ThreadFetch, fetches_batches, seeded_fetch
 
 __all__ = ["DataFeed"]
 
@@ -38,6 +40,7 @@ class DataFeed:
         device: torch.device | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
+        threads: bool = False,
     ) -> None:
         per_step = world_size * accumulation_steps
         if global_batch_size % per_step:
@@ -61,14 +64,16 @@ class DataFeed:
         self.steps_per_epoch = self.sampler.num_samples // (global_batch_size // world_size)
         self.pin_memory = pin_memory and self.device.type == "cuda"
         # in worker processes a sample's random draws (augmentation) are seeded by its place in the
-        # epoch, so a resume mid-epoch draws what the uninterrupted run drew (worker_draws.py)
-        placed = num_workers > 0
-        #: workers fetch a batch at once (the dataset's __getitems__), its draws seeded per batch
+        # epoch, so a resume mid-epoch draws what the uninterrupted run drew (worker_draws.py); so are
+        # they on in-memory ranks (threads: the process's generators are shared) without workers
+        placed = num_workers > 0 or threads
+        fetched = dataset if not placed else seeded_fetch(dataset) if num_workers else ThreadFetch(dataset)
+        #: a batch fetched at once (the dataset's __getitems__), its draws seeded per batch
         self.batched = placed and fetches_batches(dataset)
         self.micro_batch = global_batch_size // per_step  # samples of one micro-batch on this rank
         self.notes: list[str] = []  # what a resume (load_state_dict) cannot make as it was
         self.loader: DataLoader[Any] = DataLoader(
-            seeded_fetch(dataset) if placed else dataset,
+            fetched,
             batch_size=self.micro_batch,
             sampler=PlacedSampler(self.sampler) if placed else self.sampler,
             drop_last=True,
@@ -162,8 +167,9 @@ class DataFeed:
         layout = (state.get("ranks"), state.get("micro_batch"))  # absent: saved before it was recorded
         if self.batched and None not in layout and layout != (self.world_size, self.micro_batch):
             self.notes.append(
-                f"the training data fetches a batch at once (its __getitems__) in data.num_workers "
-                f"worker processes, each batch's random draws seeded by its first sample: its "
+                f"the training data fetches a batch at once (its __getitems__), each batch's random draws "
+                f"seeded by its first sample (in data.num_workers worker processes, or on in-memory "
+                f"ranks): its "
                 f"micro-batches here (ranks x samples: {self.world_size} x {self.micro_batch}) are not "
                 f"the saved run's ({layout[0]} x {layout[1]}), so what __getitems__ draws "
                 "(an augmentation) differs from the uninterrupted run; resume with the same "

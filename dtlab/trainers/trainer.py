@@ -174,6 +174,10 @@ class Trainer:
         # data and the loss follow the model's data-parallel group (ranks of one dp group share a
         # batch's shards); consensus (agree, finite checks) spans model.world_backend
         self.dp = self.model.dp_backend
+        #: in-memory ranks: each one's training draws (dropout) from a generator of its own
+        self.draws = RankDraws(
+            config.train.seed, backend.rank, config.parallel.tp, backend.world_size, self.model
+        )
         self.feed = DataFeed(
             self.task.train_data,
             d.global_batch_size,
@@ -185,10 +189,7 @@ class Trainer:
             device=backend.device,
             num_workers=d.num_workers,
             pin_memory=d.pin_memory,
-        )
-        #: in-memory ranks: each one's training draws (dropout) from a generator of its own
-        self.draws = RankDraws(
-            config.train.seed, backend.rank, config.parallel.tp, backend.world_size, self.model
+            threads=self.draws.on,  # in-memory ranks: the samples' draws seeded, as in workers
         )
         #: the default loss as the mean over the global batch's counted targets (None: a loss of your own)
         self.token_mean = token_mean_for(

@@ -7,8 +7,12 @@ fresh base seed and with worker ``w`` handed other batches than before, so every
 the resume would differ from the uninterrupted run's. Here each sample's fetch, in a worker, first seeds
 torch's, Python's and NumPy's global generators from ``(train.seed, epoch, position)``, the position
 being the sample's place in the epoch's order over all ranks: the draws depend on neither the resume
-point nor the number of workers (nor the world size). With ``num_workers=0`` the rank's own generators
-draw (restored from the checkpoint on the same world size and ``parallel.tp``), and nothing is seeded.
+point nor the number of workers (nor the world size). With ``num_workers=0`` a rank in a process of its
+own draws from that process's generators (restored from the checkpoint on the same world size and
+``parallel.tp``), and nothing is seeded. In-memory ranks are threads sharing those generators, so which
+rank drew which numbers would depend on the threads' timing: there (:class:`ThreadFetch`) each
+micro-batch is fetched alone in the process, each sample seeded from its key as in a worker, and the
+generators' states are put back after: the draws of ``num_workers > 0``, bitwise.
 
 A dataset that fetches a batch at once (its own ``__getitems__``, which torch's loader calls with the
 batch's indices instead of ``__getitem__`` per sample: Hugging Face's datasets) keeps it
@@ -31,9 +35,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler, StackDataset, Subset, get_worker_info
 
+from dtlab.core.rng import model_building
 from dtlab.data import DistributedSampler
 
-__all__ = ["PlacedSampler", "SeededBatches", "SeededFetch", "fetches_batches", "sample_seed", "seeded_fetch"]
+__all__ = [
+    "PlacedSampler",
+    "SeededBatches",
+    "SeededFetch",
+    "ThreadFetch",
+    "fetches_batches",
+    "sample_seed",
+    "seeded_fetch",
+]
 
 #: a sample's key: (seed, epoch, place in the epoch's order over all ranks) and its dataset index
 Key = tuple[tuple[int, int, int], int]
@@ -88,6 +101,39 @@ class SeededBatches(SeededFetch):
             (seed, epoch, place), _ = keys[0]
             _seed(sample_seed(seed, epoch, place))
         return list(self.dataset.__getitems__([index for _, index in keys]))
+
+
+class ThreadFetch(SeededFetch):
+    """On an in-memory rank (a thread sharing torch's, Python's and NumPy's global generators with the
+    other ranks, ``data.num_workers=0``): the samples of a micro-batch fetched under the process-wide
+    lock model builds take, each after seeding the generators from its key as a worker does (a dataset
+    that fetches batches: its ``__getitems__`` once, seeded from the first sample's key), the
+    generators' states put back after. torch's loader calls ``__getitems__`` once per micro-batch."""
+
+    def __init__(self, dataset: Any) -> None:
+        super().__init__(dataset)
+        self.batched = fetches_batches(dataset)
+
+    def __getitem__(self, key: Key) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[Key]) -> list[Any]:
+        with model_building():
+            kept = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
+            try:
+                if self.batched:
+                    if keys:
+                        _seed(sample_seed(*keys[0][0]))
+                    return list(self.dataset.__getitems__([index for _, index in keys]))
+                fetched = []
+                for place, index in keys:
+                    _seed(sample_seed(*place))
+                    fetched.append(self.dataset[index])
+                return fetched
+            finally:
+                torch.default_generator.set_state(kept[0])
+                random.setstate(kept[1])
+                np.random.set_state(kept[2])
 
 
 def _seed(s: int) -> None:
