@@ -11,9 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from live_bytes import LiveBytes
 from test_strategies_helpers import Block, make_data, make_module, optimizer_for
+from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
+from dtlab.core import seeded_init
 from dtlab.models import FSDPModel, ModuleClassPolicy
 from dtlab.testing import run_world
 
@@ -121,3 +124,56 @@ def test_root_unit_kept_from_forward_to_backward_as_fsdp2() -> None:
     assert out["again"] == (4 * 104, BLOCK)
     assert out["after_backward"] == out["zero_grad"] == 0
     assert out["property"] == (None, None)
+
+
+D = 32
+
+
+class _Unit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, 4 * D)
+        self.down = nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _LM(nn.Module):
+    """The root unit: the embedding and the head, ``(2 V D + V)`` float32."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, D)
+        self.blocks = nn.Sequential(_Unit(), _Unit())
+        self.head = nn.Linear(D, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.blocks(self.emb(ids)))
+        return out
+
+
+def _step_peaks(backend: CommunicationBackend, vocab: int) -> list[int]:
+    peaks = []
+    for given in ({}, {"reshard_after_forward": True}):
+        with seeded_init(0):
+            net = _LM(vocab)
+        model = FSDPModel(net, backend, wrap_policy=ModuleClassPolicy((_Unit,)), **given)
+        ids = torch.randint(0, vocab, (4, 16), generator=torch.Generator().manual_seed(backend.rank))
+        for _ in range(2):  # the second step's: whatever is made once is made in the first
+            model.zero_grad_buffers()
+            counter = LiveBytes()
+            with counter:
+                logits = model(ids)
+                nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        peaks.append(counter.peak)
+    return peaks
+
+
+def test_root_unit_held_while_the_loss_is_computed() -> None:
+    """The cost, as FSDP2's: the root is held while the loss is computed. Where that is the step's
+    peak of allocated bytes (a large vocabulary: its logits and their softmax against small blocks),
+    the peak rises by the root's gathered bytes, exactly; elsewhere (a small root) not at all."""
+    big, small = run_world(2, lambda b: (_step_peaks(b, 2048), _step_peaks(b, 64)))[0]
+    assert big[0] - big[1] == (2 * 2048 * D + 2048) * 4  # 532,480 B: the root, gathered
+    assert small[0] == small[1]

@@ -70,9 +70,11 @@ class FSDPModel(ShardedModel):
         reshard_after_forward: as FSDP2's. ``None`` (default): every unit but the root is freed after
             its forward; the root (the wrapped module's own unit, whose forward spans the whole forward)
             stays gathered for its backward, which begins by gathering it: one all-gather of the root
-            fewer per step at the same peak. ``True``: every unit freed after its forward, the root too
-            (FSDP2's ``fully_shard(model, reshard_after_forward=True)``: the root is not held while the
-            loss is computed, one more all-gather). ``False``: every unit kept gathered until its
+            fewer per step at the same peak of gathered parameters (held while the loss is computed:
+            where that is the step's peak, a large vocabulary, it rises by the root's bytes). ``True``:
+            every unit freed after its forward, the root too (FSDP2's ``fully_shard(model,
+            reshard_after_forward=True)``: the root not held while the loss is computed, one more
+            all-gather). ``False``: every unit kept gathered until its
             backward (ZeRO-2-like, one all-gather per unit per step, the whole model gathered at the
             peak). A forward without gradients (``torch.no_grad()``, evaluation) frees every unit, the
             root too; a forward whose backward never comes holds the root alone, until a backward or the
