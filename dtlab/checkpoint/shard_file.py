@@ -164,12 +164,6 @@ class ShardFile:
         self._opened: tuple[Path, tuple[int, ...]] | None = None
         self._lock = threading.RLock()  # the check reads the header it set
 
-    def __getstate__(self) -> dict[str, Any]:  # a copy (pickle, deepcopy) gets a lock of its own
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.RLock())
-
     @property
     def verified(self) -> bool:
         return self._tensors is not None

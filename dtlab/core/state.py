@@ -11,6 +11,8 @@ uses. :mod:`dtlab.core.shard_index` reads ranges of them without reading the res
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,9 +52,11 @@ class _Both:
 
 
 class LazyTensors(MutableMapping[str, torch.Tensor]):
-    """A name -> tensor mapping whose tensors are read from ``source`` on each use (never kept), so
-    iterating it reads every tensor once; :meth:`read` reads a flat range only. Tensors assigned to it
-    are held like a dict's; ``keep`` hides the names it refuses."""
+    """A name -> tensor mapping whose tensors stay in ``source`` until used: a tensor read whole
+    (``tensors[name]``, iterating its items) is then held like a dict's, so an in-place edit stays and a
+    second read reads nothing; :meth:`read` reads a flat range and :meth:`fresh` a whole tensor without
+    holding them. ``keep`` hides the names it refuses. ``pickle`` and ``torch.save`` store a dict of its
+    tensors (all read); a deep copy stays lazy, reading the same verified file."""
 
     def __init__(self, source: TensorSource, keep: Callable[[str], bool] | None = None) -> None:
         self.source = source
@@ -64,6 +68,22 @@ class LazyTensors(MutableMapping[str, torch.Tensor]):
         return name not in self._gone and (self.keep is None or self.keep(name))
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._held:
+            self._held[name] = self.fresh(name)
+        return self._held[name]
+
+    def __reduce__(self) -> tuple[type[OrderedDict[str, torch.Tensor]], tuple[list[Any]]]:
+        # a state_dict's type, which torch.load(weights_only=True) takes
+        return OrderedDict, (list(self.items()),)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LazyTensors:
+        out = LazyTensors(self.source, self.keep)
+        out._held = copy.deepcopy(self._held, memo)
+        out._gone = set(self._gone)
+        return out
+
+    def fresh(self, name: str) -> torch.Tensor:
+        """``self[name]`` read again from the file (or the tensor held), not kept."""
         if name in self._held:
             return self._held[name]
         info = self.source.info(name) if self._visible(name) else None

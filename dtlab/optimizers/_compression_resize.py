@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dtlab.core.state import ShardedState
+from dtlab.core.state import LazyTensors, ShardedState
 
 __all__ = ["averaged_state"]
 
@@ -45,7 +45,8 @@ def averaged_state(
             key = name[len(prefix) :] if name.startswith(prefix) else ""
             if not key.startswith(_AVERAGED):
                 continue
-            flat = shard.tensors[name].detach().to(torch.float32).reshape(-1)
+            t = shard.tensors.fresh(name) if isinstance(shard.tensors, LazyTensors) else shard.tensors[name]
+            flat = t.detach().to(torch.float32).reshape(-1)  # a lazy one read, not held
             held = sums.get(key)
             if held is not None and held.numel() != flat.numel():
                 return f"buffer {key!r} has {held.numel()} elements on one rank and {flat.numel()} on another"
