@@ -17,7 +17,11 @@ rank, and nothing new to save (a resume restores the replicated stream; an activ
 recomputation draws the same ``s`` again, so the same masks). A region that draws nothing draws no
 ``s``: a model without dropout trains bit for bit as before, and a region whose first training pass
 drew nothing is not opened again (the mode sees every op it runs: a small op's dispatch costs about
-twice as much under it). On a GPU no region opens (the ops draw from the device's replicated stream:
+twice as much under it) until the model's settings change
+(:class:`~dtlab.core.settings_watch.SettingsWatch`: a module's ``train()``/``eval()``, a module added
+or replaced, a dropout's ``p``), looked at once per forward, at its first such region: then every region
+decides again at its next training pass, so dropout raised after a warm-up draws the masks a run that
+dropped from the start drew first. On a GPU no region opens (the ops draw from the device's replicated stream:
 the masks of the tp ranks' heads agree), and a CPU op that takes no generator (``torch.native_dropout``)
 runs as called: see docs/strategies.md, "Dropout under tensor parallelism".
 """
@@ -32,6 +36,7 @@ from torch import nn
 from torch._ops import OpOverload
 
 from dtlab.core.random_ops import GeneratorMode, OpPlan, draw_seed
+from dtlab.core.settings_watch import SettingsWatch
 from dtlab.core.torch_private import top_dispatch_mode
 from dtlab.errors import StrategyError
 from dtlab.models.tensor._layers import ColumnParallelLinear, RowParallelLinear
@@ -64,15 +69,20 @@ class SplitDraws:
     common module (not a head left split: nothing closes its region but the end of the whole model,
     which a pipeline stage never runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: nn.Module | None = None) -> None:
         self.plans: dict[OpOverload, OpPlan] = {}
         self.mode: _SplitMode | None = None
         #: column-parallel layers whose region's first training pass was seen, and those of them whose
         #: region drew nothing then (not opened again: no per-op cost for a model without dropout)
         self.seen: set[int] = set()
         self.quiet: set[int] = set()
+        #: the model's settings as they were when a region last decided; quiet openers met since the
+        #: last look at them (one met again: the next forward, looked at again)
+        self.watch = None if root is None else SettingsWatch(root)
+        self.met: set[int] = set()
 
     def install(self, root: nn.Module) -> None:
+        self.watch = SettingsWatch(root)
         order = {id(m): i for i, m in enumerate(root.modules())}
         rows = [m for m in root.modules() if isinstance(m, RowParallelLinear) and m.input_is_parallel]
         holders: dict[str, nn.Module] = {}
@@ -96,9 +106,11 @@ class SplitDraws:
             holder.register_forward_hook(self._close, always_call=True)
 
     def _open(self, layer: nn.Module, _inputs: Any, output: Any) -> None:
-        if self.mode is not None or not layer.training or id(layer) in self.quiet:
+        if self.mode is not None or not layer.training:
             return
         if torch.compiler.is_compiling() or (isinstance(output, torch.Tensor) and not output.is_cpu):
+            return
+        if id(layer) in self.quiet and not self._reopened(id(layer)):
             return
         group = layer.group if isinstance(layer, ColumnParallelLinear) else None
         if group is None or group.world_size == 1:
@@ -122,9 +134,33 @@ class SplitDraws:
         mode.__exit__(None, None, None)  # type: ignore[no-untyped-call,unused-ignore]
         opener = id(mode.opener)
         if opener not in self.seen and sys.exc_info()[1] is None:  # its first whole training pass decides
+            quiet = mode.cpu is None
+            # the settings it decides under; quiet regions that decided under others decide again
+            if quiet and self.watch is not None and self.watch.changed():
+                self._forget()
             self.seen.add(opener)
-            if mode.cpu is None:
+            if quiet:
                 self.quiet.add(opener)
 
-    def __reduce__(self) -> tuple[type[SplitDraws], tuple[()]]:  # a copied model: no region open
-        return type(self), ()
+    def _reopened(self, opener: int) -> bool:
+        """Whether the quiet region of ``opener`` opens again: the model's settings changed since the
+        regions decided (looked at by the first quiet region of each forward: one met twice, or none met
+        since the last look, begins a forward)."""
+        if self.met and opener not in self.met:
+            self.met.add(opener)
+            return False
+        self.met = {opener}
+        if self.watch is None or not self.watch.changed():
+            return False
+        self._forget()
+        return True
+
+    def _forget(self) -> None:
+        """Every region decides again at its next training pass."""
+        self.seen.clear()
+        self.quiet.clear()
+        self.met.clear()
+
+    def __reduce__(self) -> tuple[type[SplitDraws], tuple[nn.Module | None]]:
+        # a copied model: no region open; the copy's settings watched (its root, copied with it)
+        return type(self), (None if self.watch is None else self.watch.model,)
