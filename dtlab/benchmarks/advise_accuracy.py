@@ -3,15 +3,17 @@
     .venv/bin/python -m dtlab.benchmarks.advise_accuracy            # the embedded transformer, tiny sizes
 
 For every plan of the grid it runs two steps of the embedded transformer (AdamW, 2 blocks, width 32,
-16 tokens, global batch 8) on in-memory ranks and prints, per plan, the predicted and the measured
-bytes of rank 0: parameters, gradients and optimizer state from ``memory_report()``, activations as
-the bytes autograd saved during the second step's forward (``saved_tensors_hooks``, distinct
-storages, parameters and the batch left out; not measured under ZeRO-3/FSDP), and the bytes sent
-per mesh axis during the second step, from
-``backend.stats``. The data-parallel strategies are built as ``dtlab train`` builds them; tensor
-parallelism with ``TensorParallelModel(module, mesh, plan=transformer_plan())``; pipelines with
+16 tokens, global batch 8) on in-memory ranks through ``model.train_step`` (as ``dtlab train`` steps)
+and prints, per plan, the predicted and the measured bytes of rank 0: parameters and gradients from
+``memory_report()``, the optimizer state the largest over the ranks (advise predicts the rank that
+holds the most), activations as the bytes autograd saved during the second step's forward
+(``saved_tensors_hooks``, distinct storages, parameters and the batch left out; not measured under
+ZeRO-3/FSDP), and the bytes sent per mesh axis during the second step, from ``backend.stats``. A
+difference is shown in bytes. The data-parallel strategies are built as ``dtlab train`` builds them;
+tensor parallelism with ``TensorParallelModel(module, mesh, plan=transformer_plan())``; pipelines with
 ``PipelineParallelModel(module, mesh, schedule, micro_batches=m)`` (one row per pipeline rank; their
-activations are the model's own ``memory_report()["activations"]``).
+activations are the model's own ``memory_report()["activations"]``). docs/strategies.md ("How exact it
+is") prints the table; tests/test_advise_doc_table.py checks its predicted figures against advise.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ TP_SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=4, seq_len=16)
 PP_SPEC = ModelSpec.builtin(d_model=32, n_layers=2, n_heads=2, seq_len=16)
 PP4_SPEC = ModelSpec.builtin(d_model=32, n_layers=4, n_heads=2, seq_len=16)
 BATCH = 8
-PIPELINES = [
+PIPELINES: list[tuple[ModelSpec, Candidate]] = [
     (PP_SPEC, Candidate("ddp", pp=2, schedule="1f1b", micro_batches=2)),
     (PP_SPEC, Candidate("zero1", pp=2, schedule="gpipe", micro_batches=4)),
     (PP_SPEC, Candidate("ddp", pp=2, schedule="zero_bubble", micro_batches=4)),
@@ -88,11 +90,10 @@ def _two_steps(
         if step == 1 and hooks:
             saved = SavedBytes([*model.parameters(), x, y])
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                loss = loss_fn(model(x), y)
+                model.train_step((x, y), loss_fn)  # as dtlab train steps (one tp batch check a step)
             acts = saved.total
         else:
-            loss = loss_fn(model(x), y)
-        loss.backward()
+            model.train_step((x, y), loss_fn)
         opt.step()
         opt.zero_grad()
     sent = {axis: group.stats.bytes_sent for axis, group in groups.items()}
@@ -140,65 +141,78 @@ def _pipeline(backend: CommunicationBackend, spec: ModelSpec, plan: Candidate) -
 
 
 def _cell(pred: int, got: int | None) -> str:
+    """Bytes are exact counts: a difference is shown in bytes (a percentage would round it to 0.0%)."""
     if got is None:
         return f"{pred:,} / -"
     if pred == got:
         return f"{pred:,} / {got:,}"
-    return f"{pred:,} / {got:,} ({(pred - got) / got * 100:+.1f}%)" if got else f"{pred:,} / 0"
+    return f"{pred:,} / {got:,} ({pred - got:+,} B)"
 
 
-def _row(plan: Candidate, spec: ModelSpec, got: dict[str, Any], r: int = 0) -> list[str]:
-    p = predict(spec, ClusterSpec(ranks=plan.ranks), plan, BATCH)
-    mem, want, ops = got["memory"], p.stage_memory[r], p.stage_ops[r]
-    return [
-        plan.label + (f" (pp rank {r})" if plan.pp > 1 else ""),
-        _cell(want.parameters, mem["parameters"]),
-        _cell(want.gradients, mem["gradients"]),
-        _cell(want.optimizer_state, mem["optimizer_state"]),
-        _cell(want.activations, got["activations"]),
-        *(
-            _cell(sum(b for k, (_, b) in ops[a].items() if k != "recv"), got["bytes"][a])
-            if a in got["bytes"]
-            else "-"
-            for a in ("dp", "tp", "pp")
-        ),
+AXES = ("dp", "tp", "pp")
+HEAD = ["plan", "parameters", "gradients", "optimizer state", "activations", *(f"{a} bytes" for a in AXES)]
+
+
+def grid() -> list[tuple[ModelSpec, Candidate]]:
+    """The plans of the table, in its order: every data-parallel strategy at dp 2 and 4, DDP and ZeRO-1
+    at tp 2, tp 4 and dp2 x tp2, then the pipelines."""
+    plans: list[tuple[ModelSpec, Candidate]] = [
+        (SPEC, Candidate(strategy, dp=world))  # type: ignore[arg-type]
+        for world in (2, 4)
+        for strategy in pairs.DATA_PARALLEL
     ]
+    for shape in ({"tp": 2}, {"tp": 4}, {"dp": 2, "tp": 2}):
+        for strategy in ("ddp", "zero1"):
+            plans.append((TP_SPEC, Candidate(strategy, dp=shape.get("dp", 1), tp=shape["tp"])))
+    return plans + PIPELINES
+
+
+def predicted(spec: ModelSpec, plan: Candidate, r: int = 0) -> tuple[str, list[int | None]]:
+    """A row's label and advise's figures for pipeline rank ``r``: parameters, gradients, optimizer
+    state, activations, then the bytes sent per axis in a step (None for an axis the plan lacks)."""
+    p = predict(spec, ClusterSpec(ranks=plan.ranks), plan, BATCH)
+    want, ops = p.stage_memory[r], p.stage_ops[r]
+    sent = [
+        sum(b for k, (_, b) in ops[a].items() if k != "recv") if a == "dp" or getattr(plan, a) > 1 else None
+        for a in AXES
+    ]
+    label = plan.label + (f" (pp rank {r})" if plan.pp > 1 else "")
+    return label, [want.parameters, want.gradients, want.optimizer_state, want.activations, *sent]
+
+
+def _measured(ranks: list[dict[str, Any]]) -> list[int | None]:
+    """``ranks``: the results of one pipeline stage's ranks, the first one's shown; the optimizer state
+    is the largest of them, as advise predicts it (a sharded optimizer keeps one piece per parameter its
+    shard overlaps, so the ranks' states differ by a few bytes)."""
+    got = ranks[0]
+    mem = got["memory"]
+    state = max(g["memory"]["optimizer_state"] for g in ranks)
+    sent = [got["bytes"].get(a) for a in AXES]
+    return [mem["parameters"], mem["gradients"], state, got["activations"], *sent]
+
+
+def _run(spec: ModelSpec, plan: Candidate) -> list[dict[str, Any]]:
+    if plan.pp > 1:
+        return run_world(plan.ranks, _pipeline, spec, plan)
+    if plan.tp > 1:
+        shape = {"dp": plan.dp, "tp": plan.tp} if plan.dp > 1 else {"tp": plan.tp}
+        return run_world(plan.ranks, _tensor_parallel, shape, plan.strategy)
+    overrides = [*TINY_LM, *SIZES, f"strategy.model={plan.strategy}", f"backend.world_size={plan.dp}"]
+    config = load_config(overrides=overrides)
+    return run_world(plan.dp, _data_parallel, config, build_task(config))
 
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__).parse_args()
-    rows: list[list[str]] = []
-    for world in (2, 4):
-        for strategy in pairs.DATA_PARALLEL:
-            config = load_config(
-                overrides=[*TINY_LM, *SIZES, f"strategy.model={strategy}", f"backend.world_size={world}"]
-            )
-            got = run_world(world, _data_parallel, config, build_task(config))[0]
-            rows.append(_row(Candidate(strategy, dp=world), SPEC, got))  # type: ignore[arg-type]
-    for shape in ({"tp": 2}, {"tp": 4}, {"dp": 2, "tp": 2}):
-        for strategy in ("ddp", "zero1"):
-            world = shape.get("dp", 1) * shape["tp"]
-            got = run_world(world, _tensor_parallel, shape, strategy)[0]
-            plan = Candidate(strategy, dp=shape.get("dp", 1), tp=shape["tp"])  # type: ignore[arg-type]
-            rows.append(_row(plan, TP_SPEC, got))
-    for spec, plan in PIPELINES:
-        results = run_world(plan.ranks, _pipeline, spec, plan)
+    print("| " + " | ".join(HEAD) + " |")
+    print("|" + "---|" * len(HEAD))
+    for spec, plan in grid():
+        results = _run(spec, plan)
         for r in range(plan.pp):
-            rows.append(_row(plan, spec, results[r * plan.dp], r))
-    head = [
-        "plan",
-        "parameters",
-        "gradients",
-        "optimizer state",
-        "activations",
-        "dp bytes",
-        "tp bytes",
-        "pp bytes",
-    ]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+            label, want = predicted(spec, plan, r)
+            got = _measured(results[r * plan.dp : (r + 1) * plan.dp])
+            cells = ["-" if w is None else _cell(w, g) for w, g in zip(want, got, strict=True)]
+            print("| " + " | ".join([label, *cells]) + " |")
 
 
 if __name__ == "__main__":
