@@ -7,6 +7,7 @@ the threads share."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,3 +125,36 @@ def test_draws_that_begin_without_a_change_dtlab_sees_are_refused(tmp_path: Path
     with pytest.raises(RankFailedError, match=r"began drawing.*micro-batch 3.*global RNG.*mpiexec") as err:
         run_world(2, _run, _cfg(tmp_path), _Listed, "listed", timeout=120)
     assert isinstance(err.value.__cause__, StrategyError)
+
+
+class _Decoded(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``_data()`` at 1 ms a sample (a decode): one rank's fetch overlaps another's micro-batch."""
+
+    def __init__(self) -> None:
+        self.data = _data()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.001)
+        return self.data[i]
+
+
+def _probed(backend: CommunicationBackend, config: TrainConfig) -> list[int]:
+    trainer = Trainer(config, backend, model=_net(nn.Identity), train_data=_Decoded(), loss_fn="mse")
+    probed: list[int] = []
+    probe = trainer.draws._probed
+    trainer.draws._probed = lambda: (probed.append(trainer.draws.micro), probe())[1]
+    for _ in range(12):
+        trainer.train_step()
+        trainer.step += 1
+    return probed
+
+
+def test_another_ranks_seeded_fetch_is_not_taken_for_draws(tmp_path: Path) -> None:
+    """Before: another rank's fetch (data.num_workers=0: the samples' draws seeded on torch's shared
+    generator, put back after) overlapping this rank's micro-batch looked like draws of its model, so
+    the next micro-batch ran under the mode (7 and 11 of 40 micro-batches at 0.5 ms a sample). Now the
+    shared generator is read when no fetch is seeding it: a model that draws nothing is probed once."""
+    assert run_world(2, _probed, _cfg(tmp_path), timeout=120) == [[1], [1]]

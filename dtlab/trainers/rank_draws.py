@@ -40,6 +40,7 @@ from torch._ops import OpOverload
 
 from dtlab.backends.threads import on_rank_thread
 from dtlab.core.random_ops import GeneratorMode, OpPlan
+from dtlab.core.rng import model_building
 from dtlab.core.settings_watch import SettingsWatch
 from dtlab.core.torch_private import in_backward
 from dtlab.errors import CheckpointError, StrategyError
@@ -143,9 +144,12 @@ class RankDraws:
 
     @contextmanager
     def _watched(self) -> Iterator[None]:
-        shared = torch.default_generator.get_state()
+        # read where no other rank's fetch has it seeded (worker_draws.ThreadFetch, under this lock)
+        with model_building():
+            shared = torch.default_generator.get_state()
         yield
-        self.moved = not torch.equal(torch.default_generator.get_state(), shared)
+        with model_building():
+            self.moved = not torch.equal(torch.default_generator.get_state(), shared)
 
     def state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of it (nothing where it is inactive: the model has drawn nothing from
