@@ -2,7 +2,8 @@
 ``trainers/worker_draws.py: ThreadFetch``): the ranks are threads sharing torch's, Python's and NumPy's
 generators, so each micro-batch is fetched alone in the process, each sample seeded from its place in
 the epoch as in ``DataLoader`` workers, and the generators are put back after. Two runs, a run and its
-resume mid-epoch, and the same run with workers draw the same, bitwise."""
+resume mid-epoch, and the same run with workers draw the same, bitwise; so do evaluations of augmented
+held-out samples (each row seeded by its index)."""
 
 from __future__ import annotations
 
@@ -52,25 +53,26 @@ def _same_states(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 
 def _cfg(tmp: Path, name: str, *extra: str) -> TrainConfig:
-    sets = ["backend.name=inmemory", "backend.world_size=2", "train.eval_every=0", "train.steps=5"]
+    sets = ["backend.name=inmemory", "backend.world_size=2", "train.eval_every=2", "train.steps=5"]
     sets += ["data.global_batch_size=8", "data.accumulation_steps=2", "optimizer.warmup_steps=0"]
     sets += ["logging.progress=false", f"logging.run_dir={tmp / 'run'}", f"checkpoint.dir={tmp / name}"]
     return load_config(overrides=[*sets, *extra])
 
 
-def _losses(config: TrainConfig) -> list[tuple[int, float]]:
-    return run_training(config, model=lambda: torch.nn.Linear(4, 1), train_data=_Augmented(), loss_fn="mse")[
-        0
-    ].losses
+def _run(config: TrainConfig) -> tuple[list[tuple[int, float]], list[tuple[int, dict[str, float]]]]:
+    """The losses and evaluations (the last ``data.eval_fraction`` held out: augmented too)."""
+    res = run_training(config, model=lambda: torch.nn.Linear(4, 1), train_data=_Augmented(), loss_fn="mse")
+    return res[0].losses, res[0].evals
 
 
 def test_in_memory_ranks_draw_as_workers_do_and_resume_mid_epoch_exactly(tmp_path: Path) -> None:
-    # 6 steps an epoch: step 2 is mid-epoch
-    whole = _losses(_cfg(tmp_path, "whole", "checkpoint.every=2", "checkpoint.keep_last=3"))
-    assert _losses(_cfg(tmp_path, "again")) == whole  # bitwise, whatever the threads' timing
+    # 5 steps an epoch (the last 5% of the 48 samples held out): step 2 is mid-epoch
+    losses, evals = _run(_cfg(tmp_path, "whole", "checkpoint.every=2", "checkpoint.keep_last=3"))
+    assert len(losses) == 5 and len(evals) == 3
+    assert _run(_cfg(tmp_path, "again")) == (losses, evals)  # bitwise, whatever the threads' timing
     resume = f"checkpoint.resume={tmp_path / 'whole' / 'step_00000002'}"
-    assert _losses(_cfg(tmp_path, "resumed", resume)) == whole[2:]
-    assert _losses(_cfg(tmp_path, "workers", "data.num_workers=1")) == whole  # each sample's draws keyed
+    assert _run(_cfg(tmp_path, "resumed", resume)) == (losses[2:], evals[1:])
+    assert _run(_cfg(tmp_path, "workers", "data.num_workers=1")) == (losses, evals)  # each sample keyed
 
 
 def _batches(feed: DataFeed, steps: int) -> list[Sample]:

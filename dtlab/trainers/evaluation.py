@@ -8,7 +8,6 @@ from typing import Any, Protocol, cast
 import torch
 
 from dtlab.backends.base import ReduceOp
-from dtlab.data import fetch
 from dtlab.models.tensor import vocab_parallel_argmax
 from dtlab.trainers.run_view import ForwardRun
 from dtlab.trainers.tasks import Task, logits_of
@@ -64,7 +63,7 @@ def evaluate(trainer: EvalRun) -> dict[str, float]:
         for b in range(batches):
             start = (b * p + dp.rank) * local
             rows = torch.arange(start, start + local)
-            x, y = fetch(data, rows.clamp(max=n - 1))
+            x, y = trainer.feed.held_out(data, rows.clamp(max=n - 1))
             if b == whole:  # the padded batch (the same on every rank: every rank stops or runs it)
                 if not isinstance(y, torch.Tensor) or y.is_floating_point():
                     break  # no -100 to put in a float target: the whole batches only

@@ -19,9 +19,15 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
-from dtlab.data import DistributedSampler
+from dtlab.data import DistributedSampler, fetch
 from dtlab.errors import DataError
-from dtlab.trainers.worker_draws import PlacedSampler, ThreadFetch, fetches_batches, seeded_fetch
+from dtlab.trainers.worker_draws import (
+    PlacedSampler,
+    ThreadFetch,
+    fetches_batches,
+    held_out_batch,
+    seeded_fetch,
+)
 
 __all__ = ["DataFeed"]
 
@@ -57,6 +63,7 @@ class DataFeed:
         self.global_batch_size, self.accumulation_steps = global_batch_size, accumulation_steps
         self.seed = seed
         self.dataset, self.world_size, self.rank, self.shuffle = dataset, world_size, rank, shuffle
+        self.threads = threads
         self.device = device or torch.device("cpu")
         self.sampler = DistributedSampler(
             dataset, world_size, rank, shuffle=shuffle, seed=seed, drop_last=True
@@ -124,6 +131,11 @@ class DataFeed:
         size = self.global_batch_size // (self.world_size * self.accumulation_steps)
         start = offset // self.world_size + micro * size
         return [int(i) for i in order[start : start + size]]
+
+    def held_out(self, data: Any, rows: torch.Tensor) -> Any:
+        """The batch of held-out ``data`` at ``rows`` (evaluation): on in-memory ranks each row's draws
+        seeded by ``train.seed`` and its index (``worker_draws.held_out_batch``)."""
+        return held_out_batch(data, rows, self.seed) if self.threads else fetch(data, rows)
 
     def to_device(self, batch: Any) -> Any:
         """Every tensor of ``batch`` on this rank's device."""

@@ -12,7 +12,8 @@ own draws from that process's generators (restored from the checkpoint on the sa
 ``parallel.tp``), and nothing is seeded. In-memory ranks are threads sharing those generators, so which
 rank drew which numbers would depend on the threads' timing: there (:class:`ThreadFetch`) each
 micro-batch is fetched alone in the process, each sample seeded from its key as in a worker, and the
-generators' states are put back after: the draws of ``num_workers > 0``, bitwise.
+generators' states are put back after: the draws of ``num_workers > 0``, bitwise. Held-out samples
+(evaluation) are fetched alike there (:func:`held_out_batch`), each row seeded by its index.
 
 A dataset that fetches a batch at once (its own ``__getitems__``, which torch's loader calls with the
 batch's indices instead of ``__getitem__`` per sample: Hugging Face's datasets) keeps it
@@ -29,21 +30,24 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler, StackDataset, Subset, get_worker_info
+from torch.utils.data import Dataset, Sampler, StackDataset, Subset, default_collate, get_worker_info
 
 from dtlab.core.rng import model_building
-from dtlab.data import DistributedSampler
+from dtlab.data import DistributedSampler, fetch
 
 __all__ = [
     "PlacedSampler",
     "SeededBatches",
     "SeededFetch",
     "ThreadFetch",
+    "alone",
     "fetches_batches",
+    "held_out_batch",
     "sample_seed",
     "seeded_fetch",
 ]
@@ -118,22 +122,49 @@ class ThreadFetch(SeededFetch):
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: list[Key]) -> list[Any]:
-        with model_building():
-            kept = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
-            try:
-                if self.batched:
-                    if keys:
-                        _seed(sample_seed(*keys[0][0]))
-                    return list(self.dataset.__getitems__([index for _, index in keys]))
-                fetched = []
-                for place, index in keys:
-                    _seed(sample_seed(*place))
-                    fetched.append(self.dataset[index])
-                return fetched
-            finally:
-                torch.default_generator.set_state(kept[0])
-                random.setstate(kept[1])
-                np.random.set_state(kept[2])
+        with alone():
+            if self.batched:
+                if keys:
+                    _seed(sample_seed(*keys[0][0]))
+                return list(self.dataset.__getitems__([index for _, index in keys]))
+            fetched = []
+            for place, index in keys:
+                _seed(sample_seed(*place))
+                fetched.append(self.dataset[index])
+            return fetched
+
+
+#: the "epoch" of held-out samples' keys (a training epoch is >= 0)
+HELD_OUT = -1
+
+
+def held_out_batch(dataset: Any, rows: torch.Tensor, seed: int) -> Any:
+    """On an in-memory rank, ``fetch(dataset, rows)`` (evaluation) with each row's draws seeded from
+    ``(seed, HELD_OUT, row)`` (a dataset with ``batch``: the batch's, from its first row), alone in the
+    process: the same at every evaluation and in every run, whatever the threads' timing."""
+    with alone():
+        if callable(getattr(dataset, "batch", None)):
+            _seed(sample_seed(seed, HELD_OUT, int(rows[0]) if len(rows) else 0))
+            return fetch(dataset, rows)
+        samples = []
+        for row in rows.tolist():
+            _seed(sample_seed(seed, HELD_OUT, row))
+            samples.append(dataset[row])
+        return default_collate(samples)
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """The block alone in the process among fetches and model builds (``model_building()``'s lock),
+    torch's CPU generator, Python's and NumPy's global ones put back as they were after it."""
+    with model_building():
+        kept = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
+        try:
+            yield
+        finally:
+            torch.default_generator.set_state(kept[0])
+            random.setstate(kept[1])
+            np.random.set_state(kept[2])
 
 
 def _seed(s: int) -> None:
