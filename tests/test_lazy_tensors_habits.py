@@ -18,7 +18,7 @@ from tests.checkpoint_cases import flat_shard
 
 
 def _save(backend: CommunicationBackend, root: str) -> None:
-    full = {"w": torch.arange(12, dtype=torch.float32)}
+    full = {"a": torch.zeros(2), "w": torch.arange(12, dtype=torch.float32)}
     save_checkpoint(root, 1, backend, flat_shard(full, backend.rank, 2), None, {"r": torch.zeros(2)}, {})
 
 
@@ -33,8 +33,11 @@ def test_a_tensor_read_whole_is_kept_like_a_dicts(tmp_path: Path) -> None:
     tensors = ckpt.model[0].tensors
     assert tensors["w"] is tensors["w"]
     read = ckpt.reads.tensor_bytes
-    assert [k for k, _ in tensors.items()] == [k for k, _ in tensors.items()] == ["w"]
-    assert ckpt.reads.tensor_bytes == read  # iterating again reads nothing
+    assert [k for k, _ in tensors.items()] == [k for k, _ in tensors.items()] == ["a", "w"]
+    assert ckpt.reads.tensor_bytes == read + 4  # "a" read once: iterating again reads nothing
+    tensors["a"] = torch.ones(1)
+    tensors["new"] = torch.ones(1)
+    assert list(tensors) == ["a", "w", "new"]  # as a dict orders them (before: "w" read moved last)
 
 
 def test_saving_a_loaded_shard_stores_its_tensors(tmp_path: Path) -> None:

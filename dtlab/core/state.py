@@ -111,8 +111,10 @@ class LazyTensors(MutableMapping[str, torch.Tensor]):
         return name in self._held or (self._visible(name) and self.source.info(name) is not None)
 
     def __iter__(self) -> Iterator[str]:
-        names = [n for n in self.source.names() if self._visible(n) and n not in self._held]
-        return iter([*names, *self._held])
+        # the file's order, a tensor read or replaced where it was (as in a dict), new names after
+        saved = self.source.names()
+        names = [n for n in saved if n in self._held or self._visible(n)]
+        return iter([*names, *(n for n in self._held if n not in set(saved))])
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
