@@ -14,13 +14,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from dtlab.backends.base import CommunicationBackend
-from dtlab.checkpoint import find_resume_checkpoint, read_checkpoint, save_checkpoint
+from dtlab.checkpoint import (
+    find_resume_checkpoint,
+    full_tensors_from_shards,
+    read_checkpoint,
+    save_checkpoint,
+)
 from dtlab.core.state import ShardedState
-from dtlab.errors import RankFailedError
+from dtlab.errors import CheckpointError, RankFailedError
 from dtlab.models import DDPModel
 from dtlab.optimizers import DDPOptimizer
 from dtlab.testing import run_world
@@ -285,3 +291,27 @@ def test_property_mutated_meta_and_shard_headers_never_traceback_nor_blow_memory
         cwd=Path(__file__).resolve().parents[1],
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-6000:]
+
+
+def _flat_save(backend: CommunicationBackend, root: str) -> None:
+    full = {"w": torch.arange(12.0)}
+    save_checkpoint(root, 1, backend, flat_shard(full, backend.rank, 2), None, {"r": torch.zeros(2)}, {})
+
+
+@pytest.mark.parametrize("verify_all", [True, False])
+def test_an_entry_name_in_a_crafted_meta_is_named_by_a_bounded_summary(
+    tmp_path: Path, verify_all: bool
+) -> None:
+    """Before, with verify_all=False (every Trainer rank but 0): a 12,000-character entry name whose
+    shape differs between two shards was quoted whole (a message of 12,050 characters)."""
+    run_world(2, _flat_save, str(tmp_path))
+    meta_path = tmp_path / "step_00000001" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for i, rank in enumerate(meta["ranks"]):
+        entries = rank["model"]["entries"]
+        entries["SECRET" * 2000] = {**entries.pop("w"), "shape": [12 + i]}
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError) as info:
+        full_tensors_from_shards(read_checkpoint(tmp_path, verify_all=verify_all).model)
+    said = str(info.value)
+    assert "a str of 12,000 characters" in said and len(said) < 600, said

@@ -20,6 +20,7 @@ import torch
 from dtlab.core.placement import Box
 from dtlab.core.state import LazyTensors
 from dtlab.errors import CheckpointError
+from dtlab.untrusted import summary
 
 __all__ = ["CHUNK", "Piece", "read_region"]
 
@@ -138,6 +139,6 @@ def read_region(
         where = "" if box is None else f" of box {list(box.offsets)}+{list(box.sizes)}"
         raise CheckpointError(
             f"the checkpoint's shards cover only {covered} of elements [{start}, {stop}){where} of "
-            f"{key!r}; pass the shards of every saved rank"
+            f"{summary(key)}; pass the shards of every saved rank"
         )
     return out

@@ -85,7 +85,9 @@ def add_slice(
 ) -> None:
     """Record elements ``[start, end)`` of the full tensor ``key`` (``data`` holds exactly those)."""
     if data.numel() != end - start:
-        raise ValueError(f"add_slice({key!r}): data has {data.numel()} elements, range [{start}, {end})")
+        raise ValueError(
+            f"add_slice({summary(key)}): data has {data.numel()} elements, range [{start}, {end})"
+        )
     numel = 1
     for s in shape:
         numel *= int(s)
@@ -176,7 +178,7 @@ def read_placed(
     full = full_shape_of(local_shape, placement, size)
     if list(index.shape(key)) != full:
         raise CheckpointError(
-            f"{key!r} has shape {index.shape(key)} in the checkpoint but {full} in the model "
+            f"{summary(key)} has shape {index.shape(key)} in the checkpoint but {full} in the model "
             f"({placement} over {size} ranks)"
         )
     parts = [
@@ -247,14 +249,16 @@ class ShardIndex:
         lazy = isinstance(shard.tensors, LazyTensors) and shard.tensors.pending(store)
         held = None if lazy else tensor_info(shard.tensors, store)
         if not lazy and held is None:
-            raise CheckpointError(f"shard {i} lists entry {store!r} but holds no tensor for it")
+            raise CheckpointError(f"shard {i} lists entry {summary(store)} but holds no tensor for it")
         if held is not None and held[0] != e["end"] - e["start"]:
             raise CheckpointError(
-                f"shard {i}: {key!r} covers [{e['start']}, {e['end']}) but holds {held[0]} elements"
+                f"shard {i}: {summary(key)} covers [{e['start']}, {e['end']}) but holds {held[0]} elements"
             )
         prev = self.meta.setdefault(key, (list(e["shape"]), e["dtype"]))
         if prev[0] != list(e["shape"]):
-            raise CheckpointError(f"{key!r} has shape {prev[0]} in one shard and {e['shape']} in another")
+            raise CheckpointError(
+                f"{summary(key)} has shape {prev[0]} in one shard and {e['shape']} in another"
+            )
         box = Box(tuple(e["box"]["offsets"]), tuple(e["box"]["sizes"])) if "box" in e else None
         piece = Piece(box, int(e["start"]), int(e["end"]), shard.tensors, store)
         self.pieces.setdefault(key, []).append(piece)
@@ -293,7 +297,7 @@ class ShardIndex:
             numel *= s
         stop = numel if end is None else end
         if not 0 <= start <= stop <= numel:
-            raise CheckpointError(f"range [{start}, {stop}) is outside {key!r} of {numel} elements")
+            raise CheckpointError(f"range [{start}, {stop}) is outside {summary(key)} of {numel} elements")
         self._check_held(key, stop - start)
         return read_region(key, shape, dtype_from_str(dtype), self.pieces.get(key, []), None, start, stop)
 
@@ -307,9 +311,9 @@ class ShardIndex:
         if len(box.sizes) != len(shape) or any(
             o < 0 or o + n > d for o, n, d in zip(box.offsets, box.sizes, shape, strict=False)
         ):
-            raise CheckpointError(f"box {box} is outside {key!r} of shape {shape}")
+            raise CheckpointError(f"box {box} is outside {summary(key)} of shape {shape}")
         if not 0 <= start <= end <= box.numel:
-            raise CheckpointError(f"range [{start}, {end}) is outside box {box} of {key!r}")
+            raise CheckpointError(f"range [{start}, {end}) is outside box {box} of {summary(key)}")
         self._check_held(key, end - start)
         return read_region(key, shape, dtype_from_str(dtype), self.pieces.get(key, []), box, start, end)
 
@@ -328,7 +332,8 @@ class ShardIndex:
         held = sum(p.end - p.start for p in self.pieces.get(key, []))
         if held < needed:
             raise CheckpointError(
-                f"the checkpoint's shards cover only {held} elements of {key!r}, fewer than the {needed} "
+                f"the checkpoint's shards cover only {held} elements of {summary(key)}, fewer than the "
+                f"{needed} "
                 f"asked for (shape {self.meta[key][0]}); pass the shards of every saved rank, or the "
                 "checkpoint is corrupted"
             )
@@ -337,7 +342,8 @@ class ShardIndex:
         if key not in self.meta:
             known = sorted(self.meta)
             raise CheckpointError(
-                f"the checkpoint has no tensor {key!r} (it holds {len(known)} tensors, e.g. {known[:5]}); "
+                f"the checkpoint has no tensor {summary(key)} (it holds {len(known)} tensors, e.g. "
+                f"{summary(known[:5])}); "
                 "was it saved from the same model?"
             )
         return self.meta[key]
