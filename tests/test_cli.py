@@ -1,4 +1,6 @@
 """The same `dtlab train` config under real launchers: torchrun (gloo) and mpiexec (MPI), 2 processes;
+both with a dataset drawing in ``__getitem__`` from torch's, Python's and NumPy's global generators
+(each process seeds all three from ``train.seed``: unseeded, Python's and NumPy's differ per process);
 and dropout under tensor parallelism under torchrun: each process seeds its dropout from ``train.seed``
 (torch seeds every process at random, so the tp ranks drew other masks where the model is not split,
 their copies of the whole parameters got other gradients, and the run was refused at the first step);
@@ -7,8 +9,10 @@ a checkpoint resumed at another tp keeps that seeding rather than restoring each
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ from processes import run_group, run_groups
 from dtlab.testing import TINY_LM
 
 BIN = Path(sys.executable).parent
+LAUNCHERS = ("torchrun", "mpiexec")
 SETS = [
     "train.steps=6",
     *TINY_LM,
@@ -24,6 +29,34 @@ SETS = [
     "logging.log_every=3",
     "logging.plot=false",  # no loss.png: matplotlib, seconds per run (tests/test_run_logging.py checks it)
 ]
+
+
+#: bytes with a token of each sample replaced by draws of torch's, Python's and NumPy's generators
+AUGMENTED = textwrap.dedent(
+    """
+    import random
+
+    import numpy as np
+    import torch
+    from torch.utils.data import Dataset
+
+    class Augmented(Dataset):
+        def __init__(self):
+            self.tokens = torch.randint(0, 64, (256, 33), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return len(self.tokens)
+
+        def __getitem__(self, i):
+            t = self.tokens[i].clone()
+            t[int(torch.randint(0, 33, ()))] = random.randrange(64)
+            t[int(np.random.randint(33))] = int(torch.randint(0, 64, ()))
+            return t[:-1], t[1:]
+
+    def data():
+        return Augmented()
+    """
+)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -58,12 +91,16 @@ def test_same_config_under_torchrun_and_mpiexec(tmp_path: Path) -> None:
     missing = [x for x in ("torchrun", "mpiexec") if not (BIN / x).exists()]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed next to {sys.executable}")
+    (tmp_path / "dtlab_augmented.py").write_text(AUGMENTED)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    cmds = {x: [*_command(tmp_path, x), "--set", "data.factory=dtlab_augmented:data"] for x in LAUNCHERS}
     # both launches at once: each waits on its launcher and its rendezvous part of the time
-    procs = run_groups({x: _command(tmp_path, x) for x in ("torchrun", "mpiexec")}, timeout=180)
+    procs = run_groups(cmds, timeout=180, envs={x: env for x in LAUNCHERS})
     gloo = _losses_of(tmp_path, "torchrun", procs["torchrun"])
     mpi = _losses_of(tmp_path, "mpiexec", procs["mpiexec"])
     assert len(gloo) == 2 and all(v == v for v in gloo)
-    assert gloo == mpi  # the same config and seed: the same losses on both engines
+    assert gloo == mpi  # the same config and seed: the same losses (and draws) on both engines
 
 
 def test_dropout_at_tp2_under_torchrun_draws_the_same_masks_on_both_tp_ranks(tmp_path: Path) -> None:

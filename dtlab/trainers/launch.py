@@ -4,9 +4,11 @@ process's rank under a launcher (torchrun -> gloo/nccl, mpiexec -> mpi) via ``in
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,7 +25,15 @@ from dtlab.trainers.scheduler import SchedulerFactory, check_scheduler_factory
 from dtlab.trainers.tasks import Task, build_task, check_task
 from dtlab.trainers.trainer import Trainer, TrainResult
 
-__all__ = ["launcher_detected", "resolve_backend_name", "run_training"]
+__all__ = ["launcher_detected", "resolve_backend_name", "run_training", "seed_process"]
+
+
+def seed_process(seed: int) -> None:
+    """Seed this process's torch (every device), Python and NumPy global generators with ``seed``
+    (a launched rank's own process; never on an in-memory rank, whose threads share them)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 def launcher_detected(env: Mapping[str, str] | None = None) -> bool:
@@ -135,13 +145,13 @@ def run_training(
     backend = init_backend(name, **waits, check_collectives=config.backend.check_collectives or None)
     check_world_size(config, backend.world_size)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // backend.world_size))
-    # this process is one rank: its dropout draws from train.seed (torch seeds each process at
-    # random), the same seed on the ranks of one tp group (tp innermost in the mesh: rank // tp), so
-    # they draw the same masks where the model is not split (other masks would give their whole
-    # parameters other gradients; where it is split, each tp rank draws from a generator seeded from
-    # this stream and its tp rank); each dp replica and pipeline rank its own, as before; + 1: not
-    # the seed the initialization draws from
-    torch.manual_seed(config.train.seed + 1 + backend.rank // config.parallel.tp)
+    # this process is one rank: its dropout, and a dataset's draws in __getitem__ without workers,
+    # draw from train.seed (torch, Python and NumPy seed each process at random), the same seed on
+    # the ranks of one tp group (tp innermost in the mesh: rank // tp), so they draw the same masks
+    # where the model is not split (other masks would give their whole parameters other gradients;
+    # where it is split, each tp rank draws from a generator seeded from this stream and its tp
+    # rank); each dp replica and pipeline rank its own; + 1: not the seed the initialization draws from
+    seed_process(config.train.seed + 1 + backend.rank // config.parallel.tp)
     result = [_rank_main(backend, config, task or build_task(config), scheduler_factory, stop)]
     # closed only after the run: a failing rank does not close (collective: its barrier would keep the
     # process alive, its peers waiting in their next collective for backend.timeout, then blaming a hung
