@@ -56,7 +56,7 @@ def _passes(backend: CommunicationBackend) -> dict[str, list[list[torch.Tensor]]
         with seeded_init(0):
             mlp = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), middle, nn.Linear(64, 8))
         model = TensorParallelModel(mlp, backend, plan={"0": "colwise", "3": "rowwise"})
-        draws = RankDraws(SEED, backend.rank, 2, backend.world_size, model)
+        draws = RankDraws(SEED, backend.rank, 2, model)
         masks = out[how] = []
         for k in range(4):
             if k == 2:

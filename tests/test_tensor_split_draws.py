@@ -65,17 +65,17 @@ def _world(backend: CommunicationBackend) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # the built-in transformer: attention dropout (SDPA's dropout_p) split, the residual's replicated
     model = TensorParallelModel(_lm(0.1), backend, plan=transformer_plan())
-    _, out["lm"] = _forward(model, _ids(), RankDraws(SEED, backend.rank, 2, backend.world_size))
-    _, out["lm again"] = _forward(model, _ids(), RankDraws(SEED, backend.rank, 2, backend.world_size))
+    _, out["lm"] = _forward(model, _ids(), RankDraws(SEED, backend.rank, 2))
+    _, out["lm again"] = _forward(model, _ids(), RankDraws(SEED, backend.rank, 2))
     # an MLP: nn.Dropout on the split hidden units, then on the whole output
     with seeded_init(0):
         mlp = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.Linear(64, 8), nn.Dropout(0.5))
     model = TensorParallelModel(mlp, backend, plan={"0": "colwise", "2": "rowwise"})
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
-    _, out["mlp"] = _forward(model, x, RankDraws(SEED, backend.rank, 2, backend.world_size))
+    _, out["mlp"] = _forward(model, x, RankDraws(SEED, backend.rank, 2))
     # no dropout: nothing drawn, the training forward is the evaluation forward bit for bit
     model = TensorParallelModel(_lm(0.0), backend, plan=transformer_plan())
-    draws = RankDraws(SEED, backend.rank, 2, backend.world_size)
+    draws = RankDraws(SEED, backend.rank, 2)
     state = draws.generator.get_state()
     trained, masks = _forward(model, _ids(), draws)
     out["undropped"] = (masks, torch.equal(draws.generator.get_state(), state))
@@ -85,7 +85,7 @@ def _world(backend: CommunicationBackend) -> dict[str, Any]:
     # activation checkpointing: the recomputation in backward draws the forward's masks again
     model = TensorParallelModel(_lm(0.1, checkpointed=True), backend, plan=transformer_plan())
     rec = _Masks()
-    with rec, RankDraws(SEED, backend.rank, 2, backend.world_size)():
+    with rec, RankDraws(SEED, backend.rank, 2)():
         model.cross_entropy(model(_ids()), _ids()).backward()
     out["checkpointed"] = rec.masks
     return out
@@ -125,7 +125,7 @@ def _regions(backend: CommunicationBackend) -> dict[str, list[str]]:
         modes = seen[f"p={p}"] = []
         mlp[1].register_forward_hook(lambda *_, m=modes: m.append(type(top_dispatch_mode()).__name__))
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
-        draws = RankDraws(SEED, backend.rank, 2, backend.world_size)
+        draws = RankDraws(SEED, backend.rank, 2)
         for _ in range(3):
             with draws():
                 model(x)

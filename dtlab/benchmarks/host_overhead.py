@@ -11,7 +11,8 @@ ranks' thread CPU time, summed over the ranks (the host work itself, little move
 a shared machine; waits in collectives not counted) instead of the slowest rank's wall time.
 ``--draws`` runs each step's forward and backward under the Trainer's ``RankDraws`` (an in-memory
 rank's own generator for its dropout; the model draws nothing, so what shows is the cost of the watch
-kept on a model that draws nothing). ``--profile`` instead prints a cProfile of ``--steps`` steps of
+kept on a model that draws nothing; a one-rank world runs on a rank thread, as ``run_training`` runs
+it). ``--profile`` instead prints a cProfile of ``--steps`` steps of
 each configuration in this tree (1 rank).
 
     .venv/bin/python -m dtlab.benchmarks.host_overhead --trees /path/old /path/new --rounds 6
@@ -93,8 +94,9 @@ def _world(backend: Any, strategy: str, args: dict[str, Any]) -> list[float]:
     if args["draws"]:  # as the Trainer runs a micro-batch on in-memory ranks (an older tree: no model)
         from dtlab.trainers.rank_draws import RankDraws
 
-        watched = "model" in inspect.signature(RankDraws).parameters
-        draws = RankDraws(0, backend.rank, 1, backend.world_size, *([model] if watched else []))
+        params = inspect.signature(RankDraws).parameters
+        sized = [backend.world_size] if "world_size" in params else []  # an older tree's argument
+        draws = RankDraws(0, backend.rank, 1, *sized, *([model] if "model" in params else []))
 
     def step() -> None:
         with draws():
@@ -121,7 +123,15 @@ def worker(args: dict[str, Any]) -> dict[str, list[float]]:
     """Every configuration in turn, in this process; their step times."""
     from dtlab.testing import run_world
 
-    return {f"{s}/{r}": run_world(r, _world, s, args, timeout=600)[0] for s, r in CONFIGS}
+    run: Any = _call
+    if args["draws"]:  # one rank as run_training runs it (a tree without one_rank: the caller's thread)
+        with contextlib.suppress(ImportError):
+            from dtlab.trainers.one_rank import on_a_rank_thread as run
+    return {f"{s}/{r}": run(run_world, r, _world, s, args, timeout=600)[0] for s, r in CONFIGS}
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 def profile(args: dict[str, Any]) -> None:

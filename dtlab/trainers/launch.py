@@ -19,6 +19,7 @@ from dtlab.parallel_config import run_plan
 from dtlab.trainers.arguments import check_arguments
 from dtlab.trainers.construction import model_init
 from dtlab.trainers.custom import task_from_objects
+from dtlab.trainers.one_rank import on_a_rank_thread
 from dtlab.trainers.preemption import StopRequest
 from dtlab.trainers.preflight import check_paths
 from dtlab.trainers.scheduler import SchedulerFactory, check_scheduler_factory
@@ -120,9 +121,12 @@ def run_training(
         threads = torch.get_num_threads()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ws))
         try:
-            return run_world(
-                ws, _rank_main, config, task, scheduler_factory, stop, timeout=config.backend.timeout
-            )
+            args = (ws, _rank_main, config, task, scheduler_factory, stop)
+            if ws == 1:  # on a RankThread too (run_world runs one rank on the caller's thread): it draws
+                # from a generator of its own, its data seeded, as each of 2+ ranks does, not from
+                # whatever state the process's generators were left in
+                return on_a_rank_thread(run_world, *args, timeout=config.backend.timeout)
+            return run_world(*args, timeout=config.backend.timeout)
         finally:
             torch.set_num_threads(threads)
     ws = config.backend.world_size

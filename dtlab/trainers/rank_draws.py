@@ -11,11 +11,13 @@ launcher (the ranks of one tp group draw alike, each dp replica and pipeline ran
 column-parallel layer and its row-parallel partner each tp rank draws from a generator seeded from this
 stream and its tp rank: ``dtlab/models/tensor/_split_draws.py``), so in-memory ranks draw the masks a
 launched run draws. Its state is saved with the rank's RNG states and restored
-where those are (same world size and ``parallel.tp``). Elsewhere (a rank in a process of its own, a
-one-rank world on the caller's thread) it does nothing: torch's global RNG is the rank's own, saved and
-restored as it is. A CPU random op that takes no generator (``torch.native_dropout``) is refused on
-an in-memory rank, naming the fixes; so is a CPU draw in backward: a recomputation of
-``torch.utils.checkpoint`` without :class:`~dtlab.core.replayed_draws.ReplayedDraws` would draw from
+where those are (same world size and ``parallel.tp``). ``run_training`` runs a one-rank in-memory world
+on a ``RankThread`` too, so its draws do not depend on the state a caller left torch's global RNG in.
+Elsewhere (a rank in a process of its own, a one-rank ``run_world`` on the caller's thread) it does
+nothing: torch's global RNG is the rank's own, saved and restored as it is. A CPU random op that takes
+no generator (``torch.native_dropout``) is refused on an in-memory rank, naming the fixes; so is a CPU
+draw in backward: a recomputation of ``torch.utils.checkpoint`` without
+:class:`~dtlab.core.replayed_draws.ReplayedDraws` would draw from
 this generator other numbers (dropout masks) than its forward drew.
 
 The mode sees every op in Python (a small op's dispatch about twice as long), so it is kept only where
@@ -85,7 +87,8 @@ class _RankMode(GeneratorMode):
 
 
 class RankDraws:
-    """This rank's training draws; ``on`` only on a :class:`RankThread` of a world of several.
+    """This rank's training draws; ``on`` only on a :class:`RankThread` (``run_training`` runs a one-rank
+    in-memory world on one too).
 
     The mode sees every op in Python, so it is kept only where the model draws: a micro-batch is
     *probed* (run under the mode, which notes whether anything drew) first, and again whenever the
@@ -95,10 +98,8 @@ class RankDraws:
     is probed, and if that draws, the draws began where no setting changed and came from the shared
     generator: refused. ``model``: the module whose settings are watched (``None``: none)."""
 
-    def __init__(
-        self, seed: int, rank: int, tp: int, world_size: int, model: nn.Module | None = None
-    ) -> None:
-        self.on = world_size > 1 and on_rank_thread()
+    def __init__(self, seed: int, rank: int, tp: int, model: nn.Module | None = None) -> None:
+        self.on = on_rank_thread()
         self.rank = rank
         self.generator = torch.Generator().manual_seed(seed + 1 + rank // tp)
         self.plans: dict[OpOverload, OpPlan] = {}  # how each op draws, shared by every micro-batch

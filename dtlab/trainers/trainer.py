@@ -175,9 +175,7 @@ class Trainer:
         # batch's shards); consensus (agree, finite checks) spans model.world_backend
         self.dp = self.model.dp_backend
         #: in-memory ranks: each one's training draws (dropout) from a generator of its own
-        self.draws = RankDraws(
-            config.train.seed, backend.rank, config.parallel.tp, backend.world_size, self.model
-        )
+        self.draws = RankDraws(config.train.seed, backend.rank, config.parallel.tp, self.model)
         self.feed = DataFeed(
             self.task.train_data,
             d.global_batch_size,
