@@ -19,7 +19,7 @@ from dtlab.parallel_config import run_plan
 from dtlab.trainers.arguments import check_arguments
 from dtlab.trainers.construction import model_init
 from dtlab.trainers.custom import task_from_objects
-from dtlab.trainers.one_rank import on_a_rank_thread
+from dtlab.trainers.one_rank import in_background
 from dtlab.trainers.preemption import StopRequest
 from dtlab.trainers.preflight import check_paths
 from dtlab.trainers.scheduler import SchedulerFactory, check_scheduler_factory
@@ -65,6 +65,17 @@ def _rank_main(
     return result
 
 
+def stopped_at(result: TrainResult, config: TrainConfig) -> str:
+    """Where an in-memory run interrupted from the caller stopped: its step, its checkpoint."""
+    saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (checkpoint.dir unset)"
+    if result.preempted_by is None:
+        return f"training finished all {result.final_step} steps before the stop request was seen; {saved}"
+    return (
+        f"training stopped by {result.preempted_by} after step {result.final_step} of "
+        f"{config.train.steps} (every rank); {saved}"
+    )
+
+
 def run_training(
     config: TrainConfig,
     task: Task | None = None,
@@ -84,7 +95,9 @@ def run_training(
     (``"cross_entropy"``, ``"mse"`` or a function), checked before any rank starts.
 
     ``stop``: once set (``dtlab train`` sets it on SIGTERM/SIGINT, ``trainers/preemption.py``), every
-    rank stops after the same step with a final checkpoint; ``TrainResult.preempted_by`` says why."""
+    rank stops after the same step with a final checkpoint; ``TrainResult.preempted_by`` says why.
+    In-memory, a ``KeyboardInterrupt`` (Ctrl-C) while waiting sets it (one is made when none is given):
+    the ranks stop after their step, then ``KeyboardInterrupt`` says where (``trainers/one_rank.py``)."""
     check_arguments("run_training", config, task, stop)
     if model is not None or train_data is not None:
         if task is not None:
@@ -120,13 +133,20 @@ def run_training(
         check_task(config, task, ws)  # before any rank starts: one clear error
         threads = torch.get_num_threads()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ws))
+        # Ctrl-C in the caller (a notebook, a script): the ranks stop after their step, as on SIGINT
+        stop = StopRequest() if stop is None else stop
         try:
             args = (ws, _rank_main, config, task, scheduler_factory, stop)
-            if ws == 1:  # on a RankThread too (run_world runs one rank on the caller's thread): it draws
-                # from a generator of its own, its data seeded, as each of 2+ ranks does, not from
-                # whatever state the process's generators were left in
-                return on_a_rank_thread(run_world, *args, timeout=config.backend.timeout)
-            return run_world(*args, timeout=config.backend.timeout)
+            # one rank on a RankThread too (run_world runs one rank on the caller's thread): it draws
+            # from a generator of its own, its data seeded, as each of 2+ ranks does, not from
+            # whatever state the process's generators were left in
+            return in_background(
+                lambda: run_world(*args, timeout=config.backend.timeout),
+                rank_thread=ws == 1,
+                stop=stop,
+                grace=config.backend.timeout,
+                stopped=lambda results: stopped_at(results[0], config),
+            )
         finally:
             torch.set_num_threads(threads)
     ws = config.backend.world_size
