@@ -6,33 +6,14 @@ identical calls in one process trained differently."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
+from test_thread_fetch_draws import Augmented
 from torch import nn
-from torch.utils.data import Dataset
 
 from dtlab.config import TrainConfig, load_config
 from dtlab.trainers import run_training
-
-Sample = tuple[torch.Tensor, torch.Tensor]
-
-
-class _Augmented(Dataset[Sample]):
-    """Each sample's input plus a draw of torch's, Python's and NumPy's global generators."""
-
-    def __init__(self, n: int = 48) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> Sample:
-        return self.x[i] + torch.rand(4) + random.random() + float(np.random.rand()), self.y[i]
-
 
 def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 1))
@@ -46,7 +27,7 @@ def _cfg(tmp: Path, *extra: str) -> TrainConfig:
 
 
 def _run(config: TrainConfig) -> tuple[list[tuple[int, float]], list[tuple[int, dict[str, float]]]]:
-    res = run_training(config, model=_model, train_data=_Augmented(), loss_fn="mse")
+    res = run_training(config, model=_model, train_data=Augmented(), loss_fn="mse")
     return res[0].losses, res[0].evals
 
 

@@ -8,11 +8,10 @@ Now its masks are bitwise those a run that dropped from the start drew first."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
+from test_tensor_split_draws import Masks
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtlab.backends.base import CommunicationBackend
 from dtlab.core.rng import seeded_init
@@ -21,20 +20,6 @@ from dtlab.testing import run_world
 from dtlab.trainers.rank_draws import RankDraws
 
 SEED = 7
-
-
-class _Masks(TorchDispatchMode):
-    """Records every Bernoulli draw (a dropout mask) of its thread."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.masks: list[torch.Tensor] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if str(func).startswith("aten.bernoulli"):
-            self.masks.append(out.detach().clone())
-        return out
 
 
 def _turn_on(how: str) -> tuple[nn.Module, Callable[[nn.Sequential], None]]:
@@ -61,7 +46,7 @@ def _passes(backend: CommunicationBackend) -> dict[str, list[list[torch.Tensor]]
         for k in range(4):
             if k == 2:
                 turn_on(mlp)
-            rec = _Masks()
+            rec = Masks()
             with rec, draws():
                 model(x).sum().backward()
             masks.append(rec.masks)

@@ -28,7 +28,7 @@ from dtlab.zoo.builtin import Block, TransformerLM
 SEQ, SEED = 32, 7
 
 
-class _Masks(TorchDispatchMode):
+class Masks(TorchDispatchMode):
     """Records every Bernoulli draw (a dropout mask) of its thread."""
 
     def __init__(self) -> None:
@@ -55,7 +55,7 @@ def _ids() -> torch.Tensor:
 
 
 def _forward(model: nn.Module, x: torch.Tensor, draws: RankDraws) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    rec = _Masks()
+    rec = Masks()
     with rec, draws():
         out = model(x)
     return out, rec.masks
@@ -84,7 +84,7 @@ def _world(backend: CommunicationBackend) -> dict[str, Any]:
         out["undropped"] += (torch.equal(trained.detach(), model(_ids())),)
     # activation checkpointing: the recomputation in backward draws the forward's masks again
     model = TensorParallelModel(_lm(0.1, checkpointed=True), backend, plan=transformer_plan())
-    rec = _Masks()
+    rec = Masks()
     with rec, RankDraws(SEED, backend.rank, 2)():
         model.cross_entropy(model(_ids()), _ids()).backward()
     out["checkpointed"] = rec.masks

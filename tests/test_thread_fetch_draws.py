@@ -22,7 +22,7 @@ from dtlab.trainers.feed import DataFeed
 Sample = tuple[torch.Tensor, torch.Tensor]
 
 
-class _Augmented(Dataset[Sample]):
+class Augmented(Dataset[Sample]):
     """Each sample's input plus a draw of torch's, Python's and NumPy's global generators."""
 
     def __init__(self, n: int = 48) -> None:
@@ -36,7 +36,7 @@ class _Augmented(Dataset[Sample]):
         return self.x[i] + torch.rand(4) + random.random() + float(np.random.rand()), self.y[i]
 
 
-class _Batched(_Augmented):
+class _Batched(Augmented):
     """One draw for the whole batch (its ``__getitems__``: Hugging Face's datasets fetch so)."""
 
     def __getitems__(self, indices: list[int]) -> list[Sample]:
@@ -61,7 +61,7 @@ def _cfg(tmp: Path, name: str, *extra: str) -> TrainConfig:
 
 def _run(config: TrainConfig) -> tuple[list[tuple[int, float]], list[tuple[int, dict[str, float]]]]:
     """The losses and evaluations (the last ``data.eval_fraction`` held out: augmented too)."""
-    res = run_training(config, model=lambda: torch.nn.Linear(4, 1), train_data=_Augmented(), loss_fn="mse")
+    res = run_training(config, model=lambda: torch.nn.Linear(4, 1), train_data=Augmented(), loss_fn="mse")
     return res[0].losses, res[0].evals
 
 
