@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from test_thread_fetch_draws import Augmented
 from torch import nn
 
 from dtlab.config import TrainConfig, load_config
 from dtlab.trainers import run_training
+
 
 def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 1))
