@@ -1,6 +1,7 @@
 """The same `dtlab train` config under real launchers: torchrun (gloo) and mpiexec (MPI), 2 processes;
 both with a dataset drawing in ``__getitem__`` from torch's, Python's and NumPy's global generators
-(each process seeds all three from ``train.seed``: unseeded, Python's and NumPy's differ per process);
+(each sample's draws seeded by its place in the epoch, as on in-memory ranks and in workers: the two
+launched runs and the same config on in-memory ranks give bitwise the same losses);
 and dropout under tensor parallelism under torchrun: each process seeds its dropout from ``train.seed``
 (torch seeds every process at random, so the tp ranks drew other masks where the model is not split,
 their copies of the whole parameters got other gradients, and the run was refused at the first step);
@@ -14,11 +15,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from processes import run_group, run_groups
 
+from dtlab.config import load_config
 from dtlab.testing import TINY_LM
+from dtlab.trainers import run_training
 
 BIN = Path(sys.executable).parent
 LAUNCHERS = ("torchrun", "mpiexec")
@@ -59,9 +63,9 @@ AUGMENTED = textwrap.dedent(
 )
 
 
-def _losses(run_dir: Path) -> list[float]:
+def _losses(run_dir: Path, key: str = "loss") -> list[Any]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+    return [r[key] for r in map(json.loads, lines) if key in r]
 
 
 def _command(tmp: Path, launcher: str) -> list[str]:
@@ -87,11 +91,27 @@ def _losses_of(tmp: Path, launcher: str, proc: subprocess.CompletedProcess[str])
     return _losses(tmp / launcher)
 
 
-def test_same_config_under_torchrun_and_mpiexec(tmp_path: Path) -> None:
+def _in_memory(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[Any]]:
+    """The launched runs' config on 2 in-memory ranks (threads of this process): every step's losses,
+    the eval losses."""
+    monkeypatch.syspath_prepend(str(tmp))
+    sets = [*SETS, "data.factory=dtlab_augmented:data", "backend.name=inmemory", "backend.world_size=2"]
+    sets += [f"logging.run_dir={tmp / 'inmemory'}", "logging.progress=false"]
+    try:
+        run_training(load_config(overrides=sets))
+    finally:
+        sys.modules.pop("dtlab_augmented", None)
+    return _losses(tmp / "inmemory", "losses"), _losses(tmp / "inmemory", "eval_loss")
+
+
+def test_same_config_under_torchrun_and_mpiexec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and on in-memory ranks: each sample's draws in ``__getitem__`` are seeded by its place in the
+    epoch everywhere (with ``data.num_workers=0`` too), so the three give bitwise the same losses."""
     missing = [x for x in ("torchrun", "mpiexec") if not (BIN / x).exists()]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed next to {sys.executable}")
     (tmp_path / "dtlab_augmented.py").write_text(AUGMENTED)
+    in_memory, in_memory_evals = _in_memory(tmp_path, monkeypatch)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path}
     cmds = {x: [*_command(tmp_path, x), "--set", "data.factory=dtlab_augmented:data"] for x in LAUNCHERS}
@@ -101,6 +121,11 @@ def test_same_config_under_torchrun_and_mpiexec(tmp_path: Path) -> None:
     mpi = _losses_of(tmp_path, "mpiexec", procs["mpiexec"])
     assert len(gloo) == 2 and all(v == v for v in gloo)
     assert gloo == mpi  # the same config and seed: the same losses (and draws) on both engines
+    # and as the in-memory run of that config: training and held-out samples drawn alike, bitwise
+    for launcher in LAUNCHERS:
+        assert _losses(tmp_path / launcher, "losses") == in_memory, launcher  # every step's
+        assert _losses(tmp_path / launcher, "eval_loss") == in_memory_evals, launcher
+    assert len(in_memory_evals) == 2
 
 
 def test_dropout_at_tp2_under_torchrun_draws_the_same_masks_on_both_tp_ranks(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 generators, so each micro-batch is fetched alone in the process, each sample seeded from its place in
 the epoch as in ``DataLoader`` workers, and the generators are put back after. Two runs, a run and its
 resume mid-epoch, and the same run with workers draw the same, bitwise; so do evaluations of augmented
-held-out samples (each row seeded by its index)."""
+held-out samples (each row seeded by its index). A launched rank (a process of its own) fetches alike,
+without the lock: it draws as in-memory ranks and workers do, also resumed at another world size."""
 
 from __future__ import annotations
 
@@ -89,3 +90,29 @@ def test_a_dataset_fetching_batches_draws_per_batch_as_in_workers() -> None:
     b = _batches(workers, 3)
     assert all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b, strict=True))
     assert threads.batched and not any(torch.equal(a[0][0][0], row) for row in data.x)  # drawn
+
+
+def test_a_launched_rank_draws_as_in_memory_ranks_and_workers_and_resumes_at_another_world_size() -> None:
+    """A rank alone in its process (torchrun, mpiexec: ``threads=False``) without workers fetches as an
+    in-memory rank does, without the lock: each sample seeded by its place, its dropout stream (the
+    process's generators) put back after; a resume at another world size draws the same samples alike."""
+    data = Augmented()
+    before = _states()
+    launched = [_batches(DataFeed(data, 8, 2, r, 2, seed=3), 3) for r in range(2)]
+    assert _same_states(before, _states())  # the process's generators are put back
+    for r in range(2):
+        for other in (
+            DataFeed(data, 8, 2, r, 2, seed=3, threads=True),
+            DataFeed(data, 8, 2, r, 2, seed=3, num_workers=1),
+        ):
+            assert all(
+                torch.equal(x, u) for (x, _), (u, _) in zip(launched[r], _batches(other, 3), strict=True)
+            )
+    whole = DataFeed(data, 8, 1, 0, seed=3)  # one process: the same samples' draws as the two ranks'
+    first = _batches(whole, 1)[0][0]
+    assert torch.equal(first, torch.stack([launched[k % 2][k // 4][0][k // 2 % 2] for k in range(8)]))
+    resumed = DataFeed(data, 8, 1, 0, seed=3)
+    saved = DataFeed(data, 8, 2, 0, 2, seed=3)
+    _batches(saved, 1)
+    resumed.load_state_dict(saved.state_dict())  # a 2-rank run's step 1, resumed by one process
+    assert torch.equal(_batches(resumed, 1)[0][0], _batches(whole, 1)[0][0])

@@ -67,16 +67,17 @@ def test_workers_fetch_a_batch_at_once_and_a_resume_draws_the_same() -> None:
 
 def test_a_resume_at_another_micro_batch_layout_is_noted_where_batches_are_seeded() -> None:
     saved = DataFeed(_Batched(40), 8, 2, 1, 2, seed=3, num_workers=2).state_dict()
-    other = DataFeed(_Batched(40), 8, 2, 1, 1, seed=3, num_workers=2)  # 4 samples a micro-batch, not 2
-    other.load_state_dict(saved)
-    assert len(other.notes) == 1 and "(ranks x samples: 2 x 4)" in other.notes[0]
-    assert "saved run's (2 x 2)" in other.notes[0] and "__getitem__ only" in other.notes[0]
-    for feed in (
-        DataFeed(_PerSample(40), 8, 2, 1, 1, seed=3, num_workers=2),
+    # 4 samples a micro-batch, not 2: in workers, and without (seeded per batch on the rank alike)
+    for other in (
+        DataFeed(_Batched(40), 8, 2, 1, 1, seed=3, num_workers=2),
         DataFeed(_Batched(40), 8, 2, 1, 1),
     ):
-        feed.load_state_dict(saved)  # seeded per sample, or no workers (the rank's restored generators)
-        assert feed.notes == []
+        other.load_state_dict(saved)
+        assert len(other.notes) == 1 and "(ranks x samples: 2 x 4)" in other.notes[0]
+        assert "saved run's (2 x 2)" in other.notes[0] and "__getitem__ only" in other.notes[0]
+    feed = DataFeed(_PerSample(40), 8, 2, 1, 1, seed=3, num_workers=2)
+    feed.load_state_dict(saved)  # seeded per sample: the same at any layout
+    assert feed.notes == []
 
 
 def test_subsets_and_stacks_fetch_batches_only_where_what_they_hold_does() -> None:

@@ -6,8 +6,10 @@ accumulation_steps)`` samples from this rank's loader (workers and pinned memory
 ranks' batches of one step together are always the epoch order's next ``global_batch_size`` samples,
 whatever the world size, so the position ``(epoch, offset)`` — samples of the epoch consumed over all
 ranks — resumes exactly, also at another world size. An epoch ends after its last whole global batch.
-``threads``: this rank is a thread of an in-memory world, sharing the process's generators with the
-other ranks; without workers its samples' draws are then seeded as in workers (``worker_draws.py``).
+Each sample's random draws (a dataset's augmentation) are seeded by its place in the epoch, with or
+without workers (``worker_draws.py``). ``threads``: this rank is a thread of an in-memory world, sharing
+the process's generators with the other ranks: without workers its fetches then take a process-wide
+lock.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
-from dtlab.data import DistributedSampler, fetch
+from dtlab.data import DistributedSampler
 from dtlab.errors import DataError
 from dtlab.trainers.worker_draws import (
     PlacedSampler,
@@ -70,19 +72,19 @@ class DataFeed:
         )
         self.steps_per_epoch = self.sampler.num_samples // (global_batch_size // world_size)
         self.pin_memory = pin_memory and self.device.type == "cuda"
-        # in worker processes a sample's random draws (augmentation) are seeded by its place in the
-        # epoch, so a resume mid-epoch draws what the uninterrupted run drew (worker_draws.py); so are
-        # they on in-memory ranks (threads: the process's generators are shared) without workers
-        placed = num_workers > 0 or threads
-        fetched = dataset if not placed else seeded_fetch(dataset) if num_workers else ThreadFetch(dataset)
+        # a sample's random draws (augmentation) are seeded by its place in the epoch, in worker
+        # processes and on the rank alike (worker_draws.py): a resume mid-epoch draws what the
+        # uninterrupted run drew, and in-memory and launched ranks draw alike; on the rank, the
+        # generators put back after (its dropout stream untouched), under a lock where threads share them
+        fetched = seeded_fetch(dataset) if num_workers else ThreadFetch(dataset, shared=threads)
         #: a batch fetched at once (the dataset's __getitems__), its draws seeded per batch
-        self.batched = placed and fetches_batches(dataset)
+        self.batched = fetches_batches(dataset)
         self.micro_batch = global_batch_size // per_step  # samples of one micro-batch on this rank
         self.notes: list[str] = []  # what a resume (load_state_dict) cannot make as it was
         self.loader: DataLoader[Any] = DataLoader(
             fetched,
             batch_size=self.micro_batch,
-            sampler=PlacedSampler(self.sampler) if placed else self.sampler,
+            sampler=PlacedSampler(self.sampler),
             drop_last=True,
             num_workers=num_workers,
             pin_memory=self.pin_memory,
@@ -133,9 +135,9 @@ class DataFeed:
         return [int(i) for i in order[start : start + size]]
 
     def held_out(self, data: Any, rows: torch.Tensor) -> Any:
-        """The batch of held-out ``data`` at ``rows`` (evaluation): on in-memory ranks each row's draws
-        seeded by ``train.seed`` and its index (``worker_draws.held_out_batch``)."""
-        return held_out_batch(data, rows, self.seed) if self.threads else fetch(data, rows)
+        """The batch of held-out ``data`` at ``rows`` (evaluation), each row's draws seeded by
+        ``train.seed`` and its index (``worker_draws.held_out_batch``)."""
+        return held_out_batch(data, rows, self.seed, shared=self.threads)
 
     def to_device(self, batch: Any) -> Any:
         """Every tensor of ``batch`` on this rank's device."""
@@ -180,9 +182,8 @@ class DataFeed:
         if self.batched and None not in layout and layout != (self.world_size, self.micro_batch):
             self.notes.append(
                 f"the training data fetches a batch at once (its __getitems__), each batch's random draws "
-                f"seeded by its first sample (in data.num_workers worker processes, or on in-memory "
-                f"ranks): its "
-                f"micro-batches here (ranks x samples: {self.world_size} x {self.micro_batch}) are not "
+                f"seeded by its first sample: its micro-batches here (ranks x samples: "
+                f"{self.world_size} x {self.micro_batch}) are not "
                 f"the saved run's ({layout[0]} x {layout[1]}), so what __getitems__ draws "
                 "(an augmentation) differs from the uninterrupted run; resume with the same "
                 "data-parallel size and data.accumulation_steps, or give the dataset __getitem__ "

@@ -169,12 +169,14 @@ def run_training(
     backend = init_backend(name, **waits, check_collectives=config.backend.check_collectives or None)
     check_world_size(config, backend.world_size)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // backend.world_size))
-    # this process is one rank: its dropout, and a dataset's draws in __getitem__ without workers,
-    # draw from train.seed (torch, Python and NumPy seed each process at random), the same seed on
+    # this process is one rank: its dropout (and a model's own Python or NumPy draws) draw from
+    # train.seed (torch, Python and NumPy seed each process at random), the same seed on
     # the ranks of one tp group (tp innermost in the mesh: rank // tp), so they draw the same masks
     # where the model is not split (other masks would give their whole parameters other gradients;
     # where it is split, each tp rank draws from a generator seeded from this stream and its tp
-    # rank); each dp replica and pipeline rank its own; + 1: not the seed the initialization draws from
+    # rank); each dp replica and pipeline rank its own; + 1: not the seed the initialization draws from.
+    # A dataset's draws in __getitem__ do not come from this stream: each sample's are seeded by its
+    # place in the epoch (DataFeed, ThreadFetch without a lock here), as on in-memory ranks and in workers
     seed_process(config.train.seed + 1 + backend.rank // config.parallel.tp)
     result = [_rank_main(backend, config, task or build_task(config), scheduler_factory, stop)]
     # closed only after the run: a failing rank does not close (collective: its barrier would keep the

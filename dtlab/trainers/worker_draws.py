@@ -7,13 +7,14 @@ fresh base seed and with worker ``w`` handed other batches than before, so every
 the resume would differ from the uninterrupted run's. Here each sample's fetch, in a worker, first seeds
 torch's, Python's and NumPy's global generators from ``(train.seed, epoch, position)``, the position
 being the sample's place in the epoch's order over all ranks: the draws depend on neither the resume
-point nor the number of workers (nor the world size). With ``num_workers=0`` a rank in a process of its
-own draws from that process's generators (restored from the checkpoint on the same world size and
-``parallel.tp``), and nothing is seeded. In-memory ranks are threads sharing those generators, so which
-rank drew which numbers would depend on the threads' timing: there (:class:`ThreadFetch`) each
-micro-batch is fetched alone in the process, each sample seeded from its key as in a worker, and the
-generators' states are put back after: the draws of ``num_workers > 0``, bitwise. Held-out samples
-(evaluation) are fetched alike there (:func:`held_out_batch`), each row seeded by its index.
+point nor the number of workers (nor the world size). Without workers (``num_workers=0``) the samples
+are fetched on the rank itself (:class:`ThreadFetch`), each seeded from its key as in a worker and the
+generators' states put back after (the rank's dropout stream is untouched): the draws of
+``num_workers > 0``, bitwise, on in-memory ranks and in launched processes alike, so the same config
+trains alike in memory, under torchrun or mpiexec, and resumed at any world size. In-memory ranks are
+threads sharing those generators: there each micro-batch is fetched alone in the process (the lock
+model builds take). Held-out samples (evaluation) are fetched alike (:func:`held_out_batch`), each row
+seeded by its index.
 
 A dataset that fetches a batch at once (its own ``__getitems__``, which torch's loader calls with the
 batch's indices instead of ``__getitem__`` per sample: Hugging Face's datasets) keeps it
@@ -30,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -108,21 +109,24 @@ class SeededBatches(SeededFetch):
 
 
 class ThreadFetch(SeededFetch):
-    """On an in-memory rank (a thread sharing torch's, Python's and NumPy's global generators with the
-    other ranks, ``data.num_workers=0``): the samples of a micro-batch fetched under the process-wide
-    lock model builds take, each after seeding the generators from its key as a worker does (a dataset
+    """A rank's fetch without workers (``data.num_workers=0``): the samples of a micro-batch, each after
+    seeding torch's, Python's and NumPy's global generators from its key as a worker does (a dataset
     that fetches batches: its ``__getitems__`` once, seeded from the first sample's key), the
-    generators' states put back after. torch's loader calls ``__getitems__`` once per micro-batch."""
+    generators' states put back after. ``shared``: the generators are shared with other ranks (an
+    in-memory rank, a thread), so the micro-batch is fetched under the process-wide lock model builds
+    take; a launched rank (its own process) takes none. torch's loader calls ``__getitems__`` once per
+    micro-batch."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, shared: bool = True) -> None:
         super().__init__(dataset)
         self.batched = fetches_batches(dataset)
+        self.shared = shared
 
     def __getitem__(self, key: Key) -> Any:
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: list[Key]) -> list[Any]:
-        with alone():
+        with alone(self.shared):
             if self.batched:
                 if keys:
                     _seed(sample_seed(*keys[0][0]))
@@ -138,11 +142,12 @@ class ThreadFetch(SeededFetch):
 HELD_OUT = -1
 
 
-def held_out_batch(dataset: Any, rows: torch.Tensor, seed: int) -> Any:
-    """On an in-memory rank, ``fetch(dataset, rows)`` (evaluation) with each row's draws seeded from
-    ``(seed, HELD_OUT, row)`` (a dataset with ``batch``: the batch's, from its first row), alone in the
-    process: the same at every evaluation and in every run, whatever the threads' timing."""
-    with alone():
+def held_out_batch(dataset: Any, rows: torch.Tensor, seed: int, shared: bool = True) -> Any:
+    """``fetch(dataset, rows)`` (evaluation) with each row's draws seeded from ``(seed, HELD_OUT, row)``
+    (a dataset with ``batch``: the batch's, from its first row), the generators put back after; alone
+    in the process where they are ``shared`` (in-memory ranks): the same at every evaluation and in
+    every run, in memory or launched, whatever the threads' timing."""
+    with alone(shared):
         if callable(getattr(dataset, "batch", None)):
             _seed(sample_seed(seed, HELD_OUT, int(rows[0]) if len(rows) else 0))
             return fetch(dataset, rows)
@@ -154,10 +159,11 @@ def held_out_batch(dataset: Any, rows: torch.Tensor, seed: int) -> Any:
 
 
 @contextmanager
-def alone() -> Iterator[None]:
-    """The block alone in the process among fetches and model builds (``model_building()``'s lock),
-    torch's CPU generator, Python's and NumPy's global ones put back as they were after it."""
-    with model_building():
+def alone(shared: bool = True) -> Iterator[None]:
+    """The block with torch's CPU generator, Python's and NumPy's global ones put back as they were
+    after it; ``shared`` (threads share them): alone in the process among fetches and model builds
+    (``model_building()``'s lock)."""
+    with model_building() if shared else nullcontext():
         kept = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
         try:
             yield
