@@ -262,7 +262,10 @@ class ShardFile:
         return torch.frombuffer(buf, dtype=t.dtype)
 
     def _pread(self, buf: bytearray, offset: int) -> None:
-        assert self._opened is not None  # verify() set it
+        if self._opened is None:  # verify() sets it before any read
+            raise CheckpointError(
+                f"shard file {self.path} was read before it was verified; read it through verify()"
+            )
         real, identity = self._opened
         fd, _ = open_regular(real, "shard file")
         try:
