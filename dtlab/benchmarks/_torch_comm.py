@@ -14,21 +14,12 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["TorchCollectives"]
 
 _NAMESPACES = ("c10d", "_c10d_functional")
 _KINDS = (("reducescatter", "reduce_scatter"), ("allgather", "all_gather"), ("allreduce", "all_reduce"))
-
-
-def _tensors(args: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, list | tuple):
-            out.extend(_tensors(a))
-    return out
 
 
 def _group_size(args: Any) -> int:
@@ -74,7 +65,7 @@ class TorchCollectives(TorchDispatchMode):
                 self.calls[name] = self.calls.get(name, 0) + 1
                 self.uncounted.add(name)
             return
-        p, ts = _group_size(args), _tensors(args)
+        p, ts = _group_size(args), [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
         if kind == "all_reduce":
             moved = sum(2 * (p - 1) * t.nbytes // p for t in ts)
         elif name.endswith("_") and len(ts) == 2:  # c10d's in-place op: output and input, one the shard
